@@ -1,0 +1,216 @@
+"""Experiment specs: pydantic models, YAML in and out, and error messages that name the field.
+
+An `ExperimentSpec` is the whole description of a run. Everything that trains (the CLI, the
+Dagster assets, a notebook) takes one; nothing else carries hyperparameters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from factory.models.presets import PRESETS
+
+
+class SpecError(ValueError):
+    """A spec that cannot be used; `str()` lists one `path: problem` line per error."""
+
+    def __init__(self, errors: list[str], source: str | None = None):
+        self.errors = errors
+        self.source = source
+        head = f"invalid spec {source}" if source else "invalid spec"
+        super().__init__(head + ":\n" + "\n".join(f"  {e}" for e in errors))
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSpec(_Section):
+    """Which policy to start from: a preset built from a config (no download)."""
+
+    preset: str = "tiny"
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, v: str) -> str:
+        if v not in PRESETS:
+            raise ValueError(f"unknown model preset {v!r}; valid presets: {', '.join(sorted(PRESETS))}")
+        return v
+
+
+Operation = Literal["add", "sub", "mul"]
+
+
+class TaskSpec(_Section):
+    """The arithmetic task family; `digits` are the difficulty levels (operand lengths)."""
+
+    name: Literal["arithmetic"] = "arithmetic"
+    operations: list[Operation] = Field(default_factory=lambda: ["add"], min_length=1)
+    digits: list[int] = Field(default_factory=lambda: [2, 3], min_length=1)
+    reverse_answer: bool = True
+    n_train: int = Field(20000, ge=16)
+    n_eval: int = Field(500, ge=8)
+
+    @field_validator("digits")
+    @classmethod
+    def _digits_range(cls, v: list[int]) -> list[int]:
+        for d in v:
+            if not 1 <= d <= 6:
+                raise ValueError(f"each digit length must be between 1 and 6, got {d}")
+        return sorted(set(v))
+
+
+class SFTSpec(_Section):
+    """Supervised warm start that teaches the answer format."""
+
+    steps: int = Field(300, ge=0)
+    batch_size: int = Field(64, ge=1)
+    lr: float = Field(3e-3, gt=0)
+
+
+class AlgorithmSpec(_Section):
+    """The RL objective. GRPO: group-normalized advantages, clipped token-level loss, optional KL."""
+
+    name: Literal["grpo"] = "grpo"
+    group_size: int = Field(8, ge=2)
+    lr: float = Field(3e-4, gt=0)
+    clip_eps: float = Field(0.2, gt=0, lt=1)
+    kl_coef: float = Field(0.0, ge=0)
+    scale_rewards: bool = True
+
+
+class RolloutSpec(_Section):
+    """How completions are sampled."""
+
+    engine: Literal["embedded"] = "embedded"
+    prompts_per_step: int = Field(32, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens: int = Field(8, ge=1)
+
+
+class TrainerSpec(_Section):
+    """Optimizer details the algorithm does not own."""
+
+    backend: Literal["torch"] = "torch"
+    minibatches: int = Field(1, ge=1)
+    grad_clip: float = Field(1.0, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    threads: int = Field(0, ge=0, description="torch CPU threads; 0 keeps torch's default")
+
+
+class ScheduleSpec(_Section):
+    """How long RL runs and how often it is measured."""
+
+    mode: Literal["sync"] = "sync"
+    steps: int = Field(60, ge=1)
+    eval_every: int = Field(0, ge=0, description="held-out eval every N steps; 0: only start and end")
+    checkpoint_every: int = Field(0, ge=0, description="checkpoint every N steps; 0: only the final one")
+    eval_pass_k: int = Field(8, ge=1)
+
+
+class ExperimentSpec(_Section):
+    """A whole experiment: model, task, SFT warm start, algorithm, rollout, trainer, schedule, seed."""
+
+    name: str = Field("experiment", min_length=1, max_length=80, pattern=r"^[A-Za-z0-9_.-]+$")
+    seed: int = 0
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    task: TaskSpec = Field(default_factory=TaskSpec)
+    sft: SFTSpec = Field(default_factory=SFTSpec)
+    algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    trainer: TrainerSpec = Field(default_factory=TrainerSpec)
+    schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
+
+    @model_validator(mode="after")
+    def _fits_together(self) -> ExperimentSpec:
+        batch = self.rollout.prompts_per_step * self.algorithm.group_size
+        if batch % self.trainer.minibatches:
+            raise ValueError(
+                f"trainer.minibatches: must divide rollout.prompts_per_step * algorithm.group_size "
+                f"= {batch}, got {self.trainer.minibatches}"
+            )
+        return self
+
+    def fingerprint(self) -> str:
+        """Stable short hash of the spec's content (key order and formatting do not matter)."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+
+    def to_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def _describe(err: dict[str, Any]) -> str:
+    loc = ".".join(str(p) for p in err["loc"]) or "<spec>"
+    kind = err["type"]
+    ctx = err.get("ctx") or {}
+    got = err.get("input")
+    if kind == "extra_forbidden":
+        return f"{loc}: unknown key (not a field of this section)"
+    if kind == "missing":
+        return f"{loc}: required field is missing"
+    bounds = {
+        "greater_than_equal": (">=", "ge"),
+        "greater_than": (">", "gt"),
+        "less_than_equal": ("<=", "le"),
+        "less_than": ("<", "lt"),
+    }
+    if kind in bounds:
+        op, key = bounds[kind]
+        return f"{loc}: must be {op} {ctx.get(key)}, got {got!r}"
+    if kind == "literal_error":
+        return f"{loc}: expected {ctx.get('expected')}, got {got!r}"
+    if kind == "value_error":
+        # Our own validators: the message already says what was expected.
+        msg = str(ctx.get("error", err["msg"]))
+        if loc.startswith("<spec>") or loc == "":
+            return msg
+        return f"{loc}: {msg}"
+    return f"{loc}: {err['msg'].lower()}, got {got!r}"
+
+
+def parse_spec(data: Any, source: str | None = None) -> ExperimentSpec:
+    """Validate a mapping as an ExperimentSpec; raise SpecError naming every bad field."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise SpecError([f"<spec>: expected a mapping of sections, got {type(data).__name__}"], source)
+    try:
+        return ExperimentSpec.model_validate(data)
+    except ValidationError as e:
+        raise SpecError([_describe(err) for err in e.errors(include_url=False)], source) from None
+
+
+def load_spec(path: str | Path) -> ExperimentSpec:
+    """Read a YAML spec file; errors name the file and the field path."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecError([f"<file>: no such spec file: {path}"], str(path))
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise SpecError([f"<file>: not valid YAML: {e}"], str(path)) from None
+    return parse_spec(data, str(path))
+
+
+def apply_overrides(spec: ExperimentSpec, overrides: dict[str, Any]) -> ExperimentSpec:
+    """Return a copy with dotted-path overrides applied (`{"algorithm.lr": 1e-4}`), re-validated."""
+    data = spec.model_dump(mode="json")
+    for dotted, value in overrides.items():
+        node = data
+        parts = dotted.split(".")
+        for p in parts[:-1]:
+            if not isinstance(node.get(p), dict):
+                raise SpecError([f"{dotted}: {p!r} is not a section of the spec"])
+            node = node[p]
+        node[parts[-1]] = value
+    return parse_spec(data)

@@ -1,0 +1,54 @@
+"""FACTORY_HOME: the one directory that holds all state (catalog, warehouse, MLflow, checkpoints, Dagster)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_HOME = ".factory"
+
+
+@dataclass(frozen=True)
+class FactoryPaths:
+    root: Path
+
+    @property
+    def catalog_db(self) -> Path:
+        return self.root / "lake" / "catalog.db"
+
+    @property
+    def warehouse(self) -> Path:
+        return self.root / "lake" / "warehouse"
+
+    @property
+    def mlflow_db(self) -> Path:
+        return self.root / "mlflow" / "mlflow.db"
+
+    @property
+    def mlflow_artifacts(self) -> Path:
+        return self.root / "mlflow" / "artifacts"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def datasets(self) -> Path:
+        return self.root / "datasets"
+
+    @property
+    def dagster_home(self) -> Path:
+        return self.root / "dagster"
+
+    def ensure(self) -> FactoryPaths:
+        for d in (self.catalog_db.parent, self.warehouse, self.mlflow_db.parent, self.mlflow_artifacts,
+                  self.checkpoints, self.datasets, self.dagster_home):
+            d.mkdir(parents=True, exist_ok=True)
+        return self
+
+
+def factory_home(root: str | Path | None = None) -> FactoryPaths:
+    """Paths under `root`, else $FACTORY_HOME, else ./.factory; absolute, directories created."""
+    root = root or os.environ.get("FACTORY_HOME") or DEFAULT_HOME
+    return FactoryPaths(Path(root).expanduser().resolve()).ensure()

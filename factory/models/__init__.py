@@ -1,0 +1,1 @@
+"""Policy models and tokenizers built from configs, and HF-format checkpoints."""

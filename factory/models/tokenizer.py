@@ -1,0 +1,24 @@
+"""Character-level tokenizers built with `tokenizers` for a task's alphabet (no download)."""
+
+from __future__ import annotations
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast
+
+PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
+ARITHMETIC_ALPHABET = "0123456789+-*="
+
+
+def build_tokenizer(alphabet: str = ARITHMETIC_ALPHABET) -> PreTrainedTokenizerFast:
+    """One token per character of `alphabet`, plus pad/bos/eos; encoding prepends <bos>."""
+    chars = sorted(set(alphabet))
+    vocab = {PAD: 0, BOS: 1, EOS: 2} | {c: i + 3 for i, c in enumerate(chars)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", special_tokens=[(BOS, vocab[BOS])]
+    )
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS, padding_side="left"
+    )
