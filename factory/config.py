@@ -54,6 +54,7 @@ class TaskSpec(_Section):
     operations: list[Operation] = Field(default_factory=lambda: ["add"], min_length=1)
     digits: list[int] = Field(default_factory=lambda: [2, 3], min_length=1)
     reverse_answer: bool = True
+    reverse_operands: bool = False
     n_train: int = Field(20000, ge=16)
     n_eval: int = Field(500, ge=8)
 
@@ -69,9 +70,14 @@ class TaskSpec(_Section):
 class SFTSpec(_Section):
     """Supervised warm start that teaches the answer format."""
 
-    steps: int = Field(300, ge=0)
+    steps: int = Field(300, ge=0, description="maximum number of steps")
     batch_size: int = Field(64, ge=1)
     lr: float = Field(3e-3, gt=0)
+    stop_at_accuracy: float | None = Field(
+        None, gt=0, le=1,
+        description="stop early once greedy accuracy on a sample of *train* problems reaches this",
+    )
+    check_every: int = Field(50, ge=1, description="steps between stop_at_accuracy checks")
 
 
 class AlgorithmSpec(_Section):
@@ -200,6 +206,20 @@ def load_spec(path: str | Path) -> ExperimentSpec:
     except yaml.YAMLError as e:
         raise SpecError([f"<file>: not valid YAML: {e}"], str(path)) from None
     return parse_spec(data, str(path))
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """`["algorithm.lr=1e-4", "task.digits=[2,3]"]` → `{"algorithm.lr": 0.0001, ...}` (values are YAML)."""
+    pairs: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise SpecError([f"{item}: expected path=value, e.g. algorithm.lr=1e-4"])
+        try:
+            pairs[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            raise SpecError([f"{key.strip()}: value {value!r} is not valid YAML: {e}"]) from None
+    return pairs
 
 
 def apply_overrides(spec: ExperimentSpec, overrides: dict[str, Any]) -> ExperimentSpec:

@@ -1,0 +1,40 @@
+# Two commands matter: `make demo` and `make test`. Both create .venv and install on first use;
+# a second run skips the install unless pyproject.toml changed.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+TORCH   := torch==2.13.0
+export FACTORY_HOME ?= $(CURDIR)/.factory
+export DAGSTER_HOME ?= $(FACTORY_HOME)/dagster
+
+.PHONY: demo test ui install lint clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# torch first, pinned: the CPU wheel is on disk here, and an unpinned torch would pull CUDA packages.
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e ".[dev]"
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	@mkdir -p $(DAGSTER_HOME)
+	$(BIN)/python -m jobs.demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+ui: $(STAMP)
+	@mkdir -p $(DAGSTER_HOME)
+	$(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf .factory

@@ -1,0 +1,1 @@
+"""Dagster asset definitions, grouped by domain; each asset is a short call into `factory`."""

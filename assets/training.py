@@ -1,0 +1,79 @@
+"""Training assets: the SFT warm-start checkpoint, the GRPO run, and the more-SFT control."""
+
+from __future__ import annotations
+
+from dagster import (
+    AssetCheckResult,
+    AssetExecutionContext,
+    DataVersion,
+    MaterializeResult,
+    MetadataValue,
+    asset,
+    asset_check,
+)
+
+from assets._metadata import upstream
+from factory.experiment import load_dataset, run_grpo, train_sft_checkpoint
+from factory.models.checkpoint import load_checkpoint
+from resources import FactoryHomeResource, LakeResource, MlflowResource, SpecResource
+
+
+@asset(group_name="training", code_version="1", deps=["arithmetic_dataset"], kinds={"pytorch"})
+def sft_checkpoint(context: AssetExecutionContext, spec: SpecResource,
+                   home: FactoryHomeResource) -> MaterializeResult:
+    """A short supervised warm start that teaches the answer format; HF-format checkpoint."""
+    s = spec.spec()
+    splits = load_dataset(upstream(context, "arithmetic_dataset")["path"])
+    res = train_sft_checkpoint(s, home.paths(), splits, log=context.log.info)
+    return MaterializeResult(
+        metadata={"path": MetadataValue.path(str(res.checkpoint.path)), "sha256": res.checkpoint.sha256,
+                  "bytes": res.checkpoint.bytes, "accuracy": res.accuracy, "pass_at_k": res.pass_at_k,
+                  "steps": s.sft.steps, "seconds": res.seconds},
+        data_version=DataVersion(res.checkpoint.sha256),
+    )
+
+
+@asset(group_name="training", code_version="1", deps=["sft_checkpoint", "arithmetic_dataset"],
+       kinds={"pytorch", "iceberg", "mlflow"})
+def grpo_run(context: AssetExecutionContext, spec: SpecResource, home: FactoryHomeResource,
+             lake: LakeResource, mlflow: MlflowResource) -> MaterializeResult:
+    """GRPO from the SFT checkpoint; every step lands in Iceberg `steps` and in MLflow."""
+    s = spec.spec()
+    splits = load_dataset(upstream(context, "arithmetic_dataset")["path"])
+    init = upstream(context, "sft_checkpoint")["path"]
+    res = run_grpo(s, home.paths(), init, splits, lake.lake(), mlflow.tracker(), log=context.log.info)
+    return MaterializeResult(
+        metadata={"run_id": res.run_id, "mlflow_run_id": res.mlflow_run_id,
+                  "checkpoint": MetadataValue.path(str(res.checkpoint.path)), "sha256": res.checkpoint.sha256,
+                  "steps": res.steps, "start_accuracy": res.start_accuracy,
+                  "start_pass_at_k": res.start_pass_at_k, "accuracy": res.final_accuracy,
+                  "seconds": res.seconds},
+        data_version=DataVersion(res.checkpoint.sha256),
+    )
+
+
+@asset_check(asset=grpo_run, description="Held-out accuracy after GRPO is above the SFT checkpoint's")
+def grpo_beats_sft(context) -> AssetCheckResult:
+    md = upstream(context, "grpo_run")
+    gain = md["accuracy"] - md["start_accuracy"]
+    return AssetCheckResult(passed=gain > 0, metadata={"sft_accuracy": md["start_accuracy"],
+                                                       "grpo_accuracy": md["accuracy"], "gain": gain})
+
+
+@asset(group_name="training", code_version="1", deps=["sft_checkpoint", "grpo_run", "arithmetic_dataset"],
+       kinds={"pytorch", "iceberg"})
+def sft_control(context: AssetExecutionContext, spec: SpecResource, home: FactoryHomeResource,
+                lake: LakeResource) -> MaterializeResult:
+    """The control: the GRPO run's wall time spent on more SFT from the same checkpoint instead."""
+    from factory.experiment import run_sft_control
+
+    s = spec.spec()
+    sft, run = upstream(context, "sft_checkpoint"), upstream(context, "grpo_run")
+    splits = load_dataset(upstream(context, "arithmetic_dataset")["path"])
+    model, tok = load_checkpoint(sft["path"])
+    res = run_sft_control(s, home.paths(), splits, lake.lake(), run["run_id"], run["steps"], model, tok,
+                          seconds=run["seconds"], sft_seconds_per_step=sft["seconds"] / max(1, sft["steps"]),
+                          log=context.log.info)
+    return MaterializeResult(metadata={"run_id": run["run_id"], "extra_sft_steps": res.steps,
+                                       "accuracy": res.accuracy, "grpo_accuracy": run["accuracy"],
+                                       "checkpoint": MetadataValue.path(str(res.checkpoint.path))})

@@ -1,0 +1,1 @@
+"""The RL core: rollout engines, trainers, algorithms, and the loop that drives them."""

@@ -1,0 +1,72 @@
+"""The torch trainer: computes token logprobs, applies a loss function it is given, steps AdamW.
+
+It knows nothing of the algorithm: the loss function receives the new logprobs and the batch
+(with whatever per-token tensors the algorithm put there) and returns (loss, metrics).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel
+
+from factory.core.trainer.batch import TrainBatch
+
+LossFn = Callable[[Tensor, TrainBatch], tuple[Tensor, dict[str, float]]]
+
+
+def token_logprobs(model: PreTrainedModel, batch: TrainBatch, temperature: float = 1.0,
+                   with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+    """Logprob of each target token [B, T-1] (and the policy entropy there) under `model`."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1, :]
+    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
+    targets = batch.input_ids[:, 1:]
+    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
+    return logp, entropy
+
+
+class TorchTrainer:
+    """Owns the model being trained and its optimizer."""
+
+    def __init__(self, model: PreTrainedModel, lr: float, grad_clip: float = 1.0,
+                 weight_decay: float = 0.0, temperature: float = 1.0):
+        self.model = model
+        self.temperature = temperature
+        self.grad_clip = grad_clip
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay,
+                                           betas=(0.9, 0.99))
+        self.version = 0  # number of optimizer steps taken: the weight version it would publish
+
+    @torch.no_grad()
+    def logprobs(self, batch: TrainBatch) -> Tensor:
+        self.model.eval()
+        return token_logprobs(self.model, batch, self.temperature)[0]
+
+    def step(self, batch: TrainBatch, loss_fn: LossFn, minibatches: int = 1,
+             generator: torch.Generator | None = None) -> dict[str, float]:
+        """One optimizer step per minibatch over a shuffled split of `batch`; returns mean metrics."""
+        self.model.train()
+        t0 = time.perf_counter()
+        order = torch.randperm(len(batch), generator=generator) if minibatches > 1 else torch.arange(len(batch))
+        sums: dict[str, float] = {}
+        for chunk in order.chunk(minibatches):
+            mb = batch.select(chunk)
+            logp, entropy = token_logprobs(self.model, mb, self.temperature, with_entropy=True)
+            loss, metrics = loss_fn(logp, mb)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+            self.optimizer.step()
+            self.version += 1
+            mask = mb.loss_mask
+            ent = (entropy * mask).sum() / mask.sum().clamp(min=1)
+            for k, v in {**metrics, "loss": loss.item(), "grad_norm": float(grad_norm),
+                         "entropy": ent.item()}.items():
+                sums[k] = sums.get(k, 0.0) + v / minibatches
+        sums["train_s"] = time.perf_counter() - t0
+        sums["tokens"] = float(batch.n_tokens)
+        return sums

@@ -1,0 +1,1 @@
+"""Environments: tasks, verifiers and rewards."""

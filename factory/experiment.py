@@ -1,0 +1,336 @@
+"""The experiment's stages as plain functions: dataset → SFT checkpoint → GRPO run → eval report.
+
+`factory run` calls them in order; the Dagster assets call the same functions one per asset.
+Each stage writes its outputs under FACTORY_HOME and its records to Iceberg and MLflow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+
+import factory
+from factory.config import ExperimentSpec
+from factory.core.evaluate import EvalResult, evaluate
+from factory.core.loop import StepRecord, train_grpo
+from factory.core.rollout.embedded import EmbeddedEngine
+from factory.core.sft import run_sft
+from factory.envs.arithmetic import Problem, Splits, make_splits
+from factory.home import FactoryPaths
+from factory.lake.writer import Lake
+from factory.models.build import build_model
+from factory.models.checkpoint import CheckpointInfo, load_checkpoint, save_checkpoint
+from factory.models.tokenizer import build_tokenizer
+from factory.tracking import Tracker
+
+Log = Callable[[str], None]
+HELD_OUT = "arithmetic_heldout"
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+def code_version() -> str:
+    """Package version plus the git commit when run from a checkout."""
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).parent, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        sha = ""
+    return f"{factory.__version__}+{sha}" if sha else factory.__version__
+
+
+def set_threads(spec: ExperimentSpec) -> None:
+    if spec.trainer.threads:
+        torch.set_num_threads(spec.trainer.threads)
+
+
+# ---------------------------------------------------------------- dataset
+
+
+@dataclass(frozen=True)
+class DatasetArtifact:
+    path: Path
+    fingerprint: str
+    n_train: int
+    n_eval: int
+
+
+def build_dataset(spec: ExperimentSpec, paths: FactoryPaths) -> DatasetArtifact:
+    """Generate the task's splits and store them as JSONL under datasets/<fingerprint>/ (atomic)."""
+    splits = make_splits(spec.task, spec.seed)
+    fp = splits.fingerprint()
+    final = paths.datasets / f"arithmetic-{fp}"
+    if not (final / "eval.jsonl").is_file():
+        tmp = Path(tempfile.mkdtemp(prefix=".arithmetic-", dir=paths.datasets))
+        for name, rows in (("train", splits.train), ("eval", splits.eval)):
+            (tmp / f"{name}.jsonl").write_text("".join(json.dumps(p.to_dict()) + "\n" for p in rows))
+        try:
+            os.replace(tmp, final)
+        except OSError:  # another process wrote the same content first
+            subprocess.run(["rm", "-rf", str(tmp)], check=False)
+    return DatasetArtifact(final, fp, len(splits.train), len(splits.eval))
+
+
+def load_dataset(path: str | Path) -> Splits:
+    path = Path(path)
+    read = lambda name: [Problem(**json.loads(line)) for line in (path / f"{name}.jsonl").open()]  # noqa: E731
+    return Splits(train=read("train"), eval=read("eval"))
+
+
+# ---------------------------------------------------------------- evaluation
+
+
+def evaluate_checkpoint(spec: ExperimentSpec, path: str | Path, problems: list[Problem],
+                        k: int | None = None) -> EvalResult:
+    model, tok = load_checkpoint(path)
+    return evaluate(EmbeddedEngine(model, tok), tok, problems, spec.rollout.max_new_tokens,
+                    k=spec.schedule.eval_pass_k if k is None else k, temperature=1.0, seed=spec.seed)
+
+
+def eval_rows(run_id: str, step: int, result: EvalResult, sha256: str | None) -> list[dict]:
+    at = _now()
+    rows = [dict(run_id=run_id, step=step, benchmark=HELD_OUT, metric="accuracy", value=result.accuracy,
+                 n=result.n, checkpoint_sha256=sha256, at=at)]
+    if result.pass_at_k is not None:
+        rows.append(dict(run_id=run_id, step=step, benchmark=HELD_OUT, metric=f"pass@{result.k}",
+                         value=result.pass_at_k, n=result.n, checkpoint_sha256=sha256, at=at))
+    for level, acc in result.by_level.items():
+        rows.append(dict(run_id=run_id, step=step, benchmark=f"{HELD_OUT}/{level}", metric="accuracy",
+                         value=acc, n=result.n, checkpoint_sha256=sha256, at=at))
+    return rows
+
+
+# ---------------------------------------------------------------- SFT warm start
+
+
+@dataclass(frozen=True)
+class SFTResult:
+    checkpoint: CheckpointInfo
+    accuracy: float
+    pass_at_k: float | None
+    seconds: float
+
+
+def train_sft_checkpoint(spec: ExperimentSpec, paths: FactoryPaths, splits: Splits, log: Log = print,
+                         model=None, tokenizer=None, steps: int | None = None, name: str | None = None,
+                         ) -> SFTResult:
+    """SFT from scratch (or continue `model`), save an atomic checkpoint, evaluate it held-out."""
+    set_threads(spec)
+    tok = tokenizer or build_tokenizer()
+    model = model if model is not None else build_model(spec.model.preset, tok, seed=spec.seed)
+    sft = spec.sft if steps is None else spec.sft.model_copy(update={"steps": steps})
+    t0 = time.perf_counter()
+    every = max(1, sft.steps // 10)
+
+    def on_step(step: int, m: dict[str, float]) -> None:
+        if (step + 1) % every == 0 or step + 1 == sft.steps:
+            log(f"sft step {step + 1}/{sft.steps} loss={m['loss']:.4f}")
+
+    run_sft(model, tok, splits.train, sft, spec.seed, on_step=on_step)
+    seconds = time.perf_counter() - t0
+    name = name or f"sft-{spec.fingerprint()}"
+    info = save_checkpoint(model, tok, paths.checkpoints / name,
+                           meta={"kind": "sft", "spec": json.loads(spec.to_json()), "steps": sft.steps})
+    result = evaluate_checkpoint(spec, info.path, splits.eval)
+    log(f"sft checkpoint {info.path.name}: held-out accuracy {result.accuracy:.3f}, "
+        f"pass@{result.k} {result.pass_at_k:.3f} ({seconds:.0f}s)")
+    return SFTResult(info, result.accuracy, result.pass_at_k, seconds)
+
+
+# ---------------------------------------------------------------- GRPO run
+
+
+@dataclass
+class RunResult:
+    run_id: str
+    mlflow_run_id: str
+    checkpoint: CheckpointInfo
+    steps: int
+    start_accuracy: float
+    start_pass_at_k: float | None
+    final_accuracy: float
+    seconds: float
+    records: list[StepRecord] = field(repr=False, default_factory=list)
+
+    def summary(self) -> dict:
+        d = asdict(self)
+        d.pop("records")
+        d["checkpoint"] = str(self.checkpoint.path)
+        return d
+
+
+def new_run_id(spec: ExperimentSpec) -> str:
+    return f"{spec.name}-{_now():%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"
+
+
+def run_grpo(spec: ExperimentSpec, paths: FactoryPaths, init_checkpoint: str | Path, splits: Splits,
+             lake: Lake, tracker: Tracker, log: Log = print, run_id: str | None = None,
+             sweep_id: str | None = None, flush_every: int = 10) -> RunResult:
+    """GRPO from `init_checkpoint`; records the run, every step, checkpoints and evals."""
+    set_threads(spec)
+    run_id = run_id or new_run_id(spec)
+    started = _now()
+    base_row = dict(run_id=run_id, sweep_id=sweep_id, name=spec.name, spec=spec.to_json(),
+                    spec_fingerprint=spec.fingerprint(), code_version=code_version(), seed=spec.seed,
+                    init_checkpoint=str(init_checkpoint), started_at=started)
+    mlflow_id = tracker.start_run(
+        experiment=spec.name, run_name=run_id, params=json.loads(spec.to_json()),
+        tags={"factory.run_id": run_id, "factory.init_checkpoint": str(init_checkpoint),
+              "factory.code_version": base_row["code_version"]},
+    )
+    base_row["mlflow_run_id"] = mlflow_id
+    lake.upsert("runs", [dict(base_row, status="running")])
+    t0 = time.perf_counter()
+    try:
+        model, tok = load_checkpoint(init_checkpoint)
+        start_eval = evaluate(EmbeddedEngine(model, tok), tok, splits.eval, spec.rollout.max_new_tokens,
+                              k=spec.schedule.eval_pass_k, temperature=1.0, seed=spec.seed)
+        lake.upsert("evals", eval_rows(run_id, 0, start_eval, None))
+        tracker.log_metrics(mlflow_id, 0, {"eval/accuracy": start_eval.accuracy,
+                                           f"eval/pass_at_{start_eval.k}": start_eval.pass_at_k})
+        log(f"run {run_id}: start held-out accuracy {start_eval.accuracy:.3f}, "
+            f"pass@{start_eval.k} {start_eval.pass_at_k:.3f}")
+        pending: list[dict] = []
+
+        def flush() -> None:
+            if pending:
+                lake.upsert("steps", pending)
+                pending.clear()
+
+        def on_step(r: StepRecord) -> None:
+            pending.append(dict(run_id=run_id, at=_now(), **r.to_dict()))
+            tracker.log_metrics(mlflow_id, r.step, {k: v for k, v in r.to_dict().items() if k != "step"})
+            log(f"step {r.step}/{spec.schedule.steps} reward={r.reward_mean:.3f} acc={r.accuracy:.3f} "
+                f"entropy={r.entropy:.3f} tok/s={r.tokens_per_s:.0f}")
+            if len(pending) >= flush_every:
+                flush()
+            sched = spec.schedule
+            if sched.eval_every and r.step % sched.eval_every == 0 and r.step < sched.steps:
+                res = evaluate(EmbeddedEngine(model, tok), tok, splits.eval, spec.rollout.max_new_tokens)
+                lake.upsert("evals", eval_rows(run_id, r.step, res, None))
+                tracker.log_metrics(mlflow_id, r.step, {"eval/accuracy": res.accuracy})
+            if sched.checkpoint_every and r.step % sched.checkpoint_every == 0 and r.step < sched.steps:
+                _record_checkpoint(model, tok, paths, lake, run_id, r.step)
+
+        try:
+            records = train_grpo(spec, model, tok, splits.train, on_step=on_step)
+        finally:
+            flush()
+        final_step = records[-1].step
+        info = _record_checkpoint(model, tok, paths, lake, run_id, final_step, final=True)
+        final_eval = evaluate(EmbeddedEngine(model, tok), tok, splits.eval, spec.rollout.max_new_tokens,
+                              k=spec.schedule.eval_pass_k, temperature=1.0, seed=spec.seed)
+        lake.upsert("evals", eval_rows(run_id, final_step, final_eval, info.sha256))
+        tracker.log_metrics(mlflow_id, final_step, {"eval/accuracy": final_eval.accuracy,
+                                                    f"eval/pass_at_{final_eval.k}": final_eval.pass_at_k})
+        tracker.set_tags(mlflow_id, {"factory.checkpoint": str(info.path)})
+        seconds = time.perf_counter() - t0
+        lake.upsert("runs", [dict(base_row, status="succeeded", final_checkpoint=str(info.path),
+                                  ended_at=_now())])
+        tracker.end_run(mlflow_id, "FINISHED")
+        log(f"run {run_id}: final held-out accuracy {final_eval.accuracy:.3f} ({seconds:.0f}s)")
+        return RunResult(run_id, mlflow_id, info, final_step, start_eval.accuracy, start_eval.pass_at_k,
+                         final_eval.accuracy, seconds, records)
+    except BaseException:
+        lake.upsert("runs", [dict(base_row, status="failed", ended_at=_now())])
+        tracker.end_run(mlflow_id, "FAILED")
+        raise
+
+
+def _record_checkpoint(model, tok, paths: FactoryPaths, lake: Lake, run_id: str, step: int,
+                       final: bool = False) -> CheckpointInfo:
+    name = "final" if final else f"step-{step:06d}"
+    info = save_checkpoint(model, tok, paths.checkpoints / run_id / name,
+                           meta={"kind": "rl", "run_id": run_id, "step": step})
+    lake.upsert("checkpoints", [dict(run_id=run_id, step=step, kind="rl", uri=str(info.path),
+                                     bytes=info.bytes, sha256=info.sha256, at=_now())])
+    return info
+
+
+# ---------------------------------------------------------------- the control
+
+
+@dataclass(frozen=True)
+class ControlResult:
+    checkpoint: CheckpointInfo
+    steps: int
+    accuracy: float
+
+
+def run_sft_control(spec: ExperimentSpec, paths: FactoryPaths, splits: Splits, lake: Lake, run_id: str,
+                    step: int, model, tokenizer, seconds: float, sft_seconds_per_step: float,
+                    log: Log = print) -> ControlResult:
+    """Spend `seconds` (the GRPO run's wall time) on more SFT instead; record its held-out accuracy.
+
+    The budget is converted to steps with the warm start's measured seconds per step, so the
+    comparison does not depend on what else the machine is doing at that moment.
+    """
+    extra = max(1, round(seconds / max(sft_seconds_per_step, 1e-6)))
+    log(f"control: {extra} more SFT steps (~{seconds:.0f}s, the GRPO run's wall time)")
+    res = train_sft_checkpoint(spec, paths, splits, log=log, model=model, tokenizer=tokenizer, steps=extra,
+                               name=f"{run_id}/sft-control")
+    rows = [dict(r, metric=f"sft_control_{r['metric']}") for r in
+            eval_rows(run_id, step, EvalResult(res.accuracy, res.pass_at_k, spec.schedule.eval_pass_k,
+                                               len(splits.eval), {}), res.checkpoint.sha256)]
+    lake.upsert("evals", rows)
+    return ControlResult(res.checkpoint, extra, res.accuracy)
+
+
+# ---------------------------------------------------------------- the report
+
+
+def eval_summary(lake: Lake, run_id: str) -> dict:
+    """What a run's evals say: start (SFT) vs final (GRPO) accuracy, pass@k, the control, by level."""
+    rows = lake.read("evals", f"run_id == '{run_id}'").to_pylist()
+    if not rows:
+        raise LookupError(f"no evals recorded for run {run_id!r}")
+    final = max(r["step"] for r in rows)
+    get = {(r["step"], r["benchmark"], r["metric"]): r["value"] for r in rows}
+    out = {"run_id": run_id, "final_step": final, "n": rows[0]["n"],
+           "sft_accuracy": get.get((0, HELD_OUT, "accuracy")),
+           "grpo_accuracy": get.get((final, HELD_OUT, "accuracy")),
+           "control_accuracy": get.get((final, HELD_OUT, "sft_control_accuracy")), "levels": {}}
+    for (step, bench, metric), value in get.items():
+        if bench == HELD_OUT and metric.startswith("pass@"):
+            out[("sft_" if step == 0 else "grpo_") + metric.replace("@", "_at_")] = value
+        if bench == HELD_OUT and metric.startswith("sft_control_pass@"):
+            out["control_" + metric.removeprefix("sft_control_").replace("@", "_at_")] = value
+        if bench.startswith(HELD_OUT + "/") and metric == "accuracy":
+            out["levels"].setdefault(bench.split("/", 1)[1], {})["sft" if step == 0 else "grpo"] = value
+    if out["sft_accuracy"] is not None and out["grpo_accuracy"] is not None:
+        out["gain"] = out["grpo_accuracy"] - out["sft_accuracy"]
+    if out["control_accuracy"] is not None and out["grpo_accuracy"] is not None:
+        out["winner"] = "grpo" if out["grpo_accuracy"] > out["control_accuracy"] else "more sft"
+    return out
+
+
+def render_report(s: dict) -> str:
+    """Markdown table of an `eval_summary`."""
+    pct = lambda v: "—" if v is None else f"{100 * v:.1f}%"  # noqa: E731
+    lines = [f"### Run `{s['run_id']}` — held-out accuracy (n={s['n']})", "",
+             "| checkpoint | greedy accuracy | pass@8 (T=1) |", "|---|---|---|",
+             f"| SFT warm start (step 0) | {pct(s['sft_accuracy'])} | {pct(s.get('sft_pass_at_8'))} |",
+             f"| GRPO (step {s['final_step']}) | {pct(s['grpo_accuracy'])} | {pct(s.get('grpo_pass_at_8'))} |"]
+    if s.get("control_accuracy") is not None:
+        lines.append(f"| control: same wall time of more SFT | {pct(s['control_accuracy'])} | "
+                     f"{pct(s.get('control_pass_at_8'))} |")
+    if s["levels"]:
+        lines += ["", "| level | SFT | GRPO |", "|---|---|---|"]
+        lines += [f"| {lvl} | {pct(v.get('sft'))} | {pct(v.get('grpo'))} |" for lvl, v in s["levels"].items()]
+    if "gain" in s:
+        lines += ["", f"GRPO gain over SFT: {100 * s['gain']:+.1f} points."]
+    if "winner" in s:
+        lines.append(f"Control (same extra wall time): {s['winner']} wins.")
+    return "\n".join(lines)

@@ -1,0 +1,37 @@
+"""Dagster jobs and the `Definitions` object that `workspace.yaml` loads."""
+
+from __future__ import annotations
+
+from dagster import AssetSelection, Definitions, define_asset_job
+
+from assets.datasets import arithmetic_dataset
+from assets.training import grpo_beats_sft, grpo_run, sft_checkpoint, sft_control
+from assets.evals import eval_report
+from resources import FactoryHomeResource, LakeResource, MlflowResource, SpecResource
+
+ALL_ASSETS = [arithmetic_dataset, sft_checkpoint, grpo_run, sft_control, eval_report]
+
+quickstart = define_asset_job(
+    "quickstart",
+    selection=AssetSelection.assets(*ALL_ASSETS),
+    description="Dataset → SFT warm start → GRPO → control → eval report, on the embedded defaults.",
+)
+
+
+def make_resources(spec_path: str = "examples/quickstart.yaml", overrides: list[str] | None = None,
+                   home: str = "") -> dict:
+    home_res = FactoryHomeResource(root=home)
+    return {
+        "spec": SpecResource(path=spec_path, overrides=overrides or []),
+        "home": home_res,
+        "lake": LakeResource(home=home_res),
+        "mlflow": MlflowResource(home=home_res),
+    }
+
+
+defs = Definitions(
+    assets=ALL_ASSETS,
+    asset_checks=[grpo_beats_sft],
+    jobs=[quickstart],
+    resources=make_resources(),
+)

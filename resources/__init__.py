@@ -1,0 +1,47 @@
+"""Dagster resources: thin ConfigurableResources over FACTORY_HOME, the Iceberg lake and MLflow."""
+
+from __future__ import annotations
+
+from dagster import ConfigurableResource
+
+from factory.config import ExperimentSpec, apply_overrides, load_spec, parse_overrides
+from factory.home import FactoryPaths, factory_home
+from factory.lake.writer import Lake
+from factory.tracking import Tracker
+
+
+class FactoryHomeResource(ConfigurableResource):
+    """Where all state lives; empty `root` means $FACTORY_HOME, else ./.factory."""
+
+    root: str = ""
+
+    def paths(self) -> FactoryPaths:
+        return factory_home(self.root or None)
+
+
+class LakeResource(ConfigurableResource):
+    """The Iceberg catalog (SQLite SqlCatalog under FACTORY_HOME unless a catalog is configured)."""
+
+    home: FactoryHomeResource
+
+    def lake(self) -> Lake:
+        return Lake.open(self.home.paths())
+
+
+class MlflowResource(ConfigurableResource):
+    """MLflow tracking on the sqlite backend under FACTORY_HOME."""
+
+    home: FactoryHomeResource
+
+    def tracker(self) -> Tracker:
+        return Tracker(self.home.paths())
+
+
+class SpecResource(ConfigurableResource):
+    """The experiment spec the assets build: a YAML file plus `path=value` overrides (values are YAML)."""
+
+    path: str = "examples/quickstart.yaml"
+    overrides: list[str] = []
+
+    def spec(self) -> ExperimentSpec:
+        return apply_overrides(load_spec(self.path), parse_overrides(self.overrides))
