@@ -1,6 +1,5 @@
 """Dataset assets: the task's train and held-out splits, versioned by content."""
 
-from __future__ import annotations
 
 from dagster import AssetExecutionContext, DataVersion, MaterializeResult, MetadataValue, asset
 

@@ -1,6 +1,5 @@
 """Eval assets: the held-out report of a GRPO run against its SFT start and the more-SFT control."""
 
-from __future__ import annotations
 
 from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
 

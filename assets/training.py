@@ -1,6 +1,5 @@
 """Training assets: the SFT warm-start checkpoint, the GRPO run, and the more-SFT control."""
 
-from __future__ import annotations
 
 from dagster import (
     AssetCheckResult,

@@ -1,0 +1,30 @@
+"""Learning is real: GRPO raises held-out accuracy above the SFT start (fixed seed, measured margin).
+
+Uses the quickstart task with a shorter GRPO phase. The model never sees the held-out split; the
+SFT stop rule looks only at training problems.
+"""
+
+import pytest
+
+from factory.config import apply_overrides, load_spec, parse_overrides
+from factory.experiment import build_dataset, load_dataset, run_grpo, train_sft_checkpoint
+from factory.lake import Lake
+from factory.tracking import Tracker
+
+# Measured on this spec (seed 0, 1 thread): SFT 0.38 -> GRPO 0.78 after 25 steps (+40 points);
+# the assertion asks for a quarter of that.
+MIN_GAIN = 0.10
+
+
+@pytest.mark.slow
+def test_grpo_raises_heldout_accuracy(factory_home):
+    spec = apply_overrides(load_spec("examples/quickstart.yaml"), parse_overrides([
+        "name=learning", "seed=0", "trainer.threads=1", "schedule.steps=30", "task.n_eval=300",
+    ]))
+    splits = load_dataset(build_dataset(spec, factory_home).path)
+    sft = train_sft_checkpoint(spec, factory_home, splits, log=lambda _: None)
+    run = run_grpo(spec, factory_home, sft.checkpoint.path, splits, Lake.open(factory_home),
+                   Tracker(factory_home), log=lambda _: None)
+    assert run.start_accuracy == pytest.approx(sft.accuracy)
+    assert run.start_pass_at_k > run.start_accuracy  # room for RL to turn pass@k into pass@1
+    assert run.final_accuracy - run.start_accuracy >= MIN_GAIN, (run.start_accuracy, run.final_accuracy)
