@@ -1,0 +1,107 @@
+"""The `factory` command. Each subcommand is a `cmd_<name>(args) -> int` registered in `build_parser`.
+
+Exit codes: 0 ok, 1 failure while doing the work, 2 bad input (bad SQL, unknown table, bad arguments),
+with a one-line `factory: error: ...` on stderr. The home directory is --home, else $FACTORY_HOME.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from factory.home import FactoryPaths, factory_home
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+# The `runs` listing. "Final accuracy" is the mean over benchmarks of metric 'accuracy' at the run's
+# last step, the greatest step the run recorded in `steps` or `evals`; NULL when no accuracy eval ran
+# at that step (a run still going, or one that failed before its final eval).
+RUNS_SQL = """
+WITH last_step AS (
+    SELECT run_id, max(step) AS step
+    FROM (SELECT run_id, step FROM steps UNION ALL SELECT run_id, step FROM evals)
+    GROUP BY run_id
+),
+final_acc AS (
+    SELECT e.run_id, avg(e.value) AS accuracy, string_agg(DISTINCT e.benchmark, ',') AS benchmarks
+    FROM evals e JOIN last_step l ON e.run_id = l.run_id AND e.step = l.step
+    WHERE e.metric = 'accuracy'
+    GROUP BY e.run_id
+)
+SELECT r.run_id, r.name, r.status, r.started_at, r.ended_at,
+       l.step AS final_step, a.accuracy AS final_accuracy, a.benchmarks
+FROM runs r
+LEFT JOIN last_step l ON r.run_id = l.run_id
+LEFT JOIN final_acc a ON r.run_id = a.run_id
+ORDER BY r.started_at DESC, r.run_id
+"""
+
+
+def error(msg: str) -> None:
+    """One line on stderr, the way argparse reports usage errors."""
+    print(f"factory: error: {msg}", file=sys.stderr)
+
+
+def home_from(args: argparse.Namespace) -> FactoryPaths:
+    return factory_home(getattr(args, "home", None))
+
+
+def _add_format(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--format", "-f", choices=("table", "csv", "json"), default="table",
+                   help="output format (default: table)")
+
+
+def cmd_query(args: argparse.Namespace) -> int:
+    """Run SQL over the lake tables and print the result."""
+    from factory.lake import Lake, QueryError, format_table, query
+
+    with Lake.open(home_from(args)) as lake:
+        try:
+            result = query(args.sql, lake)
+        except QueryError as e:
+            error(str(e))
+            return EXIT_BAD_INPUT
+    print(format_table(result, args.format))
+    return EXIT_OK
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    """List runs, newest first, with their final accuracy."""
+    from factory.lake import Lake, format_table, query
+
+    with Lake.open(home_from(args)) as lake:
+        result = query(RUNS_SQL, lake)
+    print(format_table(result, args.format))
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="factory", description="RL post-training experiment factory")
+    parser.add_argument("--home", help="state directory (default: $FACTORY_HOME, else ./.factory)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("query", help="run SQL (DuckDB) over the lake tables",
+                       description="Tables: runs, steps, checkpoints, evals, rollouts, node_health. "
+                                   'The column `at` is a DuckDB keyword: write "at" or s.at.')
+    p.add_argument("sql", help="e.g. \"SELECT step, loss FROM steps WHERE run_id = '...' ORDER BY step\"")
+    _add_format(p)
+    p.set_defaults(func=cmd_query)
+
+    p = sub.add_parser("runs", help="list runs with status and final accuracy")
+    _add_format(p)
+    p.set_defaults(func=cmd_runs)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse exits on --help (0) and on usage errors (2)
+        return e.code if isinstance(e.code, int) else EXIT_BAD_INPUT
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""MLflow mirror of runs: params, step metrics, tags and artifacts, for curves in the MLflow UI.
+
+Iceberg is the system of record; MLflow is a view. `Tracker` wraps `mlflow.MlflowClient` on a SQLite
+backend under FACTORY_HOME (MLflow 3 refuses the plain file store) and never touches MLflow's global
+"active run" state, so one process can drive many runs at once (a sweep, a Dagster worker).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import posixpath
+import re
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param, Run, RunTag
+from mlflow.exceptions import MlflowException
+from mlflow.utils.validation import (
+    MAX_ENTITY_KEY_LENGTH,
+    MAX_METRICS_PER_BATCH,
+    MAX_PARAM_VAL_LENGTH,
+    MAX_PARAMS_TAGS_PER_BATCH,
+    MAX_TAG_VAL_LENGTH,
+)
+
+from factory.home import FactoryPaths, factory_home
+
+RunStatus = Literal["FINISHED", "FAILED", "KILLED"]
+
+# MLflow names may hold word characters and / . - : and space; anything else becomes '_'.
+_BAD_NAME_CHARS = re.compile(r"[^\w./\- :]")
+
+
+@contextlib.contextmanager
+def _quiet_db_setup() -> Iterator[None]:
+    """Silence MLflow's and Alembic's INFO lines while a fresh SQLite DB is migrated (once per home)."""
+    names = ("mlflow.store.db.utils", "mlflow.store.tracking.sqlalchemy_store", "alembic")
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
+class Tracker:
+    """MLflow runs under one tracking URI (default: sqlite:///{paths.mlflow_db})."""
+
+    def __init__(self, paths: FactoryPaths | None = None, tracking_uri: str | None = None) -> None:
+        self.paths = paths or factory_home()
+        self.tracking_uri = tracking_uri or f"sqlite:///{self.paths.mlflow_db}"
+        with _quiet_db_setup():
+            self.client = MlflowClient(tracking_uri=self.tracking_uri)
+            # Touch the store now, so the schema migration (and its log lines) happen here.
+            self.client.search_experiments(max_results=1)
+
+    # -- runs -------------------------------------------------------------------------------------
+
+    def start_run(
+        self,
+        experiment: str,
+        run_name: str,
+        params: Mapping[str, Any] | None = None,
+        tags: Mapping[str, Any] | None = None,
+    ) -> str:
+        """Create a run in `experiment` (created if missing), log `params` (nested dicts flattened to
+        dotted keys, values str()-ed and cut to MLflow's length limit) and `tags`; return its run id."""
+        exp_id = self._experiment_id(experiment)
+        run = self.client.create_run(exp_id, run_name=run_name, tags=_tags(tags or {}))
+        run_id = run.info.run_id
+        flat = flatten_params(params or {})
+        items = [Param(k, v) for k, v in flat.items()]
+        for i in range(0, len(items), MAX_PARAMS_TAGS_PER_BATCH):
+            self.client.log_batch(run_id, params=items[i : i + MAX_PARAMS_TAGS_PER_BATCH], synchronous=True)
+        return run_id
+
+    def log_metrics(self, run_id: str, step: int, metrics: Mapping[str, float | None]) -> int:
+        """Log `metrics` at `step` in one batch. None values are skipped (a step may lack a metric);
+        NaN/inf are kept (a diverging loss is worth seeing); anything float() accepts is taken (numpy and
+        0-d torch scalars). Returns how many were logged; TypeError naming the key for other values."""
+        now = int(time.time() * 1000)
+        items = []
+        for k, v in metrics.items():
+            if v is None:
+                continue
+            try:
+                value = float(v)
+            except (TypeError, ValueError):
+                raise TypeError(f"metric {k!r}: {type(v).__name__} is not a number") from None
+            items.append(Metric(_name(k), value, now, int(step)))
+        for i in range(0, len(items), MAX_METRICS_PER_BATCH):
+            self.client.log_batch(run_id, metrics=items[i : i + MAX_METRICS_PER_BATCH], synchronous=True)
+        return len(items)
+
+    def set_tags(self, run_id: str, tags: Mapping[str, Any]) -> None:
+        items = [RunTag(k, v) for k, v in _tags(tags).items()]
+        for i in range(0, len(items), MAX_PARAMS_TAGS_PER_BATCH):
+            self.client.log_batch(run_id, tags=items[i : i + MAX_PARAMS_TAGS_PER_BATCH], synchronous=True)
+
+    def log_artifact(self, run_id: str, path: str | Path, artifact_path: str | None = None) -> None:
+        """Copy a file or directory into the run's artifacts (under mlflow_artifacts)."""
+        self.client.log_artifact(run_id, str(path), artifact_path=artifact_path)
+
+    def end_run(self, run_id: str, status: RunStatus = "FINISHED") -> None:
+        self.client.set_terminated(run_id, status=status)
+
+    def get_run(self, run_id: str) -> Run:
+        return self.client.get_run(run_id)
+
+    def metric_history(self, run_id: str, key: str) -> list[tuple[int, float]]:
+        """(step, value) pairs of metric `key`, by step (the last value logged wins within a step)."""
+        by_step: dict[int, tuple[int, float]] = {}
+        for m in self.client.get_metric_history(run_id, _name(key)):
+            if m.step not in by_step or m.timestamp >= by_step[m.step][0]:
+                by_step[m.step] = (m.timestamp, m.value)
+        return [(step, v) for step, (_, v) in sorted(by_step.items())]
+
+    # -- helpers ----------------------------------------------------------------------------------
+
+    def _experiment_id(self, name: str) -> str:
+        exp = self.client.get_experiment_by_name(name)
+        if exp is None:
+            location = (self.paths.mlflow_artifacts / _dir_name(name)).as_uri()
+            try:
+                return self.client.create_experiment(name, artifact_location=location)
+            except MlflowException:
+                # Another process created it between our lookup and create.
+                exp = self.client.get_experiment_by_name(name)
+                if exp is None:
+                    raise
+        if exp.lifecycle_stage == "deleted":
+            self.client.restore_experiment(exp.experiment_id)
+        return exp.experiment_id
+
+
+def flatten_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """{'a': {'b': 1}} -> {'a.b': '1'}; keys made MLflow-safe, values str()-ed and truncated."""
+    out: dict[str, str] = {}
+    for k, v in params.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping) and v:
+            out.update(flatten_params(v, prefix=f"{key}."))
+        else:
+            out[_name(key)] = _cut(str(v), MAX_PARAM_VAL_LENGTH)
+    return out
+
+
+def _tags(tags: Mapping[str, Any]) -> dict[str, str]:
+    return {_name(str(k)): _cut(str(v), MAX_TAG_VAL_LENGTH) for k, v in tags.items()}
+
+
+def _name(key: str) -> str:
+    name = _BAD_NAME_CHARS.sub("_", key)[:MAX_ENTITY_KEY_LENGTH]
+    # MLflow also rejects names that a path normalisation would change ('a//b', '/a', 'a/../b').
+    if posixpath.normpath(name) != name:
+        name = name.replace("/", "_")
+    return name
+
+
+def _cut(value: str, limit: int) -> str:
+    return value if len(value) <= limit else value[: limit - 3] + "..."
+
+
+def _dir_name(experiment: str) -> str:
+    return re.sub(r"[^\w.\-]", "_", experiment) or "default"
+
+
+__all__ = ["Tracker", "flatten_params", "RunStatus"]

@@ -1,0 +1,28 @@
+"""Shared fixtures: an isolated FACTORY_HOME per test, and a lake opened in it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from factory.home import FactoryPaths
+from factory.home import factory_home as _factory_home
+
+
+@pytest.fixture
+def factory_home(tmp_path, monkeypatch) -> FactoryPaths:
+    """A fresh FACTORY_HOME under tmp_path; $FACTORY_HOME points at it, so code that calls
+    factory_home() with no argument (the CLI, Lake.open(), Tracker()) uses it too."""
+    root = tmp_path / "factory-home"
+    monkeypatch.setenv("FACTORY_HOME", str(root))
+    return _factory_home(root)
+
+
+@pytest.fixture
+def lake(factory_home: FactoryPaths) -> Iterator:
+    """A Lake (SQLite SqlCatalog + local warehouse) in the test's FACTORY_HOME, tables created."""
+    from factory.lake import Lake
+
+    with Lake.open(factory_home) as lk:
+        yield lk

@@ -1,0 +1,79 @@
+"""Tracker: runs, params, metrics, tags and artifacts land in MLflow's SQLite store and can be read
+back by an independent MlflowClient."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from mlflow import MlflowClient
+
+from factory.home import factory_home
+from factory.tracking import Tracker, flatten_params
+
+
+@pytest.fixture(scope="module")
+def tracker(tmp_path_factory) -> Tracker:
+    # One MLflow DB for the module: creating its schema takes a few seconds.
+    return Tracker(factory_home(tmp_path_factory.mktemp("tracking-home")))
+
+
+def test_run_round_trip_through_a_new_client(tracker: Tracker, tmp_path):
+    params = {"model": {"preset": "micro", "layers": 2}, "lr": 1e-3, "mode": "sync", "empty": {}}
+    run_id = tracker.start_run("arith", "run-1", params=params, tags={"factory.run_id": "r1", "seed": 7})
+    assert tracker.log_metrics(run_id, 1, {"loss": 2.0, "kl": None, "reward": 0.1}) == 2
+    tracker.log_metrics(run_id, 2, {"loss": 1.5, "reward": float("nan")})
+    tracker.set_tags(run_id, {"factory.checkpoint": "/ckpt/final"})
+    artifact = tmp_path / "report.md"
+    artifact.write_text("# report\n")
+    tracker.log_artifact(run_id, artifact)
+    tracker.end_run(run_id, "FINISHED")
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tracker.paths.mlflow_db}")
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.info.run_name == "run-1"
+    assert run.data.params == {"model.preset": "micro", "model.layers": "2", "lr": "0.001",
+                               "mode": "sync", "empty": "{}"}
+    assert run.data.tags["factory.run_id"] == "r1" and run.data.tags["seed"] == "7"
+    assert run.data.tags["factory.checkpoint"] == "/ckpt/final"
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "loss")] == [(1, 2.0), (2, 1.5)]
+    assert "kl" not in run.data.metrics
+    assert math.isnan(run.data.metrics["reward"])
+    assert tracker.metric_history(run_id, "loss") == [(1, 2.0), (2, 1.5)]
+    assert [a.path for a in client.list_artifacts(run_id)] == ["report.md"]
+    assert run.info.artifact_uri.startswith(tracker.paths.mlflow_artifacts.as_uri())
+    exp = client.get_experiment(run.info.experiment_id)
+    assert exp.name == "arith"
+
+
+def test_many_runs_in_one_process_and_failed_status(tracker: Tracker):
+    a = tracker.start_run("sweep", "a", params={"lr": 1})
+    b = tracker.start_run("sweep", "b", params={"lr": 2})
+    tracker.log_metrics(a, 0, {"loss": 1.0})
+    tracker.log_metrics(b, 0, {"loss": 9.0})
+    tracker.end_run(b, "FAILED")
+    assert tracker.get_run(a).info.status == "RUNNING"
+    assert tracker.get_run(b).info.status == "FAILED"
+    assert tracker.metric_history(a, "loss") == [(0, 1.0)] and tracker.metric_history(b, "loss") == [(0, 9.0)]
+    assert tracker.get_run(a).info.experiment_id == tracker.get_run(b).info.experiment_id
+
+
+def test_params_are_made_safe_for_mlflow(tracker: Tracker):
+    flat = flatten_params({"a": {"b": {"c": 1}}, "weird key[0]": "x", "long": "y" * 10_000})
+    assert flat["a.b.c"] == "1" and flat["weird key_0_"] == "x"
+    assert len(flat["long"]) == 6000 and flat["long"].endswith("...")
+    run_id = tracker.start_run("limits", "r", params={"long": "y" * 10_000, "weird key[0]": "x"})
+    assert len(tracker.get_run(run_id).data.params["long"]) == 6000
+
+
+def test_non_numeric_metric_is_named(tracker: Tracker):
+    run_id = tracker.start_run("limits", "bad-metric")
+    with pytest.raises(TypeError, match="metric 'loss'"):
+        tracker.log_metrics(run_id, 0, {"loss": "low"})
+
+
+def test_first_use_of_a_home_is_quiet(factory_home, capfd):
+    Tracker()  # $FACTORY_HOME from the fixture; a brand-new MLflow DB
+    out, err = capfd.readouterr()
+    assert "Creating initial MLflow database tables" not in out + err
+    assert factory_home.mlflow_db.exists()
