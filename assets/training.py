@@ -27,7 +27,7 @@ def sft_checkpoint(context: AssetExecutionContext, spec: SpecResource,
     return MaterializeResult(
         metadata={"path": MetadataValue.path(str(res.checkpoint.path)), "sha256": res.checkpoint.sha256,
                   "bytes": res.checkpoint.bytes, "accuracy": res.accuracy, "pass_at_k": res.pass_at_k,
-                  "steps": s.sft.steps, "seconds": res.seconds},
+                  "steps": res.steps, "seconds": res.seconds},
         data_version=DataVersion(res.checkpoint.sha256),
     )
 

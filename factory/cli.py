@@ -14,9 +14,10 @@ from factory.home import FactoryPaths, factory_home
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
-# The `runs` listing. "Final accuracy" is the mean over benchmarks of metric 'accuracy' at the run's
-# last step, the greatest step the run recorded in `steps` or `evals`; NULL when no accuracy eval ran
-# at that step (a run still going, or one that failed before its final eval).
+# The `runs` listing. "Final accuracy" is the mean over whole benchmarks (not their `bench/slice` rows)
+# of metric 'accuracy' at the run's last step, the greatest step the run recorded in `steps` or
+# `evals`; NULL when no accuracy eval ran at that step (a run still going, or one that failed
+# before its final eval).
 RUNS_SQL = """
 WITH last_step AS (
     SELECT run_id, max(step) AS step
@@ -26,7 +27,7 @@ WITH last_step AS (
 final_acc AS (
     SELECT e.run_id, avg(e.value) AS accuracy, string_agg(DISTINCT e.benchmark, ',') AS benchmarks
     FROM evals e JOIN last_step l ON e.run_id = l.run_id AND e.step = l.step
-    WHERE e.metric = 'accuracy'
+    WHERE e.metric = 'accuracy' AND e.benchmark NOT LIKE '%/%'  -- whole benchmarks, not their slices
     GROUP BY e.run_id
 )
 SELECT r.run_id, r.name, r.status, r.started_at, r.ended_at,
@@ -76,14 +77,64 @@ def cmd_runs(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _load(args: argparse.Namespace):
+    from factory.config import SpecError, apply_overrides, load_spec, parse_overrides
+
+    try:
+        return apply_overrides(load_spec(args.spec), parse_overrides(args.overrides)), None
+    except SpecError as e:
+        return None, e if e.source else SpecError(e.errors, args.spec)
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    """Check a spec; print the resolved spec (YAML) or one `path: problem` line per error."""
+    spec, err = _load(args)
+    if err is not None:
+        print(str(err), file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(f"{args.spec}: ok (fingerprint {spec.fingerprint()})")
+    if args.show:
+        print(spec.to_yaml(), end="")
+    return EXIT_OK
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """Train a spec end to end (dataset, SFT, GRPO, report): the same functions the Dagster assets call."""
+    spec, err = _load(args)
+    if err is not None:
+        print(str(err), file=sys.stderr)
+        return EXIT_BAD_INPUT
+    from factory.experiment import run_experiment
+
+    summary = run_experiment(spec, home_from(args), control=args.control)
+    print(summary["report"])
+    return EXIT_OK
+
+
+def _add_spec(p: argparse.ArgumentParser) -> None:
+    p.add_argument("spec", help="path to an experiment spec (YAML)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
+                   help="override a spec field, e.g. --set algorithm.lr=1e-4 (repeatable; values are YAML)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="factory", description="RL post-training experiment factory")
     parser.add_argument("--home", help="state directory (default: $FACTORY_HOME, else ./.factory)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    p = sub.add_parser("validate", help="check a spec; exit 2 naming each bad field")
+    _add_spec(p)
+    p.add_argument("--show", action="store_true", help="print the resolved spec with defaults")
+    p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("run", help="train a spec end to end (the same code the Dagster assets call)")
+    _add_spec(p)
+    p.add_argument("--control", action="store_true",
+                   help="also spend the GRPO run's wall time on more SFT, for comparison")
+    p.set_defaults(func=cmd_run)
+
     p = sub.add_parser("query", help="run SQL (DuckDB) over the lake tables",
-                       description="Tables: runs, steps, checkpoints, evals, rollouts, node_health. "
-                                   'The column `at` is a DuckDB keyword: write "at" or s.at.')
+                       description="Tables: runs, steps, checkpoints, evals, rollouts, node_health.")
     p.add_argument("sql", help="e.g. \"SELECT step, loss FROM steps WHERE run_id = '...' ORDER BY step\"")
     _add_format(p)
     p.set_defaults(func=cmd_query)

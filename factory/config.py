@@ -229,8 +229,9 @@ def apply_overrides(spec: ExperimentSpec, overrides: dict[str, Any]) -> Experime
         node = data
         parts = dotted.split(".")
         for p in parts[:-1]:
-            if not isinstance(node.get(p), dict):
-                raise SpecError([f"{dotted}: {p!r} is not a section of the spec"])
-            node = node[p]
+            # An unknown section is created so validation names it as an unknown key.
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise SpecError([f"{dotted}: {p!r} is a value, not a section"])
         node[parts[-1]] = value
     return parse_spec(data)

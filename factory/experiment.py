@@ -102,13 +102,13 @@ def evaluate_checkpoint(spec: ExperimentSpec, path: str | Path, problems: list[P
 def eval_rows(run_id: str, step: int, result: EvalResult, sha256: str | None) -> list[dict]:
     at = _now()
     rows = [dict(run_id=run_id, step=step, benchmark=HELD_OUT, metric="accuracy", value=result.accuracy,
-                 n=result.n, checkpoint_sha256=sha256, at=at)]
+                 n=result.n, checkpoint_sha256=sha256, recorded_at=at)]
     if result.pass_at_k is not None:
         rows.append(dict(run_id=run_id, step=step, benchmark=HELD_OUT, metric=f"pass@{result.k}",
-                         value=result.pass_at_k, n=result.n, checkpoint_sha256=sha256, at=at))
+                         value=result.pass_at_k, n=result.n, checkpoint_sha256=sha256, recorded_at=at))
     for level, acc in result.by_level.items():
         rows.append(dict(run_id=run_id, step=step, benchmark=f"{HELD_OUT}/{level}", metric="accuracy",
-                         value=acc, n=result.n, checkpoint_sha256=sha256, at=at))
+                         value=acc, n=result.n, checkpoint_sha256=sha256, recorded_at=at))
     return rows
 
 
@@ -121,6 +121,7 @@ class SFTResult:
     accuracy: float
     pass_at_k: float | None
     seconds: float
+    steps: int  # steps actually run (the stop rule may end SFT early)
 
 
 def train_sft_checkpoint(spec: ExperimentSpec, paths: FactoryPaths, splits: Splits, log: Log = print,
@@ -130,7 +131,8 @@ def train_sft_checkpoint(spec: ExperimentSpec, paths: FactoryPaths, splits: Spli
     set_threads(spec)
     tok = tokenizer or build_tokenizer()
     model = model if model is not None else build_model(spec.model.preset, tok, seed=spec.seed)
-    sft = spec.sft if steps is None else spec.sft.model_copy(update={"steps": steps})
+    # An explicit step count (the control) means exactly that many steps: no early stop.
+    sft = spec.sft if steps is None else spec.sft.model_copy(update={"steps": steps, "stop_at_accuracy": None})
     t0 = time.perf_counter()
     every = max(1, sft.steps // 10)
 
@@ -138,15 +140,17 @@ def train_sft_checkpoint(spec: ExperimentSpec, paths: FactoryPaths, splits: Spli
         if (step + 1) % every == 0 or step + 1 == sft.steps:
             log(f"sft step {step + 1}/{sft.steps} loss={m['loss']:.4f}")
 
-    run_sft(model, tok, splits.train, sft, spec.seed, on_step=on_step)
+    metrics = run_sft(model, tok, splits.train, sft, spec.seed, on_step=on_step,
+                      max_new_tokens=spec.rollout.max_new_tokens)
     seconds = time.perf_counter() - t0
+    steps_run = int(metrics["steps"])
     name = name or f"sft-{spec.fingerprint()}"
     info = save_checkpoint(model, tok, paths.checkpoints / name,
-                           meta={"kind": "sft", "spec": json.loads(spec.to_json()), "steps": sft.steps})
+                           meta={"kind": "sft", "spec": json.loads(spec.to_json()), "steps": steps_run})
     result = evaluate_checkpoint(spec, info.path, splits.eval)
-    log(f"sft checkpoint {info.path.name}: held-out accuracy {result.accuracy:.3f}, "
+    log(f"sft checkpoint {info.path.name} after {steps_run} steps: held-out accuracy {result.accuracy:.3f}, "
         f"pass@{result.k} {result.pass_at_k:.3f} ({seconds:.0f}s)")
-    return SFTResult(info, result.accuracy, result.pass_at_k, seconds)
+    return SFTResult(info, result.accuracy, result.pass_at_k, seconds, steps_run)
 
 
 # ---------------------------------------------------------------- GRPO run
@@ -210,7 +214,7 @@ def run_grpo(spec: ExperimentSpec, paths: FactoryPaths, init_checkpoint: str | P
                 pending.clear()
 
         def on_step(r: StepRecord) -> None:
-            pending.append(dict(run_id=run_id, at=_now(), **r.to_dict()))
+            pending.append(dict(run_id=run_id, recorded_at=_now(), **r.to_dict()))
             tracker.log_metrics(mlflow_id, r.step, {k: v for k, v in r.to_dict().items() if k != "step"})
             log(f"step {r.step}/{spec.schedule.steps} reward={r.reward_mean:.3f} acc={r.accuracy:.3f} "
                 f"entropy={r.entropy:.3f} tok/s={r.tokens_per_s:.0f}")
@@ -255,7 +259,7 @@ def _record_checkpoint(model, tok, paths: FactoryPaths, lake: Lake, run_id: str,
     info = save_checkpoint(model, tok, paths.checkpoints / run_id / name,
                            meta={"kind": "rl", "run_id": run_id, "step": step})
     lake.upsert("checkpoints", [dict(run_id=run_id, step=step, kind="rl", uri=str(info.path),
-                                     bytes=info.bytes, sha256=info.sha256, at=_now())])
+                                     bytes=info.bytes, sha256=info.sha256, recorded_at=_now())])
     return info
 
 
@@ -334,3 +338,24 @@ def render_report(s: dict) -> str:
     if "winner" in s:
         lines.append(f"Control (same extra wall time): {s['winner']} wins.")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- all stages
+
+
+def run_experiment(spec: ExperimentSpec, paths: FactoryPaths, control: bool = False,
+                   log: Log = print) -> dict:
+    """Every stage in order, as the quickstart job runs them; returns the eval summary + report."""
+    ds = build_dataset(spec, paths)
+    splits = load_dataset(ds.path)
+    log(f"dataset {ds.fingerprint}: {ds.n_train} train / {ds.n_eval} held-out")
+    sft = train_sft_checkpoint(spec, paths, splits, log=log)
+    lake, tracker = Lake.open(paths), Tracker(paths)
+    run = run_grpo(spec, paths, sft.checkpoint.path, splits, lake, tracker, log=log)
+    if control:
+        model, tok = load_checkpoint(sft.checkpoint.path)
+        run_sft_control(spec, paths, splits, lake, run.run_id, run.steps, model, tok, seconds=run.seconds,
+                        sft_seconds_per_step=sft.seconds / max(1, sft.steps), log=log)
+    summary = eval_summary(lake, run.run_id)
+    summary["report"] = render_report(summary)
+    return summary

@@ -5,11 +5,12 @@ from __future__ import annotations
 from dagster import AssetSelection, Definitions, define_asset_job
 
 from assets.datasets import arithmetic_dataset
-from assets.training import grpo_beats_sft, grpo_run, sft_checkpoint, sft_control
 from assets.evals import eval_report
+from assets.training import grpo_beats_sft, grpo_run, sft_checkpoint, sft_control
 from resources import FactoryHomeResource, LakeResource, MlflowResource, SpecResource
 
 ALL_ASSETS = [arithmetic_dataset, sft_checkpoint, grpo_run, sft_control, eval_report]
+ALL_CHECKS = [grpo_beats_sft]
 
 quickstart = define_asset_job(
     "quickstart",
@@ -31,7 +32,7 @@ def make_resources(spec_path: str = "examples/quickstart.yaml", overrides: list[
 
 defs = Definitions(
     assets=ALL_ASSETS,
-    asset_checks=[grpo_beats_sft],
+    asset_checks=ALL_CHECKS,
     jobs=[quickstart],
     resources=make_resources(),
 )

@@ -48,9 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     print(render_report(summary))
     print(f"\nquickstart finished in {time.perf_counter() - t0:.0f}s (dagster run {result.run_id})")
     print(f"records under {paths.root}:")
-    print(f"  factory runs                      # Iceberg `runs`")
+    print("  factory runs                      # Iceberg `runs`")
     print(f"  factory query \"SELECT step, reward_mean, accuracy FROM steps WHERE run_id = '{run_id}'\"")
-    print(f"  make ui                           # Dagster UI at http://127.0.0.1:3000")
+    print("  make ui                           # Dagster UI at http://127.0.0.1:3000")
     print(f"  mlflow ui --backend-store-uri sqlite:///{paths.mlflow_db}")
     return 0
 

@@ -3,7 +3,8 @@
 A problem is `"<a><op><b>="`; the answer is the decimal result, written least-significant digit
 first when `reverse_answer` is set (the order in which carries are computed, which a small
 transformer learns far more easily); `reverse_operands` writes the operands that way too, so each
-answer digit sits at a fixed distance from the operand digits it depends on. Difficulty levels are operand digit lengths.
+answer digit sits at a fixed distance from the operand digits it depends on. Difficulty levels
+are operand digit lengths.
 """
 
 from __future__ import annotations

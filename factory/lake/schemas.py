@@ -101,7 +101,7 @@ STEPS = _table("steps", ("run_id", "step"), [
     ("step", LONG, REQ),
     ("weight_version", LONG, REQ),
     *[(m, DBL, OPT) for m in _STEP_METRICS],
-    ("at", TS, REQ),
+    ("recorded_at", TS, REQ),
 ])
 
 CHECKPOINTS = _table("checkpoints", ("run_id", "step"), [
@@ -112,7 +112,7 @@ CHECKPOINTS = _table("checkpoints", ("run_id", "step"), [
     ("bytes", LONG, REQ),
     ("sha256", STR, REQ),
     ("blender_state", STR, OPT),  # JSON of the data blender's position, to resume the data stream
-    ("at", TS, REQ),
+    ("recorded_at", TS, REQ),
 ])
 
 EVALS = _table("evals", ("run_id", "step", "benchmark", "metric"), [
@@ -123,7 +123,7 @@ EVALS = _table("evals", ("run_id", "step", "benchmark", "metric"), [
     ("value", DBL, REQ),
     ("n", LONG, REQ),
     ("checkpoint_sha256", STR, OPT),
-    ("at", TS, REQ),
+    ("recorded_at", TS, REQ),
 ])
 
 ROLLOUTS = _table("rollouts", ("run_id", "step", "prompt_id", "sample"), [
@@ -137,16 +137,16 @@ ROLLOUTS = _table("rollouts", ("run_id", "step", "prompt_id", "sample"), [
     ("weight_version", LONG, REQ),
     ("staleness", LONG, REQ),
     ("latency_s", DBL, REQ),
-    ("at", TS, REQ),
+    ("recorded_at", TS, REQ),
 ])
 
-NODE_HEALTH = _table("node_health", ("node", "check", "at"), [
+NODE_HEALTH = _table("node_health", ("node", "check", "recorded_at"), [
     ("node", STR, REQ),
     ("check", STR, REQ),
     ("value", DBL, OPT),
     ("expected", STR, OPT),
     ("passed", BOOL, REQ),
-    ("at", TS, REQ),
+    ("recorded_at", TS, REQ),
 ])
 
 TABLES: dict[str, TableDef] = {t.name: t for t in (RUNS, STEPS, CHECKPOINTS, EVALS, ROLLOUTS, NODE_HEALTH)}

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from factory.core.algorithms import grpo_loss, group_advantages, kl_k3, masked_mean, sft_loss
+from factory.core.algorithms import group_advantages, grpo_loss, kl_k3, masked_mean, sft_loss
 
 
 def test_group_advantages_hand_computed():

@@ -76,7 +76,7 @@ def test_timestamp_in_key_node_health(lake: Lake):
     lake.upsert("node_health", [dict(check, value=78.0, passed=True, at=T0),
                                 dict(check, value=1.0, passed=False, at=later)])
     lake.upsert("node_health", [dict(check, value=77.0, passed=True, at=T0)])
-    rows = by_key(lake.read("node_health"), "at")
+    rows = by_key(lake.read("node_health"), "recorded_at")
     assert set(rows) == {(T0,), (later,)}
     assert rows[(T0,)]["value"] == 77.0 and rows[(later,)]["passed"] is False
 
@@ -117,14 +117,14 @@ def test_optional_columns_missing_from_the_dict_are_null(lake: Lake):
 def test_timestamps_are_stored_in_utc(lake: Lake):
     plus2 = dt.timezone(dt.timedelta(hours=2))
     at_naive = dt.datetime(2025, 1, 2, 3, 4, 5)
-    rows = [step_row("r1", 1) | {"at": T0.astimezone(plus2)},
-            step_row("r1", 2) | {"at": at_naive},
-            step_row("r1", 3) | {"at": "2025-01-02T05:04:05.678901+02:00"}]
+    rows = [step_row("r1", 1) | {"recorded_at": T0.astimezone(plus2)},
+            step_row("r1", 2) | {"recorded_at": at_naive},
+            step_row("r1", 3) | {"recorded_at": "2025-01-02T05:04:05.678901+02:00"}]
     lake.upsert("steps", rows)
     got = by_key(lake.read("steps"), "step")
-    assert lake.read("steps").schema.field("at").type == pa.timestamp("us", tz="UTC")
-    assert got[(1,)]["at"] == T0 and got[(3,)]["at"] == T0
-    assert got[(2,)]["at"] == at_naive.replace(tzinfo=dt.UTC)  # naive datetimes are taken as UTC
+    assert lake.read("steps").schema.field("recorded_at").type == pa.timestamp("us", tz="UTC")
+    assert got[(1,)]["recorded_at"] == T0 and got[(3,)]["recorded_at"] == T0
+    assert got[(2,)]["recorded_at"] == at_naive.replace(tzinfo=dt.UTC)  # naive datetimes are taken as UTC
 
 
 def test_read_with_row_filter(lake: Lake):

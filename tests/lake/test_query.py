@@ -56,12 +56,12 @@ def test_bad_sql_and_unknown_table_raise_query_error(filled: Lake):
 
 def test_csv_round_trip(filled: Lake):
     # `at` is a DuckDB keyword (AT TIME ZONE): quote it, or qualify it as s.at.
-    tbl = query('SELECT run_id, step, loss, kl, "at" FROM steps ORDER BY run_id, step', filled)
+    tbl = query('SELECT run_id, step, loss, kl, recorded_at FROM steps ORDER BY run_id, step', filled)
     rows = list(csv.DictReader(io.StringIO(format_table(tbl, "csv"))))
     assert [r["step"] for r in rows] == ["0", "1", "2", "3", "0"]
     assert [float(r["loss"]) for r in rows] == tbl["loss"].to_pylist()  # floats exactly
     assert rows[0]["kl"] == ""  # null
-    assert dt.datetime.fromisoformat(rows[0]["at"]) == T0
+    assert dt.datetime.fromisoformat(rows[0]["recorded_at"]) == T0
 
 
 def test_json_round_trip_with_iso_timestamps_and_nan_as_null():

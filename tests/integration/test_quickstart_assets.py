@@ -1,0 +1,81 @@
+"""The quickstart asset graph materialized for real (tiny spec) in a temp FACTORY_HOME.
+
+Checks what a user would look at afterwards: Iceberg rows, the MLflow run, the checkpoint.
+"""
+
+from pathlib import Path
+
+import pytest
+from dagster import DagsterInstance, materialize
+from transformers import AutoModelForCausalLM
+
+from factory.lake import Lake, query
+from factory.models.checkpoint import dir_digest
+from factory.tracking import Tracker
+from jobs import ALL_ASSETS, ALL_CHECKS, defs, make_resources
+
+TINY = [
+    "name=itest", "model.preset=micro", "task.n_train=300", "task.n_eval=40", "sft.steps=20",
+    "sft.stop_at_accuracy=null", "rollout.prompts_per_step=4", "algorithm.group_size=4",
+    "schedule.steps=3", "schedule.eval_pass_k=2",
+]
+SPEC = str(Path(__file__).parents[2] / "examples" / "quickstart.yaml")
+
+
+@pytest.fixture(scope="module")
+def materialized(tmp_path_factory):
+    home = tmp_path_factory.mktemp("home")
+    with DagsterInstance.ephemeral() as instance:
+        result = materialize([*ALL_ASSETS, *ALL_CHECKS], resources=make_resources(SPEC, TINY, str(home)),
+                             instance=instance)
+        assert result.success
+        yield result, home
+
+
+def test_definitions_load():
+    assert defs.resolve_job_def("quickstart") is not None
+    assert {k.to_user_string() for k in defs.resolve_all_asset_keys()} == {
+        "arithmetic_dataset", "sft_checkpoint", "grpo_run", "sft_control", "eval_report"}
+
+
+def test_iceberg_records(materialized):
+    result, home = materialized
+    run_id = result.asset_materializations_for_node("grpo_run")[0].metadata["run_id"].value
+    from factory.home import factory_home
+
+    lake = Lake.open(factory_home(home))
+    runs = lake.read("runs").to_pylist()
+    assert [(r["run_id"], r["status"]) for r in runs] == [(run_id, "succeeded")]
+    steps = query(f"SELECT step, weight_version, reward_mean, logprob_mismatch FROM steps "
+                  f"WHERE run_id = '{run_id}' ORDER BY step", lake).to_pylist()
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    assert all(s["logprob_mismatch"] < 1e-3 for s in steps)
+    evals = query(f"SELECT step, value FROM evals WHERE run_id = '{run_id}' AND metric = 'accuracy' "
+                  f"AND benchmark = 'arithmetic_heldout' ORDER BY step", lake).to_pylist()
+    assert [e["step"] for e in evals] == [0, 3]
+    (ckpt,) = [c for c in lake.read("checkpoints").to_pylist() if c["run_id"] == run_id]
+    assert ckpt["step"] == 3 and dir_digest(Path(ckpt["uri"])) == (ckpt["sha256"], ckpt["bytes"])
+    assert AutoModelForCausalLM.from_pretrained(ckpt["uri"]).config.model_type == "qwen2"
+
+
+def test_mlflow_run(materialized):
+    result, home = materialized
+    md = result.asset_materializations_for_node("grpo_run")[0].metadata
+    from factory.home import factory_home
+
+    tracker = Tracker(factory_home(home))
+    run = tracker.get_run(md["mlflow_run_id"].value)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["factory.run_id"] == md["run_id"].value
+    assert run.data.params["algorithm.group_size"] == "4"
+    assert [s for s, _ in tracker.metric_history(run.info.run_id, "reward_mean")] == [1, 2, 3]
+
+
+def test_report_and_check(materialized):
+    result, _ = materialized
+    report = result.asset_materializations_for_node("eval_report")[0].metadata
+    assert "held-out accuracy" in report["report"].value
+    (check,) = result.get_asset_check_evaluations()
+    assert check.check_name == "grpo_beats_sft"
+    gain = check.metadata["gain"].value
+    assert check.passed == (gain > 0)
