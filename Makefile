@@ -16,8 +16,9 @@ $(BIN)/python:
 
 # torch first, pinned: the CPU wheel is on disk here, and an unpinned torch would pull CUDA packages.
 $(STAMP): $(BIN)/python pyproject.toml
-	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e ".[dev]"
+	@echo "installing into $(VENV) (log: $(VENV)/install.log)"
+	@$(BIN)/pip install $(TORCH) > $(VENV)/install.log 2>&1 || (cat $(VENV)/install.log; exit 1)
+	@$(BIN)/pip install -e ".[dev]" >> $(VENV)/install.log 2>&1 || (cat $(VENV)/install.log; exit 1)
 	@touch $(STAMP)
 
 install: $(STAMP)

@@ -14,7 +14,7 @@ def eval_report(context: AssetExecutionContext, lake: LakeResource) -> Materiali
     run_id = upstream(context, "grpo_run")["run_id"]
     s = eval_summary(lake.lake(), run_id)
     md = render_report(s)
-    context.log.info("\n" + md)
+    context.log.info(f"run {run_id}: held-out accuracy SFT {s['sft_accuracy']:.3f} -> GRPO {s['grpo_accuracy']:.3f}")
     metadata = {"report": MetadataValue.md(md), "run_id": run_id}
     for key in ("sft_accuracy", "grpo_accuracy", "control_accuracy", "gain", "sft_pass_at_8", "winner"):
         if s.get(key) is not None:

@@ -108,7 +108,7 @@ def eval_rows(run_id: str, step: int, result: EvalResult, sha256: str | None) ->
                          value=result.pass_at_k, n=result.n, checkpoint_sha256=sha256, recorded_at=at))
     for level, acc in result.by_level.items():
         rows.append(dict(run_id=run_id, step=step, benchmark=f"{HELD_OUT}/{level}", metric="accuracy",
-                         value=acc, n=result.n, checkpoint_sha256=sha256, recorded_at=at))
+                         value=acc, n=result.level_n.get(level, result.n), checkpoint_sha256=sha256, recorded_at=at))
     return rows
 
 

@@ -9,6 +9,7 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,6 +23,10 @@ def main(argv: list[str] | None = None) -> int:
 
     paths = factory_home()
     os.environ.setdefault("DAGSTER_HOME", str(paths.dagster_home))
+    dagster_yaml = Path(os.environ["DAGSTER_HOME"]) / "dagster.yaml"
+    if not dagster_yaml.exists():  # an explicit instance config; nothing leaves this machine
+        dagster_yaml.parent.mkdir(parents=True, exist_ok=True)
+        dagster_yaml.write_text("telemetry:\n  enabled: false\n")
 
     from dagster import DagsterInstance
 
@@ -48,10 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     print(render_report(summary))
     print(f"\nquickstart finished in {time.perf_counter() - t0:.0f}s (dagster run {result.run_id})")
     print(f"records under {paths.root}:")
-    print("  factory runs                      # Iceberg `runs`")
-    print(f"  factory query \"SELECT step, reward_mean, accuracy FROM steps WHERE run_id = '{run_id}'\"")
+    print("  .venv/bin/factory runs            # Iceberg `runs`")
+    print(f"  .venv/bin/factory query \"SELECT step, reward_mean, accuracy FROM steps WHERE run_id = '{run_id}'\"")
     print("  make ui                           # Dagster UI at http://127.0.0.1:3000")
-    print(f"  mlflow ui --backend-store-uri sqlite:///{paths.mlflow_db}")
+    print(f"  .venv/bin/mlflow ui --backend-store-uri sqlite:///{paths.mlflow_db}")
     return 0
 
 

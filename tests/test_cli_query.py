@@ -23,9 +23,9 @@ def runs_recorded(factory_home: FactoryPaths) -> FactoryPaths:
                                   ended_at=T0 + dt.timedelta(minutes=5)),
                              dict(run, run_id="r2", name="second", status="running",
                                   started_at=T0 + dt.timedelta(hours=1))])
-        lake.upsert("steps", [dict(run_id=r, step=s, weight_version=s, loss=1.0, at=T0)
+        lake.upsert("steps", [dict(run_id=r, step=s, weight_version=s, loss=1.0, recorded_at=T0)
                               for r, n in (("r1", 3), ("r2", 2)) for s in range(1, n + 1)])
-        ev = dict(run_id="r1", benchmark="arith", n=50, at=T0)
+        ev = dict(run_id="r1", benchmark="arith", n=50, recorded_at=T0)
         lake.upsert("evals", [dict(ev, step=0, metric="accuracy", value=0.2),
                               dict(ev, step=3, metric="accuracy", value=0.7),
                               dict(ev, step=3, metric="pass_at_8", value=0.9),

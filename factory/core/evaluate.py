@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from factory.core.rollout.base import RolloutEngine, SamplingParams
 from factory.envs.arithmetic import Problem, reward
@@ -15,6 +15,7 @@ class EvalResult:
     k: int
     n: int
     by_level: dict[str, float]  # greedy accuracy per (op, digits) level
+    level_n: dict[str, int] = field(default_factory=dict)  # problems per level
 
 
 def evaluate(engine: RolloutEngine, tokenizer, problems: list[Problem], max_new_tokens: int,
@@ -35,4 +36,5 @@ def evaluate(engine: RolloutEngine, tokenizer, problems: list[Problem], max_new_
     return EvalResult(
         accuracy=sum(correct) / len(problems), pass_at_k=pass_k, k=k, n=len(problems),
         by_level={k_: sum(v) / len(v) for k_, v in sorted(levels.items())},
+        level_n={k_: len(v) for k_, v in sorted(levels.items())},
     )

@@ -17,6 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
+from transformers.utils import logging as hf_logging
+
+# Per-file progress bars for a one-file checkpoint only clutter the training log.
+hf_logging.disable_progress_bar()
 
 META_FILE = "factory_meta.json"
 

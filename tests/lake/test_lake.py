@@ -18,7 +18,7 @@ T0 = dt.datetime(2025, 1, 2, 3, 4, 5, 678901, tzinfo=dt.UTC)
 
 
 def step_row(run_id: str, step: int, loss: float = 1.0, **extra) -> dict:
-    return dict(run_id=run_id, step=step, weight_version=step, loss=loss, at=T0, **extra)
+    return dict(run_id=run_id, step=step, weight_version=step, loss=loss, recorded_at=T0, **extra)
 
 
 def by_key(tbl: pa.Table, *key: str) -> dict:
@@ -57,7 +57,7 @@ def test_batch_with_duplicate_keys_keeps_the_last(lake: Lake):
 
 
 def test_upsert_rewrites_only_matching_keys_of_a_composite_key(lake: Lake):
-    base = dict(run_id="r1", step=10, n=100, at=T0)
+    base = dict(run_id="r1", step=10, n=100, recorded_at=T0)
     lake.upsert("evals", [dict(base, benchmark="b1", metric="accuracy", value=0.5),
                           dict(base, benchmark="b1", metric="pass_at_8", value=0.8),
                           dict(base, benchmark="b2", metric="accuracy", value=0.3),
@@ -73,9 +73,9 @@ def test_upsert_rewrites_only_matching_keys_of_a_composite_key(lake: Lake):
 def test_timestamp_in_key_node_health(lake: Lake):
     later = T0 + dt.timedelta(seconds=1)
     check = dict(node="n1", check="gpu_mem", expected=">= 70GiB")
-    lake.upsert("node_health", [dict(check, value=78.0, passed=True, at=T0),
-                                dict(check, value=1.0, passed=False, at=later)])
-    lake.upsert("node_health", [dict(check, value=77.0, passed=True, at=T0)])
+    lake.upsert("node_health", [dict(check, value=78.0, passed=True, recorded_at=T0),
+                                dict(check, value=1.0, passed=False, recorded_at=later)])
+    lake.upsert("node_health", [dict(check, value=77.0, passed=True, recorded_at=T0)])
     rows = by_key(lake.read("node_health"), "recorded_at")
     assert set(rows) == {(T0,), (later,)}
     assert rows[(T0,)]["value"] == 77.0 and rows[(later,)]["passed"] is False
@@ -109,7 +109,7 @@ def test_optional_columns_missing_from_the_dict_are_null(lake: Lake):
     for col in ("sweep_id", "mlflow_run_id", "init_checkpoint", "final_checkpoint", "ended_at"):
         assert run[col] is None, col
     assert run["spec"] == '{"model": "micro"}'  # dicts are stored as JSON text
-    lake.upsert("steps", [dict(run_id="r1", step=0, weight_version=0, at=T0)])
+    lake.upsert("steps", [dict(run_id="r1", step=0, weight_version=0, recorded_at=T0)])
     step = lake.read("steps").to_pylist()[0]
     assert all(step[m] is None for m in ("loss", "reward_mean", "kl", "tokens_per_s", "wall_s"))
 
@@ -151,7 +151,7 @@ def test_upkeep_compacts_small_files_and_keeps_every_row(lake: Lake, monkeypatch
 def test_large_batch_with_many_key_groups(lake: Lake):
     # 3000 distinct (run_id, step, prompt_id) groups: the key filter must not recurse 3000 deep.
     rows = [dict(run_id="r1", step=s, prompt_id=f"p{p}", sample=0, prompt="1+1=", completion="2", reward=1.0,
-                 weight_version=s, staleness=0, latency_s=0.01, at=T0) for s in range(30) for p in range(100)]
+                 weight_version=s, staleness=0, latency_s=0.01, recorded_at=T0) for s in range(30) for p in range(100)]
     assert lake.upsert("rollouts", rows) == 3000
     assert lake.upsert("rollouts", rows[:10]) == 10
     assert lake.read("rollouts").num_rows == 3000

@@ -22,9 +22,9 @@ def filled(lake: Lake) -> Lake:
     for run_id, name in (("r1", "alpha"), ("r2", "beta")):
         lake.upsert("runs", [dict(run_id=run_id, name=name, spec="{}", spec_fingerprint="f", code_version="c",
                                   status="succeeded", seed=0, started_at=T0)])
-    lake.upsert("steps", [dict(run_id="r1", step=s, weight_version=s, loss=1.0 / (s + 1), at=T0)
+    lake.upsert("steps", [dict(run_id="r1", step=s, weight_version=s, loss=1.0 / (s + 1), recorded_at=T0)
                           for s in range(4)])
-    lake.upsert("steps", [dict(run_id="r2", step=0, weight_version=0, loss=5.0, at=T0)])
+    lake.upsert("steps", [dict(run_id="r2", step=0, weight_version=0, loss=5.0, recorded_at=T0)])
     return lake
 
 
