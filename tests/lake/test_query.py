@@ -30,7 +30,7 @@ def filled(lake: Lake) -> Lake:
 
 def test_query_joins_runs_and_steps(filled: Lake):
     result = query("""
-        SELECT r.name, count(*) AS n, min(s.loss) AS best_loss, max(s.at) AS last_at
+        SELECT r.name, count(*) AS n, min(s.loss) AS best_loss, max(s.recorded_at) AS last_at
         FROM steps s JOIN runs r USING (run_id) GROUP BY r.name ORDER BY r.name""", filled)
     assert isinstance(result, pa.Table)
     assert result.to_pylist() == [
@@ -55,7 +55,6 @@ def test_bad_sql_and_unknown_table_raise_query_error(filled: Lake):
 
 
 def test_csv_round_trip(filled: Lake):
-    # `at` is a DuckDB keyword (AT TIME ZONE): quote it, or qualify it as s.at.
     tbl = query('SELECT run_id, step, loss, kl, recorded_at FROM steps ORDER BY run_id, step', filled)
     rows = list(csv.DictReader(io.StringIO(format_table(tbl, "csv"))))
     assert [r["step"] for r in rows] == ["0", "1", "2", "3", "0"]
