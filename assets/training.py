@@ -12,7 +12,7 @@ from dagster import (
 )
 
 from assets._metadata import upstream
-from factory.experiment import load_dataset, run_grpo, train_sft_checkpoint
+from factory.experiment import load_dataset, run_grpo, run_sft_control, train_sft_checkpoint
 from factory.models.checkpoint import load_checkpoint
 from resources import FactoryHomeResource, LakeResource, MlflowResource, SpecResource
 
@@ -64,8 +64,6 @@ def grpo_beats_sft(context) -> AssetCheckResult:
 def sft_control(context: AssetExecutionContext, spec: SpecResource, home: FactoryHomeResource,
                 lake: LakeResource) -> MaterializeResult:
     """The control: the GRPO run's wall time spent on more SFT from the same checkpoint instead."""
-    from factory.experiment import run_sft_control
-
     s = spec.spec()
     sft, run = upstream(context, "sft_checkpoint"), upstream(context, "grpo_run")
     splits = load_dataset(upstream(context, "arithmetic_dataset")["path"])

@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import tempfile
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
+from pyiceberg.expressions import EqualTo
 
 import factory
 from factory.config import ExperimentSpec
@@ -79,13 +81,17 @@ def build_dataset(spec: ExperimentSpec, paths: FactoryPaths) -> DatasetArtifact:
         try:
             os.replace(tmp, final)
         except OSError:  # another process wrote the same content first
-            subprocess.run(["rm", "-rf", str(tmp)], check=False)
+            shutil.rmtree(tmp, ignore_errors=True)
     return DatasetArtifact(final, fp, len(splits.train), len(splits.eval))
 
 
 def load_dataset(path: str | Path) -> Splits:
     path = Path(path)
-    read = lambda name: [Problem(**json.loads(line)) for line in (path / f"{name}.jsonl").open()]  # noqa: E731
+
+    def read(name: str) -> list[Problem]:
+        with (path / f"{name}.jsonl").open() as f:
+            return [Problem(**json.loads(line)) for line in f]
+
     return Splits(train=read("train"), eval=read("eval"))
 
 
@@ -167,12 +173,6 @@ class RunResult:
     final_accuracy: float
     seconds: float
     records: list[StepRecord] = field(repr=False, default_factory=list)
-
-    def summary(self) -> dict:
-        d = asdict(self)
-        d.pop("records")
-        d["checkpoint"] = str(self.checkpoint.path)
-        return d
 
 
 def new_run_id(spec: ExperimentSpec) -> str:
@@ -297,7 +297,7 @@ def run_sft_control(spec: ExperimentSpec, paths: FactoryPaths, splits: Splits, l
 
 def eval_summary(lake: Lake, run_id: str) -> dict:
     """What a run's evals say: start (SFT) vs final (GRPO) accuracy, pass@k, the control, by level."""
-    rows = lake.read("evals", f"run_id == '{run_id}'").to_pylist()
+    rows = lake.read("evals", EqualTo("run_id", run_id)).to_pylist()
     if not rows:
         raise LookupError(f"no evals recorded for run {run_id!r}")
     final = max(r["step"] for r in rows)

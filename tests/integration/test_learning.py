@@ -11,8 +11,9 @@ from factory.experiment import build_dataset, load_dataset, run_grpo, train_sft_
 from factory.lake import Lake
 from factory.tracking import Tracker
 
-# Measured on this spec (seed 0, 1 thread): SFT 0.38 -> GRPO 0.78 after 25 steps (+40 points);
-# the assertion asks for a quarter of that.
+# Measured on this spec (30 GRPO steps, 300 held-out problems, 1 thread), SFT -> GRPO accuracy:
+# seed 0: 0.21 -> 0.74 (+53 points), seed 1: 0.24 -> 0.49 (+25), seed 2: 0.29 -> 0.72 (+43).
+# The test runs seed 0 and asks for less than half of the worst seed's gain.
 MIN_GAIN = 0.10
 
 
