@@ -1,0 +1,1 @@
+"""Operations: supervised service processes; later preflight node tests, health and quarantine."""

@@ -1,0 +1,167 @@
+"""Supervised service processes: start a child, wait until it is healthy, restart it when it dies.
+
+The rollout server runs as its own process; when it crashes mid-generation the orchestrator calls
+`ServiceProcess.ensure_alive()` (or wraps calls in `retry_through_restarts`), which restarts it
+on the same port and lets the caller retry. Callers keep requests idempotent (whole prompt groups
+are retried, keyed by group id), so a restart neither loses nor double-counts work.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TypeVar
+
+import httpx
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# Errors that mean "the service is gone or going", as opposed to a bad request.
+CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
+    httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError, httpx.WriteError, httpx.ConnectTimeout,
+    ConnectionError,
+)
+
+
+class ServiceUnavailable(RuntimeError):
+    """The service could not be (re)started healthy within its limits."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class ServiceProcess:
+    """A child process serving HTTP on 127.0.0.1:`port`, with a health URL and bounded restarts.
+
+    `argv` may contain `{port}`, replaced by the port (kept across restarts so clients need no
+    new address). Output goes to `log_path` (appended; one file across restarts).
+    """
+
+    def __init__(self, name: str, argv: Sequence[str], port: int | None = None, health_path: str = "/health",
+                 env: dict[str, str] | None = None, log_path: str | Path | None = None,
+                 startup_timeout: float = 60.0, max_restarts: int = 5):
+        self.name = name
+        self.port = port or free_port()
+        self.argv = [a.replace("{port}", str(self.port)) for a in argv]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.health_url = self.url + health_path
+        self.env = env
+        self.log_path = Path(log_path) if log_path else None
+        self.startup_timeout = startup_timeout
+        self.max_restarts = max_restarts
+        self.restarts = 0
+        self._proc: subprocess.Popen | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> ServiceProcess:
+        with self._lock:
+            self._spawn()
+        return self
+
+    def _spawn(self) -> None:
+        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115 - child owns it
+        env = {**os.environ, **(self.env or {})}
+        # A new session: a kill of the child's group never reaches us, and ours never reaches it twice.
+        self._proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                      start_new_session=True)
+        if out is not subprocess.DEVNULL:
+            out.close()
+        self._wait_healthy()
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        last_error = "no answer yet"
+        with httpx.Client(timeout=2.0) as client:
+            while time.monotonic() < deadline:
+                if self._proc.poll() is not None:
+                    raise ServiceUnavailable(
+                        f"{self.name}: process exited with code {self._proc.returncode} before it was healthy "
+                        f"(command: {' '.join(self.argv)}; log: {self.log_path or 'not kept'})")
+                try:
+                    if client.get(self.health_url).status_code == 200:
+                        log.info("%s healthy on %s (pid %s)", self.name, self.url, self._proc.pid)
+                        return
+                    last_error = "health check did not return 200"
+                except httpx.HTTPError as e:
+                    last_error = f"{type(e).__name__}: {e}"
+                time.sleep(0.05)  # polling a child's readiness; bounded by the deadline
+        self._terminate()
+        raise ServiceUnavailable(f"{self.name}: not healthy at {self.health_url} after {self.startup_timeout:.0f}s "
+                                 f"({last_error})")
+
+    def ensure_alive(self) -> bool:
+        """Restart the service if its process has died; True if a restart happened."""
+        with self._lock:
+            if self.alive():
+                return False
+            code = self._proc.returncode if self._proc else None
+            if self.restarts >= self.max_restarts:
+                raise ServiceUnavailable(f"{self.name}: died (exit {code}) and already restarted "
+                                         f"{self.restarts} times (max_restarts={self.max_restarts})")
+            self.restarts += 1
+            log.warning("%s died (exit %s); restart %d/%d", self.name, code, self.restarts, self.max_restarts)
+            self._spawn()
+            return True
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Kill the process (for fault-injection tests)."""
+        if self._proc is not None and self._proc.poll() is None:
+            os.killpg(self._proc.pid, sig)
+            self._proc.wait(timeout=10)
+
+    def _terminate(self) -> None:
+        if self._proc is None or self._proc.poll() is not None:
+            return
+        try:
+            os.killpg(self._proc.pid, signal.SIGTERM)
+            self._proc.wait(timeout=10)
+        except (subprocess.TimeoutExpired, ProcessLookupError):
+            if self._proc.poll() is None:
+                os.killpg(self._proc.pid, signal.SIGKILL)
+                self._proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        with self._lock:
+            self._terminate()
+
+    def __enter__(self) -> ServiceProcess:
+        return self.start() if not self.alive() else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def retry_through_restarts(call: Callable[[], T], service: ServiceProcess, attempts: int = 3) -> T:
+    """Run `call`; when it fails because the service went away, restart the service and run it again.
+
+    `call` must be safe to repeat (a whole request whose result is only used when it completes).
+    """
+    for attempt in range(1, attempts + 1):
+        try:
+            return call()
+        except CONNECTION_ERRORS as e:
+            if attempt == attempts:
+                raise ServiceUnavailable(f"{service.name}: call failed {attempts} times; last error: "
+                                         f"{type(e).__name__}: {e}") from e
+            restarted = service.ensure_alive()
+            log.warning("%s call failed (%s: %s); %s, retrying (%d/%d)", service.name, type(e).__name__, e,
+                        "service restarted" if restarted else "service still up", attempt, attempts)
+    raise AssertionError("unreachable")

@@ -1,0 +1,28 @@
+"""A tiny HTTP service for supervisor tests: /health, /echo?x=, and /hang (hangs once, then answers)."""
+
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, urlparse
+
+PORT, MARKER = int(sys.argv[1]), Path(sys.argv[2])
+forever = threading.Event()
+
+
+class Handler(BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802 - http.server's naming
+        url = urlparse(self.path)
+        if url.path == "/hang" and not MARKER.exists():
+            MARKER.write_text("hanging")  # the test kills us once it sees this
+            forever.wait()
+        body = {"/health": b"ok", "/hang": b"answered"}.get(url.path, parse_qs(url.query).get("x", [""])[0].encode())
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+ThreadingHTTPServer(("127.0.0.1", PORT), Handler).serve_forever()
