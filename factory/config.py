@@ -119,6 +119,7 @@ class ScheduleSpec(_Section):
     eval_every: int = Field(0, ge=0, description="held-out eval every N steps; 0: only start and end")
     checkpoint_every: int = Field(0, ge=0, description="checkpoint every N steps; 0: only the final one")
     eval_pass_k: int = Field(8, ge=1)
+    log_rollouts: int = Field(2, ge=0, description="prompt groups per step kept in the `rollouts` table")
 
 
 class ExperimentSpec(_Section):

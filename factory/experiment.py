@@ -207,14 +207,21 @@ def run_grpo(spec: ExperimentSpec, paths: FactoryPaths, init_checkpoint: str | P
         log(f"run {run_id}: start held-out accuracy {start_eval.accuracy:.3f}, "
             f"pass@{start_eval.k} {start_eval.pass_at_k:.3f}")
         pending: list[dict] = []
+        pending_rollouts: list[dict] = []
 
         def flush() -> None:
+            # Rollouts first: a crash between the two leaves a step to re-record, never orphan rows.
+            if pending_rollouts:
+                lake.upsert("rollouts", pending_rollouts)
+                pending_rollouts.clear()
             if pending:
                 lake.upsert("steps", pending)
                 pending.clear()
 
         def on_step(r: StepRecord) -> None:
-            pending.append(dict(run_id=run_id, recorded_at=_now(), **r.to_dict()))
+            now = _now()
+            pending.append(dict(run_id=run_id, recorded_at=now, **r.to_dict()))
+            pending_rollouts.extend(dict(run_id=run_id, step=r.step, recorded_at=now, **s) for s in r.samples)
             tracker.log_metrics(mlflow_id, r.step, {k: v for k, v in r.to_dict().items() if k != "step"})
             log(f"step {r.step}/{spec.schedule.steps} reward={r.reward_mean:.3f} acc={r.accuracy:.3f} "
                 f"entropy={r.entropy:.3f} tok/s={r.tokens_per_s:.0f}")

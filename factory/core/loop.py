@@ -17,7 +17,7 @@ import copy
 import random
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
@@ -51,9 +51,11 @@ class StepRecord:
     tokens_per_s: float  # generated tokens per second of step wall time
     trainer_idle_fraction: float  # share of the step's wall time the trainer waited on rollouts
     wall_s: float
+    samples: list[dict] = field(default_factory=list)  # a few episodes, for the `rollouts` table
 
     def to_dict(self) -> dict[str, float]:
-        return asdict(self)
+        """The scalar metrics (what the `steps` table and MLflow take)."""
+        return {k: v for k, v in asdict(self).items() if k != "samples"}
 
 
 def _grpo_loss_fn(spec: ExperimentSpec) -> Callable:
@@ -118,8 +120,11 @@ def train_grpo(
         engine.weight_version = step + 1
         model.eval()
         wall = time.perf_counter() - t0
-        sampled = [c.weight_version for c in completions]
-        staleness = [step - v for v in sampled]
+        staleness = [step - c.weight_version for c in completions]
+        samples = [dict(prompt_id=p.id, sample=j, prompt=p.prompt, completion=c.text, reward=float(rewards[i * g + j]),
+                        weight_version=c.weight_version, staleness=step - c.weight_version, latency_s=t_rollout)
+                   for i, (group, p) in enumerate(zip(groups, problems, strict=True))
+                   if i < spec.schedule.log_rollouts for j, c in enumerate(group)]
         record = StepRecord(
             step=step + 1, weight_version=step + 1, loss=metrics["loss"],
             reward_mean=rewards.mean().item(), reward_std=rewards.std().item(),
@@ -127,7 +132,7 @@ def train_grpo(
             clip_frac=metrics["clip_frac"], grad_norm=metrics["grad_norm"], logprob_mismatch=mismatch,
             staleness_mean=sum(staleness) / len(staleness), staleness_max=float(max(staleness)),
             tokens_per_s=sum(len(c.token_ids) for c in completions) / wall,
-            trainer_idle_fraction=t_rollout / wall, wall_s=wall,
+            trainer_idle_fraction=t_rollout / wall, wall_s=wall, samples=samples,
         )
         records.append(record)
         if on_step is not None:

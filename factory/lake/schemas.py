@@ -6,7 +6,7 @@ This module is the single definition of what the lake holds. Writers, queries an
 Partitioning: every table is unpartitioned for now. The volumes of one machine are small (a run
 writes one `steps` row per trainer step), and a partition by `run_id` would multiply small files
 without making local scans faster. Partitioning can be added later by spec evolution without
-rewriting data (`identity(run_id)` on `steps`/`rollouts`, `day(at)` on `node_health`).
+rewriting data (`identity(run_id)` on `steps`/`rollouts`, `day(recorded_at)` on `node_health`).
 """
 
 from __future__ import annotations

@@ -53,6 +53,9 @@ def test_iceberg_records(materialized):
     evals = query(f"SELECT step, value FROM evals WHERE run_id = '{run_id}' AND metric = 'accuracy' "
                   f"AND benchmark = 'arithmetic_heldout' ORDER BY step", lake).to_pylist()
     assert [e["step"] for e in evals] == [0, 3]
+    rollouts = query(f"SELECT step, count(*) AS n, count(DISTINCT prompt_id) AS groups FROM rollouts "
+                     f"WHERE run_id = '{run_id}' GROUP BY step ORDER BY step", lake).to_pylist()
+    assert rollouts == [{"step": s, "n": 8, "groups": 2} for s in (1, 2, 3)]  # log_rollouts=2 groups of 4
     (ckpt,) = [c for c in lake.read("checkpoints").to_pylist() if c["run_id"] == run_id]
     assert ckpt["step"] == 3 and dir_digest(Path(ckpt["uri"])) == (ckpt["sha256"], ckpt["bytes"])
     assert AutoModelForCausalLM.from_pretrained(ckpt["uri"]).config.model_type == "qwen2"
