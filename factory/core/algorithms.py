@@ -1,14 +1,41 @@
-"""Advantages and policy losses as pure functions over tensors.
+"""Advantages and policy losses as pure functions over tensors: GRPO, Dr.GRPO, DAPO, CISPO, GSPO.
 
-Shapes: `logprobs`, `old_logprobs`, `ref_logprobs`, `mask` are [B, T] over target tokens (mask is
-True on tokens the policy produced and should learn from); `advantages` is [B] per sequence or
-[B, T] per token. Masked positions may hold any value, even inf/NaN: they never reach the loss.
+Shapes: `logprobs`, `old_logprobs`, `ref_logprobs`, `is_weights`, `mask` are [B, T] over target tokens
+(mask is True on tokens the policy produced and should learn from); `advantages` is [B] per sequence
+or [B, T] per token. Masked positions may hold any value, even inf/NaN: they never reach the loss
+or its gradient.
+
+`make_loss(spec)` turns an `AlgorithmSpec` into the `(logp, TrainBatch) -> (loss, metrics)` function the
+trainer applies, so the trainer never knows which algorithm it runs. `compute_advantages(spec, ...)`
+is the matching advantage estimator (with DAPO's overlong shaping), and `keep_informative_groups` is
+DAPO's dynamic-sampling filter; the loop refills the batch with it.
+
+Every policy loss below is `-A * f(ratio)` per token, then an aggregation over tokens:
+- grpo:    PPO clip, ratio in [1 - eps, 1 + eps], per-sequence token mean, then mean over sequences.
+- dr_grpo: the same clip; each sequence's token *sum* is divided by a constant max length (no 1/|o|
+           length bias), and advantages are not divided by the group std.
+- dapo:    PPO clip with eps_high > eps_low ("clip-higher"), mean over all tokens of the batch.
+- cispo:   -sg(clip(ratio, max=1 + eps_high)) * A * logp: the IS weight is clipped, never the gradient,
+           so tokens beyond the clip still learn (unlike PPO-clip, which zeroes them); token mean.
+- gspo:    a sequence-level ratio s = exp(mean_t(logp - old)), clipped with tiny eps, in the token form
+           s_t = sg(s) * exp(logp - sg(logp)) (same value and gradient as the sequence form).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
+
+from factory.config import AlgorithmSpec
+from factory.core.trainer.batch import TrainBatch
+
+LossFn = Callable[[Tensor, TrainBatch], tuple[Tensor, dict[str, float]]]
+Aggregation = str  # "seq_mean_token_mean" | "token_mean" | "seq_mean_token_sum_norm"
+
+
+# ---------------------------------------------------------------- advantages and reward shaping
 
 
 def group_advantages(rewards: Tensor, group_size: int, scale: bool = True, eps: float = 1e-6) -> Tensor:
@@ -17,14 +44,62 @@ def group_advantages(rewards: Tensor, group_size: int, scale: bool = True, eps: 
     `rewards` is [N * group_size], groups contiguous. A group whose rewards are all equal gets
     zero advantage (no NaN), so it contributes no gradient.
     """
-    if rewards.dim() != 1 or rewards.numel() % group_size:
-        raise ValueError(f"rewards must be 1-D with a multiple of group_size={group_size} entries, "
-                         f"got shape {tuple(rewards.shape)}")
+    _check_groups(rewards, group_size)
     r = rewards.view(-1, group_size).float()
     adv = r - r.mean(dim=1, keepdim=True)
     if scale:
         adv = adv / (r.std(dim=1, keepdim=True) + eps)
     return adv.reshape(-1)
+
+
+def overlong_reward(lengths: Tensor, max_len: int, cache_len: int) -> Tensor:
+    """DAPO's soft overlong punishment (its eq. 13), a penalty in [-1, 0] per response length.
+
+    0 up to `max_len - cache_len` tokens, then falling linearly to -1 at `max_len`, and -1 beyond.
+    """
+    if not 0 < cache_len < max_len:
+        raise ValueError(f"need 0 < cache_len < max_len, got cache_len={cache_len}, max_len={max_len}")
+    lengths = lengths.float()
+    soft = max_len - cache_len
+    penalty = (soft - lengths) / cache_len
+    return torch.where(lengths <= soft, torch.zeros_like(lengths), penalty.clamp(min=-1.0))
+
+
+def keep_informative_groups(rewards: Tensor, group_size: int) -> Tensor:
+    """DAPO dynamic sampling: a bool per group, False where all its rewards are equal.
+
+    Such a group (all right or all wrong) has zero advantage everywhere and gives no gradient; DAPO
+    drops it and samples more prompts until the batch is full. Pass the task rewards, before any
+    overlong shaping, as DAPO filters on accuracy.
+    """
+    _check_groups(rewards, group_size)
+    r = rewards.view(-1, group_size)
+    return (r != r[:, :1]).any(dim=1)
+
+
+def compute_advantages(spec: AlgorithmSpec, rewards: Tensor, group_size: int, lengths: Tensor | None = None,
+                       max_new_tokens: int | None = None) -> Tensor:
+    """Per-sequence advantages [N * group_size] for `spec`'s algorithm.
+
+    Applies DAPO's overlong shaping first when the spec enables it (then `lengths`, the generated
+    token counts, are required), then group-relative advantages, divided by the group std unless
+    the algorithm (Dr.GRPO) or `scale_rewards` says not to.
+    """
+    overlong = spec.overlong(max_new_tokens)
+    if overlong is not None:
+        if lengths is None:
+            raise ValueError(f"algorithm {spec.name!r} shapes overlong rewards: pass the completion lengths")
+        rewards = rewards.float() + spec.overlong_penalty * overlong_reward(lengths, *overlong)
+    return group_advantages(rewards, group_size, scale=spec.scales_rewards())
+
+
+def _check_groups(rewards: Tensor, group_size: int) -> None:
+    if rewards.dim() != 1 or rewards.numel() % group_size:
+        raise ValueError(f"rewards must be 1-D with a multiple of group_size={group_size} entries, "
+                         f"got shape {tuple(rewards.shape)}")
+
+
+# ---------------------------------------------------------------- building blocks
 
 
 def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
@@ -42,6 +117,97 @@ def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     return torch.exp(d) - d - 1
 
 
+def aggregate(per_token: Tensor, mask: Tensor, agg: Aggregation, max_len: int | None = None) -> Tensor:
+    """Reduce a per-token loss [B, T] to a scalar.
+
+    - seq_mean_token_mean: mean over each sequence's tokens, then over sequences (GRPO, GSPO);
+    - token_mean: mean over every token of the batch, so long sequences weigh more (DAPO, CISPO);
+    - seq_mean_token_sum_norm: each sequence's token sum / `max_len`, then mean over sequences (Dr.GRPO).
+    Sequences with no unmasked token are left out of the sequence mean.
+    """
+    has_tokens = mask.any(dim=-1)
+    if agg == "seq_mean_token_mean":
+        return masked_mean(masked_mean(per_token, mask, dim=-1), has_tokens)
+    if agg == "token_mean":
+        return masked_mean(per_token, mask)
+    if agg == "seq_mean_token_sum_norm":
+        if max_len is None or max_len < 1:
+            raise ValueError("seq_mean_token_sum_norm needs a constant max_len >= 1 (algorithm.max_len_norm)")
+        sums = torch.where(mask, per_token, torch.zeros_like(per_token)).sum(dim=-1)
+        return masked_mean(sums / max_len, has_tokens)
+    raise ValueError(f"unknown loss aggregation {agg!r}")
+
+
+def _clean(mask: Tensor, x: Tensor, fill: float = 0.0) -> Tensor:
+    # Replace masked positions before any arithmetic: NaN * 0 is NaN, in values and in gradients.
+    return torch.where(mask, x, torch.full_like(x, fill))
+
+
+def _per_token_adv(advantages: Tensor, like: Tensor, mask: Tensor) -> Tensor:
+    adv = advantages.unsqueeze(-1).expand_as(like) if advantages.dim() == 1 else advantages
+    return _clean(mask, adv.to(like.dtype))
+
+
+def _finish(policy_term: Tensor, logprobs: Tensor, mask: Tensor, agg: Aggregation, max_len: int | None,
+            ref_logprobs: Tensor | None, kl_coef: float, is_weights: Tensor | None,
+            metrics: dict[str, float]) -> tuple[Tensor, dict[str, float]]:
+    """Add the KL penalty, apply importance weights, aggregate, and finish the metrics."""
+    per_token = policy_term
+    kl = None
+    if ref_logprobs is not None and kl_coef > 0:
+        # `logprobs` is already 0 on masked positions; a 0 reference there makes their KL exactly 0.
+        kl = kl_k3(logprobs, _clean(mask, ref_logprobs.to(logprobs.dtype)))
+        per_token = per_token + kl_coef * kl
+    if is_weights is not None:
+        # Truncated IS weights of stale samples (the buffer's `importance` policy): data, not parameters.
+        per_token = per_token * _clean(mask, is_weights.to(per_token.dtype).detach(), 1.0)
+    loss = aggregate(per_token, mask, agg, max_len)
+    with torch.no_grad():
+        metrics["kl"] = masked_mean(kl, mask).item() if kl is not None else 0.0
+        if is_weights is not None:
+            metrics["is_weight_mean"] = masked_mean(is_weights.float(), mask).item()
+    return loss, metrics
+
+
+def _clip_metrics(ratio: Tensor, mask: Tensor, eps_low: float | None, eps_high: float) -> dict[str, float]:
+    with torch.no_grad():
+        out = ratio > 1 + eps_high
+        if eps_low is not None:
+            out = out | (ratio < 1 - eps_low)
+        return {"clip_frac": masked_mean(out.float(), mask).item(), "ratio_mean": masked_mean(ratio, mask).item()}
+
+
+# ---------------------------------------------------------------- policy losses
+
+
+def ppo_clip_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    agg: Aggregation = "seq_mean_token_mean",
+    max_len: int | None = None,
+    ref_logprobs: Tensor | None = None,
+    kl_coef: float = 0.0,
+    is_weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high)) per token, aggregated by `agg`.
+
+    GRPO, Dr.GRPO and DAPO are this loss with different clips and aggregations. `old_logprobs` are
+    the sampler's logprobs of the same tokens, so the ratio is 1 on the first on-policy minibatch.
+    """
+    mask = mask.bool()
+    lp = _clean(mask, logprobs)
+    ratio = torch.exp(lp - _clean(mask, old_logprobs.to(lp.dtype)))
+    adv = _per_token_adv(advantages, lp, mask)
+    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
+    per_token = torch.maximum(-adv * ratio, -adv * clipped)
+    metrics = _clip_metrics(ratio, mask, eps_low, eps_high)
+    return _finish(per_token, lp, mask, agg, max_len, ref_logprobs, kl_coef, is_weights, metrics)
+
+
 def grpo_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -50,35 +216,152 @@ def grpo_loss(
     clip_eps: float = 0.2,
     ref_logprobs: Tensor | None = None,
     kl_coef: float = 0.0,
+    is_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """GRPO's clipped surrogate, token-level, averaged per sequence then over sequences.
+    """GRPO's clipped surrogate, token-level, averaged per sequence then over sequences."""
+    return ppo_clip_loss(logprobs, old_logprobs, advantages, mask, clip_eps, clip_eps, "seq_mean_token_mean",
+                         ref_logprobs=ref_logprobs, kl_coef=kl_coef, is_weights=is_weights)
 
-    `old_logprobs` are the sampler's logprobs of the same tokens, so the ratio is 1 when the
-    trainer's weights equal the sampler's and the first minibatch is exactly on-policy.
+
+def dr_grpo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    max_len: int,
+    clip_eps: float = 0.2,
+    ref_logprobs: Tensor | None = None,
+    kl_coef: float = 0.0,
+    is_weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """Dr.GRPO: GRPO's clip, but each sequence's token sum is divided by the constant `max_len`.
+
+    GRPO's 1/|o_i| makes short correct answers and long wrong ones weigh more per token (Liu et al.
+    2025); a constant keeps every token's weight equal whatever its sequence's length.
+    """
+    return ppo_clip_loss(logprobs, old_logprobs, advantages, mask, clip_eps, clip_eps, "seq_mean_token_sum_norm",
+                         max_len=max_len, ref_logprobs=ref_logprobs, kl_coef=kl_coef, is_weights=is_weights)
+
+
+def dapo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    ref_logprobs: Tensor | None = None,
+    kl_coef: float = 0.0,
+    is_weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """DAPO: clip-higher (a wider upper clip lets unlikely tokens with A > 0 grow) and a token-level
+    mean over the whole batch. DAPO itself uses no KL term; `kl_coef` stays available."""
+    return ppo_clip_loss(logprobs, old_logprobs, advantages, mask, eps_low, eps_high, "token_mean",
+                         ref_logprobs=ref_logprobs, kl_coef=kl_coef, is_weights=is_weights)
+
+
+def cispo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    eps_high: float = 0.28,
+    eps_low: float | None = None,
+    agg: Aggregation = "token_mean",
+    max_len: int | None = None,
+    ref_logprobs: Tensor | None = None,
+    kl_coef: float = 0.0,
+    is_weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """CISPO (MiniMax-M1): -sg(clip(ratio, 1 - eps_low, 1 + eps_high)) * A * logp per token.
+
+    The weight is a constant, so d/dlogp = -w * A on every token, clipped or not: the rare
+    "fork" tokens PPO-clip would silence keep contributing. No lower bound unless `eps_low`.
     """
     mask = mask.bool()
-    adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
-    adv = adv.to(logprobs.dtype)
-    log_ratio = torch.where(mask, logprobs - old_logprobs, torch.zeros_like(logprobs))
-    ratio = torch.exp(log_ratio)
-    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
-    per_token = torch.maximum(-adv * ratio, -adv * clipped)
-    kl = None
-    if ref_logprobs is not None and kl_coef > 0:
-        safe_ref = torch.where(mask, ref_logprobs, logprobs.detach())
-        kl = kl_k3(logprobs, safe_ref)
-        per_token = per_token + kl_coef * kl
-    loss = masked_mean(masked_mean(per_token, mask, dim=-1), mask.any(dim=-1))
-    with torch.no_grad():
-        metrics = {
-            "clip_frac": masked_mean(((ratio - 1).abs() > clip_eps).float(), mask).item(),
-            "ratio_mean": masked_mean(ratio, mask).item(),
-            "kl": masked_mean(kl, mask).item() if kl is not None else 0.0,
-        }
-    return loss, metrics
+    lp = _clean(mask, logprobs)
+    ratio = torch.exp(lp.detach() - _clean(mask, old_logprobs.to(lp.dtype)))
+    weight = ratio.clamp(min=None if eps_low is None else 1 - eps_low, max=1 + eps_high)
+    adv = _per_token_adv(advantages, lp, mask)
+    per_token = -weight * adv * lp
+    metrics = _clip_metrics(ratio, mask, eps_low, eps_high)
+    return _finish(per_token, lp, mask, agg, max_len, ref_logprobs, kl_coef, is_weights, metrics)
+
+
+def gspo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    eps_low: float = 3e-4,
+    eps_high: float = 4e-4,
+    agg: Aggregation = "seq_mean_token_mean",
+    max_len: int | None = None,
+    ref_logprobs: Tensor | None = None,
+    kl_coef: float = 0.0,
+    is_weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """GSPO: PPO-clip on the sequence ratio s_i = exp(mean_t(logp - old)) (length-normalized).
+
+    Written in the paper's GSPO-token form s_i,t = sg(s_i) * exp(logp_t - sg(logp_t)): its value is
+    s_i on every token and its gradient is s_i * A_i * grad(logp_t), so with a per-sequence
+    advantage and the per-sequence token mean it equals sequence-level GSPO exactly. Clipping is
+    decided per sequence: a whole response is in or out.
+    """
+    mask = mask.bool()
+    lp = _clean(mask, logprobs)
+    log_s = masked_mean(lp.detach() - _clean(mask, old_logprobs.to(lp.dtype)), mask, dim=-1)  # [B]
+    s_tok = torch.exp(log_s.unsqueeze(-1) + lp - lp.detach())  # value s_i, gradient s_i * grad(logp)
+    adv = _per_token_adv(advantages, lp, mask)
+    clipped = torch.clamp(s_tok, 1 - eps_low, 1 + eps_high)
+    per_token = torch.maximum(-adv * s_tok, -adv * clipped)
+    has_tokens = mask.any(dim=-1)
+    s = log_s.exp()
+    metrics = _clip_metrics(s.unsqueeze(-1).expand_as(lp), mask, eps_low, eps_high)
+    metrics["seq_ratio_mean"] = masked_mean(s, has_tokens).item()
+    return _finish(per_token, lp, mask, agg, max_len, ref_logprobs, kl_coef, is_weights, metrics)
 
 
 def sft_loss(logprobs: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, float]]:
     """Negative log-likelihood of the target tokens, averaged over all of them."""
     loss = -masked_mean(logprobs, mask.bool())
     return loss, {}
+
+
+# ---------------------------------------------------------------- the spec → loss factory
+
+
+def make_loss(spec: AlgorithmSpec, max_new_tokens: int | None = None) -> LossFn:
+    """The trainer's loss function for `spec`: `(logp [B, T], batch) -> (loss, metrics)`.
+
+    Reads `batch.per_token["old_logprobs"]` (the behavior logprobs, or the proximal policy's when the
+    buffer importance-corrects stale samples), `batch.per_seq["advantages"]` (or a per-token
+    `batch.per_token["advantages"]`), optional `batch.per_token["ref_logprobs"]` (KL when kl_coef > 0)
+    and optional `batch.per_token["is_weights"]` (truncated IS weights that scale each token's loss).
+    `max_new_tokens` is Dr.GRPO's constant divisor when `spec.max_len_norm` is unset.
+    """
+    eps_low, eps_high = spec.clip_bounds()
+    agg = spec.aggregation()
+    max_len = spec.max_len_norm or max_new_tokens
+    if agg == "seq_mean_token_sum_norm" and max_len is None:
+        raise ValueError(f"algorithm.max_len_norm: {spec.name} normalizes by a constant length; set it or pass "
+                         "the rollout's max_new_tokens")
+    name, kl_coef = spec.name, spec.kl_coef
+
+    def loss_fn(logp: Tensor, batch: TrainBatch) -> tuple[Tensor, dict[str, float]]:
+        adv = batch.per_token.get("advantages")
+        if adv is None:
+            adv = batch.per_seq["advantages"]
+        common = dict(agg=agg, max_len=max_len, ref_logprobs=batch.per_token.get("ref_logprobs"), kl_coef=kl_coef,
+                      is_weights=batch.per_token.get("is_weights"))
+        old, mask = batch.per_token["old_logprobs"], batch.loss_mask
+        if name == "cispo":
+            return cispo_loss(logp, old, adv, mask, eps_high=eps_high, eps_low=eps_low, **common)
+        if name == "gspo":
+            assert eps_low is not None
+            return gspo_loss(logp, old, adv, mask, eps_low=eps_low, eps_high=eps_high, **common)
+        # grpo, dr_grpo, dapo: PPO-clip with their clips and aggregations (resolved from the spec).
+        assert eps_low is not None, f"{name} needs a lower clip"
+        return ppo_clip_loss(logp, old, adv, mask, eps_low=eps_low, eps_high=eps_high, **common)
+
+    return loss_fn

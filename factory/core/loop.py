@@ -58,16 +58,10 @@ class StepRecord:
         return {k: v for k, v in asdict(self).items() if k != "samples"}
 
 
-def _grpo_loss_fn(spec: ExperimentSpec) -> Callable:
-    a = spec.algorithm
-
-    def loss_fn(logp: torch.Tensor, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        return algorithms.grpo_loss(
-            logp, batch.per_token["old_logprobs"], batch.per_seq["advantages"], batch.loss_mask,
-            clip_eps=a.clip_eps, ref_logprobs=batch.per_token.get("ref_logprobs"), kl_coef=a.kl_coef,
-        )
-
-    return loss_fn
+def _grpo_loss_fn(spec: ExperimentSpec) -> Callable[[torch.Tensor, TrainBatch], tuple[torch.Tensor, dict[str, float]]]:
+    # The algorithm named in the spec (grpo, dr_grpo, dapo, cispo, gspo); Dr.GRPO's constant length
+    # divisor defaults to the rollout's generation budget.
+    return algorithms.make_loss(spec.algorithm, max_new_tokens=spec.rollout.max_new_tokens)
 
 
 def train_grpo(
@@ -106,7 +100,9 @@ def train_grpo(
                                 for c in group])
         t_rollout = time.perf_counter() - t0
         # 3. Group-normalized advantages; pack tokens exactly as sampled (no re-tokenization).
-        adv = algorithms.group_advantages(rewards, g, scale=spec.algorithm.scale_rewards)
+        adv = algorithms.compute_advantages(spec.algorithm, rewards, g,
+                                            torch.tensor([len(c.token_ids) for c in completions]),
+                                            spec.rollout.max_new_tokens)
         batch = pack([c.prompt_ids for c in completions], [c.token_ids for c in completions],
                      tokenizer.pad_token_id, {"old_logprobs": [c.logprobs for c in completions]},
                      {"advantages": adv.tolist()})
