@@ -97,8 +97,9 @@ class Sample:
 
     @classmethod
     def from_completion(cls, c: Completion, reward: float) -> Sample:
-        """From an engine's completion; `meta["weight_versions"]`, when the engine reports several, wins."""
-        versions = c.meta.get("weight_versions") or [c.weight_version]
+        """From an engine's completion, with every version it reports (`weight_version`, per-token
+        `token_versions`, `meta["weight_versions"]`); the oldest of them counts."""
+        versions = [c.weight_version, *getattr(c, "token_versions", ()), *c.meta.get("weight_versions", ())]
         return cls(list(c.prompt_ids), list(c.token_ids), [float(x) for x in c.logprobs], float(reward),
                    sorted({int(v) for v in versions}), {"text": c.text, "finish_reason": c.finish_reason})
 

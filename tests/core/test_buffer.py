@@ -318,3 +318,10 @@ def test_sample_from_completion_uses_the_oldest_version():
     assert s.versions == [6, 7] and s.oldest_version == 6 and s.reward == 1.0
     plain = Sample.from_completion(Completion([1], [2], [-0.3], "", "length", weight_version=4), reward=0.0)
     assert plain.versions == [4]
+
+
+@pytest.mark.skipif(not hasattr(Completion([], [], [], "", "stop", 0), "token_versions"),
+                    reason="Completion without per-token versions")
+def test_sample_from_completion_reads_per_token_versions():
+    c = Completion([1], [2, 3], [-0.1, -0.2], "", "stop", weight_version=4, token_versions=[4, 5])
+    assert Sample.from_completion(c, reward=0.0).versions == [4, 5]
