@@ -269,10 +269,17 @@ class ExperimentSpec(_Section):
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     trainer: TrainerSpec = Field(default_factory=TrainerSpec)
+    buffer: BufferSpec = Field(default_factory=BufferSpec)
     schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
 
     @model_validator(mode="after")
     def _fits_together(self) -> ExperimentSpec:
+        b, per_step = self.buffer, self.rollout.prompts_per_step
+        if b.policy == "bound" and b.depth is not None and b.depth > b.max_staleness * per_step:
+            raise ValueError(
+                f"buffer.depth: with policy 'bound' must be <= buffer.max_staleness * rollout.prompts_per_step "
+                f"= {b.max_staleness * per_step} (deeper lets groups grow staler than allowed), got {b.depth}"
+            )
         batch = self.rollout.prompts_per_step * self.algorithm.group_size
         if batch % self.trainer.minibatches:
             raise ValueError(

@@ -26,3 +26,12 @@ def lake(factory_home: FactoryPaths) -> Iterator:
 
     with Lake.open(factory_home) as lk:
         yield lk
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread():
+    """One intra-op thread: results do not depend on the machine's core count, and tests that run
+    beside other work on a 2-core machine do not oversubscribe it (measured: far slower)."""
+    import torch
+
+    torch.set_num_threads(1)

@@ -70,3 +70,11 @@ def test_fingerprint_is_stable_and_content_based():
     a = parse_spec({"seed": 1, "algorithm": {"lr": 0.001}})
     b = parse_spec({"algorithm": {"lr": 0.001}, "seed": 1})
     assert a.fingerprint() == b.fingerprint() != parse_spec({"seed": 2}).fingerprint()
+
+
+def test_buffer_depth_bound_is_checked_against_the_batch():
+    assert errors_of({"buffer": {"policy": "bound", "max_staleness": 2, "depth": 65},
+                      "rollout": {"prompts_per_step": 32}}) == [
+        "buffer.depth: with policy 'bound' must be <= buffer.max_staleness * rollout.prompts_per_step = 64 "
+        "(deeper lets groups grow staler than allowed), got 65"]
+    assert parse_spec({"buffer": {"policy": "reject", "max_staleness": 0, "depth": 500}}).buffer.depth == 500
