@@ -14,6 +14,11 @@ class SamplingParams:
     max_new_tokens: int = 16
     greedy: bool = False
     seed: int | None = None
+    # Honored by the continuous engine (`continuous.py`); the simple embedded engine ignores them.
+    stop: tuple[str, ...] = ()  # stop when the decoded completion contains one; the text is cut before it
+    stop_token_ids: tuple[int, ...] = ()  # extra stop tokens besides EOS (kept in token_ids, like EOS)
+    ignore_eos: bool = False  # do not stop on EOS (fixed-length sampling)
+    top_logprobs: int = 0  # also report the k most likely tokens at each step
 
 
 @dataclass
@@ -23,8 +28,13 @@ class Completion:
     logprobs: list[float]  # sampler logprob of each generated token (temperature-scaled distribution)
     text: str  # decoded generated text without special tokens
     finish_reason: Literal["stop", "length"]
+    # The oldest weight version that sampled any of these tokens, min(token_versions): the first token's unless
+    # versions went backwards. Staleness rules use it; after an in-flight weight update later tokens are newer.
     weight_version: int
     meta: dict = field(default_factory=dict)
+    token_versions: list[int] = field(default_factory=list)  # the weight version that sampled each token
+    # With SamplingParams.top_logprobs = k: per generated token, the k most likely (token id, logprob) pairs.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class RolloutEngine(Protocol):

@@ -104,5 +104,6 @@ class EmbeddedEngine:
                 text=self.tokenizer.decode(toks, skip_special_tokens=True),
                 finish_reason="stop" if stopped else "length",
                 weight_version=self.weight_version,
+                token_versions=[self.weight_version] * n,
             ))
         return completions

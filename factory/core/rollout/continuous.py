@@ -1,0 +1,645 @@
+"""The continuous-batching rollout engine: a slot-based KV cache that requests join and leave between decode steps.
+
+Owns the scheduler (admission, one decode step for every running sequence, retirement), the per-request
+sampler state, and weight updates applied between decode steps. The HTTP server (`server.py`) and in-process
+callers (`generate`) submit requests to it; a background thread (`start`) or the caller (`step`) drives it.
+
+KV layout (`SlotKVCache`): per layer one buffer [slots, kv_heads, capacity, head_dim]. Running sequences are
+rows 0..n-1 (a finished row is replaced by the last one, so rows stay dense and every step works on views, no
+gather). All rows share one write column `width`: each step writes every row's new K/V at column `width`, and a
+sequence's valid columns are [start, width) — a new sequence is placed right-aligned, ending at `width`, and a
+boolean mask hides the columns left of its start. Positions (RoPE) are per row, so where a sequence sits in the
+buffer does not change its numbers. When the oldest sequences leave, the dead columns on the left are dropped in
+one copy (compaction); the buffer grows by doubling. A decode step therefore costs one forward over the n running
+rows plus an in-place column write per layer — no per-step `torch.cat` of the whole cache as in `DynamicCache`.
+
+New requests are prefilled together in one left-padded forward (identical prompts — the n samples of a GRPO
+group — once), then copied into free rows; their first token is sampled from the prefill logits.
+
+Sampling is per request: each has its own `torch.Generator`, so a seeded request gives the same tokens whatever
+else shares the batch. Logprobs are those of the temperature-scaled distribution before top-p truncation — what
+`factory.core.trainer.torch_trainer.token_logprobs` computes at that temperature (greedy: temperature 1).
+
+Weight updates (`update_weights`) are applied between decode steps. mode="in_flight": applied at once; running
+sequences keep their KV (computed by the old weights, as PipelineRL does) and their later tokens carry the new
+version. mode="finish_old": admissions stop, running sequences finish on the old weights, then the swap happens and
+queued requests start on the new ones. Every completion lists the version of each token (`token_versions`).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel, PreTrainedTokenizerFast
+
+from factory.core.rollout.base import Completion, SamplingParams
+
+log = logging.getLogger(__name__)
+
+UpdateMode = Literal["finish_old", "in_flight"]
+PauseMode = Literal["drain", "in_place"]
+UPDATE_MODES: tuple[str, ...] = ("finish_old", "in_flight")
+PAUSE_MODES: tuple[str, ...] = ("drain", "in_place")
+
+
+class SlotKVCache:
+    """K/V buffers for the running rows, shaped for the transformers attention modules.
+
+    It is passed to the model as `past_key_values` (transformers calls `update(k, v, layer_idx)` in every attention
+    layer). In capture mode (`begin_prefill`) it only records the new K/V, for a prefill that runs on its own batch.
+    """
+
+    def __init__(self, slots: int, initial_capacity: int = 64):
+        self.slots = slots
+        self.initial_capacity = initial_capacity
+        self.keys: list[Tensor] = []  # per layer [slots, kv_heads, capacity, head_dim]
+        self.values: list[Tensor] = []
+        self.start = torch.zeros(slots, dtype=torch.long)  # first valid column of each row
+        self.n = 0  # running rows: 0..n-1
+        self.width = 0  # columns in use; the next decode step writes column `width`
+        self._captured: list[tuple[Tensor, Tensor]] | None = None
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2] if self.keys else 0
+
+    # -- the part of the transformers Cache interface the attention layers use
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args,
+               **kwargs) -> tuple[Tensor, Tensor]:
+        if self._captured is not None:
+            self._captured.append((key_states, value_states))
+            return key_states, value_states
+        w, n = self.width, self.n
+        k, v = self.keys[layer_idx], self.values[layer_idx]
+        k[:n, :, w] = key_states[:, :, 0]
+        v[:n, :, w] = value_states[:, :, 0]
+        return k[:n, :, : w + 1], v[:n, :, : w + 1]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.width
+
+    # -- prefill capture
+    def begin_prefill(self) -> None:
+        self._captured = []
+
+    def end_prefill(self) -> list[tuple[Tensor, Tensor]]:
+        kv, self._captured = self._captured or [], None
+        return kv
+
+    # -- layout
+    def decode_mask(self) -> Tensor:
+        """[n, 1, 1, width + 1] bool: the columns each row attends to in the next decode step (True = attend)."""
+        cols = torch.arange(self.width + 1)
+        return (cols[None, :] >= self.start[: self.n, None])[:, None, None, :]
+
+    def _resize(self, capacity: int) -> None:
+        """Reallocate every buffer with `capacity` columns, keeping the running rows' columns."""
+        w = self.width
+        for buffers in (self.keys, self.values):
+            for i, old in enumerate(buffers):
+                new = old.new_zeros(old.shape[0], old.shape[1], capacity, old.shape[3])
+                new[: self.n, :, :w] = old[: self.n, :, :w]
+                buffers[i] = new
+
+    def _shift(self, by: int) -> None:
+        """Move the running rows' columns right (by > 0) or left (by < 0)."""
+        w, n = self.width, self.n
+        lo = max(0, -by)  # columns left of `lo` are dropped when shifting left
+        for buffers in (self.keys, self.values):
+            for buf in buffers:
+                # the source and destination overlap, so copy through a temporary
+                buf[:n, :, lo + by : w + by] = buf[:n, :, lo:w].clone()
+        self.start[:n] += by
+        self.width = w + by
+
+    def compact(self, min_gain: int = 1) -> None:
+        """Drop the leading columns no running row uses, if at least `min_gain` of them."""
+        if self.n == 0:
+            self.width = 0
+            return
+        dead = int(self.start[: self.n].min())
+        if dead >= min_gain:
+            self._shift(-dead)
+
+    def reserve_decode(self) -> None:
+        """Make room for one more column."""
+        if self.width + 1 <= self.capacity:
+            return
+        self.compact()
+        if self.width + 1 > self.capacity:
+            self._resize(max(2 * self.capacity, self.width + 1))
+
+    def insert(self, kv: list[tuple[Tensor, Tensor]], src: Tensor, lengths: list[int]) -> None:
+        """Append rows n.. from a prefill's K/V: row j takes prefill row `src[j]` (left-padded to width P), of
+        which the last `lengths[j]` columns are its prompt."""
+        k_count = len(lengths)
+        if self.n + k_count > self.slots:
+            raise RuntimeError(f"{self.n} + {k_count} rows exceed {self.slots} slots")
+        p = kv[0][0].shape[2]
+        if not self.keys:
+            cap = max(self.initial_capacity, p + 1)
+            for k, v in kv:
+                self.keys.append(k.new_zeros(self.slots, k.shape[1], cap, k.shape[3]))
+                self.values.append(v.new_zeros(self.slots, v.shape[1], cap, v.shape[3]))
+        if self.n == 0:
+            self.width = 0
+        if self.width < p:  # the new prompts need p columns left of the write column
+            if p + 1 > self.capacity:
+                self._resize(max(2 * self.capacity, p + 1))
+            self._shift(p - self.width)
+        w, n = self.width, self.n
+        for layer, (k, v) in enumerate(kv):
+            self.keys[layer][n : n + k_count, :, w - p : w] = k.index_select(0, src)
+            self.values[layer][n : n + k_count, :, w - p : w] = v.index_select(0, src)
+        self.start[n : n + k_count] = torch.tensor([w - length for length in lengths], dtype=torch.long)
+        self.n = n + k_count
+
+    def remove(self, row: int) -> None:
+        """Free `row` by moving the last running row into it (callers remove rows in descending order)."""
+        last = self.n - 1
+        if row != last:
+            w = self.width
+            for buffers in (self.keys, self.values):
+                for buf in buffers:
+                    buf[row, :, :w] = buf[last, :, :w]
+            self.start[row] = self.start[last]
+        self.n = last
+
+    def release(self) -> None:
+        """Free the buffers (only when no row is running)."""
+        if self.n:
+            raise RuntimeError("cannot release the KV cache while sequences are running")
+        self.keys, self.values, self.width = [], [], 0
+
+
+def _mix_seed(seed: int, index: int) -> int:
+    """A distinct, well-spread generator seed for sample `index` of a request seeded with `seed`."""
+    return (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9 + 1) % (1 << 63)
+
+
+@dataclass
+class _Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    future: Future
+    generator: torch.Generator
+    submitted_at: float
+    admitted_at: float = 0.0
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    max_batch: int = 0  # the most rows that ran together while this request ran
+
+    @property
+    def next_position(self) -> int:
+        """Position of the last sampled token, which the next decode step feeds."""
+        return len(self.prompt_ids) + len(self.tokens) - 1
+
+
+@dataclass
+class _Update:
+    state_dict: Mapping[str, Tensor]
+    version: int
+    mode: str
+    future: Future
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0  # decode steps
+    prefills: int = 0  # prefill forwards
+    generated_tokens: int = 0
+    prefill_tokens: int = 0  # prompt tokens run through prefill (after de-duplication)
+    completed: int = 0
+    max_running: int = 0
+
+
+def load_state_dict_into(model: PreTrainedModel, state_dict: Mapping[str, Tensor]) -> None:
+    """Load `state_dict` into `model`; a missing tied output embedding is fine, any other mismatch is an error."""
+    try:
+        missing, unexpected = model.load_state_dict(dict(state_dict), strict=False)
+    except RuntimeError as e:  # shape mismatches
+        raise ValueError(f"state dict does not fit the model: {e}") from e
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    missing = [k for k in missing if k not in tied]
+    if missing or unexpected:
+        raise ValueError(f"state dict does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+
+class ContinuousEngine:
+    """Continuous-batching sampler over a transformers causal LM (a `RolloutEngine`).
+
+    `max_batch` rows decode together; waiting requests join whenever rows are free. `max_seq_len` (default: the
+    model's `max_position_embeddings`) bounds prompt + completion; `kv_capacity` is the KV buffer's initial width
+    in columns (it doubles when needed). Drive it with `start()` (a background thread)
+    or, single-threaded, through `generate` / `step`.
+    """
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, weight_version: int = 0,
+                 max_batch: int = 64, max_seq_len: int | None = None, name: str = "factory-policy",
+                 kv_capacity: int = 64):
+        layer_types = set(getattr(model.config, "layer_types", None) or ["full_attention"])
+        if layer_types != {"full_attention"}:
+            raise ValueError(f"only full-attention models are supported, got layer types {sorted(layer_types)}")
+        attn = model.config._attn_implementation
+        if attn not in ("sdpa", "eager"):
+            raise ValueError(f"attention implementation {attn!r} is not supported (use 'sdpa' or 'eager')")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.name = name
+        self.max_batch = max_batch
+        self.max_seq_len = int(max_seq_len or model.config.max_position_embeddings)
+        self.eos_id = tokenizer.eos_token_id
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
+        self._version = weight_version
+        self._additive_mask = attn == "eager"  # eager attention adds its mask; sdpa takes booleans
+        self._kv_capacity = kv_capacity  # initial KV columns; the cache doubles as needed
+        self._cache = SlotKVCache(max_batch, kv_capacity)
+        self._rows: list[_Request] = []  # row i of the cache runs self._rows[i]
+        self._queue: deque[_Request] = deque()
+        self._updates: deque[_Update] = deque()
+        self._paused: str | None = None  # None, "drain" (no admissions) or "in_place" (no admissions, no decoding)
+        self._cond = threading.Condition()
+        self._step_lock = threading.Lock()  # held while the cache or the model is in use
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._seeds = random.Random()
+        self.stats = EngineStats()
+
+    # ------------------------------------------------------------------ public state
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    @weight_version.setter
+    def weight_version(self, version: int) -> None:
+        # In-process publication: the caller changed the model's weights itself (e.g. it shares the trainer's model).
+        self._version = version
+
+    @property
+    def running(self) -> int:
+        return len(self._rows)
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    @property
+    def paused(self) -> str | None:
+        return self._paused
+
+    def encode(self, prompts: list[str]) -> list[list[int]]:
+        return [self.tokenizer(p).input_ids for p in prompts]
+
+    def info(self) -> dict:
+        return {"weight_version": self._version, "running": self.running, "queued": self.queued,
+                "paused": self._paused, "pending_updates": len(self._updates), "max_batch": self.max_batch,
+                "max_seq_len": self.max_seq_len, "kv_width": self._cache.width, "kv_capacity": self._cache.capacity,
+                **vars(self.stats)}
+
+    # ------------------------------------------------------------------ requests
+    def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError, with a message for the caller, if this request cannot run."""
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if params.max_new_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {params.max_new_tokens}")
+        if len(prompt_ids) + params.max_new_tokens > self.max_seq_len:
+            raise ValueError(f"this model's maximum context length is {self.max_seq_len} tokens; the request needs "
+                             f"{len(prompt_ids) + params.max_new_tokens} ({len(prompt_ids)} in the prompt, "
+                             f"{params.max_new_tokens} for the completion)")
+        if not params.greedy and params.temperature <= 0:
+            raise ValueError(f"temperature must be > 0 when sampling, got {params.temperature}")
+        if not 0 < params.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
+        if params.top_logprobs < 0 or params.top_logprobs > vocab:
+            raise ValueError(f"top_logprobs must be in [0, {vocab}], got {params.top_logprobs}")
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, sample_index: int = 0) -> Future:
+        """Queue one completion of `prompt_ids` (params.n is ignored here; callers submit n times with distinct
+        `sample_index`). Returns a Future of a `Completion`; cancelling the future (queued or running; the
+        future stays pending until the result is set) drops the request at the next step."""
+        self.check(prompt_ids, params)
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        req = _Request(list(prompt_ids), params, Future(),
+                       torch.Generator().manual_seed(_mix_seed(seed, sample_index)), time.perf_counter())
+        with self._cond:
+            self._queue.append(req)
+            self._cond.notify_all()
+        return req.future
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        """For each prompt, `params.n` completions (the `RolloutEngine` call). Sample j of prompt i draws from
+        seed (params.seed, i * n + j), so results do not depend on how requests were batched."""
+        futures = [[self.submit(p, params, sample_index=i * params.n + j) for j in range(params.n)]
+                   for i, p in enumerate(prompts)]
+        flat = [f for group in futures for f in group]
+        if self._thread is not None and self._thread.is_alive():
+            wait_futures(flat)
+        else:
+            while not all(f.done() for f in flat):
+                if not self.step():
+                    raise RuntimeError("the engine cannot make progress (paused, or a weight update is waiting)")
+        return [[f.result() for f in group] for group in futures]
+
+    # ------------------------------------------------------------------ control
+    def update_weights(self, state_dict: Mapping[str, Tensor], version: int, mode: UpdateMode = "finish_old") -> Future:
+        """Swap in new weights between decode steps; returns a Future resolved with `version` once applied."""
+        if mode not in UPDATE_MODES:
+            raise ValueError(f"mode must be one of {', '.join(UPDATE_MODES)}, got {mode!r}")
+        upd = _Update(state_dict, int(version), mode, Future())
+        with self._cond:
+            self._updates.append(upd)
+            self._cond.notify_all()
+        return upd.future
+
+    def load_weights(self, state_dict: dict, version: int) -> None:
+        """The `RolloutEngine` call: apply now if idle, else after running sequences finish on the old weights."""
+        fut = self.update_weights(state_dict, version, "finish_old")
+        if self._thread is None or not self._thread.is_alive():
+            while not fut.done():
+                if not self.step():
+                    raise RuntimeError("the engine cannot apply the update (paused in place with running sequences)")
+        fut.result()
+
+    def pause(self, mode: PauseMode = "drain") -> None:
+        """Stop admitting requests; "in_place" also stops decoding (running sequences keep their rows and KV)."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        with self._cond:
+            self._paused = mode
+            self._cond.notify_all()
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = None
+            self._cond.notify_all()
+
+    def wait_until(self, predicate: Callable[[], bool], timeout: float) -> bool:
+        """Block until `predicate()` holds (checked after every scheduler step) or `timeout` seconds pass."""
+        with self._cond:
+            return self._cond.wait_for(predicate, timeout)
+
+    def flush_cache(self) -> bool:
+        """Free the KV buffers if nothing is running or queued; return whether it did."""
+        with self._step_lock, self._cond:
+            if self._rows or self._queue:
+                return False
+            self._cache.release()
+            return True
+
+    # ------------------------------------------------------------------ the background thread
+    def start(self) -> ContinuousEngine:
+        if self._thread is None or not self._thread.is_alive():
+            self._stopping = False
+            self._thread = threading.Thread(target=self._run, name="continuous-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def _has_work(self) -> bool:
+        if self._updates and (self._updates[0].mode == "in_flight" or not self._rows):
+            return True
+        decoding = bool(self._rows) and self._paused != "in_place"
+        admitting = bool(self._queue) and self._admitting() and len(self._rows) < self.max_batch
+        return decoding or admitting
+
+    def _admitting(self) -> bool:
+        # A pending finish_old update holds new requests back until the old weights have drained.
+        return self._paused is None and not self._updates
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._stopping or self._has_work())
+                if self._stopping:
+                    return
+            try:
+                self.step()
+            except Exception:  # step() already failed the affected requests; the server goes on
+                log.exception("rollout engine step failed")
+
+    def _fail(self, requests: list[_Request], err: Exception) -> None:
+        """Fail `requests` and every running row, and start over with an empty cache (caller holds _step_lock)."""
+        with self._cond:
+            for req in [*requests, *self._rows]:
+                if not req.future.done():
+                    try:
+                        req.future.set_exception(err)
+                    except InvalidStateError:  # cancelled meanwhile
+                        pass
+            self._rows = []
+            self._cache = SlotKVCache(self.max_batch, self._kv_capacity)
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------------ the scheduler
+    @torch.no_grad()
+    def step(self) -> bool:
+        """One scheduler iteration: due weight updates, admissions, one decode step, retirements.
+        Returns whether anything happened. Do not call it while the background thread runs. If the model
+        raises, the requests it was running fail with that error, and so does this call."""
+        with self._step_lock:
+            did = self._apply_updates()
+            with self._cond:
+                admit: list[_Request] = []
+                if self._admitting():
+                    while self._queue and len(self._rows) + len(admit) < self.max_batch:
+                        req = self._queue.popleft()
+                        if not req.future.cancelled():
+                            admit.append(req)
+            try:
+                if admit:
+                    self._prefill(admit)
+                    self._retire()  # a first token may already end a request
+                    did = True
+                if self._rows and self._paused != "in_place":
+                    self._decode()
+                    did = True
+                self._retire()
+            except Exception as e:
+                self._fail(admit, e)
+                raise
+            if did and not self._rows:
+                self._apply_updates()  # a finish_old update may be due now that the last row left
+        with self._cond:
+            self._cond.notify_all()
+        return did
+
+    def _apply_updates(self) -> bool:
+        applied = False
+        while True:
+            with self._cond:
+                if not self._updates or (self._updates[0].mode == "finish_old" and self._rows):
+                    return applied
+                upd = self._updates.popleft()
+            try:
+                load_state_dict_into(self.model, upd.state_dict)
+                self.model.eval()
+            except Exception as e:
+                upd.future.set_exception(e)
+            else:
+                self._version = upd.version
+                upd.future.set_result(upd.version)
+            applied = True
+
+    def _mask(self, allowed: Tensor) -> Tensor:
+        if not self._additive_mask:
+            return allowed
+        dtype = self.model.dtype
+        return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+
+    def _prefill(self, admit: list[_Request]) -> None:
+        """Run the new prompts (each distinct prompt once), add their rows, sample their first token."""
+        unique: dict[tuple[int, ...], int] = {}
+        src = [unique.setdefault(tuple(r.prompt_ids), len(unique)) for r in admit]
+        prompts = list(unique)
+        p = max(len(q) for q in prompts)
+        ids = torch.full((len(prompts), p), self.pad_id, dtype=torch.long)
+        lengths = torch.tensor([len(q) for q in prompts])
+        for i, q in enumerate(prompts):
+            ids[i, p - len(q):] = torch.tensor(q)
+        cols = torch.arange(p)
+        offset = (p - lengths)[:, None]
+        pos = (cols[None, :] - offset).clamp(min=0)
+        valid = cols[None, :] >= offset  # [u, p] real (non-pad) columns
+        allowed = torch.tril(torch.ones(p, p, dtype=torch.bool))[None] & valid[:, None, :]
+        # Pad queries attend to themselves: a row with nothing to attend to would turn into NaN.
+        allowed = allowed | torch.eye(p, dtype=torch.bool)[None]
+        self._cache.begin_prefill()
+        try:
+            out = self.model(input_ids=ids, position_ids=pos,
+                             attention_mask={"full_attention": self._mask(allowed[:, None])},
+                             past_key_values=self._cache, use_cache=True, logits_to_keep=1)
+        finally:
+            kv = self._cache.end_prefill()
+        self.stats.prefills += 1
+        self.stats.prefill_tokens += int(lengths.sum())
+        src_t = torch.tensor(src)
+        self._cache.insert(kv, src_t, [len(r.prompt_ids) for r in admit])
+        now = time.perf_counter()
+        for r in admit:
+            r.admitted_at = now
+        self._rows.extend(admit)
+        first = len(self._rows) - len(admit)
+        self._sample(out.logits[:, -1, :].index_select(0, src_t), self._rows[first:])
+
+    def _decode(self) -> None:
+        cache = self._cache
+        cache.reserve_decode()
+        rows = self._rows
+        ids = torch.tensor([[r.tokens[-1]] for r in rows])
+        pos = torch.tensor([[r.next_position] for r in rows])
+        mask = self._mask(cache.decode_mask())
+        out = self.model(input_ids=ids, position_ids=pos, attention_mask={"full_attention": mask},
+                         past_key_values=cache, use_cache=True)
+        cache.width += 1
+        self.stats.steps += 1
+        self._sample(out.logits[:, -1, :], rows)
+
+    def _sample(self, logits: Tensor, rows: list[_Request]) -> None:
+        """Pick each row's next token with its own parameters and generator; record it and its logprob."""
+        b = len(rows)
+        greedy = torch.tensor([r.params.greedy for r in rows])
+        temps = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in rows])[:, None]
+        logp = torch.log_softmax(logits.float() / temps, dim=-1)
+        probs = logp.exp()
+        top_p = torch.tensor([r.params.top_p for r in rows])
+        if bool((top_p < 1).any()):
+            sorted_p, idx = probs.sort(dim=-1, descending=True)
+            keep = (sorted_p.cumsum(-1) - sorted_p < top_p[:, None]) | (top_p[:, None] >= 1)  # top token always kept
+            probs = torch.zeros_like(probs).scatter(-1, idx, torch.where(keep, sorted_p, torch.zeros_like(sorted_p)))
+        # Inverse-CDF sampling with one uniform per row from that row's generator: batched, yet per-request seeded.
+        u = torch.cat([torch.rand(1, generator=r.generator) for r in rows])
+        cdf = probs.cumsum(-1)
+        sampled = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)
+        sampled = sampled.clamp(max=probs.shape[-1] - 1)
+        tok = torch.where(greedy, logp.argmax(-1), sampled)
+        tok_logp = logp.gather(-1, tok[:, None]).squeeze(-1)
+        k = max(r.params.top_logprobs for r in rows)
+        top = logp.topk(k, dim=-1) if k else None
+        toks, lps = tok.tolist(), tok_logp.tolist()
+        version = self._version
+        for i, r in enumerate(rows):
+            r.tokens.append(toks[i])
+            r.logprobs.append(lps[i])
+            r.versions.append(version)
+            r.max_batch = max(r.max_batch, b)
+            if r.params.top_logprobs:
+                kk = r.params.top_logprobs
+                r.top.append(list(zip(top.indices[i, :kk].tolist(), top.values[i, :kk].tolist(), strict=True)))
+            self._check_stop(r)
+        self.stats.generated_tokens += b
+        self.stats.max_running = max(self.stats.max_running, b)
+
+    def _check_stop(self, r: _Request) -> None:
+        t, p = r.tokens[-1], r.params
+        if t == self.eos_id and not p.ignore_eos or t in p.stop_token_ids:
+            r.finish_reason, r.stop_reason = "stop", t
+        elif p.stop and (hit := self._find_stop(r)) is not None:
+            r.finish_reason, r.stop_reason = "stop", hit[1]
+        elif len(r.tokens) >= p.max_new_tokens or len(r.prompt_ids) + len(r.tokens) >= self.max_seq_len:
+            r.finish_reason = "length"
+
+    def _find_stop(self, r: _Request) -> tuple[int, str] | None:
+        """Earliest (char offset, stop string) in the decoded completion, if any."""
+        text = self.tokenizer.decode(r.tokens, skip_special_tokens=True)
+        hits = [(i, s) for s in r.params.stop if (i := text.find(s)) >= 0]
+        return min(hits) if hits else None
+
+    def _retire(self) -> None:
+        """Remove finished and cancelled rows; resolve their futures."""
+        done = [i for i, r in enumerate(self._rows) if r.finish_reason is not None or r.future.cancelled()]
+        if not done:
+            return
+        finished = []
+        for i in reversed(done):  # descending, so the row moved into i is one that stays
+            self._cache.remove(i)
+            req = self._rows[i]
+            self._rows[i] = self._rows[-1]
+            self._rows.pop()
+            if not req.future.cancelled():
+                finished.append(req)
+        self._cache.compact(min_gain=max(16, self._cache.width // 4))
+        for req in reversed(finished):
+            try:
+                req.future.set_result(self._completion(req))
+            except InvalidStateError:  # cancelled since the check above
+                continue
+            self.stats.completed += 1
+
+    def _completion(self, r: _Request) -> Completion:
+        text = self.tokenizer.decode(r.tokens, skip_special_tokens=True)
+        if isinstance(r.stop_reason, str):
+            text = text[: text.find(r.stop_reason)]
+        now = time.perf_counter()
+        return Completion(
+            prompt_ids=r.prompt_ids, token_ids=r.tokens, logprobs=r.logprobs, text=text,
+            finish_reason=r.finish_reason, weight_version=min(r.versions), token_versions=r.versions,
+            top_logprobs=r.top if r.params.top_logprobs else None,
+            meta={"stop_reason": r.stop_reason, "max_batch": r.max_batch,
+                  "queue_s": r.admitted_at - r.submitted_at, "latency_s": now - r.submitted_at},
+        )
