@@ -111,6 +111,31 @@ def cmd_run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Serve a checkpoint (or a freshly built preset model) over the OpenAI API until interrupted."""
+    from factory.core.rollout.continuous import ContinuousEngine
+    from factory.core.rollout.server import engine_from_checkpoint, serve
+
+    try:
+        if args.checkpoint:
+            engine = engine_from_checkpoint(args.checkpoint, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
+                                            version=args.weight_version)
+        else:
+            from factory.models.build import build_model
+            from factory.models.tokenizer import build_tokenizer
+
+            tok = build_tokenizer()
+            engine = ContinuousEngine(build_model(args.preset, tok, seed=args.seed), tok, args.weight_version,
+                                      max_batch=args.max_batch, max_seq_len=args.max_seq_len, name=args.preset)
+    except (FileNotFoundError, ValueError, OSError) as e:
+        error(str(e))
+        return EXIT_BAD_INPUT
+    print(f"factory: serving {engine.name} (weight version {engine.weight_version}) on http://{args.host}:{args.port}",
+          file=sys.stderr)
+    serve(engine, host=args.host, port=args.port, model_path=args.checkpoint)
+    return EXIT_OK
+
+
 def _add_spec(p: argparse.ArgumentParser) -> None:
     p.add_argument("spec", help="path to an experiment spec (YAML)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
@@ -142,6 +167,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("runs", help="list runs with status and final accuracy")
     _add_format(p)
     p.set_defaults(func=cmd_runs)
+
+    p = sub.add_parser("serve", help="serve a policy over the OpenAI API (rollout server mode)",
+                       description="OpenAI-compatible rollout server with SGLang-style control endpoints.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="HF-format checkpoint directory to serve")
+    src.add_argument("--preset", help="serve a freshly initialised model of this preset (for trying the API)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    p.add_argument("--max-batch", type=int, default=64, help="sequences decoded together (default: 64)")
+    p.add_argument("--max-seq-len", type=int, help="prompt + completion limit (default: the model's context)")
+    p.add_argument("--weight-version", type=int, default=0, help="version tag of the served weights (default: 0)")
+    p.add_argument("--seed", type=int, default=0, help="init seed for --preset")
+    p.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -1,0 +1,677 @@
+"""The rollout server: an OpenAI-compatible HTTP API (FastAPI + uvicorn) over a `ContinuousEngine`.
+
+Owns the HTTP surface, request validation, the chat template, the session records and the launcher; sampling is
+the engine's. Endpoints:
+
+- OpenAI: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (no streaming). The `openai`
+  client works unchanged; `model` may be any name.
+- Control, named as SGLang names them: `GET /health`, `GET /get_model_info`, `GET /get_server_info`,
+  `POST /update_weights_from_disk` {"model_path", "version"?, "mode"?}, `POST /pause_generation`
+  {"mode"?: "drain" | "in_place", "wait"?}, `POST /continue_generation`, `POST /flush_cache`; and (SGLang has no
+  such endpoint) `POST /update_weights_from_delta`: the body is a serialized `factory.core.weights.WeightUpdate`
+  (`to_bytes()`; full or delta against the served version), `?mode=`; 409 when the delta's base version is not
+  the served one (send a full update). Update modes: "finish_old" (default; running requests end on the old
+  weights) or "in_flight" (they continue on the new ones; see `continuous.py`).
+- Sessions: `GET /sessions/{id}`, `DELETE /sessions/{id}`.
+
+Extension fields on every choice (the exact tokens, so the trainer never re-tokenizes):
+  `prompt_token_ids`  the prompt as the engine ran it (chat: after the template),
+  `token_ids`         the generated ids, including a stop token / stop-string tokens that ended the completion
+                      (the OpenAI `text` excludes a stop string; `token_ids` keep what was sampled),
+  `token_logprobs`    the sampler's logprob of each generated token (temperature-scaled, before top-p),
+  `token_versions`    the weight version that sampled each token,
+  `weight_version`    the oldest of them (all equal unless an in-flight update happened mid-completion),
+  `stop_reason`       the stop token id or stop string that ended it (null for EOS-free length stops).
+Extension request fields (the openai client's `extra_body`): `session_id`, `stop_token_ids`, `ignore_eos`.
+temperature=0 is greedy; its logprobs are those of the untempered distribution (temperature 1).
+
+Sessions: a request names its session with the `X-Session-Id` header or a `session_id` body field. Every choice
+is recorded as a turn (prompt ids, completion ids, logprobs, versions). For chat, when the request's messages
+continue a recorded turn (same earlier messages, then that turn's reply verbatim as an assistant message), the
+prompt is built from that turn's exact prompt + completion ids followed by the template of the new messages:
+the episode's token stream is never re-tokenized, and the last turn's `prompt_token_ids + token_ids` is the whole
+episode.
+
+Chat template for tokenizers without one (our character tokenizers): `<bos>`, then each message's content
+tokens in order, with `<eos>` after every assistant message; nothing is added for the reply. So a single user
+message gives exactly the completions prompt of its text. Roles are not marked (the character vocabularies have
+no role tokens). Tokenizers with a `chat_template` use it (`apply_chat_template`, add_generation_prompt=True).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict
+from torch import Tensor
+
+from factory.core.rollout.base import Completion, SamplingParams
+from factory.core.rollout.continuous import PAUSE_MODES, UPDATE_MODES, ContinuousEngine
+
+SESSION_HEADER = "x-session-id"
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # the OpenAI default for /v1/completions
+MAX_N = 256
+
+# Turns a weight-update request body, the served weights (a copy) and their version into the new state dict and
+# the version the payload names (None: the request's ?version=, else the current version + 1).
+DeltaDecoder = Callable[[bytes, Mapping[str, Tensor], int], tuple[Mapping[str, Tensor], int | None]]
+
+
+def weight_update_decoder(payload: bytes, current: Mapping[str, Tensor],
+                          current_version: int) -> tuple[Mapping[str, Tensor], int | None]:
+    """The default decoder: a serialized `factory.core.weights.WeightUpdate` (full, or a lossless delta whose base
+    version must be the served version; every tensor is checked against its checksum)."""
+    from factory.core.weights import WeightUpdate, apply_update
+
+    update = WeightUpdate.from_bytes(payload)
+    return apply_update(dict(current), update, current_version), update.version
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+
+def _error_response(status: int, message: str, param: str | None = None,
+                    kind: str = "invalid_request_error") -> JSONResponse:
+    # OpenAI's error shape; the openai client raises BadRequestError etc. with this message.
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None},
+                         "success": False, "message": message}, status_code=status)
+
+
+# ---------------------------------------------------------------------------------------------- request bodies
+class _SamplingRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")  # OpenAI clients send fields we do not use (user, metadata, ...)
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool | None = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    session_id: str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = DEFAULT_COMPLETION_MAX_TOKENS
+    logprobs: int | None = None
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ChatRequest(_SamplingRequest):
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+
+
+class UpdateFromDiskRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")  # SGLang's load_format, flush_cache, ... are accepted and ignored
+
+    model_path: str
+    version: int | None = None
+    weight_version: int | str | None = None  # SGLang's name for it
+    mode: str = "finish_old"
+
+
+class PauseRequest(BaseModel):
+    mode: str = "drain"
+    wait: bool = False  # drain mode: answer once running sequences have finished
+    timeout: float = 60.0
+
+
+# ---------------------------------------------------------------------------------------------- sessions
+@dataclass
+class Turn:
+    endpoint: str  # "completions" or "chat"
+    choice: int
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    token_versions: list[int]
+    weight_version: int
+    finish_reason: str
+    text: str
+    messages: list[dict[str, str]] | None = None  # chat: the request's messages (normalized)
+    continues_turn: int | None = None  # chat: the turn whose exact ids start this prompt
+    created: float = field(default_factory=time.time)
+
+    def to_json(self, index: int) -> dict:
+        return {"turn": index, **{k: v for k, v in vars(self).items()}}
+
+
+class SessionStore:
+    """Turns recorded per session id, the least recently used sessions dropped past `max_sessions`."""
+
+    def __init__(self, max_sessions: int = 10_000):
+        self.max_sessions = max_sessions
+        self._sessions: OrderedDict[str, list[Turn]] = OrderedDict()
+
+    def get(self, sid: str) -> list[Turn] | None:
+        turns = self._sessions.get(sid)
+        if turns is not None:
+            self._sessions.move_to_end(sid)
+        return turns
+
+    def add(self, sid: str, turns: list[Turn]) -> int:
+        """Record turns; return the index of the first."""
+        rec = self._sessions.setdefault(sid, [])
+        self._sessions.move_to_end(sid)
+        first = len(rec)
+        rec.extend(turns)
+        while len(self._sessions) > self.max_sessions:
+            self._sessions.popitem(last=False)
+        return first
+
+    def delete(self, sid: str) -> bool:
+        return self._sessions.pop(sid, None) is not None
+
+
+# ---------------------------------------------------------------------------------------------- chat template
+def _message_text(msg: dict[str, Any], i: int) -> dict[str, str]:
+    role = msg.get("role")
+    if role == "developer":
+        role = "system"
+    if role not in ("system", "user", "assistant", "tool"):
+        raise APIError(400, f"messages[{i}].role must be system, user, assistant or tool, got {role!r}",
+                       f"messages[{i}].role")
+    content = msg.get("content")
+    if content is None:
+        content = ""
+    if isinstance(content, list):  # content parts: only text is supported
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise APIError(400, f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
+            parts.append(part["text"])
+        content = "".join(parts)
+    if not isinstance(content, str):
+        raise APIError(400, f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
+    return {"role": role, "content": content}
+
+
+class ChatTemplate:
+    """Renders messages to prompt token ids (see the module docstring for the built-in template)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.native = bool(getattr(tokenizer, "chat_template", None))
+
+    def render(self, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
+        tok = self.tokenizer
+        if self.native:
+            ids = tok.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
+            return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
+        out = [tok.bos_token_id] if tok.bos_token_id is not None else []
+        for m in messages:
+            out += _encode(tok, m["content"], special=False)
+            if m["role"] == "assistant":
+                out.append(tok.eos_token_id)
+        return out
+
+
+def _encode(tokenizer, text: str, special: bool = True) -> list[int]:
+    try:
+        return list(tokenizer(text, add_special_tokens=special).input_ids)
+    except Exception as e:  # e.g. a character outside a character tokenizer's alphabet
+        raise APIError(400, f"the tokenizer cannot encode {text[:40]!r}: {e}", "prompt") from e
+
+
+# ---------------------------------------------------------------------------------------------- weights on disk
+def load_weights_dir(path: str | Path) -> dict[str, Tensor]:
+    """The safetensors weights of an HF checkpoint directory (one file or an index of shards)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model_path is not a directory: {path}")
+    single = path / "model.safetensors"
+    if single.is_file():
+        return load_file(single)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        out: dict[str, Tensor] = {}
+        for shard in shards:
+            out.update(load_file(path / shard))
+        return out
+    raise FileNotFoundError(f"no model.safetensors (or its index) in {path}")
+
+
+# ---------------------------------------------------------------------------------------------- the app
+class RolloutServer:
+    """The state behind the HTTP routes: the engine, the chat template, the sessions."""
+
+    def __init__(self, engine: ContinuousEngine, model_path: str | None = None,
+                 delta_decoder: DeltaDecoder | None = None, max_sessions: int = 10_000):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_path = model_path
+        self.delta_decoder = delta_decoder or weight_update_decoder
+        self.template = ChatTemplate(engine.tokenizer)
+        self.sessions = SessionStore(max_sessions)
+        self.created = int(time.time())
+        self._update_lock = asyncio.Lock()  # one weight update at a time, in arrival order
+
+    # -- helpers
+    def _session_id(self, request: Request, body: _SamplingRequest) -> str | None:
+        header = request.headers.get(SESSION_HEADER)
+        if header and body.session_id and header != body.session_id:
+            raise APIError(400, f"session id differs between the {SESSION_HEADER} header and the body", "session_id")
+        return body.session_id or header or None
+
+    def _params(self, body: _SamplingRequest, max_tokens: int, top_logprobs: int) -> SamplingParams:
+        if body.stream:
+            raise APIError(400, "stream=true is not supported by this server", "stream")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(body, name) not in (None, 0, 0.0):
+                raise APIError(400, f"{name} is not supported", name)
+        if body.logit_bias:
+            raise APIError(400, "logit_bias is not supported", "logit_bias")
+        if not 1 <= body.n <= MAX_N:
+            raise APIError(400, f"n must be in [1, {MAX_N}], got {body.n}", "n")
+        if max_tokens < 1:
+            raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+        temperature = 1.0 if body.temperature is None else body.temperature
+        if temperature < 0:
+            raise APIError(400, f"temperature must be >= 0, got {temperature}", "temperature")
+        top_p = 1.0 if body.top_p is None else body.top_p
+        if not 0 < top_p <= 1:
+            raise APIError(400, f"top_p must be in (0, 1], got {top_p}", "top_p")
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if any(not s for s in stop):
+            raise APIError(400, "stop strings must be non-empty", "stop")
+        return SamplingParams(
+            n=body.n, temperature=temperature if temperature > 0 else 1.0, top_p=top_p,
+            max_new_tokens=max_tokens, greedy=temperature == 0, seed=body.seed, stop=tuple(stop),
+            stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos, top_logprobs=top_logprobs,
+        )
+
+    async def _run(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """All n samples of every prompt, submitted together so that they batch; choice order is prompt-major."""
+        try:
+            for p in prompts:  # all checked before any is queued
+                self.engine.check(p, params)
+        except ValueError as e:
+            raise APIError(400, str(e)) from e
+        # Distinct sample indexes keep seeded samples of different prompts independent.
+        futures = [self.engine.submit(p, params, sample_index=i * params.n + j)
+                   for i, p in enumerate(prompts) for j in range(params.n)]
+        try:
+            return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
+        except asyncio.CancelledError:
+            for f in futures:  # the client went away: free the rows
+                f.cancel()
+            raise
+
+    def _token_str(self, tid: int) -> str:
+        return self.tokenizer.decode([tid])
+
+    def _extension(self, c: Completion) -> dict:
+        return {"prompt_token_ids": c.prompt_ids, "token_ids": c.token_ids, "token_logprobs": c.logprobs,
+                "token_versions": c.token_versions, "weight_version": c.weight_version,
+                "stop_reason": c.meta.get("stop_reason")}
+
+    def _usage(self, prompts: list[list[int]], comps: list[Completion]) -> dict:
+        p = sum(len(x) for x in prompts)
+        c = sum(len(x.token_ids) for x in comps)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    def _record(self, sid: str | None, turns: list[Turn]) -> None:
+        if sid is not None:
+            self.sessions.add(sid, turns)
+
+    # -- /v1/completions
+    async def completions(self, request: Request, body: CompletionRequest) -> dict:
+        if body.echo:
+            raise APIError(400, "echo=true is not supported", "echo")
+        if body.best_of not in (None, 1, body.n):
+            raise APIError(400, "best_of is not supported", "best_of")
+        if body.suffix:
+            raise APIError(400, "suffix is not supported", "suffix")
+        k = body.logprobs
+        if k is not None and not 0 <= k <= 20:
+            raise APIError(400, f"logprobs must be in [0, 20], got {k}", "logprobs")
+        sid = self._session_id(request, body)
+        prompts = self._completion_prompts(body.prompt)
+        params = self._params(body, DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens,
+                              k or 0)
+        comps = await self._run(prompts, params)
+        choices = []
+        for i, c in enumerate(comps):
+            choices.append({"index": i, "text": c.text, "finish_reason": c.finish_reason,
+                            "logprobs": None if k is None else self._completion_logprobs(c, k),
+                            **self._extension(c)})
+        self._record(sid, [Turn("completions", i, c.prompt_ids, c.token_ids, c.logprobs, c.token_versions,
+                                c.weight_version, c.finish_reason, c.text) for i, c in enumerate(comps)])
+        return {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
+                "model": self.engine.name, "choices": choices, "usage": self._usage(prompts, comps),
+                "session_id": sid}
+
+    def _completion_prompts(self, prompt: str | list) -> list[list[int]]:
+        if isinstance(prompt, str):
+            return [_encode(self.tokenizer, prompt)]
+        if not prompt:
+            raise APIError(400, "prompt is empty", "prompt")
+        if all(isinstance(p, str) for p in prompt):
+            return [_encode(self.tokenizer, p) for p in prompt]
+        if all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]
+        return [list(p) for p in prompt]
+
+    def _completion_logprobs(self, c: Completion, k: int) -> dict:
+        tokens = [self._token_str(t) for t in c.token_ids]
+        offsets, pos = [], 0
+        for t in c.token_ids:
+            offsets.append(pos)
+            pos += len(self.tokenizer.decode([t], skip_special_tokens=True))
+        top = None
+        if k and c.top_logprobs is not None:
+            top = [{self._token_str(t): lp for t, lp in alts} for alts in c.top_logprobs]
+        return {"tokens": tokens, "token_logprobs": c.logprobs, "top_logprobs": top, "text_offset": offsets}
+
+    # -- /v1/chat/completions
+    async def chat(self, request: Request, body: ChatRequest) -> dict:
+        if not body.messages:
+            raise APIError(400, "messages must not be empty", "messages")
+        k = body.top_logprobs
+        if k is not None and not 0 <= k <= 20:
+            raise APIError(400, f"top_logprobs must be in [0, 20], got {k}", "top_logprobs")
+        if k and not body.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs=true", "top_logprobs")
+        sid = self._session_id(request, body)
+        messages = [_message_text(m, i) for i, m in enumerate(body.messages)]
+        prompt, continues = self._chat_prompt(messages, sid)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        if max_tokens is None:  # as many as fit the context
+            max_tokens = max(1, self.engine.max_seq_len - len(prompt))
+        params = self._params(body, max_tokens, k or 0)
+        comps = await self._run([prompt], params)
+        choices = []
+        for i, c in enumerate(comps):
+            choices.append({"index": i, "message": {"role": "assistant", "content": c.text},
+                            "finish_reason": c.finish_reason,
+                            "logprobs": self._chat_logprobs(c) if body.logprobs else None, **self._extension(c)})
+        self._record(sid, [Turn("chat", i, c.prompt_ids, c.token_ids, c.logprobs, c.token_versions, c.weight_version,
+                                c.finish_reason, c.text, messages, continues) for i, c in enumerate(comps)])
+        return {"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion", "created": int(time.time()),
+                "model": self.engine.name, "choices": choices, "usage": self._usage([prompt], comps),
+                "session_id": sid}
+
+    def _chat_prompt(self, messages: list[dict[str, str]], sid: str | None) -> tuple[list[int], int | None]:
+        """Prompt ids for `messages`; in a session, continue the exact ids of the turn these messages extend."""
+        full = self.template.render(messages, generation_prompt=True)
+        turns = self.sessions.get(sid) if sid is not None else None
+        for idx in range(len(turns or []) - 1, -1, -1):
+            t = turns[idx]
+            j = len(t.messages or [])
+            if (t.endpoint == "chat" and len(messages) > j and messages[:j] == t.messages
+                    and messages[j] == {"role": "assistant", "content": t.text}):
+                head = self.template.render(messages[: j + 1], generation_prompt=False)
+                if full[: len(head)] == head:  # the template renders the conversation prefix-stably
+                    return t.prompt_ids + t.completion_ids + full[len(head):], idx
+        return full, None
+
+    def _chat_logprobs(self, c: Completion) -> dict:
+        content = []
+        for i, (t, lp) in enumerate(zip(c.token_ids, c.logprobs, strict=True)):
+            s = self._token_str(t)
+            alts = c.top_logprobs[i] if c.top_logprobs is not None else []
+            content.append({"token": s, "logprob": lp, "bytes": list(s.encode()),
+                            "top_logprobs": [{"token": (a := self._token_str(at)), "logprob": alp,
+                                              "bytes": list(a.encode())} for at, alp in alts]})
+        return {"content": content, "refusal": None}
+
+    # -- control
+    def model_info(self) -> dict:
+        cfg = json.loads(self.engine.model.config.to_json_string())
+        return {"model_path": self.model_path, "tokenizer_path": self.model_path, "is_generation": True,
+                "served_model_name": self.engine.name, "weight_version": self.engine.weight_version,
+                "max_seq_len": self.engine.max_seq_len, "config": cfg}
+
+    async def update(self, state_fn: Callable[[], tuple[Mapping[str, Tensor], int | None]], version: int | None,
+                     mode: str) -> dict:
+        if mode not in UPDATE_MODES:
+            raise APIError(400, f"mode must be one of {', '.join(UPDATE_MODES)}, got {mode!r}", "mode")
+        if mode == "finish_old" and self.engine.paused == "in_place" and self.engine.running:
+            raise APIError(400, "running requests cannot finish on the old weights while generation is paused in "
+                                "place: continue_generation first, or use mode=in_flight", "mode")
+        async with self._update_lock:
+            try:
+                state, carried = await asyncio.to_thread(state_fn)
+            except (FileNotFoundError, ValueError, KeyError) as e:
+                raise APIError(400, f"cannot load the weights: {e}") from e
+            if carried is not None and version is not None and int(carried) != int(version):
+                raise APIError(400, f"the update is version {carried} but the request says {version}", "version")
+            version = carried if carried is not None else version
+            new_version = self.engine.weight_version + 1 if version is None else int(version)
+            try:
+                applied = await asyncio.wrap_future(self.engine.update_weights(state, new_version, mode))
+            except ValueError as e:
+                raise APIError(400, f"cannot load the weights: {e}") from e
+        return {"success": True, "message": f"weights updated to version {applied} ({mode})",
+                "weight_version": applied, "num_paused_requests": 0}
+
+
+def create_app(engine: ContinuousEngine, model_path: str | None = None, delta_decoder: DeltaDecoder | None = None,
+               max_sessions: int = 10_000) -> FastAPI:
+    """The FastAPI app serving `engine` (which must be driven by its background thread: `engine.start()`)."""
+    srv = RolloutServer(engine, model_path, delta_decoder, max_sessions)
+    app = FastAPI(title="factory rollout server", docs_url=None, redoc_url=None)
+    app.state.rollout = srv
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError) -> JSONResponse:
+        return _error_response(e.status, e.message, e.param, e.kind)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        problems = []
+        for err in e.errors():
+            loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+            problems.append(f"{loc or 'body'}: {err.get('msg')}")
+        first = e.errors()[0].get("loc", ()) if e.errors() else ()
+        return _error_response(400, "invalid request: " + "; ".join(problems[:5]),
+                               ".".join(str(x) for x in first if x != "body") or None)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": engine.name, "object": "model", "created": srv.created,
+                                            "owned_by": "factory", "max_model_len": engine.max_seq_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, body: CompletionRequest) -> dict:
+        return await srv.completions(request, body)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request, body: ChatRequest) -> dict:
+        return await srv.chat(request, body)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "weight_version": engine.weight_version}
+
+    @app.get("/get_model_info")
+    async def model_info() -> dict:
+        return srv.model_info()
+
+    @app.get("/get_server_info")
+    async def server_info() -> dict:
+        return {**engine.info(), "model_path": srv.model_path, "sessions": len(srv.sessions._sessions)}
+
+    @app.post("/update_weights_from_disk")
+    async def update_from_disk(body: UpdateFromDiskRequest) -> dict:
+        version = body.version
+        if version is None and body.weight_version is not None:
+            try:
+                version = int(body.weight_version)
+            except ValueError as e:
+                raise APIError(400, f"weight_version must be an integer, got {body.weight_version!r}",
+                               "weight_version") from e
+        result = await srv.update(lambda: (load_weights_dir(body.model_path), None), version, body.mode)
+        srv.model_path = body.model_path
+        return result
+
+    @app.post("/update_weights_from_delta")
+    async def update_from_delta(request: Request, version: int | None = None, mode: str = "finish_old") -> dict:
+        payload = await request.body()
+
+        def decode() -> tuple[Mapping[str, Tensor], int | None]:
+            # a copy: a decoder that patches tensors in place must not touch the weights being sampled from
+            current = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+            try:
+                return srv.delta_decoder(payload, current, engine.weight_version)
+            except ImportError as e:
+                raise APIError(501, f"no weight-update decoder available: {e}", kind="not_implemented") from e
+            except Exception as e:  # a corrupt payload, a checksum mismatch, a delta against another base
+                stale = type(e).__name__ == "WeightVersionMismatch"
+                raise APIError(409 if stale else 400, f"cannot apply the weight update: {e}") from e
+
+        return await srv.update(decode, version, mode)
+
+    @app.post("/pause_generation")
+    async def pause(body: PauseRequest | None = None) -> dict:
+        body = body or PauseRequest()
+        if body.mode not in PAUSE_MODES:
+            raise APIError(400, f"mode must be one of {', '.join(PAUSE_MODES)}, got {body.mode!r}", "mode")
+        engine.pause(body.mode)  # type: ignore[arg-type]
+        drained = None
+        if body.wait and body.mode == "drain":
+            drained = await asyncio.to_thread(engine.wait_until, lambda: engine.running == 0, body.timeout)
+        return {"success": True, "paused": body.mode, "running": engine.running, "queued": engine.queued,
+                "drained": drained}
+
+    @app.post("/continue_generation")
+    async def resume() -> dict:
+        engine.resume()
+        return {"success": True, "paused": None}
+
+    @app.post("/flush_cache")
+    async def flush() -> JSONResponse:
+        if engine.flush_cache():
+            return JSONResponse({"success": True, "message": "cache flushed"})
+        return _error_response(400, "cache not flushed: requests are running or queued")
+
+    @app.get("/sessions/{sid}")
+    async def session(sid: str) -> dict:
+        turns = srv.sessions.get(sid)
+        if turns is None:
+            raise APIError(404, f"no session {sid!r}", "session_id", "not_found_error")
+        return {"session_id": sid, "turns": [t.to_json(i) for i, t in enumerate(turns)]}
+
+    @app.delete("/sessions/{sid}")
+    async def drop_session(sid: str) -> dict:
+        if not srv.sessions.delete(sid):
+            raise APIError(404, f"no session {sid!r}", "session_id", "not_found_error")
+        return {"success": True}
+
+    return app
+
+
+# ---------------------------------------------------------------------------------------------- launching
+class _Server(uvicorn.Server):
+    """uvicorn's server, with an event set once it listens (or failed to start)."""
+
+    def __init__(self, config: uvicorn.Config):
+        super().__init__(config)
+        self.ready = threading.Event()
+
+    async def startup(self, sockets=None) -> None:
+        try:
+            await super().startup(sockets=sockets)
+        finally:
+            self.ready.set()
+
+
+@dataclass
+class ServerHandle:
+    """A server running in a thread of this process."""
+
+    host: str
+    port: int
+    engine: ContinuousEngine
+    app: FastAPI
+    _server: _Server
+    _thread: threading.Thread
+    _stop_engine: bool
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout)
+        if self._stop_engine:
+            self.engine.stop(timeout)
+
+    def __enter__(self) -> ServerHandle:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def launch_server(engine: ContinuousEngine, host: str = "127.0.0.1", port: int = 0, model_path: str | None = None,
+                  delta_decoder: DeltaDecoder | None = None, startup_timeout: float = 30.0,
+                  log_level: str = "warning") -> ServerHandle:
+    """Serve `engine` from a background thread (port 0: any free port); starts the engine's thread if needed."""
+    stop_engine = engine._thread is None or not engine._thread.is_alive()
+    engine.start()
+    app = create_app(engine, model_path=model_path, delta_decoder=delta_decoder)
+    server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off",
+                                    access_log=False))
+    thread = threading.Thread(target=server.run, name="rollout-server", daemon=True)
+    thread.start()
+    if not server.ready.wait(startup_timeout) or not server.started:
+        server.should_exit = True
+        thread.join(5)
+        if stop_engine:
+            engine.stop()
+        raise RuntimeError(f"the rollout server did not start on {host}:{port}")
+    bound = server.servers[0].sockets[0].getsockname()[1]
+    return ServerHandle(host, bound, engine, app, server, thread, stop_engine)
+
+
+def engine_from_checkpoint(path: str | Path, max_batch: int = 64, max_seq_len: int | None = None,
+                           version: int = 0) -> ContinuousEngine:
+    from factory.models.checkpoint import load_checkpoint
+
+    model, tokenizer = load_checkpoint(path)
+    return ContinuousEngine(model, tokenizer, weight_version=version, max_batch=max_batch,
+                            max_seq_len=max_seq_len, name=Path(path).name)
+
+
+def serve(engine: ContinuousEngine, host: str = "127.0.0.1", port: int = 8000, model_path: str | None = None,
+          delta_decoder: DeltaDecoder | None = None, log_level: str = "info") -> None:
+    """Serve `engine` in the foreground until interrupted (the `factory serve` command)."""
+    engine.start()
+    try:
+        uvicorn.run(create_app(engine, model_path=model_path, delta_decoder=delta_decoder), host=host, port=port,
+                    log_level=log_level, lifespan="off")
+    finally:
+        engine.stop()
