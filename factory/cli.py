@@ -113,9 +113,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve a checkpoint (or a freshly built preset model) over the OpenAI API until interrupted."""
+    import torch
+
     from factory.core.rollout.continuous import ContinuousEngine
     from factory.core.rollout.server import engine_from_checkpoint, serve
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     try:
         if args.checkpoint:
             engine = engine_from_checkpoint(args.checkpoint, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
@@ -179,6 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq-len", type=int, help="prompt + completion limit (default: the model's context)")
     p.add_argument("--weight-version", type=int, default=0, help="version tag of the served weights (default: 0)")
     p.add_argument("--seed", type=int, default=0, help="init seed for --preset")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice; on cores shared with "
+                                               "other jobs 1 can be much faster)")
     p.set_defaults(func=cmd_serve)
     return parser
 

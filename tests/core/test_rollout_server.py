@@ -237,7 +237,8 @@ def test_factory_serve_command_serves_the_openai_api():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "factory.cli", "serve", "--preset", "micro", "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "factory.cli", "serve", "--preset", "micro", "--port", str(port),
+                             "--threads", "1"],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     watchdog = threading.Timer(60, proc.kill)  # bounds the wait for the startup line below
     watchdog.start()
