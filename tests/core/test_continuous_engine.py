@@ -234,8 +234,12 @@ def test_background_thread_batches_concurrent_callers_and_honours_pause_and_canc
         t.join(30)
         assert len(out[0][0][0].token_ids) <= 3
         assert eng.flush_cache() and eng._cache.capacity == 0
+        eng.pause("drain")
+        orphan = eng.submit(tok("7").input_ids, SamplingParams(max_new_tokens=3))
     finally:
         eng.stop()
+    with pytest.raises(RuntimeError, match="engine stopped"):
+        orphan.result(timeout=1)
 
 
 def test_slot_cache_compaction_keeps_rows_and_drops_dead_columns():

@@ -414,12 +414,18 @@ class ContinuousEngine:
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Stop the background thread; requests still queued or running fail (nothing would finish them)."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+        with self._step_lock:
+            with self._cond:
+                queued, self._queue = list(self._queue), deque()
+            if queued or self._rows:
+                self._fail(queued, RuntimeError("the rollout engine stopped"))
 
     def _has_work(self) -> bool:
         if self._updates and (self._updates[0].mode == "in_flight" or not self._rows):
