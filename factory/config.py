@@ -65,6 +65,9 @@ class TaskSpec(_Section):
     reverse_operands: bool = False
     n_train: int = Field(20000, ge=16)
     n_eval: int = Field(500, ge=8)
+    simulated_latency_s: float = Field(
+        0.0, ge=0, description="unit of a heavy-tailed simulated verifier latency per episode (40% 1x, 50% 3x, "
+        "10% 20x; see envs/latency.py); 0 disables it")
 
     @field_validator("digits")
     @classmethod
@@ -235,6 +238,11 @@ class RolloutSpec(_Section):
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     max_new_tokens: int = Field(8, ge=1)
+    concurrency: int | None = Field(
+        None, ge=1, description="prompt groups in flight at once (one_step_off/async); default: the buffer's depth")
+    update_mode: Literal["in_flight", "finish_old"] = Field(
+        "in_flight", description="what running requests do at a weight update: continue on the new weights, "
+        "or finish on the old ones first")
 
 
 class TrainerSpec(_Section):
@@ -250,7 +258,8 @@ class TrainerSpec(_Section):
 class ScheduleSpec(_Section):
     """How long RL runs and how often it is measured."""
 
-    mode: Literal["sync"] = "sync"
+    mode: Literal["sync", "one_step_off", "async"] = "sync"
+    wait_timeout_s: float = Field(600.0, gt=0, description="longest the trainer or a producer waits on the other")
     steps: int = Field(60, ge=1)
     eval_every: int = Field(0, ge=0, description="held-out eval every N steps; 0: only start and end")
     checkpoint_every: int = Field(0, ge=0, description="checkpoint every N steps; 0: only the final one")

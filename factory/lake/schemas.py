@@ -102,6 +102,8 @@ STEPS = _table("steps", ("run_id", "step"), [
     ("weight_version", LONG, REQ),
     *[(m, DBL, OPT) for m in _STEP_METRICS],
     ("recorded_at", TS, REQ),
+    # Added with the async core; appended so existing tables keep their field ids.
+    *[(m, DBL, OPT) for m in ("generator_idle_fraction", "buffer_depth", "rejected", "corrected")],
 ])
 
 CHECKPOINTS = _table("checkpoints", ("run_id", "step"), [

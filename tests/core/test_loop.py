@@ -50,3 +50,26 @@ def test_resuming_at_a_step_numbers_records_from_there(model_and_tok):
     model, tok = model_and_tok
     s = spec().model_copy(update={"schedule": spec().schedule.model_copy(update={"steps": 2})})
     assert [r.step for r in train_grpo(s, model, tok, PROBLEMS, start_step=10)] == [11, 12]
+
+
+@pytest.mark.parametrize("mode,buffer", [
+    ("one_step_off", {}),
+    ("async", {"policy": "bound", "max_staleness": 2}),
+    ("async", {"policy": "importance", "max_staleness": 2}),
+])
+def test_overlapped_modes_learn_within_their_staleness(model_and_tok, mode, buffer):
+    model, tok = model_and_tok
+    s = spec().model_copy(update={
+        "schedule": spec().schedule.model_copy(update={"mode": mode, "wait_timeout_s": 120}),
+        "buffer": spec().buffer.model_copy(update=buffer),
+    })
+    records = train_grpo(s, model, tok, PROBLEMS)
+    assert [r.step for r in records] == list(range(1, 26))
+    limit = 1 if mode == "one_step_off" else buffer["max_staleness"]
+    if buffer.get("policy") != "importance":
+        assert max(r.staleness_max for r in records) <= limit
+    assert all(r.rejected == 0 for r in records)
+    # measured after each publish, on the same weights in sampler and trainer
+    assert max(r.logprob_mismatch for r in records) < 1e-4
+    first, last = records[0].reward_mean, sum(r.reward_mean for r in records[-5:]) / 5
+    assert last > first + 0.3, (first, last)
