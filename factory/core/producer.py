@@ -114,8 +114,9 @@ class OverlappedProducer:
         buffer_spec = spec.buffer if spec.schedule.mode == "async" else BufferSpec(policy="bound", max_staleness=1)
         self.buffer = RolloutBuffer.from_spec(buffer_spec, groups_per_step=per_step)
         # The engine samples from its own copy: the trainer changes its weights only by publishing.
+        rows = max(64, per_step * spec.algorithm.group_size)  # a whole step's samples decode together
         self.engine = ContinuousEngine(copy.deepcopy(model).eval(), tokenizer, weight_version=start_version,
-                                       max_batch=max(64, spec.algorithm.group_size * 8)).start()
+                                       max_batch=rows).start()
         self.latency = _latency(spec)
         self.timeout = spec.schedule.wait_timeout_s
         self._stop = threading.Event()

@@ -1,0 +1,119 @@
+"""Async vs one-step-off vs sync on a heavy-tailed environment: wall time, trainer idle, staleness, accuracy.
+
+The tiny quickstart model, warm-started once by SFT, then trained by GRPO in each loop mode for the
+same number of steps (same prompts per step, same group size: the same number of trained samples)
+against an environment whose per-episode latency is heavy-tailed (default: 40% 1 unit, 50% 3 units,
+10% 20 units; `envs/latency.py`). Held-out accuracy is measured after each run; extra seeds give the
+seed-to-seed spread of sync and async.
+
+    .venv/bin/python benchmarks/async_speedup.py            # ~8 min on 2 CPU cores
+    .venv/bin/python benchmarks/async_speedup.py --quick    # one seed, fewer steps
+
+The last line is JSON: speedup_async_vs_sync, speedup_one_step_off_vs_sync, trainer_idle_fraction_async,
+accuracy_sync, accuracy_async (seed means), max_staleness, limit (E[slowest in a batch] / E[mean]).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from factory.config import apply_overrides, load_spec, parse_overrides  # noqa: E402
+from factory.core.evaluate import evaluate  # noqa: E402
+from factory.core.loop import train_grpo  # noqa: E402
+from factory.core.rollout.embedded import EmbeddedEngine  # noqa: E402
+from factory.envs.latency import LatencyProfile  # noqa: E402
+from factory.experiment import build_dataset, load_dataset, train_sft_checkpoint  # noqa: E402
+from factory.home import factory_home  # noqa: E402
+from factory.models.checkpoint import load_checkpoint  # noqa: E402
+
+
+def run_mode(spec, ckpt: Path, splits, mode: str, seed: int, max_staleness: int) -> dict:
+    s = apply_overrides(spec, {"schedule.mode": mode, "seed": seed, "buffer.policy": "bound",
+                               "buffer.max_staleness": max_staleness})
+    model, tok = load_checkpoint(ckpt)
+    t0 = time.perf_counter()
+    records = train_grpo(s, model, tok, splits.train)
+    wall = time.perf_counter() - t0
+    acc = evaluate(EmbeddedEngine(model, tok), tok, splits.eval, s.rollout.max_new_tokens).accuracy
+    return {"mode": mode, "seed": seed, "wall_s": wall, "accuracy": acc,
+            "trainer_idle": statistics.mean(r.trainer_idle_fraction for r in records),
+            "staleness_max": max(r.staleness_max for r in records),
+            "staleness_mean": statistics.mean(r.staleness_mean for r in records),
+            "mismatch_max": max(r.logprob_mismatch for r in records),
+            "rejected": max((r.rejected or 0) for r in records)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="one seed, 15 steps")
+    ap.add_argument("--steps", type=int, default=None, help="GRPO steps per run (default 30, quick 15)")
+    ap.add_argument("--seeds", type=int, default=None, help="seeds for sync and async (default 3, quick 1)")
+    ap.add_argument("--unit", type=float, default=0.1, help="latency unit in seconds (short episode)")
+    ap.add_argument("--max-staleness", type=int, default=4)
+    args = ap.parse_args(argv)
+    steps = args.steps or (15 if args.quick else 30)
+    seeds = args.seeds or (1 if args.quick else 3)
+    torch.set_num_threads(1)
+
+    spec = apply_overrides(load_spec(Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml"),
+                           parse_overrides([f"schedule.steps={steps}", f"task.simulated_latency_s={args.unit}",
+                                            "task.n_eval=300", "trainer.threads=1", "name=async-bench"]))
+    paths = factory_home(tempfile.mkdtemp(prefix="async-bench-"))
+    splits = load_dataset(build_dataset(spec, paths).path)
+    t0 = time.perf_counter()
+    sft = train_sft_checkpoint(spec, paths, splits, log=lambda _: None)
+    print(f"SFT warm start: {sft.steps} steps, held-out accuracy {sft.accuracy:.3f} ({time.perf_counter() - t0:.0f}s)",
+          flush=True)
+
+    rows = []
+    plan = [("sync", 0), ("one_step_off", 0), ("async", 0)]
+    plan += [(m, s) for s in range(1, seeds) for m in ("sync", "async")]
+    for mode, seed in plan:
+        r = run_mode(spec, sft.checkpoint.path, splits, mode, seed, args.max_staleness)
+        rows.append(r)
+        print(f"  {mode:>12} seed {seed}: {r['wall_s']:6.1f}s  acc {r['accuracy']:.3f}  idle {r['trainer_idle']:.2f}  "
+              f"staleness max {r['staleness_max']:.0f}", flush=True)
+
+    def of(mode: str, key: str, seed: int | None = 0) -> list[float]:
+        return [r[key] for r in rows if r["mode"] == mode and (seed is None or r["seed"] == seed)]
+
+    sync_wall, osp_wall, async_wall = of("sync", "wall_s")[0], of("one_step_off", "wall_s")[0], of("async", "wall_s")[0]
+    limit = LatencyProfile(unit_s=args.unit).sync_limit(spec.rollout.prompts_per_step)
+    print()
+    print(f"{'mode':>12} {'wall s':>8} {'vs sync':>8} {'trainer idle':>13} {'staleness max':>14} "
+          f"{'mismatch max':>13} {'acc (seed 0)':>13}")
+    for mode in ("sync", "one_step_off", "async"):
+        r = [x for x in rows if x["mode"] == mode and x["seed"] == 0][0]
+        print(f"{mode:>12} {r['wall_s']:8.1f} {sync_wall / r['wall_s']:7.2f}x {r['trainer_idle']:13.2f} "
+              f"{r['staleness_max']:14.0f} {r['mismatch_max']:13.1e} {r['accuracy']:13.3f}")
+    acc_sync, acc_async = of("sync", "accuracy", None), of("async", "accuracy", None)
+    spread = lambda xs: statistics.stdev(xs) if len(xs) > 1 else 0.0  # noqa: E731
+    print(f"\nheld-out accuracy over {seeds} seed(s): sync {statistics.mean(acc_sync):.3f} ± {spread(acc_sync):.3f}, "
+          f"async {statistics.mean(acc_async):.3f} ± {spread(acc_async):.3f} (SFT start {sft.accuracy:.3f})")
+    print(f"limit for this latency shape at batch {spec.rollout.prompts_per_step}: {limit:.2f}x "
+          f"(E[slowest in a batch] / E[mean]); {steps} steps x {spec.rollout.prompts_per_step} prompts x "
+          f"{spec.algorithm.group_size} samples per run")
+    print(json.dumps({
+        "speedup_async_vs_sync": round(sync_wall / async_wall, 3),
+        "speedup_one_step_off_vs_sync": round(sync_wall / osp_wall, 3),
+        "trainer_idle_fraction_async": round(of("async", "trainer_idle")[0], 4),
+        "accuracy_sync": round(statistics.mean(acc_sync), 4), "accuracy_async": round(statistics.mean(acc_async), 4),
+        "accuracy_sync_std": round(spread(acc_sync), 4), "accuracy_async_std": round(spread(acc_async), 4),
+        "accuracy_sft": round(sft.accuracy, 4), "max_staleness": max(of("async", "staleness_max", None)),
+        "limit": round(limit, 3), "seeds": seeds, "steps": steps,
+    }))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
