@@ -16,7 +16,7 @@ Two workloads:
   the tiny model's real run at lr 1e-6 took (`--update tiny`, default), or u = +-1 (`--update
   sign`: the first Adam step, the largest per-element steps Adam makes; a worst case).
 
-Full bytes are the serialized full update; delta bytes the serialized delta. encode/apply are
+Full bytes: the serialized full update (raw tensor bytes + header); delta bytes: the serialized delta. encode/apply are
 wall seconds for the whole state (apply includes the sha256 check of every tensor). bit_exact
 compares raw bytes of every tensor after apply. Prints a table, then one JSON line.
 """

@@ -289,6 +289,23 @@ def test_shared_dir_keeps_history_and_times_out(tmp_path):
         WeightPublisher(SharedDirTransport(tmp_path)).publish(states[3], 3)
 
 
+def test_shared_dir_resync_request_forces_a_full_update(tmp_path):
+    states = make_states(3)
+    pub = WeightPublisher(SharedDirTransport(tmp_path), full_every=0)
+    pub.publish(states[1], 1)
+    sub = WeightSubscriber(SharedDirTransport(tmp_path), "rollout-7")
+    sub.poll(timeout=WAIT)
+    got: dict = {}
+    t = threading.Thread(target=lambda: got.update(v=sub.resync(timeout=WAIT)))
+    t.start()
+    assert _bounded(lambda: (tmp_path / "resync-rollout-7.req").exists())
+    assert pub.publish(states[2], 2).encoding == "full"
+    t.join(WAIT)
+    assert got == {"v": 2} and not list(tmp_path.glob("*.req"))
+    assert_bit_exact(sub.state, states[2])
+    assert pub.publish(states[3], 3).encoding == "delta"  # the request was served once
+
+
 def test_shared_dir_detects_a_corrupt_file(tmp_path):
     states = make_states(2)
     pub = WeightPublisher(SharedDirTransport(tmp_path), full_every=0)

@@ -9,7 +9,6 @@ starts again from the newest full one; the media keep enough history for that.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import tempfile
@@ -32,8 +31,6 @@ from factory.core.weights.codec import (
     state_layout_digest,
     storage_key,
 )
-
-log = logging.getLogger(__name__)
 
 MakeUpdate = Callable[[bool], WeightUpdate]  # force_full -> the update to send
 
@@ -133,6 +130,7 @@ class InProcessTransport(Transport):
             while True:
                 chain = self._chain(have, want_full)
                 if chain:
+                    self._resync.discard(subscriber)  # served (or a periodic full one came first)
                     return chain
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -222,9 +220,9 @@ class SharedDirTransport(Transport):
 
     def receive(self, subscriber: str, have: int | None, timeout: float, want_full: bool = False) -> list[WeightUpdate]:
         deadline = time.monotonic() + timeout
+        request = self.path / f"resync-{re.sub(r'[^A-Za-z0-9_.-]', '_', subscriber)}.req"
         if want_full:
-            safe = re.sub(r"[^A-Za-z0-9_.-]", "_", subscriber)
-            (self.path / f"resync-{safe}.req").write_text(json.dumps({"have": have}))
+            request.write_text(json.dumps({"have": have}))
         delay = 0.001
         latest = None
         while True:
@@ -237,7 +235,10 @@ class SharedDirTransport(Transport):
                 chain = plan_chain(avail, None if want_full else have) if avail else None
                 if chain:
                     try:
-                        return [WeightUpdate.from_bytes(self._file(v, avail[v]).read_bytes()) for v in chain]
+                        updates = [WeightUpdate.from_bytes(self._file(v, avail[v]).read_bytes()) for v in chain]
+                        if want_full:
+                            request.unlink(missing_ok=True)  # served (or a periodic full one came first)
+                        return updates
                     except FileNotFoundError:
                         pass  # collected between listing and reading: list again
                 elif chain is None and not want_full:
@@ -284,6 +285,7 @@ class WeightPublisher:
         self.last_update: WeightUpdate | None = None
 
     def publish(self, state: StateDict, version: int, timeout: float = 60.0) -> WeightUpdate:
+        """Publish `state` as `version` (greater than the last); full or delta as above. Returns what was sent."""
         if self.version is not None and version <= self.version:
             raise ValueError(f"version {version} must be greater than the last published v{self.version}")
         snapshot = _cpu_copy(state)  # taken now: the trainer may step on while we encode
