@@ -11,8 +11,9 @@ seed-to-seed spread of sync and async.
 
 The last line is JSON: speedup_async_vs_sync, speedup_one_step_off_vs_sync, trainer_idle_fraction_async,
 accuracy_sync, accuracy_async (seed means), max_staleness, limit (E[slowest in a batch] / E[mean]).
-The limit assumes the same number of episodes in flight in both modes; by default async keeps max_staleness batches in flight
-(`--concurrency` sets it), which is how it can beat the limit, and why it trades accuracy for idle time.
+The limit assumes the same number of episodes in flight in both modes; by default async keeps
+max_staleness batches in flight (`--concurrency` sets it), which is how it can beat the limit, and
+why it trades accuracy for idle time.
 """
 
 from __future__ import annotations
