@@ -220,6 +220,9 @@ class BufferSpec(_Section):
     policy: Literal["reject", "bound", "importance"] = "bound"
     max_staleness: int = Field(1, ge=0)
     depth: int | None = Field(None, ge=1, description="capacity in prompt groups (buffered + reserved)")
+    correct_stale: bool = Field(
+        False, description="also apply the truncated IS correction (decoupled PPO) to stale groups under "
+        "'reject' and 'bound'; 'importance' always does")
 
     @field_validator("max_staleness")
     @classmethod

@@ -110,10 +110,11 @@ def train_grpo(
                          {"old_logprobs": [s.logprobs for s in samples]}, {"advantages": adv.tolist()})
             if reference is not None:
                 batch.per_token["ref_logprobs"] = reference.logprobs(batch)
-            # 3. Stale groups (importance policy) get truncated IS weights from the trainer's logprobs.
-            if any(grp.needs_correction for grp in groups):
-                apply_importance_correction(batch, trainer.logprobs(batch), stale_rows(groups),
-                                            cap=spec.algorithm.is_cap)
+            # 3. Stale groups (importance policy, or buffer.correct_stale) get truncated IS weights.
+            stale = stale_rows(groups) if not spec.buffer.correct_stale else torch.tensor(
+                [grp.oldest_version < step for grp in groups for _ in grp.samples])
+            if bool(stale.any()):
+                apply_importance_correction(batch, trainer.logprobs(batch), stale, cap=spec.algorithm.is_cap)
             # 4. Train, then publish the new weights to the rollout engine.
             t_train = time.perf_counter()
             metrics = trainer.step(batch, loss_fn, spec.trainer.minibatches, generator=shuffle)

@@ -56,6 +56,7 @@ def test_resuming_at_a_step_numbers_records_from_there(model_and_tok):
     ("one_step_off", {}),
     ("async", {"policy": "bound", "max_staleness": 2}),
     ("async", {"policy": "importance", "max_staleness": 2}),
+    ("async", {"policy": "bound", "max_staleness": 2, "correct_stale": True}),
 ])
 def test_overlapped_modes_learn_within_their_staleness(model_and_tok, mode, buffer):
     model, tok = model_and_tok
