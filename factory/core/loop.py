@@ -116,7 +116,6 @@ def train_grpo(
             if bool(stale.any()):
                 apply_importance_correction(batch, trainer.logprobs(batch), stale, cap=spec.algorithm.is_cap)
             # 4. Train, then publish the new weights to the rollout engine.
-            t_train = time.perf_counter()
             metrics = trainer.step(batch, loss_fn, spec.trainer.minibatches, generator=shuffle)
             producer.publish(model, step + 1)
             model.eval()
@@ -128,8 +127,7 @@ def train_grpo(
             mismatch = algorithms.masked_mean((trainer.logprobs(probe_batch) - probe_batch.per_token["old_logprobs"])
                                               .abs(), probe_batch.loss_mask).item()
             wall = time.perf_counter() - t0
-            record = _record(spec, step, groups, rewards, metrics, mismatch, wall, t_wait,
-                             time.perf_counter() - t_train, producer.metrics())
+            record = _record(spec, step, groups, rewards, metrics, mismatch, wall, t_wait, producer.metrics())
             records.append(record)
             if on_step is not None:
                 on_step(record)
@@ -139,7 +137,7 @@ def train_grpo(
 
 
 def _record(spec: ExperimentSpec, step: int, groups: list, rewards: torch.Tensor, metrics: dict[str, float],
-            mismatch: float, wall: float, t_wait: float, t_train: float, producer: dict[str, float]) -> StepRecord:
+            mismatch: float, wall: float, t_wait: float, producer: dict[str, float]) -> StepRecord:
     staleness = [step - grp.oldest_version for grp in groups]
     samples = [dict(prompt_id=grp.meta["prompt_id"], sample=j, prompt=grp.meta["prompt"], completion=s.meta["text"],
                     reward=s.reward, weight_version=s.oldest_version, staleness=st, latency_s=grp.meta["latency_s"])
