@@ -58,6 +58,7 @@ class StepRecord:
     buffer_depth: float | None = None  # groups buffered when the batch was taken
     rejected: float | None = None  # groups dropped as too stale so far
     corrected: float | None = None  # stale groups trained with importance weights so far
+    filtered: float | None = None  # dynamic sampling: groups dropped this step for equal rewards
     samples: list[dict] = field(default_factory=list)  # a few episodes, for the `rollouts` table
 
     def to_dict(self) -> dict[str, float]:
@@ -97,8 +98,9 @@ def train_grpo(
     try:
         for step in range(start_step, start_step + spec.schedule.steps):
             t0 = time.perf_counter()
-            # 1. A batch of scored prompt groups: generated now (sync) or taken from the buffer.
-            groups = producer.next_batch(step)
+            # 1. A batch of scored prompt groups: generated now (sync) or taken from the buffer; with
+            #    DAPO's dynamic sampling, groups that cannot teach anything are dropped and refilled.
+            groups, filtered = _informative_batch(producer, step, spec)
             t_wait = time.perf_counter() - t0
             samples = [s for grp in groups for s in grp.samples]
             rewards = torch.tensor([s.reward for s in samples])
@@ -128,12 +130,37 @@ def train_grpo(
                                               .abs(), probe_batch.loss_mask).item()
             wall = time.perf_counter() - t0
             record = _record(spec, step, groups, rewards, metrics, mismatch, wall, t_wait, producer.metrics())
+            record.filtered = float(filtered)
             records.append(record)
             if on_step is not None:
                 on_step(record)
     finally:
         producer.close()
     return records
+
+
+MAX_REFILL_ROUNDS = 4  # dynamic sampling: extra batches drawn before training on what was kept
+
+
+def _informative_batch(producer, step: int, spec: ExperimentSpec) -> tuple[list, int]:
+    """The step's groups; under dynamic sampling only those whose rewards differ, refilled from further
+    batches up to `MAX_REFILL_ROUNDS` (then the step trains on what it has; if nothing was kept, on the
+    last batch, whose zero advantages change nothing). Returns the groups and how many were dropped."""
+    groups = producer.next_batch(step)
+    if not spec.algorithm.uses_dynamic_sampling():
+        return groups, 0
+    g, want = spec.algorithm.group_size, spec.rollout.prompts_per_step
+    kept: list = []
+    dropped = 0
+    for round_ in range(MAX_REFILL_ROUNDS + 1):
+        rewards = torch.tensor([s.reward for grp in groups for s in grp.samples])
+        keep = algorithms.keep_informative_groups(rewards, g).tolist()
+        kept += [grp for grp, k in zip(groups, keep, strict=True) if k]
+        dropped += keep.count(False)
+        if len(kept) >= want or round_ == MAX_REFILL_ROUNDS:
+            break
+        groups = producer.next_batch(step)
+    return (kept[:want] if kept else groups), dropped
 
 
 def _record(spec: ExperimentSpec, step: int, groups: list, rewards: torch.Tensor, metrics: dict[str, float],

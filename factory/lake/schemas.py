@@ -103,7 +103,7 @@ STEPS = _table("steps", ("run_id", "step"), [
     *[(m, DBL, OPT) for m in _STEP_METRICS],
     ("recorded_at", TS, REQ),
     # Added with the async core; appended so existing tables keep their field ids.
-    *[(m, DBL, OPT) for m in ("generator_idle_fraction", "buffer_depth", "rejected", "corrected")],
+    *[(m, DBL, OPT) for m in ("generator_idle_fraction", "buffer_depth", "rejected", "corrected", "filtered")],
 ])
 
 CHECKPOINTS = _table("checkpoints", ("run_id", "step"), [

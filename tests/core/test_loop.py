@@ -74,3 +74,16 @@ def test_overlapped_modes_learn_within_their_staleness(model_and_tok, mode, buff
     assert max(r.logprob_mismatch for r in records) < 1e-4
     first, last = records[0].reward_mean, sum(r.reward_mean for r in records[-5:]) / 5
     assert last > first + 0.3, (first, last)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_dapo_dynamic_sampling_drops_uninformative_groups_and_still_learns(model_and_tok, mode):
+    model, tok = model_and_tok
+    s = spec(name="dapo").model_copy(update={"schedule": spec().schedule.model_copy(update={"mode": mode})})
+    assert s.algorithm.uses_dynamic_sampling()
+    records = train_grpo(s, model, tok, PROBLEMS)
+    first, last = records[0].reward_mean, sum(r.reward_mean for r in records[-5:]) / 5
+    assert last > first + 0.3, (first, last)
+    # early groups that are all wrong, late ones that are all right: dropped and counted
+    assert sum(r.filtered for r in records) > 0
+    assert all(r.filtered is not None for r in records)
