@@ -236,7 +236,9 @@ class BufferSpec(_Section):
 class RolloutSpec(_Section):
     """How completions are sampled."""
 
-    engine: Literal["embedded"] = "embedded"
+    engine: Literal["embedded", "server"] = Field(
+        "embedded", description="overlapped modes: the continuous engine in-process, or a supervised rollout "
+        "server process reached over HTTP (sync always samples in-process)")
     prompts_per_step: int = Field(32, ge=1)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)

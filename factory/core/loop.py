@@ -82,8 +82,11 @@ def train_grpo(
     train: list[Problem],
     on_step: Callable[[StepRecord], None] | None = None,
     start_step: int = 0,
+    producer=None,
 ) -> list[StepRecord]:
-    """Run `spec.schedule.steps` RL steps on `model` (trained in place) in `spec.schedule.mode`."""
+    """Run `spec.schedule.steps` RL steps on `model` (trained in place) in `spec.schedule.mode`.
+
+    `producer` replaces the one the spec implies (`core/producer.make_producer`), e.g. to inject faults."""
     g = spec.algorithm.group_size
     torch.manual_seed(spec.seed + start_step)
     shuffle = torch.Generator().manual_seed(spec.seed)
@@ -93,7 +96,7 @@ def train_grpo(
     if spec.algorithm.kl_coef > 0:
         reference = TorchTrainer(copy.deepcopy(model).eval(), lr=0.0, temperature=spec.rollout.temperature)
     loss_fn = _grpo_loss_fn(spec)
-    producer = make_producer(spec, model, tokenizer, train, start_version=start_step)
+    producer = producer or make_producer(spec, model, tokenizer, train, start_version=start_step)
     records = []
     try:
         for step in range(start_step, start_step + spec.schedule.steps):

@@ -19,6 +19,7 @@ import copy
 import random
 import threading
 import time
+from pathlib import Path
 
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
@@ -113,12 +114,10 @@ class OverlappedProducer:
         per_step = spec.rollout.prompts_per_step
         buffer_spec = spec.buffer if spec.schedule.mode == "async" else BufferSpec(policy="bound", max_staleness=1)
         self.buffer = RolloutBuffer.from_spec(buffer_spec, groups_per_step=per_step)
-        # The engine samples from its own copy: the trainer changes its weights only by publishing.
-        rows = max(64, per_step * spec.algorithm.group_size)  # a whole step's samples decode together
-        self.engine = ContinuousEngine(copy.deepcopy(model).eval(), tokenizer, weight_version=start_version,
-                                       max_batch=rows).start()
+        self.rows = max(64, per_step * spec.algorithm.group_size)  # a whole step's samples decode together
         self.latency = _latency(spec)
         self.timeout = spec.schedule.wait_timeout_s
+        self._start_engine(model, start_version)
         self._stop = threading.Event()
         self._errors: list[BaseException] = []
         self._busy_s = 0.0  # summed over producers: time with a group in flight
@@ -128,6 +127,11 @@ class OverlappedProducer:
         self._threads = [threading.Thread(target=self._produce, name=f"producer-{i}", daemon=True) for i in range(n)]
         for t in self._threads:
             t.start()
+
+    def _start_engine(self, model: PreTrainedModel, version: int) -> None:
+        # The engine samples from its own copy: the trainer changes its weights only by publishing.
+        self.engine = ContinuousEngine(copy.deepcopy(model).eval(), self.tok, weight_version=version,
+                                       max_batch=self.rows).start()
 
     def _produce(self) -> None:
         g = self.spec.algorithm.group_size
@@ -140,9 +144,7 @@ class OverlappedProducer:
                 t0 = time.perf_counter()
                 k, problem = self.stream.draw()
                 ids = self.tok(problem.prompt).input_ids
-                params = _params(self.spec, self.spec.seed * 1_000_003 + k)
-                futures = [self.engine.submit(ids, params, sample_index=j) for j in range(g)]
-                completions = [f.result(timeout=self.timeout) for f in futures]
+                completions = self._sample(ids, _params(self.spec, self.spec.seed * 1_000_003 + k, n=g))
                 wait = self.latency.sample(f"{problem.id}-{k}") if self.latency else 0.0
                 if self._stop.wait(wait):  # the simulated environment; wakes at once on shutdown
                     slot.cancel()
@@ -170,12 +172,15 @@ class OverlappedProducer:
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         self.engine.update_weights(state, version, self.spec.rollout.update_mode).result(timeout=self.timeout)
 
+    def _sample(self, prompt_ids: list[int], params: SamplingParams) -> list[Completion]:
+        """`params.n` completions of one prompt (sample j seeded by (params.seed, j))."""
+        futures = [self.engine.submit(prompt_ids, params, sample_index=j) for j in range(params.n)]
+        return [f.result(timeout=self.timeout) for f in futures]
+
     def probe(self, prompt_ids: list[int], n: int) -> list[Completion]:
         """`n` completions of one prompt at the engine's current version (the trainer waits on them; the
         only publisher is the trainer, so no update can land in between)."""
-        params = _params(self.spec, seed=0x7FFFFFFF)
-        futures = [self.engine.submit(prompt_ids, params, sample_index=j) for j in range(n)]
-        return [f.result(timeout=self.timeout) for f in futures]
+        return self._sample(prompt_ids, _params(self.spec, seed=0x7FFFFFFF, n=n))
 
     def metrics(self) -> dict[str, float]:
         m = self.buffer.metrics()
@@ -190,7 +195,99 @@ class OverlappedProducer:
         self.buffer.close()
         for t in self._threads:
             t.join(timeout=self.timeout)
+        self._stop_engine()
+
+    def _stop_engine(self) -> None:
         self.engine.stop()
+
+
+class ServerProducer(OverlappedProducer):
+    """As `OverlappedProducer`, but the engine is a rollout server in its own process (`factory serve`),
+    reached over HTTP on 127.0.0.1 and supervised: if it dies, it is restarted, the trainer's last
+    published weights are pushed to it in full, and the interrupted groups are requested again whole.
+    A group enters the buffer only once complete (keyed by its draw), so none is lost or counted twice.
+    Weights travel as lossless deltas (`core/weights`) against the version the server holds."""
+
+    def _start_engine(self, model: PreTrainedModel, version: int) -> None:
+        import sys
+        import tempfile
+
+        import httpx
+
+        from factory.models.checkpoint import save_checkpoint
+        from factory.ops.supervisor import ServiceProcess
+
+        self._workdir = Path(tempfile.mkdtemp(prefix="factory-rollout-"))
+        save_checkpoint(model, self.tok, self._workdir / "initial")
+        self._version = version
+        self._state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        self._restart_lock = threading.RLock()  # publish holds it and may restart inside
+        self.service = ServiceProcess(
+            "rollout-server",
+            [sys.executable, "-m", "factory.cli", "serve", "--checkpoint", str(self._workdir / "initial"),
+             "--port", "{port}", "--threads", "1", "--max-batch", str(self.rows), "--weight-version", str(version)],
+            log_path=self._workdir / "server.log", startup_timeout=self.timeout).start()
+        self._http = httpx.Client(base_url=self.service.url, timeout=self.timeout)
+
+    def _call(self, fn):
+        """Run an HTTP call; through a server crash, restart it, re-send the weights, and run it again."""
+        from factory.ops.supervisor import CONNECTION_ERRORS, ServiceUnavailable
+
+        for attempt in range(1, 4):
+            try:
+                return fn()
+            except CONNECTION_ERRORS as e:
+                if attempt == 3:
+                    raise ServiceUnavailable(f"rollout server: 3 attempts failed; last: {e!r}") from e
+                with self._restart_lock:  # one thread restarts and re-syncs; the others wait, then retry
+                    if self.service.ensure_alive():
+                        self._push()
+
+    def _push(self) -> None:
+        """Send the whole current state (after a restart, the server is back at its initial weights)."""
+        from factory.core.weights import encode_full
+
+        update = encode_full(self._state, self._version)
+        r = self._http.post("/update_weights_from_delta", content=bytes(update.to_bytes()),
+                            params={"version": self._version, "mode": self.spec.rollout.update_mode})
+        r.raise_for_status()
+
+    def _sample(self, prompt_ids: list[int], params: SamplingParams) -> list[Completion]:
+        body = {"prompt": prompt_ids, "n": params.n, "max_tokens": params.max_new_tokens,
+                "temperature": params.temperature, "top_p": params.top_p, "seed": params.seed}
+
+        def post() -> dict:
+            r = self._http.post("/v1/completions", json=body)
+            r.raise_for_status()
+            return r.json()
+
+        out = self._call(post)
+        return [Completion(prompt_ids=c["prompt_token_ids"], token_ids=c["token_ids"], logprobs=c["token_logprobs"],
+                           text=c["text"], finish_reason=c["finish_reason"], weight_version=c["weight_version"],
+                           token_versions=c["token_versions"]) for c in out["choices"]]
+
+    def publish(self, model: PreTrainedModel, version: int) -> None:
+        from factory.core.weights import encode_delta
+
+        new = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        update = encode_delta(self._state, new, version, base_version=self._version)
+
+        def post() -> None:
+            r = self._http.post("/update_weights_from_delta", content=bytes(update.to_bytes()),
+                                params={"version": version, "mode": self.spec.rollout.update_mode})
+            if r.status_code == 409:  # the server holds another base (e.g. it was restarted): send it all
+                self._state, self._version = new, version
+                self._push()
+                return
+            r.raise_for_status()
+
+        with self._restart_lock:
+            self._call(post)
+            self._state, self._version = new, version
+
+    def _stop_engine(self) -> None:
+        self._http.close()
+        self.service.stop()
 
 
 def make_producer(spec: ExperimentSpec, model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast,
@@ -198,6 +295,9 @@ def make_producer(spec: ExperimentSpec, model: PreTrainedModel, tokenizer: PreTr
     stream = PromptStream(train, spec.seed, spec.rollout.prompts_per_step)
     for _ in range(start_version * spec.rollout.prompts_per_step):  # a resumed run continues the sequence
         stream.draw()
-    cls = SyncProducer if spec.schedule.mode == "sync" else OverlappedProducer
+    if spec.schedule.mode == "sync":
+        cls = SyncProducer
+    else:
+        cls = ServerProducer if spec.rollout.engine == "server" else OverlappedProducer
     return cls(spec, model, tokenizer, stream, start_version)
 

@@ -87,3 +87,30 @@ def test_dapo_dynamic_sampling_drops_uninformative_groups_and_still_learns(model
     # early groups that are all wrong, late ones that are all right: dropped and counted
     assert sum(r.filtered for r in records) > 0
     assert all(r.filtered is not None for r in records)
+
+
+def test_rollout_server_killed_mid_run_is_restarted_and_no_group_is_lost_or_doubled(model_and_tok):
+    from factory.core.producer import PromptStream, ServerProducer
+
+    model, tok = model_and_tok
+    s = parse_spec({**spec().model_dump(mode="json"), "rollout": {**spec().rollout.model_dump(), "engine": "server"},
+                    "schedule": {**spec().schedule.model_dump(), "mode": "async", "steps": 10, "wait_timeout_s": 120},
+                    "buffer": {"policy": "bound", "max_staleness": 2}})
+    producer = ServerProducer(s, model, tok, PromptStream(PROBLEMS, s.seed, s.rollout.prompts_per_step), 0)
+    trained: list[str] = []
+    original_next = producer.next_batch
+
+    def next_batch(step):
+        groups = original_next(step)
+        trained.extend(g.uid for g in groups)
+        if step == 3:
+            producer.service.kill()  # the server dies with requests in flight
+        return groups
+
+    producer.next_batch = next_batch
+    records = train_grpo(s, model, tok, PROBLEMS, producer=producer)
+    assert producer.service.restarts == 1
+    assert [r.step for r in records] == list(range(1, 11))
+    assert len(trained) == len(set(trained)) == 10 * s.rollout.prompts_per_step  # none doubled, every step full
+    assert all(r.rejected == 0 for r in records)  # nothing dropped as stale after the restart either
+    assert max(r.logprob_mismatch for r in records) < 1e-4  # the restarted server got the current weights
