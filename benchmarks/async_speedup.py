@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=None, help="seeds for sync and async (default 3, quick 1)")
     ap.add_argument("--unit", type=float, default=0.1, help="latency unit in seconds (short episode)")
     ap.add_argument("--max-staleness", type=int, default=4)
+    ap.add_argument("--engine", choices=("embedded", "server"), default="embedded",
+                    help="overlapped modes: continuous engine in-process, or a rollout server process over HTTP")
     ap.add_argument("--concurrency", type=int, default=None,
                     help="async prompt groups in flight (default: the buffer depth, max_staleness x prompts per step; "
                          "sync always has one batch in flight)")
@@ -74,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
 
     spec = apply_overrides(load_spec(Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml"),
                            parse_overrides([f"schedule.steps={steps}", f"task.simulated_latency_s={args.unit}",
-                                            "task.n_eval=300", "trainer.threads=1", "name=async-bench"]))
+                                            "task.n_eval=300", "trainer.threads=1", "name=async-bench",
+                                            f"rollout.engine={args.engine}"]))
     paths = factory_home(tempfile.mkdtemp(prefix="async-bench-"))
     splits = load_dataset(build_dataset(spec, paths).path)
     t0 = time.perf_counter()
@@ -118,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         "accuracy_sync_std": round(spread(acc_sync), 4), "accuracy_async_std": round(spread(acc_async), 4),
         "accuracy_sft": round(sft.accuracy, 4), "max_staleness": max(of("async", "staleness_max", None)),
         "limit": round(limit, 3), "seeds": seeds, "steps": steps, "concurrency_async": args.concurrency,
+        "engine": args.engine,
     }))
     return 0
 
