@@ -286,8 +286,11 @@ class ServerProducer(OverlappedProducer):
             self._state, self._version = new, version
 
     def _stop_engine(self) -> None:
+        import shutil
+
         self._http.close()
         self.service.stop()
+        shutil.rmtree(self._workdir / "initial", ignore_errors=True)  # the small server.log stays for post-mortems
 
 
 def make_producer(spec: ExperimentSpec, model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast,
