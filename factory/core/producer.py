@@ -17,10 +17,14 @@ from __future__ import annotations
 
 import copy
 import random
+import shutil
+import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
+import httpx
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from factory.config import BufferSpec, ExperimentSpec
@@ -28,8 +32,11 @@ from factory.core.buffer import BufferClosed, BufferTimeout, Group, RolloutBuffe
 from factory.core.rollout.base import Completion, SamplingParams
 from factory.core.rollout.continuous import ContinuousEngine
 from factory.core.rollout.embedded import EmbeddedEngine
+from factory.core.weights import encode_delta, encode_full
 from factory.envs.arithmetic import Problem, reward
 from factory.envs.latency import LatencyProfile
+from factory.models.checkpoint import save_checkpoint
+from factory.ops.supervisor import CONNECTION_ERRORS, ServiceProcess, ServiceUnavailable
 
 
 class ProducerFailed(RuntimeError):
@@ -209,14 +216,6 @@ class ServerProducer(OverlappedProducer):
     Weights travel as lossless deltas (`core/weights`) against the version the server holds."""
 
     def _start_engine(self, model: PreTrainedModel, version: int) -> None:
-        import sys
-        import tempfile
-
-        import httpx
-
-        from factory.models.checkpoint import save_checkpoint
-        from factory.ops.supervisor import ServiceProcess
-
         self._workdir = Path(tempfile.mkdtemp(prefix="factory-rollout-"))
         save_checkpoint(model, self.tok, self._workdir / "initial")
         self._version = version
@@ -231,8 +230,6 @@ class ServerProducer(OverlappedProducer):
 
     def _call(self, fn):
         """Run an HTTP call; through a server crash, restart it, re-send the weights, and run it again."""
-        from factory.ops.supervisor import CONNECTION_ERRORS, ServiceUnavailable
-
         for attempt in range(1, 4):
             try:
                 return fn()
@@ -245,8 +242,6 @@ class ServerProducer(OverlappedProducer):
 
     def _push(self) -> None:
         """Send the whole current state (after a restart, the server is back at its initial weights)."""
-        from factory.core.weights import encode_full
-
         update = encode_full(self._state, self._version)
         r = self._http.post("/update_weights_from_delta", content=bytes(update.to_bytes()),
                             params={"version": self._version, "mode": self.spec.rollout.update_mode})
@@ -267,8 +262,6 @@ class ServerProducer(OverlappedProducer):
                            token_versions=c["token_versions"]) for c in out["choices"]]
 
     def publish(self, model: PreTrainedModel, version: int) -> None:
-        from factory.core.weights import encode_delta
-
         new = {k: v.detach().clone() for k, v in model.state_dict().items()}
         update = encode_delta(self._state, new, version, base_version=self._version)
 
@@ -286,8 +279,6 @@ class ServerProducer(OverlappedProducer):
             self._state, self._version = new, version
 
     def _stop_engine(self) -> None:
-        import shutil
-
         self._http.close()
         self.service.stop()
         shutil.rmtree(self._workdir / "initial", ignore_errors=True)  # the small server.log stays for post-mortems
