@@ -140,6 +140,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_env_serve(args: argparse.Namespace) -> int:
+    """Serve environment workers (episode scoring) over HTTP until interrupted."""
+    from factory.envs.service import serve
+
+    if args.latency_unit < 0:
+        error(f"--latency-unit: must be >= 0, got {args.latency_unit}")
+        return EXIT_BAD_INPUT
+    print(f"factory: environment workers on http://{args.host}:{args.port}", file=sys.stderr)
+    serve(host=args.host, port=args.port, latency_unit_s=args.latency_unit)
+    return EXIT_OK
+
+
 def _add_spec(p: argparse.ArgumentParser) -> None:
     p.add_argument("spec", help="path to an experiment spec (YAML)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
@@ -186,6 +198,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice; on cores shared with "
                                                "other jobs 1 can be much faster)")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("env-serve", help="serve environment workers (episode scoring) over HTTP",
+                       description="Environment workers: POST /score runs episodes side by side and returns rewards.")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8100, help="port (default: 8100)")
+    p.add_argument("--latency-unit", type=float, default=0.0,
+                   help="simulated heavy-tailed episode latency unit in seconds (envs/latency.py); 0: none")
+    p.set_defaults(func=cmd_env_serve)
     return parser
 
 

@@ -212,9 +212,11 @@ class BufferSpec(_Section):
     """The rollout buffer between producers (rollouts) and the trainer; see `factory/core/buffer.py`.
 
     `max_staleness` is in weight versions (trainer steps). `policy`: `reject` drops groups staler than
-    that (counted); `bound` makes producers wait so no group can get staler (depth <= max_staleness x
-    groups per step); `importance` keeps stale groups and corrects them with truncated IS weights
-    (`algorithm.is_cap`). `depth` is in prompt groups; unset: max(max_staleness, 1) x groups per step.
+    that (counted); `bound` trains every group within it and drops none: producers wait for room
+    (depth <= max_staleness x groups per step) and the trainer waits for an episode that reaches its
+    limit; `importance` keeps stale groups and corrects them with truncated IS weights
+    (`algorithm.is_cap`). `depth` is in prompt groups (buffered + in flight); unset: max(max_staleness,
+    1) x groups per step. The trainer takes groups from the oldest weights first.
     """
 
     policy: Literal["reject", "bound", "importance"] = "bound"
@@ -245,6 +247,10 @@ class RolloutSpec(_Section):
     max_new_tokens: int = Field(8, ge=1)
     concurrency: int | None = Field(
         None, ge=1, description="prompt groups in flight at once (one_step_off/async); default: the buffer's depth")
+    environment: Literal["in_process", "service"] = Field(
+        "in_process", description="where episodes are scored: threads of the trainer's process, or supervised "
+        "environment-worker processes over HTTP on 127.0.0.1 (`factory env-serve`)")
+    env_processes: int = Field(1, ge=1, description="environment-worker processes when environment is 'service'")
     update_mode: Literal["in_flight", "finish_old"] = Field(
         "in_flight", description="what running requests do at a weight update: continue on the new weights, "
         "or finish on the old ones first")

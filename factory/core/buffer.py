@@ -11,28 +11,34 @@ trainer takes it at version V is V - (oldest version of any of its samples).
 Policies (`max_staleness` = eta versions, B = groups the trainer takes per version):
 - `reject`: groups staler than eta are dropped when the trainer asks for a batch, and counted
   (`rejected`); never silently. Depth is only a memory bound.
-- `bound`: producers wait so that no group can become staler than eta: the capacity, counting
-  groups buffered *and* reserved for in-flight generation, is at most eta * B (derivation below).
-  If the assumptions below break (a generation spans a weight update), the over-stale group is
-  dropped and counted in `rejected` and `bound_violations`, so the trainer still never sees one.
+- `bound`: no group is trained staler than eta and none is dropped for staleness: producers wait
+  for room (capacity, counting groups buffered *and* reserved for in-flight episodes, at most
+  eta * B), and the trainer waits for a straggler whose deadline has come (derivation below). A
+  group put without a reservation has no such guarantee: if it is over-stale it is dropped and
+  counted in `rejected` and `bound_violations`, so the trainer still never sees one.
 - `importance`: stale groups are kept; those with staleness >= 1 come out flagged
   `needs_correction` (counted, `corrected`), and the loop attaches truncated importance weights
   with `apply_importance_correction` (contract below). Nothing is dropped for staleness.
 
-The depth bound. Assume (A1) the trainer advances one version per step and takes at least B groups
-per version (dynamic-sampling refills only take more, which only helps); (A2) it publishes version
-V+1 to the engines before it asks for the batch of version V+1; (A3) a producer `reserve()`s a
-slot before it starts generating a group and puts it before the engine's version changes. Take a
-group G reserved while the engines hold version v, so G's oldest version is v. Capacity C counts
-G's reservation, so when G is put at most C - 1 groups are buffered ahead of it (FIFO; groups put
-later queue behind it). The engines still hold v (A3), so the trainer's latest batch was taken at
-version <= v (A2) and its next one at <= v + 1. Each later batch is one version newer and removes at
-least B groups from the head (A1), so G is taken by the (floor((C-1)/B) + 1)-th batch, at version
-<= v + floor((C-1)/B) + 1. Staleness <= floor((C-1)/B) + 1, which is <= eta exactly when C <= eta * B.
-The bound is tight: C = eta * B + 1 allows eta + 1. eta = 0 would need C = 0 (no overlap at all):
-that is sync mode, so `bound` requires eta >= 1. Without reservations (a producer blocks in
-`put` holding a finished group) the group ages while it waits, and A3 fails: reserve first.
-A generation that spans g weight updates can reach eta + g; lower C to (eta - g) * B to cover it.
+Order. `get_batch` takes the groups from the oldest weights first (put order among equals): the
+ones closest to their staleness limit are trained before fresher ones.
+
+The bound. A producer `reserve(version=v)`s a slot before it starts a group, with v no newer than the
+weights that will generate it (the last version it saw published), so the group's oldest version
+is >= v. Taken at trainer version V, its staleness is V - oldest <= V - v. Rule: `get_batch(n, V)`
+waits while a reservation with v <= V - eta is still out (its episode is still generating or in
+the environment). When it returns, every such group is buffered, and being from the oldest weights
+it is among the first taken, so it is trained at staleness <= eta; groups from later reservations
+have v > V - eta and can wait for later batches, which meet them by the same rule. It is exact
+(no staleness > eta, nothing dropped) as long as at most B groups reach their limit in the same
+batch; the capacity C <= eta * B keeps it so: a version's reservations are at most C - (those
+already reserved), and the B groups of each batch in between drain them oldest first. The
+price is trainer idle time when an episode takes longer than eta steps (a heavy tail): the
+trainer waits for it rather than drop it. eta = 0 is sync mode, so `bound` requires eta >= 1. A
+reservation made without a version is dated by the last version the trainer asked for, which
+may be one older than the engines': safe (the trainer waits for it one batch early), not exact.
+A reservation's date is a lower bound; once the group's tokens exist, `generated_at(oldest
+version)` moves it to the truth, so an episode that queued for the engine is not waited for early.
 
 Importance-correction contract (AReaL's decoupled PPO objective). The buffer cannot compute current
 logprobs; the loop does, after `get_batch` and packing the groups in order (group by group, samples
@@ -141,13 +147,19 @@ def _validate(group: Group) -> None:
 class Reservation:
     """A slot held for a group being generated; `put(group, reservation=r)` fills it, `cancel()` frees it."""
 
-    def __init__(self, buffer: RolloutBuffer, rid: int):
+    def __init__(self, buffer: RolloutBuffer, rid: int, version: int):
         self._buffer = buffer
         self.rid = rid
+        self.version = version  # no newer than the weights that generate the group
         self.active = True
 
     def cancel(self) -> None:
         self._buffer._release(self)
+
+    def generated_at(self, version: int) -> None:
+        """The group's tokens are now generated, the oldest by `version`: date the reservation by it (only
+        ever later), so the trainer waits for the episode by its real deadline, not the conservative one."""
+        self._buffer._redate(self, version)
 
 
 class RolloutBuffer:
@@ -181,7 +193,8 @@ class RolloutBuffer:
         self._cond = threading.Condition()
         self._queue: list[Group] = []
         self._uids: set[str] = set()
-        self._reserved: set[int] = set()
+        self._reserved: dict[int, int] = {}  # reservation id -> its version
+        self._version = 0  # the newest version the trainer asked for
         self._next_rid = 0
         self._closed = False
         self._rejected = 0
@@ -192,6 +205,7 @@ class RolloutBuffer:
         self._last_staleness: list[int] = []
         self._put_wait_s = 0.0
         self._get_wait_s = 0.0
+        self._straggler_waits = 0  # get_batch calls that waited for an episode at its staleness limit
 
     @classmethod
     def from_spec(cls, spec: Any, groups_per_step: int) -> RolloutBuffer:
@@ -200,13 +214,16 @@ class RolloutBuffer:
 
     # ------------------------------------------------------------ producers
 
-    def reserve(self, timeout: float | None = None) -> Reservation:
-        """Hold a slot before generating a group (the `bound` guarantee needs it); waits while full."""
+    def reserve(self, timeout: float | None = None, version: int | None = None) -> Reservation:
+        """Hold a slot before generating a group (the `bound` guarantee needs it); waits while full.
+
+        `version`: no newer than the weights that will generate the group (default: the last version the
+        trainer asked for, which is safe but may make the trainer wait for the group one batch early)."""
         with self._cond:
             self._wait_for_room("reserve", timeout)
-            r = Reservation(self, self._next_rid)
+            r = Reservation(self, self._next_rid, self._version if version is None else int(version))
             self._next_rid += 1
-            self._reserved.add(r.rid)
+            self._reserved[r.rid] = r.version
             return r
 
     def put(self, group: Group, timeout: float | None = None, reservation: Reservation | None = None) -> None:
@@ -221,7 +238,7 @@ class RolloutBuffer:
                 if not reservation.active or reservation._buffer is not self:
                     raise ValueError("reservation is not active on this buffer (already used or cancelled)")
                 reservation.active = False
-                self._reserved.discard(reservation.rid)
+                self._reserved.pop(reservation.rid, None)
             else:
                 self._wait_for_room("put", timeout)
             group.staleness, group.needs_correction = None, False
@@ -233,8 +250,15 @@ class RolloutBuffer:
         with self._cond:
             if reservation.active:
                 reservation.active = False
-                self._reserved.discard(reservation.rid)
+                self._reserved.pop(reservation.rid, None)
                 self._cond.notify_all()
+
+    def _redate(self, reservation: Reservation, version: int) -> None:
+        with self._cond:
+            if reservation.active and version > reservation.version:
+                reservation.version = int(version)
+                self._reserved[reservation.rid] = reservation.version
+                self._cond.notify_all()  # the trainer may no longer need to wait for it
 
     def _wait_for_room(self, what: str, timeout: float | None) -> None:
         t0 = time.monotonic()
@@ -251,9 +275,10 @@ class RolloutBuffer:
     # ------------------------------------------------------------ the trainer
 
     def get_batch(self, n_groups: int, current_version: int, timeout: float | None = None) -> list[Group]:
-        """Take the `n_groups` oldest usable groups for training at `current_version`.
+        """Take `n_groups` usable groups for training at `current_version`, those from the oldest weights first.
 
-        Waits until that many are buffered after the staleness rule; each returned group has
+        Waits until that many are buffered after the staleness rule (under `bound`, also until no episode
+        reserved at version <= current_version - max_staleness is still out); each returned group has
         `staleness` set (and `needs_correction` under `importance`).
         """
         if n_groups < 1:
@@ -261,10 +286,14 @@ class RolloutBuffer:
         deadline = None if timeout is None else time.monotonic() + timeout
         t0 = time.monotonic()
         with self._cond:
+            self._version = max(self._version, current_version)
+            waited_for_straggler = False
             try:
                 while True:
                     self._apply_staleness_rule(current_version)
-                    if len(self._queue) >= n_groups:
+                    due = self._due_reservations(current_version)
+                    waited_for_straggler |= due > 0
+                    if len(self._queue) >= n_groups and not due:
                         break
                     if self._closed:
                         raise BufferClosed(f"get_batch on a closed rollout buffer ({len(self._queue)} of "
@@ -273,11 +302,14 @@ class RolloutBuffer:
                     if remaining is not None and remaining <= 0:
                         raise BufferTimeout(
                             f"get_batch waited {timeout:.3g} s for {n_groups} groups at version {current_version}: "
-                            f"{len(self._queue)} buffered, {len(self._reserved)} reserved, depth {self.capacity}, "
-                            f"{self._rejected} rejected as stale so far; are the producers running?")
+                            f"{len(self._queue)} buffered, {len(self._reserved)} reserved ({due} of them at their "
+                            f"staleness limit), depth {self.capacity}, {self._rejected} rejected as stale so far; "
+                            "are the producers running?")
                     self._cond.wait(remaining)
             finally:
                 self._get_wait_s += time.monotonic() - t0
+                self._straggler_waits += waited_for_straggler
+            self._queue.sort(key=lambda g: g.oldest_version)  # stable: put order among equals
             taken, self._queue = self._queue[:n_groups], self._queue[n_groups:]
             for g in taken:
                 self._uids.discard(g.uid)
@@ -288,6 +320,13 @@ class RolloutBuffer:
             self._last_staleness = [g.staleness for g in taken]
             self._cond.notify_all()  # room for producers
             return taken
+
+    def _due_reservations(self, current_version: int) -> int:
+        """Under `bound`: reservations whose group must be in this batch to stay within max_staleness."""
+        if self.policy != "bound":
+            return 0
+        limit = current_version - self.max_staleness
+        return sum(1 for v in self._reserved.values() if v <= limit)
 
     def _apply_staleness_rule(self, current_version: int) -> None:
         keep = []
@@ -337,6 +376,7 @@ class RolloutBuffer:
                 "staleness_max_all": float(max(self._hist)) if self._hist else 0.0,
                 "put_wait_s": self._put_wait_s,
                 "get_wait_s": self._get_wait_s,
+                "straggler_waits": float(self._straggler_waits),
             }
 
     def staleness_histogram(self) -> dict[int, int]:

@@ -9,8 +9,11 @@
   buffer's `bound` policy at staleness 1 (generation of batch N+1 overlaps training of batch N);
   `async` uses the spec's buffer (depth, staleness policy) and has no batch barrier at all.
 
-Both draw prompts from one deterministic `PromptStream` and the same simulated environment, so a
-benchmark compares modes on identical work.
+Both draw prompts from one deterministic `PromptStream` and score episodes through one environment
+medium (`envs/workers.py`: threads of this process, or environment-worker processes over HTTP, per
+`rollout.environment`), so a benchmark compares modes on identical work. With `rollout.engine:
+server` and `rollout.environment: service`, trainer, rollout server and environment workers are
+three processes on loopback; the producer threads here only move requests between them.
 """
 
 from __future__ import annotations
@@ -33,8 +36,8 @@ from factory.core.rollout.base import Completion, SamplingParams
 from factory.core.rollout.continuous import ContinuousEngine
 from factory.core.rollout.embedded import EmbeddedEngine
 from factory.core.weights import encode_delta, encode_full
-from factory.envs.arithmetic import Problem, reward
-from factory.envs.latency import LatencyProfile
+from factory.envs.arithmetic import Problem
+from factory.envs.workers import Episode, Scored, make_environment
 from factory.models.checkpoint import save_checkpoint
 from factory.ops.supervisor import CONNECTION_ERRORS, ServiceProcess, ServiceUnavailable
 
@@ -62,11 +65,15 @@ class PromptStream:
             return k, self._cache[b][i]
 
 
-def make_group(problem: Problem, k: int, completions: list[Completion], latency_s: float) -> Group:
-    """Score the completions with the task's verifier into a buffer group."""
-    samples = [Sample.from_completion(c, reward(c.text, problem)) for c in completions]
+def episode(problem: Problem, k: int, completions: list[Completion]) -> Episode:
+    return Episode(key=f"{problem.id}-{k}", problem=problem, completions=[c.text for c in completions])
+
+
+def make_group(problem: Problem, k: int, completions: list[Completion], scored: Scored) -> Group:
+    """A buffer group of the completions and the environment's rewards for them."""
+    samples = [Sample.from_completion(c, r) for c, r in zip(completions, scored.rewards, strict=True)]
     return Group(samples, uid=f"draw-{k}", meta={"prompt_id": problem.id, "prompt": problem.prompt, "draw": k,
-                                                 "latency_s": latency_s})
+                                                 "latency_s": scored.latency_s})
 
 
 def _params(spec: ExperimentSpec, seed: int, n: int = 1) -> SamplingParams:
@@ -74,9 +81,9 @@ def _params(spec: ExperimentSpec, seed: int, n: int = 1) -> SamplingParams:
     return SamplingParams(n=n, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens, seed=seed)
 
 
-def _latency(spec: ExperimentSpec) -> LatencyProfile | None:
-    unit = spec.task.simulated_latency_s
-    return LatencyProfile(unit_s=unit) if unit > 0 else None
+def _environment(spec: ExperimentSpec):
+    return make_environment(spec.task.simulated_latency_s, spec.rollout.environment, spec.rollout.env_processes,
+                            timeout=spec.schedule.wait_timeout_s)
 
 
 class SyncProducer:
@@ -86,17 +93,18 @@ class SyncProducer:
                  stream: PromptStream, start_version: int):
         self.spec, self.tok, self.stream = spec, tokenizer, stream
         self.engine = EmbeddedEngine(model, tokenizer, weight_version=start_version)
-        self.latency = _latency(spec)
+        self.env = _environment(spec)
 
     def next_batch(self, step: int) -> list[Group]:
         draws = [self.stream.draw() for _ in range(self.spec.rollout.prompts_per_step)]
         prompts = [self.tok(p.prompt).input_ids for _, p in draws]
         params = _params(self.spec, self.spec.seed * 1_000_003 + step, n=self.spec.algorithm.group_size)
         groups = self.engine.generate(prompts, params)
-        waits = [self.latency.sample(f"{p.id}-{k}") if self.latency else 0.0 for k, p in draws]
         # The episodes run side by side in the environment: the batch is ready when the slowest is.
-        time.sleep(max(waits))
-        return [make_group(p, k, comps, w) for (k, p), comps, w in zip(draws, groups, waits, strict=True)]
+        scored = self.env.score([episode(p, k, comps) for (k, p), comps in zip(draws, groups, strict=True)])
+        if scored is None:
+            raise ProducerFailed("the environment was closed while a batch was being scored")
+        return [make_group(p, k, comps, sc) for (k, p), comps, sc in zip(draws, groups, scored, strict=True)]
 
     def publish(self, model: PreTrainedModel, version: int) -> None:
         self.engine.weight_version = version  # same model object: the weights are already there
@@ -106,10 +114,10 @@ class SyncProducer:
         return self.engine.generate([prompt_ids], _params(self.spec, seed=0x7FFFFFFF, n=n))[0]
 
     def metrics(self) -> dict[str, float]:
-        return {}
+        return self.env.metrics()
 
     def close(self) -> None:
-        pass
+        self.env.close()
 
 
 class OverlappedProducer:
@@ -122,9 +130,14 @@ class OverlappedProducer:
         buffer_spec = spec.buffer if spec.schedule.mode == "async" else BufferSpec(policy="bound", max_staleness=1)
         self.buffer = RolloutBuffer.from_spec(buffer_spec, groups_per_step=per_step)
         self.rows = max(64, per_step * spec.algorithm.group_size)  # a whole step's samples decode together
-        self.latency = _latency(spec)
         self.timeout = spec.schedule.wait_timeout_s
-        self._start_engine(model, start_version)
+        self._published = start_version  # the newest version the engine is known to hold (a lower bound)
+        self.env = _environment(spec)
+        try:
+            self._start_engine(model, start_version)
+        except BaseException:
+            self.env.close()
+            raise
         self._stop = threading.Event()
         self._errors: list[BaseException] = []
         self._busy_s = 0.0  # summed over producers: time with a group in flight
@@ -145,18 +158,20 @@ class OverlappedProducer:
         try:
             while not self._stop.is_set():
                 try:
-                    slot = self.buffer.reserve(timeout=0.5)  # short: re-check the stop flag while full
+                    # dated no newer than the weights that will generate it: the bound's deadline
+                    slot = self.buffer.reserve(timeout=0.5, version=self._published)  # short: re-check stop
                 except BufferTimeout:
                     continue
                 t0 = time.perf_counter()
                 k, problem = self.stream.draw()
                 ids = self.tok(problem.prompt).input_ids
                 completions = self._sample(ids, _params(self.spec, self.spec.seed * 1_000_003 + k, n=g))
-                wait = self.latency.sample(f"{problem.id}-{k}") if self.latency else 0.0
-                if self._stop.wait(wait):  # the simulated environment; wakes at once on shutdown
+                slot.generated_at(min(Sample.from_completion(c, 0.0).oldest_version for c in completions))
+                scored = self.env.score([episode(problem, k, completions)])
+                if scored is None:  # shutting down
                     slot.cancel()
                     return
-                self.buffer.put(make_group(problem, k, completions, wait), reservation=slot)
+                self.buffer.put(make_group(problem, k, completions, scored[0]), reservation=slot)
                 with self._lock:
                     self._busy_s += time.perf_counter() - t0
         except BufferClosed:
@@ -178,6 +193,7 @@ class OverlappedProducer:
         # In-process transport: a tensor copy, applied by the engine between decode steps.
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         self.engine.update_weights(state, version, self.spec.rollout.update_mode).result(timeout=self.timeout)
+        self._published = version
 
     def _sample(self, prompt_ids: list[int], params: SamplingParams) -> list[Completion]:
         """`params.n` completions of one prompt (sample j seeded by (params.seed, j))."""
@@ -190,7 +206,7 @@ class OverlappedProducer:
         return self._sample(prompt_ids, _params(self.spec, seed=0x7FFFFFFF, n=n))
 
     def metrics(self) -> dict[str, float]:
-        m = self.buffer.metrics()
+        m = {**self.buffer.metrics(), **self.env.metrics()}
         elapsed = time.perf_counter() - self._t0
         n = len(self._threads)
         with self._lock:
@@ -200,6 +216,7 @@ class OverlappedProducer:
     def close(self) -> None:
         self._stop.set()
         self.buffer.close()
+        self.env.close()
         for t in self._threads:
             t.join(timeout=self.timeout)
         self._stop_engine()
@@ -226,7 +243,17 @@ class ServerProducer(OverlappedProducer):
             [sys.executable, "-m", "factory.cli", "serve", "--checkpoint", str(self._workdir / "initial"),
              "--port", "{port}", "--threads", "1", "--max-batch", str(self.rows), "--weight-version", str(version)],
             log_path=self._workdir / "server.log", startup_timeout=self.timeout).start()
-        self._http = httpx.Client(base_url=self.service.url, timeout=self.timeout)
+        self._retired: list[httpx.Client] = []
+        self._renew_client()
+
+    def _renew_client(self) -> None:
+        # A fresh connection pool: the old one's keep-alive connections went to the dead process, and a
+        # retry that picked one would fail again. Requests still running on the old client finish or fail
+        # there; it is closed with the producer.
+        if getattr(self, "_http", None) is not None:
+            self._retired.append(self._http)
+        self._http = httpx.Client(base_url=self.service.url, timeout=self.timeout,
+                                  limits=httpx.Limits(max_connections=max(100, len(getattr(self, "_threads", ())) + 8)))
 
     def _call(self, fn):
         """Run an HTTP call; through a server crash, restart it, re-send the weights, and run it again."""
@@ -238,6 +265,7 @@ class ServerProducer(OverlappedProducer):
                     raise ServiceUnavailable(f"rollout server: 3 attempts failed; last: {e!r}") from e
                 with self._restart_lock:  # one thread restarts and re-syncs; the others wait, then retry
                     if self.service.ensure_alive():
+                        self._renew_client()
                         self._push()
 
     def _push(self) -> None:
@@ -277,10 +305,12 @@ class ServerProducer(OverlappedProducer):
         with self._restart_lock:
             self._call(post)
             self._state, self._version = new, version
+        self._published = version
 
     def _stop_engine(self) -> None:
-        self._http.close()
         self.service.stop()
+        for client in (self._http, *self._retired):
+            client.close()
         shutil.rmtree(self._workdir / "initial", ignore_errors=True)  # the small server.log stays for post-mortems
 
 

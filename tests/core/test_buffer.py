@@ -197,6 +197,69 @@ def test_bound_capacity_eta_times_b_guarantees_staleness(eta, b, actions):
     assert buf.metrics()["bound_violations"] == 0
 
 
+def simulate_stragglers(buf: RolloutBuffer, b: int, actions: list[int]) -> list[int]:
+    """As `simulate`, without A3: an episode may stay out across any number of weight updates (a slow
+    environment), and the trainer only takes a batch when `get_batch` lets it (never forced)."""
+    version, training, pending, seen = 0, False, [], []
+    for a in actions:
+        if a == 0:
+            try:
+                pending.append((buf.reserve(timeout=0, version=version), version))
+            except BufferTimeout:
+                pass
+        elif a == 1 and pending:
+            r, v = pending.pop(0)
+            buf.put(group(v), reservation=r)
+        elif a == 2 and pending:
+            r, v = pending.pop()
+            buf.put(group(v), reservation=r)
+        elif a == 3 and not training:
+            try:
+                seen += [g.staleness for g in buf.get_batch(b, version, timeout=0)]
+                training = True
+            except BufferTimeout:  # waiting on a straggler at its limit, or too few groups
+                pass
+        elif a == 4 and training:
+            version, training = version + 1, False
+    return seen
+
+
+@settings(max_examples=300, deadline=None)
+@given(eta=st.integers(1, 3), b=st.integers(1, 3), actions=st.lists(st.integers(0, 4), max_size=300))
+def test_bound_waits_for_stragglers_and_never_drops_or_exceeds_eta(eta, b, actions):
+    buf = RolloutBuffer("bound", max_staleness=eta, groups_per_step=b)
+    seen = simulate_stragglers(buf, b, actions)
+    target(float(max(seen, default=0)))
+    assert all(s <= eta for s in seen)
+    assert buf.metrics()["rejected"] == 0  # nothing dropped either
+
+
+def test_bound_get_batch_waits_for_a_straggler_at_its_limit_and_takes_it_first():
+    buf = RolloutBuffer("bound", max_staleness=2, groups_per_step=2)
+    slow = buf.reserve(timeout=WAIT, version=0)  # an episode still in the environment
+    fresh = [group(1), group(1)]
+    buf.put(fresh[0], timeout=WAIT)
+    assert [g.uid for g in buf.get_batch(1, current_version=1, timeout=WAIT)] == [fresh[0].uid]  # not due yet
+    buf.put(fresh[1], timeout=WAIT)
+    with pytest.raises(BufferTimeout, match=r"1 reserved \(1 of them at their staleness limit\)"):
+        buf.get_batch(1, current_version=2, timeout=0.01)  # at version 2 the straggler must come now
+    late = group(0)
+    buf.put(late, reservation=slow)
+    taken = buf.get_batch(1, current_version=2, timeout=WAIT)
+    assert [g.uid for g in taken] == [late.uid] and taken[0].staleness == 2  # the oldest first, within eta
+    m = buf.metrics()
+    assert m["rejected"] == 0 and m["straggler_waits"] == 1
+
+
+def test_groups_from_the_oldest_weights_are_taken_first():
+    buf = RolloutBuffer("importance", max_staleness=9, groups_per_step=4, depth=8)
+    gs = [group(v) for v in (2, 0, 1, 0)]
+    for g in gs:
+        buf.put(g, timeout=WAIT)
+    assert [g.uid for g in buf.get_batch(4, current_version=2, timeout=WAIT)] == [gs[1].uid, gs[3].uid, gs[2].uid,
+                                                                                  gs[0].uid]
+
+
 def test_bound_is_tight_one_more_slot_allows_eta_plus_one():
     # eta 1, B 1: capacity 2 (one slot too many), observed with `reject` and a large max_staleness
     # so nothing is dropped. Schedule: a group at v0 is taken at v0; while the trainer trains at v0,
@@ -325,3 +388,16 @@ def test_sample_from_completion_uses_the_oldest_version():
 def test_sample_from_completion_reads_per_token_versions():
     c = Completion([1], [2, 3], [-0.1, -0.2], "", "stop", weight_version=4, token_versions=[4, 5])
     assert Sample.from_completion(c, reward=0.0).versions == [4, 5]
+
+
+def test_a_reservation_redated_at_generation_is_waited_for_by_its_real_deadline():
+    buf = RolloutBuffer("bound", max_staleness=1, groups_per_step=2)
+    slot = buf.reserve(timeout=WAIT, version=0)  # queued for the engine while version 1 landed
+    buf.put(group(1), timeout=WAIT)
+    with pytest.raises(BufferTimeout, match="1 of them at their staleness limit"):
+        buf.get_batch(1, current_version=1, timeout=0.01)
+    slot.generated_at(1)
+    slot.generated_at(0)  # a date only moves later
+    assert len(buf.get_batch(1, current_version=1, timeout=WAIT)) == 1  # no longer due at version 1
+    with pytest.raises(BufferTimeout, match="1 of them at their staleness limit"):
+        buf.get_batch(1, current_version=2, timeout=0.01)

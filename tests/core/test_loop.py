@@ -4,6 +4,8 @@ Every problem's answer is the empty string, so a completion is right exactly whe
 is <eos>: rewards are mixed from the start, and the policy has one clear thing to learn.
 """
 
+import os
+
 import pytest
 
 from factory.config import parse_spec
@@ -114,3 +116,36 @@ def test_rollout_server_killed_mid_run_is_restarted_and_no_group_is_lost_or_doub
     assert len(trained) == len(set(trained)) == 10 * s.rollout.prompts_per_step  # none doubled, every step full
     assert all(r.rejected == 0 for r in records)  # nothing dropped as stale after the restart either
     assert max(r.logprob_mismatch for r in records) < 1e-4  # the restarted server got the current weights
+
+
+def test_environment_worker_killed_mid_run_is_restarted_and_no_group_is_lost_or_doubled(model_and_tok):
+    """Trainer, rollout server and environment workers in three processes; the environment dies mid-run."""
+    from factory.core.producer import PromptStream, ServerProducer
+
+    model, tok = model_and_tok
+    s = parse_spec({**spec().model_dump(mode="json"),
+                    "rollout": {**spec().rollout.model_dump(), "engine": "server", "environment": "service"},
+                    "task": {**spec().task.model_dump(), "simulated_latency_s": 0.01},
+                    "schedule": {**spec().schedule.model_dump(), "mode": "async", "steps": 8, "wait_timeout_s": 120},
+                    "buffer": {"policy": "bound", "max_staleness": 2}})
+    producer = ServerProducer(s, model, tok, PromptStream(PROBLEMS, s.seed, s.rollout.prompts_per_step), 0)
+    env_pids = {svc.pid for svc in producer.env.services}
+    assert len({os.getpid(), producer.service.pid, *env_pids}) == 3
+    trained: list[str] = []
+    original_next = producer.next_batch
+
+    def next_batch(step):
+        groups = original_next(step)
+        trained.extend(g.uid for g in groups)
+        if step == 3:
+            producer.env.services[0].kill()  # episodes are running in it
+        return groups
+
+    producer.next_batch = next_batch
+    records = train_grpo(s, model, tok, PROBLEMS, producer=producer)
+    assert producer.env.services[0].restarts == 1
+    assert [r.step for r in records] == list(range(1, 9))
+    assert len(trained) == len(set(trained)) == 8 * s.rollout.prompts_per_step
+    assert all(r.rejected == 0 for r in records)
+    first, last = records[0].reward_mean, sum(r.reward_mean for r in records[-3:]) / 3
+    assert last > first, (first, last)  # rewards from the worker process still teach

@@ -1,0 +1,109 @@
+"""Environment workers as a service: an HTTP API on 127.0.0.1 that runs episodes and returns their rewards.
+
+`factory env-serve` starts it in its own process; the trainer's producers reach it through
+`envs/workers.ServiceEnvironment`. One process runs many episodes side by side (asyncio): an episode's
+latency (the verifier or agent time, simulated by `envs/latency.py` when configured) is awaited, and its
+scoring runs in a worker thread so a slow verifier never blocks the others.
+
+Endpoints:
+- `GET /health` - 200 when ready.
+- `GET /metrics` - {"episodes", "in_flight", "failures", "pid"}.
+- `POST /score` - {"episodes": [{"key", "env", "problem", "completions"}]} -> {"episodes": [{"key",
+  "rewards", "reasons", "latency_s"}]}, in request order. All episodes of a request run concurrently, so
+  a request takes as long as its slowest episode. Scoring is a pure function of the request (latency
+  included, drawn from the episode key), so a client may repeat a request after a crash.
+
+An environment that raises scores 0 with the reason recorded; the run goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+from pydantic import BaseModel, ConfigDict, Field
+
+from factory.envs.arithmetic import Problem, reward
+from factory.envs.latency import LatencyProfile
+
+Scorer = Callable[[dict[str, Any], str], float]
+
+
+def _arithmetic(problem: dict[str, Any], completion: str) -> float:
+    return reward(completion, Problem(**problem))
+
+
+SCORERS: dict[str, Scorer] = {"arithmetic": _arithmetic}
+
+
+class EpisodeIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    key: str = Field(description="names the episode; its simulated latency is drawn from it")
+    env: str = "arithmetic"
+    problem: dict[str, Any]
+    completions: list[str]
+
+
+class ScoreRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    episodes: list[EpisodeIn]
+
+
+def score_completions(env: str, problem: dict[str, Any], completions: list[str]) -> tuple[list[float], list[str]]:
+    """Rewards and reasons ("" when scored normally); an unknown env or a raising scorer gives 0 and why."""
+    scorer = SCORERS.get(env)
+    if scorer is None:
+        return [0.0] * len(completions), [f"unknown env {env!r}; known: {sorted(SCORERS)}"] * len(completions)
+    rewards, reasons = [], []
+    for c in completions:
+        try:
+            rewards.append(float(scorer(problem, c)))
+            reasons.append("")
+        except Exception as e:  # noqa: BLE001 - a broken environment scores 0, the run goes on
+            rewards.append(0.0)
+            reasons.append(f"{type(e).__name__}: {e}")
+    return rewards, reasons
+
+
+def create_app(latency: LatencyProfile | None = None) -> FastAPI:
+    app = FastAPI(title="Factory environment workers")
+    state = {"episodes": 0, "in_flight": 0, "failures": 0}
+
+    async def run(ep: EpisodeIn) -> dict[str, Any]:
+        state["in_flight"] += 1
+        try:
+            wait = latency.sample(ep.key) if latency else 0.0
+            if wait > 0:
+                await asyncio.sleep(wait)
+            rewards, reasons = await asyncio.to_thread(score_completions, ep.env, ep.problem, ep.completions)
+            state["episodes"] += 1
+            state["failures"] += sum(1 for r in reasons if r)
+            return {"key": ep.key, "rewards": rewards, "reasons": reasons, "latency_s": wait}
+        finally:
+            state["in_flight"] -= 1
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> dict:
+        return {**state, "pid": os.getpid()}
+
+    @app.post("/score")
+    async def score(body: ScoreRequest) -> dict:
+        return {"episodes": list(await asyncio.gather(*(run(ep) for ep in body.episodes)))}
+
+    return app
+
+
+def serve(host: str = "127.0.0.1", port: int = 8100, latency_unit_s: float = 0.0, log_level: str = "warning") -> None:
+    """Serve environment workers in the foreground until interrupted (the `factory env-serve` command)."""
+    latency = LatencyProfile(unit_s=latency_unit_s) if latency_unit_s > 0 else None
+    uvicorn.run(create_app(latency), host=host, port=port, log_level=log_level, lifespan="off")

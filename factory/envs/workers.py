@@ -1,0 +1,149 @@
+"""Where episodes are scored, one class per medium: `LocalEnvironment` (threads of the trainer's process) and
+`ServiceEnvironment` (environment-worker processes behind `envs/service.py`, supervised, over HTTP).
+
+Both take a list of episodes that run side by side and return when the slowest is done, with the same
+rewards and the same simulated latency for the same episode keys, so a benchmark compares media and loop
+modes on identical environments. `score` returns None when the environment was closed meanwhile (the
+producer is shutting down), never a partial result.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import threading
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from factory.envs.arithmetic import Problem
+from factory.envs.latency import LatencyProfile
+from factory.envs.service import score_completions
+from factory.ops.supervisor import CONNECTION_ERRORS, ServiceProcess, ServiceUnavailable
+
+
+@dataclass(frozen=True)
+class Episode:
+    key: str  # unique per episode; the simulated latency is drawn from it
+    problem: Problem
+    completions: list[str]
+    env: str = "arithmetic"
+
+
+@dataclass(frozen=True)
+class Scored:
+    rewards: list[float]
+    reasons: list[str]  # "" where scored normally; why a reward is 0 where the environment failed
+    latency_s: float
+
+
+class LocalEnvironment:
+    """Episodes run in the calling thread: wait out the slowest simulated latency, then score."""
+
+    def __init__(self, latency: LatencyProfile | None):
+        self.latency = latency
+        self._closed = threading.Event()
+
+    def score(self, episodes: list[Episode]) -> list[Scored] | None:
+        waits = [self.latency.sample(ep.key) if self.latency else 0.0 for ep in episodes]
+        if waits and self._closed.wait(max(waits)):  # wakes at once on shutdown
+            return None
+        out = []
+        for ep, w in zip(episodes, waits, strict=True):
+            rewards, reasons = score_completions(ep.env, ep.problem.to_dict(), ep.completions)
+            out.append(Scored(rewards, reasons, w))
+        return out
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+    def close(self) -> None:
+        self._closed.set()
+
+
+class ServiceEnvironment:
+    """Episodes go to `processes` environment-worker processes (`factory env-serve`) on 127.0.0.1.
+
+    A request is routed by its first episode's key, so a retry lands on the same process. If a worker
+    process dies, it is restarted and the request is sent again whole (scoring is a pure function of the
+    request), so no episode is lost or scored twice into the buffer.
+    """
+
+    def __init__(self, latency_unit_s: float = 0.0, processes: int = 1, timeout: float = 600.0,
+                 max_connections: int = 256, workdir: str | Path | None = None):
+        if processes < 1:
+            raise ValueError(f"processes must be >= 1, got {processes}")
+        self.timeout, self.max_connections = timeout, max_connections
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="factory-env-"))
+        self._closed = threading.Event()
+        self.services: list[ServiceProcess] = []
+        self._clients: list[httpx.Client] = []
+        self._retired: list[httpx.Client] = []
+        try:
+            for i in range(processes):
+                svc = ServiceProcess(
+                    f"env-worker-{i}",
+                    [sys.executable, "-m", "factory.cli", "env-serve", "--port", "{port}",
+                     "--latency-unit", repr(latency_unit_s)],
+                    log_path=self.workdir / f"env-worker-{i}.log", startup_timeout=min(timeout, 120.0)).start()
+                self.services.append(svc)
+                self._clients.append(self._client(svc))
+        except BaseException:
+            self.close()
+            raise
+
+    def _client(self, svc: ServiceProcess) -> httpx.Client:
+        return httpx.Client(base_url=svc.url, timeout=self.timeout,
+                            limits=httpx.Limits(max_connections=self.max_connections))
+
+    def score(self, episodes: list[Episode]) -> list[Scored] | None:
+        if not episodes:
+            return []
+        i = zlib.crc32(episodes[0].key.encode()) % len(self.services)
+        body = {"episodes": [{"key": ep.key, "env": ep.env, "problem": ep.problem.to_dict(),
+                              "completions": ep.completions} for ep in episodes]}
+        for attempt in range(1, 4):
+            if self._closed.is_set():
+                return None
+            try:
+                r = self._clients[i].post("/score", json=body)
+                r.raise_for_status()
+                return [Scored(e["rewards"], e["reasons"], e["latency_s"]) for e in r.json()["episodes"]]
+            except Exception as e:
+                if self._closed.is_set():  # shutting down: whatever the half-closed client raised
+                    return None
+                if not isinstance(e, CONNECTION_ERRORS):
+                    raise
+                if attempt == 3:
+                    raise ServiceUnavailable(f"{self.services[i].name}: 3 attempts failed; last: {e!r}") from e
+                # One caller restarts it, with a fresh connection pool (the old one's keep-alive connections
+                # went to the dead process); the others find it alive and retry on the new pool.
+                if self.services[i].ensure_alive():
+                    self._retired.append(self._clients[i])
+                    self._clients[i] = self._client(self.services[i])
+        raise AssertionError("unreachable")
+
+    def metrics(self) -> dict[str, float]:
+        return {"env_restarts": float(sum(s.restarts for s in self.services))}
+
+    def worker_metrics(self) -> list[dict]:
+        """Each worker process's own counters (episodes, in_flight, failures, pid)."""
+        return [c.get("/metrics").json() for c in self._clients]
+
+    def close(self) -> None:
+        self._closed.set()
+        for s in self.services:  # first: requests in flight end with a connection error, seen as closed
+            s.stop()
+        for c in (*self._clients, *self._retired):
+            c.close()
+
+
+def make_environment(latency_unit_s: float, medium: str, processes: int = 1,
+                     timeout: float = 600.0) -> LocalEnvironment | ServiceEnvironment:
+    if medium == "in_process":
+        return LocalEnvironment(LatencyProfile(unit_s=latency_unit_s) if latency_unit_s > 0 else None)
+    if medium == "service":
+        return ServiceEnvironment(latency_unit_s, processes=processes, timeout=timeout)
+    raise ValueError(f"rollout.environment: expected 'in_process' or 'service', got {medium!r}")
