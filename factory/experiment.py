@@ -6,6 +6,7 @@ Each stage writes its outputs under FACTORY_HOME and its records to Iceberg and 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -31,7 +32,7 @@ from factory.envs.arithmetic import Problem, Splits, make_splits
 from factory.home import FactoryPaths
 from factory.lake.writer import Lake
 from factory.models.build import build_model
-from factory.models.checkpoint import CheckpointInfo, load_checkpoint, save_checkpoint
+from factory.models.checkpoint import CheckpointInfo, dir_digest, load_checkpoint, save_checkpoint
 from factory.models.tokenizer import build_tokenizer
 from factory.tracking import Tracker
 
@@ -181,19 +182,26 @@ def new_run_id(spec: ExperimentSpec) -> str:
 
 def run_grpo(spec: ExperimentSpec, paths: FactoryPaths, init_checkpoint: str | Path, splits: Splits,
              lake: Lake, tracker: Tracker, log: Log = print, run_id: str | None = None,
-             sweep_id: str | None = None, flush_every: int = 10) -> RunResult:
-    """GRPO from `init_checkpoint`; records the run, every step, checkpoints and evals."""
+             sweep_id: str | None = None, flush_every: int = 10, mlflow_experiment: str | None = None,
+             mlflow_parent_run_id: str | None = None) -> RunResult:
+    """GRPO from `init_checkpoint`; records the run, every step, checkpoints and evals.
+
+    A sweep member passes its `sweep_id` and the sweep's MLflow parent run (nested under it, in the
+    parent's experiment `mlflow_experiment`)."""
     set_threads(spec)
     run_id = run_id or new_run_id(spec)
     started = _now()
     base_row = dict(run_id=run_id, sweep_id=sweep_id, name=spec.name, spec=spec.to_json(),
                     spec_fingerprint=spec.fingerprint(), code_version=code_version(), seed=spec.seed,
                     init_checkpoint=str(init_checkpoint), started_at=started)
-    mlflow_id = tracker.start_run(
-        experiment=spec.name, run_name=run_id, params=json.loads(spec.to_json()),
-        tags={"factory.run_id": run_id, "factory.init_checkpoint": str(init_checkpoint),
-              "factory.code_version": base_row["code_version"]},
-    )
+    tags = {"factory.run_id": run_id, "factory.init_checkpoint": str(init_checkpoint),
+            "factory.code_version": base_row["code_version"]}
+    if sweep_id:
+        tags["factory.sweep_id"] = sweep_id
+    if mlflow_parent_run_id:
+        tags["mlflow.parentRunId"] = mlflow_parent_run_id  # MLflow's nesting convention
+    mlflow_id = tracker.start_run(experiment=mlflow_experiment or spec.name, run_name=run_id,
+                                  params=json.loads(spec.to_json()), tags=tags)
     base_row["mlflow_run_id"] = mlflow_id
     lake.upsert("runs", [dict(base_row, status="running")])
     t0 = time.perf_counter()
@@ -348,6 +356,57 @@ def render_report(s: dict) -> str:
 
 
 # ---------------------------------------------------------------- all stages
+
+
+def sft_fingerprint(spec: ExperimentSpec) -> str:
+    """What the SFT warm start depends on (model, task, SFT settings, seed, generation budget): members of a
+    sweep over RL settings share one SFT checkpoint."""
+    parts = {"model": spec.model.model_dump(mode="json"), "task": spec.task.model_dump(mode="json"),
+             "sft": spec.sft.model_dump(mode="json"), "seed": spec.seed,
+             "max_new_tokens": spec.rollout.max_new_tokens}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def cached_sft_checkpoint(spec: ExperimentSpec, paths: FactoryPaths, splits: Splits, log: Log = print) -> SFTResult:
+    """The SFT warm start for `spec`, trained once per `sft_fingerprint` and reused after that."""
+    name = f"sft-{sft_fingerprint(spec)}"
+    done = paths.checkpoints / f"{name}.result.json"  # beside the checkpoint: its digest covers only the model
+    if done.is_file():
+        r = json.loads(done.read_text())
+        digest, nbytes = dir_digest(paths.checkpoints / name)
+        if digest == r["sha256"]:
+            log(f"sft checkpoint {name}: reused (held-out accuracy {r['accuracy']:.3f})")
+            return SFTResult(CheckpointInfo(paths.checkpoints / name, digest, nbytes), r["accuracy"],
+                             r["pass_at_k"], r["seconds"], r["steps"])
+        log(f"sft checkpoint {name}: contents changed since it was recorded; training it again")
+    res = train_sft_checkpoint(spec, paths, splits, log=log, name=name)
+    # Written last: a crash before this leaves no record, and the next member trains it again.
+    tmp = done.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"sha256": res.checkpoint.sha256, "accuracy": res.accuracy, "pass_at_k": res.pass_at_k,
+                               "seconds": res.seconds, "steps": res.steps}))
+    tmp.rename(done)
+    return res
+
+
+def run_sweep_member(spec: ExperimentSpec, paths: FactoryPaths, lake: Lake, tracker: Tracker, sweep_id: str,
+                     member: str, axes: dict, sweep_name: str, mlflow_parent_run_id: str | None = None,
+                     log: Log = print) -> RunResult:
+    """One sweep member end to end (dataset, shared SFT warm start, GRPO, evals), its `sweeps` row kept current."""
+    created = _now()
+    row = dict(sweep_id=sweep_id, member=member, name=sweep_name, axes=json.dumps(axes, sort_keys=True),
+               spec=spec.to_json(), mlflow_parent_run_id=mlflow_parent_run_id, created_at=created)
+    lake.upsert("sweeps", [dict(row, status="running", recorded_at=_now())])
+    try:
+        splits = load_dataset(build_dataset(spec, paths).path)
+        sft = cached_sft_checkpoint(spec, paths, splits, log=log)
+        res = run_grpo(spec, paths, sft.checkpoint.path, splits, lake, tracker, log=log, sweep_id=sweep_id,
+                       mlflow_experiment=sweep_name, mlflow_parent_run_id=mlflow_parent_run_id)
+    except BaseException:
+        lake.upsert("sweeps", [dict(row, status="failed", recorded_at=_now())])
+        raise
+    lake.upsert("sweeps", [dict(row, status="succeeded", run_id=res.run_id, final_accuracy=res.final_accuracy,
+                                recorded_at=_now())])
+    return res
 
 
 def run_experiment(spec: ExperimentSpec, paths: FactoryPaths, control: bool = False,

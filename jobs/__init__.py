@@ -6,15 +6,18 @@ from dagster import AssetSelection, Definitions, define_asset_job
 
 from assets.datasets import arithmetic_dataset
 from assets.evals import eval_report
+from assets.sweeps import sweep_member_run, sweep_summary
 from assets.training import grpo_beats_sft, grpo_run, sft_checkpoint, sft_control
+from jobs.sweeps import sweep, sweep_launcher, sweep_member_job, sweep_summarizer, sweep_summary_job
 from resources import FactoryHomeResource, LakeResource, MlflowResource, SpecResource
 
-ALL_ASSETS = [arithmetic_dataset, sft_checkpoint, grpo_run, sft_control, eval_report]
+QUICKSTART_ASSETS = [arithmetic_dataset, sft_checkpoint, grpo_run, sft_control, eval_report]
+ALL_ASSETS = [*QUICKSTART_ASSETS, sweep_member_run, sweep_summary]
 ALL_CHECKS = [grpo_beats_sft]
 
 quickstart = define_asset_job(
     "quickstart",
-    selection=AssetSelection.assets(*ALL_ASSETS),
+    selection=AssetSelection.assets(*QUICKSTART_ASSETS),
     description="Dataset → SFT warm start → GRPO → control → eval report, on the embedded defaults.",
 )
 
@@ -33,6 +36,7 @@ def make_resources(spec_path: str = "examples/quickstart.yaml", overrides: list[
 defs = Definitions(
     assets=ALL_ASSETS,
     asset_checks=ALL_CHECKS,
-    jobs=[quickstart],
+    jobs=[quickstart, sweep, sweep_member_job, sweep_summary_job],
+    sensors=[sweep_launcher, sweep_summarizer],
     resources=make_resources(),
 )

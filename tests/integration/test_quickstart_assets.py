@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from factory.lake import Lake, query
 from factory.models.checkpoint import dir_digest
 from factory.tracking import Tracker
-from jobs import ALL_ASSETS, ALL_CHECKS, defs, make_resources
+from jobs import ALL_CHECKS, QUICKSTART_ASSETS, defs, make_resources
 
 TINY = [
     "name=itest", "model.preset=micro", "task.n_train=300", "task.n_eval=40", "sft.steps=20",
@@ -26,7 +26,7 @@ SPEC = str(Path(__file__).parents[2] / "examples" / "quickstart.yaml")
 def materialized(tmp_path_factory):
     home = tmp_path_factory.mktemp("home")
     with DagsterInstance.ephemeral() as instance:
-        result = materialize([*ALL_ASSETS, *ALL_CHECKS], resources=make_resources(SPEC, TINY, str(home)),
+        result = materialize([*QUICKSTART_ASSETS, *ALL_CHECKS], resources=make_resources(SPEC, TINY, str(home)),
                              instance=instance)
         assert result.success
         yield result, home
@@ -35,7 +35,8 @@ def materialized(tmp_path_factory):
 def test_definitions_load():
     assert defs.resolve_job_def("quickstart") is not None
     assert {k.to_user_string() for k in defs.resolve_all_asset_keys()} == {
-        "arithmetic_dataset", "sft_checkpoint", "grpo_run", "sft_control", "eval_report"}
+        "arithmetic_dataset", "sft_checkpoint", "grpo_run", "sft_control", "eval_report", "sweep_member_run",
+        "sweep_summary"}
 
 
 def test_iceberg_records(materialized):
