@@ -11,6 +11,7 @@ import contextlib
 import logging
 import posixpath
 import re
+import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any, Literal
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, Run, RunTag
 from mlflow.exceptions import MlflowException
+from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 from mlflow.utils.validation import (
     MAX_ENTITY_KEY_LENGTH,
     MAX_METRICS_PER_BATCH,
@@ -69,11 +71,17 @@ class Tracker:
         run_name: str,
         params: Mapping[str, Any] | None = None,
         tags: Mapping[str, Any] | None = None,
+        parent_run_id: str | None = None,
     ) -> str:
         """Create a run in `experiment` (created if missing), log `params` (nested dicts flattened to
-        dotted keys, values str()-ed and cut to MLflow's length limit) and `tags`; return its run id."""
+        dotted keys, values str()-ed and cut to MLflow's length limit) and `tags`; return its run id.
+        With `parent_run_id` the run is nested under that run (MLflow's `mlflow.parentRunId` tag, which
+        the UI uses to fold a sweep's members under the sweep's run)."""
         exp_id = self._experiment_id(experiment)
-        run = self.client.create_run(exp_id, run_name=run_name, tags=_tags(tags or {}))
+        all_tags = _tags(tags or {})
+        if parent_run_id is not None:
+            all_tags[MLFLOW_PARENT_RUN_ID] = parent_run_id
+        run = self.client.create_run(exp_id, run_name=run_name, tags=all_tags)
         run_id = run.info.run_id
         flat = flatten_params(params or {})
         items = [Param(k, v) for k, v in flat.items()]
@@ -107,6 +115,18 @@ class Tracker:
     def log_artifact(self, run_id: str, path: str | Path, artifact_path: str | None = None) -> None:
         """Copy a file or directory into the run's artifacts (under mlflow_artifacts)."""
         self.client.log_artifact(run_id, str(path), artifact_path=artifact_path)
+
+    def log_png(self, run_id: str, artifact_path: str, png: bytes) -> None:
+        """Store `png` as the run's artifact at `artifact_path` (e.g. "plots/curves.png"; a directory
+        part becomes an artifact folder)."""
+        folder, name = posixpath.split(artifact_path.lstrip("/"))
+        if not name:
+            raise ValueError(f"log_png: artifact_path {artifact_path!r} names no file")
+        # MlflowClient logs files from disk only; a private temp dir keeps concurrent calls apart.
+        with tempfile.TemporaryDirectory(prefix="factory-png-") as tmp:
+            local = Path(tmp) / name
+            local.write_bytes(png)
+            self.client.log_artifact(run_id, str(local), artifact_path=folder or None)
 
     def end_run(self, run_id: str, status: RunStatus = "FINISHED") -> None:
         self.client.set_terminated(run_id, status=status)

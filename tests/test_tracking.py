@@ -77,3 +77,31 @@ def test_first_use_of_a_home_is_quiet(factory_home, capfd):
     out, err = capfd.readouterr()
     assert "Creating initial MLflow database tables" not in out + err
     assert factory_home.mlflow_db.exists()
+
+
+def test_log_png_round_trips_through_the_artifact_store(tracker: Tracker, tmp_path):
+    png = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4  # only the bytes matter to the store
+    run_id = tracker.start_run("pictures", "with-png")
+    tracker.log_png(run_id, "plots/curves.png", png)
+    tracker.log_png(run_id, "top.png", png[:100])
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tracker.paths.mlflow_db}")
+    assert sorted(a.path for a in client.list_artifacts(run_id)) == ["plots", "top.png"]
+    assert [a.path for a in client.list_artifacts(run_id, "plots")] == ["plots/curves.png"]
+    local = client.download_artifacts(run_id, "plots/curves.png", str(tmp_path))
+    assert open(local, "rb").read() == png
+    with pytest.raises(ValueError, match="names no file"):
+        tracker.log_png(run_id, "plots/", png)
+
+
+def test_nested_run_carries_the_parent_tag(tracker: Tracker):
+    parent = tracker.start_run("nesting", "sweep", tags={"factory.sweep_id": "s1"})
+    kids = [tracker.start_run("nesting", f"member-{i}", tags={"i": i}, parent_run_id=parent) for i in range(2)]
+    loner = tracker.start_run("nesting", "unrelated")
+
+    assert tracker.get_run(kids[0]).data.tags["mlflow.parentRunId"] == parent
+    assert tracker.get_run(kids[0]).data.tags["i"] == "0"
+    assert "mlflow.parentRunId" not in tracker.get_run(loner).data.tags
+    exp_id = tracker.get_run(parent).info.experiment_id
+    found = tracker.client.search_runs([exp_id], filter_string=f"tags.mlflow.parentRunId = '{parent}'")
+    assert sorted(r.info.run_id for r in found) == sorted(kids)

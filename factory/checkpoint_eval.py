@@ -1,0 +1,108 @@
+"""Evaluating recorded checkpoints on named benchmarks, and the regression rule between checkpoints of a run.
+
+A checkpoint is named by its run and step (`checkpoint_key`), as recorded in the `checkpoints` table;
+the run's spec (from `runs`) says how to prompt it and which held-out split is its own. Results land
+in `evals` keyed (run_id, step, benchmark, metric), so evaluating the same checkpoint again
+replaces its rows instead of adding to them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from pyiceberg.expressions import And, EqualTo
+
+from factory.config import parse_spec
+from factory.envs.benchmarks import BENCHMARKS, benchmark_problems
+from factory.experiment import HELD_OUT, build_dataset, eval_rows, evaluate_checkpoint, load_dataset
+from factory.home import FactoryPaths
+from factory.lake.writer import Lake
+from factory.models.checkpoint import dir_digest
+
+_SEP = "@"
+
+
+def checkpoint_key(run_id: str, step: int) -> str:
+    """Partition key of a checkpoint: `<run_id>@<step>`."""
+    return f"{run_id}{_SEP}{step}"
+
+
+def parse_checkpoint_key(key: str) -> tuple[str, int]:
+    run_id, sep, step = key.rpartition(_SEP)
+    if not sep or not run_id or not step.isdigit():
+        raise ValueError(f"not a checkpoint key: {key!r} (expected <run_id>@<step>)")
+    return run_id, int(step)
+
+
+def recorded_name(benchmark: str) -> str:
+    """The `evals.benchmark` value of a benchmark (the held-out split keeps the name runs record it by)."""
+    if benchmark not in BENCHMARKS:
+        raise ValueError(f"unknown benchmark {benchmark!r}; known: {', '.join(BENCHMARKS)}")
+    return HELD_OUT if benchmark == "heldout" else benchmark
+
+
+@dataclass(frozen=True)
+class CheckpointEval:
+    run_id: str
+    step: int
+    benchmark: str  # as recorded in `evals`
+    accuracy: float
+    pass_at_k: float | None
+    n: int
+    sha256: str
+
+
+def evaluate_recorded_checkpoint(paths: FactoryPaths, lake: Lake, run_id: str, step: int,
+                                 benchmark: str) -> CheckpointEval:
+    """Evaluate the checkpoint `run_id`@`step` on `benchmark`, after checking its files against the digest
+    recorded with it; write the results to `evals` and return them."""
+    name = recorded_name(benchmark)
+    rows = lake.read("checkpoints", And(EqualTo("run_id", run_id), EqualTo("step", step))).to_pylist()
+    if not rows:
+        raise LookupError(f"no checkpoint {checkpoint_key(run_id, step)} in the `checkpoints` table")
+    ckpt = rows[0]
+    digest, _ = dir_digest(_path(ckpt["uri"]))
+    if digest != ckpt["sha256"]:
+        raise ValueError(f"checkpoint {checkpoint_key(run_id, step)} at {ckpt['uri']}: files do not match the "
+                         f"recorded sha256 {ckpt['sha256'][:12]}... (got {digest[:12]}...); not evaluating it")
+    runs = lake.read("runs", EqualTo("run_id", run_id)).to_pylist()
+    if not runs:
+        raise LookupError(f"no run {run_id!r} in the `runs` table (the checkpoint's spec is unknown)")
+    spec = parse_spec(json.loads(runs[0]["spec"]), f"runs.spec of {run_id}")
+    splits = load_dataset(build_dataset(spec, paths).path)
+    problems = benchmark_problems(benchmark, spec.task, splits)
+    result = evaluate_checkpoint(spec, ckpt["uri"], problems)
+    out = eval_rows(run_id, step, result, ckpt["sha256"])
+    for r in out:  # eval_rows names the held-out split; re-label for other benchmarks
+        r["benchmark"] = r["benchmark"].replace(HELD_OUT, name, 1)
+    lake.upsert("evals", out)
+    return CheckpointEval(run_id, step, name, result.accuracy, result.pass_at_k, result.n, ckpt["sha256"])
+
+
+def _path(uri: str) -> Path:
+    return Path(uri.removeprefix("file://"))
+
+
+@dataclass(frozen=True)
+class RegressionCheck:
+    passed: bool
+    drop: float | None  # previous accuracy - this accuracy (positive: worse)
+    previous_step: int | None
+    previous_accuracy: float | None
+
+
+def regression_check(lake: Lake, run_id: str, step: int, benchmark: str, accuracy: float,
+                     tolerance: float) -> RegressionCheck:
+    """Compare with the run's previous evaluated checkpoint on the same benchmark: fails when accuracy dropped
+    by more than `tolerance` (absolute). The run's first checkpoint passes (nothing to compare with)."""
+    ckpt_steps = {r["step"] for r in lake.read("checkpoints", EqualTo("run_id", run_id)).to_pylist()}
+    evals = lake.read("evals", And(EqualTo("run_id", run_id), EqualTo("metric", "accuracy"))).to_pylist()
+    earlier = sorted((r["step"], r["value"]) for r in evals
+                     if r["benchmark"] == benchmark and r["step"] < step and r["step"] in ckpt_steps)
+    if not earlier:
+        return RegressionCheck(True, None, None, None)
+    prev_step, prev_acc = earlier[-1]
+    drop = prev_acc - accuracy
+    return RegressionCheck(drop <= tolerance, drop, prev_step, prev_acc)
