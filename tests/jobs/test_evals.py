@@ -66,8 +66,8 @@ def test_sensor_schedule_and_regression_check(recorded):
         with build_sensor_context(instance=instance, resources=resources(home)) as ctx:
             res = new_checkpoint_evals(ctx)
         assert res.dynamic_partitions_requests[0].partition_keys == keys
-        assert sorted(str(r.partition_key) for r in res.run_requests) == sorted(
-            str(MultiPartitionKey({"checkpoint": k, "benchmark": b})) for k in keys for b in ("heldout", "carry_chains"))
+        want = [MultiPartitionKey({"checkpoint": k, "benchmark": b}) for k in keys for b in ("heldout", "carry_chains")]
+        assert sorted(str(r.partition_key) for r in res.run_requests) == sorted(map(str, want))
         with build_sensor_context(instance=instance, resources=resources(home), cursor=res.cursor) as ctx:
             assert new_checkpoint_evals(ctx).run_requests == []
         instance.add_dynamic_partitions(checkpoints.name, keys)
