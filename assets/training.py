@@ -12,8 +12,9 @@ from dagster import (
 )
 
 from assets._metadata import upstream
-from factory.experiment import load_dataset, run_grpo, run_sft_control, train_sft_checkpoint
+from factory.experiment import load_dataset, run_curves, run_grpo, run_sft_control, train_sft_checkpoint
 from factory.models.checkpoint import load_checkpoint
+from factory.plots import markdown_image
 from resources import FactoryHomeResource, LakeResource, MlflowResource, SpecResource
 
 
@@ -40,9 +41,12 @@ def grpo_run(context: AssetExecutionContext, spec: SpecResource, home: FactoryHo
     s = spec.spec()
     splits = load_dataset(upstream(context, "arithmetic_dataset")["path"])
     init = upstream(context, "sft_checkpoint")["path"]
-    res = run_grpo(s, home.paths(), init, splits, lake.lake(), mlflow.tracker(), log=context.log.info)
+    lk, tracker = lake.lake(), mlflow.tracker()
+    res = run_grpo(s, home.paths(), init, splits, lk, tracker, log=context.log.info)
+    curves = run_curves(lk, tracker, res.run_id, res.mlflow_run_id)
     return MaterializeResult(
-        metadata={"run_id": res.run_id, "mlflow_run_id": res.mlflow_run_id,
+        metadata={"curves": MetadataValue.md(markdown_image(curves, f"reward and accuracy of {res.run_id}")),
+                  "run_id": res.run_id, "mlflow_run_id": res.mlflow_run_id,
                   "checkpoint": MetadataValue.path(str(res.checkpoint.path)), "sha256": res.checkpoint.sha256,
                   "steps": res.steps, "start_accuracy": res.start_accuracy,
                   "start_pass_at_k": res.start_pass_at_k, "accuracy": res.final_accuracy,

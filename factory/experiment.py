@@ -23,6 +23,7 @@ import torch
 from pyiceberg.expressions import EqualTo
 
 import factory
+from factory import plots
 from factory.config import ExperimentSpec
 from factory.core.evaluate import EvalResult, evaluate
 from factory.core.loop import StepRecord, train_grpo
@@ -407,6 +408,16 @@ def run_sweep_member(spec: ExperimentSpec, paths: FactoryPaths, lake: Lake, trac
     lake.upsert("sweeps", [dict(row, status="succeeded", run_id=res.run_id, final_accuracy=res.final_accuracy,
                                 recorded_at=_now())])
     return res
+
+
+def run_curves(lake: Lake, tracker: Tracker | None, run_id: str, mlflow_run_id: str | None = None) -> bytes:
+    """The run's reward / accuracy curves and held-out evals as a PNG, also stored on its MLflow run."""
+    steps = lake.read("steps", EqualTo("run_id", run_id)).to_pylist()
+    evals = lake.read("evals", EqualTo("run_id", run_id)).to_pylist()
+    png = plots.run_curves_png(steps, evals, title=run_id)
+    if tracker is not None and mlflow_run_id:
+        tracker.log_png(mlflow_run_id, "plots/curves.png", png)
+    return png
 
 
 def run_experiment(spec: ExperimentSpec, paths: FactoryPaths, control: bool = False,

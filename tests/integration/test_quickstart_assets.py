@@ -41,7 +41,9 @@ def test_definitions_load():
 
 def test_iceberg_records(materialized):
     result, home = materialized
-    run_id = result.asset_materializations_for_node("grpo_run")[0].metadata["run_id"].value
+    md = result.asset_materializations_for_node("grpo_run")[0].metadata
+    run_id = md["run_id"].value
+    assert "data:image/png;base64," in md["curves"].value  # the picture shows in the UI
     from factory.home import factory_home
 
     lake = Lake.open(factory_home(home))

@@ -76,6 +76,9 @@ def test_sweep_queues_members_and_they_train_nested_under_the_parent(instance, t
     for key in keys:
         r = materialize([sweep_member_run], partition_key=key, instance=instance, resources=resources(tmp_path))
         assert r.success
+        md = r.asset_materializations_for_node("sweep_member_run")[0].metadata
+        curves = md["curves"].value
+        assert curves.startswith("![reward and accuracy of ") and "data:image/png;base64," in curves
     rows = {r["member"]: r for r in lake.read("sweeps").to_pylist()}
     assert [rows[k]["status"] for k in keys] == ["succeeded", "succeeded"]
     assert all(rows[k]["final_accuracy"] is not None and rows[k]["run_id"] for k in keys)
@@ -97,3 +100,8 @@ def test_sweep_queues_members_and_they_train_nested_under_the_parent(instance, t
     s = materialize([sweep_summary], partition_key=sweep_id, instance=instance, resources=resources(tmp_path))
     md = s.asset_materializations_for_node("sweep_summary")[0].metadata
     assert md["members"].value == 2 and md["succeeded"].value == 2 and md["best_member"].value in keys
+    assert "data:image/png;base64," in md["accuracy_vs_algorithm.lr"].value
+    artifacts = [a.path for a in client.list_artifacts(parent, "plots")]
+    assert artifacts == ["plots/accuracy_vs_algorithm.lr.png"]
+    child_artifacts = {a.path for c in children for a in client.list_artifacts(c.info.run_id, "plots")}
+    assert child_artifacts == {"plots/curves.png"}
