@@ -31,7 +31,7 @@ final_acc AS (
     GROUP BY e.run_id
 )
 SELECT r.run_id, r.name, r.status, r.started_at, r.ended_at,
-       l.step AS final_step, a.accuracy AS final_accuracy, a.benchmarks
+       l.step AS final_step, a.accuracy AS final_accuracy, a.benchmarks, r.sweep_id
 FROM runs r
 LEFT JOIN last_step l ON r.run_id = l.run_id
 LEFT JOIN final_acc a ON r.run_id = a.run_id
@@ -46,6 +46,11 @@ def error(msg: str) -> None:
 
 def home_from(args: argparse.Namespace) -> FactoryPaths:
     return factory_home(getattr(args, "home", None))
+
+
+def emit(text: str) -> None:
+    """Print a rendered result; CSV already ends in a newline, and a blank last line would be read as a row."""
+    print(text, end="" if text.endswith("\n") else "\n")
 
 
 def _add_format(p: argparse.ArgumentParser) -> None:
@@ -63,7 +68,7 @@ def cmd_query(args: argparse.Namespace) -> int:
         except QueryError as e:
             error(str(e))
             return EXIT_BAD_INPUT
-    print(format_table(result, args.format))
+    emit(format_table(result, args.format))
     return EXIT_OK
 
 
@@ -73,7 +78,38 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
     with Lake.open(home_from(args)) as lake:
         result = query(RUNS_SQL, lake)
-    print(format_table(result, args.format))
+    emit(format_table(result, args.format))
+    return EXIT_OK
+
+
+def cmd_best(args: argparse.Namespace) -> int:
+    """Rank runs by a metric at their final evaluated step."""
+    from factory.lake import Lake, format_table
+    from factory.lake.history import HistoryError, best_runs
+
+    with Lake.open(home_from(args)) as lake:
+        try:
+            result = best_runs(lake, args.metric, benchmark=args.benchmark, sweep_id=args.sweep,
+                               top=args.top, lowest=args.lowest)
+        except HistoryError as e:
+            error(str(e))
+            return EXIT_BAD_INPUT
+    emit(format_table(result, args.format))
+    return EXIT_OK
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    """Two runs side by side: spec differences, final evals, step aggregates."""
+    from factory.lake import Lake
+    from factory.lake.history import HistoryError, compare_runs, format_comparison
+
+    with Lake.open(home_from(args)) as lake:
+        try:
+            comparison = compare_runs(lake, args.run_a, args.run_b)
+        except HistoryError as e:
+            error(str(e))
+            return EXIT_BAD_INPUT
+    emit(format_comparison(comparison, args.format))
     return EXIT_OK
 
 
@@ -175,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("query", help="run SQL (DuckDB) over the lake tables",
-                       description="Tables: runs, steps, checkpoints, evals, rollouts, node_health.")
+                       description="Tables: runs, steps, checkpoints, evals, rollouts, node_health, sweeps.")
     p.add_argument("sql", help="e.g. \"SELECT step, loss FROM steps WHERE run_id = '...' ORDER BY step\"")
     _add_format(p)
     p.set_defaults(func=cmd_query)
@@ -183,6 +219,26 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("runs", help="list runs with status and final accuracy")
     _add_format(p)
     p.set_defaults(func=cmd_runs)
+
+    p = sub.add_parser("best", help="rank runs by an eval metric at their final evaluated step",
+                       description="Ranks runs by METRIC (table `evals`) at each run's greatest step that "
+                                   "recorded it on the benchmark, best first.")
+    p.add_argument("--metric", required=True, help="eval metric, e.g. accuracy or pass@8")
+    p.add_argument("--benchmark", help="benchmark (default: the one whole benchmark, i.e. without '/', "
+                                       "that has the metric; required when there are several)")
+    p.add_argument("--sweep", metavar="SWEEP_ID", help="only runs of this sweep")
+    p.add_argument("--top", type=int, default=10, metavar="N", help="how many runs (default: 10)")
+    p.add_argument("--lowest", action="store_true", help="lowest value first (for losses, error rates)")
+    _add_format(p)
+    p.set_defaults(func=cmd_best)
+
+    p = sub.add_parser("compare", help="compare two runs: spec differences, final evals, step aggregates")
+    p.add_argument("run_a", metavar="RUN_A", help="run id (see `factory runs`)")
+    p.add_argument("run_b", metavar="RUN_B", help="run id")
+    # No csv: its three sections have different columns; json is one object for scripts.
+    p.add_argument("--format", "-f", choices=("table", "json"), default="table",
+                   help="output format (default: table)")
+    p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("serve", help="serve a policy over the OpenAI API (rollout server mode)",
                        description="OpenAI-compatible rollout server with SGLang-style control endpoints.")

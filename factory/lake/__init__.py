@@ -4,6 +4,7 @@
 - catalog: opening the catalog, creating tables
 - writer: `Lake` — idempotent keyed upserts, reads, small-file upkeep
 - query: SQL over the tables with DuckDB, and output formats
+- history: run history over the tables: rank runs by a final eval (`best`), compare two runs
 """
 
 from factory.lake.catalog import ensure_tables, open_catalog

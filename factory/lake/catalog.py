@@ -81,7 +81,8 @@ def _use_wal(db: Path) -> None:
 
 def ensure_tables(catalog: Catalog) -> dict[str, Table]:
     """Create namespace `factory` and every table in TABLES if missing; bring older tables up to date
-    (TABLE_PROPERTIES, columns appended to a schema since). Idempotent and safe when processes race."""
+    (TABLE_PROPERTIES, columns appended to a schema since, partitioning). Idempotent and safe when
+    processes race. Never rewrites data: a schema or spec change is a metadata-only commit."""
     try:
         catalog.create_namespace(NAMESPACE)
     except NamespaceAlreadyExistsError:
@@ -90,30 +91,88 @@ def ensure_tables(catalog: Catalog) -> dict[str, Table]:
 
 
 def _ensure_table(catalog: Catalog, tdef: TableDef) -> Table:
+    table = _load_or_create(catalog, tdef)
+    table = _update_properties(catalog, tdef, table)
+    table = _add_columns(catalog, tdef, table)
+    table = _update_partitioning(catalog, tdef, table)
+    _check_field_ids(tdef, table)
+    return table
+
+
+def _load_or_create(catalog: Catalog, tdef: TableDef) -> Table:
     # Look first: a create that loses to an existing table has already written a metadata file.
     try:
-        table = catalog.load_table(tdef.identifier)
+        return catalog.load_table(tdef.identifier)
     except NoSuchTableError:
-        try:
-            return catalog.create_table(tdef.identifier, schema=tdef.schema,
-                                        properties={"format-version": "2", **TABLE_PROPERTIES})
-        except TableAlreadyExistsError:  # another process created it in between
-            table = catalog.load_table(tdef.identifier)
+        pass
+    try:
+        return catalog.create_table(tdef.identifier, schema=tdef.schema, partition_spec=tdef.partition_spec(),
+                                    properties={"format-version": "2", **TABLE_PROPERTIES})
+    except TableAlreadyExistsError:  # another process created it in between
+        return catalog.load_table(tdef.identifier)
+
+
+def _update_properties(catalog: Catalog, tdef: TableDef, table: Table) -> Table:
     stale = {k: v for k, v in TABLE_PROPERTIES.items() if table.properties.get(k) != v}
-    if stale:
-        try:
-            with table.transaction() as tx:
-                tx.set_properties(stale)
-        except CommitFailedException:
-            pass  # another process updated it first
-        table = catalog.load_table(tdef.identifier)
-    missing = [c for c in tdef.columns if c not in {f.name for f in table.schema().fields}]
-    if missing:
-        log.info("lake: adding columns %s to %s", missing, tdef.name)
-        try:
-            with table.update_schema() as update:
-                update.union_by_name(tdef.schema)
-        except CommitFailedException:
-            pass  # another process evolved it first; reload below
-        table = catalog.load_table(tdef.identifier)
-    return table
+    if not stale:
+        return table
+    try:
+        with table.transaction() as tx:
+            tx.set_properties(stale)
+    except CommitFailedException:
+        pass  # another process updated it first
+    return catalog.load_table(tdef.identifier)
+
+
+def _add_columns(catalog: Catalog, tdef: TableDef, table: Table) -> Table:
+    """Add the columns appended to `tdef` since the table was created. Only optional ones: rows
+    already written have no value for them (they read back as null)."""
+    present = {f.name for f in table.schema().fields}
+    missing = [f for f in tdef.schema.fields if f.name not in present]
+    if not missing:
+        return table
+    required = [f.name for f in missing if f.required]
+    if required:
+        raise ValueError(f"lake table {tdef.name}: cannot add required column(s) {required} to an existing "
+                         "table (its rows have no value for them); declare new columns optional")
+    log.info("lake: adding columns %s to %s", [f.name for f in missing], tdef.name)
+    try:
+        with table.update_schema() as update:
+            for f in missing:  # in definition order, so they get the next field ids, as in the definition
+                update.add_column(f.name, f.field_type, doc=f.doc)
+    except CommitFailedException:
+        pass  # another process evolved it first; reload below
+    return catalog.load_table(tdef.identifier)
+
+
+def _update_partitioning(catalog: Catalog, tdef: TableDef, table: Table) -> Table:
+    """Evolve the table's partition spec to `tdef.partition`. Metadata only: files already written
+    keep the spec they were written with (scans and keyed deletes handle both); new files use the new one."""
+    schema = table.schema()
+    have = {(schema.find_column_name(f.source_id), str(f.transform)): f.name for f in table.spec().fields}
+    want = {(p.column, str(p.transform)): p for p in tdef.partition}
+    if have.keys() == want.keys():
+        return table
+    log.info("lake: partitioning %s by %s", tdef.name, [p.name for p in tdef.partition] or "nothing")
+    try:
+        with table.update_spec() as update:
+            for k, name in have.items():
+                if k not in want:
+                    update.remove_field(name)
+            for k, p in want.items():
+                if k not in have:
+                    update.add_field(p.column, p.transform, p.name)
+    except CommitFailedException:
+        pass  # another process evolved it first; reload below
+    return catalog.load_table(tdef.identifier)
+
+
+def _check_field_ids(tdef: TableDef, table: Table) -> None:
+    # Writes carry the definition's field ids in their Arrow schema and pyiceberg matches columns by
+    # id, so a table whose ids differ would get values in the wrong columns: refuse it loudly.
+    schema = table.schema()
+    for f in tdef.schema.fields:
+        got = schema.find_field(f.name).field_id
+        if got != f.field_id:
+            raise ValueError(f"lake table {tdef.name}: column {f.name!r} has field id {got} in the catalog, "
+                             f"expected {f.field_id} (columns must only be appended to a TableDef)")

@@ -14,6 +14,7 @@ import io
 import json
 import math
 import re
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import duckdb
@@ -43,26 +44,44 @@ def referenced_tables(sql: str) -> list[str]:
     return [name for name in TABLES if name in found]
 
 
-def query(sql: str, lake: Lake) -> pa.Table:
+def query(sql: str, lake: Lake, params: Sequence[Any] | Mapping[str, Any] | None = None) -> pa.Table:
     """Run `sql` (DuckDB dialect) over the lake tables it names; the result as an Arrow table.
-    QueryError for SQL DuckDB rejects."""
+    `params` binds `?` (a sequence) or `$name` (a mapping) placeholders. QueryError for SQL DuckDB rejects."""
+    con = connect(lake, referenced_tables(sql))
+    try:
+        return run_sql(con, sql, params)
+    finally:
+        con.close()
+
+
+def connect(lake: Lake, tables: Iterable[str]) -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB session in UTC with each of `tables` registered under its name as an Arrow
+    scan of the lake table: several statements over the same tables then cost one scan each."""
     con = duckdb.connect()
     try:
         con.execute("SET TimeZone = 'UTC'")  # timestamps come back in UTC, whatever the machine's zone
-        for name in referenced_tables(sql):
+        for name in tables:
             con.register(name, lake.read(name))
-        try:
-            rel = con.sql(sql)
-        except duckdb.Error as e:
-            raise QueryError(_one_line(e)) from e
-        if rel is None:  # a statement without a result (SET, CREATE VIEW ...)
-            return pa.table({})
-        try:
-            return rel.to_arrow_table()
-        except duckdb.Error as e:  # some errors only surface when the result is computed
-            raise QueryError(_one_line(e)) from e
-    finally:
+    except BaseException:
         con.close()
+        raise
+    return con
+
+
+def run_sql(con: duckdb.DuckDBPyConnection, sql: str,
+            params: Sequence[Any] | Mapping[str, Any] | None = None) -> pa.Table:
+    """Run `sql` on `con`; the result as Arrow (empty for a statement without one). QueryError, one line,
+    for SQL DuckDB rejects."""
+    try:
+        rel = con.sql(sql, params=params)
+    except duckdb.Error as e:
+        raise QueryError(_one_line(e)) from e
+    if rel is None:  # a statement without a result (SET, CREATE VIEW ...)
+        return pa.table({})
+    try:
+        return rel.to_arrow_table()
+    except duckdb.Error as e:  # some errors only surface when the result is computed
+        raise QueryError(_one_line(e)) from e
 
 
 def _one_line(e: Exception) -> str:
@@ -80,13 +99,13 @@ def format_table(tbl: pa.Table, fmt: Format = "table") -> str:
     if fmt == "csv":
         return _as_csv(tbl)
     if fmt == "json":
-        rows = [{k: _json_value(v) for k, v in row.items()} for row in tbl.to_pylist()]
+        rows = [{k: json_value(v) for k, v in row.items()} for row in tbl.to_pylist()]
         return json.dumps(rows, indent=None, ensure_ascii=False)
     raise ValueError(f"unknown format {fmt!r}; use one of {', '.join(FORMATS)}")
 
 
-
-def _json_value(v: Any) -> Any:
+def json_value(v: Any) -> Any:
+    """`v` (a value from an Arrow/DuckDB result, or nested dicts/lists of them) as plain JSON data."""
     if isinstance(v, float) and not math.isfinite(v):
         return None
     if isinstance(v, dt.datetime | dt.date | dt.time):
@@ -98,9 +117,9 @@ def _json_value(v: Any) -> Any:
     if isinstance(v, bytes):
         return v.hex()
     if isinstance(v, dict):
-        return {k: _json_value(x) for k, x in v.items()}
+        return {k: json_value(x) for k, x in v.items()}
     if isinstance(v, list):
-        return [_json_value(x) for x in v]
+        return [json_value(x) for x in v]
     return v
 
 
@@ -114,7 +133,7 @@ def _csv_value(v: Any) -> str:
     if isinstance(v, float):
         return repr(v)  # shortest repr round-trips exactly
     if isinstance(v, dict | list):
-        return json.dumps(_json_value(v))
+        return json.dumps(json_value(v))
     return str(v)
 
 

@@ -1,12 +1,24 @@
-"""The Iceberg tables of the `factory` namespace: one schema per table, its key, its Arrow form.
+"""The Iceberg tables of the `factory` namespace: one schema per table, its key, its partitioning,
+its Arrow form.
 
 This module is the single definition of what the lake holds. Writers, queries and tests all read
 `TABLES`; nothing else spells a column name or type.
 
-Partitioning: every table is unpartitioned for now. The volumes of one machine are small (a run
-writes one `steps` row per trainer step), and a partition by `run_id` would multiply small files
-without making local scans faster. Partitioning can be added later by spec evolution without
-rewriting data (`identity(run_id)` on `steps`/`rollouts`, `day(recorded_at)` on `node_health`).
+Partitioning, for growth (`TableDef.partition`):
+- `steps`, `rollouts`, `evals`: `bucket(16, run_id)`. Every read and every keyed write of these
+  tables names one run, so a run's files stay inside one partition and a scan of one run skips the
+  other 15/16 of the files on partition values alone, before any column stats. A bucket rather than
+  `identity(run_id)` keeps the partition count fixed however many runs accumulate (identity would
+  make one directory, and at least one small file, per run). 16 rather than more: a one-machine lake
+  holds tens to hundreds of runs, and upkeep already merges each run's small files into one.
+- `node_health`: `day(recorded_at)`: it grows with time, not with runs, and is read by time window.
+- `runs`, `checkpoints`, `sweeps`: unpartitioned; one row per run / checkpoint / sweep member is
+  small however long the history.
+Existing tables are moved to these specs by spec evolution (`catalog.ensure_tables`): files already
+written keep their old (unpartitioned) spec and stay readable; new writes are partitioned.
+
+Schema evolution: columns are only ever appended, optional, at the end of a definition; opening
+the lake adds them to older tables with the field ids given here (see `_table`).
 """
 
 from __future__ import annotations
@@ -15,7 +27,9 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 from pyiceberg.io.pyarrow import schema_to_pyarrow
+from pyiceberg.partitioning import PARTITION_FIELD_ID_START, PartitionField, PartitionSpec
 from pyiceberg.schema import Schema
+from pyiceberg.transforms import BucketTransform, DayTransform, IdentityTransform, Transform
 from pyiceberg.types import (
     BooleanType,
     DoubleType,
@@ -32,13 +46,38 @@ RUN_STATUSES = ("running", "succeeded", "failed")
 CHECKPOINT_KINDS = ("sft", "rl")
 
 
+# Buckets of `run_id` for the per-run tables; see the module docstring for why 16.
+RUN_BUCKETS = 16
+
+
+@dataclass(frozen=True)
+class PartitionBy:
+    """One partition field: a transform of one column, e.g. bucket(16, run_id) or day(recorded_at)."""
+
+    column: str
+    transform: Transform
+
+    @property
+    def name(self) -> str:
+        """pyiceberg's own naming (run_id_bucket_16, recorded_at_day): a spec created here and one
+        evolved with `update_spec().add_field` name their fields alike. The bucket count is in the
+        name, so changing it later adds a new field instead of clashing with the old one."""
+        if isinstance(self.transform, BucketTransform):
+            return f"{self.column}_bucket_{self.transform.num_buckets}"
+        if isinstance(self.transform, IdentityTransform):
+            return self.column
+        return f"{self.column}_{self.transform}"
+
+
 @dataclass(frozen=True)
 class TableDef:
-    """One lake table: its name, Iceberg schema and key (the columns a write is idempotent on)."""
+    """One lake table: its name, Iceberg schema, key (the columns a write is idempotent on) and
+    partitioning (empty: unpartitioned)."""
 
     name: str
     schema: Schema
     key: tuple[str, ...]
+    partition: tuple[PartitionBy, ...] = ()
 
     @property
     def identifier(self) -> tuple[str, str]:
@@ -55,8 +94,17 @@ class TableDef:
     def to_arrow_schema(self) -> pa.Schema:
         return to_arrow_schema(self)
 
+    def partition_spec(self) -> PartitionSpec:
+        """The Iceberg PartitionSpec of `partition`, with source ids from `schema`."""
+        return PartitionSpec(*[
+            PartitionField(source_id=self.schema.find_field(p.column).field_id, field_id=PARTITION_FIELD_ID_START + i,
+                           transform=p.transform, name=p.name)
+            for i, p in enumerate(self.partition)
+        ])
 
-def _table(name: str, key: tuple[str, ...], cols: list[tuple[str, IcebergType, bool]]) -> TableDef:
+
+def _table(name: str, key: tuple[str, ...], cols: list[tuple[str, IcebergType, bool]],
+           partition: tuple[PartitionBy, ...] = ()) -> TableDef:
     """Build a TableDef; field ids are the 1-based column positions, so they are explicit and stable.
 
     Append new columns at the end only: a field id must never be reused for another column.
@@ -69,12 +117,19 @@ def _table(name: str, key: tuple[str, ...], cols: list[tuple[str, IcebergType, b
     for f in fields:
         if f.name in key and not f.required:
             raise AssertionError(f"{name}: key column {f.name} must be required")
-    return TableDef(name=name, schema=Schema(*fields, identifier_field_ids=ids), key=key)
+    for p in partition:
+        # Partition by key columns only: they are required (no null partition), and the keyed delete
+        # of an upsert filters on them, so it can skip the other partitions.
+        if p.column not in key:
+            raise AssertionError(f"{name}: partition column {p.column} must be a key column")
+    return TableDef(name=name, schema=Schema(*fields, identifier_field_ids=ids), key=key, partition=partition)
 
 
 # Short aliases keep the column lists readable: (name, type, required).
 STR, LONG, DBL, BOOL, TS = StringType(), LongType(), DoubleType(), BooleanType(), TimestamptzType()
 REQ, OPT = True, False
+BY_RUN = (PartitionBy("run_id", BucketTransform(RUN_BUCKETS)),)
+BY_DAY = (PartitionBy("recorded_at", DayTransform()),)
 
 RUNS = _table("runs", ("run_id",), [
     ("run_id", STR, REQ),
@@ -104,7 +159,7 @@ STEPS = _table("steps", ("run_id", "step"), [
     ("recorded_at", TS, REQ),
     # Added with the async core; appended so existing tables keep their field ids.
     *[(m, DBL, OPT) for m in ("generator_idle_fraction", "buffer_depth", "rejected", "corrected", "filtered")],
-])
+], partition=BY_RUN)
 
 CHECKPOINTS = _table("checkpoints", ("run_id", "step"), [
     ("run_id", STR, REQ),
@@ -126,7 +181,7 @@ EVALS = _table("evals", ("run_id", "step", "benchmark", "metric"), [
     ("n", LONG, REQ),
     ("checkpoint_sha256", STR, OPT),
     ("recorded_at", TS, REQ),
-])
+], partition=BY_RUN)
 
 ROLLOUTS = _table("rollouts", ("run_id", "step", "prompt_id", "sample"), [
     ("run_id", STR, REQ),
@@ -140,7 +195,7 @@ ROLLOUTS = _table("rollouts", ("run_id", "step", "prompt_id", "sample"), [
     ("staleness", LONG, REQ),
     ("latency_s", DBL, REQ),
     ("recorded_at", TS, REQ),
-])
+], partition=BY_RUN)
 
 NODE_HEALTH = _table("node_health", ("node", "check", "recorded_at"), [
     ("node", STR, REQ),
@@ -149,9 +204,24 @@ NODE_HEALTH = _table("node_health", ("node", "check", "recorded_at"), [
     ("expected", STR, OPT),
     ("passed", BOOL, REQ),
     ("recorded_at", TS, REQ),
+], partition=BY_DAY)
+
+SWEEP_STATUSES = ("queued", "running", "succeeded", "failed")
+SWEEPS = _table("sweeps", ("sweep_id", "member"), [
+    ("sweep_id", STR, REQ),
+    ("member", STR, REQ),  # the member's partition key of the sweep-member asset
+    ("name", STR, REQ),  # the sweep's name
+    ("axes", STR, REQ),  # JSON {spec field path: value} of this member
+    ("spec", STR, REQ),  # the member's full ExperimentSpec as JSON
+    ("status", STR, REQ),  # one of SWEEP_STATUSES
+    ("run_id", STR, OPT),  # the member's training run (runs.run_id)
+    ("mlflow_parent_run_id", STR, OPT),
+    ("final_accuracy", DBL, OPT),
+    ("created_at", TS, REQ),
+    ("recorded_at", TS, REQ),
 ])
 
-TABLES: dict[str, TableDef] = {t.name: t for t in (RUNS, STEPS, CHECKPOINTS, EVALS, ROLLOUTS, NODE_HEALTH)}
+TABLES: dict[str, TableDef] = {t.name: t for t in (RUNS, STEPS, CHECKPOINTS, EVALS, ROLLOUTS, NODE_HEALTH, SWEEPS)}
 
 
 def table_def(name: str) -> TableDef:

@@ -1,0 +1,208 @@
+"""`factory best` and `factory compare`: ranking by final eval, filters, errors, and a two-run comparison,
+through main(argv) over a lake with three recorded runs."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+
+import pytest
+
+from factory.cli import main
+from factory.home import FactoryPaths
+from factory.lake import Lake
+from factory.lake.history import flatten_spec, spec_diff
+
+T0 = dt.datetime(2025, 6, 7, 8, 9, 10, tzinfo=dt.UTC)
+
+SPEC_1 = {"name": "base", "seed": 1, "model": {"preset": "micro"}, "data": {"sources": ["a", "b"]},
+          "algorithm": {"lr": 1e-4, "group_size": 8}, "schedule": {"steps": 12, "mode": "sync"}}
+SPEC_2 = {**SPEC_1, "seed": 2, "algorithm": {"lr": 3e-4, "group_size": 8},
+          "schedule": {"steps": 12, "mode": "async"}, "buffer": {"max_staleness": 2}}
+SPEC_3 = {**SPEC_1, "seed": 3}
+
+
+@pytest.fixture
+def history(factory_home: FactoryPaths) -> FactoryPaths:
+    """r1, r2 in sweep s1, r3 alone. Final arith accuracy: r2 0.75 > r1 0.6 > r3 0.4, though r3
+    reached 0.9 at an earlier step (ranking is by the final eval, not the best one)."""
+    with Lake.open(factory_home) as lake:
+        base = dict(spec_fingerprint="f", code_version="c", status="succeeded", started_at=T0)
+        lake.upsert("runs", [
+            dict(base, run_id="r1", name="lr-1e-4", sweep_id="s1", seed=1, spec=SPEC_1),
+            dict(base, run_id="r2", name="lr-3e-4", sweep_id="s1", seed=2, spec=SPEC_2),
+            dict(base, run_id="r3", name="solo", seed=3, status="failed", spec=SPEC_3),
+        ])
+        ev = dict(n=50, recorded_at=T0, benchmark="arith", metric="accuracy")
+        lake.upsert("evals", [
+            dict(ev, run_id="r1", step=0, value=0.1), dict(ev, run_id="r1", step=12, value=0.6),
+            dict(ev, run_id="r1", step=12, metric="pass@4", value=0.8),
+            dict(ev, run_id="r1", step=12, benchmark="arith/1", value=0.9),
+            dict(ev, run_id="r2", step=0, value=0.1), dict(ev, run_id="r2", step=12, value=0.75),
+            dict(ev, run_id="r2", step=12, metric="pass@4", value=0.85),
+            dict(ev, run_id="r3", step=5, value=0.9), dict(ev, run_id="r3", step=10, value=0.4),
+        ])
+        lake.upsert("steps", [
+            dict(run_id="r1", step=s, weight_version=s, reward_mean=s / 10, trainer_idle_fraction=0.5,
+                 staleness_max=float(s % 3), logprob_mismatch=0.01 * s, recorded_at=T0) for s in range(12)
+        ] + [
+            dict(run_id="r2", step=s, weight_version=s, reward_mean=1.0, trainer_idle_fraction=0.1,
+                 staleness_max=0.0, logprob_mismatch=0.0, recorded_at=T0) for s in range(3)
+        ])
+    return factory_home
+
+
+def run_json(argv: list[str], capsys) -> object:
+    assert main([*argv, "--format", "json"]) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    return json.loads(out)
+
+
+def run_error(argv: list[str], capsys) -> str:
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("factory: error: ") and err.count("\n") == 1
+    return err
+
+
+# -- best ------------------------------------------------------------------------------------------
+
+def test_best_ranks_by_the_final_eval(history, capsys):
+    rows = run_json(["best", "--metric", "accuracy"], capsys)
+    assert [(r["rank"], r["run_id"], r["step"], r["value"]) for r in rows] == [
+        (1, "r2", 12, 0.75), (2, "r1", 12, 0.6), (3, "r3", 10, 0.4)]
+    r2 = rows[0]
+    assert r2 == dict(rank=1, run_id="r2", name="lr-3e-4", sweep_id="s1", status="succeeded", seed=2,
+                      benchmark="arith", metric="accuracy", step=12, value=0.75)
+
+
+def test_best_lowest_top_and_sweep(history, capsys):
+    assert [r["run_id"] for r in run_json(["best", "--metric", "accuracy", "--lowest"], capsys)] == ["r3", "r1", "r2"]
+    assert [r["run_id"] for r in run_json(["best", "--metric", "accuracy", "--top", "1"], capsys)] == ["r2"]
+    assert [r["run_id"] for r in run_json(["best", "--metric", "accuracy", "--sweep", "s1"], capsys)] == ["r2", "r1"]
+    rows = run_json(["best", "--metric", "accuracy", "--sweep", "s1", "--lowest", "--top", "1"], capsys)
+    assert [r["run_id"] for r in rows] == ["r1"]
+
+
+def test_best_on_a_slice_and_another_metric(history, capsys):
+    assert [(r["run_id"], r["value"]) for r in run_json(
+        ["best", "--metric", "accuracy", "--benchmark", "arith/1"], capsys)] == [("r1", 0.9)]
+    assert [r["run_id"] for r in run_json(["best", "--metric", "pass@4"], capsys)] == ["r2", "r1"]
+
+
+def test_best_table_and_csv(history, capsys):
+    assert main(["best", "--metric", "accuracy"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["rank", "run_id", "name", "sweep_id", "status", "seed", "benchmark", "metric",
+                                "step", "value"]
+    assert lines[2].split()[:3] == ["1", "r2", "lr-3e-4"] and lines[-1] == "(3 rows)"
+    assert main(["best", "--metric", "accuracy", "-f", "csv", "--top", "2"]) == 0
+    assert capsys.readouterr().out.splitlines()[1:] == ["1,r2,lr-3e-4,s1,succeeded,2,arith,accuracy,12,0.75",
+                                                         "2,r1,lr-1e-4,s1,succeeded,1,arith,accuracy,12,0.6"]
+
+
+def test_best_unknown_metric_lists_the_metrics(history, capsys):
+    err = run_error(["best", "--metric", "acc"], capsys)
+    assert "--metric: no eval recorded metric 'acc'; metrics: accuracy, pass@4" in err
+
+
+def test_best_unknown_benchmark_and_sweep_and_bad_top(history, capsys):
+    err = run_error(["best", "--metric", "pass@4", "--benchmark", "arith/1"], capsys)
+    assert "no eval of 'pass@4' on benchmark 'arith/1'; benchmarks with 'pass@4': arith" in err
+    assert "--sweep: no run belongs to sweep 'nope'" in run_error(["best", "--metric", "accuracy", "--sweep", "nope"],
+                                                                   capsys)
+    assert "--top: must be >= 1, got 0" in run_error(["best", "--metric", "accuracy", "--top", "0"], capsys)
+
+
+def test_best_asks_for_a_benchmark_when_several_whole_ones_have_the_metric(history, capsys):
+    with Lake.open(history) as lake:
+        lake.upsert("evals", [dict(run_id="r3", step=10, benchmark="gsm", metric="accuracy", value=0.2, n=10,
+                                   recorded_at=T0)])
+    err = run_error(["best", "--metric", "accuracy"], capsys)
+    assert "recorded on several benchmarks; pass --benchmark, one of: arith, gsm" in err
+    assert [r["run_id"] for r in run_json(["best", "--metric", "accuracy", "--benchmark", "gsm"], capsys)] == ["r3"]
+    # Within sweep s1 only arith has accuracy, so no choice is needed there.
+    assert [r["run_id"] for r in run_json(["best", "--metric", "accuracy", "--sweep", "s1"], capsys)] == ["r2", "r1"]
+
+
+def test_best_on_an_empty_lake(factory_home, capsys):
+    assert "metrics: none: no evals recorded yet" in run_error(["best", "--metric", "accuracy"], capsys)
+
+
+# -- compare ---------------------------------------------------------------------------------------
+
+def test_compare_json_is_one_object_with_every_section(history, capsys):
+    c = run_json(["compare", "r1", "r2"], capsys)
+    assert set(c) == {"a", "b", "spec", "evals", "steps"}
+    assert c["a"]["run_id"] == "r1" and c["b"]["name"] == "lr-3e-4" and c["b"]["started_at"] == T0.isoformat()
+    assert c["spec"] == [
+        {"path": "algorithm.lr", "a": 1e-4, "b": 3e-4},
+        {"path": "buffer.max_staleness", "b": 2},  # absent from A's spec: no "a" key
+        {"path": "schedule.mode", "a": "sync", "b": "async"},
+        {"path": "seed", "a": 1, "b": 2},
+    ]
+    evals = {(e["benchmark"], e["metric"]): e for e in c["evals"]}
+    assert list(evals) == [("arith", "accuracy"), ("arith", "pass@4"), ("arith/1", "accuracy")]
+    acc = evals[("arith", "accuracy")]
+    assert (acc["step_a"], acc["a"], acc["step_b"], acc["b"]) == (12, 0.6, 12, 0.75)
+    assert acc["difference"] == pytest.approx(0.15)
+    assert evals[("arith/1", "accuracy")] == dict(benchmark="arith/1", metric="accuracy", step_a=12, a=0.9,
+                                                  step_b=None, b=None, difference=None)
+    steps = {s["aggregate"]: s for s in c["steps"]}
+    assert (steps["steps"]["a"], steps["steps"]["b"], steps["steps"]["difference"]) == (12, 3, -9)
+    assert steps["last_step"]["a"] == 11
+    assert steps["reward_mean_last10"]["a"] == pytest.approx(sum(s / 10 for s in range(2, 12)) / 10)
+    assert steps["reward_mean_last10"]["b"] == 1.0
+    assert steps["trainer_idle_fraction_mean"]["a"] == 0.5
+    assert steps["trainer_idle_fraction_mean"]["b"] == pytest.approx(0.1)
+    assert steps["staleness_max"]["a"] == 2.0
+    assert steps["logprob_mismatch_max"]["a"] == pytest.approx(0.11)
+
+
+def test_compare_table(history, capsys):
+    assert main(["compare", "r1", "r2"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("A: r1  lr-1e-4  succeeded  seed 1  sweep s1\nB: r2  lr-3e-4  succeeded  seed 2  sweep s1\n")
+    lines = out.splitlines()
+    assert "spec fields that differ (4)" in lines
+    assert ["buffer.max_staleness", "(absent)", "2"] in [ln.split() for ln in lines]
+    assert ["schedule.mode", "sync", "async"] in [ln.split() for ln in lines]
+    assert ["arith", "accuracy", "12", "0.6", "12", "0.75", "0.15"] in [ln.split() for ln in lines]
+    assert ["steps", "12", "3", "-9"] in [ln.split() for ln in lines]
+
+
+def test_compare_a_run_without_steps_or_evals(history, capsys):
+    c = run_json(["compare", "r3", "r1"], capsys)
+    assert c["spec"] == [{"path": "seed", "a": 3, "b": 1}]
+    steps = {s["aggregate"]: s for s in c["steps"]}
+    assert steps["steps"] == {"aggregate": "steps", "a": 0, "b": 12, "difference": 12}
+    assert steps["reward_mean_last10"]["a"] is None and steps["reward_mean_last10"]["difference"] is None
+
+
+def test_compare_unknown_runs_are_named(history, capsys):
+    assert "unknown run id 'nope'" in run_error(["compare", "r1", "nope"], capsys)
+    assert "unknown run ids 'x', 'y'" in run_error(["compare", "x", "y"], capsys)
+    assert main(["compare", "r1", "r2", "--format", "csv"]) == 2  # no csv form
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_spec_flattening_walks_mappings_and_keeps_lists_whole():
+    assert flatten_spec('{"a": {"b": 1, "c": {"d": [1, 2]}, "e": {}}, "f": null}') == {
+        "a.b": 1, "a.c.d": [1, 2], "a.e": {}, "f": None}
+    assert flatten_spec("not json") == {"spec": "not json"}
+    assert spec_diff('{"x": 1, "y": true}', '{"x": 1.0, "y": 1}') == [
+        {"path": "x", "a": 1, "b": 1.0}, {"path": "y", "a": True, "b": 1}]
+
+
+def test_runs_lists_the_sweep_of_each_run(history, capsys):
+    assert {r["run_id"]: r["sweep_id"] for r in run_json(["runs"], capsys)} == {"r1": "s1", "r2": "s1", "r3": None}
+
+
+def test_best_defaults_to_the_held_out_split_when_runs_have_more_benchmarks(history, capsys):
+    with Lake.open(history) as lake:
+        lake.upsert("evals", [dict(run_id=r, step=12, benchmark=b, metric="accuracy", value=v, n=10, recorded_at=T0)
+                              for r, b, v in [("r1", "arithmetic_heldout", 0.3), ("r2", "arithmetic_heldout", 0.5),
+                                              ("r1", "carry_chains", 0.9)]])
+    rows = run_json(["best", "--metric", "accuracy"], capsys)
+    assert [(r["run_id"], r["benchmark"]) for r in rows] == [("r2", "arithmetic_heldout"), ("r1", "arithmetic_heldout")]
