@@ -32,7 +32,8 @@ test: $(STAMP)
 
 ui: $(STAMP)
 	@mkdir -p $(DAGSTER_HOME)
-	@test -f $(DAGSTER_HOME)/dagster.yaml || printf 'telemetry:\n  enabled: false\n' > $(DAGSTER_HOME)/dagster.yaml
+	@# the run queue with one run per sweep lane (factory/sweep.py); an existing dagster.yaml is kept
+	@test -f $(DAGSTER_HOME)/dagster.yaml || $(BIN)/python -c "from factory.sweep import dagster_instance_yaml as y; print(y())" > $(DAGSTER_HOME)/dagster.yaml
 	$(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
 
 lint: $(STAMP)
