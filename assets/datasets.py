@@ -3,7 +3,6 @@
 
 from dagster import AssetExecutionContext, DataVersion, MaterializeResult, MetadataValue, asset
 
-from factory.experiment import build_dataset
 from resources import FactoryHomeResource, SpecResource
 
 
@@ -11,6 +10,8 @@ from resources import FactoryHomeResource, SpecResource
 def arithmetic_dataset(context: AssetExecutionContext, spec: SpecResource,
                        home: FactoryHomeResource) -> MaterializeResult:
     """Deterministic arithmetic problems from the spec's seed: train and held-out splits, no overlap."""
+    from factory.experiment import build_dataset  # heavy (torch): imported when the asset runs, see jobs/
+
     s = spec.spec()
     ds = build_dataset(s, home.paths())
     context.log.info(f"dataset {ds.fingerprint}: {ds.n_train} train / {ds.n_eval} held-out at {ds.path}")

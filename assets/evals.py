@@ -21,13 +21,14 @@ from pydantic import Field
 from assets._metadata import upstream
 from factory.checkpoint_eval import evaluate_recorded_checkpoint, parse_checkpoint_key, regression_check
 from factory.envs.benchmarks import BENCHMARKS
-from factory.experiment import eval_summary, render_report
 from resources import FactoryHomeResource, LakeResource
 
 
 @asset(group_name="evals", code_version="1", deps=["grpo_run", "sft_control"], kinds={"iceberg"})
 def eval_report(context: AssetExecutionContext, lake: LakeResource) -> MaterializeResult:
     """Held-out accuracy of the SFT start, the GRPO result and the control, read back from Iceberg."""
+    from factory.experiment import eval_summary, render_report  # heavy: see assets/training.py
+
     run_id = upstream(context, "grpo_run")["run_id"]
     s = eval_summary(lake.lake(), run_id)
     md = render_report(s)

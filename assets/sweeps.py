@@ -11,8 +11,6 @@ from dagster import (
     asset,
 )
 
-from factory.experiment import run_curves, run_sweep_member
-from factory.plots import markdown_image, sweep_summary_png
 from factory.sweep import read_member, read_sweep, sweep_id_of
 from resources import FactoryHomeResource, LakeResource, MlflowResource
 
@@ -25,6 +23,9 @@ def sweep_member_run(context: AssetExecutionContext, home: FactoryHomeResource, 
                      mlflow: MlflowResource) -> MaterializeResult:
     """A sweep member trained end to end (dataset, shared SFT warm start, GRPO, held-out eval), nested in
     MLflow under its sweep's parent run; its `sweeps` row follows it from running to succeeded/failed."""
+    from factory.experiment import run_curves, run_sweep_member  # heavy: see assets/training.py
+    from factory.plots import markdown_image
+
     key = context.partition_key
     paths = home.paths()
     try:
@@ -49,6 +50,8 @@ def sweep_member_run(context: AssetExecutionContext, home: FactoryHomeResource, 
 def sweep_summary(context: AssetExecutionContext, lake: LakeResource, mlflow: MlflowResource) -> MaterializeResult:
     """Every member of a sweep with its axis values and final held-out accuracy, best first, and a plot of
     accuracy against each axis (also on the sweep's MLflow parent run)."""
+    from factory.plots import markdown_image, sweep_summary_png
+
     sweep_id = context.partition_key
     rows = lake.lake().read("sweeps", f"sweep_id = '{sweep_id}'").to_pylist()
     if not rows:

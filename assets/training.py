@@ -1,4 +1,8 @@
-"""Training assets: the SFT warm-start checkpoint, the GRPO run, and the more-SFT control."""
+"""Training assets: the SFT warm-start checkpoint, the GRPO run, and the more-SFT control.
+
+The engine (torch, transformers) is imported inside each asset, so loading the code location (the UI,
+sensors, run workers of light jobs) does not pay for it: `import jobs` takes ~1.5 s instead of ~7 s.
+"""
 
 
 from dagster import (
@@ -12,9 +16,6 @@ from dagster import (
 )
 
 from assets._metadata import upstream
-from factory.experiment import load_dataset, run_curves, run_grpo, run_sft_control, train_sft_checkpoint
-from factory.models.checkpoint import load_checkpoint
-from factory.plots import markdown_image
 from resources import FactoryHomeResource, LakeResource, MlflowResource, SpecResource
 
 
@@ -22,6 +23,8 @@ from resources import FactoryHomeResource, LakeResource, MlflowResource, SpecRes
 def sft_checkpoint(context: AssetExecutionContext, spec: SpecResource,
                    home: FactoryHomeResource) -> MaterializeResult:
     """A short supervised warm start that teaches the answer format; HF-format checkpoint."""
+    from factory.experiment import load_dataset, train_sft_checkpoint
+
     s = spec.spec()
     splits = load_dataset(upstream(context, "arithmetic_dataset")["path"])
     res = train_sft_checkpoint(s, home.paths(), splits, log=context.log.info)
@@ -38,6 +41,9 @@ def sft_checkpoint(context: AssetExecutionContext, spec: SpecResource,
 def grpo_run(context: AssetExecutionContext, spec: SpecResource, home: FactoryHomeResource,
              lake: LakeResource, mlflow: MlflowResource) -> MaterializeResult:
     """GRPO from the SFT checkpoint; every step lands in Iceberg `steps` and in MLflow."""
+    from factory.experiment import load_dataset, run_curves, run_grpo
+    from factory.plots import markdown_image
+
     s = spec.spec()
     splits = load_dataset(upstream(context, "arithmetic_dataset")["path"])
     init = upstream(context, "sft_checkpoint")["path"]
@@ -68,6 +74,9 @@ def grpo_beats_sft(context) -> AssetCheckResult:
 def sft_control(context: AssetExecutionContext, spec: SpecResource, home: FactoryHomeResource,
                 lake: LakeResource) -> MaterializeResult:
     """The control: the GRPO run's wall time spent on more SFT from the same checkpoint instead."""
+    from factory.experiment import load_dataset, run_sft_control
+    from factory.models.checkpoint import load_checkpoint
+
     s = spec.spec()
     sft, run = upstream(context, "sft_checkpoint"), upstream(context, "grpo_run")
     splits = load_dataset(upstream(context, "arithmetic_dataset")["path"])

@@ -11,15 +11,16 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pyiceberg.expressions import And, EqualTo
 
 from factory.config import parse_spec
-from factory.envs.benchmarks import BENCHMARKS, benchmark_problems
-from factory.experiment import HELD_OUT, build_dataset, eval_rows, evaluate_checkpoint, load_dataset
+from factory.envs.benchmarks import BENCHMARKS, HELD_OUT, benchmark_problems
 from factory.home import FactoryPaths
-from factory.lake.writer import Lake
-from factory.models.checkpoint import dir_digest
+
+if TYPE_CHECKING:
+    from factory.lake.writer import Lake
 
 _SEP = "@"
 
@@ -58,6 +59,10 @@ def evaluate_recorded_checkpoint(paths: FactoryPaths, lake: Lake, run_id: str, s
                                  benchmark: str) -> CheckpointEval:
     """Evaluate the checkpoint `run_id`@`step` on `benchmark`, after checking its files against the digest
     recorded with it; write the results to `evals` and return them."""
+    # Here, not at the top: sensors and the UI import this module for its keys, without torch.
+    from factory.experiment import build_dataset, eval_rows, evaluate_checkpoint, load_dataset
+    from factory.models.checkpoint import dir_digest
+
     name = recorded_name(benchmark)
     rows = lake.read("checkpoints", And(EqualTo("run_id", run_id), EqualTo("step", step))).to_pylist()
     if not rows:

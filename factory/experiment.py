@@ -30,6 +30,7 @@ from factory.core.loop import StepRecord, train_grpo
 from factory.core.rollout.embedded import EmbeddedEngine
 from factory.core.sft import run_sft
 from factory.envs.arithmetic import Problem, Splits, make_splits
+from factory.envs.benchmarks import HELD_OUT
 from factory.home import FactoryPaths
 from factory.lake.writer import Lake
 from factory.models.build import build_model
@@ -38,7 +39,6 @@ from factory.models.tokenizer import build_tokenizer
 from factory.tracking import Tracker
 
 Log = Callable[[str], None]
-HELD_OUT = "arithmetic_heldout"
 
 
 def _now() -> datetime:

@@ -222,6 +222,7 @@ def dagster_instance_yaml(max_concurrent_runs: int = 8) -> str:
             "class": "QueuedRunCoordinator",
             "config": {
                 "max_concurrent_runs": max_concurrent_runs,
+                "dequeue_interval_seconds": 1,  # a queued member starts within a second of a free lane
                 "tag_concurrency_limits": [
                     {"key": LANE_TAG, "value": {"applyLimitPerUniqueValue": True}, "limit": 1},
                 ],

@@ -22,6 +22,7 @@ from dagster import (
     SensorEvaluationContext,
     SensorResult,
     define_asset_job,
+    in_process_executor,
     job,
     op,
     sensor,
@@ -92,7 +93,7 @@ def _members_md(plan) -> str:
 
 
 @job(description="Launch a sweep: a base spec and axes over its fields; members run as their own runs.",
-     tags={"factory/kind": "sweep"})
+     tags={"factory/kind": "sweep"}, executor_def=in_process_executor)  # one op: no step process to start
 def sweep():
     plan_and_queue_sweep()
 
@@ -102,7 +103,7 @@ def _sweep_ids(home: FactoryHomeResource) -> list[str]:
     return sorted(p.name for p in root.iterdir() if (p / "sweep.json").is_file()) if root.is_dir() else []
 
 
-@sensor(job=sweep_member_job, minimum_interval_seconds=5, default_status=DefaultSensorStatus.RUNNING,
+@sensor(job=sweep_member_job, minimum_interval_seconds=1, default_status=DefaultSensorStatus.RUNNING,
         description="Queues one run per member of each new sweep; the run queue's lanes cap its concurrency.")
 def sweep_launcher(context: SensorEvaluationContext, home: FactoryHomeResource) -> SensorResult:
     launched = set(json.loads(context.cursor)) if context.cursor else set()

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from dagster import ConfigurableResource
 
 from factory.config import ExperimentSpec, apply_overrides, load_spec, parse_overrides
 from factory.home import FactoryPaths, factory_home
-from factory.lake.writer import Lake
-from factory.tracking import Tracker
+
+if TYPE_CHECKING:  # imported when used: the code location loads without pyiceberg and mlflow
+    from factory.lake.writer import Lake
+    from factory.tracking import Tracker
 
 
 class FactoryHomeResource(ConfigurableResource):
@@ -25,6 +29,8 @@ class LakeResource(ConfigurableResource):
     home: FactoryHomeResource
 
     def lake(self) -> Lake:
+        from factory.lake.writer import Lake
+
         return Lake.open(self.home.paths())
 
 
@@ -34,6 +40,8 @@ class MlflowResource(ConfigurableResource):
     home: FactoryHomeResource
 
     def tracker(self) -> Tracker:
+        from factory.tracking import Tracker
+
         return Tracker(self.home.paths())
 
 

@@ -32,6 +32,8 @@ from importlib import resources
 from factory.config import TaskSpec
 from factory.envs.arithmetic import OPS, Problem, Splits, _problem
 
+HELD_OUT = "arithmetic_heldout"  # how `evals.benchmark` names a run's own held-out split
+
 BENCHMARKS: dict[str, str] = {
     "heldout": "the run's held-out eval split (make_splits(task, seed).eval)",
     "carry_chains": "shipped suite: 3-digit additions where every column carries, subtractions with borrows",

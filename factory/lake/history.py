@@ -13,6 +13,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from factory.envs.benchmarks import HELD_OUT
 from factory.lake.query import Format, connect, format_table, json_value, run_sql
 from factory.lake.writer import Lake
 
@@ -40,7 +41,7 @@ SELECT * FROM ranked WHERE rank <= $top ORDER BY rank
 """
 
 
-DEFAULT_BENCHMARK = "arithmetic_heldout"  # what factory.experiment records as HELD_OUT
+DEFAULT_BENCHMARK = HELD_OUT  # every run records its held-out split under this name
 
 
 def best_runs(lake: Lake, metric: str, benchmark: str | None = None, sweep_id: str | None = None,
