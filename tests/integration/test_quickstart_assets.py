@@ -85,3 +85,16 @@ def test_report_and_check(materialized):
     assert check.check_name == "grpo_beats_sft"
     gain = check.metadata["gain"].value
     assert check.passed == (gain > 0)
+
+
+def test_rematerializing_unchanged_inputs_reuses_the_sft_checkpoint(materialized):
+    result, home = materialized
+    first = result.asset_materializations_for_node("sft_checkpoint")[0]
+    with DagsterInstance.ephemeral() as instance:
+        again = materialize(QUICKSTART_ASSETS[:2], resources=make_resources(SPEC, TINY, str(home)),
+                            instance=instance)
+    second = again.asset_materializations_for_node("sft_checkpoint")[0]
+    # same checkpoint, same data version (nothing downstream goes stale), and no second training run
+    assert second.metadata["sha256"] == first.metadata["sha256"]
+    assert second.tags["dagster/data_version"] == first.tags["dagster/data_version"]
+    assert second.metadata["seconds"] == first.metadata["seconds"]  # the recorded training time, not a new one
