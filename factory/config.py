@@ -68,6 +68,11 @@ class TaskSpec(_Section):
     simulated_latency_s: float = Field(
         0.0, ge=0, description="unit of a heavy-tailed simulated verifier latency per episode (40% 1x, 50% 3x, "
         "10% 20x; see envs/latency.py); 0 disables it")
+    environment: str | None = Field(
+        None, description="a multi-turn environment (built-in name, e.g. calculator_tool, or an import path "
+        "package.module:attr) that runs each episode against the rollout server; unset: the task's verifier "
+        "scores single completions")
+    episode_timeout_s: float = Field(300.0, gt=0, description="a multi-turn episode running longer scores 0")
 
     @field_validator("digits")
     @classmethod
@@ -300,6 +305,11 @@ class ExperimentSpec(_Section):
                 f"buffer.depth: with policy 'bound' must be <= buffer.max_staleness * rollout.prompts_per_step "
                 f"= {b.max_staleness * per_step} (deeper lets groups grow staler than allowed), got {b.depth}"
             )
+        if self.task.environment is not None and (self.rollout.engine != "server" or self.schedule.mode == "sync"):
+            raise ValueError(
+                f"task.environment: a multi-turn environment talks to the rollout server, so it needs "
+                f"rollout.engine: server and schedule.mode one_step_off or async (got engine "
+                f"{self.rollout.engine!r}, mode {self.schedule.mode!r})")
         batch = self.rollout.prompts_per_step * self.algorithm.group_size
         if batch % self.trainer.minibatches:
             raise ValueError(

@@ -96,10 +96,16 @@ class Sample:
     reward: float
     versions: list[int]  # several if the weights changed mid-generation; the oldest counts
     meta: dict[str, Any] = field(default_factory=dict)
+    # Multi-turn episodes: 1 on the model's own tokens, 0 on what the environment inserted (tool results,
+    # user turns), which the loss must not learn from. None: every token is the model's.
+    mask: list[int] | None = None
 
     @property
     def oldest_version(self) -> int:
         return min(self.versions)
+
+    def loss_mask(self) -> list[int]:
+        return self.mask if self.mask is not None else [1] * len(self.token_ids)
 
     @classmethod
     def from_completion(cls, c: Completion, reward: float) -> Sample:
@@ -127,7 +133,7 @@ class Group:
     def to_dict(self) -> dict[str, Any]:
         return {"uid": self.uid, "meta": self.meta, "samples": [
             {"prompt_ids": s.prompt_ids, "token_ids": s.token_ids, "logprobs": s.logprobs, "reward": s.reward,
-             "versions": s.versions, "meta": s.meta} for s in self.samples]}
+             "versions": s.versions, "meta": s.meta, "mask": s.mask} for s in self.samples]}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Group:
@@ -140,6 +146,8 @@ def _validate(group: Group) -> None:
     for i, s in enumerate(group.samples):
         if len(s.token_ids) != len(s.logprobs):
             raise ValueError(f"group {group.uid} sample {i}: {len(s.token_ids)} tokens but {len(s.logprobs)} logprobs")
+        if s.mask is not None and len(s.mask) != len(s.token_ids):
+            raise ValueError(f"group {group.uid} sample {i}: {len(s.token_ids)} tokens but {len(s.mask)} mask values")
         if not s.versions:
             raise ValueError(f"group {group.uid} sample {i}: no weight version")
 

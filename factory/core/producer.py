@@ -18,6 +18,7 @@ three processes on loopback; the producer threads here only move requests betwee
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import random
 import shutil
@@ -28,15 +29,17 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from factory.config import BufferSpec, ExperimentSpec
-from factory.core.buffer import BufferClosed, BufferTimeout, Group, RolloutBuffer, Sample
+from factory.core.buffer import BufferClosed, BufferTimeout, Group, Reservation, RolloutBuffer, Sample
 from factory.core.rollout.base import Completion, SamplingParams
 from factory.core.rollout.continuous import ContinuousEngine
 from factory.core.rollout.embedded import EmbeddedEngine
 from factory.core.weights import encode_delta, encode_full
 from factory.envs.arithmetic import Problem
+from factory.envs.protocol import tokens_from_session
 from factory.envs.workers import Episode, Scored, make_environment
 from factory.models.checkpoint import save_checkpoint
 from factory.ops.supervisor import CONNECTION_ERRORS, ServiceProcess, ServiceUnavailable
@@ -154,7 +157,6 @@ class OverlappedProducer:
                                        max_batch=self.rows).start()
 
     def _produce(self) -> None:
-        g = self.spec.algorithm.group_size
         try:
             while not self._stop.is_set():
                 try:
@@ -164,14 +166,11 @@ class OverlappedProducer:
                     continue
                 t0 = time.perf_counter()
                 k, problem = self.stream.draw()
-                ids = self.tok(problem.prompt).input_ids
-                completions = self._sample(ids, _params(self.spec, self.spec.seed * 1_000_003 + k, n=g))
-                slot.generated_at(min(Sample.from_completion(c, 0.0).oldest_version for c in completions))
-                scored = self.env.score([episode(problem, k, completions)])
-                if scored is None:  # shutting down
+                group = self._group(k, problem, slot)
+                if group is None:  # shutting down
                     slot.cancel()
                     return
-                self.buffer.put(make_group(problem, k, completions, scored[0]), reservation=slot)
+                self.buffer.put(group, reservation=slot)
                 with self._lock:
                     self._busy_s += time.perf_counter() - t0
         except BufferClosed:
@@ -179,6 +178,15 @@ class OverlappedProducer:
         except BaseException as e:  # noqa: BLE001 - surfaced to the trainer by next_batch
             self._errors.append(e)
             self.buffer.close()
+
+    def _group(self, k: int, problem: Problem, slot: Reservation) -> Group | None:
+        """G single-turn completions of the problem, scored by the environment (None: shutting down)."""
+        g = self.spec.algorithm.group_size
+        ids = self.tok(problem.prompt).input_ids
+        completions = self._sample(ids, _params(self.spec, self.spec.seed * 1_000_003 + k, n=g))
+        slot.generated_at(min(Sample.from_completion(c, 0.0).oldest_version for c in completions))
+        scored = self.env.score([episode(problem, k, completions)])
+        return None if scored is None else make_group(problem, k, completions, scored[0])
 
     def next_batch(self, step: int) -> list[Group]:
         try:
@@ -264,7 +272,7 @@ class ServerProducer(OverlappedProducer):
                 if attempt == 3:
                     raise ServiceUnavailable(f"rollout server: 3 attempts failed; last: {e!r}") from e
                 with self._restart_lock:  # one thread restarts and re-syncs; the others wait, then retry
-                    if self.service.ensure_alive():
+                    if self.service.recover():
                         self._renew_client()
                         self._push()
 
@@ -306,6 +314,55 @@ class ServerProducer(OverlappedProducer):
             self._call(post)
             self._state, self._version = new, version
         self._published = version
+
+    def _group(self, k: int, problem: Problem, slot: Reservation) -> Group | None:
+        if self.spec.task.environment is None:
+            return super()._group(k, problem, slot)
+        return self._episode_group(k, problem, slot)
+
+    def _episode_group(self, k: int, problem: Problem, slot: Reservation) -> Group | None:
+        """G multi-turn episodes of the problem: the environment drives each against this server under its own
+        session; the exact tokens, logprobs and the mask of the model's turns come back from the session
+        records. If the server dies meanwhile, it is restarted and the whole group runs again (new sessions)."""
+        r, g = self.spec.rollout, self.spec.algorithm.group_size
+        tasks = [{**problem.to_dict(), "sampling": {"temperature": r.temperature, "top_p": r.top_p,
+                                                    "max_tokens": r.max_new_tokens,
+                                                    "seed": (self.spec.seed * 1_000_003 + k) * 1009 + j}}
+                 for j in range(g)]
+        for attempt in range(1, 4):
+            sids = [f"draw-{k}-{j}-try{attempt}" for j in range(g)]
+            try:
+                results = self.env.run_episodes(self.spec.task.environment, tasks, sids, self.service.url,
+                                                self.spec.task.episode_timeout_s)
+                if results is None:
+                    return None
+                records = [self._session(sid) for sid in sids]
+                break
+            except (*CONNECTION_ERRORS, openai.APIConnectionError, httpx.HTTPStatusError) as e:
+                if self._stop.is_set():
+                    return None
+                if attempt == 3:
+                    raise ServiceUnavailable(f"episodes of draw {k}: 3 attempts failed; last: {e!r}") from e
+                with self._restart_lock:  # sessions live in the server: after a restart they are gone
+                    if self.service.recover():
+                        self._renew_client()
+                        self._push()
+            finally:
+                for sid in sids:
+                    with contextlib.suppress(*CONNECTION_ERRORS):
+                        self._http.delete(f"/sessions/{sid}")
+        tokens = [tokens_from_session(rec) for rec in records]
+        slot.generated_at(min(min(t.versions) for t in tokens))
+        samples = [Sample(t.prompt_ids, t.token_ids, t.logprobs, res.reward, t.versions,
+                          {"text": str(res.info.get("answer", "")), "reason": res.reason, "turns": t.turns},
+                          mask=t.mask) for t, res in zip(tokens, results, strict=True)]
+        return Group(samples, uid=f"draw-{k}", meta={"prompt_id": problem.id, "prompt": problem.prompt, "draw": k,
+                                                     "latency_s": 0.0})
+
+    def _session(self, sid: str) -> dict:
+        resp = self._http.get(f"/sessions/{sid}")
+        resp.raise_for_status()  # 404: the server lost it (restarted); the group is run again
+        return resp.json()
 
     def _stop_engine(self) -> None:
         self.service.stop()

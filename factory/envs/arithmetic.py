@@ -82,6 +82,11 @@ def make_splits(task: TaskSpec, seed: int) -> Splits:
     return Splits(train=problems[task.n_eval :], eval=problems[: task.n_eval])
 
 
+def reward_fn(prompt: str, completion: str, *, answer: str, **_: object) -> float:
+    """The environment-protocol form of `reward` (`factory/envs/protocol.py`)."""
+    return 1.0 if completion.strip() == answer else 0.0
+
+
 def reward(completion: str, problem: Problem) -> float:
     """1.0 for the exact answer (surrounding whitespace ignored), else 0.0; never raises."""
     try:

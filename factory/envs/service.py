@@ -24,11 +24,12 @@ from collections.abc import Callable
 from typing import Any
 
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel, ConfigDict, Field
 
 from factory.envs.arithmetic import Problem, reward
 from factory.envs.latency import LatencyProfile
+from factory.envs.protocol import load_environment, run_episodes
 
 Scorer = Callable[[dict[str, Any], str], float]
 
@@ -53,6 +54,16 @@ class ScoreRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     episodes: list[EpisodeIn]
+
+
+class EpisodesRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    env: str = Field(description="a built-in multi-turn environment or an import path package.module:attr")
+    tasks: list[dict[str, Any]]
+    session_ids: list[str]
+    rollout_url: str = Field(description="the rollout server the episodes talk to (OpenAI API)")
+    timeout_s: float = Field(300.0, gt=0)
 
 
 def score_completions(env: str, problem: dict[str, Any], completions: list[str]) -> tuple[list[float], list[str]]:
@@ -99,6 +110,25 @@ def create_app(latency: LatencyProfile | None = None) -> FastAPI:
     @app.post("/score")
     async def score(body: ScoreRequest) -> dict:
         return {"episodes": list(await asyncio.gather(*(run(ep) for ep in body.episodes)))}
+
+    @app.post("/episodes")
+    async def episodes(body: EpisodesRequest) -> dict:
+        if len(body.tasks) != len(body.session_ids):
+            raise HTTPException(422, f"{len(body.tasks)} tasks but {len(body.session_ids)} session_ids")
+        try:
+            env = load_environment(body.env)
+        except ValueError as e:
+            raise HTTPException(422, str(e)) from e
+        if env.kind != "multi_turn":
+            raise HTTPException(422, f"environment {body.env!r} is single-turn; POST /score scores completions")
+        state["in_flight"] += len(body.tasks)
+        try:
+            out = await run_episodes(env, body.tasks, body.session_ids, body.rollout_url, body.timeout_s)
+        finally:
+            state["in_flight"] -= len(body.tasks)
+        state["episodes"] += len(out)
+        state["failures"] += sum(1 for e in out if e.reason)
+        return {"episodes": [{"reward": e.reward, "reason": e.reason, "info": e.info} for e in out]}
 
     return app
 

@@ -9,6 +9,7 @@ producer is shutting down), never a partial result.
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import tempfile
 import threading
@@ -20,6 +21,7 @@ import httpx
 
 from factory.envs.arithmetic import Problem
 from factory.envs.latency import LatencyProfile
+from factory.envs.protocol import EpisodeResult, load_environment, run_episodes
 from factory.envs.service import score_completions
 from factory.ops.supervisor import CONNECTION_ERRORS, ServiceProcess, ServiceUnavailable
 
@@ -55,6 +57,13 @@ class LocalEnvironment:
             rewards, reasons = score_completions(ep.env, ep.problem.to_dict(), ep.completions)
             out.append(Scored(rewards, reasons, w))
         return out
+
+    def run_episodes(self, env: str, tasks: list[dict], session_ids: list[str], rollout_url: str,
+                     timeout_s: float) -> list[EpisodeResult] | None:
+        """Multi-turn episodes of `env` against the rollout server at `rollout_url`, side by side."""
+        if self._closed.is_set():
+            return None
+        return asyncio.run(run_episodes(load_environment(env), tasks, session_ids, rollout_url, timeout_s))
 
     def metrics(self) -> dict[str, float]:
         return {}
@@ -101,16 +110,20 @@ class ServiceEnvironment:
     def score(self, episodes: list[Episode]) -> list[Scored] | None:
         if not episodes:
             return []
-        i = zlib.crc32(episodes[0].key.encode()) % len(self.services)
         body = {"episodes": [{"key": ep.key, "env": ep.env, "problem": ep.problem.to_dict(),
                               "completions": ep.completions} for ep in episodes]}
+        out = self._post(episodes[0].key, "/score", body)
+        return None if out is None else [Scored(e["rewards"], e["reasons"], e["latency_s"]) for e in out["episodes"]]
+
+    def _post(self, route_key: str, path: str, body: dict) -> dict | None:
+        i = zlib.crc32(route_key.encode()) % len(self.services)
         for attempt in range(1, 4):
             if self._closed.is_set():
                 return None
             try:
-                r = self._clients[i].post("/score", json=body)
+                r = self._clients[i].post(path, json=body)
                 r.raise_for_status()
-                return [Scored(e["rewards"], e["reasons"], e["latency_s"]) for e in r.json()["episodes"]]
+                return r.json()
             except Exception as e:
                 if self._closed.is_set():  # shutting down: whatever the half-closed client raised
                     return None
@@ -120,10 +133,17 @@ class ServiceEnvironment:
                     raise ServiceUnavailable(f"{self.services[i].name}: 3 attempts failed; last: {e!r}") from e
                 # One caller restarts it, with a fresh connection pool (the old one's keep-alive connections
                 # went to the dead process); the others find it alive and retry on the new pool.
-                if self.services[i].ensure_alive():
+                if self.services[i].recover():
                     self._retired.append(self._clients[i])
                     self._clients[i] = self._client(self.services[i])
         raise AssertionError("unreachable")
+
+    def run_episodes(self, env: str, tasks: list[dict], session_ids: list[str], rollout_url: str,
+                     timeout_s: float) -> list[EpisodeResult] | None:
+        """As `LocalEnvironment.run_episodes`, in a worker process (which talks to the rollout server itself)."""
+        out = self._post(session_ids[0], "/episodes", {"env": env, "tasks": tasks, "session_ids": session_ids,
+                                                       "rollout_url": rollout_url, "timeout_s": timeout_s})
+        return None if out is None else [EpisodeResult(e["reward"], e["reason"], e["info"]) for e in out["episodes"]]
 
     def metrics(self) -> dict[str, float]:
         return {"env_restarts": float(sum(s.restarts for s in self.services))}

@@ -121,6 +121,27 @@ class ServiceProcess:
             self._spawn()
             return True
 
+    def recover(self) -> bool:
+        """After a call failed with a connection error: restart the service if its process died; if it still
+        runs, wait (bounded by the startup timeout) until it answers its health check again or dies. The
+        two checks race a dying process (its socket closes before it can be reaped), so a caller that only
+        asked `alive()` would retry at once into the same refusal. True if a restart happened."""
+        if self.ensure_alive():
+            return True
+        deadline = time.monotonic() + self.startup_timeout
+        with httpx.Client(timeout=2.0) as client:
+            while time.monotonic() < deadline:
+                if not self.alive():
+                    return self.ensure_alive()
+                try:
+                    if client.get(self.health_url).status_code == 200:
+                        return False
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.05)  # polling readiness, bounded by the deadline
+        raise ServiceUnavailable(f"{self.name}: alive but not answering {self.health_url} for "
+                                 f"{self.startup_timeout:.0f}s")
+
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Kill the process (for fault-injection tests)."""
         if self._proc is not None and self._proc.poll() is None:
@@ -161,7 +182,7 @@ def retry_through_restarts(call: Callable[[], T], service: ServiceProcess, attem
             if attempt == attempts:
                 raise ServiceUnavailable(f"{service.name}: call failed {attempts} times; last error: "
                                          f"{type(e).__name__}: {e}") from e
-            restarted = service.ensure_alive()
+            restarted = service.recover()
             log.warning("%s call failed (%s: %s); %s, retrying (%d/%d)", service.name, type(e).__name__, e,
                         "service restarted" if restarted else "service still up", attempt, attempts)
     raise AssertionError("unreachable")

@@ -40,8 +40,10 @@ def pack(
     pad_id: int,
     completion_values: dict[str, list[list[float]]] | None = None,
     per_seq: dict[str, list[float]] | None = None,
+    completion_masks: list[list[int]] | None = None,
 ) -> TrainBatch:
-    """Concatenate each prompt with its completion; completion tokens get loss_mask=True.
+    """Concatenate each prompt with its completion; completion tokens get loss_mask=True, except where
+    `completion_masks[i]` is 0 (tokens of a multi-turn episode that the environment inserted).
 
     `completion_values[name][i]` has one value per completion token of sequence i (e.g. the
     sampler's logprobs) and lands at those tokens' target positions; elsewhere it is 0.
@@ -59,7 +61,12 @@ def pack(
         ids[i, : len(seq)] = torch.tensor(seq)
         attn[i, : len(seq)] = 1
         lo, hi = len(p) - 1, len(p) - 1 + len(c)
-        mask[i, lo:hi] = True
+        if completion_masks is None:
+            mask[i, lo:hi] = True
+        else:
+            if len(completion_masks[i]) != len(c):
+                raise ValueError(f"completion_masks[{i}] has {len(completion_masks[i])} values for {len(c)} tokens")
+            mask[i, lo:hi] = torch.tensor(completion_masks[i], dtype=torch.bool)
         for k, v in (completion_values or {}).items():
             if len(v[i]) != len(c):
                 raise ValueError(f"{k}[{i}] has {len(v[i])} values for {len(c)} completion tokens")
