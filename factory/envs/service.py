@@ -12,6 +12,9 @@ Endpoints:
   "rewards", "reasons", "latency_s"}]}, in request order. All episodes of a request run concurrently, so
   a request takes as long as its slowest episode. Scoring is a pure function of the request (latency
   included, drawn from the episode key), so a client may repeat a request after a crash.
+- `POST /episodes` - {"env", "tasks", "session_ids", "rollout_url", "timeout_s"} -> {"episodes": [{"reward",
+  "reason", "info"}]}: multi-turn episodes (`envs/protocol.py`), each driving its own OpenAI client
+  against the rollout server under its session id; the caller reads the exact tokens from the server.
 
 An environment that raises scores 0 with the reason recorded; the run goes on.
 """

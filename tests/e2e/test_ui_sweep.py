@@ -105,8 +105,21 @@ def _wait_for(url: str, job: str, n: int, timeout_s: float) -> list[dict]:
         time.sleep(1.0)  # polling the server, bounded by the deadline
 
 
+def _dismiss_newsletter(page) -> None:
+    """The UI opens a first-visit newsletter dialog a few seconds after load, over the launchpad."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    skip = page.get_by_role("button", name="Skip")
+    try:
+        skip.wait_for(state="visible", timeout=20_000)
+    except PlaywrightTimeout:
+        return  # this version or this visit shows none
+    skip.click()
+    skip.wait_for(state="hidden", timeout=10_000)
+
+
 def test_launch_a_two_member_sweep_from_the_launchpad(dagster_ui):
-    from playwright.sync_api import sync_playwright
+    from playwright.sync_api import expect, sync_playwright
 
     url, log = dagster_ui
     with sync_playwright() as p:
@@ -117,13 +130,13 @@ def test_launch_a_two_member_sweep_from_the_launchpad(dagster_ui):
         try:
             page.goto(f"{url}/locations/factory/jobs/sweep/playground", timeout=120_000)
             page.wait_for_selector(".CodeMirror", timeout=120_000)
-            skip = page.get_by_role("button", name="Skip")  # a first-visit newsletter dialog
-            if skip.count():
-                skip.click()
+            _dismiss_newsletter(page)
             # The launchpad's editor is CodeMirror 5: set the text through its API (typing would auto-indent).
             page.evaluate("yaml => document.querySelector('.CodeMirror').CodeMirror.setValue(yaml)", SWEEP_YAML)
             page.get_by_text("No errors").wait_for(timeout=30_000)  # the launchpad validated the config
-            page.get_by_role("button", name="Launch Run").click()
+            launch = page.get_by_role("button", name="Launch Run")
+            expect(launch).to_be_enabled(timeout=30_000)
+            launch.click()
             page.wait_for_url("**/runs/**", timeout=60_000)
 
             (plan,) = _wait_for(url, "sweep", 1, timeout_s=180)
