@@ -58,7 +58,9 @@ Operation = Literal["add", "sub", "mul"]
 class TaskSpec(_Section):
     """The arithmetic task family; `digits` are the difficulty levels (operand lengths)."""
 
-    name: Literal["arithmetic"] = "arithmetic"
+    name: Literal["arithmetic", "word_problems", "code"] = Field(
+        "arithmetic", description="the task family: generated arithmetic, or a shipped set of word problems or "
+        "code problems (envs/tasks.py; their models use an ASCII character tokenizer)")
     operations: list[Operation] = Field(default_factory=lambda: ["add"], min_length=1)
     digits: list[int] = Field(default_factory=lambda: [2, 3], min_length=1)
     reverse_answer: bool = True

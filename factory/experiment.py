@@ -29,13 +29,14 @@ from factory.core.evaluate import EvalResult, evaluate
 from factory.core.loop import StepRecord, train_grpo
 from factory.core.rollout.embedded import EmbeddedEngine
 from factory.core.sft import run_sft
-from factory.envs.arithmetic import Problem, Splits, make_splits
+from factory.envs.arithmetic import Problem, Splits
 from factory.envs.benchmarks import HELD_OUT
+from factory.envs.tasks import make_task_splits
 from factory.home import FactoryPaths
 from factory.lake.writer import Lake
 from factory.models.build import build_model
 from factory.models.checkpoint import CheckpointInfo, dir_digest, load_checkpoint, save_checkpoint
-from factory.models.tokenizer import build_tokenizer
+from factory.models.tokenizer import tokenizer_for
 from factory.tracking import Tracker
 
 Log = Callable[[str], None]
@@ -73,9 +74,9 @@ class DatasetArtifact:
 
 def build_dataset(spec: ExperimentSpec, paths: FactoryPaths) -> DatasetArtifact:
     """Generate the task's splits and store them as JSONL under datasets/<fingerprint>/ (atomic)."""
-    splits = make_splits(spec.task, spec.seed)
+    splits = make_task_splits(spec.task, spec.seed)
     fp = splits.fingerprint()
-    final = paths.datasets / f"arithmetic-{fp}"
+    final = paths.datasets / f"{spec.task.name}-{fp}"
     if not (final / "eval.jsonl").is_file():
         tmp = Path(tempfile.mkdtemp(prefix=".arithmetic-", dir=paths.datasets))
         for name, rows in (("train", splits.train), ("eval", splits.eval)):
@@ -137,7 +138,7 @@ def train_sft_checkpoint(spec: ExperimentSpec, paths: FactoryPaths, splits: Spli
                          ) -> SFTResult:
     """SFT from scratch (or continue `model`), save an atomic checkpoint, evaluate it held-out."""
     set_threads(spec)
-    tok = tokenizer or build_tokenizer()
+    tok = tokenizer or tokenizer_for(spec.task.name)
     model = model if model is not None else build_model(spec.model.preset, tok, seed=spec.seed)
     # An explicit step count (the control) means exactly that many steps: no early stop.
     sft = spec.sft if steps is None else spec.sft.model_copy(update={"steps": steps, "stop_at_accuracy": None})

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from factory.core.rollout.base import RolloutEngine, SamplingParams
-from factory.envs.arithmetic import Problem, reward
+from factory.envs.arithmetic import Problem
+from factory.envs.tasks import verify as reward
 
 
 @dataclass(frozen=True)

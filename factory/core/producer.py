@@ -68,8 +68,8 @@ class PromptStream:
             return k, self._cache[b][i]
 
 
-def episode(problem: Problem, k: int, completions: list[Completion]) -> Episode:
-    return Episode(key=f"{problem.id}-{k}", problem=problem, completions=[c.text for c in completions])
+def episode(problem: Problem, k: int, completions: list[Completion], env: str = "arithmetic") -> Episode:
+    return Episode(key=f"{problem.id}-{k}", problem=problem, completions=[c.text for c in completions], env=env)
 
 
 def make_group(problem: Problem, k: int, completions: list[Completion], scored: Scored) -> Group:
@@ -104,7 +104,8 @@ class SyncProducer:
         params = _params(self.spec, self.spec.seed * 1_000_003 + step, n=self.spec.algorithm.group_size)
         groups = self.engine.generate(prompts, params)
         # The episodes run side by side in the environment: the batch is ready when the slowest is.
-        scored = self.env.score([episode(p, k, comps) for (k, p), comps in zip(draws, groups, strict=True)])
+        scored = self.env.score([episode(p, k, comps, self.spec.task.name)
+                                 for (k, p), comps in zip(draws, groups, strict=True)])
         if scored is None:
             raise ProducerFailed("the environment was closed while a batch was being scored")
         return [make_group(p, k, comps, sc) for (k, p), comps, sc in zip(draws, groups, scored, strict=True)]
@@ -185,7 +186,7 @@ class OverlappedProducer:
         ids = self.tok(problem.prompt).input_ids
         completions = self._sample(ids, _params(self.spec, self.spec.seed * 1_000_003 + k, n=g))
         slot.generated_at(min(Sample.from_completion(c, 0.0).oldest_version for c in completions))
-        scored = self.env.score([episode(problem, k, completions)])
+        scored = self.env.score([episode(problem, k, completions, self.spec.task.name)])
         return None if scored is None else make_group(problem, k, completions, scored[0])
 
     def next_batch(self, step: int) -> list[Group]:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from factory.config import TaskSpec
 
@@ -24,8 +25,9 @@ class Problem:
     id: str
     prompt: str
     answer: str
-    op: str
+    op: str  # the arithmetic operation; "word" / "code" for the text tasks (envs/tasks.py)
     digits: int
+    meta: dict[str, Any] = field(default_factory=dict, compare=False)  # e.g. a code problem's unit tests
 
     def to_dict(self) -> dict:
         return asdict(self)

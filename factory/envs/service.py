@@ -30,18 +30,20 @@ import uvicorn
 from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel, ConfigDict, Field
 
-from factory.envs.arithmetic import Problem, reward
+from factory.envs.arithmetic import Problem
 from factory.envs.latency import LatencyProfile
 from factory.envs.protocol import load_environment, run_episodes
+from factory.envs.tasks import verify
 
 Scorer = Callable[[dict[str, Any], str], float]
 
 
-def _arithmetic(problem: dict[str, Any], completion: str) -> float:
-    return reward(completion, Problem(**problem))
+def _task_verifier(problem: dict[str, Any], completion: str) -> float:
+    return verify(completion, Problem(**problem))
 
 
-SCORERS: dict[str, Scorer] = {"arithmetic": _arithmetic}
+# The task families' verifiers (envs/tasks.py); code rewards run in this process's sandbox pool.
+SCORERS: dict[str, Scorer] = {"arithmetic": _task_verifier, "word_problems": _task_verifier, "code": _task_verifier}
 
 
 class EpisodeIn(BaseModel):

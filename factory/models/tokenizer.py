@@ -7,6 +7,13 @@ from transformers import PreTrainedTokenizerFast
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 ARITHMETIC_ALPHABET = "0123456789+-*="
+# Printable ASCII with newline and tab: word problems and code (envs/tasks.py).
+TEXT_ALPHABET = "".join(chr(c) for c in range(32, 127)) + "\n\t"
+
+
+def tokenizer_for(task_name: str) -> PreTrainedTokenizerFast:
+    """The character tokenizer a task family needs: digits and operators for arithmetic, ASCII text otherwise."""
+    return build_tokenizer(ARITHMETIC_ALPHABET if task_name == "arithmetic" else TEXT_ALPHABET)
 
 
 def build_tokenizer(alphabet: str = ARITHMETIC_ALPHABET) -> PreTrainedTokenizerFast:
@@ -14,7 +21,7 @@ def build_tokenizer(alphabet: str = ARITHMETIC_ALPHABET) -> PreTrainedTokenizerF
     chars = sorted(set(alphabet))
     vocab = {PAD: 0, BOS: 1, EOS: 2} | {c: i + 3 for i, c in enumerate(chars)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every char, newlines too
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", special_tokens=[(BOS, vocab[BOS])]
     )

@@ -1,0 +1,128 @@
+"""Task families and their verifiers: generated arithmetic, and shipped word problems and code problems.
+
+- `arithmetic` (`envs/arithmetic.py`): generated from the seed.
+- `word_problems`: `suites/word_problems.jsonl`, 400 short problems written for the project from templates
+  (sums, differences, products, fair shares, two-step changes). The answer is extracted from a completion
+  as the content of the last `\\boxed{...}`, else its last number; it must equal the reference number.
+- `code`: `suites/code_problems.jsonl`, small Python functions (a signature and docstring as the prompt, a
+  reference body, three unit tests each). The completion is the body; the reward is the fraction of unit
+  tests that pass, run in the sandbox pool (`envs/sandbox.py`), never in this process.
+
+`make_task_splits(task, seed)` gives disjoint train / held-out splits of any family; `verify(completion,
+problem)` scores one completion and never raises.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import random
+import re
+import threading
+from importlib import resources
+from typing import Any
+
+from factory.config import TaskSpec
+from factory.envs.arithmetic import Problem, Splits, make_splits
+from factory.envs.arithmetic import reward as arithmetic_reward
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+
+
+@functools.cache
+def _records(name: str) -> tuple[dict[str, Any], ...]:
+    text = resources.files("factory.envs").joinpath("suites", f"{name}.jsonl").read_text()
+    return tuple(json.loads(line) for line in text.splitlines() if line.strip())
+
+
+def _word_problem(r: dict[str, Any]) -> Problem:
+    return Problem(id=r["id"], prompt=f"{r['question']}\nAnswer: ", answer=r["answer"], op="word", digits=0,
+                   meta={"kind": r["kind"]})
+
+
+def _code_problem(r: dict[str, Any]) -> Problem:
+    return Problem(id=r["id"], prompt=r["prompt"], answer=r["solution"], op="code", digits=0,
+                   meta={"tests": list(r["tests"])})
+
+
+def make_task_splits(task: TaskSpec, seed: int) -> Splits:
+    """Disjoint train / held-out splits of the task family (a seeded shuffle of a shipped set)."""
+    if task.name == "arithmetic":
+        return make_splits(task, seed)
+    records = _records("word_problems" if task.name == "word_problems" else "code_problems")
+    make = _word_problem if task.name == "word_problems" else _code_problem
+    if task.n_train + task.n_eval > len(records):
+        raise ValueError(f"task: n_train + n_eval = {task.n_train + task.n_eval} but the {task.name} set has "
+                         f"{len(records)} problems; lower them")
+    order = list(records)
+    random.Random(f"{task.name}-{seed}").shuffle(order)
+    problems = [make(r) for r in order[: task.n_train + task.n_eval]]
+    return Splits(train=problems[task.n_eval:], eval=problems[: task.n_eval])
+
+
+def extract_answer(completion: str) -> str | None:
+    """The last `\\boxed{...}` content, else the last number in the text; None when there is neither."""
+    boxed = _BOXED.findall(completion)
+    if boxed:
+        return boxed[-1].strip()
+    numbers = _NUMBER.findall(completion)
+    return numbers[-1] if numbers else None
+
+
+def word_problem_reward(completion: str, problem: Problem) -> float:
+    got = extract_answer(completion)
+    if got is None:
+        return 0.0
+    try:
+        return 1.0 if float(got) == float(problem.answer) else 0.0
+    except ValueError:
+        return 0.0
+
+
+def code_program(completion: str, problem: Problem) -> str:
+    """The function (prompt + completed body) and a harness that counts passing tests: prints `PASSED k/n`."""
+    tests = problem.meta["tests"]
+    lines = [problem.prompt + completion, "", "_passed = 0"]
+    for t in tests:
+        lines += ["try:", f"    _passed += bool({t})", "except Exception:", "    pass"]
+    lines.append(f"print(f'PASSED {{_passed}}/{len(tests)}')")
+    return "\n".join(lines) + "\n"
+
+
+_POOL_LOCK = threading.Lock()
+_POOL = None
+
+
+def sandbox_pool():
+    """This process's sandbox pool for code rewards, started on first use: size $FACTORY_SANDBOX_SIZE (default
+    4), isolation $FACTORY_SANDBOX_ISOLATION (default bwrap; `none` only when explicitly set)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            from factory.envs.sandbox import SandboxPool
+
+            _POOL = SandboxPool(size=int(os.environ.get("FACTORY_SANDBOX_SIZE", "4")),
+                                isolation=os.environ.get("FACTORY_SANDBOX_ISOLATION", "bwrap")).start()
+        return _POOL
+
+
+def code_reward(completion: str, problem: Problem) -> float:
+    """Fraction of the problem's unit tests that pass, run in the sandbox pool."""
+    result = sandbox_pool().run(code_program(completion, problem))
+    m = re.search(r"PASSED (\d+)/(\d+)\s*$", result.stdout or "")
+    return int(m.group(1)) / int(m.group(2)) if m and result.exit_code == 0 else 0.0
+
+
+def verify(completion: str, problem: Problem) -> float:
+    """The task family's reward for one completion of `problem`; 0 for whatever the completion does. A sandbox
+    pool that cannot isolate (`IsolationUnavailable`) is not a completion's fault: it raises."""
+    if problem.op == "code":
+        return code_reward(completion, problem)  # the pool returns a result for anything the code does
+    try:
+        if problem.op == "word":
+            return word_problem_reward(completion, problem)
+        return arithmetic_reward(completion, problem)
+    except Exception:  # noqa: BLE001 - a reward must never take the run down
+        return 0.0
