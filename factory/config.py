@@ -43,6 +43,9 @@ class ModelSpec(_Section):
     """Which policy to start from: a preset built from a config (no download)."""
 
     preset: str = "tiny"
+    max_positions: int | None = Field(
+        None, ge=16, le=8192, description="context length (prompt + completion); unset: the preset's (64), which "
+        "fits arithmetic; word and code problems need about 256")
 
     @field_validator("preset")
     @classmethod

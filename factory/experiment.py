@@ -139,7 +139,8 @@ def train_sft_checkpoint(spec: ExperimentSpec, paths: FactoryPaths, splits: Spli
     """SFT from scratch (or continue `model`), save an atomic checkpoint, evaluate it held-out."""
     set_threads(spec)
     tok = tokenizer or tokenizer_for(spec.task.name)
-    model = model if model is not None else build_model(spec.model.preset, tok, seed=spec.seed)
+    model = model if model is not None else build_model(spec.model.preset, tok, seed=spec.seed,
+                                                        max_positions=spec.model.max_positions)
     # An explicit step count (the control) means exactly that many steps: no early stop.
     sft = spec.sft if steps is None else spec.sft.model_copy(update={"steps": steps, "stop_at_accuracy": None})
     t0 = time.perf_counter()

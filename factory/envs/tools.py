@@ -3,8 +3,9 @@
 Protocol (the character vocabulary has no room for JSON tool calls): a reply that ends with '=' and is
 an expression of digits and + - * (e.g. `123+456=`) is a call of the calculator; the tool's result comes
 back as the next user turn, and the model's following reply is its answer. Any other reply is the
-answer itself. Reward 1 for the exact answer. The tool evaluates with Python integers after a strict
-parse of the expression, never by executing text.
+answer itself. Reward 1 for the exact answer. The tool runs in the sandbox pool (`envs/sandbox.py`), like
+any tool that executes code, after a strict parse of the expression that rebuilds it from integers
+(`calculator_program`); `calculator` is the same arithmetic without a sandbox, for checking it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,27 @@ from factory.envs.protocol import EpisodeResult
 
 _EXPR = re.compile(r"^\s*(\d+(?:[+\-*]\d+)*)=\s*$")
 MAX_TOOL_CALLS = 2
+
+
+def calculator_program(expression: str) -> str | None:
+    """The Python program the tool runs for `expression` (numbers re-written from ints: no leading zeros, no
+    names), or None when it is not an expression of the protocol."""
+    m = _EXPR.match(expression)
+    if not m:
+        return None
+    parts = re.split(r"([+\-*])", m.group(1))
+    return "print(" + "".join(p if p in "+-*" else str(int(p)) for p in parts) + ")"
+
+
+def run_tool(expression: str) -> str:
+    """The calculator, executed in this process's sandbox pool; what the model sees back."""
+    from factory.envs.tasks import sandbox_pool
+
+    program = calculator_program(expression)
+    if program is None:
+        return "error"
+    result = sandbox_pool().run(program)
+    return result.stdout.strip() if result.ok else "error"
 
 
 def calculator(expression: str) -> str:
@@ -46,7 +68,7 @@ async def calculator_episode(task: dict[str, Any], client: Any) -> EpisodeResult
         text = reply.choices[0].message.content or ""
         if calls < MAX_TOOL_CALLS and _EXPR.match(text):
             calls += 1
-            messages += [{"role": "assistant", "content": text}, {"role": "user", "content": calculator(text)}]
+            messages += [{"role": "assistant", "content": text}, {"role": "user", "content": run_tool(text)}]
             continue
         reward = 1.0 if text.strip() == task["answer"] else 0.0
         return EpisodeResult(reward, info={"tool_calls": calls, "answer": text})

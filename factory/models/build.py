@@ -8,8 +8,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreT
 from factory.models.presets import PRESETS
 
 
-def build_model(preset: str, tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> PreTrainedModel:
-    """A freshly initialised Qwen2/Llama-architecture model sized by `preset`."""
+def build_model(preset: str, tokenizer: PreTrainedTokenizerFast, seed: int = 0,
+                max_positions: int | None = None) -> PreTrainedModel:
+    """A freshly initialised Qwen2/Llama-architecture model sized by `preset` (context: `max_positions`, else the
+    preset's)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; valid presets: {', '.join(sorted(PRESETS))}")
     p = PRESETS[preset]
@@ -21,7 +23,7 @@ def build_model(preset: str, tokenizer: PreTrainedTokenizerFast, seed: int = 0) 
         num_attention_heads=p.heads,
         num_key_value_heads=p.kv_heads,
         intermediate_size=p.intermediate_size,
-        max_position_embeddings=p.max_positions,
+        max_position_embeddings=max_positions or p.max_positions,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

@@ -1,0 +1,94 @@
+"""Code rewards and the calculator tool run in the sandbox pool; a code-generation run and a tool-use run train
+through the async core. Skipped where bubblewrap cannot run, unless FACTORY_REQUIRE_SANDBOX=1 (CI)."""
+
+import os
+
+import pytest
+
+from factory.config import TaskSpec, parse_spec
+from factory.envs import tasks
+from factory.envs.sandbox import IsolationUnavailable, SandboxPool
+from factory.envs.tasks import code_reward, make_task_splits
+from factory.envs.tools import calculator, calculator_program, run_tool
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _sandbox():
+    try:
+        SandboxPool(size=1)  # probes bwrap; starts nothing
+    except IsolationUnavailable as e:
+        if os.environ.get("FACTORY_REQUIRE_SANDBOX") == "1":
+            pytest.fail(f"sandbox required but unavailable: {e}")
+        pytest.skip(f"bubblewrap unavailable: {e}")
+    yield
+    if tasks._POOL is not None:
+        tasks._POOL.close()
+        tasks._POOL = None
+
+
+def test_calculator_runs_in_the_sandbox():
+    assert calculator_program("007+1=") == "print(7+1)"
+    assert calculator_program("__import__('os')=") is None and run_tool("import os=") == "error"
+    before = tasks.sandbox_pool().metrics()["executions"]
+    assert run_tool("12+30*2-5=") == calculator("12+30*2-5=") == "67"
+    assert tasks.sandbox_pool().metrics()["executions"] == before + 1
+
+
+def test_code_reward_is_the_unit_test_pass_rate():
+    splits = make_task_splits(TaskSpec(name="code", n_train=16, n_eval=8), 0)
+    p = next(x for x in splits.train + splits.eval if x.id.endswith("-maximum"))
+    assert code_reward(p.answer, p) == 1.0
+    assert code_reward("    return a\n", p) == pytest.approx(2 / 3)  # maximum(5, -1) and maximum(3, 3) pass
+    assert code_reward("    while True: pass\n", p) == 0.0  # the sandbox's limits end it; scored 0
+    assert code_reward("    import os; os.kill(os.getppid(), 9)\n", p) == 0.0
+    assert code_reward(p.answer, p) == 1.0  # the pool still serves
+
+
+def small(spec: dict) -> dict:
+    return {"seed": 0, "model": {"preset": "micro"}, "trainer": {"threads": 1},
+            "algorithm": {"group_size": 4, "lr": 0.01}, "buffer": {"policy": "bound", "max_staleness": 2},
+            "schedule": {"mode": "async", "steps": 3, "wait_timeout_s": 180}, **spec}
+
+
+def test_a_code_generation_run_trains_through_the_async_core():
+    from factory.core.loop import train_grpo
+    from factory.models.build import build_model
+    from factory.models.tokenizer import tokenizer_for
+
+    s = parse_spec(small({"model": {"preset": "micro", "max_positions": 128},
+                          "task": {"name": "code", "n_train": 16, "n_eval": 8},
+                          "rollout": {"prompts_per_step": 4, "max_new_tokens": 12}}))
+    splits = make_task_splits(s.task, s.seed)
+    tok = tokenizer_for("code")
+    model = build_model("micro", tok, seed=0, max_positions=s.model.max_positions)
+    before = tasks.sandbox_pool().metrics()["executions"]
+    records = train_grpo(s, model, tok, splits.train)
+    assert [r.step for r in records] == [1, 2, 3]
+    assert all(0.0 <= r.reward_mean <= 1.0 and r.logprob_mismatch < 1e-4 for r in records)
+    # every completion was scored by running it in the pool: 3 steps x 4 prompts x 4 samples at least
+    assert tasks.sandbox_pool().metrics()["executions"] - before >= 3 * 4 * 4
+
+
+def test_a_tool_use_run_trains_through_the_async_core():
+    from factory.core.loop import train_grpo
+    from factory.core.producer import PromptStream, ServerProducer
+    from factory.envs.arithmetic import make_splits
+    from factory.models.build import build_model
+    from factory.models.tokenizer import tokenizer_for
+
+    s = parse_spec(small({"task": {"digits": [1], "n_train": 20, "n_eval": 8, "environment": "calculator_tool",
+                                   "episode_timeout_s": 60},
+                          "rollout": {"engine": "server", "prompts_per_step": 4, "max_new_tokens": 4}}))
+    splits = make_splits(s.task, s.seed)
+    tok = tokenizer_for("arithmetic")
+    model = build_model("micro", tok, seed=0)
+    producer = ServerProducer(s, model, tok, PromptStream(splits.train, s.seed, 4), 0)
+    seen = []
+    original = producer.next_batch
+    producer.next_batch = lambda step: seen.extend(g := original(step)) or g
+    records = train_grpo(s, model, tok, splits.train, producer=producer)
+    assert [r.step for r in records] == [1, 2, 3]
+    samples = [x for g in seen for x in g.samples]
+    assert len(samples) == 3 * 4 * 4 and all(x.mask is not None and sum(x.mask) > 0 for x in samples)
+    # tokens the model did not generate (the tool's answers) are never in the loss
+    assert all(sum(x.mask) == sum(1 for lp, m in zip(x.logprobs, x.mask, strict=True) if m) for x in samples)
