@@ -58,6 +58,9 @@ class ModelSpec(_Section):
 Operation = Literal["add", "sub", "mul"]
 
 
+MULTI_TURN_BUILTINS = ("calculator_tool",)  # envs/protocol.py BUILTINS that run episodes
+
+
 class TaskSpec(_Section):
     """The arithmetic task family; `digits` are the difficulty levels (operand lengths)."""
 
@@ -310,7 +313,10 @@ class ExperimentSpec(_Section):
                 f"buffer.depth: with policy 'bound' must be <= buffer.max_staleness * rollout.prompts_per_step "
                 f"= {b.max_staleness * per_step} (deeper lets groups grow staler than allowed), got {b.depth}"
             )
-        if self.task.environment is not None and (self.rollout.engine != "server" or self.schedule.mode == "sync"):
+        # Built-in multi-turn environments are known here; one named by import path is checked when the run
+        # starts (importing user code while validating a spec would run it).
+        if self.task.environment in MULTI_TURN_BUILTINS and (self.rollout.engine != "server"
+                                                             or self.schedule.mode == "sync"):
             raise ValueError(
                 f"task.environment: a multi-turn environment talks to the rollout server, so it needs "
                 f"rollout.engine: server and schedule.mode one_step_off or async (got engine "

@@ -39,7 +39,7 @@ from factory.core.rollout.continuous import ContinuousEngine
 from factory.core.rollout.embedded import EmbeddedEngine
 from factory.core.weights import encode_delta, encode_full
 from factory.envs.arithmetic import Problem
-from factory.envs.protocol import tokens_from_session
+from factory.envs.protocol import load_environment, tokens_from_session
 from factory.envs.workers import Episode, Scored, make_environment
 from factory.models.checkpoint import save_checkpoint
 from factory.ops.supervisor import CONNECTION_ERRORS, ServiceProcess, ServiceUnavailable
@@ -70,6 +70,12 @@ class PromptStream:
 
 def episode(problem: Problem, k: int, completions: list[Completion], env: str = "arithmetic") -> Episode:
     return Episode(key=f"{problem.id}-{k}", problem=problem, completions=[c.text for c in completions], env=env)
+
+
+def scorer(spec: ExperimentSpec) -> str:
+    """What scores single completions: a user's single-turn environment if the spec names one, else the task's
+    verifier."""
+    return spec.task.environment or spec.task.name
 
 
 def make_group(problem: Problem, k: int, completions: list[Completion], scored: Scored) -> Group:
@@ -104,7 +110,7 @@ class SyncProducer:
         params = _params(self.spec, self.spec.seed * 1_000_003 + step, n=self.spec.algorithm.group_size)
         groups = self.engine.generate(prompts, params)
         # The episodes run side by side in the environment: the batch is ready when the slowest is.
-        scored = self.env.score([episode(p, k, comps, self.spec.task.name)
+        scored = self.env.score([episode(p, k, comps, scorer(self.spec))
                                  for (k, p), comps in zip(draws, groups, strict=True)])
         if scored is None:
             raise ProducerFailed("the environment was closed while a batch was being scored")
@@ -186,7 +192,7 @@ class OverlappedProducer:
         ids = self.tok(problem.prompt).input_ids
         completions = self._sample(ids, _params(self.spec, self.spec.seed * 1_000_003 + k, n=g))
         slot.generated_at(min(Sample.from_completion(c, 0.0).oldest_version for c in completions))
-        scored = self.env.score([episode(problem, k, completions, self.spec.task.name)])
+        scored = self.env.score([episode(problem, k, completions, scorer(self.spec))])
         return None if scored is None else make_group(problem, k, completions, scored[0])
 
     def next_batch(self, step: int) -> list[Group]:
@@ -317,7 +323,7 @@ class ServerProducer(OverlappedProducer):
         self._published = version
 
     def _group(self, k: int, problem: Problem, slot: Reservation) -> Group | None:
-        if self.spec.task.environment is None:
+        if self.spec.task.environment is None or load_environment(self.spec.task.environment).kind != "multi_turn":
             return super()._group(k, problem, slot)
         return self._episode_group(k, problem, slot)
 
@@ -377,6 +383,11 @@ def make_producer(spec: ExperimentSpec, model: PreTrainedModel, tokenizer: PreTr
     stream = PromptStream(train, spec.seed, spec.rollout.prompts_per_step)
     for _ in range(start_version * spec.rollout.prompts_per_step):  # a resumed run continues the sequence
         stream.draw()
+    if spec.task.environment is not None:
+        env = load_environment(spec.task.environment)  # a clear ValueError for a bad name or import path
+        if env.kind == "multi_turn" and (spec.rollout.engine != "server" or spec.schedule.mode == "sync"):
+            raise ValueError(f"task.environment {spec.task.environment!r} is multi-turn: it talks to the rollout "
+                             "server, so it needs rollout.engine: server and schedule.mode one_step_off or async")
     if spec.schedule.mode == "sync":
         cls = SyncProducer
     else:

@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from factory.envs.arithmetic import Problem
 from factory.envs.latency import LatencyProfile
-from factory.envs.protocol import load_environment, run_episodes
+from factory.envs.protocol import load_environment, run_episodes, score_guarded
 from factory.envs.tasks import verify
 
 Scorer = Callable[[dict[str, Any], str], float]
@@ -72,8 +72,19 @@ class EpisodesRequest(BaseModel):
 
 
 def score_completions(env: str, problem: dict[str, Any], completions: list[str]) -> tuple[list[float], list[str]]:
-    """Rewards and reasons ("" when scored normally); an unknown env or a raising scorer gives 0 and why."""
+    """Rewards and reasons ("" when scored normally) from a task family's verifier, or from a user's single-turn
+    reward function named by import path (`package.module:attr`, called as reward(prompt, completion,
+    **problem fields)); an unknown env or a raising scorer gives 0 and why."""
     scorer = SCORERS.get(env)
+    if scorer is None and ":" in env:
+        try:
+            user = load_environment(env)
+        except ValueError as e:
+            return [0.0] * len(completions), [str(e)] * len(completions)
+        if user.kind == "single_turn":
+            results = [score_guarded(user, problem.get("prompt", ""), c, **{k: v for k, v in problem.items()
+                                                                            if k != "prompt"}) for c in completions]
+            return [r.reward for r in results], [r.reason for r in results]
     if scorer is None:
         return [0.0] * len(completions), [f"unknown env {env!r}; known: {sorted(SCORERS)}"] * len(completions)
     rewards, reasons = [], []

@@ -136,3 +136,48 @@ def test_multi_turn_episodes_train_through_the_async_core(medium):
         assert inserted == obs  # exactly the environment's observation is masked out
         assert sum(x.mask) == len(x.token_ids) - len(obs) > 0  # the model's two replies are trained on
         assert all(lp == 0.0 for lp, m in zip(x.logprobs, x.mask, strict=True) if m == 0)
+
+
+def length_reward(prompt, completion, **meta):
+    """A user's single-turn environment: rewards short completions (and sees the problem's fields)."""
+    assert "answer" in meta
+    return 1.0 if len(completion.strip()) <= 1 else 0.0
+
+
+def test_a_single_turn_environment_by_import_path_scores_completions():
+    from factory.envs.service import score_completions
+
+    problem = PROBLEMS[0].to_dict()
+    assert score_completions("tests.envs.test_episodes:length_reward", problem, ["7", "777"]) == ([1.0, 0.0],
+                                                                                                 ["", ""])
+    rewards, reasons = score_completions("tests.envs.test_episodes:length_reward", {"prompt": "x"}, ["7"])
+    assert rewards == [0.0] and reasons[0].startswith("AssertionError")  # raising: 0 with the reason
+    rewards, reasons = score_completions("tests.envs.nowhere:f", problem, ["7"])
+    assert rewards == [0.0] and "cannot import" in reasons[0]
+
+
+def test_a_single_turn_environment_trains_in_sync_mode():
+    from factory.core.loop import train_grpo
+    from factory.models.build import build_model
+    from factory.models.tokenizer import build_tokenizer
+
+    tok = build_tokenizer()
+    s = parse_spec({"seed": 0, "model": {"preset": "micro"}, "task": {"environment":
+                    "tests.envs.test_episodes:length_reward"}, "algorithm": {"group_size": 4, "lr": 0.01},
+                    "rollout": {"prompts_per_step": 4, "max_new_tokens": 3}, "trainer": {"threads": 1},
+                    "schedule": {"steps": 12}})
+    records = train_grpo(s, build_model("micro", tok, seed=0), tok, PROBLEMS)
+    first, last = records[0].reward_mean, sum(r.reward_mean for r in records[-3:]) / 3
+    assert last > first, (first, last)  # the user's reward is what it learned from
+
+
+def test_a_multi_turn_environment_by_import_path_needs_the_rollout_server():
+    from factory.core.producer import make_producer
+    from factory.models.build import build_model
+    from factory.models.tokenizer import build_tokenizer
+
+    tok = build_tokenizer()
+    s = parse_spec({"model": {"preset": "micro"}, "task": {"environment": "tests.envs.test_episodes:TwoTurnEnv"},
+                    "schedule": {"mode": "async"}})
+    with pytest.raises(ValueError, match="is multi-turn: it talks to the rollout server"):
+        make_producer(s, build_model("micro", tok), tok, PROBLEMS, 0)
