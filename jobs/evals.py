@@ -6,6 +6,7 @@ the schedule (cron from $FACTORY_EVAL_CRON, default hourly) evaluates whatever t
 (it was stopped, a run failed, a benchmark was added).
 """
 
+import json
 import os
 
 from dagster import (
@@ -25,8 +26,8 @@ from dagster import (
 )
 
 from assets.evals import checkpoint_eval, checkpoints
-from factory.checkpoint_eval import checkpoint_key
-from factory.envs.benchmarks import BENCHMARKS
+from factory.checkpoint_eval import checkpoint_key, parse_checkpoint_key
+from factory.envs.benchmarks import applicable_benchmarks
 from resources import LakeResource
 
 checkpoint_eval_job = define_asset_job("checkpoint_eval_job", selection=[checkpoint_eval],
@@ -40,10 +41,16 @@ def _partition(ckpt: str, benchmark: str) -> MultiPartitionKey:
     return MultiPartitionKey({"checkpoint": ckpt, "benchmark": benchmark})
 
 
-def _requests(keys: list[str], skip: set[str]) -> list[RunRequest]:
+def _task_names(lake) -> dict[str, str]:
+    """run_id -> task family, from each run's spec (a run of another family is not scored on arithmetic suites)."""
+    rows = lake.read("runs").select(["run_id", "spec"]).to_pylist()
+    return {r["run_id"]: json.loads(r["spec"]).get("task", {}).get("name", "arithmetic") for r in rows}
+
+
+def _requests(keys: list[str], skip: set[str], tasks: dict[str, str]) -> list[RunRequest]:
     out = []
     for k in keys:
-        for b in BENCHMARKS:
+        for b in applicable_benchmarks(tasks.get(parse_checkpoint_key(k)[0], "arithmetic")):
             pk = _partition(k, b)
             if str(pk) not in skip:
                 out.append(RunRequest(run_key=f"eval-{pk}", partition_key=pk, tags={"factory/checkpoint": k}))
@@ -62,7 +69,7 @@ def new_checkpoint_evals(context: SensorEvaluationContext, lake: LakeResource) -
     keys = list(dict.fromkeys(k for _, k in new))
     known = set(context.instance.get_dynamic_partitions(checkpoints.name))
     add = [k for k in keys if k not in known]
-    return SensorResult(run_requests=_requests(keys, set()),
+    return SensorResult(run_requests=_requests(keys, set(), _task_names(lake.lake())),
                         dynamic_partitions_requests=[checkpoints.build_add_request(add)] if add else [],
                         cursor=new[-1][0])
 
@@ -79,4 +86,4 @@ def eval_schedule(context: ScheduleEvaluationContext, lake: LakeResource) -> lis
     done = {str(k) for k in context.instance.get_materialized_partitions(AssetKey("checkpoint_eval"))}
     active = {r.dagster_run.tags.get("dagster/partition") for r in context.instance.get_run_records(
         RunsFilter(job_name=checkpoint_eval_job.name, statuses=_ACTIVE))}
-    return _requests(keys, done | {a for a in active if a})
+    return _requests(keys, done | {a for a in active if a}, _task_names(lake.lake()))

@@ -41,10 +41,21 @@ BENCHMARKS: dict[str, str] = {
 _FIELDS = ("id", "a", "op", "b", "digits")
 
 
+# The task families' own problem sets live beside the suites but are not arithmetic suites (envs/tasks.py).
+_TASK_SETS = ("word_problems", "code_problems")
+
+
 def suite_names() -> list[str]:
-    """Names of the shipped suites (the .jsonl files in factory/envs/suites)."""
+    """Names of the shipped arithmetic suites (the .jsonl files in factory/envs/suites)."""
     folder = resources.files("factory.envs") / "suites"
-    return sorted(p.name.removesuffix(".jsonl") for p in folder.iterdir() if p.name.endswith(".jsonl"))
+    return sorted(n for p in folder.iterdir() if p.name.endswith(".jsonl")
+                  and (n := p.name.removesuffix(".jsonl")) not in _TASK_SETS)
+
+
+def applicable_benchmarks(task_name: str) -> list[str]:
+    """The benchmarks a run of this task family can be scored on: its held-out split always; the shipped
+    arithmetic suites only for arithmetic."""
+    return list(BENCHMARKS) if task_name == "arithmetic" else ["heldout"]
 
 
 def load_suite(name: str, task: TaskSpec) -> list[Problem]:
@@ -68,6 +79,9 @@ def benchmark_problems(name: str, task: TaskSpec, splits: Splits) -> list[Proble
         return list(splits.eval)
     if name not in BENCHMARKS:
         raise ValueError(f"unknown benchmark {name!r}; known: {', '.join(BENCHMARKS)}")
+    if name not in applicable_benchmarks(task.name):
+        raise ValueError(f"benchmark {name!r} is an arithmetic suite; a {task.name} run is scored on: "
+                         f"{', '.join(applicable_benchmarks(task.name))}")
     train = {p.id for p in splits.train}
     return [p for p in load_suite(name, task) if p.id not in train]
 
@@ -96,4 +110,4 @@ def _records(name: str) -> tuple[dict, ...]:
     return tuple(records)
 
 
-__all__ = ["BENCHMARKS", "benchmark_problems", "load_suite", "suite_names"]
+__all__ = ["BENCHMARKS", "applicable_benchmarks", "benchmark_problems", "load_suite", "suite_names"]

@@ -111,3 +111,17 @@ def test_problems_a_run_trained_on_are_dropped(quickstart):
     print(f"carry_chains vs seed-1 quickstart train: {len(dropped)} dropped of {len(suite)}")
     assert dropped and dropped == {p.id for p in suite} & train  # seed 1: 4 of 180
     assert kept == [p for p in suite if p.id not in train]
+
+
+def test_text_task_runs_are_scored_on_their_own_held_out_split_only():
+    from factory.envs.benchmarks import applicable_benchmarks
+    from factory.envs.tasks import make_task_splits
+
+    assert applicable_benchmarks("arithmetic") == ["heldout", "carry_chains"]
+    assert applicable_benchmarks("code") == applicable_benchmarks("word_problems") == ["heldout"]
+    task = TaskSpec(name="word_problems", n_train=50, n_eval=10)
+    splits = make_task_splits(task, 0)
+    assert benchmark_problems("heldout", task, splits) == splits.eval
+    with pytest.raises(ValueError, match="is an arithmetic suite; a word_problems run is scored on: heldout"):
+        benchmark_problems("carry_chains", task, splits)
+    assert "word_problems" not in suite_names() and "code_problems" not in suite_names()
