@@ -188,6 +188,24 @@ def cmd_env_serve(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_sandbox_serve(args: argparse.Namespace) -> int:
+    """Serve a sandbox pool (generated code execution) over HTTP until interrupted."""
+    from factory.envs.sandbox import IsolationUnavailable
+    from factory.envs.sandbox_service import serve
+
+    if args.size < 1:
+        error(f"--size: must be >= 1, got {args.size}")
+        return EXIT_BAD_INPUT
+    print(f"factory: sandbox pool ({args.size} workers, isolation {args.isolation}) on http://{args.host}:{args.port}",
+          file=sys.stderr)
+    try:
+        serve(host=args.host, port=args.port, size=args.size, isolation=args.isolation)
+    except IsolationUnavailable as e:
+        error(str(e))
+        return EXIT_FAILED
+    return EXIT_OK
+
+
 def _add_spec(p: argparse.ArgumentParser) -> None:
     p.add_argument("spec", help="path to an experiment spec (YAML)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
@@ -262,6 +280,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--latency-unit", type=float, default=0.0,
                    help="simulated heavy-tailed episode latency unit in seconds (envs/latency.py); 0: none")
     p.set_defaults(func=cmd_env_serve)
+
+    p = sub.add_parser("sandbox-serve", help="serve a sandbox pool (runs generated code) over HTTP",
+                       description="Sandbox pool: POST /run executes code in a warm, isolated worker and "
+                                   "returns its result (factory/envs/sandbox_service.py).")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8200, help="port (default: 8200)")
+    p.add_argument("--size", type=int, default=4, help="warm workers (default: 4)")
+    p.add_argument("--isolation", choices=("bwrap", "none"), default="bwrap",
+                   help="bwrap: namespaces via bubblewrap (default); none: NOT isolated, for trusted code only")
+    p.set_defaults(func=cmd_sandbox_serve)
     return parser
 
 

@@ -1,0 +1,64 @@
+"""The sandbox pool as a service: `factory sandbox-serve` in its own process, driven by RemoteSandboxPool."""
+
+from __future__ import annotations
+
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from factory.envs.sandbox import IsolationUnavailable, SandboxLimits, SandboxPool
+from factory.envs.sandbox_service import RemoteSandboxPool
+from factory.ops.supervisor import ServiceProcess
+
+
+def _require_bwrap() -> None:
+    try:
+        SandboxPool(size=1)  # probes bwrap; starts nothing
+    except IsolationUnavailable as e:
+        if os.environ.get("FACTORY_REQUIRE_SANDBOX") == "1":
+            pytest.fail(f"sandbox required but unavailable (.ci/run installs bubblewrap): {e}")
+        pytest.skip(f"bubblewrap unavailable: {e}")
+
+
+@pytest.fixture(scope="module")
+def remote(tmp_path_factory):
+    _require_bwrap()
+    log = tmp_path_factory.mktemp("sandbox-service") / "service.log"
+    argv = [sys.executable, "-m", "factory.cli", "sandbox-serve", "--port", "{port}", "--size", "2"]
+    with ServiceProcess("sandbox-serve", argv, log_path=log) as svc, RemoteSandboxPool(svc.url) as client:
+        yield client
+
+
+def test_runs_code_in_the_service_process(remote):
+    r = remote.run("import os\nprint(input()[::-1], os.getcwd().startswith('/tmp/'))", stdin="abc\n",
+                   files={"data.txt": "x"})
+    assert r.ok and r.stdout == "cba True\n" and r.reason == ""
+    m = remote.metrics()
+    assert m["pid"] != os.getpid() and m["isolation"] == "bwrap" and m["executions"] >= 1 and m["size"] == 2
+
+
+def test_timeout_and_failures_come_back_as_results(remote):
+    r = remote.run("import time\ntime.sleep(600)", limits=SandboxLimits(wall_s=0.5))
+    assert (r.ok, r.timed_out, r.reason) == (False, True, "timeout after 0.5 s")
+    r = remote.run("raise SystemExit(4)")
+    assert (r.ok, r.exit_code, r.reason) == (False, 4, "exit code 4")
+    assert remote.run("print('after')").stdout == "after\n"
+
+
+def test_concurrent_requests_share_the_pool(remote):
+    with ThreadPoolExecutor(max_workers=4) as ex:
+        results = list(ex.map(lambda i: remote.run(f"print({i} * 2)"), range(12)))
+    assert [r.stdout for r in results] == [f"{i * 2}\n" for i in range(12)]
+
+
+def test_bad_requests_are_refused(remote):
+    with pytest.raises(ValueError, match="bad file name"):
+        remote.run("print(1)", files={"../x": "y"})
+    r = httpx.post(remote.url + "/run", json={"code": "print(1)", "limits": {"wall_s": -1}})
+    assert r.status_code == 422 and "wall_s" in r.text
+    r = httpx.post(remote.url + "/run", json={"cod": "print(1)"})
+    assert r.status_code == 422
+    assert remote.health()
