@@ -96,15 +96,22 @@ _POOL = None
 
 
 def sandbox_pool():
-    """This process's sandbox pool for code rewards, started on first use: size $FACTORY_SANDBOX_SIZE (default
-    4), isolation $FACTORY_SANDBOX_ISOLATION (default bwrap; `none` only when explicitly set)."""
+    """The sandbox pool that code rewards and tools run in: the pool service at $FACTORY_SANDBOX_URL (`factory
+    sandbox-serve`, e.g. on another machine) if set, else this process's own, started on first use with
+    size $FACTORY_SANDBOX_SIZE (default 4) and isolation $FACTORY_SANDBOX_ISOLATION (default bwrap; `none`
+    only when explicitly set)."""
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:
-            from factory.envs.sandbox import SandboxPool
+            if url := os.environ.get("FACTORY_SANDBOX_URL"):
+                from factory.envs.sandbox_service import RemoteSandboxPool
 
-            _POOL = SandboxPool(size=int(os.environ.get("FACTORY_SANDBOX_SIZE", "4")),
-                                isolation=os.environ.get("FACTORY_SANDBOX_ISOLATION", "bwrap")).start()
+                _POOL = RemoteSandboxPool(url)
+            else:
+                from factory.envs.sandbox import SandboxPool
+
+                _POOL = SandboxPool(size=int(os.environ.get("FACTORY_SANDBOX_SIZE", "4")),
+                                    isolation=os.environ.get("FACTORY_SANDBOX_ISOLATION", "bwrap")).start()
         return _POOL
 
 
