@@ -70,18 +70,25 @@ def test_a_code_generation_run_trains_through_the_async_core():
 
 
 def test_a_tool_use_run_trains_through_the_async_core():
+    """A policy first taught to echo its prompt (an expression ending in '=', i.e. a calculator call) calls the
+    tool; the tool's reply is in the episode's tokens but never in the loss."""
+    from factory.config import SFTSpec
     from factory.core.loop import train_grpo
     from factory.core.producer import PromptStream, ServerProducer
-    from factory.envs.arithmetic import make_splits
+    from factory.core.sft import run_sft
+    from factory.envs.arithmetic import Problem, make_splits
     from factory.models.build import build_model
     from factory.models.tokenizer import tokenizer_for
 
     s = parse_spec(small({"task": {"digits": [1], "n_train": 20, "n_eval": 8, "environment": "calculator_tool",
                                    "episode_timeout_s": 60},
-                          "rollout": {"engine": "server", "prompts_per_step": 4, "max_new_tokens": 4}}))
+                          "rollout": {"engine": "server", "prompts_per_step": 4, "max_new_tokens": 4,
+                                      "temperature": 0.3}}))
     splits = make_splits(s.task, s.seed)
     tok = tokenizer_for("arithmetic")
     model = build_model("micro", tok, seed=0)
+    echo = [Problem(id=p.id, prompt=p.prompt, answer=p.prompt, op=p.op, digits=p.digits) for p in splits.train]
+    run_sft(model, tok, echo, SFTSpec(steps=300, batch_size=16, lr=3e-3, stop_at_accuracy=None), seed=0)
     producer = ServerProducer(s, model, tok, PromptStream(splits.train, s.seed, 4), 0)
     seen = []
     original = producer.next_batch
@@ -89,6 +96,16 @@ def test_a_tool_use_run_trains_through_the_async_core():
     records = train_grpo(s, model, tok, splits.train, producer=producer)
     assert [r.step for r in records] == [1, 2, 3]
     samples = [x for g in seen for x in g.samples]
-    assert len(samples) == 3 * 4 * 4 and all(x.mask is not None and sum(x.mask) > 0 for x in samples)
-    # tokens the model did not generate (the tool's answers) are never in the loss
-    assert all(sum(x.mask) == sum(1 for lp, m in zip(x.logprobs, x.mask, strict=True) if m) for x in samples)
+    assert len(samples) == 3 * 4 * 4
+    with_tool = [x for x in samples if x.meta["turns"] > 1]
+    assert len(with_tool) >= len(samples) // 2, [x.meta for x in samples[:4]]  # the echo policy calls the tool
+    for x in samples:
+        masked_out = [t for t, m in zip(x.token_ids, x.mask, strict=True) if not m]
+        if x.meta["turns"] == 1:
+            assert not masked_out  # one reply: every token is the model's
+            continue
+        # the tool's reply (what the calculator printed for the model's call) is exactly what is masked out
+        first_reply = tok.decode([t for t, m in zip(x.token_ids, x.mask, strict=True) if m][: x.mask.index(0)],
+                                 skip_special_tokens=True)
+        assert tok.decode(masked_out, skip_special_tokens=True) == calculator(first_reply), (first_reply, x)
+        assert all(lp == 0.0 for lp, m in zip(x.logprobs, x.mask, strict=True) if not m)
