@@ -81,6 +81,11 @@ class TaskSpec(_Section):
         "package.module:attr) that runs each episode against the rollout server; unset: the task's verifier "
         "scores single completions")
     episode_timeout_s: float = Field(300.0, gt=0, description="a multi-turn episode running longer scores 0")
+    sandbox_workers: int = Field(4, ge=1, le=256, description="warm sandbox workers per scoring process (code "
+                                 "rewards, tools); each execution takes milliseconds, so a few serve many rollouts")
+    sandbox_isolation: Literal["bwrap", "none"] = Field(
+        "bwrap", description="bwrap: generated code runs in bubblewrap namespaces, and the pool refuses to start "
+        "without them; none: NOT isolated (rlimits and timeouts only), for trusted code, logged loudly")
 
     @field_validator("digits")
     @classmethod

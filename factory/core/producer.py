@@ -92,7 +92,8 @@ def _params(spec: ExperimentSpec, seed: int, n: int = 1) -> SamplingParams:
 
 def _environment(spec: ExperimentSpec):
     return make_environment(spec.task.simulated_latency_s, spec.rollout.environment, spec.rollout.env_processes,
-                            timeout=spec.schedule.wait_timeout_s)
+                            timeout=spec.schedule.wait_timeout_s, sandbox_workers=spec.task.sandbox_workers,
+                            sandbox_isolation=spec.task.sandbox_isolation)
 
 
 class SyncProducer:

@@ -93,13 +93,27 @@ def code_program(completion: str, problem: Problem) -> str:
 
 _POOL_LOCK = threading.Lock()
 _POOL = None
+_CONFIG: dict[str, Any] = {}
+
+
+def configure_sandbox(size: int, isolation: str) -> None:
+    """The pool this process's rewards and tools use (a spec's `task.sandbox_workers` / `sandbox_isolation`);
+    a running pool with other settings is closed and replaced on next use."""
+    global _POOL
+    with _POOL_LOCK:
+        new = {"size": int(size), "isolation": isolation}
+        if new != _CONFIG and _POOL is not None:
+            _POOL.close()
+            _POOL = None
+        _CONFIG.clear()
+        _CONFIG.update(new)
 
 
 def sandbox_pool():
     """The sandbox pool that code rewards and tools run in: the pool service at $FACTORY_SANDBOX_URL (`factory
-    sandbox-serve`, e.g. on another machine) if set, else this process's own, started on first use with
-    size $FACTORY_SANDBOX_SIZE (default 4) and isolation $FACTORY_SANDBOX_ISOLATION (default bwrap; `none`
-    only when explicitly set)."""
+    sandbox-serve`, e.g. on another machine) if set, else this process's own, started on first use with the
+    settings of `configure_sandbox` (from the spec), else $FACTORY_SANDBOX_SIZE (default 4) and
+    $FACTORY_SANDBOX_ISOLATION (default bwrap; `none` only when explicitly set)."""
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:
@@ -110,8 +124,10 @@ def sandbox_pool():
             else:
                 from factory.envs.sandbox import SandboxPool
 
-                _POOL = SandboxPool(size=int(os.environ.get("FACTORY_SANDBOX_SIZE", "4")),
-                                    isolation=os.environ.get("FACTORY_SANDBOX_ISOLATION", "bwrap")).start()
+                _POOL = SandboxPool(
+                    size=_CONFIG.get("size") or int(os.environ.get("FACTORY_SANDBOX_SIZE", "4")),
+                    isolation=_CONFIG.get("isolation") or os.environ.get("FACTORY_SANDBOX_ISOLATION", "bwrap"),
+                ).start()
         return _POOL
 
 

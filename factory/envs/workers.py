@@ -81,7 +81,7 @@ class ServiceEnvironment:
     """
 
     def __init__(self, latency_unit_s: float = 0.0, processes: int = 1, timeout: float = 600.0,
-                 max_connections: int = 256, workdir: str | Path | None = None):
+                 max_connections: int = 256, workdir: str | Path | None = None, env: dict[str, str] | None = None):
         if processes < 1:
             raise ValueError(f"processes must be >= 1, got {processes}")
         self.timeout, self.max_connections = timeout, max_connections
@@ -96,7 +96,7 @@ class ServiceEnvironment:
                     f"env-worker-{i}",
                     [sys.executable, "-m", "factory.cli", "env-serve", "--port", "{port}",
                      "--latency-unit", repr(latency_unit_s)],
-                    log_path=self.workdir / f"env-worker-{i}.log", startup_timeout=min(timeout, 120.0)).start()
+                    log_path=self.workdir / f"env-worker-{i}.log", startup_timeout=min(timeout, 120.0), env=env).start()
                 self.services.append(svc)
                 self._clients.append(self._client(svc))
         except BaseException:
@@ -160,10 +160,18 @@ class ServiceEnvironment:
             c.close()
 
 
-def make_environment(latency_unit_s: float, medium: str, processes: int = 1,
-                     timeout: float = 600.0) -> LocalEnvironment | ServiceEnvironment:
+def make_environment(latency_unit_s: float, medium: str, processes: int = 1, timeout: float = 600.0,
+                     sandbox_workers: int = 4,
+                     sandbox_isolation: str = "bwrap") -> LocalEnvironment | ServiceEnvironment:
+    """Episodes in this process or in worker processes; either way generated code and tools run in a sandbox
+    pool of `sandbox_workers` with `sandbox_isolation` (in the process that scores)."""
     if medium == "in_process":
+        from factory.envs.tasks import configure_sandbox
+
+        configure_sandbox(sandbox_workers, sandbox_isolation)
         return LocalEnvironment(LatencyProfile(unit_s=latency_unit_s) if latency_unit_s > 0 else None)
     if medium == "service":
-        return ServiceEnvironment(latency_unit_s, processes=processes, timeout=timeout)
+        return ServiceEnvironment(latency_unit_s, processes=processes, timeout=timeout,
+                                  env={"FACTORY_SANDBOX_SIZE": str(sandbox_workers),
+                                       "FACTORY_SANDBOX_ISOLATION": sandbox_isolation})
     raise ValueError(f"rollout.environment: expected 'in_process' or 'service', got {medium!r}")

@@ -109,3 +109,25 @@ def test_a_tool_use_run_trains_through_the_async_core():
                                  skip_special_tokens=True)
         assert tok.decode(masked_out, skip_special_tokens=True) == calculator(first_reply), (first_reply, x)
         assert all(lp == 0.0 for lp, m in zip(x.logprobs, x.mask, strict=True) if not m)
+
+
+def test_the_spec_sizes_the_pool_and_isolation_none_is_explicit_and_loud(caplog, monkeypatch):
+    import logging
+
+    from factory.envs import sandbox as sandbox_mod
+    from factory.envs.workers import make_environment
+
+    monkeypatch.setattr(sandbox_mod, "_WARNED_UNISOLATED", False)  # warned once per process: see it here
+
+    make_environment(0.0, "in_process", sandbox_workers=2, sandbox_isolation="bwrap")
+    assert tasks.sandbox_pool().metrics()["warm"] + tasks.sandbox_pool().metrics()["busy"] == 2
+    with caplog.at_level(logging.WARNING):
+        make_environment(0.0, "in_process", sandbox_workers=1, sandbox_isolation="none")
+        pool = tasks.sandbox_pool()
+        assert pool.run("print(6 * 7)").stdout == "42\n"
+    assert any("untrusted code is NOT isolated" in r.getMessage() for r in caplog.records
+               if r.levelno >= logging.WARNING)
+    make_environment(0.0, "in_process", sandbox_workers=4, sandbox_isolation="bwrap")  # back to the default
+    assert parse_spec({"task": {"sandbox_isolation": "none"}}).task.sandbox_isolation == "none"
+    with pytest.raises(Exception, match="sandbox_isolation"):
+        parse_spec({"task": {"sandbox_isolation": "docker"}})
