@@ -66,11 +66,40 @@ def full_nbytes(state: dict[str, torch.Tensor], version: int) -> int:
     return WeightUpdate(version, None, "full", tensors).nbytes
 
 
-def measure(prev: dict[str, torch.Tensor], new: dict[str, torch.Tensor], version: int) -> dict:
+def order0_bound(prev: dict[str, torch.Tensor], new: dict[str, torch.Tensor], full_bytes: int) -> float:
+    """The best ratio any order-0 entropy coder of this delta could reach: full bytes over (entropy of the gaps
+    between changed elements + entropy of their zigzag differences) x changed count, pooled over tensors.
+    What a lossless delta must at least send, short of modelling context between positions."""
+    import numpy as np
+
+    from factory.core.weights.codec import _flat_bits, _zigzag
+
+    gaps, vals = [], []
+    for k in new:
+        p, q = _flat_bits(prev[k]), _flat_bits(new[k])
+        idx = np.flatnonzero(p != q)
+        if len(idx):
+            gaps.append(np.diff(idx, prepend=-1))
+            vals.append(_zigzag(q[idx] - p[idx]).astype(np.uint64))
+    if not gaps:
+        return float("inf")
+
+    def bits(x: np.ndarray) -> float:
+        _, counts = np.unique(x, return_counts=True)
+        pr = counts / counts.sum()
+        return float(-(pr * np.log2(pr)).sum() * counts.sum())
+
+    g, v = np.concatenate(gaps), np.concatenate(vals)
+    return full_bytes / ((bits(g) + bits(v)) / 8)
+
+
+def measure(prev: dict[str, torch.Tensor], new: dict[str, torch.Tensor], version: int,
+            with_bound: bool = False) -> dict:
     """One version: the delta against the previous one, encoded, serialized, parsed and applied in place
     (as a subscriber does; `prev` becomes the new version), checked bit-exact against `new`."""
     unchanged = unchanged_fraction(prev, new)
     full_bytes = full_nbytes(new, version)
+    bound = order0_bound(prev, new, full_bytes) if with_bound else None  # tiny only: a pass over every element
     t0 = time.perf_counter()
     delta = encode_delta(prev, new, version, version - 1)
     encode_s = time.perf_counter() - t0
@@ -78,7 +107,8 @@ def measure(prev: dict[str, torch.Tensor], new: dict[str, torch.Tensor], version
     t0 = time.perf_counter()
     out = apply_update(prev, WeightUpdate.from_bytes(blob), version - 1, inplace=True)
     apply_s = time.perf_counter() - t0
-    return dict(full_bytes=full_bytes, delta_bytes=len(blob), ratio=full_bytes / len(blob), encode_s=encode_s,
+    return dict(full_bytes=full_bytes, delta_bytes=len(blob), ratio=full_bytes / len(blob), bound=bound,
+                encode_s=encode_s,
                 apply_s=apply_s, bit_exact=bits_equal(out, new), unchanged=unchanged,
                 schemes={s: sum(t.scheme == s for t in delta.tensors) for s in ("same", "sparse", "dense", "raw")})
 
@@ -139,7 +169,7 @@ def bench_tiny(n_versions: int) -> tuple[list[dict], torch.Tensor]:
             calib = torch.cat(steps[1:] if len(steps) > 1 else steps)  # past Adam's first (sign) step
         for dtype in (torch.float32, torch.bfloat16):
             cast = [{k: v.to(dtype) for k, v in s.items()} for s in states]
-            per = [measure({k: t.clone() for k, t in cast[v - 1].items()}, cast[v], v)
+            per = [measure({k: t.clone() for k, t in cast[v - 1].items()}, cast[v], v, with_bound=True)
                    for v in range(1, n_versions + 1)]
             rows.append(dict(workload="tiny", lr=lr, dtype=str(dtype).removeprefix("torch."), per_version=per))
     return rows, calib
@@ -228,7 +258,8 @@ def main() -> None:
     print("(medians over versions; ratio = full bytes / delta bytes)")
     for row in tiny_rows:
         print(f"  tiny lr {row['lr']:.0e} {row['dtype']}: ratio per version "
-              + " ".join(f"{p['ratio']:.1f}" for p in row["per_version"]))
+              + " ".join(f"{p['ratio']:.1f}" for p in row["per_version"])
+              + "  (order-0 entropy bound " + " ".join(f"{p['bound']:.1f}" for p in row["per_version"]) + ")")
     if pool is not None:
         q = torch.quantile(pool.abs()[:1_000_000], torch.tensor([0.1, 0.5, 0.9])).tolist()
         print(f"  tiny lr 1e-06 Adam |step|/lr quantiles 10/50/90%: {q[0]:.3f} {q[1]:.3f} {q[2]:.3f}")
@@ -240,6 +271,8 @@ def main() -> None:
     big_head = big_rows[0]
     figures = {
         "delta_ratio_tiny": round(median(tiny_head, "ratio"), 1),
+        # no order-0 coder of this update's positions and values can beat this ratio
+        "delta_bound_tiny": round(median(tiny_head, "bound"), 1),
         "delta_ratio_1b": round(median(big_head, "ratio"), 1),
         "bit_exact": all(p["bit_exact"] for r in tiny_rows + big_rows for p in r["per_version"]),
         "encode_s_1b": round(median(big_head, "encode_s"), 3),
