@@ -58,7 +58,7 @@ class ModelSpec(_Section):
 Operation = Literal["add", "sub", "mul"]
 
 
-MULTI_TURN_BUILTINS = ("calculator_tool",)  # envs/protocol.py BUILTINS that run episodes
+MULTI_TURN_BUILTINS = ("calculator_tool", "python_tool")  # envs/protocol.py BUILTINS that run episodes
 
 
 class TaskSpec(_Section):

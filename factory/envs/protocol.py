@@ -85,10 +85,11 @@ def _builtins() -> dict[str, Environment]:
     return {
         "arithmetic": Environment("arithmetic", "single_turn", reward=arithmetic.reward_fn),
         "calculator_tool": Environment("calculator_tool", "multi_turn", run_episode=tools.calculator_episode),
+        "python_tool": Environment("python_tool", "multi_turn", run_episode=tools.python_tool_episode),
     }
 
 
-BUILTINS = ("arithmetic", "calculator_tool")
+BUILTINS = ("arithmetic", "calculator_tool", "python_tool")
 
 
 def load_environment(name: str) -> Environment:

@@ -72,3 +72,49 @@ async def calculator_episode(task: dict[str, Any], client: Any) -> EpisodeResult
             continue
         reward = 1.0 if text.strip() == task["answer"] else 0.0
         return EpisodeResult(reward, info={"tool_calls": calls, "answer": text})
+
+
+# ------------------------------------------------------------------ a python tool through OpenAI tool calls
+
+PYTHON_TOOL = [{"type": "function", "function": {
+    "name": "python", "description": "Run Python code in a sandbox and return what it prints.",
+    "parameters": {"type": "object", "properties": {"code": {"type": "string", "description": "the program"}},
+                   "required": ["code"]}}}]
+TOOL_OUTPUT_CHARS = 500  # what the model sees back of a tool's output
+
+
+async def python_tool_episode(task: dict[str, Any], client: Any) -> EpisodeResult:
+    """The task's prompt with a `python` tool offered through OpenAI tool calls (`tools=`); each call runs in the
+    sandbox pool and its output (or error) comes back as a `tool` message; the first reply without a call is
+    the answer, scored by the task family's verifier (`envs/tasks.py`)."""
+    import asyncio
+    import json
+
+    from factory.envs.arithmetic import Problem
+    from factory.envs.tasks import sandbox_pool, verify
+
+    sampling = dict(task.get("sampling", {}))
+    problem = Problem(**{k: task[k] for k in ("id", "prompt", "answer", "op", "digits") if k in task},
+                      meta=task.get("meta", {}))
+    messages: list[dict[str, Any]] = [{"role": "user", "content": task["prompt"]}]
+    calls = 0
+    while True:
+        reply = await client.chat.completions.create(model="policy", messages=messages, tools=PYTHON_TOOL,
+                                                     **sampling)
+        msg = reply.choices[0].message
+        if not msg.tool_calls or calls >= MAX_TOOL_CALLS:
+            answer = msg.content or ""
+            return EpisodeResult(verify(answer, problem), info={"tool_calls": calls, "answer": answer})
+        messages.append(msg.model_dump(exclude_none=True))
+        for call in msg.tool_calls:
+            calls += 1
+            try:
+                code = json.loads(call.function.arguments).get("code", "")
+            except (ValueError, AttributeError):
+                code = None
+            if not isinstance(code, str) or call.function.name != "python":
+                out = f"error: unknown tool {call.function.name!r} or bad arguments"
+            else:
+                result = await asyncio.to_thread(sandbox_pool().run, code)
+                out = result.stdout if result.ok else f"error: {result.reason}"
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": out[:TOOL_OUTPUT_CHARS]})

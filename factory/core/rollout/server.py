@@ -23,6 +23,9 @@ Extension fields on every choice (the exact tokens, so the trainer never re-toke
   `weight_version`    the oldest of them (all equal unless an in-flight update happened mid-completion),
   `stop_reason`       the stop token id or stop string that ended it (null for EOS-free length stops).
 Extension request fields (the openai client's `extra_body`): `session_id`, `stop_token_ids`, `ignore_eos`.
+Tool calls: when a chat request offers `tools`, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks
+in a reply (Hermes style) come back as OpenAI `tool_calls` (finish_reason "tool_calls"); an assistant message
+with `tool_calls` sent back renders to that text, and still continues the turn's exact ids in a session.
 temperature=0 is greedy; its logprobs are those of the untempered distribution (temperature 1).
 
 Sessions: a request names its session with the `X-Session-Id` header or a `session_id` body field. Every choice
@@ -42,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import secrets
 import threading
 import time
@@ -123,6 +127,8 @@ class CompletionRequest(_SamplingRequest):
 
 class ChatRequest(_SamplingRequest):
     messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None  # offered: replies' <tool_call> blocks come back as tool_calls
+    tool_choice: str | dict[str, Any] | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
@@ -158,6 +164,7 @@ class Turn:
     text: str
     messages: list[dict[str, str]] | None = None  # chat: the request's messages (normalized)
     continues_turn: int | None = None  # chat: the turn whose exact ids start this prompt
+    reply: dict[str, str] | None = None  # chat: the reply as a normalized assistant message (tool calls parsed)
     created: float = field(default_factory=time.time)
 
     def to_json(self, index: int) -> dict:
@@ -211,7 +218,66 @@ def _message_text(msg: dict[str, Any], i: int) -> dict[str, str]:
         content = "".join(parts)
     if not isinstance(content, str):
         raise APIError(400, f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
-    return {"role": role, "content": content}
+    out = {"role": role, "content": content}
+    if role == "assistant" and msg.get("tool_calls"):
+        calls = []
+        for c in msg["tool_calls"]:
+            fn = (c or {}).get("function") or {}
+            try:
+                args = json.loads(fn.get("arguments") or "{}")
+            except (TypeError, ValueError) as e:
+                raise APIError(400, f"messages[{i}].tool_calls: arguments must be a JSON string",
+                               f"messages[{i}].tool_calls") from e
+            calls.append({"name": fn.get("name"), "arguments": args})
+        out["tool_calls"] = json.dumps(calls, sort_keys=True)  # compared, not rendered: see _chat_prompt
+        out["content"] = content + "".join(_tool_call_text(c) for c in calls)
+    return out
+
+
+TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
+
+
+def _tool_call_text(call: dict[str, Any]) -> str:
+    """How a tool call is written in the conversation (Hermes style): what the model emits, and what an assistant
+    message with tool_calls renders to."""
+    return f"<tool_call>{json.dumps({'name': call['name'], 'arguments': call['arguments']})}</tool_call>"
+
+
+def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """Tool calls written as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in a reply: the text
+    around them and the calls in OpenAI's shape. A block that is not such JSON stays text."""
+    calls, kept, pos = [], [], 0
+    for m in TOOL_CALL.finditer(text):
+        try:
+            obj = json.loads(m.group(1))
+        except ValueError:
+            continue
+        args = obj.get("arguments", {}) if isinstance(obj, dict) else None
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                args = None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(args, dict):
+            continue
+        kept.append(text[pos:m.start()])
+        pos = m.end()
+        calls.append({"id": f"call_{secrets.token_hex(8)}", "type": "function",
+                      "function": {"name": obj["name"], "arguments": json.dumps(args)}})
+    kept.append(text[pos:])
+    content = "".join(kept).strip()
+    return (content or None), calls
+
+
+def _same_reply(sent: dict[str, str], reply: dict[str, str], raw_text: str) -> bool:
+    """Whether an assistant message a client sent back is the reply this turn gave: the same content and the same
+    tool calls (ids and JSON formatting aside), or the raw text itself."""
+    if sent.get("role") != "assistant":
+        return False
+    if "tool_calls" in reply or "tool_calls" in sent:
+        return sent.get("tool_calls") == reply.get("tool_calls") and \
+            (sent["content"] == reply["content"])
+    return sent["content"] in (reply["content"], raw_text)
 
 
 class ChatTemplate:
@@ -223,8 +289,9 @@ class ChatTemplate:
 
     def render(self, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
         tok = self.tokenizer
-        if self.native:
-            ids = tok.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
+        if self.native:  # tool calls are already written into the content (Hermes style)
+            plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+            ids = tok.apply_chat_template(plain, add_generation_prompt=generation_prompt, tokenize=True)
             return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
         out = [tok.bos_token_id] if tok.bos_token_id is not None else []
         for m in messages:
@@ -411,13 +478,21 @@ class RolloutServer:
             max_tokens = max(1, self.engine.max_seq_len - len(prompt))
         params = self._params(body, max_tokens, k or 0)
         comps = await self._run([prompt], params)
-        choices = []
+        choices, replies = [], []
         for i, c in enumerate(comps):
-            choices.append({"index": i, "message": {"role": "assistant", "content": c.text},
-                            "finish_reason": c.finish_reason,
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            finish = c.finish_reason
+            if body.tools:
+                content, calls = parse_tool_calls(c.text)
+                if calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": calls}
+                    finish = "tool_calls"
+            replies.append(_message_text(message, 0))
+            choices.append({"index": i, "message": message, "finish_reason": finish,
                             "logprobs": self._chat_logprobs(c) if body.logprobs else None, **self._extension(c)})
         self._record(sid, [Turn("chat", i, c.prompt_ids, c.token_ids, c.logprobs, c.token_versions, c.weight_version,
-                                c.finish_reason, c.text, messages, continues) for i, c in enumerate(comps)])
+                                c.finish_reason, c.text, messages, continues, reply=r)
+                           for i, (c, r) in enumerate(zip(comps, replies, strict=True))])
         return {"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion", "created": int(time.time()),
                 "model": self.engine.name, "choices": choices, "usage": self._usage([prompt], comps),
                 "session_id": sid}
@@ -429,8 +504,9 @@ class RolloutServer:
         for idx in range(len(turns or []) - 1, -1, -1):
             t = turns[idx]
             j = len(t.messages or [])
+            reply = t.reply or {"role": "assistant", "content": t.text}
             if (t.endpoint == "chat" and len(messages) > j and messages[:j] == t.messages
-                    and messages[j] == {"role": "assistant", "content": t.text}):
+                    and _same_reply(messages[j], reply, t.text)):
                 head = self.template.render(messages[: j + 1], generation_prompt=False)
                 if full[: len(head)] == head:  # the template renders the conversation prefix-stably
                     return t.prompt_ids + t.completion_ids + full[len(head):], idx
