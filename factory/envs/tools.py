@@ -86,7 +86,8 @@ TOOL_OUTPUT_CHARS = 500  # what the model sees back of a tool's output
 async def python_tool_episode(task: dict[str, Any], client: Any) -> EpisodeResult:
     """The task's prompt with a `python` tool offered through OpenAI tool calls (`tools=`); each call runs in the
     sandbox pool and its output (or error) comes back as a `tool` message; the first reply without a call is
-    the answer, scored by the task family's verifier (`envs/tasks.py`)."""
+    the answer, scored by the task family's verifier (`envs/tasks.py`). Meant for the text task families: tool
+    output (newlines, letters) must be in the tokenizer's alphabet, which the arithmetic one is not."""
     import asyncio
     import json
 
