@@ -70,7 +70,6 @@ def plan_and_queue_sweep(context: OpExecutionContext, config: SweepConfig, home:
     parent = tracker.start_run(experiment=config.name, run_name=plan.sweep_id,
                                params={"sweep": config.model_dump(mode="json")},
                                tags={"factory.sweep_id": plan.sweep_id, "factory.members": len(plan.members)})
-    write_sweep(plan, paths, extra={"mlflow_parent_run_id": parent})
     now = datetime.now(UTC)
     lake.lake().upsert("sweeps", [dict(sweep_id=plan.sweep_id, member=m.key, name=config.name,
                                        axes=json.dumps(m.values, sort_keys=True), spec=m.spec.to_json(),
@@ -78,6 +77,8 @@ def plan_and_queue_sweep(context: OpExecutionContext, config: SweepConfig, home:
                                   for m in plan.members])
     context.instance.add_dynamic_partitions(sweep_members.name, [m.key for m in plan.members])
     context.instance.add_dynamic_partitions(sweeps.name, [plan.sweep_id])
+    # Last: the stored plan is what the launcher sensor reacts to, so its partitions must exist by then.
+    write_sweep(plan, paths, extra={"mlflow_parent_run_id": parent})
     context.add_output_metadata({"sweep_id": plan.sweep_id, "members": len(plan.members),
                                  "max_concurrent": config.max_concurrent, "mlflow_parent_run_id": parent,
                                  "members_table": MetadataValue.md(_members_md(plan))})
