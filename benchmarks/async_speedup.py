@@ -77,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="async: groups buffered + in flight (default: 1.5 batches; at most max_staleness batches)")
     ap.add_argument("--no-correct-stale", action="store_true",
                     help="async: train stale groups without the decoupled-PPO importance correction")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
+                    help="a spec override for every mode, e.g. rollout.update_mode=finish_old (repeatable)")
     ap.add_argument("--env", choices=("in_process", "service"), default="in_process",
                     help="episodes in the trainer's process, or in an environment-worker process over HTTP")
     ap.add_argument("--engine", choices=("embedded", "server"), default="embedded",
@@ -94,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     spec = apply_overrides(load_spec(Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml"),
                            parse_overrides([f"schedule.steps={steps}", f"task.simulated_latency_s={args.unit}",
                                             "task.n_eval=300", "trainer.threads=1", "name=async-bench",
-                                            f"rollout.engine={args.engine}", f"rollout.environment={args.env}"]))
+                                            f"rollout.engine={args.engine}", f"rollout.environment={args.env}",
+                                            *args.overrides]))
     per_step = spec.rollout.prompts_per_step
     # 1.5 batches: measured on 3 seeds at max_staleness 4 (notes of issue 3), the same wall time as 2-4 batches
     # with the lowest mean staleness and the best accuracy; fewer starve the trainer.
