@@ -20,9 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,8 +30,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from factory.ops.supervisor import free_port  # noqa: E402
-from factory.sweep import dagster_instance_yaml  # noqa: E402
+from factory.ops.dagster_dev import dagster_dev  # noqa: E402
 
 TINY = ["model.preset=micro", "task.n_train=200", "task.n_eval=20", "sft.steps=10", "sft.stop_at_accuracy=null",
         "rollout.prompts_per_step=4", "algorithm.group_size=4", "schedule.steps=2", "schedule.eval_pass_k=2"]
@@ -87,24 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix="sweep-queue-"))
-    home, dagster_home = tmp / "factory-home", tmp / "factory-home" / "dagster"
-    dagster_home.mkdir(parents=True)
-    (dagster_home / "dagster.yaml").write_text(dagster_instance_yaml(max_concurrent_runs=args.max_concurrent + 2))
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "FACTORY_HOME": str(home), "DAGSTER_HOME": str(dagster_home)}
-    log = (tmp / "dagster-dev.log").open("wb")
-    proc = subprocess.Popen(["env", "--default-signal=INT,TERM,HUP", str(Path(sys.executable).parent / "dagster"),
-                             "dev", "-w", "workspace.yaml", "-h", "127.0.0.1", "-p", str(port)], cwd=ROOT, env=env,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        def up() -> bool:
-            try:
-                return httpx.get(f"{url}/server_info", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait(up, 180, "dagster dev up", every=0.5)
+    with dagster_dev(tmp / "factory-home", max_concurrent_runs=args.max_concurrent + 2) as ui:
+        url = ui.url
         base = {"name": "bench", "base_spec": str(ROOT / "examples" / "quickstart.yaml"), "overrides": TINY}
 
         # A bad axis: the sweep run fails and nothing is queued.
@@ -133,14 +113,6 @@ def main(argv: list[str] | None = None) -> int:
 
         wait(all_done, args.timeout, "all members succeeded")
         run_s = time.perf_counter() - t0
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-        log.close()
 
     print()
     print(f"{'members':>8} {'limit':>6} {'queued in':>10} {'max running':>12} {'all done in':>12} {'bad axis':>9}")

@@ -35,3 +35,19 @@ def _one_torch_thread():
     import torch
 
     torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def require_sandbox() -> None:
+    """Skip where bubblewrap cannot run, unless FACTORY_REQUIRE_SANDBOX=1 (CI sets it: there, a missing sandbox
+    is a failure)."""
+    import os
+
+    from factory.envs.sandbox import IsolationUnavailable, SandboxPool
+
+    try:
+        SandboxPool(size=1)  # probes bwrap; starts nothing
+    except IsolationUnavailable as e:
+        if os.environ.get("FACTORY_REQUIRE_SANDBOX") == "1":
+            pytest.fail(f"sandbox required but unavailable (.ci/run installs bubblewrap): {e}")
+        pytest.skip(f"bubblewrap unavailable: {e}")

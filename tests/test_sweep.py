@@ -1,6 +1,5 @@
 """Sweep planning: expansion, validation that names the axis, the stored plan."""
 
-import json
 from pathlib import Path
 
 import pytest
@@ -90,4 +89,3 @@ def test_instance_yaml_limits_each_lane_to_one_run():
     assert cfg["max_concurrent_runs"] == 4
     assert cfg["tag_concurrency_limits"] == [{"key": LANE_TAG, "value": {"applyLimitPerUniqueValue": True},
                                               "limit": 1}]
-    json.dumps(cfg)

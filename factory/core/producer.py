@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import random
 import shutil
 import sys
@@ -323,8 +324,14 @@ class ServerProducer(OverlappedProducer):
             self._state, self._version = new, version
         self._published = version
 
+    @functools.cached_property
+    def _episodic(self) -> bool:
+        """Whether the spec's environment runs multi-turn episodes (looked up once, not per group)."""
+        env = self.spec.task.environment
+        return env is not None and load_environment(env).kind == "multi_turn"
+
     def _group(self, k: int, problem: Problem, slot: Reservation) -> Group | None:
-        if self.spec.task.environment is None or load_environment(self.spec.task.environment).kind != "multi_turn":
+        if not self._episodic:
             return super()._group(k, problem, slot)
         return self._episode_group(k, problem, slot)
 

@@ -50,13 +50,14 @@ class ServiceProcess:
 
     def __init__(self, name: str, argv: Sequence[str], port: int | None = None, health_path: str = "/health",
                  env: dict[str, str] | None = None, log_path: str | Path | None = None,
-                 startup_timeout: float = 60.0, max_restarts: int = 5):
+                 startup_timeout: float = 60.0, max_restarts: int = 5, cwd: str | Path | None = None):
         self.name = name
         self.port = port or free_port()
         self.argv = [a.replace("{port}", str(self.port)) for a in argv]
         self.url = f"http://127.0.0.1:{self.port}"
         self.health_url = self.url + health_path
         self.env = env
+        self.cwd = cwd
         self.log_path = Path(log_path) if log_path else None
         self.startup_timeout = startup_timeout
         self.max_restarts = max_restarts
@@ -80,7 +81,7 @@ class ServiceProcess:
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115 - child owns it
         env = {**os.environ, **(self.env or {})}
         # A new session: a kill of the child's group never reaches us, and ours never reaches it twice.
-        self._proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, env=env,
+        self._proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=self.cwd,
                                       start_new_session=True)
         if out is not subprocess.DEVNULL:
             out.close()

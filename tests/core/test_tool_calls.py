@@ -73,20 +73,12 @@ def test_tool_calls_reach_the_openai_client_and_the_session_keeps_exact_tokens(t
     assert first_turn == CALL  # the model's call, as sampled
 
 
-def test_the_python_tool_environment_runs_calls_in_the_sandbox(tool_caller):
+def test_the_python_tool_environment_runs_calls_in_the_sandbox(tool_caller, require_sandbox):
     import asyncio
-    import os
 
     from factory.envs import tasks
     from factory.envs.protocol import load_environment, run_episodes
-    from factory.envs.sandbox import IsolationUnavailable, SandboxPool
 
-    try:
-        SandboxPool(size=1)
-    except IsolationUnavailable as e:
-        if os.environ.get("FACTORY_REQUIRE_SANDBOX") == "1":
-            pytest.fail(f"sandbox required but unavailable: {e}")
-        pytest.skip(f"bubblewrap unavailable: {e}")
     env = load_environment("python_tool")
     task = {"id": "q1", "prompt": "Q1?", "answer": "42", "op": "word", "digits": 0,
             "sampling": {"temperature": 0, "max_tokens": len(CALL) + 2}}

@@ -10,17 +10,13 @@ FACTORY_REQUIRE_BROWSER=1 (CI sets it: there, a missing browser is a failure).
 
 import os
 import shutil
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from factory.ops.supervisor import free_port
-from factory.sweep import dagster_instance_yaml
+from factory.ops.dagster_dev import dagster_dev
 
 ROOT = Path(__file__).parents[2]
 CHROMIUM = "/usr/bin/chromium"
@@ -52,39 +48,8 @@ def _require_browser():
 @pytest.fixture
 def dagster_ui(tmp_path):
     _require_browser()
-    home = tmp_path / "factory-home"
-    dagster_home = home / "dagster"
-    dagster_home.mkdir(parents=True)
-    (dagster_home / "dagster.yaml").write_text(dagster_instance_yaml(max_concurrent_runs=4))
-    port = free_port()
-    log = tmp_path / "dagster-dev.log"
-    env = {**os.environ, "FACTORY_HOME": str(home), "DAGSTER_HOME": str(dagster_home)}
-    dagster = str(Path(sys.executable).parent / "dagster")
-    # Its own session (start_new_session) with default signal handling: dagster dev started in the
-    # background otherwise ignores SIGTERM.
-    proc = subprocess.Popen(["env", "--default-signal=INT,TERM,HUP", dagster, "dev", "-w", "workspace.yaml",
-                             "-h", "127.0.0.1", "-p", str(port)], cwd=ROOT, env=env, stdout=log.open("wb"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(f"{url}/server_info", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, f"dagster dev exited ({proc.returncode}); log: {log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"dagster dev not up in 180 s; log: {log.read_text()[-3000:]}"
-            time.sleep(0.5)  # polling a child's readiness, bounded by the deadline
-        yield url, log
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
+    with dagster_dev(tmp_path / "factory-home", max_concurrent_runs=4) as ui:
+        yield ui.url, ui.log_path
 
 
 def _runs(url: str, job: str) -> list[dict]:

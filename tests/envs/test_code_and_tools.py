@@ -1,25 +1,17 @@
 """Code rewards and the calculator tool run in the sandbox pool; a code-generation run and a tool-use run train
 through the async core. Skipped where bubblewrap cannot run, unless FACTORY_REQUIRE_SANDBOX=1 (CI)."""
 
-import os
 
 import pytest
 
 from factory.config import TaskSpec, parse_spec
 from factory.envs import tasks
-from factory.envs.sandbox import IsolationUnavailable, SandboxPool
 from factory.envs.tasks import code_reward, make_task_splits
 from factory.envs.tools import calculator, calculator_program, run_tool
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _sandbox():
-    try:
-        SandboxPool(size=1)  # probes bwrap; starts nothing
-    except IsolationUnavailable as e:
-        if os.environ.get("FACTORY_REQUIRE_SANDBOX") == "1":
-            pytest.fail(f"sandbox required but unavailable: {e}")
-        pytest.skip(f"bubblewrap unavailable: {e}")
+def _sandbox(require_sandbox):
     yield
     if tasks._POOL is not None:
         tasks._POOL.close()

@@ -18,18 +18,8 @@ from factory.envs import sandbox as sandbox_mod
 from factory.envs.sandbox import IsolationUnavailable, SandboxLimits, SandboxPool
 
 
-def _require_bwrap() -> None:
-    try:
-        SandboxPool(size=1)  # probes bwrap; starts nothing
-    except IsolationUnavailable as e:
-        if os.environ.get("FACTORY_REQUIRE_SANDBOX") == "1":
-            pytest.fail(f"sandbox required but unavailable (.ci/run installs bubblewrap): {e}")
-        pytest.skip(f"bubblewrap unavailable: {e}")
-
-
 @pytest.fixture
-def pool():
-    _require_bwrap()
+def pool(require_sandbox):
     with SandboxPool(size=2) as p:
         yield p
 
@@ -115,8 +105,7 @@ def test_acquire_and_release(pool):
     assert pool.metrics()["executions"] == 1
 
 
-def test_recycled_after_n_uses():
-    _require_bwrap()
+def test_recycled_after_n_uses(require_sandbox):
     with SandboxPool(size=1, recycle_after=3) as pool:
         pids = []
         for _ in range(4):
@@ -128,8 +117,7 @@ def test_recycled_after_n_uses():
         assert (m["recycled"], m["cold_starts"], m["failures"], m["executions"]) == (1, 2, 0, 4)
 
 
-def test_killed_worker_is_replaced():
-    _require_bwrap()
+def test_killed_worker_is_replaced(require_sandbox):
     with SandboxPool(size=1) as pool:
         with pool.sandbox() as sb:
             dead = sb.pid
@@ -143,8 +131,7 @@ def test_killed_worker_is_replaced():
         assert m["failures"] == 1 and m["cold_starts"] == 2 and m["recycled"] == 1
 
 
-def test_health_check_replaces_dead_idle_workers():
-    _require_bwrap()
+def test_health_check_replaces_dead_idle_workers(require_sandbox):
     with SandboxPool(size=2) as pool:
         with pool.sandbox() as sb:
             pass
@@ -191,8 +178,7 @@ def test_limits_validate():
     assert dataclasses.asdict(SandboxLimits())["output_bytes"] == 1 << 20
 
 
-def test_redteam_suite_is_contained_under_bwrap():
-    _require_bwrap()
+def test_redteam_suite_is_contained_under_bwrap(require_sandbox):
     from factory.envs.redteam import run_suite
 
     outcomes, metrics = run_suite("bwrap", size=2)

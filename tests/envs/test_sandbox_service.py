@@ -9,23 +9,13 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from factory.envs.sandbox import IsolationUnavailable, SandboxLimits, SandboxPool
+from factory.envs.sandbox import SandboxLimits
 from factory.envs.sandbox_service import RemoteSandboxPool
 from factory.ops.supervisor import ServiceProcess
 
 
-def _require_bwrap() -> None:
-    try:
-        SandboxPool(size=1)  # probes bwrap; starts nothing
-    except IsolationUnavailable as e:
-        if os.environ.get("FACTORY_REQUIRE_SANDBOX") == "1":
-            pytest.fail(f"sandbox required but unavailable (.ci/run installs bubblewrap): {e}")
-        pytest.skip(f"bubblewrap unavailable: {e}")
-
-
 @pytest.fixture(scope="module")
-def remote(tmp_path_factory):
-    _require_bwrap()
+def remote(tmp_path_factory, require_sandbox):
     log = tmp_path_factory.mktemp("sandbox-service") / "service.log"
     argv = [sys.executable, "-m", "factory.cli", "sandbox-serve", "--port", "{port}", "--size", "2"]
     with ServiceProcess("sandbox-serve", argv, log_path=log) as svc, RemoteSandboxPool(svc.url) as client:
