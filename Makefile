@@ -31,11 +31,8 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 ui: $(STAMP)
-	@mkdir -p $(DAGSTER_HOME)
-	@# the run queue with one run per sweep lane (factory/sweep.py); an existing dagster.yaml is kept
-	@test -f $(DAGSTER_HOME)/dagster.yaml || $(BIN)/python -c "from factory.sweep import dagster_instance_yaml as y; print(y())" > $(DAGSTER_HOME)/dagster.yaml
-	@grep -q "factory/lane" $(DAGSTER_HOME)/dagster.yaml || echo "warning: $(DAGSTER_HOME)/dagster.yaml has no run queue with sweep lanes: a sweep's max_concurrent is not enforced (remove the file to get Factory's settings)"
-	$(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
+	@# the Dagster UI (with Factory's instance settings, factory/ops/instance.py) and the MLflow UI beside it
+	$(BIN)/python -m factory.ops.cockpit
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -1,10 +1,18 @@
-"""Reading an upstream asset's latest materialization metadata (how assets hand each other paths)."""
+"""Helpers the assets share: upstream metadata, the pictures and links a run shows, and progress while it runs."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-from dagster import AssetExecutionContext, AssetKey, Failure
+from dagster import AssetExecutionContext, AssetKey, Failure, MetadataValue
+
+if TYPE_CHECKING:
+    from factory.progress import Progress
+    from factory.reports import RunPictures
+    from factory.tracking import Tracker
+
+PROGRESS_EVERY_S = 5.0  # run tags are a database write; a step every ~0.5 s would be too many
 
 
 def upstream(context: AssetExecutionContext, key: str) -> dict[str, Any]:
@@ -13,3 +21,49 @@ def upstream(context: AssetExecutionContext, key: str) -> dict[str, Any]:
     if event is None or event.asset_materialization is None:
         raise Failure(f"upstream asset {key!r} has no materialization yet; materialize it first")
     return {k: v.value for k, v in event.asset_materialization.metadata.items()}
+
+
+def inline_picture(alt: str, url: str) -> MetadataValue:
+    """A picture the Dagster UI draws inside the metadata table: a markdown image short enough (< 1000
+    characters) to be rendered in place, its bytes served by the MLflow UI at `url`."""
+    return MetadataValue.md(f"![{alt}]({url})")
+
+
+def embedded(pictures: dict[str, bytes]) -> MetadataValue:
+    """Every picture inlined in one markdown value (data URIs): one click away ([Show Markdown]) with no
+    MLflow UI running."""
+    from factory.plots import markdown_image
+
+    return MetadataValue.md("\n\n".join(f"**{name}**\n\n{markdown_image(png, name)}"
+                                         for name, png in pictures.items()))
+
+
+def run_metadata(pics: RunPictures, tracker: Tracker, run_id: str, mlflow_run_id: str
+                 ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A training run's pictures (drawn in place when the MLflow UI runs, as `make ui` starts it) and its MLflow
+    link, to go first; and the pictures embedded (one click away, no MLflow UI needed), to go last."""
+    from factory.reports import CURVES, EVALS, small
+
+    where = "served by the MLflow UI; without it, open `pictures`"
+    md: dict[str, Any] = {
+        "curves": inline_picture(f"reward and accuracy by step of {run_id} ({where})",
+                                 tracker.artifact_url(mlflow_run_id, small(CURVES))),
+        # The same URL shows the latest version: periodic evals re-render it as they land.
+        "evals": inline_picture(f"held-out accuracy by step of {run_id}, kept current by periodic evals ({where})",
+                                tracker.artifact_url(mlflow_run_id, small(EVALS))),
+        "run_id": run_id,
+        "mlflow_run_id": MetadataValue.url(tracker.run_url(mlflow_run_id)),  # a link; the id ends it
+    }
+    shots = {"curves": pics.curves, **({"evals": pics.evals} if pics.evals is not None else {})}
+    return md, {"pictures": embedded(shots)}
+
+
+def progress_tags(context: AssetExecutionContext) -> Callable[[Progress], None]:
+    """Reports a stage's progress as run tags (`factory/progress`, `factory/reward`, `factory/eta`), which the
+    Dagster UI lists beside the run while it runs; at most every PROGRESS_EVERY_S seconds and at the end."""
+    from factory.progress import Throttle
+
+    def report(p: Progress) -> None:
+        context.instance.add_run_tags(context.run_id, {f"factory/{k}": v for k, v in p.tags().items()})
+
+    return Throttle(report, every_s=PROGRESS_EVERY_S)

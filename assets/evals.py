@@ -3,8 +3,10 @@ periodic evals of every recorded checkpoint on every benchmark (partitioned chec
 
 
 from dagster import (
+    AllPartitionMapping,
     AssetCheckResult,
     AssetCheckSpec,
+    AssetDep,
     AssetExecutionContext,
     Config,
     DataVersion,
@@ -17,11 +19,14 @@ from dagster import (
     asset,
 )
 from pydantic import Field
+from pyiceberg.expressions import EqualTo
 
-from assets._metadata import upstream
+from assets._metadata import embedded, inline_picture, upstream
+from assets.sweeps import sweep_member_run
+from assets.training import grpo_run
 from factory.checkpoint_eval import evaluate_recorded_checkpoint, parse_checkpoint_key, regression_check
 from factory.envs.benchmarks import BENCHMARKS
-from resources import FactoryHomeResource, LakeResource
+from resources import FactoryHomeResource, LakeResource, MlflowResource
 
 
 @asset(group_name="evals", code_version="1", deps=["grpo_run", "sft_control"], kinds={"iceberg"})
@@ -50,36 +55,65 @@ checkpoint_x_benchmark = MultiPartitionsDefinition({"checkpoint": checkpoints, "
 class CheckpointEvalConfig(Config):
     regression_tolerance: float = Field(
         0.05, description="the no_regression check fails when accuracy drops by more than this (absolute) from "
-        "the run's previous evaluated checkpoint on the same benchmark")
+        "the same run's previous evaluated checkpoint on the same benchmark")
 
 
-@asset(group_name="evals", code_version="1", partitions_def=checkpoint_x_benchmark, kinds={"pytorch", "iceberg"},
-       check_specs=[AssetCheckSpec("no_regression", asset="checkpoint_eval",
-                                   description="accuracy did not drop beyond the tolerance since the run's "
-                                               "previous checkpoint")])
+@asset(group_name="evals", code_version="2", partitions_def=checkpoint_x_benchmark, kinds={"pytorch", "iceberg"},
+       deps=[grpo_run, AssetDep(sweep_member_run, partition_mapping=AllPartitionMapping())],
+       check_specs=[AssetCheckSpec("no_regression", asset="checkpoint_eval", partitions_def=checkpoint_x_benchmark,
+                                   description="accuracy did not drop beyond the tolerance since the same run's "
+                                               "previous evaluated checkpoint on the same benchmark")])
 def checkpoint_eval(context: AssetExecutionContext, config: CheckpointEvalConfig, home: FactoryHomeResource,
-                    lake: LakeResource):
-    """One recorded checkpoint scored on one benchmark (held-out split or a shipped suite); rows land in `evals`."""
+                    lake: LakeResource, mlflow: MlflowResource):
+    """One checkpoint recorded by a training run (`grpo_run`, a sweep member) scored on one benchmark (held-out
+    split or a shipped suite); rows land in `evals`, and the run's held-out accuracy by step is redrawn."""
+    from factory.reports import EVALS, refresh_evals_picture, small
+
     key = context.partition_key.keys_by_dimension
     try:
         run_id, step = parse_checkpoint_key(key["checkpoint"])
     except ValueError as e:
-        raise Failure(str(e)) from e
-    lk = lake.lake()
+        raise Failure(str(e)) from None
+    lk, tracker = lake.lake(), mlflow.tracker()
     try:
         res = evaluate_recorded_checkpoint(home.paths(), lk, run_id, step, key["benchmark"])
     except (LookupError, ValueError) as e:
-        raise Failure(f"checkpoint {key['checkpoint']} on {key['benchmark']}: {e}") from e
-    context.log.info(f"{run_id} step {step} on {res.benchmark}: accuracy {res.accuracy:.3f} (n={res.n})")
-    yield MaterializeResult(
-        metadata={"run_id": run_id, "step": step, "benchmark": res.benchmark, "accuracy": res.accuracy,
-                  "n": res.n, "checkpoint_sha256": res.sha256},
-        data_version=DataVersion(f"{res.sha256[:16]}-{res.accuracy:.6f}"),
-    )
+        raise Failure(f"checkpoint {key['checkpoint']} on {key['benchmark']}: {e}") from None
+    how = "reused the training run's own result for this checkpoint" if res.reused else "evaluated"
+    context.log.info(f"{run_id} step {step} on {res.benchmark}: accuracy {res.accuracy:.3f} (n={res.n}; {how})")
+    picture = refresh_evals_picture(lk, tracker, run_id, res.benchmark)
+    runs = lk.read("runs", EqualTo("run_id", run_id)).select(["mlflow_run_id"]).to_pylist()
+    mlflow_run_id = runs[0]["mlflow_run_id"] if runs else None
+    metadata = {}
+    if mlflow_run_id:
+        metadata["evals"] = inline_picture(
+            f"held-out accuracy by step of {run_id}, every benchmark (served by the MLflow UI; without it, open "
+            "`pictures`)", tracker.artifact_url(mlflow_run_id, small(EVALS)))
+    # Step and n as text: numeric metadata is plotted across partitions, which would join unrelated runs.
+    metadata |= {"run_id": run_id, "step": MetadataValue.text(str(step)), "benchmark": res.benchmark,
+                 "accuracy": res.accuracy, "n": MetadataValue.text(str(res.n)), "reused": res.reused,
+                 "checkpoint_sha256": res.sha256}
+    if picture is not None:
+        metadata["pictures"] = embedded({f"{run_id} on {res.benchmark}": picture})
+    yield MaterializeResult(metadata=metadata, data_version=DataVersion(f"{res.sha256[:16]}-{res.accuracy:.6f}"))
     reg = regression_check(lk, run_id, step, res.benchmark, res.accuracy, config.regression_tolerance)
-    yield AssetCheckResult(
-        check_name="no_regression", passed=reg.passed,
-        metadata={"accuracy": res.accuracy, "previous_step": reg.previous_step if reg.previous_step is not None else -1,
-                  "previous_accuracy": reg.previous_accuracy if reg.previous_accuracy is not None else float("nan"),
-                  "drop": reg.drop if reg.drop is not None else 0.0, "tolerance": config.regression_tolerance},
-    )
+    yield AssetCheckResult(check_name="no_regression", passed=reg.passed, metadata=_check_metadata(
+        res, reg, config.regression_tolerance, picture))
+
+
+def _check_metadata(res, reg, tolerance: float, picture: bytes | None) -> dict:
+    """What the check shows: every figure as text, so the UI does not plot them across runs and benchmarks
+    (its plots join executions in wall-clock order), and the picture of this run and benchmark alone."""
+    from factory.plots import markdown_image
+
+    if reg.previous_step is None:
+        compared = "nothing: the run's first evaluated checkpoint on this benchmark"
+    else:
+        compared = f"step {reg.previous_step} of the same run (accuracy {reg.previous_accuracy:.3f})"
+    md = {"run_id": res.run_id, "benchmark": res.benchmark, "step": MetadataValue.text(str(res.step)),
+          "accuracy": MetadataValue.text(f"{res.accuracy:.3f}"), "compared_with": compared,
+          "drop": MetadataValue.text("—" if reg.drop is None else f"{reg.drop:+.3f}"),
+          "tolerance": MetadataValue.text(f"{tolerance:.3f}")}
+    if picture is not None:
+        md["accuracy_by_step"] = MetadataValue.md(markdown_image(picture, f"{res.run_id} on {res.benchmark}"))
+    return md

@@ -1,85 +1,173 @@
-"""Sweep assets: one training run per sweep member (a dynamic partition), and each sweep's summary."""
+"""Sweep assets: each shared SFT warm start (trained once, members wait for it), one training run per sweep
+member (a dynamic partition), and each sweep's summary comparing its members."""
 
-import json
+import functools
 
 from dagster import (
+    AllPartitionMapping,
+    AssetDep,
     AssetExecutionContext,
+    DagsterRunStatus,
+    DataVersion,
     DynamicPartitionsDefinition,
     Failure,
     MaterializeResult,
     MetadataValue,
+    RunsFilter,
+    TableColumn,
+    TableRecord,
+    TableSchema,
     asset,
 )
 
-from factory.sweep import read_member, read_sweep, sweep_id_of
+from assets._metadata import embedded, inline_picture, progress_tags, run_metadata
+from factory.sweep import MEMBER_TAG, read_member, read_sweep, read_warm_start_spec, sweep_id_of
 from resources import FactoryHomeResource, LakeResource, MlflowResource
 
 sweep_members = DynamicPartitionsDefinition(name="sweep_members")
 sweeps = DynamicPartitionsDefinition(name="sweeps")
+warm_starts = DynamicPartitionsDefinition(name="warm_starts")
 
 
-@asset(group_name="sweeps", code_version="1", partitions_def=sweep_members, kinds={"pytorch", "iceberg", "mlflow"})
+@asset(group_name="sweeps", code_version="1", partitions_def=warm_starts, kinds={"pytorch"})
+def sweep_warm_start(context: AssetExecutionContext, home: FactoryHomeResource) -> MaterializeResult:
+    """The SFT warm start shared by every sweep member with the same model, task, SFT settings and seed
+    (partition `sft-<fingerprint>`): trained once; the launcher starts those members after it."""
+    from factory.experiment import build_dataset, cached_sft_checkpoint, load_dataset
+
+    paths = home.paths()
+    try:
+        spec = read_warm_start_spec(paths, context.partition_key)
+    except (FileNotFoundError, ValueError) as e:
+        raise Failure(f"warm start {context.partition_key}: {e}") from None
+    splits = load_dataset(build_dataset(spec, paths).path)
+    res = cached_sft_checkpoint(spec, paths, splits, log=context.log.info, progress=progress_tags(context))
+    return MaterializeResult(
+        metadata={"path": MetadataValue.path(str(res.checkpoint.path)), "sha256": res.checkpoint.sha256,
+                  "accuracy": res.accuracy, "pass_at_k": res.pass_at_k, "steps": res.steps, "seconds": res.seconds},
+        data_version=DataVersion(res.checkpoint.sha256),
+    )
+
+
+@asset(group_name="sweeps", code_version="2", partitions_def=sweep_members, kinds={"pytorch", "iceberg", "mlflow"},
+       deps=[AssetDep(sweep_warm_start, partition_mapping=AllPartitionMapping())])
 def sweep_member_run(context: AssetExecutionContext, home: FactoryHomeResource, lake: LakeResource,
                      mlflow: MlflowResource) -> MaterializeResult:
-    """A sweep member trained end to end (dataset, shared SFT warm start, GRPO, held-out eval), nested in
-    MLflow under its sweep's parent run; its `sweeps` row follows it from running to succeeded/failed."""
-    from factory.experiment import run_curves, run_sweep_member  # heavy: see assets/training.py
-    from factory.plots import markdown_image
+    """A sweep member trained end to end (dataset, the shared SFT warm start, GRPO, held-out eval), nested in
+    MLflow under its sweep's parent run; its `sweeps` row follows it from running to succeeded/failed. While it
+    runs, its tags show the step, latest reward and ETA."""
+    from factory.experiment import run_sweep_member  # heavy: see assets/training.py
+    from factory.reports import run_pictures
+    from factory.sweep import member_label
 
     key = context.partition_key
     paths = home.paths()
     try:
         spec, axes = read_member(paths, key)
     except (FileNotFoundError, KeyError, ValueError) as e:
-        raise Failure(f"sweep member {key}: {e}") from e
+        raise Failure(f"sweep member {key}: {e}") from None
     info = read_sweep(paths, sweep_id_of(key))
     lk, tracker = lake.lake(), mlflow.tracker()
+    context.log.info(f"sweep member {key}: {member_label(axes)}")
     res = run_sweep_member(spec, paths, lk, tracker, info["sweep_id"], key, axes,
-                           sweep_name=info["definition"]["name"],
-                           mlflow_parent_run_id=info.get("mlflow_parent_run_id"), log=context.log.info)
-    curves = run_curves(lk, tracker, res.run_id, res.mlflow_run_id)
+                           sweep_name=info["definition"]["name"], mlflow_parent_run_id=info.get("mlflow_parent_run_id"),
+                           log=context.log.info, progress=progress_tags(context))
+    head, tail = run_metadata(run_pictures(lk, tracker, res.run_id, res.mlflow_run_id), tracker, res.run_id,
+                              res.mlflow_run_id)
     return MaterializeResult(metadata={
-        "curves": MetadataValue.md(markdown_image(curves, f"reward and accuracy of {res.run_id}")),
-        "run_id": res.run_id, "mlflow_run_id": res.mlflow_run_id, "sweep_id": info["sweep_id"],
-        "axes": MetadataValue.json(axes), "accuracy": res.final_accuracy, "start_accuracy": res.start_accuracy,
+        **head, "sweep_id": info["sweep_id"], "axes": member_label(axes),
+        "accuracy": res.final_accuracy, "start_accuracy": res.start_accuracy,
         "checkpoint": MetadataValue.path(str(res.checkpoint.path)), "steps": res.steps, "seconds": res.seconds,
+        **tail,
     })
 
 
-@asset(group_name="sweeps", code_version="1", partitions_def=sweeps, kinds={"iceberg", "mlflow"})
+@asset(group_name="sweeps", code_version="2", partitions_def=sweeps, kinds={"iceberg", "mlflow"},
+       deps=[AssetDep(sweep_member_run, partition_mapping=AllPartitionMapping())])
 def sweep_summary(context: AssetExecutionContext, lake: LakeResource, mlflow: MlflowResource) -> MaterializeResult:
-    """Every member of a sweep with its axis values and final held-out accuracy, best first, and a plot of
-    accuracy against each axis (also on the sweep's MLflow parent run)."""
-    from factory.plots import markdown_image, sweep_summary_png
+    """A sweep's members compared: their curves and held-out accuracy by step overlaid, accuracy against each
+    axis, and per member its axis values, accuracy, pass@k, reward, wall time and links to its Dagster run, MLflow
+    run and checkpoint; best first, a tie reported as a tie. Pictures are also stored on the MLflow parent run."""
+    from factory.plots import DPI, sweep_summary_png
+    from factory.reports import compare_sweep, small, store
 
     sweep_id = context.partition_key
-    rows = lake.lake().read("sweeps", f"sweep_id = '{sweep_id}'").to_pylist()
-    if not rows:
-        raise Failure(f"sweep {sweep_id}: no rows in the `sweeps` table")
-    rows.sort(key=lambda r: -(r["final_accuracy"] if r["final_accuracy"] is not None else -1.0))
-    axes = sorted({k for r in rows for k in json.loads(r["axes"])})
-    header = "| member | " + " | ".join(axes) + " | status | accuracy |\n|---|" + "---|" * (len(axes) + 2)
-    def acc(r: dict) -> str:
-        return "" if r["final_accuracy"] is None else f"{r['final_accuracy']:.3f}"
-
-    lines = [f"| {r['member']} | " + " | ".join(str(json.loads(r["axes"]).get(a)) for a in axes) +
-             f" | {r['status']} | {acc(r)} |" for r in rows]
-    done = [r for r in rows if r["status"] == "succeeded"]
-    best = done[0] if done else None
-    pictures = {}
-    members = [{**json.loads(r["axes"]), "final_accuracy": r["final_accuracy"]} for r in rows]
-    parent = next((r["mlflow_parent_run_id"] for r in rows if r["mlflow_parent_run_id"]), None)
-    for axis in axes:
-        if not done:
-            break
-        png = sweep_summary_png(members, axis, group_by=[a for a in axes if a != axis and a != "seed"] or None,
-                                title=f"{sweep_id}: accuracy vs {axis}")
-        pictures[f"accuracy_vs_{axis}"] = MetadataValue.md(markdown_image(png, f"accuracy vs {axis}"))
+    try:
+        cmp = compare_sweep(lake.lake(), sweep_id)
+    except LookupError as e:
+        raise Failure(str(e)) from None
+    tracker = mlflow.tracker()
+    parent = _parent_run(lake, sweep_id)
+    members = cmp.members
+    axes = list(dict.fromkeys(a for m in members for a in m.axes))
+    pictures = dict(cmp.pictures)
+    scored = [{**m.axes, "final_accuracy": m.accuracy} for m in members]
+    if any(m.accuracy is not None for m in members):  # else nothing to draw against the axes
+        for axis in axes:
+            others = [a for a in axes if a != axis and a != "seed"] or None
+            pictures[f"accuracy_vs_{axis}"] = functools.partial(
+                sweep_summary_png, scored, axis, group_by=others, title=f"{sweep_id}: accuracy vs {axis}")
+    head, shots = {}, {}
+    for name, render in pictures.items():
         if parent:
-            mlflow.tracker().log_png(parent, f"plots/accuracy_vs_{axis}.png", png)
+            shots[name] = store(tracker, parent, f"plots/{name}.png", lambda dpi, r=render: r(dpi=dpi))
+            head[name] = inline_picture(f"{name} of {sweep_id} (served by the MLflow UI; without it, open `pictures`)",
+                                        tracker.artifact_url(parent, small(f"plots/{name}.png")))
+        else:
+            shots[name] = render(dpi=DPI)
+    runs = _dagster_runs(context, [m.member for m in members])
+    best = cmp.best
     return MaterializeResult(metadata={
-        **pictures,
-        "members": len(rows), "succeeded": len(done), "failed": sum(r["status"] == "failed" for r in rows),
-        "best_member": best["member"] if best else "", "best_accuracy": best["final_accuracy"] if best else None,
-        "table": MetadataValue.md(header + "\n" + "\n".join(lines)),
+        **head,
+        "best_member": (best[0] if len(best) == 1 else f"tie: {', '.join(best)}") if best else "",
+        "best_accuracy": members[0].accuracy if best else None,
+        "members_table": _members_table(members, axes, runs),
+        "links": MetadataValue.md(_links_md(members, runs, tracker)),
+        "members": len(members), "succeeded": sum(m.status == "succeeded" for m in members),
+        "failed": sum(m.status == "failed" for m in members),
+        **({"mlflow_parent_run_id": MetadataValue.url(tracker.run_url(parent))} if parent else {}),
+        "pictures": embedded(shots),
     })
+
+
+def _parent_run(lake: LakeResource, sweep_id: str) -> str | None:
+    rows = lake.lake().read("sweeps", f"sweep_id = '{sweep_id}'").select(["mlflow_parent_run_id"]).to_pylist()
+    return next((r["mlflow_parent_run_id"] for r in rows if r["mlflow_parent_run_id"]), None)
+
+
+def _dagster_runs(context: AssetExecutionContext, members: list[str]) -> dict[str, str]:
+    """member -> the Dagster run that materialized it (its latest successful one)."""
+    out = {}
+    for m in members:
+        done = context.instance.get_runs(RunsFilter(tags={MEMBER_TAG: m}, statuses=[DagsterRunStatus.SUCCESS]),
+                                         limit=1)
+        if done:
+            out[m] = done[0].run_id
+    return out
+
+
+def _fmt(v: float | None, digits: int = 3) -> float | None:
+    return None if v is None else round(v, digits)
+
+
+def _members_table(members, axes: list[str], runs: dict[str, str]) -> MetadataValue:
+    from factory.sweep import format_value
+
+    cols = ["member", *axes, "status", "accuracy", "pass_at_k", "reward", "wall_s", "steps", "dagster_run"]
+    records = [TableRecord({
+        "member": m.member.rpartition("-")[2], **{a: format_value(m.axes.get(a)) for a in axes}, "status": m.status,
+        "accuracy": _fmt(m.accuracy), "pass_at_k": _fmt(m.pass_at_k), "reward": _fmt(m.reward),
+        "wall_s": _fmt(m.wall_s, 1), "steps": m.steps, "dagster_run": runs.get(m.member, "")[:8]})
+        for m in members]
+    types = {"accuracy": "float", "pass_at_k": "float", "reward": "float", "wall_s": "float", "steps": "int"}
+    return MetadataValue.table(records, schema=TableSchema([TableColumn(c, types.get(c, "string")) for c in cols]))
+
+
+def _links_md(members, runs: dict[str, str], tracker) -> str:
+    lines = ["| member | axes | Dagster run | MLflow run | checkpoint |", "|---|---|---|---|---|"]
+    for m in members:
+        dagster = f"[{runs[m.member][:8]}](/runs/{runs[m.member]})" if m.member in runs else ""
+        mlflow = f"[{m.mlflow_run_id[:8]}]({tracker.run_url(m.mlflow_run_id)})" if m.mlflow_run_id else ""
+        lines.append(f"| {m.member.rpartition('-')[2]} | {m.label} | {dagster} | {mlflow} | "
+                     f"{'`' + m.checkpoint + '`' if m.checkpoint else ''} |")
+    return "\n".join(lines)

@@ -15,7 +15,7 @@ from dagster import (
     asset_check,
 )
 
-from assets._metadata import upstream
+from assets._metadata import progress_tags, run_metadata, upstream
 from resources import FactoryHomeResource, LakeResource, MlflowResource, SpecResource
 
 
@@ -31,7 +31,7 @@ def sft_checkpoint(context: AssetExecutionContext, spec: SpecResource,
 
     s = spec.spec()
     splits = load_dataset(upstream(context, "arithmetic_dataset")["path"])
-    res = cached_sft_checkpoint(s, home.paths(), splits, log=context.log.info)
+    res = cached_sft_checkpoint(s, home.paths(), splits, log=context.log.info, progress=progress_tags(context))
     return MaterializeResult(
         metadata={"path": MetadataValue.path(str(res.checkpoint.path)), "sha256": res.checkpoint.sha256,
                   "bytes": res.checkpoint.bytes, "accuracy": res.accuracy, "pass_at_k": res.pass_at_k,
@@ -44,23 +44,23 @@ def sft_checkpoint(context: AssetExecutionContext, spec: SpecResource,
        kinds={"pytorch", "iceberg", "mlflow"})
 def grpo_run(context: AssetExecutionContext, spec: SpecResource, home: FactoryHomeResource,
              lake: LakeResource, mlflow: MlflowResource) -> MaterializeResult:
-    """GRPO from the SFT checkpoint; every step lands in Iceberg `steps` and in MLflow."""
-    from factory.experiment import load_dataset, run_curves, run_grpo
-    from factory.plots import markdown_image
+    """GRPO from the SFT checkpoint; every step lands in Iceberg `steps` and in MLflow. While it runs, the run's
+    tags show its step, latest reward and ETA; its curves and evals by step are drawn in the metadata."""
+    from factory.experiment import load_dataset, run_grpo
+    from factory.reports import run_pictures
 
     s = spec.spec()
     splits = load_dataset(upstream(context, "arithmetic_dataset")["path"])
     init = upstream(context, "sft_checkpoint")["path"]
     lk, tracker = lake.lake(), mlflow.tracker()
-    res = run_grpo(s, home.paths(), init, splits, lk, tracker, log=context.log.info)
-    curves = run_curves(lk, tracker, res.run_id, res.mlflow_run_id)
+    res = run_grpo(s, home.paths(), init, splits, lk, tracker, log=context.log.info, progress=progress_tags(context))
+    head, tail = run_metadata(run_pictures(lk, tracker, res.run_id, res.mlflow_run_id), tracker, res.run_id,
+                              res.mlflow_run_id)
     return MaterializeResult(
-        metadata={"curves": MetadataValue.md(markdown_image(curves, f"reward and accuracy of {res.run_id}")),
-                  "run_id": res.run_id, "mlflow_run_id": res.mlflow_run_id,
-                  "checkpoint": MetadataValue.path(str(res.checkpoint.path)), "sha256": res.checkpoint.sha256,
+        metadata={**head, "checkpoint": MetadataValue.path(str(res.checkpoint.path)), "sha256": res.checkpoint.sha256,
                   "steps": res.steps, "start_accuracy": res.start_accuracy,
                   "start_pass_at_k": res.start_pass_at_k, "accuracy": res.final_accuracy,
-                  "seconds": res.seconds},
+                  "seconds": res.seconds, **tail},
         data_version=DataVersion(res.checkpoint.sha256),
     )
 

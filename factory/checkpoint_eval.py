@@ -3,7 +3,9 @@
 A checkpoint is named by its run and step (`checkpoint_key`), as recorded in the `checkpoints` table;
 the run's spec (from `runs`) says how to prompt it and which held-out split is its own. Results land
 in `evals` keyed (run_id, step, benchmark, metric), so evaluating the same checkpoint again
-replaces its rows instead of adding to them.
+replaces its rows instead of adding to them. A training run already scores its final checkpoint on its
+held-out split with the same settings; rows recorded against the same checkpoint digest are reused
+instead of evaluated again.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class CheckpointEval:
     pass_at_k: float | None
     n: int
     sha256: str
+    reused: bool = False  # read back from rows the training run recorded for this checkpoint
 
 
 def evaluate_recorded_checkpoint(paths: FactoryPaths, lake: Lake, run_id: str, step: int,
@@ -72,6 +75,9 @@ def evaluate_recorded_checkpoint(paths: FactoryPaths, lake: Lake, run_id: str, s
     if digest != ckpt["sha256"]:
         raise ValueError(f"checkpoint {checkpoint_key(run_id, step)} at {ckpt['uri']}: files do not match the "
                          f"recorded sha256 {ckpt['sha256'][:12]}... (got {digest[:12]}...); not evaluating it")
+    recorded = _recorded(lake, run_id, step, name, ckpt["sha256"])
+    if recorded is not None:
+        return recorded
     runs = lake.read("runs", EqualTo("run_id", run_id)).to_pylist()
     if not runs:
         raise LookupError(f"no run {run_id!r} in the `runs` table (the checkpoint's spec is unknown)")
@@ -84,6 +90,18 @@ def evaluate_recorded_checkpoint(paths: FactoryPaths, lake: Lake, run_id: str, s
         r["benchmark"] = r["benchmark"].replace(HELD_OUT, name, 1)
     lake.upsert("evals", out)
     return CheckpointEval(run_id, step, name, result.accuracy, result.pass_at_k, result.n, ckpt["sha256"])
+
+
+def _recorded(lake: Lake, run_id: str, step: int, name: str, sha256: str) -> CheckpointEval | None:
+    """The result the training run recorded for this checkpoint (same digest) on `name`, if any."""
+    rows = [r for r in lake.read("evals", And(EqualTo("run_id", run_id), EqualTo("step", step))).to_pylist()
+            if r["benchmark"] == name and r["checkpoint_sha256"] == sha256]
+    acc = next((r for r in rows if r["metric"] == "accuracy"), None)
+    if acc is None:
+        return None
+    passes = [r for r in rows if r["metric"].startswith("pass@")]
+    return CheckpointEval(run_id, step, name, acc["value"], passes[0]["value"] if passes else None, acc["n"], sha256,
+                          reused=True)
 
 
 def _path(uri: str) -> Path:

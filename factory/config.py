@@ -338,6 +338,14 @@ class ExperimentSpec(_Section):
         """Stable short hash of the spec's content (key order and formatting do not matter)."""
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
 
+    def warm_start_fingerprint(self) -> str:
+        """What the SFT warm start depends on (model, task, SFT settings, seed, generation budget): runs that
+        differ only in RL settings share one warm start."""
+        parts = {"model": self.model.model_dump(mode="json"), "task": self.task.model_dump(mode="json"),
+                 "sft": self.sft.model_dump(mode="json"), "seed": self.seed,
+                 "max_new_tokens": self.rollout.max_new_tokens}
+        return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
     def to_json(self) -> str:
         return json.dumps(self.model_dump(mode="json"), sort_keys=True)
 

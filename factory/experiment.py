@@ -6,7 +6,8 @@ Each stage writes its outputs under FACTORY_HOME and its records to Iceberg and 
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -14,7 +15,7 @@ import subprocess
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -23,7 +24,6 @@ import torch
 from pyiceberg.expressions import EqualTo
 
 import factory
-from factory import plots
 from factory.config import ExperimentSpec
 from factory.core.evaluate import EvalResult, evaluate
 from factory.core.loop import StepRecord, train_grpo
@@ -37,9 +37,11 @@ from factory.lake.writer import Lake
 from factory.models.build import build_model
 from factory.models.checkpoint import CheckpointInfo, dir_digest, load_checkpoint, save_checkpoint
 from factory.models.tokenizer import tokenizer_for
+from factory.progress import Progress, format_duration
 from factory.tracking import Tracker
 
 Log = Callable[[str], None]
+Report = Callable[[Progress], None]
 
 
 def _now() -> datetime:
@@ -135,7 +137,7 @@ class SFTResult:
 
 def train_sft_checkpoint(spec: ExperimentSpec, paths: FactoryPaths, splits: Splits, log: Log = print,
                          model=None, tokenizer=None, steps: int | None = None, name: str | None = None,
-                         ) -> SFTResult:
+                         progress: Report | None = None) -> SFTResult:
     """SFT from scratch (or continue `model`), save an atomic checkpoint, evaluate it held-out."""
     set_threads(spec)
     tok = tokenizer or tokenizer_for(spec.task.name)
@@ -147,6 +149,8 @@ def train_sft_checkpoint(spec: ExperimentSpec, paths: FactoryPaths, splits: Spli
     every = max(1, sft.steps // 10)
 
     def on_step(step: int, m: dict[str, float]) -> None:
+        if progress is not None:
+            progress(Progress("sft", step + 1, sft.steps, time.perf_counter() - t0))
         if (step + 1) % every == 0 or step + 1 == sft.steps:
             log(f"sft step {step + 1}/{sft.steps} loss={m['loss']:.4f}")
 
@@ -186,7 +190,7 @@ def new_run_id(spec: ExperimentSpec) -> str:
 def run_grpo(spec: ExperimentSpec, paths: FactoryPaths, init_checkpoint: str | Path, splits: Splits,
              lake: Lake, tracker: Tracker, log: Log = print, run_id: str | None = None,
              sweep_id: str | None = None, flush_every: int = 10, mlflow_experiment: str | None = None,
-             mlflow_parent_run_id: str | None = None) -> RunResult:
+             mlflow_parent_run_id: str | None = None, progress: Report | None = None) -> RunResult:
     """GRPO from `init_checkpoint`; records the run, every step, checkpoints and evals.
 
     A sweep member passes its `sweep_id` and the sweep's MLflow parent run (nested under it, in the
@@ -234,8 +238,11 @@ def run_grpo(spec: ExperimentSpec, paths: FactoryPaths, init_checkpoint: str | P
             pending.append(dict(run_id=run_id, recorded_at=now, **r.to_dict()))
             pending_rollouts.extend(dict(run_id=run_id, step=r.step, recorded_at=now, **s) for s in r.samples)
             tracker.log_metrics(mlflow_id, r.step, {k: v for k, v in r.to_dict().items() if k != "step"})
+            p = Progress("grpo", r.step, spec.schedule.steps, time.perf_counter() - t_loop, r.reward_mean, r.accuracy)
+            if progress is not None:
+                progress(p)
             log(f"step {r.step}/{spec.schedule.steps} reward={r.reward_mean:.3f} acc={r.accuracy:.3f} "
-                f"entropy={r.entropy:.3f} tok/s={r.tokens_per_s:.0f}")
+                f"entropy={r.entropy:.3f} tok/s={r.tokens_per_s:.0f} eta={format_duration(p.eta_s)}")
             if len(pending) >= flush_every:
                 flush()
             sched = spec.schedule
@@ -246,6 +253,7 @@ def run_grpo(spec: ExperimentSpec, paths: FactoryPaths, init_checkpoint: str | P
             if sched.checkpoint_every and r.step % sched.checkpoint_every == 0 and r.step < sched.steps:
                 _record_checkpoint(model, tok, paths, lake, run_id, r.step)
 
+        t_loop = time.perf_counter()
         try:
             records = train_grpo(spec, model, tok, splits.train, on_step=on_step)
         finally:
@@ -362,38 +370,62 @@ def render_report(s: dict) -> str:
 
 
 def sft_fingerprint(spec: ExperimentSpec) -> str:
-    """What the SFT warm start depends on (model, task, SFT settings, seed, generation budget): members of a
-    sweep over RL settings share one SFT checkpoint."""
-    parts = {"model": spec.model.model_dump(mode="json"), "task": spec.task.model_dump(mode="json"),
-             "sft": spec.sft.model_dump(mode="json"), "seed": spec.seed,
-             "max_new_tokens": spec.rollout.max_new_tokens}
-    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+    """What the SFT warm start depends on: members of a sweep over RL settings share one SFT checkpoint."""
+    return spec.warm_start_fingerprint()
 
 
-def cached_sft_checkpoint(spec: ExperimentSpec, paths: FactoryPaths, splits: Splits, log: Log = print) -> SFTResult:
-    """The SFT warm start for `spec`, trained once per `sft_fingerprint` and reused after that."""
-    name = f"sft-{sft_fingerprint(spec)}"
+def warm_start_name(spec: ExperimentSpec) -> str:
+    """The name of `spec`'s shared SFT warm start (its checkpoint directory under checkpoints/)."""
+    return f"sft-{sft_fingerprint(spec)}"
+
+
+def cached_sft_checkpoint(spec: ExperimentSpec, paths: FactoryPaths, splits: Splits, log: Log = print,
+                          progress: Report | None = None) -> SFTResult:
+    """The SFT warm start for `spec`, trained once per `sft_fingerprint` and reused after that.
+
+    Runs that ask for the same warm start at the same time (sweep members, a CLI run beside the UI) take
+    turns on a lock file: one trains it, the others wait and then reuse it."""
+    name = warm_start_name(spec)
     done = paths.checkpoints / f"{name}.result.json"  # beside the checkpoint: its digest covers only the model
-    if done.is_file():
-        r = json.loads(done.read_text())
-        digest, nbytes = dir_digest(paths.checkpoints / name)
-        if digest == r["sha256"]:
-            log(f"sft checkpoint {name}: reused (held-out accuracy {r['accuracy']:.3f})")
-            return SFTResult(CheckpointInfo(paths.checkpoints / name, digest, nbytes), r["accuracy"],
-                             r["pass_at_k"], r["seconds"], r["steps"])
-        log(f"sft checkpoint {name}: contents changed since it was recorded; training it again")
-    res = train_sft_checkpoint(spec, paths, splits, log=log, name=name)
-    # Written last: a crash before this leaves no record, and the next member trains it again.
-    tmp = done.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"sha256": res.checkpoint.sha256, "accuracy": res.accuracy, "pass_at_k": res.pass_at_k,
-                               "seconds": res.seconds, "steps": res.steps}))
-    tmp.rename(done)
-    return res
+    with _exclusive(paths.checkpoints / f"{name}.lock",
+                    on_wait=lambda: log(f"sft checkpoint {name}: another run is training it; waiting for it")):
+        if done.is_file():
+            r = json.loads(done.read_text())
+            digest, nbytes = dir_digest(paths.checkpoints / name)
+            if digest == r["sha256"]:
+                log(f"sft checkpoint {name}: reused (held-out accuracy {r['accuracy']:.3f})")
+                return SFTResult(CheckpointInfo(paths.checkpoints / name, digest, nbytes), r["accuracy"],
+                                 r["pass_at_k"], r["seconds"], r["steps"])
+            log(f"sft checkpoint {name}: contents changed since it was recorded; training it again")
+        res = train_sft_checkpoint(spec, paths, splits, log=log, name=name, progress=progress)
+        # Written last: a crash before this leaves no record, and the next run trains it again.
+        tmp = done.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"sha256": res.checkpoint.sha256, "accuracy": res.accuracy,
+                                   "pass_at_k": res.pass_at_k, "seconds": res.seconds, "steps": res.steps}))
+        tmp.rename(done)
+        return res
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path, on_wait: Callable[[], None]) -> Iterator[None]:
+    """An exclusive lock on `path` (flock: released by the kernel if the holder dies), calling `on_wait`
+    once if another process holds it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            on_wait()
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def run_sweep_member(spec: ExperimentSpec, paths: FactoryPaths, lake: Lake, tracker: Tracker, sweep_id: str,
                      member: str, axes: dict, sweep_name: str, mlflow_parent_run_id: str | None = None,
-                     log: Log = print) -> RunResult:
+                     log: Log = print, progress: Report | None = None) -> RunResult:
     """One sweep member end to end (dataset, shared SFT warm start, GRPO, evals), its `sweeps` row kept current."""
     created = _now()
     row = dict(sweep_id=sweep_id, member=member, name=sweep_name, axes=json.dumps(axes, sort_keys=True),
@@ -401,25 +433,15 @@ def run_sweep_member(spec: ExperimentSpec, paths: FactoryPaths, lake: Lake, trac
     lake.upsert("sweeps", [dict(row, status="running", recorded_at=_now())])
     try:
         splits = load_dataset(build_dataset(spec, paths).path)
-        sft = cached_sft_checkpoint(spec, paths, splits, log=log)
+        sft = cached_sft_checkpoint(spec, paths, splits, log=log, progress=progress)
         res = run_grpo(spec, paths, sft.checkpoint.path, splits, lake, tracker, log=log, sweep_id=sweep_id,
-                       mlflow_experiment=sweep_name, mlflow_parent_run_id=mlflow_parent_run_id)
+                       mlflow_experiment=sweep_name, mlflow_parent_run_id=mlflow_parent_run_id, progress=progress)
     except BaseException:
         lake.upsert("sweeps", [dict(row, status="failed", recorded_at=_now())])
         raise
     lake.upsert("sweeps", [dict(row, status="succeeded", run_id=res.run_id, final_accuracy=res.final_accuracy,
                                 recorded_at=_now())])
     return res
-
-
-def run_curves(lake: Lake, tracker: Tracker | None, run_id: str, mlflow_run_id: str | None = None) -> bytes:
-    """The run's reward / accuracy curves and held-out evals as a PNG, also stored on its MLflow run."""
-    steps = lake.read("steps", EqualTo("run_id", run_id)).to_pylist()
-    evals = lake.read("evals", EqualTo("run_id", run_id)).to_pylist()
-    png = plots.run_curves_png(steps, evals, title=run_id)
-    if tracker is not None and mlflow_run_id:
-        tracker.log_png(mlflow_run_id, "plots/curves.png", png)
-    return png
 
 
 def run_experiment(spec: ExperimentSpec, paths: FactoryPaths, control: bool = False,

@@ -28,6 +28,9 @@ from matplotlib.lines import Line2D
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 WIDTH_IN, HEIGHT_IN, DPI = 6.4, 3.6, 100  # 640 x 360 px: readable in the Dagster sidebar, ~30 KB
+# Pictures drawn inside the Dagster UI's metadata table: 480 x 270 px (a sweep overlay 600 x 360) fit its value
+# column beside the key and timestamp columns on a laptop screen; the same figure, every element scaled.
+INLINE_DPI = 75
 # The sweep overlay has two panels and a legend of up to a few dozen members: 800 x 480 px.
 SWEEP_WIDTH_IN, SWEEP_HEIGHT_IN = 8.0, 4.8
 # A numeric axis whose positive values span at least this ratio (two decades) is drawn on a log
@@ -50,7 +53,7 @@ _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "h")
 # -- run curves -----------------------------------------------------------------------------------
 
 
-def run_curves_png(steps: list[dict], evals: list[dict] | None = None, title: str = "") -> bytes:
+def run_curves_png(steps: list[dict], evals: list[dict] | None = None, title: str = "", dpi: int = DPI) -> bytes:
     """One run's training curves and held-out evals in one panel, x = step.
 
     reward_mean (solid, blue) and training-sample accuracy (dashed, orange, hollow markers) from
@@ -60,7 +63,7 @@ def run_curves_png(steps: list[dict], evals: list[dict] | None = None, title: st
     benchmarks with a '/' are per-slice breakdowns and are left out) is one line with markers per
     benchmark, joined only within that benchmark. ValueError when there is nothing to draw or the
     rows name more than one run."""
-    return _png(_run_curves_figure(steps, evals, title))
+    return _png(_run_curves_figure(steps, evals, title), dpi)
 
 
 def _run_curves_figure(steps: list[dict], evals: list[dict] | None = None, title: str = "") -> Figure:
@@ -106,6 +109,7 @@ def evals_over_steps_png(
     title: str = "",
     metric: str = "accuracy",
     benchmarks: Sequence[str] | None = None,
+    dpi: int = DPI,
 ) -> bytes:
     """`metric` of one run's held-out evals by training step: one line with markers per benchmark.
 
@@ -113,7 +117,7 @@ def evals_over_steps_png(
     benchmarks with a '/', are left out); with it, exactly those benchmarks (a slice named there is
     drawn). The y-axis is the fixed [0, 1] frame when every value lies in it. ValueError when the
     rows come from more than one run (a line never joins two runs) or nothing is left to draw."""
-    return _png(_evals_over_steps_figure(evals, title, metric, benchmarks))
+    return _png(_evals_over_steps_figure(evals, title, metric, benchmarks), dpi)
 
 
 def _evals_over_steps_figure(
@@ -157,7 +161,7 @@ def _evals_over_steps_figure(
 # -- sweep curves ---------------------------------------------------------------------------------
 
 
-def sweep_curves_png(members: list[dict], title: str = "", benchmark: str | None = None) -> bytes:
+def sweep_curves_png(members: list[dict], title: str = "", benchmark: str | None = None, dpi: int = DPI) -> bytes:
     """The members of a sweep overlaid, each one run given as {"label", "steps", "evals"} (rows of
     the `steps` and `evals` tables). Left panel: train reward_mean by step; right panel: held-out
     accuracy by step on `benchmark`, or when None on the whole benchmark (no '/') that most members
@@ -165,7 +169,7 @@ def sweep_curves_png(members: list[dict], title: str = "", benchmark: str | None
     colors, then the next linestyle), in the order given; the legend sits below the panels.
     Members with no rows for a panel are left out of it; ValueError when neither panel has
     anything, or a member's rows name more than one run. SWEEP_WIDTH_IN x SWEEP_HEIGHT_IN inches."""
-    return _png(_sweep_curves_figure(members, title, benchmark))
+    return _png(_sweep_curves_figure(members, title, benchmark), dpi)
 
 
 def _sweep_curves_figure(members: list[dict], title: str = "", benchmark: str | None = None) -> Figure:
@@ -229,6 +233,7 @@ def sweep_summary_png(
     metric: str = "final_accuracy",
     group_by: list[str] | None = None,
     title: str = "",
+    dpi: int = DPI,
 ) -> bytes:
     """`metric` against the sweep axis `axis` (a dotted spec field name, a key of each member dict).
     Without `group_by`: every member as a point plus a line through the mean per axis value; with
@@ -236,7 +241,7 @@ def sweep_summary_png(
     a log scale by `axis_scale` (two decades or more, or a learning-rate-like name); other axes are
     categories. Members whose metric is None (failed or unfinished) are skipped; ValueError when
     none is left."""
-    return _png(_sweep_summary_figure(members, axis, metric, group_by, title))
+    return _png(_sweep_summary_figure(members, axis, metric, group_by, title), dpi)
 
 
 def _sweep_summary_figure(
@@ -440,11 +445,11 @@ def _markevery(n: int) -> int:
     return max(1, n // 20)  # about twenty markers, however long the run
 
 
-def _png(fig: Figure) -> bytes:
+def _png(fig: Figure, dpi: int = DPI) -> bytes:
     buf = io.BytesIO()
     # Software=None drops matplotlib's version string; Agg writes no timestamp for PNG, so equal
     # figures give equal bytes.
-    fig.savefig(buf, format="png", dpi=DPI, metadata={"Software": None})
+    fig.savefig(buf, format="png", dpi=dpi, metadata={"Software": None})
     return buf.getvalue()
 
 

@@ -9,9 +9,10 @@ lines name the axis (and the member's values). `write_sweep` stores the plan und
 FACTORY_HOME/sweeps/<sweep_id>/ (atomically: a temp directory renamed into place) and
 `read_member` gives a member's spec back to whatever trains it.
 
-Concurrency is enforced by Dagster's run queue, not here: each member carries a lane tag
-(`lane_tag`), and the instance allows one run per lane (see `dagster_instance_yaml`), so a sweep
-with `max_concurrent: N` spreads its members over N lanes and never runs more than N at once.
+Members that share an SFT warm start (`ExperimentSpec.warm_start_fingerprint`) name it in the plan
+(`Member.warm_start`), and its spec is stored once under FACTORY_HOME/warm_starts/, so the warm start
+is trained once and the members wait for it. How many members run at once is decided by whatever
+launches them (jobs/sweeps.py); `axis_tags` and `member_label` say which member is which.
 """
 
 from __future__ import annotations
@@ -28,14 +29,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 from factory.config import ExperimentSpec, SpecError, apply_overrides, load_spec, parse_spec
 from factory.home import FactoryPaths
 
-LANE_TAG = "factory/lane"  # the run-queue tag with one slot per value (dagster_instance_yaml)
-SWEEP_TAG, MEMBER_TAG = "factory/sweep_id", "factory/member"
+SWEEP_TAG, MEMBER_TAG, WARM_START_TAG = "factory/sweep_id", "factory/member", "factory/warm_start"
+AXIS_TAG_PREFIX = "axis/"  # one run tag per axis: axis/algorithm.lr = 0.0003
 MAX_MEMBERS = 1024
 
 
@@ -45,6 +45,10 @@ class SweepError(ValueError):
     def __init__(self, errors: list[str]):
         self.errors = errors
         super().__init__("invalid sweep (nothing was launched):\n" + "\n".join(f"  {e}" for e in errors))
+
+    def one_line(self) -> str:
+        """The problems on one line, as a launch error (the UI shows it without a wall of text)."""
+        return "invalid sweep (nothing was launched): " + "; ".join(self.errors)
 
 
 class SweepDefinition(BaseModel):
@@ -59,8 +63,9 @@ class SweepDefinition(BaseModel):
     axes: dict[str, list[Any]] = Field(default_factory=dict, description="spec field path -> values")
     mode: Literal["grid", "random"] = "grid"
     samples: int | None = Field(None, ge=1, description="random mode: how many members (default: all)")
-    seed: int = Field(0, description="random mode: which members are drawn")
-    max_concurrent: int = Field(2, ge=1, le=64, description="members running at once (run-queue lanes)")
+    draw_seed: int = Field(0, description="random mode: which members are drawn (not the training seed: sweep "
+                           "that as the axis `seed`)")
+    max_concurrent: int = Field(2, ge=1, le=64, description="members of this sweep running at once")
 
 
 @dataclass(frozen=True)
@@ -69,7 +74,7 @@ class Member:
     index: int
     values: dict[str, Any]  # this member's value on every axis
     spec: ExperimentSpec
-    lane: str  # run-queue lane tag value
+    warm_start: str  # name of the shared SFT warm start this member starts from (sft-<fingerprint>)
 
 
 @dataclass(frozen=True)
@@ -79,9 +84,12 @@ class SweepPlan:
     base: ExperimentSpec
     members: list[Member]
 
-    def tags(self, member: Member) -> dict[str, str]:
-        """Dagster run tags of a member's run."""
-        return {SWEEP_TAG: self.sweep_id, MEMBER_TAG: member.key, LANE_TAG: member.lane}
+    def warm_starts(self) -> dict[str, ExperimentSpec]:
+        """Each distinct warm start of the sweep with the spec of its first member (all agree on what it needs)."""
+        out: dict[str, ExperimentSpec] = {}
+        for m in self.members:
+            out.setdefault(m.warm_start, m.spec)
+        return out
 
 
 def _slug(name: str) -> str:
@@ -100,7 +108,7 @@ def _base(defn: SweepDefinition) -> ExperimentSpec:
         return apply_overrides(base, defn.overrides) if defn.overrides else base
     except SpecError as e:
         where = "base_inline" if defn.base_inline is not None else f"base_spec {defn.base_spec}"
-        raise SweepError([f"{where}: {line}" for line in e.errors]) from None
+        raise SweepError([f"{where}: {line.removeprefix('<file>: ')}" for line in e.errors]) from None
 
 
 def _combinations(defn: SweepDefinition) -> list[dict[str, Any]]:
@@ -116,7 +124,7 @@ def _combinations(defn: SweepDefinition) -> list[dict[str, Any]]:
     n = min(defn.samples or total, total)
     if n > MAX_MEMBERS:
         raise SweepError([f"samples: {n} members, more than {MAX_MEMBERS}"])
-    rng = random.Random(defn.seed)
+    rng = random.Random(defn.draw_seed)
     # Draw grid indices without repeats, decoding each into one value per axis (no full grid in memory).
     picks = rng.sample(range(total), n) if total <= 10**7 else list(dict.fromkeys(
         rng.randrange(total) for _ in range(4 * n)))[:n]
@@ -157,7 +165,7 @@ def plan_sweep(defn: SweepDefinition, sweep_id: str | None = None) -> SweepPlan:
             errors += [f"axes {values}: {line}" for line in e.errors]
             continue
         members.append(Member(key=f"{sweep_id}-m{i:03d}", index=i, values=values, spec=spec,
-                              lane=f"{sweep_id}-l{i % defn.max_concurrent}"))
+                              warm_start=f"sft-{spec.warm_start_fingerprint()}"))
     if errors:
         raise SweepError(errors)
     return SweepPlan(sweep_id, defn, base, members)
@@ -178,7 +186,8 @@ def write_sweep(plan: SweepPlan, paths: FactoryPaths, extra: dict[str, Any] | No
     (tmp / "members").mkdir(parents=True)
     (tmp / "sweep.json").write_text(json.dumps({
         "sweep_id": plan.sweep_id, "definition": plan.definition.model_dump(mode="json"),
-        "members": [{"key": m.key, "index": m.index, "values": m.values, "lane": m.lane} for m in plan.members],
+        "members": [{"key": m.key, "index": m.index, "values": m.values, "warm_start": m.warm_start}
+                    for m in plan.members],
         **(extra or {}),
     }, indent=2, sort_keys=True))
     for m in plan.members:
@@ -213,19 +222,75 @@ def read_member(paths: FactoryPaths, member_key: str) -> tuple[ExperimentSpec, d
     return spec, member["values"]
 
 
-def dagster_instance_yaml(max_concurrent_runs: int = 8) -> str:
-    """The Dagster instance settings Factory needs: a run queue with one run per sweep lane."""
-    return yaml.safe_dump({
-        "telemetry": {"enabled": False},
-        "run_coordinator": {
-            "module": "dagster.core.run_coordinator",
-            "class": "QueuedRunCoordinator",
-            "config": {
-                "max_concurrent_runs": max_concurrent_runs,
-                "dequeue_interval_seconds": 1,  # a queued member starts within a second of a free lane
-                "tag_concurrency_limits": [
-                    {"key": LANE_TAG, "value": {"applyLimitPerUniqueValue": True}, "limit": 1},
-                ],
-            },
-        },
-    }, sort_keys=False)
+def format_value(v: Any) -> str:
+    """An axis value as people write it: 0.0003, 1e-05, 8, true, [2, 3]."""
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, float):
+        return repr(v)
+    return v if isinstance(v, str) else json.dumps(v)
+
+
+def member_label(values: dict[str, Any]) -> str:
+    """`algorithm.lr=0.0003 seed=0`: a member told apart by its axis values."""
+    return " ".join(f"{k}={format_value(v)}" for k, v in values.items())
+
+
+def axis_tags(values: dict[str, Any]) -> dict[str, str]:
+    """Run tags naming a member's axis values (`axis/algorithm.lr: 0.0003`), cut to Dagster's 63 characters."""
+    return {f"{AXIS_TAG_PREFIX}{k}"[:70]: format_value(v)[:63] for k, v in values.items()}
+
+
+def warm_start_path(paths: FactoryPaths, name: str) -> Path:
+    return paths.root / "warm_starts" / f"{name}.yaml"
+
+
+def write_warm_start_spec(paths: FactoryPaths, name: str, spec: ExperimentSpec) -> Path:
+    """Store the spec a warm start is trained from (once: an existing one describes the same warm start)."""
+    path = warm_start_path(paths, name)
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp.write_text(spec.to_yaml())
+        os.replace(tmp, path)
+    return path
+
+
+def read_warm_start_spec(paths: FactoryPaths, name: str) -> ExperimentSpec:
+    path = warm_start_path(paths, name)
+    if not path.is_file():
+        raise FileNotFoundError(f"no warm start {name!r}: {path} does not exist (a sweep writes it when planned)")
+    return load_spec(path)
+
+
+@dataclass(frozen=True)
+class Launches:
+    warm_starts: list[str]  # warm starts to train now
+    members: list[str]  # member keys to start now
+    finished: bool  # every member has been started (nothing more to launch for this sweep)
+
+
+def next_launches(members: list[dict[str, Any]], started: set[str], warm_state: dict[str, str], in_flight: int,
+                  max_concurrent: int) -> Launches:
+    """What a sweep may start now without more than `max_concurrent` of its runs in flight.
+
+    `members` are the plan's (`key`, `warm_start`) in order; `started` the member keys already launched;
+    `warm_state` per warm start: "ready" (materialized), "running", "failed" (ended without one) or "none";
+    `in_flight` the sweep's runs (members and warm starts) queued or running. A warm start counts against the
+    limit while it trains; its members wait for it, and start after it fails too (they then report the
+    failure themselves rather than hang the sweep)."""
+    free = max_concurrent - in_flight
+    state = dict(warm_state)
+    warm, start = [], []
+    for m in members:
+        if m["key"] in started:
+            continue
+        ws = state.get(m["warm_start"], "none")
+        if ws == "none" and free > 0:
+            warm.append(m["warm_start"])
+            state[m["warm_start"]] = "running"
+            free -= 1
+        elif ws in ("ready", "failed") and free > 0:
+            start.append(m["key"])
+            free -= 1
+    return Launches(warm, start, finished=len(started) + len(start) == len(members))

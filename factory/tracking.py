@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import posixpath
 import re
 import tempfile
 import time
+import urllib.parse
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -32,6 +34,13 @@ from mlflow.utils.validation import (
 from factory.home import FactoryPaths, factory_home
 
 RunStatus = Literal["FINISHED", "FAILED", "KILLED"]
+DEFAULT_UI_URL = "http://127.0.0.1:5000"  # where `make ui` serves the MLflow UI
+
+
+def ui_url() -> str:
+    """The MLflow UI's address as a browser reaches it ($FACTORY_MLFLOW_UI, default 127.0.0.1:5000): links and
+    inline pictures in the Dagster UI point there."""
+    return os.environ.get("FACTORY_MLFLOW_UI", DEFAULT_UI_URL).rstrip("/")
 
 # MLflow names may hold word characters and / . - : and space; anything else becomes '_'.
 _BAD_NAME_CHARS = re.compile(r"[^\w./\- :]")
@@ -134,6 +143,16 @@ class Tracker:
     def get_run(self, run_id: str) -> Run:
         return self.client.get_run(run_id)
 
+    def run_url(self, run_id: str) -> str:
+        """The run's page in the MLflow UI (`ui_url()`)."""
+        return f"{ui_url()}/#/experiments/{self.client.get_run(run_id).info.experiment_id}/runs/{run_id}"
+
+    @staticmethod
+    def artifact_url(run_id: str, artifact_path: str) -> str:
+        """An artifact's bytes as the MLflow UI serves them (an <img> source for a PNG logged with log_png)."""
+        query = urllib.parse.urlencode({"path": artifact_path, "run_uuid": run_id})
+        return f"{ui_url()}/get-artifact?{query}"
+
     def metric_history(self, run_id: str, key: str) -> list[tuple[int, float]]:
         """(step, value) pairs of metric `key`, by step (the last value logged wins within a step)."""
         by_step: dict[int, tuple[int, float]] = {}
@@ -192,4 +211,4 @@ def _dir_name(experiment: str) -> str:
     return re.sub(r"[^\w.\-]", "_", experiment) or "default"
 
 
-__all__ = ["Tracker", "flatten_params", "RunStatus"]
+__all__ = ["Tracker", "flatten_params", "RunStatus", "ui_url"]

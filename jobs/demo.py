@@ -9,7 +9,6 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,18 +19,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from factory.home import factory_home
+    from factory.ops.instance import ensure_instance_yaml
 
     paths = factory_home()
     os.environ.setdefault("DAGSTER_HOME", str(paths.dagster_home))
-    dagster_yaml = Path(os.environ["DAGSTER_HOME"]) / "dagster.yaml"
-    if not dagster_yaml.exists():  # an explicit instance config; nothing leaves this machine
-        dagster_yaml.parent.mkdir(parents=True, exist_ok=True)
-        dagster_yaml.write_text("telemetry:\n  enabled: false\n")
+    # The same instance settings as `make ui` and the tests (factory/ops/instance.py); an existing file keeps
+    # what it sets and gains what it lacks.
+    for change in ensure_instance_yaml(os.environ["DAGSTER_HOME"]):
+        print(change)
 
     from dagster import DagsterInstance
 
     from factory.experiment import eval_summary, render_report
     from factory.lake.writer import Lake
+    from factory.ops.cockpit import cockpit_urls
     from jobs import defs, make_resources
 
     job = defs.resolve_job_def("quickstart")
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"records under {paths.root}:")
     print("  .venv/bin/factory runs            # Iceberg `runs`")
     print(f"  .venv/bin/factory query \"SELECT step, reward_mean, accuracy FROM steps WHERE run_id = '{run_id}'\"")
-    print("  make ui                           # Dagster UI at http://127.0.0.1:3000")
+    print(f"  make ui                           # Dagster UI: {cockpit_urls()['quickstart']}")
     print(f"  .venv/bin/mlflow ui --backend-store-uri sqlite:///{paths.mlflow_db}")
     return 0
 

@@ -1,22 +1,18 @@
-"""Periodic evals: a sensor that evaluates every checkpoint as it lands, and a schedule that catches up.
+"""Periodic evals: a sensor that evaluates every checkpoint as it lands, and a schedule that retries.
 
-Both read the `checkpoints` table, register new checkpoints as partitions of `checkpoint_eval`, and
-request one run per (checkpoint, benchmark) not yet evaluated. The sensor reacts within its interval;
-the schedule (cron from $FACTORY_EVAL_CRON, default hourly) evaluates whatever the sensor missed
-(it was stopped, a run failed, a benchmark was added).
+Both read the `checkpoints` table and request runs of `checkpoint_eval` (checkpoint x benchmark) that are
+still owed, oldest checkpoint first, never more than the eval limit in flight (`jobs/_queue.py`: the
+instance's `factory/queue: eval` limit, default 1): catch-up work after a start or a sweep is spread over
+later ticks instead of starting at once. The sensor launches each partition once; the schedule (cron from
+$FACTORY_EVAL_CRON, default hourly) retries those whose run failed or was canceled.
 """
 
-import json
 import os
 
 from dagster import (
-    AssetKey,
-    DagsterRunStatus,
     DefaultScheduleStatus,
     DefaultSensorStatus,
-    MultiPartitionKey,
     RunRequest,
-    RunsFilter,
     ScheduleEvaluationContext,
     SensorEvaluationContext,
     SensorResult,
@@ -26,64 +22,38 @@ from dagster import (
 )
 
 from assets.evals import checkpoint_eval, checkpoints
-from factory.checkpoint_eval import checkpoint_key, parse_checkpoint_key
-from factory.envs.benchmarks import applicable_benchmarks
+from jobs._queue import EVAL_TAGS, OwedEval, free_eval_slots, owed_evals
 from resources import LakeResource
 
-checkpoint_eval_job = define_asset_job("checkpoint_eval_job", selection=[checkpoint_eval],
+checkpoint_eval_job = define_asset_job("checkpoint_eval_job", selection=[checkpoint_eval], tags=EVAL_TAGS,
                                        description="Evaluate one checkpoint on one benchmark.")
 EVAL_CRON = os.environ.get("FACTORY_EVAL_CRON", "0 * * * *")
-_ACTIVE = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING,
-           DagsterRunStatus.STARTED]
 
 
-def _partition(ckpt: str, benchmark: str) -> MultiPartitionKey:
-    return MultiPartitionKey({"checkpoint": ckpt, "benchmark": benchmark})
-
-
-def _task_names(lake) -> dict[str, str]:
-    """run_id -> task family, from each run's spec (a run of another family is not scored on arithmetic suites)."""
-    rows = lake.read("runs").select(["run_id", "spec"]).to_pylist()
-    return {r["run_id"]: json.loads(r["spec"]).get("task", {}).get("name", "arithmetic") for r in rows}
-
-
-def _requests(keys: list[str], skip: set[str], tasks: dict[str, str]) -> list[RunRequest]:
-    out = []
-    for k in keys:
-        for b in applicable_benchmarks(tasks.get(parse_checkpoint_key(k)[0], "arithmetic")):
-            pk = _partition(k, b)
-            if str(pk) not in skip:
-                out.append(RunRequest(run_key=f"eval-{pk}", partition_key=pk, tags={"factory/checkpoint": k}))
-    return out
+def _request(e: OwedEval, run_key: str | None) -> RunRequest:
+    return RunRequest(run_key=run_key, partition_key=e.partition,
+                      tags={**EVAL_TAGS, "factory/checkpoint": e.checkpoint})
 
 
 @sensor(job=checkpoint_eval_job, minimum_interval_seconds=15, default_status=DefaultSensorStatus.RUNNING,
-        description="Evaluates each checkpoint on every benchmark as soon as it is recorded.")
+        description="Evaluates each checkpoint on every benchmark once it is recorded, within the eval limit.")
 def new_checkpoint_evals(context: SensorEvaluationContext, lake: LakeResource) -> SensorResult:
-    since = context.cursor or ""
-    rows = lake.lake().read("checkpoints").select(["run_id", "step", "recorded_at"]).to_pylist()
-    new = sorted((r["recorded_at"].isoformat(), checkpoint_key(r["run_id"], r["step"])) for r in rows
-                 if r["recorded_at"].isoformat() > since)
-    if not new:
-        return SensorResult(run_requests=[], cursor=since)
-    keys = list(dict.fromkeys(k for _, k in new))
+    lk = lake.lake()
+    owed = owed_evals(context.instance, lk, checkpoint_eval_job.name)
     known = set(context.instance.get_dynamic_partitions(checkpoints.name))
-    add = [k for k in keys if k not in known]
-    return SensorResult(run_requests=_requests(keys, set(), _task_names(lake.lake())),
-                        dynamic_partitions_requests=[checkpoints.build_add_request(add)] if add else [],
-                        cursor=new[-1][0])
+    add = list(dict.fromkeys(e.checkpoint for e in owed if e.checkpoint not in known))
+    todo = [e for e in owed if not e.attempted][:free_eval_slots(context.instance)]
+    return SensorResult(run_requests=[_request(e, f"eval-{e.partition}") for e in todo],
+                        dynamic_partitions_requests=[checkpoints.build_add_request(add)] if add else [])
 
 
 @schedule(job=checkpoint_eval_job, cron_schedule=EVAL_CRON, default_status=DefaultScheduleStatus.RUNNING,
-          description="Evaluates every recorded checkpoint x benchmark not evaluated yet (cron: $FACTORY_EVAL_CRON).")
+          description="Retries evals whose run failed (cron: $FACTORY_EVAL_CRON), within the eval limit.")
 def eval_schedule(context: ScheduleEvaluationContext, lake: LakeResource) -> list[RunRequest]:
-    rows = lake.lake().read("checkpoints").select(["run_id", "step"]).to_pylist()
-    keys = sorted({checkpoint_key(r["run_id"], r["step"]) for r in rows})
+    owed = owed_evals(context.instance, lake.lake(), checkpoint_eval_job.name)
     known = set(context.instance.get_dynamic_partitions(checkpoints.name))
-    missing = [k for k in keys if k not in known]
+    missing = list(dict.fromkeys(e.checkpoint for e in owed if e.checkpoint not in known))
     if missing:  # schedules cannot return partition requests; register them directly
         context.instance.add_dynamic_partitions(checkpoints.name, missing)
-    done = {str(k) for k in context.instance.get_materialized_partitions(AssetKey("checkpoint_eval"))}
-    active = {r.dagster_run.tags.get("dagster/partition") for r in context.instance.get_run_records(
-        RunsFilter(job_name=checkpoint_eval_job.name, statuses=_ACTIVE))}
-    return _requests(keys, done | {a for a in active if a}, _task_names(lake.lake()))
+    todo = [e for e in owed if not e.running][:free_eval_slots(context.instance)]
+    return [_request(e, None) for e in todo]

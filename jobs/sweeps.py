@@ -1,24 +1,33 @@
 """The `sweep` job (launched from the launchpad) and the sensors that run its members and summarize it.
 
-`sweep` validates every member spec first; a bad axis fails the run with the axis named and nothing is
-written or launched. A valid sweep is written under FACTORY_HOME/sweeps/<sweep_id>/, its members become
-partitions of `sweep_member_run`, one `sweeps` row each (queued) and an MLflow parent run. The
-`sweep_launcher` sensor then queues one run per member (tags: sweep id, member, lane); the run queue's
-lane limit keeps at most `max_concurrent` of a sweep running. `sweep_summarizer` materializes the
-sweep's summary once every member has ended.
+`sweep` validates every member spec first; a bad axis or base spec fails the run with a one-line error
+and nothing is written or launched. It also refuses to start when nothing could launch its members under
+their limit (no daemon running sensors, or `sweep_launcher` stopped). A valid sweep is written under
+FACTORY_HOME/sweeps/<sweep_id>/, its members become partitions of `sweep_member_run` and its warm starts
+partitions of `sweep_warm_start`, one `sweeps` row each (queued) and an MLflow parent run.
+
+`sweep_launcher` then starts what the limit allows (`factory.sweep.next_launches`): each shared SFT warm
+start first, once, and the members that need it after it, never more than `max_concurrent` of the sweep's
+runs in flight, whatever the instance's run queue says. Member runs carry their axis values as tags
+(`axis/algorithm.lr: 0.0003`). `sweep_summarizer` materializes the summary once every member has ended
+and the evals of their checkpoints are done (or have waited `FACTORY_SUMMARY_EVAL_WAIT_S`, default 600 s).
 """
 
 import json
+import os
+import time
 from datetime import UTC, datetime
 from typing import Any, Literal
 
 from dagster import (
+    AssetKey,
     Config,
     DefaultSensorStatus,
     Failure,
     MetadataValue,
     OpExecutionContext,
     RunRequest,
+    RunsFilter,
     SensorEvaluationContext,
     SensorResult,
     define_asset_job,
@@ -27,33 +36,64 @@ from dagster import (
     op,
     sensor,
 )
+from dagster._core.definitions.selector import InstigatorSelector
+from dagster._core.scheduler.instigation import InstigatorStatus
 from pydantic import Field
 
-from assets.sweeps import sweep_member_run, sweep_members, sweep_summary, sweeps
+from assets.sweeps import sweep_member_run, sweep_members, sweep_summary, sweep_warm_start, sweeps, warm_starts
 from factory.config import SpecError, parse_overrides
-from factory.sweep import SweepDefinition, SweepError, plan_sweep, read_sweep, sweep_dir, write_sweep
+from factory.sweep import (
+    MEMBER_TAG,
+    SWEEP_TAG,
+    WARM_START_TAG,
+    SweepDefinition,
+    SweepError,
+    axis_tags,
+    next_launches,
+    plan_sweep,
+    read_sweep,
+    sweep_dir,
+    write_sweep,
+    write_warm_start_spec,
+)
+from jobs._queue import EVAL_TAGS, IN_FLIGHT, in_flight, owed_evals
+from jobs.evals import checkpoint_eval_job
 from resources import FactoryHomeResource, LakeResource, MlflowResource
 
+KIND_TAG = "factory/kind"
+sweep_warm_start_job = define_asset_job("sweep_warm_start_job", selection=[sweep_warm_start],
+                                        description="A warm start shared by sweep members (queued by sweep_launcher).")
 sweep_member_job = define_asset_job("sweep_member_job", selection=[sweep_member_run],
                                     description="One sweep member's training run (queued by sweep_launcher).")
-sweep_summary_job = define_asset_job("sweep_summary_job", selection=[sweep_summary],
+sweep_summary_job = define_asset_job("sweep_summary_job", selection=[sweep_summary], tags=EVAL_TAGS,
                                      description="A finished sweep's summary (queued by sweep_summarizer).")
+DAEMON_STALE_S = 120.0  # a sensor daemon silent this long is not running (it heartbeats every ~30 s)
+SUMMARY_EVAL_WAIT_S = float(os.environ.get("FACTORY_SUMMARY_EVAL_WAIT_S", "600"))
+
+# What the launchpad opens with: a sweep that runs as it stands (two learning rates on the quickstart, 100
+# GRPO steps each, one member at a time; a few minutes on a laptop CPU).
+EXAMPLE_SWEEP: dict[str, Any] = {
+    "name": "lr-sweep", "base_spec": "examples/quickstart.yaml", "overrides": ["schedule.steps=100"],
+    "axes": {"algorithm.lr": [1.0e-4, 3.0e-4]}, "mode": "grid", "max_concurrent": 1,
+}
 
 
 class SweepConfig(Config):
     """A sweep: a base spec, axes over its fields, grid or random. Every member is validated before any launches."""
 
     name: str = Field("sweep", description="names the sweep and its MLflow parent run")
-    base_spec: str = Field("examples/quickstart.yaml", description="path of the base spec (YAML)")
+    base_spec: str = Field("examples/quickstart.yaml", description="path of the base spec (YAML), relative to the "
+                           "repository root")
     base_inline: dict[str, Any] | None = Field(None, description="the base spec inline (replaces base_spec)")
     overrides: list[str] = Field(default_factory=list,
                                  description="path=value (YAML value) for every member, e.g. 'schedule.steps=50'")
     axes: dict[str, list[Any]] = Field(
-        default_factory=dict, description="field path -> values, e.g. {'algorithm.lr': [1e-5, 3e-5], 'seed': [0, 1]}")
+        description="spec field path -> the values to sweep, e.g. {'algorithm.lr': [1.0e-4, 3.0e-4], 'seed': [0, 1]} "
+                    "(the training seed is the axis `seed`)")
     mode: Literal["grid", "random"] = Field("grid", description="grid: every combination; random: `samples` of them")
     samples: int | None = Field(None, description="random mode: how many members (default: all)")
-    seed: int = Field(0, description="random mode: which members are drawn")
-    max_concurrent: int = Field(2, description="members of this sweep running at once")
+    draw_seed: int = Field(0, description="random mode: which combinations are drawn (not the training seed)")
+    max_concurrent: int = Field(2, description="runs of this sweep (members and shared warm starts) at once")
 
 
 @op(description="Validate every member, then record the sweep and queue its members (through the sensor).")
@@ -63,8 +103,12 @@ def plan_and_queue_sweep(context: OpExecutionContext, config: SweepConfig, home:
         fields = config.model_dump()
         fields["overrides"] = parse_overrides(config.overrides)
         plan = plan_sweep(SweepDefinition(**fields))
-    except (SweepError, SpecError, ValueError) as e:
-        raise Failure(description=str(e), metadata={"nothing_launched": True}) from e
+    except SweepError as e:
+        raise Failure(description=e.one_line(), metadata={"nothing_launched": True}, allow_retries=False) from None
+    except (SpecError, ValueError) as e:
+        message = "invalid sweep (nothing was launched): " + "; ".join(str(e).splitlines())
+        raise Failure(description=message, metadata={"nothing_launched": True}, allow_retries=False) from None
+    _require_launcher(context)
     paths = home.paths()
     tracker = mlflow.tracker()
     parent = tracker.start_run(experiment=config.name, run_name=plan.sweep_id,
@@ -75,26 +119,54 @@ def plan_and_queue_sweep(context: OpExecutionContext, config: SweepConfig, home:
                                        axes=json.dumps(m.values, sort_keys=True), spec=m.spec.to_json(),
                                        status="queued", mlflow_parent_run_id=parent, created_at=now, recorded_at=now)
                                   for m in plan.members])
+    for name, spec in plan.warm_starts().items():
+        write_warm_start_spec(paths, name, spec)
+    context.instance.add_dynamic_partitions(warm_starts.name, list(plan.warm_starts()))
     context.instance.add_dynamic_partitions(sweep_members.name, [m.key for m in plan.members])
     context.instance.add_dynamic_partitions(sweeps.name, [plan.sweep_id])
     # Last: the stored plan is what the launcher sensor reacts to, so its partitions must exist by then.
     write_sweep(plan, paths, extra={"mlflow_parent_run_id": parent})
     context.add_output_metadata({"sweep_id": plan.sweep_id, "members": len(plan.members),
-                                 "max_concurrent": config.max_concurrent, "mlflow_parent_run_id": parent,
-                                 "members_table": MetadataValue.md(_members_md(plan))})
-    context.log.info(f"sweep {plan.sweep_id}: {len(plan.members)} members queued, {config.max_concurrent} at a time")
+                                 "warm_starts": len(plan.warm_starts()), "max_concurrent": config.max_concurrent,
+                                 "mlflow_parent_run_id": parent, "members_table": MetadataValue.md(_members_md(plan))})
+    context.log.info(f"sweep {plan.sweep_id}: {len(plan.members)} members and {len(plan.warm_starts())} warm "
+                     f"start(s) queued, {config.max_concurrent} run(s) at a time")
     return {"sweep_id": plan.sweep_id, "members": [m.key for m in plan.members]}
+
+
+def _require_launcher(context: OpExecutionContext) -> None:
+    """Refuse a sweep whose members would not be launched under their limit: the limit is the launcher
+    sensor's, so a daemon must be running sensors on this instance and `sweep_launcher` must not be stopped."""
+    beat = context.instance.get_daemon_heartbeats().get("SENSOR")
+    if beat is None or time.time() - beat.timestamp > DAEMON_STALE_S:
+        raise Failure(description="sweep refused (nothing was launched): no dagster daemon is running sensors on "
+                      "this instance, so nothing would start its members under max_concurrent; start Factory "
+                      "with `make ui` (or `dagster dev`) and launch again", metadata={"nothing_launched": True},
+                      allow_retries=False)
+    origin = context.dagster_run.remote_job_origin
+    if origin is None:  # executed in process (tests, scripts): no code location to look the sensor up in
+        return
+    repo = origin.repository_origin
+    selector = InstigatorSelector(location_name=repo.code_location_origin.location_name,
+                                  repository_name=repo.repository_name, name="sweep_launcher")
+    state = context.instance.get_instigator_state(repo.get_instigator_origin("sweep_launcher").get_id(),
+                                                  selector.get_id())
+    if state is not None and state.status == InstigatorStatus.STOPPED:
+        raise Failure(description="sweep refused (nothing was launched): the sweep_launcher sensor is stopped, so "
+                      "nothing would start its members under max_concurrent; turn it on under Automation and launch "
+                      "again", metadata={"nothing_launched": True}, allow_retries=False)
 
 
 def _members_md(plan) -> str:
     axes = list(plan.definition.axes)
-    head = "| member | " + " | ".join(axes) + " |\n|---|" + "---|" * len(axes)
-    return head + "\n" + "\n".join(f"| {m.key} | " + " | ".join(str(m.values[a]) for a in axes) + " |"
-                                   for m in plan.members)
+    head = "| member | " + " | ".join(axes) + " | warm start |\n|---|" + "---|" * (len(axes) + 1)
+    return head + "\n" + "\n".join(f"| {m.key} | " + " | ".join(str(m.values[a]) for a in axes) +
+                                   f" | {m.warm_start} |" for m in plan.members)
 
 
 @job(description="Launch a sweep: a base spec and axes over its fields; members run as their own runs.",
-     tags={"factory/kind": "sweep"}, executor_def=in_process_executor)  # one op: no step process to start
+     tags={KIND_TAG: "sweep"}, executor_def=in_process_executor,  # one op: no step process to start
+     config={"ops": {"plan_and_queue_sweep": {"config": EXAMPLE_SWEEP}}})
 def sweep():
     plan_and_queue_sweep()
 
@@ -104,42 +176,76 @@ def _sweep_ids(home: FactoryHomeResource) -> list[str]:
     return sorted(p.name for p in root.iterdir() if (p / "sweep.json").is_file()) if root.is_dir() else []
 
 
-@sensor(job=sweep_member_job, minimum_interval_seconds=1, default_status=DefaultSensorStatus.RUNNING,
-        description="Queues one run per member of each new sweep; the run queue's lanes cap its concurrency.")
+def _warm_state(context: SensorEvaluationContext, names: set[str]) -> dict[str, str]:
+    ready = set(context.instance.get_materialized_partitions(AssetKey("sweep_warm_start")))
+    state = {}
+    for name in names:
+        if name in ready:
+            state[name] = "ready"
+            continue
+        last = context.instance.get_runs(RunsFilter(tags={WARM_START_TAG: name}), limit=1)
+        state[name] = "none" if not last else "running" if last[0].status in IN_FLIGHT else "failed"
+    return state
+
+
+@sensor(jobs=[sweep_warm_start_job, sweep_member_job], minimum_interval_seconds=1,
+        default_status=DefaultSensorStatus.RUNNING,
+        description="Starts each sweep's shared warm starts, then its members, at most max_concurrent runs at once.")
 def sweep_launcher(context: SensorEvaluationContext, home: FactoryHomeResource) -> SensorResult:
-    launched = set(json.loads(context.cursor)) if context.cursor else set()
+    finished = set(json.loads(context.cursor)) if context.cursor else set()
     requests = []
     for sweep_id in _sweep_ids(home):
-        if sweep_id in launched:
+        if sweep_id in finished:
             continue
         info = read_sweep(home.paths(), sweep_id)
-        # run_key = member key: Dagster never launches the same key twice, even if the cursor is lost.
-        requests += [RunRequest(run_key=m["key"], partition_key=m["key"],
-                                tags={"factory/sweep_id": sweep_id, "factory/member": m["key"],
-                                      "factory/lane": m["lane"]}) for m in info["members"]]
-        launched.add(sweep_id)
-    return SensorResult(run_requests=requests, cursor=json.dumps(sorted(launched)))
+        members = info["members"]
+        runs = context.instance.get_runs(RunsFilter(tags={SWEEP_TAG: sweep_id}))
+        started = {r.tags[MEMBER_TAG] for r in runs if MEMBER_TAG in r.tags}
+        launch = next_launches(members, started, _warm_state(context, {m["warm_start"] for m in members}),
+                               in_flight=sum(r.status in IN_FLIGHT for r in runs),
+                               max_concurrent=info["definition"]["max_concurrent"])
+        requests += [RunRequest(job_name=sweep_warm_start_job.name, run_key=f"{sweep_id}-{ws}", partition_key=ws,
+                                tags={SWEEP_TAG: sweep_id, WARM_START_TAG: ws, KIND_TAG: "warm_start"})
+                     for ws in launch.warm_starts]
+        by_key = {m["key"]: m for m in members}
+        # run_key = member key: Dagster never launches the same key twice, even if state is lost.
+        requests += [RunRequest(job_name=sweep_member_job.name, run_key=key, partition_key=key,
+                                tags={SWEEP_TAG: sweep_id, MEMBER_TAG: key, KIND_TAG: "sweep_member",
+                                      **axis_tags(by_key[key]["values"])}) for key in launch.members]
+        if launch.finished:
+            finished.add(sweep_id)
+    return SensorResult(run_requests=requests, cursor=json.dumps(sorted(finished)))
 
 
 @sensor(job=sweep_summary_job, minimum_interval_seconds=10, default_status=DefaultSensorStatus.RUNNING,
-        description="Summarizes a sweep once every member has succeeded or failed.")
+        description="Summarizes a sweep once every member has ended and its checkpoints' evals are done.")
 def sweep_summarizer(context: SensorEvaluationContext, home: FactoryHomeResource,
                      lake: LakeResource) -> SensorResult:
     done = set(json.loads(context.cursor)) if context.cursor else set()
     pending = [s for s in _sweep_ids(home) if s not in done]
     if not pending:
         return SensorResult(run_requests=[], cursor=json.dumps(sorted(done)))
-    rows = lake.lake().read("sweeps").select(["sweep_id", "status"]).to_pylist()
+    lk = lake.lake()
+    rows = lk.read("sweeps").select(["sweep_id", "status", "run_id", "recorded_at"]).to_pylist()
     requests = []
     for sweep_id in pending:
-        statuses = [r["status"] for r in rows if r["sweep_id"] == sweep_id]
+        mine = [r for r in rows if r["sweep_id"] == sweep_id]
         n = len(read_sweep(home.paths(), sweep_id)["members"])
-        if len(statuses) == n and all(s in ("succeeded", "failed") for s in statuses):
-            requests.append(RunRequest(run_key=f"summary-{sweep_id}", partition_key=sweep_id,
-                                       tags={"factory/sweep_id": sweep_id}))
-            done.add(sweep_id)
+        if len(mine) != n or not all(r["status"] in ("succeeded", "failed") for r in mine):
+            continue
+        # Not beside its members' evals (they share one limit), and after them: the summary plots them.
+        if in_flight(context.instance, EVAL_TAGS):
+            continue
+        ended = max(r["recorded_at"] for r in mine)
+        waited = (datetime.now(UTC) - ended).total_seconds()
+        owed = owed_evals(context.instance, lk, checkpoint_eval_job.name, {r["run_id"] for r in mine if r["run_id"]})
+        if any(not e.attempted for e in owed) and waited < SUMMARY_EVAL_WAIT_S:
+            continue
+        requests.append(RunRequest(run_key=f"summary-{sweep_id}", partition_key=sweep_id,
+                                   tags={SWEEP_TAG: sweep_id, **EVAL_TAGS}))
+        done.add(sweep_id)
     return SensorResult(run_requests=requests, cursor=json.dumps(sorted(done)))
 
 
-__all__ = ["SweepConfig", "sweep", "sweep_dir", "sweep_launcher", "sweep_member_job", "sweep_summarizer",
-           "sweep_summary_job"]
+__all__ = ["EXAMPLE_SWEEP", "SweepConfig", "sweep", "sweep_dir", "sweep_launcher", "sweep_member_job",
+           "sweep_summarizer", "sweep_summary_job", "sweep_warm_start_job"]

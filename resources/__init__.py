@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from dagster import ConfigurableResource
+from pydantic import Field
 
 from factory.config import ExperimentSpec, apply_overrides, load_spec, parse_overrides
 from factory.home import FactoryPaths, factory_home
@@ -15,9 +16,10 @@ if TYPE_CHECKING:  # imported when used: the code location loads without pyicebe
 
 
 class FactoryHomeResource(ConfigurableResource):
-    """Where all state lives; empty `root` means $FACTORY_HOME, else ./.factory."""
+    """Where all state lives: the Iceberg lake, MLflow, checkpoints, sweeps (FACTORY_HOME)."""
 
-    root: str = ""
+    root: str = Field("", description="FACTORY_HOME directory; leave empty for $FACTORY_HOME, else ./.factory "
+                      "(what `make demo` and `make ui` use)")
 
     def paths(self) -> FactoryPaths:
         return factory_home(self.root or None)

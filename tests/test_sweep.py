@@ -5,22 +5,26 @@ from pathlib import Path
 import pytest
 
 from factory.sweep import (
-    LANE_TAG,
     SweepDefinition,
     SweepError,
-    dagster_instance_yaml,
+    axis_tags,
+    format_value,
+    member_label,
+    next_launches,
     plan_sweep,
     read_member,
     read_sweep,
+    read_warm_start_spec,
     sweep_dir,
     sweep_id_of,
     write_sweep,
+    write_warm_start_spec,
 )
 
 BASE = str(Path(__file__).parents[1] / "examples" / "quickstart.yaml")
 
 
-def test_grid_expands_every_combination_with_lanes_and_names():
+def test_grid_expands_every_combination_with_names_and_shared_warm_starts():
     axes = {"algorithm.lr": [1e-5, 3e-5], "algorithm.group_size": [4, 8], "seed": [0, 1]}
     plan = plan_sweep(SweepDefinition(name="LR sweep", base_spec=BASE, max_concurrent=3, axes=axes))
     assert len(plan.members) == 8
@@ -29,12 +33,15 @@ def test_grid_expands_every_combination_with_lanes_and_names():
     assert {(m.spec.algorithm.lr, m.spec.algorithm.group_size, m.spec.seed) for m in plan.members} == {
         (lr, g, s) for lr in (1e-5, 3e-5) for g in (4, 8) for s in (0, 1)}
     assert all(m.spec.name == f"lr-sweep-m{m.index:03d}" for m in plan.members)
-    assert len({m.lane for m in plan.members}) == 3  # max_concurrent lanes, one run each at a time
-    assert plan.tags(plan.members[0])[LANE_TAG] == plan.members[0].lane
+    # lr and group size are RL settings: members that differ only in them share a warm start; seeds do not
+    assert len(plan.warm_starts()) == 2
+    assert {m.warm_start for m in plan.members if m.spec.seed == 0} != {m.warm_start for m in plan.members
+                                                                       if m.spec.seed == 1}
+    assert all(m.warm_start == f"sft-{m.spec.warm_start_fingerprint()}" for m in plan.members)
 
 
 def test_random_mode_draws_distinct_members_reproducibly():
-    defn = SweepDefinition(base_spec=BASE, mode="random", samples=5, seed=7,
+    defn = SweepDefinition(base_spec=BASE, mode="random", samples=5, draw_seed=7,
                            axes={"algorithm.lr": [1e-5, 2e-5, 3e-5, 5e-5], "seed": [0, 1, 2]})
     a, b = plan_sweep(defn, sweep_id="s"), plan_sweep(defn, sweep_id="s")
     values = [tuple(m.values.values()) for m in a.members]
@@ -58,8 +65,10 @@ def test_a_bad_axis_is_named_and_nothing_is_planned(axes, named):
 
 
 def test_a_bad_base_spec_is_named():
-    with pytest.raises(SweepError, match="base_spec nope.yaml: <file>: no such spec file"):
+    with pytest.raises(SweepError, match="base_spec nope.yaml: no such spec file") as e:
         plan_sweep(SweepDefinition(base_spec="nope.yaml", axes={"seed": [0]}))
+    assert e.value.one_line() == ("invalid sweep (nothing was launched): base_spec nope.yaml: no such spec file: "
+                                  "nope.yaml")
     with pytest.raises(SweepError, match="base_inline: .*model.preset"):
         plan_sweep(SweepDefinition(base_inline={"model": {"preset": "huge"}}, axes={"seed": [0]}))
 
@@ -82,10 +91,42 @@ def test_written_plan_reads_back_and_is_never_overwritten(factory_home):
         sweep_id_of("run-123")
 
 
-def test_instance_yaml_limits_each_lane_to_one_run():
-    import yaml
+def test_warm_start_specs_are_written_once_and_read_back(factory_home):
+    plan = plan_sweep(SweepDefinition(base_spec=BASE, axes={"algorithm.lr": [1e-4, 3e-4]}))
+    ((name, spec),) = plan.warm_starts().items()
+    path = write_warm_start_spec(factory_home, name, spec)
+    assert read_warm_start_spec(factory_home, name).warm_start_fingerprint() == spec.warm_start_fingerprint()
+    other = plan.members[1].spec  # same warm start, another lr: the stored spec is kept
+    assert write_warm_start_spec(factory_home, name, other) == path and read_warm_start_spec(factory_home, name) == spec
+    with pytest.raises(FileNotFoundError, match="no warm start 'sft-x'"):
+        read_warm_start_spec(factory_home, "sft-x")
 
-    cfg = yaml.safe_load(dagster_instance_yaml(4))["run_coordinator"]["config"]
-    assert cfg["max_concurrent_runs"] == 4
-    assert cfg["tag_concurrency_limits"] == [{"key": LANE_TAG, "value": {"applyLimitPerUniqueValue": True},
-                                              "limit": 1}]
+
+def test_members_are_told_apart_by_their_axis_values():
+    values = {"algorithm.lr": 3e-4, "seed": 0, "sft.stop_at_accuracy": None, "algorithm.name": "grpo",
+              "schedule.exact": True}
+    assert member_label(values) == "algorithm.lr=0.0003 seed=0 sft.stop_at_accuracy=null algorithm.name=grpo " \
+                                   "schedule.exact=true"
+    assert axis_tags({"algorithm.lr": 1e-5, "seed": 1}) == {"axis/algorithm.lr": "1e-05", "axis/seed": "1"}
+    assert format_value([2, 3]) == "[2, 3]"
+
+
+MEMBERS = [{"key": f"m{i}", "warm_start": "sft-a" if i < 3 else "sft-b"} for i in range(4)]
+
+
+def test_next_launches_trains_a_warm_start_first_and_holds_the_limit():
+    # nothing started: one warm start takes the only slot, its members wait
+    first = next_launches(MEMBERS, set(), {}, in_flight=0, max_concurrent=1)
+    assert (first.warm_starts, first.members, first.finished) == (["sft-a"], [], False)
+    # while it trains, nothing more (the slot is taken)
+    assert next_launches(MEMBERS, set(), {"sft-a": "running"}, 1, 1).warm_starts == []
+    # with two slots, the other warm start trains beside it; sft-a's members still wait
+    two = next_launches(MEMBERS, set(), {"sft-a": "running"}, 1, 2)
+    assert (two.warm_starts, two.members) == (["sft-b"], [])
+    # ready: members in order, as many as the free slots
+    ready = next_launches(MEMBERS, set(), {"sft-a": "ready", "sft-b": "running"}, 1, 3)
+    assert ready.members == ["m0", "m1"] and not ready.finished
+    # a failed warm start does not hang the sweep: its members start (and report the failure themselves)
+    last = next_launches(MEMBERS, {"m0", "m1", "m2"}, {"sft-a": "ready", "sft-b": "failed"}, 0, 2)
+    assert last.members == ["m3"] and last.finished
+    assert next_launches(MEMBERS, {"m0", "m1", "m2", "m3"}, {}, 0, 1).finished

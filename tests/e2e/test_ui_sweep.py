@@ -1,22 +1,33 @@
-"""Browser test: the Dagster UI launches a 2-member sweep, and the run queue runs its members one at a time.
+"""Browser test: what a new user does after `make demo`: open the UI, launch a 2-member sweep from the launchpad.
 
-Starts `dagster dev` on 127.0.0.1 with a temp FACTORY_HOME and DAGSTER_HOME (the instance settings of
-`factory.sweep.dagster_instance_yaml`: a run queue with one run per sweep lane), drives Debian's chromium
-with Playwright to the sweep job's launchpad, enters the sweep's config, clicks Launch Run, and waits
-(bounded) for the sweep run and both member runs to succeed. On failure a screenshot and the server log
-are kept under test-artifacts/e2e/. Skipped where chromium or playwright is missing, unless
-FACTORY_REQUIRE_BROWSER=1 (CI sets it: there, a missing browser is a failure).
+Starts from what `make demo` leaves behind (`python -m jobs.demo`, tiny overrides, in a temp FACTORY_HOME: its
+instance settings, a quickstart run, a recorded checkpoint), then the cockpit of `make ui` (dagster dev and the
+MLflow UI, factory/ops/cockpit.py), and drives Debian's chromium with Playwright:
+
+- the sweep launchpad opens with a working example (real axes, no unexplained resource config);
+- a sweep with `max_concurrent: 1` over two learning rates (one shared SFT warm start) is launched with Launch Run;
+- asserted from the run storage: never two of the sweep's runs at once, the warm start trained by one run
+  (one materialization) before any member started, member runs tagged with their axis values, never two
+  evals (or an eval and the summary) at once, the summary after every eval, the check of every evaluated
+  checkpoint shown as evaluated;
+- the quickstart graph opens expanded; the sweep summary and a member's pictures are drawn in place (their
+  images load from the MLflow UI). Screenshots of both go to test-artifacts/e2e/ on every run.
+
+Skipped where chromium or playwright is missing, unless FACTORY_REQUIRE_BROWSER=1 (CI sets it: there, a
+missing browser is a failure).
 """
 
 import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from factory.ops.dagster_dev import dagster_dev
+from factory.ops.cockpit import cockpit, cockpit_urls
 
 ROOT = Path(__file__).parents[2]
 CHROMIUM = "/usr/bin/chromium"
@@ -27,9 +38,13 @@ SWEEP_YAML = "\n".join([
     "ops:", "  plan_and_queue_sweep:", "    config:", "      name: e2e",
     f"      base_spec: {ROOT / 'examples' / 'quickstart.yaml'}",
     "      overrides: [" + ", ".join(TINY) + "]",
-    "      axes:", "        seed: [0, 1]", "      max_concurrent: 1", ""])
+    "      axes:", "        algorithm.lr: [1.0e-3, 3.0e-3]", "      max_concurrent: 1", ""])
 RUNS_QUERY = """query($job: String!) { runsOrError(filter: {pipelineName: $job}) {
   ... on Runs { results { runId status startTime endTime tags { key value } } } } }"""
+CHECK_QUERY = """{ assetNodes(assetKeys: [{path: ["checkpoint_eval"]}]) { assetChecksOrError { ... on AssetChecks {
+  checks { name executionForLatestMaterialization { status } } } } } }"""
+MATERIALIZATIONS = """query($key: [String!]!) { assetOrError(assetKey: {path: $key}) { ... on Asset {
+  assetMaterializations(limit: 50) { runId partition } } } }"""
 
 
 def _require_browser():
@@ -46,16 +61,26 @@ def _require_browser():
 
 
 @pytest.fixture
-def dagster_ui(tmp_path):
+def after_demo(tmp_path):
+    """`make demo`'s state (its entry point, tiny settings) and `make ui`'s cockpit on it."""
     _require_browser()
-    with dagster_dev(tmp_path / "factory-home", max_concurrent_runs=4) as ui:
-        yield ui.url, ui.log_path
+    home = tmp_path / "factory-home"
+    env = dict(os.environ, FACTORY_HOME=str(home), DAGSTER_HOME=str(home / "dagster"))
+    demo = subprocess.run([sys.executable, "-m", "jobs.demo", *[a for o in TINY for a in ("--set", o)]], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert demo.returncode == 0, demo.stdout[-3000:] + demo.stderr[-3000:]
+    with cockpit(home) as (dagster, mlflow):
+        yield dagster.url, mlflow.url, dagster.log_path
+
+
+def gql(url: str, query: str, variables: dict | None = None) -> dict:
+    r = httpx.post(f"{url}/graphql", json={"query": query, "variables": variables or {}}, timeout=30)
+    r.raise_for_status()
+    return r.json()["data"]
 
 
 def _runs(url: str, job: str) -> list[dict]:
-    r = httpx.post(f"{url}/graphql", json={"query": RUNS_QUERY, "variables": {"job": job}}, timeout=30)
-    r.raise_for_status()
-    return r.json()["data"]["runsOrError"]["results"]
+    return gql(url, RUNS_QUERY, {"job": job})["runsOrError"]["results"]
 
 
 def _wait_for(url: str, job: str, n: int, timeout_s: float) -> list[dict]:
@@ -68,6 +93,16 @@ def _wait_for(url: str, job: str, n: int, timeout_s: float) -> list[dict]:
             return runs
         assert time.monotonic() < deadline, f"{job}: {n} successful runs not seen in {timeout_s:.0f} s: {runs}"
         time.sleep(1.0)  # polling the server, bounded by the deadline
+
+
+def _tags(run: dict) -> dict[str, str]:
+    return {t["key"]: t["value"] for t in run["tags"]}
+
+
+def _never_overlap(runs: list[dict]) -> None:
+    ordered = sorted(runs, key=lambda r: r["startTime"])
+    for a, b in zip(ordered, ordered[1:], strict=False):
+        assert a["endTime"] <= b["startTime"], f"runs overlapped: {a} and {b}"
 
 
 def _dismiss_newsletter(page) -> None:
@@ -83,19 +118,33 @@ def _dismiss_newsletter(page) -> None:
     skip.wait_for(state="hidden", timeout=10_000)
 
 
-def test_launch_a_two_member_sweep_from_the_launchpad(dagster_ui):
+def _images_loaded(page, mlflow_url: str, n: int) -> list[int]:
+    """Widths of the page's images served by the MLflow UI, once `n` of them have loaded (bounded wait)."""
+    page.wait_for_function(
+        "([u, n]) => Array.from(document.images).filter(i => i.src.startsWith(u) && i.complete && "
+        "i.naturalWidth > 0).length >= n", arg=[mlflow_url, n], timeout=60_000)
+    return page.evaluate("u => Array.from(document.images).filter(i => i.src.startsWith(u)).map(i => i.naturalWidth)",
+                         mlflow_url)
+
+
+def test_a_sweep_from_the_launchpad_after_make_demo(after_demo):
     from playwright.sync_api import expect, sync_playwright
 
-    url, log = dagster_ui
+    url, mlflow_url, log = after_demo
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=[
             "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
             "--disable-sync", "--no-first-run"])
-        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
         try:
-            page.goto(f"{url}/locations/factory/jobs/sweep/playground", timeout=120_000)
+            page.goto(cockpit_urls(url)["sweep_launchpad"], timeout=120_000)
             page.wait_for_selector(".CodeMirror", timeout=120_000)
             _dismiss_newsletter(page)
+            # The launchpad opens with a sweep that would run as it stands.
+            prefilled = page.evaluate("() => document.querySelector('.CodeMirror').CodeMirror.getValue()")
+            assert "axes:" in prefilled and "algorithm.lr:" in prefilled, prefilled
+            assert "root: ''" not in prefilled and "seed:" not in prefilled, prefilled
+            page.get_by_text("No errors").wait_for(timeout=30_000)
             # The launchpad's editor is CodeMirror 5: set the text through its API (typing would auto-indent).
             page.evaluate("yaml => document.querySelector('.CodeMirror').CodeMirror.setValue(yaml)", SWEEP_YAML)
             page.get_by_text("No errors").wait_for(timeout=30_000)  # the launchpad validated the config
@@ -106,14 +155,45 @@ def test_launch_a_two_member_sweep_from_the_launchpad(dagster_ui):
 
             (plan,) = _wait_for(url, "sweep", 1, timeout_s=180)
             members = _wait_for(url, "sweep_member_job", 2, timeout_s=600)
-            tags = [{t["key"]: t["value"] for t in r["tags"]} for r in members]
-            assert {t["factory/sweep_id"] for t in tags} == {tags[0]["factory/sweep_id"]}
-            assert len({t["factory/member"] for t in tags}) == 2 and len({t["factory/lane"] for t in tags}) == 1
-            # max_concurrent 1: the queue ran one member after the other
-            first, second = sorted(members, key=lambda r: r["startTime"])
-            assert first["endTime"] <= second["startTime"], members
+            (warm,) = _wait_for(url, "sweep_warm_start_job", 1, timeout_s=60)
+            summary = _wait_for(url, "sweep_summary_job", 1, timeout_s=600)
+            evals = _wait_for(url, "checkpoint_eval_job", 6, timeout_s=60)  # the demo's checkpoint + 2 members'
+
+            # 1. max_concurrent 1: the warm start, then one member after the other, never two at once.
+            _never_overlap([warm, *members])
+            assert warm["endTime"] <= min(m["startTime"] for m in members)
+            # 2. one SFT warm start, materialized once, shared by both members.
+            mats = gql(url, MATERIALIZATIONS, {"key": ["sweep_warm_start"]})["assetOrError"]["assetMaterializations"]
+            assert [m["runId"] for m in mats] == [warm["runId"]]
+            # 8. member runs carry their axis values.
+            assert sorted(_tags(m)["axis/algorithm.lr"] for m in members) == ["0.001", "0.003"]
+            # 3. evals one at a time, the summary after them.
+            _never_overlap([*evals, *summary])
+            assert summary[0]["startTime"] >= max(e["endTime"] for e in evals)
+            # 4. the regression check shows its latest execution, not "Not evaluated".
+            (check,) = gql(url, CHECK_QUERY)["assetNodes"][0]["assetChecksOrError"]["checks"]
+            assert check["executionForLatestMaterialization"]["status"] in ("SUCCEEDED", "FAILED")
+
+            # 7. the quickstart's graph opens expanded: its assets are drawn, not folded into groups.
+            page.goto(cockpit_urls(url)["quickstart"], timeout=60_000)
+            # (folded, the graph shows only the group names; the nodes far right may be virtualized out of view)
+            page.get_by_text("sft_checkpoint", exact=True).first.wait_for(timeout=60_000)
+            expect(page.get_by_text("arithmetic_dataset", exact=True).first).to_be_visible()
+            # 8. the runs list tells members apart.
             page.goto(f"{url}/runs", timeout=60_000)
-            page.get_by_text("sweep_member_job").first.wait_for(timeout=60_000)  # the UI lists them
+            page.get_by_text("axis/algorithm.lr: 0.003").first.wait_for(timeout=60_000)
+
+            # 9-11. the summary and a member's pictures, drawn in place from the MLflow UI.
+            ARTIFACTS.mkdir(parents=True, exist_ok=True)
+            page.set_viewport_size({"width": 1600, "height": 2600})  # the pages scroll inside; show them whole
+            sweep_id = _tags(members[0])["factory/sweep_id"]
+            page.goto(f"{url}/assets/sweep_summary?partition={sweep_id}", timeout=60_000)
+            widths = _images_loaded(page, mlflow_url, 3)  # overlays per benchmark + accuracy vs lr
+            assert all(w in (480, 600) for w in widths), widths  # the inline sizes (plots.INLINE_DPI)
+            page.screenshot(path=str(ARTIFACTS / "sweep_summary.png"), full_page=True)
+            page.goto(f"{url}/assets/sweep_member_run", timeout=60_000)
+            assert _images_loaded(page, mlflow_url, 2)  # curves and held-out accuracy by step
+            page.screenshot(path=str(ARTIFACTS / "member_evals_by_step.png"), full_page=True)
         except BaseException:
             ARTIFACTS.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(ARTIFACTS / "failure.png"), full_page=True)

@@ -29,21 +29,23 @@ def materialized(tmp_path_factory):
         result = materialize([*QUICKSTART_ASSETS, *ALL_CHECKS], resources=make_resources(SPEC, TINY, str(home)),
                              instance=instance)
         assert result.success
-        yield result, home
+        yield result, home, instance.get_run_by_id(result.run_id).tags
 
 
 def test_definitions_load():
     assert defs.resolve_job_def("quickstart") is not None
     assert {k.to_user_string() for k in defs.resolve_all_asset_keys()} == {
-        "arithmetic_dataset", "sft_checkpoint", "grpo_run", "sft_control", "eval_report", "sweep_member_run",
-        "sweep_summary", "checkpoint_eval"}
+        "arithmetic_dataset", "sft_checkpoint", "grpo_run", "sft_control", "eval_report", "sweep_warm_start",
+        "sweep_member_run", "sweep_summary", "checkpoint_eval"}
 
 
 def test_iceberg_records(materialized):
-    result, home = materialized
+    result, home, _ = materialized
     md = result.asset_materializations_for_node("grpo_run")[0].metadata
     run_id = md["run_id"].value
-    assert "data:image/png;base64," in md["curves"].value  # the picture shows in the UI
+    # the pictures: drawn in place (a short image link the MLflow UI serves), and embedded one click away
+    assert len(md["curves"].value) < 1000 and len(md["evals"].value) < 1000
+    assert md["pictures"].value.count("data:image/png;base64,") == 2
     from factory.home import factory_home
 
     lake = Lake.open(factory_home(home))
@@ -64,13 +66,19 @@ def test_iceberg_records(materialized):
     assert AutoModelForCausalLM.from_pretrained(ckpt["uri"]).config.model_type == "qwen2"
 
 
+def test_progress_was_shown_on_the_run(materialized):
+    _, _, tags = materialized
+    # the last report of each stage that ran: the run's tags end with GRPO's final step
+    assert tags["factory/progress"] == "grpo 3/3" and tags["factory/eta"] == "0s" and "factory/reward" in tags
+
+
 def test_mlflow_run(materialized):
-    result, home = materialized
+    result, home, _ = materialized
     md = result.asset_materializations_for_node("grpo_run")[0].metadata
     from factory.home import factory_home
 
     tracker = Tracker(factory_home(home))
-    run = tracker.get_run(md["mlflow_run_id"].value)
+    run = tracker.get_run(md["mlflow_run_id"].value.rpartition("/runs/")[2])  # the metadata is a link into MLflow
     assert run.info.status == "FINISHED"
     assert run.data.tags["factory.run_id"] == md["run_id"].value
     assert run.data.params["algorithm.group_size"] == "4"
@@ -78,7 +86,7 @@ def test_mlflow_run(materialized):
 
 
 def test_report_and_check(materialized):
-    result, _ = materialized
+    result, _, _ = materialized
     report = result.asset_materializations_for_node("eval_report")[0].metadata
     assert "held-out accuracy" in report["report"].value
     (check,) = result.get_asset_check_evaluations()
@@ -88,7 +96,7 @@ def test_report_and_check(materialized):
 
 
 def test_rematerializing_unchanged_inputs_reuses_the_sft_checkpoint(materialized):
-    result, home = materialized
+    result, home, _ = materialized
     first = result.asset_materializations_for_node("sft_checkpoint")[0]
     with DagsterInstance.ephemeral() as instance:
         again = materialize(QUICKSTART_ASSETS[:2], resources=make_resources(SPEC, TINY, str(home)),

@@ -1,10 +1,23 @@
-"""Periodic evals: the new-checkpoint sensor, the catch-up schedule, and the regression check, with real
-checkpoints, real evaluations and real Dagster materializations in a temp instance."""
+"""Periodic evals: the new-checkpoint sensor within the eval limit, the retrying schedule, the regression check
+per checkpoint x benchmark, and the lineage from training to evals, with real checkpoints, real evaluations and
+real Dagster materializations in a temp instance."""
 
+import asyncio
 from datetime import UTC, datetime
 
 import pytest
-from dagster import MultiPartitionKey, build_schedule_context, build_sensor_context, instance_for_test, materialize
+from dagster import (
+    AssetCheckKey,
+    AssetKey,
+    DagsterRunStatus,
+    MultiPartitionKey,
+    build_schedule_context,
+    build_sensor_context,
+    instance_for_test,
+    materialize,
+)
+from dagster._core.loader import LoadingContextForTest
+from dagster._core.test_utils import create_run_for_test
 
 from assets.evals import checkpoint_eval, checkpoints
 from factory.checkpoint_eval import checkpoint_key, parse_checkpoint_key
@@ -16,7 +29,7 @@ from factory.models.checkpoint import save_checkpoint
 from factory.models.tokenizer import build_tokenizer
 from factory.tracking import Tracker
 from jobs.evals import eval_schedule, new_checkpoint_evals
-from resources import FactoryHomeResource, LakeResource
+from resources import FactoryHomeResource, LakeResource, MlflowResource
 
 # Two-digit additions written least-significant digit first: a micro model learns some in 600 SFT steps.
 SPEC = {"seed": 0, "name": "evals", "model": {"preset": "micro"},
@@ -30,7 +43,7 @@ SPEC = {"seed": 0, "name": "evals", "model": {"preset": "micro"},
 
 def resources(home) -> dict:
     h = FactoryHomeResource(root=str(home.root))
-    return {"home": h, "lake": LakeResource(home=h)}
+    return {"home": h, "lake": LakeResource(home=h), "mlflow": MlflowResource(home=h)}
 
 
 @pytest.fixture(scope="module")
@@ -58,20 +71,44 @@ def test_checkpoint_keys_round_trip():
         parse_checkpoint_key("run-without-step")
 
 
-def test_sensor_schedule_and_regression_check(recorded):
+def _sensor(instance, home):
+    with build_sensor_context(instance=instance, resources=resources(home)) as ctx:
+        return new_checkpoint_evals(ctx)
+
+
+def test_the_sensor_spreads_evals_within_the_limit(recorded):
     home, run_id = recorded
     keys = [checkpoint_key(run_id, s) for s in (1, 2, 3)]
     with instance_for_test() as instance:
-        # the sensor: every new checkpoint x benchmark, partitions registered, nothing twice
-        with build_sensor_context(instance=instance, resources=resources(home)) as ctx:
-            res = new_checkpoint_evals(ctx)
-        assert res.dynamic_partitions_requests[0].partition_keys == keys
-        want = [MultiPartitionKey({"checkpoint": k, "benchmark": b}) for k in keys for b in ("heldout", "carry_chains")]
-        assert sorted(str(r.partition_key) for r in res.run_requests) == sorted(map(str, want))
-        with build_sensor_context(instance=instance, resources=resources(home), cursor=res.cursor) as ctx:
-            assert new_checkpoint_evals(ctx).run_requests == []
+        first = _sensor(instance, home)
+        assert first.dynamic_partitions_requests[0].partition_keys == keys  # every checkpoint registered at once
+        (req,) = first.run_requests  # ...but one eval at a time (the default limit): the oldest checkpoint first
+        assert req.partition_key == MultiPartitionKey({"checkpoint": keys[0], "benchmark": "heldout"})
+        assert req.tags["factory/queue"] == "eval"
         instance.add_dynamic_partitions(checkpoints.name, keys)
+        busy = create_run_for_test(instance, job_name="checkpoint_eval_job", status=DagsterRunStatus.STARTED,
+                                   tags={**req.tags, "dagster/partition": str(req.partition_key)})
+        assert _sensor(instance, home).run_requests == []  # the slot is taken
+        instance.report_run_canceled(busy)
+        nxt = _sensor(instance, home).run_requests  # the canceled one is not relaunched by the sensor...
+        assert [str(r.partition_key) for r in nxt] == [str(MultiPartitionKey({"checkpoint": keys[0],
+                                                                                "benchmark": "carry_chains"}))]
+        with build_schedule_context(instance=instance, resources=resources(home)) as ctx:
+            retry = eval_schedule(ctx)  # ...the schedule retries it
+        assert [str(r.partition_key) for r in retry] == [str(req.partition_key)]
 
+    # An operator's limit in dagster.yaml: three at once.
+    limits = {"concurrency": {"runs": {"tag_concurrency_limits": [
+        {"key": "factory/queue", "value": "eval", "limit": 3}]}}}
+    with instance_for_test(overrides=limits) as instance:
+        assert len(_sensor(instance, home).run_requests) == 3
+
+
+def test_regression_check_per_checkpoint_and_benchmark(recorded):
+    home, run_id = recorded
+    keys = [checkpoint_key(run_id, s) for s in (1, 2, 3)]
+    with instance_for_test() as instance:
+        instance.add_dynamic_partitions(checkpoints.name, keys)
         checks = {}
         for k in keys:
             pk = MultiPartitionKey({"checkpoint": k, "benchmark": "heldout"})
@@ -80,26 +117,66 @@ def test_sensor_schedule_and_regression_check(recorded):
             assert r.success  # a failed check does not fail the run; it is recorded on the asset
             (ev,) = r.get_asset_check_evaluations()
             checks[parse_checkpoint_key(k)[1]] = ev
-        assert checks[1].passed and checks[1].metadata["previous_step"].value == -1  # nothing before it
-        assert checks[2].passed and checks[2].metadata["previous_step"].value == 1
+            md = r.asset_materializations_for_node("checkpoint_eval")[0].metadata
+            assert md["step"].value == str(parse_checkpoint_key(k)[1])  # text: not plotted across partitions
+        assert checks[1].passed
+        assert checks[1].metadata["compared_with"].value.startswith("nothing: the run's first evaluated checkpoint")
+        assert "previous_step" not in checks[1].metadata  # no -1 plotted as if it were a step
+        assert checks[2].passed and checks[2].metadata["compared_with"].value.startswith("step 1 of the same run")
         assert not checks[3].passed  # the untrained weights lost what SFT taught
-        assert checks[3].metadata["drop"].value > 0.05
+        assert float(checks[3].metadata["drop"].value) > 0.05
+        # Every figure of the check is text: Dagster plots numeric check metadata across every execution, which
+        # joined runs and benchmarks in wall-clock order. The picture is of this run and benchmark only.
+        assert all(v.__class__.__name__ != "FloatMetadataValue" and v.__class__.__name__ != "IntMetadataValue"
+                   for ev in checks.values() for v in ev.metadata.values())
+        assert "data:image/png;base64," in checks[3].metadata["accuracy_by_step"].value
+
+        # The check is partitioned like the asset: each execution belongs to its checkpoint x benchmark, so the
+        # UI compares it with that partition's latest materialization (an unpartitioned check was compared with
+        # whichever partition materialized last and showed "Not evaluated").
+        key = AssetCheckKey(AssetKey("checkpoint_eval"), "no_regression")
+        history = instance.event_log_storage.get_asset_check_execution_history(key, limit=10)
+        assert sorted(r.partition for r in history) == sorted(
+            str(MultiPartitionKey({"checkpoint": k, "benchmark": "heldout"})) for k in keys)
+        ctx = LoadingContextForTest(instance)
+        assert all(asyncio.run(r.targets_latest_materialization(ctx)) for r in history)
 
         lake = Lake.open(home)
         acc = {r["step"]: r["value"] for r in lake.read("evals").to_pylist()
                if r["run_id"] == run_id and r["benchmark"] == "arithmetic_heldout" and r["metric"] == "accuracy"}
         assert acc[3] < acc[2] - 0.05
 
-        # the schedule: what is recorded but not evaluated yet (the other benchmark), and only that
-        with build_schedule_context(instance=instance, resources=resources(home)) as ctx:
-            todo = eval_schedule(ctx)
-        assert sorted(str(r.partition_key) for r in todo) == sorted(
-            str(MultiPartitionKey({"checkpoint": k, "benchmark": "carry_chains"})) for k in keys)
-        pk = todo[0].partition_key
-        assert materialize([checkpoint_eval], partition_key=pk, instance=instance, resources=resources(home)).success
+        # the sensor: only what is still owed (the other benchmark), one at a time
+        (todo,) = _sensor(instance, home).run_requests
+        assert todo.partition_key == MultiPartitionKey({"checkpoint": keys[0], "benchmark": "carry_chains"})
+        assert materialize([checkpoint_eval], partition_key=todo.partition_key, instance=instance,
+                           resources=resources(home)).success
         assert any(r["benchmark"] == "carry_chains" for r in lake.read("evals").to_pylist())
         with build_schedule_context(instance=instance, resources=resources(home)) as ctx:
-            assert len(eval_schedule(ctx)) == 2
+            assert len(eval_schedule(ctx)) == 1  # one slot
+
+
+def test_the_final_checkpoint_reuses_the_runs_own_held_out_result(recorded):
+    home, run_id = recorded
+    from factory.checkpoint_eval import evaluate_recorded_checkpoint
+
+    lake = Lake.open(home)
+    final = max(r["step"] for r in lake.read("checkpoints").to_pylist() if r["run_id"] == run_id and r["step"] < 3)
+    res = evaluate_recorded_checkpoint(home, lake, run_id, final, "heldout")
+    recorded_acc = [r["value"] for r in lake.read("evals").to_pylist() if r["run_id"] == run_id and r["step"] == final
+                    and r["benchmark"] == "arithmetic_heldout" and r["metric"] == "accuracy"]
+    assert res.reused and [res.accuracy] == recorded_acc
+    assert not evaluate_recorded_checkpoint(home, lake, run_id, final, "carry_chains").reused  # no row to reuse
+
+
+def test_lineage_connects_training_to_evals_and_members_to_the_summary():
+    from jobs import defs
+
+    graph = defs.resolve_asset_graph()
+    parents = lambda key: {k.to_user_string() for k in graph.get(AssetKey(key)).parent_keys}  # noqa: E731
+    assert {"grpo_run", "sweep_member_run"} <= parents("checkpoint_eval")
+    assert "sweep_member_run" in parents("sweep_summary")
+    assert "sweep_warm_start" in parents("sweep_member_run")
 
 
 def test_a_checkpoint_whose_files_changed_is_not_evaluated(recorded, tmp_path):

@@ -1,107 +1,240 @@
-"""The sweep job, its sensors and a member run, with real Dagster materializations in a temp instance."""
+"""The sweep job, its launcher and summarizer, evals in between: real Dagster runs in a temp instance.
+
+Each run a sensor requests is executed in process with the request's tags, as the daemon would launch it,
+so the sensors see real runs in the instance: the limit, the shared warm start, the tags, the evals owed
+and the summary are all checked against what actually ran. Runs seen "in flight" are made with Dagster's
+test utility `create_run_for_test` (a run record in STARTED state), which is all the sensors look at.
+"""
 
 import json
+import time
 from pathlib import Path
 
 import pytest
-from dagster import DagsterInstance, build_sensor_context, materialize
+from dagster import (
+    AssetKey,
+    DagsterInstance,
+    DagsterRunStatus,
+    build_sensor_context,
+)
+from dagster._core.test_utils import create_run_for_test
+from dagster._daemon.types import DaemonHeartbeat
 
-from assets.sweeps import sweep_member_run, sweep_members, sweep_summary, sweeps
-from factory.home import factory_home
+from assets.sweeps import sweep_members, sweeps, warm_starts
 from factory.lake import Lake
 from factory.tracking import Tracker
-from jobs.sweeps import sweep, sweep_launcher, sweep_summarizer
-from resources import FactoryHomeResource, LakeResource, MlflowResource
+from jobs import defs
+from jobs.evals import new_checkpoint_evals
+from jobs.sweeps import EXAMPLE_SWEEP, sweep, sweep_launcher, sweep_summarizer
 
 BASE = str(Path(__file__).parents[2] / "examples" / "quickstart.yaml")
 TINY = ["model.preset=micro", "task.n_train=200", "task.n_eval=20", "sft.steps=10", "sft.stop_at_accuracy=null",
         "rollout.prompts_per_step=4", "algorithm.group_size=4", "schedule.steps=2", "schedule.eval_pass_k=2"]
 
 
-def resources(home: Path) -> dict:
-    h = FactoryHomeResource(root=str(home))
-    return {"home": h, "lake": LakeResource(home=h), "mlflow": MlflowResource(home=h)}
-
-
-def launch(instance, home, **config):
+def launch(instance, **config):
     cfg = {"name": "t", "base_spec": BASE, "overrides": TINY, **config}
-    return sweep.execute_in_process(run_config={"ops": {"plan_and_queue_sweep": {"config": cfg}}},
-                                    instance=instance, resources=resources(home), raise_on_error=False)
+    return defs.resolve_job_def("sweep").execute_in_process(
+        run_config={"ops": {"plan_and_queue_sweep": {"config": cfg}}}, instance=instance, raise_on_error=False)
+
+
+def daemon_running(instance) -> None:
+    """What a running dagster-daemon leaves in the instance: a recent heartbeat of its sensor loop."""
+    instance.add_daemon_heartbeat(DaemonHeartbeat(time.time(), "SENSOR", None, []))
+
+
+def tick(sensor, instance, cursor=None):
+    with build_sensor_context(instance=instance, cursor=cursor, resources=defs.resources) as ctx:
+        return sensor(ctx)
+
+
+def execute(instance, request):
+    """Run what a sensor requested, the way the daemon would: the requested job, partition and tags."""
+    result = defs.resolve_job_def(request.job_name or _job_of(request)).execute_in_process(
+        instance=instance, partition_key=request.partition_key, tags=request.tags, raise_on_error=False)
+    assert result.success, [str(e.event_specific_data.error) for e in result.all_events
+                            if e.event_type_value == "STEP_FAILURE"]
+    return result
+
+
+def _job_of(request) -> str:
+    return "checkpoint_eval_job" if "factory/checkpoint" in request.tags else "sweep_summary_job"
 
 
 @pytest.fixture
-def instance():
+def instance(factory_home):
     with DagsterInstance.ephemeral() as inst:
         yield inst
 
 
-def test_a_bad_axis_fails_naming_it_and_launches_nothing(instance, tmp_path):
-    result = launch(instance, tmp_path, axes={"algorithm.lr": [1e-5], "algorithm.grup_size": [4, 8]})
-    assert not result.success
+def _failure(result) -> str:
     (failure,) = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
-    assert "axes.algorithm.grup_size = 4: algorithm.grup_size: unknown key" in str(failure.event_specific_data.error)
+    return failure.event_specific_data.user_failure_data.description
+
+
+def test_a_bad_axis_or_base_spec_fails_in_one_line_and_launches_nothing(instance, factory_home):
+    daemon_running(instance)
+    bad_axis = launch(instance, axes={"algorithm.lr": [1e-5], "algorithm.grup_size": [4, 8]})
+    assert not bad_axis.success
+    assert "axes.algorithm.grup_size = 4: algorithm.grup_size: unknown key" in _failure(bad_axis)
+    bad_path = launch(instance, base_spec="examples/quickstrt.yaml", axes={"seed": [0]})
+    assert _failure(bad_path) == ("invalid sweep (nothing was launched): base_spec examples/quickstrt.yaml: "
+                                  "no such spec file: examples/quickstrt.yaml")
+    assert "\n" not in _failure(bad_path)
     assert instance.get_dynamic_partitions(sweep_members.name) == []
-    assert not (tmp_path / "sweeps").exists()
-    assert Lake.open(factory_home(tmp_path)).read("sweeps").num_rows == 0
-    ctx = build_sensor_context(instance=instance, resources={"home": FactoryHomeResource(root=str(tmp_path))})
-    assert sweep_launcher(ctx).run_requests == []
+    assert not (factory_home.root / "sweeps").exists()
+    assert Lake.open(factory_home).read("sweeps").num_rows == 0
+    assert tick(sweep_launcher, instance).run_requests == []
 
 
-def test_sweep_queues_members_and_they_train_nested_under_the_parent(instance, tmp_path):
-    result = launch(instance, tmp_path, axes={"algorithm.lr": [1e-3, 3e-3]}, max_concurrent=1)
+def test_a_sweep_is_refused_when_no_daemon_would_launch_its_members(instance, factory_home):
+    result = launch(instance, axes={"seed": [0, 1]})
+    assert not result.success
+    assert _failure(result).startswith("sweep refused (nothing was launched): no dagster daemon is running sensors")
+    assert instance.get_dynamic_partitions(sweep_members.name) == []
+
+
+def test_the_launchpad_example_is_a_valid_sweep_with_real_axes():
+    from factory.config import parse_overrides
+    from factory.sweep import SweepDefinition, plan_sweep
+
+    assert EXAMPLE_SWEEP["axes"]  # it sweeps something
+    plan = plan_sweep(SweepDefinition(**{**EXAMPLE_SWEEP, "overrides": parse_overrides(EXAMPLE_SWEEP["overrides"])}))
+    assert len(plan.members) == 2 and len(plan.warm_starts()) == 1
+    assert sweep.run_config_schema.config_type.fields["ops"] is not None
+    assert "axes" not in _optional_op_fields()  # an empty config is flagged by the launchpad, not launched
+
+
+def _optional_op_fields() -> set[str]:
+    op = sweep.run_config_schema.config_type.fields["ops"].config_type.fields["plan_and_queue_sweep"]
+    fields = op.config_type.fields["config"].config_type.fields
+    return {k for k, f in fields.items() if not f.is_required}
+
+
+def test_one_warm_start_then_members_within_the_limit_then_evals_then_the_summary(instance, factory_home):
+    daemon_running(instance)
+    result = launch(instance, axes={"algorithm.lr": [1e-3, 3e-3]}, max_concurrent=1)
     assert result.success
     out = result.output_for_node("plan_and_queue_sweep")
     sweep_id, keys = out["sweep_id"], out["members"]
-    assert instance.get_dynamic_partitions(sweep_members.name) == keys and len(keys) == 2
+    (ws,) = instance.get_dynamic_partitions(warm_starts.name)
+    assert instance.get_dynamic_partitions(sweep_members.name) == keys
     assert instance.get_dynamic_partitions(sweeps.name) == [sweep_id]
-    lake = Lake.open(factory_home(tmp_path))
-    assert sorted(r["status"] for r in lake.read("sweeps").to_pylist()) == ["queued", "queued"]
 
-    home = FactoryHomeResource(root=str(tmp_path))
-    ctx = build_sensor_context(instance=instance, resources={"home": home})
-    res = sweep_launcher(ctx)
-    assert [r.partition_key for r in res.run_requests] == keys
-    assert [r.run_key for r in res.run_requests] == keys  # never launched twice
-    assert {r.tags["factory/sweep_id"] for r in res.run_requests} == {sweep_id}
-    assert len({r.tags["factory/lane"] for r in res.run_requests}) == 1  # max_concurrent 1: one lane
-    again = sweep_launcher(build_sensor_context(instance=instance, resources={"home": home}, cursor=res.cursor))
-    assert again.run_requests == []
+    # 1. The shared warm start first, alone (max_concurrent 1): the members wait for it.
+    first = tick(sweep_launcher, instance)
+    (req,) = first.run_requests
+    assert req.partition_key == ws and req.tags["factory/warm_start"] == ws
+    busy = create_run_for_test(instance, job_name="sweep_warm_start_job", tags=req.tags,
+                               status=DagsterRunStatus.STARTED)
+    assert tick(sweep_launcher, instance, first.cursor).run_requests == []  # in flight: nothing else starts
+    instance.delete_run(busy.run_id)
+    execute(instance, req)
 
-    def summarize(cursor=None):
-        with build_sensor_context(instance=instance, resources=resources(tmp_path), cursor=cursor) as ctx:
-            return sweep_summarizer(ctx)
+    # 2. Members one at a time, tagged with their axis values.
+    seen = []
+    cursor = first.cursor
+    for _ in keys:
+        res = tick(sweep_launcher, instance, cursor)
+        (member,) = res.run_requests
+        assert tick(sweep_launcher, instance, cursor).run_requests == res.run_requests  # idempotent until it runs
+        busy = create_run_for_test(instance, job_name="sweep_member_job", tags=member.tags,
+                                   status=DagsterRunStatus.STARTED)
+        assert tick(sweep_launcher, instance, res.cursor).run_requests == []  # limit 1: the next one waits
+        instance.delete_run(busy.run_id)
+        run = execute(instance, member)
+        seen.append((member, run))
+        cursor = res.cursor
+    assert [m.partition_key for m, _ in seen] == keys
+    assert [m.tags["axis/algorithm.lr"] for m, _ in seen] == ["0.001", "0.003"]
+    assert json.loads(cursor) == [sweep_id]  # every member started: the launcher is done with this sweep
+    assert tick(sweep_launcher, instance, cursor).run_requests == []
 
-    assert summarize().run_requests == []  # members not done yet
+    # The warm start was trained once, by its own run; both members reused it.
+    assert len(instance.fetch_materializations(AssetKey("sweep_warm_start"), limit=10).records) == 1
+    assert len(list(factory_home.checkpoints.glob("sft-*.result.json"))) == 1
+    for _, run in seen:
+        logs = [e.message for e in instance.all_logs(run.run_id) if e.message]
+        assert any(f"sft checkpoint {ws}: reused" in m for m in logs)
+        tags = instance.get_run_by_id(run.run_id).tags
+        assert tags["factory/progress"] == "grpo 2/2" and tags["factory/eta"] == "0s"  # the last progress report
+        md = run.asset_materializations_for_node("sweep_member_run")[0].metadata
+        assert md["curves"].value.startswith("![reward and accuracy by step of ")
+        assert "/get-artifact?path=plots%2Fcurves.small.png&run_uuid=" in md["curves"].value
+        assert len(md["curves"].value) < 1000  # short enough for the UI to draw in place
+        assert md["mlflow_run_id"].value.startswith("http://127.0.0.1:5000/#/experiments/")
+        assert md["pictures"].value.count("data:image/png;base64,") == 2  # curves and evals, no MLflow UI needed
+        assert md["axes"].value.startswith("algorithm.lr=")
 
-    for key in keys:
-        r = materialize([sweep_member_run], partition_key=key, instance=instance, resources=resources(tmp_path))
-        assert r.success
-        md = r.asset_materializations_for_node("sweep_member_run")[0].metadata
-        curves = md["curves"].value
-        assert curves.startswith("![reward and accuracy of ") and "data:image/png;base64," in curves
+    # 3. The summary waits for the members' evals, which go one at a time (the eval limit).
+    assert tick(sweep_summarizer, instance).run_requests == []
+    evaluated = 0
+    while True:
+        res = tick(new_checkpoint_evals, instance)
+        if not res.run_requests:
+            break
+        assert len(res.run_requests) == 1  # never more than the limit at once
+        for add in res.dynamic_partitions_requests:
+            instance.add_dynamic_partitions(add.partitions_def_name, add.partition_keys)
+        busy = create_run_for_test(instance, job_name="checkpoint_eval_job", tags=res.run_requests[0].tags,
+                                   status=DagsterRunStatus.STARTED)
+        assert tick(sweep_summarizer, instance).run_requests == []  # not beside an eval
+        instance.delete_run(busy.run_id)
+        execute(instance, res.run_requests[0])
+        evaluated += 1
+    assert evaluated == 4  # 2 final checkpoints x (held-out split, carry_chains)
+
+    # 4. The summary: members compared, with links, pictures and a tie reported as a tie.
+    summary = tick(sweep_summarizer, instance)
+    (req,) = summary.run_requests
+    assert req.partition_key == sweep_id and req.tags["factory/queue"] == "eval"
+    assert tick(sweep_summarizer, instance, summary.cursor).run_requests == []
+    md = execute(instance, req).asset_materializations_for_node("sweep_summary")[0].metadata
+    lake = Lake.open(factory_home)
     rows = {r["member"]: r for r in lake.read("sweeps").to_pylist()}
-    assert [rows[k]["status"] for k in keys] == ["succeeded", "succeeded"]
-    assert all(rows[k]["final_accuracy"] is not None and rows[k]["run_id"] for k in keys)
-    runs = {r["run_id"]: r for r in lake.read("runs").to_pylist()}
-    assert {runs[rows[k]["run_id"]]["sweep_id"] for k in keys} == {sweep_id}
-    assert [json.loads(runs[rows[k]["run_id"]]["spec"])["algorithm"]["lr"] for k in keys] == [1e-3, 3e-3]
-    # MLflow: a parent run with both members nested under it
+    accs = [rows[k]["final_accuracy"] for k in keys]
+    best = [k for k in keys if rows[k]["final_accuracy"] == max(accs)]
+    assert md["best_member"].value == (best[0] if len(best) == 1 else f"tie: {', '.join(best)}")
+    table = md["members_table"].value
+    assert [r.data["member"] for r in table.records] == sorted(
+        [k.rpartition("-")[2] for k in keys], key=lambda m: -rows[f"{sweep_id}-{m}"]["final_accuracy"])
+    assert all(r.data["pass_at_k"] is not None and r.data["wall_s"] > 0 and r.data["reward"] is not None
+               for r in table.records)
+    links = md["links"].value
+    assert all(f"(/runs/{run.run_id})" in links for _, run in seen)
+    assert links.count("http://127.0.0.1:5000/#/experiments/") == 2 and links.count("`/") == 2
+    names = ("members_on_heldout", "members_on_carry_chains", "accuracy_vs_algorithm.lr")
+    for name in names:
+        assert "/get-artifact?" in md[name].value and len(md[name].value) < 1000
+        assert f"**{name}**" in md["pictures"].value
+    assert md["pictures"].value.count("data:image/png;base64,") == 3
     parent = rows[keys[0]]["mlflow_parent_run_id"]
-    client = Tracker(factory_home(tmp_path)).client
+    client = Tracker(factory_home).client
+    assert {a.path for a in client.list_artifacts(parent, "plots")} == {
+        f"plots/{n}{size}.png" for n in names for size in ("", ".small")}
     children = client.search_runs([client.get_run(parent).info.experiment_id],
                                   filter_string=f"tags.mlflow.parentRunId = '{parent}'")
     assert len(children) == 2
-    # the SFT warm start was trained once and shared (same model/task/SFT settings)
-    assert len(list((tmp_path / "checkpoints").glob("sft-*.result.json"))) == 1
+    assert {a.path for c in children for a in client.list_artifacts(c.info.run_id, "plots")} == {
+        "plots/curves.png", "plots/evals.png", "plots/curves.small.png", "plots/evals.small.png"}
 
-    done = summarize()
-    assert [r.partition_key for r in done.run_requests] == [sweep_id]
-    assert summarize(done.cursor).run_requests == []
-    s = materialize([sweep_summary], partition_key=sweep_id, instance=instance, resources=resources(tmp_path))
-    md = s.asset_materializations_for_node("sweep_summary")[0].metadata
-    assert md["members"].value == 2 and md["succeeded"].value == 2 and md["best_member"].value in keys
-    assert "data:image/png;base64," in md["accuracy_vs_algorithm.lr"].value
-    artifacts = [a.path for a in client.list_artifacts(parent, "plots")]
-    assert artifacts == ["plots/accuracy_vs_algorithm.lr.png"]
-    child_artifacts = {a.path for c in children for a in client.list_artifacts(c.info.run_id, "plots")}
-    assert child_artifacts == {"plots/curves.png"}
+
+def test_summary_reports_a_tie_as_a_tie(instance, factory_home):
+    from datetime import UTC, datetime
+
+    from dagster import materialize
+
+    from assets.sweeps import sweep_summary
+
+    lake = Lake.open(factory_home)
+    now = datetime.now(UTC)
+    lake.upsert("sweeps", [dict(sweep_id="s", member=f"s-m00{i}", name="s", axes=json.dumps({"seed": i}), spec="{}",
+                                status="succeeded", final_accuracy=0.5, created_at=now, recorded_at=now)
+                           for i in range(2)] + [dict(sweep_id="s", member="s-m002", name="s",
+                                                      axes=json.dumps({"seed": 2}), spec="{}", status="failed",
+                                                      created_at=now, recorded_at=now)])
+    instance.add_dynamic_partitions(sweeps.name, ["s"])
+    md = materialize([sweep_summary], partition_key="s", instance=instance,
+                     resources=defs.resources).asset_materializations_for_node("sweep_summary")[0].metadata
+    assert md["best_member"].value == "tie: s-m000, s-m001" and md["best_accuracy"].value == 0.5
+    assert md["failed"].value == 1

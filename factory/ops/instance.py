@@ -1,0 +1,120 @@
+"""The Dagster instance settings Factory runs with (`dagster.yaml`), and bringing an existing file up to them.
+
+Every way of starting Factory gets these settings from here: `make demo` (jobs/demo.py) and `make ui`
+write or update `$DAGSTER_HOME/dagster.yaml`, `dagster dev` started from the repository root without
+DAGSTER_HOME reads the committed `dagster.yaml` there (kept equal to `instance_yaml()` by a test), and
+the browser tests start from what `make demo` leaves behind.
+
+The limits do not depend on these settings being present: the sweep launcher never has more than a
+sweep's `max_concurrent` members in flight and the eval sensor never more than the eval limit, whatever
+the instance's run queue says. The queue settings are a second line: a global cap on runs (a 2-core
+machine is overloaded long before Dagster's default of 10), and the eval limit where an operator sets
+it (`EVAL_QUEUE` tag), which the eval sensor reads back (`eval_limit_from`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+QUEUE_TAG = "factory/queue"  # runs that share a limit: evals and sweep summaries carry value "eval"
+EVAL_QUEUE = "eval"
+DEFAULT_MAX_CONCURRENT_RUNS = 4
+DEFAULT_MAX_CONCURRENT_EVALS = 1
+
+
+def instance_settings(max_concurrent_runs: int = DEFAULT_MAX_CONCURRENT_RUNS,
+                      max_concurrent_evals: int = DEFAULT_MAX_CONCURRENT_EVALS) -> dict[str, Any]:
+    """Factory's `dagster.yaml` as a mapping: no telemetry, a run queue with a global cap and an eval limit."""
+    if max_concurrent_runs < 1 or max_concurrent_evals < 1:
+        raise ValueError(f"max_concurrent_runs and max_concurrent_evals must be >= 1, got "
+                         f"{max_concurrent_runs} and {max_concurrent_evals}")
+    return {
+        "telemetry": {"enabled": False},
+        "concurrency": {"runs": {
+            "max_concurrent_runs": max_concurrent_runs,
+            "tag_concurrency_limits": [_eval_limit(max_concurrent_evals)],
+        }},
+        # A queued run starts within a second of a free slot (the default polls every 5 s).
+        "run_queue": {"dequeue_interval_seconds": 1},
+    }
+
+
+def _eval_limit(n: int) -> dict[str, Any]:
+    return {"key": QUEUE_TAG, "value": EVAL_QUEUE, "limit": n}
+
+
+def instance_yaml(**kwargs: int) -> str:
+    return yaml.safe_dump(instance_settings(**kwargs), sort_keys=False)
+
+
+def ensure_instance_yaml(dagster_home: str | Path, **kwargs: int) -> list[str]:
+    """Write Factory's settings to `dagster_home/dagster.yaml`, or add what an existing file lacks without
+    changing what it sets; returns one line per change (empty when nothing changed). Atomic."""
+    path = Path(dagster_home) / "dagster.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    want = instance_settings(**kwargs)
+    if not path.exists():
+        _write(path, yaml.safe_dump(want, sort_keys=False))
+        return [f"{path}: written with Factory's settings"]
+    try:
+        have = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not valid YAML ({e}); fix or remove it") from None
+    if not isinstance(have, dict):
+        raise ValueError(f"{path}: expected a mapping of instance settings, got {type(have).__name__}")
+    changes = []
+    if "telemetry" not in have:
+        have["telemetry"] = want["telemetry"]
+        changes.append("telemetry: disabled")
+    # Older files configure the queue under run_coordinator or run_queue; add the limits where they are set
+    # (Dagster refuses the same field in two places).
+    legacy = _legacy_queue(have)
+    if legacy is not None:
+        limits = legacy.setdefault("tag_concurrency_limits", []) or []
+        legacy["tag_concurrency_limits"] = limits
+    else:
+        runs = have.setdefault("concurrency", {}).setdefault("runs", {})
+        if "max_concurrent_runs" not in runs:
+            runs["max_concurrent_runs"] = want["concurrency"]["runs"]["max_concurrent_runs"]
+            changes.append(f"concurrency.runs.max_concurrent_runs: {runs['max_concurrent_runs']}")
+        limits = runs.setdefault("tag_concurrency_limits", []) or []
+        runs["tag_concurrency_limits"] = limits
+    if not any(isinstance(x, dict) and x.get("key") == QUEUE_TAG for x in limits):
+        limits.append(want["concurrency"]["runs"]["tag_concurrency_limits"][0])
+        changes.append(f"run queue: at most {limits[-1]['limit']} eval run(s) at once ({QUEUE_TAG}={EVAL_QUEUE})")
+    if "run_coordinator" not in have and "dequeue_interval_seconds" not in (have.get("run_queue") or {}):
+        have.setdefault("run_queue", {})["dequeue_interval_seconds"] = 1
+        changes.append("run_queue.dequeue_interval_seconds: 1")
+    if changes:
+        _write(path, yaml.safe_dump(have, sort_keys=False))
+    return [f"{path}: added {c}" for c in changes]
+
+
+def _legacy_queue(cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """The mapping that holds tag limits in an old-style file (`run_coordinator.config` or `run_queue` with
+    limits), or None for the current `concurrency.runs` layout."""
+    coordinator = cfg.get("run_coordinator")
+    if isinstance(coordinator, dict):
+        return coordinator.setdefault("config", {}) or {}
+    queue = cfg.get("run_queue")
+    if isinstance(queue, dict) and ("tag_concurrency_limits" in queue or "max_concurrent_runs" in queue):
+        return queue
+    return None
+
+
+def eval_limit_from(tag_limits: list[dict[str, Any]] | None, default: int = DEFAULT_MAX_CONCURRENT_EVALS) -> int:
+    """The eval limit set in an instance's run-queue tag limits, else `default`."""
+    for item in tag_limits or []:
+        if item.get("key") == QUEUE_TAG and item.get("value") == EVAL_QUEUE:
+            return max(1, int(item["limit"]))
+    return default
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)

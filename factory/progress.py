@@ -1,0 +1,71 @@
+"""Progress of a long stage (SFT, GRPO): where it is, the latest reward, and when it will end.
+
+Stages report a `Progress` to a plain callback; whoever runs them decides where it goes (a log line, run
+tags in the Dagster UI, a progress bar). The ETA is the mean time per step so far times the steps left.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Progress:
+    phase: str  # "sft" or "grpo"
+    step: int  # steps done
+    steps: int  # steps planned
+    elapsed_s: float
+    reward: float | None = None  # latest training reward mean
+    accuracy: float | None = None  # latest training-sample accuracy
+
+    @property
+    def eta_s(self) -> float | None:
+        if self.step >= self.steps:
+            return 0.0
+        if self.step <= 0:
+            return None
+        return self.elapsed_s / self.step * (self.steps - self.step)
+
+    def line(self) -> str:
+        """`grpo step 12/50 reward 0.412 eta 1m20s`"""
+        parts = [f"{self.phase} step {self.step}/{self.steps}"]
+        if self.reward is not None:
+            parts.append(f"reward {self.reward:.3f}")
+        parts.append(f"eta {format_duration(self.eta_s)}")
+        return " ".join(parts)
+
+    def tags(self) -> dict[str, str]:
+        """Short string fields for run tags (the Dagster UI lists them beside a running run)."""
+        out = {"progress": f"{self.phase} {self.step}/{self.steps}", "eta": format_duration(self.eta_s)}
+        if self.reward is not None:
+            out["reward"] = f"{self.reward:.3f}"
+        return out
+
+
+def format_duration(seconds: float | None) -> str:
+    """`1h02m`, `3m05s`, `42s`; `?` when unknown."""
+    if seconds is None:
+        return "?"
+    s = max(0, round(seconds))
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    if s >= 60:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s}s"
+
+
+class Throttle:
+    """Call `fn` at most once per `every_s` seconds, plus always for the last step (`Progress.step == steps`)."""
+
+    def __init__(self, fn: Callable[[Progress], None], every_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.fn, self.every_s, self.clock = fn, every_s, clock
+        self._last: float | None = None
+
+    def __call__(self, p: Progress) -> None:
+        now = self.clock()
+        if self._last is None or now - self._last >= self.every_s or p.step >= p.steps:
+            self._last = now
+            self.fn(p)

@@ -1,0 +1,179 @@
+"""What the cockpit shows of runs and sweeps: pictures rendered from the lake and stored on MLflow runs, and
+the per-member figures a sweep is compared by.
+
+Pictures are stored as artifacts of the run's MLflow run (`plots/curves.png`, `plots/evals.png`, a sweep's
+on its parent run), so a Dagster asset can show them inline as a short markdown image whose source is the
+MLflow UI (`Tracker.artifact_url`), and they stay current: a periodic eval re-renders `plots/evals.png`.
+The PNG bytes are returned too, for an embedded copy that needs no MLflow UI.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pyiceberg.expressions import EqualTo, In
+
+from factory import plots
+from factory.envs.benchmarks import HELD_OUT
+from factory.lake.writer import Lake
+from factory.sweep import member_label
+from factory.tracking import Tracker
+
+CURVES, EVALS = "plots/curves.png", "plots/evals.png"
+Render = Callable[[int], bytes]  # a picture at a given dpi
+
+
+def small(artifact_path: str) -> str:
+    """Where the inline-sized copy of a picture is stored (`plots/curves.png` -> `plots/curves.small.png`)."""
+    return artifact_path.removesuffix(".png") + ".small.png"
+
+
+def store(tracker: Tracker, run_id: str, artifact_path: str, render: Render) -> bytes:
+    """Store a picture on an MLflow run at full size and at the size drawn inside the Dagster UI (`small`);
+    return the full-size PNG."""
+    full = render(plots.DPI)
+    tracker.log_png(run_id, artifact_path, full)
+    tracker.log_png(run_id, small(artifact_path), render(plots.INLINE_DPI))
+    return full
+LAST_STEPS = 10  # a member's reward is its mean reward_mean over its last steps (one step is noisy)
+
+
+@dataclass(frozen=True)
+class RunPictures:
+    curves: bytes  # reward and accuracy by step, with held-out evals
+    evals: bytes | None  # held-out accuracy by step per benchmark (None: no evals yet)
+
+
+def run_pictures(lake: Lake, tracker: Tracker | None, run_id: str, mlflow_run_id: str | None = None) -> RunPictures:
+    """Render a run's curves and its evals by step from the lake; store both on its MLflow run."""
+    steps = lake.read("steps", EqualTo("run_id", run_id)).to_pylist()
+    evals = lake.read("evals", EqualTo("run_id", run_id)).to_pylist()
+    curves = lambda dpi: plots.run_curves_png(steps, evals, title=run_id, dpi=dpi)  # noqa: E731
+    by_step = _evals_png(evals, run_id)
+    if tracker is not None and mlflow_run_id:
+        store(tracker, mlflow_run_id, CURVES, curves)
+        if by_step is not None:
+            store(tracker, mlflow_run_id, EVALS, by_step)
+    return RunPictures(curves(plots.DPI), by_step(plots.DPI) if by_step else None)
+
+
+def refresh_evals_picture(lake: Lake, tracker: Tracker | None, run_id: str, benchmark: str | None = None
+                          ) -> bytes | None:
+    """After a new eval of `run_id`: re-render its evals-by-step picture (all benchmarks) on its MLflow run, and
+    return the picture of `benchmark` alone (all benchmarks when None); None when nothing can be drawn."""
+    evals = lake.read("evals", EqualTo("run_id", run_id)).to_pylist()
+    runs = lake.read("runs", EqualTo("run_id", run_id)).to_pylist()
+    mlflow_run_id = runs[0]["mlflow_run_id"] if runs else None
+    every = _evals_png(evals, run_id)
+    if tracker is not None and mlflow_run_id and every is not None:
+        store(tracker, mlflow_run_id, EVALS, every)
+    one = every if benchmark is None else _evals_png(evals, f"{run_id}: {benchmark}", [benchmark])
+    return one(plots.DPI) if one else None
+
+
+def _evals_png(evals: list[dict], title: str, benchmarks: list[str] | None = None) -> Render | None:
+    """The evals-by-step picture as a renderer, or None when there is nothing to draw yet (no accuracy rows)."""
+    try:
+        plots.evals_over_steps_png(evals, title=f"held-out accuracy by step: {title}", benchmarks=benchmarks, dpi=10)
+    except ValueError:
+        return None
+    return lambda dpi: plots.evals_over_steps_png(evals, title=f"held-out accuracy by step: {title}",
+                                                  benchmarks=benchmarks, dpi=dpi)
+
+
+# ---------------------------------------------------------------- sweeps
+
+
+@dataclass(frozen=True)
+class MemberFigures:
+    member: str
+    axes: dict[str, Any]
+    label: str  # the member told apart by its axis values
+    status: str
+    run_id: str | None
+    mlflow_run_id: str | None
+    accuracy: float | None  # final held-out greedy accuracy
+    pass_at_k: float | None  # final held-out pass@k (k from the spec)
+    k: int | None
+    reward: float | None  # mean training reward over the last LAST_STEPS steps
+    steps: int
+    wall_s: float | None  # the training run's wall time (GRPO, from `runs`)
+    checkpoint: str | None
+
+
+@dataclass(frozen=True)
+class SweepComparison:
+    sweep_id: str
+    members: list[MemberFigures]  # best first (by accuracy; unfinished last)
+    best: list[str] = field(default_factory=list)  # every member sharing the best accuracy (a tie has several)
+    pictures: dict[str, Render] = field(default_factory=dict)  # name -> picture at a dpi
+
+
+def compare_sweep(lake: Lake, sweep_id: str) -> SweepComparison:
+    """Every member of a sweep with its figures from the lake, best first, and the overlay pictures."""
+    rows = lake.read("sweeps", EqualTo("sweep_id", sweep_id)).to_pylist()
+    if not rows:
+        raise LookupError(f"sweep {sweep_id}: no rows in the `sweeps` table")
+    run_ids = sorted({r["run_id"] for r in rows if r["run_id"]})
+    steps = _by_run(lake.read("steps", In("run_id", run_ids)).to_pylist() if run_ids else [])
+    evals = _by_run(lake.read("evals", In("run_id", run_ids)).to_pylist() if run_ids else [])
+    runs = {r["run_id"]: r for r in (lake.read("runs", In("run_id", run_ids)).to_pylist() if run_ids else [])}
+    members = [_figures(r, steps.get(r["run_id"], []), evals.get(r["run_id"], []), runs.get(r["run_id"]))
+               for r in sorted(rows, key=lambda r: r["member"])]
+    members.sort(key=lambda m: (m.accuracy is None, -(m.accuracy or 0.0), m.member))
+    done = [m for m in members if m.status == "succeeded" and m.accuracy is not None]
+    best = [m.member for m in done if math.isclose(m.accuracy, done[0].accuracy, abs_tol=1e-12)] if done else []
+    overlay = [{"label": m.label, "steps": steps.get(m.run_id, []), "evals": evals.get(m.run_id, [])}
+               for m in sorted(members, key=lambda m: m.member) if m.run_id]
+    pictures: dict[str, Render] = {}
+    for bench in _whole_benchmarks(evals):
+        title = f"{sweep_id}: members on {bench}"
+        try:
+            plots.sweep_curves_png(overlay, title=title, benchmark=bench, dpi=10)  # raises when nothing to draw
+        except ValueError:
+            continue
+        short = "heldout" if bench == HELD_OUT else bench
+        pictures[f"members_on_{short}"] = functools.partial(_overlay, overlay, title, bench)
+    return SweepComparison(sweep_id, members, best, pictures)
+
+
+def _overlay(members: list[dict], title: str, benchmark: str, dpi: int) -> bytes:
+    return plots.sweep_curves_png(members, title=title, benchmark=benchmark, dpi=dpi)
+
+
+def _by_run(rows: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for r in rows:
+        out.setdefault(r["run_id"], []).append(r)
+    return out
+
+
+def _whole_benchmarks(evals: dict[str, list[dict]]) -> list[str]:
+    names = {r["benchmark"] for rows in evals.values() for r in rows
+             if r["metric"] == "accuracy" and "/" not in r["benchmark"]}
+    return sorted(names, key=lambda b: (b != HELD_OUT, b))  # the run's own held-out split first
+
+
+def _figures(row: dict, steps: list[dict], evals: list[dict], run: dict | None) -> MemberFigures:
+    axes = json.loads(row["axes"])
+    last = sorted((s for s in steps if s.get("reward_mean") is not None), key=lambda s: s["step"])[-LAST_STEPS:]
+    held = [e for e in evals if e["benchmark"] == HELD_OUT]
+    final = max((e["step"] for e in held), default=None)
+    pass_rows = [e for e in held if e["step"] == final and e["metric"].startswith("pass@")]
+    wall = None
+    if run and run.get("ended_at") and run.get("started_at"):
+        wall = (run["ended_at"] - run["started_at"]).total_seconds()
+    return MemberFigures(
+        member=row["member"], axes=axes, label=member_label(axes), status=row["status"], run_id=row["run_id"],
+        mlflow_run_id=run.get("mlflow_run_id") if run else None, accuracy=row["final_accuracy"],
+        pass_at_k=pass_rows[0]["value"] if pass_rows else None,
+        k=int(pass_rows[0]["metric"].removeprefix("pass@")) if pass_rows else None,
+        reward=sum(s["reward_mean"] for s in last) / len(last) if last else None,
+        steps=max((s["step"] for s in steps), default=0), wall_s=wall,
+        checkpoint=run.get("final_checkpoint") if run else None,
+    )

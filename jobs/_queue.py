@@ -1,0 +1,80 @@
+"""What the sensors ask the Dagster instance before they launch: runs in flight, the eval limit, evals still owed.
+
+Limits are enforced here, by the sensors, so they hold on any instance (whatever its run queue says):
+a sweep never has more than `max_concurrent` runs in flight and evals plus sweep summaries never more than
+the eval limit. The limit is read from the instance's run queue (`factory.ops.instance`, tag
+`factory/queue: eval`), so an operator sets it in one place, `dagster.yaml`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+
+from dagster import AssetKey, DagsterInstance, DagsterRunStatus, MultiPartitionKey, RunsFilter
+
+from factory.checkpoint_eval import checkpoint_key
+from factory.envs.benchmarks import applicable_benchmarks
+from factory.ops.instance import DEFAULT_MAX_CONCURRENT_EVALS, EVAL_QUEUE, QUEUE_TAG, eval_limit_from
+
+IN_FLIGHT = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING,
+             DagsterRunStatus.STARTED, DagsterRunStatus.CANCELING]
+EVAL_TAGS = {QUEUE_TAG: EVAL_QUEUE}
+PARTITION_TAG = "dagster/partition"
+
+
+def in_flight(instance: DagsterInstance, tags: dict[str, str]) -> int:
+    """How many runs with these tags are queued or running."""
+    return instance.get_runs_count(RunsFilter(tags=tags, statuses=IN_FLIGHT))
+
+
+def eval_limit(instance: DagsterInstance) -> int:
+    """Evals (and sweep summaries) at once: the instance's run-queue limit for `factory/queue: eval`, else 1."""
+    queue = instance.get_concurrency_config().run_queue_config
+    return eval_limit_from(queue.tag_concurrency_limits if queue else None, DEFAULT_MAX_CONCURRENT_EVALS)
+
+
+def free_eval_slots(instance: DagsterInstance) -> int:
+    return max(0, eval_limit(instance) - in_flight(instance, EVAL_TAGS))
+
+
+@dataclass(frozen=True)
+class OwedEval:
+    partition: MultiPartitionKey  # checkpoint x benchmark
+    checkpoint: str  # <run_id>@<step>
+    recorded_at: datetime
+    attempted: bool  # a run was launched for it before (it failed or was canceled); retried by the schedule
+    running: bool  # a run for it is queued or running
+
+
+def owed_evals(instance: DagsterInstance, lake, job_name: str, run_ids: set[str] | None = None) -> list[OwedEval]:
+    """Every (recorded checkpoint, applicable benchmark) of `checkpoint_eval` not materialized yet, oldest
+    checkpoint first; only of `run_ids` when given."""
+    rows = lake.read("checkpoints").select(["run_id", "step", "recorded_at"]).to_pylist()
+    if run_ids is not None:
+        rows = [r for r in rows if r["run_id"] in run_ids]
+    if not rows:
+        return []
+    tasks = _task_names(lake)
+    done = {str(k) for k in instance.get_materialized_partitions(AssetKey("checkpoint_eval"))}
+    runs = instance.get_runs(RunsFilter(job_name=job_name))
+    running = {r.tags.get(PARTITION_TAG) for r in runs if r.status in IN_FLIGHT}
+    attempted = {r.tags.get(PARTITION_TAG) for r in runs}
+    out = []
+    for r in sorted(rows, key=lambda r: (r["recorded_at"], r["run_id"], r["step"])):
+        key = checkpoint_key(r["run_id"], r["step"])
+        for bench in applicable_benchmarks(tasks.get(r["run_id"], "arithmetic")):
+            pk = MultiPartitionKey({"checkpoint": key, "benchmark": bench})
+            if str(pk) not in done:
+                out.append(OwedEval(pk, key, r["recorded_at"], str(pk) in attempted, str(pk) in running))
+    return out
+
+
+def _task_names(lake) -> dict[str, str]:
+    """run_id -> task family, from each run's spec (a run of another family is not scored on arithmetic suites)."""
+    rows = lake.read("runs").select(["run_id", "spec"]).to_pylist()
+    return {r["run_id"]: json.loads(r["spec"]).get("task", {}).get("name", "arithmetic") for r in rows}
+
+
+__all__ = ["EVAL_TAGS", "IN_FLIGHT", "OwedEval", "eval_limit", "free_eval_slots", "in_flight", "owed_evals"]

@@ -1,0 +1,63 @@
+"""Factory's Dagster instance settings: written fresh, added to an older file without losing what it sets, and
+read back by a real DagsterInstance (the eval limit the sensors use comes from there)."""
+
+import pytest
+import yaml
+from dagster import DagsterInstance
+from dagster._core.test_utils import environ
+
+from factory.ops.instance import EVAL_QUEUE, QUEUE_TAG, ensure_instance_yaml, instance_settings
+from jobs._queue import eval_limit
+
+
+def _instance(home):
+    with environ({"DAGSTER_HOME": str(home)}):
+        return DagsterInstance.get()
+
+
+def test_a_fresh_home_gets_factorys_settings(tmp_path):
+    changes = ensure_instance_yaml(tmp_path, max_concurrent_runs=3, max_concurrent_evals=2)
+    assert changes == [f"{tmp_path / 'dagster.yaml'}: written with Factory's settings"]
+    assert yaml.safe_load((tmp_path / "dagster.yaml").read_text()) == instance_settings(3, 2)
+    assert ensure_instance_yaml(tmp_path) == []  # a second call changes nothing
+    with _instance(tmp_path) as inst:
+        queue = inst.get_concurrency_config().run_queue_config
+        assert queue.max_concurrent_runs == 3 and eval_limit(inst) == 2
+
+
+def test_the_file_an_older_demo_wrote_gains_the_queue_and_keeps_its_settings(tmp_path):
+    # What `make demo` used to write: telemetry only, no run queue (issue 9, defect 1).
+    (tmp_path / "dagster.yaml").write_text("telemetry:\n  enabled: true\n")
+    changes = ensure_instance_yaml(tmp_path)
+    assert any("eval run(s) at once" in c for c in changes)
+    cfg = yaml.safe_load((tmp_path / "dagster.yaml").read_text())
+    assert cfg["telemetry"] == {"enabled": True}  # the user's choice is kept
+    assert {"key": QUEUE_TAG, "value": EVAL_QUEUE, "limit": 1} in cfg["concurrency"]["runs"]["tag_concurrency_limits"]
+    with _instance(tmp_path) as inst:
+        assert eval_limit(inst) == 1
+
+
+def test_an_old_style_run_coordinator_gets_the_eval_limit_in_place(tmp_path):
+    old = {"run_coordinator": {"module": "dagster.core.run_coordinator", "class": "QueuedRunCoordinator",
+                               "config": {"max_concurrent_runs": 5, "tag_concurrency_limits": [
+                                   {"key": "factory/queue", "value": "eval", "limit": 3}]}}}
+    (tmp_path / "dagster.yaml").write_text(yaml.safe_dump(old))
+    ensure_instance_yaml(tmp_path)
+    cfg = yaml.safe_load((tmp_path / "dagster.yaml").read_text())
+    assert "concurrency" not in cfg  # Dagster refuses limits in both places
+    assert cfg["run_coordinator"]["config"]["tag_concurrency_limits"] == old["run_coordinator"]["config"][
+        "tag_concurrency_limits"]  # an operator's own eval limit is kept
+    with _instance(tmp_path) as inst:
+        assert eval_limit(inst) == 3
+
+
+def test_a_broken_file_is_named_and_left_alone(tmp_path):
+    (tmp_path / "dagster.yaml").write_text("telemetry: [\n")
+    with pytest.raises(ValueError, match="dagster.yaml: not valid YAML"):
+        ensure_instance_yaml(tmp_path)
+    assert (tmp_path / "dagster.yaml").read_text() == "telemetry: [\n"
+
+
+def test_an_instance_without_factorys_queue_still_has_an_eval_limit():
+    with DagsterInstance.ephemeral() as inst:
+        assert eval_limit(inst) == 1
