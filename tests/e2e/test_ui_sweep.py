@@ -167,6 +167,8 @@ def test_a_sweep_from_the_launchpad_after_make_demo(after_demo):
             assert [m["runId"] for m in mats] == [warm["runId"]]
             # 8. member runs carry their axis values.
             assert sorted(_tags(m)["axis/algorithm.lr"] for m in members) == ["0.001", "0.003"]
+            # 12. progress reported on the run while it trained (its last report stays: the final step).
+            assert all(_tags(m)["factory/progress"] == "grpo 2/2" and "factory/eta" in _tags(m) for m in members)
             # 3. evals one at a time, the summary after them.
             _never_overlap([*evals, *summary])
             assert summary[0]["startTime"] >= max(e["endTime"] for e in evals)
