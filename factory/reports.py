@@ -26,6 +26,7 @@ from factory.tracking import Tracker
 
 CURVES, EVALS = "plots/curves.png", "plots/evals.png"
 Render = Callable[[int], bytes]  # a picture at a given dpi
+LAST_STEPS = 10  # a member's reward is its mean reward_mean over its last steps (one step is noisy)
 
 
 def small(artifact_path: str) -> str:
@@ -40,7 +41,6 @@ def store(tracker: Tracker, run_id: str, artifact_path: str, render: Render) -> 
     tracker.log_png(run_id, artifact_path, full)
     tracker.log_png(run_id, small(artifact_path), render(plots.INLINE_DPI))
     return full
-LAST_STEPS = 10  # a member's reward is its mean reward_mean over its last steps (one step is noisy)
 
 
 @dataclass(frozen=True)
@@ -53,12 +53,11 @@ def run_pictures(lake: Lake, tracker: Tracker | None, run_id: str, mlflow_run_id
     """Render a run's curves and its evals by step from the lake; store both on its MLflow run."""
     steps = lake.read("steps", EqualTo("run_id", run_id)).to_pylist()
     evals = lake.read("evals", EqualTo("run_id", run_id)).to_pylist()
-    curves = lambda dpi: plots.run_curves_png(steps, evals, title=run_id, dpi=dpi)  # noqa: E731
+    curves = functools.partial(plots.run_curves_png, steps, evals, run_id)
     by_step = _evals_png(evals, run_id)
     if tracker is not None and mlflow_run_id:
-        store(tracker, mlflow_run_id, CURVES, curves)
-        if by_step is not None:
-            store(tracker, mlflow_run_id, EVALS, by_step)
+        return RunPictures(store(tracker, mlflow_run_id, CURVES, curves),
+                           store(tracker, mlflow_run_id, EVALS, by_step) if by_step else None)
     return RunPictures(curves(plots.DPI), by_step(plots.DPI) if by_step else None)
 
 
@@ -78,7 +77,7 @@ def refresh_evals_picture(lake: Lake, tracker: Tracker | None, run_id: str, benc
 
 def _evals_png(evals: list[dict], title: str, benchmarks: list[str] | None = None) -> Render | None:
     """The evals-by-step picture as a renderer, or None when there is nothing to draw yet (no accuracy rows)."""
-    try:
+    try:  # a thumbnail-sized render: the plot raises when it has nothing to draw
         plots.evals_over_steps_png(evals, title=f"held-out accuracy by step: {title}", benchmarks=benchmarks, dpi=10)
     except ValueError:
         return None
