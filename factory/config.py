@@ -81,6 +81,8 @@ class TaskSpec(_Section):
         "package.module:attr) that runs each episode against the rollout server; unset: the task's verifier "
         "scores single completions")
     episode_timeout_s: float = Field(300.0, gt=0, description="a multi-turn episode running longer scores 0")
+    reward_timeout_s: float = Field(30.0, gt=0, description="a single-turn reward function (verifier or environment) "
+                                    "running longer on one completion scores it 0, with the reason recorded")
     sandbox_workers: int = Field(4, ge=1, le=256, description="warm sandbox workers per scoring process (code "
                                  "rewards, tools); each execution takes milliseconds, so a few serve many rollouts")
     sandbox_isolation: Literal["bwrap", "none"] = Field(
@@ -296,8 +298,33 @@ class ScheduleSpec(_Section):
     log_rollouts: int = Field(2, ge=0, description="prompt groups per step kept in the `rollouts` table")
 
 
+class OpsSpec(_Section):
+    """Surviving faults: resume points, automatic restarts, hang detection, circuit breakers, the preflight gate
+    (see factory/ops/)."""
+
+    resume_every: int = Field(
+        10, ge=0, description="write a full-state resume point (model, optimizer, RNGs, data position, buffered "
+        "and in-flight rollouts) every N steps, in the background; also at every schedule.checkpoint_every, on "
+        "SIGTERM/SIGINT and at the end; 0: only those")
+    keep_resume: int = Field(2, ge=1, description="resume points kept per run (older ones are deleted)")
+    max_restarts: int = Field(3, ge=0, description="automatic resumes after a crash, a kill or a hang before the "
+                              "run is marked failed")
+    hang_timeout_s: float = Field(60.0, gt=0, description="a run whose trainer makes no progress (no step, no "
+                                  "sign of life) for this long is treated as crashed: killed and resumed")
+    max_nonfinite_steps: int = Field(3, ge=1, description="steps in a row skipped for a non-finite loss or "
+                                     "gradient before the run stops at its last good state")
+    breaker_restarts: int = Field(3, ge=1, description="a service (rollout server, environment workers, sandbox "
+                                  "pool) restarted this many times within breaker_window_s trips the breaker: the "
+                                  "run checkpoints and stops, naming the service")
+    breaker_window_s: float = Field(60.0, gt=0)
+    preflight: Literal["gate", "off"] = Field(
+        "gate", description="gate: a node whose latest preflight failed gets no training run (one missing or older "
+        "than preflight_max_age_s is run first, quick mode); off: no gate (env FACTORY_PREFLIGHT=off also)")
+    preflight_max_age_s: float = Field(86400.0, gt=0)
+
+
 class ExperimentSpec(_Section):
-    """A whole experiment: model, task, SFT warm start, algorithm, rollout, trainer, schedule, seed."""
+    """A whole experiment: model, task, SFT warm start, algorithm, rollout, trainer, schedule, ops, seed."""
 
     name: str = Field("experiment", min_length=1, max_length=80, pattern=r"^[A-Za-z0-9_.-]+$")
     seed: int = 0
@@ -309,6 +336,7 @@ class ExperimentSpec(_Section):
     trainer: TrainerSpec = Field(default_factory=TrainerSpec)
     buffer: BufferSpec = Field(default_factory=BufferSpec)
     schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
+    ops: OpsSpec = Field(default_factory=OpsSpec)
 
     @model_validator(mode="after")
     def _fits_together(self) -> ExperimentSpec:

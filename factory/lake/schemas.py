@@ -42,7 +42,11 @@ from pyiceberg.types import (
 
 NAMESPACE = "factory"
 
-RUN_STATUSES = ("running", "succeeded", "failed")
+# running: first attempt alive; resumed: a later attempt alive; interrupted: stopped by a signal, a hang or a
+# crash with a resume point on disk (resumable); failed: stopped for good (or its process is gone).
+RUN_STATUSES = ("running", "resumed", "succeeded", "failed", "interrupted")
+# Why an attempt of a run ended early (the `interruptions` table).
+INTERRUPTION_CAUSES = ("killed", "signal", "hang", "crash", "crash_loop", "non_finite_loss", "failed_preflight")
 CHECKPOINT_KINDS = ("sft", "rl")
 
 
@@ -145,6 +149,16 @@ RUNS = _table("runs", ("run_id",), [
     ("final_checkpoint", STR, OPT),
     ("started_at", TS, REQ),
     ("ended_at", TS, OPT),
+    # Added with resume and failure isolation (ops); appended so existing tables keep their field ids.
+    ("attempts", LONG, OPT),  # attempts started (1 + restarts)
+    ("restarts", LONG, OPT),  # attempts that resumed from a checkpoint
+    ("interruptions", LONG, OPT),  # rows of `interruptions` for this run
+    ("goodput", DBL, OPT),  # share of wall time spent on steps that count (see factory/ops/goodput.py)
+    ("wall_s", DBL, OPT),  # summed over attempts
+    ("host", STR, OPT),  # where the current attempt runs, and its pid: a reader can tell a dead run
+    ("pid", LONG, OPT),
+    ("heartbeat_at", TS, OPT),  # last sign of life of the current attempt
+    ("error", STR, OPT),  # why it stopped, when it did not succeed
 ])
 
 _STEP_METRICS = (
@@ -159,6 +173,10 @@ STEPS = _table("steps", ("run_id", "step"), [
     ("recorded_at", TS, REQ),
     # Added with the async core; appended so existing tables keep their field ids.
     *[(m, DBL, OPT) for m in ("generator_idle_fraction", "buffer_depth", "rejected", "corrected", "filtered")],
+    # Added with ops: the attempt that recorded the step, samples whose scoring failed (scored 0), and
+    # whether the step was skipped for a non-finite loss or gradient (1.0).
+    ("attempt", LONG, OPT),
+    *[(m, DBL, OPT) for m in ("env_errors", "nonfinite")],
 ], partition=BY_RUN)
 
 CHECKPOINTS = _table("checkpoints", ("run_id", "step"), [
@@ -195,6 +213,7 @@ ROLLOUTS = _table("rollouts", ("run_id", "step", "prompt_id", "sample"), [
     ("staleness", LONG, REQ),
     ("latency_s", DBL, REQ),
     ("recorded_at", TS, REQ),
+    ("reason", STR, OPT),  # why the environment scored it 0 without judging it (raised, timed out, garbage)
 ], partition=BY_RUN)
 
 NODE_HEALTH = _table("node_health", ("node", "check", "recorded_at"), [
@@ -204,7 +223,28 @@ NODE_HEALTH = _table("node_health", ("node", "check", "recorded_at"), [
     ("expected", STR, OPT),
     ("passed", BOOL, REQ),
     ("recorded_at", TS, REQ),
-], partition=BY_DAY)
+    # Added with preflight (factory/ops/preflight.py): one row per check per preflight run.
+    ("preflight_id", STR, OPT),  # one preflight run: all its checks share it
+    ("mode", STR, OPT),  # quick | deep
+    ("threshold", DBL, OPT),  # the numeric floor or ceiling `value` was held to, if any
+    ("unit", STR, OPT),
+    ("duration_s", DBL, OPT),
+    ("message", STR, OPT),  # what failed and what to do, or what was measured
+])
+
+INTERRUPTIONS = _table("interruptions", ("run_id", "attempt"), [
+    ("run_id", STR, REQ),
+    ("attempt", LONG, REQ),  # the attempt that was interrupted
+    ("cause", STR, REQ),  # one of INTERRUPTION_CAUSES
+    ("detail", STR, OPT),  # the error, the signal, the service and its last stderr lines
+    ("last_step", LONG, OPT),  # last step the attempt recorded
+    ("resumed_from_step", LONG, OPT),  # the checkpoint the next attempt started from
+    ("steps_lost", LONG, OPT),  # last_step - resumed_from_step: steps trained again
+    ("failed_at", TS, OPT),  # last sign of life of the interrupted attempt
+    ("detect_s", DBL, OPT),  # failure -> noticed
+    ("recover_s", DBL, OPT),  # noticed -> the next attempt trained its first step
+    ("recorded_at", TS, REQ),
+], partition=BY_RUN)
 
 SWEEP_STATUSES = ("queued", "running", "succeeded", "failed")
 SWEEPS = _table("sweeps", ("sweep_id", "member"), [
@@ -221,7 +261,8 @@ SWEEPS = _table("sweeps", ("sweep_id", "member"), [
     ("recorded_at", TS, REQ),
 ])
 
-TABLES: dict[str, TableDef] = {t.name: t for t in (RUNS, STEPS, CHECKPOINTS, EVALS, ROLLOUTS, NODE_HEALTH, SWEEPS)}
+TABLES: dict[str, TableDef] = {t.name: t for t in (RUNS, STEPS, CHECKPOINTS, EVALS, ROLLOUTS, NODE_HEALTH, SWEEPS,
+                                                   INTERRUPTIONS)}
 
 
 def table_def(name: str) -> TableDef:
