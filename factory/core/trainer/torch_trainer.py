@@ -2,6 +2,11 @@
 
 It knows nothing of the algorithm: the loss function receives the new logprobs and the batch
 (with whatever per-token tensors the algorithm put there) and returns (loss, metrics).
+
+A minibatch whose loss or gradient norm is NaN/inf is not applied: its gradients are dropped and the
+optimizer is not stepped, so the parameters and the AdamW state stay exactly as they were (one bad batch
+would otherwise poison the moments for good). `step` reports the share of such minibatches as `nonfinite`;
+the loop decides when too many in a row stop a run.
 """
 
 from __future__ import annotations
@@ -48,25 +53,37 @@ class TorchTrainer:
 
     def step(self, batch: TrainBatch, loss_fn: LossFn, minibatches: int = 1,
              generator: torch.Generator | None = None) -> dict[str, float]:
-        """One optimizer step per minibatch over a shuffled split of `batch`; returns mean metrics."""
+        """One optimizer step per minibatch over a shuffled split of `batch`; returns mean metrics.
+
+        A minibatch with a non-finite loss or gradient norm is skipped (gradients dropped, no optimizer step,
+        `version` not advanced); `nonfinite` is the fraction of minibatches skipped (0.0 or 1.0 with one), and
+        `loss` / `grad_norm` are the values observed, NaN or inf included."""
         self.model.train()
         t0 = time.perf_counter()
         order = torch.randperm(len(batch), generator=generator) if minibatches > 1 else torch.arange(len(batch))
+        chunks = order.chunk(minibatches)
         sums: dict[str, float] = {}
-        for chunk in order.chunk(minibatches):
+        skipped = 0
+        for chunk in chunks:
             mb = batch.select(chunk)
             logp, entropy = token_logprobs(self.model, mb, self.temperature, with_entropy=True)
             loss, metrics = loss_fn(logp, mb)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            # The total norm before clipping: NaN/inf if any gradient element is (clipping cannot repair it).
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-            self.optimizer.step()
-            self.version += 1
+            if torch.isfinite(loss.detach()).all() and torch.isfinite(grad_norm):
+                self.optimizer.step()
+                self.version += 1
+            else:
+                self.optimizer.zero_grad(set_to_none=True)
+                skipped += 1
             mask = mb.loss_mask
             ent = (entropy * mask).sum() / mask.sum().clamp(min=1)
             for k, v in {**metrics, "loss": loss.item(), "grad_norm": float(grad_norm),
                          "entropy": ent.item()}.items():
                 sums[k] = sums.get(k, 0.0) + v / minibatches
+        sums["nonfinite"] = skipped / len(chunks)
         sums["train_s"] = time.perf_counter() - t0
         sums["tokens"] = float(batch.n_tokens)
         return sums
