@@ -1,7 +1,8 @@
 """The rollout server: an OpenAI-compatible HTTP API (FastAPI + uvicorn) over a `ContinuousEngine`.
 
-Owns the HTTP surface, request validation, the chat template, the session records and the launcher; sampling is
-the engine's. Endpoints:
+Owns the HTTP surface, the routes' logic and the launcher; the request bodies and errors are in `api_models.py`,
+the chat template and tool calls in `chat.py`, the session records in `sessions.py`; sampling is the engine's.
+Endpoints:
 
 - OpenAI: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (no streaming). The `openai`
   client works unchanged; `model` may be any name.
@@ -34,24 +35,17 @@ continue a recorded turn (same earlier messages, then that turn's reply verbatim
 prompt is built from that turn's exact prompt + completion ids followed by the template of the new messages:
 the episode's token stream is never re-tokenized, and the last turn's `prompt_token_ids + token_ids` is the whole
 episode.
-
-Chat template for tokenizers without one (our character tokenizers): `<bos>`, then each message's content
-tokens in order, with `<eos>` after every assistant message; nothing is added for the reply. So a single user
-message gives exactly the completions prompt of its text. Roles are not marked (the character vocabularies have
-no role tokens). Tokenizers with a `chat_template` use it (`apply_chat_template`, add_generation_prompt=True).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import re
 import secrets
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,15 +53,39 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict
 from torch import Tensor
 
+from factory.core.rollout.api_models import (
+    DEFAULT_COMPLETION_MAX_TOKENS,
+    MAX_N,
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    PauseRequest,
+    UpdateFromDiskRequest,
+    _error_response,
+    _SamplingRequest,
+)
 from factory.core.rollout.base import Completion, SamplingParams
+from factory.core.rollout.chat import (
+    TOOL_CALL,
+    ChatTemplate,
+    _encode,
+    _message_text,
+    _same_reply,
+    parse_tool_calls,
+)
 from factory.core.rollout.continuous import PAUSE_MODES, UPDATE_MODES, ContinuousEngine
+from factory.core.rollout.sessions import SessionStore, Turn
+
+# The request models, chat template and sessions live in their own modules; their public names are importable
+# from here too.
+__all__ = ["DEFAULT_COMPLETION_MAX_TOKENS", "MAX_N", "SESSION_HEADER", "TOOL_CALL", "APIError", "ChatRequest",
+           "ChatTemplate", "CompletionRequest", "DeltaDecoder", "PauseRequest", "RolloutServer", "ServerHandle",
+           "SessionStore", "Turn", "UpdateFromDiskRequest", "create_app", "engine_from_checkpoint", "launch_server",
+           "load_weights_dir", "parse_tool_calls", "serve", "weight_update_decoder"]
 
 SESSION_HEADER = "x-session-id"
-DEFAULT_COMPLETION_MAX_TOKENS = 16  # the OpenAI default for /v1/completions
-MAX_N = 256
 
 # Turns a weight-update request body, the served weights (a copy) and their version into the new state dict and
 # the version the payload names (None: the request's ?version=, else the current version + 1).
@@ -82,230 +100,6 @@ def weight_update_decoder(payload: bytes, current: Mapping[str, Tensor],
 
     update = WeightUpdate.from_bytes(payload)
     return apply_update(dict(current), update, current_version), update.version
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
-
-
-def _error_response(status: int, message: str, param: str | None = None,
-                    kind: str = "invalid_request_error") -> JSONResponse:
-    # OpenAI's error shape; the openai client raises BadRequestError etc. with this message.
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None},
-                         "success": False, "message": message}, status_code=status)
-
-
-# ---------------------------------------------------------------------------------------------- request bodies
-class _SamplingRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")  # OpenAI clients send fields we do not use (user, metadata, ...)
-
-    model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    stream: bool | None = False
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    session_id: str | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-
-
-class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = DEFAULT_COMPLETION_MAX_TOKENS
-    logprobs: int | None = None
-    echo: bool | None = False
-    best_of: int | None = None
-    suffix: str | None = None
-
-
-class ChatRequest(_SamplingRequest):
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]] | None = None  # offered: replies' <tool_call> blocks come back as tool_calls
-    tool_choice: str | dict[str, Any] | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = False
-    top_logprobs: int | None = None
-
-
-class UpdateFromDiskRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")  # SGLang's load_format, flush_cache, ... are accepted and ignored
-
-    model_path: str
-    version: int | None = None
-    weight_version: int | str | None = None  # SGLang's name for it
-    mode: str = "finish_old"
-
-
-class PauseRequest(BaseModel):
-    mode: str = "drain"
-    wait: bool = False  # drain mode: answer once running sequences have finished
-    timeout: float = 60.0
-
-
-# ---------------------------------------------------------------------------------------------- sessions
-@dataclass
-class Turn:
-    endpoint: str  # "completions" or "chat"
-    choice: int
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    logprobs: list[float]
-    token_versions: list[int]
-    weight_version: int
-    finish_reason: str
-    text: str
-    messages: list[dict[str, str]] | None = None  # chat: the request's messages (normalized)
-    continues_turn: int | None = None  # chat: the turn whose exact ids start this prompt
-    reply: dict[str, str] | None = None  # chat: the reply as a normalized assistant message (tool calls parsed)
-    created: float = field(default_factory=time.time)
-
-    def to_json(self, index: int) -> dict:
-        return {"turn": index, **{k: v for k, v in vars(self).items()}}
-
-
-class SessionStore:
-    """Turns recorded per session id, the least recently used sessions dropped past `max_sessions`."""
-
-    def __init__(self, max_sessions: int = 10_000):
-        self.max_sessions = max_sessions
-        self._sessions: OrderedDict[str, list[Turn]] = OrderedDict()
-
-    def get(self, sid: str) -> list[Turn] | None:
-        turns = self._sessions.get(sid)
-        if turns is not None:
-            self._sessions.move_to_end(sid)
-        return turns
-
-    def add(self, sid: str, turns: list[Turn]) -> int:
-        """Record turns; return the index of the first."""
-        rec = self._sessions.setdefault(sid, [])
-        self._sessions.move_to_end(sid)
-        first = len(rec)
-        rec.extend(turns)
-        while len(self._sessions) > self.max_sessions:
-            self._sessions.popitem(last=False)
-        return first
-
-    def delete(self, sid: str) -> bool:
-        return self._sessions.pop(sid, None) is not None
-
-
-# ---------------------------------------------------------------------------------------------- chat template
-def _message_text(msg: dict[str, Any], i: int) -> dict[str, str]:
-    role = msg.get("role")
-    if role == "developer":
-        role = "system"
-    if role not in ("system", "user", "assistant", "tool"):
-        raise APIError(400, f"messages[{i}].role must be system, user, assistant or tool, got {role!r}",
-                       f"messages[{i}].role")
-    content = msg.get("content")
-    if content is None:
-        content = ""
-    if isinstance(content, list):  # content parts: only text is supported
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError(400, f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
-            parts.append(part["text"])
-        content = "".join(parts)
-    if not isinstance(content, str):
-        raise APIError(400, f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
-    out = {"role": role, "content": content}
-    if role == "assistant" and msg.get("tool_calls"):
-        calls = []
-        for c in msg["tool_calls"]:
-            fn = (c or {}).get("function") or {}
-            try:
-                args = json.loads(fn.get("arguments") or "{}")
-            except (TypeError, ValueError) as e:
-                raise APIError(400, f"messages[{i}].tool_calls: arguments must be a JSON string",
-                               f"messages[{i}].tool_calls") from e
-            calls.append({"name": fn.get("name"), "arguments": args})
-        out["tool_calls"] = json.dumps(calls, sort_keys=True)  # compared, not rendered: see _chat_prompt
-        out["content"] = content + "".join(_tool_call_text(c) for c in calls)
-    return out
-
-
-TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
-
-
-def _tool_call_text(call: dict[str, Any]) -> str:
-    """How a tool call is written in the conversation (Hermes style): what the model emits, and what an assistant
-    message with tool_calls renders to."""
-    return f"<tool_call>{json.dumps({'name': call['name'], 'arguments': call['arguments']})}</tool_call>"
-
-
-def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """Tool calls written as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in a reply: the text
-    around them and the calls in OpenAI's shape. A block that is not such JSON stays text."""
-    calls, kept, pos = [], [], 0
-    for m in TOOL_CALL.finditer(text):
-        try:
-            obj = json.loads(m.group(1))
-        except ValueError:
-            continue
-        args = obj.get("arguments", {}) if isinstance(obj, dict) else None
-        if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except ValueError:
-                args = None
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(args, dict):
-            continue
-        kept.append(text[pos:m.start()])
-        pos = m.end()
-        calls.append({"id": f"call_{secrets.token_hex(8)}", "type": "function",
-                      "function": {"name": obj["name"], "arguments": json.dumps(args)}})
-    kept.append(text[pos:])
-    content = "".join(kept).strip()
-    return (content or None), calls
-
-
-def _same_reply(sent: dict[str, str], reply: dict[str, str], raw_text: str) -> bool:
-    """Whether an assistant message a client sent back is the reply this turn gave: the same content and the same
-    tool calls (ids and JSON formatting aside), or the raw text itself."""
-    if sent.get("role") != "assistant":
-        return False
-    if "tool_calls" in reply or "tool_calls" in sent:
-        return sent.get("tool_calls") == reply.get("tool_calls") and \
-            (sent["content"] == reply["content"])
-    return sent["content"] in (reply["content"], raw_text)
-
-
-class ChatTemplate:
-    """Renders messages to prompt token ids (see the module docstring for the built-in template)."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.native = bool(getattr(tokenizer, "chat_template", None))
-
-    def render(self, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
-        tok = self.tokenizer
-        if self.native:  # tool calls are already written into the content (Hermes style)
-            plain = [{"role": m["role"], "content": m["content"]} for m in messages]
-            ids = tok.apply_chat_template(plain, add_generation_prompt=generation_prompt, tokenize=True)
-            return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
-        out = [tok.bos_token_id] if tok.bos_token_id is not None else []
-        for m in messages:
-            out += _encode(tok, m["content"], special=False)
-            if m["role"] == "assistant":
-                out.append(tok.eos_token_id)
-        return out
-
-
-def _encode(tokenizer, text: str, special: bool = True) -> list[int]:
-    try:
-        return list(tokenizer(text, add_special_tokens=special).input_ids)
-    except Exception as e:  # e.g. a character outside a character tokenizer's alphabet
-        raise APIError(400, f"the tokenizer cannot encode {text[:40]!r}: {e}", "prompt") from e
 
 
 # ---------------------------------------------------------------------------------------------- weights on disk

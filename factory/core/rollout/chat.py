@@ -1,0 +1,129 @@
+"""The rollout server's chat side: messages to prompt ids (the chat template) and Hermes-style tool calls.
+
+Chat template for tokenizers without one (our character tokenizers): `<bos>`, then each message's content
+tokens in order, with `<eos>` after every assistant message; nothing is added for the reply. So a single user
+message gives exactly the completions prompt of its text. Roles are not marked (the character vocabularies have
+no role tokens). Tokenizers with a `chat_template` use it (`apply_chat_template`, add_generation_prompt=True).
+
+Tool calls: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks in a reply come back as OpenAI
+`tool_calls`; an assistant message with `tool_calls` sent back renders to that text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from collections.abc import Mapping
+from typing import Any
+
+from factory.core.rollout.api_models import APIError
+
+
+def _message_text(msg: dict[str, Any], i: int) -> dict[str, str]:
+    role = msg.get("role")
+    if role == "developer":
+        role = "system"
+    if role not in ("system", "user", "assistant", "tool"):
+        raise APIError(400, f"messages[{i}].role must be system, user, assistant or tool, got {role!r}",
+                       f"messages[{i}].role")
+    content = msg.get("content")
+    if content is None:
+        content = ""
+    if isinstance(content, list):  # content parts: only text is supported
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise APIError(400, f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
+            parts.append(part["text"])
+        content = "".join(parts)
+    if not isinstance(content, str):
+        raise APIError(400, f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
+    out = {"role": role, "content": content}
+    if role == "assistant" and msg.get("tool_calls"):
+        calls = []
+        for c in msg["tool_calls"]:
+            fn = (c or {}).get("function") or {}
+            try:
+                args = json.loads(fn.get("arguments") or "{}")
+            except (TypeError, ValueError) as e:
+                raise APIError(400, f"messages[{i}].tool_calls: arguments must be a JSON string",
+                               f"messages[{i}].tool_calls") from e
+            calls.append({"name": fn.get("name"), "arguments": args})
+        out["tool_calls"] = json.dumps(calls, sort_keys=True)  # compared, not rendered: see _chat_prompt
+        out["content"] = content + "".join(_tool_call_text(c) for c in calls)
+    return out
+
+
+TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
+
+
+def _tool_call_text(call: dict[str, Any]) -> str:
+    """How a tool call is written in the conversation (Hermes style): what the model emits, and what an assistant
+    message with tool_calls renders to."""
+    return f"<tool_call>{json.dumps({'name': call['name'], 'arguments': call['arguments']})}</tool_call>"
+
+
+def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """Tool calls written as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in a reply: the text
+    around them and the calls in OpenAI's shape. A block that is not such JSON stays text."""
+    calls, kept, pos = [], [], 0
+    for m in TOOL_CALL.finditer(text):
+        try:
+            obj = json.loads(m.group(1))
+        except ValueError:
+            continue
+        args = obj.get("arguments", {}) if isinstance(obj, dict) else None
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                args = None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(args, dict):
+            continue
+        kept.append(text[pos:m.start()])
+        pos = m.end()
+        calls.append({"id": f"call_{secrets.token_hex(8)}", "type": "function",
+                      "function": {"name": obj["name"], "arguments": json.dumps(args)}})
+    kept.append(text[pos:])
+    content = "".join(kept).strip()
+    return (content or None), calls
+
+
+def _same_reply(sent: dict[str, str], reply: dict[str, str], raw_text: str) -> bool:
+    """Whether an assistant message a client sent back is the reply this turn gave: the same content and the same
+    tool calls (ids and JSON formatting aside), or the raw text itself."""
+    if sent.get("role") != "assistant":
+        return False
+    if "tool_calls" in reply or "tool_calls" in sent:
+        return sent.get("tool_calls") == reply.get("tool_calls") and \
+            (sent["content"] == reply["content"])
+    return sent["content"] in (reply["content"], raw_text)
+
+
+class ChatTemplate:
+    """Renders messages to prompt token ids (see the module docstring for the built-in template)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.native = bool(getattr(tokenizer, "chat_template", None))
+
+    def render(self, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
+        tok = self.tokenizer
+        if self.native:  # tool calls are already written into the content (Hermes style)
+            plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+            ids = tok.apply_chat_template(plain, add_generation_prompt=generation_prompt, tokenize=True)
+            return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
+        out = [tok.bos_token_id] if tok.bos_token_id is not None else []
+        for m in messages:
+            out += _encode(tok, m["content"], special=False)
+            if m["role"] == "assistant":
+                out.append(tok.eos_token_id)
+        return out
+
+
+def _encode(tokenizer, text: str, special: bool = True) -> list[int]:
+    try:
+        return list(tokenizer(text, add_special_tokens=special).input_ids)
+    except Exception as e:  # e.g. a character outside a character tokenizer's alphabet
+        raise APIError(400, f"the tokenizer cannot encode {text[:40]!r}: {e}", "prompt") from e
