@@ -77,11 +77,13 @@ class ServiceEnvironment:
 
     A request is routed by its first episode's key, so a retry lands on the same process. If a worker
     process dies, it is restarted and the request is sent again whole (scoring is a pure function of the
-    request), so no episode is lost or scored twice into the buffer.
+    request), so no episode is lost or scored twice into the buffer. A worker restarted `breaker_restarts`
+    times within `breaker_window_s` is not restarted again: the request raises `CircuitOpen` with its log tail.
     """
 
     def __init__(self, latency_unit_s: float = 0.0, processes: int = 1, timeout: float = 600.0,
-                 max_connections: int = 256, workdir: str | Path | None = None, env: dict[str, str] | None = None):
+                 max_connections: int = 256, workdir: str | Path | None = None, env: dict[str, str] | None = None,
+                 breaker_restarts: int = 3, breaker_window_s: float = 60.0):
         if processes < 1:
             raise ValueError(f"processes must be >= 1, got {processes}")
         self.timeout, self.max_connections = timeout, max_connections
@@ -96,7 +98,8 @@ class ServiceEnvironment:
                     f"env-worker-{i}",
                     [sys.executable, "-m", "factory.cli", "env-serve", "--port", "{port}",
                      "--latency-unit", repr(latency_unit_s)],
-                    log_path=self.workdir / f"env-worker-{i}.log", startup_timeout=min(timeout, 120.0), env=env).start()
+                    log_path=self.workdir / f"env-worker-{i}.log", startup_timeout=min(timeout, 120.0), env=env,
+                    breaker_restarts=breaker_restarts, breaker_window_s=breaker_window_s).start()
                 self.services.append(svc)
                 self._clients.append(self._client(svc))
         except BaseException:
@@ -161,10 +164,11 @@ class ServiceEnvironment:
 
 
 def make_environment(latency_unit_s: float, medium: str, processes: int = 1, timeout: float = 600.0,
-                     sandbox_workers: int = 4,
-                     sandbox_isolation: str = "bwrap") -> LocalEnvironment | ServiceEnvironment:
+                     sandbox_workers: int = 4, sandbox_isolation: str = "bwrap", breaker_restarts: int = 3,
+                     breaker_window_s: float = 60.0) -> LocalEnvironment | ServiceEnvironment:
     """Episodes in this process or in worker processes; either way generated code and tools run in a sandbox
-    pool of `sandbox_workers` with `sandbox_isolation` (in the process that scores)."""
+    pool of `sandbox_workers` with `sandbox_isolation` (in the process that scores). Worker processes are
+    supervised with a circuit breaker (`ops.breaker_restarts` within `ops.breaker_window_s`)."""
     if medium == "in_process":
         from factory.envs.tasks import configure_sandbox
 
@@ -173,5 +177,6 @@ def make_environment(latency_unit_s: float, medium: str, processes: int = 1, tim
     if medium == "service":
         return ServiceEnvironment(latency_unit_s, processes=processes, timeout=timeout,
                                   env={"FACTORY_SANDBOX_SIZE": str(sandbox_workers),
-                                       "FACTORY_SANDBOX_ISOLATION": sandbox_isolation})
+                                       "FACTORY_SANDBOX_ISOLATION": sandbox_isolation},
+                                  breaker_restarts=breaker_restarts, breaker_window_s=breaker_window_s)
     raise ValueError(f"rollout.environment: expected 'in_process' or 'service', got {medium!r}")

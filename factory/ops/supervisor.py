@@ -4,6 +4,10 @@ The rollout server runs as its own process; when it crashes mid-generation the o
 `ServiceProcess.ensure_alive()` (or wraps calls in `retry_through_restarts`), which restarts it
 on the same port and lets the caller retry. Callers keep requests idempotent (whole prompt groups
 are retried, keyed by group id), so a restart neither loses nor double-counts work.
+
+A circuit breaker stops a crash loop: a service restarted `breaker_restarts` times within
+`breaker_window_s` seconds is not restarted again; `ensure_alive()` / `recover()` raise `CircuitOpen`
+with the tail of its log, so the run can stop cleanly and say which service failed and why.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -35,6 +40,19 @@ class ServiceUnavailable(RuntimeError):
     """The service could not be (re)started healthy within its limits."""
 
 
+class CircuitOpen(ServiceUnavailable):
+    """The service crashed too often in too short a time; it is not restarted again."""
+
+
+@dataclass(frozen=True)
+class Restart:
+    at: float  # the supervisor's clock (monotonic by default) when the restart began
+    exit_code: int | None  # how the previous process ended (negative: killed by that signal)
+
+
+LOG_TAIL_LINES = 20
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -46,11 +64,20 @@ class ServiceProcess:
 
     `argv` may contain `{port}`, replaced by the port (kept across restarts so clients need no
     new address). Output goes to `log_path` (appended; one file across restarts).
+
+    Restarts are bounded twice: `max_restarts` over the service's life, and the circuit breaker: the
+    `breaker_restarts`+1-th restart needed within `breaker_window_s` seconds raises `CircuitOpen` instead,
+    and so does every later attempt (the breaker stays open). `clock` measures the window.
     """
 
     def __init__(self, name: str, argv: Sequence[str], port: int | None = None, health_path: str = "/health",
                  env: dict[str, str] | None = None, log_path: str | Path | None = None,
-                 startup_timeout: float = 60.0, max_restarts: int = 5, cwd: str | Path | None = None):
+                 startup_timeout: float = 60.0, max_restarts: int = 5, cwd: str | Path | None = None,
+                 breaker_restarts: int = 3, breaker_window_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic):
+        if breaker_restarts < 1 or not breaker_window_s > 0:
+            raise ValueError(f"{name}: breaker_restarts must be >= 1 and breaker_window_s > 0, got "
+                             f"{breaker_restarts} and {breaker_window_s}")
         self.name = name
         self.port = port or free_port()
         self.argv = [a.replace("{port}", str(self.port)) for a in argv]
@@ -62,8 +89,32 @@ class ServiceProcess:
         self.startup_timeout = startup_timeout
         self.max_restarts = max_restarts
         self.restarts = 0
+        self.breaker_restarts, self.breaker_window_s, self._clock = breaker_restarts, breaker_window_s, clock
+        self._history: list[Restart] = []
+        self._open: str | None = None  # the CircuitOpen message once the breaker tripped
         self._proc: subprocess.Popen | None = None
         self._lock = threading.Lock()
+
+    @property
+    def restart_history(self) -> tuple[Restart, ...]:
+        """Every restart so far, oldest first (`restarts` is their count)."""
+        return tuple(self._history)
+
+    @property
+    def breaker_open(self) -> bool:
+        return self._open is not None
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        """The last `lines` lines of the service's output (its log file), or why there are none."""
+        if self.log_path is None:
+            return "(output not kept: no log_path)"
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 64 * 1024))  # the tail of a log can be huge
+                text = f.read().decode("utf-8", errors="replace")
+        except OSError as e:
+            return f"(cannot read {self.log_path}: {e})"
+        return "\n".join(text.splitlines()[-lines:]) or f"({self.log_path} is empty)"
 
     @property
     def pid(self) -> int | None:
@@ -95,7 +146,8 @@ class ServiceProcess:
                 if self._proc.poll() is not None:
                     raise ServiceUnavailable(
                         f"{self.name}: process exited with code {self._proc.returncode} before it was healthy "
-                        f"(command: {' '.join(self.argv)}; log: {self.log_path or 'not kept'})")
+                        f"(command: {' '.join(self.argv)}; log: {self.log_path or 'not kept'}); last lines:\n"
+                        f"{self.log_tail()}")
                 try:
                     if client.get(self.health_url).status_code == 200:
                         log.info("%s healthy on %s (pid %s)", self.name, self.url, self._proc.pid)
@@ -109,14 +161,28 @@ class ServiceProcess:
                                  f"({last_error})")
 
     def ensure_alive(self) -> bool:
-        """Restart the service if its process has died; True if a restart happened."""
+        """Restart the service if its process has died; True if a restart happened. `CircuitOpen` when it
+        has crashed too often lately (and ever after); `ServiceUnavailable` past `max_restarts`."""
         with self._lock:
+            if self._open is not None:
+                raise CircuitOpen(self._open)
             if self.alive():
                 return False
             code = self._proc.returncode if self._proc else None
+            now = self._clock()
+            recent = [r for r in self._history if now - r.at <= self.breaker_window_s]
+            if len(recent) >= self.breaker_restarts:
+                self._open = (f"{self.name}: circuit open: it died again (exit {code}) after {len(recent)} "
+                              f"restarts within {self.breaker_window_s:g}s (ops.breaker_restarts="
+                              f"{self.breaker_restarts}, ops.breaker_window_s={self.breaker_window_s:g}); not "
+                              f"restarting it. Last lines of {self.log_path or 'its output'}:\n{self.log_tail()}")
+                log.error("%s", self._open)
+                raise CircuitOpen(self._open)
             if self.restarts >= self.max_restarts:
                 raise ServiceUnavailable(f"{self.name}: died (exit {code}) and already restarted "
-                                         f"{self.restarts} times (max_restarts={self.max_restarts})")
+                                         f"{self.restarts} times (max_restarts={self.max_restarts}); last lines "
+                                         f"of {self.log_path or 'its output'}:\n{self.log_tail()}")
+            self._history.append(Restart(now, code))
             self.restarts += 1
             log.warning("%s died (exit %s); restart %d/%d", self.name, code, self.restarts, self.max_restarts)
             self._spawn()

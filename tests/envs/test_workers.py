@@ -11,6 +11,7 @@ from factory.envs.arithmetic import Problem
 from factory.envs.latency import LatencyProfile
 from factory.envs.service import SCORERS, score_completions
 from factory.envs.workers import Episode, LocalEnvironment, ServiceEnvironment, make_environment
+from factory.ops.supervisor import CircuitOpen
 
 P = Problem(id="p1", prompt="12+30=", answer="24", op="add", digits=2)
 EPISODES = [Episode(key=f"p1-{k}", problem=P, completions=["24", "42", " 24 ", ""]) for k in range(6)]
@@ -51,6 +52,22 @@ def test_a_killed_worker_is_restarted_and_the_request_repeated(service):
         s.kill(signal.SIGKILL)
     assert service.score(EPISODES[:1]) == first
     assert sum(s.restarts for s in service.services) == restarts + 1  # only the one the request went to
+
+
+def test_a_crash_looping_worker_trips_the_breaker_and_is_not_restarted():
+    env = make_environment(0.0, "service", processes=1, timeout=60, breaker_restarts=1, breaker_window_s=3600.0)
+    try:
+        worker = env.services[0]
+        first = env.score(EPISODES[:1])
+        worker.kill(signal.SIGKILL)
+        assert env.score(EPISODES[:1]) == first  # one restart within the window is allowed
+        worker.kill(signal.SIGKILL)
+        with pytest.raises(CircuitOpen, match=r"env-worker-0: circuit open: it died again \(exit -9\) after 1 "
+                                              r"restarts within 3600s"):
+            env.score(EPISODES[:1])
+        assert worker.restarts == 1 and not worker.alive() and worker.breaker_open
+    finally:
+        env.close()
 
 
 def test_a_bad_request_is_refused_naming_the_field(service):

@@ -1,5 +1,7 @@
-"""A tiny HTTP service for supervisor tests: /health, /echo?x=, and /hang (hangs once, then answers)."""
+"""A tiny HTTP service for supervisor tests: /health, /echo?x=, /hang (hangs once, then answers), and /crash (says
+why on stderr and exits with code 3, like a service hitting a fatal bug on a poisoned request)."""
 
+import os
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -13,6 +15,11 @@ forever = threading.Event()
 class Handler(BaseHTTPRequestHandler):
     def do_GET(self):  # noqa: N802 - http.server's naming
         url = urlparse(self.path)
+        if url.path == "/crash":
+            sys.stderr.write("Traceback (most recent call last):\n"
+                             f"RuntimeError: poisoned request in pid {os.getpid()}\n")
+            sys.stderr.flush()
+            os._exit(3)
         if url.path == "/hang" and not MARKER.exists():
             MARKER.write_text("hanging")  # the test kills us once it sees this
             forever.wait()

@@ -1,4 +1,5 @@
-"""Supervised services: health-gated start, restart after a kill, retry of an interrupted call."""
+"""Supervised services: health-gated start, restart after a kill, retry of an interrupted call, and the circuit
+breaker that stops a crash loop."""
 
 import sys
 import threading
@@ -7,7 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from factory.ops.supervisor import ServiceProcess, ServiceUnavailable, retry_through_restarts
+from factory.ops.supervisor import CircuitOpen, ServiceProcess, ServiceUnavailable, retry_through_restarts
 
 SCRIPT = str(Path(__file__).with_name("flaky_service.py"))
 
@@ -67,3 +68,60 @@ def test_restart_budget_is_enforced(tmp_path):
         svc.kill()
         with pytest.raises(ServiceUnavailable, match="already restarted 1 times"):
             svc.ensure_alive()
+
+
+def crash(svc: ServiceProcess) -> None:
+    """A poisoned request: the service writes a traceback to stderr and dies under it."""
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"{svc.url}/crash", timeout=30)
+
+
+def test_a_crash_looping_service_trips_the_breaker_with_its_stderr_tail(tmp_path):
+    with service(tmp_path, breaker_restarts=3, breaker_window_s=3600.0) as svc:
+        for _ in range(3):
+            crash(svc)
+            assert svc.recover() is True
+        last_pid = svc.pid
+        crash(svc)
+        with pytest.raises(CircuitOpen) as err:
+            svc.recover()
+        msg = str(err.value)
+        assert isinstance(err.value, ServiceUnavailable)  # callers that catch that still stop
+        assert msg.startswith("flaky: circuit open") and "after 3 restarts within 3600s" in msg
+        assert "ops.breaker_restarts=3" in msg and str(tmp_path / "svc.log") in msg
+        assert msg.rstrip().endswith(f"RuntimeError: poisoned request in pid {last_pid}")  # the stderr tail
+        assert len(msg.split("Last lines of")[1].splitlines()) <= 1 + 20
+        assert [r.exit_code for r in svc.restart_history] == [3, 3, 3] and svc.restarts == 3
+        # Open for good: asked again, it refuses without starting anything.
+        with pytest.raises(CircuitOpen, match="circuit open"):
+            svc.ensure_alive()
+        assert not svc.alive() and svc.restarts == 3 and svc.breaker_open
+
+
+def test_a_service_that_crashes_rarely_never_trips(tmp_path):
+    now = [1000.0]  # the supervisor's clock, moved by the test: crashes hours apart without waiting hours
+    with service(tmp_path, breaker_restarts=1, breaker_window_s=60.0, clock=lambda: now[0]) as svc:
+        for _ in range(4):
+            now[0] += 61.0  # each crash comes after the window of the previous restart has passed
+            crash(svc)
+            assert svc.recover() is True
+            assert httpx.get(f"{svc.url}/echo?x=up").text == "up"
+        assert svc.restarts == 4 and not svc.breaker_open
+        assert [r.at for r in svc.restart_history] == [1061.0, 1122.0, 1183.0, 1244.0]
+        now[0] += 30.0  # but one within the window of the last restart trips it
+        crash(svc)
+        with pytest.raises(CircuitOpen, match="after 1 restarts within 60s"):
+            svc.recover()
+        assert svc.restarts == 4
+
+
+def test_a_service_dying_at_startup_shows_its_last_log_lines(tmp_path):
+    argv = [sys.executable, "-c", "import sys; sys.stderr.write('fatal: no config\\n'); raise SystemExit(3)"]
+    bad = ServiceProcess("broken", argv, log_path=tmp_path / "broken.log", startup_timeout=10)
+    with pytest.raises(ServiceUnavailable, match="(?s)exited with code 3.*fatal: no config"):
+        bad.start()
+
+
+def test_breaker_settings_are_checked():
+    with pytest.raises(ValueError, match="breaker_restarts must be >= 1"):
+        ServiceProcess("x", ["true"], breaker_restarts=0)
