@@ -3,6 +3,11 @@
 Iceberg is the system of record; MLflow is a view. `Tracker` wraps `mlflow.MlflowClient` on a SQLite
 backend under FACTORY_HOME (MLflow 3 refuses the plain file store) and never touches MLflow's global
 "active run" state, so one process can drive many runs at once (a sweep, a Dagster worker).
+
+First-time set-up of the SQLite store is a multi-step Alembic migration that is not safe to run twice at
+once (processes racing on a fresh home failed with `table trace_info already exists` and left a half-made
+mlflow.db that failed every later run). `ensure_sqlite_store` builds the store once, under an flock beside
+mlflow.db, in a temp file renamed into place, so mlflow.db is either absent or complete.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import logging
 import os
 import posixpath
 import re
+import sqlite3
 import tempfile
 import time
 import urllib.parse
@@ -31,7 +37,9 @@ from mlflow.utils.validation import (
     MAX_TAG_VAL_LENGTH,
 )
 
-from factory.home import FactoryPaths, factory_home
+from factory.home import FactoryPaths, factory_home, file_lock
+
+log = logging.getLogger(__name__)
 
 RunStatus = Literal["FINISHED", "FAILED", "KILLED"]
 DEFAULT_UI_URL = "http://127.0.0.1:5000"  # where `make ui` serves the MLflow UI
@@ -67,6 +75,8 @@ class Tracker:
     def __init__(self, paths: FactoryPaths | None = None, tracking_uri: str | None = None) -> None:
         self.paths = paths or factory_home()
         self.tracking_uri = tracking_uri or f"sqlite:///{self.paths.mlflow_db}"
+        if self.tracking_uri.startswith("sqlite:///"):
+            ensure_sqlite_store(Path(self.tracking_uri.removeprefix("sqlite:///")), self.paths.mlflow_artifacts)
         with _quiet_db_setup():
             self.client = MlflowClient(tracking_uri=self.tracking_uri)
             # Touch the store now, so the schema migration (and its log lines) happen here.
@@ -179,6 +189,74 @@ class Tracker:
         return exp.experiment_id
 
 
+# Stores this process has seen complete: later Trackers on them skip the lock and the schema check.
+_complete_stores: set[Path] = set()
+
+
+def ensure_sqlite_store(db: Path, artifact_root: Path) -> None:
+    """Make `db` a complete MLflow store (all tables, schema at MLflow's head revision), safely when many
+    processes start on one fresh home at once: under an flock on `<db>.lock` the store is built in a temp
+    file and renamed into place, so a kill mid-set-up leaves no half-made `db`. A half-made store left by an
+    older Factory that holds no runs is moved aside (`<db>.incomplete-<time>`) and built again; one that holds
+    runs is left alone and refused (RuntimeError naming the file) rather than touched."""
+    db = db.resolve()
+    if db in _complete_stores:
+        return
+    with file_lock(db.with_name(db.name + ".lock")), _quiet_db_setup():
+        for stale in db.parent.glob(db.name + ".setup-*"):  # temp stores of set-ups killed midway
+            stale.unlink(missing_ok=True)
+        state = _store_state(db)
+        if state == "incomplete" and not _has_runs(db):
+            aside = db.with_name(f"{db.name}.incomplete-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")
+            log.warning("tracking: %s is a half-made MLflow store with no runs (an interrupted first set-up); "
+                        "moving it to %s and building it again", db, aside.name)
+            os.replace(db, aside)
+            state = "missing"
+        if state == "missing":
+            _build_store(db, artifact_root)
+            state = _store_state(db)
+        if state != "complete":
+            raise RuntimeError(f"MLflow store {db} is incomplete or out of date and holds runs; back it up, then "
+                               f"run `mlflow db upgrade sqlite:///{db}` or move it aside to start a new one")
+    _complete_stores.add(db)
+
+
+def _build_store(db: Path, artifact_root: Path) -> None:
+    # SqlAlchemyStore runs MLflow's own set-up (tables, every migration, the Default experiment) on the temp
+    # file; the rename then publishes a finished store in one step.
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    tmp = db.with_name(f"{db.name}.setup-{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    store = SqlAlchemyStore(f"sqlite:///{tmp}", artifact_root.as_uri())
+    store.engine.dispose()  # close its connections before the file changes name
+    os.replace(tmp, db)
+
+
+def _store_state(db: Path) -> Literal["missing", "complete", "incomplete"]:
+    """Whether `db` is absent, a complete MLflow store at MLflow's head schema revision, or anything else."""
+    if not db.exists() or db.stat().st_size == 0:
+        return "missing"
+    import sqlalchemy
+    from mlflow.store.db import utils as db_utils  # private helpers; mlflow is pinned to one minor version
+
+    engine = sqlalchemy.create_engine(f"sqlite:///{db}", poolclass=sqlalchemy.pool.NullPool)
+    try:
+        complete = (db_utils._all_tables_exist(engine)
+                    and db_utils._get_schema_version(engine) == db_utils._get_latest_schema_revision())
+    finally:
+        engine.dispose()
+    return "complete" if complete else "incomplete"
+
+
+def _has_runs(db: Path) -> bool:
+    with contextlib.closing(sqlite3.connect(db, timeout=30)) as conn:
+        try:
+            return conn.execute("SELECT 1 FROM runs LIMIT 1").fetchone() is not None
+        except sqlite3.OperationalError:  # no runs table yet
+            return False
+
+
 def flatten_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
     """{'a': {'b': 1}} -> {'a.b': '1'}; keys made MLflow-safe, values str()-ed and truncated."""
     out: dict[str, str] = {}
@@ -211,4 +289,4 @@ def _dir_name(experiment: str) -> str:
     return re.sub(r"[^\w.\-]", "_", experiment) or "default"
 
 
-__all__ = ["Tracker", "flatten_params", "RunStatus", "ui_url"]
+__all__ = ["Tracker", "ensure_sqlite_store", "flatten_params", "RunStatus", "ui_url"]

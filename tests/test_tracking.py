@@ -1,14 +1,20 @@
 """Tracker: runs, params, metrics, tags and artifacts land in MLflow's SQLite store and can be read
-back by an independent MlflowClient."""
+back by an independent MlflowClient; processes starting together on a fresh home all get a complete store."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+import sqlite3
+import subprocess
+import sys
+import time
 
 import pytest
 from mlflow import MlflowClient
 
 from factory.home import factory_home
+from factory.lake import Lake
 from factory.tracking import Tracker, flatten_params
 
 
@@ -105,3 +111,77 @@ def test_nested_run_carries_the_parent_tag(tracker: Tracker):
     exp_id = tracker.get_run(parent).info.experiment_id
     found = tracker.client.search_runs([exp_id], filter_string=f"tags.mlflow.parentRunId = '{parent}'")
     assert sorted(r.info.run_id for r in found) == sorted(kids)
+
+
+# One process of the start-up race: wait for the go file (all start together), then open both stores on the
+# fresh home and write an MLflow run and an Iceberg row.
+_RACER = """
+import datetime as dt, sys, time
+from pathlib import Path
+from factory.home import factory_home
+from factory.lake import Lake
+from factory.tracking import Tracker
+root, go, name = sys.argv[1:]
+Path(go).with_name(f"ready-{name}").touch()
+deadline = time.monotonic() + 120
+while not Path(go).exists():
+    if time.monotonic() > deadline:
+        sys.exit("no go signal")
+    time.sleep(0.002)
+paths = factory_home(root)
+tracker = Tracker(paths)
+run_id = tracker.start_run("race", name)
+tracker.log_metrics(run_id, 0, {"loss": 1.0})
+tracker.end_run(run_id)
+with Lake.open(paths) as lake:
+    lake.upsert("steps", [dict(run_id=name, step=0, weight_version=0, loss=1.0,
+                               recorded_at=dt.datetime(2025, 1, 1, tzinfo=dt.UTC))])
+"""
+
+
+def test_processes_starting_together_on_a_fresh_home_all_succeed(tmp_path):
+    root, go, n = tmp_path / "home", tmp_path / "go", 5
+    procs = [subprocess.Popen([sys.executable, "-c", _RACER, str(root), str(go), f"p{i}"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(n)]
+    try:
+        deadline = time.monotonic() + 120  # imports take seconds on a busy machine
+        while len(list(tmp_path.glob("ready-*"))) < n and time.monotonic() < deadline:
+            assert all(p.poll() is None for p in procs), [p.communicate()[0] for p in procs if p.poll() is not None]
+            time.sleep(0.01)
+        go.touch()
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0] * n, "\n".join(outs)
+
+    # A later process finds a complete home: every racer's run and row, and it can write its own.
+    paths = factory_home(root)
+    tracker = Tracker(paths)
+    exp = tracker.client.get_experiment_by_name("race")
+    runs = tracker.client.search_runs([exp.experiment_id])
+    assert sorted(r.info.run_name for r in runs) == [f"p{i}" for i in range(n)]
+    assert all(r.info.status == "FINISHED" and r.data.metrics == {"loss": 1.0} for r in runs)
+    tracker.end_run(tracker.start_run("race", "later"))
+    with Lake.open(paths) as lake:
+        assert sorted(lake.read("steps")["run_id"].to_pylist()) == [f"p{i}" for i in range(n)]
+    assert not list(paths.mlflow_db.parent.glob("mlflow.db.setup-*"))
+
+
+def test_half_made_store_without_runs_is_rebuilt_and_one_with_runs_refused(tmp_path):
+    # What a racing first set-up used to leave: some tables, an Alembic revision short of the head.
+    paths = factory_home(tmp_path / "home")
+    with contextlib.closing(sqlite3.connect(paths.mlflow_db)) as conn:
+        conn.executescript("CREATE TABLE experiments (experiment_id INTEGER PRIMARY KEY);"
+                           "CREATE TABLE alembic_version (version_num TEXT); INSERT INTO alembic_version VALUES ('x');")
+    tracker = Tracker(paths)
+    tracker.end_run(tracker.start_run("after-repair", "r"))
+    assert len(list(paths.mlflow_db.parent.glob("mlflow.db.incomplete-*"))) == 1  # moved aside, not deleted
+
+    other = factory_home(tmp_path / "other")
+    with contextlib.closing(sqlite3.connect(other.mlflow_db)) as conn:
+        conn.executescript("CREATE TABLE runs (run_uuid TEXT); INSERT INTO runs VALUES ('precious');")
+    with pytest.raises(RuntimeError, match=r"mlflow\.db is incomplete or out of date and holds runs"):
+        Tracker(other)
+    with contextlib.closing(sqlite3.connect(other.mlflow_db)) as conn:
+        assert conn.execute("SELECT run_uuid FROM runs").fetchall() == [("precious",)]

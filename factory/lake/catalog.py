@@ -1,4 +1,8 @@
-"""The Iceberg catalog: open it (SQLite SqlCatalog under FACTORY_HOME by default) and create the tables."""
+"""The Iceberg catalog: open it (SQLite SqlCatalog under FACTORY_HOME by default) and create the tables.
+
+Opening a fresh SQLite catalog and creating its namespace and tables are serialized across processes with
+an flock beside catalog.db: pyiceberg's create_namespace reports a lost race as an IntegrityError, not
+NamespaceAlreadyExistsError, and a create_table that loses leaves an orphan metadata file."""
 
 from __future__ import annotations
 
@@ -16,9 +20,10 @@ from pyiceberg.exceptions import (
     TableAlreadyExistsError,
 )
 from pyiceberg.table import Table
+from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 
-from factory.home import FactoryPaths, factory_home
+from factory.home import FactoryPaths, factory_home, file_lock
 from factory.lake.schemas import NAMESPACE, TABLES, TableDef
 
 log = logging.getLogger(__name__)
@@ -60,16 +65,28 @@ def open_catalog(paths: FactoryPaths | None = None, uri: str | None = None, **pr
             props["uri"] = uri
         return load_catalog(name, **props)
     paths = paths or factory_home()
-    if uri is None:
-        _use_wal(paths.catalog_db)
-        uri = f"sqlite:///{paths.catalog_db}"
+    default = uri is None
+    uri = uri or f"sqlite:///{paths.catalog_db}"
     warehouse = paths.warehouse.as_uri()
-    try:
-        return SqlCatalog(CATALOG_NAME, uri=uri, warehouse=warehouse)
-    except OperationalError:
-        # Two processes creating the catalog's own SQL tables at once: one loses the
-        # CREATE TABLE race; by now the tables exist, so a second open succeeds.
-        return SqlCatalog(CATALOG_NAME, uri=uri, warehouse=warehouse)
+    with _setup_lock(uri):
+        if default:
+            _use_wal(paths.catalog_db)
+        try:
+            return SqlCatalog(CATALOG_NAME, uri=uri, warehouse=warehouse)
+        except OperationalError:
+            # A process of an older Factory (no lock) created the catalog's own SQL tables at the same
+            # time; by now they exist, so a second open succeeds.
+            return SqlCatalog(CATALOG_NAME, uri=uri, warehouse=warehouse)
+
+
+def _setup_lock(uri: str | None) -> contextlib.AbstractContextManager[object]:
+    """An flock beside a local SQLite catalog file (`<file>.lock`); no lock for other catalogs (a REST or SQL
+    server catalog is shared by design and handles its own concurrency)."""
+    url = make_url(uri) if uri else None
+    if url is not None and url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
+        db = Path(url.database)
+        return file_lock(db.with_name(db.name + ".lock"))
+    return contextlib.nullcontext()
 
 
 def _use_wal(db: Path) -> None:
@@ -82,12 +99,15 @@ def _use_wal(db: Path) -> None:
 def ensure_tables(catalog: Catalog) -> dict[str, Table]:
     """Create namespace `factory` and every table in TABLES if missing; bring older tables up to date
     (TABLE_PROPERTIES, columns appended to a schema since, partitioning). Idempotent and safe when
-    processes race. Never rewrites data: a schema or spec change is a metadata-only commit."""
-    try:
-        catalog.create_namespace(NAMESPACE)
-    except NamespaceAlreadyExistsError:
-        pass
-    return {name: _ensure_table(catalog, tdef) for name, tdef in TABLES.items()}
+    processes race (a local SQLite catalog is set up by one process at a time). Never rewrites data: a
+    schema or spec change is a metadata-only commit."""
+    engine = getattr(catalog, "engine", None)  # SqlCatalog's SQLAlchemy engine
+    with _setup_lock(engine.url.render_as_string(hide_password=False) if engine is not None else None):
+        try:
+            catalog.create_namespace(NAMESPACE)
+        except NamespaceAlreadyExistsError:
+            pass
+        return {name: _ensure_table(catalog, tdef) for name, tdef in TABLES.items()}
 
 
 def _ensure_table(catalog: Catalog, tdef: TableDef) -> Table:
