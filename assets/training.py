@@ -46,7 +46,8 @@ def grpo_run(context: AssetExecutionContext, spec: SpecResource, home: FactoryHo
              lake: LakeResource, mlflow: MlflowResource) -> MaterializeResult:
     """GRPO from the SFT checkpoint; every step lands in Iceberg `steps` and in MLflow. While it runs, the run's
     tags show its step, latest reward and ETA; its curves and evals by step are drawn in the metadata."""
-    from factory.experiment import load_dataset, run_grpo
+    from factory.experiment import load_dataset
+    from factory.grpo_run import run_grpo
     from factory.reports import run_pictures
 
     s = spec.spec()

@@ -135,16 +135,70 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    """Train a spec end to end (dataset, SFT, GRPO, report): the same functions the Dagster assets call."""
+    """Train a spec end to end (dataset, SFT, GRPO, report): the same functions the Dagster assets call.
+
+    The GRPO run's attempts run in child processes, restarted (resuming) when one dies or hangs; with
+    --in-process it trains in this process and is not restarted."""
+    if args.resume:
+        if args.spec is not None:
+            error("give a spec or --resume RUN_ID, not both (a run resumes with its own spec)")
+            return EXIT_BAD_INPUT
+        return _resume(home_from(args), args.resume)
+    if args.spec is None:
+        error("a spec is required (or --resume RUN_ID)")
+        return EXIT_BAD_INPUT
     spec, err = _load(args)
     if err is not None:
         print(str(err), file=sys.stderr)
         return EXIT_BAD_INPUT
-    from factory.experiment import run_experiment
+    from factory.experiment import RunFailed, run_experiment
 
-    summary = run_experiment(spec, home_from(args), control=args.control)
+    try:
+        summary = run_experiment(spec, home_from(args), control=args.control, supervised=not args.in_process)
+    except RunFailed as e:
+        error(str(e))
+        return e.code
     print(summary["report"])
     return EXIT_OK
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    """Continue a run that did not finish, from its newest complete resume point (same run_id, same MLflow run)."""
+    return _resume(home_from(args), args.run_id)
+
+
+def _resume(paths: FactoryPaths, run_id: str) -> int:
+    from factory.experiment import eval_summary, render_report
+    from factory.lake import Lake
+    from factory.ops import recovery
+    from factory.ops.restarts import spec_of_run, supervise
+
+    with Lake.open(paths) as lake:
+        row = recovery.run_row(lake, run_id)
+        if row is None:
+            error(f"no run {run_id!r} in the lake (see `factory runs`)")
+            return EXIT_BAD_INPUT
+        if row["status"] == "succeeded":
+            print(f"run {run_id} already succeeded")
+            return EXIT_OK
+        if recovery.is_dead(row, paths.checkpoints / run_id):
+            recovery.mark_dead(lake, row, paths.checkpoints / run_id)
+        elif row["status"] in recovery.LIVE:
+            error(f"run {run_id} is running (an attempt holds its lock); stop it first")
+            return EXIT_BAD_INPUT
+    rc = supervise(paths, run_id, spec_of_run(row))
+    if rc != EXIT_OK:
+        return rc
+    with Lake.open(paths) as lake:
+        print(render_report(eval_summary(lake, run_id)))
+    return EXIT_OK
+
+
+def cmd_attempt(args: argparse.Namespace) -> int:
+    """One attempt of a run in this process (what `factory run` and `factory resume` start as children)."""
+    from factory.ops.restarts import attempt_main
+
+    return attempt_main(home_from(args), args.run_id)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -206,8 +260,8 @@ def cmd_sandbox_serve(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _add_spec(p: argparse.ArgumentParser) -> None:
-    p.add_argument("spec", help="path to an experiment spec (YAML)")
+def _add_spec(p: argparse.ArgumentParser, optional: bool = False) -> None:
+    p.add_argument("spec", nargs="?" if optional else None, help="path to an experiment spec (YAML)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
                    help="override a spec field, e.g. --set algorithm.lr=1e-4 (repeatable; values are YAML)")
 
@@ -223,10 +277,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("run", help="train a spec end to end (the same code the Dagster assets call)")
-    _add_spec(p)
+    _add_spec(p, optional=True)
     p.add_argument("--control", action="store_true",
                    help="also spend the GRPO run's wall time on more SFT, for comparison")
+    p.add_argument("--resume", metavar="RUN_ID", help="continue this run from its newest resume point instead")
+    p.add_argument("--in-process", action="store_true",
+                   help="train in this process, without automatic restarts (default: attempts run in child "
+                        "processes, restarted and resumed when one dies or hangs, up to ops.max_restarts)")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("resume", help="continue a run that did not finish, from its newest resume point")
+    p.add_argument("run_id", metavar="RUN_ID", help="run id (see `factory runs`)")
+    p.set_defaults(func=cmd_resume)
+
+    p = sub.add_parser("attempt", help="(internal) one attempt of a run in this process; run/resume start these")
+    p.add_argument("run_id", metavar="RUN_ID")
+    p.set_defaults(func=cmd_attempt)
 
     p = sub.add_parser("query", help="run SQL (DuckDB) over the lake tables",
                        description="Tables: runs, steps, checkpoints, evals, rollouts, node_health, sweeps.")

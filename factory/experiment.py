@@ -14,9 +14,8 @@ import shutil
 import subprocess
 import tempfile
 import time
-import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -26,7 +25,6 @@ from pyiceberg.expressions import EqualTo
 import factory
 from factory.config import ExperimentSpec
 from factory.core.evaluate import EvalResult, evaluate
-from factory.core.loop import StepRecord, train_grpo
 from factory.core.rollout.embedded import EmbeddedEngine
 from factory.core.sft import run_sft
 from factory.envs.arithmetic import Problem, Splits
@@ -37,7 +35,7 @@ from factory.lake.writer import Lake
 from factory.models.build import build_model
 from factory.models.checkpoint import CheckpointInfo, dir_digest, load_checkpoint, save_checkpoint
 from factory.models.tokenizer import tokenizer_for
-from factory.progress import Progress, format_duration
+from factory.progress import Progress
 from factory.tracking import Tracker
 
 Log = Callable[[str], None]
@@ -165,128 +163,6 @@ def train_sft_checkpoint(spec: ExperimentSpec, paths: FactoryPaths, splits: Spli
     log(f"sft checkpoint {info.path.name} after {steps_run} steps: held-out accuracy {result.accuracy:.3f}, "
         f"pass@{result.k} {result.pass_at_k:.3f} ({seconds:.0f}s)")
     return SFTResult(info, result.accuracy, result.pass_at_k, seconds, steps_run)
-
-
-# ---------------------------------------------------------------- GRPO run
-
-
-@dataclass
-class RunResult:
-    run_id: str
-    mlflow_run_id: str
-    checkpoint: CheckpointInfo
-    steps: int
-    start_accuracy: float
-    start_pass_at_k: float | None
-    final_accuracy: float
-    seconds: float
-    records: list[StepRecord] = field(repr=False, default_factory=list)
-
-
-def new_run_id(spec: ExperimentSpec) -> str:
-    return f"{spec.name}-{_now():%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"
-
-
-def run_grpo(spec: ExperimentSpec, paths: FactoryPaths, init_checkpoint: str | Path, splits: Splits,
-             lake: Lake, tracker: Tracker, log: Log = print, run_id: str | None = None,
-             sweep_id: str | None = None, flush_every: int = 10, mlflow_experiment: str | None = None,
-             mlflow_parent_run_id: str | None = None, progress: Report | None = None) -> RunResult:
-    """GRPO from `init_checkpoint`; records the run, every step, checkpoints and evals.
-
-    A sweep member passes its `sweep_id` and the sweep's MLflow parent run (nested under it, in the
-    parent's experiment `mlflow_experiment`)."""
-    set_threads(spec)
-    run_id = run_id or new_run_id(spec)
-    started = _now()
-    base_row = dict(run_id=run_id, sweep_id=sweep_id, name=spec.name, spec=spec.to_json(),
-                    spec_fingerprint=spec.fingerprint(), code_version=code_version(), seed=spec.seed,
-                    init_checkpoint=str(init_checkpoint), started_at=started)
-    tags = {"factory.run_id": run_id, "factory.init_checkpoint": str(init_checkpoint),
-            "factory.code_version": base_row["code_version"]}
-    if sweep_id:
-        tags["factory.sweep_id"] = sweep_id
-    if mlflow_parent_run_id:
-        tags["mlflow.parentRunId"] = mlflow_parent_run_id  # MLflow's nesting convention
-    mlflow_id = tracker.start_run(experiment=mlflow_experiment or spec.name, run_name=run_id,
-                                  params=json.loads(spec.to_json()), tags=tags)
-    base_row["mlflow_run_id"] = mlflow_id
-    lake.upsert("runs", [dict(base_row, status="running")])
-    t0 = time.perf_counter()
-    try:
-        model, tok = load_checkpoint(init_checkpoint)
-        start_eval = evaluate(EmbeddedEngine(model, tok), tok, splits.eval, spec.rollout.max_new_tokens,
-                              k=spec.schedule.eval_pass_k, temperature=1.0, seed=spec.seed)
-        lake.upsert("evals", eval_rows(run_id, 0, start_eval, None))
-        tracker.log_metrics(mlflow_id, 0, {"eval/accuracy": start_eval.accuracy,
-                                           f"eval/pass_at_{start_eval.k}": start_eval.pass_at_k})
-        log(f"run {run_id}: start held-out accuracy {start_eval.accuracy:.3f}, "
-            f"pass@{start_eval.k} {start_eval.pass_at_k:.3f}")
-        pending: list[dict] = []
-        pending_rollouts: list[dict] = []
-
-        def flush() -> None:
-            # Rollouts first: a crash between the two leaves a step to re-record, never orphan rows.
-            if pending_rollouts:
-                lake.upsert("rollouts", pending_rollouts)
-                pending_rollouts.clear()
-            if pending:
-                lake.upsert("steps", pending)
-                pending.clear()
-
-        def on_step(r: StepRecord) -> None:
-            now = _now()
-            pending.append(dict(run_id=run_id, recorded_at=now, **r.to_dict()))
-            pending_rollouts.extend(dict(run_id=run_id, step=r.step, recorded_at=now, **s) for s in r.samples)
-            tracker.log_metrics(mlflow_id, r.step, {k: v for k, v in r.to_dict().items() if k != "step"})
-            p = Progress("grpo", r.step, spec.schedule.steps, time.perf_counter() - t_loop, r.reward_mean, r.accuracy)
-            if progress is not None:
-                progress(p)
-            log(f"step {r.step}/{spec.schedule.steps} reward={r.reward_mean:.3f} acc={r.accuracy:.3f} "
-                f"entropy={r.entropy:.3f} tok/s={r.tokens_per_s:.0f} eta={format_duration(p.eta_s)}")
-            if len(pending) >= flush_every:
-                flush()
-            sched = spec.schedule
-            if sched.eval_every and r.step % sched.eval_every == 0 and r.step < sched.steps:
-                res = evaluate(EmbeddedEngine(model, tok), tok, splits.eval, spec.rollout.max_new_tokens)
-                lake.upsert("evals", eval_rows(run_id, r.step, res, None))
-                tracker.log_metrics(mlflow_id, r.step, {"eval/accuracy": res.accuracy})
-            if sched.checkpoint_every and r.step % sched.checkpoint_every == 0 and r.step < sched.steps:
-                _record_checkpoint(model, tok, paths, lake, run_id, r.step)
-
-        t_loop = time.perf_counter()
-        try:
-            records = train_grpo(spec, model, tok, splits.train, on_step=on_step)
-        finally:
-            flush()
-        final_step = records[-1].step
-        info = _record_checkpoint(model, tok, paths, lake, run_id, final_step, final=True)
-        final_eval = evaluate(EmbeddedEngine(model, tok), tok, splits.eval, spec.rollout.max_new_tokens,
-                              k=spec.schedule.eval_pass_k, temperature=1.0, seed=spec.seed)
-        lake.upsert("evals", eval_rows(run_id, final_step, final_eval, info.sha256))
-        tracker.log_metrics(mlflow_id, final_step, {"eval/accuracy": final_eval.accuracy,
-                                                    f"eval/pass_at_{final_eval.k}": final_eval.pass_at_k})
-        tracker.set_tags(mlflow_id, {"factory.checkpoint": str(info.path)})
-        seconds = time.perf_counter() - t0
-        lake.upsert("runs", [dict(base_row, status="succeeded", final_checkpoint=str(info.path),
-                                  ended_at=_now())])
-        tracker.end_run(mlflow_id, "FINISHED")
-        log(f"run {run_id}: final held-out accuracy {final_eval.accuracy:.3f} ({seconds:.0f}s)")
-        return RunResult(run_id, mlflow_id, info, final_step, start_eval.accuracy, start_eval.pass_at_k,
-                         final_eval.accuracy, seconds, records)
-    except BaseException:
-        lake.upsert("runs", [dict(base_row, status="failed", ended_at=_now())])
-        tracker.end_run(mlflow_id, "FAILED")
-        raise
-
-
-def _record_checkpoint(model, tok, paths: FactoryPaths, lake: Lake, run_id: str, step: int,
-                       final: bool = False) -> CheckpointInfo:
-    name = "final" if final else f"step-{step:06d}"
-    info = save_checkpoint(model, tok, paths.checkpoints / run_id / name,
-                           meta={"kind": "rl", "run_id": run_id, "step": step})
-    lake.upsert("checkpoints", [dict(run_id=run_id, step=step, kind="rl", uri=str(info.path),
-                                     bytes=info.bytes, sha256=info.sha256, recorded_at=_now())])
-    return info
 
 
 # ---------------------------------------------------------------- the control
@@ -425,17 +301,20 @@ def _exclusive(path: Path, on_wait: Callable[[], None]) -> Iterator[None]:
 
 def run_sweep_member(spec: ExperimentSpec, paths: FactoryPaths, lake: Lake, tracker: Tracker, sweep_id: str,
                      member: str, axes: dict, sweep_name: str, mlflow_parent_run_id: str | None = None,
-                     log: Log = print, progress: Report | None = None) -> RunResult:
+                     log: Log = print, progress: Report | None = None, run_id: str | None = None):
     """One sweep member end to end (dataset, shared SFT warm start, GRPO, evals), its `sweeps` row kept current."""
     created = _now()
     row = dict(sweep_id=sweep_id, member=member, name=sweep_name, axes=json.dumps(axes, sort_keys=True),
                spec=spec.to_json(), mlflow_parent_run_id=mlflow_parent_run_id, created_at=created)
     lake.upsert("sweeps", [dict(row, status="running", recorded_at=_now())])
+    from factory.grpo_run import run_grpo  # the run stage builds on this module
+
     try:
         splits = load_dataset(build_dataset(spec, paths).path)
         sft = cached_sft_checkpoint(spec, paths, splits, log=log, progress=progress)
         res = run_grpo(spec, paths, sft.checkpoint.path, splits, lake, tracker, log=log, sweep_id=sweep_id,
-                       mlflow_experiment=sweep_name, mlflow_parent_run_id=mlflow_parent_run_id, progress=progress)
+                       run_id=run_id, mlflow_experiment=sweep_name, mlflow_parent_run_id=mlflow_parent_run_id,
+                       progress=progress)
     except BaseException:
         lake.upsert("sweeps", [dict(row, status="failed", recorded_at=_now())])
         raise
@@ -444,19 +323,44 @@ def run_sweep_member(spec: ExperimentSpec, paths: FactoryPaths, lake: Lake, trac
     return res
 
 
-def run_experiment(spec: ExperimentSpec, paths: FactoryPaths, control: bool = False,
-                   log: Log = print) -> dict:
-    """Every stage in order, as the quickstart job runs them; returns the eval summary + report."""
+def run_experiment(spec: ExperimentSpec, paths: FactoryPaths, control: bool = False, log: Log = print,
+                   supervised: bool = False) -> dict:
+    """Every stage in order, as the quickstart job runs them; returns the eval summary + report.
+
+    `supervised`: the GRPO run's attempts run in child processes that are restarted (resuming) when one
+    dies or hangs (`ops/restarts.py`); a run that does not succeed raises `RunFailed` with its exit code."""
+    from factory.grpo_run import new_run_id, run_grpo  # the run stage builds on this module
+    from factory.ops.restarts import supervise, write_launch
+
     ds = build_dataset(spec, paths)
     splits = load_dataset(ds.path)
     log(f"dataset {ds.fingerprint}: {ds.n_train} train / {ds.n_eval} held-out")
     sft = train_sft_checkpoint(spec, paths, splits, log=log)
     lake, tracker = Lake.open(paths), Tracker(paths)
-    run = run_grpo(spec, paths, sft.checkpoint.path, splits, lake, tracker, log=log)
+    if supervised:
+        run_id = new_run_id(spec)
+        write_launch(paths.checkpoints / run_id, spec, sft.checkpoint.path)
+        rc = supervise(paths, run_id, spec, log=log)
+        if rc != 0:
+            raise RunFailed(run_id, rc)
+        row = lake.read("runs", EqualTo("run_id", run_id)).to_pylist()[0]
+        seconds = row["wall_s"]
+    else:
+        run = run_grpo(spec, paths, sft.checkpoint.path, splits, lake, tracker, log=log)
+        run_id, seconds = run.run_id, run.seconds
     if control:
         model, tok = load_checkpoint(sft.checkpoint.path)
-        run_sft_control(spec, paths, splits, lake, run.run_id, run.steps, model, tok, seconds=run.seconds,
+        run_sft_control(spec, paths, splits, lake, run_id, spec.schedule.steps, model, tok, seconds=seconds,
                         sft_seconds_per_step=sft.seconds / max(1, sft.steps), log=log)
-    summary = eval_summary(lake, run.run_id)
+    summary = eval_summary(lake, run_id)
     summary["report"] = render_report(summary)
     return summary
+
+
+class RunFailed(RuntimeError):
+    """A supervised run that did not succeed; `code` is the exit code `factory run` returns."""
+
+    def __init__(self, run_id: str, code: int):
+        super().__init__(f"run {run_id} did not succeed (exit code {code}); see `factory runs` and the "
+                         f"interruptions table; resume it with: factory resume {run_id}")
+        self.run_id, self.code = run_id, code

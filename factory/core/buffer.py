@@ -64,6 +64,7 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -214,6 +215,7 @@ class RolloutBuffer:
         self._put_wait_s = 0.0
         self._get_wait_s = 0.0
         self._straggler_waits = 0  # get_batch calls that waited for an episode at its staleness limit
+        self.on_drop: Callable[[Group], None] | None = None  # told of each group dropped as too stale
 
     @classmethod
     def from_spec(cls, spec: Any, groups_per_step: int) -> RolloutBuffer:
@@ -347,6 +349,8 @@ class RolloutBuffer:
                 self._rejected += 1
                 self._violations += self.policy == "bound"
                 self._uids.discard(g.uid)
+                if self.on_drop is not None:
+                    self.on_drop(g)
             else:
                 keep.append(g)
         if len(keep) != len(self._queue):

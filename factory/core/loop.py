@@ -9,7 +9,10 @@ Parts it drives (none of them knows about this file):
 - a trainer (`core/trainer/`): applies the loss function, steps the optimizer;
 - weight publication: after each step the producer's engine gets version N+1 (sync: it shares the
   trainer's model object; overlapped: a copy applied between decode steps, in flight or after the
-  running requests finish, per `rollout.update_mode`).
+  running requests finish, per `rollout.update_mode`);
+- resume points (`core/resume.py`), through a `Checkpoints` policy the run gives it: when one is due,
+  the whole state is copied in memory between two steps and written in the background; `resume`
+  (a loaded `TrainState`) continues a run exactly where one was taken.
 
 Modes: `sync` (generate all → score → train → publish), `one_step_off` (batch N+1 is generated
 while batch N trains), `async` (no batch barrier; the buffer's staleness policy bounds, rejects or
@@ -22,6 +25,7 @@ import copy
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import Protocol
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
@@ -29,10 +33,13 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 from factory.config import ExperimentSpec
 from factory.core import algorithms
 from factory.core.buffer import apply_importance_correction, stale_rows
-from factory.core.producer import make_producer
+from factory.core.producer import ProducerFailed, make_producer
+from factory.core.resume import TrainState, capture, rng_state, set_rng_state
 from factory.core.trainer.batch import TrainBatch, pack
 from factory.core.trainer.torch_trainer import TorchTrainer
 from factory.envs.arithmetic import Problem
+from factory.ops.faults import fault_point
+from factory.ops.supervisor import ServiceUnavailable
 
 
 @dataclass
@@ -60,6 +67,8 @@ class StepRecord:
     rejected: float | None = None  # groups dropped as too stale so far
     corrected: float | None = None  # stale groups trained with importance weights so far
     filtered: float | None = None  # dynamic sampling: groups dropped this step for equal rewards
+    env_errors: float | None = None  # samples scored 0 because their reward function or episode failed
+    nonfinite: float | None = None  # 1.0: the loss or gradient was not finite and the update was skipped
     samples: list[dict] = field(default_factory=list)  # a few episodes, for the `rollouts` table
 
     def to_dict(self) -> dict[str, float]:
@@ -76,6 +85,22 @@ def _grpo_loss_fn(spec: ExperimentSpec) -> Callable[[torch.Tensor, TrainBatch], 
 PROBE_SAMPLES = 4  # completions sampled after each publish to measure the sampler/trainer mismatch
 
 
+class RunInterrupted(RuntimeError):
+    """The run was asked to stop (SIGTERM/SIGINT): a resume point of the last step is on disk."""
+
+
+class NonFiniteLoss(RuntimeError):
+    """`ops.max_nonfinite_steps` updates in a row were skipped: the run stops at its last good state."""
+
+
+class Checkpoints(Protocol):
+    """When the loop takes resume points, and where they go (the run's policy; `experiment.py` has one)."""
+
+    def due(self, steps_done: int) -> bool: ...
+    def stopping(self) -> bool: ...
+    def save(self, make_state: Callable[[], TrainState], wait: bool = False) -> None: ...
+
+
 def train_grpo(
     spec: ExperimentSpec,
     model: PreTrainedModel,
@@ -84,23 +109,46 @@ def train_grpo(
     on_step: Callable[[StepRecord], None] | None = None,
     start_step: int = 0,
     producer=None,
+    checkpoints: Checkpoints | None = None,
+    resume: TrainState | None = None,
+    reference_model: PreTrainedModel | None = None,
 ) -> list[StepRecord]:
-    """Run `spec.schedule.steps` RL steps on `model` (trained in place) in `spec.schedule.mode`.
+    """Train `model` (in place) in `spec.schedule.mode` until `spec.schedule.steps` steps are done.
 
+    `resume` continues from a resume point (its step, weights, optimizer, RNGs, prompt stream and buffer);
+    `reference_model` is the KL reference (default: a copy of `model` as it is now, i.e. the run's start).
     `producer` replaces the one the spec implies (`core/producer.make_producer`), e.g. to inject faults."""
     g = spec.algorithm.group_size
+    if resume is not None:
+        start_step = resume.step
+        model.load_state_dict(resume.model)
     torch.manual_seed(spec.seed + start_step)
     shuffle = torch.Generator().manual_seed(spec.seed)
     trainer = TorchTrainer(model, lr=spec.algorithm.lr, grad_clip=spec.trainer.grad_clip,
                            weight_decay=spec.trainer.weight_decay, temperature=spec.rollout.temperature)
     reference = None
     if spec.algorithm.kl_coef > 0:
-        reference = TorchTrainer(copy.deepcopy(model).eval(), lr=0.0, temperature=spec.rollout.temperature)
+        ref = reference_model if reference_model is not None else copy.deepcopy(model)
+        reference = TorchTrainer(ref.eval(), lr=0.0, temperature=spec.rollout.temperature)
     loss_fn = _grpo_loss_fn(spec)
-    producer = producer or make_producer(spec, model, tokenizer, train, start_version=start_step)
+    nonfinite_streak = 0
+    if resume is not None:
+        trainer.optimizer.load_state_dict(resume.optimizer)
+        trainer.version = resume.loop["trainer_version"]
+        nonfinite_streak = resume.loop["nonfinite_streak"]
+        set_rng_state(resume.rng, shuffle)
+    producer = producer or make_producer(spec, model, tokenizer, train, start_version=start_step,
+                                         state=None if resume is None else resume.loop["producer"])
+
+    def state_after(steps_done: int) -> TrainState:
+        loop = {"trainer_version": trainer.version, "nonfinite_streak": nonfinite_streak,
+                "producer": producer.state_dict(), "saved_at": time.time()}
+        return capture(steps_done, model, trainer.optimizer, rng_state(shuffle), loop)
+
     records = []
+    step = start_step
     try:
-        for step in range(start_step, start_step + spec.schedule.steps):
+        for step in range(start_step, spec.schedule.steps):
             t0 = time.perf_counter()
             # 1. A batch of scored prompt groups: generated now (sync) or taken from the buffer; with
             #    DAPO's dynamic sampling, groups that cannot teach anything are dropped and refilled.
@@ -122,8 +170,11 @@ def train_grpo(
                 [grp.oldest_version < step for grp in groups for _ in grp.samples])
             if bool(stale.any()):
                 apply_importance_correction(batch, trainer.logprobs(batch), stale, cap=spec.algorithm.is_cap)
-            # 4. Train, then publish the new weights to the rollout engine.
+            # 4. Train (a non-finite loss or gradient skips the update; too many in a row stop the run),
+            #    then publish the new weights to the rollout engine.
             metrics = trainer.step(batch, loss_fn, spec.trainer.minibatches, generator=shuffle)
+            nonfinite_streak = nonfinite_streak + 1 if metrics.get("nonfinite", 0.0) > 0 else 0
+            fault_point("publish")
             producer.publish(model, step + 1)
             model.eval()
             # 5. Sampler vs trainer logprobs on the same tokens under the same (just published) weights:
@@ -139,6 +190,25 @@ def train_grpo(
             records.append(record)
             if on_step is not None:
                 on_step(record)
+            # 6. A resume point when one is due (in memory now, on disk in the background), or when asked
+            #    to stop; non-finite updates past the limit stop the run at its last good state.
+            done = step + 1
+            last = done == spec.schedule.steps
+            if checkpoints is not None and (checkpoints.due(done) or checkpoints.stopping() or last
+                                            or nonfinite_streak >= spec.ops.max_nonfinite_steps):
+                checkpoints.save(lambda d=done: state_after(d), wait=checkpoints.stopping())
+            if nonfinite_streak >= spec.ops.max_nonfinite_steps:
+                raise NonFiniteLoss(f"{nonfinite_streak} steps in a row (up to step {done}) had a non-finite loss "
+                                    f"or gradient and were skipped (ops.max_nonfinite_steps = "
+                                    f"{spec.ops.max_nonfinite_steps}); the run stopped at its last good state")
+            if checkpoints is not None and checkpoints.stopping() and done < spec.schedule.steps:
+                raise RunInterrupted(f"stopped on request after step {done}; resume point written")
+    except (ProducerFailed, ServiceUnavailable):
+        # A part that keeps failing (e.g. a tripped circuit breaker): keep what was trained so far. The
+        # interrupted step changed nothing yet (its prompts are still pending: they are served again).
+        if checkpoints is not None and step > start_step:
+            checkpoints.save(lambda d=step: state_after(d), wait=True)
+        raise
     finally:
         producer.close()
     return records
@@ -172,7 +242,8 @@ def _record(spec: ExperimentSpec, step: int, groups: list, rewards: torch.Tensor
             mismatch: float, wall: float, t_wait: float, producer: dict[str, float]) -> StepRecord:
     staleness = [step - grp.oldest_version for grp in groups]
     samples = [dict(prompt_id=grp.meta["prompt_id"], sample=j, prompt=grp.meta["prompt"], completion=s.meta["text"],
-                    reward=s.reward, weight_version=s.oldest_version, staleness=st, latency_s=grp.meta["latency_s"])
+                    reward=s.reward, weight_version=s.oldest_version, staleness=st, latency_s=grp.meta["latency_s"],
+                    reason=s.meta.get("reason"), draw=grp.meta.get("draw"))
                for grp, st in zip(groups[: spec.schedule.log_rollouts], staleness, strict=False)
                for j, s in enumerate(grp.samples)]
     n_tokens = sum(sum(s.loss_mask()) for grp in groups for s in grp.samples)  # generated by the model
@@ -187,4 +258,6 @@ def _record(spec: ExperimentSpec, step: int, groups: list, rewards: torch.Tensor
         trainer_idle_fraction=t_wait / wall, wall_s=wall, samples=samples,
         generator_idle_fraction=producer.get("producer_idle_fraction"),
         buffer_depth=producer.get("depth"), rejected=producer.get("rejected"), corrected=producer.get("corrected"),
+        env_errors=float(sum(1 for grp in groups for s in grp.samples if s.meta.get("reason"))),
+        nonfinite=metrics.get("nonfinite", 0.0),
     )

@@ -51,22 +51,59 @@ class ProducerFailed(RuntimeError):
 
 
 class PromptStream:
-    """Draw k (k = 0, 1, ...) is always the same problem: no repeats within a block of `block` draws."""
+    """Draw k (k = 0, 1, ...) is always the same problem: no repeats within a block of `block` draws.
+
+    It also knows which draws are in flight: drawn but not yet taken by the trainer (or dropped). Its
+    `state_dict()` holds the position and those; after `load_state_dict()` they are served again before
+    any new draw, so across a resume no prompt is skipped and none is trained twice."""
 
     def __init__(self, problems: list[Problem], seed: int, block: int):
         self.problems, self.seed, self.block = problems, seed, block
         self._lock = threading.Lock()
         self._next = 0
         self._cache: dict[int, list[Problem]] = {}
+        self._pending: set[int] = set()  # drawn, not yet done
+        self._again: list[int] = []  # in flight at the resume point: served first
+
+    def _problem(self, k: int) -> Problem:
+        b, i = divmod(k, self.block)
+        if b not in self._cache:
+            self._cache = {b: random.Random(f"prompts-{self.seed}-{b}").sample(self.problems, self.block)}
+        return self._cache[b][i]
 
     def draw(self) -> tuple[int, Problem]:
         with self._lock:
-            k = self._next
-            self._next += 1
-            b, i = divmod(k, self.block)
-            if b not in self._cache:
-                self._cache = {b: random.Random(f"prompts-{self.seed}-{b}").sample(self.problems, self.block)}
-            return k, self._cache[b][i]
+            if self._again:
+                k = self._again.pop(0)
+            else:
+                k = self._next
+                self._next += 1
+            self._pending.add(k)
+            return k, self._problem(k)
+
+    def skip(self, n: int) -> None:
+        """Start `n` draws further on (a run continued from step N without a resume point)."""
+        with self._lock:
+            self._next += n
+
+    def done(self, draws: list[int]) -> None:
+        """These draws left the pipeline: trained, or dropped (stale, filtered) and counted as such."""
+        with self._lock:
+            self._pending.difference_update(draws)
+
+    def state_dict(self) -> dict:
+        with self._lock:
+            return {"next": self._next, "pending": sorted(self._pending | set(self._again))}
+
+    def load_state_dict(self, state: dict, buffered: set[int] = frozenset()) -> None:
+        """Continue at `state`; `buffered` draws are back in the rollout buffer (still pending, not re-served)."""
+        with self._lock:
+            if self._next or self._pending:
+                raise ValueError("PromptStream.load_state_dict needs a fresh stream (draws were already made)")
+            self._next = int(state["next"])
+            pending = [int(k) for k in state["pending"]]
+            self._pending = {k for k in pending if k in buffered}
+            self._again = [k for k in pending if k not in buffered]
 
 
 def episode(problem: Problem, k: int, completions: list[Completion], env: str = "arithmetic") -> Episode:
@@ -101,8 +138,10 @@ class SyncProducer:
     """Generate → run every episode → return the batch; the engine samples from the trainer's model."""
 
     def __init__(self, spec: ExperimentSpec, model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast,
-                 stream: PromptStream, start_version: int):
+                 stream: PromptStream, start_version: int, state: dict | None = None):
         self.spec, self.tok, self.stream = spec, tokenizer, stream
+        if state is not None:  # nothing is buffered between sync steps: only the stream continues
+            stream.load_state_dict(state["stream"])
         self.engine = EmbeddedEngine(model, tokenizer, weight_version=start_version)
         self.env = _environment(spec)
 
@@ -116,7 +155,12 @@ class SyncProducer:
                                  for (k, p), comps in zip(draws, groups, strict=True)])
         if scored is None:
             raise ProducerFailed("the environment was closed while a batch was being scored")
+        self.stream.done([k for k, _ in draws])
         return [make_group(p, k, comps, sc) for (k, p), comps, sc in zip(draws, groups, scored, strict=True)]
+
+    def state_dict(self) -> dict:
+        """The stream's position (a resume point is taken between steps: nothing is in flight)."""
+        return {"stream": self.stream.state_dict(), "buffer": None}
 
     def publish(self, model: PreTrainedModel, version: int) -> None:
         self.engine.weight_version = version  # same model object: the weights are already there
@@ -136,11 +180,15 @@ class OverlappedProducer:
     """Producer threads → rollout buffer → trainer, with versioned weight updates into the engine."""
 
     def __init__(self, spec: ExperimentSpec, model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast,
-                 stream: PromptStream, start_version: int):
+                 stream: PromptStream, start_version: int, state: dict | None = None):
         self.spec, self.tok, self.stream = spec, tokenizer, stream
         per_step = spec.rollout.prompts_per_step
         buffer_spec = spec.buffer if spec.schedule.mode == "async" else BufferSpec(policy="bound", max_staleness=1)
         self.buffer = RolloutBuffer.from_spec(buffer_spec, groups_per_step=per_step)
+        self.buffer.on_drop = lambda group: self.stream.done([group.meta["draw"]])
+        if state is not None:  # scored groups not yet trained go back in; prompts in flight are served again
+            self.buffer.load_state_dict(state["buffer"])
+            stream.load_state_dict(state["stream"], buffered={g["meta"]["draw"] for g in state["buffer"]["groups"]})
         self.rows = max(64, per_step * spec.algorithm.group_size)  # a whole step's samples decode together
         self.timeout = spec.schedule.wait_timeout_s
         self._published = start_version  # the newest version the engine is known to hold (a lower bound)
@@ -199,12 +247,19 @@ class OverlappedProducer:
 
     def next_batch(self, step: int) -> list[Group]:
         try:
-            return self.buffer.get_batch(self.spec.rollout.prompts_per_step, current_version=step,
-                                         timeout=self.timeout)
+            groups = self.buffer.get_batch(self.spec.rollout.prompts_per_step, current_version=step,
+                                           timeout=self.timeout)
         except (BufferClosed, BufferTimeout) as e:
             if self._errors:
                 raise ProducerFailed(f"a rollout producer failed: {self._errors[0]!r}") from self._errors[0]
             raise e
+        self.stream.done([g.meta["draw"] for g in groups])
+        return groups
+
+    def state_dict(self) -> dict:
+        """Buffered groups, then the stream (in that order: a group put in between is re-served, not lost)."""
+        buffer = self.buffer.state_dict()
+        return {"buffer": buffer, "stream": self.stream.state_dict()}
 
     def publish(self, model: PreTrainedModel, version: int) -> None:
         # In-process transport: a tensor copy, applied by the engine between decode steps.
@@ -387,10 +442,13 @@ class ServerProducer(OverlappedProducer):
 
 
 def make_producer(spec: ExperimentSpec, model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast,
-                  train: list[Problem], start_version: int) -> SyncProducer | OverlappedProducer:
+                  train: list[Problem], start_version: int,
+                  state: dict | None = None) -> SyncProducer | OverlappedProducer:
+    """The producer for `spec`'s mode; `state` (a producer's `state_dict()` from a resume point) continues
+    its prompt stream and buffer exactly."""
     stream = PromptStream(train, spec.seed, spec.rollout.prompts_per_step)
-    for _ in range(start_version * spec.rollout.prompts_per_step):  # a resumed run continues the sequence
-        stream.draw()
+    if state is None:  # continuing from step N without a resume point: the sequence goes on from there
+        stream.skip(start_version * spec.rollout.prompts_per_step)
     if spec.task.environment is not None:
         env = load_environment(spec.task.environment)  # a clear ValueError for a bad name or import path
         if env.kind == "multi_turn" and (spec.rollout.engine != "server" or spec.schedule.mode == "sync"):
@@ -400,5 +458,5 @@ def make_producer(spec: ExperimentSpec, model: PreTrainedModel, tokenizer: PreTr
         cls = SyncProducer
     else:
         cls = ServerProducer if spec.rollout.engine == "server" else OverlappedProducer
-    return cls(spec, model, tokenizer, stream, start_version)
+    return cls(spec, model, tokenizer, stream, start_version, state=state)
 

@@ -159,6 +159,7 @@ RUNS = _table("runs", ("run_id",), [
     ("pid", LONG, OPT),
     ("heartbeat_at", TS, OPT),  # last sign of life of the current attempt
     ("error", STR, OPT),  # why it stopped, when it did not succeed
+    ("lost_s", DBL, OPT),  # wall time lost to interruptions (redone steps, detection, recovery) and preflight
 ])
 
 _STEP_METRICS = (
@@ -214,6 +215,7 @@ ROLLOUTS = _table("rollouts", ("run_id", "step", "prompt_id", "sample"), [
     ("latency_s", DBL, REQ),
     ("recorded_at", TS, REQ),
     ("reason", STR, OPT),  # why the environment scored it 0 without judging it (raised, timed out, garbage)
+    ("draw", LONG, OPT),  # the prompt stream's draw index: each draw is trained at most once, across resumes
 ], partition=BY_RUN)
 
 NODE_HEALTH = _table("node_health", ("node", "check", "recorded_at"), [
@@ -230,7 +232,7 @@ NODE_HEALTH = _table("node_health", ("node", "check", "recorded_at"), [
     ("unit", STR, OPT),
     ("duration_s", DBL, OPT),
     ("message", STR, OPT),  # what failed and what to do, or what was measured
-])
+], partition=BY_DAY)
 
 INTERRUPTIONS = _table("interruptions", ("run_id", "attempt"), [
     ("run_id", STR, REQ),
@@ -242,7 +244,8 @@ INTERRUPTIONS = _table("interruptions", ("run_id", "attempt"), [
     ("steps_lost", LONG, OPT),  # last_step - resumed_from_step: steps trained again
     ("failed_at", TS, OPT),  # last sign of life of the interrupted attempt
     ("detect_s", DBL, OPT),  # failure -> noticed
-    ("recover_s", DBL, OPT),  # noticed -> the next attempt trained its first step
+    ("recover_s", DBL, OPT),  # noticed -> the next attempt starts its first step (restart, load, restore)
+    ("redo_s", DBL, OPT),  # work of the interrupted attempt after its resume point, lost and done again
     ("recorded_at", TS, REQ),
 ], partition=BY_RUN)
 

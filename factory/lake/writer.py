@@ -111,6 +111,21 @@ class Lake:
                 log.warning("lake: upkeep of %s failed", table, exc_info=True)
         return data.num_rows
 
+    def delete(self, table: str, row_filter: str | BooleanExpression) -> None:
+        """Delete the rows of `table` matching `row_filter` (e.g. the steps a dead attempt recorded past the
+        resume point its successor starts from), retried like `upsert` on a concurrent commit."""
+        for attempt in range(1, UPSERT_ATTEMPTS + 1):
+            tbl = self.table(table)
+            try:
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message="Delete operation did not match any records")
+                    tbl.delete(row_filter)
+                return
+            except (CommitFailedException, ValidationException):
+                if attempt == UPSERT_ATTEMPTS:
+                    raise
+                time.sleep(random.uniform(0, min(0.5, 0.01 * 2**attempt)))
+
     def read(self, table: str, row_filter: str | BooleanExpression | None = None) -> pa.Table:
         """All rows of `table` matching `row_filter` (pyiceberg expression or string like "step >= 3")."""
         tbl = self.table(table)

@@ -50,7 +50,7 @@ def test_kl_to_reference_is_zero_then_positive(model_and_tok):
 
 def test_resuming_at_a_step_numbers_records_from_there(model_and_tok):
     model, tok = model_and_tok
-    s = spec().model_copy(update={"schedule": spec().schedule.model_copy(update={"steps": 2})})
+    s = spec().model_copy(update={"schedule": spec().schedule.model_copy(update={"steps": 12})})
     assert [r.step for r in train_grpo(s, model, tok, PROBLEMS, start_step=10)] == [11, 12]
 
 

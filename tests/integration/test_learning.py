@@ -7,7 +7,8 @@ SFT stop rule looks only at training problems.
 import pytest
 
 from factory.config import apply_overrides, load_spec, parse_overrides
-from factory.experiment import build_dataset, load_dataset, run_grpo, train_sft_checkpoint
+from factory.experiment import build_dataset, load_dataset, train_sft_checkpoint
+from factory.grpo_run import run_grpo
 from factory.lake import Lake
 from factory.tracking import Tracker
 

@@ -22,7 +22,8 @@ from dagster._core.test_utils import create_run_for_test
 from assets.evals import checkpoint_eval, checkpoints
 from factory.checkpoint_eval import checkpoint_key, parse_checkpoint_key
 from factory.config import parse_spec
-from factory.experiment import build_dataset, load_dataset, run_grpo, train_sft_checkpoint
+from factory.experiment import build_dataset, load_dataset, train_sft_checkpoint
+from factory.grpo_run import run_grpo
 from factory.lake import Lake
 from factory.models.build import build_model
 from factory.models.checkpoint import save_checkpoint

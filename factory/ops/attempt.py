@@ -1,0 +1,156 @@
+"""One attempt of a training run: its signs of life, its stop signals, and when it takes resume points.
+
+A run directory (`checkpoints/<run_id>/`) holds, besides checkpoints:
+- `attempt.lock`: held (flock) by the live attempt for its whole life. The kernel releases it when the
+  process dies however it dies (kill -9 included), so any reader on the host can tell a live run from a
+  dead one that still says `running` in the lake, without trusting pids (which get reused).
+- `heartbeat`: touched by the trainer's own loop at every step and sub-step. A supervisor reads its age
+  to tell a hung attempt from a slow one (a thread beating on its own would hide a hung loop).
+- `resume/`: the resume points (`core/resume.py`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from factory.config import ExperimentSpec
+from factory.core.resume import ResumeWriter, TrainState
+
+LOCK = "attempt.lock"
+HEARTBEAT = "heartbeat"
+
+
+def resume_dir(run_dir: Path) -> Path:
+    return run_dir / "resume"
+
+
+class AttemptLock:
+    """Held for an attempt's life; `is_held(run_dir)` asks whether some live process holds it."""
+
+    def __init__(self, run_dir: Path):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = run_dir / LOCK
+        self._f = self.path.open("a")
+        try:
+            fcntl.flock(self._f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._f.close()
+            raise RuntimeError(f"another attempt of this run is alive (it holds {self.path}); "
+                               "stop it first, or wait for it to end") from None
+        self._f.seek(0)
+        self._f.truncate()
+        self._f.write(f"{os.getpid()}\n")
+        self._f.flush()
+
+    def release(self) -> None:
+        if not self._f.closed:
+            fcntl.flock(self._f, fcntl.LOCK_UN)
+            self._f.close()
+
+    def __enter__(self) -> AttemptLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    @staticmethod
+    def is_held(run_dir: Path) -> bool:
+        path = run_dir / LOCK
+        if not path.exists():
+            return False
+        with path.open("a") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(f, fcntl.LOCK_UN)
+            return False
+
+
+def beat(run_dir: Path, step: int | None = None) -> None:
+    """A sign of life from the training loop (mtime of `heartbeat`), with the last step it finished."""
+    path = run_dir / HEARTBEAT
+    if step is None:
+        path.touch()
+    else:
+        path.write_text(str(step))
+
+
+def beat_step(run_dir: Path) -> int | None:
+    """The last step finished according to the heartbeat (trained, maybe not yet in the lake)."""
+    try:
+        text = (run_dir / HEARTBEAT).read_text().strip()
+    except FileNotFoundError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def last_beat(run_dir: Path) -> float | None:
+    """Wall-clock time of the last sign of life, or None if there was none."""
+    try:
+        return (run_dir / HEARTBEAT).stat().st_mtime
+    except FileNotFoundError:
+        return None
+
+
+class RunCheckpoints:
+    """The loop's `Checkpoints` for a run: resume points every `ops.resume_every` and every
+    `schedule.checkpoint_every` steps, written in the background by a `ResumeWriter`; `stopping()` turns
+    true on SIGTERM/SIGINT (see `signals`), and the loop then saves and stops after its current step."""
+
+    def __init__(self, spec: ExperimentSpec, run_dir: Path, before_write: Callable[[int], None] | None = None,
+                 on_step: Callable[[int], None] | None = None):
+        self.every = [n for n in (spec.ops.resume_every, spec.schedule.checkpoint_every) if n]
+        self.writer = ResumeWriter(resume_dir(run_dir), spec.ops.keep_resume, before_write=before_write)
+        self.stop = threading.Event()
+        self.signal_name: str | None = None
+        self._on_step = on_step
+
+    def due(self, steps_done: int) -> bool:
+        if self._on_step is not None:
+            self._on_step(steps_done)
+        return any(steps_done % n == 0 for n in self.every)
+
+    def stopping(self) -> bool:
+        return self.stop.is_set()
+
+    def save(self, make_state: Callable[[], TrainState], wait: bool = False) -> None:
+        self.writer.submit(make_state, wait=wait)
+
+    @contextlib.contextmanager
+    def signals(self) -> Iterator[None]:
+        """SIGTERM / SIGINT ask the loop to save and stop after its current step (a second SIGINT
+        interrupts at once). Only in the main thread, where Python delivers signals."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handler(signum: int, frame: object) -> None:
+            if self.stop.is_set() and signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            self.signal_name = signal.Signals(signum).name
+            self.stop.set()
+
+        old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float, every_s: float = 0.05) -> bool:
+    """Poll `predicate` until true or `timeout_s` passes; returns whether it became true."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(every_s)
+    return predicate()

@@ -1,0 +1,117 @@
+"""What happened to a run's attempts: telling a dead attempt from a live one, recording each interruption
+with its cause and costs, and the run's goodput.
+
+Goodput is the share of a run's wall time not lost to interruptions:
+    goodput = 1 - lost_s / wall_s
+    lost_s  = sum over interruptions of (redo_s + detect_s + recover_s) + time spent waiting on preflight
+where redo_s is the work the interrupted attempt did after its last resume point (trained again),
+detect_s the time from its last sign of life to the failure being noticed, and recover_s the time from
+then to the next attempt starting its first step (restart, imports, loading, restoring). wall_s runs
+from the first attempt's start to the end of the last one. A run never interrupted has goodput 1.0:
+its evals and checkpoints are work that counts.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+from pyiceberg.expressions import And, EqualTo, In
+
+from factory.lake.writer import Lake
+from factory.ops.attempt import AttemptLock, beat_step, last_beat
+
+LIVE = ("running", "resumed")
+
+
+def now() -> datetime:
+    return datetime.now(UTC)
+
+
+def host() -> str:
+    return socket.gethostname()
+
+
+@dataclass(frozen=True)
+class DeadAttempt:
+    run_id: str
+    attempt: int
+    last_step: int | None
+    failed_at: datetime  # its last sign of life
+
+
+def run_row(lake: Lake, run_id: str) -> dict | None:
+    rows = lake.read("runs", EqualTo("run_id", run_id)).to_pylist()
+    return rows[0] if rows else None
+
+
+def last_step(lake: Lake, run_id: str) -> int | None:
+    steps = lake.read("steps", EqualTo("run_id", run_id)).column("step").to_pylist()
+    return max(steps) if steps else None
+
+
+def is_dead(row: dict, run_dir: Path) -> bool:
+    """A `running`/`resumed` row whose attempt no longer holds its lock on this host (killed, crashed)."""
+    if row["status"] not in LIVE or row.get("host") not in (None, host()):
+        return False  # other hosts: their own reader decides (a heartbeat age check would go here)
+    return not AttemptLock.is_held(run_dir)
+
+
+def mark_dead(lake: Lake, row: dict, run_dir: Path, cause: str = "killed", detail: str | None = None) -> DeadAttempt:
+    """Record that the row's current attempt died without saying so: status `interrupted`, an
+    `interruptions` row (cause, last step, when it was last alive, how long until noticed)."""
+    beat = last_beat(run_dir)
+    failed_at = datetime.fromtimestamp(beat, UTC) if beat else (row.get("heartbeat_at") or row["started_at"])
+    failed_at = failed_at if failed_at.tzinfo else failed_at.replace(tzinfo=UTC)
+    attempt = int(row.get("attempts") or 1)
+    recorded = last_step(lake, row["run_id"])
+    steps = [s for s in (recorded, beat_step(run_dir)) if s is not None]
+    step = max(steps) if steps else None  # trained steps not yet flushed to the lake count as lost too
+    detected = now()
+    detail = detail or (f"attempt {attempt} (pid {row.get('pid')} on {row.get('host')}) ended without a word: "
+                        "killed or crashed")
+    lake.upsert("interruptions", [dict(run_id=row["run_id"], attempt=attempt, cause=cause, detail=detail,
+                                       last_step=step, failed_at=failed_at, recorded_at=detected,
+                                       detect_s=max(0.0, (detected - failed_at).total_seconds()))])
+    lake.upsert("runs", [dict(row, status="interrupted", ended_at=failed_at,
+                              error=f"attempt {attempt}: {cause}",
+                              interruptions=int(row.get("interruptions") or 0) + 1)])
+    return DeadAttempt(row["run_id"], attempt, step, failed_at)
+
+
+def reconcile(lake: Lake, checkpoints: Path) -> list[DeadAttempt]:
+    """Mark every run on this host that says it is running but whose attempt is gone (see `is_dead`)."""
+    rows = lake.read("runs", In("status", LIVE)).to_pylist()
+    return [mark_dead(lake, r, checkpoints / r["run_id"]) for r in rows if is_dead(r, checkpoints / r["run_id"])]
+
+
+def record_interruption(lake: Lake, run_id: str, attempt: int, cause: str, detail: str,
+                        last_step: int | None) -> None:
+    """An attempt that stops itself (a signal, a tripped breaker, non-finite losses, a crash it saw)."""
+    t = now()
+    lake.upsert("interruptions", [dict(run_id=run_id, attempt=attempt, cause=cause, detail=detail[:4000],
+                                       last_step=last_step, failed_at=t, detect_s=0.0, recorded_at=t)])
+
+
+def open_interruption(lake: Lake, run_id: str, attempt: int) -> dict | None:
+    """The interruption of attempt `attempt` (the one the current attempt recovers from), if recorded."""
+    rows = lake.read("interruptions", And(EqualTo("run_id", run_id), EqualTo("attempt", attempt))).to_pylist()
+    return rows[0] if rows else None
+
+
+def close_interruption(lake: Lake, row: dict, resumed_from: int, redo_s: float, recover_s: float) -> None:
+    """Fill in what the recovery cost, once the next attempt starts its first step."""
+    lost = None if row.get("last_step") is None else max(0, row["last_step"] - resumed_from)
+    lake.upsert("interruptions", [dict(row, resumed_from_step=resumed_from, steps_lost=lost,
+                                       redo_s=max(0.0, redo_s), recover_s=max(0.0, recover_s))])
+
+
+def lost_seconds(lake: Lake, run_id: str) -> float:
+    rows = lake.read("interruptions", EqualTo("run_id", run_id)).to_pylist()
+    return sum((r.get("redo_s") or 0.0) + (r.get("detect_s") or 0.0) + (r.get("recover_s") or 0.0) for r in rows)
+
+
+def goodput(wall_s: float, lost_s: float) -> float:
+    return 1.0 if wall_s <= 0 else max(0.0, min(1.0, 1.0 - lost_s / wall_s))
