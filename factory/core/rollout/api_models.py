@@ -1,37 +1,56 @@
-"""The rollout server's request bodies (pydantic models), its error type and its error responses.
+"""The rollout server's request bodies (pydantic models), its error type and its error body.
 
-Errors use OpenAI's shape, so the `openai` client raises BadRequestError etc. with the message.
+Errors use OpenAI's shape, so the `openai` client raises BadRequestError etc. with the message, plus the field
+path (`param`, and `field` as Factory's other services name it) and SGLang's top-level `success`/`message`.
+Numbers must be finite (NaN and infinities are refused, not read as defaults), and a malformed message (tool
+calls included) is refused naming its path, e.g. `messages.1.tool_calls.0.function`.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
+
+from factory.ops.http_guard import RequestError, error_response
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # the OpenAI default for /v1/completions
 MAX_N = 256
+MAX_VERSION = (1 << 63) - 1  # weight versions are int64 in the lake
+MAX_WAIT_S = 3600.0  # the longest a control request may block the caller (pause with wait)
+
+# OpenAI clients send fields we do not use (user, metadata, ...): accepted and ignored. NaN and infinities are
+# refused everywhere (Python's JSON reader accepts NaN, Infinity and 1e999).
+_OPEN = ConfigDict(extra="allow", allow_inf_nan=False)
 
 
-class APIError(Exception):
+class APIError(RequestError):
+    """A refused request in OpenAI's terms: `param` is the field at fault."""
+
     def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
+        super().__init__(status, message, param, kind)
+
+    @property
+    def param(self) -> str | None:
+        return self.field
+
+
+def openai_render(status: int, message: str, field: str | None, kind: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": field, "field": field, "code": None},
+            "success": False, "message": message}
 
 
 def _error_response(status: int, message: str, param: str | None = None,
                     kind: str = "invalid_request_error") -> JSONResponse:
-    # OpenAI's error shape; the openai client raises BadRequestError etc. with this message.
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None},
-                         "success": False, "message": message}, status_code=status)
+    return error_response(status, message, param, kind, openai_render)
 
 
 # ---------------------------------------------------------------------------------------------- request bodies
 class _SamplingRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")  # OpenAI clients send fields we do not use (user, metadata, ...)
+    model_config = _OPEN
 
-    model: str | None = None
+    model: str | None = None  # any name: the environments call the policy "policy"
     n: int = 1
     temperature: float | None = None
     top_p: float | None = None
@@ -42,7 +61,7 @@ class _SamplingRequest(BaseModel):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     session_id: str | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     ignore_eos: bool = False
 
 
@@ -55,8 +74,33 @@ class CompletionRequest(_SamplingRequest):
     suffix: str | None = None
 
 
+class ToolCallFunction(BaseModel):
+    model_config = _OPEN
+
+    name: str
+    arguments: str | None = None  # a JSON object, written as a string (OpenAI); checked when rendered
+
+
+class ToolCall(BaseModel):
+    model_config = _OPEN
+
+    id: str | None = None
+    type: str | None = "function"
+    function: ToolCallFunction
+
+
+class ChatMessage(BaseModel):
+    """One message; its role and content parts are checked when rendered (`chat._message_text`)."""
+
+    model_config = _OPEN  # name, tool_call_id, refusal, ...
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
 class ChatRequest(_SamplingRequest):
-    messages: list[dict[str, Any]]
+    messages: list[ChatMessage]
     tools: list[dict[str, Any]] | None = None  # offered: replies' <tool_call> blocks come back as tool_calls
     tool_choice: str | dict[str, Any] | None = None
     max_tokens: int | None = None
@@ -66,15 +110,17 @@ class ChatRequest(_SamplingRequest):
 
 
 class UpdateFromDiskRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")  # SGLang's load_format, flush_cache, ... are accepted and ignored
+    model_config = _OPEN  # SGLang's load_format, flush_cache, ... are accepted and ignored
 
     model_path: str
-    version: int | None = None
-    weight_version: int | str | None = None  # SGLang's name for it
+    version: int | None = Field(None, ge=0, le=MAX_VERSION)
+    weight_version: Annotated[int, Field(ge=0, le=MAX_VERSION)] | str | None = None  # SGLang's name for it
     mode: str = "finish_old"
 
 
 class PauseRequest(BaseModel):
+    model_config = ConfigDict(allow_inf_nan=False)
+
     mode: str = "drain"
     wait: bool = False  # drain mode: answer once running sequences have finished
-    timeout: float = 60.0
+    timeout: float = Field(60.0, ge=0, le=MAX_WAIT_S)

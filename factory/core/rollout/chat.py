@@ -18,15 +18,18 @@ from collections.abc import Mapping
 from typing import Any
 
 from factory.core.rollout.api_models import APIError
+from factory.ops.http_guard import clip
 
 
 def _message_text(msg: dict[str, Any], i: int) -> dict[str, str]:
+    """A message (a `ChatMessage` dumped, or a reply built here) normalized to role and content text, its tool calls
+    written into the content; APIError naming `messages.<i>....` when it cannot be rendered."""
     role = msg.get("role")
     if role == "developer":
         role = "system"
     if role not in ("system", "user", "assistant", "tool"):
-        raise APIError(400, f"messages[{i}].role must be system, user, assistant or tool, got {role!r}",
-                       f"messages[{i}].role")
+        raise APIError(400, f"messages.{i}.role must be system, user, assistant or tool, got {clip(role)!r}",
+                       f"messages.{i}.role")
     content = msg.get("content")
     if content is None:
         content = ""
@@ -34,22 +37,25 @@ def _message_text(msg: dict[str, Any], i: int) -> dict[str, str]:
         parts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError(400, f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
+                raise APIError(400, f"messages.{i}.content: only text parts are supported", f"messages.{i}.content")
             parts.append(part["text"])
         content = "".join(parts)
     if not isinstance(content, str):
-        raise APIError(400, f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
+        raise APIError(400, f"messages.{i}.content must be a string or a list of text parts", f"messages.{i}.content")
     out = {"role": role, "content": content}
     if role == "assistant" and msg.get("tool_calls"):
         calls = []
-        for c in msg["tool_calls"]:
-            fn = (c or {}).get("function") or {}
+        for k, c in enumerate(msg["tool_calls"]):
+            fn = c["function"]
+            where = f"messages.{i}.tool_calls.{k}.function.arguments"
             try:
                 args = json.loads(fn.get("arguments") or "{}")
-            except (TypeError, ValueError) as e:
-                raise APIError(400, f"messages[{i}].tool_calls: arguments must be a JSON string",
-                               f"messages[{i}].tool_calls") from e
-            calls.append({"name": fn.get("name"), "arguments": args})
+            except ValueError:
+                args = None
+            if not isinstance(args, dict):
+                raise APIError(400, f"{where} must be a JSON object written as a string, got "
+                                    f"{clip(fn.get('arguments'))!r}", where)
+            calls.append({"name": fn["name"], "arguments": args})
         out["tool_calls"] = json.dumps(calls, sort_keys=True)  # compared, not rendered: see _chat_prompt
         out["content"] = content + "".join(_tool_call_text(c) for c in calls)
     return out
@@ -112,18 +118,22 @@ class ChatTemplate:
         tok = self.tokenizer
         if self.native:  # tool calls are already written into the content (Hermes style)
             plain = [{"role": m["role"], "content": m["content"]} for m in messages]
-            ids = tok.apply_chat_template(plain, add_generation_prompt=generation_prompt, tokenize=True)
+            try:
+                ids = tok.apply_chat_template(plain, add_generation_prompt=generation_prompt, tokenize=True)
+            except Exception as e:  # the template's own checks (e.g. roles must alternate)
+                raise APIError(400, f"messages: the chat template cannot render them: {type(e).__name__}: "
+                                    f"{clip(str(e))}", "messages") from e
             return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
         out = [tok.bos_token_id] if tok.bos_token_id is not None else []
-        for m in messages:
-            out += _encode(tok, m["content"], special=False)
+        for i, m in enumerate(messages):
+            out += _encode(tok, m["content"], special=False, field=f"messages.{i}.content")
             if m["role"] == "assistant":
                 out.append(tok.eos_token_id)
         return out
 
 
-def _encode(tokenizer, text: str, special: bool = True) -> list[int]:
+def _encode(tokenizer, text: str, special: bool = True, field: str = "prompt") -> list[int]:
     try:
         return list(tokenizer(text, add_special_tokens=special).input_ids)
     except Exception as e:  # e.g. a character outside a character tokenizer's alphabet
-        raise APIError(400, f"the tokenizer cannot encode {text[:40]!r}: {e}", "prompt") from e
+        raise APIError(400, f"the tokenizer cannot encode {clip(text, 40)!r}: {clip(str(e))}", field) from e

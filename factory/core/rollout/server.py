@@ -47,17 +47,17 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse
 from torch import Tensor
 
 from factory.core.rollout.api_models import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     MAX_N,
+    MAX_VERSION,
     APIError,
     ChatRequest,
     CompletionRequest,
@@ -65,6 +65,7 @@ from factory.core.rollout.api_models import (
     UpdateFromDiskRequest,
     _error_response,
     _SamplingRequest,
+    openai_render,
 )
 from factory.core.rollout.base import Completion, SamplingParams
 from factory.core.rollout.chat import (
@@ -77,6 +78,7 @@ from factory.core.rollout.chat import (
 )
 from factory.core.rollout.continuous import PAUSE_MODES, UPDATE_MODES, ContinuousEngine
 from factory.core.rollout.sessions import SessionStore, Turn
+from factory.ops.http_guard import MAX_JSON_BYTES, clip, guard
 
 # The request models, chat template and sessions live in their own modules; their public names are importable
 # from here too.
@@ -86,6 +88,7 @@ __all__ = ["DEFAULT_COMPLETION_MAX_TOKENS", "MAX_N", "SESSION_HEADER", "TOOL_CAL
            "load_weights_dir", "parse_tool_calls", "serve", "weight_update_decoder"]
 
 SESSION_HEADER = "x-session-id"
+MAX_UPDATE_BYTES = 16 << 30  # a full weight update of a ~8B bf16 model; the JSON endpoints take MAX_JSON_BYTES
 
 # Turns a weight-update request body, the served weights (a copy) and their version into the new state dict and
 # the version the payload names (None: the request's ?version=, else the current version + 1).
@@ -123,6 +126,18 @@ def load_weights_dir(path: str | Path) -> dict[str, Tensor]:
     raise FileNotFoundError(f"no model.safetensors (or its index) in {path}")
 
 
+def _engine_field(message: str, prompt_field: str, max_tokens_field: str) -> str | None:
+    """The request field an engine refusal (`ContinuousEngine.check`) is about."""
+    if "context length" in message or "max_tokens" in message:
+        return max_tokens_field
+    if "prompt" in message:
+        return prompt_field
+    for name in ("temperature", "top_p", "top_logprobs"):
+        if name in message:
+            return name
+    return None
+
+
 # ---------------------------------------------------------------------------------------------- the app
 class RolloutServer:
     """The state behind the HTTP routes: the engine, the chat template, the sessions."""
@@ -145,7 +160,8 @@ class RolloutServer:
             raise APIError(400, f"session id differs between the {SESSION_HEADER} header and the body", "session_id")
         return body.session_id or header or None
 
-    def _params(self, body: _SamplingRequest, max_tokens: int, top_logprobs: int) -> SamplingParams:
+    def _params(self, body: _SamplingRequest, max_tokens: int, top_logprobs: int,
+                max_tokens_field: str = "max_tokens") -> SamplingParams:
         if body.stream:
             raise APIError(400, "stream=true is not supported by this server", "stream")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -156,7 +172,7 @@ class RolloutServer:
         if not 1 <= body.n <= MAX_N:
             raise APIError(400, f"n must be in [1, {MAX_N}], got {body.n}", "n")
         if max_tokens < 1:
-            raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+            raise APIError(400, f"{max_tokens_field} must be at least 1, got {max_tokens}", max_tokens_field)
         temperature = 1.0 if body.temperature is None else body.temperature
         if temperature < 0:
             raise APIError(400, f"temperature must be >= 0, got {temperature}", "temperature")
@@ -172,13 +188,15 @@ class RolloutServer:
             stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos, top_logprobs=top_logprobs,
         )
 
-    async def _run(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+    async def _run(self, prompts: list[list[int]], params: SamplingParams, prompt_field: str = "prompt",
+                   max_tokens_field: str = "max_tokens") -> list[Completion]:
         """All n samples of every prompt, submitted together so that they batch; choice order is prompt-major."""
         try:
             for p in prompts:  # all checked before any is queued
                 self.engine.check(p, params)
         except ValueError as e:
-            raise APIError(400, str(e)) from e
+            field = _engine_field(str(e), prompt_field, max_tokens_field)
+            raise APIError(400, f"{field}: {e}" if field else str(e), field) from e
         # Distinct sample indexes keep seeded samples of different prompts independent.
         futures = [self.engine.submit(p, params, sample_index=i * params.n + j)
                    for i, p in enumerate(prompts) for j in range(params.n)]
@@ -265,13 +283,14 @@ class RolloutServer:
         if k and not body.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", "top_logprobs")
         sid = self._session_id(request, body)
-        messages = [_message_text(m, i) for i, m in enumerate(body.messages)]
+        messages = [_message_text(m.model_dump(), i) for i, m in enumerate(body.messages)]
         prompt, continues = self._chat_prompt(messages, sid)
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        given = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        max_tokens = getattr(body, given)
         if max_tokens is None:  # as many as fit the context
             max_tokens = max(1, self.engine.max_seq_len - len(prompt))
-        params = self._params(body, max_tokens, k or 0)
-        comps = await self._run([prompt], params)
+        params = self._params(body, max_tokens, k or 0, given)
+        comps = await self._run([prompt], params, "messages", given)
         choices, replies = [], []
         for i, c in enumerate(comps):
             message: dict[str, Any] = {"role": "assistant", "content": c.text}
@@ -348,25 +367,16 @@ class RolloutServer:
 
 
 def create_app(engine: ContinuousEngine, model_path: str | None = None, delta_decoder: DeltaDecoder | None = None,
-               max_sessions: int = 10_000) -> FastAPI:
-    """The FastAPI app serving `engine` (which must be driven by its background thread: `engine.start()`)."""
+               max_sessions: int = 10_000, max_body_bytes: int = MAX_JSON_BYTES,
+               max_update_bytes: int = MAX_UPDATE_BYTES) -> FastAPI:
+    """The FastAPI app serving `engine` (which must be driven by its background thread: `engine.start()`).
+    Bodies over `max_body_bytes` (`max_update_bytes` for a weight update) are refused with a 413."""
     srv = RolloutServer(engine, model_path, delta_decoder, max_sessions)
     app = FastAPI(title="factory rollout server", docs_url=None, redoc_url=None)
     app.state.rollout = srv
-
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError) -> JSONResponse:
-        return _error_response(e.status, e.message, e.param, e.kind)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
-        problems = []
-        for err in e.errors():
-            loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
-            problems.append(f"{loc or 'body'}: {err.get('msg')}")
-        first = e.errors()[0].get("loc", ()) if e.errors() else ()
-        return _error_response(400, "invalid request: " + "; ".join(problems[:5]),
-                               ".".join(str(x) for x in first if x != "body") or None)
+    # 400 for a malformed body, as OpenAI answers it (the openai client raises BadRequestError).
+    guard(app, validation_status=400, render=openai_render, max_body_bytes=max_body_bytes,
+          body_limits={"/update_weights_from_delta": max_update_bytes})
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -399,15 +409,18 @@ def create_app(engine: ContinuousEngine, model_path: str | None = None, delta_de
         if version is None and body.weight_version is not None:
             try:
                 version = int(body.weight_version)
-            except ValueError as e:
-                raise APIError(400, f"weight_version must be an integer, got {body.weight_version!r}",
-                               "weight_version") from e
+            except ValueError:
+                version = -1
+            if not 0 <= version <= MAX_VERSION:
+                raise APIError(400, f"weight_version must be an integer in [0, {MAX_VERSION}], got "
+                                    f"{clip(body.weight_version)!r}", "weight_version")
         result = await srv.update(lambda: (load_weights_dir(body.model_path), None), version, body.mode)
         srv.model_path = body.model_path
         return result
 
     @app.post("/update_weights_from_delta")
-    async def update_from_delta(request: Request, version: int | None = None, mode: str = "finish_old") -> dict:
+    async def update_from_delta(request: Request, version: Annotated[int | None, Query(ge=0, le=MAX_VERSION)] = None,
+                                mode: str = "finish_old") -> dict:
         payload = await request.body()
 
         def decode() -> tuple[Mapping[str, Tensor], int | None]:
@@ -450,13 +463,13 @@ def create_app(engine: ContinuousEngine, model_path: str | None = None, delta_de
     async def session(sid: str) -> dict:
         turns = srv.sessions.get(sid)
         if turns is None:
-            raise APIError(404, f"no session {sid!r}", "session_id", "not_found_error")
+            raise APIError(404, f"no session with session_id {clip(sid)!r}", "session_id", "not_found_error")
         return {"session_id": sid, "turns": [t.to_json(i) for i, t in enumerate(turns)]}
 
     @app.delete("/sessions/{sid}")
     async def drop_session(sid: str) -> dict:
         if not srv.sessions.delete(sid):
-            raise APIError(404, f"no session {sid!r}", "session_id", "not_found_error")
+            raise APIError(404, f"no session with session_id {clip(sid)!r}", "session_id", "not_found_error")
         return {"success": True}
 
     return app
@@ -508,11 +521,13 @@ class ServerHandle:
 
 def launch_server(engine: ContinuousEngine, host: str = "127.0.0.1", port: int = 0, model_path: str | None = None,
                   delta_decoder: DeltaDecoder | None = None, startup_timeout: float = 30.0,
-                  log_level: str = "warning") -> ServerHandle:
+                  log_level: str = "warning", max_body_bytes: int = MAX_JSON_BYTES,
+                  max_update_bytes: int = MAX_UPDATE_BYTES) -> ServerHandle:
     """Serve `engine` from a background thread (port 0: any free port); starts the engine's thread if needed."""
     stop_engine = engine._thread is None or not engine._thread.is_alive()
     engine.start()
-    app = create_app(engine, model_path=model_path, delta_decoder=delta_decoder)
+    app = create_app(engine, model_path=model_path, delta_decoder=delta_decoder, max_body_bytes=max_body_bytes,
+                     max_update_bytes=max_update_bytes)
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off",
                                     access_log=False))
     thread = threading.Thread(target=server.run, name="rollout-server", daemon=True)
@@ -537,11 +552,13 @@ def engine_from_checkpoint(path: str | Path, max_batch: int = 64, max_seq_len: i
 
 
 def serve(engine: ContinuousEngine, host: str = "127.0.0.1", port: int = 8000, model_path: str | None = None,
-          delta_decoder: DeltaDecoder | None = None, log_level: str = "info") -> None:
+          delta_decoder: DeltaDecoder | None = None, log_level: str = "info", max_body_bytes: int = MAX_JSON_BYTES,
+          max_update_bytes: int = MAX_UPDATE_BYTES) -> None:
     """Serve `engine` in the foreground until interrupted (the `factory serve` command)."""
     engine.start()
     try:
-        uvicorn.run(create_app(engine, model_path=model_path, delta_decoder=delta_decoder), host=host, port=port,
-                    log_level=log_level, lifespan="off")
+        app = create_app(engine, model_path=model_path, delta_decoder=delta_decoder, max_body_bytes=max_body_bytes,
+                         max_update_bytes=max_update_bytes)
+        uvicorn.run(app, host=host, port=port, log_level=log_level, lifespan="off")
     finally:
         engine.stop()
