@@ -16,7 +16,9 @@ Endpoints:
   "reason", "info"}]}: multi-turn episodes (`envs/protocol.py`), each driving its own OpenAI client
   against the rollout server under its session id; the caller reads the exact tokens from the server.
 
-An environment that raises scores 0 with the reason recorded; the run goes on.
+An environment that raises, hangs or returns garbage scores 0 with the reason recorded (`envs/protocol.py`);
+the run goes on. A user's reward function is bounded per completion by $FACTORY_REWARD_TIMEOUT_S (the spec's
+`task.reward_timeout_s`, default 30), a multi-turn episode by the request's `timeout_s`.
 """
 
 from __future__ import annotations
@@ -32,7 +34,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from factory.envs.arithmetic import Problem
 from factory.envs.latency import LatencyProfile
-from factory.envs.protocol import load_environment, run_episodes, score_guarded
+from factory.envs.protocol import (
+    REWARD_TIMEOUT_S,
+    call_guarded,
+    load_environment,
+    run_episodes_isolated_async,
+    score_all,
+)
 from factory.envs.tasks import verify
 
 Scorer = Callable[[dict[str, Any], str], float]
@@ -71,10 +79,12 @@ class EpisodesRequest(BaseModel):
     timeout_s: float = Field(300.0, gt=0)
 
 
-def score_completions(env: str, problem: dict[str, Any], completions: list[str]) -> tuple[list[float], list[str]]:
-    """Rewards and reasons ("" when scored normally) from a task family's verifier, or from a user's single-turn
+def score_completions(env: str, problem: dict[str, Any], completions: list[str],
+                      timeout_s: float = REWARD_TIMEOUT_S) -> tuple[list[float], list[str | None]]:
+    """Rewards and reasons (None when scored normally) from a task family's verifier, or from a user's single-turn
     reward function named by import path (`package.module:attr`, called as reward(prompt, completion,
-    **problem fields)); an unknown env or a raising scorer gives 0 and why."""
+    **problem fields), each call bounded by `timeout_s`); an unknown env, or a scorer that raises, hangs or
+    returns something other than a finite number, gives 0 and why."""
     scorer = SCORERS.get(env)
     if scorer is None and ":" in env:
         try:
@@ -82,25 +92,19 @@ def score_completions(env: str, problem: dict[str, Any], completions: list[str])
         except ValueError as e:
             return [0.0] * len(completions), [str(e)] * len(completions)
         if user.kind == "single_turn":
-            results = [score_guarded(user, problem.get("prompt", ""), c, **{k: v for k, v in problem.items()
-                                                                            if k != "prompt"}) for c in completions]
+            results = score_all(user, problem.get("prompt", ""), completions,
+                                {k: v for k, v in problem.items() if k != "prompt"}, timeout_s)
             return [r.reward for r in results], [r.reason for r in results]
     if scorer is None:
         return [0.0] * len(completions), [f"unknown env {env!r}; known: {sorted(SCORERS)}"] * len(completions)
-    rewards, reasons = [], []
-    for c in completions:
-        try:
-            rewards.append(float(scorer(problem, c)))
-            reasons.append("")
-        except Exception as e:  # noqa: BLE001 - a broken environment scores 0, the run goes on
-            rewards.append(0.0)
-            reasons.append(f"{type(e).__name__}: {e}")
-    return rewards, reasons
+    results = call_guarded(lambda c: scorer(problem, c), completions, None)  # built-ins bound themselves
+    return [r.reward for r in results], [r.reason for r in results]
 
 
 def create_app(latency: LatencyProfile | None = None) -> FastAPI:
     app = FastAPI(title="Factory environment workers")
     state = {"episodes": 0, "in_flight": 0, "failures": 0}
+    reward_timeout_s = _reward_timeout()
 
     async def run(ep: EpisodeIn) -> dict[str, Any]:
         state["in_flight"] += 1
@@ -108,7 +112,8 @@ def create_app(latency: LatencyProfile | None = None) -> FastAPI:
             wait = latency.sample(ep.key) if latency else 0.0
             if wait > 0:
                 await asyncio.sleep(wait)
-            rewards, reasons = await asyncio.to_thread(score_completions, ep.env, ep.problem, ep.completions)
+            rewards, reasons = await asyncio.to_thread(score_completions, ep.env, ep.problem, ep.completions,
+                                                       reward_timeout_s)
             state["episodes"] += 1
             state["failures"] += sum(1 for r in reasons if r)
             return {"key": ep.key, "rewards": rewards, "reasons": reasons, "latency_s": wait}
@@ -139,7 +144,8 @@ def create_app(latency: LatencyProfile | None = None) -> FastAPI:
             raise HTTPException(422, f"environment {body.env!r} is single-turn; POST /score scores completions")
         state["in_flight"] += len(body.tasks)
         try:
-            out = await run_episodes(env, body.tasks, body.session_ids, body.rollout_url, body.timeout_s)
+            out = await run_episodes_isolated_async(env, body.tasks, body.session_ids, body.rollout_url,
+                                                    body.timeout_s)
         finally:
             state["in_flight"] -= len(body.tasks)
         state["episodes"] += len(out)
@@ -147,6 +153,17 @@ def create_app(latency: LatencyProfile | None = None) -> FastAPI:
         return {"episodes": [{"reward": e.reward, "reason": e.reason, "info": e.info} for e in out]}
 
     return app
+
+
+def _reward_timeout() -> float:
+    raw = os.environ.get("FACTORY_REWARD_TIMEOUT_S", str(REWARD_TIMEOUT_S))
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or not value < float("inf"):
+        raise ValueError(f"FACTORY_REWARD_TIMEOUT_S: expected seconds > 0, got {raw!r}")
+    return value
 
 
 def serve(host: str = "127.0.0.1", port: int = 8100, latency_unit_s: float = 0.0, log_level: str = "warning") -> None:

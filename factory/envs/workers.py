@@ -5,11 +5,14 @@ Both take a list of episodes that run side by side and return when the slowest i
 rewards and the same simulated latency for the same episode keys, so a benchmark compares media and loop
 modes on identical environments. `score` returns None when the environment was closed meanwhile (the
 producer is shutting down), never a partial result.
+
+A sample whose environment failed (raised, hung past `task.reward_timeout_s` / `task.episode_timeout_s`, or
+returned something other than a finite number; see `envs/protocol.py`) scores 0.0 with its reason, and the run
+goes on; `metrics()["env_errors"]` counts such samples since the environment was made.
 """
 
 from __future__ import annotations
 
-import asyncio
 import sys
 import tempfile
 import threading
@@ -21,7 +24,7 @@ import httpx
 
 from factory.envs.arithmetic import Problem
 from factory.envs.latency import LatencyProfile
-from factory.envs.protocol import EpisodeResult, load_environment, run_episodes
+from factory.envs.protocol import REWARD_TIMEOUT_S, EpisodeResult, load_environment, run_episodes_isolated
 from factory.envs.service import score_completions
 from factory.ops.supervisor import CONNECTION_ERRORS, ServiceProcess, ServiceUnavailable
 
@@ -37,16 +40,36 @@ class Episode:
 @dataclass(frozen=True)
 class Scored:
     rewards: list[float]
-    reasons: list[str]  # "" where scored normally; why a reward is 0 where the environment failed
+    reasons: list[str | None]  # None where scored normally; why the reward is 0 where the environment failed
     latency_s: float
 
 
-class LocalEnvironment:
-    """Episodes run in the calling thread: wait out the slowest simulated latency, then score."""
+def _check_timeout(reward_timeout_s: float) -> None:
+    if not 0 < reward_timeout_s < float("inf"):
+        raise ValueError(f"task.reward_timeout_s: expected seconds > 0, got {reward_timeout_s!r}")
 
-    def __init__(self, latency: LatencyProfile | None):
-        self.latency = latency
+
+class _ErrorCount:
+    def __init__(self) -> None:
+        self.n, self._lock = 0, threading.Lock()
+
+    def add(self, reasons: list[str | None]) -> None:
+        with self._lock:  # producers score from several threads
+            self.n += sum(1 for r in reasons if r is not None)
+
+
+class LocalEnvironment:
+    """Episodes run in the calling thread: wait out the slowest simulated latency, then score. A user's reward
+    function runs in a helper thread so a hang returns at `reward_timeout_s`; the hung call is abandoned, not
+    killed: its thread keeps running (and holding what it holds) until the call returns, if ever; after
+    `protocol.MAX_HUNG_CALLS` such calls it is not called again (see `protocol.call_guarded`). Multi-turn
+    episodes run on an event loop of their own, abandoned the same way if one blocks it."""
+
+    def __init__(self, latency: LatencyProfile | None, reward_timeout_s: float = REWARD_TIMEOUT_S):
+        _check_timeout(reward_timeout_s)
+        self.latency, self.reward_timeout_s = latency, reward_timeout_s
         self._closed = threading.Event()
+        self._errors = _ErrorCount()
 
     def score(self, episodes: list[Episode]) -> list[Scored] | None:
         waits = [self.latency.sample(ep.key) if self.latency else 0.0 for ep in episodes]
@@ -54,19 +77,24 @@ class LocalEnvironment:
             return None
         out = []
         for ep, w in zip(episodes, waits, strict=True):
-            rewards, reasons = score_completions(ep.env, ep.problem.to_dict(), ep.completions)
+            rewards, reasons = score_completions(ep.env, ep.problem.to_dict(), ep.completions, self.reward_timeout_s)
             out.append(Scored(rewards, reasons, w))
+        for s in out:
+            self._errors.add(s.reasons)
         return out
 
     def run_episodes(self, env: str, tasks: list[dict], session_ids: list[str], rollout_url: str,
                      timeout_s: float) -> list[EpisodeResult] | None:
-        """Multi-turn episodes of `env` against the rollout server at `rollout_url`, side by side."""
+        """Multi-turn episodes of `env` against the rollout server at `rollout_url`, side by side, each bounded
+        by `timeout_s`."""
         if self._closed.is_set():
             return None
-        return asyncio.run(run_episodes(load_environment(env), tasks, session_ids, rollout_url, timeout_s))
+        out = run_episodes_isolated(load_environment(env), tasks, session_ids, rollout_url, timeout_s)
+        self._errors.add([e.reason for e in out])
+        return out
 
     def metrics(self) -> dict[str, float]:
-        return {}
+        return {"env_errors": float(self._errors.n)}
 
     def close(self) -> None:
         self._closed.set()
@@ -83,15 +111,19 @@ class ServiceEnvironment:
 
     def __init__(self, latency_unit_s: float = 0.0, processes: int = 1, timeout: float = 600.0,
                  max_connections: int = 256, workdir: str | Path | None = None, env: dict[str, str] | None = None,
-                 breaker_restarts: int = 3, breaker_window_s: float = 60.0):
+                 breaker_restarts: int = 3, breaker_window_s: float = 60.0,
+                 reward_timeout_s: float = REWARD_TIMEOUT_S):
         if processes < 1:
             raise ValueError(f"processes must be >= 1, got {processes}")
+        _check_timeout(reward_timeout_s)
         self.timeout, self.max_connections = timeout, max_connections
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="factory-env-"))
         self._closed = threading.Event()
         self.services: list[ServiceProcess] = []
         self._clients: list[httpx.Client] = []
         self._retired: list[httpx.Client] = []
+        self._errors = _ErrorCount()
+        env = {**(env or {}), "FACTORY_REWARD_TIMEOUT_S": repr(float(reward_timeout_s))}
         try:
             for i in range(processes):
                 svc = ServiceProcess(
@@ -116,7 +148,12 @@ class ServiceEnvironment:
         body = {"episodes": [{"key": ep.key, "env": ep.env, "problem": ep.problem.to_dict(),
                               "completions": ep.completions} for ep in episodes]}
         out = self._post(episodes[0].key, "/score", body)
-        return None if out is None else [Scored(e["rewards"], e["reasons"], e["latency_s"]) for e in out["episodes"]]
+        if out is None:
+            return None
+        scored = [Scored(e["rewards"], e["reasons"], e["latency_s"]) for e in out["episodes"]]
+        for s in scored:  # counted once per answered request: a repeated request's first try never answered
+            self._errors.add(s.reasons)
+        return scored
 
     def _post(self, route_key: str, path: str, body: dict) -> dict | None:
         i = zlib.crc32(route_key.encode()) % len(self.services)
@@ -146,10 +183,14 @@ class ServiceEnvironment:
         """As `LocalEnvironment.run_episodes`, in a worker process (which talks to the rollout server itself)."""
         out = self._post(session_ids[0], "/episodes", {"env": env, "tasks": tasks, "session_ids": session_ids,
                                                        "rollout_url": rollout_url, "timeout_s": timeout_s})
-        return None if out is None else [EpisodeResult(e["reward"], e["reason"], e["info"]) for e in out["episodes"]]
+        if out is None:
+            return None
+        results = [EpisodeResult(e["reward"], e["reason"], e["info"]) for e in out["episodes"]]
+        self._errors.add([e.reason for e in results])
+        return results
 
     def metrics(self) -> dict[str, float]:
-        return {"env_restarts": float(sum(s.restarts for s in self.services))}
+        return {"env_restarts": float(sum(s.restarts for s in self.services)), "env_errors": float(self._errors.n)}
 
     def worker_metrics(self) -> list[dict]:
         """Each worker process's own counters (episodes, in_flight, failures, pid)."""
@@ -165,18 +206,22 @@ class ServiceEnvironment:
 
 def make_environment(latency_unit_s: float, medium: str, processes: int = 1, timeout: float = 600.0,
                      sandbox_workers: int = 4, sandbox_isolation: str = "bwrap", breaker_restarts: int = 3,
-                     breaker_window_s: float = 60.0) -> LocalEnvironment | ServiceEnvironment:
+                     breaker_window_s: float = 60.0,
+                     reward_timeout_s: float = REWARD_TIMEOUT_S) -> LocalEnvironment | ServiceEnvironment:
     """Episodes in this process or in worker processes; either way generated code and tools run in a sandbox
-    pool of `sandbox_workers` with `sandbox_isolation` (in the process that scores). Worker processes are
+    pool of `sandbox_workers` with `sandbox_isolation` (in the process that scores), and a user's reward
+    function is bounded by `reward_timeout_s` per completion (`task.reward_timeout_s`). Worker processes are
     supervised with a circuit breaker (`ops.breaker_restarts` within `ops.breaker_window_s`)."""
     if medium == "in_process":
         from factory.envs.tasks import configure_sandbox
 
         configure_sandbox(sandbox_workers, sandbox_isolation)
-        return LocalEnvironment(LatencyProfile(unit_s=latency_unit_s) if latency_unit_s > 0 else None)
+        return LocalEnvironment(LatencyProfile(unit_s=latency_unit_s) if latency_unit_s > 0 else None,
+                                reward_timeout_s=reward_timeout_s)
     if medium == "service":
         return ServiceEnvironment(latency_unit_s, processes=processes, timeout=timeout,
                                   env={"FACTORY_SANDBOX_SIZE": str(sandbox_workers),
                                        "FACTORY_SANDBOX_ISOLATION": sandbox_isolation},
-                                  breaker_restarts=breaker_restarts, breaker_window_s=breaker_window_s)
+                                  breaker_restarts=breaker_restarts, breaker_window_s=breaker_window_s,
+                                  reward_timeout_s=reward_timeout_s)
     raise ValueError(f"rollout.environment: expected 'in_process' or 'service', got {medium!r}")

@@ -59,9 +59,10 @@ def test_a_raising_or_slow_environment_scores_zero_with_the_reason():
     r = score_guarded(env, "1+1=", "2")  # no answer given: the reward function raises
     assert r.reward == 0.0 and "answer" in r.reason
     broken = load_environment("tests.envs.test_episodes:broken_episode")
-    assert asyncio.run(run_guarded(broken, {}, None, 5)) == EpisodeResult(0.0, "RuntimeError: the verifier crashed")
+    assert asyncio.run(run_guarded(broken, {}, None, 5)) == EpisodeResult(
+        0.0, "episode raised RuntimeError: the verifier crashed")
     slow = load_environment("tests.envs.test_episodes:slow_episode")
-    assert asyncio.run(run_guarded(slow, {}, None, 0.05)).reason == "episode timed out after 0.05 s"
+    assert asyncio.run(run_guarded(slow, {}, None, 0.05)).reason == "episode timed out after 0.05s"
 
 
 def test_calculator_tool():
@@ -149,9 +150,9 @@ def test_a_single_turn_environment_by_import_path_scores_completions():
 
     problem = PROBLEMS[0].to_dict()
     assert score_completions("tests.envs.test_episodes:length_reward", problem, ["7", "777"]) == ([1.0, 0.0],
-                                                                                                 ["", ""])
+                                                                                                 [None, None])
     rewards, reasons = score_completions("tests.envs.test_episodes:length_reward", {"prompt": "x"}, ["7"])
-    assert rewards == [0.0] and reasons[0].startswith("AssertionError")  # raising: 0 with the reason
+    assert rewards == [0.0] and reasons[0].startswith("reward raised AssertionError")  # raising: 0 with the reason
     rewards, reasons = score_completions("tests.envs.nowhere:f", problem, ["7"])
     assert rewards == [0.0] and "cannot import" in reasons[0]
 

@@ -30,7 +30,7 @@ def test_service_scores_like_the_local_environment(service):
     got = service.score(EPISODES)
     assert [s.rewards for s in got] == [[1.0, 0.0, 1.0, 0.0]] * 6
     assert [s.latency_s for s in got] == [LatencyProfile(unit_s=0.001).sample(e.key) for e in EPISODES]
-    assert all(s.reasons == [""] * 4 for s in got)
+    assert all(s.reasons == [None] * 4 for s in got)
     # it ran in another process, and counted what it ran
     assert sum(m["episodes"] for m in service.worker_metrics()) >= 12
     assert os.getpid() not in {m["pid"] for m in service.worker_metrics()}
@@ -40,7 +40,8 @@ def test_a_raising_or_unknown_environment_scores_zero_with_the_reason(service, m
     known = "['arithmetic', 'code', 'word_problems']"
     assert score_completions("nope", P.to_dict(), ["24"]) == ([0.0], [f"unknown env 'nope'; known: {known}"])
     monkeypatch.setitem(SCORERS, "broken", lambda problem, c: 1 / 0)
-    assert score_completions("broken", P.to_dict(), ["24"]) == ([0.0], ["ZeroDivisionError: division by zero"])
+    assert score_completions("broken", P.to_dict(), ["24"]) == ([0.0],
+                                                               ["reward raised ZeroDivisionError: division by zero"])
     (scored,) = service.score([Episode(key="x-0", problem=P, completions=["24"], env="nope")])
     assert scored.rewards == [0.0] and "unknown env 'nope'" in scored.reasons[0]
 
