@@ -33,7 +33,6 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass
 from typing import Any, Literal
 
 from factory.envs import sandbox_worker
@@ -46,10 +45,13 @@ from factory.envs.sandbox_isolation import (
     _python_layout,
     _world_readable,
 )
+from factory.envs.sandbox_types import LIMIT_MAX, ExecResult, SandboxLimits, SandboxRequestError, _check_request
 from factory.envs.sandbox_worker import _recv, _send
 
-# The worker program and the isolation helpers live in their own modules; these names are importable from here.
-__all__ = ["PRELOAD", "ExecResult", "IsolationUnavailable", "Sandbox", "SandboxLimits", "SandboxPool"]
+# The worker program, the isolation helpers and the data types live in their own modules; these names are
+# importable from here.
+__all__ = ["LIMIT_MAX", "PRELOAD", "ExecResult", "IsolationUnavailable", "Sandbox", "SandboxLimits", "SandboxPool",
+           "SandboxRequestError"]
 
 log = logging.getLogger("factory.envs.sandbox")
 
@@ -58,48 +60,6 @@ log = logging.getLogger("factory.envs.sandbox")
 PRELOAD = ("collections", "functools", "itertools", "math", "re", "json", "string", "heapq", "bisect")
 
 _REPLY_GRACE_S = 10.0  # the host waits wall_s + this for a reply before it declares the worker hung
-
-
-@dataclass(frozen=True)
-class SandboxLimits:
-    """Per-execution limits. cpu_s: RLIMIT_CPU (SIGXCPU); wall_s: the worker kills the code's processes;
-    memory_mb: RLIMIT_AS per process (and the worker's cgroup where available); processes: RLIMIT_NPROC;
-    file_size_mb: RLIMIT_FSIZE; open_files: RLIMIT_NOFILE; output_bytes: cap on stdout and on stderr."""
-
-    cpu_s: float = 5.0
-    wall_s: float = 10.0
-    memory_mb: int = 512
-    processes: int = 64
-    file_size_mb: int = 16
-    open_files: int = 64
-    output_bytes: int = 1 << 20
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            if not getattr(self, f.name) > 0:
-                raise ValueError(f"SandboxLimits.{f.name} must be > 0, got {getattr(self, f.name)!r}")
-
-
-@dataclass
-class ExecResult:
-    """What one execution did. ok: exit 0, no timeout, not killed, output not truncated."""
-
-    ok: bool
-    exit_code: int | None
-    stdout: str
-    stderr: str
-    timed_out: bool
-    killed_by: str | None  # signal name, e.g. "SIGKILL", "SIGXCPU"
-    truncated: bool  # stdout or stderr went over output_bytes (the code was then killed)
-    reason: str  # "" when ok, else a short human reason
-    wall_s: float
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ExecResult:
-        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls)})
 
 
 _WARNED_UNISOLATED = False
@@ -143,15 +103,6 @@ class _Stats:
         self.lock = threading.Lock()
         self.cold_starts = self.failures = self.recycled = self.executions = self.busy = 0
         self.cold_start_s: list[float] = []
-
-
-def _check_files(files: dict[str, str] | None) -> None:
-    for name, text in (files or {}).items():
-        norm = os.path.normpath(name) if isinstance(name, str) else ""
-        if (not norm or norm in (".", "..") or os.path.isabs(name) or norm.startswith("../") or "\0" in name
-                or not isinstance(text, str)):
-            raise ValueError(f"files: bad file name {name!r} (want a relative path inside the run directory "
-                             f"mapped to its text)")
 
 
 def _reason(r: dict[str, Any], limits: SandboxLimits, oom_killed: bool) -> str:
@@ -257,8 +208,9 @@ class Sandbox:
     def exec(self, code: str, stdin: str = "", files: dict[str, str] | None = None,
              limits: SandboxLimits | None = None) -> ExecResult:
         """Run code once. Never raises for anything the code does; a worker fault gives ok=False and
-        marks this sandbox for recycling. ValueError for bad `files` names (the caller's mistake)."""
-        _check_files(files)
+        marks this sandbox for recycling. SandboxRequestError (a ValueError) for the caller's mistakes: bad `files`
+        names, text that is not Unicode."""
+        _check_request(code, stdin, files)
         limits = limits or self.limits
         if not self.alive():
             self.fault = self.fault or "worker not running"
@@ -567,8 +519,9 @@ class SandboxPool:
     def run(self, code: str, stdin: str = "", files: dict[str, str] | None = None,
             limits: SandboxLimits | None = None) -> ExecResult:
         """Run code in a warm sandbox. Never raises for anything the code does (ok=False and a reason);
-        raises for the caller's mistakes (bad file names) and the pool's (closed, none free in 30 s)."""
-        _check_files(files)
+        raises for the caller's mistakes (SandboxRequestError: bad file names, text that is not Unicode) and the
+        pool's (RuntimeError: closed; TimeoutError: none free in 30 s)."""
+        _check_request(code, stdin, files)
         with self.sandbox() as sb:
             return sb.exec(code, stdin=stdin, files=files, limits=limits)
 

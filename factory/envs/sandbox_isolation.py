@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from factory.envs.sandbox import SandboxLimits
+    from factory.envs.sandbox_types import SandboxLimits
 
 log = logging.getLogger("factory.envs.sandbox")
 

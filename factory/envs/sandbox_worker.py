@@ -261,7 +261,7 @@ class _Worker:
             _write_file(os.path.join(run_dir, "main.py"), code)  # for tracebacks' source lines
         os.chdir(run_dir)
         stdin_fd = os.memfd_create("stdin")  # no pipe to deadlock on, no file for the code to find
-        _write_all(stdin_fd, req.get("stdin", "").encode())
+        _write_all(stdin_fd, req.get("stdin", "").encode("utf-8", "surrogateescape"))
         os.lseek(stdin_fd, 0, os.SEEK_SET)
         os.dup2(stdin_fd, 0)
         os.close(stdin_fd)

@@ -15,7 +15,7 @@ import signal
 import pytest
 
 from factory.envs import sandbox as sandbox_mod
-from factory.envs.sandbox import IsolationUnavailable, SandboxLimits, SandboxPool
+from factory.envs.sandbox import LIMIT_MAX, IsolationUnavailable, SandboxLimits, SandboxPool, SandboxRequestError
 
 
 @pytest.fixture
@@ -141,10 +141,41 @@ def test_health_check_replaces_dead_idle_workers(require_sandbox):
         assert [pool.run("print(1)").ok for _ in range(4)] == [True] * 4
 
 
-def test_bad_file_names_are_the_callers_error(pool):
-    for name in ("../escape.py", "/etc/passwd", "a/../../b"):
-        with pytest.raises(ValueError, match="bad file name"):
-            pool.run("print(1)", files={name: "x"})
+BAD_FILES = [
+    {"../escape.py": "x"}, {"/etc/passwd": "x"}, {"a/../../b": "x"}, {"a/../b": "x"},
+    {"ok/": "x"},  # was a set-up traceback in the code's stderr
+    {"a//b": "x"}, {"a/./b": "x"}, {"./": "x"}, {"": "x"}, {"a\0b": "x"}, {"\ud800": "x"},
+    {"x" * 256: "y"}, {"d/" * 600 + "f": "y"},
+    {"a": "x", "a/b": "y"}, {"a/b": "x", "a": "y"},  # one name is another's directory
+    {"main.py/x": "y"},  # main.py is the code's file
+]
+
+
+@pytest.mark.parametrize("files", BAD_FILES, ids=[repr(list(f))[:40] for f in BAD_FILES])
+def test_bad_file_names_are_the_callers_error(pool, files):
+    with pytest.raises(SandboxRequestError, match="bad file name") as e:
+        pool.run("print(1)", files=files)
+    assert e.value.field == "files" and len(str(e.value)) < 400  # a huge name is not echoed whole
+    assert pool.run("print(1)").stdout == "1\n"
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"code": "print(1)\ud800"}, "code"),
+    ({"code": "print(1)", "stdin": "\ud800"}, "stdin"),
+    ({"code": "print(1)", "files": {"a.txt": "\udbff"}}, "files['a.txt']"),
+    ({"code": "print(1)", "files": {"a.txt": 5}}, "files['a.txt']"),
+])
+def test_text_that_is_not_unicode_is_the_callers_error(pool, kwargs, field):
+    with pytest.raises(SandboxRequestError) as e:
+        pool.run(**kwargs)
+    assert e.value.field == field and str(e.value).startswith(field)
+
+
+def test_raw_bytes_in_text_reach_the_code(pool):
+    # surrogateescape: a str made from undecodable bytes goes to the code as those bytes
+    r = pool.run("import sys\nprint(sys.stdin.buffer.read().hex(), open('b.bin', 'rb').read().hex())",
+                 stdin="\udc80", files={"b.bin": "\udcff"})
+    assert r.ok and r.stdout == "80 ff\n", r.stderr
 
 
 def test_missing_bwrap_raises_isolation_unavailable():
@@ -172,9 +203,14 @@ def test_isolation_none_warns_once_and_still_limits(monkeypatch, caplog):
     assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
 
 
-def test_limits_validate():
-    with pytest.raises(ValueError, match="wall_s"):
-        SandboxLimits(wall_s=0)
+@pytest.mark.parametrize("kwargs", [{"wall_s": 0}, {"wall_s": float("nan")}, {"wall_s": float("inf")},
+                                    {"cpu_s": -1}, {"cpu_s": 1e300}, {"memory_mb": 10 ** 15}, {"open_files": 10 ** 9},
+                                    {"processes": 10 ** 20}, {"output_bytes": 1 << 40}, {"file_size_mb": True}])
+def test_limits_validate(kwargs):
+    (name,) = kwargs
+    with pytest.raises(ValueError, match=f"SandboxLimits.{name} must be a number in"):
+        SandboxLimits(**kwargs)
+    assert SandboxLimits(**{name: LIMIT_MAX[name]}) is not None  # the bound itself is allowed
     assert dataclasses.asdict(SandboxLimits())["output_bytes"] == 1 << 20
 
 
