@@ -117,8 +117,12 @@ def scorer(spec: ExperimentSpec) -> str:
 
 
 def make_group(problem: Problem, k: int, completions: list[Completion], scored: Scored) -> Group:
-    """A buffer group of the completions and the environment's rewards for them."""
+    """A buffer group of the completions and the environment's rewards for them (with the reason where the
+    environment failed to judge one and scored it 0)."""
     samples = [Sample.from_completion(c, r) for c, r in zip(completions, scored.rewards, strict=True)]
+    for sample, reason in zip(samples, scored.reasons, strict=True):
+        if reason is not None:
+            sample.meta["reason"] = reason
     return Group(samples, uid=f"draw-{k}", meta={"prompt_id": problem.id, "prompt": problem.prompt, "draw": k,
                                                  "latency_s": scored.latency_s})
 
@@ -131,7 +135,8 @@ def _params(spec: ExperimentSpec, seed: int, n: int = 1) -> SamplingParams:
 def _environment(spec: ExperimentSpec):
     return make_environment(spec.task.simulated_latency_s, spec.rollout.environment, spec.rollout.env_processes,
                             timeout=spec.schedule.wait_timeout_s, sandbox_workers=spec.task.sandbox_workers,
-                            sandbox_isolation=spec.task.sandbox_isolation)
+                            sandbox_isolation=spec.task.sandbox_isolation, breaker_restarts=spec.ops.breaker_restarts,
+                            breaker_window_s=spec.ops.breaker_window_s, reward_timeout_s=spec.task.reward_timeout_s)
 
 
 class SyncProducer:
@@ -314,7 +319,8 @@ class ServerProducer(OverlappedProducer):
             "rollout-server",
             [sys.executable, "-m", "factory.cli", "serve", "--checkpoint", str(self._workdir / "initial"),
              "--port", "{port}", "--threads", "1", "--max-batch", str(self.rows), "--weight-version", str(version)],
-            log_path=self._workdir / "server.log", startup_timeout=self.timeout).start()
+            log_path=self._workdir / "server.log", startup_timeout=self.timeout,
+            breaker_restarts=self.spec.ops.breaker_restarts, breaker_window_s=self.spec.ops.breaker_window_s).start()
         self._retired: list[httpx.Client] = []
         self._renew_client()
 

@@ -78,6 +78,7 @@ from factory.core.rollout.chat import (
 )
 from factory.core.rollout.continuous import PAUSE_MODES, UPDATE_MODES, ContinuousEngine
 from factory.core.rollout.sessions import SessionStore, Turn
+from factory.ops.faults import fault_point
 from factory.ops.http_guard import MAX_JSON_BYTES, clip, guard
 
 # The request models, chat template and sessions live in their own modules; their public names are importable
@@ -385,6 +386,7 @@ def create_app(engine: ContinuousEngine, model_path: str | None = None, delta_de
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest) -> dict:
+        fault_point("serve_completion")  # chaos tests: a server that dies on its requests (a crash loop)
         return await srv.completions(request, body)
 
     @app.post("/v1/chat/completions")
