@@ -19,6 +19,11 @@ Endpoints:
 An environment that raises, hangs or returns garbage scores 0 with the reason recorded (`envs/protocol.py`);
 the run goes on. A user's reward function is bounded per completion by $FACTORY_REWARD_TIMEOUT_S (the spec's
 `task.reward_timeout_s`, default 30), a multi-turn episode by the request's `timeout_s`.
+
+A bad request is refused (`factory/ops/http_guard.py`): 422 naming the field for a malformed body, wrong types,
+non-finite or out-of-range numbers, an unknown or single-turn environment in /episodes; 413 for a body over
+`max_body_bytes`; 502 naming rollout_url when the rollout server cannot be reached. /score keeps scoring an
+unknown env 0 with the reason, as the in-process environment does.
 """
 
 from __future__ import annotations
@@ -27,10 +32,12 @@ import asyncio
 import os
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlsplit
 
+import openai
 import uvicorn
-from fastapi import FastAPI, HTTPException
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi import FastAPI
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from factory.envs.arithmetic import Problem
 from factory.envs.latency import LatencyProfile
@@ -42,6 +49,7 @@ from factory.envs.protocol import (
     score_all,
 )
 from factory.envs.tasks import verify
+from factory.ops.http_guard import MAX_JSON_BYTES, RequestError, clip, guard
 
 Scorer = Callable[[dict[str, Any], str], float]
 
@@ -54,8 +62,14 @@ def _task_verifier(problem: dict[str, Any], completion: str) -> float:
 SCORERS: dict[str, Scorer] = {"arithmetic": _task_verifier, "word_problems": _task_verifier, "code": _task_verifier}
 
 
+MAX_EPISODE_TIMEOUT_S = 86400.0
+
+# Requests are checked here (Factory's HTTP guard: a 4xx naming the field); NaN and infinities are refused.
+_STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
 class EpisodeIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
 
     key: str = Field(description="names the episode; its simulated latency is drawn from it")
     env: str = "arithmetic"
@@ -64,19 +78,27 @@ class EpisodeIn(BaseModel):
 
 
 class ScoreRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
 
     episodes: list[EpisodeIn]
 
 
 class EpisodesRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
 
     env: str = Field(description="a built-in multi-turn environment or an import path package.module:attr")
     tasks: list[dict[str, Any]]
     session_ids: list[str]
     rollout_url: str = Field(description="the rollout server the episodes talk to (OpenAI API)")
-    timeout_s: float = Field(300.0, gt=0)
+    timeout_s: float = Field(300.0, gt=0, le=MAX_EPISODE_TIMEOUT_S)
+
+    @field_validator("rollout_url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        parts = urlsplit(v)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ValueError(f"want an http(s) URL like http://127.0.0.1:8000, got {clip(v)!r}")
+        return v
 
 
 def score_completions(env: str, problem: dict[str, Any], completions: list[str],
@@ -101,8 +123,8 @@ def score_completions(env: str, problem: dict[str, Any], completions: list[str],
     return [r.reward for r in results], [r.reason for r in results]
 
 
-def create_app(latency: LatencyProfile | None = None) -> FastAPI:
-    app = FastAPI(title="Factory environment workers")
+def create_app(latency: LatencyProfile | None = None, max_body_bytes: int = MAX_JSON_BYTES) -> FastAPI:
+    app = guard(FastAPI(title="Factory environment workers"), validation_status=422, max_body_bytes=max_body_bytes)
     state = {"episodes": 0, "in_flight": 0, "failures": 0}
     reward_timeout_s = _reward_timeout()
 
@@ -135,17 +157,22 @@ def create_app(latency: LatencyProfile | None = None) -> FastAPI:
     @app.post("/episodes")
     async def episodes(body: EpisodesRequest) -> dict:
         if len(body.tasks) != len(body.session_ids):
-            raise HTTPException(422, f"{len(body.tasks)} tasks but {len(body.session_ids)} session_ids")
+            raise RequestError(422, f"session_ids: {len(body.tasks)} tasks but {len(body.session_ids)} session_ids",
+                               "session_ids")
         try:
             env = load_environment(body.env)
         except ValueError as e:
-            raise HTTPException(422, str(e)) from e
+            raise RequestError(422, f"env: {clip(str(e), 300)}", "env") from e
         if env.kind != "multi_turn":
-            raise HTTPException(422, f"environment {body.env!r} is single-turn; POST /score scores completions")
+            raise RequestError(422, f"env: environment {clip(body.env)!r} is single-turn; POST /score scores "
+                                    f"completions", "env")
         state["in_flight"] += len(body.tasks)
         try:
             out = await run_episodes_isolated_async(env, body.tasks, body.session_ids, body.rollout_url,
                                                     body.timeout_s)
+        except openai.APIConnectionError as e:  # not the request's shape, nor a bug here: the upstream is gone
+            raise RequestError(502, f"rollout_url: cannot reach the rollout server at {clip(body.rollout_url)}: "
+                                    f"{clip(str(e))}", "rollout_url", "upstream_unavailable") from e
         finally:
             state["in_flight"] -= len(body.tasks)
         state["episodes"] += len(out)
@@ -166,7 +193,8 @@ def _reward_timeout() -> float:
     return value
 
 
-def serve(host: str = "127.0.0.1", port: int = 8100, latency_unit_s: float = 0.0, log_level: str = "warning") -> None:
+def serve(host: str = "127.0.0.1", port: int = 8100, latency_unit_s: float = 0.0, log_level: str = "warning",
+          max_body_bytes: int = MAX_JSON_BYTES) -> None:
     """Serve environment workers in the foreground until interrupted (the `factory env-serve` command)."""
     latency = LatencyProfile(unit_s=latency_unit_s) if latency_unit_s > 0 else None
-    uvicorn.run(create_app(latency), host=host, port=port, log_level=log_level, lifespan="off")
+    uvicorn.run(create_app(latency, max_body_bytes), host=host, port=port, log_level=log_level, lifespan="off")
