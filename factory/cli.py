@@ -266,6 +266,33 @@ def _add_spec(p: argparse.ArgumentParser, optional: bool = False) -> None:
                    help="override a spec field, e.g. --set algorithm.lr=1e-4 (repeatable; values are YAML)")
 
 
+def cmd_preflight(args: argparse.Namespace) -> int:
+    """Run this node's preflight checks, print them, record them in `node_health`; exit 1 naming each failed check."""
+    import json
+
+    from factory.ops.preflight import format_checks, run_preflight
+
+    log = (lambda m: print(m, file=sys.stderr)) if args.verbose else (lambda _: None)
+    try:
+        report = run_preflight(home_from(args), mode="deep" if args.deep else "quick", only=args.checks or None,
+                               kind=args.kind, record=not args.no_record, log=log)
+    except ValueError as e:
+        error(str(e))
+        return EXIT_BAD_INPUT
+    if args.json:
+        print(json.dumps(report.to_dict()))
+    else:
+        print(f"preflight {report.preflight_id} on {report.node} ({report.kind}, {report.mode}) at "
+              f"{report.started_at:%Y-%m-%d %H:%M:%S} UTC, {report.seconds:.1f} s: "
+              f"{'passed' if report.passed else 'FAILED'}")
+        print(format_checks(report.results))
+    if report.record_error:
+        error(f"preflight results not recorded in the lake: {report.record_error}")
+    for r in report.failed:
+        error(f"preflight check failed: {r.line()}")
+    return EXIT_OK if report.passed else EXIT_FAILED
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="factory", description="RL post-training experiment factory")
     parser.add_argument("--home", help="state directory (default: $FACTORY_HOME, else ./.factory)")
@@ -356,6 +383,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--isolation", choices=("bwrap", "none"), default="bwrap",
                    help="bwrap: namespaces via bubblewrap (default); none: NOT isolated, for trusted code only")
     p.set_defaults(func=cmd_sandbox_serve)
+
+    p = sub.add_parser("preflight", help="test this node (hardware, software, disks, lake, sandbox); exit 1 naming "
+                       "failed checks", description="Preflight node tests (factory/ops/preflight/): each check's "
+                       "value against its floor, recorded in the lake table node_health; training refuses a node "
+                       "whose latest preflight failed.")
+    p.add_argument("--deep", action="store_true", help="measure longer; add all-reduce, the rollout server and the "
+                   "whole sandbox red-team suite (about 1-3 min instead of about 15 s)")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object instead of the table")
+    p.add_argument("--check", dest="checks", action="append", default=[], metavar="NAME",
+                   help="run only this check (repeatable), e.g. after fixing what it found")
+    p.add_argument("--kind", help="node kind whose floors apply (default: $FACTORY_NODE_KIND, else detected)")
+    p.add_argument("--no-record", action="store_true", help="do not write the results to the lake")
+    p.add_argument("--verbose", "-v", action="store_true", help="log each check on stderr as it finishes")
+    p.set_defaults(func=cmd_preflight)
     return parser
 
 
