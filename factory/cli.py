@@ -31,7 +31,8 @@ final_acc AS (
     GROUP BY e.run_id
 )
 SELECT r.run_id, r.name, r.status, r.started_at, r.ended_at,
-       l.step AS final_step, a.accuracy AS final_accuracy, a.benchmarks, r.sweep_id
+       l.step AS final_step, a.accuracy AS final_accuracy, a.benchmarks, r.sweep_id,
+       r.attempts, r.restarts, round(r.goodput, 4) AS goodput
 FROM runs r
 LEFT JOIN last_step l ON r.run_id = l.run_id
 LEFT JOIN final_acc a ON r.run_id = a.run_id
@@ -73,10 +74,13 @@ def cmd_query(args: argparse.Namespace) -> int:
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
-    """List runs, newest first, with their final accuracy."""
+    """List runs, newest first, with their final accuracy (a run whose process died shows `interrupted`)."""
     from factory.lake import Lake, format_table, query
+    from factory.ops.recovery import reconcile
 
-    with Lake.open(home_from(args)) as lake:
+    paths = home_from(args)
+    with Lake.open(paths) as lake:
+        reconcile(lake, paths.checkpoints)
         result = query(RUNS_SQL, lake)
     emit(format_table(result, args.format))
     return EXIT_OK
@@ -151,13 +155,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     if err is not None:
         print(str(err), file=sys.stderr)
         return EXIT_BAD_INPUT
+    from factory.core.loop import NonFiniteLoss, RunInterrupted
     from factory.experiment import RunFailed, run_experiment
+    from factory.ops.restarts import EXIT_NEEDS_FIX, EXIT_STOPPED
+    from factory.ops.supervisor import CircuitOpen
 
     try:
         summary = run_experiment(spec, home_from(args), control=args.control, supervised=not args.in_process)
     except RunFailed as e:
         error(str(e))
         return e.code
+    except RunInterrupted as e:  # --in-process, stopped by a signal: the resume point is on disk
+        error(str(e))
+        return EXIT_STOPPED
+    except (NonFiniteLoss, CircuitOpen) as e:
+        error(str(e))
+        return EXIT_NEEDS_FIX
     print(summary["report"])
     return EXIT_OK
 

@@ -322,6 +322,12 @@ class OpsSpec(_Section):
         "than preflight_max_age_s is run first, quick mode); off: no gate (env FACTORY_PREFLIGHT=off also)")
     preflight_max_age_s: float = Field(86400.0, gt=0)
 
+    @field_validator("preflight", mode="before")
+    @classmethod
+    def _yaml_off(cls, v: Any) -> Any:
+        # YAML reads a bare `off` as false (and `on` as true): take them as meant.
+        return {False: "off", True: "gate"}.get(v, v) if isinstance(v, bool) else v
+
 
 class ExperimentSpec(_Section):
     """A whole experiment: model, task, SFT warm start, algorithm, rollout, trainer, schedule, ops, seed."""

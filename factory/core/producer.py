@@ -256,7 +256,10 @@ class OverlappedProducer:
                                            timeout=self.timeout)
         except (BufferClosed, BufferTimeout) as e:
             if self._errors:
-                raise ProducerFailed(f"a rollout producer failed: {self._errors[0]!r}") from self._errors[0]
+                first = self._errors[0]
+                if isinstance(first, ServiceUnavailable):  # e.g. a tripped circuit breaker: say which service
+                    raise first from e
+                raise ProducerFailed(f"a rollout producer failed: {first!r}") from first
             raise e
         self.stream.done([g.meta["draw"] for g in groups])
         return groups

@@ -2,32 +2,48 @@
 write, during a weight publish).
 
 Off unless the environment asks:
-- `FACTORY_FAULT_DIR`: each point touches `<dir>/<name>.<pid>` while the process is there (so a harness can
-  see it and kill it) and holds for `FACTORY_FAULT_HOLD_S` seconds (default 0) to keep the window open;
 - `FACTORY_FAULT_KILL=name:n`: the process SIGKILLs itself the n-th time it reaches point `name` (a test's
-  way to die at an exact place, as a kill -9 from outside would, without the race).
-Production code pays two dictionary lookups per point.
+  way to die at an exact place, as a kill -9 from outside would, without the race);
+- `FACTORY_FAULT_HANG=name:n`: the n-th time, it stops there for good (a hang: alive, silent);
+- `FACTORY_FAULT_ATTEMPT=k`: those two only in attempt k of a run (`FACTORY_ATTEMPT`, which the restart
+  supervisor sets for each attempt), so the attempt that resumes does not die the same way;
+- `FACTORY_FAULT_DIR`: each point touches `<dir>/<name>.<pid>` while the process is there (so a harness can
+  see it and kill it) and holds for `FACTORY_FAULT_HOLD_S` seconds (default 0) to keep the window open.
+Production code pays a few dictionary lookups per point.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
 _hits: dict[str, int] = {}
 
 
+def _armed(var: str, name: str) -> bool:
+    spec = os.environ.get(var)
+    if not spec:
+        return False
+    target, _, n = spec.partition(":")
+    if target != name:
+        return False
+    only = os.environ.get("FACTORY_FAULT_ATTEMPT")
+    if only and os.environ.get("FACTORY_ATTEMPT", "1") != only:
+        return False
+    key = f"{var}:{name}"
+    _hits[key] = _hits.get(key, 0) + 1
+    return _hits[key] == int(n or 1)
+
+
 def fault_point(name: str) -> None:
     """This process reached fault point `name` (no-op unless the environment asks, see the module docstring)."""
-    kill = os.environ.get("FACTORY_FAULT_KILL")
-    if kill:
-        target, _, n = kill.partition(":")
-        if target == name:
-            _hits[name] = _hits.get(name, 0) + 1
-            if _hits[name] == int(n or 1):
-                os.kill(os.getpid(), signal.SIGKILL)
+    if _armed("FACTORY_FAULT_KILL", name):
+        os.kill(os.getpid(), signal.SIGKILL)
+    if _armed("FACTORY_FAULT_HANG", name):
+        threading.Event().wait()  # forever: only a kill ends it
     root = os.environ.get("FACTORY_FAULT_DIR")
     if not root:
         return

@@ -33,6 +33,7 @@ EXIT_STOPPED = 3
 EXIT_NEEDS_FIX = 4
 LAUNCH = "launch.json"
 POLL_S = 0.2
+STARTUP_GRACE_S = 120.0  # an attempt's start (imports, loading the model and lake) before it first beats
 
 
 def write_launch(run_dir: Path, spec: ExperimentSpec, init_checkpoint: str | Path, sweep_id: str | None = None,
@@ -101,12 +102,15 @@ def supervise(paths: FactoryPaths, run_id: str, spec: ExperimentSpec, log=print)
         while True:
             argv = [sys.executable, "-m", "factory.cli", "--home", str(paths.root), "attempt", run_id]
             started = time.time()
-            child = subprocess.Popen(argv)
+            child = subprocess.Popen(argv, env={**os.environ, "FACTORY_ATTEMPT": str(restarts + 1)})
             hung = None
             while child.poll() is None:
                 time.sleep(POLL_S)
-                age = time.time() - max(last_beat(run_dir) or 0.0, started)
-                if age > ops.hang_timeout_s and not stop:
+                beat = last_beat(run_dir) or 0.0
+                # Until this attempt's first sign of life it is starting (imports, loading): a longer grace.
+                limit = ops.hang_timeout_s if beat > started else max(ops.hang_timeout_s, STARTUP_GRACE_S)
+                age = time.time() - max(beat, started)
+                if age > limit and not stop:
                     hung = age
                     child.kill()
                     child.wait()
