@@ -22,7 +22,6 @@ import contextlib
 import copy
 import functools
 import random
-import shutil
 import sys
 import tempfile
 import threading
@@ -42,7 +41,7 @@ from factory.core.weights import encode_delta, encode_full
 from factory.envs.arithmetic import Problem
 from factory.envs.protocol import load_environment, tokens_from_session
 from factory.envs.workers import Episode, Scored, make_environment
-from factory.models.checkpoint import save_checkpoint
+from factory.models.checkpoint import remove_checkpoint, save_checkpoint
 from factory.ops.supervisor import CONNECTION_ERRORS, ServiceProcess, ServiceUnavailable
 
 
@@ -136,7 +135,8 @@ def _environment(spec: ExperimentSpec):
     return make_environment(spec.task.simulated_latency_s, spec.rollout.environment, spec.rollout.env_processes,
                             timeout=spec.schedule.wait_timeout_s, sandbox_workers=spec.task.sandbox_workers,
                             sandbox_isolation=spec.task.sandbox_isolation, breaker_restarts=spec.ops.breaker_restarts,
-                            breaker_window_s=spec.ops.breaker_window_s, reward_timeout_s=spec.task.reward_timeout_s)
+                            breaker_window_s=spec.ops.breaker_window_s, reward_timeout_s=spec.task.reward_timeout_s,
+                            hang_timeout_s=spec.ops.hang_timeout_s)
 
 
 class SyncProducer:
@@ -323,7 +323,8 @@ class ServerProducer(OverlappedProducer):
             [sys.executable, "-m", "factory.cli", "serve", "--checkpoint", str(self._workdir / "initial"),
              "--port", "{port}", "--threads", "1", "--max-batch", str(self.rows), "--weight-version", str(version)],
             log_path=self._workdir / "server.log", startup_timeout=self.timeout,
-            breaker_restarts=self.spec.ops.breaker_restarts, breaker_window_s=self.spec.ops.breaker_window_s).start()
+            breaker_restarts=self.spec.ops.breaker_restarts, breaker_window_s=self.spec.ops.breaker_window_s,
+            hang_timeout_s=self.spec.ops.hang_timeout_s).start()
         self._retired: list[httpx.Client] = []
         self._renew_client()
 
@@ -447,7 +448,7 @@ class ServerProducer(OverlappedProducer):
         self.service.stop()
         for client in (self._http, *self._retired):
             client.close()
-        shutil.rmtree(self._workdir / "initial", ignore_errors=True)  # the small server.log stays for post-mortems
+        remove_checkpoint(self._workdir / "initial")  # the small server.log stays for post-mortems
 
 
 def make_producer(spec: ExperimentSpec, model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast,

@@ -112,7 +112,7 @@ class ServiceEnvironment:
     def __init__(self, latency_unit_s: float = 0.0, processes: int = 1, timeout: float = 600.0,
                  max_connections: int = 256, workdir: str | Path | None = None, env: dict[str, str] | None = None,
                  breaker_restarts: int = 3, breaker_window_s: float = 60.0,
-                 reward_timeout_s: float = REWARD_TIMEOUT_S):
+                 reward_timeout_s: float = REWARD_TIMEOUT_S, hang_timeout_s: float | None = None):
         if processes < 1:
             raise ValueError(f"processes must be >= 1, got {processes}")
         _check_timeout(reward_timeout_s)
@@ -131,7 +131,8 @@ class ServiceEnvironment:
                     [sys.executable, "-m", "factory.cli", "env-serve", "--port", "{port}",
                      "--latency-unit", repr(latency_unit_s)],
                     log_path=self.workdir / f"env-worker-{i}.log", startup_timeout=min(timeout, 120.0), env=env,
-                    breaker_restarts=breaker_restarts, breaker_window_s=breaker_window_s).start()
+                    breaker_restarts=breaker_restarts, breaker_window_s=breaker_window_s,
+                    hang_timeout_s=hang_timeout_s).start()
                 self.services.append(svc)
                 self._clients.append(self._client(svc))
         except BaseException:
@@ -206,12 +207,13 @@ class ServiceEnvironment:
 
 def make_environment(latency_unit_s: float, medium: str, processes: int = 1, timeout: float = 600.0,
                      sandbox_workers: int = 4, sandbox_isolation: str = "bwrap", breaker_restarts: int = 3,
-                     breaker_window_s: float = 60.0,
-                     reward_timeout_s: float = REWARD_TIMEOUT_S) -> LocalEnvironment | ServiceEnvironment:
+                     breaker_window_s: float = 60.0, reward_timeout_s: float = REWARD_TIMEOUT_S,
+                     hang_timeout_s: float | None = None) -> LocalEnvironment | ServiceEnvironment:
     """Episodes in this process or in worker processes; either way generated code and tools run in a sandbox
     pool of `sandbox_workers` with `sandbox_isolation` (in the process that scores), and a user's reward
     function is bounded by `reward_timeout_s` per completion (`task.reward_timeout_s`). Worker processes are
-    supervised with a circuit breaker (`ops.breaker_restarts` within `ops.breaker_window_s`)."""
+    supervised with a circuit breaker (`ops.breaker_restarts` within `ops.breaker_window_s`) and a watchdog that
+    kills one silent for `hang_timeout_s` (`ops.hang_timeout_s`)."""
     if medium == "in_process":
         from factory.envs.tasks import configure_sandbox
 
@@ -223,5 +225,5 @@ def make_environment(latency_unit_s: float, medium: str, processes: int = 1, tim
                                   env={"FACTORY_SANDBOX_SIZE": str(sandbox_workers),
                                        "FACTORY_SANDBOX_ISOLATION": sandbox_isolation},
                                   breaker_restarts=breaker_restarts, breaker_window_s=breaker_window_s,
-                                  reward_timeout_s=reward_timeout_s)
+                                  reward_timeout_s=reward_timeout_s, hang_timeout_s=hang_timeout_s)
     raise ValueError(f"rollout.environment: expected 'in_process' or 'service', got {medium!r}")

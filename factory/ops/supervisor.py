@@ -8,10 +8,15 @@ are retried, keyed by group id), so a restart neither loses nor double-counts wo
 A circuit breaker stops a crash loop: a service restarted `breaker_restarts` times within
 `breaker_window_s` seconds is not restarted again; `ensure_alive()` / `recover()` raise `CircuitOpen`
 with the tail of its log, so the run can stop cleanly and say which service failed and why.
+
+A watchdog catches the service that hangs instead of dying: with `hang_timeout_s` set, a thread asks its
+health URL every `heartbeat_s`; a process that answers none of them for `hang_timeout_s` is killed, so the
+next call fails fast and restarts it like any crash (and it counts toward the breaker).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -74,7 +79,8 @@ class ServiceProcess:
                  env: dict[str, str] | None = None, log_path: str | Path | None = None,
                  startup_timeout: float = 60.0, max_restarts: int = 5, cwd: str | Path | None = None,
                  breaker_restarts: int = 3, breaker_window_s: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, hang_timeout_s: float | None = None,
+                 heartbeat_s: float = 2.0):
         if breaker_restarts < 1 or not breaker_window_s > 0:
             raise ValueError(f"{name}: breaker_restarts must be >= 1 and breaker_window_s > 0, got "
                              f"{breaker_restarts} and {breaker_window_s}")
@@ -94,6 +100,11 @@ class ServiceProcess:
         self._open: str | None = None  # the CircuitOpen message once the breaker tripped
         self._proc: subprocess.Popen | None = None
         self._lock = threading.Lock()
+        self.hang_timeout_s, self.heartbeat_s = hang_timeout_s, heartbeat_s
+        self.hangs = 0  # processes the watchdog killed for not answering
+        self._last_ok = time.monotonic()
+        self._closed = threading.Event()
+        self._watchdog: threading.Thread | None = None
 
     @property
     def restart_history(self) -> tuple[Restart, ...]:
@@ -126,7 +137,32 @@ class ServiceProcess:
     def start(self) -> ServiceProcess:
         with self._lock:
             self._spawn()
+        if self.hang_timeout_s is not None and self._watchdog is None:
+            self._watchdog = threading.Thread(target=self._watch, name=f"{self.name}-watchdog", daemon=True)
+            self._watchdog.start()
         return self
+
+    def _watch(self) -> None:
+        """Kill the process when it stops answering its health check for `hang_timeout_s` (a hang)."""
+        with httpx.Client(timeout=self.heartbeat_s) as client:
+            while not self._closed.wait(self.heartbeat_s):
+                if self._lock.locked() or not self.alive():
+                    self._last_ok = time.monotonic()  # starting or dead: the restart path owns it
+                    continue
+                try:
+                    if client.get(self.health_url).status_code == 200:
+                        self._last_ok = time.monotonic()
+                        continue
+                except httpx.HTTPError:
+                    pass
+                silent = time.monotonic() - self._last_ok
+                if silent > self.hang_timeout_s and self.alive():
+                    log.error("%s (pid %s) has not answered %s for %.0f s (hang_timeout_s=%g): killing it as hung",
+                              self.name, self.pid, self.health_url, silent, self.hang_timeout_s)
+                    self.hangs += 1
+                    with contextlib.suppress(ProcessLookupError, subprocess.TimeoutExpired):
+                        self.kill()
+                    self._last_ok = time.monotonic()
 
     def _spawn(self) -> None:
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115 - child owns it
@@ -186,6 +222,7 @@ class ServiceProcess:
             self.restarts += 1
             log.warning("%s died (exit %s); restart %d/%d", self.name, code, self.restarts, self.max_restarts)
             self._spawn()
+            self._last_ok = time.monotonic()
             return True
 
     def recover(self) -> bool:
@@ -227,6 +264,7 @@ class ServiceProcess:
                 self._proc.wait(timeout=10)
 
     def stop(self) -> None:
+        self._closed.set()
         with self._lock:
             self._terminate()
 

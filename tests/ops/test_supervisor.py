@@ -125,3 +125,21 @@ def test_a_service_dying_at_startup_shows_its_last_log_lines(tmp_path):
 def test_breaker_settings_are_checked():
     with pytest.raises(ValueError, match="breaker_restarts must be >= 1"):
         ServiceProcess("x", ["true"], breaker_restarts=0)
+
+
+def test_watchdog_kills_a_service_that_stops_answering_and_the_next_call_restarts_it(tmp_path):
+    import os
+    import signal
+    import time
+
+    with service(tmp_path, hang_timeout_s=3.0, heartbeat_s=0.5) as svc:
+        hung_pid = svc.pid
+        os.kill(hung_pid, signal.SIGSTOP)  # a real hang: alive, silent
+        deadline = time.monotonic() + 30
+        while svc.hangs == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert svc.hangs == 1 and not svc.alive()
+        assert svc.recover() is True and svc.pid != hung_pid
+        assert httpx.get(f"{svc.url}/echo?x=back").text == "back"
+        assert svc.hangs == 1  # a healthy, answering service is left alone
+    assert "not answered" not in (tmp_path / "svc.log").read_text()
