@@ -1,17 +1,37 @@
-"""HF-format checkpoints (config.json, model.safetensors, tokenizer files), written atomically.
+"""HF-format checkpoints (config.json, model.safetensors, tokenizer files), hashed, and replaced so that a
+checkpoint path holds a complete checkpoint at every instant.
 
-A checkpoint directory appears complete or not at all: files go to a temp sibling first, then
-one `rename`. Its sha256 covers every file's name and bytes, so two checkpoints with the same
-sha256 hold the same weights and tokenizer.
+Layout: `path` is a symlink to a versioned sibling directory `.<name>.v-XXXXXXXX` (a relative target, so
+the two move together). A save writes and fsyncs a new version beside it, then swaps the link in one
+rename(2) (the new link is made at a temp name, then os.replace'd over the old one), then deletes the old
+version. A SIGKILL at any point leaves `path` at the old or the new complete version; what a killed saver
+left (a partial version, a temp link) is removed by the next save of that path. A save holds an flock on
+`.<name>.lock` throughout, so it never takes a live saver's files for a dead one's. A real directory at
+`path` (homes written before this layout, or a copied checkpoint) is swapped for the link with Linux
+renameat2(RENAME_EXCHANGE), atomic too; where the filesystem lacks it (NFS) the directory is moved aside
+first: the one save, per such path, during which a reader can find `path` missing.
+
+Readers: `load_checkpoint` resolves the link once and loads that version under a shared flock on its
+directory, so it never mixes two versions and no save deletes the one it reads: a save deletes the version
+it replaced only if nobody holds that lock, else the next save does. Tools that open `path` itself
+(transformers' from_pretrained, SGLang) follow the link file by file. The sha256 covers every file's
+relative name and bytes, so two checkpoints with the same sha256 hold the same weights and tokenizer.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import errno
+import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
+import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,10 +39,18 @@ from typing import Any
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
 
+from factory.home import file_lock
+
 # Per-file progress bars for a one-file checkpoint only clutter the training log.
 hf_logging.disable_progress_bar()
 
 META_FILE = "factory_meta.json"
+VERSION_TAG = "v-"  # .<name>.v-XXXXXXXX: one saved version of <name>
+_LINK_TAG = "link-"  # .<name>.link-XXXXXXXX: the next link, before it is renamed over <name>
+# Names left by saves that died midway, and by older Factory versions (`.<name>.old-<pid>` when killed between
+# their two renames, `.<name>.XXXXXXXX` temp directories): removed by the next save of <name>.
+_LEFTOVER = r"(?:v-[a-z0-9_]+|link-[a-z0-9_]+|old-\d+|[a-z0-9_]{8})"
+_LOAD_ATTEMPTS = 5  # a reader loses its version to a newer save at most this often in a row
 
 
 @dataclass(frozen=True)
@@ -33,11 +61,13 @@ class CheckpointInfo:
 
 
 def dir_digest(path: Path) -> tuple[str, int]:
-    """sha256 over sorted relative file names and contents, and the total byte count."""
+    """sha256 over sorted relative file names and contents, and the total byte count. A checkpoint link is
+    followed once, so the digest is of one version even if the path is saved again meanwhile."""
+    root = Path(path).resolve()
     h = hashlib.sha256()
     total = 0
-    for f in sorted(p for p in path.rglob("*") if p.is_file()):
-        rel = f.relative_to(path).as_posix()
+    for f in sorted(p for p in root.rglob("*") if p.is_file()):
+        rel = f.relative_to(root).as_posix()
         h.update(rel.encode() + b"\0")
         with f.open("rb") as fh:
             for chunk in iter(lambda: fh.read(1 << 20), b""):
@@ -52,40 +82,196 @@ def save_checkpoint(
     path: str | Path,
     meta: dict[str, Any] | None = None,
 ) -> CheckpointInfo:
-    """Write model + tokenizer (+ optional metadata) to `path` atomically; replace what was there."""
+    """Write model + tokenizer (+ optional metadata) as a new version of `path` and switch `path` to it
+    atomically (see the module docstring); the version it replaces is deleted."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        if meta is not None:
-            (tmp / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True))
-        digest, size = dir_digest(tmp)
-        if path.exists():
-            # Two renames keep a complete checkpoint on disk at every instant.
-            old = path.with_name(f".{path.name}.old-{os.getpid()}")
-            os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with file_lock(path.with_name(f".{path.name}.lock")):
+        _remove_leftovers(path)
+        new = Path(tempfile.mkdtemp(prefix=f".{path.name}.{VERSION_TAG}", dir=path.parent))
+        try:
+            model.save_pretrained(new, safe_serialization=True)
+            tokenizer.save_pretrained(new)
+            if meta is not None:
+                (new / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True))
+            digest, size = dir_digest(new)
+            _fsync_tree(new)  # the link must never point at files a power cut could still lose
+            _switch(path, new)
+        except BaseException:
+            if _version_of(path) != new:
+                shutil.rmtree(new, ignore_errors=True)
+            raise
     return CheckpointInfo(path=path, sha256=digest, bytes=size)
 
 
 def load_checkpoint(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
-    """Load a checkpoint written by `save_checkpoint` (or any HF causal-LM directory)."""
+    """Load a checkpoint written by `save_checkpoint` (or any HF causal-LM directory): one whole version,
+    even while `path` is saved again."""
     path = Path(path)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"not a checkpoint directory (no config.json): {path}")
-    model = AutoModelForCausalLM.from_pretrained(path)
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
-    return model, tokenizer
+    for _ in range(_LOAD_ATTEMPTS):
+        version = path.resolve()
+        with _reading(version) as pinned:
+            if not pinned:
+                continue  # a save is deleting the version we found: look again
+            try:
+                if not (version / "config.json").is_file():
+                    raise FileNotFoundError(f"not a checkpoint directory (no config.json): {path}")
+                model = AutoModelForCausalLM.from_pretrained(version)
+                tokenizer = PreTrainedTokenizerFast.from_pretrained(version)
+            except Exception:
+                if path.resolve() == version:
+                    raise  # not a save replacing it under us: a real error
+                continue  # deleted between our lookup and our lock: load the new version
+        # Name the checkpoint, not its version directory, as transformers would for `path` itself.
+        model.config._name_or_path = model.name_or_path = str(path)
+        tokenizer.name_or_path = str(path)
+        return model, tokenizer
+    raise RuntimeError(f"checkpoint {path} was replaced {_LOAD_ATTEMPTS} times while loading it")
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:
     f = Path(path) / META_FILE
     return json.loads(f.read_text()) if f.is_file() else {}
+
+
+def remove_checkpoint(path: str | Path) -> None:
+    """Delete the checkpoint at `path`: the link and the version it points at (or a plain directory), and
+    what killed saves of it left. (shutil.rmtree refuses a symlink, and unlinking one leaves its version.)"""
+    path = Path(path)
+    if not path.parent.is_dir():
+        return
+    with file_lock(path.with_name(f".{path.name}.lock")):
+        version = _version_of(path)
+        if path.is_symlink() or path.is_file():
+            path.unlink(missing_ok=True)
+        elif path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        if version is not None:
+            _delete_version(version)
+        _remove_leftovers(path)
+    # The empty lock file stays: deleting it would let a saver waiting on it and a new one run at once.
+
+
+# ---------------------------------------------------------------- the swap
+
+
+def _switch(path: Path, new: Path) -> None:
+    """Point `path` at version directory `new` in one atomic step, then delete what it pointed at before."""
+    old_version = _version_of(path)
+    link = path.with_name(f".{path.name}.{_LINK_TAG}{new.name.rsplit(VERSION_TAG, 1)[1]}")
+    os.symlink(new.name, link)
+    if path.is_dir() and not path.is_symlink():
+        try:
+            _exchange(link, path)  # now `path` is the link, and the old directory is at the link's temp name
+        except OSError as e:
+            if e.errno not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+                raise
+            aside = path.with_name(f".{path.name}.old-{os.getpid()}")
+            os.rename(path, aside)  # no RENAME_EXCHANGE here: `path` is missing until the next line
+            os.replace(link, path)
+            link = aside
+        _delete_version(link)
+    else:
+        os.replace(link, path)  # replaces the old link (or a file), or creates `path`
+    _fsync_dir(path.parent)
+    if old_version is not None and old_version != new:
+        _delete_version(old_version)
+
+
+@contextlib.contextmanager
+def _reading(version: Path) -> Iterator[bool]:
+    """Hold a shared flock on directory `version` for the block: no save deletes it meanwhile. Yields False
+    if it is gone or a save is deleting it (the caller looks up the current version again)."""
+    try:
+        fd = os.open(version, os.O_RDONLY | os.O_DIRECTORY)
+    except (FileNotFoundError, NotADirectoryError):
+        yield False
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        except OSError:
+            pass  # a filesystem without flock on directories: load_checkpoint's retry covers a deletion
+        yield True
+    finally:
+        os.close(fd)
+
+
+def _delete_version(version: Path) -> None:
+    """Delete a version directory unless a reader holds it (then a later save's leftover sweep deletes it)."""
+    try:
+        fd = os.open(version, os.O_RDONLY | os.O_DIRECTORY)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return
+        except OSError:
+            pass
+        shutil.rmtree(version, ignore_errors=True)
+    finally:
+        os.close(fd)
+
+
+def _exchange(a: Path, b: Path) -> None:
+    """Swap the names `a` and `b` atomically (Linux renameat2 RENAME_EXCHANGE); OSError(ENOSYS) elsewhere."""
+    fn = getattr(_libc(), "renameat2", None) if sys.platform.startswith("linux") else None
+    if fn is None:
+        raise OSError(errno.ENOSYS, "renameat2 is not available")
+    at_fdcwd, rename_exchange = -100, 2
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _version_of(path: Path) -> Path | None:
+    """The version directory that the link `path` points at, if it is one of ours (a sibling .<name>.v-*)."""
+    if not path.is_symlink():
+        return None
+    target = os.readlink(path)
+    if "/" in target or not target.startswith(f".{path.name}.{VERSION_TAG}"):
+        return None
+    return path.with_name(target)
+
+
+def _remove_leftovers(path: Path) -> None:
+    """Delete what saves of `path` that died midway left: versions it does not point at, temp links, and
+    the old directories of older Factory versions; not a version a reader still holds. Only called with
+    `path`'s lock held."""
+    current = _version_of(path)
+    pattern = re.compile(rf"\.{re.escape(path.name)}\.{_LEFTOVER}")
+    for p in path.parent.iterdir():
+        if p == current or not pattern.fullmatch(p.name):
+            continue
+        if p.is_symlink() or p.is_file():
+            p.unlink(missing_ok=True)
+        else:
+            _delete_version(p)
+
+
+def _fsync_tree(root: Path) -> None:
+    for p in sorted(root.rglob("*"), reverse=True):  # files before the directories that name them
+        if p.is_file():
+            with p.open("rb") as f:
+                os.fsync(f.fileno())
+        elif p.is_dir():
+            _fsync_dir(p)
+    _fsync_dir(root)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
