@@ -239,7 +239,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     print(f"factory: serving {engine.name} (weight version {engine.weight_version}) on http://{args.host}:{args.port}",
           file=sys.stderr)
-    serve(engine, host=args.host, port=args.port, model_path=args.checkpoint)
+    serve(engine, host=args.host, port=args.port, model_path=args.checkpoint, max_body_bytes=args.max_body_mb,
+          max_update_bytes=args.max_update_mb)
     return EXIT_OK
 
 
@@ -251,7 +252,7 @@ def cmd_env_serve(args: argparse.Namespace) -> int:
         error(f"--latency-unit: must be >= 0, got {args.latency_unit}")
         return EXIT_BAD_INPUT
     print(f"factory: environment workers on http://{args.host}:{args.port}", file=sys.stderr)
-    serve(host=args.host, port=args.port, latency_unit_s=args.latency_unit)
+    serve(host=args.host, port=args.port, latency_unit_s=args.latency_unit, max_body_bytes=args.max_body_mb)
     return EXIT_OK
 
 
@@ -266,11 +267,27 @@ def cmd_sandbox_serve(args: argparse.Namespace) -> int:
     print(f"factory: sandbox pool ({args.size} workers, isolation {args.isolation}) on http://{args.host}:{args.port}",
           file=sys.stderr)
     try:
-        serve(host=args.host, port=args.port, size=args.size, isolation=args.isolation)
+        serve(host=args.host, port=args.port, size=args.size, isolation=args.isolation,
+              max_body_bytes=args.max_body_mb)
     except IsolationUnavailable as e:
         error(str(e))
         return EXIT_FAILED
     return EXIT_OK
+
+
+def _add_max_body(p: argparse.ArgumentParser, flag: str = "--max-body-mb", default: float = 8.0,
+                  what: str = "a JSON request body") -> None:
+    def megabytes(text: str) -> int:
+        try:
+            mb = float(text)
+        except ValueError:
+            mb = float("nan")
+        if not 0 < mb < float("inf"):
+            raise argparse.ArgumentTypeError(f"want a number of MiB > 0, got {text!r}")
+        return max(1, int(mb * (1 << 20)))
+
+    p.add_argument(flag, type=megabytes, default=int(default * (1 << 20)), metavar="MIB",
+                   help=f"{what} over this many MiB gets a 413 (default: {default:g})")
 
 
 def _add_spec(p: argparse.ArgumentParser, optional: bool = False) -> None:
@@ -377,6 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="init seed for --preset")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice; on cores shared with "
                                                "other jobs 1 can be much faster)")
+    _add_max_body(p)
+    _add_max_body(p, "--max-update-mb", 16384, "a weight update (POST /update_weights_from_delta)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("env-serve", help="serve environment workers (episode scoring) over HTTP",
@@ -385,6 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8100, help="port (default: 8100)")
     p.add_argument("--latency-unit", type=float, default=0.0,
                    help="simulated heavy-tailed episode latency unit in seconds (envs/latency.py); 0: none")
+    _add_max_body(p)
     p.set_defaults(func=cmd_env_serve)
 
     p = sub.add_parser("sandbox-serve", help="serve a sandbox pool (runs generated code) over HTTP",
@@ -395,6 +415,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--size", type=int, default=4, help="warm workers (default: 4)")
     p.add_argument("--isolation", choices=("bwrap", "none"), default="bwrap",
                    help="bwrap: namespaces via bubblewrap (default); none: NOT isolated, for trusted code only")
+    _add_max_body(p)
     p.set_defaults(func=cmd_sandbox_serve)
 
     p = sub.add_parser("preflight", help="test this node (hardware, software, disks, lake, sandbox); exit 1 naming "

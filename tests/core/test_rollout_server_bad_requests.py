@@ -3,6 +3,8 @@ and keeps serving: real server on 127.0.0.1, one keep-alive httpx client for the
 
 from __future__ import annotations
 
+import sys
+
 import httpx
 import pytest
 
@@ -10,6 +12,7 @@ from factory.core.rollout.continuous import ContinuousEngine
 from factory.core.rollout.server import launch_server
 from factory.models.build import build_model
 from factory.models.tokenizer import build_tokenizer
+from factory.ops.supervisor import ServiceProcess
 
 MAX_BODY = 64 << 10
 MAX_UPDATE = 256 << 10
@@ -186,3 +189,14 @@ def test_a_server_side_bug_is_a_short_500_and_the_server_goes_on(server, http, m
     monkeypatch.undo()
     assert http.get("/get_model_info").status_code == 200  # same keep-alive connection
     _still_serves(http)
+
+
+def test_factory_serve_takes_the_body_limits_from_its_flags(tmp_path):
+    argv = [sys.executable, "-m", "factory.cli", "serve", "--preset", "micro", "--port", "{port}", "--threads", "1",
+            "--max-body-mb", "0.01", "--max-update-mb", "0.02"]
+    with ServiceProcess("serve", argv, log_path=tmp_path / "serve.log", startup_timeout=120) as svc:
+        r = httpx.post(svc.url + COMP, json={"prompt": "1" * 20_000})
+        assert r.status_code == 413 and "10485 byte limit" in r.json()["error"]["message"]
+        r = httpx.post(svc.url + "/update_weights_from_delta", content=b"\0" * 30_000)
+        assert r.status_code == 413 and "20971 byte limit" in r.json()["error"]["message"]
+        assert httpx.post(svc.url + COMP, json={"prompt": "1+2=", "max_tokens": 2}).status_code == 200

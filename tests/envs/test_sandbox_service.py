@@ -135,3 +135,12 @@ def test_code_rewards_use_the_pool_service_when_configured(remote, monkeypatch):
     assert client.metrics()["executions"] == before + 2  # both ran in the service's pool
     assert isinstance(tasks.sandbox_pool(), type(client))
     monkeypatch.setattr(tasks, "_POOL", None)
+
+
+def test_sandbox_serve_takes_the_body_limit_from_its_flag(tmp_path, require_sandbox):
+    argv = [sys.executable, "-m", "factory.cli", "sandbox-serve", "--port", "{port}", "--size", "1",
+            "--max-body-mb", "0.01"]
+    with ServiceProcess("sandbox-serve", argv, log_path=tmp_path / "service.log") as svc:
+        r = httpx.post(svc.url + "/run", json={"code": "#" * 20_000})
+        assert r.status_code == 413 and "10485 byte limit" in r.json()["error"]["message"]
+        assert httpx.post(svc.url + "/run", json={"code": "print(3)"}).json()["stdout"] == "3\n"

@@ -107,3 +107,12 @@ def test_an_unknown_env_in_score_still_scores_zero_with_the_reason(http):
     r = http.post("/score", json=body)
     assert r.status_code == 200 and r.json()["episodes"][0]["rewards"] == [0.0, 0.0]
     assert "unknown env 'nope'" in r.json()["episodes"][0]["reasons"][0]
+
+
+def test_env_serve_takes_the_body_limit_from_its_flag(tmp_path):
+    argv = [sys.executable, "-m", "factory.cli", "env-serve", "--port", "{port}", "--max-body-mb", "0.01"]
+    with ServiceProcess("env-serve", argv, log_path=tmp_path / "service.log", startup_timeout=120) as svc:
+        big = {"episodes": [{"key": "k", "problem": P, "completions": ["4" * 20_000]}]}
+        r = httpx.post(svc.url + "/score", json=big)
+        assert r.status_code == 413 and "10485 byte limit" in r.json()["error"]["message"]
+        assert httpx.post(svc.url + "/score", json=GOOD_SCORE).status_code == 200
