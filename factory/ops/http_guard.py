@@ -4,7 +4,9 @@
 server-side bug with a short 500, and go on serving:
 
 - bodies over `max_body_bytes` (`body_limits` overrides it per path) get a 413: at once when Content-Length says
-  so (the body is never read), else as soon as the bytes received pass the limit (it is never buffered whole);
+  so (the app never reads it; the server discards it as it arrives), else as soon as the bytes received pass the
+  limit (it is never buffered whole). FastAPI's own `max_body_size` is not used: it answers a declared oversize
+  with a plain-text body, whatever the app's error shape;
 - validation errors (malformed JSON, wrong types, out-of-range or non-finite numbers) get `validation_status`
   naming the first error's field path (`messages.1.tool_calls.0.function`) and what was wrong;
 - `RequestError` and Starlette's `HTTPException` (unknown route, wrong method) get their own status;
@@ -161,7 +163,7 @@ class BodyLimit:
         message = f"the request body is over the {limit} byte limit of {scope['path']}"
         declared = _content_length(scope)
         if declared is not None and declared > limit:
-            # Refused unread: uvicorn closes the connection rather than read the rest.
+            # Refused unread: once the response is sent, uvicorn discards the rest of the body as it arrives.
             await error_response(413, message, "body", "request_too_large", self.render)(scope, receive, send)
             return
         seen = 0
