@@ -36,7 +36,8 @@ class SpecError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # No inf/NaN anywhere: an infinite learning rate or timeout validates against gt=0 but wrecks the run.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelSpec(_Section):
@@ -59,6 +60,7 @@ Operation = Literal["add", "sub", "mul"]
 
 
 MULTI_TURN_BUILTINS = ("calculator_tool", "python_tool")  # envs/protocol.py BUILTINS that run episodes
+MIN_N_TRAIN = 16
 
 
 class TaskSpec(_Section):
@@ -71,7 +73,7 @@ class TaskSpec(_Section):
     digits: list[int] = Field(default_factory=lambda: [2, 3], min_length=1)
     reverse_answer: bool = True
     reverse_operands: bool = False
-    n_train: int = Field(20000, ge=16)
+    n_train: int = Field(20000, ge=MIN_N_TRAIN)
     n_eval: int = Field(500, ge=8)
     simulated_latency_s: float = Field(
         0.0, ge=0, description="unit of a heavy-tailed simulated verifier latency per episode (40% 1x, 50% 3x, "
@@ -366,7 +368,46 @@ class ExperimentSpec(_Section):
                 f"trainer.minibatches: must divide rollout.prompts_per_step * algorithm.group_size "
                 f"= {batch}, got {self.trainer.minibatches}"
             )
+        self._check_task_size()
+        self._check_positions()
         return self
+
+    def _check_task_size(self) -> None:
+        """n_train + n_eval must fit the problems the task can make (its splits are disjoint); found here, not
+        after the run has started."""
+        from factory.envs.tasks import task_capacity  # here: factory.envs imports this module
+
+        t = self.task
+        space, most = task_capacity(t)
+        what = (f"task {t.name} with operations {t.operations} and digits {t.digits}" if t.name == "arithmetic"
+                else f"task {t.name}")
+        share = "at most half of them" if most < space else "all of them"
+        n_train_min = MIN_N_TRAIN
+        if t.n_eval > most - n_train_min:
+            raise ValueError(f"task.n_eval: must be <= {max(0, most - n_train_min)} ({what} has {space} distinct "
+                             f"problems; n_train + n_eval may use {share}, and n_train needs at least "
+                             f"{n_train_min}), got {t.n_eval}")
+        if t.n_train + t.n_eval > most:
+            raise ValueError(f"task.n_train: must be <= {most - t.n_eval} ({what} has {space} distinct problems; "
+                             f"n_train + n_eval may use {share}, and n_eval = {t.n_eval}), got {t.n_train}")
+
+    def _check_positions(self) -> None:
+        """The longest prompt plus max_new_tokens must fit the model's positions (the engines size buffers by
+        them: far past it, sampling tries to allocate terabytes)."""
+        from factory.envs.tasks import longest_prompt_tokens
+
+        positions = self.model.max_positions or PRESETS[self.model.preset].max_positions
+        where = ("model.max_positions" if self.model.max_positions
+                 else f"model.max_positions, unset: preset {self.model.preset}'s")
+        prompt, new = longest_prompt_tokens(self.task), self.rollout.max_new_tokens
+        if prompt >= positions:
+            raise ValueError(f"model.max_positions: must be >= {prompt + new} to hold the longest prompt ({prompt} "
+                             f"tokens, task {self.task.name}) and rollout.max_new_tokens = {new}, got {positions} "
+                             f"({where})")
+        if prompt + new > positions:
+            raise ValueError(f"rollout.max_new_tokens: must be <= {positions - prompt} so that the longest prompt "
+                             f"({prompt} tokens, task {self.task.name}) plus the completion fit the model's "
+                             f"{positions} positions ({where}), got {new}")
 
     def fingerprint(self) -> str:
         """Stable short hash of the spec's content (key order and formatting do not matter)."""
@@ -405,6 +446,8 @@ def _describe(err: dict[str, Any]) -> str:
     if kind in bounds:
         op, key = bounds[kind]
         return f"{loc}: must be {op} {ctx.get(key)}, got {got!r}"
+    if kind == "finite_number":
+        return f"{loc}: must be a finite number, got {got!r}"
     if kind == "literal_error":
         return f"{loc}: expected {ctx.get('expected')}, got {got!r}"
     if kind == "value_error":

@@ -57,8 +57,8 @@ def test_load_spec_names_missing_file_and_bad_yaml(tmp_path):
 
 def test_overrides_apply_and_revalidate():
     spec = parse_spec({})
-    new = apply_overrides(spec, parse_overrides(["algorithm.lr=1e-4", "task.digits=[2]"]))
-    assert new.algorithm.lr == 1e-4 and new.task.digits == [2]
+    new = apply_overrides(spec, parse_overrides(["algorithm.lr=1e-4", "task.digits=[3]"]))
+    assert new.algorithm.lr == 1e-4 and new.task.digits == [3]
     assert spec.algorithm.lr != 1e-4  # the original is untouched
     with pytest.raises(SpecError, match="algorithm.group_size: must be >= 2, got 0"):
         apply_overrides(spec, {"algorithm.group_size": 0})
@@ -78,3 +78,72 @@ def test_buffer_depth_bound_is_checked_against_the_batch():
         "buffer.depth: with policy 'bound' must be <= buffer.max_staleness * rollout.prompts_per_step = 64 "
         "(deeper lets groups grow staler than allowed), got 65"]
     assert parse_spec({"buffer": {"policy": "reject", "max_staleness": 0, "depth": 500}}).buffer.depth == 500
+
+
+# ---------------------------------------------------------------- what `factory run` would die on, found at validation
+
+
+def test_max_new_tokens_must_fit_the_models_positions_after_the_longest_prompt():
+    # Default task: arithmetic up to 3 digits, "123+456=" after <bos>: 9 tokens; the tiny preset has 64 positions.
+    assert parse_spec({"rollout": {"max_new_tokens": 55}}).rollout.max_new_tokens == 55
+    (err,) = errors_of({"rollout": {"max_new_tokens": 2_000_000_000}})
+    assert err == ("rollout.max_new_tokens: must be <= 55 so that the longest prompt (9 tokens, task arithmetic) "
+                   "plus the completion fit the model's 64 positions (model.max_positions, unset: preset tiny's), "
+                   "got 2000000000")
+    assert errors_of({"rollout": {"max_new_tokens": 56}})[0].startswith("rollout.max_new_tokens: must be <= 55 ")
+    assert parse_spec({"model": {"max_positions": 256}, "rollout": {"max_new_tokens": 247}})
+    (err,) = errors_of({"model": {"max_positions": 256}, "rollout": {"max_new_tokens": 248}})
+    assert "must be <= 247" in err and "model's 256 positions (model.max_positions)" in err
+    # Word problems: the longest shipped prompt is 97 characters (98 tokens); they do not fit 64 positions at all.
+    (err,) = errors_of({"task": {"name": "word_problems", "n_train": 100, "n_eval": 50}})
+    assert err == ("model.max_positions: must be >= 106 to hold the longest prompt (98 tokens, task word_problems) "
+                   "and rollout.max_new_tokens = 8, got 64 (model.max_positions, unset: preset tiny's)")
+    assert parse_spec({"task": {"name": "word_problems", "n_train": 100, "n_eval": 50},
+                       "model": {"max_positions": 256}, "rollout": {"max_new_tokens": 158}})
+
+
+@pytest.mark.parametrize("section,field", [("algorithm", "lr"), ("sft", "lr"), ("task", "simulated_latency_s"),
+                                           ("schedule", "wait_timeout_s"), ("algorithm", "is_cap")])
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), "1e999", "-inf"])
+def test_infinite_or_nan_floats_are_refused_everywhere(section, field, value):
+    (err,) = errors_of({section: {field: value}})
+    assert err.startswith(f"{section}.{field}: must be a finite number, got "), err
+
+
+def test_n_train_beyond_what_the_task_can_generate_names_the_maximum():
+    # add on 1-digit operands: 10 x 10 = 100 distinct problems, of which at most half are drawn.
+    assert parse_spec({"task": {"digits": [1], "n_train": 42, "n_eval": 8}})
+    (err,) = errors_of({"task": {"digits": [1], "n_train": 43, "n_eval": 8}})
+    assert err == ("task.n_train: must be <= 42 (task arithmetic with operations ['add'] and digits [1] has 100 "
+                   "distinct problems; n_train + n_eval may use at most half of them, and n_eval = 8), got 43")
+    (err,) = errors_of({"task": {"name": "word_problems", "n_train": 20000, "n_eval": 8},
+                        "model": {"max_positions": 256}})
+    assert err == ("task.n_train: must be <= 392 (task word_problems has 400 distinct problems; n_train + n_eval may "
+                   "use all of them, and n_eval = 8), got 20000")
+    (err,) = errors_of({"task": {"name": "word_problems", "n_eval": 500}, "model": {"max_positions": 256}})
+    assert err == ("task.n_eval: must be <= 384 (task word_problems has 400 distinct problems; n_train + n_eval may "
+                   "use all of them, and n_train needs at least 16), got 500")
+    (err,) = errors_of({"task": {"name": "code", "n_train": 20, "n_eval": 8}, "model": {"max_positions": 256}})
+    assert err.startswith("task.n_train: must be <= 16 (task code has 24 distinct problems;")
+
+
+def test_capacity_counts_distinct_problems_exactly():
+    from factory.envs.arithmetic import _problem, arithmetic_capacity
+
+    for ops, digits in [(["add"], [1]), (["sub"], [1, 2]), (["mul", "add", "sub"], [1, 2])]:
+        ids = set()
+        for d in digits:
+            lo, hi = (0, 9) if d == 1 else (10 ** (d - 1), 10**d - 1)
+            for op in ops:
+                ids |= {_problem(a, op, b, d, True).id for a in range(lo, hi + 1) for b in range(lo, hi + 1)}
+        assert arithmetic_capacity(ops, digits) == len(ids), (ops, digits)
+    assert arithmetic_capacity(["add"], [6]) == (9 * 10**5) ** 2
+
+
+def test_the_largest_valid_n_train_generates():
+    from factory.envs.tasks import make_task_splits
+
+    spec = parse_spec({"task": {"operations": ["sub"], "digits": [1], "n_train": 19, "n_eval": 8}})
+    splits = make_task_splits(spec.task, 0)
+    assert len(splits.train) == 19 and not {p.id for p in splits.train} & {p.id for p in splits.eval}
+    assert errors_of({"task": {"operations": ["sub"], "digits": [1], "n_train": 20, "n_eval": 8}})

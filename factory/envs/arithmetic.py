@@ -59,12 +59,28 @@ def _problem(a: int, op: str, b: int, digits: int, reverse: bool, reverse_operan
     return Problem(id=f"{op}{digits}-{a}-{b}", prompt=prompt, answer=answer, op=op, digits=digits)
 
 
+def arithmetic_capacity(operations: list[str], digits: list[int]) -> int:
+    """How many distinct problems (ids) the operations and digit lengths allow: every ordered operand pair for
+    add and mul, unordered pairs for sub (`_problem` puts the larger operand first)."""
+    total = 0
+    for d in set(digits):
+        n = 10 if d == 1 else 9 * 10 ** (d - 1)  # operands of d digits (0-9 for one digit)
+        for op in set(operations):
+            total += n * (n + 1) // 2 if op == "sub" else n * n
+    return total
+
+
+def prompt_tokens(digits: list[int]) -> int:
+    """Tokens of the longest prompt, `<bos>` + "<a><op><b>=" with operands of the most digits."""
+    return 1 + 2 * max(digits) + 2
+
+
 def make_splits(task: TaskSpec, seed: int) -> Splits:
-    """Deterministic train and held-out splits that share no problem (same operands and operation)."""
+    """Deterministic train and held-out splits that share no problem (same operands and operation).
+    At most half of the distinct problems are drawn (spec validation enforces it): rejection sampling
+    near the whole space would spend most draws on repeats."""
     rng = random.Random(f"arithmetic-{seed}")
-    space = sum(
-        (10 if d == 1 else 9 * 10 ** (d - 1)) ** 2 for d in task.digits for _ in task.operations
-    )
+    space = arithmetic_capacity(task.operations, task.digits)
     wanted = task.n_train + task.n_eval
     if wanted > space // 2:
         raise ValueError(

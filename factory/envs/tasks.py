@@ -24,7 +24,7 @@ from importlib import resources
 from typing import Any
 
 from factory.config import TaskSpec
-from factory.envs.arithmetic import Problem, Splits, make_splits
+from factory.envs.arithmetic import Problem, Splits, arithmetic_capacity, make_splits, prompt_tokens
 from factory.envs.arithmetic import reward as arithmetic_reward
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -47,12 +47,35 @@ def _code_problem(r: dict[str, Any]) -> Problem:
                    meta={"tests": list(r["tests"])})
 
 
+# task.name -> (its shipped set under suites/, record -> Problem)
+_SETS = {"word_problems": ("word_problems", _word_problem), "code": ("code_problems", _code_problem)}
+
+
+def task_capacity(task: TaskSpec) -> tuple[int, int]:
+    """(distinct problems of the task family, the most that n_train + n_eval may take): half of the generated
+    arithmetic problems (see `make_splits`), every problem of a shipped set."""
+    if task.name == "arithmetic":
+        space = arithmetic_capacity(task.operations, task.digits)
+        return space, space // 2
+    n = len(_records(_SETS[task.name][0]))
+    return n, n
+
+
+def longest_prompt_tokens(task: TaskSpec) -> int:
+    """Tokens of the task's longest prompt under its character tokenizer (`models/tokenizer.py`: one token per
+    character, plus `<bos>`): the first turn of a multi-turn episode too."""
+    if task.name == "arithmetic":
+        return prompt_tokens(task.digits)
+    name, make = _SETS[task.name]
+    return 1 + max(len(make(r).prompt) for r in _records(name))
+
+
 def make_task_splits(task: TaskSpec, seed: int) -> Splits:
     """Disjoint train / held-out splits of the task family (a seeded shuffle of a shipped set)."""
     if task.name == "arithmetic":
         return make_splits(task, seed)
-    records = _records("word_problems" if task.name == "word_problems" else "code_problems")
-    make = _word_problem if task.name == "word_problems" else _code_problem
+    name, make = _SETS[task.name]
+    records = _records(name)
     if task.n_train + task.n_eval > len(records):
         raise ValueError(f"task: n_train + n_eval = {task.n_train + task.n_eval} but the {task.name} set has "
                          f"{len(records)} problems; lower them")

@@ -115,7 +115,7 @@ class Saver:
 
 def _spec(mode: str, steps: int, **buffer) -> ExperimentSpec:
     return ExperimentSpec.model_validate({
-        "model": {"preset": "micro"}, "task": {"digits": [2]},
+        "model": {"preset": "micro"}, "task": {"digits": [2], "n_train": 2000, "n_eval": 60},
         "algorithm": {"group_size": 4, "lr": 1e-3, "kl_coef": 0.05},
         "rollout": {"prompts_per_step": 4, "max_new_tokens": 4},
         "trainer": {"minibatches": 2},
