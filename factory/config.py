@@ -35,6 +35,52 @@ class SpecError(ValueError):
         super().__init__(head + ":\n" + "\n".join(f"  {e}" for e in errors))
 
 
+class DuplicateKeyError(yaml.YAMLError):
+    """A YAML mapping names a key twice (PyYAML would silently keep the last)."""
+
+    def __init__(self, key: Any, line: int, first: int):
+        self.key, self.line, self.first = key, line, first
+        super().__init__(f"duplicate key {_clip(key)} at line {line} (first at line {first})")
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping. Merge keys (`<<: *base`) may still be
+    overridden: only a mapping's own keys are compared."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.get(key)
+            except TypeError:  # an unhashable key: the base class reports it
+                continue
+            if first is not None:
+                raise DuplicateKeyError(key, key_node.start_mark.line + 1, first)
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
+
+
+def load_yaml(text: str) -> Any:
+    """`yaml.safe_load`, but a key given twice in a mapping raises DuplicateKeyError (a YAMLError)."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+
+
+_ECHO_CHARS = 100  # longest input echoed whole in an error; longer ones are clipped
+_MESSAGE_CHARS = 600
+
+
+def _clip(value: Any) -> str:
+    """repr(value), clipped: an error must not echo a 10 MB field back."""
+    text = repr(value)
+    if len(text) <= _ECHO_CHARS:
+        return text
+    size = len(value) if isinstance(value, str) else len(text)
+    return f"{text[:_ECHO_CHARS]}… ({size} chars)"
+
+
 class _Section(BaseModel):
     # No inf/NaN anywhere: an infinite learning rate or timeout validates against gt=0 but wrecks the run.
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
@@ -52,7 +98,7 @@ class ModelSpec(_Section):
     @classmethod
     def _known_preset(cls, v: str) -> str:
         if v not in PRESETS:
-            raise ValueError(f"unknown model preset {v!r}; valid presets: {', '.join(sorted(PRESETS))}")
+            raise ValueError(f"unknown model preset {_clip(v)}; valid presets: {', '.join(sorted(PRESETS))}")
         return v
 
 
@@ -429,10 +475,15 @@ class ExperimentSpec(_Section):
 
 
 def _describe(err: dict[str, Any]) -> str:
+    line = _describe_one(err)
+    return line if len(line) <= _MESSAGE_CHARS else f"{line[:_MESSAGE_CHARS]}… ({len(line)} chars)"
+
+
+def _describe_one(err: dict[str, Any]) -> str:
     loc = ".".join(str(p) for p in err["loc"]) or "<spec>"
     kind = err["type"]
     ctx = err.get("ctx") or {}
-    got = err.get("input")
+    got = _clip(err.get("input"))
     if kind == "extra_forbidden":
         return f"{loc}: unknown key (not a field of this section)"
     if kind == "missing":
@@ -445,18 +496,19 @@ def _describe(err: dict[str, Any]) -> str:
     }
     if kind in bounds:
         op, key = bounds[kind]
-        return f"{loc}: must be {op} {ctx.get(key)}, got {got!r}"
+        return f"{loc}: must be {op} {ctx.get(key)}, got {got}"
     if kind == "finite_number":
-        return f"{loc}: must be a finite number, got {got!r}"
+        return f"{loc}: must be a finite number, got {got}"
     if kind == "literal_error":
-        return f"{loc}: expected {ctx.get('expected')}, got {got!r}"
+        return f"{loc}: expected {ctx.get('expected')}, got {got}"
     if kind == "value_error":
         # Our own validators: the message already says what was expected.
         msg = str(ctx.get("error", err["msg"]))
         if loc.startswith("<spec>") or loc == "":
             return msg
         return f"{loc}: {msg}"
-    return f"{loc}: {err['msg'].lower()}, got {got!r}"
+    # pydantic's own message, as written (lowercasing it mangled patterns and names).
+    return f"{loc}: {err['msg']}, got {got}"
 
 
 def parse_spec(data: Any, source: str | None = None) -> ExperimentSpec:
@@ -477,7 +529,9 @@ def load_spec(path: str | Path) -> ExperimentSpec:
     if not path.is_file():
         raise SpecError([f"<file>: no such spec file: {path}"], str(path))
     try:
-        data = yaml.safe_load(path.read_text())
+        data = load_yaml(path.read_text())
+    except DuplicateKeyError as e:
+        raise SpecError([f"<file>: {e}"], str(path)) from None
     except yaml.YAMLError as e:
         raise SpecError([f"<file>: not valid YAML: {e}"], str(path)) from None
     return parse_spec(data, str(path))

@@ -147,3 +147,39 @@ def test_the_largest_valid_n_train_generates():
     splits = make_task_splits(spec.task, 0)
     assert len(splits.train) == 19 and not {p.id for p in splits.train} & {p.id for p in splits.eval}
     assert errors_of({"task": {"operations": ["sub"], "digits": [1], "n_train": 20, "n_eval": 8}})
+
+
+# ---------------------------------------------------------------- error messages as written, inputs clipped, duplicates
+
+
+def test_pydantic_messages_are_kept_as_written():
+    (err,) = errors_of({"name": "not a name!"})
+    assert err == "name: String should match pattern '^[A-Za-z0-9_.-]+$', got 'not a name!'"
+
+
+def test_huge_inputs_are_clipped_in_errors():
+    huge = "x" * 10_000_000
+    for data in ({"name": huge}, {"task": {"operations": [huge]}}, {"sft": {"steps": huge}},
+                 {"model": {"preset": huge}}, {"task": {"name": huge}}):
+        (err,) = errors_of(data)
+        assert len(err) < 400 and "… (10000000 chars)" in err, err[:400]
+    (err,) = errors_of({"model": {"max_positions": 10**100}})  # a 101-digit int
+    assert len(err) < 400 and "(101 chars)" in err, err
+
+
+def test_duplicate_keys_are_refused_with_key_and_line(tmp_path):
+    spec = tmp_path / "dup.yaml"
+    spec.write_text("seed: 1\nalgorithm:\n  lr: 1.0e-3\n  group_size: 4\n  lr: 1.0e-4\n")
+    with pytest.raises(SpecError) as e:
+        load_spec(spec)
+    assert e.value.errors == ["<file>: duplicate key 'lr' at line 5 (first at line 3)"]
+    assert str(spec) in str(e.value)
+    spec.write_text("seed: 1\nseed: 2\n")
+    with pytest.raises(SpecError, match=r"duplicate key 'seed' at line 2 \(first at line 1\)"):
+        load_spec(spec)
+
+
+def test_yaml_merge_keys_may_still_override():
+    from factory.config import load_yaml
+
+    assert load_yaml("a: &a {x: 1, y: 2}\nb:\n  <<: *a\n  x: 3\n") == {"a": {"x": 1, "y": 2}, "b": {"x": 3, "y": 2}}
