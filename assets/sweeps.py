@@ -21,6 +21,7 @@ from dagster import (
 )
 
 from assets._metadata import embedded, inline_picture, progress_tags, run_metadata
+from assets.preflight import require_healthy_node
 from factory.sweep import MEMBER_TAG, read_member, read_sweep, read_warm_start_spec, sweep_id_of
 from resources import FactoryHomeResource, LakeResource, MlflowResource
 
@@ -66,6 +67,7 @@ def sweep_member_run(context: AssetExecutionContext, home: FactoryHomeResource, 
         spec, axes = read_member(paths, key)
     except (FileNotFoundError, KeyError, ValueError) as e:
         raise Failure(f"sweep member {key}: {e}") from None
+    require_healthy_node(context, spec.ops, home, lake)  # the preflight gate: no training on a node that failed it
     info = read_sweep(paths, sweep_id_of(key))
     lk, tracker = lake.lake(), mlflow.tracker()
     context.log.info(f"sweep member {key}: {member_label(axes)}")

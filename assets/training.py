@@ -16,6 +16,7 @@ from dagster import (
 )
 
 from assets._metadata import progress_tags, run_metadata, upstream
+from assets.preflight import require_healthy_node
 from resources import FactoryHomeResource, LakeResource, MlflowResource, SpecResource
 
 
@@ -51,6 +52,7 @@ def grpo_run(context: AssetExecutionContext, spec: SpecResource, home: FactoryHo
     from factory.reports import run_pictures
 
     s = spec.spec()
+    require_healthy_node(context, s.ops, home, lake)  # the preflight gate: no training on a node that failed it
     splits = load_dataset(upstream(context, "arithmetic_dataset")["path"])
     init = upstream(context, "sft_checkpoint")["path"]
     lk, tracker = lake.lake(), mlflow.tracker()
