@@ -209,9 +209,9 @@ def _resume(paths: FactoryPaths, run_id: str) -> int:
 
 def cmd_attempt(args: argparse.Namespace) -> int:
     """One attempt of a run in this process (what `factory run` and `factory resume` start as children)."""
-    from factory.ops.restarts import attempt_main
+    from factory.ops.restarts import attempt_main, standby
 
-    return attempt_main(home_from(args), args.run_id)
+    return (standby if args.standby else attempt_main)(home_from(args), args.run_id)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -349,6 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("attempt", help="(internal) one attempt of a run in this process; run/resume start these")
     p.add_argument("run_id", metavar="RUN_ID")
+    p.add_argument("--standby", action="store_true", help="warm up, then wait for 'go ATTEMPT' on stdin")
     p.set_defaults(func=cmd_attempt)
 
     p = sub.add_parser("query", help="run SQL (DuckDB) over the lake tables",

@@ -135,7 +135,8 @@ def _environment(spec: ExperimentSpec):
     return make_environment(spec.task.simulated_latency_s, spec.rollout.environment, spec.rollout.env_processes,
                             timeout=spec.schedule.wait_timeout_s, sandbox_workers=spec.task.sandbox_workers,
                             sandbox_isolation=spec.task.sandbox_isolation, breaker_restarts=spec.ops.breaker_restarts,
-                            breaker_window_s=spec.ops.breaker_window_s, reward_timeout_s=spec.task.reward_timeout_s)
+                            breaker_window_s=spec.ops.breaker_window_s, reward_timeout_s=spec.task.reward_timeout_s,
+                            hang_timeout_s=spec.ops.hang_timeout_s)
 
 
 class SyncProducer:
@@ -322,7 +323,8 @@ class ServerProducer(OverlappedProducer):
             [sys.executable, "-m", "factory.cli", "serve", "--checkpoint", str(self._workdir / "initial"),
              "--port", "{port}", "--threads", "1", "--max-batch", str(self.rows), "--weight-version", str(version)],
             log_path=self._workdir / "server.log", startup_timeout=self.timeout,
-            breaker_restarts=self.spec.ops.breaker_restarts, breaker_window_s=self.spec.ops.breaker_window_s).start()
+            breaker_restarts=self.spec.ops.breaker_restarts, breaker_window_s=self.spec.ops.breaker_window_s,
+            hang_timeout_s=self.spec.ops.hang_timeout_s).start()
         self._retired: list[httpx.Client] = []
         self._renew_client()
 

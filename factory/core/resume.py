@@ -214,8 +214,10 @@ class ResumeWriter:
     `stall_ms` lists, per save, how long the caller was held: the in-memory copy plus any wait for the
     previous write. Errors of a background write are raised by the next `submit` or by `wait`."""
 
-    def __init__(self, root: Path, keep: int, before_write: Callable[[int], None] | None = None):
+    def __init__(self, root: Path, keep: int, before_write: Callable[[int], None] | None = None,
+                 log_path: Path | None = None):
         self.root, self.keep = root, keep
+        self.log_path = log_path  # one JSON line per save: step, stall_ms, write_s
         self.before_write = before_write  # runs in the writer thread first, e.g. flushing the step rows
         self.stall_ms: list[float] = []
         self.write_s: list[float] = []
@@ -241,6 +243,10 @@ class ResumeWriter:
                 self.before_write(state.step)
             self.last_path = write(state, self.root, self.keep)
             self.write_s.append(time.perf_counter() - t0)
+            if self.log_path is not None:
+                with open(self.log_path, "a") as f:
+                    f.write(json.dumps({"step": state.step, "stall_ms": self.stall_ms[-1],
+                                        "write_s": self.write_s[-1], "at": time.time()}) + "\n")
         except BaseException as e:  # noqa: BLE001 - re-raised in the trainer's thread
             self._error = e
 

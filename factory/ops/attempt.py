@@ -25,6 +25,7 @@ from factory.core.resume import ResumeWriter, TrainState
 
 LOCK = "attempt.lock"
 HEARTBEAT = "heartbeat"
+SAVES = "saves.jsonl"  # one line per resume point written: its step, the trainer's stall, the write time
 
 
 def resume_dir(run_dir: Path) -> Path:
@@ -108,7 +109,8 @@ class RunCheckpoints:
     def __init__(self, spec: ExperimentSpec, run_dir: Path, before_write: Callable[[int], None] | None = None,
                  on_step: Callable[[int], None] | None = None):
         self.every = [n for n in (spec.ops.resume_every, spec.schedule.checkpoint_every) if n]
-        self.writer = ResumeWriter(resume_dir(run_dir), spec.ops.keep_resume, before_write=before_write)
+        self.writer = ResumeWriter(resume_dir(run_dir), spec.ops.keep_resume, before_write=before_write,
+                                   log_path=run_dir / SAVES)
         self.stop = threading.Event()
         self.signal_name: str | None = None
         self._on_step = on_step

@@ -8,7 +8,8 @@ Off unless the environment asks:
 - `FACTORY_FAULT_ATTEMPT=k`: those two only in attempt k of a run (`FACTORY_ATTEMPT`, which the restart
   supervisor sets for each attempt), so the attempt that resumes does not die the same way;
 - `FACTORY_FAULT_DIR`: each point touches `<dir>/<name>.<pid>` while the process is there (so a harness can
-  see it and kill it) and holds for `FACTORY_FAULT_HOLD_S` seconds (default 0) to keep the window open.
+  see it and kill it) and holds there to keep the window open: `FACTORY_FAULT_HOLD_S` seconds, either one
+  number for every point or per point, e.g. `resume_write:0.2,publish:0.05` (default 0).
 Production code pays a few dictionary lookups per point.
 """
 
@@ -38,6 +39,14 @@ def _armed(var: str, name: str) -> bool:
     return _hits[key] == int(n or 1)
 
 
+def _hold(name: str) -> float:
+    spec = os.environ.get("FACTORY_FAULT_HOLD_S", "") or "0"
+    if ":" not in spec:
+        return float(spec)
+    holds = dict(item.split(":", 1) for item in spec.split(",") if item)
+    return float(holds.get(name, 0))
+
+
 def fault_point(name: str) -> None:
     """This process reached fault point `name` (no-op unless the environment asks, see the module docstring)."""
     if _armed("FACTORY_FAULT_KILL", name):
@@ -50,7 +59,7 @@ def fault_point(name: str) -> None:
     marker = Path(root) / f"{name}.{os.getpid()}"
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.write_text(str(time.time()))
-    hold = float(os.environ.get("FACTORY_FAULT_HOLD_S", "0") or 0)
+    hold = _hold(name)
     if hold > 0:
         time.sleep(hold)
     marker.unlink(missing_ok=True)

@@ -12,6 +12,11 @@ follows:
   that tripped on a crash-looping service): no restart; `factory resume RUN_ID` once fixed;
 - anything else (killed, crashed, hung): the dead attempt is recorded (`ops/recovery.py`) and the next
   attempt resumes from the newest resume point.
+
+A warm standby makes that fast: once an attempt is running, the parent starts the next one's process,
+which imports torch and the engine and opens the lake and MLflow, then waits on its stdin. When the
+running attempt dies, the standby is told `go` and is training again within about a second, instead of
+paying the several seconds of imports a cold process needs (measured in benchmarks/chaos.py).
 """
 
 from __future__ import annotations
@@ -45,6 +50,22 @@ def write_launch(run_dir: Path, spec: ExperimentSpec, init_checkpoint: str | Pat
                                "sweep_id": sweep_id, "mlflow_experiment": mlflow_experiment,
                                "mlflow_parent_run_id": mlflow_parent_run_id}))
     os.replace(tmp, run_dir / LAUNCH)
+
+
+def standby(paths: FactoryPaths, run_id: str) -> int:
+    """Warm up (imports, lake, MLflow), then wait for `go <attempt>` on stdin and run that attempt; exit
+    quietly when stdin closes instead (the run ended without needing this standby)."""
+    import factory.grpo_run  # noqa: F401 - the import is the warm-up
+    from factory.lake.writer import Lake
+    from factory.tracking import Tracker
+
+    Lake.open(paths).close()
+    Tracker(paths)
+    line = sys.stdin.readline().split()
+    if not line or line[0] != "go":
+        return 0
+    os.environ["FACTORY_ATTEMPT"] = line[1]
+    return attempt_main(paths, run_id)
 
 
 def attempt_main(paths: FactoryPaths, run_id: str) -> int:
@@ -81,7 +102,37 @@ def attempt_main(paths: FactoryPaths, run_id: str) -> int:
     return 0
 
 
-def supervise(paths: FactoryPaths, run_id: str, spec: ExperimentSpec, log=print) -> int:
+class _Attempts:
+    """Child processes for attempts: a warm standby when one is ready, else a cold start."""
+
+    def __init__(self, paths: FactoryPaths, run_id: str):
+        self.argv = [sys.executable, "-m", "factory.cli", "--home", str(paths.root), "attempt", run_id]
+        self.spare: subprocess.Popen | None = None
+
+    def start(self, attempt: int) -> subprocess.Popen:
+        spare, self.spare = self.spare, None
+        if spare is not None and spare.poll() is None:
+            spare.stdin.write(f"go {attempt}\n")
+            spare.stdin.flush()
+            return spare
+        return subprocess.Popen(self.argv, env={**os.environ, "FACTORY_ATTEMPT": str(attempt)})
+
+    def prepare(self) -> None:
+        """Start the next attempt's process now, warm and waiting (once per running attempt)."""
+        if self.spare is None or self.spare.poll() is not None:
+            self.spare = subprocess.Popen([*self.argv, "--standby"], stdin=subprocess.PIPE, text=True)
+
+    def close(self) -> None:
+        if self.spare is not None and self.spare.poll() is None:
+            self.spare.stdin.close()  # it exits on EOF
+            try:
+                self.spare.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.spare.kill()
+                self.spare.wait()
+
+
+def supervise(paths: FactoryPaths, run_id: str, spec: ExperimentSpec, log=print, warm_standby: bool = True) -> int:
     """Run attempts of `run_id` in child processes until it succeeds, stops on request, needs a fix, or
     has used `spec.ops.max_restarts` restarts. Returns the exit code for the command line."""
     from factory.lake.writer import Lake
@@ -90,23 +141,26 @@ def supervise(paths: FactoryPaths, run_id: str, spec: ExperimentSpec, log=print)
     run_dir = paths.checkpoints / run_id
     ops = spec.ops
     stop: list[int] = []
+    children = _Attempts(paths, run_id)
+    child: subprocess.Popen | None = None
 
     def forward(signum: int, frame: object) -> None:
         stop.append(signum)
-        if child.poll() is None:
+        if child is not None and child.poll() is None:
             child.send_signal(signum)
 
     restarts = 0
     old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         while True:
-            argv = [sys.executable, "-m", "factory.cli", "--home", str(paths.root), "attempt", run_id]
             started = time.time()
-            child = subprocess.Popen(argv, env={**os.environ, "FACTORY_ATTEMPT": str(restarts + 1)})
+            child = children.start(restarts + 1)
             hung = None
             while child.poll() is None:
                 time.sleep(POLL_S)
                 beat = last_beat(run_dir) or 0.0
+                if beat > started and warm_standby and restarts < ops.max_restarts:
+                    children.prepare()  # this attempt is up: warm the next one while it trains
                 # Until this attempt's first sign of life it is starting (imports, loading): a longer grace.
                 limit = ops.hang_timeout_s if beat > started else max(ops.hang_timeout_s, STARTUP_GRACE_S)
                 age = time.time() - max(beat, started)
@@ -143,6 +197,7 @@ def supervise(paths: FactoryPaths, run_id: str, spec: ExperimentSpec, log=print)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+        children.close()
 
 
 def _describe(rc: int) -> str:

@@ -17,11 +17,13 @@ next call fails fast and restarts it like any crash (and it counts toward the br
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -56,6 +58,16 @@ class Restart:
 
 
 LOG_TAIL_LINES = 20
+
+
+def die_with_parent() -> None:
+    """In a child between fork and exec: ask Linux to SIGKILL it when the thread that started it ends
+    (prctl PR_SET_PDEATHSIG). Elsewhere a no-op. The supervisor starts and restarts services from long-lived
+    threads (the trainer's main thread, producer threads), which end only when the run ends or dies."""
+    if sys.platform != "linux":
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -167,9 +179,10 @@ class ServiceProcess:
     def _spawn(self) -> None:
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115 - child owns it
         env = {**os.environ, **(self.env or {})}
-        # A new session: a kill of the child's group never reaches us, and ours never reaches it twice.
+        # A new session: a kill of the child's group never reaches us, and ours never reaches it twice. And the
+        # child dies with us: a trainer killed with -9 leaves no orphaned server holding its port and memory.
         self._proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=self.cwd,
-                                      start_new_session=True)
+                                      start_new_session=True, preexec_fn=die_with_parent)
         if out is not subprocess.DEVNULL:
             out.close()
         self._wait_healthy()
