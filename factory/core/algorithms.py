@@ -19,6 +19,17 @@ Every policy loss below is `-A * f(ratio)` per token, then an aggregation over t
            so tokens beyond the clip still learn (unlike PPO-clip, which zeroes them); token mean.
 - gspo:    a sequence-level ratio s = exp(mean_t(logp - old)), clipped with tiny eps, in the token form
            s_t = sg(s) * exp(logp - sg(logp)) (same value and gradient as the sequence form).
+
+Numerics, as verl does them (verl/trainer/ppo/core_algos.py): every log-ratio (logp - old, GSPO's sequence
+mean of it) is clamped to +-LOG_RATIO_BOUND before exp, and the k3 KL estimate to +-KL_BOUND after clamping
+its own log-ratio, so one token on which the sampler and the policy (or the reference) disagree by thousands
+of nats gives a finite loss and finite gradients instead of inf/NaN for the whole batch (such a token's
+clamped ratio passes no gradient, as in verl). The KL penalty is added after the importance weights of
+stale samples: they scale the policy-gradient term only (verl's rollout_is_weights multiply pg_losses; its
+kl_loss is aggregated unweighted). The weights correct the policy gradient's estimate for samples drawn by
+older weights; the KL term is a regularizer of the current policy towards the reference, evaluated on
+whatever tokens the batch holds, and weighting it would let a stale row's truncated weight (up to is_cap)
+scale how hard that row is pulled to the reference.
 """
 
 from __future__ import annotations
@@ -33,6 +44,9 @@ from factory.core.trainer.batch import TrainBatch
 
 LossFn = Callable[[Tensor, TrainBatch], tuple[Tensor, dict[str, float]]]
 Aggregation = str  # "seq_mean_token_mean" | "token_mean" | "seq_mean_token_sum_norm"
+
+LOG_RATIO_BOUND = 20.0  # |log ratio| before exp: e^20 ~ 4.9e8, finite and far outside any clip (verl: 20)
+KL_BOUND = 10.0  # |k3 estimate| per token (verl's low_var_kl: 10)
 
 
 # ---------------------------------------------------------------- advantages and reward shaping
@@ -112,9 +126,15 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
 
 
 def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
-    """Per-token k3 estimator of KL(policy || reference): exp(r - p) - (r - p) - 1 >= 0."""
-    d = ref_logprobs - logprobs
-    return torch.exp(d) - d - 1
+    """Per-token k3 estimator of KL(policy || reference): exp(r - p) - (r - p) - 1 >= 0, with r - p clamped to
+    +-LOG_RATIO_BOUND and the estimate to KL_BOUND (verl's low_var_kl)."""
+    d = torch.clamp(ref_logprobs - logprobs, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    return torch.clamp(torch.exp(d) - d - 1, -KL_BOUND, KL_BOUND)
+
+
+def log_ratio(logprobs: Tensor, old_logprobs: Tensor) -> Tensor:
+    """logp - old, clamped to +-LOG_RATIO_BOUND so that its exp is finite."""
+    return torch.clamp(logprobs - old_logprobs, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
 
 
 def aggregate(per_token: Tensor, mask: Tensor, agg: Aggregation, max_len: int | None = None) -> Tensor:
@@ -151,16 +171,17 @@ def _per_token_adv(advantages: Tensor, like: Tensor, mask: Tensor) -> Tensor:
 def _finish(policy_term: Tensor, logprobs: Tensor, mask: Tensor, agg: Aggregation, max_len: int | None,
             ref_logprobs: Tensor | None, kl_coef: float, is_weights: Tensor | None,
             metrics: dict[str, float]) -> tuple[Tensor, dict[str, float]]:
-    """Add the KL penalty, apply importance weights, aggregate, and finish the metrics."""
+    """Apply importance weights to the policy term, add the KL penalty (unweighted: see the module docstring),
+    aggregate, and finish the metrics."""
     per_token = policy_term
+    if is_weights is not None:
+        # Truncated IS weights of stale samples (the buffer's `importance` policy): data, not parameters.
+        per_token = per_token * _clean(mask, is_weights.to(per_token.dtype).detach(), 1.0)
     kl = None
     if ref_logprobs is not None and kl_coef > 0:
         # `logprobs` is already 0 on masked positions; a 0 reference there makes their KL exactly 0.
         kl = kl_k3(logprobs, _clean(mask, ref_logprobs.to(logprobs.dtype)))
         per_token = per_token + kl_coef * kl
-    if is_weights is not None:
-        # Truncated IS weights of stale samples (the buffer's `importance` policy): data, not parameters.
-        per_token = per_token * _clean(mask, is_weights.to(per_token.dtype).detach(), 1.0)
     loss = aggregate(per_token, mask, agg, max_len)
     with torch.no_grad():
         metrics["kl"] = masked_mean(kl, mask).item() if kl is not None else 0.0
@@ -200,7 +221,7 @@ def ppo_clip_loss(
     """
     mask = mask.bool()
     lp = _clean(mask, logprobs)
-    ratio = torch.exp(lp - _clean(mask, old_logprobs.to(lp.dtype)))
+    ratio = torch.exp(log_ratio(lp, _clean(mask, old_logprobs.to(lp.dtype))))
     adv = _per_token_adv(advantages, lp, mask)
     clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
     per_token = torch.maximum(-adv * ratio, -adv * clipped)
@@ -280,7 +301,7 @@ def cispo_loss(
     """
     mask = mask.bool()
     lp = _clean(mask, logprobs)
-    ratio = torch.exp(lp.detach() - _clean(mask, old_logprobs.to(lp.dtype)))
+    ratio = torch.exp(log_ratio(lp.detach(), _clean(mask, old_logprobs.to(lp.dtype))))
     weight = ratio.clamp(min=None if eps_low is None else 1 - eps_low, max=1 + eps_high)
     adv = _per_token_adv(advantages, lp, mask)
     per_token = -weight * adv * lp
@@ -311,6 +332,7 @@ def gspo_loss(
     mask = mask.bool()
     lp = _clean(mask, logprobs)
     log_s = masked_mean(lp.detach() - _clean(mask, old_logprobs.to(lp.dtype)), mask, dim=-1)  # [B]
+    log_s = torch.clamp(log_s, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     s_tok = torch.exp(log_s.unsqueeze(-1) + lp - lp.detach())  # value s_i, gradient s_i * grad(logp)
     adv = _per_token_adv(advantages, lp, mask)
     clipped = torch.clamp(s_tok, 1 - eps_low, 1 + eps_high)
@@ -337,7 +359,8 @@ def make_loss(spec: AlgorithmSpec, max_new_tokens: int | None = None) -> LossFn:
     Reads `batch.per_token["old_logprobs"]` (the behavior logprobs, or the proximal policy's when the
     buffer importance-corrects stale samples), `batch.per_seq["advantages"]` (or a per-token
     `batch.per_token["advantages"]`), optional `batch.per_token["ref_logprobs"]` (KL when kl_coef > 0)
-    and optional `batch.per_token["is_weights"]` (truncated IS weights that scale each token's loss).
+    and optional `batch.per_token["is_weights"]` (truncated IS weights that scale each token's policy-gradient
+    term; the KL penalty is not weighted).
     `max_new_tokens` is Dr.GRPO's constant divisor when `spec.max_len_norm` is unset.
     """
     eps_low, eps_high = spec.clip_bounds()

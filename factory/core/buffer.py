@@ -49,7 +49,7 @@ For the stale rows this sets `per_token["is_weights"] = min(exp(cur - behavior),
 PPO anchor `per_token["old_logprobs"]` from the behavior logprobs to `cur` (the proximal policy), so
 the clip bounds the update from the current weights and the weight corrects for the sampler's.
 Fresh rows keep their behavior logprobs and weight 1. Every loss from `make_loss` multiplies each
-token's loss by `is_weights`.
+token's policy-gradient term by `is_weights` (not the KL penalty, as in verl: see core/algorithms.py).
 
 Restarts. `state_dict()` holds every buffered group (not the reservations: in-flight generations
 are not data yet; their prompts must be re-issued by the producer) and the counters;

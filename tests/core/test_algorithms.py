@@ -389,3 +389,55 @@ def test_each_algorithm_learns_in_the_sync_loop(name):
         torch.set_num_threads(threads)
     first, last = records[0].reward_mean, sum(r.reward_mean for r in records[-5:]) / 5
     assert first < 0.5 and last > first + 0.3, (first, last)
+
+
+# ---------------------------------------------------------------- numerics: one extreme token, stale-sample weights
+
+ALGORITHMS = ["grpo", "dr_grpo", "dapo", "cispo", "gspo"]
+
+
+@pytest.mark.parametrize("name", ALGORITHMS)
+@pytest.mark.parametrize("old,new", [(-1e4, -0.1), (-0.1, -1e4)])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_one_extreme_token_leaves_loss_and_gradients_finite(name, old, new, sign):
+    # Token 0 of row 0: the sampler and the policy disagree by ~1e4 nats (ratio e^(+-1e4)), and so does the
+    # reference; every other token is ordinary. Advantages of both signs reach the unclipped PPO branch.
+    logp = torch.tensor([[new, -1.0, -0.3], [-0.5, -0.7, -2.0]], requires_grad=True)
+    olds = torch.tensor([[old, -1.1, -0.3], [-0.5, -0.6, -2.1]])
+    ref = torch.tensor([[old, -1.2, -0.2], [-0.4, -0.7, -2.0]])
+    isw = torch.tensor([[1.5, 1.0, 0.8], [0.5, 1.0, 2.0]])
+    adv = torch.tensor([sign, -sign])
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    spec = AlgorithmSpec(name=name, kl_coef=0.1)
+    loss, m = make_loss(spec, max_new_tokens=3)(logp, batch_of(logp, olds, adv, mask, ref_logprobs=ref,
+                                                              is_weights=isw))
+    loss.backward()
+    assert torch.isfinite(loss), loss
+    assert all(math.isfinite(v) for v in m.values()), m
+    assert torch.isfinite(logp.grad).all(), logp.grad
+    assert logp.grad[1].abs().sum() > 0  # the ordinary tokens still learn
+
+
+def test_k3_is_bounded_as_verl_bounds_it():
+    # ref - logp clamped to +-20 before exp, the estimate to [-10, 10] (verl's kl_penalty "low_var_kl").
+    assert kl_k3(torch.tensor([-1e4]), torch.tensor([-0.1])).item() == 10.0
+    assert kl_k3(torch.tensor([-0.1]), torch.tensor([-1e4])).item() == 10.0  # d = -20: e^-20 + 20 - 1 > 10
+    assert kl_k3(torch.tensor([0.0]), torch.tensor([math.log(2)])).item() == pytest.approx(1 - math.log(2))
+
+
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_is_weights_scale_the_policy_term_only_not_the_kl(name):
+    # Zero advantages: the policy term is 0, so the loss is the KL term alone, whatever the IS weights.
+    logp = torch.tensor([[-1.0, -0.5], [-0.2, -2.0]], requires_grad=True)
+    ref = torch.tensor([[-1.5, -0.1], [-0.9, -1.0]])
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    spec = AlgorithmSpec(name=name, kl_coef=0.5)
+    fn = make_loss(spec, max_new_tokens=2)
+    plain, _ = fn(logp, batch_of(logp, logp.detach(), torch.zeros(2), mask, ref_logprobs=ref))
+    (g_plain,) = torch.autograd.grad(plain, logp)
+    weighted, m = fn(logp, batch_of(logp, logp.detach(), torch.zeros(2), mask, ref_logprobs=ref,
+                                    is_weights=torch.tensor([[2.0, 0.5], [1.5, 1.5]])))
+    (g_weighted,) = torch.autograd.grad(weighted, logp)
+    assert plain.item() > 0 and weighted.item() == pytest.approx(plain.item())
+    assert torch.allclose(g_weighted, g_plain)
+    assert m["is_weight_mean"] == pytest.approx(1.375)
