@@ -64,6 +64,6 @@ def progress_tags(context: AssetExecutionContext) -> Callable[[Progress], None]:
     from factory.progress import Throttle
 
     def report(p: Progress) -> None:
-        context.instance.add_run_tags(context.run_id, {f"factory/{k}": v for k, v in p.tags().items()})
+        context.instance.add_run_tags(context.run.run_id, {f"factory/{k}": v for k, v in p.tags().items()})
 
     return Throttle(report, every_s=PROGRESS_EVERY_S)

@@ -21,6 +21,7 @@ from dagster import (
 )
 
 from assets._metadata import embedded, inline_picture, progress_tags, run_metadata
+from assets._retries import TRAINING_RETRY, factory_run_id, no_retry_for_what_needs_a_fix
 from assets.preflight import require_healthy_node
 from factory.sweep import MEMBER_TAG, read_member, read_sweep, read_warm_start_spec, sweep_id_of
 from resources import FactoryHomeResource, LakeResource, MlflowResource
@@ -51,7 +52,7 @@ def sweep_warm_start(context: AssetExecutionContext, home: FactoryHomeResource) 
 
 
 @asset(group_name="sweeps", code_version="2", partitions_def=sweep_members, kinds={"pytorch", "iceberg", "mlflow"},
-       deps=[AssetDep(sweep_warm_start, partition_mapping=AllPartitionMapping())])
+       deps=[AssetDep(sweep_warm_start, partition_mapping=AllPartitionMapping())], retry_policy=TRAINING_RETRY)
 def sweep_member_run(context: AssetExecutionContext, home: FactoryHomeResource, lake: LakeResource,
                      mlflow: MlflowResource) -> MaterializeResult:
     """A sweep member trained end to end (dataset, the shared SFT warm start, GRPO, held-out eval), nested in
@@ -71,9 +72,11 @@ def sweep_member_run(context: AssetExecutionContext, home: FactoryHomeResource, 
     info = read_sweep(paths, sweep_id_of(key))
     lk, tracker = lake.lake(), mlflow.tracker()
     context.log.info(f"sweep member {key}: {member_label(axes)}")
-    res = run_sweep_member(spec, paths, lk, tracker, info["sweep_id"], key, axes,
-                           sweep_name=info["definition"]["name"], mlflow_parent_run_id=info.get("mlflow_parent_run_id"),
-                           log=context.log.info, progress=progress_tags(context))
+    with no_retry_for_what_needs_a_fix():  # anything else: a retry resumes the member's run (assets/_retries.py)
+        res = run_sweep_member(spec, paths, lk, tracker, info["sweep_id"], key, axes,
+                               sweep_name=info["definition"]["name"],
+                               mlflow_parent_run_id=info.get("mlflow_parent_run_id"), log=context.log.info,
+                               progress=progress_tags(context), run_id=factory_run_id(context, spec.name))
     head, tail = run_metadata(run_pictures(lk, tracker, res.run_id, res.mlflow_run_id), tracker, res.run_id,
                               res.mlflow_run_id)
     return MaterializeResult(metadata={

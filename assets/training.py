@@ -16,6 +16,7 @@ from dagster import (
 )
 
 from assets._metadata import progress_tags, run_metadata, upstream
+from assets._retries import TRAINING_RETRY, factory_run_id, no_retry_for_what_needs_a_fix
 from assets.preflight import require_healthy_node
 from resources import FactoryHomeResource, LakeResource, MlflowResource, SpecResource
 
@@ -42,11 +43,12 @@ def sft_checkpoint(context: AssetExecutionContext, spec: SpecResource,
 
 
 @asset(group_name="training", code_version="1", deps=["sft_checkpoint", "arithmetic_dataset"],
-       kinds={"pytorch", "iceberg", "mlflow"})
+       kinds={"pytorch", "iceberg", "mlflow"}, retry_policy=TRAINING_RETRY)
 def grpo_run(context: AssetExecutionContext, spec: SpecResource, home: FactoryHomeResource,
              lake: LakeResource, mlflow: MlflowResource) -> MaterializeResult:
     """GRPO from the SFT checkpoint; every step lands in Iceberg `steps` and in MLflow. While it runs, the run's
-    tags show its step, latest reward and ETA; its curves and evals by step are drawn in the metadata."""
+    tags show its step, latest reward and ETA; its curves and evals by step are drawn in the metadata. A retry
+    (automatic, up to 2) resumes the same run from its newest resume point."""
     from factory.experiment import load_dataset
     from factory.grpo_run import run_grpo
     from factory.reports import run_pictures
@@ -56,7 +58,9 @@ def grpo_run(context: AssetExecutionContext, spec: SpecResource, home: FactoryHo
     splits = load_dataset(upstream(context, "arithmetic_dataset")["path"])
     init = upstream(context, "sft_checkpoint")["path"]
     lk, tracker = lake.lake(), mlflow.tracker()
-    res = run_grpo(s, home.paths(), init, splits, lk, tracker, log=context.log.info, progress=progress_tags(context))
+    with no_retry_for_what_needs_a_fix():
+        res = run_grpo(s, home.paths(), init, splits, lk, tracker, log=context.log.info,
+                       progress=progress_tags(context), run_id=factory_run_id(context, s.name))
     head, tail = run_metadata(run_pictures(lk, tracker, res.run_id, res.mlflow_run_id), tracker, res.run_id,
                               res.mlflow_run_id)
     return MaterializeResult(

@@ -5,6 +5,7 @@ Off unless the environment asks:
 - `FACTORY_FAULT_KILL=name:n`: the process SIGKILLs itself the n-th time it reaches point `name` (a test's
   way to die at an exact place, as a kill -9 from outside would, without the race);
 - `FACTORY_FAULT_HANG=name:n`: the n-th time, it stops there for good (a hang: alive, silent);
+- `FACTORY_FAULT_RAISE=name:n`: the n-th time, it raises `InjectedFault` (a crash the process survives);
 - `FACTORY_FAULT_ATTEMPT=k`: those two only in attempt k of a run (`FACTORY_ATTEMPT`, which the restart
   supervisor sets for each attempt), so the attempt that resumes does not die the same way;
 - `FACTORY_FAULT_DIR`: each point touches `<dir>/<name>.<pid>` while the process is there (so a harness can
@@ -22,6 +23,10 @@ import time
 from pathlib import Path
 
 _hits: dict[str, int] = {}
+
+
+class InjectedFault(RuntimeError):
+    """Raised at a fault point that FACTORY_FAULT_RAISE names."""
 
 
 def _armed(var: str, name: str) -> bool:
@@ -51,6 +56,8 @@ def fault_point(name: str) -> None:
     """This process reached fault point `name` (no-op unless the environment asks, see the module docstring)."""
     if _armed("FACTORY_FAULT_KILL", name):
         os.kill(os.getpid(), signal.SIGKILL)
+    if _armed("FACTORY_FAULT_RAISE", name):
+        raise InjectedFault(f"fault injected at {name} (FACTORY_FAULT_RAISE)")
     if _armed("FACTORY_FAULT_HANG", name):
         threading.Event().wait()  # forever: only a kill ends it
     root = os.environ.get("FACTORY_FAULT_DIR")
