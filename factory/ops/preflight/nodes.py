@@ -40,19 +40,21 @@ def _gpu_kind(model: str, gpus: int) -> NodeKind:
 
 
 # cpu-2core, measured here (Xeon, AVX512, 2 vCPUs shared with other engineers' test runs; medians of 6 windows):
-#   matmul 512x512 fp32 1 thread: 77-156 GFLOP/s healthy (lower end while other test suites ran beside it),
-#     26-53 with 2 extra busy-loop processes, 5-18 with 32; on its core the thread always ran at ~140-150.
-#   memory copy 64 MiB 1 thread: 6-14 GB/s healthy, 2.3-3.7 with 2 busy loops, 0.5-1.5 with 32.
-#   disk (ext4 on virtio) 32 MiB write+fsync 260-580 MB/s, read 600-830 MB/s; 512 MiB 200-620 / 400-1150.
+#   matmul 512x512 fp32 1 thread: 60-160 GFLOP/s healthy (the low end while other test suites ran beside it: 20
+#     quick preflights in a row under load average 3-9 gave min 60, median 126), 26-53 with 2 extra busy-loop
+#     processes, 1.6-3.5 with 48; on its core the thread always ran at ~135-150.
+#   memory copy 64 MiB 1 thread: 3.5-15 GB/s healthy (same 20 runs: min 3.5, median 8.6), 0.2-0.5 with 48 busy loops.
+#   disk (ext4 on virtio) 32 MiB write+fsync 53-580 MB/s, read 93-1280 MB/s (the low ends while other test suites
+#     wrote and fsynced beside it); 512 MiB 200-620 / 400-1150.
 #   gloo all-reduce 2 ranks on loopback, bus bandwidth 0.7-1.1 GB/s.
-# Floors sit 4x or more below the lowest healthy figure and above what an oversubscribed CPU gives: a healthy node
-# (even one shared as this one is) passes; one where the check's thread gets less than about a seventh of a core
-# fails matmul. Milder contention passes by design: on a shared machine healthy and mildly busy look alike.
+# Floors sit 3x or more below the lowest healthy figure and far above what an oversubscribed CPU gives: a healthy
+# node (even one shared as this one is) passes; one where the check's thread gets less than about a seventh of a
+# core fails matmul. Milder contention passes by design: on a shared machine, healthy and mildly busy look alike.
 NODE_KINDS: dict[str, NodeKind] = {k.name: k for k in (
-    NodeKind("cpu-2core", matmul_gflops=20.0, memory_gbs=1.5, disk_write_mbs=40.0, disk_read_mbs=60.0,
+    NodeKind("cpu-2core", matmul_gflops=20.0, memory_gbs=1.0, disk_write_mbs=10.0, disk_read_mbs=20.0,
              disk_free_gb=1.0, allreduce_gbs=0.1, basis="measured on the development machine (2 shared vCPUs)"),
     # Any other CPU node: per-core rates like cpu-2core's (the throughput checks use one thread).
-    NodeKind("cpu", matmul_gflops=20.0, memory_gbs=1.5, disk_write_mbs=40.0, disk_read_mbs=60.0,
+    NodeKind("cpu", matmul_gflops=20.0, memory_gbs=1.0, disk_write_mbs=10.0, disk_read_mbs=20.0,
              disk_free_gb=1.0, allreduce_gbs=0.1, basis="cpu-2core's per-core floors"),
     *(_gpu_kind(model, n) for model in ("h100", "h200") for n in (8, 1)),
     NodeKind("gpu", matmul_gflops=20_000.0, memory_gbs=300.0, disk_write_mbs=200.0, disk_read_mbs=400.0,
