@@ -1,1 +1,2 @@
-"""Operations: supervised service processes; later preflight node tests, health and quarantine."""
+"""Operations: supervised service processes, preflight node tests and their gate (preflight/); later health and
+quarantine."""
