@@ -43,7 +43,8 @@ def require_healthy_node(context: AssetExecutionContext, ops: OpsSpec, home: Fac
     try:
         gate(ops, home.paths(), lk, log=context.log.info)
     except PreflightFailed as e:
-        raise Failure(str(e), metadata={"failed_checks": ", ".join(e.checks), "node": e.node}) from None
+        raise Failure(str(e), metadata={"failed_checks": ", ".join(e.checks), "node": e.node},
+                      allow_retries=False) from None  # the node needs fixing first: a retry would be refused too
     finally:
         lk.close()
 

@@ -157,9 +157,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     from factory.core.loop import NonFiniteLoss, RunInterrupted
     from factory.experiment import RunFailed, run_experiment
+    from factory.ops.preflight.gate import PreflightFailed, gate
     from factory.ops.restarts import EXIT_NEEDS_FIX, EXIT_STOPPED
     from factory.ops.supervisor import CircuitOpen
 
+    try:
+        gate(spec.ops, home_from(args), log=print)  # no training on a node whose latest preflight failed
+    except PreflightFailed as e:
+        error(str(e))
+        return EXIT_FAILED
     try:
         summary = run_experiment(spec, home_from(args), control=args.control, supervised=not args.in_process)
     except RunFailed as e:
@@ -184,6 +190,7 @@ def _resume(paths: FactoryPaths, run_id: str) -> int:
     from factory.experiment import eval_summary, render_report
     from factory.lake import Lake
     from factory.ops import recovery
+    from factory.ops.preflight.gate import PreflightFailed, gate
     from factory.ops.restarts import spec_of_run, supervise
 
     with Lake.open(paths) as lake:
@@ -199,6 +206,14 @@ def _resume(paths: FactoryPaths, run_id: str) -> int:
         elif row["status"] in recovery.LIVE:
             error(f"run {run_id} is running (an attempt holds its lock); stop it first")
             return EXIT_BAD_INPUT
+        row = recovery.run_row(lake, run_id)
+        try:
+            gate(spec_of_run(row).ops, paths, lake, log=print)
+        except PreflightFailed as e:  # the attempt that would have resumed it was refused: say so in its record
+            recovery.record_interruption(lake, run_id, int(row.get("attempts") or 1) + 1, "failed_preflight",
+                                         str(e), recovery.last_step(lake, run_id))
+            error(str(e))
+            return EXIT_FAILED
     rc = supervise(paths, run_id, spec_of_run(row))
     if rc != EXIT_OK:
         return rc

@@ -145,3 +145,26 @@ def test_factory_runs_shows_a_killed_run_as_interrupted_and_resume_completes_it(
 def test_resuming_an_unknown_run_is_a_clear_error(tmp_path, args):
     res = factory(tmp_path, *args)
     assert res.returncode == 2 and "no run 'nope' in the lake" in res.stderr
+
+
+def test_a_node_that_failed_preflight_gets_no_run_and_no_resume(tmp_path):
+    assert TINY[-2:] == ["--set", "ops.preflight=off"]
+    gated = [*TINY[:-2], "--set", "ops.preflight=gate"]
+    gate_on = {"FACTORY_PREFLIGHT": "gate"}
+    # The first run passes the gate (a quick preflight runs first), then dies.
+    killed = factory(tmp_path, "run", "examples/quickstart.yaml", *gated, "--in-process",
+                     env={**gate_on, "FACTORY_FAULT_KILL": "publish:3"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert "running a quick one" in killed.stdout
+    # A real fault: bubblewrap is not on PATH, so the sandbox check fails and is recorded for this node.
+    (tmp_path / "empty-bin").mkdir()
+    no_bwrap = {**gate_on, "PATH": str(tmp_path / "empty-bin")}
+    pre = factory(tmp_path, "preflight", "--check", "sandbox", env=no_bwrap)
+    assert pre.returncode == 1 and "sandbox" in pre.stderr
+    refused = factory(tmp_path, "run", "examples/quickstart.yaml", *gated, env=no_bwrap)
+    assert refused.returncode == 1 and "failed preflight check(s) sandbox; training refused" in refused.stderr
+    (run,) = rows(tmp_path, "runs")  # no second run was started
+    again = factory(tmp_path, "resume", run["run_id"], env=no_bwrap)
+    assert again.returncode == 1 and "training refused" in again.stderr
+    causes = sorted(c["cause"] for c in rows(tmp_path, "interruptions"))
+    assert causes == ["failed_preflight", "killed"]
