@@ -146,12 +146,15 @@ class TaskSpec(_Section):
         return sorted(set(v))
 
 
+LR_HELP = "AdamW learning rate (torch holds it as a float32: far past 1e30 the optimizer step overflows)"
+
+
 class SFTSpec(_Section):
     """Supervised warm start that teaches the answer format."""
 
     steps: int = Field(300, ge=0, description="maximum number of steps")
     batch_size: int = Field(64, ge=1)
-    lr: float = Field(3e-3, gt=0)
+    lr: float = Field(3e-3, gt=0, le=1e30, description=LR_HELP)
     stop_at_accuracy: float | None = Field(
         None, gt=0, le=1,
         description="stop early once greedy accuracy on a sample of *train* problems reaches this",
@@ -192,7 +195,7 @@ class AlgorithmSpec(_Section):
 
     name: Literal["grpo", "dr_grpo", "dapo", "cispo", "gspo"] = "grpo"
     group_size: int = Field(8, ge=2)
-    lr: float = Field(3e-4, gt=0)
+    lr: float = Field(3e-4, gt=0, le=1e30, description=LR_HELP)
     clip_eps: float = Field(0.2, gt=0, lt=1)
     clip_eps_low: float | None = Field(None, gt=0, lt=1, description="lower clip: ratio >= 1 - clip_eps_low")
     clip_eps_high: float | None = Field(None, gt=0, description="upper clip: ratio <= 1 + clip_eps_high")

@@ -238,3 +238,33 @@ def test_summary_reports_a_tie_as_a_tie(instance, factory_home):
                      resources=defs.resources).asset_materializations_for_node("sweep_summary")[0].metadata
     assert md["best_member"].value == "tie: s-m000, s-m001" and md["best_accuracy"].value == 0.5
     assert md["failed"].value == 1
+
+
+def test_one_member_failing_does_not_affect_the_others(instance, factory_home):
+    """A member whose rewards overflow float32 (its losses go non-finite and the run stops) fails alone: the other
+    member trains to the end, both were launched at once, and the sweep's rows say which failed."""
+    daemon_running(instance)
+    envs = ["tests.ops.faulty_envs:plain_reward", "tests.ops.faulty_envs:overflowing_reward"]
+    result = launch(instance, axes={"task.environment": envs},
+                    max_concurrent=2,
+                    overrides=[*TINY, "schedule.steps=3", "ops.max_nonfinite_steps=1"])
+    assert result.success
+    out = result.output_for_node("plan_and_queue_sweep")
+    first = tick(sweep_launcher, instance)
+    for ws in first.run_requests:  # a warm start per task (the environment is part of it)
+        execute(instance, ws)
+    members = tick(sweep_launcher, instance, first.cursor).run_requests
+    assert len(members) == 2  # both at once: max_concurrent 2
+    runs = {}
+    for req in members:
+        runs[req.tags["axis/task.environment"]] = defs.resolve_job_def("sweep_member_job").execute_in_process(
+            instance=instance, partition_key=req.partition_key, tags=req.tags, raise_on_error=False)
+    good, bad = runs[envs[0]], runs[envs[1]]
+    assert good.success and not bad.success
+    assert "NonFiniteLoss" in _failure(bad)
+    assert not [e for e in bad.all_events if e.event_type_value == "STEP_UP_FOR_RETRY"]  # needs a fix: no retry
+    rows = {r["member"]: r for r in Lake.open(factory_home).read("sweeps").to_pylist()}
+    assert sorted(r["status"] for r in rows.values()) == ["failed", "succeeded"]
+    runs_rows = {r["run_id"]: r for r in Lake.open(factory_home).read("runs").to_pylist()}
+    good_row = rows[next(k for k in out["members"] if rows[k]["status"] == "succeeded")]
+    assert runs_rows[good_row["run_id"]]["status"] == "succeeded"

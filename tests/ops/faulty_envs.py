@@ -19,3 +19,8 @@ def flaky_reward(prompt: str, completion: str, **meta) -> float:
 def overflowing_reward(prompt: str, completion: str, **meta) -> float:
     """Finite in Python, infinite in a float32 tensor: the advantages (and the loss) become NaN."""
     return 1e300 if completion == "" else -1e300
+
+
+def plain_reward(prompt: str, completion: str, **meta) -> float:
+    """A well-behaved reward, for comparison with the ones above."""
+    return 1.0 if completion == "" else 0.0
