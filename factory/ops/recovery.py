@@ -54,8 +54,8 @@ def last_step(lake: Lake, run_id: str) -> int | None:
 
 def is_dead(row: dict, run_dir: Path) -> bool:
     """A `running`/`resumed` row whose attempt no longer holds its lock on this host (killed, crashed)."""
-    if row["status"] not in LIVE or row.get("host") not in (None, host()):
-        return False  # other hosts: their own reader decides (a heartbeat age check would go here)
+    if row["status"] not in LIVE or row.get("host") != host():
+        return False  # another host's (its own readers decide), or a row that does not say where it runs
     return not AttemptLock.is_held(run_dir)
 
 
