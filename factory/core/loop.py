@@ -93,6 +93,11 @@ class NonFiniteLoss(RuntimeError):
     """`ops.max_nonfinite_steps` updates in a row were skipped: the run stops at its last good state."""
 
 
+class Stateful(Protocol):
+    def state_dict(self) -> dict: ...
+    def load_state_dict(self, state: dict) -> None: ...
+
+
 class Checkpoints(Protocol):
     """When the loop takes resume points, and where they go (the run's policy; `experiment.py` has one)."""
 
@@ -112,11 +117,14 @@ def train_grpo(
     checkpoints: Checkpoints | None = None,
     resume: TrainState | None = None,
     reference_model: PreTrainedModel | None = None,
+    stateful: dict[str, Stateful] | None = None,
 ) -> list[StepRecord]:
     """Train `model` (in place) in `spec.schedule.mode` until `spec.schedule.steps` steps are done.
 
     `resume` continues from a resume point (its step, weights, optimizer, RNGs, prompt stream and buffer);
     `reference_model` is the KL reference (default: a copy of `model` as it is now, i.e. the run's start).
+    `stateful`: other parts with state the run drives (e.g. a data blender), saved in every resume point by
+    name (`state_dict()`, JSON-ready) and restored from `resume` (`load_state_dict()`).
     `producer` replaces the one the spec implies (`core/producer.make_producer`), e.g. to inject faults."""
     g = spec.algorithm.group_size
     if resume is not None:
@@ -137,13 +145,19 @@ def train_grpo(
         trainer.version = resume.loop["trainer_version"]
         nonfinite_streak = resume.loop["nonfinite_streak"]
         set_rng_state(resume.rng, shuffle)
+        for name, part in (stateful or {}).items():
+            if name not in resume.extra:
+                raise ValueError(f"resume point of step {resume.step} holds no state for {name!r} "
+                                 f"(it has: {', '.join(resume.extra) or 'none'})")
+            part.load_state_dict(resume.extra[name])
     producer = producer or make_producer(spec, model, tokenizer, train, start_version=start_step,
                                          state=None if resume is None else resume.loop["producer"])
 
     def state_after(steps_done: int) -> TrainState:
         loop = {"trainer_version": trainer.version, "nonfinite_streak": nonfinite_streak,
                 "producer": producer.state_dict(), "saved_at": time.time()}
-        return capture(steps_done, model, trainer.optimizer, rng_state(shuffle), loop)
+        return capture(steps_done, model, trainer.optimizer, rng_state(shuffle), loop,
+                       {name: part.state_dict() for name, part in (stateful or {}).items()})
 
     records = []
     step = start_step

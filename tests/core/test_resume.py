@@ -161,3 +161,32 @@ def test_async_resume_trains_every_draw_once_including_those_buffered_or_in_flig
     assert trained_before | pending == set(range(producer["stream"]["next"]))
     assert not trained_before & pending
     assert pending <= set(trained_after)
+
+
+class Counter:
+    """Something stateful the run drives (as a data blender will be)."""
+
+    def __init__(self):
+        self.seen = 0
+
+    def state_dict(self) -> dict:
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seen = state["seen"]
+
+
+def test_stateful_parts_are_saved_and_restored_by_name():
+    tok = build_tokenizer()
+    spec = _spec("sync", 4)
+    counter, saver = Counter(), Saver(every=2)
+    train_grpo(spec, build_model("micro", tok, seed=0), tok, PROBLEMS, checkpoints=saver,
+               on_step=lambda r: setattr(counter, "seen", counter.seen + 1), stateful={"counter": counter})
+    assert saver.states[2].extra == {"counter": {"seen": 2}} and saver.states[4].extra == {"counter": {"seen": 4}}
+    fresh = Counter()
+    train_grpo(spec, build_model("micro", tok, seed=0), tok, PROBLEMS, resume=saver.states[2],
+               stateful={"counter": fresh}, on_step=lambda r: setattr(fresh, "seen", fresh.seen + 1))
+    assert fresh.seen == 4
+    with pytest.raises(ValueError, match="holds no state for 'blender'"):
+        train_grpo(spec, build_model("micro", tok, seed=0), tok, PROBLEMS, resume=saver.states[2],
+                   stateful={"blender": Counter()})
