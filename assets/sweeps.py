@@ -83,6 +83,7 @@ def sweep_member_run(context: AssetExecutionContext, home: FactoryHomeResource, 
         **head, "sweep_id": info["sweep_id"], "axes": member_label(axes),
         "accuracy": res.final_accuracy, "start_accuracy": res.start_accuracy,
         "checkpoint": MetadataValue.path(str(res.checkpoint.path)), "steps": res.steps, "seconds": res.seconds,
+        "attempts": res.attempt, "goodput": res.goodput,
         **tail,
     })
 

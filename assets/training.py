@@ -67,7 +67,7 @@ def grpo_run(context: AssetExecutionContext, spec: SpecResource, home: FactoryHo
         metadata={**head, "checkpoint": MetadataValue.path(str(res.checkpoint.path)), "sha256": res.checkpoint.sha256,
                   "steps": res.steps, "start_accuracy": res.start_accuracy,
                   "start_pass_at_k": res.start_pass_at_k, "accuracy": res.final_accuracy,
-                  "seconds": res.seconds, **tail},
+                  "seconds": res.seconds, "attempts": res.attempt, "goodput": res.goodput, **tail},
         data_version=DataVersion(res.checkpoint.sha256),
     )
 

@@ -34,6 +34,7 @@ def test_a_crash_in_grpo_run_is_retried_and_resumes_the_same_run(tmp_path, monke
     lake = lake_of(tmp_path)
     (run,) = lake.read("runs").to_pylist()
     assert run["run_id"] == md["run_id"].value == f"retry-{result.run_id[:8]}"
+    assert md["attempts"].value == 2 and 0 < md["goodput"].value < 1
     assert (run["status"], run["attempts"], run["restarts"]) == ("succeeded", 2, 1)
     steps = lake.read("steps").to_pylist()
     assert sorted(r["step"] for r in steps) == [1, 2, 3, 4, 5, 6]
