@@ -6,9 +6,6 @@ from __future__ import annotations
 import contextlib
 import math
 import sqlite3
-import subprocess
-import sys
-import time
 
 import pytest
 from mlflow import MlflowClient
@@ -16,6 +13,7 @@ from mlflow import MlflowClient
 from factory.home import factory_home
 from factory.lake import Lake
 from factory.tracking import Tracker, flatten_params
+from tests.racing import race
 
 
 @pytest.fixture(scope="module")
@@ -113,21 +111,12 @@ def test_nested_run_carries_the_parent_tag(tracker: Tracker):
     assert sorted(r.info.run_id for r in found) == sorted(kids)
 
 
-# One process of the start-up race: wait for the go file (all start together), then open both stores on the
-# fresh home and write an MLflow run and an Iceberg row.
-_RACER = """
-import datetime as dt, sys, time
-from pathlib import Path
+# One process of the start-up race: open both stores on the fresh home and write an MLflow run and an Iceberg row.
+_SET_UP = """
+import datetime as dt
 from factory.home import factory_home
 from factory.lake import Lake
 from factory.tracking import Tracker
-root, go, name = sys.argv[1:]
-Path(go).with_name(f"ready-{name}").touch()
-deadline = time.monotonic() + 120
-while not Path(go).exists():
-    if time.monotonic() > deadline:
-        sys.exit("no go signal")
-    time.sleep(0.002)
 paths = factory_home(root)
 tracker = Tracker(paths)
 run_id = tracker.start_run("race", name)
@@ -140,20 +129,8 @@ with Lake.open(paths) as lake:
 
 
 def test_processes_starting_together_on_a_fresh_home_all_succeed(tmp_path):
-    root, go, n = tmp_path / "home", tmp_path / "go", 5
-    procs = [subprocess.Popen([sys.executable, "-c", _RACER, str(root), str(go), f"p{i}"],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(n)]
-    try:
-        deadline = time.monotonic() + 120  # imports take seconds on a busy machine
-        while len(list(tmp_path.glob("ready-*"))) < n and time.monotonic() < deadline:
-            assert all(p.poll() is None for p in procs), [p.communicate()[0] for p in procs if p.poll() is not None]
-            time.sleep(0.01)
-        go.touch()
-        outs = [p.communicate(timeout=300)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert [p.returncode for p in procs] == [0] * n, "\n".join(outs)
+    n = 5
+    root = race(tmp_path, _SET_UP, n)
 
     # A later process finds a complete home: every racer's run and row, and it can write its own.
     paths = factory_home(root)
