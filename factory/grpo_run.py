@@ -248,6 +248,8 @@ def _attempt(spec: ExperimentSpec, paths: FactoryPaths, run_id: str, run_dir: Pa
                 ckpts.writer.wait()
             finally:
                 steplog.flush(lake)
+                for lk in writer_lake:
+                    lk.close()
         beat(run_dir)
         final_step = spec.schedule.steps
         info = record_checkpoint(model, tok, paths, lake, run_id, final_step, final=True)
