@@ -122,11 +122,16 @@ def train_grpo(
     """Train `model` (in place) in `spec.schedule.mode` until `spec.schedule.steps` steps are done.
 
     `resume` continues from a resume point (its step, weights, optimizer, RNGs, prompt stream and buffer);
-    `reference_model` is the KL reference (default: a copy of `model` as it is now, i.e. the run's start).
+    `reference_model` is the KL reference (default: a copy of `model` as passed in, i.e. the run's start: pass
+    the start's weights in `model` when resuming, as `grpo_run` does).
     `stateful`: other parts with state the run drives (e.g. a data blender), saved in every resume point by
     name (`state_dict()`, JSON-ready) and restored from `resume` (`load_state_dict()`).
     `producer` replaces the one the spec implies (`core/producer.make_producer`), e.g. to inject faults."""
     g = spec.algorithm.group_size
+    reference = None
+    if spec.algorithm.kl_coef > 0:  # copied before a resume point is loaded: `model` is still the run's start
+        ref = reference_model if reference_model is not None else copy.deepcopy(model)
+        reference = TorchTrainer(ref.eval(), lr=0.0, temperature=spec.rollout.temperature)
     if resume is not None:
         start_step = resume.step
         model.load_state_dict(resume.model)
@@ -134,10 +139,6 @@ def train_grpo(
     shuffle = torch.Generator().manual_seed(spec.seed)
     trainer = TorchTrainer(model, lr=spec.algorithm.lr, grad_clip=spec.trainer.grad_clip,
                            weight_decay=spec.trainer.weight_decay, temperature=spec.rollout.temperature)
-    reference = None
-    if spec.algorithm.kl_coef > 0:
-        ref = reference_model if reference_model is not None else copy.deepcopy(model)
-        reference = TorchTrainer(ref.eval(), lr=0.0, temperature=spec.rollout.temperature)
     loss_fn = _grpo_loss_fn(spec)
     nonfinite_streak = 0
     if resume is not None:

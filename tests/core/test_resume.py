@@ -127,12 +127,11 @@ def test_sync_resume_is_bit_identical_to_an_uninterrupted_run():
     tok = build_tokenizer()
     spec = _spec("sync", 6)
     straight = build_model("micro", tok, seed=0)
-    reference = build_model("micro", tok, seed=0)
     saver = Saver(every=3)
     full = train_grpo(spec, straight, tok, PROBLEMS, checkpoints=saver)
     # A second process would start from the run's start checkpoint and load the resume point of step 3.
-    resumed_model = build_model("micro", tok, seed=0)
-    rest = train_grpo(spec, resumed_model, tok, PROBLEMS, resume=saver.states[3], reference_model=reference)
+    resumed_model = build_model("micro", tok, seed=0)  # the run's start: the default KL reference
+    rest = train_grpo(spec, resumed_model, tok, PROBLEMS, resume=saver.states[3])
     assert [r.step for r in rest] == [4, 5, 6]
     assert [r.loss for r in rest] == [r.loss for r in full[3:]]
     assert [r.reward_mean for r in rest] == [r.reward_mean for r in full[3:]]
