@@ -150,6 +150,15 @@ def test_jsonl_maps_columns_and_reads_blocks_in_any_order(tmp_path):
     assert JsonlSource("mine", path, "arithmetic", src.columns, block_rows=100).version() != src.version()
 
 
+def test_jsonl_columns_may_mix_types(tmp_path):
+    recs = [{"prompt": "a", "answer": 7, "tests": ["x"]}, {"prompt": "b", "answer": "8", "tests": None},
+            {"prompt": 3, "answer": 9.5, "tests": [1, "y"]}]
+    rows = all_rows(JsonlSource("m", write_jsonl(tmp_path / "m.jsonl", recs), "code", {"meta": ["tests"]}))
+    assert [(p.prompt, p.answer, p.meta["tests"]) for p in rows] == [("a", "7", ["x"]), ("b", "8", None),
+                                                                     ("3", "9.5", [1, "y"])]
+    assert {p.op for p in rows} == {"code"}
+
+
 def test_jsonl_without_an_id_column_numbers_rows(tmp_path):
     path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"p{i}", "answer": "a"} for i in range(10)])
     rows = all_rows(JsonlSource("n", path, "word_problems", block_rows=3))
@@ -283,6 +292,22 @@ def test_hf_save_to_disk_directory_reads_without_datasets(tmp_path):
     check_meta(rows, "hf", "word_problems")
     assert shuffled_rows(src) == rows
     assert len(src.version()) == 16
+
+
+def test_hf_directory_written_by_datasets_itself(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    n = 5000
+    ds = datasets.Dataset.from_dict({"q": [f"q{i}" for i in range(n)], "a": list(range(n)),
+                                     "tests": [[f"t{i}"] for i in range(n)]})
+    ds.save_to_disk(str(tmp_path / "ds"), max_shard_size="50KB")  # several shards
+    assert len(list((tmp_path / "ds").glob("data-*.arrow"))) > 1
+    src = HFDiskSource("hf", tmp_path / "ds", "code", {"prompt": "q", "answer": "a", "meta": ["tests"]},
+                       block_rows=700)
+    rows = shuffled_rows(src)
+    assert [(p.id, p.prompt, p.answer, p.meta["tests"]) for p in rows] == [
+        (str(i), f"q{i}", str(i), [f"t{i}"]) for i in range(n)]
+    datasets.DatasetDict({"train": ds, "test": ds.select(range(10))}).save_to_disk(str(tmp_path / "dd"))
+    assert len(HFDiskSource("hf", tmp_path / "dd", "code", {"prompt": "q", "answer": "a"}, split="test")) == 10
 
 
 def test_hf_dataset_dict_needs_a_split(tmp_path):

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 
 from factory.envs.arithmetic import Problem
 
-from .rows import ColumnMap, SourceError, check_verifier, problems_from_arrow
+from .rows import ColumnMap, SourceError, check_verifier, problems_from_arrow, problems_from_columns
 
 _HASH_CHUNK = 1 << 20
 
@@ -121,8 +121,8 @@ class JsonlSource(_FileSource):
         if missing:
             row, col = missing[0]
             raise SourceError(f"source {self.name!r}: row {row} of {str(self.path)!r} has no column {col!r}")
-        table = pa.table({c: pa.array([r[c] for r in records]) for c in cm.wanted()})
-        return problems_from_arrow(table, cm, self.name, self.verifier, start)
+        cols = {c: [r[c] for r in records] for c in cm.wanted()}
+        return problems_from_columns(cols, len(records), cm, self.name, self.verifier, start)
 
 
 class ParquetSource(_FileSource):

@@ -84,8 +84,13 @@ def _text(v: object) -> str:
 def problems_from_arrow(table: pa.Table | pa.RecordBatch, cm: ColumnMap, source: str, verifier: str,
                         first_row: int) -> list[Problem]:
     """The rows of `table` as Problems; `first_row` is the source position of its first row (ids by position)."""
-    n = table.num_rows
-    col = {c: table.column(c).to_pylist() for c in cm.wanted()}
+    cols = {c: table.column(c).to_pylist() for c in cm.wanted()}
+    return problems_from_columns(cols, table.num_rows, cm, source, verifier, first_row)
+
+
+def problems_from_columns(col: dict[str, list], n: int, cm: ColumnMap, source: str, verifier: str,
+                          first_row: int) -> list[Problem]:
+    """Problems from `n` values of each mapped column (plain Python values: a JSONL column may mix types)."""
     ids = [_text(v) for v in col[cm.id]] if cm.id else [str(first_row + i) for i in range(n)]
     prompts = col[cm.prompt]
     answers = col[cm.answer] if cm.answer else [""] * n
@@ -97,6 +102,11 @@ def problems_from_arrow(table: pa.Table | pa.RecordBatch, cm: ColumnMap, source:
         meta = {c: vals[i] for c, vals in extra}
         meta["source"] = source
         meta["verifier"] = verifier
+        try:
+            d = int(digits[i] or 0)
+        except (TypeError, ValueError) as e:
+            raise SourceError(f"source {source!r}: row {first_row + i}: column {cm.digits!r} must be an integer, "
+                              f"got {digits[i]!r}") from e
         out.append(Problem(id=ids[i], prompt=_text(prompts[i]), answer=_text(answers[i]), op=_text(ops[i]),
-                           digits=int(digits[i] or 0), meta=meta))
+                           digits=d, meta=meta))
     return out
