@@ -81,32 +81,59 @@ def _text(v: object) -> str:
     return "" if v is None else v if isinstance(v, str) else str(v)
 
 
+def _arrow_text(col: pa.ChunkedArray | pa.Array) -> list | None:
+    """A column as Python str values ("" for null) done in Arrow, or None when it cannot be cast (e.g. a list)."""
+    import pyarrow.compute as pc
+
+    try:
+        if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
+            col = pc.cast(col, pa.string())
+        return (pc.fill_null(col, "") if col.null_count else col).to_pylist()
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
+        return None
+
+
 def problems_from_arrow(table: pa.Table | pa.RecordBatch, cm: ColumnMap, source: str, verifier: str,
                         first_row: int) -> list[Problem]:
     """The rows of `table` as Problems; `first_row` is the source position of its first row (ids by position)."""
-    cols = {c: table.column(c).to_pylist() for c in cm.wanted()}
-    return problems_from_columns(cols, table.num_rows, cm, source, verifier, first_row)
+    texts = {c for c in (cm.id, cm.prompt, cm.answer, cm.op) if c is not None}
+    cols, ready = {}, set()
+    for c in cm.wanted():
+        got = _arrow_text(table.column(c)) if c in texts and c not in cm.meta else None
+        if got is not None:
+            cols[c] = got
+            ready.add(c)
+        else:
+            cols[c] = table.column(c).to_pylist()
+    return problems_from_columns(cols, table.num_rows, cm, source, verifier, first_row, ready)
 
 
 def problems_from_columns(col: dict[str, list], n: int, cm: ColumnMap, source: str, verifier: str,
-                          first_row: int) -> list[Problem]:
-    """Problems from `n` values of each mapped column (plain Python values: a JSONL column may mix types)."""
-    ids = [_text(v) for v in col[cm.id]] if cm.id else [str(first_row + i) for i in range(n)]
-    prompts = col[cm.prompt]
-    answers = col[cm.answer] if cm.answer else [""] * n
-    ops = col[cm.op] if cm.op else [_OP_OF_VERIFIER.get(verifier, verifier)] * n
-    digits = col[cm.digits] if cm.digits else [0] * n
-    extra = [(c, col[c]) for c in cm.meta]
-    out = []
-    for i in range(n):
-        meta = {c: vals[i] for c, vals in extra}
-        meta["source"] = source
-        meta["verifier"] = verifier
-        try:
-            d = int(digits[i] or 0)
-        except (TypeError, ValueError) as e:
-            raise SourceError(f"source {source!r}: row {first_row + i}: column {cm.digits!r} must be an integer, "
-                              f"got {digits[i]!r}") from e
-        out.append(Problem(id=ids[i], prompt=_text(prompts[i]), answer=_text(answers[i]), op=_text(ops[i]),
-                           digits=d, meta=meta))
-    return out
+                          first_row: int, ready: set[str] = frozenset()) -> list[Problem]:
+    """Problems from `n` values of each mapped column (plain Python values: a JSONL column may mix types); the
+    columns in `ready` are already str."""
+
+    def texts(c: str | None, default: str) -> list:
+        if c is None:
+            return [default] * n
+        return col[c] if c in ready else [_text(v) for v in col[c]]
+
+    ids = texts(cm.id, "") if cm.id else [str(first_row + i) for i in range(n)]
+    prompts, answers = texts(cm.prompt, ""), texts(cm.answer, "")
+    ops = texts(cm.op, _OP_OF_VERIFIER.get(verifier, verifier))
+    digits = [0] * n
+    if cm.digits:
+        for i, v in enumerate(col[cm.digits]):
+            try:
+                digits[i] = int(v or 0)
+            except (TypeError, ValueError) as e:
+                raise SourceError(f"source {source!r}: row {first_row + i}: column {cm.digits!r} must be an "
+                                  f"integer, got {v!r}") from e
+    base = {"source": source, "verifier": verifier}
+    if cm.meta:
+        extra = [(c, col[c]) for c in cm.meta]
+        metas = [{**{c: vals[i] for c, vals in extra}, **base} for i in range(n)]
+    else:
+        metas = [base.copy() for _ in range(n)]
+    return [Problem(i, p, a, o, d, m) for i, p, a, o, d, m in zip(ids, prompts, answers, ops, digits, metas,
+                                                                    strict=True)]
