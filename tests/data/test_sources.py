@@ -207,6 +207,15 @@ def test_parquet_reads_mapped_columns_across_row_groups(tmp_path):
     assert src.version() == hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
+def test_parquet_values_of_any_type_become_text(tmp_path):
+    pq.write_table(pa.table({"id": pa.array([10, 11, 12], pa.int32()), "prompt": ["a", None, "c"],
+                             "answer": pa.array([1.5, None, 3.0]), "level": pa.array([1, 2, 3], pa.int8()),
+                             "tests": [["x"], [], None]}), tmp_path / "t.parquet")
+    rows = all_rows(ParquetSource("t", tmp_path / "t.parquet", "code", {"meta": ["tests"], "digits": "level"}))
+    assert [(p.id, p.prompt, p.answer, p.digits, p.meta["tests"]) for p in rows] == [
+        ("10", "a", "1.5", 1, ["x"]), ("11", "", "", 2, []), ("12", "c", "3", 3, None)]
+
+
 def test_parquet_errors_name_the_source_file_and_columns(tmp_path):
     path = write_parquet(tmp_path / "p.parquet", 10, row_group_size=10)
     with pytest.raises(SourceError, match=r"source 'pq': .*p.parquet' has no column 'prompt', 'answer'; its "
