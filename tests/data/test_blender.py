@@ -281,3 +281,24 @@ def test_bad_sources_are_named() -> None:
         Blender([ListSource("e", [], "v")], weights={"e": 1})
     with pytest.raises(ValueError, match=r"duplicate source name\(s\) \['a'\]"):
         Blender(sources({"a": 3}) + sources({"a": 4}), weights={"a": 1})
+
+
+@given(weights=st.lists(st.integers(0, 5), min_size=3, max_size=3).filter(any), cut=st.integers(0, 200),
+       keep=st.lists(st.booleans(), min_size=1, max_size=30), seed=st.integers(0, 3))
+@settings(max_examples=60, deadline=None)
+def test_any_cut_and_any_in_flight_pattern_resumes_exactly_once(weights: list[int], cut: int, keep: list[bool],
+                                                                 seed: int) -> None:
+    w = dict(zip("abc", weights, strict=True))
+    total = 220
+    ref = Blender(sources(), weights=w, seed=seed)
+    expected = sorted(ref.take()[1].id for _ in range(total))
+    b = Blender(sources(), weights=w, seed=seed)
+    taken = [b.take() for _ in range(cut)]
+    finished = [(d, p) for i, (d, p) in enumerate(taken) if keep[i % len(keep)]]
+    b.done([d for d, _ in finished])
+    fresh = Blender(sources(), weights=w, seed=seed)
+    fresh.load_state_dict(json.loads(json.dumps(b.state_dict())))
+    rest = [fresh.take() for _ in range(total - len(finished))]
+    fresh.done([d for d, _ in rest])
+    assert sorted(p.id for _, p in finished + rest) == expected
+    assert sorted(d for d, _ in finished + rest) == list(range(total))
