@@ -4,6 +4,7 @@ and refuses a bad source with an error naming it (and the file, column, table or
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import random
@@ -28,7 +29,7 @@ from factory.data.sources import (
     SuiteSource,
     make_source,
 )
-from factory.envs.arithmetic import arithmetic_capacity
+from factory.envs.arithmetic import Problem, arithmetic_capacity
 from factory.envs.tasks import _SETS, _records, make_task_splits, verify
 
 REPO = Path(__file__).resolve().parents[2]
@@ -214,6 +215,10 @@ def test_parquet_values_of_any_type_become_text(tmp_path):
     rows = all_rows(ParquetSource("t", tmp_path / "t.parquet", "code", {"meta": ["tests"], "digits": "level"}))
     assert [(p.id, p.prompt, p.answer, p.digits, p.meta["tests"]) for p in rows] == [
         ("10", "a", "1.5", 1, ["x"]), ("11", "", "", 2, []), ("12", "c", "3", 3, None)]
+    plain = Problem("10", "a", "1.5", "code", 1, {"tests": ["x"], "source": "t", "verifier": "code"})
+    assert rows[0] == plain and hash(rows[0]) == hash(plain) and rows[0].to_dict() == plain.to_dict()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        rows[0].id = "other"  # type: ignore[misc]
 
 
 def test_parquet_errors_name_the_source_file_and_columns(tmp_path):

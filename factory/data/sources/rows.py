@@ -11,6 +11,7 @@ path "pkg.module:attr" (only then is user code imported, to check that it loads)
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import pyarrow as pa
@@ -77,6 +78,31 @@ def check_verifier(source: str, verifier: str) -> None:
                       "environment import path like 'my_pkg.my_env:reward'")
 
 
+_FIELDS = ("id", "prompt", "answer", "op", "digits", "meta")
+
+
+def _problem_maker():
+    """A fast Problem constructor: a frozen dataclass's __init__ sets each field through object.__setattr__
+    (~1.5 us a row, most of a sequential Parquet read); filling the instance dict directly is ~5x cheaper and
+    gives an equal object. Used only while Problem is a plain (no slots, no __post_init__) dataclass of these
+    fields; otherwise the ordinary constructor."""
+    plain = (tuple(f.name for f in dataclasses.fields(Problem)) == _FIELDS and "__slots__" not in vars(Problem)
+             and not hasattr(Problem, "__post_init__"))
+    if not plain:
+        return Problem
+    new = object.__new__
+
+    def make(id: str, prompt: str, answer: str, op: str, digits: int, meta: dict) -> Problem:
+        p = new(Problem)
+        p.__dict__.update(id=id, prompt=prompt, answer=answer, op=op, digits=digits, meta=meta)
+        return p
+
+    return make
+
+
+_make_problem = _problem_maker()
+
+
 def _text(v: object) -> str:
     return "" if v is None else v if isinstance(v, str) else str(v)
 
@@ -135,5 +161,5 @@ def problems_from_columns(col: dict[str, list], n: int, cm: ColumnMap, source: s
         metas = [{**{c: vals[i] for c, vals in extra}, **base} for i in range(n)]
     else:
         metas = [base.copy() for _ in range(n)]
-    return [Problem(i, p, a, o, d, m) for i, p, a, o, d, m in zip(ids, prompts, answers, ops, digits, metas,
+    return [_make_problem(i, p, a, o, d, m) for i, p, a, o, d, m in zip(ids, prompts, answers, ops, digits, metas,
                                                                     strict=True)]
