@@ -20,7 +20,7 @@ from importlib import resources
 from factory.envs.arithmetic import OPS, Problem, _problem, arithmetic_capacity
 from factory.envs.tasks import _SETS, _records
 
-from .rows import SourceError, check_verifier
+from .rows import SourceError, _make_problem, check_verifier
 
 _ROUNDS = 4
 
@@ -43,17 +43,15 @@ class _Permutation:
         digest = hashlib.sha256(key).digest()
         self.keys = [int.from_bytes(digest[4 * r:4 * r + 4], "little") & self.mask for r in range(_ROUNDS)]
 
-    def _round(self, r: int, k: int) -> int:
-        x = ((r ^ k) * 0x9E3779B1 + k) & self.mask
-        return (x ^ (x >> (self.half // 2 + 1))) & self.mask
-
     def __call__(self, i: int) -> int:
+        half, mask, shift, keys = self.half, self.mask, self.half // 2 + 1, self.keys
         x = i
         while True:
-            left, right = x >> self.half, x & self.mask
-            for k in self.keys:
-                left, right = right, left ^ self._round(right, k)
-            x = (left << self.half) | right
+            left, right = x >> half, x & mask
+            for k in keys:  # the round function inlined: this loop is most of a generated block's cost
+                f = ((right ^ k) * 0x9E3779B1 + k) & mask
+                left, right = right, left ^ (f ^ (f >> shift))
+            x = (left << half) | right
             if x < self.size:
                 return x
 
@@ -106,8 +104,8 @@ class ArithmeticSource:
         for i in range(first, min(first + self.block_rows, self.n)):
             a, b = self._operands_of(self._perm(self.start + i))
             p = _problem(a, self.op, b, self.digits, self.reverse_answer, self.reverse_operands)
-            out.append(Problem(p.id, p.prompt, p.answer, p.op, p.digits,
-                               meta={"source": self.name, "verifier": self.verifier}))
+            out.append(_make_problem(p.id, p.prompt, p.answer, p.op, p.digits,
+                                     {"source": self.name, "verifier": self.verifier}))
         return out
 
 
