@@ -21,9 +21,13 @@ blender, not a column mapping.
     .venv/bin/python benchmarks/blender.py                 # 1M rows, 1M draws
     .venv/bin/python benchmarks/blender.py --rows 200000 --draws 200000
 
-Prints a table, then one JSON line: prompts_per_s, prompts_per_cpu_s, speedup_vs_hf_interleave, speedup_vs_naive,
-hf_prompts_per_s, naive_prompts_per_s, resume_ms_at_1k, resume_ms_at_900k, construct_ms, max_quota_error,
-peak_rss_mb, peak_rss_mb_small_sources, rows, draws.
+A fourth child streams the blender over factory/data/sources' ParquetSource (the reader runs will use).
+Rates are wall-clock (prompts_per_s) and per CPU second of the process (steadier on a shared machine).
+
+Prints a table, then one JSON line: prompts_per_s, prompts_per_cpu_s, speedup_vs_hf_interleave (wall),
+speedup_vs_hf_interleave_cpu, speedup_vs_naive, hf_prompts_per_s, naive_prompts_per_s, resume_ms_at_1k,
+resume_ms_at_900k, construct_ms, max_quota_error, peak_rss_mb, peak_rss_mb_small_sources,
+factory_parquet_prompts_per_s, factory_parquet_resume_ms_at_900k, rows, draws.
 """
 
 from __future__ import annotations
@@ -109,14 +113,20 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def open_blender(folder: Path) -> Blender:
-    return Blender([ParquetBlocks(n, folder / f"{n}.parquet") for n in SHARES], weights=WEIGHTS, seed=0)
+def open_blender(folder: Path, reader: str = "local", block: int = 4096) -> Blender:
+    if reader == "factory":
+        from factory.data.sources.files import ParquetSource
+
+        srcs = [ParquetSource(n, folder / f"{n}.parquet", "arithmetic", block_rows=block) for n in SHARES]
+    else:
+        srcs = [ParquetBlocks(n, folder / f"{n}.parquet") for n in SHARES]
+    return Blender(srcs, weights=WEIGHTS, seed=0)
 
 
-def child_blender(folder: Path, draws: int) -> dict:
+def child_blender(folder: Path, draws: int, reader: str = "local", block: int = 4096) -> dict:
     names = list(SHARES)
     index = {n: i for i, n in enumerate(names)}
-    b = open_blender(folder)
+    b = open_blender(folder, reader, block)
     seq = bytearray()
     states: dict[int, tuple[dict, int]] = {}
     capture = {1000, 900_000}
@@ -152,7 +162,7 @@ def child_blender(folder: Path, draws: int) -> dict:
         times = []
         for _ in range(5):
             t1 = time.perf_counter()
-            fresh = open_blender(folder)
+            fresh = open_blender(folder, reader, block)
             t2 = time.perf_counter()
             fresh.load_state_dict(state)
             draw, _ = fresh.take()
@@ -204,10 +214,11 @@ def child_naive(folder: Path, draws: int) -> dict:
     return {"prompts_per_s": n / wall, "prompts_per_cpu_s": n / cpu, "peak_rss_mb": peak_rss_mb(), "draws": n}
 
 
-def run_child(kind: str, folder: Path, draws: int, home: Path) -> dict:
+def run_child(kind: str, folder: Path, draws: int, home: Path, block: int = 4096) -> dict:
     env = dict(os.environ, HF_HOME=str(home / "hf"), HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
                OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, __file__, "--child", kind, "--dir", str(folder), "--draws", str(draws)],
+    out = subprocess.run([sys.executable, __file__, "--child", kind, "--dir", str(folder), "--draws", str(draws),
+                          "--block", str(block)],
                          capture_output=True, text=True, env=env)
     if out.returncode != 0:
         return {"error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}"}
@@ -221,13 +232,16 @@ def main() -> None:
     ap.add_argument("--hf-draws", type=int, default=200_000,
                     help="prompts streamed through HF interleave_datasets (it is slow; its rate is steady)")
     ap.add_argument("--block", type=int, default=4096, help="rows per Parquet row group (= blender block)")
-    ap.add_argument("--child", choices=["blender", "hf", "naive"], help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=["blender", "blender-factory", "hf", "naive"], help=argparse.SUPPRESS)
     ap.add_argument("--dir", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         pin_one_core()
-        fn = {"blender": child_blender, "hf": child_hf, "naive": child_naive}[args.child]
-        print(json.dumps(fn(args.dir, args.draws)))
+        if args.child.startswith("blender"):
+            reader = "factory" if args.child == "blender-factory" else "local"
+            print(json.dumps(child_blender(args.dir, args.draws, reader, args.block)))
+        else:
+            print(json.dumps({"hf": child_hf, "naive": child_naive}[args.child](args.dir, args.draws)))
         return
 
     with tempfile.TemporaryDirectory(prefix="blender-bench-") as tmp:
@@ -237,10 +251,11 @@ def main() -> None:
         write_sources(big, args.rows, args.block)
         write_sources(small, args.rows // 10, args.block)
         print(f"wrote {args.rows:,} + {args.rows // 10:,} rows of Parquet in {time.perf_counter() - t:.1f} s")
-        blend = run_child("blender", big, args.draws, home)
+        blend = run_child("blender", big, args.draws, home, args.block)
         if "error" in blend:
             raise SystemExit(f"blender failed: {blend['error']}")
-        blend_small = run_child("blender", small, args.draws, home)
+        blend_small = run_child("blender", small, args.draws, home, args.block)
+        blend_factory = run_child("blender-factory", big, args.draws, home, args.block)
         hf = run_child("hf", big, min(args.draws, args.hf_draws), home)
         naive = run_child("naive", big, args.draws, home)
 
@@ -255,6 +270,8 @@ def main() -> None:
     print(f"\n{'contender':<28}{'prompts/s':>12}{'per CPU s':>12}{'peak MB':>9}  notes")
     print(f"{'blender':<28}{rate(blend)}{rss(blend)}  max quota error {blend['max_quota_error']:.3f}")
     print(f"{'blender, 10x smaller files':<28}{rate(blend_small)}{rss(blend_small)}  same stream length")
+    factory_note = blend_factory.get("error", "factory/data/sources ParquetSource (column mapping, text cast)")
+    print(f"{'blender, factory Parquet':<28}{rate(blend_factory)}{rss(blend_factory)}  {factory_note}")
     hf_note = hf.get("error", f"streaming=True, {hf.get('draws', 0):,} draws")
     print(f"{'hf interleave_datasets':<28}{rate(hf)}{rss(hf)}  {hf_note}")
     print(f"{'naive random.choices':<28}{rate(naive)}{rss(naive)}  {naive.get('error', 'unshuffled, not resumable')}")
@@ -262,6 +279,10 @@ def main() -> None:
     fmt = lambda v: "n/a" if v is None else f"{v:.2f} ms"  # noqa: E731
     print(f"\nresume (load_state_dict + first take, 64 draws in flight): at 1k {fmt(r1k)}, at 900k {fmt(r900k)}; "
           f"opening a fresh blender over the files: {blend['construct_ms']:.2f} ms")
+    if "resume_ms" in blend_factory:
+        rf = blend_factory["resume_ms"]
+        print(f"with factory ParquetSource: resume at 1k {fmt(rf.get('1000'))}, at 900k {fmt(rf.get('900000'))}; "
+              f"opening (hashes the files for their version): {blend_factory['construct_ms']:.1f} ms")
     print("realized vs target share:", {k: (round(v["realized_share"], 4), v["target_share"])
                                         for k, v in blend["report"].items()})
     speedup_hf = blend["prompts_per_s"] / hf["prompts_per_s"] if "prompts_per_s" in hf else None
@@ -269,6 +290,8 @@ def main() -> None:
         "prompts_per_s": round(blend["prompts_per_s"]),
         "prompts_per_cpu_s": round(blend["prompts_per_cpu_s"]),
         "speedup_vs_hf_interleave": None if speedup_hf is None else round(speedup_hf, 2),
+        "speedup_vs_hf_interleave_cpu": round(blend["prompts_per_cpu_s"] / hf["prompts_per_cpu_s"], 2)
+        if "prompts_per_cpu_s" in hf else None,
         "speedup_vs_hf_reason": None if speedup_hf is not None else hf.get("error"),
         "speedup_vs_naive": round(blend["prompts_per_s"] / naive["prompts_per_s"], 2)
         if "prompts_per_s" in naive else None,
@@ -280,6 +303,10 @@ def main() -> None:
         "max_quota_error": round(blend["max_quota_error"], 4),
         "peak_rss_mb": round(blend["peak_rss_mb"], 1),
         "peak_rss_mb_small_sources": round(blend_small["peak_rss_mb"], 1) if "peak_rss_mb" in blend_small else None,
+        "factory_parquet_prompts_per_s": round(blend_factory["prompts_per_s"]) if "prompts_per_s" in blend_factory
+        else None,
+        "factory_parquet_resume_ms_at_900k": (lambda v: None if v is None else round(v, 3))(
+            blend_factory.get("resume_ms", {}).get("900000")),
         "rows": args.rows, "draws": blend["draws"], "block_rows": args.block, "cores": 1,
     }))
 
