@@ -69,6 +69,14 @@ def test_arithmetic_level_is_distinct_exact_and_deterministic():
     assert other_seed.version() != src.version() == again.version()
 
 
+def test_arithmetic_rows_are_pinned_to_their_version():
+    """Rows depend only on the parameters in the version: changing how rows are drawn must change the version
+    (its "format"), so this golden changes with it."""
+    src = ArithmeticSource("add3", "add", 3, n=1000, seed=0)
+    assert [p.id for p in src.read_block(0)[:4]] == ["add3-362-493", "add3-418-407", "add3-285-609", "add3-175-724"]
+    assert src.version() == "6c94416e1778c88e"
+
+
 def test_arithmetic_ranges_of_one_seed_are_disjoint():
     held_out = ArithmeticSource("mul2-eval", "mul", 2, n=300, seed=1)
     train = ArithmeticSource("mul2", "mul", 2, n=3000, seed=1, start=300)
@@ -206,6 +214,26 @@ def test_parquet_reads_mapped_columns_across_row_groups(tmp_path):
     check_meta(rows, "pq", "word_problems")
     assert shuffled_rows(src, seed=1) == rows and shuffled_rows(src, seed=2) == rows
     assert src.version() == hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def test_parquet_directory_of_shards_is_one_source(tmp_path):
+    table = pa.table({"prompt": [f"p{i}" for i in range(2600)], "answer": [str(i) for i in range(2600)]})
+    (tmp_path / "ds" / "b").mkdir(parents=True)
+    pq.write_table(table.slice(0, 1000), tmp_path / "ds" / "a.parquet", row_group_size=300)
+    pq.write_table(table.slice(1000, 0), tmp_path / "ds" / "a2.parquet")  # an empty shard is skipped
+    pq.write_table(table.slice(1000, 1600), tmp_path / "ds" / "b" / "c.parquet", row_group_size=700)
+    (tmp_path / "ds" / "README.md").write_text("not data")
+    src = ParquetSource("shards", tmp_path / "ds", "arithmetic", block_rows=256)
+    rows = shuffled_rows(src)
+    assert [p.prompt for p in rows] == [f"p{i}" for i in range(2600)] and rows[-1].id == "2599"
+    assert src.version() == ParquetSource("shards", tmp_path / "ds", "arithmetic").version()
+    pq.write_table(pa.table({"prompt": ["x"]}), tmp_path / "ds" / "b" / "d.parquet")
+    with pytest.raises(SourceError, match=r"source 'shards': '.*d.parquet' has no column 'answer'; its columns are "
+                                          r"'prompt'"):
+        ParquetSource("shards", tmp_path / "ds", "arithmetic")
+    (tmp_path / "none").mkdir()
+    with pytest.raises(SourceError, match=r"source 'none': directory '.*none' holds no .parquet file"):
+        ParquetSource("none", tmp_path / "none", "arithmetic")
 
 
 def test_parquet_values_of_any_type_become_text(tmp_path):

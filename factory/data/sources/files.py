@@ -126,30 +126,50 @@ class JsonlSource(_FileSource):
 
 
 class ParquetSource(_FileSource):
-    """A Parquet file; a block reads the row groups it overlaps, only the mapped columns, in batches."""
+    """A Parquet file, or a directory of them (its *.parquet files, recursively, in path order, as one source:
+    a sharded data set); a block reads the row groups it overlaps, only the mapped columns, in batches."""
 
     def __init__(self, name: str, path: str | Path, verifier: str, columns: ColumnMap | dict | None = None,
                  block_rows: int = 1024):
         super().__init__(name, path, verifier, columns, block_rows, "Parquet file")
-        try:
-            self._file = pq.ParquetFile(self.path)
-        except (pa.ArrowInvalid, OSError) as e:
-            raise SourceError(f"source {name!r}: {str(self.path)!r} is not a readable Parquet file: {e}") from e
-        md = self._file.metadata
-        self._n = md.num_rows
-        self._empty_check()
-        self.columns = self.columns.resolve(name, repr(str(self.path)), self._file.schema_arrow.names)
+        self._files = sorted(self.path.rglob("*.parquet")) if self.path.is_dir() else [self.path]
+        if not self._files:
+            raise SourceError(f"source {name!r}: directory {str(self.path)!r} holds no .parquet file")
+        self._groups: list[tuple[int, int]] = []  # (file, row group) in source order
         self._group_starts = [0]
-        for g in range(md.num_row_groups):
-            self._group_starts.append(self._group_starts[-1] + md.row_group(g).num_rows)
+        for f, file in enumerate(self._files):
+            try:
+                md = pq.read_metadata(file)
+            except (pa.ArrowInvalid, OSError) as e:
+                raise SourceError(f"source {name!r}: {str(file)!r} is not a readable Parquet file: {e}") from e
+            cols = md.schema.to_arrow_schema().names
+            self.columns = self.columns.resolve(name, repr(str(file)), cols) if f == 0 else self.columns
+            missing = [c for c in self.columns.wanted() if c not in cols]
+            if missing:
+                raise SourceError(f"source {name!r}: {str(file)!r} has no column {', '.join(map(repr, missing))}; "
+                                  f"its columns are {', '.join(map(repr, cols))}")
+            for g in range(md.num_row_groups):
+                if md.row_group(g).num_rows:
+                    self._groups.append((f, g))
+                    self._group_starts.append(self._group_starts[-1] + md.row_group(g).num_rows)
+        self._n = self._group_starts[-1]
+        self._empty_check()
+        self._open: tuple[int, pq.ParquetFile] | None = None  # one file open at a time (shards may be many)
         # A sequential reader (the common case) continues the open batch stream of a row group instead of
         # decoding the group again from its start: (group, batch stream, current batch, its first row).
         self._cursor: tuple[int, Iterator[pa.RecordBatch], pa.RecordBatch, int] | None = None
 
     def version(self) -> str:
         if self._version is None:
-            self._version = _sha256_files([self.path])
+            self._version = _sha256_files(self._files)
         return self._version
+
+    def _parquet_file(self, f: int) -> pq.ParquetFile:
+        if self._open is None or self._open[0] != f:
+            if self._open is not None:
+                self._open[1].close()
+            self._open = (f, pq.ParquetFile(self._files[f]))
+        return self._open[1]
 
     def _position(self, row: int) -> tuple[int, Iterator[pa.RecordBatch], pa.RecordBatch, int]:
         """The cursor moved to the batch holding `row`: the open stream when `row` is ahead of it in its group,
@@ -159,8 +179,9 @@ class ParquetSource(_FileSource):
             _, it, batch, first = self._cursor
         else:
             self._cursor = None  # let the old stream's buffers go before the new one decodes
-            it = self._file.iter_batches(batch_size=min(self.block_rows, 65536), row_groups=[g],
-                                         columns=self.columns.wanted(), use_threads=False)
+            f, group = self._groups[g]
+            it = self._parquet_file(f).iter_batches(batch_size=min(self.block_rows, 65536), row_groups=[group],
+                                                    columns=self.columns.wanted(), use_threads=False)
             batch, first = next(it), self._group_starts[g]
         while first + batch.num_rows <= row:
             first += batch.num_rows
