@@ -387,8 +387,11 @@ def test_iceberg_source_is_pinned_to_its_snapshot(lake):
     check_meta(rows, "ice", "arithmetic")
     assert shuffled_rows(src) == rows
     latest = make_source({"name": "ice", "kind": "iceberg", "table": "prompts.mix", "verifier": "arithmetic"},
-                         catalog=cat)
+                         catalog=lake)
     assert len(latest) == 1200 and latest.version() == str(tbl.current_snapshot().snapshot_id) != src.version()
+    pinned = make_source({"name": "ice", "kind": "iceberg", "table": "prompts.mix", "verifier": "arithmetic",
+                          "snapshot_id": first, "block_rows": 128})  # the lake of $FACTORY_HOME
+    assert all_rows(pinned) == rows and pinned.version() == src.version()
 
 
 def test_iceberg_errors_name_the_table_and_snapshot(lake):

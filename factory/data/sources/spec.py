@@ -1,6 +1,16 @@
 """The spec of one prompt source (an entry of a `data` section) and `make_source`, which opens it.
 
-One pydantic model per kind, told apart by `kind`; `make_source` accepts the model or its dict.
+One pydantic model per kind, told apart by `kind`; `make_source` accepts the model or its dict. In YAML:
+
+    - {name: add3, kind: arithmetic, op: add, digits: 3, n: 200000, seed: 0}
+    - {name: wp, kind: suite, suite: word_problems}
+    - name: gsm
+      kind: parquet                      # or jsonl, hf_disk (+ split)
+      path: data/gsm/                    # a file, or a directory of .parquet shards
+      verifier: word_problems            # a task family, a built-in environment, or pkg.module:attr
+      columns: {id: qid, prompt: question, answer: final, meta: [topic]}
+    - {name: mined, kind: iceberg, table: factory_data.prompts, snapshot_id: 4829917301, verifier: code,
+       columns: {prompt: prompt, answer: solution, meta: [tests]}}
 """
 
 from __future__ import annotations
@@ -92,7 +102,7 @@ def parse_source_spec(spec: dict[str, Any] | BaseModel) -> Any:
 def make_source(spec: dict[str, Any] | BaseModel, *, base_dir: str | Path | None = None,
                 catalog: Any = None) -> PromptSource:
     """Open the source `spec` describes. Relative paths are under `base_dir` (e.g. the spec file's folder);
-    an Iceberg source reads `catalog` (default: the lake of $FACTORY_HOME)."""
+    an Iceberg source reads `catalog` (a pyiceberg Catalog or a `Lake`; default: the lake of $FACTORY_HOME)."""
     from .files import HFDiskSource, JsonlSource, ParquetSource
     from .generated import ArithmeticSource, SuiteSource
     from .iceberg import IcebergSource
@@ -105,6 +115,7 @@ def make_source(spec: dict[str, Any] | BaseModel, *, base_dir: str | Path | None
     if isinstance(s, SuiteSourceSpec):
         return SuiteSource(s.name, s.suite, block_rows=s.block_rows)
     if isinstance(s, IcebergSourceSpec):
+        catalog = getattr(catalog, "catalog", catalog)  # a Lake or its catalog
         if catalog is None:
             from factory.lake import open_catalog
 
