@@ -172,6 +172,8 @@ def test_jsonl_without_an_id_column_numbers_rows(tmp_path):
     path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"p{i}", "answer": "a"} for i in range(10)])
     rows = all_rows(JsonlSource("n", path, "word_problems", block_rows=3))
     assert [p.id for p in rows] == [str(i) for i in range(10)] and {p.op for p in rows} == {"word"}
+    with pytest.raises(SourceError, match="source 'n': .* has no column 'id'"):  # asked for by name: required
+        JsonlSource("n", path, "word_problems", {"id": "id"})
 
 
 def test_jsonl_errors_name_the_source_and_file(tmp_path):
@@ -389,6 +391,10 @@ def test_iceberg_source_is_pinned_to_its_snapshot(lake):
     latest = make_source({"name": "ice", "kind": "iceberg", "table": "prompts.mix", "verifier": "arithmetic"},
                          catalog=lake)
     assert len(latest) == 1200 and latest.version() == str(tbl.current_snapshot().snapshot_id) != src.version()
+    tbl.delete("level = 0")  # a later snapshot without a quarter of the rows; the pinned source does not change
+    after = IcebergSource("ice", cat, "prompts.mix", "arithmetic", columns={"meta": ["level"]})
+    assert len(after) == 900 and all(p.meta["level"] != 0 for p in all_rows(after)) and len(src) == 600
+    assert all_rows(src) == rows
     pinned = make_source({"name": "ice", "kind": "iceberg", "table": "prompts.mix", "verifier": "arithmetic",
                           "snapshot_id": first, "block_rows": 128})  # the lake of $FACTORY_HOME
     assert all_rows(pinned) == rows and pinned.version() == src.version()
