@@ -5,6 +5,9 @@
 - files: JSONL, Parquet, and Hugging Face `save_to_disk` directories, read in blocks without loading them
 - iceberg: an Iceberg table pinned to a snapshot
 - spec: one pydantic spec per kind and `make_source(spec)`
+
+A source object is not thread-safe (Parquet and Iceberg sources keep a read cursor so that sequential blocks
+continue one decode stream): open one per thread or process.
 """
 
 from factory.data.sources.files import HFDiskSource, JsonlSource, ParquetSource
