@@ -160,6 +160,10 @@ class SFTSpec(_Section):
         description="stop early once greedy accuracy on a sample of *train* problems reaches this",
     )
     check_every: int = Field(50, ge=1, description="steps between stop_at_accuracy checks")
+    examples: int | None = Field(
+        None, ge=1, description="labeled demonstrations SFT may use: the first N training problems (the warm start "
+        "and the more-SFT control both see only these; GRPO prompts come from the whole training split, scored by "
+        "the verifier, no labels needed); unset: every training problem")
 
 
 class AlgorithmSpec(_Section):
@@ -411,6 +415,9 @@ class ExperimentSpec(_Section):
                 f"task.environment: a multi-turn environment talks to the rollout server, so it needs "
                 f"rollout.engine: server and schedule.mode one_step_off or async (got engine "
                 f"{self.rollout.engine!r}, mode {self.schedule.mode!r})")
+        if self.sft.examples is not None and self.sft.examples > self.task.n_train:
+            raise ValueError(f"sft.examples: must be <= task.n_train = {self.task.n_train} (the demonstrations are "
+                             f"the first training problems), got {self.sft.examples}")
         batch = self.rollout.prompts_per_step * self.algorithm.group_size
         if batch % self.trainer.minibatches:
             raise ValueError(

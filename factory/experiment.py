@@ -152,13 +152,15 @@ def train_sft_checkpoint(spec: ExperimentSpec, paths: FactoryPaths, splits: Spli
         if (step + 1) % every == 0 or step + 1 == sft.steps:
             log(f"sft step {step + 1}/{sft.steps} loss={m['loss']:.4f}")
 
-    metrics = run_sft(model, tok, splits.train, sft, spec.seed, on_step=on_step,
+    labeled = splits.train[:sft.examples] if sft.examples else splits.train  # the demonstrations SFT may see
+    metrics = run_sft(model, tok, labeled, sft, spec.seed, on_step=on_step,
                       max_new_tokens=spec.rollout.max_new_tokens)
     seconds = time.perf_counter() - t0
     steps_run = int(metrics["steps"])
     name = name or f"sft-{spec.fingerprint()}"
     info = save_checkpoint(model, tok, paths.checkpoints / name,
-                           meta={"kind": "sft", "spec": json.loads(spec.to_json()), "steps": steps_run})
+                           meta={"kind": "sft", "spec": json.loads(spec.to_json()), "steps": steps_run,
+                                 "labeled_examples": len(labeled)})
     result = evaluate_checkpoint(spec, info.path, splits.eval)
     log(f"sft checkpoint {info.path.name} after {steps_run} steps: held-out accuracy {result.accuracy:.3f}, "
         f"pass@{result.k} {result.pass_at_k:.3f} ({seconds:.0f}s)")

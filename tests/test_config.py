@@ -183,3 +183,20 @@ def test_yaml_merge_keys_may_still_override():
     from factory.config import load_yaml
 
     assert load_yaml("a: &a {x: 1, y: 2}\nb:\n  <<: *a\n  x: 3\n") == {"a": {"x": 1, "y": 2}, "b": {"x": 3, "y": 2}}
+
+
+def test_sft_examples_must_fit_the_training_split():
+    assert parse_spec({"task": {"n_train": 100}, "sft": {"examples": 100}}).sft.examples == 100
+    with pytest.raises(SpecError, match=r"sft.examples: must be <= task.n_train = 100 .* got 101"):
+        parse_spec({"task": {"n_train": 100}, "sft": {"examples": 101}})
+
+
+def test_sft_sees_only_its_labeled_examples(factory_home):
+    from factory.experiment import build_dataset, load_dataset, train_sft_checkpoint
+    from factory.models.checkpoint import read_meta
+
+    spec = parse_spec({"model": {"preset": "micro"}, "task": {"n_train": 200, "n_eval": 16},
+                       "sft": {"steps": 2, "examples": 7}, "schedule": {"eval_pass_k": 1}})
+    splits = load_dataset(build_dataset(spec, factory_home).path)
+    res = train_sft_checkpoint(spec, factory_home, splits, log=lambda _: None)
+    assert read_meta(res.checkpoint.path)["labeled_examples"] == 7
