@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 
 from factory.envs.arithmetic import Problem
 
-from .rows import ColumnMap, SourceError, check_verifier, problems_from_arrow, problems_from_columns
+from .rows import BatchCursor, ColumnMap, SourceError, check_verifier, problems_from_arrow, problems_from_columns
 
 _HASH_CHUNK = 1 << 20
 
@@ -157,7 +157,9 @@ class ParquetSource(_FileSource):
         self._open: tuple[int, pq.ParquetFile] | None = None  # one file open at a time (shards may be many)
         # A sequential reader (the common case) continues the open batch stream of a row group instead of
         # decoding the group again from its start: (group, batch stream, current batch, its first row).
-        self._cursor: tuple[int, Iterator[pa.RecordBatch], pa.RecordBatch, int] | None = None
+        # Row groups streamed in batches (a large group costs time, not memory), forward from where the last read
+        # stopped when it can.
+        self._rows = BatchCursor(self._group_starts, self._open_group)
 
     def version(self) -> str:
         if self._version is None:
@@ -171,34 +173,14 @@ class ParquetSource(_FileSource):
             self._open = (f, pq.ParquetFile(self._files[f]))
         return self._open[1]
 
-    def _position(self, row: int) -> tuple[int, Iterator[pa.RecordBatch], pa.RecordBatch, int]:
-        """The cursor moved to the batch holding `row`: the open stream when `row` is ahead of it in its group,
-        else a new stream of `row`'s group (streamed in batches: a large group costs time, not memory)."""
-        g = bisect.bisect_right(self._group_starts, row) - 1
-        if self._cursor is not None and self._cursor[0] == g and self._cursor[3] <= row:
-            _, it, batch, first = self._cursor
-        else:
-            self._cursor = None  # let the old stream's buffers go before the new one decodes
-            f, group = self._groups[g]
-            it = self._parquet_file(f).iter_batches(batch_size=min(self.block_rows, 65536), row_groups=[group],
-                                                    columns=self.columns.wanted(), use_threads=False)
-            batch, first = next(it), self._group_starts[g]
-        while first + batch.num_rows <= row:
-            first += batch.num_rows
-            batch = next(it)
-        self._cursor = (g, it, batch, first)
-        return self._cursor
+    def _open_group(self, g: int) -> Iterator[pa.RecordBatch]:
+        f, group = self._groups[g]
+        return self._parquet_file(f).iter_batches(batch_size=min(self.block_rows, 65536), row_groups=[group],
+                                                  columns=self.columns.wanted(), use_threads=False)
 
     def read_block(self, block: int) -> list[Problem]:
         start, end = self._block_range(block)
-        parts: list[pa.RecordBatch] = []
-        row = start
-        while row < end:
-            _, _, batch, first = self._position(row)
-            hi = min(end, first + batch.num_rows)
-            parts.append(batch.slice(row - first, hi - row))
-            row = hi
-        return problems_from_arrow(pa.Table.from_batches(parts), self.columns, self.name, self.verifier, start)
+        return problems_from_arrow(self._rows.read(start, end), self.columns, self.name, self.verifier, start)
 
 
 class HFDiskSource(_FileSource):

@@ -8,7 +8,6 @@ evolution and deletes applied); a sequential reader continues the open stream.
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Iterator
 
 import pyarrow as pa
@@ -19,7 +18,7 @@ from pyiceberg.io.pyarrow import ArrowScan
 
 from factory.envs.arithmetic import Problem
 
-from .rows import ColumnMap, SourceError, check_verifier, problems_from_arrow
+from .rows import BatchCursor, ColumnMap, SourceError, check_verifier, problems_from_arrow
 
 
 class IcebergSource:
@@ -60,7 +59,7 @@ class IcebergSource:
         self._n = self._starts[-1]
         if self._n == 0:
             raise SourceError(f"source {name!r}: Iceberg table {table!r} has no rows at snapshot {self.snapshot_id}")
-        self._cursor: tuple[int, Iterator[pa.RecordBatch], pa.RecordBatch, int] | None = None
+        self._rows = BatchCursor(self._starts, self._open_file)
 
     def __len__(self) -> int:
         return self._n
@@ -68,19 +67,8 @@ class IcebergSource:
     def version(self) -> str:
         return str(self.snapshot_id)
 
-    def _position(self, row: int) -> tuple[int, Iterator[pa.RecordBatch], pa.RecordBatch, int]:
-        f = bisect.bisect_right(self._starts, row) - 1
-        if self._cursor is not None and self._cursor[0] == f and self._cursor[3] <= row:
-            _, it, batch, first = self._cursor
-        else:
-            self._cursor = None  # let the old stream's buffers go before the new one decodes
-            it = iter(b for b in self._scan.to_record_batches([self._tasks[f]]) if b.num_rows)
-            batch, first = next(it), self._starts[f]
-        while first + batch.num_rows <= row:
-            first += batch.num_rows
-            batch = next(it)
-        self._cursor = (f, it, batch, first)
-        return self._cursor
+    def _open_file(self, f: int) -> Iterator[pa.RecordBatch]:
+        return iter(b for b in self._scan.to_record_batches([self._tasks[f]]) if b.num_rows)
 
     def read_block(self, block: int) -> list[Problem]:
         n_blocks = -(-self._n // self.block_rows)
@@ -88,11 +76,4 @@ class IcebergSource:
             raise IndexError(f"source {self.name!r}: block {block} out of range (0..{n_blocks - 1})")
         start = block * self.block_rows
         end = min(start + self.block_rows, self._n)
-        parts: list[pa.RecordBatch] = []
-        row = start
-        while row < end:
-            _, _, batch, first = self._position(row)
-            hi = min(end, first + batch.num_rows)
-            parts.append(batch.slice(row - first, hi - row))
-            row = hi
-        return problems_from_arrow(pa.Table.from_batches(parts), self.columns, self.name, self.verifier, start)
+        return problems_from_arrow(self._rows.read(start, end), self.columns, self.name, self.verifier, start)

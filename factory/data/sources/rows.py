@@ -11,8 +11,9 @@ path "pkg.module:attr" (only then is user code imported, to check that it loads)
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict
@@ -163,3 +164,39 @@ def problems_from_columns(col: dict[str, list], n: int, cm: ColumnMap, source: s
         metas = [base.copy() for _ in range(n)]
     return [_make_problem(i, p, a, o, d, m) for i, p, a, o, d, m in zip(ids, prompts, answers, ops, digits, metas,
                                                                     strict=True)]
+
+
+class BatchCursor:
+    """Rows [start, end) of a sequence of parts (Parquet row groups, Iceberg data files) read as Arrow batches.
+
+    `starts[i]` is part i's first row (with the total row count last); `open_part(i)` streams part i's batches.
+    A read that continues forward within the part the previous read left off in goes on from the open stream
+    (reading blocks in order costs one pass); anything else opens the part again. Not thread-safe."""
+
+    def __init__(self, starts: list[int], open_part: Callable[[int], Iterator[pa.RecordBatch]]):
+        self.starts, self.open_part = starts, open_part
+        self._cursor: tuple[int, Iterator[pa.RecordBatch], pa.RecordBatch, int] | None = None
+
+    def _position(self, row: int) -> tuple[pa.RecordBatch, int]:
+        part = bisect.bisect_right(self.starts, row) - 1
+        if self._cursor is not None and self._cursor[0] == part and self._cursor[3] <= row:
+            _, it, batch, first = self._cursor
+        else:
+            self._cursor = None  # let the old stream's buffers go before the new one decodes
+            it = self.open_part(part)
+            batch, first = next(it), self.starts[part]
+        while first + batch.num_rows <= row:
+            first += batch.num_rows
+            batch = next(it)
+        self._cursor = (part, it, batch, first)
+        return batch, first
+
+    def read(self, start: int, end: int) -> pa.Table:
+        parts: list[pa.RecordBatch] = []
+        row = start
+        while row < end:
+            batch, first = self._position(row)
+            hi = min(end, first + batch.num_rows)
+            parts.append(batch.slice(row - first, hi - row))
+            row = hi
+        return pa.Table.from_batches(parts)
