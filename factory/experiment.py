@@ -332,6 +332,7 @@ def run_experiment(spec: ExperimentSpec, paths: FactoryPaths, control: bool = Fa
     `supervised`: the GRPO run's attempts run in child processes that are restarted (resuming) when one
     dies or hangs (`ops/restarts.py`); a run that does not succeed raises `RunFailed` with its exit code."""
     from factory.grpo_run import new_run_id, run_grpo  # the run stage builds on this module
+    from factory.ops.recovery import run_row
     from factory.ops.restarts import supervise, write_launch
 
     ds = build_dataset(spec, paths)
@@ -345,8 +346,7 @@ def run_experiment(spec: ExperimentSpec, paths: FactoryPaths, control: bool = Fa
         rc = supervise(paths, run_id, spec, log=log)
         if rc != 0:
             raise RunFailed(run_id, rc)
-        row = lake.read("runs", EqualTo("run_id", run_id)).to_pylist()[0]
-        seconds = row["wall_s"]
+        seconds = run_row(lake, run_id)["wall_s"]
     else:
         run = run_grpo(spec, paths, sft.checkpoint.path, splits, lake, tracker, log=log)
         run_id, seconds = run.run_id, run.seconds

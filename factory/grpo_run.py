@@ -169,11 +169,13 @@ def _attempt(spec: ExperimentSpec, paths: FactoryPaths, run_id: str, run_dir: Pa
     def wall() -> float:
         return (_now() - started_at).total_seconds()
 
+    # Time lost to interruptions changes only when one is closed (below), not at every flush: read it then.
+    lost = [recovery.lost_seconds(lake, run_id) if prev is not None else 0.0]
+
     def runs_row(status: str, **extra) -> None:
-        lost = recovery.lost_seconds(lake, run_id)
         w = wall()
-        lake.upsert("runs", [dict(base_row, status=status, heartbeat_at=_now(), wall_s=w, lost_s=lost,
-                                  goodput=recovery.goodput(w, lost), **extra)])
+        lake.upsert("runs", [dict(base_row, status=status, heartbeat_at=_now(), wall_s=w, lost_s=lost[0],
+                                  goodput=recovery.goodput(w, lost[0]), **extra)])
 
     runs_row("running" if attempt == 1 else "resumed")
     beat(run_dir)
@@ -198,7 +200,7 @@ def _attempt(spec: ExperimentSpec, paths: FactoryPaths, run_id: str, run_dir: Pa
             writer_lake.append(Lake.open(paths))
         steplog.flush(writer_lake[0])
 
-    ckpts = RunCheckpoints(spec, run_dir, before_write=before_write, on_step=lambda step: beat(run_dir, step))
+    ckpts = RunCheckpoints(spec, run_dir, before_write=before_write)
     try:
         start = _start_eval(spec, lake, tracker, run_id, mlflow_id, model, tok, splits, log)
         beat(run_dir)
@@ -214,6 +216,8 @@ def _attempt(spec: ExperimentSpec, paths: FactoryPaths, run_id: str, run_dir: Pa
                     detected = failed + (open_interruption.get("detect_s") or 0.0)
                     recovery.close_interruption(lake, open_interruption, resumed_from, failed - saved,
                                                 first_step[0] - detected)
+                    lost[0] = recovery.lost_seconds(lake, run_id)
+            beat(run_dir, r.step)
             n = steplog.add(r)
             tracker.log_metrics(mlflow_id, r.step, {k: v for k, v in r.to_dict().items() if k != "step"})
             done_here = r.step - resumed_from

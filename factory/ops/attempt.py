@@ -16,7 +16,6 @@ import fcntl
 import os
 import signal
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -106,18 +105,14 @@ class RunCheckpoints:
     `schedule.checkpoint_every` steps, written in the background by a `ResumeWriter`; `stopping()` turns
     true on SIGTERM/SIGINT (see `signals`), and the loop then saves and stops after its current step."""
 
-    def __init__(self, spec: ExperimentSpec, run_dir: Path, before_write: Callable[[int], None] | None = None,
-                 on_step: Callable[[int], None] | None = None):
+    def __init__(self, spec: ExperimentSpec, run_dir: Path, before_write: Callable[[int], None] | None = None):
         self.every = [n for n in (spec.ops.resume_every, spec.schedule.checkpoint_every) if n]
         self.writer = ResumeWriter(resume_dir(run_dir), spec.ops.keep_resume, before_write=before_write,
                                    log_path=run_dir / SAVES)
         self.stop = threading.Event()
         self.signal_name: str | None = None
-        self._on_step = on_step
 
     def due(self, steps_done: int) -> bool:
-        if self._on_step is not None:
-            self._on_step(steps_done)
         return any(steps_done % n == 0 for n in self.every)
 
     def stopping(self) -> bool:
@@ -146,13 +141,3 @@ class RunCheckpoints:
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
-
-
-def wait_for(predicate: Callable[[], bool], timeout_s: float, every_s: float = 0.05) -> bool:
-    """Poll `predicate` until true or `timeout_s` passes; returns whether it became true."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(every_s)
-    return predicate()

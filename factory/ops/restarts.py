@@ -86,7 +86,7 @@ def attempt_main(paths: FactoryPaths, run_id: str) -> int:
         if row is None and not launch:
             print(f"factory: error: no run {run_id!r} in the lake and no {launch_file}", file=sys.stderr)
             return EXIT_NEEDS_FIX
-        spec = parse_spec(json.loads(row["spec"]) if row else launch["spec"], source=f"run {run_id}")
+        spec = spec_of_run(row) if row else parse_spec(launch["spec"], source=f"run {run_id}")
         init = row["init_checkpoint"] if row else launch["init_checkpoint"]
         splits = load_dataset(build_dataset(spec, paths).path)
         try:

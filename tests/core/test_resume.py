@@ -77,7 +77,7 @@ def test_background_writer_stalls_only_for_the_copy_and_reports_write_errors(tmp
     gate = threading.Event()
     writer = ResumeWriter(tmp_path / "r", keep=2, before_write=lambda step: gate.wait(10))
     writer.submit(lambda: tiny_state(1))
-    assert writer.stall_ms[0] < 10_000 and not points(tmp_path / "r")  # returned while the write waits
+    assert len(writer.stall_ms) == 1 and not points(tmp_path / "r")  # returned while the write waits
     gate.set()
     writer.wait()
     assert [p.name for p in points(tmp_path / "r")] == ["step-000001"]

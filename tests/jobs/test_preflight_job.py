@@ -82,13 +82,17 @@ def test_schedule_skips_while_runs_are_going_or_preflight_is_off(monkeypatch):
             assert preflight_schedule(ctx).skip_message == "FACTORY_PREFLIGHT=off"
 
 
-def test_grpo_run_refuses_a_node_that_failed_its_preflight(factory_home, node, monkeypatch, tmp_path):
-    # A real fault: no bwrap on PATH, so the sandbox check fails and is recorded.
+@pytest.fixture
+def sandbox_check_failed(factory_home, monkeypatch, tmp_path) -> None:
+    """A real fault: no bwrap on PATH, so the sandbox check fails and is recorded for this node."""
     empty = tmp_path / "empty-bin"
     empty.mkdir()
     with monkeypatch.context() as m:
         m.setenv("PATH", str(empty))
         assert not run_preflight(factory_home, only=["sandbox"]).passed
+
+
+def test_grpo_run_refuses_a_node_that_failed_its_preflight(factory_home, node, monkeypatch, sandbox_check_failed):
     monkeypatch.setenv("FACTORY_PREFLIGHT", "gate")
     with DagsterInstance.ephemeral() as instance:
         result = materialize([grpo_run], instance=instance, resources=make_resources(SPEC, [], str(factory_home.root)),
@@ -100,14 +104,10 @@ def test_grpo_run_refuses_a_node_that_failed_its_preflight(factory_home, node, m
     assert "bubblewrap not found" in err.description and err.metadata["failed_checks"].value == "sandbox"
 
 
-def test_sweep_member_refuses_a_node_that_failed_its_preflight(factory_home, node, monkeypatch, tmp_path):
+def test_sweep_member_refuses_a_node_that_failed_its_preflight(factory_home, node, monkeypatch,
+                                                              sandbox_check_failed):
     from dagster._daemon.types import DaemonHeartbeat
 
-    empty = tmp_path / "empty-bin"
-    empty.mkdir()
-    with monkeypatch.context() as m:
-        m.setenv("PATH", str(empty))
-        assert not run_preflight(factory_home, only=["sandbox"]).passed
     with DagsterInstance.ephemeral() as instance:
         instance.add_daemon_heartbeat(DaemonHeartbeat(time.time(), "SENSOR", None, []))  # a daemon would launch it
         cfg = {"name": "gated", "base_spec": SPEC, "overrides": ["model.preset=micro"], "axes": {"seed": [0]}}

@@ -14,7 +14,6 @@ from factory.config import parse_spec
 from factory.core.loop import NonFiniteLoss
 from factory.envs.arithmetic import Problem, Splits
 from factory.grpo_run import run_grpo
-from factory.lake import Lake
 from factory.models.build import build_model
 from factory.models.checkpoint import save_checkpoint
 from factory.models.tokenizer import build_tokenizer
@@ -92,6 +91,3 @@ def test_non_finite_losses_are_skipped_and_k_in_a_row_stop_the_run(factory_home,
     # The skipped updates left the weights as they were: the resume point holds the last good state.
     assert (factory_home.checkpoints / "iso-nan" / "resume" / f"step-{steps[-1]['step']:06d}").is_dir()
 
-
-def test_lake_fixture_is_a_real_catalog(lake):
-    assert isinstance(lake, Lake)
