@@ -12,7 +12,8 @@ Partitioning, for growth (`TableDef.partition`):
   make one directory, and at least one small file, per run). 16 rather than more: a one-machine lake
   holds tens to hundreds of runs, and upkeep already merges each run's small files into one.
 - `node_health`: `day(recorded_at)`: it grows with time, not with runs, and is read by time window.
-- `runs`, `checkpoints`, `sweeps`: unpartitioned; one row per run / checkpoint / sweep member is
+- `step_sources`, `prompt_attempts`: `bucket(16, run_id)` as well (per run).
+- `runs`, `checkpoints`, `sweeps`, `prompt_stats`: unpartitioned; one row per run / checkpoint / sweep member is
   small however long the history.
 Existing tables are moved to these specs by spec evolution (`catalog.ensure_tables`): files already
 written keep their old (unpartitioned) spec and stay readable; new writes are partitioned.
@@ -216,7 +217,50 @@ ROLLOUTS = _table("rollouts", ("run_id", "step", "prompt_id", "sample"), [
     ("recorded_at", TS, REQ),
     ("reason", STR, OPT),  # why the environment scored it 0 without judging it (raised, timed out, garbage)
     ("draw", LONG, OPT),  # the prompt stream's draw index: each draw is trained at most once, across resumes
+    ("source", STR, OPT),  # the prompt source (data blend) the prompt came from
 ], partition=BY_RUN)
+
+# Per step and prompt source: what the blend fed the trainer and how it scored (factory/data/feed.py).
+STEP_SOURCES = _table("step_sources", ("run_id", "step", "source"), [
+    ("run_id", STR, REQ),
+    ("step", LONG, REQ),
+    ("source", STR, REQ),
+    ("groups", LONG, REQ),  # prompt groups of this source trained at this step
+    ("reward_mean", DBL, OPT),
+    ("accuracy", DBL, OPT),  # share of its samples that were exactly right
+    ("tokens", LONG, OPT),  # generated tokens trained on
+    ("useful_tokens", LONG, OPT),  # of those, tokens with a non-zero advantage (the rest teach nothing)
+    ("skipped", LONG, OPT),  # prompts the curriculum skipped (not generated) since the previous step
+    ("target_share", DBL, OPT),  # the blend's weight for it at this step
+    ("recorded_at", TS, REQ),
+], partition=BY_RUN)
+
+# One row per trained prompt group: the raw material of per-prompt statistics (`prompt_stats`).
+PROMPT_ATTEMPTS = _table("prompt_attempts", ("run_id", "draw"), [
+    ("run_id", STR, REQ),
+    ("draw", LONG, REQ),  # the blend's draw id (unique within a run, across resumes)
+    ("step", LONG, REQ),
+    ("source", STR, REQ),
+    ("prompt_id", STR, REQ),
+    ("samples", LONG, REQ),
+    ("passes", LONG, REQ),  # samples with reward >= 1
+    ("reward_mean", DBL, REQ),
+    ("reward_std", DBL, REQ),  # 0: every sample scored the same, the group taught nothing
+    ("recorded_at", TS, REQ),
+], partition=BY_RUN)
+
+# Per prompt, over every finished run: what the offline curriculum filters on (data.filter).
+PROMPT_STATS = _table("prompt_stats", ("source", "prompt_id"), [
+    ("source", STR, REQ),
+    ("prompt_id", STR, REQ),
+    ("attempts", LONG, REQ),  # samples generated for it
+    ("passes", LONG, REQ),
+    ("groups", LONG, REQ),
+    ("runs", LONG, REQ),
+    ("pass_rate", DBL, REQ),
+    ("last_run_id", STR, OPT),
+    ("updated_at", TS, REQ),
+])
 
 NODE_HEALTH = _table("node_health", ("node", "check", "recorded_at"), [
     ("node", STR, REQ),
@@ -265,7 +309,7 @@ SWEEPS = _table("sweeps", ("sweep_id", "member"), [
 ])
 
 TABLES: dict[str, TableDef] = {t.name: t for t in (RUNS, STEPS, CHECKPOINTS, EVALS, ROLLOUTS, NODE_HEALTH, SWEEPS,
-                                                   INTERRUPTIONS)}
+                                                   INTERRUPTIONS, STEP_SOURCES, PROMPT_ATTEMPTS, PROMPT_STATS)}
 
 
 def table_def(name: str) -> TableDef:
