@@ -1,0 +1,92 @@
+"""A spec's blend, opened: its sources, their held-out sets, and the blend's version.
+
+`open_sources(spec, train)` opens the sources of `spec.data` (or, without a `data` section, one source: the
+task's training split, named after the task). `held_out_sets(spec)` gives each generated source's held-out
+problems, the `data.held_out` rows right after its training range (disjoint by construction). `blend_version`
+is the data version of the blend: a hash of its sources' versions, the weights or schedule, the seed and the
+curriculum, so a changed file, weight or curriculum setting is a new version and equal blends are equal.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from factory.config import ExperimentSpec
+from factory.data.source import ListSource, PromptSource
+from factory.data.sources import SourceError, make_source
+from factory.envs.arithmetic import Problem
+
+DEFAULT_BLOCK_ROWS = 1024
+
+
+def blend_seed(spec: ExperimentSpec) -> int:
+    return spec.seed if spec.data is None or spec.data.seed is None else spec.data.seed
+
+
+def blend_schedule(spec: ExperimentSpec) -> dict[int, dict[str, float]]:
+    """step -> {source: weight}; one source with weight 1 without a `data` section."""
+    if spec.data is None:
+        return {0: {spec.task.name: 1.0}}
+    return spec.data.blend_weights()
+
+
+def task_source(spec: ExperimentSpec, train: list[Problem]) -> ListSource:
+    """The task's training split as one source (a run without a `data` section blends only it)."""
+    h = hashlib.sha256()
+    for p in train:
+        h.update(json.dumps(p.to_dict(), sort_keys=True).encode())
+    rows = [Problem(p.id, p.prompt, p.answer, p.op, p.digits,
+                    {**p.meta, "source": spec.task.name, "verifier": spec.task.environment or spec.task.name})
+            for p in train]
+    return ListSource(spec.task.name, rows, h.hexdigest()[:16], block_rows=DEFAULT_BLOCK_ROWS)
+
+
+def open_sources(spec: ExperimentSpec, train: list[Problem] | None = None, base_dir: str | Path | None = None,
+                 catalog=None) -> list[PromptSource]:
+    """The blend's sources, in spec order. `train` (the task's training split) is needed only without a `data`
+    section; relative file paths are under `base_dir` (default: the working directory)."""
+    if spec.data is None:
+        if train is None:
+            raise ValueError("open_sources: a spec without a data section blends the task's training split: pass it")
+        return [task_source(spec, train)]
+    out = []
+    for s in spec.data.sources:
+        try:
+            out.append(make_source(s, base_dir=base_dir, catalog=catalog))
+        except SourceError:
+            raise
+        except (OSError, ValueError) as e:  # e.g. a file that vanished: say which source
+            raise SourceError(f"source {s['name']!r}: {e}") from e
+    return out
+
+
+def held_out_sets(spec: ExperimentSpec) -> dict[str, list[Problem]]:
+    """Per generated arithmetic source, `data.held_out` problems of the same level right after its training rows
+    (another range of the same seeded order: no overlap); empty without a data section."""
+    if spec.data is None or spec.data.held_out == 0:
+        return {}
+    out = {}
+    for s in spec.data.sources:
+        if s["kind"] != "arithmetic":
+            continue
+        held = {**s, "start": s["start"] + s["n"], "n": spec.data.held_out}
+        try:
+            src = make_source(held)
+        except SourceError as e:
+            raise SourceError(f"data.held_out: {e} (the held-out rows follow the source's training rows; lower "
+                              f"data.held_out or the source's n)") from None
+        out[s["name"]] = [p for b in range(-(-len(src) // src.block_rows)) for p in src.read_block(b)]
+    return out
+
+
+def blend_version(spec: ExperimentSpec, sources: list[PromptSource]) -> str:
+    """The blend's data version: its sources (name, version, length), weights or schedule, seed, curriculum and
+    offline filter."""
+    c = spec.data.curriculum.model_dump(mode="json") if spec.data else {"kind": "none"}
+    f = spec.data.filter.model_dump(mode="json") if spec.data and spec.data.filter else None
+    parts = {"sources": [[s.name, s.version(), len(s)] for s in sources],
+             "schedule": {str(k): v for k, v in sorted(blend_schedule(spec).items())}, "seed": blend_seed(spec),
+             "curriculum": c, "filter": f, "format": 1}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
