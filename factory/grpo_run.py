@@ -30,6 +30,8 @@ from factory.core.evaluate import evaluate
 from factory.core.loop import NonFiniteLoss, RunInterrupted, StepRecord, train_grpo
 from factory.core.resume import latest
 from factory.core.rollout.embedded import EmbeddedEngine
+from factory.data.blend import blend_version, held_out_sets
+from factory.data.feed import make_feed
 from factory.envs.arithmetic import Splits
 from factory.envs.benchmarks import HELD_OUT
 from factory.experiment import Log, Report, code_version, eval_rows, set_threads
@@ -74,29 +76,33 @@ class StepLog:
         self._lock = Lock()
         self._steps: list[dict] = []
         self._rollouts: list[dict] = []
+        self._groups: list[dict] = []
+        self._sources: list[dict] = []
 
     def add(self, r: StepRecord) -> int:
         at = _now()
         with self._lock:
             self._steps.append(dict(run_id=self.run_id, recorded_at=at, attempt=self.attempt, **r.to_dict()))
             self._rollouts.extend(dict(run_id=self.run_id, step=r.step, recorded_at=at, **s) for s in r.samples)
+            self._groups.extend(dict(run_id=self.run_id, step=r.step, recorded_at=at, **g) for g in r.groups)
+            self._sources.extend(dict(run_id=self.run_id, step=r.step, recorded_at=at, **s) for s in r.sources)
             return len(self._steps)
 
     def flush(self, lake: Lake) -> None:
         with self._lock:
-            steps, rollouts = self._steps, self._rollouts
-            self._steps, self._rollouts = [], []
-        # Rollouts first: a crash between the two leaves a step to re-record, never orphan rows.
-        if rollouts:
-            lake.upsert("rollouts", rollouts)
-        if steps:
-            lake.upsert("steps", steps)
+            steps, rollouts, groups, sources = self._steps, self._rollouts, self._groups, self._sources
+            self._steps, self._rollouts, self._groups, self._sources = [], [], [], []
+        # Per-step detail first, the step last: a crash in between leaves a step to re-record, never orphan rows.
+        for table, rows in (("rollouts", rollouts), ("prompt_attempts", groups), ("step_sources", sources),
+                            ("steps", steps)):
+            if rows:
+                lake.upsert(table, rows)
 
 
 def _forget_after(lake: Lake, run_id: str, step: int) -> None:
     """Delete what a dead attempt recorded past `step` (its successor trains and records those again)."""
     this_run = EqualTo("run_id", run_id)
-    for table in ("rollouts", "steps", "checkpoints", "evals"):
+    for table in ("rollouts", "prompt_attempts", "step_sources", "steps", "checkpoints", "evals"):
         lake.delete(table, And(this_run, GreaterThan("step", step)))
 
 
@@ -203,6 +209,12 @@ def _attempt(spec: ExperimentSpec, paths: FactoryPaths, run_id: str, run_dir: Pa
     ckpts = RunCheckpoints(spec, run_dir, before_write=before_write)
     try:
         start = _start_eval(spec, lake, tracker, run_id, mlflow_id, model, tok, splits, log)
+        held = held_out_sets(spec)
+        if held and lake.read("evals", And(And(EqualTo("run_id", run_id), EqualTo("step", 0)),
+                                            EqualTo("benchmark", SOURCE_BENCHMARK + next(iter(held))))).num_rows == 0:
+            _source_evals(spec, held, model, tok, lake, tracker, run_id, mlflow_id, 0, None)
+        feed = make_feed(spec, splits.train, stats=_offline_stats(spec, lake, log))
+        tracker.set_tags(mlflow_id, {"factory.blend_version": blend_version(spec, feed.blender.sources)})
         beat(run_dir)
         t_loop = time.perf_counter()
         first_step: list[float] = []
@@ -219,7 +231,7 @@ def _attempt(spec: ExperimentSpec, paths: FactoryPaths, run_id: str, run_dir: Pa
                     lost[0] = recovery.lost_seconds(lake, run_id)
             beat(run_dir, r.step)
             n = steplog.add(r)
-            tracker.log_metrics(mlflow_id, r.step, {k: v for k, v in r.to_dict().items() if k != "step"})
+            tracker.log_metrics(mlflow_id, r.step, {**{k: v for k, v in r.to_dict().items() if k != "step"}, **r.data})
             done_here = r.step - resumed_from
             p = Progress("grpo", r.step, spec.schedule.steps,
                          (time.perf_counter() - t_loop) * r.step / max(done_here, 1), r.reward_mean, r.accuracy)
@@ -235,6 +247,7 @@ def _attempt(spec: ExperimentSpec, paths: FactoryPaths, run_id: str, run_dir: Pa
                 res = evaluate(EmbeddedEngine(model, tok), tok, splits.eval, spec.rollout.max_new_tokens)
                 lake.upsert("evals", eval_rows(run_id, r.step, res, None))
                 tracker.log_metrics(mlflow_id, r.step, {"eval/accuracy": res.accuracy})
+                _source_evals(spec, held, model, tok, lake, tracker, run_id, mlflow_id, r.step, None)
                 beat(run_dir)
             if sched.checkpoint_every and r.step % sched.checkpoint_every == 0 and r.step < sched.steps:
                 record_checkpoint(model, tok, paths, lake, run_id, r.step)
@@ -246,7 +259,7 @@ def _attempt(spec: ExperimentSpec, paths: FactoryPaths, run_id: str, run_dir: Pa
                     model.load_state_dict(state.model)  # trained to the end before: only the last stages remain
                 else:
                     records = train_grpo(spec, model, tok, splits.train, on_step=on_step, checkpoints=ckpts,
-                                         resume=state, reference_model=reference)
+                                         resume=state, reference_model=reference, feed=feed)
         finally:
             try:
                 ckpts.writer.wait()
@@ -260,6 +273,7 @@ def _attempt(spec: ExperimentSpec, paths: FactoryPaths, run_id: str, run_dir: Pa
         final_eval = evaluate(EmbeddedEngine(model, tok), tok, splits.eval, spec.rollout.max_new_tokens,
                               k=spec.schedule.eval_pass_k, temperature=1.0, seed=spec.seed)
         lake.upsert("evals", eval_rows(run_id, final_step, final_eval, info.sha256))
+        _source_evals(spec, held, model, tok, lake, tracker, run_id, mlflow_id, final_step, info.sha256)
         tracker.log_metrics(mlflow_id, final_step, {"eval/accuracy": final_eval.accuracy,
                                                     f"eval/pass_at_{final_eval.k}": final_eval.pass_at_k})
         tracker.set_tags(mlflow_id, {"factory.checkpoint": str(info.path)})
@@ -309,6 +323,34 @@ def _start_eval(spec: ExperimentSpec, lake: Lake, tracker: Tracker, run_id: str,
     tracker.log_metrics(mlflow_id, 0, {"eval/accuracy": res.accuracy, f"eval/pass_at_{res.k}": res.pass_at_k})
     log(f"run {run_id}: start held-out accuracy {res.accuracy:.3f}, pass@{res.k} {res.pass_at_k:.3f}")
     return res.accuracy, res.pass_at_k
+
+
+SOURCE_BENCHMARK = "source:"  # evals.benchmark of a blend source's held-out set: "source:<name>"
+
+
+def _source_evals(spec: ExperimentSpec, held: dict, model, tok, lake: Lake, tracker: Tracker, run_id: str,
+                  mlflow_id: str, step: int, sha256: str | None) -> None:
+    """Greedy held-out accuracy per blend source (`data.held_out` problems of each generated source)."""
+    rows, metrics = [], {}
+    for name, problems in held.items():
+        res = evaluate(EmbeddedEngine(model, tok), tok, problems, spec.rollout.max_new_tokens)
+        rows.append(dict(run_id=run_id, step=step, benchmark=SOURCE_BENCHMARK + name, metric="accuracy",
+                         value=res.accuracy, n=res.n, checkpoint_sha256=sha256, recorded_at=_now()))
+        metrics[f"eval/source/{name}"] = res.accuracy
+    if rows:
+        lake.upsert("evals", rows)
+        tracker.log_metrics(mlflow_id, step, metrics)
+
+
+def _offline_stats(spec: ExperimentSpec, lake: Lake, log: Log) -> dict | None:
+    """Per-prompt (samples, passes) over earlier runs, when the spec filters prompts by them (data.filter)."""
+    if spec.data is None or spec.data.filter is None:
+        return None
+    from factory.data.stats import read_prompt_stats
+
+    stats, snapshot = read_prompt_stats(lake, spec.data.names())
+    log(f"data.filter: pass rates of {len(stats)} prompts from prompt_stats (snapshot {snapshot})")
+    return stats
 
 
 def record_checkpoint(model, tok, paths: FactoryPaths, lake: Lake, run_id: str, step: int,

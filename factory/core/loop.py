@@ -69,11 +69,15 @@ class StepRecord:
     filtered: float | None = None  # dynamic sampling: groups dropped this step for equal rewards
     env_errors: float | None = None  # samples scored 0 because their reward function or episode failed
     nonfinite: float | None = None  # 1.0: the loss or gradient was not finite and the update was skipped
+    useful_token_share: float | None = None  # share of generated tokens with a non-zero advantage
     samples: list[dict] = field(default_factory=list)  # a few episodes, for the `rollouts` table
+    groups: list[dict] = field(default_factory=list)  # every trained group's outcome (`prompt_attempts`)
+    sources: list[dict] = field(default_factory=list)  # per prompt source (`step_sources`)
+    data: dict[str, float] = field(default_factory=dict)  # the feed's and curriculum's counters (MLflow)
 
     def to_dict(self) -> dict[str, float]:
         """The scalar metrics (what the `steps` table and MLflow take)."""
-        return {k: v for k, v in asdict(self).items() if k != "samples"}
+        return {k: v for k, v in asdict(self).items() if k not in ("samples", "groups", "sources", "data")}
 
 
 def _grpo_loss_fn(spec: ExperimentSpec) -> Callable[[torch.Tensor, TrainBatch], tuple[torch.Tensor, dict[str, float]]]:
@@ -118,6 +122,7 @@ def train_grpo(
     resume: TrainState | None = None,
     reference_model: PreTrainedModel | None = None,
     stateful: dict[str, Stateful] | None = None,
+    feed=None,
 ) -> list[StepRecord]:
     """Train `model` (in place) in `spec.schedule.mode` until `spec.schedule.steps` steps are done.
 
@@ -126,6 +131,7 @@ def train_grpo(
     the start's weights in `model` when resuming, as `grpo_run` does).
     `stateful`: other parts with state the run drives (e.g. a data blender), saved in every resume point by
     name (`state_dict()`, JSON-ready) and restored from `resume` (`load_state_dict()`).
+    `feed` is where prompts come from (`data/feed.py`; default: the spec's blend, or `train` without a data section).
     `producer` replaces the one the spec implies (`core/producer.make_producer`), e.g. to inject faults."""
     g = spec.algorithm.group_size
     reference = None
@@ -152,7 +158,7 @@ def train_grpo(
                                  f"(it has: {', '.join(resume.extra) or 'none'})")
             part.load_state_dict(resume.extra[name])
     producer = producer or make_producer(spec, model, tokenizer, train, start_version=start_step,
-                                         state=None if resume is None else resume.loop["producer"])
+                                         state=None if resume is None else resume.loop["producer"], feed=feed)
 
     def state_after(steps_done: int) -> TrainState:
         loop = {"trainer_version": trainer.version, "nonfinite_streak": nonfinite_streak,
@@ -202,6 +208,7 @@ def train_grpo(
             wall = time.perf_counter() - t0
             record = _record(spec, step, groups, rewards, metrics, mismatch, wall, t_wait, producer.metrics())
             record.filtered = float(filtered)
+            _record_data(record, groups, adv, getattr(producer, "feed", None))
             records.append(record)
             if on_step is not None:
                 on_step(record)
@@ -253,12 +260,53 @@ def _informative_batch(producer, step: int, spec: ExperimentSpec) -> tuple[list,
     return (kept[:want] if kept else groups), dropped
 
 
+def _record_data(record: StepRecord, groups: list, adv: torch.Tensor, feed) -> None:
+    """What the step's prompts were and taught: one row per group, one per source (with the feed's skips and
+    weights), and the share of generated tokens that carried a non-zero advantage (the rest teach nothing)."""
+    by_source: dict[str, dict] = {}
+    i = 0
+    useful_all = tokens_all = 0
+    for grp in groups:
+        rewards = [s.reward for s in grp.samples]
+        tokens = [sum(s.loss_mask()) for s in grp.samples]
+        useful = sum(t for t, a in zip(tokens, adv[i:i + len(tokens)].tolist(), strict=True) if a != 0.0)
+        i += len(tokens)
+        source = grp.meta.get("source") or "?"
+        passes = sum(1 for r in rewards if r >= 1)
+        mean = sum(rewards) / len(rewards)
+        std = (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5
+        record.groups.append(dict(draw=grp.meta["draw"], source=source, prompt_id=grp.meta["prompt_id"],
+                                  samples=len(rewards), passes=passes, reward_mean=mean, reward_std=std))
+        agg = by_source.setdefault(source, {"groups": 0, "reward": 0.0, "passes": 0, "samples": 0, "tokens": 0,
+                                            "useful": 0})
+        agg["groups"] += 1
+        agg["reward"] += sum(rewards)
+        agg["passes"] += passes
+        agg["samples"] += len(rewards)
+        agg["tokens"] += sum(tokens)
+        agg["useful"] += useful
+        useful_all += useful
+        tokens_all += sum(tokens)
+    record.useful_token_share = useful_all / tokens_all if tokens_all else 0.0
+    report = feed.report() if feed is not None else {}
+    for source in sorted(set(by_source) | set(report)):
+        agg, fed = by_source.get(source), report.get(source, {})
+        record.sources.append(dict(
+            source=source, groups=agg["groups"] if agg else 0,
+            reward_mean=agg["reward"] / agg["samples"] if agg else None,
+            accuracy=agg["passes"] / agg["samples"] if agg else None,
+            tokens=agg["tokens"] if agg else 0, useful_tokens=agg["useful"] if agg else 0,
+            skipped=fed.get("skipped"), target_share=fed.get("target_share")))
+    if feed is not None:
+        record.data = feed.metrics()
+
+
 def _record(spec: ExperimentSpec, step: int, groups: list, rewards: torch.Tensor, metrics: dict[str, float],
             mismatch: float, wall: float, t_wait: float, producer: dict[str, float]) -> StepRecord:
     staleness = [step - grp.oldest_version for grp in groups]
     samples = [dict(prompt_id=grp.meta["prompt_id"], sample=j, prompt=grp.meta["prompt"], completion=s.meta["text"],
                     reward=s.reward, weight_version=s.oldest_version, staleness=st, latency_s=grp.meta["latency_s"],
-                    reason=s.meta.get("reason"), draw=grp.meta.get("draw"))
+                    reason=s.meta.get("reason"), draw=grp.meta.get("draw"), source=grp.meta.get("source"))
                for grp, st in zip(groups[: spec.schedule.log_rollouts], staleness, strict=False)
                for j, s in enumerate(grp.samples)]
     n_tokens = sum(sum(s.loss_mask()) for grp in groups for s in grp.samples)  # generated by the model

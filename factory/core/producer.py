@@ -9,7 +9,8 @@
   buffer's `bound` policy at staleness 1 (generation of batch N+1 overlaps training of batch N);
   `async` uses the spec's buffer (depth, staleness policy) and has no batch barrier at all.
 
-Both draw prompts from one deterministic `PromptStream` and score episodes through one environment
+Both draw prompts from one deterministic prompt feed (`data/feed.py`: the blend of the spec's sources and
+its curriculum) and score episodes through one environment
 medium (`envs/workers.py`: threads of this process, or environment-worker processes over HTTP, per
 `rollout.environment`), so a benchmark compares modes on identical work. With `rollout.engine:
 server` and `rollout.environment: service`, trainer, rollout server and environment workers are
@@ -21,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import random
 import sys
 import tempfile
 import threading
@@ -38,10 +38,12 @@ from factory.core.rollout.base import Completion, SamplingParams
 from factory.core.rollout.continuous import ContinuousEngine
 from factory.core.rollout.embedded import EmbeddedEngine
 from factory.core.weights import encode_delta, encode_full
+from factory.data.feed import PromptFeed, make_feed
 from factory.envs.arithmetic import Problem
 from factory.envs.protocol import load_environment, tokens_from_session
 from factory.envs.workers import Episode, Scored, make_environment
 from factory.models.checkpoint import remove_checkpoint, save_checkpoint
+from factory.models.presets import PRESETS
 from factory.ops.supervisor import CONNECTION_ERRORS, ServiceProcess, ServiceUnavailable
 
 
@@ -49,70 +51,16 @@ class ProducerFailed(RuntimeError):
     """A producer thread died; the trainer re-raises it instead of waiting forever."""
 
 
-class PromptStream:
-    """Draw k (k = 0, 1, ...) is always the same problem: no repeats within a block of `block` draws.
-
-    It also knows which draws are in flight: drawn but not yet taken by the trainer (or dropped). Its
-    `state_dict()` holds the position and those; after `load_state_dict()` they are served again before
-    any new draw, so across a resume no prompt is skipped and none is trained twice."""
-
-    def __init__(self, problems: list[Problem], seed: int, block: int):
-        self.problems, self.seed, self.block = problems, seed, block
-        self._lock = threading.Lock()
-        self._next = 0
-        self._cache: dict[int, list[Problem]] = {}
-        self._pending: set[int] = set()  # drawn, not yet done
-        self._again: list[int] = []  # in flight at the resume point: served first
-
-    def _problem(self, k: int) -> Problem:
-        b, i = divmod(k, self.block)
-        if b not in self._cache:
-            self._cache = {b: random.Random(f"prompts-{self.seed}-{b}").sample(self.problems, self.block)}
-        return self._cache[b][i]
-
-    def draw(self) -> tuple[int, Problem]:
-        with self._lock:
-            if self._again:
-                k = self._again.pop(0)
-            else:
-                k = self._next
-                self._next += 1
-            self._pending.add(k)
-            return k, self._problem(k)
-
-    def skip(self, n: int) -> None:
-        """Start `n` draws further on (a run continued from step N without a resume point)."""
-        with self._lock:
-            self._next += n
-
-    def done(self, draws: list[int]) -> None:
-        """These draws left the pipeline: trained, or dropped (stale, filtered) and counted as such."""
-        with self._lock:
-            self._pending.difference_update(draws)
-
-    def state_dict(self) -> dict:
-        with self._lock:
-            return {"next": self._next, "pending": sorted(self._pending | set(self._again))}
-
-    def load_state_dict(self, state: dict, buffered: set[int] = frozenset()) -> None:
-        """Continue at `state`; `buffered` draws are back in the rollout buffer (still pending, not re-served)."""
-        with self._lock:
-            if self._next or self._pending:
-                raise ValueError("PromptStream.load_state_dict needs a fresh stream (draws were already made)")
-            self._next = int(state["next"])
-            pending = [int(k) for k in state["pending"]]
-            self._pending = {k for k in pending if k in buffered}
-            self._again = [k for k in pending if k not in buffered]
-
-
 def episode(problem: Problem, k: int, completions: list[Completion], env: str = "arithmetic") -> Episode:
     return Episode(key=f"{problem.id}-{k}", problem=problem, completions=[c.text for c in completions], env=env)
 
 
-def scorer(spec: ExperimentSpec) -> str:
-    """What scores single completions: a user's single-turn environment if the spec names one, else the task's
-    verifier."""
-    return spec.task.environment or spec.task.name
+def scorer(spec: ExperimentSpec, problem: Problem | None = None) -> str:
+    """What scores single completions of `problem`: a user's single-turn environment if the spec names one, else
+    the verifier its source names, else the task's."""
+    if spec.task.environment:
+        return spec.task.environment
+    return (problem.meta.get("verifier") if problem is not None else None) or spec.task.name
 
 
 def make_group(problem: Problem, k: int, completions: list[Completion], scored: Scored) -> Group:
@@ -123,7 +71,7 @@ def make_group(problem: Problem, k: int, completions: list[Completion], scored: 
         if reason is not None:
             sample.meta["reason"] = reason
     return Group(samples, uid=f"draw-{k}", meta={"prompt_id": problem.id, "prompt": problem.prompt, "draw": k,
-                                                 "latency_s": scored.latency_s})
+                                                 "latency_s": scored.latency_s, "source": problem.meta.get("source")})
 
 
 def _params(spec: ExperimentSpec, seed: int, n: int = 1) -> SamplingParams:
@@ -143,29 +91,30 @@ class SyncProducer:
     """Generate → run every episode → return the batch; the engine samples from the trainer's model."""
 
     def __init__(self, spec: ExperimentSpec, model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast,
-                 stream: PromptStream, start_version: int, state: dict | None = None):
-        self.spec, self.tok, self.stream = spec, tokenizer, stream
-        if state is not None:  # nothing is buffered between sync steps: only the stream continues
-            stream.load_state_dict(state["stream"])
+                 feed: PromptFeed, start_version: int, state: dict | None = None):
+        self.spec, self.tok, self.feed = spec, tokenizer, feed
+        if state is not None:  # nothing is buffered between sync steps: only the feed continues
+            feed.load_state_dict(state["stream"])
         self.engine = EmbeddedEngine(model, tokenizer, weight_version=start_version)
         self.env = _environment(spec)
 
     def next_batch(self, step: int) -> list[Group]:
-        draws = [self.stream.draw() for _ in range(self.spec.rollout.prompts_per_step)]
-        prompts = [self.tok(p.prompt).input_ids for _, p in draws]
+        draws = [self.feed.draw(step) for _ in range(self.spec.rollout.prompts_per_step)]
+        prompts = [_prompt_ids(self.tok, p, self.spec) for _, p in draws]
         params = _params(self.spec, self.spec.seed * 1_000_003 + step, n=self.spec.algorithm.group_size)
         groups = self.engine.generate(prompts, params)
         # The episodes run side by side in the environment: the batch is ready when the slowest is.
-        scored = self.env.score([episode(p, k, comps, scorer(self.spec))
+        scored = self.env.score([episode(p, k, comps, scorer(self.spec, p))
                                  for (k, p), comps in zip(draws, groups, strict=True)])
         if scored is None:
             raise ProducerFailed("the environment was closed while a batch was being scored")
-        self.stream.done([k for k, _ in draws])
-        return [make_group(p, k, comps, sc) for (k, p), comps, sc in zip(draws, groups, scored, strict=True)]
+        batch = [make_group(p, k, comps, sc) for (k, p), comps, sc in zip(draws, groups, scored, strict=True)]
+        self.feed.trained(batch)
+        return batch
 
     def state_dict(self) -> dict:
-        """The stream's position (a resume point is taken between steps: nothing is in flight)."""
-        return {"stream": self.stream.state_dict(), "buffer": None}
+        """The feed's position (a resume point is taken between steps: nothing is in flight)."""
+        return {"stream": self.feed.state_dict(), "buffer": None}
 
     def publish(self, model: PreTrainedModel, version: int) -> None:
         self.engine.weight_version = version  # same model object: the weights are already there
@@ -175,7 +124,7 @@ class SyncProducer:
         return self.engine.generate([prompt_ids], _params(self.spec, seed=0x7FFFFFFF, n=n))[0]
 
     def metrics(self) -> dict[str, float]:
-        return self.env.metrics()
+        return {**self.env.metrics(), **self.feed.metrics()}
 
     def close(self) -> None:
         self.env.close()
@@ -185,15 +134,15 @@ class OverlappedProducer:
     """Producer threads → rollout buffer → trainer, with versioned weight updates into the engine."""
 
     def __init__(self, spec: ExperimentSpec, model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast,
-                 stream: PromptStream, start_version: int, state: dict | None = None):
-        self.spec, self.tok, self.stream = spec, tokenizer, stream
+                 feed: PromptFeed, start_version: int, state: dict | None = None):
+        self.spec, self.tok, self.feed = spec, tokenizer, feed
         per_step = spec.rollout.prompts_per_step
         buffer_spec = spec.buffer if spec.schedule.mode == "async" else BufferSpec(policy="bound", max_staleness=1)
         self.buffer = RolloutBuffer.from_spec(buffer_spec, groups_per_step=per_step)
-        self.buffer.on_drop = lambda group: self.stream.done([group.meta["draw"]])
+        self.buffer.on_drop = lambda group: self.feed.dropped([group.meta["draw"]])
         if state is not None:  # scored groups not yet trained go back in; prompts in flight are served again
             self.buffer.load_state_dict(state["buffer"])
-            stream.load_state_dict(state["stream"], buffered={g["meta"]["draw"] for g in state["buffer"]["groups"]})
+            feed.load_state_dict(state["stream"], buffered={g["meta"]["draw"] for g in state["buffer"]["groups"]})
         self.rows = max(64, per_step * spec.algorithm.group_size)  # a whole step's samples decode together
         self.timeout = spec.schedule.wait_timeout_s
         self._published = start_version  # the newest version the engine is known to hold (a lower bound)
@@ -227,7 +176,7 @@ class OverlappedProducer:
                 except BufferTimeout:
                     continue
                 t0 = time.perf_counter()
-                k, problem = self.stream.draw()
+                k, problem = self.feed.draw(self._published)
                 group = self._group(k, problem, slot)
                 if group is None:  # shutting down
                     slot.cancel()
@@ -244,10 +193,10 @@ class OverlappedProducer:
     def _group(self, k: int, problem: Problem, slot: Reservation) -> Group | None:
         """G single-turn completions of the problem, scored by the environment (None: shutting down)."""
         g = self.spec.algorithm.group_size
-        ids = self.tok(problem.prompt).input_ids
+        ids = _prompt_ids(self.tok, problem, self.spec)
         completions = self._sample(ids, _params(self.spec, self.spec.seed * 1_000_003 + k, n=g))
         slot.generated_at(min(Sample.from_completion(c, 0.0).oldest_version for c in completions))
-        scored = self.env.score([episode(problem, k, completions, scorer(self.spec))])
+        scored = self.env.score([episode(problem, k, completions, scorer(self.spec, problem))])
         return None if scored is None else make_group(problem, k, completions, scored[0])
 
     def next_batch(self, step: int) -> list[Group]:
@@ -261,13 +210,13 @@ class OverlappedProducer:
                     raise first from e
                 raise ProducerFailed(f"a rollout producer failed: {first!r}") from first
             raise e
-        self.stream.done([g.meta["draw"] for g in groups])
+        self.feed.trained(groups)
         return groups
 
     def state_dict(self) -> dict:
-        """Buffered groups, then the stream (in that order: a group put in between is re-served, not lost)."""
+        """Buffered groups, then the feed (in that order: a group put in between is re-served, not lost)."""
         buffer = self.buffer.state_dict()
-        return {"buffer": buffer, "stream": self.stream.state_dict()}
+        return {"buffer": buffer, "stream": self.feed.state_dict()}
 
     def publish(self, model: PreTrainedModel, version: int) -> None:
         # In-process transport: a tensor copy, applied by the engine between decode steps.
@@ -286,7 +235,7 @@ class OverlappedProducer:
         return self._sample(prompt_ids, _params(self.spec, seed=0x7FFFFFFF, n=n))
 
     def metrics(self) -> dict[str, float]:
-        m = {**self.buffer.metrics(), **self.env.metrics()}
+        m = {**self.buffer.metrics(), **self.env.metrics(), **self.feed.metrics()}
         elapsed = time.perf_counter() - self._t0
         n = len(self._threads)
         with self._lock:
@@ -437,7 +386,7 @@ class ServerProducer(OverlappedProducer):
                           {"text": str(res.info.get("answer", "")), "reason": res.reason, "turns": t.turns},
                           mask=t.mask) for t, res in zip(tokens, results, strict=True)]
         return Group(samples, uid=f"draw-{k}", meta={"prompt_id": problem.id, "prompt": problem.prompt, "draw": k,
-                                                     "latency_s": 0.0})
+                                                     "latency_s": 0.0, "source": problem.meta.get("source")})
 
     def _session(self, sid: str) -> dict:
         resp = self._http.get(f"/sessions/{sid}")
@@ -451,14 +400,26 @@ class ServerProducer(OverlappedProducer):
         remove_checkpoint(self._workdir / "initial")  # the small server.log stays for post-mortems
 
 
+def _prompt_ids(tok: PreTrainedTokenizerFast, problem: Problem, spec: ExperimentSpec) -> list[int]:
+    """The prompt's tokens; a prompt too long for the model (a file source's row) is an error naming it."""
+    ids = tok(problem.prompt).input_ids
+    limit = spec.model.max_positions or PRESETS[spec.model.preset].max_positions
+    if len(ids) + spec.rollout.max_new_tokens > limit:
+        raise ValueError(f"prompt {problem.id!r} of source {problem.meta.get('source')!r} has {len(ids)} tokens: with "
+                         f"rollout.max_new_tokens = {spec.rollout.max_new_tokens} it does not fit the model's {limit} "
+                         f"positions (raise model.max_positions, or filter the source)")
+    return ids
+
+
 def make_producer(spec: ExperimentSpec, model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast,
-                  train: list[Problem], start_version: int,
-                  state: dict | None = None) -> SyncProducer | OverlappedProducer:
+                  train: list[Problem], start_version: int, state: dict | None = None,
+                  feed: PromptFeed | None = None) -> SyncProducer | OverlappedProducer:
     """The producer for `spec`'s mode; `state` (a producer's `state_dict()` from a resume point) continues
-    its prompt stream and buffer exactly."""
-    stream = PromptStream(train, spec.seed, spec.rollout.prompts_per_step)
+    its prompt feed and buffer exactly. `feed` defaults to the spec's blend (`data/feed.py`; without a data
+    section, the task's training split `train`)."""
+    feed = feed if feed is not None else make_feed(spec, train)
     if state is None:  # continuing from step N without a resume point: the sequence goes on from there
-        stream.skip(start_version * spec.rollout.prompts_per_step)
+        feed.skip(start_version * spec.rollout.prompts_per_step)
     if spec.task.environment is not None:
         env = load_environment(spec.task.environment)  # a clear ValueError for a bad name or import path
         if env.kind == "multi_turn" and (spec.rollout.engine != "server" or spec.schedule.mode == "sync"):
@@ -468,5 +429,5 @@ def make_producer(spec: ExperimentSpec, model: PreTrainedModel, tokenizer: PreTr
         cls = SyncProducer
     else:
         cls = ServerProducer if spec.rollout.engine == "server" else OverlappedProducer
-    return cls(spec, model, tokenizer, stream, start_version, state=state)
+    return cls(spec, model, tokenizer, feed, start_version, state=state)
 

@@ -177,6 +177,7 @@ class Blender:
             if s.block_rows < 1:
                 raise ValueError(f"source {s.name!r}: block_rows must be >= 1, got {s.block_rows}")
         self.names = names
+        self.sources = list(sources)
         self.index = {n: i for i, n in enumerate(names)}
         self.schedule = _normalize(schedule if schedule is not None else {0: weights}, names)
         self._starts = sorted(self.schedule)
@@ -187,7 +188,9 @@ class Blender:
         self.step = 0
         self.segment = 0
         self._quota = Quota(self.schedule[0])
-        self._history: list[list[Any]] = [[0, 0]]  # [segment start step, draws served in it], for the report
+        self._override: list[float] | None = None  # weights set at run time (level curriculum) until a new segment
+        # [segment start step, draws served in it, its weights if set at run time], for the report
+        self._history: list[list[Any]] = [[0, 0, None]]
         self._next_draw = 0
         self._in_flight: dict[int, tuple[int, int, int]] = {}  # draw id -> (source, epoch, position)
         self._replay: deque[tuple[int, int, int, int]] = deque()
@@ -210,8 +213,9 @@ class Blender:
         seg = self._segment_of(step)
         if seg != self.segment:  # exact quotas hold per segment: the counters start over with the new weights
             self.segment = seg
+            self._override = None
             self._quota = Quota(self.schedule[seg])
-            self._history.append([seg, 0])
+            self._history.append([seg, 0, None])
 
     def set_step(self, step: int) -> None:
         """The training step the next prompts are for (selects the schedule's weights)."""
@@ -231,6 +235,30 @@ class Blender:
         self._taken[src] += 1
         self._history[-1][1] += 1
         return draw, problem
+
+    def set_weights(self, weights: Weights) -> None:
+        """New weights from now on (e.g. a level curriculum's), until the schedule's next segment begins: a new
+        segment of exact quotas starts here. Sources left out get weight 0."""
+        row = _normalize({0: weights}, self.names)[0]
+        with self._lock:
+            if row == self._quota.w:
+                return
+            self._override = row
+            self._quota = Quota(row)
+            self._history.append([self.step, 0, row])
+
+    def weights(self) -> dict[str, float]:
+        """The weights in force now (normalized)."""
+        with self._lock:
+            return dict(zip(self.names, self._quota.w, strict=True))
+
+    def problem_of(self, draw: int) -> Problem:
+        """The problem of a draw in flight (taken, not yet done)."""
+        with self._lock:
+            if draw not in self._in_flight:
+                raise ValueError(f"blender.problem_of: draw {draw} is not in flight")
+            src, epoch, pos = self._in_flight[draw]
+            return self._cursors[src].at(epoch, pos)
 
     def take(self, step: int | None = None) -> tuple[int, Problem]:
         """The next prompt and its draw id (draws in flight before a resume come first, in order)."""
@@ -257,6 +285,11 @@ class Blender:
             for d in ids:
                 self._done[self._in_flight.pop(d)[0]] += 1
 
+    @property
+    def total_rows(self) -> int:
+        """Rows over all sources (one epoch of each)."""
+        return sum(c.n for c in self._cursors)
+
     def in_flight(self) -> list[int]:
         with self._lock:
             return sorted(self._in_flight)
@@ -274,6 +307,7 @@ class Blender:
                 "step": self.step,
                 "segment": self.segment,
                 "segment_weights": self._quota.w,
+                "override": self._override,
                 "quota_t": self._quota.t,
                 "quota_served": {n: self._quota.served[i] for i, n in enumerate(self.names)},
                 "next_draw": self._next_draw,
@@ -284,8 +318,11 @@ class Blender:
                 "in_flight": [[d, self.names[s], e, p] for d, s, e, p in sorted(pending)],
             }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from `state`: same sources (name and version) and seed; O(1) in the stream position."""
+    def load_state_dict(self, state: Mapping[str, Any], keep: Iterable[int] = ()) -> None:
+        """Continue from `state`: same sources (name and version) and seed; O(1) in the stream position.
+
+        Draws in flight at the resume point are served again, except those in `keep`: they stay in flight (their
+        groups were restored elsewhere, e.g. into a rollout buffer) until `done`."""
         if state.get("format") != STATE_FORMAT:
             raise ValueError(f"blender state: format {state.get('format')!r}, expected {STATE_FORMAT}")
         if state["seed"] != self.seed:
@@ -309,17 +346,21 @@ class Blender:
                 self._cursors[i].seek(s["epoch"], s["pos"])
                 self._taken[i], self._done[i] = s["taken"], s["done"]
             self.step, self.segment = state["step"], state["segment"]
-            self._history = [list(h) for h in state["history"]]
+            self._history = [[*h, None][:3] for h in state["history"]]
             served = [state["quota_served"][n] for n in self.names]
-            self._quota = Quota(self.schedule.get(self.segment, state["segment_weights"]), state["quota_t"], served)
+            self._override = state.get("override")
+            weights = self._override or self.schedule.get(self.segment, state["segment_weights"])
+            self._quota = Quota(weights, state["quota_t"], served)
             if self._quota.w != list(state["segment_weights"]) or self._segment_of(self.step) != self.segment:
                 # the schedule changed across the resume: exact quotas start over from here with the new weights
                 self.segment = self._segment_of(self.step)
+                self._override = None
                 self._quota = Quota(self.schedule[self.segment])
-                self._history.append([self.segment, 0])
+                self._history.append([self.segment, 0, None])
             self._next_draw = state["next_draw"]
-            self._in_flight = {}
-            self._replay = deque((d, self.index[n], e, p) for d, n, e, p in state["in_flight"])
+            kept = set(keep)
+            self._in_flight = {d: (self.index[n], e, p) for d, n, e, p in state["in_flight"] if d in kept}
+            self._replay = deque((d, self.index[n], e, p) for d, n, e, p in state["in_flight"] if d not in kept)
 
     # -- metrics -------------------------------------------------------------------------------------------
 
@@ -328,8 +369,8 @@ class Blender:
         with self._lock:
             total = sum(self._taken)
             stream_target = [0.0] * len(self.names)
-            for seg, n in self._history:
-                for i, w in enumerate(self.schedule.get(seg, self._quota.w)):
+            for seg, n, set_weights in self._history:
+                for i, w in enumerate(set_weights or self.schedule.get(seg, self._quota.w)):
                     stream_target[i] += w * n
             errors = self._quota.errors()
             in_flight = [0] * len(self.names)

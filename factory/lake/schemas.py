@@ -179,6 +179,8 @@ STEPS = _table("steps", ("run_id", "step"), [
     # whether the step was skipped for a non-finite loss or gradient (1.0).
     ("attempt", LONG, OPT),
     *[(m, DBL, OPT) for m in ("env_errors", "nonfinite")],
+    # Added with the data blender: share of generated tokens with a non-zero advantage.
+    ("useful_token_share", DBL, OPT),
 ], partition=BY_RUN)
 
 CHECKPOINTS = _table("checkpoints", ("run_id", "step"), [

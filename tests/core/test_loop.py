@@ -92,13 +92,14 @@ def test_dapo_dynamic_sampling_drops_uninformative_groups_and_still_learns(model
 
 
 def test_rollout_server_killed_mid_run_is_restarted_and_no_group_is_lost_or_doubled(model_and_tok):
-    from factory.core.producer import PromptStream, ServerProducer
+    from factory.core.producer import ServerProducer
+    from factory.data.feed import feed_of
 
     model, tok = model_and_tok
     s = parse_spec({**spec().model_dump(mode="json"), "rollout": {**spec().rollout.model_dump(), "engine": "server"},
                     "schedule": {**spec().schedule.model_dump(), "mode": "async", "steps": 10, "wait_timeout_s": 120},
                     "buffer": {"policy": "bound", "max_staleness": 2}})
-    producer = ServerProducer(s, model, tok, PromptStream(PROBLEMS, s.seed, s.rollout.prompts_per_step), 0)
+    producer = ServerProducer(s, model, tok, feed_of(PROBLEMS, s.seed), 0)
     trained: list[str] = []
     original_next = producer.next_batch
 
@@ -120,7 +121,8 @@ def test_rollout_server_killed_mid_run_is_restarted_and_no_group_is_lost_or_doub
 
 def test_environment_worker_killed_mid_run_is_restarted_and_no_group_is_lost_or_doubled(model_and_tok):
     """Trainer, rollout server and environment workers in three processes; the environment dies mid-run."""
-    from factory.core.producer import PromptStream, ServerProducer
+    from factory.core.producer import ServerProducer
+    from factory.data.feed import feed_of
 
     model, tok = model_and_tok
     s = parse_spec({**spec().model_dump(mode="json"),
@@ -128,7 +130,7 @@ def test_environment_worker_killed_mid_run_is_restarted_and_no_group_is_lost_or_
                     "task": {**spec().task.model_dump(), "simulated_latency_s": 0.01},
                     "schedule": {**spec().schedule.model_dump(), "mode": "async", "steps": 8, "wait_timeout_s": 120},
                     "buffer": {"policy": "bound", "max_staleness": 2}})
-    producer = ServerProducer(s, model, tok, PromptStream(PROBLEMS, s.seed, s.rollout.prompts_per_step), 0)
+    producer = ServerProducer(s, model, tok, feed_of(PROBLEMS, s.seed), 0)
     env_pids = {svc.pid for svc in producer.env.services}
     assert len({os.getpid(), producer.service.pid, *env_pids}) == 3
     trained: list[str] = []

@@ -66,8 +66,9 @@ def test_a_tool_use_run_trains_through_the_async_core():
     tool; the tool's reply is in the episode's tokens but never in the loss."""
     from factory.config import SFTSpec
     from factory.core.loop import train_grpo
-    from factory.core.producer import PromptStream, ServerProducer
+    from factory.core.producer import ServerProducer
     from factory.core.sft import run_sft
+    from factory.data.feed import feed_of
     from factory.envs.arithmetic import Problem, make_splits
     from factory.models.build import build_model
     from factory.models.tokenizer import tokenizer_for
@@ -81,7 +82,7 @@ def test_a_tool_use_run_trains_through_the_async_core():
     model = build_model("micro", tok, seed=0)
     echo = [Problem(id=p.id, prompt=p.prompt, answer=p.prompt, op=p.op, digits=p.digits) for p in splits.train]
     run_sft(model, tok, echo, SFTSpec(steps=300, batch_size=16, lr=3e-3, stop_at_accuracy=None), seed=0)
-    producer = ServerProducer(s, model, tok, PromptStream(splits.train, s.seed, 4), 0)
+    producer = ServerProducer(s, model, tok, feed_of(splits.train, s.seed), 0)
     seen = []
     original = producer.next_batch
     producer.next_batch = lambda step: seen.extend(g := original(step)) or g

@@ -103,7 +103,8 @@ PROBLEMS = [Problem(id=f"p{i}", prompt=f"{i}+{i}=", answer="", op="add", digits=
 @pytest.mark.parametrize("medium", ["in_process", "service"])
 def test_multi_turn_episodes_train_through_the_async_core(medium):
     from factory.core.loop import train_grpo
-    from factory.core.producer import PromptStream, ServerProducer
+    from factory.core.producer import ServerProducer
+    from factory.data.feed import feed_of
     from factory.models.build import build_model
     from factory.models.tokenizer import build_tokenizer
 
@@ -115,7 +116,7 @@ def test_multi_turn_episodes_train_through_the_async_core(medium):
                     "rollout": {"engine": "server", "environment": medium, "prompts_per_step": 4, "max_new_tokens": 3},
                     "trainer": {"threads": 1}, "buffer": {"policy": "bound", "max_staleness": 2},
                     "schedule": {"mode": "async", "steps": 4, "wait_timeout_s": 120}})
-    producer = ServerProducer(s, model, tok, PromptStream(PROBLEMS, s.seed, s.rollout.prompts_per_step), 0)
+    producer = ServerProducer(s, model, tok, feed_of(PROBLEMS, s.seed), 0)
     seen = []
     original = producer.next_batch
 
