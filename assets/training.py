@@ -42,7 +42,7 @@ def sft_checkpoint(context: AssetExecutionContext, spec: SpecResource,
     )
 
 
-@asset(group_name="training", code_version="1", deps=["sft_checkpoint", "arithmetic_dataset"],
+@asset(group_name="training", code_version="1", deps=["sft_checkpoint", "arithmetic_dataset", "blend"],
        kinds={"pytorch", "iceberg", "mlflow"}, retry_policy=TRAINING_RETRY)
 def grpo_run(context: AssetExecutionContext, spec: SpecResource, home: FactoryHomeResource,
              lake: LakeResource, mlflow: MlflowResource) -> MaterializeResult:

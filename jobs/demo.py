@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
 
     paths = factory_home()
     os.environ.setdefault("DAGSTER_HOME", str(paths.dagster_home))
+    os.environ["FACTORY_SPEC"] = args.spec  # the asset graph's prompt sources are this spec's (jobs/__init__.py)
     # The same instance settings as `make ui` and the tests (factory/ops/instance.py); an existing file keeps
     # what it sets and gains what it lacks.
     for change in ensure_instance_yaml(os.environ["DAGSTER_HOME"]):
