@@ -32,6 +32,7 @@ class PromptFeed:
         self.blender, self.curriculum = blender, curriculum
         self._lock = threading.Lock()
         self._problems: dict[int, Problem] = {}  # draws in flight -> their problem (for the curriculum)
+        self._admitted: set[int] = set()  # draws in flight at a resume point: admitted then, not judged again
         self._skipped = {n: 0 for n in blender.names}  # since the last `report()`
         self._skipped_total = 0
         # A curriculum that refuses everything must not spin forever: after this many skips in a row the next
@@ -50,6 +51,9 @@ class PromptFeed:
             while True:
                 k, problem = self.blender.take(step=step)
                 source = problem.meta.get("source", self.names[0])
+                if k in self._admitted:
+                    self._admitted.discard(k)
+                    break
                 if self.curriculum is None or self.curriculum.admit(k, source, problem):
                     break
                 if skips >= self._max_skips:
@@ -123,6 +127,7 @@ class PromptFeed:
                                  + (" one" if self.curriculum is not None else " none") + " (data.curriculum changed)")
             keep = set(buffered)
             self.blender.load_state_dict(state["blender"], keep=keep)
+            self._admitted = {d for d, *_ in state["blender"]["in_flight"]} - keep
             for k in keep:
                 self._problems[k] = self.blender.problem_of(k)
             if self.curriculum is not None:
