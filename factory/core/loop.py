@@ -22,6 +22,7 @@ importance-corrects stale groups).
 from __future__ import annotations
 
 import copy
+import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -274,7 +275,7 @@ def _record_data(record: StepRecord, groups: list, adv: torch.Tensor, feed) -> N
         source = grp.meta.get("source") or "?"
         passes = sum(1 for r in rewards if r >= 1)
         mean = sum(rewards) / len(rewards)
-        std = (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5
+        std = math.sqrt(sum((r - mean) * (r - mean) for r in rewards) / len(rewards))  # inf, not OverflowError
         record.groups.append(dict(draw=grp.meta["draw"], source=source, prompt_id=grp.meta["prompt_id"],
                                   samples=len(rewards), passes=passes, reward_mean=mean, reward_std=std))
         agg = by_source.setdefault(source, {"groups": 0, "reward": 0.0, "passes": 0, "samples": 0, "tokens": 0,
