@@ -1,5 +1,7 @@
 """Spec validation: every bad field is named with its value and what was expected."""
 
+import json
+
 import pytest
 
 from factory.config import SpecError, apply_overrides, load_spec, parse_overrides, parse_spec
@@ -200,3 +202,50 @@ def test_sft_sees_only_its_labeled_examples(factory_home):
     splits = load_dataset(build_dataset(spec, factory_home).path)
     res = train_sft_checkpoint(spec, factory_home, splits, log=lambda _: None)
     assert read_meta(res.checkpoint.path)["labeled_examples"] == 7
+
+
+DATA = {"sources": [{"name": "add2", "kind": "arithmetic", "op": "add", "digits": 2, "n": 500},
+                    {"name": "add3", "kind": "arithmetic", "op": "add", "digits": 3, "n": 5000}]}
+
+
+@pytest.mark.parametrize(("data", "words"), [
+    ({**DATA, "weights": {"add2": 1, "add9": 1}},
+     "data: weights: unknown source(s) ['add9'] (sources: ['add2', 'add3'])"),
+    ({**DATA, "weights": {"add2": -1, "add3": 1}}, "data: weights: weights must be >= 0, got {'add2': -1.0}"),
+    ({**DATA, "weights": {"add2": 0, "add3": 0}}, "data: weights: all weights are 0"),
+    ({**DATA, "schedule": {10: {"add2": 1}}}, "data: schedule: the first entry must be step 0"),
+    ({**DATA, "schedule": {0: {"add2": 1}, 50: {"add4": 1}}}, "data: schedule.50: unknown source(s) ['add4']"),
+    ({**DATA, "schedule": {0: {"add2": 1}}, "weights": {"add2": 1}}, "data: weights and schedule: give one"),
+    ({"sources": [DATA["sources"][0], DATA["sources"][0]]}, "data.sources: entry 1: source name 'add2' is used twice"),
+    ({"sources": [{"name": "gsm", "kind": "parquet", "path": "x.parquet"}]},
+     "data.sources: entry 0: source 'gsm': parquet.verifier: Field required"),
+    ({"sources": [{"name": "a", "kind": "arithmetic", "op": "add", "digits": 2}]}, "source 'a': arithmetic.n"),
+    ({**DATA, "curriculum": {"kind": "level", "levels": ["add2", "add7"]}},
+     "data: curriculum.levels: unknown source(s) ['add7']"),
+    ({**DATA, "curriculum": {"kind": "online", "levels": ["add2"]}}, "only used by kind 'level'"),
+    ({**DATA, "filter": {"min_pass_rate": 0.9, "max_pass_rate": 0.1}}, "data.filter: min_pass_rate 0.9 must be <="),
+    ({**DATA, "sources": []}, "data.sources: List should have at least 1 item"),
+])
+def test_a_bad_data_section_names_the_source_weight_or_schedule_entry(data, words):
+    with pytest.raises(SpecError) as e:
+        parse_spec({"data": data})
+    assert words in str(e.value)
+
+
+def test_a_data_section_round_trips_and_defaults_to_equal_weights():
+    spec = parse_spec({"data": DATA})
+    assert spec.data.blend_weights() == {0: {"add2": 1.0, "add3": 1.0}}
+    back = parse_spec(json.loads(spec.to_json()))  # schedule steps come back as ints from JSON's string keys
+    assert back == spec
+    sched = apply_overrides(spec, {"data.schedule": {0: {"add2": 1}, 300: {"add3": 1}}})
+    assert parse_spec(json.loads(sched.to_json())).data.blend_weights() == {0: {"add2": 1.0}, 300: {"add3": 1.0}}
+    assert spec.fingerprint() != sched.fingerprint()
+    assert spec.warm_start_fingerprint() == sched.warm_start_fingerprint()  # the blend is GRPO's, not SFT's
+    assert load_spec("examples/blend.yaml").data.names() == ["add2", "add3", "add4"]
+
+
+def test_a_generated_source_whose_prompts_do_not_fit_the_model_is_refused():
+    with pytest.raises(SpecError, match="model.max_positions"):
+        parse_spec({"model": {"max_positions": 16}, "task": {"digits": [1], "n_train": 20, "n_eval": 8},
+                    "rollout": {"max_new_tokens": 2},
+                    "data": {"sources": [{"name": "big", "kind": "arithmetic", "op": "add", "digits": 9, "n": 10}]}})

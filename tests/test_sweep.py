@@ -130,3 +130,14 @@ def test_next_launches_trains_a_warm_start_first_and_holds_the_limit():
     last = next_launches(MEMBERS, {"m0", "m1", "m2"}, {"sft-a": "ready", "sft-b": "failed"}, 0, 2)
     assert last.members == ["m3"] and last.finished
     assert next_launches(MEMBERS, {"m0", "m1", "m2", "m3"}, {}, 0, 1).finished
+
+
+def test_blend_weights_and_curriculum_settings_are_sweep_axes():
+    blend = str(Path(__file__).parents[1] / "examples" / "blend.yaml")
+    axes = {"data.curriculum.kind": ["none", "online", "priority"], "data.schedule.100.add4": [0.4, 0.8]}
+    plan = plan_sweep(SweepDefinition(name="curricula", base_spec=blend, axes=axes))
+    assert {(m.spec.data.curriculum.kind, m.spec.data.schedule[100]["add4"]) for m in plan.members} == {
+        (k, w) for k in ("none", "online", "priority") for w in (0.4, 0.8)}
+    # a curriculum setting that cannot work names its axis and the member
+    with pytest.raises(SweepError, match=r"axes.data.curriculum.kind = 'level'.*curriculum.levels"):
+        plan_sweep(SweepDefinition(name="bad", base_spec=blend, axes={"data.curriculum.kind": ["online", "level"]}))
