@@ -690,12 +690,24 @@ def apply_overrides(spec: ExperimentSpec, overrides: dict[str, Any]) -> Experime
     """Return a copy with dotted-path overrides applied (`{"algorithm.lr": 1e-4}`), re-validated."""
     data = spec.model_dump(mode="json")
     for dotted, value in overrides.items():
-        node = data
+        node: Any = data
         parts = dotted.split(".")
-        for p in parts[:-1]:
-            # An unknown section is created so validation names it as an unknown key.
-            node = node.setdefault(p, {})
+        for i, p in enumerate(parts):
+            last = i == len(parts) - 1
+            if isinstance(node, list):  # a list entry by index, e.g. data.sources.1.n
+                if not p.isdigit() or int(p) >= len(node):
+                    raise SpecError([f"{dotted}: {p!r} is not an index of the {len(node)} entries of "
+                                     f"{'.'.join(parts[:i])}"])
+                if last:
+                    node[int(p)] = value
+                else:
+                    node = node[int(p)]
+                continue
             if not isinstance(node, dict):
-                raise SpecError([f"{dotted}: {p!r} is a value, not a section"])
-        node[parts[-1]] = value
+                raise SpecError([f"{dotted}: {parts[i - 1]!r} is a value, not a section"])
+            if last:
+                node[p] = value
+            else:
+                # An unknown section is created so validation names it as an unknown key.
+                node = node.setdefault(p, {})
     return parse_spec(data)

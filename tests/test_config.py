@@ -249,3 +249,10 @@ def test_a_generated_source_whose_prompts_do_not_fit_the_model_is_refused():
         parse_spec({"model": {"max_positions": 16}, "task": {"digits": [1], "n_train": 20, "n_eval": 8},
                     "rollout": {"max_new_tokens": 2},
                     "data": {"sources": [{"name": "big", "kind": "arithmetic", "op": "add", "digits": 9, "n": 10}]}})
+
+
+def test_overrides_reach_list_entries_by_index():
+    spec = load_spec("examples/blend.yaml")
+    assert apply_overrides(spec, {"data.sources.1.n": 300}).data.sources[1]["n"] == 300
+    with pytest.raises(SpecError, match=r"data.sources.7.n: '7' is not an index of the 3 entries of data.sources"):
+        apply_overrides(spec, {"data.sources.7.n": 1})
