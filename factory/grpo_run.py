@@ -213,7 +213,7 @@ def _attempt(spec: ExperimentSpec, paths: FactoryPaths, run_id: str, run_dir: Pa
         if held and lake.read("evals", And(And(EqualTo("run_id", run_id), EqualTo("step", 0)),
                                             EqualTo("benchmark", SOURCE_BENCHMARK + next(iter(held))))).num_rows == 0:
             _source_evals(spec, held, model, tok, lake, tracker, run_id, mlflow_id, 0, None)
-        feed = make_feed(spec, splits.train, stats=_offline_stats(spec, lake, log))
+        feed = make_feed(spec, splits.train, stats=_offline_stats(spec, lake, tracker, mlflow_id, log))
         tracker.set_tags(mlflow_id, {"factory.blend_version": blend_version(spec, feed.blender.sources)})
         beat(run_dir)
         t_loop = time.perf_counter()
@@ -342,13 +342,22 @@ def _source_evals(spec: ExperimentSpec, held: dict, model, tok, lake: Lake, trac
         tracker.log_metrics(mlflow_id, step, metrics)
 
 
-def _offline_stats(spec: ExperimentSpec, lake: Lake, log: Log) -> dict | None:
-    """Per-prompt (samples, passes) over earlier runs, when the spec filters prompts by them (data.filter)."""
+PROMPT_STATS_TAG = "factory.prompt_stats_snapshot"
+
+
+def _offline_stats(spec: ExperimentSpec, lake: Lake, tracker: Tracker, mlflow_id: str, log: Log) -> dict | None:
+    """Per-prompt (samples, passes) over earlier runs, when the spec filters prompts by them (data.filter). The
+    snapshot read is tagged on the run, and a resumed attempt reads the same one (runs that finished meanwhile
+    must not change what the filter decides)."""
     if spec.data is None or spec.data.filter is None:
         return None
     from factory.data.stats import read_prompt_stats
 
-    stats, snapshot = read_prompt_stats(lake, spec.data.names())
+    pinned = tracker.client.get_run(mlflow_id).data.tags.get(PROMPT_STATS_TAG)
+    stats, snapshot = read_prompt_stats(lake, spec.data.names(), int(pinned) if pinned else None)
+    if pinned and str(snapshot) != pinned:
+        log(f"data.filter: prompt_stats snapshot {pinned} no longer exists (expired); read {snapshot} instead")
+    tracker.set_tags(mlflow_id, {PROMPT_STATS_TAG: str(snapshot)})
     log(f"data.filter: pass rates of {len(stats)} prompts from prompt_stats (snapshot {snapshot})")
     return stats
 

@@ -63,12 +63,13 @@ def update_prompt_stats(lake: Lake) -> int:
     return lake.upsert(STATS, changed) + len(gone)  # an empty upsert commits nothing
 
 
-def read_prompt_stats(lake: Lake, sources: list[str] | None = None
+def read_prompt_stats(lake: Lake, sources: list[str] | None = None, snapshot_id: int | None = None
                       ) -> tuple[dict[tuple[str, str], tuple[int, int]], int | None]:
     """{(source, prompt_id): (attempts, passes)} of `sources` (default: all) and the id of the `prompt_stats`
-    snapshot read (None: the table was never written)."""
+    snapshot read (None: the table was never written). `snapshot_id` reads that snapshot (a resumed run reads
+    what its first attempt read); one that no longer exists (expired) falls back to the current one."""
     tbl = lake.table(STATS)
-    snap = tbl.current_snapshot()
+    snap = (tbl.snapshot_by_id(snapshot_id) if snapshot_id is not None else None) or tbl.current_snapshot()
     if snap is None:
         return {}, None
     row_filter = AlwaysTrue() if sources is None else In("source", list(sources)) if sources else None

@@ -75,3 +75,17 @@ def test_read_prompt_stats_by_source_with_the_snapshot_read(lake):
     assert read_prompt_stats(lake, ["add3"]) == ({("add3", "q"): (4, 4)}, snap)
     assert read_prompt_stats(lake, ["nope"]) == ({}, snap)
     assert read_prompt_stats(lake, []) == ({}, snap)
+
+
+def test_a_pinned_snapshot_reads_what_it_held_and_an_unknown_one_the_current(lake):
+    run(lake, "a", "succeeded")
+    lake.upsert("prompt_attempts", [attempt("a", 0, "add2", "p", 8, 3)])
+    update_prompt_stats(lake)
+    first = lake.table("prompt_stats").current_snapshot().snapshot_id
+    run(lake, "b", "succeeded", minutes=1)
+    lake.upsert("prompt_attempts", [attempt("b", 0, "add2", "p", 8, 8)])
+    update_prompt_stats(lake)
+    now = lake.table("prompt_stats").current_snapshot().snapshot_id
+    assert read_prompt_stats(lake, ["add2"], first) == ({("add2", "p"): (8, 3)}, first)  # what a resumed run reads
+    assert read_prompt_stats(lake, ["add2"]) == ({("add2", "p"): (16, 11)}, now)
+    assert read_prompt_stats(lake, ["add2"], 12345) == ({("add2", "p"): (16, 11)}, now)  # expired: the current
