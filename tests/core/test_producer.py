@@ -1,0 +1,31 @@
+"""Producers and the prompt feed: a file source's prompt too long for the model is named, and mixed-verifier
+blends score each prompt with its own source's verifier."""
+
+from __future__ import annotations
+
+import pytest
+
+from factory.config import parse_spec
+from factory.core.producer import _prompt_ids, scorer
+from factory.envs.arithmetic import Problem
+from factory.models.tokenizer import tokenizer_for
+
+
+def test_a_prompt_too_long_for_the_model_names_the_prompt_and_its_source():
+    spec = parse_spec({"model": {"max_positions": 32}, "task": {"digits": [2], "n_train": 100, "n_eval": 8}})
+    tok = tokenizer_for("arithmetic")
+    ok = Problem("p1", "12+34=", "64", "add", 2, {"source": "mine"})
+    assert len(_prompt_ids(tok, ok, spec)) == 7  # <bos> and one token per character
+    long = Problem("p2", "1" * 40 + "+1=", "2", "add", 40, {"source": "mined"})
+    with pytest.raises(ValueError, match=r"prompt 'p2' of source 'mined' has 44 tokens.*32 positions"):
+        _prompt_ids(tok, long, spec)
+
+
+def test_each_prompt_is_scored_by_its_sources_verifier_unless_the_spec_names_an_environment():
+    spec = parse_spec({})
+    word = Problem("w", "q", "3", "word", 0, {"source": "wp", "verifier": "word_problems"})
+    assert scorer(spec, word) == "word_problems"
+    assert scorer(spec, Problem("a", "1+1=", "2", "add", 1)) == "arithmetic"  # no verifier named: the task's
+    custom = parse_spec({"task": {"environment": "calculator_tool"}, "rollout": {"engine": "server"},
+                         "schedule": {"mode": "async"}})
+    assert scorer(custom, word) == "calculator_tool"
