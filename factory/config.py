@@ -535,6 +535,11 @@ class ExperimentSpec(_Section):
                 f"task.environment: a multi-turn environment talks to the rollout server, so it needs "
                 f"rollout.engine: server and schedule.mode one_step_off or async (got engine "
                 f"{self.rollout.engine!r}, mode {self.schedule.mode!r})")
+        text = [s["name"] for s in (self.data.sources if self.data else []) if s["kind"] == "suite"]
+        if text and self.task.name == "arithmetic" and getattr(self.model, "path", None) is None:
+            raise ValueError(f"data.sources: {text} hold text prompts, but the model's tokenizer is task arithmetic's "
+                             f"(digits and + - * =): use task.name word_problems or code (an ASCII tokenizer, which "
+                             f"also reads arithmetic)")
         if self.sft.examples is not None and self.sft.examples > self.task.n_train:
             raise ValueError(f"sft.examples: must be <= task.n_train = {self.task.n_train} (the demonstrations are "
                              f"the first training problems), got {self.sft.examples}")

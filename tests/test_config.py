@@ -225,6 +225,8 @@ DATA = {"sources": [{"name": "add2", "kind": "arithmetic", "op": "add", "digits"
     ({**DATA, "curriculum": {"kind": "online", "levels": ["add2"]}}, "only used by kind 'level'"),
     ({**DATA, "filter": {"min_pass_rate": 0.9, "max_pass_rate": 0.1}}, "data.filter: min_pass_rate 0.9 must be <="),
     ({**DATA, "sources": []}, "data.sources: List should have at least 1 item"),
+    ({"sources": [{"name": "wp", "kind": "suite", "suite": "word_problems"}]},
+     "data.sources: ['wp'] hold text prompts, but the model's tokenizer is task arithmetic's"),
 ])
 def test_a_bad_data_section_names_the_source_weight_or_schedule_entry(data, words):
     with pytest.raises(SpecError) as e:

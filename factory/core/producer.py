@@ -402,7 +402,11 @@ class ServerProducer(OverlappedProducer):
 
 def _prompt_ids(tok: PreTrainedTokenizerFast, problem: Problem, spec: ExperimentSpec) -> list[int]:
     """The prompt's tokens; a prompt too long for the model (a file source's row) is an error naming it."""
-    ids = tok(problem.prompt).input_ids
+    try:
+        ids = tok(problem.prompt).input_ids
+    except Exception as e:  # a character tokenizer meets a character it does not have
+        raise ValueError(f"prompt {problem.id!r} of source {problem.meta.get('source')!r} cannot be tokenized by the "
+                         f"model's tokenizer (task {spec.task.name}'s alphabet): {e}") from None
     limit = spec.model.max_positions or PRESETS[spec.model.preset].max_positions
     if len(ids) + spec.rollout.max_new_tokens > limit:
         raise ValueError(f"prompt {problem.id!r} of source {problem.meta.get('source')!r} has {len(ids)} tokens: with "

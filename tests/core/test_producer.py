@@ -29,3 +29,10 @@ def test_each_prompt_is_scored_by_its_sources_verifier_unless_the_spec_names_an_
     custom = parse_spec({"task": {"environment": "calculator_tool"}, "rollout": {"engine": "server"},
                          "schedule": {"mode": "async"}})
     assert scorer(custom, word) == "calculator_tool"
+
+
+def test_a_prompt_outside_a_character_tokenizers_alphabet_is_named():
+    spec = parse_spec({"task": {"digits": [2], "n_train": 100, "n_eval": 8}})
+    bad = Problem("w1", "Ann has 3 apples", "3", "word", 0, {"source": "mined"})
+    with pytest.raises(ValueError, match=r"prompt 'w1' of source 'mined' cannot be tokenized.*task arithmetic"):
+        _prompt_ids(tokenizer_for("arithmetic"), bad, spec)
