@@ -133,6 +133,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
         print(str(err), file=sys.stderr)
         return EXIT_BAD_INPUT
     print(f"{args.spec}: ok (fingerprint {spec.fingerprint()})")
+    if (note := spec.model.ignored_preset()) is not None:
+        print(note)
     if args.show:
         print(spec.to_yaml(), end="")
     return EXIT_OK

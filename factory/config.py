@@ -16,9 +16,11 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
@@ -87,12 +89,38 @@ class _Section(BaseModel):
 
 
 class ModelSpec(_Section):
-    """Which policy to start from: a preset built from a config (no download)."""
+    """Which policy to start from: a preset built from a config, or `path`, a local Hugging Face model directory
+    with its own tokenizer (models/hf.py). Nothing is downloaded either way. When `path` is set the preset is
+    ignored (`factory validate` says so if both were given)."""
 
     preset: str = "tiny"
+    path: str | None = Field(
+        None, min_length=1, description="a local Hugging Face causal-LM directory (config.json, weights, tokenizer "
+        "files); its tokenizer is used for every prompt; replaces the preset")
+    trust_remote_code: bool = Field(
+        False, description="let transformers run Python code shipped in model.path (custom architectures); off: "
+        "only architectures transformers itself implements load")
     max_positions: int | None = Field(
         None, ge=16, le=8192, description="context length (prompt + completion); unset: the preset's (64), which "
-        "fits arithmetic; word and code problems need about 256")
+        "fits arithmetic; word and code problems need about 256; with model.path: the model's own, and a value "
+        "above it is refused when the model loads")
+
+    @model_serializer(mode="wrap")
+    def _omit_unused(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Unset path and trust_remote_code are left out, so a preset spec's dump (and fingerprint) is what it
+        # was before they existed.
+        data = handler(self)
+        if self.path is None:
+            data.pop("path", None)
+        if not self.trust_remote_code:
+            data.pop("trust_remote_code", None)
+        return data
+
+    def ignored_preset(self) -> str | None:
+        """A one-line note when the spec names both a preset and a path (the path wins), else None."""
+        if self.path is not None and "preset" in self.model_fields_set:
+            return f"note: model.preset {self.preset!r} is ignored: model.path {self.path} is the model"
+        return None
 
     @field_validator("preset")
     @classmethod
@@ -577,6 +605,8 @@ class ExperimentSpec(_Section):
         them: far past it, sampling tries to allocate terabytes)."""
         from factory.envs.tasks import longest_prompt_tokens
 
+        if self.model.path is not None:  # its tokenizer is only known when it loads: models/build.py checks then
+            return
         positions = self.model.max_positions or PRESETS[self.model.preset].max_positions
         where = ("model.max_positions" if self.model.max_positions
                  else f"model.max_positions, unset: preset {self.model.preset}'s")
@@ -694,6 +724,8 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
 def apply_overrides(spec: ExperimentSpec, overrides: dict[str, Any]) -> ExperimentSpec:
     """Return a copy with dotted-path overrides applied (`{"algorithm.lr": 1e-4}`), re-validated."""
     data = spec.model_dump(mode="json")
+    if "preset" not in spec.model.model_fields_set:  # a preset left to its default stays implicit (see ignored_preset)
+        data["model"].pop("preset", None)
     for dotted, value in overrides.items():
         node: Any = data
         parts = dotted.split(".")

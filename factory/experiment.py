@@ -32,7 +32,7 @@ from factory.envs.benchmarks import HELD_OUT
 from factory.envs.tasks import make_task_splits
 from factory.home import FactoryPaths
 from factory.lake.writer import Lake
-from factory.models.build import build_model
+from factory.models.build import build_model, policy_for
 from factory.models.checkpoint import CheckpointInfo, dir_digest, load_checkpoint, save_checkpoint
 from factory.models.tokenizer import tokenizer_for
 from factory.progress import Progress
@@ -138,9 +138,12 @@ def train_sft_checkpoint(spec: ExperimentSpec, paths: FactoryPaths, splits: Spli
                          progress: Report | None = None) -> SFTResult:
     """SFT from scratch (or continue `model`), save an atomic checkpoint, evaluate it held-out."""
     set_threads(spec)
-    tok = tokenizer or tokenizer_for(spec.task.name)
-    model = model if model is not None else build_model(spec.model.preset, tok, seed=spec.seed,
-                                                        max_positions=spec.model.max_positions)
+    if model is None and tokenizer is None:
+        model, tok = policy_for(spec)  # model.path's model and tokenizer, or the preset's
+    else:
+        tok = tokenizer or tokenizer_for(spec.task.name)
+        model = model if model is not None else build_model(spec.model.preset, tok, seed=spec.seed,
+                                                            max_positions=spec.model.max_positions)
     # An explicit step count (the control) means exactly that many steps: no early stop.
     sft = spec.sft if steps is None else spec.sft.model_copy(update={"steps": steps, "stop_at_accuracy": None})
     t0 = time.perf_counter()

@@ -24,7 +24,7 @@ from importlib import resources
 from typing import Any
 
 from factory.config import TaskSpec
-from factory.envs.arithmetic import Problem, Splits, arithmetic_capacity, make_splits, prompt_tokens
+from factory.envs.arithmetic import OPS, Problem, Splits, arithmetic_capacity, make_splits, prompt_tokens
 from factory.envs.arithmetic import reward as arithmetic_reward
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -68,6 +68,23 @@ def longest_prompt_tokens(task: TaskSpec) -> int:
         return prompt_tokens(task.digits)
     name, make = _SETS[task.name]
     return 1 + max(len(make(r).prompt) for r in _records(name))
+
+
+def longest_prompts(task: TaskSpec, data: Any = None) -> list[str]:
+    """Prompts at least as long as any the task (and the data section's generated sources) will pose, for a
+    tokenizer to measure: every shipped prompt, or arithmetic prompts with operands of the most digits (each op).
+    File sources are checked as they are read."""
+    if task.name != "arithmetic":
+        name, make = _SETS[task.name]
+        return [make(r).prompt for r in _records(name)]
+    digits = [max(task.digits)]
+    if data is not None:
+        digits += [s["digits"] for s in data.sources if s["kind"] == "arithmetic"]
+    out = []
+    for d in sorted(set(digits)):
+        for sym in OPS.values():
+            out += [f"{'9' * d}{sym}{'9' * d}=", f"1{'0' * (d - 1)}{sym}1{'0' * (d - 1)}="]
+    return out
 
 
 def make_task_splits(task: TaskSpec, seed: int) -> Splits:

@@ -1,11 +1,17 @@
-"""Build a causal LM from a preset and a tokenizer: a transformers config, random init, no download."""
+"""The run's starting policy: a causal LM built from a preset (a transformers config, random init) with a
+character tokenizer, or loaded from `model.path` with its own tokenizer (`policy_for`). No download."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
 from factory.models.presets import PRESETS
+
+if TYPE_CHECKING:
+    from factory.config import ExperimentSpec
 
 
 def build_model(preset: str, tokenizer: PreTrainedTokenizerFast, seed: int = 0,
@@ -34,3 +40,37 @@ def build_model(preset: str, tokenizer: PreTrainedTokenizerFast, seed: int = 0,
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model
+
+
+def policy_for(spec: ExperimentSpec) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """(model, tokenizer) a run starts from: `model.path`'s, or the preset's with the task's character
+    tokenizer (seeded by `spec.seed`). A path model's context is checked here, with its real tokenizer, against
+    the task's longest prompt plus `rollout.max_new_tokens` (the spec could not: it knows no tokenizer)."""
+    from factory.models.tokenizer import tokenizer_for
+
+    m = spec.model
+    if m.path is None:
+        tok = tokenizer_for(spec.task.name)
+        return build_model(m.preset, tok, seed=spec.seed, max_positions=m.max_positions), tok
+    from factory.models.hf import load_model_dir, model_positions
+
+    model, tok = load_model_dir(m.path, max_positions=m.max_positions, trust_remote_code=m.trust_remote_code)
+    own = model_positions(model)
+    positions = m.max_positions or own
+    if positions is not None:
+        check_prompt_fits(spec, tok, positions, "model.max_positions" if m.max_positions else
+                          f"the max_position_embeddings of the model in {m.path}")
+    return model, tok
+
+
+def check_prompt_fits(spec: ExperimentSpec, tokenizer: PreTrainedTokenizerFast, positions: int, where: str) -> None:
+    """The task's longest prompt under `tokenizer`, plus rollout.max_new_tokens, must fit `positions`."""
+    from factory.envs.tasks import longest_prompts
+
+    texts = longest_prompts(spec.task, spec.data)
+    prompt = max(len(tokenizer(t).input_ids) for t in texts)
+    new = spec.rollout.max_new_tokens
+    if prompt + new > positions:
+        raise ValueError(f"model.max_positions: the longest prompt of task {spec.task.name} is {prompt} tokens under "
+                         f"the tokenizer of {spec.model.path or spec.model.preset}; with rollout.max_new_tokens = "
+                         f"{new} it needs {prompt + new} positions, but the model has {positions} ({where})")
