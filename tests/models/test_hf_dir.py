@@ -151,3 +151,20 @@ def test_one_grpo_step_runs_with_the_bpe_model(bpe_model_dir):
     # decoded by the model's tokenizer: 8 tokens spell more than 8 characters.
     texts = [s["completion"] for r in records for s in r.samples]
     assert texts and max(len(t) for t in texts) > spec.rollout.max_new_tokens
+
+
+def test_factory_run_trains_the_path_model_end_to_end(bpe_model_dir, factory_home, capsys):
+    from factory.models.checkpoint import load_checkpoint
+
+    tiny = ["--set", "name=bpe", "--set", "task.n_train=200", "--set", "task.n_eval=24", "--set", "sft.steps=10",
+            "--set", "sft.stop_at_accuracy=null", "--set", "rollout.prompts_per_step=4", "--set",
+            "algorithm.group_size=2", "--set", "schedule.steps=2", "--set", "schedule.eval_pass_k=2"]
+    assert main(["run", QUICKSTART, "--in-process", "--set", f"model.path={bpe_model_dir}", *tiny]) == 0
+    assert "held-out accuracy" in capsys.readouterr().out
+    (sft,) = [p for p in factory_home.checkpoints.glob("sft-*") if not p.name.startswith(".")]
+    model, tok = load_checkpoint(sft)  # the warm start keeps the model's own tokenizer and chat template
+    _, own = load_model_dir(bpe_model_dir)
+    assert len(tok) == len(own) == model.config.vocab_size
+    for text in ("321+654=", "Chen has 25 books."):
+        assert tok(text).input_ids == own(text).input_ids
+    assert tok.chat_template == own.chat_template
