@@ -40,7 +40,7 @@ def load_tokenizer_dir(path: str | Path, trust_remote_code: bool = False) -> Pre
     try:
         tok = AutoTokenizer.from_pretrained(p, local_files_only=True, trust_remote_code=trust_remote_code)
     except Exception as e:  # transformers raises many kinds; the user needs the path and the cause
-        raise ModelDirError(f"model.path: cannot load the tokenizer in {p}: {e}") from e
+        raise _load_error("tokenizer", p, e, trust_remote_code) from e
     if tok.eos_token_id is None:
         raise ModelDirError(f"model.path: the tokenizer in {p} has no eos token (completions end at eos; set "
                             f"eos_token in its tokenizer_config.json)")
@@ -60,7 +60,7 @@ def load_model_dir(path: str | Path, max_positions: int | None = None,
         model = AutoModelForCausalLM.from_pretrained(p, local_files_only=True, trust_remote_code=trust_remote_code,
                                                      dtype="float32")
     except Exception as e:
-        raise ModelDirError(f"model.path: cannot load the model in {p}: {e}") from e
+        raise _load_error("model", p, e, trust_remote_code) from e
     limit = model_positions(model)
     if max_positions is not None and limit is not None and max_positions > limit:
         raise ModelDirError(f"model.max_positions: must be <= {limit}, the max_position_embeddings of the model in "
@@ -71,6 +71,14 @@ def load_model_dir(path: str | Path, max_positions: int | None = None,
     if model.generation_config is not None and model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tok.pad_token_id
     return model, tok
+
+
+def _load_error(what: str, path: Path, e: Exception, trust_remote_code: bool) -> ModelDirError:
+    if not trust_remote_code and "trust_remote_code" in str(e):
+        return ModelDirError(f"model.path: cannot load the {what} in {path}: it needs Python code shipped in the "
+                             f"directory (config.json auto_map) and model.trust_remote_code is off; set it to true "
+                             f"only for code you trust")
+    return ModelDirError(f"model.path: cannot load the {what} in {path}: {e}")
 
 
 def model_positions(model: PreTrainedModel) -> int | None:

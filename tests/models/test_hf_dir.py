@@ -168,3 +168,19 @@ def test_factory_run_trains_the_path_model_end_to_end(bpe_model_dir, factory_hom
     for text in ("321+654=", "Chen has 25 books."):
         assert tok(text).input_ids == own(text).input_ids
     assert tok.chat_template == own.chat_template
+
+
+def test_code_shipped_in_the_directory_never_runs(tmp_path, bpe_model_dir):
+    # A directory whose config asks for its own modeling code: with trust_remote_code off it is refused
+    # (naming the path) and the code is never imported.
+    d = shutil.copytree(bpe_model_dir, tmp_path / "m")
+    marker = tmp_path / "ran"
+    (d / "modeling_evil.py").write_text(f"open({str(marker)!r}, 'w').write('x')\n")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg |= {"model_type": "evil", "auto_map": {"AutoConfig": "modeling_evil.EvilConfig",
+                                               "AutoModelForCausalLM": "modeling_evil.EvilModel"}}
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelDirError, match=f"cannot load the (tokenizer|model) in {d}: it needs Python code .* "
+                                            f"model.trust_remote_code is off"):
+        load_model_dir(d)
+    assert not marker.exists()
