@@ -93,6 +93,7 @@ class SyncProducer:
     def __init__(self, spec: ExperimentSpec, model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast,
                  feed: PromptFeed, start_version: int, state: dict | None = None):
         self.spec, self.tok, self.feed = spec, tokenizer, feed
+        self.positions = positions_of(spec, model)
         if state is not None:  # nothing is buffered between sync steps: only the feed continues
             feed.load_state_dict(state["stream"])
         self.engine = EmbeddedEngine(model, tokenizer, weight_version=start_version)
@@ -100,7 +101,7 @@ class SyncProducer:
 
     def next_batch(self, step: int) -> list[Group]:
         draws = [self.feed.draw(step) for _ in range(self.spec.rollout.prompts_per_step)]
-        prompts = [_prompt_ids(self.tok, p, self.spec) for _, p in draws]
+        prompts = [_prompt_ids(self.tok, p, self.spec, self.positions) for _, p in draws]
         params = _params(self.spec, self.spec.seed * 1_000_003 + step, n=self.spec.algorithm.group_size)
         groups = self.engine.generate(prompts, params)
         # The episodes run side by side in the environment: the batch is ready when the slowest is.
@@ -136,6 +137,7 @@ class OverlappedProducer:
     def __init__(self, spec: ExperimentSpec, model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast,
                  feed: PromptFeed, start_version: int, state: dict | None = None):
         self.spec, self.tok, self.feed = spec, tokenizer, feed
+        self.positions = positions_of(spec, model)
         per_step = spec.rollout.prompts_per_step
         buffer_spec = spec.buffer if spec.schedule.mode == "async" else BufferSpec(policy="bound", max_staleness=1)
         self.buffer = RolloutBuffer.from_spec(buffer_spec, groups_per_step=per_step)
@@ -193,7 +195,7 @@ class OverlappedProducer:
     def _group(self, k: int, problem: Problem, slot: Reservation) -> Group | None:
         """G single-turn completions of the problem, scored by the environment (None: shutting down)."""
         g = self.spec.algorithm.group_size
-        ids = _prompt_ids(self.tok, problem, self.spec)
+        ids = _prompt_ids(self.tok, problem, self.spec, self.positions)
         completions = self._sample(ids, _params(self.spec, self.spec.seed * 1_000_003 + k, n=g))
         slot.generated_at(min(Sample.from_completion(c, 0.0).oldest_version for c in completions))
         scored = self.env.score([episode(problem, k, completions, scorer(self.spec, problem))])
@@ -400,14 +402,21 @@ class ServerProducer(OverlappedProducer):
         remove_checkpoint(self._workdir / "initial")  # the small server.log stays for post-mortems
 
 
-def _prompt_ids(tok: PreTrainedTokenizerFast, problem: Problem, spec: ExperimentSpec) -> list[int]:
-    """The prompt's tokens; a prompt too long for the model (a file source's row) is an error naming it."""
+def positions_of(spec: ExperimentSpec, model: PreTrainedModel) -> int:
+    """The context the policy has: `model.max_positions`, else the model's own (a `model.path` model), else its
+    preset's."""
+    own = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return spec.model.max_positions or (own if spec.model.path else None) or PRESETS[spec.model.preset].max_positions
+
+
+def _prompt_ids(tok: PreTrainedTokenizerFast, problem: Problem, spec: ExperimentSpec, limit: int) -> list[int]:
+    """The prompt's tokens; a prompt too long for the model's `limit` positions (a file source's row) or that the
+    tokenizer cannot read is an error naming it."""
     try:
         ids = tok(problem.prompt).input_ids
     except Exception as e:  # a character tokenizer meets a character it does not have
         raise ValueError(f"prompt {problem.id!r} of source {problem.meta.get('source')!r} cannot be tokenized by the "
                          f"model's tokenizer (task {spec.task.name}'s alphabet): {e}") from None
-    limit = spec.model.max_positions or PRESETS[spec.model.preset].max_positions
     if len(ids) + spec.rollout.max_new_tokens > limit:
         raise ValueError(f"prompt {problem.id!r} of source {problem.meta.get('source')!r} has {len(ids)} tokens: with "
                          f"rollout.max_new_tokens = {spec.rollout.max_new_tokens} it does not fit the model's {limit} "
