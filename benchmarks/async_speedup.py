@@ -17,7 +17,10 @@ buffered + in flight; default 1.5 batches) trades trainer idle time against mean
 processes (three processes on loopback).
 
 The last line is JSON: speedup_async_vs_sync, speedup_one_step_off_vs_sync, trainer_idle_fraction_async,
-accuracy_sync, accuracy_async (seed means), max_staleness, limit (E[slowest in a batch] / E[mean]).
+accuracy_sync, accuracy_async (seed means), max_staleness, limit (E[slowest in a batch] / E[mean]),
+ceiling_compute (sync wall / the time sync's trainer was busy: no overlap beats the trainer's own work) and
+ceiling_compute_async_steps (the same with async's trainer busy time, whose steps share the cores with
+generation).
 The limit assumes the same number of episodes in flight in both modes; async may keep more in flight
 (up to --depth), which is how it can pass the limit.
 """
@@ -59,6 +62,8 @@ def run_mode(spec, ckpt: Path, splits, mode: str, seed: int, args: argparse.Name
     wall = time.perf_counter() - t0
     acc = evaluate(EmbeddedEngine(model, tok), tok, splits.eval, s.rollout.max_new_tokens).accuracy
     return {"mode": mode, "seed": seed, "wall_s": wall, "accuracy": acc,
+            # time the trainer spent not waiting on rollouts (its steps, publishing, probes)
+            "trainer_busy_s": sum(r.wall_s * (1.0 - r.trainer_idle_fraction) for r in records),
             "trainer_idle": statistics.mean(r.trainer_idle_fraction for r in records),
             "staleness_max": max(r.staleness_max for r in records),
             "staleness_mean": statistics.mean(r.staleness_mean for r in records),
@@ -139,6 +144,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"limit for this latency shape at batch {spec.rollout.prompts_per_step}: {limit:.2f}x "
           f"(E[slowest in a batch] / E[mean]); {steps} steps x {spec.rollout.prompts_per_step} prompts x "
           f"{spec.algorithm.group_size} samples per run")
+    # No overlap can make a run shorter than the trainer's own work: sync's wall time over the time its trainer was
+    # busy bounds any speedup that keeps the trainer's steps as fast as in sync (generation sharing the cores
+    # slows them in async, so the ceiling measured in async itself is lower).
+    ceiling = sync_wall / of("sync", "trainer_busy_s")[0]
+    ceiling_async = sync_wall / of("async", "trainer_busy_s")[0]
+    print(f"compute-bound ceiling: {ceiling:.2f}x (sync wall / trainer busy in sync; with async's slower trainer "
+          f"steps {ceiling_async:.2f}x) vs latency limit {limit:.2f}x")
     print(json.dumps({
         "speedup_async_vs_sync": round(sync_wall / async_wall, 3),
         "speedup_one_step_off_vs_sync": round(sync_wall / osp_wall, 3),
@@ -148,7 +160,9 @@ def main(argv: list[str] | None = None) -> int:
         "accuracy_sft": round(sft.accuracy, 4), "max_staleness": max(of("async", "staleness_max", None)),
         "staleness_mean_async": round(statistics.mean(of("async", "staleness_mean", None)), 3),
         "rejected_async": max(of("async", "rejected", None)),
-        "limit": round(limit, 3), "seeds": seeds, "steps": steps, "concurrency_async": args.concurrency,
+        "limit": round(limit, 3), "ceiling_compute": round(ceiling, 3),
+        "ceiling_compute_async_steps": round(ceiling_async, 3), "seeds": seeds, "steps": steps,
+        "concurrency_async": args.concurrency,
         "depth_async": args.depth, "engine": args.engine, "env": args.env,
     }))
     return 0
