@@ -50,9 +50,9 @@ from factory.core.evaluate import evaluate  # noqa: E402
 from factory.core.loop import train_grpo  # noqa: E402
 from factory.core.rollout.embedded import EmbeddedEngine  # noqa: E402
 from factory.core.sft import run_sft  # noqa: E402
+from factory.data.blend import open_sources  # noqa: E402
 from factory.data.feed import make_feed  # noqa: E402
 from factory.data.source import ListSource  # noqa: E402
-from factory.data.sources import make_source  # noqa: E402
 from factory.envs.arithmetic import Problem  # noqa: E402
 from factory.envs.tasks import make_task_splits  # noqa: E402
 from factory.models.build import build_model  # noqa: E402
@@ -73,9 +73,10 @@ def curricula(args: argparse.Namespace) -> dict[str, dict]:
 
 
 def base_spec(args: argparse.Namespace, seed: int):
-    """The quickstart, with a data section naming the three sources (their rows are made by `sources` below)."""
+    """The quickstart, with a data section of the three sources (`mid`'s entry only names it: `sources` below
+    gives it the task's training split)."""
     spec = load_spec(Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml")
-    entry = {"kind": "arithmetic", "op": "add", "n": 64, "reverse_operands": True, "seed": seed}
+    entry = {"kind": "arithmetic", "op": "add", "n": args.hard_n, "reverse_operands": True, "seed": seed}
     return apply_overrides(spec, {
         "name": "curriculum-bench", "seed": seed, "task.n_eval": args.n_eval, "schedule.steps": args.steps,
         "model.max_positions": 64,
@@ -84,18 +85,12 @@ def base_spec(args: argparse.Namespace, seed: int):
                  "weights": dict.fromkeys(SOURCES, 1.0), "held_out": 0}})
 
 
-def sources(spec, three: list, args: argparse.Namespace) -> list[ListSource]:
-    """mid: the 3-digit training split; hard, harder: --hard-n 5- and 6-digit additions."""
-    def rows(name: str, problems: list) -> list[Problem]:
-        return [Problem(p.id, p.prompt, p.answer, p.op, p.digits, {"source": name, "verifier": "arithmetic"})
-                for p in problems]
-
-    out = [ListSource("mid", rows("mid", three), f"mid-{spec.seed}")]
-    for name, digits in zip(SOURCES[1:], DIGITS[1:], strict=True):
-        src = make_source({"name": name, "kind": "arithmetic", "op": "add", "digits": digits, "n": args.hard_n,
-                           "seed": spec.seed, "reverse_operands": True, "block_rows": args.hard_n})
-        out.append(ListSource(name, rows(name, src.read_block(0)), f"{name}-{spec.seed}", block_rows=args.hard_n))
-    return out
+def sources(spec, three: list) -> list:
+    """mid: the 3-digit training split (the quickstart's, so the held-out split is disjoint from it); hard and
+    harder as the spec's entries say."""
+    mid = [Problem(p.id, p.prompt, p.answer, p.op, p.digits, {"source": "mid", "verifier": "arithmetic"})
+           for p in three]
+    return [ListSource("mid", mid, f"mid-{spec.seed}"), *open_sources(spec)[1:]]
 
 
 def held_out_accuracy(model, tok, held: list, max_new_tokens: int) -> float:
@@ -119,8 +114,7 @@ def run_variant(spec, curriculum: dict, start, tok, held: list, srcs: list, ever
     t0 = time.perf_counter()
     records = train_grpo(s, model, tok, [], on_step=on_step, feed=make_feed(s, sources=srcs))
     return {"curve": curve, "final": curve[-1][1], "useful_token_share": useful / max(tokens, 1),
-            "wall_s": time.perf_counter() - t0, "skipped": records[-1].data.get("data/skipped", 0.0),
-            "level": records[-1].data.get("curriculum/level")}
+            "wall_s": time.perf_counter() - t0, "skipped": records[-1].data.get("data/skipped", 0.0)}
 
 
 def steps_to(curve: list, target: float) -> int | None:
@@ -159,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         start = build_model(spec.model.preset, tok, seed=seed)
         sft = run_sft(start, tok, three, spec.sft, seed, max_new_tokens=spec.rollout.max_new_tokens)
         sft_steps, sft_acc = int(sft["steps"]), sft.get("train_accuracy", 0.0)
-        srcs = sources(spec, three, args)
+        srcs = sources(spec, three)
         acc0 = held_out_accuracy(start, tok, held, spec.rollout.max_new_tokens)
         print(f"seed {seed}: warm start after {sft_steps} SFT steps ({time.perf_counter() - t0:.0f}s): train "
               f"{sft_acc:.2f}, held-out {acc0:.3f}; sources " + ", ".join(f"{s.name} {len(s)}" for s in srcs),

@@ -42,8 +42,8 @@ from factory.data.feed import PromptFeed, make_feed
 from factory.envs.arithmetic import Problem
 from factory.envs.protocol import load_environment, tokens_from_session
 from factory.envs.workers import Episode, Scored, make_environment
+from factory.models.build import policy_positions
 from factory.models.checkpoint import remove_checkpoint, save_checkpoint
-from factory.models.presets import PRESETS
 from factory.ops.supervisor import CONNECTION_ERRORS, ServiceProcess, ServiceUnavailable
 
 
@@ -93,7 +93,7 @@ class SyncProducer:
     def __init__(self, spec: ExperimentSpec, model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast,
                  feed: PromptFeed, start_version: int, state: dict | None = None):
         self.spec, self.tok, self.feed = spec, tokenizer, feed
-        self.positions = positions_of(spec, model)
+        self.positions = policy_positions(spec, model)
         if state is not None:  # nothing is buffered between sync steps: only the feed continues
             feed.load_state_dict(state["stream"])
         self.engine = EmbeddedEngine(model, tokenizer, weight_version=start_version)
@@ -137,7 +137,7 @@ class OverlappedProducer:
     def __init__(self, spec: ExperimentSpec, model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast,
                  feed: PromptFeed, start_version: int, state: dict | None = None):
         self.spec, self.tok, self.feed = spec, tokenizer, feed
-        self.positions = positions_of(spec, model)
+        self.positions = policy_positions(spec, model)
         per_step = spec.rollout.prompts_per_step
         buffer_spec = spec.buffer if spec.schedule.mode == "async" else BufferSpec(policy="bound", max_staleness=1)
         self.buffer = RolloutBuffer.from_spec(buffer_spec, groups_per_step=per_step)
@@ -402,14 +402,8 @@ class ServerProducer(OverlappedProducer):
         remove_checkpoint(self._workdir / "initial")  # the small server.log stays for post-mortems
 
 
-def positions_of(spec: ExperimentSpec, model: PreTrainedModel) -> int:
-    """The context the policy has: `model.max_positions`, else the model's own (a `model.path` model), else its
-    preset's."""
-    own = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    return spec.model.max_positions or (own if spec.model.path else None) or PRESETS[spec.model.preset].max_positions
-
-
-def _prompt_ids(tok: PreTrainedTokenizerFast, problem: Problem, spec: ExperimentSpec, limit: int) -> list[int]:
+def _prompt_ids(tok: PreTrainedTokenizerFast, problem: Problem, spec: ExperimentSpec,
+                limit: int | None) -> list[int]:
     """The prompt's tokens; a prompt too long for the model's `limit` positions (a file source's row) or that the
     tokenizer cannot read is an error naming it."""
     try:
@@ -417,7 +411,7 @@ def _prompt_ids(tok: PreTrainedTokenizerFast, problem: Problem, spec: Experiment
     except Exception as e:  # a character tokenizer meets a character it does not have
         raise ValueError(f"prompt {problem.id!r} of source {problem.meta.get('source')!r} cannot be tokenized by the "
                          f"model's tokenizer (task {spec.task.name}'s alphabet): {e}") from None
-    if len(ids) + spec.rollout.max_new_tokens > limit:
+    if limit is not None and len(ids) + spec.rollout.max_new_tokens > limit:
         raise ValueError(f"prompt {problem.id!r} of source {problem.meta.get('source')!r} has {len(ids)} tokens: with "
                          f"rollout.max_new_tokens = {spec.rollout.max_new_tokens} it does not fit the model's {limit} "
                          f"positions (raise model.max_positions, or filter the source)")

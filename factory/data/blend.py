@@ -14,7 +14,8 @@ import json
 from pathlib import Path
 
 from factory.config import ExperimentSpec
-from factory.data.source import ListSource, PromptSource
+from factory.data.blender import Blender
+from factory.data.source import ListSource, PromptSource, num_blocks
 from factory.data.sources import SourceError, make_source
 from factory.envs.arithmetic import Problem
 
@@ -55,11 +56,16 @@ def open_sources(spec: ExperimentSpec, train: list[Problem] | None = None, base_
     for s in spec.data.sources:
         try:
             out.append(make_source(s, base_dir=base_dir, catalog=catalog))
-        except SourceError:
-            raise
-        except (OSError, ValueError) as e:  # e.g. a file that vanished: say which source
+        except (OSError, ValueError) as e:  # e.g. a file that vanished: say which source (SourceError already does)
+            if isinstance(e, SourceError):
+                raise
             raise SourceError(f"source {s['name']!r}: {e}") from e
     return out
+
+
+def blender_for(spec: ExperimentSpec, sources: list[PromptSource]) -> Blender:
+    """The spec's blend over `sources` (what `open_sources` opened): its schedule and seed."""
+    return Blender(sources, schedule=blend_schedule(spec), seed=blend_seed(spec))
 
 
 def held_out_sets(spec: ExperimentSpec) -> dict[str, list[Problem]]:
@@ -77,7 +83,7 @@ def held_out_sets(spec: ExperimentSpec) -> dict[str, list[Problem]]:
         except SourceError as e:
             raise SourceError(f"data.held_out: {e} (the held-out rows follow the source's training rows; lower "
                               f"data.held_out or the source's n)") from None
-        out[s["name"]] = [p for b in range(-(-len(src) // src.block_rows)) for p in src.read_block(b)]
+        out[s["name"]] = [p for b in range(num_blocks(src)) for p in src.read_block(b)]
     return out
 
 

@@ -21,8 +21,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from factory.config import ExperimentSpec
-from factory.data.blend import blend_schedule, blend_seed
-from factory.data.blender import Blender
+from factory.data.blend import blender_for
 from factory.data.source import PromptSource
 from factory.plots import DPI, HEIGHT_IN, WIDTH_IN
 
@@ -89,7 +88,7 @@ def blend_report(spec: ExperimentSpec, sources: Sequence[PromptSource], steps: i
     per_step = spec.rollout.prompts_per_step if prompts_per_step is None else prompts_per_step
     if steps < 1 or per_step < 1:
         raise ValueError(f"blend_report: steps and prompts_per_step must be >= 1, got {steps} and {per_step}")
-    blender = Blender(sources, schedule=blend_schedule(spec), seed=blend_seed(spec))
+    blender = blender_for(spec, sources)
     names = blender.names
     index = blender.index
     n = len(names)

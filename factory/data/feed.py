@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from factory.config import ExperimentSpec
-from factory.data.blend import blend_schedule, blend_seed, open_sources
+from factory.data.blend import blend_schedule, blend_seed, blender_for, open_sources
 from factory.data.blender import Blender
 from factory.data.source import PromptSource
 from factory.envs.arithmetic import Problem
@@ -140,15 +140,14 @@ def make_feed(spec: ExperimentSpec, train: list[Problem] | None = None, sources:
     """The feed `spec` describes: its blend (`data`, else the task's training split `train`) and curriculum;
     `stats` are the offline per-prompt (samples, passes) the `data.filter` reads (factory/data/stats.py)."""
     sources = sources if sources is not None else open_sources(spec, train)
-    schedule = blend_schedule(spec)
-    blender = Blender(sources, schedule=schedule, seed=blend_seed(spec))
+    blender = blender_for(spec, sources)
     curriculum = None
     d = spec.data
     if d is not None and (d.curriculum.kind != "none" or d.filter is not None):
         from factory.data.curriculum import make_curriculum
 
         curriculum = make_curriculum(d.curriculum, sources=blender.names, seed=blend_seed(spec),
-                                     base_weights=schedule[0], prompt_filter=d.filter, stats=stats)
+                                     base_weights=blend_schedule(spec)[0], prompt_filter=d.filter, stats=stats)
         if (w := curriculum.weights()) is not None:
             blender.set_weights(w)
     return PromptFeed(blender, curriculum)

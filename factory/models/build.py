@@ -52,15 +52,24 @@ def policy_for(spec: ExperimentSpec) -> tuple[PreTrainedModel, PreTrainedTokeniz
     if m.path is None:
         tok = tokenizer_for(spec.task.name)
         return build_model(m.preset, tok, seed=spec.seed, max_positions=m.max_positions), tok
-    from factory.models.hf import load_model_dir, model_positions
+    from factory.models.hf import load_model_dir
 
     model, tok = load_model_dir(m.path, max_positions=m.max_positions, trust_remote_code=m.trust_remote_code)
-    own = model_positions(model)
-    positions = m.max_positions or own
+    positions = policy_positions(spec, model)
     if positions is not None:
         check_prompt_fits(spec, tok, positions, "model.max_positions" if m.max_positions else
                           f"the max_position_embeddings of the model in {m.path}")
     return model, tok
+
+
+def policy_positions(spec: ExperimentSpec, model: PreTrainedModel) -> int | None:
+    """The context the policy has: `model.max_positions`, else a `model.path` model's own
+    (`max_position_embeddings`; None if its config has none), else its preset's."""
+    if spec.model.max_positions:
+        return spec.model.max_positions
+    if spec.model.path is not None:
+        return getattr(model.config, "max_position_embeddings", None)
+    return PRESETS[spec.model.preset].max_positions
 
 
 def check_prompt_fits(spec: ExperimentSpec, tokenizer: PreTrainedTokenizerFast, positions: int, where: str) -> None:

@@ -38,12 +38,12 @@ def test_a_prompt_outside_a_character_tokenizers_alphabet_is_named():
         _prompt_ids(tokenizer_for("arithmetic"), bad, spec, 64)
 
 
-def test_the_context_is_the_specs_else_a_path_models_own_else_the_presets():
+def test_the_context_is_the_specs_else_a_path_models_own_else_the_presets():  # models/build.py
     from types import SimpleNamespace
 
-    from factory.core.producer import positions_of
+    from factory.models.build import policy_positions
 
     model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=128))
-    assert positions_of(parse_spec({}), model) == 64  # the tiny preset's, whatever the model object says
-    assert positions_of(parse_spec({"model": {"max_positions": 48}}), model) == 48
-    assert positions_of(parse_spec({"model": {"path": "/some/dir"}}), model) == 128
+    assert policy_positions(parse_spec({}), model) == 64  # the tiny preset's, whatever the model object says
+    assert policy_positions(parse_spec({"model": {"max_positions": 48}}), model) == 48
+    assert policy_positions(parse_spec({"model": {"path": "/some/dir"}}), model) == 128
