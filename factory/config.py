@@ -87,11 +87,25 @@ class _Section(BaseModel):
     # No inf/NaN anywhere: an infinite learning rate or timeout validates against gt=0 but wrecks the run.
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
+    # Fields added after specs were first fingerprinted: left out of dumps while they hold their default, so an
+    # older spec's dump, fingerprint and warm-start cache key stay what they were.
+    _LATE_FIELDS: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _omit_late_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        for name in self._LATE_FIELDS:
+            if name in data and getattr(self, name) == type(self).model_fields[name].default:
+                data.pop(name)
+        return data
+
 
 class ModelSpec(_Section):
     """Which policy to start from: a preset built from a config, or `path`, a local Hugging Face model directory
     with its own tokenizer (models/hf.py). Nothing is downloaded either way. When `path` is set the preset is
     ignored (`factory validate` says so if both were given)."""
+
+    _LATE_FIELDS: ClassVar[tuple[str, ...]] = ("path", "trust_remote_code")
 
     preset: str = "tiny"
     path: str | None = Field(
@@ -104,17 +118,6 @@ class ModelSpec(_Section):
         None, ge=16, le=8192, description="context length (prompt + completion); unset: the preset's (64), which "
         "fits arithmetic; word and code problems need about 256; with model.path: the model's own, and a value "
         "above it is refused when the model loads")
-
-    @model_serializer(mode="wrap")
-    def _omit_unused(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # Unset path and trust_remote_code are left out, so a preset spec's dump (and fingerprint) is what it
-        # was before they existed.
-        data = handler(self)
-        if self.path is None:
-            data.pop("path", None)
-        if not self.trust_remote_code:
-            data.pop("trust_remote_code", None)
-        return data
 
     def ignored_preset(self) -> str | None:
         """A one-line note when the spec names both a preset and a path (the path wins), else None."""
@@ -338,12 +341,34 @@ class BufferSpec(_Section):
         return v
 
 
+class SGLangSpec(_Section):
+    """SGLang rollout servers (`core/rollout/sglang*.py`): started and supervised by Factory from their own Python
+    (sglang replaces the CPU torch, so it lives in its own venv on GPU nodes), or already running at `urls`."""
+
+    servers: int = Field(1, ge=1, le=64, description="servers to start (one per GPU group of tp_size)")
+    python: str | None = Field(
+        None, min_length=1, description="the Python with sglang installed (its own venv); unset: this Python")
+    urls: list[str] = Field(
+        default_factory=list, description="already-running servers to use instead of starting any")
+    tp_size: int = Field(1, ge=1, description="tensor parallel GPUs per server")
+    base_port: int = Field(30000, ge=1024, le=65000)
+    mem_fraction_static: float | None = Field(None, gt=0, le=1)
+    weight_update: Literal["disk", "tensor", "distributed"] = Field(
+        "disk", description="how new weights reach the servers: a safetensors directory they load, tensors sent "
+        "over HTTP, or a torch.distributed group (NCCL)")
+    startup_timeout_s: float = Field(600.0, gt=0)
+    extra_args: list[str] = Field(default_factory=list, description="more `sglang.launch_server` arguments")
+
+
 class RolloutSpec(_Section):
     """How completions are sampled."""
 
-    engine: Literal["embedded", "server"] = Field(
-        "embedded", description="overlapped modes: the continuous engine in-process, or a supervised rollout "
-        "server process reached over HTTP (sync always samples in-process)")
+    _LATE_FIELDS: ClassVar[tuple[str, ...]] = ("sglang", "threads")
+
+    engine: Literal["embedded", "server", "sglang"] = Field(
+        "embedded", description="overlapped modes: the continuous engine in-process, a supervised rollout "
+        "server process reached over HTTP, or SGLang servers (rollout.sglang; GPU nodes) (sync always samples "
+        "in-process)")
     prompts_per_step: int = Field(32, ge=1)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -357,16 +382,59 @@ class RolloutSpec(_Section):
     update_mode: Literal["in_flight", "finish_old"] = Field(
         "in_flight", description="what running requests do at a weight update: continue on the new weights, "
         "or finish on the old ones first")
+    threads: int = Field(
+        0, ge=0, description="CPU threads of the rollout engine (placement: the producer thread in-process, the "
+        "rollout server process); 0: torch's default")
+    sglang: SGLangSpec | None = Field(None, description="the SGLang servers when rollout.engine is 'sglang'")
+
+    @model_validator(mode="after")
+    def _sglang_settings(self) -> RolloutSpec:
+        if self.engine == "sglang" and self.sglang is None:
+            self.sglang = SGLangSpec()
+        if self.sglang is not None and self.engine != "sglang":
+            raise ValueError(f"rollout.sglang: only used with rollout.engine: sglang, got engine {self.engine!r}")
+        return self
 
 
 class TrainerSpec(_Section):
-    """Optimizer details the algorithm does not own."""
+    """Optimizer details the algorithm does not own, and how the trainer is laid out (processes, parallelism)."""
 
-    backend: Literal["torch"] = "torch"
+    _LATE_FIELDS: ClassVar[tuple[str, ...]] = (
+        "world_size", "strategy", "grad_accum", "precision", "tensor_parallel", "pipeline_parallel", "devices")
+
+    backend: Literal["torch", "megatron"] = Field(
+        "torch", description="torch (one process, or DDP/FSDP2 ranks under torchrun) or megatron (Megatron-core "
+        "GPTModel built from the HF config; GPU only)")
     minibatches: int = Field(1, ge=1)
     grad_clip: float = Field(1.0, gt=0)
     weight_decay: float = Field(0.0, ge=0)
-    threads: int = Field(0, ge=0, description="torch CPU threads; 0 keeps torch's default")
+    threads: int = Field(0, ge=0, description="torch CPU threads per trainer process; 0 keeps torch's default")
+    world_size: int = Field(
+        1, ge=1, le=1024, description="data-parallel trainer processes (torchrun ranks); 1: in the loop's process")
+    strategy: Literal["fsdp", "ddp"] = Field(
+        "fsdp", description="with world_size > 1: FSDP2 fully_shard, or DDP (where FSDP cannot run)")
+    grad_accum: int = Field(1, ge=1, description="micro-batches accumulated per optimizer step on each rank")
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32", description="bf16: bf16 compute on GPUs with a float32 master copy of the weights")
+    tensor_parallel: int = Field(1, ge=1, description="Megatron tensor-parallel size")
+    pipeline_parallel: int = Field(1, ge=1, description="Megatron pipeline-parallel size")
+    devices: list[int] | None = Field(
+        None, description="placement: CUDA device indices for the trainer ranks; unset: CPU here, cuda:rank on GPUs")
+
+    @model_validator(mode="after")
+    def _layout(self) -> TrainerSpec:
+        if self.backend != "megatron" and (self.tensor_parallel > 1 or self.pipeline_parallel > 1):
+            raise ValueError(f"trainer.tensor_parallel / trainer.pipeline_parallel: need trainer.backend: megatron, "
+                             f"got backend {self.backend!r} with tensor_parallel {self.tensor_parallel} and "
+                             f"pipeline_parallel {self.pipeline_parallel}")
+        model_parallel = self.tensor_parallel * self.pipeline_parallel
+        if self.world_size % model_parallel:
+            raise ValueError(f"trainer.world_size: must be a multiple of tensor_parallel * pipeline_parallel = "
+                             f"{model_parallel}, got {self.world_size}")
+        if self.devices is not None and len(self.devices) != self.world_size:
+            raise ValueError(f"trainer.devices: one CUDA device per rank (world_size {self.world_size}), got "
+                             f"{self.devices}")
+        return self
 
 
 class ScheduleSpec(_Section):
