@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from factory.core.rollout.base import RolloutEngine, SamplingParams
 from factory.envs.arithmetic import Problem
 from factory.envs.tasks import verify as reward
+from factory.models.prompting import prompt_ids
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,7 @@ class EvalResult:
 def evaluate(engine: RolloutEngine, tokenizer, problems: list[Problem], max_new_tokens: int,
              k: int = 0, temperature: float = 1.0, seed: int = 0) -> EvalResult:
     """Greedy accuracy on `problems`; with k > 0 also pass@k from k samples at `temperature`."""
-    prompts = [tokenizer(p.prompt).input_ids for p in problems]
+    prompts = [prompt_ids(tokenizer, p.prompt) for p in problems]
     greedy = engine.generate(prompts, SamplingParams(n=1, greedy=True, max_new_tokens=max_new_tokens))
     correct = [reward(g[0].text, p) for g, p in zip(greedy, problems, strict=True)]
     levels: dict[str, list[float]] = {}

@@ -44,6 +44,7 @@ from factory.envs.protocol import load_environment, tokens_from_session
 from factory.envs.workers import Episode, Scored, make_environment
 from factory.models.build import policy_positions
 from factory.models.checkpoint import remove_checkpoint, save_checkpoint
+from factory.models.prompting import prompt_ids
 from factory.ops.supervisor import CONNECTION_ERRORS, ServiceProcess, ServiceUnavailable
 
 
@@ -407,7 +408,7 @@ def _prompt_ids(tok: PreTrainedTokenizerFast, problem: Problem, spec: Experiment
     """The prompt's tokens; a prompt too long for the model's `limit` positions (a file source's row) or that the
     tokenizer cannot read is an error naming it."""
     try:
-        ids = tok(problem.prompt).input_ids
+        ids = prompt_ids(tok, problem.prompt)
     except Exception as e:  # a character tokenizer meets a character it does not have
         raise ValueError(f"prompt {problem.id!r} of source {problem.meta.get('source')!r} cannot be tokenized by the "
                          f"model's tokenizer (task {spec.task.name}'s alphabet): {e}") from None

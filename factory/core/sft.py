@@ -20,6 +20,7 @@ from factory.core.rollout.embedded import EmbeddedEngine
 from factory.core.trainer.batch import pack
 from factory.core.trainer.torch_trainer import TorchTrainer
 from factory.envs.arithmetic import Problem
+from factory.models.prompting import answer_ids, prompt_ids
 
 CHECK_SAMPLE = 256
 
@@ -34,13 +35,12 @@ def run_sft(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, train: l
     trainer = TorchTrainer(model, lr=spec.lr)
     warmup = max(1, min(spec.steps, 1000) // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda s: min(1.0, (s + 1) / warmup))
-    eos = tokenizer.eos_token_id
     check = random.Random(f"sft-check-{seed}").sample(train, min(CHECK_SAMPLE, len(train)))
     metrics: dict[str, float] = {"steps": 0.0}
     for step in range(spec.steps):
         batch_problems = rng.sample(train, min(spec.batch_size, len(train)))
-        prompts = [tokenizer(p.prompt).input_ids for p in batch_problems]
-        answers = [tokenizer(p.answer, add_special_tokens=False).input_ids + [eos] for p in batch_problems]
+        prompts = [prompt_ids(tokenizer, p.prompt) for p in batch_problems]
+        answers = [answer_ids(tokenizer, p.answer) for p in batch_problems]
         batch = pack(prompts, answers, tokenizer.pad_token_id)
         metrics = trainer.step(batch, lambda logp, b: sft_loss(logp, b.loss_mask))
         metrics["steps"] = float(step + 1)

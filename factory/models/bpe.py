@@ -4,7 +4,9 @@
 text shipped with Factory (the word and code problem suites) plus generated arithmetic, with digits split
 one per token (`Digits(individual_digits=True)` before `ByteLevel`, as Qwen and Llama do: multi-digit
 merges would make carries unlearnable), ChatML special tokens and a ChatML chat template, and saves it with
-a randomly initialised Qwen2 model sized like the `tiny` preset. Tests, examples and benchmarks use it as
+a randomly initialised Qwen2 model sized like the `tiny` preset. Its eos token is `<|im_end|>` (the end of a
+reply, as in Qwen's instruct models), so prompts rendered with the template (`models/prompting.py`) and
+replies ending in eos read as ChatML conversations. Tests, examples and benchmarks use it as
 the "bring your own model" directory (`model.path`) without downloading anything. Same seed, same bytes.
 """
 
@@ -43,6 +45,9 @@ def training_text(seed: int = 0, arithmetic_lines: int = 2000) -> list[str]:
             if raw.strip():
                 r = json.loads(raw)
                 lines.extend(str(v) for k, v in r.items() if k in ("question", "answer", "prompt", "solution"))
+    # The chat template's role names, often enough to merge into one token each (a prompt then costs a few tokens
+    # of template, not one per letter of "assistant").
+    lines.extend(f"{role}\n" for role in ("system", "user", "assistant", "tool") for _ in range(200))
     rng = random.Random(f"bpe-{seed}")
     for _ in range(arithmetic_lines):
         a, b = rng.randint(0, 999999), rng.randint(0, 999999)
@@ -65,8 +70,10 @@ def build_bpe_tokenizer(seed: int = 0, vocab_size: int = 512) -> PreTrainedToken
     tok.train_from_iterator(training_text(seed), trainer=trainer)
     # A leading bos gives the first prompt token a fixed context, as Llama's tokenizers do.
     tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, tok.token_to_id(BOS))])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS,
-                                   extra_special_tokens=[IM_START, IM_END], padding_side="left")
+    # eos is the end of a turn, as in Qwen's instruct tokenizers: replies (SFT answers, sampled completions)
+    # end with <|im_end|>, which the engines stop on and the chat template closes each message with.
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=IM_END,
+                                   extra_special_tokens=[IM_START, EOS], padding_side="left")
     fast.chat_template = CHAT_TEMPLATE
     return fast
 

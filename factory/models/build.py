@@ -75,9 +75,10 @@ def policy_positions(spec: ExperimentSpec, model: PreTrainedModel) -> int | None
 def check_prompt_fits(spec: ExperimentSpec, tokenizer: PreTrainedTokenizerFast, positions: int, where: str) -> None:
     """The task's longest prompt under `tokenizer`, plus rollout.max_new_tokens, must fit `positions`."""
     from factory.envs.tasks import longest_prompts
+    from factory.models.prompting import prompt_ids
 
     texts = longest_prompts(spec.task, spec.data)
-    prompt = max(len(tokenizer(t).input_ids) for t in texts)
+    prompt = max(len(prompt_ids(tokenizer, t)) for t in texts)
     new = spec.rollout.max_new_tokens
     if prompt + new > positions:
         raise ValueError(f"model.max_positions: the longest prompt of task {spec.task.name} is {prompt} tokens under "

@@ -36,9 +36,10 @@ def test_words_merge_into_subwords_and_numbers_still_split(tok):
 
 
 def test_special_tokens_and_vocab(tok, bpe_model_dir):
-    assert (tok.pad_token, tok.bos_token, tok.eos_token) == (PAD, BOS, EOS)
+    # eos ends a reply (ChatML's end of turn, as Qwen's instruct tokenizers have it)
+    assert (tok.pad_token, tok.bos_token, tok.eos_token) == (PAD, BOS, IM_END)
     assert len({tok.pad_token_id, tok.bos_token_id, tok.eos_token_id}) == 3
-    for t in (IM_START, IM_END):  # special: one token each, never split
+    for t in (IM_START, IM_END, EOS):  # special: one token each, never split
         assert len(tok(t, add_special_tokens=False).input_ids) == 1
     assert len(tok) == 512
     config = json.loads((bpe_model_dir / "config.json").read_text())

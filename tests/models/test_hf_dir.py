@@ -13,7 +13,7 @@ from factory.cli import main
 from factory.config import SFTSpec, apply_overrides, load_spec, parse_spec
 from factory.core.sft import run_sft
 from factory.envs.tasks import make_task_splits
-from factory.models.bpe import EOS, build_bpe_model_dir
+from factory.models.bpe import IM_END, build_bpe_model_dir
 from factory.models.build import policy_for
 from factory.models.hf import ModelDirError, load_model_dir
 
@@ -27,7 +27,7 @@ def quickstart_with(path, **overrides):
 def test_loads_the_model_and_its_own_tokenizer(bpe_model_dir):
     model, tok = load_model_dir(bpe_model_dir)
     assert model.config.model_type == "qwen2" and model.dtype == torch.float32
-    assert tok.eos_token == EOS and tok.pad_token_id not in (None, tok.eos_token_id)
+    assert tok.eos_token == IM_END and tok.pad_token_id not in (None, tok.eos_token_id)
     assert tok.padding_side == "left"
     assert tok.convert_ids_to_tokens(tok("12+34=").input_ids[1:]) == list("12+34=")
 
@@ -111,10 +111,11 @@ def test_policy_for_switches_to_the_path_model(bpe_model_dir):
 
 
 def test_prompt_too_long_for_max_positions_names_it(bpe_model_dir):
-    # The quickstart's longest prompt is <bos> + 3 + 1 + 3 + 1 = 9 BPE tokens; 9 + 8 new tokens > 16.
-    spec = quickstart_with(bpe_model_dir, **{"model.max_positions": 16})
-    with pytest.raises(ValueError, match=r"model.max_positions: .* is 9 tokens .* needs 17 positions, but the model "
-                                         r"has 16 \(model.max_positions\)"):
+    # The quickstart's longest prompt in ChatML is <|im_start|> user \n + 3 + 1 + 3 + 1 + <|im_end|> \n
+    # <|im_start|> assistant \n = 16 BPE tokens; 16 + 8 new tokens > 20.
+    spec = quickstart_with(bpe_model_dir, **{"model.max_positions": 20})
+    with pytest.raises(ValueError, match=r"model.max_positions: .* is 16 tokens .* needs 24 positions, but the model "
+                                         r"has 20 \(model.max_positions\)"):
         policy_for(spec)
 
 
