@@ -698,11 +698,15 @@ class ExperimentSpec(_Section):
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
 
     def warm_start_fingerprint(self) -> str:
-        """What the SFT warm start depends on (model, task, SFT settings, seed, generation budget): runs that
-        differ only in RL settings share one warm start."""
+        """What the SFT warm start depends on (model, task, SFT settings, seed, generation budget, and a
+        `model.path` directory's contents): runs that differ only in RL settings share one warm start."""
         parts = {"model": self.model.model_dump(mode="json"), "task": self.task.model_dump(mode="json"),
                  "sft": self.sft.model_dump(mode="json"), "seed": self.seed,
                  "max_new_tokens": self.rollout.max_new_tokens}
+        if self.model.path is not None:  # a path names a directory, not its weights: key by what is in it
+            from factory.models.hf import model_dir_digest
+
+            parts["model_dir_sha256"] = model_dir_digest(self.model.path)
         return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
     def to_json(self) -> str:

@@ -185,3 +185,14 @@ def test_code_shipped_in_the_directory_never_runs(tmp_path, bpe_model_dir):
                                             f"model.trust_remote_code is off"):
         load_model_dir(d)
     assert not marker.exists()
+
+
+def test_warm_start_is_keyed_by_the_directory_contents(tmp_path):
+    d = build_bpe_model_dir(tmp_path / "m", seed=0, vocab_size=300, preset="micro")
+    spec = quickstart_with(d)
+    before = spec.warm_start_fingerprint()
+    assert quickstart_with(d).warm_start_fingerprint() == before  # same files, same key
+    build_bpe_model_dir(d, seed=1, vocab_size=300, preset="micro")  # other weights saved under the same path
+    assert quickstart_with(d).warm_start_fingerprint() != before
+    build_bpe_model_dir(d, seed=0, vocab_size=300, preset="micro")  # the same bytes again: the same key again
+    assert quickstart_with(d).warm_start_fingerprint() == before
