@@ -278,6 +278,37 @@ class SGLangEngine:
                 shutil.rmtree(tmp)
         self.update_weights_from_disk(target, version)
 
+    def post_checked(self, endpoint: str, payload: dict[str, Any], what: str) -> dict[str, Any]:
+        """POST to one of SGLang's {"success", "message"} endpoints (weight updates, groups); a refusal
+        (HTTP 400 with success false) is an error naming `what`, the endpoint and the server."""
+        r = self._request("POST", endpoint, payload, ok_statuses=(200, 400))
+        body = self._json(r, endpoint)
+        if not isinstance(body, dict) or body.get("success") is not True:
+            msg = body.get("message") if isinstance(body, dict) else body
+            raise SGLangError(endpoint, f"{self.base_url} refused {what}: {msg}", r.status_code)
+        return body
+
+    def server_weight_version(self) -> str | None:
+        """The server's weight_version label: GET /model_info (current servers), else /get_model_info
+        (older ones; deprecated since), else /get_weight_version (older still; now answers 404)."""
+        for endpoint in ("/model_info", "/get_model_info", "/get_weight_version"):
+            r = self._request("GET", endpoint, ok_statuses=(200, 404))
+            if r.status_code == 200:
+                body = self._json(r, endpoint)
+                if not isinstance(body, dict):
+                    raise SGLangError(endpoint, f"expected an object, got {type(body).__name__}")
+                label = body.get("weight_version")
+                return None if label is None else str(label)
+        raise SGLangError("/model_info", f"{self.base_url} answers none of /model_info, /get_model_info, "
+                                         "/get_weight_version")
+
+    def pause_generation(self, mode: str = "in_place") -> None:
+        """POST /pause_generation {"mode"} (PauseGenerationReqInput: "abort" | "retract" | "in_place")."""
+        self._request("POST", "/pause_generation", {"mode": mode})
+
+    def continue_generation(self) -> None:
+        self._request("POST", "/continue_generation", {})
+
     def flush_cache(self) -> None:
         """Ask the server to drop its prefix (radix) cache. SGLang skips the flush while requests are
         running or waiting and still answers 200, so this is a request, not a guarantee."""

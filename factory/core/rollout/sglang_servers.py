@@ -1,0 +1,193 @@
+"""SGLang server processes: launch N of them from `SGLangSpec`, wait for /health, restart, stop.
+
+Owns the command line and the process lifecycle, nothing about requests. Each server is one
+`ops.supervisor.ServiceProcess` (own session/process group, log file appended across restarts,
+bounded restarts with the circuit breaker, killed with the trainer):
+
+    <python> -m sglang.launch_server --model-path M --host 127.0.0.1 --port base_port+i
+        --tp-size T --base-gpu-id i*T [--mem-fraction-static F] <extra_args>
+
+`python` is `spec.python` (sglang's own venv: it replaces the CPU torch, so it never lives in
+Factory's venv) or this interpreter. With a placement (`gpus`: the GPU ids lent to rollout), each
+server gets `CUDA_VISIBLE_DEVICES` = its T GPUs and `--base-gpu-id 0`. With `spec.urls`, nothing is
+started: the servers there are only waited on (/health, bounded by startup_timeout_s).
+
+Errors name the server (index, url), its log file and the log's last lines: a server that exits
+during startup, one not healthy within startup_timeout_s, one that keeps dying.
+
+What was NOT run: a real `sglang.launch_server` (no GPU, sglang not installed here). The tests
+start `tests/core/fake_sglang_server.py` through the same code path (a `python` wrapper that runs
+it instead of `-m sglang.launch_server`), so the command line, /health polling, logs, restarts and
+stop are exercised, but not SGLang's own startup (minutes; its /health answers 503 while it warms
+up, which the poll treats as "not yet"), nor CUDA_VISIBLE_DEVICES on real GPUs.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+
+from factory.config import SGLangSpec
+from factory.ops.supervisor import ServiceProcess, ServiceUnavailable
+
+LAUNCH_MODULE = "sglang.launch_server"
+
+
+class SGLangServerError(RuntimeError):
+    """An SGLang server could not be started, kept alive or reached; the message names it and its log."""
+
+
+def launch_command(spec: SGLangSpec, model_path: str | Path, index: int, *, python: str | None = None,
+                   module: str = LAUNCH_MODULE, placed: bool = False) -> list[str]:
+    """The argv of server `index` (`placed`: CUDA_VISIBLE_DEVICES already narrows it to its GPUs)."""
+    argv = [python or spec.python or sys.executable, "-m", module, "--model-path", str(model_path),
+            "--host", "127.0.0.1", "--port", str(spec.base_port + index), "--tp-size", str(spec.tp_size),
+            "--base-gpu-id", str(0 if placed else index * spec.tp_size)]
+    if spec.mem_fraction_static is not None:
+        argv += ["--mem-fraction-static", repr(spec.mem_fraction_static)]
+    return argv + list(spec.extra_args)
+
+
+def _wait_healthy(url: str, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    last = "no answer yet"
+    with httpx.Client(timeout=2.0) as client:
+        while time.monotonic() < deadline:
+            try:
+                r = client.get(url + "/health")
+                if r.status_code == 200:
+                    return
+                last = f"HTTP {r.status_code}"
+            except httpx.HTTPError as e:
+                last = f"{type(e).__name__}: {e}"
+            time.sleep(0.1)  # polling readiness, bounded by the deadline
+    raise SGLangServerError(f"{what}: not healthy at {url}/health after {timeout:g} s "
+                            f"(rollout.sglang.startup_timeout_s; last: {last})")
+
+
+class _SGLangProcess(ServiceProcess):
+    """A `ServiceProcess` whose first start can skip the health wait, so that N servers start side by
+    side: the processes are spawned from the caller's (long-lived) thread, since the supervisor ties
+    each child's life to the thread that spawned it, and only the /health polls run in threads."""
+
+    defer_wait = False
+
+    def _wait_healthy(self) -> None:
+        if not self.defer_wait:
+            super()._wait_healthy()
+
+    def wait_healthy(self) -> None:
+        super()._wait_healthy()
+
+
+class SGLangServers:
+    """The SGLang servers of one run: started (or found at `spec.urls`), supervised, stopped.
+
+    `gpus`: GPU ids for rollout (placement); server i gets gpus[i*T:(i+1)*T]. `module`: what
+    `-m` runs (tests substitute a fake). `max_restarts`/`breaker_*`: as `ServiceProcess`.
+    """
+
+    def __init__(self, spec: SGLangSpec, model_path: str | Path | None, log_dir: str | Path, *,
+                 gpus: Sequence[int] | None = None, module: str = LAUNCH_MODULE, max_restarts: int = 3,
+                 breaker_restarts: int = 3, breaker_window_s: float = 600.0):
+        self.spec = spec
+        self.log_dir = Path(log_dir)
+        self.external = bool(spec.urls)
+        self.services: list[_SGLangProcess] = []
+        if self.external:
+            self.urls = [u.rstrip("/") for u in spec.urls]
+            return
+        if model_path is None:
+            raise SGLangServerError("rollout.sglang: starting servers needs a model path (or give rollout.sglang.urls)")
+        if gpus is not None and len(gpus) < spec.servers * spec.tp_size:
+            raise SGLangServerError(f"rollout.sglang: {spec.servers} servers x tp_size {spec.tp_size} need "
+                                    f"{spec.servers * spec.tp_size} GPUs, placement gives {len(gpus)}: {list(gpus)}")
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        for i in range(spec.servers):
+            env = None
+            if gpus is not None:
+                env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus[i * spec.tp_size:(i + 1) * spec.tp_size]))}
+            argv = launch_command(spec, model_path, i, module=module, placed=gpus is not None)
+            self.services.append(_SGLangProcess(
+                f"sglang-{i}", argv, port=spec.base_port + i, env=env, log_path=self.log_dir / f"sglang-{i}.log",
+                startup_timeout=spec.startup_timeout_s, max_restarts=max_restarts,
+                breaker_restarts=breaker_restarts, breaker_window_s=breaker_window_s))
+        self.urls = [s.url for s in self.services]
+
+    def describe(self, i: int) -> str:
+        """'sglang-i at URL' (with its log file when Factory started it)."""
+        if self.external:
+            return f"sglang server {i} at {self.urls[i]}"
+        return f"sglang-{i} at {self.urls[i]} (log {self.services[i].log_path})"
+
+    def _failure(self, i: int, e: BaseException) -> SGLangServerError:
+        s = self.services[i]
+        return SGLangServerError(f"{self.describe(i)}: {e}\nlast lines of {s.log_path}:\n{s.log_tail()}")
+
+    def start(self) -> SGLangServers:
+        """Start every server at once (SGLang takes minutes each) and wait until all answer /health."""
+        if self.external:
+            for i, url in enumerate(self.urls):
+                _wait_healthy(url, self.spec.startup_timeout_s, self.describe(i))
+            return self
+        for s in self.services:
+            s.defer_wait = True
+            try:
+                s.start()
+            finally:
+                s.defer_wait = False
+        errors: dict[int, BaseException] = {}
+
+        def start_one(i: int) -> None:
+            try:
+                self.services[i].wait_healthy()
+            except BaseException as e:  # noqa: BLE001 - collected and raised below, naming the server
+                errors[i] = e
+
+        threads = [threading.Thread(target=start_one, args=(i,), name=f"sglang-wait-{i}", daemon=True)
+                   for i in range(len(self.services))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()  # each start is bounded by startup_timeout_s
+        if errors:
+            self.stop()
+            first = min(errors)
+            raise self._failure(first, errors[first]) from errors[first]
+        return self
+
+    def alive(self, i: int) -> bool:
+        return True if self.external else self.services[i].alive()
+
+    def recover(self, i: int) -> bool:
+        """After a failed call to server i: restart it if it died (True), or wait for its /health again.
+        External servers are not Factory's to restart: an error naming the server."""
+        if self.external:
+            _wait_healthy(self.urls[i], self.spec.startup_timeout_s, self.describe(i))
+            return False
+        try:
+            return self.services[i].recover()
+        except ServiceUnavailable as e:
+            raise self._failure(i, e) from e
+
+    def kill(self, i: int) -> None:
+        """Kill server i's process group (fault injection)."""
+        self.services[i].kill()
+
+    def restarts(self) -> list[int]:
+        return [s.restarts for s in self.services]
+
+    def stop(self) -> None:
+        for s in self.services:
+            s.stop()
+
+    def __enter__(self) -> SGLangServers:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

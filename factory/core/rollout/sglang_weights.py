@@ -1,0 +1,311 @@
+"""How new weights reach SGLang servers: from disk, from tensors, or through a distributed group.
+
+One small interface, `WeightUpdate`: `prepare(state, version)` once on the trainer side, then
+`apply(client, version)` per server (the router runs these side by side and checks each server's
+version afterwards), and `resync(client)` for a server restarted at its initial weights.
+
+Shapes followed (SGLang's native HTTP API: docs "native_api" / "rl" pages and
+`python/sglang/srt/managers/io_struct.py` + `entrypoints/http_server.py`, read 2026-11):
+- disk: POST /update_weights_from_disk {"model_path", "weight_version", "load_format"?}
+  (UpdateWeightFromDiskReqInput) → {"success", "message", "num_paused_requests"}; the directory
+  holds `model.safetensors` with the Hugging Face parameter names and the model's config files.
+- tensor: POST /update_weights_from_tensor {"serialized_named_tensors": [one str per TP rank],
+  "load_format": null, "flush_cache", "weight_version"} (UpdateWeightsFromTensorReqInput) →
+  {"success", "message"}. Each entry is base64 of a pickle of `[(name, tensor), ...]`, what
+  `MultiprocessingSerializer.serialize(named_tensors, output_str=True)` makes (ForkingPickler:
+  CUDA tensors travel as CUDA IPC handles, so the trainer and the server must share the node).
+  CPU tensors are pickled by value here (plain pickle: `torch._utils` / `torch.storage`, which
+  SGLang's allowlisted unpickler accepts), since ForkingPickler's shared-memory path for CPU
+  storage needs the two processes to share an authkey. "flattened_bucket" (needs sglang's
+  FlattenedTensorMetadata class) is not implemented. Sent in buckets of `bucket_bytes`; only the
+  last bucket carries `weight_version` and `flush_cache: true`.
+- distributed: POST /init_weights_update_group {"master_address", "master_port", "rank_offset",
+  "world_size", "group_name", "backend"} (InitWeightsUpdateGroupReqInput) on every server at once
+  while the trainer joins as rank 0 (`init_custom_process_group`, the same rendezvous SGLang
+  uses: tcp:// store on the trainer, a PrefixStore per group name); then per bucket POST
+  /update_weights_from_distributed {"names", "dtypes" ("bfloat16", ...), "shapes", "group_name",
+  "flush_cache", "weight_version"} (UpdateWeightsFromDistributedReqInput) to every server while
+  the trainer broadcasts each tensor from rank 0 in that order.
+
+What was NOT run: any real SGLang server. The tests run all three against
+`tests/core/fake_sglang_server.py`: disk (the fake loads the safetensors), tensor (the fake
+unpickles the payload with an allowlist like SGLang's and checks one entry per TP rank), and
+distributed over gloo on CPU (the fake joins the group with this module's
+`init_custom_process_group` and receives the broadcasts). Not run: CUDA IPC tensors, NCCL, TP > 1
+behind one server, SGLang's own loaders, and the sender-side device-UUID patch SGLang applies
+(`monkey_patch_torch_reductions`) for trainers whose CUDA_VISIBLE_DEVICES differ from the server's.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import io
+import pickle
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from factory.core.rollout.sglang import SGLangEngine, SGLangError
+
+WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
+
+
+class WeightUpdate(Protocol):
+    """One way of moving a version's weights into SGLang servers."""
+
+    def prepare(self, state: dict[str, torch.Tensor], version: int) -> None: ...
+
+    def apply(self, client: SGLangEngine, version: int) -> None: ...
+
+    def resync(self, client: SGLangEngine) -> None: ...
+
+
+def _checked(client: SGLangEngine, endpoint: str, payload: dict[str, Any], what: str) -> dict:
+    return client.post_checked(endpoint, payload, what)
+
+
+def buckets(state: dict[str, torch.Tensor], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """The named tensors in order, cut into runs of at most `bucket_bytes` (a larger tensor alone)."""
+    out: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for name, t in state.items():
+        n = t.numel() * t.element_size()
+        if out[-1] and size + n > bucket_bytes:
+            out.append([])
+            size = 0
+        out[-1].append((name, t))
+        size += n
+    return out if out[0] else []
+
+
+# ------------------------------------------------------------------ disk
+
+
+class DiskUpdate:
+    """Write `weights_dir/v{version:08d}/` (model.safetensors + the model's config files), then every
+    server loads it. `weights_dir` must be readable by the servers at the same path."""
+
+    def __init__(self, weights_dir: str | Path, config_dir: str | Path | None = None, keep: int = 2):
+        self.weights_dir, self.keep = Path(weights_dir), keep
+        self.config_dir = Path(config_dir) if config_dir is not None else None
+        self.path: Path | None = None
+
+    def prepare(self, state: dict[str, torch.Tensor], version: int) -> None:
+        from safetensors.torch import save_file
+
+        self.weights_dir.mkdir(parents=True, exist_ok=True)
+        target = self.weights_dir / f"v{version:08d}"
+        tmp = Path(tempfile.mkdtemp(prefix=f".v{version:08d}-", dir=self.weights_dir))
+        try:
+            # clone(): safetensors refuses tensors that share storage (tied embeddings)
+            save_file({k: v.detach().cpu().contiguous().clone() for k, v in state.items()},
+                      str(tmp / "model.safetensors"))
+            if self.config_dir is not None:
+                for f in self.config_dir.iterdir():
+                    if f.is_file() and not f.name.endswith(WEIGHT_FILES):
+                        shutil.copy2(f, tmp / f.name)
+            if target.exists():
+                shutil.rmtree(target)
+            tmp.rename(target)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+        self.path = target
+        old = sorted(p for p in self.weights_dir.glob("v*") if p.is_dir() and p != target)
+        for p in old[: max(0, len(old) - (self.keep - 1))]:
+            shutil.rmtree(p, ignore_errors=True)
+
+    def apply(self, client: SGLangEngine, version: int) -> None:
+        if self.path is None:
+            raise SGLangError("/update_weights_from_disk", "apply before prepare: no weights written yet")
+        client.update_weights_from_disk(self.path, version, verify=False)  # the router checks versions
+
+    def resync(self, client: SGLangEngine) -> None:
+        if self.path is not None:
+            self.apply(client, int(self.path.name[1:]))
+
+
+# ------------------------------------------------------------------ tensor
+
+
+def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
+    """base64 of a pickle of [(name, tensor)] as SGLang's MultiprocessingSerializer(output_str=True)
+    reads it: CUDA tensors through ForkingPickler (IPC handles), CPU tensors by value."""
+    buf = io.BytesIO()
+    if any(t.is_cuda for _, t in named):
+        from multiprocessing.reduction import ForkingPickler
+
+        import torch.multiprocessing  # noqa: F401 - registers torch's ForkingPickler reductions
+
+        ForkingPickler(buf).dump([(n, t.detach()) for n, t in named])
+    else:
+        pickle.dump([(n, t.detach().contiguous()) for n, t in named], buf)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+class TensorUpdate:
+    """POST the tensors themselves to /update_weights_from_tensor, `bucket_bytes` at a time."""
+
+    endpoint = "/update_weights_from_tensor"
+
+    def __init__(self, tp_size: int = 1, bucket_bytes: int = 512 << 20):
+        self.tp_size, self.bucket_bytes = tp_size, bucket_bytes
+        self.payloads: list[str] = []
+        self.version: int | None = None
+
+    def prepare(self, state: dict[str, torch.Tensor], version: int) -> None:
+        self.payloads = [serialize_named_tensors(b) for b in buckets(state, self.bucket_bytes)]
+        self.version = version
+
+    def apply(self, client: SGLangEngine, version: int) -> None:
+        for i, payload in enumerate(self.payloads):
+            last = i == len(self.payloads) - 1
+            body: dict[str, Any] = {"serialized_named_tensors": [payload] * self.tp_size, "load_format": None,
+                                    "flush_cache": last}
+            if last:
+                body["weight_version"] = str(version)
+            _checked(client, self.endpoint, body, f"bucket {i + 1}/{len(self.payloads)} of version {version}")
+
+    def resync(self, client: SGLangEngine) -> None:
+        if self.version is not None:
+            self.apply(client, self.version)
+
+
+# ------------------------------------------------------------------ distributed
+
+
+def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,
+                              timeout: datetime.timedelta) -> dist.ProcessGroup:
+    """A process group outside the default one (the trainer may have its own), joined the way SGLang's
+    `init_custom_process_group` joins it: rendezvous on `init_method` (rank 0 hosts the tcp store),
+    a PrefixStore named after the group, ranks 0..world_size-1."""
+    from torch.distributed.distributed_c10d import (
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+        rendezvous,
+    )
+
+    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = PrefixStore(group_name, store)
+    pg, _ = _new_process_group_helper(world_size, rank, [], backend, store, group_name=group_name, timeout=timeout)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """'bfloat16' for torch.bfloat16: what the server resolves with getattr(torch, name)."""
+    return str(dtype).removeprefix("torch.")
+
+
+class DistributedUpdate:
+    """Broadcast from the trainer (rank 0) over a group that every server's TP ranks join.
+
+    `tp_sizes[i]`: server i's TP ranks take ranks 1 + sum(tp_sizes[:i]) ... (its `rank_offset`).
+    `device`: where the trainer stages each tensor for the broadcast ("cuda" for NCCL)."""
+
+    def __init__(self, master_address: str, master_port: int, tp_sizes: list[int], *, backend: str = "nccl",
+                 group_name: str = "factory_weights", bucket_bytes: int = 512 << 20, device: str = "cpu",
+                 timeout_s: float = 600.0):
+        self.master_address, self.master_port, self.tp_sizes = master_address, master_port, list(tp_sizes)
+        self.backend, self.group_name, self.bucket_bytes = backend, group_name, bucket_bytes
+        self.device, self.timeout = torch.device(device), datetime.timedelta(seconds=timeout_s)
+        self.world_size = 1 + sum(self.tp_sizes)
+        self.group: dist.ProcessGroup | None = None
+        self.state: dict[str, torch.Tensor] = {}
+
+    def rank_offset(self, i: int) -> int:
+        return 1 + sum(self.tp_sizes[:i])
+
+    def _side_by_side(self, clients: list[SGLangEngine], call: Callable[[int, SGLangEngine], None],
+                      trainer: Callable[[], None]) -> None:
+        """Run `call` on every server in threads while this thread runs the trainer's collective(s)."""
+        errors: dict[int, BaseException] = {}
+
+        def run(i: int, c: SGLangEngine) -> None:
+            try:
+                call(i, c)
+            except BaseException as e:  # noqa: BLE001 - raised below, naming the server
+                errors[i] = e
+
+        threads = [threading.Thread(target=run, args=(i, c), daemon=True) for i, c in enumerate(clients)]
+        for t in threads:
+            t.start()
+        trainer_error: BaseException | None = None
+        try:
+            trainer()
+        except BaseException as e:  # noqa: BLE001 - the servers' errors say more; raised after the joins
+            trainer_error = e
+        for t in threads:
+            t.join(self.timeout.total_seconds())
+        if errors:
+            i = min(errors)
+            raise SGLangError(getattr(errors[i], "endpoint", "?"), f"server {i} ({clients[i].base_url}): "
+                                                                   f"{errors[i]}") from errors[i]
+        if trainer_error is not None:
+            raise trainer_error
+
+    def connect(self, clients: list[SGLangEngine]) -> None:
+        """Form the group: every server's /init_weights_update_group and the trainer's join, at once."""
+        if len(clients) != len(self.tp_sizes):
+            raise ValueError(f"{len(clients)} servers but tp_sizes for {len(self.tp_sizes)}")
+
+        def init(i: int, c: SGLangEngine) -> None:
+            _checked(c, "/init_weights_update_group", {
+                "master_address": self.master_address, "master_port": self.master_port,
+                "rank_offset": self.rank_offset(i), "world_size": self.world_size, "group_name": self.group_name,
+                "backend": self.backend}, f"joining group {self.group_name!r}")
+
+        def join() -> None:
+            self.group = init_custom_process_group(self.backend, f"tcp://{self.master_address}:{self.master_port}",
+                                                   self.world_size, 0, self.group_name, self.timeout)
+
+        self._side_by_side(clients, init, join)
+
+    def prepare(self, state: dict[str, torch.Tensor], version: int) -> None:
+        self.state = state
+
+    def apply_all(self, clients: list[SGLangEngine], version: int) -> None:
+        """One version to every server: per bucket, the servers' requests and the trainer's broadcasts."""
+        if self.group is None:
+            self.connect(clients)
+        parts = buckets(self.state, self.bucket_bytes)
+        for k, part in enumerate(parts):
+            last = k == len(parts) - 1
+            body: dict[str, Any] = {"names": [n for n, _ in part], "dtypes": [dtype_name(t.dtype) for _, t in part],
+                                    "shapes": [list(t.shape) for _, t in part], "group_name": self.group_name,
+                                    "flush_cache": last}
+            if last:
+                body["weight_version"] = str(version)
+
+            def receive(i: int, c: SGLangEngine, body: dict = body, k: int = k) -> None:
+                _checked(c, "/update_weights_from_distributed", body,
+                         f"bucket {k + 1}/{len(parts)} of version {version}")
+
+            def send(part: list = part) -> None:
+                for _, t in part:
+                    dist.broadcast(t.detach().to(self.device).contiguous(), src=0, group=self.group)
+
+            self._side_by_side(clients, receive, send)
+
+    def apply(self, client: SGLangEngine, version: int) -> None:
+        raise SGLangError("/update_weights_from_distributed", "a distributed update reaches every server of the "
+                                                              "group at once: use apply_all")
+
+    def resync(self, client: SGLangEngine) -> None:
+        raise SGLangError("/init_weights_update_group", f"{client.base_url} was restarted and has left the "
+                          f"weight group {self.group_name!r}; a group cannot be rejoined mid-run (use "
+                          "rollout.sglang.weight_update: disk or tensor to survive server restarts)")
+
+    def close(self) -> None:
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None
