@@ -1,0 +1,296 @@
+"""The Megatron backend: HF ↔ Megatron conversion is bit-exact both ways (also through tensor- and pipeline-parallel
+shards), loads strictly into a real GPTModel, and the GPTModel computes the HF model's logprobs and training step.
+
+The conversion tests need no megatron-core. The GPTModel tests skip where megatron-core does not import. Megatron's
+forward assumes CUDA in two places; `megatron_cpu_forward` gives those two a CPU equivalent (see its docstring):
+the rest of the forward and backward is Megatron's own code."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from factory.config import parse_spec
+from factory.core import algorithms
+from factory.core.trainer.batch import pack
+from factory.core.trainer.megatron_convert import (
+    check_supported,
+    fuse_qkv,
+    hf_to_megatron,
+    megatron_to_hf,
+    merge_pipeline,
+    merge_tensor_parallel,
+    pipeline_stage,
+    split_tensor_parallel,
+)
+from factory.core.trainer.torch_trainer import TorchTrainer
+from factory.models.build import build_model
+from factory.models.tokenizer import build_tokenizer
+
+VOCAB = 96
+
+
+def tiny(arch: str, tied: bool, seed: int = 0, **extra) -> PreTrainedModel:
+    """A 2-layer model with grouped-query attention (4 heads, 2 key/value groups)."""
+    config = AutoConfig.for_model(arch, vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, intermediate_size=96, max_position_embeddings=64,
+                                  tie_word_embeddings=tied, rope_theta=10000.0, **extra)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # norms start at 1 and biases at 0: random values make a wrong mapping visible
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", ".bias")):
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+CASES = [("qwen2", True), ("qwen2", False), ("llama", True), ("llama", False)]
+IDS = [f"{a}-{'tied' if t else 'untied'}" for a, t in CASES]
+
+
+def assert_bit_exact(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+# --- conversion on tensors (no megatron-core needed) ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("arch", "tied"), CASES, ids=IDS)
+def test_hf_megatron_hf_round_trip_is_bit_exact(arch, tied):
+    model = tiny(arch, tied)
+    hf = model.state_dict()
+    m = hf_to_megatron(hf, model.config)
+    assert ("output_layer.weight" in m) == (not tied)
+    assert ("decoder.layers.0.self_attention.linear_qkv.bias" in m) == (arch == "qwen2")
+    assert m["decoder.layers.0.self_attention.linear_qkv.weight"].shape == ((4 + 2 * 2) * 16, 64)
+    assert_bit_exact(megatron_to_hf(m, model.config), hf)
+
+
+def test_preset_models_round_trip():
+    tok = build_tokenizer()
+    for preset in ("tiny", "tiny-llama"):
+        model = build_model(preset, tok, seed=1)
+        assert_bit_exact(megatron_to_hf(hf_to_megatron(model.state_dict(), model.config), model.config),
+                         model.state_dict())
+
+
+def test_qkv_is_fused_per_query_group():
+    """Megatron's rows: [q heads of group 0, k0, v0, q heads of group 1, k1, v1]."""
+    model = tiny("qwen2", True)
+    hf, cfg = model.state_dict(), model.config
+    m = hf_to_megatron(hf, cfg)["decoder.layers.1.self_attention.linear_qkv.weight"]
+    q, k, v = (hf[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv")
+    hd = 16
+    group1 = m[4 * hd:]
+    assert torch.equal(group1[:2 * hd], q[2 * hd:]) and torch.equal(group1[2 * hd:3 * hd], k[hd:])
+    assert torch.equal(group1[3 * hd:], v[hd:])
+
+
+@pytest.mark.parametrize(("arch", "tied"), CASES, ids=IDS)
+def test_tensor_parallel_split_merge_round_trip(arch, tied):
+    model = tiny(arch, tied)
+    cfg = model.config
+    full = hf_to_megatron(model.state_dict(), cfg)
+    shards = split_tensor_parallel(full, cfg, 2)
+    qkv = "decoder.layers.0.self_attention.linear_qkv.weight"
+    # Rank 1 holds query group 1 whole (its 2 q heads, k and v), fc1 the second half of gate and of up.
+    hf = model.state_dict()
+    q, k, v = (hf[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv")
+    half = cfg.__class__(**{**cfg.to_dict(), "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16})
+    from factory.core.trainer.megatron_convert import geometry
+    assert torch.equal(shards[1][qkv], fuse_qkv(q[32:], k[16:], v[16:], geometry(half)))
+    gate, up = hf["model.layers.0.mlp.gate_proj.weight"], hf["model.layers.0.mlp.up_proj.weight"]
+    assert torch.equal(shards[1]["decoder.layers.0.mlp.linear_fc1.weight"], torch.cat([gate[48:], up[48:]]))
+    assert shards[0]["decoder.layers.0.self_attention.linear_proj.weight"].shape == (64, 32)
+    assert shards[0]["embedding.word_embeddings.weight"].shape == (VOCAB // 2, 64)
+    assert_bit_exact(merge_tensor_parallel(shards, cfg), full)
+    assert_bit_exact(megatron_to_hf(merge_tensor_parallel(shards, cfg), cfg), hf)
+
+
+def test_tensor_parallel_merge_refuses_disagreeing_replicas():
+    model = tiny("llama", False)
+    shards = split_tensor_parallel(hf_to_megatron(model.state_dict(), model.config), model.config, 2)
+    shards[1]["decoder.final_layernorm.weight"] = shards[1]["decoder.final_layernorm.weight"] + 1
+    with pytest.raises(ValueError, match="decoder.final_layernorm.weight: replicated"):
+        merge_tensor_parallel(shards, model.config)
+
+
+@pytest.mark.parametrize(("arch", "tied"), CASES, ids=IDS)
+def test_pipeline_stages_round_trip(arch, tied):
+    model = tiny(arch, tied)
+    cfg = model.config
+    full = hf_to_megatron(model.state_dict(), cfg)
+    stages = [pipeline_stage(full, cfg, r, 2) for r in range(2)]
+    assert "embedding.word_embeddings.weight" in stages[0] and "embedding.word_embeddings.weight" not in stages[1]
+    assert "decoder.layers.0.mlp.linear_fc2.weight" in stages[1] and "decoder.layers.1.input_layernorm.weight" \
+        not in stages[1]
+    assert "output_layer.weight" in stages[1]  # tied: the last stage's copy of the embedding
+    assert_bit_exact(merge_pipeline(stages, cfg), full)
+
+
+def test_sizes_that_do_not_split_are_named():
+    model = tiny("qwen2", True)
+    with pytest.raises(ValueError, match="num_key_value_heads: 2 is not divisible by trainer.tensor_parallel 4"):
+        split_tensor_parallel(hf_to_megatron(model.state_dict(), model.config), model.config, 4)
+    with pytest.raises(ValueError, match="trainer.pipeline_parallel: must divide num_hidden_layers 2"):
+        pipeline_stage(hf_to_megatron(model.state_dict(), model.config), model.config, 0, 3)
+
+
+def test_missing_and_unknown_keys_are_errors():
+    model = tiny("qwen2", False)
+    hf = model.state_dict()
+    with pytest.raises(ValueError, match="missing 'lm_head.weight'"):
+        hf_to_megatron({k: v for k, v in hf.items() if k != "lm_head.weight"}, model.config)
+    with pytest.raises(ValueError, match="keys the converter does not know.*extra"):
+        hf_to_megatron({**hf, "model.extra": torch.zeros(1)}, model.config)
+
+
+@pytest.mark.parametrize(("arch", "extra", "field"), [
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 16}, "use_sliding_window"),
+    ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}},
+     "rope_parameters.rope_type"),
+    ("llama", {"attention_bias": True}, "attention_bias"),
+    ("qwen2", {"hidden_act": "gelu"}, "hidden_act"),
+    ("qwen2_moe", {}, "model_type"),
+])
+def test_unsupported_configs_name_the_field(arch, extra, field):
+    config = AutoConfig.for_model(arch, num_attention_heads=4, num_key_value_heads=2, hidden_size=64, **extra)
+    with pytest.raises(ValueError, match=f"^{field}"):
+        check_supported(config)
+
+
+# --- a real GPTModel (megatron-core) -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mg():
+    """megatron.core with a 1-rank gloo group and tensor/pipeline parallel 1, torn down after the module."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]')")
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from factory.core.trainer import megatron
+
+    megatron.init_model_parallel(1, 1)
+    yield megatron
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def megatron_cpu_forward(monkeypatch):
+    """Megatron 0.16's forward on CPU torch. Two CUDA assumptions get a CPU stand-in, nothing else:
+    - RotaryEmbedding.get_emb moves its frequency table to `torch.cuda.current_device()` on first use: that
+      device is reported as "cpu", so the table stays where the model is;
+    - DotProductAttention forks the CUDA RNG tracker around attention dropout (p = 0 here, no random numbers are
+      drawn): the fork is a no-op context.
+    The attention mask is always passed explicitly (`megatron_attention_mask`), so Megatron's CUDA default causal
+    mask is never built."""
+    import megatron.core.tensor_parallel.random as mrandom
+
+    class NoForkTracker:
+        def fork(self, name: str = "model-parallel-rng"):
+            return contextlib.nullcontext()
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    monkeypatch.setattr(mrandom, "_CUDA_RNG_STATE_TRACKER", NoForkTracker())
+    monkeypatch.setattr(mrandom, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", True)
+
+
+@pytest.mark.parametrize(("arch", "tied"), CASES, ids=IDS)
+def test_gpt_model_loads_strictly_and_reads_back_bit_exact(mg, arch, tied):
+    model = tiny(arch, tied)
+    gpt = mg.build_gpt_model(model.config)
+    names = set(gpt.state_dict())
+    assert ("output_layer.weight" in names) == (not tied)
+    mg.load_hf_state(gpt, model.state_dict(), model.config)  # load_state_dict(strict=True) inside
+    assert_bit_exact(mg.megatron_state_to_hf(gpt, model.config), model.state_dict())
+
+
+def test_gpt_model_from_preset_and_bpe_model_dir(mg, tmp_path):
+    from factory.models.bpe import build_bpe_model_dir
+
+    hf = AutoModelForCausalLM.from_pretrained(build_bpe_model_dir(tmp_path / "bpe", preset="micro"))
+    gpt = mg.build_gpt_model(hf.config)
+    mg.load_hf_state(gpt, hf.state_dict(), hf.config)
+    assert_bit_exact(mg.megatron_state_to_hf(gpt, hf.config), hf.state_dict())
+
+
+def test_unsupported_config_is_refused_before_building(mg):
+    config = AutoConfig.for_model("qwen2", num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
+                                  use_sliding_window=True, sliding_window=8)
+    with pytest.raises(ValueError, match="use_sliding_window"):
+        mg.build_gpt_model(config)
+
+
+def _batch(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (3, 5, 2, 4)]
+    completions = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (6, 2, 7, 4)]
+    old = [(-torch.rand(len(c), generator=g) - 3.0).tolist() for c in completions]
+    return pack(prompts, completions, pad_id=0, completion_values={"old_logprobs": old},
+                per_seq={"advantages": [1.0, -0.5, 0.7, -1.2]})
+
+
+def _spec(arch: str):
+    return parse_spec({"seed": 0, "model": {"preset": "tiny-llama" if arch == "llama" else "tiny"},
+                       "algorithm": {"group_size": 4, "lr": 1e-3},
+                       "rollout": {"prompts_per_step": 1, "max_new_tokens": 8, "temperature": 0.9},
+                       "trainer": {"backend": "megatron", "grad_clip": 0.5}})
+
+
+@pytest.mark.parametrize(("arch", "tied"), CASES, ids=IDS)
+def test_megatron_trainer_matches_torch_trainer(mg, megatron_cpu_forward, arch, tied):
+    """Same weights, same right-padded batch, same loss function: the same logprobs, loss, gradient norm and
+    entropy, and after one AdamW step the same logprobs again (float tolerance: the kernels differ)."""
+    spec = _spec(arch)
+    model = tiny(arch, tied, seed=3)
+    reference = TorchTrainer(tiny(arch, tied, seed=3), lr=spec.algorithm.lr, grad_clip=spec.trainer.grad_clip,
+                             temperature=spec.rollout.temperature)
+    trainer = mg.make_megatron_trainer(spec, model, device="cpu")
+    batch = _batch()
+    mask = batch.loss_mask
+    torch.testing.assert_close(trainer.logprobs(batch)[mask], reference.logprobs(batch)[mask], atol=2e-5, rtol=1e-5)
+    loss_fn = algorithms.make_loss(spec.algorithm, max_new_tokens=spec.rollout.max_new_tokens)
+    got, want = trainer.step(batch, loss_fn), reference.step(batch, loss_fn)
+    assert trainer.version == reference.version == 1 and got["nonfinite"] == 0.0
+    for key in ("loss", "grad_norm", "entropy"):
+        assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
+    torch.testing.assert_close(trainer.logprobs(batch)[mask], reference.logprobs(batch)[mask], atol=2e-4, rtol=1e-4)
+    # The HF model the loop publishes is kept in step with the trained weights.
+    assert_bit_exact(model.state_dict(), trainer.hf_state_dict())
+    assert not torch.equal(model.state_dict()["model.norm.weight"], tiny(arch, tied, seed=3).state_dict()[
+        "model.norm.weight"])
+
+
+def test_nonfinite_minibatch_is_skipped(mg, megatron_cpu_forward):
+    model = tiny("qwen2", True)
+    trainer = mg.make_megatron_trainer(_spec("qwen2"), model, device="cpu")
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items() if v is not None}
+
+    def nan_loss(logp, batch):
+        return (logp * batch.loss_mask).sum() * float("nan"), {}
+
+    metrics = trainer.step(_batch(), nan_loss)
+    assert metrics["nonfinite"] == 1.0 and trainer.version == 0
+    after = trainer.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_make_megatron_trainer_reads_the_spec(mg):
+    model = tiny("qwen2", True)
+    with pytest.raises(ValueError, match="trainer.backend: make_megatron_trainer needs 'megatron'"):
+        mg.make_megatron_trainer(parse_spec({"model": {"preset": "tiny"}}), model, device="cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="trainer.backend: megatron runs on CUDA GPUs"):
+            mg.make_megatron_trainer(_spec("qwen2"), model)
+    tp2 = parse_spec({**_spec("qwen2").model_dump(mode="json"),
+                      "trainer": {"backend": "megatron", "tensor_parallel": 2, "world_size": 2}})
+    with pytest.raises(ValueError, match=r"Megatron is already initialised with \(1, 1\)"):
+        mg.make_megatron_trainer(tp2, model, device="cpu")
