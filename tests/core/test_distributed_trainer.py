@@ -1,0 +1,227 @@
+"""DistributedTrainer: 2 gloo ranks (FSDP2 and DDP) against one process, grad_accum against none, the gathered
+HF checkpoint, and the torchrun launcher's error surfacing.
+
+Run as a script (by `run_ranks`), this file is the rank worker: it loads the job the test wrote, trains it with
+`DistributedTrainer` and writes every rank's metrics and rank 0's checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from factory.config import AlgorithmSpec
+from factory.core import algorithms
+from factory.core.trainer.batch import TrainBatch, pack
+from factory.core.trainer.distributed import DistributedTrainer
+from factory.core.trainer.torch_trainer import TorchTrainer
+from factory.models.build import build_model
+from factory.models.tokenizer import build_tokenizer
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 4
+ROWS = 10  # per batch: 5 prompts x 2 samples; 2 minibatches of 5 rows split 3/2 over 2 ranks (unequal shards)
+MINIBATCHES = 2
+LR = 3e-3
+# Measured (2 ranks vs 1 process, fp32, CPU, 4 steps x 2 minibatches): the loss, grad-norm, entropy, clip and KL
+# curves agree to <= 1e-6 (loss <= 1e-7). Weights agree to ~1e-7 except a few elements whose true gradient is ~0
+# (k_proj.bias: softmax ignores it), where AdamW divides float noise by its own tiny norm: up to 3.6e-5 of the
+# ~2e-2 the weights moved. So: every element within 2e-4 (1% of the move), and on average within 1e-7.
+LOSS_TOL = 1e-5
+WEIGHT_TOL = 2e-4
+WEIGHT_MEAN_TOL = 1e-7
+LOGIT_TOL = 1e-4
+
+
+def _algorithm(name: str) -> AlgorithmSpec:
+    return AlgorithmSpec(name=name, group_size=2, kl_coef=0.05, lr=LR)
+
+
+def _batches(tok, model) -> list[TrainBatch]:
+    """Fixed GRPO batches: varied prompt/completion lengths, a masked (environment) span, off-policy old
+    logprobs (the start model's plus noise, so ratios clip sometimes), a reference for the KL term."""
+    g = torch.Generator().manual_seed(1234)
+    vocab = len(tok)
+    out = []
+    start = TorchTrainer(model, lr=0.0)
+    for _ in range(STEPS):
+        prompts, comps, masks = [], [], []
+        for _ in range(ROWS):
+            p = torch.randint(3, vocab, (int(torch.randint(2, 7, (1,), generator=g)),), generator=g).tolist()
+            c = torch.randint(3, vocab, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist()
+            m = [1] * len(c)
+            if len(c) > 4:
+                m[1:3] = [0, 0]
+            prompts.append([tok.bos_token_id, *p])
+            comps.append(c)
+            masks.append(m)
+        rewards = torch.randint(0, 2, (ROWS,), generator=g).float()
+        adv = algorithms.group_advantages(rewards, 2)
+        batch = pack(prompts, comps, tok.pad_token_id, {"old_logprobs": [[0.0] * len(c) for c in comps]},
+                     {"advantages": adv.tolist()}, completion_masks=masks)
+        lp = start.logprobs(batch)
+        batch.per_token["ref_logprobs"] = lp
+        batch.per_token["old_logprobs"] = lp + 0.3 * torch.randn(lp.shape, generator=g)
+        out.append(batch)
+    return out
+
+
+def _job(tmp: Path) -> Path:
+    tok = build_tokenizer()
+    model = build_model("tiny", tok, seed=0)
+    job = {"state": model.state_dict(), "batches": [vars(b) for b in _batches(tok, model)]}
+    path = tmp / "job.pt"
+    torch.save(job, path)
+    return path
+
+
+def _load_job(path: Path):
+    job = torch.load(path, weights_only=False)
+    tok = build_tokenizer()
+    model = build_model("tiny", tok, seed=0)
+    model.load_state_dict(job["state"])
+    return tok, model, [TrainBatch(**b) for b in job["batches"]]
+
+
+def _train(trainer, batches: list[TrainBatch], algo: AlgorithmSpec) -> list[dict[str, float]]:
+    loss_fn = algorithms.make_loss(algo, max_new_tokens=16)
+    shuffle = torch.Generator().manual_seed(7)
+    return [trainer.step(b, loss_fn, MINIBATCHES, generator=shuffle) for b in batches]
+
+
+def _curve(history: list[dict[str, float]], key: str) -> torch.Tensor:
+    return torch.tensor([h[key] for h in history], dtype=torch.float64)
+
+
+# ---------------------------------------------------------------- the rank worker (run by torchrun)
+
+
+def _worker(job: str, out: str, strategy: str, algo_name: str, grad_accum: str) -> None:
+    from factory.core.trainer.distributed import init_ranks
+
+    rank, world = init_ranks(threads=1, timeout_s=120)
+    tok, model, batches = _load_job(Path(job))
+    algo = _algorithm(algo_name)
+    trainer = DistributedTrainer(model, lr=LR, aggregation=algo.aggregation(), strategy=strategy,
+                                 grad_accum=int(grad_accum))
+    history = _train(trainer, batches, algo)
+    lp = trainer.logprobs(batches[0])
+    out_dir = Path(out)
+    (out_dir / f"rank{rank}.json").write_text(json.dumps({
+        "history": [{k: v for k, v in h.items() if k != "train_s"} for h in history],
+        "version": trainer.version, "world": world, "logprobs_sum": float(lp[batches[0].loss_mask].sum())}))
+    trainer.save_full_checkpoint(tok, out_dir / "ckpt", meta={"strategy": strategy})
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _worker(*sys.argv[1:])
+    sys.exit(0)
+
+
+# ---------------------------------------------------------------- tests
+
+import functools  # noqa: E402
+
+import pytest  # noqa: E402
+
+from factory.core.trainer.launch import RanksFailed, RanksTimedOut, run_ranks  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory) -> Path:
+    return _job(tmp_path_factory.mktemp("dp-job"))
+
+
+@functools.cache
+def _reference(job: Path, algo_name: str):
+    """One process, the plain TorchTrainer: the curve and weights the ranks must reproduce."""
+    _, model, batches = _load_job(job)
+    algo = _algorithm(algo_name)
+    history = _train(TorchTrainer(model, lr=LR), batches, algo)
+    return history, model
+
+
+@pytest.mark.parametrize(("strategy", "algo_name", "grad_accum"), [
+    ("fsdp", "grpo", 1),  # per-sequence mean: FSDP2 fully_shard on gloo
+    ("ddp", "dapo", 2),  # per-token mean over the batch, with 2 micro-batches per rank
+])
+def test_two_ranks_match_one_process(job, tmp_path, strategy, algo_name, grad_accum):
+    from transformers import AutoModelForCausalLM
+
+    run_ranks(2, __file__, [job, tmp_path, strategy, algo_name, grad_accum], timeout=300,
+              env={"PYTHONPATH": str(REPO)}, cwd=REPO)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["world"] == 2
+    assert ranks[0]["history"] == ranks[1]["history"]  # every rank reports the same, bit for bit
+    ref_hist, ref_model = _reference(job, algo_name)
+    hist = ranks[0]["history"]
+    assert ranks[0]["version"] == STEPS * MINIBATCHES
+    assert all(h["nonfinite"] == 0.0 for h in hist)
+    for key in ("loss", "grad_norm", "entropy", "clip_frac", "kl"):
+        diff = (_curve(hist, key) - _curve(ref_hist, key)).abs().max().item()
+        assert diff <= LOSS_TOL, f"{strategy}: {key} curve differs from one process by {diff:.3g}"
+    # The curve moved: a test of equality between two runs that learn nothing would pass trivially.
+    assert abs(hist[-1]["kl"] - hist[0]["kl"]) > 100 * LOSS_TOL
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt").eval()
+    ref_state = ref_model.state_dict()
+    diffs = torch.cat([(v - ref_state[k]).abs().flatten() for k, v in loaded.state_dict().items()])
+    assert diffs.max().item() <= WEIGHT_TOL, f"{strategy}: checkpoint weights differ by {diffs.max().item():.3g}"
+    assert diffs.mean().item() <= WEIGHT_MEAN_TOL
+    ids = torch.tensor([[1, 5, 9, 12, 7, 3, 16, 4]])
+    with torch.no_grad():
+        diff = (loaded(input_ids=ids).logits - ref_model.eval()(input_ids=ids).logits).abs().max().item()
+    assert diff <= LOGIT_TOL, f"{strategy}: logits of the checkpoint differ by {diff:.3g}"
+    start = build_model("tiny", build_tokenizer(), seed=0)
+    moved = max((v - start.state_dict()[k]).abs().max().item() for k, v in loaded.state_dict().items())
+    assert moved > 100 * WEIGHT_TOL
+
+
+@pytest.mark.parametrize("algo_name", ["grpo", "dapo"])
+def test_grad_accum_matches_one_batch(job, algo_name):
+    """grad_accum=2 in one process (no process group) against the plain trainer: same curve, same weights."""
+    ref_hist, ref_model = _reference(job, algo_name)
+    _, model, batches = _load_job(job)
+    algo = _algorithm(algo_name)
+    trainer = DistributedTrainer(model, lr=LR, aggregation=algo.aggregation(), grad_accum=2)
+    hist = _train(trainer, batches, algo)
+    for key in ("loss", "grad_norm", "entropy", "clip_frac"):
+        diff = (_curve(hist, key) - _curve(ref_hist, key)).abs().max().item()
+        assert diff <= LOSS_TOL, f"{key} differs by {diff:.3g}"
+    ref_state = ref_model.state_dict()
+    diffs = torch.cat([(v - ref_state[k]).abs().flatten() for k, v in model.state_dict().items()])
+    assert diffs.max().item() <= WEIGHT_TOL and diffs.mean().item() <= WEIGHT_MEAN_TOL
+
+
+def test_wrong_aggregation_gives_a_different_gradient(job):
+    """The unit weighting matters: weighting GRPO's per-sequence loss by tokens moves the curve off one process's
+    (so the matches above are not an accident of equal shards)."""
+    ref_hist, _ = _reference(job, "grpo")
+    _, model, batches = _load_job(job)
+    hist = _train(DistributedTrainer(model, lr=LR, aggregation="token_mean", grad_accum=2), batches,
+                  _algorithm("grpo"))
+    assert (_curve(hist, "loss") - _curve(ref_hist, "loss")).abs().max().item() > 100 * LOSS_TOL
+
+
+def test_unknown_aggregation_is_named():
+    tok = build_tokenizer()
+    with pytest.raises(ValueError, match="aggregation"):
+        DistributedTrainer(build_model("tiny", tok), lr=1e-3, aggregation="median")
+
+
+def test_failing_rank_is_reported_with_its_traceback(tmp_path):
+    script = tmp_path / "boom.py"
+    script.write_text("import os\nif os.environ['RANK'] == '1':\n    raise ValueError('rank one cannot go on')\n")
+    with pytest.raises(RanksFailed, match=r"(?s)rank 1 failed first.*ValueError: rank one cannot go on"):
+        run_ranks(2, script, timeout=120)
+
+
+def test_hung_ranks_are_killed_at_the_timeout(tmp_path):
+    script = tmp_path / "hang.py"
+    script.write_text("import signal\nprint('waiting', flush=True)\nsignal.pause()\n")
+    with pytest.raises(RanksTimedOut, match="did not finish within 3 s"):
+        run_ranks(2, script, timeout=3)
