@@ -49,6 +49,7 @@ class SGLangError(RuntimeError):
     def __init__(self, endpoint: str, message: str, status: int | None = None):
         self.endpoint = endpoint
         self.status = status
+        self.detail = message
         super().__init__(f"SGLang {endpoint}: {message}")
 
 

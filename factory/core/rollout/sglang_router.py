@@ -125,15 +125,15 @@ class SGLangRouter:
             return fn(self.clients[i])
         except SGLangError as e:
             if self.servers is None or not isinstance(e.__cause__, CONNECTION_ERRORS):
-                raise SGLangError(e.endpoint, f"{self.describe(i)}: {e}", e.status) from e
+                raise SGLangError(e.endpoint, f"{self.describe(i)}: {e.detail}", e.status) from e
             with self._update_lock:  # no update lands on a half-synced server
-                if self.servers.recover(i) and self.updater is not None and self.weight_version != 0:
-                    self.updater.resync(self.clients[i])
+                if self.servers.recover(i) and self.updater is not None:
+                    self.updater.resync(self.clients[i])  # a restarted server is back at its initial weights
                 self.clients[i].weight_version = self.weight_version
         try:
             return fn(self.clients[i])
         except SGLangError as e:
-            raise SGLangError(e.endpoint, f"{self.describe(i)} (after a restart): {e}", e.status) from e
+            raise SGLangError(e.endpoint, f"{self.describe(i)} (after a restart): {e.detail}", e.status) from e
 
     # ------------------------------------------------------------ weights
 
@@ -148,7 +148,7 @@ class SGLangRouter:
                 errors.append((i, e))
         if errors:
             i, e = errors[0]
-            raise SGLangError(e.endpoint, f"{self.describe(i)}: {e}", e.status) from e
+            raise SGLangError(e.endpoint, f"{self.describe(i)}: {e.detail}", e.status) from e
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Publish `version` to every server, then check each reports it."""

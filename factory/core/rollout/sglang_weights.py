@@ -248,8 +248,10 @@ class DistributedUpdate:
             t.join(self.timeout.total_seconds())
         if errors:
             i = min(errors)
-            raise SGLangError(getattr(errors[i], "endpoint", "?"), f"server {i} ({clients[i].base_url}): "
-                                                                   f"{errors[i]}") from errors[i]
+            e = errors[i]
+            detail = e.detail if isinstance(e, SGLangError) else repr(e)
+            endpoint = getattr(e, "endpoint", "?")
+            raise SGLangError(endpoint, f"sglang server {i} at {clients[i].base_url}: {detail}") from e
         if trainer_error is not None:
             raise trainer_error
 
@@ -301,6 +303,8 @@ class DistributedUpdate:
                                                               "group at once: use apply_all")
 
     def resync(self, client: SGLangEngine) -> None:
+        if self.group is None:
+            return  # nothing was published yet: its initial weights are current
         raise SGLangError("/init_weights_update_group", f"{client.base_url} was restarted and has left the "
                           f"weight group {self.group_name!r}; a group cannot be rejoined mid-run (use "
                           "rollout.sglang.weight_update: disk or tensor to survive server restarts)")
