@@ -143,6 +143,8 @@ MIN_N_TRAIN = 16
 class TaskSpec(_Section):
     """The arithmetic task family; `digits` are the difficulty levels (operand lengths)."""
 
+    _LATE_FIELDS: ClassVar[tuple[str, ...]] = ("sandbox_cpus",)
+
     name: Literal["arithmetic", "word_problems", "code"] = Field(
         "arithmetic", description="the task family: generated arithmetic, or a shipped set of word problems or "
         "code problems (envs/tasks.py; their models use an ASCII character tokenizer)")
@@ -167,6 +169,9 @@ class TaskSpec(_Section):
     sandbox_isolation: Literal["bwrap", "none"] = Field(
         "bwrap", description="bwrap: generated code runs in bubblewrap namespaces, and the pool refuses to start "
         "without them; none: NOT isolated (rlimits and timeouts only), for trusted code, logged loudly")
+    sandbox_cpus: list[int] | None = Field(
+        None, min_length=1, description="placement: the CPU cores the sandbox workers (generated code) run on; "
+        "unset: any")
 
     @field_validator("digits")
     @classmethod
@@ -363,7 +368,7 @@ class SGLangSpec(_Section):
 class RolloutSpec(_Section):
     """How completions are sampled."""
 
-    _LATE_FIELDS: ClassVar[tuple[str, ...]] = ("sglang", "threads")
+    _LATE_FIELDS: ClassVar[tuple[str, ...]] = ("sglang", "threads", "cpus", "env_cpus")
 
     engine: Literal["embedded", "server", "sglang"] = Field(
         "embedded", description="overlapped modes: the continuous engine in-process, a supervised rollout "
@@ -383,8 +388,13 @@ class RolloutSpec(_Section):
         "in_flight", description="what running requests do at a weight update: continue on the new weights, "
         "or finish on the old ones first")
     threads: int = Field(
-        0, ge=0, description="CPU threads of the rollout engine (placement: the producer thread in-process, the "
-        "rollout server process); 0: torch's default")
+        0, ge=0, description="placement: torch threads of the rollout engine (the continuous engine's thread "
+        "in-process, or the rollout server process); 0: torch's default")
+    cpus: list[int] | None = Field(
+        None, min_length=1, description="placement: the CPU cores the rollout engine runs on; unset: any")
+    env_cpus: list[int] | None = Field(
+        None, min_length=1, description="placement: the CPU cores environment workers (scoring threads in-process, "
+        "or env-serve processes) run on; unset: any")
     sglang: SGLangSpec | None = Field(None, description="the SGLang servers when rollout.engine is 'sglang'")
 
     @model_validator(mode="after")
@@ -400,7 +410,8 @@ class TrainerSpec(_Section):
     """Optimizer details the algorithm does not own, and how the trainer is laid out (processes, parallelism)."""
 
     _LATE_FIELDS: ClassVar[tuple[str, ...]] = (
-        "world_size", "strategy", "grad_accum", "precision", "tensor_parallel", "pipeline_parallel", "devices")
+        "world_size", "strategy", "grad_accum", "precision", "tensor_parallel", "pipeline_parallel", "devices",
+        "cpus")
 
     backend: Literal["torch", "megatron"] = Field(
         "torch", description="torch (one process, or DDP/FSDP2 ranks under torchrun) or megatron (Megatron-core "
@@ -420,6 +431,9 @@ class TrainerSpec(_Section):
     pipeline_parallel: int = Field(1, ge=1, description="Megatron pipeline-parallel size")
     devices: list[int] | None = Field(
         None, description="placement: CUDA device indices for the trainer ranks; unset: CPU here, cuda:rank on GPUs")
+    cpus: list[int] | None = Field(
+        None, min_length=1, description="placement: the CPU cores the trainer's threads run on (its torch threads "
+        "stay on them); unset: any")
 
     @model_validator(mode="after")
     def _layout(self) -> TrainerSpec:

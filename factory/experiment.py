@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-import torch
 from pyiceberg.expressions import EqualTo
 
 import factory
@@ -35,6 +34,7 @@ from factory.lake.writer import Lake
 from factory.models.build import build_model, policy_for
 from factory.models.checkpoint import CheckpointInfo, dir_digest, load_checkpoint, save_checkpoint
 from factory.models.tokenizer import tokenizer_for
+from factory.ops.placement import check_placement, enter, placements
 from factory.progress import Progress
 from factory.tracking import Tracker
 
@@ -56,9 +56,11 @@ def code_version() -> str:
     return f"{factory.__version__}+{sha}" if sha else factory.__version__
 
 
-def set_threads(spec: ExperimentSpec) -> None:
-    if spec.trainer.threads:
-        torch.set_num_threads(spec.trainer.threads)
+def set_threads(spec: ExperimentSpec, log: Log = print) -> None:
+    """Place the calling thread (the trainer's) per the spec (`ops/placement.py`); bad cores are refused here."""
+    for note in check_placement(spec):
+        log(note)
+    enter(placements(spec)["trainer"])
 
 
 # ---------------------------------------------------------------- dataset
@@ -137,7 +139,7 @@ def train_sft_checkpoint(spec: ExperimentSpec, paths: FactoryPaths, splits: Spli
                          model=None, tokenizer=None, steps: int | None = None, name: str | None = None,
                          progress: Report | None = None) -> SFTResult:
     """SFT from scratch (or continue `model`), save an atomic checkpoint, evaluate it held-out."""
-    set_threads(spec)
+    set_threads(spec, log)
     if model is None and tokenizer is None:
         model, tok = policy_for(spec)  # model.path's model and tokenizer, or the preset's
     else:

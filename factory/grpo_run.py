@@ -129,7 +129,7 @@ def run_grpo(spec: ExperimentSpec, paths: FactoryPaths, init_checkpoint: str | P
     With the `run_id` of a run that did not finish, continues it (see the module docstring). A sweep
     member passes its `sweep_id` and the sweep's MLflow parent run (nested under it, in the parent's
     experiment `mlflow_experiment`)."""
-    set_threads(spec)
+    set_threads(spec, log)
     run_id = run_id or new_run_id(spec)
     run_dir = paths.checkpoints / run_id
     with AttemptLock(run_dir):

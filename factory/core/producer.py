@@ -45,6 +45,7 @@ from factory.envs.workers import Episode, Scored, make_environment
 from factory.models.build import policy_positions
 from factory.models.checkpoint import remove_checkpoint, save_checkpoint
 from factory.models.prompting import prompt_ids
+from factory.ops.placement import enter, placements
 from factory.ops.supervisor import CONNECTION_ERRORS, ServiceProcess, ServiceUnavailable
 
 
@@ -85,7 +86,8 @@ def _environment(spec: ExperimentSpec):
                             timeout=spec.schedule.wait_timeout_s, sandbox_workers=spec.task.sandbox_workers,
                             sandbox_isolation=spec.task.sandbox_isolation, breaker_restarts=spec.ops.breaker_restarts,
                             breaker_window_s=spec.ops.breaker_window_s, reward_timeout_s=spec.task.reward_timeout_s,
-                            hang_timeout_s=spec.ops.hang_timeout_s)
+                            hang_timeout_s=spec.ops.hang_timeout_s, env_cpus=spec.rollout.env_cpus,
+                            sandbox_cpus=spec.task.sandbox_cpus)
 
 
 class SyncProducer:
@@ -168,9 +170,11 @@ class OverlappedProducer:
     def _start_engine(self, model: PreTrainedModel, version: int) -> None:
         # The engine samples from its own copy: the trainer changes its weights only by publishing.
         self.engine = ContinuousEngine(copy.deepcopy(model).eval(), self.tok, weight_version=version,
-                                       max_batch=self.rows).start()
+                                       max_batch=self.rows)
+        self.engine.start(functools.partial(enter, placements(self.spec)["rollout"]))
 
     def _produce(self) -> None:
+        enter(placements(self.spec)["environment"])  # these threads score episodes in-process
         try:
             while not self._stop.is_set():
                 try:
@@ -273,10 +277,11 @@ class ServerProducer(OverlappedProducer):
         self.service = ServiceProcess(
             "rollout-server",
             [sys.executable, "-m", "factory.cli", "serve", "--checkpoint", str(self._workdir / "initial"),
-             "--port", "{port}", "--threads", "1", "--max-batch", str(self.rows), "--weight-version", str(version)],
+             "--port", "{port}", "--threads", str(self.spec.rollout.threads or 1), "--max-batch", str(self.rows),
+             "--weight-version", str(version)],
             log_path=self._workdir / "server.log", startup_timeout=self.timeout,
             breaker_restarts=self.spec.ops.breaker_restarts, breaker_window_s=self.spec.ops.breaker_window_s,
-            hang_timeout_s=self.spec.ops.hang_timeout_s).start()
+            hang_timeout_s=self.spec.ops.hang_timeout_s, cpus=self.spec.rollout.cpus).start()
         self._retired: list[httpx.Client] = []
         self._renew_client()
 
@@ -435,6 +440,10 @@ def make_producer(spec: ExperimentSpec, model: PreTrainedModel, tokenizer: PreTr
                              "server, so it needs rollout.engine: server and schedule.mode one_step_off or async")
     if spec.schedule.mode == "sync":
         cls = SyncProducer
+    elif spec.rollout.engine == "sglang":
+        from factory.core.rollout.sglang_producer import SGLangProducer  # here: that module builds on this one
+
+        cls = SGLangProducer
     else:
         cls = ServerProducer if spec.rollout.engine == "server" else OverlappedProducer
     return cls(spec, model, tokenizer, feed, start_version, state=state)

@@ -30,7 +30,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import Any, Literal
@@ -286,18 +286,24 @@ class Sandbox:
                 os.unlink(self._log_path)
 
 
+def _pin(cpus: frozenset[int] | None) -> None:
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
+
+
 class SandboxPool:
     """`size` warm sandboxes; see the module docstring. Thread-safe: many threads may `run()` at once.
 
     Extra keyword arguments: bwrap (the bubblewrap executable, name or path), cgroups (use per-worker
     cgroups where this process may create them), startup_timeout (seconds for a worker to answer),
-    preload (modules each worker imports before it forks; default PRELOAD).
+    preload (modules each worker imports before it forks; default PRELOAD), cpus (placement: the cores the
+    workers run on; default: the caller's).
     """
 
     def __init__(self, size: int = 4, isolation: Literal["bwrap", "none"] = "bwrap",
                  limits: SandboxLimits = SandboxLimits(), recycle_after: int = 100, python: str = sys.executable,  # noqa: B008
                  *, bwrap: str = "bwrap", cgroups: bool = True, startup_timeout: float = 30.0,
-                 preload: tuple[str, ...] = PRELOAD):
+                 preload: tuple[str, ...] = PRELOAD, cpus: Iterable[int] | None = None):
         if size < 1:
             raise ValueError(f"size must be >= 1, got {size}")
         if recycle_after < 1:
@@ -336,7 +342,10 @@ class SandboxPool:
         self._source = _worker_source()
         # Workers are spawned from these long-lived threads only: bwrap --die-with-parent ties a worker to
         # the thread that forked it, so a short-lived caller thread would take its workers with it.
-        self._spawner = ThreadPoolExecutor(max_workers=min(size, 4), thread_name_prefix="sandbox-spawn")
+        # Placement: a worker inherits the cores of the thread that forks it.
+        self.cpus = frozenset(cpus) if cpus else None
+        self._spawner = ThreadPoolExecutor(max_workers=min(size, 4), thread_name_prefix="sandbox-spawn",
+                                           initializer=_pin, initargs=(self.cpus,))
 
     @property
     def memory_limit(self) -> str:

@@ -136,12 +136,12 @@ _POOL = None
 _CONFIG: dict[str, Any] = {}
 
 
-def configure_sandbox(size: int, isolation: str) -> None:
+def configure_sandbox(size: int, isolation: str, cpus: list[int] | None = None) -> None:
     """The pool this process's rewards and tools use (a spec's `task.sandbox_workers` / `sandbox_isolation`);
     a running pool with other settings is closed and replaced on next use."""
     global _POOL
     with _POOL_LOCK:
-        new = {"size": int(size), "isolation": isolation}
+        new = {"size": int(size), "isolation": isolation, "cpus": sorted(cpus) if cpus else None}
         if new != _CONFIG and _POOL is not None:
             _POOL.close()
             _POOL = None
@@ -149,11 +149,20 @@ def configure_sandbox(size: int, isolation: str) -> None:
         _CONFIG.update(new)
 
 
+def _env_cpus(name: str) -> list[int] | None:
+    value = os.environ.get(name, "").strip()
+    try:
+        return [int(c) for c in value.split(",")] if value else None
+    except ValueError:
+        raise ValueError(f"${name}: expected comma-separated CPU numbers, got {value!r}") from None
+
+
 def sandbox_pool():
     """The sandbox pool that code rewards and tools run in: the pool service at $FACTORY_SANDBOX_URL (`factory
     sandbox-serve`, e.g. on another machine) if set, else this process's own, started on first use with the
     settings of `configure_sandbox` (from the spec), else $FACTORY_SANDBOX_SIZE (default 4) and
-    $FACTORY_SANDBOX_ISOLATION (default bwrap; `none` only when explicitly set)."""
+    $FACTORY_SANDBOX_ISOLATION (default bwrap; `none` only when explicitly set), on the cores of
+    `task.sandbox_cpus` or $FACTORY_SANDBOX_CPUS ("0,1"; default: the caller's)."""
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:
@@ -167,6 +176,7 @@ def sandbox_pool():
                 _POOL = SandboxPool(
                     size=_CONFIG.get("size") or int(os.environ.get("FACTORY_SANDBOX_SIZE", "4")),
                     isolation=_CONFIG.get("isolation") or os.environ.get("FACTORY_SANDBOX_ISOLATION", "bwrap"),
+                    cpus=_CONFIG.get("cpus") or _env_cpus("FACTORY_SANDBOX_CPUS"),
                 ).start()
         return _POOL
 

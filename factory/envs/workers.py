@@ -112,7 +112,8 @@ class ServiceEnvironment:
     def __init__(self, latency_unit_s: float = 0.0, processes: int = 1, timeout: float = 600.0,
                  max_connections: int = 256, workdir: str | Path | None = None, env: dict[str, str] | None = None,
                  breaker_restarts: int = 3, breaker_window_s: float = 60.0,
-                 reward_timeout_s: float = REWARD_TIMEOUT_S, hang_timeout_s: float | None = None):
+                 reward_timeout_s: float = REWARD_TIMEOUT_S, hang_timeout_s: float | None = None,
+                 cpus: list[int] | None = None):
         if processes < 1:
             raise ValueError(f"processes must be >= 1, got {processes}")
         _check_timeout(reward_timeout_s)
@@ -132,7 +133,7 @@ class ServiceEnvironment:
                      "--latency-unit", repr(latency_unit_s)],
                     log_path=self.workdir / f"env-worker-{i}.log", startup_timeout=min(timeout, 120.0), env=env,
                     breaker_restarts=breaker_restarts, breaker_window_s=breaker_window_s,
-                    hang_timeout_s=hang_timeout_s).start()
+                    hang_timeout_s=hang_timeout_s, cpus=cpus).start()
                 self.services.append(svc)
                 self._clients.append(self._client(svc))
         except BaseException:
@@ -208,22 +209,27 @@ class ServiceEnvironment:
 def make_environment(latency_unit_s: float, medium: str, processes: int = 1, timeout: float = 600.0,
                      sandbox_workers: int = 4, sandbox_isolation: str = "bwrap", breaker_restarts: int = 3,
                      breaker_window_s: float = 60.0, reward_timeout_s: float = REWARD_TIMEOUT_S,
-                     hang_timeout_s: float | None = None) -> LocalEnvironment | ServiceEnvironment:
+                     hang_timeout_s: float | None = None, env_cpus: list[int] | None = None,
+                     sandbox_cpus: list[int] | None = None) -> LocalEnvironment | ServiceEnvironment:
     """Episodes in this process or in worker processes; either way generated code and tools run in a sandbox
     pool of `sandbox_workers` with `sandbox_isolation` (in the process that scores), and a user's reward
     function is bounded by `reward_timeout_s` per completion (`task.reward_timeout_s`). Worker processes are
     supervised with a circuit breaker (`ops.breaker_restarts` within `ops.breaker_window_s`) and a watchdog that
-    kills one silent for `hang_timeout_s` (`ops.hang_timeout_s`)."""
+    kills one silent for `hang_timeout_s` (`ops.hang_timeout_s`). Placement: worker processes run on `env_cpus`
+    (`rollout.env_cpus`; in-process scoring threads place themselves), sandboxes on `sandbox_cpus`."""
     if medium == "in_process":
         from factory.envs.tasks import configure_sandbox
 
-        configure_sandbox(sandbox_workers, sandbox_isolation)
+        configure_sandbox(sandbox_workers, sandbox_isolation, sandbox_cpus)
         return LocalEnvironment(LatencyProfile(unit_s=latency_unit_s) if latency_unit_s > 0 else None,
                                 reward_timeout_s=reward_timeout_s)
     if medium == "service":
         return ServiceEnvironment(latency_unit_s, processes=processes, timeout=timeout,
                                   env={"FACTORY_SANDBOX_SIZE": str(sandbox_workers),
-                                       "FACTORY_SANDBOX_ISOLATION": sandbox_isolation},
+                                       "FACTORY_SANDBOX_ISOLATION": sandbox_isolation,
+                                       **({"FACTORY_SANDBOX_CPUS": ",".join(map(str, sandbox_cpus))}
+                                          if sandbox_cpus else {})},
+                                  cpus=env_cpus,
                                   breaker_restarts=breaker_restarts, breaker_window_s=breaker_window_s,
                                   reward_timeout_s=reward_timeout_s, hang_timeout_s=hang_timeout_s)
     raise ValueError(f"rollout.environment: expected 'in_process' or 'service', got {medium!r}")

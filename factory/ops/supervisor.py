@@ -26,7 +26,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -92,7 +92,7 @@ class ServiceProcess:
                  startup_timeout: float = 60.0, max_restarts: int = 5, cwd: str | Path | None = None,
                  breaker_restarts: int = 3, breaker_window_s: float = 60.0,
                  clock: Callable[[], float] = time.monotonic, hang_timeout_s: float | None = None,
-                 heartbeat_s: float = 2.0):
+                 heartbeat_s: float = 2.0, cpus: Iterable[int] | None = None):
         if breaker_restarts < 1 or not breaker_window_s > 0:
             raise ValueError(f"{name}: breaker_restarts must be >= 1 and breaker_window_s > 0, got "
                              f"{breaker_restarts} and {breaker_window_s}")
@@ -103,6 +103,7 @@ class ServiceProcess:
         self.health_url = self.url + health_path
         self.env = env
         self.cwd = cwd
+        self.cpus = frozenset(cpus) if cpus else None  # placement: the child's cores (set before it runs)
         self.log_path = Path(log_path) if log_path else None
         self.startup_timeout = startup_timeout
         self.max_restarts = max_restarts
@@ -176,13 +177,18 @@ class ServiceProcess:
                         self.kill()
                     self._last_ok = time.monotonic()
 
+    def _preexec(self) -> None:
+        die_with_parent()
+        if self.cpus is not None:
+            os.sched_setaffinity(0, self.cpus)
+
     def _spawn(self) -> None:
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115 - child owns it
         env = {**os.environ, **(self.env or {})}
         # A new session: a kill of the child's group never reaches us, and ours never reaches it twice. And the
         # child dies with us: a trainer killed with -9 leaves no orphaned server holding its port and memory.
         self._proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=self.cwd,
-                                      start_new_session=True, preexec_fn=die_with_parent)
+                                      start_new_session=True, preexec_fn=self._preexec)
         if out is not subprocess.DEVNULL:
             out.close()
         self._wait_healthy()

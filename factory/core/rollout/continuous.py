@@ -406,10 +406,12 @@ class ContinuousEngine:
             return True
 
     # ------------------------------------------------------------------ the background thread
-    def start(self) -> ContinuousEngine:
+    def start(self, thread_init: Callable[[], None] | None = None) -> ContinuousEngine:
+        """Start the decoding thread; `thread_init` runs first in it (placement: its cores and torch threads)."""
         if self._thread is None or not self._thread.is_alive():
             self._stopping = False
-            self._thread = threading.Thread(target=self._run, name="continuous-engine", daemon=True)
+            self._thread = threading.Thread(target=self._run, args=(thread_init,), name="continuous-engine",
+                                            daemon=True)
             self._thread.start()
         return self
 
@@ -438,7 +440,9 @@ class ContinuousEngine:
         # A pending finish_old update holds new requests back until the old weights have drained.
         return self._paused is None and not self._updates
 
-    def _run(self) -> None:
+    def _run(self, thread_init: Callable[[], None] | None = None) -> None:
+        if thread_init is not None:
+            thread_init()
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._stopping or self._has_work())
