@@ -9,8 +9,10 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from factory.home import FactoryPaths, factory_home
+from factory.models.presets import PRESETS
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -340,6 +342,24 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     return EXIT_OK if report.passed else EXIT_FAILED
 
 
+def cmd_bpe_model(args: argparse.Namespace) -> int:
+    from factory.models.bpe import build_bpe_model_dir
+
+    out = Path(args.dir)
+    if out.exists() and any(out.iterdir()) and not args.force:
+        error(f"{out}: exists and is not empty (--force writes over it)")
+        return EXIT_BAD_INPUT
+    try:
+        path = build_bpe_model_dir(out, seed=args.seed, vocab_size=args.vocab_size, preset=args.preset,
+                                   max_positions=args.max_positions)
+    except (KeyError, ValueError) as e:
+        error(f"bpe-model: {e}")
+        return EXIT_BAD_INPUT
+    print(f"wrote a Qwen2 model ({args.preset}, random init, seed {args.seed}) with a byte-level BPE tokenizer of "
+          f"{args.vocab_size} tokens and a ChatML template to {path}; use it with --set model.path={path}")
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="factory", description="RL post-training experiment factory")
     parser.add_argument("--home", help="state directory (default: $FACTORY_HOME, else ./.factory)")
@@ -435,6 +455,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bwrap: namespaces via bubblewrap (default); none: NOT isolated, for trusted code only")
     _add_max_body(p)
     p.set_defaults(func=cmd_sandbox_serve)
+
+    p = sub.add_parser("bpe-model", help="write a small HF model directory (Qwen2, byte-level BPE tokenizer, ChatML "
+                       "template) built offline, to try model.path without a download")
+    p.add_argument("dir", help="the directory to write")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vocab-size", type=int, default=512)
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="the model's size")
+    p.add_argument("--max-positions", type=int, default=128)
+    p.add_argument("--force", action="store_true", help="write over a directory that is not empty")
+    p.set_defaults(func=cmd_bpe_model)
 
     p = sub.add_parser("preflight", help="test this node (hardware, software, disks, lake, sandbox); exit 1 naming "
                        "failed checks", description="Preflight node tests (factory/ops/preflight/): each check's "

@@ -85,3 +85,14 @@ def test_another_seed_trains_on_other_arithmetic_lines():
     text = "Chen has 25 books and gets 24 more."
     assert c("321+654=").input_ids == a("321+654=").input_ids  # digits are single bytes whatever the corpus
     assert c.decode(c(text).input_ids, skip_special_tokens=True) == text
+
+
+def test_cli_writes_the_directory_and_will_not_overwrite_one(tmp_path, capsys):
+    from factory.cli import main
+
+    out = tmp_path / "m"
+    assert main(["bpe-model", str(out), "--preset", "micro", "--vocab-size", "300"]) == 0
+    assert f"--set model.path={out}" in capsys.readouterr().out
+    assert AutoModelForCausalLM.from_pretrained(out).config.vocab_size == 300
+    assert main(["bpe-model", str(out)]) == 2
+    assert "exists and is not empty (--force writes over it)" in capsys.readouterr().err
