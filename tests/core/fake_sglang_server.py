@@ -65,6 +65,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--fake-warmup-polls", type=int, default=0, help="answer /health 503 this many times first")
     p.add_argument("--fake-never-healthy", action="store_true")
     p.add_argument("--fake-exit-code", type=int, help="print an error and exit with this code at once")
+    p.add_argument("--fake-vocab", type=int, help="keep token ids below this (3 .. vocab-1; EOS 2)")
     p.add_argument("--fake-stale-version", action="store_true", help="report 'default' whatever was loaded")
     return p.parse_args(argv)
 
@@ -115,6 +116,8 @@ def make_app(args: argparse.Namespace) -> FastAPI:
             copy = seen[tuple(p)] = seen.get(tuple(p), -1) + 1
             max_new = int(sp.get("max_new_tokens", 16))
             tokens = [10 + (sum(p) + copy + j) % 50 for j in range(max_new)]
+            if args.fake_vocab:
+                tokens = [3 + (sum(p) + copy + j) % (args.fake_vocab - 3) for j in range(max_new)]
             finish = {"type": "length", "length": max_new}
             if sum(p) % 2 == 0 and max_new >= 2:
                 tokens, finish = tokens[:1] + [EOS], {"type": "stop", "matched": EOS}

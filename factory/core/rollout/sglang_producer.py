@@ -1,0 +1,118 @@
+"""`rollout.engine: sglang` in the overlapped modes: the producer threads sample from SGLang servers.
+
+`SGLangProducer` is `OverlappedProducer` (buffer, staleness policy, version tags, feed) with the
+engine swapped: `make_sglang_engine` starts the servers of `rollout.sglang` on a checkpoint of the
+trainer's current model (or uses `rollout.sglang.urls`, pushing the current weights to them first),
+and returns an `SGLangRouter` whose weight updates go the spec's way (disk | tensor | distributed).
+Each prompt group is one /generate call of n copies on one server; completions carry the version
+the request left with and the server's label, the older counting (`SGLangEngine`), so staleness
+works as with the embedded engine. `publish` sends the trainer's state dict to every server and
+checks every server reports the new version before the producers date new work with it.
+
+Not the same as the embedded engine: per-sample seeds are not sent (`sampling_seed` needs a
+deterministic-inference server), so SGLang runs are not bit-reproducible; `token_versions` are
+empty (which token came from which version is unknown; `weight_version` is the oldest possible).
+
+What was NOT run: any real SGLang server (no GPU, sglang not installed here). The producer test
+runs it end to end against fake SGLang server processes (tests/core/fake_sglang_server.py) that
+answer with deterministic tokens.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel
+
+from factory.config import ExperimentSpec
+from factory.core.producer import OverlappedProducer
+from factory.core.rollout.base import Completion, SamplingParams
+from factory.core.rollout.sglang_router import SGLangRouter
+from factory.core.rollout.sglang_servers import LAUNCH_MODULE, SGLangServers
+from factory.core.rollout.sglang_weights import DiskUpdate, DistributedUpdate, TensorUpdate, WeightUpdate
+from factory.models.checkpoint import remove_checkpoint, save_checkpoint
+from factory.ops.supervisor import free_port
+
+
+def make_updater(spec: ExperimentSpec, workdir: Path, model_dir: Path | None) -> WeightUpdate:
+    sg = spec.rollout.sglang
+    if sg.weight_update == "disk":
+        return DiskUpdate(workdir / "weights", config_dir=model_dir)
+    if sg.weight_update == "tensor":
+        return TensorUpdate(tp_size=sg.tp_size)
+    cuda = torch.cuda.is_available()
+    n = len(sg.urls) or sg.servers
+    return DistributedUpdate("127.0.0.1", free_port(), [sg.tp_size] * n, backend="nccl" if cuda else "gloo",
+                             device="cuda" if cuda else "cpu", timeout_s=spec.schedule.wait_timeout_s)
+
+
+def make_sglang_engine(spec: ExperimentSpec, model_dir: Path | None, workdir: Path, version: int,
+                       state: dict[str, torch.Tensor] | None = None, *, gpus: Sequence[int] | None = None,
+                       module: str = LAUNCH_MODULE, stop_token_ids: list[int] | None = None) -> SGLangRouter:
+    """Start (or find) the spec's SGLang servers and a router over them at `version`.
+
+    Started servers load `model_dir` (the weights of `version`) and get the label `version`
+    (POST /update_weight_version); external ones (`rollout.sglang.urls`) are sent `state` as `version`."""
+    sg = spec.rollout.sglang
+    if sg is None:
+        raise ValueError("rollout.engine: sglang needs rollout.sglang")
+    servers = SGLangServers(sg, model_dir, workdir / "logs", gpus=gpus, module=module).start()
+    try:
+        router = SGLangRouter(servers.urls, make_updater(spec, workdir, model_dir), weight_version=version,
+                              servers=servers, update_mode=spec.rollout.update_mode,
+                              timeout=spec.schedule.wait_timeout_s, stop_token_ids=stop_token_ids)
+        if servers.external:
+            if state is None:
+                raise ValueError("rollout.sglang.urls: the servers there need the trainer's weights (state)")
+            router.load_weights(state, version)
+        else:
+            for c in router.clients:
+                c.post_checked("/update_weight_version", {"new_version": str(version)}, f"version label {version}")
+            router.check_versions(version)
+    except BaseException:
+        servers.stop()
+        raise
+    return router
+
+
+class SGLangProducer(OverlappedProducer):
+    """As `OverlappedProducer`, with SGLang servers as the engine (rollout.engine: sglang)."""
+
+    def _start_engine(self, model: PreTrainedModel, version: int) -> None:
+        self._workdir = Path(tempfile.mkdtemp(prefix="factory-sglang-"))
+        sg = self.spec.rollout.sglang
+        model_dir = None
+        if sg is None or not sg.urls:
+            model_dir = self._workdir / "initial"
+            save_checkpoint(model, self.tok, model_dir)
+        state = {k: v.detach() for k, v in model.state_dict().items()}
+        eos = self.tok.eos_token_id
+        self.engine = make_sglang_engine(self.spec, model_dir, self._workdir, version, state,
+                                         stop_token_ids=[eos] if eos is not None else None)
+
+    def _sample(self, prompt_ids: list[int], params: SamplingParams) -> list[Completion]:
+        return self.engine.generate([prompt_ids], params)[0]
+
+    def publish(self, model: PreTrainedModel, version: int) -> None:
+        self.engine.load_weights({k: v.detach() for k, v in model.state_dict().items()}, version)
+        self._published = version
+
+    def metrics(self) -> dict[str, float]:
+        m = super().metrics()
+        for i, n in enumerate(self.engine.routed):
+            m[f"sglang_routed_{i}"] = float(n)
+        if self.engine.servers is not None and not self.engine.servers.external:
+            m["sglang_restarts"] = float(sum(self.engine.servers.restarts()))
+        return m
+
+    def _stop_engine(self) -> None:
+        self.engine.close()
+        if self.engine.servers is not None:
+            self.engine.servers.stop()
+        # the logs stay for post-mortems; the checkpoint and published weights go
+        remove_checkpoint(self._workdir / "initial")
+        shutil.rmtree(self._workdir / "weights", ignore_errors=True)
