@@ -166,7 +166,7 @@ def test_in_flight_updates_pause_and_continue_generation(cluster):
     for u in servers.urls:
         tail = [r["endpoint"] for r in fake_state(u)["requests"][-3:]]
         assert tail == ["/pause_generation", "/update_weights_from_disk", "/continue_generation"]
-        assert fake_state(u)["requests"][-3]["mode"] == "in_place" and not fake_state(u)["paused"]
+        assert fake_state(u)["requests"][-3]["mode"] == "retract" and not fake_state(u)["paused"]
 
 
 def test_a_server_reporting_another_version_is_named(cluster, tmp_path):

@@ -6,7 +6,14 @@ It owns the request and response shapes of SGLang's native endpoints and nothing
   exact token ids and the sampler's logprobs (token out; nothing is re-tokenized), `finish_reason`
   is {"type": "stop" | "length" | "abort", ...}, and `weight_version` is the server's version label;
 - POST /update_weights_from_disk {"model_path", "weight_version", "load_format"?} → {"success",
-  "message"}; POST /flush_cache; GET /get_model_info; GET /health.
+  "message"}; POST /flush_cache; GET /get_model_info; GET /health;
+- `post_checked` for the other {"success", "message"} endpoints (tensor and distributed updates,
+  weight groups, /update_weight_version: `sglang_weights.py`), `server_weight_version` (GET
+  /model_info, else the older /get_model_info, else the older still /get_weight_version, which
+  current servers answer with 404), POST /pause_generation {"mode"} and /continue_generation.
+
+Several servers, their processes and weight updates: `sglang_servers.py`, `sglang_router.py`,
+`sglang_weights.py`, `sglang_producer.py`.
 
 Completions from a batch of n samples per prompt are requested as n copies of each prompt with
 n=1 (SGLang's own advice for batches with parallel sampling), in one /generate call per
@@ -303,7 +310,7 @@ class SGLangEngine:
         raise SGLangError("/model_info", f"{self.base_url} answers none of /model_info, /get_model_info, "
                                          "/get_weight_version")
 
-    def pause_generation(self, mode: str = "in_place") -> None:
+    def pause_generation(self, mode: str = "retract") -> None:
         """POST /pause_generation {"mode"} (PauseGenerationReqInput: "abort" | "retract" | "in_place")."""
         self._request("POST", "/pause_generation", {"mode": mode})
 

@@ -14,9 +14,11 @@ its weight_version (/model_info, falling back to older endpoints) and raises
 `SGLangVersionMismatch` naming each server that does not report the published version.
 `update_mode` "finish_old" sends the update as is (SGLang's model-update lock lets running requests
 finish on the old weights first); "in_flight" wraps it in POST /pause_generation {"mode":
-"in_place"} ... POST /continue_generation, so running requests continue on the new weights (their
+"retract"} ... POST /continue_generation (sglang PR #10071: "retract" moves running requests back
+to the waiting queue, so they continue on the new weights with their KV recomputed, and the radix
+cache can be flushed; "in_place" would leave old-weight KV in use and make flush_cache fail). Their
 completions then list both versions, and `weight_version` is the older one, as with the embedded
-engine).
+engine.
 
 Failures: with `servers` (an `SGLangServers`), a call that cannot reach server i restarts it (bounded
 by the supervisor), brings it to the current weights (`WeightUpdate.resync`) and retries the call
@@ -157,7 +159,7 @@ class SGLangRouter:
         with self._update_lock:
             self.updater.prepare(state_dict, version)
             if self.update_mode == "in_flight":
-                self._each(lambda i, c: c.pause_generation("in_place"))
+                self._each(lambda i, c: c.pause_generation("retract"))
             try:
                 if isinstance(self.updater, DistributedUpdate):
                     self.updater.apply_all(self.clients, version)
