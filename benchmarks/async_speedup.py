@@ -16,11 +16,16 @@ buffered + in flight; default 1.5 batches) trades trainer idle time against mean
 `--engine server --env service` puts the rollout server and the environment workers in their own
 processes (three processes on loopback).
 
+`async_placed` is async with placement (`ops/placement.py`): the trainer's thread on the first core, the
+engine's and the scoring threads on the others, one torch thread each; without it all threads float over all
+cores and generation slows the trainer's steps.
+
 The last line is JSON: speedup_async_vs_sync, speedup_one_step_off_vs_sync, trainer_idle_fraction_async,
-accuracy_sync, accuracy_async (seed means), max_staleness, limit (E[slowest in a batch] / E[mean]),
-ceiling_compute (sync wall / the time sync's trainer was busy: no overlap beats the trainer's own work) and
-ceiling_compute_async_steps (the same with async's trainer busy time, whose steps share the cores with
-generation).
+speedup_async_placed_vs_sync, trainer_idle_fraction_async_placed, speedups_async_placed_by_seed,
+accuracy_sync, accuracy_async, accuracy_async_placed (seed means, with _std), max_staleness, limit (E[slowest in
+a batch] / E[mean]), ceiling_compute (sync wall / the time sync's trainer was busy: no overlap beats the
+trainer's own work) and ceiling_compute_async_steps / _async_placed_steps (the same with async's trainer busy
+time, whose steps share the machine with generation).
 The limit assumes the same number of episodes in flight in both modes; async may keep more in flight
 (up to --depth), which is how it can pass the limit.
 """
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -47,19 +53,34 @@ from factory.envs.latency import LatencyProfile  # noqa: E402
 from factory.experiment import build_dataset, load_dataset, train_sft_checkpoint  # noqa: E402
 from factory.home import factory_home  # noqa: E402
 from factory.models.checkpoint import load_checkpoint  # noqa: E402
+from factory.ops.placement import enter, placements  # noqa: E402
+
+
+def placed_overrides() -> dict:
+    """Placement for `async_placed`: the trainer (the loop's thread) on the first core, the engine's and the
+    scoring threads on the others, one torch thread each."""
+    cores = sorted(os.sched_getaffinity(0))
+    rest = cores[1:] or cores
+    return {"trainer.cpus": cores[:1], "trainer.threads": 1, "rollout.cpus": rest, "rollout.threads": 1,
+            "rollout.env_cpus": rest}
 
 
 def run_mode(spec, ckpt: Path, splits, mode: str, seed: int, args: argparse.Namespace) -> dict:
-    overlapped = mode == "async"
-    s = apply_overrides(spec, {"schedule.mode": mode, "seed": seed, "buffer.policy": "bound",
-                               "buffer.max_staleness": args.max_staleness,
+    overlapped = mode.startswith("async")
+    s = apply_overrides(spec, {"schedule.mode": "async" if overlapped else mode, "seed": seed,
+                               "buffer.policy": "bound", "buffer.max_staleness": args.max_staleness,
                                "buffer.depth": args.depth if overlapped else None,
                                "buffer.correct_stale": overlapped and not args.no_correct_stale,
-                               "rollout.concurrency": args.concurrency if overlapped else None})
+                               "rollout.concurrency": args.concurrency if overlapped else None,
+                               **(placed_overrides() if mode == "async_placed" else {})})
     model, tok = load_checkpoint(ckpt)
+    cpus, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    enter(placements(s)["trainer"])  # unplaced modes: the process's cores (a previous placed run narrowed them)
     t0 = time.perf_counter()
     records = train_grpo(s, model, tok, splits.train)
     wall = time.perf_counter() - t0
+    os.sched_setaffinity(0, cpus)
+    torch.set_num_threads(threads)
     acc = evaluate(EmbeddedEngine(model, tok), tok, splits.eval, s.rollout.max_new_tokens).accuracy
     return {"mode": mode, "seed": seed, "wall_s": wall, "accuracy": acc,
             # time the trainer spent not waiting on rollouts (its steps, publishing, probes)
@@ -115,8 +136,8 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
 
     rows = []
-    plan = [("sync", 0), ("one_step_off", 0), ("async", 0)]
-    plan += [(m, s) for s in range(1, seeds) for m in ("sync", "async")]
+    plan = [("sync", 0), ("one_step_off", 0), ("async", 0), ("async_placed", 0)]
+    plan += [(m, s) for s in range(1, seeds) for m in ("sync", "async", "async_placed")]
     for mode, seed in plan:
         r = run_mode(spec, sft.checkpoint.path, splits, mode, seed, args)
         rows.append(r)
@@ -132,15 +153,20 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"{'mode':>12} {'wall s':>8} {'vs sync':>8} {'trainer idle':>13} {'staleness mean/max':>19} "
           f"{'rejected':>9} {'mismatch max':>13} {'acc (seed 0)':>13}")
-    for mode in ("sync", "one_step_off", "async"):
+    for mode in ("sync", "one_step_off", "async", "async_placed"):
         r = [x for x in rows if x["mode"] == mode and x["seed"] == 0][0]
         print(f"{mode:>12} {r['wall_s']:8.1f} {sync_wall / r['wall_s']:7.2f}x {r['trainer_idle']:13.2f} "
               f"{r['staleness_mean']:14.2f}/{r['staleness_max']:<4.0f} {r['rejected']:9.0f} {r['mismatch_max']:13.1e} "
               f"{r['accuracy']:13.3f}")
     acc_sync, acc_async = of("sync", "accuracy", None), of("async", "accuracy", None)
+    acc_placed = of("async_placed", "accuracy", None)
     spread = lambda xs: statistics.stdev(xs) if len(xs) > 1 else 0.0  # noqa: E731
     print(f"\nheld-out accuracy over {seeds} seed(s): sync {statistics.mean(acc_sync):.3f} ± {spread(acc_sync):.3f}, "
-          f"async {statistics.mean(acc_async):.3f} ± {spread(acc_async):.3f} (SFT start {sft.accuracy:.3f})")
+          f"async {statistics.mean(acc_async):.3f} ± {spread(acc_async):.3f}, async placed "
+          f"{statistics.mean(acc_placed):.3f} ± {spread(acc_placed):.3f} (SFT start {sft.accuracy:.3f})")
+    placed = placed_overrides()
+    print(f"async_placed: trainer on cores {placed['trainer.cpus']}, engine and scoring on {placed['rollout.cpus']}, "
+          f"1 torch thread each (ops/placement.py)")
     print(f"limit for this latency shape at batch {spec.rollout.prompts_per_step}: {limit:.2f}x "
           f"(E[slowest in a batch] / E[mean]); {steps} steps x {spec.rollout.prompts_per_step} prompts x "
           f"{spec.algorithm.group_size} samples per run")
@@ -149,19 +175,28 @@ def main(argv: list[str] | None = None) -> int:
     # slows them in async, so the ceiling measured in async itself is lower).
     ceiling = sync_wall / of("sync", "trainer_busy_s")[0]
     ceiling_async = sync_wall / of("async", "trainer_busy_s")[0]
+    ceiling_placed = sync_wall / of("async_placed", "trainer_busy_s")[0]
     print(f"compute-bound ceiling: {ceiling:.2f}x (sync wall / trainer busy in sync; with async's slower trainer "
-          f"steps {ceiling_async:.2f}x) vs latency limit {limit:.2f}x")
+          f"steps {ceiling_async:.2f}x, placed {ceiling_placed:.2f}x) vs latency limit {limit:.2f}x")
     print(json.dumps({
         "speedup_async_vs_sync": round(sync_wall / async_wall, 3),
         "speedup_one_step_off_vs_sync": round(sync_wall / osp_wall, 3),
         "trainer_idle_fraction_async": round(of("async", "trainer_idle")[0], 4),
+        "speedup_async_placed_vs_sync": round(sync_wall / of("async_placed", "wall_s")[0], 3),
+        "trainer_idle_fraction_async_placed": round(of("async_placed", "trainer_idle")[0], 4),
+        "speedups_async_placed_by_seed": [round(a / b, 3) for a, b in zip(of("sync", "wall_s", None),
+                                                                            of("async_placed", "wall_s", None),
+                                                                            strict=True)],
+        "accuracy_async_placed": round(statistics.mean(acc_placed), 4),
+        "accuracy_async_placed_std": round(spread(acc_placed), 4),
         "accuracy_sync": round(statistics.mean(acc_sync), 4), "accuracy_async": round(statistics.mean(acc_async), 4),
         "accuracy_sync_std": round(spread(acc_sync), 4), "accuracy_async_std": round(spread(acc_async), 4),
         "accuracy_sft": round(sft.accuracy, 4), "max_staleness": max(of("async", "staleness_max", None)),
         "staleness_mean_async": round(statistics.mean(of("async", "staleness_mean", None)), 3),
         "rejected_async": max(of("async", "rejected", None)),
         "limit": round(limit, 3), "ceiling_compute": round(ceiling, 3),
-        "ceiling_compute_async_steps": round(ceiling_async, 3), "seeds": seeds, "steps": steps,
+        "ceiling_compute_async_steps": round(ceiling_async, 3),
+        "ceiling_compute_async_placed_steps": round(ceiling_placed, 3), "seeds": seeds, "steps": steps,
         "concurrency_async": args.concurrency,
         "depth_async": args.depth, "engine": args.engine, "env": args.env,
     }))
