@@ -8,12 +8,13 @@ Run as a script (by `run_ranks`), this file is the rank worker: it loads the job
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 import torch
 
-from factory.config import AlgorithmSpec
+from factory.config import AlgorithmSpec, parse_spec
 from factory.core import algorithms
 from factory.core.trainer.batch import TrainBatch, pack
 from factory.core.trainer.distributed import DistributedTrainer
@@ -117,7 +118,28 @@ def _worker(job: str, out: str, strategy: str, algo_name: str, grad_accum: str) 
     torch.distributed.destroy_process_group()
 
 
+def _lead(spec) -> None:
+    """Rank 0's work under `ranks.main`: the job trained through make_trainer's LeaderTrainer (the followers run
+    `ranks.follow`), then the model it publishes saved."""
+    from factory.core.trainer.ranks import make_trainer
+    from factory.models.checkpoint import save_checkpoint
+
+    out = Path(os.environ["DP_OUT"])
+    tok, model, batches = _load_job(Path(os.environ["DP_JOB"]))
+    trainer = make_trainer(spec, model)
+    history = _train(trainer, batches, spec.algorithm)
+    lp = trainer.logprobs(batches[0])
+    (out / "rank0.json").write_text(json.dumps({
+        "history": [{k: v for k, v in h.items() if k != "train_s"} for h in history], "version": trainer.version,
+        "world": torch.distributed.get_world_size(), "logprobs_sum": float(lp[batches[0].loss_mask].sum())}))
+    save_checkpoint(trainer.publish_model(), tok, out / "ckpt")
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "ranks":
+        from factory.core.trainer.ranks import main
+
+        sys.exit(main(sys.argv[2:]))
     _worker(*sys.argv[1:])
     sys.exit(0)
 
@@ -145,33 +167,26 @@ def _reference(job: Path, algo_name: str):
     return history, model
 
 
-@pytest.mark.parametrize(("strategy", "algo_name", "grad_accum"), [
-    ("fsdp", "grpo", 1),  # per-sequence mean: FSDP2 fully_shard on gloo
-    ("ddp", "dapo", 2),  # per-token mean over the batch, with 2 micro-batches per rank
-])
-def test_two_ranks_match_one_process(job, tmp_path, strategy, algo_name, grad_accum):
+def test_two_fsdp_ranks_match_one_process(job, tmp_path):
+    """FSDP2 fully_shard on gloo, GRPO's per-sequence mean over unequal shards (3 and 2 rows); the checkpoint
+    written from the gathered state loads with transformers. (DDP: the leader/follower test below.)"""
     from transformers import AutoModelForCausalLM
 
-    run_ranks(2, __file__, [job, tmp_path, strategy, algo_name, grad_accum], timeout=300,
+    strategy, algo_name = "fsdp", "grpo"
+    run_ranks(2, __file__, [job, tmp_path, strategy, algo_name, 1], timeout=300,
               env={"PYTHONPATH": str(REPO)}, cwd=REPO)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["world"] == 2
     assert ranks[0]["history"] == ranks[1]["history"]  # every rank reports the same, bit for bit
-    ref_hist, ref_model = _reference(job, algo_name)
-    hist = ranks[0]["history"]
+    assert ranks[0]["logprobs_sum"] == ranks[1]["logprobs_sum"]  # logprobs: all ranks get all rows
     assert ranks[0]["version"] == STEPS * MINIBATCHES
-    assert all(h["nonfinite"] == 0.0 for h in hist)
-    for key in ("loss", "grad_norm", "entropy", "clip_frac", "kl"):
-        diff = (_curve(hist, key) - _curve(ref_hist, key)).abs().max().item()
-        assert diff <= LOSS_TOL, f"{strategy}: {key} curve differs from one process by {diff:.3g}"
+    _check_against_one_process(tmp_path, job, algo_name, strategy)
+    hist = ranks[0]["history"]
     # The curve moved: a test of equality between two runs that learn nothing would pass trivially.
     assert abs(hist[-1]["kl"] - hist[0]["kl"]) > 100 * LOSS_TOL
 
+    _, ref_model = _reference(job, algo_name)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt").eval()
-    ref_state = ref_model.state_dict()
-    diffs = torch.cat([(v - ref_state[k]).abs().flatten() for k, v in loaded.state_dict().items()])
-    assert diffs.max().item() <= WEIGHT_TOL, f"{strategy}: checkpoint weights differ by {diffs.max().item():.3g}"
-    assert diffs.mean().item() <= WEIGHT_MEAN_TOL
     ids = torch.tensor([[1, 5, 9, 12, 7, 3, 16, 4]])
     with torch.no_grad():
         diff = (loaded(input_ids=ids).logits - ref_model.eval()(input_ids=ids).logits).abs().max().item()
@@ -179,6 +194,49 @@ def test_two_ranks_match_one_process(job, tmp_path, strategy, algo_name, grad_ac
     start = build_model("tiny", build_tokenizer(), seed=0)
     moved = max((v - start.state_dict()[k]).abs().max().item() for k, v in loaded.state_dict().items())
     assert moved > 100 * WEIGHT_TOL
+
+
+def _check_against_one_process(tmp_path: Path, job: Path, algo_name: str, label: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    hist = json.loads((tmp_path / "rank0.json").read_text())["history"]
+    ref_hist, ref_model = _reference(job, algo_name)
+    assert all(h["nonfinite"] == 0.0 for h in hist)
+    for key in ("loss", "grad_norm", "entropy", "clip_frac", "kl"):
+        diff = (_curve(hist, key) - _curve(ref_hist, key)).abs().max().item()
+        assert diff <= LOSS_TOL, f"{label}: {key} curve differs from one process by {diff:.3g}"
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt").eval()
+    ref_state = ref_model.state_dict()
+    diffs = torch.cat([(v - ref_state[k]).abs().flatten() for k, v in loaded.state_dict().items()])
+    assert diffs.max().item() <= WEIGHT_TOL and diffs.mean().item() <= WEIGHT_MEAN_TOL, label
+
+
+def test_leader_and_follower_train_like_one_process(job, tmp_path):
+    """`ranks.main` under torchrun: rank 0 trains through make_trainer (a LeaderTrainer: DDP, DAPO's token mean,
+    grad_accum 2) while rank 1 follows with the loss rebuilt from the spec and a model of other weights (seed 5:
+    rank 0's are broadcast); the curve and rank 0's published model match one process."""
+    spec = parse_spec({"seed": 5, "model": {"preset": "tiny"},
+                       "algorithm": {"name": "dapo", "group_size": 2, "kl_coef": 0.05, "lr": LR},
+                       "rollout": {"prompts_per_step": ROWS // 2, "max_new_tokens": 16},
+                       "trainer": {"world_size": 2, "strategy": "ddp", "grad_accum": 2, "minibatches": MINIBATCHES}})
+    spec_path = tmp_path / "spec.json"
+    spec_path.write_text(json.dumps(spec.model_dump(mode="json")))
+    run_ranks(2, __file__, ["ranks", "--spec", spec_path, "--leader", "__main__:_lead", "--timeout-s", "120"],
+              timeout=300, env={"PYTHONPATH": str(REPO), "DP_JOB": str(job), "DP_OUT": str(tmp_path)}, cwd=REPO)
+    assert json.loads((tmp_path / "rank0.json").read_text())["version"] == STEPS * MINIBATCHES
+    _check_against_one_process(tmp_path, job, "dapo", "leader/follower")
+
+
+def test_make_trainer_keeps_the_plain_trainer_by_default():
+    from factory.core.trainer.ranks import make_trainer
+
+    tok = build_tokenizer()
+    base = {"model": {"preset": "tiny"}, "algorithm": {"group_size": 2}, "rollout": {"prompts_per_step": 2}}
+    assert type(make_trainer(parse_spec(base), build_model("tiny", tok))) is TorchTrainer
+    accum = make_trainer(parse_spec({**base, "trainer": {"grad_accum": 2}}), build_model("tiny", tok))
+    assert isinstance(accum, DistributedTrainer) and accum.grad_accum == 2 and accum.world_size == 1
+    with pytest.raises(RuntimeError, match="trainer.world_size: 2 ranks wanted.*torchrun"):
+        make_trainer(parse_spec({**base, "trainer": {"world_size": 2}}), build_model("tiny", tok))
 
 
 @pytest.mark.parametrize("algo_name", ["grpo", "dapo"])

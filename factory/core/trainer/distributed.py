@@ -31,6 +31,8 @@ all-reduced values (the loss sum and a non-finite-gradient count) that every ran
 A rank whose shard of a minibatch is empty (fewer rows than world_size * grad_accum) still runs its forward and
 backward, on the minibatch's first row at weight 0, since FSDP and DDP need every rank in every collective.
 
+Under both strategies every rank starts from rank 0's weights (broadcast at construction).
+
 Weights leave through `full_state_dict` / `gathered_model` / `save_full_checkpoint`: collectives that every rank
 calls, after which rank 0 holds the full, unsharded float32 state on CPU (for publication or an HF checkpoint).
 """
@@ -134,6 +136,11 @@ class DistributedTrainer:
         if self.strategy == "fsdp":
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+            # Rank 0's weights everywhere (DDP does this itself): followers need only the architecture, and a
+            # leader that loaded a resume point or an SFT start passes it on.
+            with torch.no_grad():
+                for t in [*model.parameters(), *model.buffers()]:
+                    dist.broadcast(t.data, src=0)
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
             kw = {"mp_policy": mp} if mp is not None else {}
             blocks = set(getattr(model, "_no_split_modules", None) or ())

@@ -1,0 +1,221 @@
+"""Driving data-parallel trainer ranks from the one-process loop: rank 0 leads, the other ranks follow.
+
+The loop runs unchanged on rank 0 (generation, rewards, the buffer, publication, logging): `make_trainer` gives it a
+`LeaderTrainer`, whose `step` / `logprobs` first broadcast the call (the batch, the minibatch count, the shuffle
+generator's state) to the followers and then run the same `DistributedTrainer` collective on rank 0's shard. The
+other ranks run `follow(spec, model)`: they receive each call and apply it with the loss function rebuilt from the
+spec (`algorithms.make_loss(spec.algorithm, max_new_tokens=spec.rollout.max_new_tokens)`, the loop's own), until the
+leader's `leading()` block ends and sends `stop`.
+
+Weights: every rank starts from rank 0's (broadcast when the trainer is built), so a follower's model only needs the
+architecture (`policy_for(spec)`). Under `ddp` rank 0's model is a full replica after every step, so the loop's
+`producer.publish(model, ...)` and its resume points work as they are. Under `fsdp` rank 0 holds a shard: publish
+`trainer.publish_model()` instead (a collective the followers join), and resume points of the sharded optimizer
+are not written yet (`make_trainer` refuses fsdp unless `sharded_publish=True` says the caller handles it).
+
+Entry point: `python -m torch.distributed.run --nproc-per-node N -m factory.core.trainer.ranks --spec S.yaml
+--leader module:function` (or `launch.run_ranks`): rank 0 calls `function(spec)` inside `leading()`, the others
+follow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers import PreTrainedModel
+
+from factory.config import ExperimentSpec
+from factory.core.trainer.batch import TrainBatch
+from factory.core.trainer.distributed import DistributedTrainer, init_ranks, rank_device
+from factory.core.trainer.torch_trainer import LossFn, TorchTrainer
+
+Trainer = TorchTrainer | DistributedTrainer  # | LeaderTrainer (the same interface)
+
+
+class LeaderFailed(RuntimeError):
+    """The leader's work raised; a follower stops with its message."""
+
+
+def _send(op: str, payload: Any = None) -> None:
+    dist.broadcast_object_list([(op, payload)], src=0)
+
+
+def _receive() -> tuple[str, Any]:
+    box: list[Any] = [None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def distributed_trainer(spec: ExperimentSpec, model: PreTrainedModel) -> DistributedTrainer:
+    """The `DistributedTrainer` that `spec.trainer` describes, on this rank's device."""
+    t = spec.trainer
+    return DistributedTrainer(model, lr=spec.algorithm.lr, grad_clip=t.grad_clip, weight_decay=t.weight_decay,
+                              temperature=spec.rollout.temperature, aggregation=spec.algorithm.aggregation(),
+                              strategy=t.strategy, grad_accum=t.grad_accum, precision=t.precision,
+                              device=rank_device(t.devices))
+
+
+def make_trainer(spec: ExperimentSpec, model: PreTrainedModel, sharded_publish: bool = False):
+    """The loop's trainer for `spec.trainer`: the plain `TorchTrainer` at world_size 1 with fp32 and no
+    accumulation (the default path, unchanged); a lone `DistributedTrainer` at world_size 1 with grad_accum or
+    bf16; on rank 0 of a torchrun group of world_size ranks, a `LeaderTrainer` (the others must run `follow`)."""
+    t = spec.trainer
+    if t.backend != "torch":
+        raise ValueError(f"trainer.backend: make_trainer builds torch trainers, got {t.backend!r}")
+    if t.world_size == 1:
+        if t.grad_accum == 1 and t.precision == "fp32":
+            return TorchTrainer(model, lr=spec.algorithm.lr, grad_clip=t.grad_clip, weight_decay=t.weight_decay,
+                                temperature=spec.rollout.temperature)
+        return distributed_trainer(spec, model)
+    group = dist.get_world_size() if dist.is_initialized() else None
+    if group != t.world_size:
+        raise RuntimeError(f"trainer.world_size: {t.world_size} ranks wanted, but this process is "
+                           f"{'in no process group' if group is None else f'in a group of {group}'}: start the run "
+                           f"with torchrun (python -m factory.core.trainer.ranks, or launch.run_ranks)")
+    if dist.get_rank() != 0:
+        raise RuntimeError("make_trainer builds rank 0's trainer; the other ranks run follow(spec, model)")
+    if t.strategy == "fsdp" and not sharded_publish:
+        raise ValueError("trainer.strategy: fsdp leaves rank 0 with a shard of the weights, which the loop's "
+                         "publish(model) and resume points cannot use yet; use ddp, or publish "
+                         "trainer.publish_model() and pass sharded_publish=True")
+    return LeaderTrainer(distributed_trainer(spec, model))
+
+
+class _Optimizer:
+    """Rank 0's optimizer, whose `load_state_dict` (a resume) reaches the followers' optimizers too."""
+
+    def __init__(self, inner: torch.optim.Optimizer):
+        self._inner = inner
+
+    def load_state_dict(self, state: dict) -> None:
+        _send("load_optimizer", state)
+        self._inner.load_state_dict(state)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+class LeaderTrainer:
+    """Rank 0's trainer: the `TorchTrainer` interface; each call is sent to the followers before it runs."""
+
+    def __init__(self, inner: DistributedTrainer):
+        self.inner = inner
+        self.model = inner.model
+        self.optimizer = _Optimizer(inner.optimizer)
+
+    @property
+    def version(self) -> int:
+        return self.inner.version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        self.inner.version = value
+
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        _send("logprobs", batch)
+        return self.inner.logprobs(batch)
+
+    def step(self, batch: TrainBatch, loss_fn: LossFn, minibatches: int = 1,
+             generator: torch.Generator | None = None) -> dict[str, float]:
+        """`loss_fn` runs here; the followers apply the spec's (`follow`), which is the loop's by construction."""
+        _send("step", (batch, minibatches, None if generator is None else generator.get_state()))
+        return self.inner.step(batch, loss_fn, minibatches, generator)
+
+    def gathered_model(self) -> PreTrainedModel:
+        _send("gather")
+        model = self.inner.gathered_model()
+        assert model is not None  # rank 0
+        return model
+
+    def publish_model(self) -> PreTrainedModel:
+        """The full model to publish: rank 0's own replica under ddp, a gathered copy under fsdp."""
+        return self.model if self.inner.strategy != "fsdp" else self.gathered_model()
+
+
+def follow(spec: ExperimentSpec, model: PreTrainedModel) -> int:
+    """A follower rank's loop: apply the leader's calls until it says stop; returns the steps applied."""
+    from factory.core.algorithms import make_loss
+
+    trainer = distributed_trainer(spec, model)
+    loss_fn = make_loss(spec.algorithm, max_new_tokens=spec.rollout.max_new_tokens)
+    steps = 0
+    while True:
+        op, payload = _receive()
+        if op == "step":
+            batch, minibatches, state = payload
+            generator = None
+            if state is not None:
+                generator = torch.Generator()
+                generator.set_state(state)
+            trainer.step(batch, loss_fn, minibatches, generator)
+            steps += 1
+        elif op == "logprobs":
+            trainer.logprobs(payload)
+        elif op == "gather":
+            trainer.gathered_model()
+        elif op == "load_optimizer":
+            trainer.optimizer.load_state_dict(payload)
+        elif op == "stop":
+            return steps
+        elif op == "abort":
+            raise LeaderFailed(f"rank 0 failed: {payload}")
+        else:
+            raise RuntimeError(f"follower got an unknown call {op!r} from rank 0")
+
+
+@contextlib.contextmanager
+def leading() -> Iterator[None]:
+    """Rank 0's work goes inside: at the end the followers are told to stop, or (on an error) to abort. An error
+    raised inside a collective leaves the followers in it; the process group's timeout, or torchrun tearing the
+    ranks down when rank 0 exits non-zero, ends them."""
+    try:
+        yield
+    except BaseException as e:
+        with contextlib.suppress(Exception):
+            _send("abort", f"{type(e).__name__}: {e}")
+        raise
+    else:
+        _send("stop")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Rank entry point: rank 0 runs `--leader module:function` with the spec inside `leading()`; others follow."""
+    from factory.config import load_spec
+    from factory.models.build import policy_for
+
+    ap = argparse.ArgumentParser(prog="python -m factory.core.trainer.ranks")
+    ap.add_argument("--spec", required=True, help="experiment spec (YAML) with trainer.world_size = the rank count")
+    ap.add_argument("--leader", required=True, help="module:function run on rank 0 with the spec")
+    ap.add_argument("--timeout-s", type=float, default=None,
+                    help="longest any collective waits, the follower's wait for the next call included "
+                         "(default: 2 x schedule.wait_timeout_s + 60)")
+    args = ap.parse_args(argv)
+    spec = load_spec(args.spec)
+    module, _, name = args.leader.partition(":")
+    if not name:
+        raise SystemExit(f"--leader: expected module:function, got {args.leader!r}")
+    timeout = args.timeout_s or 2 * spec.schedule.wait_timeout_s + 60
+    rank, world = init_ranks(threads=spec.trainer.threads, timeout_s=timeout)
+    if world != spec.trainer.world_size:
+        raise SystemExit(f"trainer.world_size is {spec.trainer.world_size} but {world} ranks were started")
+    try:
+        if rank == 0:
+            fn = getattr(importlib.import_module(module), name)
+            with leading():
+                fn(spec)
+        else:
+            follow(spec, policy_for(spec)[0])
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
