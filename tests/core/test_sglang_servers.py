@@ -80,6 +80,13 @@ def test_a_server_that_exits_at_startup_is_named_with_its_log(tmp_path, model_di
     assert str(tmp_path / "logs" / "sglang-0.log") in msg and "no CUDA-capable device is detected" in msg
 
 
+def test_a_python_that_cannot_run_is_named(tmp_path, model_dir):
+    spec = SGLangSpec(python=str(tmp_path / "no-venv" / "bin" / "python"), base_port=free_port_run(1))
+    with pytest.raises(SGLangServerError, match=r"sglang-0 at .*: cannot run '.*no-venv/bin/python' "
+                                                r"\(rollout.sglang.python"):
+        SGLangServers(spec, model_dir, tmp_path / "logs").start()
+
+
 def test_startup_timeout_names_the_server_and_its_log(tmp_path, model_dir):
     spec = _spec(tmp_path, n=1, startup_timeout_s=1.0, extra_args=["--fake-never-healthy"])
     servers = SGLangServers(spec, model_dir, tmp_path / "logs")

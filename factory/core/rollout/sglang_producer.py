@@ -60,7 +60,7 @@ def make_sglang_engine(spec: ExperimentSpec, model_dir: Path | None, workdir: Pa
     sg = spec.rollout.sglang
     if sg is None:
         raise ValueError("rollout.engine: sglang needs rollout.sglang")
-    servers = SGLangServers(sg, model_dir, workdir / "logs", gpus=gpus, module=module).start()
+    servers = SGLangServers(sg, None if sg.urls else model_dir, workdir / "logs", gpus=gpus, module=module).start()
     try:
         router = SGLangRouter(servers.urls, make_updater(spec, workdir, model_dir), weight_version=version,
                               servers=servers, update_mode=spec.rollout.update_mode,
@@ -84,11 +84,9 @@ class SGLangProducer(OverlappedProducer):
 
     def _start_engine(self, model: PreTrainedModel, version: int) -> None:
         self._workdir = Path(tempfile.mkdtemp(prefix="factory-sglang-"))
-        sg = self.spec.rollout.sglang
-        model_dir = None
-        if sg is None or not sg.urls:
-            model_dir = self._workdir / "initial"
-            save_checkpoint(model, self.tok, model_dir)
+        # the servers start from it (unless rollout.sglang.urls); disk updates copy its config files
+        model_dir = self._workdir / "initial"
+        save_checkpoint(model, self.tok, model_dir)
         state = {k: v.detach() for k, v in model.state_dict().items()}
         eos = self.tok.eos_token_id
         self.engine = make_sglang_engine(self.spec, model_dir, self._workdir, version, state,

@@ -102,6 +102,9 @@ class SGLangRouter:
         by_server: dict[int, list[int]] = {}
         for k, p in enumerate(prompts):
             by_server.setdefault(self.pick(p, params.n), []).append(k)
+        if len(by_server) == 1:  # the producers' case (one group per call): no hop through the pool,
+            (i, ks), = by_server.items()  # whose few threads would cap the requests in flight
+            return self._generate_on(i, prompts, params)
         futures = {i: self._pool.submit(self._generate_on, i, [prompts[k] for k in ks], params)
                    for i, ks in by_server.items()}
         out: list[list[Completion]] = [[] for _ in prompts]

@@ -135,10 +135,14 @@ class SGLangServers:
             for i, url in enumerate(self.urls):
                 _wait_healthy(url, self.spec.startup_timeout_s, self.describe(i))
             return self
-        for s in self.services:
+        for i, s in enumerate(self.services):
             s.defer_wait = True
             try:
                 s.start()
+            except OSError as e:  # the python itself cannot be run
+                self.stop()
+                raise SGLangServerError(f"{self.describe(i)}: cannot run {s.argv[0]!r} (rollout.sglang.python: "
+                                        f"the Python of sglang's own venv): {e}") from e
             finally:
                 s.defer_wait = False
         errors: dict[int, BaseException] = {}
