@@ -216,6 +216,8 @@ def eval_summary(lake: Lake, run_id: str) -> dict:
            "grpo_accuracy": get.get((final, HELD_OUT, "accuracy")),
            "control_accuracy": get.get((final, HELD_OUT, "sft_control_accuracy")), "levels": {}}
     for (step, bench, metric), value in get.items():
+        if step not in (0, final):  # periodic evals between them (schedule.eval_every) are not the final word
+            continue
         if bench == HELD_OUT and metric.startswith("pass@"):
             out[("sft_" if step == 0 else "grpo_") + metric.replace("@", "_at_")] = value
         if bench == HELD_OUT and metric.startswith("sft_control_pass@"):
