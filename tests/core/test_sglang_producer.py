@@ -10,9 +10,12 @@ import pytest
 from factory.config import parse_spec
 from factory.core.loop import train_grpo
 from factory.core.producer import make_producer
-from factory.core.rollout.sglang_producer import SGLangProducer
+from factory.core.rollout.base import SamplingParams
+from factory.core.rollout.sglang_producer import SGLangProducer, make_sglang_engine
+from factory.core.rollout.sglang_servers import SGLangServers
 from factory.envs.arithmetic import Problem
 from factory.models.build import build_model
+from factory.models.checkpoint import save_checkpoint
 from factory.models.tokenizer import build_tokenizer
 from tests.core.fake_sglang_server import fake_state, free_port_run, python_wrapper
 
@@ -71,3 +74,23 @@ def test_a_short_grpo_run_on_sglang_servers(tmp_path, model_and_tok):
     for service in producer.engine.servers.services:  # every server loaded each published version from disk
         log = service.log_path.read_text()
         assert [f"(disk), version {v}" in log for v in (1, 2, 3)] == [True, True, True], log
+
+
+def test_external_servers_get_the_trainers_weights_before_any_request(tmp_path, model_and_tok):
+    model, tok = model_and_tok
+    s = spec(tmp_path, "tensor")
+    save_checkpoint(model, tok, tmp_path / "initial")
+    with SGLangServers(s.rollout.sglang, tmp_path / "initial", tmp_path / "started") as running:
+        external = s.model_copy(update={"rollout": s.rollout.model_copy(update={
+            "sglang": s.rollout.sglang.model_copy(update={"urls": running.urls})})})
+        state = {k: v.detach() for k, v in model.state_dict().items()}
+        router = make_sglang_engine(external, None, tmp_path / "work", 5, state)
+        try:
+            assert router.servers.external and router.servers.services == []
+            expected = {k: pytest.approx(float(v.double().sum()), rel=1e-6) for k, v in state.items()}
+            for u in running.urls:
+                st = fake_state(u)
+                assert st["version"] == "5" and st["weights"] == expected
+            assert router.generate([[3, 4]], SamplingParams(max_new_tokens=2))[0][0].weight_version == 5
+        finally:
+            router.close()
