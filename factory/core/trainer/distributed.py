@@ -116,8 +116,9 @@ class DistributedTrainer:
     def __init__(self, model: PreTrainedModel, lr: float, grad_clip: float = 1.0, weight_decay: float = 0.0,
                  temperature: float = 1.0, *, aggregation: str = "seq_mean_token_mean", strategy: Strategy = "fsdp",
                  grad_accum: int = 1, precision: Precision = "fp32", device: torch.device | None = None):
-        loss_units(TrainBatch(torch.zeros(0, 1), torch.zeros(0, 1), torch.zeros(0, 0, dtype=torch.bool)),
-                   aggregation)  # validates the name
+        if aggregation not in SEQUENCE_AGGREGATIONS + TOKEN_AGGREGATIONS:
+            raise ValueError(f"aggregation: expected one of {', '.join(SEQUENCE_AGGREGATIONS + TOKEN_AGGREGATIONS)}"
+                             f" (algorithm.loss_agg), got {aggregation!r}")
         if strategy not in ("fsdp", "ddp"):
             raise ValueError(f"trainer.strategy: expected 'fsdp' or 'ddp', got {strategy!r}")
         if precision not in ("fp32", "bf16"):
@@ -257,6 +258,8 @@ class DistributedTrainer:
             self.version += 1
         else:
             self.optimizer.zero_grad(set_to_none=True)
+        # The loss fn's metrics are token means (clip_frac, kl, ...): weighted by tokens they are the minibatch's
+        # (a per-sequence one, GSPO's seq_ratio_mean, comes out token-weighted).
         out = {k: float(vec[3 + j]) for j, k in enumerate(keys)}
         out.update(loss=float(vec[0]), grad_norm=float(grad_norm), entropy=float(vec[1]) / tokens_total)
         return out, applied
