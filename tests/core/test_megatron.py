@@ -8,6 +8,7 @@ the rest of the forward and backward is Megatron's own code."""
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import pytest
 import torch
@@ -183,8 +184,7 @@ def mg():
     dist.destroy_process_group()
 
 
-@pytest.fixture
-def megatron_cpu_forward(monkeypatch):
+def _cpu_stand_ins() -> list[tuple[object, str, object]]:
     """Megatron 0.16's forward on CPU torch. Two CUDA assumptions get a CPU stand-in, nothing else:
     - RotaryEmbedding.get_emb moves its frequency table to `torch.cuda.current_device()` on first use: that
       device is reported as "cpu", so the table stays where the model is;
@@ -198,15 +198,24 @@ def megatron_cpu_forward(monkeypatch):
         def fork(self, name: str = "model-parallel-rng"):
             return contextlib.nullcontext()
 
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
-    monkeypatch.setattr(mrandom, "_CUDA_RNG_STATE_TRACKER", NoForkTracker())
-    monkeypatch.setattr(mrandom, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", True)
+    return [(torch.cuda, "current_device", lambda: "cpu"), (mrandom, "_CUDA_RNG_STATE_TRACKER", NoForkTracker()),
+            (mrandom, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", True)]
+
+
+@pytest.fixture
+def megatron_cpu_forward(monkeypatch):
+    for obj, name, value in _cpu_stand_ins():
+        monkeypatch.setattr(obj, name, value)
 
 
 @pytest.mark.parametrize(("arch", "tied"), CASES, ids=IDS)
 def test_gpt_model_loads_strictly_and_reads_back_bit_exact(mg, arch, tied):
     model = tiny(arch, tied)
+    rng = torch.get_rng_state()
     gpt = mg.build_gpt_model(model.config)
+    assert torch.equal(torch.get_rng_state(), rng)  # building draws its random init from a fork
+    # Marked as sharded (Megatron marks only while initialising): the gradient norm counts it on every rank.
+    assert gpt.decoder.layers[0].self_attention.linear_qkv.weight.tensor_model_parallel
     names = set(gpt.state_dict())
     assert ("output_layer.weight" in names) == (not tied)
     mg.load_hf_state(gpt, model.state_dict(), model.config)  # load_state_dict(strict=True) inside
@@ -294,3 +303,81 @@ def test_make_megatron_trainer_reads_the_spec(mg):
                       "trainer": {"backend": "megatron", "tensor_parallel": 2, "world_size": 2}})
     with pytest.raises(ValueError, match=r"Megatron is already initialised with \(1, 1\)"):
         mg.make_megatron_trainer(tp2, model, device="cpu")
+
+
+# --- tensor parallel 2 across two real ranks (torchrun, gloo, CPU) -------------------------------------------------
+
+
+def _tensor_parallel_worker(out: str) -> None:
+    """One rank of a tensor_parallel 2 run (torchrun runs this file): build, load the shards strictly, logprobs,
+    one step, gather the weights back; rank 0 saves what it saw to `out`."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from factory.core.trainer import megatron
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))  # a lost collective fails, not hangs
+    for obj, name, value in _cpu_stand_ins():
+        setattr(obj, name, value)
+    spec = parse_spec({**_spec("llama").model_dump(mode="json"),
+                       "trainer": {"backend": "megatron", "grad_clip": 0.5, "tensor_parallel": 2, "world_size": 2}})
+    model = tiny("llama", False, seed=3)
+    trainer = megatron.make_megatron_trainer(spec, model, device="cpu")
+    shapes = {k: tuple(v.shape) for k, v in trainer.model.state_dict().items() if v is not None}
+    loaded = trainer.hf_state_dict()
+    batch = _batch()
+    before = trainer.logprobs(batch)
+    metrics = trainer.step(batch, algorithms.make_loss(spec.algorithm, max_new_tokens=spec.rollout.max_new_tokens))
+    after = trainer.logprobs(batch)
+    trained = trainer.hf_state_dict()
+    if dist.get_rank() == 0:
+        torch.save({"shapes": shapes, "loaded": loaded, "before": before, "metrics": metrics, "after": after,
+                    "trained": trained, "hf_model": model.state_dict()}, out)
+    dist.destroy_process_group()
+
+
+def test_tensor_parallel_2_on_two_ranks_matches_torch_trainer(tmp_path):
+    """Megatron's own TP layers (column/row parallel, vocab-parallel embedding, gathered logits) on two CPU ranks:
+    the shards load strictly, gather back bit-exact, and logprobs / loss / gradient norm / the step match the
+    single-process torch trainer."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]')")
+    import os
+    import signal
+    import subprocess
+
+    out = tmp_path / "rank0.pt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
+    # --standalone: a rendezvous on a free localhost port; a new session so a hang is killed with both ranks.
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                             __file__, str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, stderr = proc.communicate()
+        pytest.fail(f"the two ranks did not finish: {stderr[-4000:]}")
+    assert proc.returncode == 0, stderr[-4000:]
+    got = torch.load(out)
+    assert got["shapes"]["decoder.layers.0.self_attention.linear_qkv.weight"] == ((2 + 2) * 16, 64)  # one group
+    assert got["shapes"]["decoder.layers.0.mlp.linear_fc2.weight"] == (64, 48)
+    assert got["shapes"]["output_layer.weight"] == (VOCAB // 2, 64)
+    start = tiny("llama", False, seed=3)
+    assert_bit_exact(got["loaded"], start.state_dict())
+    spec = _spec("llama")
+    reference = TorchTrainer(start, lr=spec.algorithm.lr, grad_clip=spec.trainer.grad_clip,
+                             temperature=spec.rollout.temperature)
+    batch = _batch()
+    mask = batch.loss_mask
+    torch.testing.assert_close(got["before"][mask], reference.logprobs(batch)[mask], atol=2e-5, rtol=1e-5)
+    want = reference.step(batch, algorithms.make_loss(spec.algorithm, max_new_tokens=spec.rollout.max_new_tokens))
+    for key in ("loss", "grad_norm", "entropy"):
+        assert got["metrics"][key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
+    torch.testing.assert_close(got["after"][mask], reference.logprobs(batch)[mask], atol=2e-4, rtol=1e-4)
+    assert_bit_exact(got["trained"], got["hf_model"])
+
+
+if __name__ == "__main__":
+    _tensor_parallel_worker(sys.argv[1])

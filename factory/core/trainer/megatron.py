@@ -6,10 +6,12 @@ What ran where (megatron-core 0.16.1, CPU torch 2.13): the config, the model bui
 conversion and strict loading run on CPU as they are. Megatron's forward assumes CUDA in two places (the rotary
 table is moved to `torch.cuda.current_device()`, attention dropout forks the CUDA RNG tracker), so on CPU the tests
 run the forward, `logprobs` and `step` only with those two replaced by CPU equivalents (tests/core/test_megatron.py,
-`megatron_cpu_forward`); everything else in the forward and backward is Megatron's own. On a GPU nothing is replaced.
-Not run anywhere yet: CUDA, bf16, tensor_parallel > 1 across real ranks (the TP gather and the TP-aware gradient
-norm), data-parallel gradient averaging. Pipeline parallel > 1 is converted (`megatron_convert.pipeline_stage`) but
-not trained: it would need Megatron's pipeline schedules, and `MegatronTrainer` refuses it.
+`_cpu_stand_ins`); everything else in the forward and backward is Megatron's own, tensor_parallel 2 included (two
+gloo ranks under torchrun: sharded load, gathered logits, the TP-aware gradient norm, the gather back to HF).
+On a GPU nothing is replaced, but nothing here has run on CUDA yet, nor in bf16, nor with data-parallel ranks
+(world_size > tensor_parallel: the gradient averaging is unexercised). Pipeline parallel > 1 is converted
+(`megatron_convert.pipeline_stage`) but not trained: it needs Megatron's pipeline schedules, and `MegatronTrainer`
+refuses it.
 """
 
 from __future__ import annotations
@@ -64,7 +66,9 @@ def megatron_config(hf_config: PretrainedConfig, tensor_parallel: int = 1, pipel
         hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=tensor_parallel, pipeline_model_parallel_size=pipeline_parallel,
         params_dtype=params_dtype, pipeline_dtype=params_dtype,
-        use_cpu_initialization=True, perform_initialization=False,  # every weight is loaded from the HF model
+        # Initialised although every weight is then loaded from the HF model: Megatron marks its tensor-parallel
+        # weights (`tensor_model_parallel`, read by the gradient norm) only while initialising them.
+        use_cpu_initialization=True, perform_initialization=True,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         persist_layer_norm=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
     )
@@ -98,21 +102,23 @@ def init_model_parallel(tensor_parallel: int = 1, pipeline_parallel: int = 1, ba
 
 def build_gpt_model(hf_config: PretrainedConfig, tensor_parallel: int = 1, pipeline_parallel: int = 1,
                     params_dtype: torch.dtype = torch.float32) -> GPTModel:
-    """This rank's GPTModel for `hf_config`, on CPU with uninitialised weights (load them with `load_hf_state`).
-    Its logits are gathered over tensor-parallel ranks (full vocabulary everywhere) so logprobs and entropy are
-    computed as the torch trainer does."""
+    """This rank's GPTModel for `hf_config`, on CPU with random weights (load them with `load_hf_state`), drawn
+    from a forked RNG so that building leaves torch's global random stream as it was. Its logits are gathered over
+    tensor-parallel ranks (full vocabulary everywhere) so logprobs and entropy are computed as the torch trainer
+    does."""
     init_model_parallel(tensor_parallel, pipeline_parallel)
     g = geometry(hf_config)
     if g.vocab % tensor_parallel:
         raise ValueError(f"vocab_size: {g.vocab} is not divisible by trainer.tensor_parallel {tensor_parallel}")
     config = megatron_config(hf_config, tensor_parallel, pipeline_parallel, params_dtype)
-    return GPTModel(
-        config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=g.vocab,
-        max_sequence_length=hf_config.max_position_embeddings,
-        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
-        parallel_output=False, share_embeddings_and_output_weights=g.tied, position_embedding_type="rope",
-        rotary_base=rope_theta(hf_config),
-    )
+    with torch.random.fork_rng(devices=[]):
+        return GPTModel(
+            config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=g.vocab,
+            max_sequence_length=hf_config.max_position_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
+            parallel_output=False, share_embeddings_and_output_weights=g.tied, position_embedding_type="rope",
+            rotary_base=rope_theta(hf_config),
+        )
 
 
 def _rank_state(hf_state: Mapping[str, Tensor], hf_config: PretrainedConfig) -> dict[str, Tensor]:
