@@ -368,7 +368,7 @@ class SGLangSpec(_Section):
 class RolloutSpec(_Section):
     """How completions are sampled."""
 
-    _LATE_FIELDS: ClassVar[tuple[str, ...]] = ("sglang", "threads", "cpus", "env_cpus")
+    _LATE_FIELDS: ClassVar[tuple[str, ...]] = ("sglang", "threads", "cpus", "env_cpus", "devices")
 
     engine: Literal["embedded", "server", "sglang"] = Field(
         "embedded", description="overlapped modes: the continuous engine in-process, a supervised rollout "
@@ -395,6 +395,9 @@ class RolloutSpec(_Section):
     env_cpus: list[int] | None = Field(
         None, min_length=1, description="placement: the CPU cores environment workers (scoring threads in-process, "
         "or env-serve processes) run on; unset: any")
+    devices: list[int] | None = Field(
+        None, min_length=1, description="placement: the GPU ids the rollout engine gets (SGLang: server i uses "
+        "devices[i*tp_size:(i+1)*tp_size]); unset: SGLang's own choice from GPU 0")
     sglang: SGLangSpec | None = Field(None, description="the SGLang servers when rollout.engine is 'sglang'")
 
     @model_validator(mode="after")
@@ -403,6 +406,17 @@ class RolloutSpec(_Section):
             self.sglang = SGLangSpec()
         if self.sglang is not None and self.engine != "sglang":
             raise ValueError(f"rollout.sglang: only used with rollout.engine: sglang, got engine {self.engine!r}")
+        if self.devices is not None:
+            if self.engine != "sglang":
+                raise ValueError(f"rollout.devices: GPUs for SGLang servers (rollout.engine: sglang); the "
+                                 f"{self.engine} engine runs on the CPU, got {self.devices}")
+            need = self.sglang.servers * self.sglang.tp_size
+            if len(self.devices) != need:
+                raise ValueError(f"rollout.devices: rollout.sglang.servers x tp_size = {need} GPUs, got "
+                                 f"{len(self.devices)}: {self.devices}")
+            if self.sglang.urls:
+                raise ValueError("rollout.devices: servers at rollout.sglang.urls are already placed; leave "
+                                 "rollout.devices unset")
         return self
 
 

@@ -11,7 +11,7 @@ Linux applies CPU affinity per thread and torch's intra-op thread count is per t
 that are threads of one process are placed by the thread itself when it starts (`enter`), and a child process
 inherits the affinity of the thread that forks it (`for_child` sets it in the child before it runs). A component
 without cores of its own runs on the cores the process had at start, not on the trainer's, which the loop's
-thread narrows for itself. GPU devices: `trainer.devices` (ranks) and `rollout.sglang` (servers' GPUs); the
+thread narrows for itself. GPU devices: `trainer.devices` (ranks) and `rollout.devices` (SGLang servers' GPUs); the
 embedded engine runs on the CPU.
 """
 

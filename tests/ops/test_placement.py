@@ -110,3 +110,15 @@ def test_placements_read_each_components_fields():
     assert p["rollout"] == Place("rollout", None, 3)
     assert p["environment"] == Place("environment")
     assert p["sandbox"] == Place("sandbox", (0,))
+
+
+def test_rollout_devices_are_sglang_gpus_one_group_per_server():
+    spec = spec_with(**{"rollout.engine": "sglang", "rollout.sglang.servers": 2, "rollout.sglang.tp_size": 2,
+                        "rollout.devices": [4, 5, 6, 7]})
+    assert spec.rollout.devices == [4, 5, 6, 7]
+    with pytest.raises(ValueError, match=r"rollout.devices: rollout.sglang.servers x tp_size = 4 GPUs, got 2"):
+        spec_with(**{"rollout.engine": "sglang", "rollout.sglang.servers": 2, "rollout.sglang.tp_size": 2,
+                     "rollout.devices": [0, 1]})
+    with pytest.raises(ValueError, match=r"rollout.devices: GPUs for SGLang servers .* the embedded engine runs on "
+                                         r"the CPU"):
+        spec_with(**{"rollout.devices": [0]})

@@ -90,6 +90,7 @@ class SGLangProducer(OverlappedProducer):
         state = {k: v.detach() for k, v in model.state_dict().items()}
         eos = self.tok.eos_token_id
         self.engine = make_sglang_engine(self.spec, model_dir, self._workdir, version, state,
+                                         gpus=self.spec.rollout.devices,
                                          stop_token_ids=[eos] if eos is not None else None)
 
     def _sample(self, prompt_ids: list[int], params: SamplingParams) -> list[Completion]:
