@@ -16,6 +16,7 @@ refuses it.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 from collections.abc import Mapping
@@ -178,7 +179,9 @@ def megatron_token_logprobs(model: GPTModel, batch: TrainBatch, temperature: flo
     b, t = ids.shape
     position_ids = torch.arange(t, device=device).unsqueeze(0).expand(b, t)
     mask = megatron_attention_mask(batch.attention_mask.to(device))
-    with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
+    compute = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None
+               else contextlib.nullcontext())
+    with compute:
         logits = model(ids, position_ids, mask)[:, :-1, :]  # [B, T, V]: GPTModel returns batch-first logits
     logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
     logp = logp_all.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
