@@ -169,10 +169,15 @@ def test_unsupported_configs_name_the_field(arch, extra, field):
 # --- a real GPTModel (megatron-core) -------------------------------------------------------------------------------
 
 
+def _require_megatron() -> None:
+    pytest.importorskip("megatron.core", reason="megatron-core does not import here (pip install -e '.[megatron]')",
+                        exc_type=ImportError)
+
+
 @pytest.fixture(scope="module")
 def mg():
     """megatron.core with a 1-rank gloo group and tensor/pipeline parallel 1, torn down after the module."""
-    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]')")
+    _require_megatron()
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -203,7 +208,7 @@ def _cpu_stand_ins() -> list[tuple[object, str, object]]:
 
 
 @pytest.fixture
-def megatron_cpu_forward(monkeypatch):
+def megatron_cpu_forward(mg, monkeypatch):
     for obj, name, value in _cpu_stand_ins():
         monkeypatch.setattr(obj, name, value)
 
@@ -344,7 +349,7 @@ def test_tensor_parallel_2_on_two_ranks_matches_torch_trainer(tmp_path):
     """Megatron's own TP layers (column/row parallel, vocab-parallel embedding, gathered logits) on two CPU ranks:
     the shards load strictly, gather back bit-exact, and logprobs / loss / gradient norm / the step match the
     single-process torch trainer."""
-    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]')")
+    _require_megatron()
     import os
     import signal
     import subprocess
