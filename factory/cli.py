@@ -159,6 +159,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     if err is not None:
         print(str(err), file=sys.stderr)
         return EXIT_BAD_INPUT
+    if spec.trainer.world_size > 1:
+        return _run_ranks(spec, args)
+    return _run_spec(spec, args)
+
+
+def _run_spec(spec, args: argparse.Namespace) -> int:
     from factory.core.loop import NonFiniteLoss, RunInterrupted
     from factory.experiment import RunFailed, run_experiment
     from factory.ops.preflight.gate import PreflightFailed, gate
@@ -224,6 +230,51 @@ def _resume(paths: FactoryPaths, run_id: str) -> int:
     with Lake.open(paths) as lake:
         print(render_report(eval_summary(lake, run_id)))
     return EXIT_OK
+
+
+RANK_TIMEOUT_S = 6 * 3600.0  # followers wait in a collective while rank 0 builds the dataset and trains SFT
+
+
+def _run_ranks(spec, args: argparse.Namespace) -> int:
+    """trainer.world_size > 1: started by the user, re-run this command as that many torchrun ranks on this node
+    (rank 0's output shown); as a rank, rank 0 runs the command and leads, the others apply its trainer steps."""
+    import os
+    import subprocess
+
+    if "RANK" not in os.environ:
+        if not args.in_process:
+            error(f"trainer.world_size = {spec.trainer.world_size}: data-parallel runs need --in-process for now "
+                  f"(automatic restarts of a group of ranks are not built)")
+            return EXIT_BAD_INPUT
+        from factory.core.trainer.launch import free_port
+
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
+               str(spec.trainer.world_size), "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+               "--max-restarts", "0", "--local-ranks-filter", "0", "-m", "factory.cli", *args.argv]
+        env = {**os.environ, "OMP_NUM_THREADS": str(spec.trainer.threads or 1)}
+        return subprocess.run(cmd, env=env).returncode
+    import torch.distributed as dist
+
+    from factory.core.trainer.distributed import init_ranks
+    from factory.core.trainer.ranks import follow, leading
+
+    rank, world = init_ranks(threads=spec.trainer.threads, timeout_s=max(RANK_TIMEOUT_S,
+                                                                           2 * spec.schedule.wait_timeout_s + 60))
+    try:
+        if world != spec.trainer.world_size:
+            error(f"trainer.world_size is {spec.trainer.world_size} but {world} ranks were started")
+            return EXIT_BAD_INPUT
+        if rank != 0:
+            from factory.models.build import policy_for
+
+            follow(spec, policy_for(spec)[0])  # the architecture; the weights come from rank 0
+            return EXIT_OK
+        print(f"trainer: rank 0 of {world} ({spec.trainer.strategy} on {dist.get_backend()}); ranks 1-{world - 1} "
+              f"apply its steps to their share of each batch", flush=True)
+        with leading():
+            return _run_spec(spec, args)
+    finally:
+        dist.destroy_process_group()
 
 
 def cmd_attempt(args: argparse.Namespace) -> int:
@@ -488,6 +539,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse exits on --help (0) and on usage errors (2)
         return e.code if isinstance(e.code, int) else EXIT_BAD_INPUT
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # to start the same command as torchrun ranks
     return int(args.func(args))
 
 

@@ -437,7 +437,9 @@ class TrainerSpec(_Section):
     world_size: int = Field(
         1, ge=1, le=1024, description="data-parallel trainer processes (torchrun ranks); 1: in the loop's process")
     strategy: Literal["fsdp", "ddp"] = Field(
-        "fsdp", description="with world_size > 1: FSDP2 fully_shard, or DDP (where FSDP cannot run)")
+        "ddp", description="with world_size > 1: DDP (a full replica per rank), or FSDP2 fully_shard (sharded; the "
+        "trainer supports it, but a run cannot use it yet: its resume points of a sharded optimizer are not "
+        "written)")
     grad_accum: int = Field(1, ge=1, description="micro-batches accumulated per optimizer step on each rank")
     precision: Literal["fp32", "bf16"] = Field(
         "fp32", description="bf16: bf16 compute on GPUs with a float32 master copy of the weights")

@@ -6,7 +6,8 @@ Parts it drives (none of them knows about this file):
   (`envs/workers.py`, in-process or worker processes), directly (sync) or through the rollout
   buffer (`core/buffer.py`) from producer threads (one_step_off, async);
 - the algorithm (`core/algorithms.py`): advantages and a loss function over per-token tensors;
-- a trainer (`core/trainer/`): applies the loss function, steps the optimizer;
+- a trainer (`core/trainer/`): applies the loss function, steps the optimizer (in this process, or as rank 0
+  of data-parallel ranks that apply the same steps to their share of the batch: `core/trainer/ranks.py`);
 - weight publication: after each step the producer's engine gets version N+1 (sync: it shares the
   trainer's model object; overlapped: a copy applied between decode steps, in flight or after the
   running requests finish, per `rollout.update_mode`);
@@ -37,6 +38,7 @@ from factory.core.buffer import apply_importance_correction, stale_rows
 from factory.core.producer import ProducerFailed, make_producer
 from factory.core.resume import TrainState, capture, rng_state, set_rng_state
 from factory.core.trainer.batch import TrainBatch, pack
+from factory.core.trainer.ranks import make_trainer
 from factory.core.trainer.torch_trainer import TorchTrainer
 from factory.envs.arithmetic import Problem
 from factory.ops.faults import fault_point
@@ -144,8 +146,7 @@ def train_grpo(
         model.load_state_dict(resume.model)
     torch.manual_seed(spec.seed + start_step)
     shuffle = torch.Generator().manual_seed(spec.seed)
-    trainer = TorchTrainer(model, lr=spec.algorithm.lr, grad_clip=spec.trainer.grad_clip,
-                           weight_decay=spec.trainer.weight_decay, temperature=spec.rollout.temperature)
+    trainer = make_trainer(spec, model)  # one process (the default), or rank 0 leading torchrun ranks
     loss_fn = _grpo_loss_fn(spec)
     nonfinite_streak = 0
     if resume is not None:

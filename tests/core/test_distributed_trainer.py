@@ -238,6 +238,16 @@ def test_make_trainer_keeps_the_plain_trainer_by_default():
     assert isinstance(accum, DistributedTrainer) and accum.grad_accum == 2 and accum.world_size == 1
     with pytest.raises(RuntimeError, match="trainer.world_size: 2 ranks wanted.*torchrun"):
         make_trainer(parse_spec({**base, "trainer": {"world_size": 2}}), build_model("tiny", tok))
+    # the Megatron backend is picked by the spec, from one process; GPU-only (the tests pass device="cpu" directly)
+    with pytest.raises(ValueError, match="trainer.world_size: the loop drives Megatron from one process"):
+        make_trainer(parse_spec({**base, "trainer": {"backend": "megatron", "world_size": 2}}),
+                     build_model("tiny", tok))
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.importorskip("megatron.core", reason="megatron-core is the optional extra `megatron`")
+        with pytest.raises(ValueError, match="trainer.backend: megatron runs on CUDA GPUs; none is available here"):
+            make_trainer(parse_spec({**base, "trainer": {"backend": "megatron"}}), build_model("tiny", tok))
 
 
 @pytest.mark.parametrize("algo_name", ["grpo", "dapo"])

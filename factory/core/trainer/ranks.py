@@ -65,10 +65,16 @@ def distributed_trainer(spec: ExperimentSpec, model: PreTrainedModel) -> Distrib
 def make_trainer(spec: ExperimentSpec, model: PreTrainedModel, sharded_publish: bool = False):
     """The loop's trainer for `spec.trainer`: the plain `TorchTrainer` at world_size 1 with fp32 and no
     accumulation (the default path, unchanged); a lone `DistributedTrainer` at world_size 1 with grad_accum or
-    bf16; on rank 0 of a torchrun group of world_size ranks, a `LeaderTrainer` (the others must run `follow`)."""
+    bf16; on rank 0 of a torchrun group of world_size ranks, a `LeaderTrainer` (the others must run `follow`);
+    with backend megatron, a `MegatronTrainer` (one process; CUDA only, `trainer/megatron.py`)."""
     t = spec.trainer
-    if t.backend != "torch":
-        raise ValueError(f"trainer.backend: make_trainer builds torch trainers, got {t.backend!r}")
+    if t.backend == "megatron":
+        if t.world_size > 1:
+            raise ValueError(f"trainer.world_size: the loop drives Megatron from one process (tensor_parallel = "
+                             f"pipeline_parallel = 1); {t.world_size} ranks would each need to run the loop's calls")
+        from factory.core.trainer.megatron import make_megatron_trainer  # the optional extra: imported when used
+
+        return make_megatron_trainer(spec, model)
     if t.world_size == 1:
         if t.grad_accum == 1 and t.precision == "fp32":
             return TorchTrainer(model, lr=spec.algorithm.lr, grad_clip=t.grad_clip, weight_decay=t.weight_decay,
