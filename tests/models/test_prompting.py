@@ -35,3 +35,25 @@ def test_chat_model_answer_closes_the_turn(bpe_model_dir):
     full = tok.apply_chat_template([{"role": "user", "content": "12+34="}, {"role": "assistant", "content": "46"}],
                                    tokenize=False)
     assert tok.decode(prompt_ids(tok, "12+34=") + ids) + "\n" == full
+
+
+def test_the_rollout_server_serves_a_path_model_with_its_template(bpe_model_dir):
+    """`factory serve --checkpoint DIR` on a model.path directory: the chat endpoint renders the model's ChatML, the
+    same ids training used for the same prompt, and a tool call written by the model comes back as OpenAI's."""
+    import openai
+
+    from factory.core.rollout.chat import parse_tool_calls
+    from factory.core.rollout.server import engine_from_checkpoint, launch_server
+
+    engine = engine_from_checkpoint(bpe_model_dir, max_batch=4)
+    tok = engine.tokenizer
+    assert uses_chat_template(tok)
+    with launch_server(engine) as handle:
+        c = openai.OpenAI(base_url=handle.url + "/v1", api_key="x", max_retries=0, timeout=30)
+        r = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "12+34="}], max_tokens=4,
+                                      seed=1)
+        (choice,) = r.choices
+        assert choice.prompt_token_ids == prompt_ids(tok, "12+34=")
+        assert tok.decode(choice.token_ids, skip_special_tokens=True) == (choice.message.content or "")
+    text, calls = parse_tool_calls('<tool_call>{"name": "python", "arguments": {"code": "1+1"}}</tool_call>')
+    assert text is None and calls[0]["function"]["name"] == "python"
