@@ -437,9 +437,8 @@ class TrainerSpec(_Section):
     world_size: int = Field(
         1, ge=1, le=1024, description="data-parallel trainer processes (torchrun ranks); 1: in the loop's process")
     strategy: Literal["fsdp", "ddp"] = Field(
-        "ddp", description="with world_size > 1: DDP (a full replica per rank), or FSDP2 fully_shard (sharded; the "
-        "trainer supports it, but a run cannot use it yet: its resume points of a sharded optimizer are not "
-        "written)")
+        "fsdp", description="with world_size > 1: FSDP2 fully_shard (weights, gradients and optimizer state sharded "
+        "over the ranks; rank 0 also keeps the full weights it publishes), or DDP (a full replica per rank)")
     grad_accum: int = Field(1, ge=1, description="micro-batches accumulated per optimizer step on each rank")
     precision: Literal["fp32", "bf16"] = Field(
         "fp32", description="bf16: bf16 compute on GPUs with a float32 master copy of the weights")

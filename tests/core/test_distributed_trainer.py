@@ -133,7 +133,7 @@ def _lead(spec) -> None:
     (out / "rank0.json").write_text(json.dumps({
         "history": [{k: v for k, v in h.items() if k != "train_s"} for h in history], "version": trainer.version,
         "world": torch.distributed.get_world_size(), "logprobs_sum": float(lp[batches[0].loss_mask].sum())}))
-    save_checkpoint(trainer.publish_model(), tok, out / "ckpt")
+    save_checkpoint(trainer.model, tok, out / "ckpt")  # the loop's full model on rank 0 (fsdp: gathered into it)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""A whole `factory run` with trainer.world_size = 2: the command re-runs itself as 2 torchrun ranks on gloo, rank 0
-runs the experiment (dataset, SFT, GRPO, evals, records) and leads, rank 1 applies the same trainer steps to its
-share of each batch (core/trainer/ranks.py). Against the same spec in one process: the same losses within the
+"""A whole `factory run` with trainer.world_size = 2 (ddp and fsdp): the command re-runs itself as 2 torchrun ranks on
+gloo, rank 0 runs the experiment (dataset, SFT, GRPO, evals, records, a resume point at the last step: under fsdp the
+gathered optimizer state) and leads, rank 1 applies the same trainer steps to its share of each batch
+(core/trainer/ranks.py). Against the same spec in one process: the same losses within the
 tolerance of tests/core/test_distributed_trainer.py, and a final checkpoint plain transformers loads."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from transformers import AutoModelForCausalLM
 
 from factory.cli import main
@@ -30,13 +32,14 @@ def _steps(name: str, capsys) -> tuple[str, list[dict]]:
     return run["run_id"], json.loads(capsys.readouterr().out)
 
 
-def test_two_gloo_ranks_train_like_one_process(factory_home, capfd):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_gloo_ranks_train_like_one_process(factory_home, capfd, strategy):
     capsys = capfd  # the ranks are child processes: their output is read from the file descriptors
     assert main(["run", "examples/quickstart.yaml", "--in-process", *TINY, "--set", "name=one"]) == 0
     assert "trainer: rank 0" not in capsys.readouterr().out
     assert main(["run", "examples/quickstart.yaml", "--in-process", *TINY, "--set", "name=two",
-                 "--set", "trainer.world_size=2"]) == 0
-    assert "trainer: rank 0 of 2 (ddp on gloo)" in capsys.readouterr().out
+                 "--set", "trainer.world_size=2", "--set", f"trainer.strategy={strategy}"]) == 0
+    assert f"trainer: rank 0 of 2 ({strategy} on gloo)" in capsys.readouterr().out
     _, one = _steps("one", capsys)
     run_two, two = _steps("two", capsys)
     assert [s["step"] for s in two] == [1, 2, 3]
@@ -54,3 +57,19 @@ def test_a_group_of_ranks_needs_in_process_for_now(factory_home, capsys):
     assert main(["run", "examples/quickstart.yaml", *TINY, "--set", "trainer.world_size=2"]) == 2
     assert "data-parallel runs need --in-process for now" in capsys.readouterr().err
     assert not any(Path(factory_home.checkpoints).glob("*/*"))
+
+
+def test_fsdp_resume_state_round_trips_after_a_probe():
+    """The resume point's optimizer state under fsdp (gathered, keyed by parameter name) taken after a forward (the
+    loop's probe leaves the root unsharded unless resharded) and loaded back changes nothing."""
+    from factory.core.trainer.launch import run_ranks
+
+    worker = str(Path(__file__).parent / "ranks_state_worker.py")
+    root = str(Path(__file__).parents[2])
+    out = {}
+    for roundtrip in ("0", "1"):
+        (rank0, _) = run_ranks(2, worker, env={"ROUNDTRIP": roundtrip, "PYTHONPATH": root}, timeout=300, cwd=root)
+        out[roundtrip] = json.loads(rank0.stdout.strip().splitlines()[-1])
+    assert out["1"]["keys"] == ["model.embed_tokens.weight", "model.layers.0.input_layernorm.weight"]
+    assert out["1"]["losses"] == pytest.approx(out["0"]["losses"], abs=1e-7)
+    assert out["1"]["weight"] == pytest.approx(out["0"]["weight"], abs=1e-6)

@@ -81,6 +81,18 @@ def batch_to(batch: TrainBatch, device: torch.device) -> TrainBatch:
                       {k: v.to(device) for k, v in batch.per_seq.items()})
 
 
+def load_full_state(model: PreTrainedModel, state: dict[str, Tensor]) -> PreTrainedModel:
+    """Load a gathered full state into a plain model of the same architecture (tied weights tied again)."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {k for k in missing if k.endswith("lm_head.weight")} if model.config.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise RuntimeError(f"gathered state does not fit {type(model).__name__}: missing {sorted(missing)}, "
+                           f"unexpected {sorted(unexpected)}")
+    if tied:
+        model.tie_weights()
+    return model
+
+
 def init_ranks(threads: int = 1, timeout_s: float = 600.0) -> tuple[int, int]:
     """Join the torchrun process group (gloo on CPU, nccl for CUDA tensors); returns (rank, world_size).
 
@@ -178,6 +190,10 @@ class DistributedTrainer:
         rows = torch.where(rows < n, rows, torch.zeros_like(rows))  # past the end: row 0 again, dropped below
         with self._amp():
             lp = token_logprobs(self.model, batch_to(batch.select(rows), self.device), self.temperature)[0].float()
+        if self.strategy == "fsdp":
+            # A forward without backward leaves the root's parameters unsharded: reshard, so the parameters the
+            # module and the optimizer hold are the same objects again (its state dicts map one to the other).
+            self.model.reshard()
         parts = [torch.empty_like(lp) for _ in range(self.world_size)]
         dist.all_gather(parts, lp.contiguous())
         return torch.cat(parts)[:n].cpu()
@@ -276,21 +292,32 @@ class DistributedTrainer:
             return {}
         return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
 
+    def optimizer_state(self) -> dict:
+        """The optimizer's state for a resume point: as `state_dict()` where each rank holds all of it, the full
+        (unsharded, CPU) state keyed by parameter name under fsdp (a collective; {} on ranks other than 0)."""
+        if self.strategy != "fsdp":
+            return self.optimizer.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.model, self.optimizer,
+                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def load_optimizer_state(self, state: dict) -> None:
+        """Load what `optimizer_state` returned (every rank gets the same full state; a collective under fsdp)."""
+        if self.strategy != "fsdp":
+            self.optimizer.load_state_dict(state)
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.model, self.optimizer, state, options=StateDictOptions(full_state_dict=True))
+
     def gathered_model(self) -> PreTrainedModel | None:
         """On rank 0, a plain (unsharded, CPU, float32) copy of the model with the trained weights; None elsewhere.
         A collective under fsdp."""
         state = self.full_state_dict()
         if self.rank != 0:
             return None
-        copy = AutoModelForCausalLM.from_config(self.model.config)
-        missing, unexpected = copy.load_state_dict(state, strict=False)
-        tied = {k for k in missing if k.endswith("lm_head.weight")} if copy.config.tie_word_embeddings else set()
-        if set(missing) - tied or unexpected:
-            raise RuntimeError(f"gathered state does not fit {type(copy).__name__}: missing {sorted(missing)}, "
-                               f"unexpected {sorted(unexpected)}")
-        if tied:
-            copy.tie_weights()
-        return copy.eval()
+        return load_full_state(AutoModelForCausalLM.from_config(self.model.config), state).eval()
 
     def save_full_checkpoint(self, tokenizer: PreTrainedTokenizerFast, path: str | Path,
                              meta: dict | None = None):

@@ -8,10 +8,11 @@ spec (`algorithms.make_loss(spec.algorithm, max_new_tokens=spec.rollout.max_new_
 leader's `leading()` block ends and sends `stop`.
 
 Weights: every rank starts from rank 0's (broadcast when the trainer is built), so a follower's model only needs the
-architecture (`policy_for(spec)`). Under `ddp` rank 0's model is a full replica after every step, so the loop's
-`producer.publish(model, ...)` and its resume points work as they are. Under `fsdp` rank 0 holds a shard: publish
-`trainer.publish_model()` instead (a collective the followers join), and resume points of the sharded optimizer
-are not written yet (`make_trainer` refuses fsdp unless `sharded_publish=True` says the caller handles it).
+architecture (`policy_for(spec)`). The loop's model on rank 0 stays a full replica, so publication, evals, resume
+points and the final checkpoint work as in one process: under `ddp` it is the replica DDP trains; under `fsdp` the
+ranks train sharded copies and after every step the leader gathers the full weights into it (the followers join
+that all-gather). A resume point's optimizer state is `optimizer.state_dict()` under ddp and the full, gathered
+state keyed by parameter name under fsdp (a collective too), loaded back on every rank.
 
 Entry point: `python -m torch.distributed.run --nproc-per-node N -m factory.core.trainer.ranks --spec S.yaml
 --leader module:function` (or `launch.run_ranks`): rank 0 calls `function(spec)` inside `leading()`, the others
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import importlib
 import sys
 from collections.abc import Iterator
@@ -33,7 +35,7 @@ from transformers import PreTrainedModel
 
 from factory.config import ExperimentSpec
 from factory.core.trainer.batch import TrainBatch
-from factory.core.trainer.distributed import DistributedTrainer, init_ranks, rank_device
+from factory.core.trainer.distributed import DistributedTrainer, init_ranks, load_full_state, rank_device
 from factory.core.trainer.torch_trainer import LossFn, TorchTrainer
 
 Trainer = TorchTrainer | DistributedTrainer  # | LeaderTrainer (the same interface)
@@ -62,7 +64,7 @@ def distributed_trainer(spec: ExperimentSpec, model: PreTrainedModel) -> Distrib
                               device=rank_device(t.devices))
 
 
-def make_trainer(spec: ExperimentSpec, model: PreTrainedModel, sharded_publish: bool = False):
+def make_trainer(spec: ExperimentSpec, model: PreTrainedModel):
     """The loop's trainer for `spec.trainer`: the plain `TorchTrainer` at world_size 1 with fp32 and no
     accumulation (the default path, unchanged); a lone `DistributedTrainer` at world_size 1 with grad_accum or
     bf16; on rank 0 of a torchrun group of world_size ranks, a `LeaderTrainer` (the others must run `follow`);
@@ -87,34 +89,38 @@ def make_trainer(spec: ExperimentSpec, model: PreTrainedModel, sharded_publish: 
                            f"with torchrun (python -m factory.core.trainer.ranks, or launch.run_ranks)")
     if dist.get_rank() != 0:
         raise RuntimeError("make_trainer builds rank 0's trainer; the other ranks run follow(spec, model)")
-    if t.strategy == "fsdp" and not sharded_publish:
-        raise ValueError("trainer.strategy: fsdp leaves rank 0 with a shard of the weights, which the loop's "
-                         "publish(model) and resume points cannot use yet; use ddp, or publish "
-                         "trainer.publish_model() and pass sharded_publish=True")
+    if t.strategy == "fsdp":  # the ranks train sharded copies; `model` stays the loop's full replica
+        return LeaderTrainer(distributed_trainer(spec, copy.deepcopy(model)), replica=model)
     return LeaderTrainer(distributed_trainer(spec, model))
 
 
 class _Optimizer:
-    """Rank 0's optimizer, whose `load_state_dict` (a resume) reaches the followers' optimizers too."""
+    """Rank 0's optimizer: `state_dict` and `load_state_dict` (resume points) reach the followers too."""
 
-    def __init__(self, inner: torch.optim.Optimizer):
-        self._inner = inner
+    def __init__(self, trainer: DistributedTrainer):
+        self._trainer = trainer
+
+    def state_dict(self) -> dict:
+        if self._trainer.strategy == "fsdp":
+            _send("optimizer_state")
+        return self._trainer.optimizer_state()
 
     def load_state_dict(self, state: dict) -> None:
         _send("load_optimizer", state)
-        self._inner.load_state_dict(state)
+        self._trainer.load_optimizer_state(state)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
+        return getattr(self._trainer.optimizer, name)
 
 
 class LeaderTrainer:
     """Rank 0's trainer: the `TorchTrainer` interface; each call is sent to the followers before it runs."""
 
-    def __init__(self, inner: DistributedTrainer):
+    def __init__(self, inner: DistributedTrainer, replica: PreTrainedModel | None = None):
         self.inner = inner
-        self.model = inner.model
-        self.optimizer = _Optimizer(inner.optimizer)
+        self.model = replica if replica is not None else inner.model  # the loop's full model on rank 0
+        self._replica = replica
+        self.optimizer = _Optimizer(inner)
 
     @property
     def version(self) -> int:
@@ -132,7 +138,11 @@ class LeaderTrainer:
              generator: torch.Generator | None = None) -> dict[str, float]:
         """`loss_fn` runs here; the followers apply the spec's (`follow`), which is the loop's by construction."""
         _send("step", (batch, minibatches, None if generator is None else generator.get_state()))
-        return self.inner.step(batch, loss_fn, minibatches, generator)
+        metrics = self.inner.step(batch, loss_fn, minibatches, generator)
+        if self._replica is not None:  # fsdp: the loop's model gets the new full weights
+            _send("gather")
+            load_full_state(self._replica, self.inner.full_state_dict())
+        return metrics
 
     def gathered_model(self) -> PreTrainedModel:
         _send("gather")
@@ -140,9 +150,6 @@ class LeaderTrainer:
         assert model is not None  # rank 0
         return model
 
-    def publish_model(self) -> PreTrainedModel:
-        """The full model to publish: rank 0's own replica under ddp, a gathered copy under fsdp."""
-        return self.model if self.inner.strategy != "fsdp" else self.gathered_model()
 
 
 def follow(spec: ExperimentSpec, model: PreTrainedModel) -> int:
@@ -166,8 +173,10 @@ def follow(spec: ExperimentSpec, model: PreTrainedModel) -> int:
             trainer.logprobs(payload)
         elif op == "gather":
             trainer.gathered_model()
+        elif op == "optimizer_state":
+            trainer.optimizer_state()
         elif op == "load_optimizer":
-            trainer.optimizer.load_state_dict(payload)
+            trainer.load_optimizer_state(payload)
         elif op == "stop":
             return steps
         elif op == "abort":
