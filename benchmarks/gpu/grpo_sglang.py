@@ -13,7 +13,8 @@ On one H100 (sglang in its own venv; Factory's venv runs the trainer, on CPU: th
     python benchmarks/gpu/grpo_sglang.py --sglang-python /opt/sglang-venv/bin/python
 
 The servers get `--attention-backend triton` by default (`--sglang-arg` replaces the defaults): the model's
-head_dim is 32, which not every SGLang attention backend supports; `torch_native` is the fallback to try.
+head_dim is 32, which not every SGLang attention backend supports; `torch_native` is the fallback to try
+(`--sglang-arg=--attention-backend --sglang-arg=torch_native`: arguments starting with `--` need the `=`).
 
 `--smoke`: the fake SGLang server (tests/core/fake_sglang_server.py: deterministic tokens, not the model), 2 GRPO
 steps after a short SFT, CPU: the code path ran (servers started, weights published every step, async
