@@ -22,6 +22,8 @@ cores and generation slows the trainer's steps.
 
 The last line is JSON: speedup_async_vs_sync, speedup_one_step_off_vs_sync, trainer_idle_fraction_async,
 speedup_async_placed_vs_sync, trainer_idle_fraction_async_placed, speedups_async_placed_by_seed,
+cores_busy_async_placed (CPU seconds per wall second of the run, its server processes included; `cores`: how many
+it may use),
 accuracy_sync, accuracy_async, accuracy_async_placed (seed means, with _std), max_staleness, limit (E[slowest in
 a batch] / E[mean]), ceiling_compute (sync wall / the time sync's trainer was busy: no overlap beats the
 trainer's own work) and ceiling_compute_async_steps / _async_placed_steps (the same with async's trainer busy
@@ -35,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -54,6 +57,13 @@ from factory.experiment import build_dataset, load_dataset, train_sft_checkpoint
 from factory.home import factory_home  # noqa: E402
 from factory.models.checkpoint import load_checkpoint  # noqa: E402
 from factory.ops.placement import enter, placements  # noqa: E402
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process and of its children that have exited (the rollout server and environment workers
+    are stopped and reaped when a run ends)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def placed_overrides() -> dict:
@@ -76,13 +86,14 @@ def run_mode(spec, ckpt: Path, splits, mode: str, seed: int, args: argparse.Name
     model, tok = load_checkpoint(ckpt)
     cpus, threads = os.sched_getaffinity(0), torch.get_num_threads()
     enter(placements(s)["trainer"])  # unplaced modes: the process's cores (a previous placed run narrowed them)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), cpu_seconds()
     records = train_grpo(s, model, tok, splits.train)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, cpu_seconds() - c0
     os.sched_setaffinity(0, cpus)
     torch.set_num_threads(threads)
     acc = evaluate(EmbeddedEngine(model, tok), tok, splits.eval, s.rollout.max_new_tokens).accuracy
     return {"mode": mode, "seed": seed, "wall_s": wall, "accuracy": acc,
+            "cores_busy": cpu / wall,  # CPU seconds per wall second, servers included: 2.0 = both cores saturated
             # time the trainer spent not waiting on rollouts (its steps, publishing, probes)
             "trainer_busy_s": sum(r.wall_s * (1.0 - r.trainer_idle_fraction) for r in records),
             "trainer_idle": statistics.mean(r.trainer_idle_fraction for r in records),
@@ -142,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         r = run_mode(spec, sft.checkpoint.path, splits, mode, seed, args)
         rows.append(r)
         print(f"  {mode:>12} seed {seed}: {r['wall_s']:6.1f}s  acc {r['accuracy']:.3f}  idle {r['trainer_idle']:.2f}  "
+              f"cores busy {r['cores_busy']:.2f}  "
               f"staleness mean {r['staleness_mean']:.2f} max {r['staleness_max']:.0f}  rejected {r['rejected']:.0f}",
               flush=True)
 
@@ -184,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         "trainer_idle_fraction_async": round(of("async", "trainer_idle")[0], 4),
         "speedup_async_placed_vs_sync": round(sync_wall / of("async_placed", "wall_s")[0], 3),
         "trainer_idle_fraction_async_placed": round(of("async_placed", "trainer_idle")[0], 4),
+        "cores_busy_async_placed": round(statistics.mean(of("async_placed", "cores_busy", None)), 3),
+        "cores": len(os.sched_getaffinity(0)),
         "speedups_async_placed_by_seed": [round(a / b, 3) for a, b in zip(of("sync", "wall_s", None),
                                                                             of("async_placed", "wall_s", None),
                                                                             strict=True)],
