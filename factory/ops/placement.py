@@ -93,10 +93,13 @@ def enter(place: Place) -> None:
         _ENTERED[threading.current_thread().name] = (place.component, want, torch.get_num_threads())
 
 
-def entered() -> dict[str, tuple[str, frozenset[int], int]]:
-    """Threads placed in this process so far: name -> (component, cores, torch threads)."""
+def entered(clear: bool = False) -> dict[str, tuple[str, frozenset[int], int]]:
+    """Threads placed in this process so far (since the last `clear`): name -> (component, cores, torch threads)."""
     with _LOCK:
-        return dict(_ENTERED)
+        out = dict(_ENTERED)
+        if clear:
+            _ENTERED.clear()
+        return out
 
 
 def for_child(place: Place) -> Callable[[], None]:

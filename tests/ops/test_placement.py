@@ -72,6 +72,7 @@ def test_an_async_run_puts_trainer_engine_and_scoring_on_their_cores(restore_mai
                         "rollout.prompts_per_step": 4, "algorithm.group_size": 2, "trainer.minibatches": 1,
                         "trainer.cpus": [a], "trainer.threads": 1, "rollout.cpus": [b], "rollout.threads": 1,
                         "rollout.env_cpus": [b], "sft.steps": 1})
+    entered(clear=True)  # runs earlier in this process placed threads of the same names
     set_threads(spec, log=lambda _: None)
     model, tok = policy_for(spec)
     records = train_grpo(spec, model, tok, make_task_splits(spec.task, spec.seed).train[:64])
