@@ -58,3 +58,32 @@ def require_sandbox() -> None:
         if os.environ.get("FACTORY_REQUIRE_SANDBOX") == "1":
             pytest.fail(f"sandbox required but unavailable (.ci/run installs bubblewrap): {e}")
         pytest.skip(f"bubblewrap unavailable: {e}")
+
+
+PG_ADMIN_URI = os.environ.get("FACTORY_TEST_PG_URI", "postgresql://factory:factory@127.0.0.1:5432/postgres")
+
+
+@pytest.fixture
+def postgres_uri() -> Iterator[str]:
+    """A fresh database on the machine's PostgreSQL (role `factory` with CREATEDB; .ci/run creates it), dropped after
+    the test: a SQLAlchemy URI. Skipped where no server answers, unless FACTORY_REQUIRE_POSTGRES=1 (CI)."""
+    import uuid
+
+    psycopg2 = pytest.importorskip("psycopg2")
+    try:
+        admin = psycopg2.connect(PG_ADMIN_URI, connect_timeout=5)
+    except psycopg2.OperationalError as e:
+        if os.environ.get("FACTORY_REQUIRE_POSTGRES") == "1":
+            pytest.fail(f"PostgreSQL required but unreachable at {PG_ADMIN_URI} (.ci/run starts it): {e}")
+        pytest.skip(f"no PostgreSQL at {PG_ADMIN_URI}: {e}")
+    admin.autocommit = True
+    name = f"factory_test_{uuid.uuid4().hex[:12]}"
+    with admin.cursor() as cur:
+        cur.execute(f"CREATE DATABASE {name}")
+    base = PG_ADMIN_URI.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg2://", 1)
+    try:
+        yield f"{base}/{name}"
+    finally:
+        with admin.cursor() as cur:
+            cur.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        admin.close()

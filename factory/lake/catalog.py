@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sqlite3
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from pyiceberg.exceptions import (
 )
 from pyiceberg.table import Table
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import IntegrityError, OperationalError
 
 from factory.home import FactoryPaths, factory_home, file_lock
 from factory.lake.schemas import NAMESPACE, TABLES, TableDef
@@ -29,6 +30,7 @@ from factory.lake.schemas import NAMESPACE, TABLES, TableDef
 log = logging.getLogger(__name__)
 
 CATALOG_NAME = "factory"
+CATALOG_URI_ENV = "FACTORY_CATALOG_URI"  # a SQL catalog server (Postgres) instead of the SQLite file
 
 # Every write is a commit, so a long run makes thousands of snapshots: keep only the last metadata
 # files on disk, and merge manifests so planning a scan does not open one manifest per commit.
@@ -55,8 +57,9 @@ TABLE_PROPERTIES.update({
 def open_catalog(paths: FactoryPaths | None = None, uri: str | None = None, **props: str) -> Catalog:
     """Open the lake's catalog.
 
-    With no `props`: a SqlCatalog at `uri` (default: SQLite at paths.catalog_db) whose warehouse is
-    paths.warehouse. With `props`: any pyiceberg catalog, `load_catalog(name, uri=uri, **props)`
+    With no `props`: a SqlCatalog at `uri` (default: $FACTORY_CATALOG_URI, e.g.
+    `postgresql+psycopg2://user:pw@host/db` for a team's Postgres, else SQLite at paths.catalog_db) whose warehouse
+    is paths.warehouse. With `props`: any pyiceberg catalog, `load_catalog(name, uri=uri, **props)`
     (e.g. type="rest", uri="https://..."); `name` defaults to "factory" and ~/.pyiceberg.yaml applies.
     """
     if props:
@@ -65,6 +68,7 @@ def open_catalog(paths: FactoryPaths | None = None, uri: str | None = None, **pr
             props["uri"] = uri
         return load_catalog(name, **props)
     paths = paths or factory_home()
+    uri = uri or os.environ.get(CATALOG_URI_ENV) or None
     default = uri is None
     uri = uri or f"sqlite:///{paths.catalog_db}"
     warehouse = paths.warehouse.as_uri()
@@ -106,6 +110,8 @@ def ensure_tables(catalog: Catalog) -> dict[str, Table]:
         try:
             catalog.create_namespace(NAMESPACE)
         except NamespaceAlreadyExistsError:
+            pass
+        except IntegrityError:  # a server catalog (no setup lock): another process created it in between
             pass
         return {name: _ensure_table(catalog, tdef) for name, tdef in TABLES.items()}
 
