@@ -393,6 +393,27 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     return EXIT_OK if report.passed else EXIT_FAILED
 
 
+def cmd_deploy_render(args: argparse.Namespace) -> int:
+    """Write every Kubernetes manifest Factory would create for a spec into --out (nothing is applied)."""
+    from factory.deploy.profile import ProfileError, load_profile
+    from factory.deploy.render import RenderError, render, write_manifests
+
+    spec, err = _load(args)
+    if err is not None:
+        print(str(err), file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        written = write_manifests(render(spec, load_profile(args.profile)), args.out, force=args.force)
+    except ProfileError as e:
+        print(str(e), file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except RenderError as e:
+        error(str(e))
+        return EXIT_BAD_INPUT
+    print(f"{len(written)} manifests written to {args.out}")
+    return EXIT_OK
+
+
 def cmd_bpe_model(args: argparse.Namespace) -> int:
     from factory.models.bpe import build_bpe_model_dir
 
@@ -530,6 +551,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-record", action="store_true", help="do not write the results to the lake")
     p.add_argument("--verbose", "-v", action="store_true", help="log each check on stderr as it finishes")
     p.set_defaults(func=cmd_preflight)
+
+    p = sub.add_parser("deploy", help="Kubernetes: render the manifests a spec needs (factory/deploy/)")
+    deploy = p.add_subparsers(dest="deploy_command", required=True)
+    p = deploy.add_parser("render", help="write every manifest Factory would create for a spec to --out, for "
+                          "review and GitOps (nothing is applied to a cluster)")
+    _add_spec(p)
+    p.add_argument("--out", required=True, help="directory to write (refused when not empty, unless --force)")
+    p.add_argument("--profile", help="deploy profile YAML (image, namespace, node pools; default: built-in)")
+    p.add_argument("--force", action="store_true", help="replace the contents of a non-empty --out")
+    p.set_defaults(func=cmd_deploy_render)
     return parser
 
 
