@@ -35,7 +35,8 @@ SPEC_MOUNT = "/etc/factory"
 DATA_MOUNT = "/data"
 DAGSTER_CONFIG_TAG = "dagster-k8s/config"
 ASSET_GROUPS = ("training", "evals", "sweeps", "data")  # the asset groups that launch step pods
-_PLACEHOLDER_ARGS = ["dagster", "api", "execute_step", "<serialized step: filled in by dagster-k8s per run>"]
+RUN = "run"  # the run-level tags: the run worker pod the K8sRunLauncher starts (orchestrates; CPU)
+_PLACEHOLDER = "<serialized {}: filled in by dagster-k8s per run>"
 
 Manifest = dict[str, Any]
 
@@ -224,11 +225,12 @@ def sandbox(spec: ExperimentSpec, profile: DeployProfile) -> list[Manifest]:
 
 def dagster_tags(spec: ExperimentSpec, profile: DeployProfile) -> dict[str, dict[str, str]]:
     """Per asset group, the op tags for dagster-k8s (`{"dagster-k8s/config": json}`): training gets the GPUs of
-    one training pod, shared memory and the train node pool; evals, sweeps and data get the eval role (CPU)."""
+    one training pod, shared memory and the train node pool; evals, sweeps and data get the eval role (CPU); and
+    under `run`, the run's own tags (its run worker pod: the eval role, CPU)."""
     _, gpus = train_layout(spec, profile)
     volumes, mounts = _volumes(spec, profile, shm=True)
     out: dict[str, dict[str, str]] = {}
-    for group in ASSET_GROUPS:
+    for group in (RUN, *ASSET_GROUPS):
         role, g = (profile.train, gpus) if group == "training" else (profile.eval, 0)
         vols, mnts = (volumes, mounts) if group == "training" else (volumes[:2], mounts[:2])
         config = {"container_config": {"resources": _resources(role, g, profile.gpu_resource),
@@ -244,9 +246,10 @@ def tags_configmap(spec: ExperimentSpec, tags: dict[str, dict[str, str]], profil
             "data": {f"{group}.json": t[DAGSTER_CONFIG_TAG] for group, t in tags.items()}}
 
 
-def dagster_step_job(spec: ExperimentSpec, profile: DeployProfile, group: str, tags: dict[str, str]) -> Manifest:
-    """The step Job dagster-k8s's k8s_job_executor would create for an asset of `group` carrying `tags`, built by
-    dagster-k8s's own functions (tags parsed and checked by `get_user_defined_k8s_config`)."""
+def dagster_job(spec: ExperimentSpec, profile: DeployProfile, group: str, tags: dict[str, str]) -> Manifest:
+    """The Job dagster-k8s would create for `tags`: for an asset group, the step Job of its k8s_job_executor; for
+    `run`, the run worker Job of its K8sRunLauncher. Built by dagster-k8s's own functions (the tags parsed and
+    checked by `get_user_defined_k8s_config`, the Job by `construct_dagster_k8s_job`)."""
     from dagster_k8s.job import DagsterK8sJobConfig, construct_dagster_k8s_job, get_user_defined_k8s_config
     from kubernetes.client import ApiClient
 
@@ -254,10 +257,15 @@ def dagster_step_job(spec: ExperimentSpec, profile: DeployProfile, group: str, t
                                      dagster_home="/opt/dagster/dagster_home",
                                      instance_config_map="dagster-instance",
                                      postgres_password_secret="dagster-postgresql-secret")
-    name = f"dagster-step-{run_name(spec)}-{group}"
-    job = construct_dagster_k8s_job(job_config, _PLACEHOLDER_ARGS, name, get_user_defined_k8s_config(tags),
-                                    pod_name=name, component="step_worker",
-                                    labels={"dagster/job": "factory", "dagster/op": group})
+    if group == RUN:
+        name, component, labels = f"dagster-run-{run_name(spec)}", "run_worker", {"dagster/job": "factory"}
+        args = ["dagster", "api", "execute_run", _PLACEHOLDER.format("run")]
+    else:
+        name, component = f"dagster-step-{run_name(spec)}-{group}", "step_worker"
+        labels = {"dagster/job": "factory", "dagster/op": group}
+        args = ["dagster", "api", "execute_step", _PLACEHOLDER.format("step")]
+    job = construct_dagster_k8s_job(job_config, args, name, get_user_defined_k8s_config(tags), pod_name=name,
+                                    component=component, labels=labels)
     manifest = ApiClient().sanitize_for_serialization(job)
     manifest["metadata"]["namespace"] = profile.namespace
     return manifest

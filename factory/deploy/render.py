@@ -38,7 +38,8 @@ def render(spec: ExperimentSpec, profile: DeployProfile) -> dict[str, m.Manifest
     out["train-service.yaml"] = train_service
     out["train-job.yaml"] = train_job
     for group, group_tags in tags.items():
-        out[f"dagster-step-{group}-job.yaml"] = m.dagster_step_job(spec, profile, group, group_tags)
+        kind = "run" if group == m.RUN else f"step-{group}"
+        out[f"dagster-{kind}-job.yaml"] = m.dagster_job(spec, profile, group, group_tags)
     return out
 
 

@@ -1,7 +1,7 @@
 """Rendering a spec's Kubernetes manifests (factory/deploy/): every manifest strictly valid against the schemas of
 Kubernetes 1.37 (kubernetes-validate), snapshots of the whole output, GPUs / node pools / tolerations only where the
-profile and spec put them, dagster-k8s's own step Jobs built from our tags, the sandbox pool locked down, and the
-CLI. No API server: what would be sent to one is the boundary tested."""
+profile and spec put them, dagster-k8s's own run and step Jobs built from our tags, the sandbox pool locked down,
+and the CLI. No API server: what would be sent to one is the boundary tested."""
 
 from __future__ import annotations
 
@@ -81,9 +81,10 @@ def test_gpus_node_pools_and_tolerations_where_the_profile_says() -> None:
     for obj in manifests.values():
         for pod in pod_specs(obj):
             labels = obj["metadata"]["labels"]
-            role = labels.get("dagster/op") or labels["app.kubernetes.io/component"]
+            role = labels.get("dagster/op") or labels["app.kubernetes.io/component"]  # dagster's: run_worker
             by_component.setdefault(role, []).append(pod)
-    want = {"train": (4, profile.train), "training": (4, profile.train), "rollout": (1, profile.rollout),
+    want = {"run_worker": (0, profile.eval), "train": (4, profile.train), "training": (4, profile.train),
+            "rollout": (1, profile.rollout),
             "evals": (0, profile.eval), "sweeps": (0, profile.eval), "data": (0, profile.eval),
             "sandbox": (0, profile.sandbox)}
     assert set(by_component) == set(want)
@@ -155,9 +156,9 @@ def test_dagster_k8s_step_jobs_carry_our_tags() -> None:
     manifests = rendered("k8s")
     tags = {group: json.loads(data) for group, data in (
         (name.removesuffix(".json"), d) for name, d in manifests["dagster-tags-configmap.yaml"]["data"].items())}
-    assert set(tags) == {"training", "evals", "sweeps", "data"}
+    assert set(tags) == {"run", "training", "evals", "sweeps", "data"}
     for group, config in tags.items():
-        job = manifests[f"dagster-step-{group}-job.yaml"]
+        job = manifests["dagster-run-job.yaml" if group == "run" else f"dagster-step-{group}-job.yaml"]
         pod = job["spec"]["template"]["spec"]
         container = pod["containers"][0]
         # dagster-k8s built these (its labels, its container name, its DAGSTER_HOME) from our tag's resources
@@ -166,7 +167,9 @@ def test_dagster_k8s_step_jobs_carry_our_tags() -> None:
         assert container["resources"] == config["container_config"]["resources"]
         assert pod.get("nodeSelector", {}) == config["pod_spec_config"].get("nodeSelector", {})
     assert int(tags["training"]["container_config"]["resources"]["limits"][GPU]) == 4
-    assert all(GPU not in tags[g]["container_config"]["resources"]["limits"] for g in ("evals", "sweeps", "data"))
+    for group in ("run", "evals", "sweeps", "data"):
+        assert GPU not in tags[group]["container_config"]["resources"]["limits"], group
+    assert manifests["dagster-run-job.yaml"]["metadata"]["labels"]["app.kubernetes.io/component"] == "run_worker"
 
 
 def test_dagster_k8s_rejects_a_malformed_tag() -> None:
