@@ -10,7 +10,8 @@
 - rollout: per SGLang server a Deployment (1 replica, tp_size GPUs) + Service. One Service per server instead
   of one Deployment of `servers` replicas behind one Service: the trainer's router (core/rollout/sglang_router.py)
   tracks load per server URL and pushes weights to each, which a load-balanced Service address would hide;
-  the training pods get the Service URLs as `rollout.sglang.urls`;
+  the training pods get the Service URLs as `rollout.sglang.urls`, and weights reach the servers over HTTP
+  (`weight_update: tensor`; the other two modes assume one machine and are refused);
 - the sandbox pool (code tasks, python_tool): a Deployment + Service running `factory sandbox-serve` under a
   restrictive securityContext; its isolation inside the pod is `none`, because bubblewrap needs user
   namespaces that RuntimeDefault seccomp and dropped capabilities deny; the pod is the boundary;
@@ -168,6 +169,11 @@ def rollout(spec: ExperimentSpec, profile: DeployProfile) -> list[Manifest]:
     if not rollout_urls(spec, profile):
         return []
     assert sg is not None
+    if sg.weight_update != "tensor":
+        # disk: the safetensors go to the trainer pod's temp directory; distributed: the group's address is
+        # 127.0.0.1 (core/rollout/sglang_producer.py). Neither reaches a server in another pod.
+        raise ValueError(f"rollout.sglang.weight_update: the servers run in their own pods, which only 'tensor' "
+                         f"(weights over HTTP) reaches, got {sg.weight_update!r}")
     out: list[Manifest] = []
     for i in range(sg.servers):
         name = f"{run_name(spec)}-sglang-{i}"

@@ -78,7 +78,8 @@ class DeployProfile(_Strict):
                                     "0: CPU training (one pod, no GPU)")
     shm_size: str = Field("16Gi", description="/dev/shm of training and rollout pods (NCCL, dataloaders)")
     checkpoint_pvc: str | None = Field("factory-checkpoints", description="PVC mounted at /data (FACTORY_HOME: "
-                                       "lake, checkpoints); unset: an emptyDir, lost with the pod")
+                                       "lake, checkpoints) in every pod of the run, so ReadWriteMany when they "
+                                       "span nodes; unset: an emptyDir, lost with the pod")
     model_path: str = Field("/data/models/policy", min_length=1, description="the model directory the rollout "
                             "servers load at start (the trainer then pushes its weights)")
     master_port: int = Field(29500, ge=1024, le=65535)

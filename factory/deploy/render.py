@@ -25,14 +25,15 @@ def render(spec: ExperimentSpec, profile: DeployProfile) -> dict[str, m.Manifest
     """{file name: manifest} for the spec under the profile, in apply order (ConfigMaps and Services first)."""
     try:
         train_service, train_job = m.training(spec, profile)
-    except ValueError as e:
+        servers = m.rollout(spec, profile)
+    except ValueError as e:  # a spec the cluster layout cannot run; the message names the field
         raise RenderError(str(e)) from None
     out: dict[str, m.Manifest] = {"spec-configmap.yaml": m.spec_configmap(spec, profile)}
     tags = m.dagster_tags(spec, profile)
     out["dagster-tags-configmap.yaml"] = m.tags_configmap(spec, tags, profile)
     for obj in m.sandbox(spec, profile):
         out[f"sandbox-{obj['kind'].lower()}.yaml"] = obj
-    for obj in m.rollout(spec, profile):
+    for obj in servers:
         server = obj["metadata"]["labels"]["factory/server"]
         out[f"rollout-{server}-{obj['kind'].lower()}.yaml"] = obj
     out["train-service.yaml"] = train_service

@@ -126,6 +126,13 @@ def test_world_size_that_does_not_fill_pods_is_named() -> None:
         render(spec, load_profile(PROFILE))
 
 
+@pytest.mark.parametrize("mode", ["disk", "distributed"])
+def test_weight_updates_that_cannot_leave_the_trainer_pod_are_refused(mode: str) -> None:
+    spec = apply_overrides(load_spec(CASES["k8s"][0]), {"rollout.sglang.weight_update": mode})
+    with pytest.raises(RenderError, match=f"rollout.sglang.weight_update: .* only 'tensor' .*got '{mode}'"):
+        render(spec, load_profile(PROFILE))
+
+
 def test_rollout_servers_listen_on_the_pod_address() -> None:
     manifests = rendered("k8s")
     for i in range(2):
