@@ -69,12 +69,17 @@ def _quiet_db_setup() -> Iterator[None]:
             lg.setLevel(level)
 
 
+MLFLOW_URI_ENV = "FACTORY_MLFLOW_URI"  # a tracking server or SQL database instead of the SQLite file
+
+
 class Tracker:
-    """MLflow runs under one tracking URI (default: sqlite:///{paths.mlflow_db})."""
+    """MLflow runs under one tracking URI (default: $FACTORY_MLFLOW_URI, e.g. a team's Postgres
+    `postgresql://user:pw@host/db` or an MLflow server `http://...`, else sqlite:///{paths.mlflow_db})."""
 
     def __init__(self, paths: FactoryPaths | None = None, tracking_uri: str | None = None) -> None:
         self.paths = paths or factory_home()
-        self.tracking_uri = tracking_uri or f"sqlite:///{self.paths.mlflow_db}"
+        self.tracking_uri = (tracking_uri or os.environ.get(MLFLOW_URI_ENV)
+                             or f"sqlite:///{self.paths.mlflow_db}")
         if self.tracking_uri.startswith("sqlite:///"):
             ensure_sqlite_store(Path(self.tracking_uri.removeprefix("sqlite:///")), self.paths.mlflow_artifacts)
         with _quiet_db_setup():

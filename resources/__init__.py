@@ -26,7 +26,7 @@ class FactoryHomeResource(ConfigurableResource):
 
 
 class LakeResource(ConfigurableResource):
-    """The Iceberg catalog (SQLite SqlCatalog under FACTORY_HOME unless a catalog is configured)."""
+    """The Iceberg catalog: $FACTORY_CATALOG_URI (a team's Postgres), else a SQLite SqlCatalog under FACTORY_HOME."""
 
     home: FactoryHomeResource
 
@@ -37,7 +37,7 @@ class LakeResource(ConfigurableResource):
 
 
 class MlflowResource(ConfigurableResource):
-    """MLflow tracking on the sqlite backend under FACTORY_HOME."""
+    """MLflow tracking: $FACTORY_MLFLOW_URI (a team's Postgres or tracking server), else SQLite under FACTORY_HOME."""
 
     home: FactoryHomeResource
 

@@ -64,9 +64,10 @@ PG_ADMIN_URI = os.environ.get("FACTORY_TEST_PG_URI", "postgresql://factory:facto
 
 
 @pytest.fixture
-def postgres_uri() -> Iterator[str]:
-    """A fresh database on the machine's PostgreSQL (role `factory` with CREATEDB; .ci/run creates it), dropped after
-    the test: a SQLAlchemy URI. Skipped where no server answers, unless FACTORY_REQUIRE_POSTGRES=1 (CI)."""
+def postgres_databases() -> Iterator:
+    """Makes fresh databases on the machine's PostgreSQL (role `factory` with CREATEDB; .ci/run creates it), dropped
+    after the test: `make()` returns a SQLAlchemy URI. Skipped where no server answers, unless
+    FACTORY_REQUIRE_POSTGRES=1 (CI)."""
     import uuid
 
     psycopg2 = pytest.importorskip("psycopg2")
@@ -77,13 +78,26 @@ def postgres_uri() -> Iterator[str]:
             pytest.fail(f"PostgreSQL required but unreachable at {PG_ADMIN_URI} (.ci/run starts it): {e}")
         pytest.skip(f"no PostgreSQL at {PG_ADMIN_URI}: {e}")
     admin.autocommit = True
-    name = f"factory_test_{uuid.uuid4().hex[:12]}"
-    with admin.cursor() as cur:
-        cur.execute(f"CREATE DATABASE {name}")
     base = PG_ADMIN_URI.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg2://", 1)
+    made: list[str] = []
+
+    def make() -> str:
+        name = f"factory_test_{uuid.uuid4().hex[:12]}"
+        with admin.cursor() as cur:
+            cur.execute(f"CREATE DATABASE {name}")
+        made.append(name)
+        return f"{base}/{name}"
+
     try:
-        yield f"{base}/{name}"
+        yield make
     finally:
         with admin.cursor() as cur:
-            cur.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+            for name in made:
+                cur.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
         admin.close()
+
+
+@pytest.fixture
+def postgres_uri(postgres_databases) -> str:
+    """One fresh database (see `postgres_databases`)."""
+    return postgres_databases()
