@@ -86,7 +86,8 @@ def make_trainer(spec: ExperimentSpec, model: PreTrainedModel):
     if group != t.world_size:
         raise RuntimeError(f"trainer.world_size: {t.world_size} ranks wanted, but this process is "
                            f"{'in no process group' if group is None else f'in a group of {group}'}: start the run "
-                           f"with torchrun (python -m factory.core.trainer.ranks, or launch.run_ranks)")
+                           f"with `factory run SPEC --in-process`, which starts the torchrun ranks (the Dagster "
+                           f"asset and `factory resume` do not yet)")
     if dist.get_rank() != 0:
         raise RuntimeError("make_trainer builds rank 0's trainer; the other ranks run follow(spec, model)")
     if t.strategy == "fsdp":  # the ranks train sharded copies; `model` stays the loop's full replica
