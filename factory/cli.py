@@ -246,11 +246,9 @@ def _run_ranks(spec, args: argparse.Namespace) -> int:
             error(f"trainer.world_size = {spec.trainer.world_size}: data-parallel runs need --in-process for now "
                   f"(automatic restarts of a group of ranks are not built)")
             return EXIT_BAD_INPUT
-        from factory.core.trainer.launch import free_port
+        from factory.core.trainer.launch import free_port, torchrun_command
 
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
-               str(spec.trainer.world_size), "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-               "--max-restarts", "0", "--local-ranks-filter", "0", "-m", "factory.cli", *args.argv]
+        cmd = torchrun_command(spec.trainer.world_size, "factory.cli", args.argv, free_port(), log_dir=None)
         env = {**os.environ, "OMP_NUM_THREADS": str(spec.trainer.threads or 1)}
         return subprocess.run(cmd, env=env).returncode
     import torch.distributed as dist

@@ -39,10 +39,9 @@ def test_chat_model_answer_closes_the_turn(bpe_model_dir):
 
 def test_the_rollout_server_serves_a_path_model_with_its_template(bpe_model_dir):
     """`factory serve --checkpoint DIR` on a model.path directory: the chat endpoint renders the model's ChatML, the
-    same ids training used for the same prompt, and a tool call written by the model comes back as OpenAI's."""
+    same ids training used for the same prompt."""
     import openai
 
-    from factory.core.rollout.chat import parse_tool_calls
     from factory.core.rollout.server import engine_from_checkpoint, launch_server
 
     engine = engine_from_checkpoint(bpe_model_dir, max_batch=4)
@@ -55,5 +54,3 @@ def test_the_rollout_server_serves_a_path_model_with_its_template(bpe_model_dir)
         (choice,) = r.choices
         assert choice.prompt_token_ids == prompt_ids(tok, "12+34=")
         assert tok.decode(choice.token_ids, skip_special_tokens=True) == (choice.message.content or "")
-    text, calls = parse_tool_calls('<tool_call>{"name": "python", "arguments": {"code": "1+1"}}</tool_call>')
-    assert text is None and calls[0]["function"]["name"] == "python"

@@ -43,7 +43,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import time
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -55,7 +54,7 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
 from factory.core.trainer.batch import TrainBatch
-from factory.core.trainer.torch_trainer import LossFn, token_logprobs
+from factory.core.trainer.torch_trainer import LossFn, over_minibatches, token_logprobs
 
 Strategy = Literal["fsdp", "ddp"]
 Precision = Literal["fp32", "bf16"]
@@ -217,20 +216,7 @@ class DistributedTrainer:
 
         `generator` must be in the same state on every rank (it draws the shuffle)."""
         self.model.train()
-        t0 = time.perf_counter()
-        order = torch.randperm(len(batch), generator=generator) if minibatches > 1 else torch.arange(len(batch))
-        chunks = order.chunk(minibatches)
-        sums: dict[str, float] = {}
-        skipped = 0
-        for chunk in chunks:
-            metrics, applied = self._minibatch(batch.select(chunk), loss_fn)
-            skipped += not applied
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + v / minibatches
-        sums["nonfinite"] = skipped / len(chunks)
-        sums["train_s"] = time.perf_counter() - t0
-        sums["tokens"] = float(batch.n_tokens)
-        return sums
+        return over_minibatches(batch, minibatches, generator, lambda mb: self._minibatch(mb, loss_fn))
 
     def _minibatch(self, mb: TrainBatch, loss_fn: LossFn) -> tuple[dict[str, float], bool]:
         units_total = max(loss_units(mb, self.aggregation), 1)

@@ -46,13 +46,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def torchrun_command(nproc: int, target: str, args: Sequence[str], port: int, log_dir: Path) -> list[str]:
-    """The torchrun command line: `target` is a script path (ends in .py) or a module name (run with -m)."""
+def torchrun_command(nproc: int, target: str, args: Sequence[str], port: int, log_dir: Path | None) -> list[str]:
+    """The torchrun command line: `target` is a script path (ends in .py) or a module name (run with -m). Each
+    rank's output goes to `log_dir`, or with None rank 0's to this terminal and the others' nowhere."""
     if nproc < 1:
         raise ValueError(f"nproc: need at least 1 rank, got {nproc}")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--node-rank", "0",
            "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(port),
-           "--max-restarts", "0", "--log-dir", str(log_dir), "--redirects", "3"]
+           "--max-restarts", "0"]
+    cmd += ["--log-dir", str(log_dir), "--redirects", "3"] if log_dir is not None else ["--local-ranks-filter", "0"]
     if not target.endswith(".py"):
         cmd.append("-m")
     return [*cmd, target, *map(str, args)]

@@ -48,7 +48,7 @@ from factory.core.trainer.megatron_convert import (
     rope_theta,
     split_tensor_parallel,
 )
-from factory.core.trainer.torch_trainer import LossFn
+from factory.core.trainer.torch_trainer import LossFn, over_minibatches
 
 if TYPE_CHECKING:
     from factory.config import ExperimentSpec
@@ -252,38 +252,31 @@ class MegatronTrainer:
         loss or gradient norm is skipped (`nonfinite` is the share skipped). The loss function gets CPU-side batch
         tensors moved to the model's device with the logprobs."""
         self.model.train()
-        device = next(self.model.parameters()).device
-        t0 = time.perf_counter()
-        order = torch.randperm(len(batch), generator=generator) if minibatches > 1 else torch.arange(len(batch))
-        chunks = order.chunk(minibatches)
-        sums: dict[str, float] = {}
-        skipped = 0
-        params = list(self.model.parameters())
-        for chunk in chunks:
-            mb = _to(batch.select(chunk), device)
-            logp, entropy = megatron_token_logprobs(self.model, mb, self.temperature, with_entropy=True,
-                                                    autocast_dtype=self.autocast_dtype)
-            loss, metrics = loss_fn(logp, mb)
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            self._average_over_data_parallel()
-            grad_norm = _clip_grads(params, self.grad_clip)
-            if torch.isfinite(loss.detach()).all() and torch.isfinite(grad_norm):
-                self.optimizer.step()
-                self.version += 1
-            else:
-                self.optimizer.zero_grad(set_to_none=True)
-                skipped += 1
-            assert entropy is not None
-            ent = (entropy * mb.loss_mask).sum() / mb.loss_mask.sum().clamp(min=1)
-            for k, v in {**metrics, "loss": loss.item(), "grad_norm": float(grad_norm), "entropy": ent.item()}.items():
-                sums[k] = sums.get(k, 0.0) + v / minibatches
+        sums = over_minibatches(batch, minibatches, generator, lambda mb: self._minibatch(mb, loss_fn))
         if self.hf_model is not None:
+            t0 = time.perf_counter()
             self.sync_hf()
-        sums["nonfinite"] = skipped / len(chunks)
-        sums["train_s"] = time.perf_counter() - t0
-        sums["tokens"] = float(batch.n_tokens)
+            sums["train_s"] += time.perf_counter() - t0
         return sums
+
+    def _minibatch(self, mb: TrainBatch, loss_fn: LossFn) -> tuple[dict[str, float], bool]:
+        mb = _to(mb, next(self.model.parameters()).device)
+        logp, entropy = megatron_token_logprobs(self.model, mb, self.temperature, with_entropy=True,
+                                                autocast_dtype=self.autocast_dtype)
+        loss, metrics = loss_fn(logp, mb)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self._average_over_data_parallel()
+        grad_norm = _clip_grads(list(self.model.parameters()), self.grad_clip)
+        applied = bool(torch.isfinite(loss.detach()).all() and torch.isfinite(grad_norm))
+        if applied:
+            self.optimizer.step()
+            self.version += 1
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+        assert entropy is not None
+        ent = (entropy * mb.loss_mask).sum() / mb.loss_mask.sum().clamp(min=1)
+        return {**metrics, "loss": loss.item(), "grad_norm": float(grad_norm), "entropy": ent.item()}, applied
 
     def hf_state_dict(self) -> dict[str, Tensor]:
         """The trained weights as an HF state dict (CPU tensors; a collective over model-parallel ranks)."""

@@ -34,6 +34,30 @@ def token_logprobs(model: PreTrainedModel, batch: TrainBatch, temperature: float
     return logp, entropy
 
 
+MinibatchFn = Callable[[TrainBatch], tuple[dict[str, float], bool]]
+
+
+def over_minibatches(batch: TrainBatch, minibatches: int, generator: torch.Generator | None,
+                     one: MinibatchFn) -> dict[str, float]:
+    """What every trainer's `step` shares: split `batch` into `minibatches` shuffled by `generator`, run `one` on
+    each (its metrics, and whether the update was applied), and return the mean metrics with `nonfinite` (the
+    share not applied), `train_s` and `tokens`."""
+    t0 = time.perf_counter()
+    order = torch.randperm(len(batch), generator=generator) if minibatches > 1 else torch.arange(len(batch))
+    chunks = order.chunk(minibatches)
+    sums: dict[str, float] = {}
+    skipped = 0
+    for chunk in chunks:
+        metrics, applied = one(batch.select(chunk))
+        skipped += not applied
+        for k, v in metrics.items():
+            sums[k] = sums.get(k, 0.0) + v / minibatches
+    sums["nonfinite"] = skipped / len(chunks)
+    sums["train_s"] = time.perf_counter() - t0
+    sums["tokens"] = float(batch.n_tokens)
+    return sums
+
+
 class TorchTrainer:
     """Owns the model being trained and its optimizer."""
 
@@ -59,31 +83,21 @@ class TorchTrainer:
         `version` not advanced); `nonfinite` is the fraction of minibatches skipped (0.0 or 1.0 with one), and
         `loss` / `grad_norm` are the values observed, NaN or inf included."""
         self.model.train()
-        t0 = time.perf_counter()
-        order = torch.randperm(len(batch), generator=generator) if minibatches > 1 else torch.arange(len(batch))
-        chunks = order.chunk(minibatches)
-        sums: dict[str, float] = {}
-        skipped = 0
-        for chunk in chunks:
-            mb = batch.select(chunk)
-            logp, entropy = token_logprobs(self.model, mb, self.temperature, with_entropy=True)
-            loss, metrics = loss_fn(logp, mb)
+        return over_minibatches(batch, minibatches, generator, lambda mb: self._minibatch(mb, loss_fn))
+
+    def _minibatch(self, mb: TrainBatch, loss_fn: LossFn) -> tuple[dict[str, float], bool]:
+        logp, entropy = token_logprobs(self.model, mb, self.temperature, with_entropy=True)
+        loss, metrics = loss_fn(logp, mb)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        # The total norm before clipping: NaN/inf if any gradient element is (clipping cannot repair it).
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        applied = bool(torch.isfinite(loss.detach()).all() and torch.isfinite(grad_norm))
+        if applied:
+            self.optimizer.step()
+            self.version += 1
+        else:
             self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            # The total norm before clipping: NaN/inf if any gradient element is (clipping cannot repair it).
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-            if torch.isfinite(loss.detach()).all() and torch.isfinite(grad_norm):
-                self.optimizer.step()
-                self.version += 1
-            else:
-                self.optimizer.zero_grad(set_to_none=True)
-                skipped += 1
-            mask = mb.loss_mask
-            ent = (entropy * mask).sum() / mask.sum().clamp(min=1)
-            for k, v in {**metrics, "loss": loss.item(), "grad_norm": float(grad_norm),
-                         "entropy": ent.item()}.items():
-                sums[k] = sums.get(k, 0.0) + v / minibatches
-        sums["nonfinite"] = skipped / len(chunks)
-        sums["train_s"] = time.perf_counter() - t0
-        sums["tokens"] = float(batch.n_tokens)
-        return sums
+        mask = mb.loss_mask
+        ent = (entropy * mask).sum() / mask.sum().clamp(min=1)
+        return {**metrics, "loss": loss.item(), "grad_norm": float(grad_norm), "entropy": ent.item()}, applied
