@@ -35,7 +35,9 @@ from factory.deploy.profile import DeployProfile, RoleProfile
 SPEC_MOUNT = "/etc/factory"
 DATA_MOUNT = "/data"
 DAGSTER_CONFIG_TAG = "dagster-k8s/config"
-ASSET_GROUPS = ("training", "evals", "sweeps", "data")  # the asset groups that launch step pods
+# The kinds of step pod (deploy/target.py maps each asset to one): training steps that train in their own process
+# (GPUs), the launcher step of the GRPO run (CPU: it starts and watches the trainer pods), and CPU steps.
+STEP_ROLES = ("training", "launcher", "evals", "sweeps", "data")
 RUN = "run"  # the run-level tags: the run worker pod the K8sRunLauncher starts (orchestrates; CPU)
 _PLACEHOLDER = "<serialized {}: filled in by dagster-k8s per run>"
 
@@ -83,6 +85,10 @@ def _resources(role: RoleProfile, gpus: int, gpu_resource: str) -> dict[str, Any
     return {"requests": dict(amounts), "limits": dict(amounts)}
 
 
+def _env_from_key(profile: DeployProfile) -> dict[str, Any]:
+    return {"envFrom": _env_from(profile)} if profile.env_secret else {}
+
+
 def _placement(role: RoleProfile) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if role.node_selector:
@@ -121,6 +127,11 @@ def spec_configmap(spec: ExperimentSpec, profile: DeployProfile) -> Manifest:
             "data": {"spec.yaml": pod_spec(spec, profile).to_yaml()}}
 
 
+def _env_from(profile: DeployProfile) -> list[dict[str, Any]]:
+    # optional: a cluster without the Secret runs on the local defaults instead of failing to start the pod
+    return [{"secretRef": {"name": profile.env_secret, "optional": True}}] if profile.env_secret else []
+
+
 def _factory_env(spec: ExperimentSpec, profile: DeployProfile) -> list[dict[str, Any]]:
     env = [{"name": "FACTORY_HOME", "value": f"{DATA_MOUNT}/factory"},
            {"name": "OMP_NUM_THREADS", "value": str(spec.trainer.threads or 1)}]
@@ -130,8 +141,10 @@ def _factory_env(spec: ExperimentSpec, profile: DeployProfile) -> list[dict[str,
     return env
 
 
-def training(spec: ExperimentSpec, profile: DeployProfile) -> tuple[Manifest, Manifest]:
-    """(headless Service, Indexed Job) of the trainer ranks."""
+def training(spec: ExperimentSpec, profile: DeployProfile, command: str = "run") -> tuple[Manifest, Manifest]:
+    """(headless Service, Indexed Job) of the trainer ranks, each running `factory <command> SPEC`: `run` (the
+    whole experiment, as `factory deploy render` writes it for GitOps) or `train-grpo` (the GRPO run of the
+    `grpo_run` asset, reporting to Dagster through Pipes; deploy/cluster.py launches it)."""
     pods, gpus = train_layout(spec, profile)
     name = f"{run_name(spec)}-train"
     labels = _labels(spec, "train")
@@ -144,14 +157,14 @@ def training(spec: ExperimentSpec, profile: DeployProfile) -> tuple[Manifest, Ma
         args = ["python", "-m", "torch.distributed.run", f"--nnodes={pods}",
                 f"--nproc-per-node={spec.trainer.world_size // pods}", "--node-rank=$(NODE_RANK)",
                 f"--master-addr={master}", f"--master-port={profile.master_port}", "--max-restarts=0",
-                "-m", "factory.cli", "run", spec_file, "--in-process"]
+                "-m", "factory.cli", command, spec_file, *(["--in-process"] if command == "run" else [])]
     else:
-        args = ["factory", "run", spec_file]
+        args = ["factory", command, spec_file]
     volumes, mounts = _volumes(spec, profile, shm=True)
     env = [{"name": "NODE_RANK", "valueFrom": {"fieldRef": {
         "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}},
         *_factory_env(spec, profile)]
-    container = {"name": "trainer", "image": profile.image, "args": args, "env": env,
+    container = {"name": "trainer", "image": profile.image, "args": args, "env": env, **_env_from_key(profile),
                  "ports": [{"containerPort": profile.master_port, "name": "rendezvous"}],
                  "resources": _resources(profile.train, gpus, profile.gpu_resource), "volumeMounts": mounts}
     job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": _meta(name, profile, spec, "train"),
@@ -230,17 +243,19 @@ def sandbox(spec: ExperimentSpec, profile: DeployProfile) -> list[Manifest]:
 
 
 def dagster_tags(spec: ExperimentSpec, profile: DeployProfile) -> dict[str, dict[str, str]]:
-    """Per asset group, the op tags for dagster-k8s (`{"dagster-k8s/config": json}`): training gets the GPUs of
-    one training pod, shared memory and the train node pool; evals, sweeps and data get the eval role (CPU); and
-    under `run`, the run's own tags (its run worker pod: the eval role, CPU)."""
+    """Per step role (STEP_ROLES; deploy/target.py says which asset has which), the op tags for dagster-k8s
+    (`{"dagster-k8s/config": json}`): training gets the GPUs of one training pod, shared memory and the train node
+    pool; the launcher, evals, sweeps and data get the eval role (CPU); and under `run`, the run's own tags (its
+    run worker pod: the eval role, CPU)."""
     _, gpus = train_layout(spec, profile)
     volumes, mounts = _volumes(spec, profile, shm=True)
     out: dict[str, dict[str, str]] = {}
-    for group in (RUN, *ASSET_GROUPS):
+    for group in (RUN, *STEP_ROLES):
         role, g = (profile.train, gpus) if group == "training" else (profile.eval, 0)
         vols, mnts = (volumes, mounts) if group == "training" else (volumes[:2], mounts[:2])
         config = {"container_config": {"resources": _resources(role, g, profile.gpu_resource),
-                                       "env": _factory_env(spec, profile), "volume_mounts": mnts},
+                                       "env": _factory_env(spec, profile), "volume_mounts": mnts,
+                                       **({"env_from": _env_from(profile)} if profile.env_secret else {})},
                   "pod_spec_config": {"volumes": vols, **_placement(role)}}
         out[group] = {DAGSTER_CONFIG_TAG: json.dumps(config, sort_keys=True)}
     return out

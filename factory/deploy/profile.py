@@ -82,6 +82,9 @@ class DeployProfile(_Strict):
                                        "span nodes; unset: an emptyDir, lost with the pod")
     model_path: str = Field("/data/models/policy", min_length=1, description="the model directory the rollout "
                             "servers load at start (the trainer then pushes its weights)")
+    env_secret: str | None = Field("factory-env", description="a Secret whose keys become the environment of "
+                                   "every Factory pod (FACTORY_CATALOG_URI, FACTORY_MLFLOW_URI, object-store "
+                                   "credentials); optional: pods start without it; unset: none")
     master_port: int = Field(29500, ge=1024, le=65535)
     sandbox_port: int = Field(8200, ge=1024, le=65535)
     train: RoleProfile = Field(default_factory=lambda: RoleProfile(tolerations=_GPU_TAINT, cpu="32", memory="256Gi"))
@@ -95,7 +98,7 @@ class DeployProfile(_Strict):
     def _shm(cls, v: str) -> str:
         return _quantity(v)
 
-    @field_validator("namespace", "checkpoint_pvc")
+    @field_validator("namespace", "checkpoint_pvc", "env_secret")
     @classmethod
     def _dns(cls, v: str | None) -> str | None:
         if v is not None and not _DNS_LABEL.match(v):

@@ -85,8 +85,8 @@ def test_gpus_node_pools_and_tolerations_where_the_profile_says() -> None:
             by_component.setdefault(role, []).append(pod)
     want = {"run_worker": (0, profile.eval), "train": (4, profile.train), "training": (4, profile.train),
             "rollout": (1, profile.rollout),
-            "evals": (0, profile.eval), "sweeps": (0, profile.eval), "data": (0, profile.eval),
-            "sandbox": (0, profile.sandbox)}
+            "launcher": (0, profile.eval), "evals": (0, profile.eval), "sweeps": (0, profile.eval),
+            "data": (0, profile.eval), "sandbox": (0, profile.sandbox)}
     assert set(by_component) == set(want)
     for role, pods in by_component.items():
         n, placement = want[role]
@@ -163,7 +163,7 @@ def test_dagster_k8s_step_jobs_carry_our_tags() -> None:
     manifests = rendered("k8s")
     tags = {group: json.loads(data) for group, data in (
         (name.removesuffix(".json"), d) for name, d in manifests["dagster-tags-configmap.yaml"]["data"].items())}
-    assert set(tags) == {"run", "training", "evals", "sweeps", "data"}
+    assert set(tags) == {"run", "training", "launcher", "evals", "sweeps", "data"}
     for group, config in tags.items():
         job = manifests["dagster-run-job.yaml" if group == "run" else f"dagster-step-{group}-job.yaml"]
         pod = job["spec"]["template"]["spec"]
@@ -174,7 +174,7 @@ def test_dagster_k8s_step_jobs_carry_our_tags() -> None:
         assert container["resources"] == config["container_config"]["resources"]
         assert pod.get("nodeSelector", {}) == config["pod_spec_config"].get("nodeSelector", {})
     assert int(tags["training"]["container_config"]["resources"]["limits"][GPU]) == 4
-    for group in ("run", "evals", "sweeps", "data"):
+    for group in ("run", "launcher", "evals", "sweeps", "data"):
         assert GPU not in tags[group]["container_config"]["resources"]["limits"], group
     assert manifests["dagster-run-job.yaml"]["metadata"]["labels"]["app.kubernetes.io/component"] == "run_worker"
 
