@@ -235,9 +235,10 @@ def _resume(paths: FactoryPaths, run_id: str) -> int:
 RANK_TIMEOUT_S = 6 * 3600.0  # followers wait in a collective while rank 0 builds the dataset and trains SFT
 
 
-def _run_ranks(spec, args: argparse.Namespace) -> int:
+def _run_ranks(spec, args: argparse.Namespace, body=None) -> int:
     """trainer.world_size > 1: started by the user, re-run this command as that many torchrun ranks on this node
-    (rank 0's output shown); as a rank, rank 0 runs the command and leads, the others apply its trainer steps."""
+    (rank 0's output shown); as a rank, rank 0 runs the command (`body`, default `_run_spec`) and leads, the
+    others apply its trainer steps."""
     import os
     import subprocess
 
@@ -270,9 +271,27 @@ def _run_ranks(spec, args: argparse.Namespace) -> int:
         print(f"trainer: rank 0 of {world} ({spec.trainer.strategy} on {dist.get_backend()}); ranks 1-{world - 1} "
               f"apply its steps to their share of each batch", flush=True)
         with leading():
-            return _run_spec(spec, args)
+            return (body or _run_spec)(spec, args)
     finally:
         dist.destroy_process_group()
+
+
+def cmd_train_grpo(args: argparse.Namespace) -> int:
+    """The `grpo_run` asset's GRPO run in this process, its inputs and result passed through Dagster Pipes (what the
+    trainer pods run on Kubernetes); outside Pipes, --init and --dataset give the inputs."""
+    spec, err = _load(args)
+    if err is not None:
+        print(str(err), file=sys.stderr)
+        return EXIT_BAD_INPUT
+    args.in_process = True  # the ranks re-run this command; the launcher (Dagster) does the retrying
+    return _run_ranks(spec, args, _train_grpo) if spec.trainer.world_size > 1 else _train_grpo(spec, args)
+
+
+def _train_grpo(spec, args: argparse.Namespace) -> int:
+    from factory.grpo_pipes import GrpoInputs, run_under_pipes
+
+    fallback = GrpoInputs(args.init, args.dataset, args.run_id) if args.init and args.dataset else None
+    return run_under_pipes(spec, home_from(args), fallback)
 
 
 def cmd_attempt(args: argparse.Namespace) -> int:
@@ -365,11 +384,18 @@ def _add_spec(p: argparse.ArgumentParser, optional: bool = False) -> None:
 
 
 def cmd_preflight(args: argparse.Namespace) -> int:
-    """Run this node's preflight checks, print them, record them in `node_health`; exit 1 naming each failed check."""
+    """Run this node's preflight checks, print them, record them in `node_health`; exit 1 naming each failed check.
+    With --mark-node, then label/taint/annotate the Kubernetes node $NODE_NAME with the outcome
+    (factory/ops/preflight/mark.py)."""
     import json
+    import os
 
     from factory.ops.preflight import format_checks, run_preflight
 
+    node = os.environ.get("NODE_NAME", "").strip()
+    if args.mark_node and not node:  # checked first: no point measuring a node that cannot then be marked
+        error("--mark-node: $NODE_NAME is not set (the preflight Job sets it from spec.nodeName)")
+        return EXIT_BAD_INPUT
     log = (lambda m: print(m, file=sys.stderr)) if args.verbose else (lambda _: None)
     try:
         report = run_preflight(home_from(args), mode="deep" if args.deep else "quick", only=args.checks or None,
@@ -388,6 +414,15 @@ def cmd_preflight(args: argparse.Namespace) -> int:
         error(f"preflight results not recorded in the lake: {report.record_error}")
     for r in report.failed:
         error(f"preflight check failed: {r.line()}")
+    if args.mark_node:
+        from factory.ops.preflight.mark import LABEL, MarkError, mark_node
+
+        try:
+            marked = mark_node(node, report, partial=bool(args.checks), kubeconfig=args.kubeconfig)
+        except MarkError as e:
+            error(str(e))
+            return EXIT_FAILED
+        print(f"node {node} marked {LABEL}={marked['metadata']['labels'][LABEL]}", file=sys.stderr)
     return EXIT_OK if report.passed else EXIT_FAILED
 
 
@@ -402,6 +437,32 @@ def cmd_deploy_render(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     try:
         written = write_manifests(render(spec, load_profile(args.profile)), args.out, force=args.force)
+    except ProfileError as e:
+        print(str(e), file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except RenderError as e:
+        error(str(e))
+        return EXIT_BAD_INPUT
+    print(f"{len(written)} manifests written to {args.out}")
+    return EXIT_OK
+
+
+def cmd_deploy_preflight(args: argparse.Namespace) -> int:
+    """Write the RBAC and one preflight Job per node into --out (deploy/preflight.py; nothing is applied)."""
+    from factory.deploy.preflight import parse_nodes, render_preflight
+    from factory.deploy.profile import ProfileError, load_profile
+    from factory.deploy.render import RenderError, write_manifests
+
+    spec = None
+    if args.spec:
+        spec, err = _load(args)
+        if err is not None:
+            print(str(err), file=sys.stderr)
+            return EXIT_BAD_INPUT
+    try:
+        manifests = render_preflight(parse_nodes(args.nodes), load_profile(args.profile), spec, deep=args.deep,
+                                     gpus=args.gpus_per_node)
+        written = write_manifests(manifests, args.out, force=args.force)
     except ProfileError as e:
         print(str(e), file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -449,6 +510,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train in this process, without automatic restarts (default: attempts run in child "
                         "processes, restarted and resumed when one dies or hangs, up to ops.max_restarts)")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("train-grpo", help="(the grpo_run asset's trainer pods) the GRPO run, inputs and result "
+                       "through Dagster Pipes")
+    _add_spec(p)
+    p.add_argument("--init", help="SFT checkpoint to start from (outside Pipes; under Pipes the extras give it)")
+    p.add_argument("--dataset", help="dataset directory (outside Pipes)")
+    p.add_argument("--run-id", help="continue this factory run (outside Pipes)")
+    p.set_defaults(func=cmd_train_grpo)
 
     p = sub.add_parser("resume", help="continue a run that did not finish, from its newest resume point")
     p.add_argument("run_id", metavar="RUN_ID", help="run id (see `factory runs`)")
@@ -548,6 +617,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kind", help="node kind whose floors apply (default: $FACTORY_NODE_KIND, else detected)")
     p.add_argument("--no-record", action="store_true", help="do not write the results to the lake")
     p.add_argument("--verbose", "-v", action="store_true", help="log each check on stderr as it finishes")
+    p.add_argument("--mark-node", action="store_true", help="then mark the Kubernetes node $NODE_NAME: label "
+                   "factory.dev/preflight=passed|failed, taint factory.dev/preflight-failed on failure (removed on "
+                   "a pass); what the `factory deploy preflight` Jobs run")
+    p.add_argument("--kubeconfig", help="with --mark-node: kubeconfig file (default: $KUBECONFIG, else the pod's "
+                   "service account)")
     p.set_defaults(func=cmd_preflight)
 
     p = sub.add_parser("deploy", help="Kubernetes: render the manifests a spec needs (factory/deploy/)")
@@ -559,6 +633,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", help="deploy profile YAML (image, namespace, node pools; default: built-in)")
     p.add_argument("--force", action="store_true", help="replace the contents of a non-empty --out")
     p.set_defaults(func=cmd_deploy_render)
+    p = deploy.add_parser("preflight", help="write RBAC and one Job per node that preflights it and marks it "
+                          "(a failed node is tainted so training avoids it); nothing is applied")
+    p.add_argument("--nodes", required=True, help="comma-separated node names, e.g. gpu-node-1,gpu-node-2")
+    p.add_argument("--out", required=True, help="directory to write (refused when not empty, unless --force)")
+    p.add_argument("--profile", help="deploy profile YAML (image, namespace, train pool; default: built-in)")
+    p.add_argument("--spec", help="experiment spec: its ConfigMap is mounted and its GPUs per training pod requested "
+                   "(default: the profile's gpus_per_train_pod)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
+                   help="override a --spec field (repeatable)")
+    p.add_argument("--gpus-per-node", type=int, help="GPUs each Job requests (default: a training pod's); a node's "
+                   "whole count tests every GPU")
+    p.add_argument("--deep", action="store_true", help="the Jobs run the deep preflight")
+    p.add_argument("--force", action="store_true", help="replace the contents of a non-empty --out")
+    p.set_defaults(func=cmd_deploy_preflight)
     return parser
 
 
