@@ -1,5 +1,11 @@
 """The Iceberg catalog: open it (SQLite SqlCatalog under FACTORY_HOME by default) and create the tables.
 
+Settings: FACTORY_CATALOG_URI picks the catalog (a SQLAlchemy URI: a SqlCatalog on that database, e.g. a team's
+Postgres; `http(s)://`: an Iceberg REST catalog such as Lakekeeper, Polaris or Nessie, with FACTORY_CATALOG_WAREHOUSE,
+FACTORY_CATALOG_TOKEN or FACTORY_CATALOG_CREDENTIAL passed on). FACTORY_WAREHOUSE_URI (`s3://bucket/prefix`,
+`gs://...`) puts a SQL catalog's warehouse, the tables' data and metadata files, on an object store, reached with
+pyarrow's FileIO and the AWS_* settings (factory/objstore.py); a REST catalog's server decides where its tables live.
+
 Opening a fresh SQLite catalog and creating its namespace and tables are serialized across processes with
 an flock beside catalog.db: pyiceberg's create_namespace reports a lost race as an IntegrityError, not
 NamespaceAlreadyExistsError, and a create_table that loses leaves an orphan metadata file."""
@@ -25,12 +31,15 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import IntegrityError, OperationalError
 
 from factory.home import FactoryPaths, factory_home, file_lock
+from factory.lake.rest import REST_SCHEMES, open_rest_catalog
 from factory.lake.schemas import NAMESPACE, TABLES, TableDef
+from factory.objstore import check_uri, iceberg_io_properties
 
 log = logging.getLogger(__name__)
 
 CATALOG_NAME = "factory"
-CATALOG_URI_ENV = "FACTORY_CATALOG_URI"  # a SQL catalog server (Postgres) instead of the SQLite file
+CATALOG_URI_ENV = "FACTORY_CATALOG_URI"  # a SQL catalog server (Postgres) or a REST catalog instead of the SQLite file
+WAREHOUSE_URI_ENV = "FACTORY_WAREHOUSE_URI"  # an object-store warehouse instead of FACTORY_HOME/lake/warehouse
 
 # Every write is a commit, so a long run makes thousands of snapshots: keep only the last metadata
 # files on disk, and merge manifests so planning a scan does not open one manifest per commit.
@@ -57,10 +66,12 @@ TABLE_PROPERTIES.update({
 def open_catalog(paths: FactoryPaths | None = None, uri: str | None = None, **props: str) -> Catalog:
     """Open the lake's catalog.
 
-    With no `props`: a SqlCatalog at `uri` (default: $FACTORY_CATALOG_URI, e.g.
-    `postgresql+psycopg2://user:pw@host/db` for a team's Postgres, else SQLite at paths.catalog_db) whose warehouse
-    is paths.warehouse. With `props`: any pyiceberg catalog, `load_catalog(name, uri=uri, **props)`
-    (e.g. type="rest", uri="https://..."); `name` defaults to "factory" and ~/.pyiceberg.yaml applies.
+    With no `props`: the catalog at `uri` (default: $FACTORY_CATALOG_URI, else SQLite at paths.catalog_db):
+    `http(s)://...` is an Iceberg REST catalog (factory/lake/rest.py); anything else is a SQLAlchemy URI for a
+    SqlCatalog, e.g. `postgresql+psycopg2://user:pw@host/db` for a team's Postgres, whose warehouse is
+    $FACTORY_WAREHOUSE_URI if set (s3://, gs://), else paths.warehouse. With `props`: any pyiceberg catalog,
+    `load_catalog(name, uri=uri, **props)` (e.g. type="rest", uri="https://..."); `name` defaults to "factory"
+    and ~/.pyiceberg.yaml applies.
     """
     if props:
         name = props.pop("name", CATALOG_NAME)
@@ -69,18 +80,24 @@ def open_catalog(paths: FactoryPaths | None = None, uri: str | None = None, **pr
         return load_catalog(name, **props)
     paths = paths or factory_home()
     uri = uri or os.environ.get(CATALOG_URI_ENV) or None
+    if uri is not None and uri.split("://", 1)[0].lower() in REST_SCHEMES:
+        return open_rest_catalog(CATALOG_NAME, uri, setting=CATALOG_URI_ENV)
     default = uri is None
     uri = uri or f"sqlite:///{paths.catalog_db}"
-    warehouse = paths.warehouse.as_uri()
+    warehouse_uri = os.environ.get(WAREHOUSE_URI_ENV) or None
+    if warehouse_uri is not None:
+        warehouse, io_props = check_uri(warehouse_uri, WAREHOUSE_URI_ENV), iceberg_io_properties()
+    else:
+        warehouse, io_props = paths.warehouse.as_uri(), {}
     with _setup_lock(uri):
         if default:
             _use_wal(paths.catalog_db)
         try:
-            return SqlCatalog(CATALOG_NAME, uri=uri, warehouse=warehouse)
+            return SqlCatalog(CATALOG_NAME, uri=uri, warehouse=warehouse, **io_props)
         except OperationalError:
             # A process of an older Factory (no lock) created the catalog's own SQL tables at the same
             # time; by now they exist, so a second open succeeds.
-            return SqlCatalog(CATALOG_NAME, uri=uri, warehouse=warehouse)
+            return SqlCatalog(CATALOG_NAME, uri=uri, warehouse=warehouse, **io_props)
 
 
 def _setup_lock(uri: str | None) -> contextlib.AbstractContextManager[object]:
