@@ -12,7 +12,8 @@ itself uses), not `nodeName` (which bypasses the scheduler: the pod would be sen
 fail there instead of waiting) nor the `kubernetes.io/hostname` label (not always the node's name). It carries the
 train role's tolerations and CPU/memory from the deploy profile, its data volume (the checkpoint PVC at /data,
 FACTORY_HOME on it, so the disk checks test what training writes to and the results land in the run's lake) and
-shared memory; with a spec, the spec ConfigMap too.
+shared memory, and the profile's env Secret (so the lake and MLflow checks test the services training uses); with a
+spec, the spec ConfigMap too.
 
 GPUs: a training pod's by default (the spec's layout, else the profile's gpus_per_train_pod), or `--gpus-per-node`,
 a node's whole count, so that every GPU is tested where training pods share a node (which GPUs a smaller request
@@ -40,7 +41,7 @@ from factory.config import ExperimentSpec
 from factory.deploy import manifests as m
 from factory.deploy.profile import DeployProfile
 from factory.deploy.render import RenderError
-from factory.ops.preflight.mark import TAINT_EFFECT, TAINT_KEY
+from factory.ops.preflight.mark import TAINT_EFFECT, TAINT_KEY, tolerates
 
 NAME = "factory-preflight"
 COMPONENT = "preflight"
@@ -149,7 +150,11 @@ def node_job(node: str, profile: DeployProfile, spec: ExperimentSpec | None = No
            {"name": "FACTORY_NODE", "value": "$(NODE_NAME)"},
            {"name": "FACTORY_HOME", "value": f"{m.DATA_MOUNT}/factory"}]
     args = ["factory", "preflight", "--mark-node", "--verbose", *(["--deep"] if deep else [])]
-    container = {"name": "preflight", "image": profile.image, "args": args, "env": env,
+    # The Secret of every Factory pod (catalog, MLflow, object store): the lake and MLflow checks test the services
+    # training uses, and the results land in the team's lake. Optional, as for the training pods.
+    env_from = {"envFrom": [{"secretRef": {"name": profile.env_secret, "optional": True}}]} if profile.env_secret \
+        else {}
+    container = {"name": "preflight", "image": profile.image, "args": args, "env": env, **env_from,
                  "resources": {"requests": dict(amounts), "limits": dict(amounts)}, "volumeMounts": mounts}
     affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
         {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}]}}}
@@ -165,7 +170,13 @@ def node_job(node: str, profile: DeployProfile, spec: ExperimentSpec | None = No
 def render_preflight(nodes: list[str], profile: DeployProfile, spec: ExperimentSpec | None = None,
                      deep: bool = False, gpus: int | None = None) -> dict[str, m.Manifest]:
     """{file name: manifest}: the RBAC, then one Job per node, in apply order. RenderError for a spec whose ranks
-    do not fill the profile's pods, or a negative GPU count (naming the field or flag)."""
+    do not fill the profile's pods, a negative GPU count, or train tolerations that would let training pods onto a
+    failed node (naming the field or flag)."""
+    for i, t in enumerate(profile.train.tolerations):
+        if tolerates([t.manifest()]):  # then training pods would land on failed nodes: marking them is moot
+            raise RenderError(f"train.tolerations.{i}: tolerates the taint {TAINT_KEY} that keeps training off a "
+                              f"node that failed its preflight (a toleration with no key and operator Exists "
+                              f"tolerates every taint); give the taints the train pool needs by key")
     out = rbac(profile)
     try:
         for node in nodes:

@@ -122,6 +122,7 @@ def test_each_job_is_pinned_to_its_node_with_the_train_roles_gpus_tolerations_an
             assert {(m["name"], m["mountPath"]) for m in c["volumeMounts"]} == {
                 (m["name"], m["mountPath"]) for m in train_pod["containers"][0]["volumeMounts"] if m["name"] in want}
             assert c["args"] == ["factory", "preflight", "--mark-node", "--verbose"]
+            assert c["envFrom"] == train_pod["containers"][0]["envFrom"]  # the team's services, as training
             env = {e["name"]: e for e in c["env"]}
             assert env["NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
             assert env["FACTORY_NODE"]["value"] == "$(NODE_NAME)"  # node_health keyed by the node, not the pod
@@ -165,6 +166,9 @@ def test_bad_node_lists_are_named() -> None:
             parse_nodes(text)
     with pytest.raises(RenderError, match="--gpus-per-node: expected 0 or more GPUs, got -1"):
         render_preflight(["a"], DeployProfile(), gpus=-1)
+    tolerate_all = DeployProfile.model_validate({"train": {"tolerations": [{"key": GPU}, {"operator": "Exists"}]}})
+    with pytest.raises(RenderError, match=f"train.tolerations.1: tolerates the taint {TAINT_KEY}"):
+        render_preflight(["a"], tolerate_all)
     long = "n" * 100
     names = {job_name(n) for n in ("node-a", "node.a", long, long + "x")}
     assert len(names) == 4 and all(len(n) <= 63 for n in names)  # changed names get a hash: no two share a Job
