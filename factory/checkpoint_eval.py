@@ -20,6 +20,7 @@ from pyiceberg.expressions import And, EqualTo
 from factory.config import parse_spec
 from factory.envs.benchmarks import BENCHMARKS, HELD_OUT, benchmark_problems
 from factory.home import FactoryPaths
+from factory.objstore import is_remote
 
 if TYPE_CHECKING:
     from factory.lake.writer import Lake
@@ -71,7 +72,8 @@ def evaluate_recorded_checkpoint(paths: FactoryPaths, lake: Lake, run_id: str, s
     if not rows:
         raise LookupError(f"no checkpoint {checkpoint_key(run_id, step)} in the `checkpoints` table")
     ckpt = rows[0]
-    digest, _ = dir_digest(_path(ckpt["uri"]))
+    local = _path(ckpt["uri"], paths)
+    digest, _ = dir_digest(local)
     if digest != ckpt["sha256"]:
         raise ValueError(f"checkpoint {checkpoint_key(run_id, step)} at {ckpt['uri']}: files do not match the "
                          f"recorded sha256 {ckpt['sha256'][:12]}... (got {digest[:12]}...); not evaluating it")
@@ -84,7 +86,7 @@ def evaluate_recorded_checkpoint(paths: FactoryPaths, lake: Lake, run_id: str, s
     spec = parse_spec(json.loads(runs[0]["spec"]), f"runs.spec of {run_id}")
     splits = load_dataset(build_dataset(spec, paths).path)
     problems = benchmark_problems(benchmark, spec.task, splits)
-    result = evaluate_checkpoint(spec, ckpt["uri"], problems)
+    result = evaluate_checkpoint(spec, local, problems)
     out = eval_rows(run_id, step, result, ckpt["sha256"])
     for r in out:  # eval_rows names the held-out split; re-label for other benchmarks
         r["benchmark"] = r["benchmark"].replace(HELD_OUT, name, 1)
@@ -104,7 +106,13 @@ def _recorded(lake: Lake, run_id: str, step: int, name: str, sha256: str) -> Che
                           reused=True)
 
 
-def _path(uri: str) -> Path:
+def _path(uri: str, paths: FactoryPaths) -> Path:
+    """The local directory of a recorded checkpoint: its path, or for an object-store URI (FACTORY_CHECKPOINT_URI)
+    the verified local cache copy (models/checkpoint_store.py)."""
+    if is_remote(uri):
+        from factory.models.checkpoint_store import fetch_checkpoint  # torch-free callers never get here
+
+        return fetch_checkpoint(uri, paths.checkpoint_cache)
     return Path(uri.removeprefix("file://"))
 
 

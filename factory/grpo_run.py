@@ -38,6 +38,7 @@ from factory.experiment import Log, Report, code_version, eval_rows, set_threads
 from factory.home import FactoryPaths
 from factory.lake.writer import Lake
 from factory.models.checkpoint import CheckpointInfo, dir_digest, load_checkpoint, save_checkpoint
+from factory.models.checkpoint_store import recorded_uri
 from factory.ops import recovery
 from factory.ops.attempt import AttemptLock, RunCheckpoints, beat, resume_dir
 from factory.ops.supervisor import CircuitOpen
@@ -364,11 +365,13 @@ def _offline_stats(spec: ExperimentSpec, lake: Lake, tracker: Tracker, mlflow_id
 
 def record_checkpoint(model, tok, paths: FactoryPaths, lake: Lake, run_id: str, step: int,
                       final: bool = False) -> CheckpointInfo:
-    """Save an HF-format checkpoint of the run at `step` and record it (periodic evals pick it up)."""
+    """Save an HF-format checkpoint of the run at `step` and record it (periodic evals pick it up). With
+    $FACTORY_CHECKPOINT_URI set it is also published to that object store, and its URI there is what is recorded."""
     name = "final" if final else f"step-{step:06d}"
     info = save_checkpoint(model, tok, paths.checkpoints / run_id / name,
                            meta={"kind": "rl", "run_id": run_id, "step": step})
-    lake.upsert("checkpoints", [dict(run_id=run_id, step=step, kind="rl", uri=str(info.path),
+    uri = recorded_uri(info, f"{run_id}/{name}")
+    lake.upsert("checkpoints", [dict(run_id=run_id, step=step, kind="rl", uri=uri,
                                      bytes=info.bytes, sha256=info.sha256, recorded_at=_now())])
     return info
 

@@ -38,6 +38,11 @@ class FactoryPaths:
         return self.root / "checkpoints"
 
     @property
+    def checkpoint_cache(self) -> Path:
+        """Local copies of checkpoints fetched from an object store, one directory per sha256 (created on use)."""
+        return self.root / "cache" / "checkpoints"
+
+    @property
     def datasets(self) -> Path:
         return self.root / "datasets"
 

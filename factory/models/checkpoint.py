@@ -40,6 +40,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 from transformers.utils import logging as hf_logging
 
 from factory.home import file_lock
+from factory.objstore import is_remote
 
 # Per-file progress bars for a one-file checkpoint only clutter the training log.
 hf_logging.disable_progress_bar()
@@ -106,7 +107,14 @@ def save_checkpoint(
 
 def load_checkpoint(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
     """Load a checkpoint written by `save_checkpoint` (or any HF causal-LM directory): one whole version,
-    even while `path` is saved again."""
+    even while `path` is saved again. An object-store URI (s3://, gs://: one published by models/checkpoint_store.py)
+    is fetched into the local cache, verified against its manifest, and loaded from there."""
+    if is_remote(path):
+        from factory.models.checkpoint_store import fetch_checkpoint  # imports this module
+
+        model, tokenizer = load_checkpoint(fetch_checkpoint(str(path)))
+        model.config._name_or_path = model.name_or_path = tokenizer.name_or_path = str(path)
+        return model, tokenizer
     path = Path(path)
     for _ in range(_LOAD_ATTEMPTS):
         version = path.resolve()

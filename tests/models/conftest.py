@@ -1,10 +1,13 @@
-"""Fixtures for tests/models: a small HF model directory with a real byte-level BPE tokenizer, built once."""
+"""Fixtures for tests/models: a small HF model directory with a real byte-level BPE tokenizer, built once; the S3
+server (tests/s3_server.py) for checkpoints on an object store."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+
+from tests.s3_server import moto_endpoint, s3_server  # noqa: F401
 
 
 @pytest.fixture(scope="session")
