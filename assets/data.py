@@ -39,6 +39,7 @@ from dagster import (
 
 from assets._metadata import embedded, inline_picture, upstream
 from factory.config import ExperimentSpec, PromptFilterSpec
+from factory.deploy.target import op_tags, role_tags
 from resources import LakeResource, MlflowResource, SpecResource
 
 OBSERVED_KINDS = ("jsonl", "parquet", "hf_disk", "iceberg")  # rows that live outside Factory: observed
@@ -68,6 +69,7 @@ def _source_metadata(src: Any, entry: dict[str, Any]) -> dict[str, Any]:
 
 def _generated_source_asset(entry: dict[str, Any]) -> AssetsDefinition:
     @asset(name=source_key(entry["name"]), group_name="data", code_version="1", kinds={"python"},
+           op_tags=role_tags("data"),
            description=f"Prompt source {entry['name']!r} ({entry['kind']}): generated, versioned by what defines "
                        f"its rows.")
     def _source(context: AssetExecutionContext) -> MaterializeResult:
@@ -84,6 +86,7 @@ def _task_source_asset(spec: ExperimentSpec) -> AssetsDefinition:
     name = spec.task.name
 
     @asset(name=source_key(name), group_name="data", code_version="1", deps=["arithmetic_dataset"], kinds={"python"},
+           op_tags=role_tags("data"),
            description=f"The task's training split as the one prompt source {name!r} (the spec has no data section).")
     def _source(context: AssetExecutionContext, spec: SpecResource) -> MaterializeResult:
         from factory.data.blend import task_source
@@ -154,7 +157,7 @@ def blend_asset(spec: ExperimentSpec) -> AssetsDefinition:
     built_from = _sources_of(spec)
     deps = [source_key(e["name"]) for e in built_from] + (["arithmetic_dataset"] if spec.data is None else [])
 
-    @asset(group_name="data", code_version="1", deps=deps, kinds={"python", "mlflow"})
+    @asset(group_name="data", code_version="1", deps=deps, kinds={"python", "mlflow"}, op_tags=op_tags("blend"))
     def blend(context: AssetExecutionContext, spec: SpecResource, lake: LakeResource,
               mlflow: MlflowResource) -> MaterializeResult:
         """The prompt blend GRPO draws from: its sources, weights or schedule, seed and curriculum. Its data
@@ -232,7 +235,7 @@ def stopped_teaching(stats: list[dict[str, Any]], min_attempts: int) -> int:
 
 
 @asset(group_name="data", code_version="1", deps=["grpo_run"], kinds={"iceberg"},
-       automation_condition=AutomationCondition.eager())
+       automation_condition=AutomationCondition.eager(), op_tags=op_tags("prompt_stats"))
 def prompt_stats(context: AssetExecutionContext, spec: SpecResource, lake: LakeResource) -> MaterializeResult:
     """Per prompt over every succeeded run: samples, passes, groups, runs, pass rate (the lake's `prompt_stats`,
     what `data.filter` skips prompts by). Recomputed when a run finishes; rows that did not change are not

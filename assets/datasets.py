@@ -3,10 +3,11 @@
 
 from dagster import AssetExecutionContext, DataVersion, MaterializeResult, MetadataValue, asset
 
+from factory.deploy.target import op_tags
 from resources import FactoryHomeResource, SpecResource
 
 
-@asset(group_name="datasets", code_version="1", kinds={"python"})
+@asset(group_name="datasets", code_version="1", kinds={"python"}, op_tags=op_tags("arithmetic_dataset"))
 def arithmetic_dataset(context: AssetExecutionContext, spec: SpecResource,
                        home: FactoryHomeResource) -> MaterializeResult:
     """Deterministic arithmetic problems from the spec's seed: train and held-out splits, no overlap."""

@@ -27,11 +27,13 @@ from assets._metadata import embedded, inline_picture, upstream
 from assets.sweeps import sweep_member_run
 from assets.training import grpo_run
 from factory.checkpoint_eval import evaluate_recorded_checkpoint, parse_checkpoint_key, regression_check
+from factory.deploy.target import op_tags
 from factory.envs.benchmarks import BENCHMARKS
 from resources import FactoryHomeResource, LakeResource, MlflowResource
 
 
-@asset(group_name="evals", code_version="1", deps=["grpo_run", "sft_control"], kinds={"iceberg"})
+@asset(group_name="evals", code_version="1", deps=["grpo_run", "sft_control"], kinds={"iceberg"},
+       op_tags=op_tags("eval_report"))
 def eval_report(context: AssetExecutionContext, lake: LakeResource) -> MaterializeResult:
     """Held-out accuracy of the SFT start, the GRPO result and the control, read back from Iceberg."""
     from factory.experiment import eval_summary, render_report  # heavy: see assets/training.py
@@ -73,7 +75,7 @@ with warnings.catch_warnings():
 
 @asset(group_name="evals", code_version="2", partitions_def=checkpoint_x_benchmark, kinds={"pytorch", "iceberg"},
        deps=[grpo_run, AssetDep(sweep_member_run, partition_mapping=AllPartitionMapping())],
-       check_specs=[NO_REGRESSION])
+       check_specs=[NO_REGRESSION], op_tags=op_tags("checkpoint_eval"))
 def checkpoint_eval(context: AssetExecutionContext, config: CheckpointEvalConfig, home: FactoryHomeResource,
                     lake: LakeResource, mlflow: MlflowResource):
     """One checkpoint recorded by a training run (`grpo_run`, a sweep member) scored on one benchmark (held-out

@@ -23,6 +23,7 @@ from dagster import (
 from assets._metadata import embedded, inline_picture, progress_tags, run_metadata
 from assets._retries import TRAINING_RETRY, factory_run_id, no_retry_for_what_needs_a_fix
 from assets.preflight import require_healthy_node
+from factory.deploy.target import op_tags
 from factory.sweep import MEMBER_TAG, read_member, read_sweep, read_warm_start_spec, sweep_id_of
 from resources import FactoryHomeResource, LakeResource, MlflowResource
 
@@ -31,7 +32,8 @@ sweeps = DynamicPartitionsDefinition(name="sweeps")
 warm_starts = DynamicPartitionsDefinition(name="warm_starts")
 
 
-@asset(group_name="sweeps", code_version="1", partitions_def=warm_starts, kinds={"pytorch"})
+@asset(group_name="sweeps", code_version="1", partitions_def=warm_starts, kinds={"pytorch"},
+       op_tags=op_tags("sweep_warm_start"))
 def sweep_warm_start(context: AssetExecutionContext, home: FactoryHomeResource) -> MaterializeResult:
     """The SFT warm start shared by every sweep member with the same model, task, SFT settings and seed
     (partition `sft-<fingerprint>`): trained once; the launcher starts those members after it."""
@@ -52,7 +54,8 @@ def sweep_warm_start(context: AssetExecutionContext, home: FactoryHomeResource) 
 
 
 @asset(group_name="sweeps", code_version="2", partitions_def=sweep_members, kinds={"pytorch", "iceberg", "mlflow"},
-       deps=[AssetDep(sweep_warm_start, partition_mapping=AllPartitionMapping())], retry_policy=TRAINING_RETRY)
+       deps=[AssetDep(sweep_warm_start, partition_mapping=AllPartitionMapping())], retry_policy=TRAINING_RETRY,
+       op_tags=op_tags("sweep_member_run"))
 def sweep_member_run(context: AssetExecutionContext, home: FactoryHomeResource, lake: LakeResource,
                      mlflow: MlflowResource) -> MaterializeResult:
     """A sweep member trained end to end (dataset, the shared SFT warm start, GRPO, held-out eval), nested in
@@ -89,7 +92,7 @@ def sweep_member_run(context: AssetExecutionContext, home: FactoryHomeResource, 
 
 
 @asset(group_name="sweeps", code_version="2", partitions_def=sweeps, kinds={"iceberg", "mlflow"},
-       deps=[AssetDep(sweep_member_run, partition_mapping=AllPartitionMapping())])
+       deps=[AssetDep(sweep_member_run, partition_mapping=AllPartitionMapping())], op_tags=op_tags("sweep_summary"))
 def sweep_summary(context: AssetExecutionContext, lake: LakeResource, mlflow: MlflowResource) -> MaterializeResult:
     """A sweep's members compared: their curves and held-out accuracy by step overlaid, accuracy against each
     axis, and per member its axis values, accuracy, pass@k, reward, wall time and links to its Dagster run, MLflow

@@ -18,10 +18,12 @@ from dagster import (
 from assets._metadata import progress_tags, run_metadata, upstream
 from assets._retries import TRAINING_RETRY, factory_run_id, no_retry_for_what_needs_a_fix
 from assets.preflight import require_healthy_node
-from resources import FactoryHomeResource, LakeResource, MlflowResource, SpecResource
+from factory.deploy.target import op_tags
+from resources import FactoryHomeResource, LakeResource, MlflowResource, SpecResource, TrainingLauncherResource
 
 
-@asset(group_name="training", code_version="2", deps=["arithmetic_dataset"], kinds={"pytorch"})
+@asset(group_name="training", code_version="2", deps=["arithmetic_dataset"], kinds={"pytorch"},
+       op_tags=op_tags("sft_checkpoint"))
 def sft_checkpoint(context: AssetExecutionContext, spec: SpecResource,
                    home: FactoryHomeResource) -> MaterializeResult:
     """A short supervised warm start that teaches the answer format; HF-format checkpoint.
@@ -43,33 +45,45 @@ def sft_checkpoint(context: AssetExecutionContext, spec: SpecResource,
 
 
 @asset(group_name="training", code_version="1", deps=["sft_checkpoint", "arithmetic_dataset", "blend"],
-       kinds={"pytorch", "iceberg", "mlflow"}, retry_policy=TRAINING_RETRY)
+       kinds={"pytorch", "iceberg", "mlflow"}, retry_policy=TRAINING_RETRY, op_tags=op_tags("grpo_run"))
 def grpo_run(context: AssetExecutionContext, spec: SpecResource, home: FactoryHomeResource,
-             lake: LakeResource, mlflow: MlflowResource) -> MaterializeResult:
+             lake: LakeResource, mlflow: MlflowResource, launcher: TrainingLauncherResource) -> MaterializeResult:
     """GRPO from the SFT checkpoint; every step lands in Iceberg `steps` and in MLflow. While it runs, the run's
     tags show its step, latest reward and ETA; its curves and evals by step are drawn in the metadata. A retry
-    (automatic, up to 2) resumes the same run from its newest resume point."""
-    from factory.experiment import load_dataset
-    from factory.grpo_run import run_grpo
-    from factory.reports import run_pictures
+    (automatic, up to 2) resumes the same run from its newest resume point. Trains in this process, or through
+    Dagster Pipes in a child process or on Kubernetes (the `launcher` resource): the metadata is the same."""
+    from factory.grpo_pipes import grpo_scalars
 
     s = spec.spec()
-    require_healthy_node(context, s.ops, home, lake)  # the preflight gate: no training on a node that failed it
-    splits = load_dataset(upstream(context, "arithmetic_dataset")["path"])
-    init = upstream(context, "sft_checkpoint")["path"]
-    lk, tracker = lake.lake(), mlflow.tracker()
-    with no_retry_for_what_needs_a_fix():
-        res = run_grpo(s, home.paths(), init, splits, lk, tracker, log=context.log.info,
-                       progress=progress_tags(context), run_id=factory_run_id(context, s.name))
-    head, tail = run_metadata(run_pictures(lk, tracker, res.run_id, res.mlflow_run_id), tracker, res.run_id,
-                              res.mlflow_run_id)
-    return MaterializeResult(
-        metadata={**head, "checkpoint": MetadataValue.path(str(res.checkpoint.path)), "sha256": res.checkpoint.sha256,
-                  "steps": res.steps, "start_accuracy": res.start_accuracy,
-                  "start_pass_at_k": res.start_pass_at_k, "accuracy": res.final_accuracy,
-                  "seconds": res.seconds, "attempts": res.attempt, "goodput": res.goodput, **tail},
-        data_version=DataVersion(res.checkpoint.sha256),
-    )
+    inputs = {"init_checkpoint": upstream(context, "sft_checkpoint")["path"],
+              "dataset": upstream(context, "arithmetic_dataset")["path"],
+              "run_id": factory_run_id(context, s.name)}
+    if launcher.where == "in_process":
+        from factory.experiment import load_dataset
+        from factory.grpo_run import run_grpo
+
+        require_healthy_node(context, s.ops, home, lake)  # the preflight gate: no training on a node that failed it
+        with no_retry_for_what_needs_a_fix():
+            res = run_grpo(s, home.paths(), inputs["init_checkpoint"], load_dataset(inputs["dataset"]), lake.lake(),
+                           mlflow.tracker(), log=context.log.info, progress=progress_tags(context),
+                           run_id=inputs["run_id"])
+        scalars = grpo_scalars(res)
+    else:  # the entrypoint gates its own node, and reports the same scalars through Pipes
+        reported = launcher.launch(context, spec, home, inputs)
+        scalars = {k: v.value for k, v in (reported.metadata or {}).items()}
+    return MaterializeResult(metadata=grpo_metadata(scalars, lake.lake(), mlflow.tracker()),
+                             data_version=DataVersion(scalars["sha256"]))
+
+
+def grpo_metadata(scalars: dict, lk, tracker) -> dict:
+    """The run's scalars (factory/grpo_pipes.py) with its pictures and MLflow link, drawn from the lake and MLflow:
+    the same for every launch."""
+    from factory.reports import run_pictures
+
+    run_id, mlflow_run_id = scalars["run_id"], scalars["mlflow_run_id"]
+    head, tail = run_metadata(run_pictures(lk, tracker, run_id, mlflow_run_id), tracker, run_id, mlflow_run_id)
+    rest = {k: v for k, v in scalars.items() if k not in ("run_id", "mlflow_run_id")}
+    return {**head, **rest, "checkpoint": MetadataValue.path(str(scalars["checkpoint"])), **tail}
 
 
 @asset_check(asset=grpo_run, description="Held-out accuracy after GRPO is above the SFT checkpoint's")
@@ -81,7 +95,7 @@ def grpo_beats_sft(context) -> AssetCheckResult:
 
 
 @asset(group_name="training", code_version="1", deps=["sft_checkpoint", "grpo_run", "arithmetic_dataset"],
-       kinds={"pytorch", "iceberg"})
+       kinds={"pytorch", "iceberg"}, op_tags=op_tags("sft_control"))
 def sft_control(context: AssetExecutionContext, spec: SpecResource, home: FactoryHomeResource,
                 lake: LakeResource) -> MaterializeResult:
     """The control: the GRPO run's wall time spent on more SFT from the same checkpoint instead."""

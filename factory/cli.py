@@ -235,9 +235,10 @@ def _resume(paths: FactoryPaths, run_id: str) -> int:
 RANK_TIMEOUT_S = 6 * 3600.0  # followers wait in a collective while rank 0 builds the dataset and trains SFT
 
 
-def _run_ranks(spec, args: argparse.Namespace) -> int:
+def _run_ranks(spec, args: argparse.Namespace, body=None) -> int:
     """trainer.world_size > 1: started by the user, re-run this command as that many torchrun ranks on this node
-    (rank 0's output shown); as a rank, rank 0 runs the command and leads, the others apply its trainer steps."""
+    (rank 0's output shown); as a rank, rank 0 runs the command (`body`, default `_run_spec`) and leads, the
+    others apply its trainer steps."""
     import os
     import subprocess
 
@@ -270,9 +271,27 @@ def _run_ranks(spec, args: argparse.Namespace) -> int:
         print(f"trainer: rank 0 of {world} ({spec.trainer.strategy} on {dist.get_backend()}); ranks 1-{world - 1} "
               f"apply its steps to their share of each batch", flush=True)
         with leading():
-            return _run_spec(spec, args)
+            return (body or _run_spec)(spec, args)
     finally:
         dist.destroy_process_group()
+
+
+def cmd_train_grpo(args: argparse.Namespace) -> int:
+    """The `grpo_run` asset's GRPO run in this process, its inputs and result passed through Dagster Pipes (what the
+    trainer pods run on Kubernetes); outside Pipes, --init and --dataset give the inputs."""
+    spec, err = _load(args)
+    if err is not None:
+        print(str(err), file=sys.stderr)
+        return EXIT_BAD_INPUT
+    args.in_process = True  # the ranks re-run this command; the launcher (Dagster) does the retrying
+    return _run_ranks(spec, args, _train_grpo) if spec.trainer.world_size > 1 else _train_grpo(spec, args)
+
+
+def _train_grpo(spec, args: argparse.Namespace) -> int:
+    from factory.grpo_pipes import GrpoInputs, run_under_pipes
+
+    fallback = GrpoInputs(args.init, args.dataset, args.run_id) if args.init and args.dataset else None
+    return run_under_pipes(spec, home_from(args), fallback)
 
 
 def cmd_attempt(args: argparse.Namespace) -> int:
@@ -491,6 +510,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train in this process, without automatic restarts (default: attempts run in child "
                         "processes, restarted and resumed when one dies or hangs, up to ops.max_restarts)")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("train-grpo", help="(the grpo_run asset's trainer pods) the GRPO run, inputs and result "
+                       "through Dagster Pipes")
+    _add_spec(p)
+    p.add_argument("--init", help="SFT checkpoint to start from (outside Pipes; under Pipes the extras give it)")
+    p.add_argument("--dataset", help="dataset directory (outside Pipes)")
+    p.add_argument("--run-id", help="continue this factory run (outside Pipes)")
+    p.set_defaults(func=cmd_train_grpo)
 
     p = sub.add_parser("resume", help="continue a run that did not finish, from its newest resume point")
     p.add_argument("run_id", metavar="RUN_ID", help="run id (see `factory runs`)")

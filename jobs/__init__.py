@@ -12,6 +12,7 @@ from assets.evals import checkpoint_eval, eval_report
 from assets.preflight import node_health
 from assets.sweeps import sweep_member_run, sweep_summary, sweep_warm_start
 from assets.training import grpo_beats_sft, grpo_run, sft_checkpoint, sft_control
+from factory.deploy.target import executor, profile_name
 from jobs.data import blend_job, prompt_stats_sensor
 from jobs.evals import checkpoint_eval_job, eval_schedule, new_checkpoint_evals
 from jobs.preflight import preflight_job, preflight_schedule
@@ -23,7 +24,7 @@ from jobs.sweeps import (
     sweep_summary_job,
     sweep_warm_start_job,
 )
-from resources import FactoryHomeResource, LakeResource, MlflowResource, SpecResource
+from resources import FactoryHomeResource, LakeResource, MlflowResource, SpecResource, TrainingLauncherResource
 
 # The spec the code location is built from: its prompt sources are assets (assets/data.py). FACTORY_SPEC
 # (a YAML path) loads another spec; the blend refuses to run with a spec whose sources differ from these.
@@ -38,6 +39,8 @@ def make_resources(spec_path: str = "examples/quickstart.yaml", overrides: list[
         "home": home_res,
         "lake": LakeResource(home=home_res),
         "mlflow": MlflowResource(home=home_res),
+        # FACTORY_PROFILE=k8s: the GRPO run's trainer pods on the cluster; else in the asset's process
+        "launcher": TrainingLauncherResource(where="k8s" if profile_name() == "k8s" else "in_process"),
     }
 
 
@@ -65,4 +68,5 @@ defs = Definitions(
     sensors=[sweep_launcher, sweep_summarizer, new_checkpoint_evals, prompt_stats_sensor],
     schedules=[eval_schedule, preflight_schedule],
     resources=RESOURCES,
+    executor=executor(),  # FACTORY_PROFILE=k8s: the k8s_job_executor (a pod per step); else Dagster's default
 )

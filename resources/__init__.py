@@ -55,3 +55,29 @@ class SpecResource(ConfigurableResource):
 
     def spec(self) -> ExperimentSpec:
         return apply_overrides(load_spec(self.path), parse_overrides(self.overrides))
+
+
+class TrainingLauncherResource(ConfigurableResource):
+    """Where the `grpo_run` asset trains: `in_process` (the local default), `subprocess` (a child process on this
+    machine that reports back through Dagster Pipes), or `k8s` (an Indexed Job of trainer pods and the run's
+    rollout servers on the cluster, reporting back through Pipes; FACTORY_PROFILE=k8s selects it). The two Pipes
+    launches run the same entrypoint (`factory train-grpo`, factory/grpo_pipes.py) and give the same metadata."""
+
+    where: str = Field("in_process", description="in_process | subprocess | k8s")
+    kubeconfig: str = Field("", description="k8s: kubeconfig file; empty: the pod's in-cluster service account")
+    deploy_profile: str = Field("", description="k8s: deploy profile YAML; empty: $FACTORY_DEPLOY_PROFILE, else the "
+                                "built-in defaults")
+    ready_timeout_s: float = Field(1800.0, gt=0, description="k8s: how long the rollout servers and rank 0's pod "
+                                   "may take to start (image pulls, model loading)")
+    run_timeout_s: float = Field(7 * 24 * 3600.0, gt=0, description="k8s: how long the trainer Job may run")
+    poll_s: float = Field(5.0, gt=0, description="k8s: seconds between status reads")
+
+    def launch(self, context, spec: SpecResource, home: FactoryHomeResource, inputs: dict):
+        """Train through Pipes; return the materialization the entrypoint reported (a MaterializeResult)."""
+        from resources.launch import launch_k8s, launch_subprocess
+
+        if self.where == "subprocess":
+            return launch_subprocess(context, spec, home, inputs)
+        if self.where == "k8s":
+            return launch_k8s(context, spec.spec(), self, inputs)
+        raise ValueError(f"launcher.where: expected in_process, subprocess or k8s, got {self.where!r}")

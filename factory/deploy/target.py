@@ -89,10 +89,15 @@ def k8s_target() -> K8sTarget | None:
 
 def op_tags(asset_name: str) -> dict[str, str]:
     """The op tags of an asset's step: `dagster-k8s/config` for its pod under FACTORY_PROFILE=k8s, else none."""
+    if asset_name not in ASSET_ROLES:
+        raise KeyError(f"{asset_name}: no step role in deploy/target.py ASSET_ROLES; add it there")
+    return role_tags(ASSET_ROLES[asset_name])
+
+
+def role_tags(role: str) -> dict[str, str]:
+    """The op tags of a step pod of `role` (a key of manifests.dagster_tags) under k8s, else none."""
     target = k8s_target()
-    if target is None:
-        return {}
-    return target.op_tags(ASSET_ROLES[asset_name])
+    return {} if target is None else target.op_tags(role)
 
 
 def executor() -> ExecutorDefinition | None:

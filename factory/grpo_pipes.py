@@ -1,0 +1,115 @@
+"""The GRPO run of the `grpo_run` asset as a process of its own that reports back through Dagster Pipes: what the
+trainer pods run on Kubernetes (`factory train-grpo SPEC`, launched by deploy/cluster.py) and what a local
+subprocess launch runs. In the asset's own process the same `run_grpo` runs directly.
+
+The run's inputs (the SFT checkpoint, the dataset, the factory run id that retries share) arrive as Pipes
+extras; its result leaves as one asset materialization whose metadata is `grpo_scalars` (plain values, typed for
+Pipes) with the checkpoint digest as the data version. The pictures and links are not sent through Pipes (a pod's
+log lines are not the place for megabytes of PNG): the asset builds them from the lake and MLflow, for every
+launch the same way, so the materialization looks the same wherever the run trained.
+
+Exit codes are the CLI's: 0 done, 1 failed (a node that failed preflight, or a crash: retryable), 2 bad input,
+4 needs a fix (non-finite loss, a service whose circuit breaker tripped); the launcher maps them onto retries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from factory.config import ExperimentSpec
+    from factory.grpo_run import RunResult
+    from factory.home import FactoryPaths
+
+EXTRAS = ("init_checkpoint", "dataset", "run_id")  # what the launcher must send
+PATH_KEYS = ("checkpoint",)  # shown as paths in the Dagster UI
+
+
+@dataclass(frozen=True)
+class GrpoInputs:
+    init_checkpoint: str
+    dataset: str
+    run_id: str | None = None
+
+    @classmethod
+    def from_extras(cls, extras: dict[str, Any]) -> GrpoInputs:
+        missing = [k for k in EXTRAS[:2] if not extras.get(k)]
+        if missing:
+            raise ValueError(f"Pipes extras: missing {', '.join(missing)} (the launcher sends {', '.join(EXTRAS)})")
+        return cls(str(extras["init_checkpoint"]), str(extras["dataset"]), extras.get("run_id") or None)
+
+
+def grpo_scalars(res: RunResult) -> dict[str, Any]:
+    """A finished run's metadata other than pictures and links, in the order the asset shows it."""
+    return {"run_id": res.run_id, "mlflow_run_id": res.mlflow_run_id, "checkpoint": str(res.checkpoint.path),
+            "sha256": res.checkpoint.sha256, "steps": res.steps, "start_accuracy": res.start_accuracy,
+            "start_pass_at_k": res.start_pass_at_k, "accuracy": res.final_accuracy, "seconds": res.seconds,
+            "attempts": res.attempt, "goodput": res.goodput}
+
+
+def pipes_metadata(scalars: dict[str, Any]) -> dict[str, Any]:
+    """`grpo_scalars` in Pipes' wire form: paths typed as paths, None as null, the rest inferred."""
+    out: dict[str, Any] = {}
+    for k, v in scalars.items():
+        if k in PATH_KEYS:
+            out[k] = {"raw_value": v, "type": "path"}
+        elif v is None:
+            out[k] = {"raw_value": None, "type": "null"}
+        else:
+            out[k] = v
+    return out
+
+
+def train(spec: ExperimentSpec, paths: FactoryPaths, inputs: GrpoInputs, log: Callable[[str], None] = print
+          ) -> RunResult:
+    """Preflight-gate this node, then train (or continue) the run."""
+    from factory.experiment import load_dataset
+    from factory.grpo_run import run_grpo
+    from factory.lake import Lake
+    from factory.ops.preflight.gate import gate
+    from factory.tracking import Tracker
+
+    gate(spec.ops, paths, log=log)  # no training on a node whose latest preflight failed
+    with Lake.open(paths) as lake:
+        return run_grpo(spec, paths, inputs.init_checkpoint, load_dataset(inputs.dataset), lake, Tracker(paths),
+                        log=log, run_id=inputs.run_id)
+
+
+def run_under_pipes(spec: ExperimentSpec, paths: FactoryPaths, fallback: GrpoInputs | None = None) -> int:
+    """Train with the inputs the Pipes extras give (or `fallback` when not started by Dagster) and report the
+    materialization; return an exit code."""
+    import os
+
+    from dagster_pipes import DAGSTER_PIPES_CONTEXT_ENV_VAR, open_dagster_pipes
+
+    from factory.core.loop import NonFiniteLoss
+    from factory.ops.preflight.gate import PreflightFailed
+    from factory.ops.restarts import EXIT_NEEDS_FIX
+    from factory.ops.supervisor import CircuitOpen
+
+    if DAGSTER_PIPES_CONTEXT_ENV_VAR not in os.environ:  # not started by a Pipes launcher
+        if fallback is None:
+            print("factory: error: train-grpo: not started by Dagster Pipes; give --init and --dataset", flush=True)
+            return 2
+        res = train(spec, paths, fallback)
+        print(f"run {res.run_id}: accuracy {res.start_accuracy:.3f} -> {res.final_accuracy:.3f}", flush=True)
+        return 0
+    with open_dagster_pipes() as pipes:
+        try:
+            inputs = GrpoInputs.from_extras(dict(pipes.extras))
+        except ValueError as e:
+            pipes.log.error(str(e))
+            return 2
+        try:
+            res = train(spec, paths, inputs, log=pipes.log.info)
+        except PreflightFailed as e:
+            pipes.log.error(str(e))
+            return 1
+        except (NonFiniteLoss, CircuitOpen) as e:
+            pipes.log.error(f"{type(e).__name__}: {e}")
+            return EXIT_NEEDS_FIX
+        pipes.report_asset_materialization(metadata=pipes_metadata(grpo_scalars(res)),
+                                           data_version=res.checkpoint.sha256)
+    return 0

@@ -1,0 +1,51 @@
+"""The `grpo_run` asset through Dagster Pipes: `factory train-grpo` started as a child process (the protocol the
+trainer pods on Kubernetes speak, with the context in the environment) reports the same materialization as the
+run trained in the asset's own process, and its exit codes decide retries the same way."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dagster import DagsterInstance, materialize
+
+from jobs import QUICKSTART_ASSETS, make_resources
+from resources import TrainingLauncherResource
+
+SPEC = str(Path(__file__).parents[2] / "examples" / "quickstart.yaml")
+TINY = ["name=pipes", "model.preset=micro", "task.n_train=300", "task.n_eval=24", "sft.steps=10",
+        "sft.stop_at_accuracy=null", "rollout.prompts_per_step=4", "algorithm.group_size=2", "schedule.steps=4",
+        "schedule.eval_pass_k=2"]
+TRAINING = QUICKSTART_ASSETS[:3]  # dataset, SFT, GRPO
+
+
+def _train(home: Path, where: str, overrides: list[str] = TINY, **kw):
+    resources = {**make_resources(SPEC, overrides, str(home)), "launcher": TrainingLauncherResource(where=where)}
+    with DagsterInstance.ephemeral() as instance:
+        return materialize(TRAINING, resources=resources, instance=instance, **kw)
+
+
+def test_a_pipes_launch_reports_what_the_in_process_run_reports(tmp_path):
+    local = _train(tmp_path / "a", "in_process")
+    piped = _train(tmp_path / "b", "subprocess")
+    assert local.success and piped.success
+    a = local.asset_materializations_for_node("grpo_run")[0]
+    b = piped.asset_materializations_for_node("grpo_run")[0]
+    # the same keys in the same order, each the same kind of value (paths, links, pictures, numbers)
+    assert list(a.metadata) == list(b.metadata)
+    assert {k: type(v).__name__ for k, v in a.metadata.items()} == {k: type(v).__name__ for k, v in b.metadata.items()}
+    assert b.metadata["run_id"].value == f"pipes-{piped.run_id[:8]}"  # the run id the launcher sent as an extra
+    assert b.metadata["steps"].value == a.metadata["steps"].value == 4
+    assert str(tmp_path / "b") in b.metadata["checkpoint"].value and Path(b.metadata["checkpoint"].value).is_dir()
+    assert b.tags["dagster/data_version"] == b.metadata["sha256"].value
+    assert 0.0 <= b.metadata["accuracy"].value <= 1.0
+    assert "data:image/png;base64," in b.metadata["pictures"].value  # drawn from the lake and MLflow here
+
+
+def test_a_run_that_needs_a_fix_is_not_retried_through_pipes(tmp_path):
+    spec = [*TINY, "task.environment=tests.ops.faulty_envs:overflowing_reward", "ops.max_nonfinite_steps=2"]
+    result = _train(tmp_path, "subprocess", spec, raise_on_error=False)
+    assert not result.success
+    assert not [e for e in result.all_events if e.event_type_value == "STEP_UP_FOR_RETRY"]
+    failure = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"][0]
+    assert "exited with 4" in str(failure.event_specific_data.error) and "not retried" in str(
+        failure.event_specific_data.error)
