@@ -1,0 +1,344 @@
+"""The fake Kubernetes API server (tests/deploy/fake_kube.py) through the official client: CRUD with real models, strict
+validation, Deployment readiness, Jobs run as local processes (env, $(VAR) expansion, path_map, ConfigMap volumes,
+status), deletion semantics, log streaming, node patches and taints, and dagster-k8s's Pipes log reader consuming it."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import textwrap
+from pathlib import Path
+
+import dagster as dg
+import pytest
+from dagster_k8s.pipes import PipesK8sPodLogsMessageReader
+from kubernetes import client
+from kubernetes.client import ApiException
+
+from tests.deploy.fake_kube import FakeKube, expand, map_paths
+
+NS = "default"
+STAMP = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{9}Z"
+
+
+@pytest.fixture
+def apis(fake_kube: FakeKube):
+    api = fake_kube.api_client()
+    yield client.CoreV1Api(api), client.AppsV1Api(api), client.BatchV1Api(api)
+    api.close()
+
+
+def meta(name: str, **labels: str) -> client.V1ObjectMeta:
+    return client.V1ObjectMeta(name=name, labels=labels or None)
+
+
+def job(name: str, argv: list[str], *, completions: int | None = None, backoff: int = 0,
+        env: list[client.V1EnvVar] | None = None, **pod: object) -> client.V1Job:
+    """A Job whose first container runs argv; completions makes it Indexed with that many pods at once."""
+    container = client.V1Container(name="main", image="factory:test", command=argv[:2], args=argv[2:], env=env,
+                                   volume_mounts=pod.pop("mounts", None))
+    spec = client.V1PodSpec(restart_policy="Never", containers=[container], **pod)
+    return client.V1Job(metadata=meta(name), spec=client.V1JobSpec(
+        backoff_limit=backoff, completions=completions, parallelism=completions,
+        completion_mode="Indexed" if completions else None,
+        template=client.V1PodTemplateSpec(metadata=meta("", app="factory"), spec=spec)))
+
+
+def status_of(e: ApiException) -> dict:
+    return json.loads(e.body)
+
+
+def test_crud_through_the_typed_clients_deserializes_into_models(fake_kube: FakeKube, apis) -> None:
+    core, apps, _ = apis
+    made = core.create_namespaced_config_map(NS, client.V1ConfigMap(metadata=meta("spec", app="a"), data={"k": "1"}))
+    core.create_namespaced_config_map(NS, client.V1ConfigMap(metadata=meta("other", app="b"), data={"k": "2"}))
+    assert (made.kind, made.api_version, made.data) == ("ConfigMap", "v1", {"k": "1"})
+    assert made.metadata.uid and made.metadata.resource_version and made.metadata.creation_timestamp is not None
+    assert core.read_namespaced_config_map("spec", NS).metadata.uid == made.metadata.uid
+
+    assert [c.metadata.name for c in core.list_namespaced_config_map(NS, label_selector="app=a").items] == ["spec"]
+    assert [c.metadata.name for c in core.list_namespaced_config_map(NS, label_selector="app!=a").items] == ["other"]
+    assert len(core.list_namespaced_config_map(NS).items) == 2
+    assert core.list_namespaced_config_map("elsewhere").items == []
+
+    with pytest.raises(ApiException) as dup:
+        core.create_namespaced_config_map(NS, client.V1ConfigMap(metadata=meta("spec")))
+    assert (dup.value.status, status_of(dup.value)["reason"]) == (409, "AlreadyExists")
+
+    made.data = {"k": "3"}
+    replaced = core.replace_namespaced_config_map("spec", NS, made)
+    assert replaced.data == {"k": "3"} and replaced.metadata.resource_version != made.metadata.resource_version
+    with pytest.raises(ApiException) as stale:  # made still carries the old resourceVersion
+        core.replace_namespaced_config_map("spec", NS, made)
+    assert status_of(stale.value)["reason"] == "Conflict"
+
+    svc = core.create_namespaced_service(NS, client.V1Service(metadata=meta("rollout"), spec=client.V1ServiceSpec(
+        selector={"app": "rollout"}, ports=[client.V1ServicePort(port=8000, target_port=8000)])))
+    assert svc.spec.cluster_ip and svc.spec.type == "ClusterIP"
+    deploy = apps.create_namespaced_deployment(NS, deployment("rollout"))
+    assert (deploy.kind, deploy.api_version, deploy.metadata.generation) == ("Deployment", "apps/v1", 1)
+
+    core.delete_namespaced_config_map("spec", NS)
+    core.delete_namespaced_service("rollout", NS, body=client.V1DeleteOptions(propagation_policy="Background"))
+    for read, name in ((core.read_namespaced_config_map, "spec"), (core.read_namespaced_service, "rollout")):
+        with pytest.raises(ApiException) as gone:
+            read(name, NS)
+        assert (gone.value.status, status_of(gone.value)["reason"]) == (404, "NotFound")
+
+    posts = [r for r in fake_kube.requests if r.method == "POST"]
+    assert posts[0].path == f"/api/v1/namespaces/{NS}/configmaps" and posts[0].body["data"] == {"k": "1"}
+    assert ("GET", f"/api/v1/namespaces/{NS}/configmaps", {"labelSelector": "app=a"}) in [
+        (r.method, r.path, r.query) for r in fake_kube.requests]
+
+
+def deployment(name: str, replicas: int = 2) -> client.V1Deployment:
+    pod = client.V1PodSpec(containers=[client.V1Container(name="server", image="vllm:test")])
+    return client.V1Deployment(metadata=meta(name), spec=client.V1DeploymentSpec(
+        replicas=replicas, selector=client.V1LabelSelector(match_labels={"app": name}),
+        template=client.V1PodTemplateSpec(metadata=meta("", app=name), spec=pod)))
+
+
+def test_invalid_objects_get_422_naming_the_field_and_are_not_stored(fake_kube: FakeKube, apis) -> None:
+    _, apps, batch = apis
+    body = client.ApiClient().sanitize_for_serialization(deployment("typo"))
+    body["spec"]["template"]["spec"]["containers"][0]["gpus"] = 1  # a plausible typo, not a Kubernetes field
+    with pytest.raises(ApiException) as bad:
+        apps.create_namespaced_deployment(NS, body)
+    status = status_of(bad.value)
+    assert (bad.value.status, status["reason"]) == (422, "Invalid")
+    assert "gpus" in status["message"] and status["details"]["causes"][0]["field"] == "spec.template.spec.containers.0"
+    assert fake_kube.get("Deployment", "typo") is None
+
+    always = job("always", [sys.executable, "-c", "pass"])
+    always.spec.template.spec.restart_policy = "Always"  # schema-valid, but a Job's pods must not restart forever
+    with pytest.raises(ApiException) as restart:
+        batch.create_namespaced_job(NS, always)
+    assert restart.value.status == 422 and "restartPolicy" in status_of(restart.value)["message"]
+    assert fake_kube.runs == []
+
+
+def test_deployments_are_ready_unless_told_otherwise(fake_kube: FakeKube, apis) -> None:
+    _, apps, _ = apis
+    ready = apps.create_namespaced_deployment(NS, deployment("fast"))
+    assert (ready.status.ready_replicas, ready.status.available_replicas) == (2, 2)
+    assert [(c.type, c.status) for c in ready.status.conditions][0] == ("Available", "True")
+
+    fake_kube.set_ready("slow", False)
+    apps.create_namespaced_deployment(NS, deployment("slow", replicas=3))
+    slow = apps.read_namespaced_deployment("slow", NS)
+    assert slow.status.ready_replicas is None and slow.status.unavailable_replicas == 3
+    assert {c.type: c.status for c in slow.status.conditions}["Available"] == "False"
+    fake_kube.set_ready("slow")
+    now = apps.read_namespaced_deployment("slow", NS)
+    assert now.status.ready_replicas == 3 and {c.type: c.status for c in now.status.conditions}["Available"] == "True"
+
+
+def test_indexed_job_runs_each_index_as_a_process_with_its_env_args_and_files(fake_kube: FakeKube, apis,
+                                                                               tmp_path: Path) -> None:
+    core, _, batch = apis
+    fake_kube.add_node("gpu-a", {"pool": "gpu"})
+    fake_kube.add_node("cpu-a", {"pool": "cpu"})
+    fake_kube.path_map.update({"/etc/factory": str(tmp_path / "etc"), "/data": str(tmp_path / "data")})
+    fake_kube.extra_env["FROM_TEST"] = "yes"
+    core.create_namespaced_config_map(NS, client.V1ConfigMap(metadata=meta("spec"), data={"spec.yaml": "seed: 7\n"}))
+    script = ("import os, sys; print(sys.argv[1:]); print(open(os.environ['SPEC']).read().strip()); "
+              "print(*(os.environ[k] for k in ('RANK', 'POD', 'NS', 'NODE', 'JOB_COMPLETION_INDEX', 'FROM_TEST')))")
+
+    def field(path: str) -> client.V1EnvVarSource:
+        return client.V1EnvVarSource(field_ref=client.V1ObjectFieldSelector(field_path=path))
+    env = [client.V1EnvVar(name="RANK", value_from=field("metadata.annotations['batch.kubernetes.io/job-completion-"
+                                                         "index']")),
+           client.V1EnvVar(name="POD", value_from=field("metadata.name")),
+           client.V1EnvVar(name="NS", value_from=field("metadata.namespace")),
+           client.V1EnvVar(name="NODE", value_from=field("spec.nodeName")),
+           client.V1EnvVar(name="SPEC", value="/etc/factory/spec.yaml")]
+    created = batch.create_namespaced_job(NS, job(
+        "train", [sys.executable, "-c", script, "--node-rank=$(RANK)", "--out=/data/run", "$$(RANK)"], completions=2,
+        env=env, node_selector={"pool": "gpu"}, mounts=[client.V1VolumeMount(name="spec", mount_path="/etc/factory")],
+        volumes=[client.V1Volume(name="spec", config_map=client.V1ConfigMapVolumeSource(name="spec"))]))
+    assert created.spec.selector.match_labels["batch.kubernetes.io/controller-uid"] == created.metadata.uid
+
+    done = fake_kube.wait_job("train")
+    assert [c["type"] for c in done["status"]["conditions"]] == ["SuccessCriteriaMet", "Complete"]
+    assert (done["status"]["succeeded"], done["status"]["completedIndexes"], done["status"]["active"]) == (2, "0-1", 0)
+    assert done["status"]["completionTime"] and done["status"]["startTime"]
+    job_read = batch.read_namespaced_job("train", NS)
+    assert job_read.status.succeeded == 2 and job_read.status.completion_time is not None
+
+    pods = core.list_namespaced_pod(NS, label_selector="job-name=train,app=factory").items
+    assert len(pods) == 2
+    for pod in sorted(pods, key=lambda p: p.metadata.annotations["batch.kubernetes.io/job-completion-index"]):
+        index = pod.metadata.annotations["batch.kubernetes.io/job-completion-index"]
+        assert re.fullmatch(rf"train-{index}-[a-z0-9]{{5}}", pod.metadata.name)
+        assert pod.metadata.labels["batch.kubernetes.io/job-name"] == "train"
+        assert pod.metadata.labels["batch.kubernetes.io/job-completion-index"] == index
+        assert pod.metadata.owner_references[0].uid == created.metadata.uid
+        assert (pod.status.phase, pod.spec.node_name) == ("Succeeded", "gpu-a")
+        assert pod.status.container_statuses[0].state.terminated.exit_code == 0
+        log = core.read_namespaced_pod_log(pod.metadata.name, NS, timestamps=True, _preload_content=False).data
+        lines = log.decode().splitlines()
+        assert all(re.match(STAMP + " ", line) for line in lines)
+        assert [line.split(" ", 1)[1] for line in lines] == [
+            str([f"--node-rank={index}", f"--out={tmp_path}/data/run", "$(RANK)"]), "seed: 7",
+            f"{index} {pod.metadata.name} {NS} gpu-a {index} yes"]
+        run = fake_kube.run_of(pod.metadata.name)
+        assert run.returncode == 0 and run.env["HOSTNAME"] == pod.metadata.name and run.cwd == str(fake_kube.workdir)
+    assert (tmp_path / "etc" / "spec.yaml").read_text() == "seed: 7\n"
+
+
+def test_a_failing_pod_is_retried_until_the_backoff_limit_then_the_job_fails(fake_kube: FakeKube, apis) -> None:
+    core, _, batch = apis
+    batch.create_namespaced_job(NS, job("once", [sys.executable, "-c", "raise SystemExit(3)"], backoff=0))
+    batch.create_namespaced_job(NS, job("twice", [sys.executable, "-c", "raise SystemExit(3)"], backoff=1))
+    for name, pods in (("once", 1), ("twice", 2)):
+        failed = fake_kube.wait_job(name)
+        conditions = {c["type"]: c["reason"] for c in failed["status"]["conditions"]}
+        assert conditions == {"FailureTarget": "BackoffLimitExceeded", "Failed": "BackoffLimitExceeded"}
+        assert failed["status"]["failed"] == pods and "completionTime" not in failed["status"]
+        listed = core.list_namespaced_pod(NS, label_selector=f"job-name={name}").items
+        assert [p.status.phase for p in listed] == ["Failed"] * pods
+        assert {p.status.container_statuses[0].state.terminated.exit_code for p in listed} == {3}
+        assert core.list_namespaced_pod(NS, field_selector="status.phase=Failed", label_selector=f"job-name={name}"
+                                        ).items == listed
+
+
+def test_deleting_a_job_orphans_its_pods_unless_told_to_cascade(fake_kube: FakeKube, apis) -> None:
+    core, _, batch = apis
+    hold = [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"]
+    for name in ("kept", "cascaded"):
+        batch.create_namespaced_job(NS, job(name, hold))
+    fake_kube.wait(lambda: len(fake_kube.runs) == 2 and all(r.lines for r in fake_kube.runs), what="both print up")
+    kept, cascaded = (fake_kube.list("Pod", labels={"job-name": n})[0]["metadata"]["name"] for n in (
+        "kept", "cascaded"))
+
+    batch.delete_namespaced_job("kept", NS)  # batch/v1's default propagation is Orphan
+    assert fake_kube.get("Job", "kept") is None
+    orphan = core.read_namespaced_pod(kept, NS)
+    assert orphan.status.phase == "Running" and not orphan.metadata.owner_references
+    assert fake_kube.run_of(kept).returncode is None
+    core.delete_namespaced_pod(kept, NS)
+    fake_kube.wait(lambda: fake_kube.run_of(kept).returncode is not None, what="the deleted pod's process ends")
+
+    batch.delete_namespaced_job("cascaded", NS, body=client.V1DeleteOptions(propagation_policy="Background"))
+    assert core.list_namespaced_pod(NS, label_selector="job-name=cascaded").items == []
+    fake_kube.wait(lambda: fake_kube.run_of(cascaded).returncode is not None, what="the job's process ends")
+    assert fake_kube.run_of(cascaded).returncode == 128 + 15  # SIGTERM, as a kubelet sends first
+
+
+def test_followed_logs_stream_lines_as_the_process_writes_them(fake_kube: FakeKube, apis, tmp_path: Path) -> None:
+    core, _, batch = apis
+    gate = tmp_path / "gate"
+    os.mkfifo(gate)  # the process blocks on it until the test has seen the first line: no timing involved
+    script = "import sys; print('first', flush=True); open(sys.argv[1]).read(); print('second')"
+    batch.create_namespaced_job(NS, job("talk", [sys.executable, "-c", script, "/gate"]))
+    fake_kube.path_map["/gate"] = str(gate)
+    fake_kube.wait(lambda: any(r.started for r in fake_kube.runs), what="the pod starts")
+    pod = fake_kube.runs[0].pod
+
+    stream = core.read_namespaced_pod_log(pod, NS, follow=True, timestamps=True, container="main",
+                                          _preload_content=False)
+    chunks = stream.stream()
+    first = next(chunks).decode()
+    assert re.fullmatch(STAMP + " first\n", first)
+    with open(gate, "w") as release:
+        release.write("go")
+    rest = b"".join(chunks).decode()
+    assert re.fullmatch(STAMP + " second\n", rest)  # and the stream ended because the process exited
+    assert first.split()[0] < rest.split()[0]
+
+    assert core.read_namespaced_pod_log(pod, NS, tail_lines=1, _preload_content=False).data == b"second\n"
+    assert core.read_namespaced_pod_log(pod, NS, since_seconds=3600, _preload_content=False).data == b"first\nsecond\n"
+    with pytest.raises(ApiException) as wrong:
+        core.read_namespaced_pod_log(pod, NS, container="sidecar")
+    assert wrong.value.status == 400
+
+
+def test_node_patches_merge_labels_and_replace_taints_and_taints_keep_pods_off(fake_kube: FakeKube, apis) -> None:
+    core, _, batch = apis
+    fake_kube.add_node("gpu-a", {"pool": "gpu"})
+    assert core.read_node("gpu-a").metadata.labels == {"kubernetes.io/hostname": "gpu-a", "pool": "gpu"}
+    taint = {"key": "factory.dev/failing", "value": "nccl", "effect": "NoSchedule"}
+    core.patch_node("gpu-a", {"metadata": {"labels": {"factory.dev/failing": "true"}}, "spec": {"taints": [taint]}})
+    node = fake_kube.node("gpu-a")
+    assert node["metadata"]["labels"] == {"kubernetes.io/hostname": "gpu-a", "pool": "gpu",
+                                          "factory.dev/failing": "true"}
+    assert node["spec"]["taints"] == [taint]
+    assert fake_kube.requests[-1].content_type == "application/strategic-merge-patch+json"
+
+    other = {"key": "factory.dev/drain", "effect": "NoExecute"}
+    core.patch_node("gpu-a", {"spec": {"taints": [other]}}, _content_type="application/merge-patch+json")
+    core.patch_node("gpu-a", [{"op": "remove", "path": "/metadata/labels/factory.dev~1failing"}])  # a json-patch
+    node = fake_kube.node("gpu-a")
+    assert node["spec"]["taints"] == [other] and "factory.dev/failing" not in node["metadata"]["labels"]
+    with pytest.raises(ApiException) as bad:
+        core.patch_node("gpu-a", {"metadata": {"labels": {"pool": 7}}})  # label values are strings
+    assert bad.value.status == 422 and fake_kube.node("gpu-a")["metadata"]["labels"]["pool"] == "gpu"
+
+    batch.create_namespaced_job(NS, job("shunned", [sys.executable, "-c", "pass"], node_selector={"pool": "gpu"}))
+    fake_kube.wait(lambda: bool(fake_kube.list("Pod")), what="the pod is made")
+    pod = core.list_namespaced_pod(NS).items[0]
+    assert pod.status.phase == "Pending" and pod.spec.node_name is None
+    assert pod.status.conditions[0].reason == "Unschedulable"
+    with pytest.raises(ApiException) as waiting:
+        core.read_namespaced_pod_log(pod.metadata.name, NS)
+    assert waiting.value.status == 400 and "waiting to start" in status_of(waiting.value)["message"]
+
+
+def test_a_container_that_cannot_start_fails_its_pod_with_the_reason(fake_kube: FakeKube, apis) -> None:
+    core, _, batch = apis
+    core.create_namespaced_config_map(NS, client.V1ConfigMap(metadata=meta("spec"), data={"a": "b"}))
+    batch.create_namespaced_job(NS, job(
+        "unmapped", [sys.executable, "-c", "pass"], mounts=[client.V1VolumeMount(name="spec", mount_path="/etc/x")],
+        volumes=[client.V1Volume(name="spec", config_map=client.V1ConfigMapVolumeSource(name="spec"))]))
+    assert fake_kube.wait_job("unmapped")["status"]["failed"] == 1
+    terminated = core.list_namespaced_pod(NS).items[0].status.container_statuses[0].state.terminated
+    assert (terminated.reason, terminated.exit_code) == ("StartError", 128)
+    assert "no path_map entry covers the container path /etc/x" in terminated.message
+
+
+def test_expansion_and_path_mapping_follow_kubernetes_rules() -> None:
+    env = {"RANK": "3", "DIR": "/data"}
+    assert expand("--rank=$(RANK) $(MISSING) $$(RANK) $$ $(DIR)/x", env) == "--rank=3 $(MISSING) $(RANK) $ /data/x"
+    mapping = {"/data": "/tmp/d", "/data/ckpt": "/tmp/c"}
+    assert map_paths("--in=/data/a --ck=/data/ckpt/b /database /x/data", mapping) == \
+        "--in=/tmp/d/a --ck=/tmp/c/b /database /x/data"
+
+
+PIPES_SCRIPT = """
+import os
+from dagster_pipes import open_dagster_pipes
+
+with open_dagster_pipes() as pipes:
+    pipes.log.info("hello from the pod")
+    print("plain output is forwarded, not parsed")
+    pipes.report_asset_materialization(metadata={
+        "rank": int(os.environ["JOB_COMPLETION_INDEX"]), "lr": pipes.get_extra("lr"), "pod": os.environ["HOSTNAME"]})
+"""
+
+
+def test_dagster_pipes_reads_the_materialization_from_the_job_pods_logs(fake_kube: FakeKube, apis,
+                                                                         tmp_path: Path) -> None:
+    core, _, batch = apis
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "report.py").write_text(textwrap.dedent(PIPES_SCRIPT))
+    fake_kube.path_map["/app"] = str(tmp_path / "app")
+
+    @dg.asset
+    def trained(context):  # no annotation: dagster checks it at runtime and these are strings here
+        reader = PipesK8sPodLogsMessageReader()
+        with dg.open_pipes_session(context, extras={"lr": 0.5}, context_injector=dg.PipesEnvContextInjector(),
+                                   message_reader=reader) as session:
+            env = [client.V1EnvVar(name=k, value=v) for k, v in session.get_bootstrap_env_vars().items()]
+            batch.create_namespaced_job(NS, job("pipes", [sys.executable, "/app/report.py"], completions=1, env=env))
+            fake_kube.wait(lambda: any(r.started for r in fake_kube.runs), what="the pipes pod starts")
+            reader.consume_pod_logs(context, core, fake_kube.runs[0].pod, NS)
+        yield from session.get_results()
+
+    result = dg.materialize([trained])
+    assert result.success
+    materialized = result.asset_materializations_for_node("trained")[0].metadata
+    assert materialized["rank"].value == 0 and materialized["lr"].value == 0.5
+    assert materialized["pod"].value == fake_kube.runs[0].pod
+    assert fake_kube.wait_job("pipes")["status"]["succeeded"] == 1
