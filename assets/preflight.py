@@ -22,6 +22,7 @@ from dagster import (
 from pydantic import Field
 
 from factory.config import OpsSpec
+from factory.deploy.target import op_tags
 from factory.ops.preflight import CHECK_NAMES, CheckResult, PreflightFailed, gate
 from resources import FactoryHomeResource, LakeResource
 
@@ -69,6 +70,7 @@ def _check_result(r: CheckResult) -> AssetCheckResult:
     check_specs=[AssetCheckSpec(name, asset=NODE_HEALTH, description=f"preflight check {name}")
                  for name in CHECK_NAMES],
     can_subset=True,  # quick mode has no result for the deep-only checks; one check can be re-run alone
+    op_tags=op_tags("node_health"),
 )
 def node_health(context: AssetExecutionContext, config: PreflightConfig, home: FactoryHomeResource,
                 lake: LakeResource):

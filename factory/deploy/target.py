@@ -39,6 +39,8 @@ ASSET_ROLES = {
     "checkpoint_eval": "evals", "eval_report": "evals",
     "sweep_summary": "sweeps",
     "arithmetic_dataset": "data", "blend": "data", "prompt_stats": "data",
+    # a preflight of the node its step pod lands on, a training pod's (`factory deploy preflight` tests every node)
+    "node_health": "training",
 }
 
 
@@ -108,8 +110,9 @@ def executor() -> ExecutorDefinition | None:
         return None
     from dagster_k8s import k8s_job_executor
 
-    return k8s_job_executor.configured(
-        {"job_namespace": target.profile.namespace, "image_pull_policy": "IfNotPresent",
-         # Steps of one run that may hold pods at once: a GPU step waits rather than queueing many GPU pods.
-         "max_concurrent": 4},
-        name="factory_k8s")
+    return k8s_job_executor.configured(executor_config(target.profile), name="factory_k8s")
+
+
+def executor_config(profile: DeployProfile) -> dict[str, object]:
+    # max_concurrent: steps of one run holding pods at once, so a run does not queue many GPU pods
+    return {"job_namespace": profile.namespace, "image_pull_policy": "IfNotPresent", "max_concurrent": 4}
