@@ -4,23 +4,24 @@ tolerations, a training pod's GPUs and volumes; the merge patch that marks a nod
 taints kept, labels, annotation) and the Node it produces valid; training pods not tolerating the taint; and
 `factory preflight --mark-node` marking a node over HTTP, then clearing it.
 
-No API server here: the HTTP calls go to a local server speaking the few Kubernetes API paths they use.
+No API server here: the calls go to the fake API server (tests/deploy/fake_kube.py), which schedules the rendered Job
+by its tolerations and runs its pod as a local process, and, for a conflicting writer, to a small server in this file.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import os
+import socket
+import sys
 import threading
-from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
 
 import kubernetes_validate
 import pytest
 import yaml
+from kubernetes import client
 
 from factory.cli import main
 from factory.config import load_spec
@@ -38,6 +39,7 @@ from factory.ops.preflight.mark import (
     tolerates,
 )
 from factory.ops.preflight.result import CheckResult, PreflightReport
+from tests.deploy.fake_kube import FakeKube, merge_patch
 
 ROOT = Path(__file__).resolve().parents[2]
 SNAPSHOTS = Path(__file__).parent / "snapshots"
@@ -45,6 +47,7 @@ K8S_VERSION = "1.37.0"
 PROFILE = ROOT / "deploy" / "profile.example.yaml"
 SPEC = ROOT / "examples" / "k8s.yaml"
 GPU = "nvidia.com/gpu"
+NS = "factory"
 NODES = ["gpu-node-1", "ip-10-0-1-2.ec2.internal"]
 GPU_TAINT = {"key": GPU, "value": "present", "effect": "NoSchedule"}
 CORDON = {"key": CORDON_TAINT, "effect": "NoSchedule", "timeAdded": "2026-11-24T07:00:00Z"}
@@ -194,19 +197,6 @@ def test_cli_writes_the_manifests_and_names_bad_flags(tmp_path: Path, capsys) ->
 # -- marking a node ---------------------------------------------------------------------------------------------
 
 
-def merge(target: Any, patch: Any) -> Any:
-    """RFC 7386 JSON merge patch, as the API server applies application/merge-patch+json."""
-    if not isinstance(patch, dict):
-        return copy.deepcopy(patch)
-    out = dict(target) if isinstance(target, dict) else {}
-    for k, v in patch.items():
-        if v is None:
-            out.pop(k, None)
-        else:
-            out[k] = merge(out.get(k), v)
-    return out
-
-
 def a_node(name: str = "gpu-node-1", taints: list[dict] | None = None, **annotations: str) -> dict:
     return {"apiVersion": "v1", "kind": "Node",
             "metadata": {"name": name, "resourceVersion": "41", "labels": {"kubernetes.io/hostname": name},
@@ -229,54 +219,148 @@ def test_failing_patch_taints_labels_and_annotates_keeping_other_taints() -> Non
     assert json.loads(patch["metadata"]["annotations"][ANNOTATION]) == {
         "preflight_id": "0123456789ab", "failed": ["accelerators", "disk_free_lake"], "partial": False,
         "checked_at": "2026-11-24T08:00:00+00:00"}
-    after = merge(node, patch)
+    after = merge_patch(node, patch)
     validate(after, "the failed Node")
     assert after["spec"]["taints"] == [GPU_TAINT, CORDON, {"key": TAINT_KEY, "value": "0123456789ab",
                                                            "effect": "NoSchedule"}]
     assert after["metadata"]["labels"] == {"kubernetes.io/hostname": "gpu-node-1", LABEL: "failed"}
-    again = merge(after, node_patch(after, a_report(("accelerators", False), pid="bbbbbbbbbbbb")))
+    again = merge_patch(after, node_patch(after, a_report(("accelerators", False), pid="bbbbbbbbbbbb")))
     assert [t["key"] for t in again["spec"]["taints"]] == [GPU, CORDON_TAINT, TAINT_KEY]  # one taint, not two
     assert again["spec"]["taints"][-1]["value"] == "bbbbbbbbbbbb"
 
 
 def test_passing_patch_removes_only_the_preflight_taint() -> None:
-    failed = merge(a_node(), node_patch(a_node(), a_report(("accelerators", False))))
-    passed = merge(failed, node_patch(failed, a_report(("accelerators", True), ("matmul", True))))
+    failed = merge_patch(a_node(), node_patch(a_node(), a_report(("accelerators", False))))
+    passed = merge_patch(failed, node_patch(failed, a_report(("accelerators", True), ("matmul", True))))
     validate(passed, "the passed Node")
     assert passed["spec"]["taints"] == [GPU_TAINT, CORDON]
     assert passed["metadata"]["labels"][LABEL] == "passed"
     assert json.loads(passed["metadata"]["annotations"][ANNOTATION])["failed"] == []
-    bare = merge(a_node(taints=[]), node_patch(a_node(taints=[]), a_report(("python", True))))
+    bare = merge_patch(a_node(taints=[]), node_patch(a_node(taints=[]), a_report(("python", True))))
     validate(bare, "a Node without taints")
     assert bare["spec"]["taints"] == []
 
 
 def test_a_partial_run_keeps_failures_it_did_not_recheck() -> None:
-    failed = merge(a_node(), node_patch(a_node(), a_report(("accelerators", False), ("matmul", False))))
+    failed = merge_patch(a_node(), node_patch(a_node(), a_report(("accelerators", False), ("matmul", False))))
     # `factory preflight --check matmul` after a fix: accelerators was not re-run, so the node stays failed
-    still = merge(failed, node_patch(failed, a_report(("matmul", True)), partial=True))
+    still = merge_patch(failed, node_patch(failed, a_report(("matmul", True)), partial=True))
     assert still["metadata"]["labels"][LABEL] == "failed" and still["spec"]["taints"][-1]["key"] == TAINT_KEY
     assert json.loads(still["metadata"]["annotations"][ANNOTATION])["failed"] == ["accelerators"]
-    cleared = merge(still, node_patch(still, a_report(("accelerators", True)), partial=True))
+    cleared = merge_patch(still, node_patch(still, a_report(("accelerators", True)), partial=True))
     assert cleared["metadata"]["labels"][LABEL] == "passed" and cleared["spec"]["taints"] == [GPU_TAINT, CORDON]
     # a full run judges the node afresh; an annotation that is not ours is ignored
     odd = a_node(**{ANNOTATION: "not json"})
     assert node_patch(odd, a_report(("python", True)), partial=True)["metadata"]["labels"][LABEL] == "passed"
 
 
-# -- over HTTP --------------------------------------------------------------------------------------------------
+# -- over HTTP: a cluster made of the fake API server (tests/deploy/fake_kube.py) -----------------------------------
+
+
+def no_op_like_training(train_job: dict, name: str) -> dict:
+    """A Job whose pod is placed as the training pods are (their node selector and tolerations) and runs nothing."""
+    placement = {k: v for k, v in pod(train_job).items() if k in ("nodeSelector", "tolerations")}
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name, "labels": {"test": name}},
+            "spec": {"backoffLimit": 0, "template": {"metadata": {"labels": {"test": name}}, "spec": {
+                "restartPolicy": "Never", "containers": [{"name": "c", "image": "factory:test",
+                                                          "command": [sys.executable, "-c", "pass"]}],
+                **placement}}}}
+
+
+def test_preflight_job_on_a_fake_cluster_taints_a_failing_node_keeps_training_off_and_a_rerun_clears_it(
+        fake_kube: FakeKube, tmp_path: Path) -> None:
+    """The rendered Job, created in the fake cluster, runs `factory preflight --mark-node` as a local process on the
+    node the fake scheduled it to; NODE_NAME comes from spec.nodeName. Two changes for this machine: the command is
+    the Job's args (the image's entrypoint, tini, is not here) narrowed to one check, `accelerators`, so the run takes
+    well under a second instead of the ~15 s quick preflight; and FACTORY_NODE_KIND picks the verdict: a kind
+    expecting 8 GPUs fails on a PATH without nvidia-smi, `cpu` passes."""
+    fake_kube.add_node("gpu-node-1", {"cloud.example.com/pool": "gpu-h100"}, taints=[GPU_TAINT])
+    profile = load_profile(PROFILE).model_copy(update={"env_secret": None})  # the fake has no Secrets
+    fake_kube.path_map["/data"] = str(tmp_path / "data")
+    fake_kube.extra_env.update(KUBECONFIG=str(fake_kube.write_kubeconfig(tmp_path / "kubeconfig")),
+                               PATH=str(Path(sys.executable).parent), FACTORY_NODE_KIND="gpu-h100x8")
+    job = jobs(render_preflight(["gpu-node-1"], profile))["gpu-node-1"]
+    container = pod(job)["containers"][0]
+    container["command"] = [*container.pop("args"), "--check", "accelerators", "--no-record"]
+    name = job["metadata"]["name"]
+    train_job = render(load_spec(SPEC), profile)["train-job.yaml"]
+    with fake_kube.api_client() as api:
+        batch = client.BatchV1Api(api)
+        batch.create_namespaced_job(NS, job)
+        failed = fake_kube.wait_job(name, NS)
+        run = fake_kube.runs[-1]
+        assert failed["status"]["failed"] == 1, run.output()
+        assert run.env["NODE_NAME"] == run.env["FACTORY_NODE"] == "gpu-node-1"
+        assert "node gpu-node-1 marked factory.dev/preflight=failed" in run.output()
+        node = fake_kube.node("gpu-node-1")
+        assert node["metadata"]["labels"][LABEL] == "failed"
+        assert node["spec"]["taints"] == [GPU_TAINT, {"key": TAINT_KEY, "value": node["spec"]["taints"][1]["value"],
+                                                      "effect": "NoSchedule"}]
+        assert json.loads(node["metadata"]["annotations"][ANNOTATION])["failed"] == ["accelerators"]
+
+        batch.create_namespaced_job(NS, no_op_like_training(train_job, "train-a"))  # the scheduler keeps it off
+        fake_kube.wait(lambda: fake_kube.list("Pod", NS, {"test": "train-a"}), what="train-a's pod")
+        (shunned,) = fake_kube.list("Pod", NS, {"test": "train-a"})
+        assert shunned["status"]["phase"] == "Pending" and "nodeName" not in shunned["spec"]
+        assert shunned["status"]["conditions"][0]["reason"] == "Unschedulable"
+
+        batch.delete_namespaced_job(name, NS, propagation_policy="Background")
+        fake_kube.extra_env["FACTORY_NODE_KIND"] = "cpu"  # the node fixed: its re-test passes
+        batch.create_namespaced_job(NS, job)  # it tolerates the failed taint, so it lands on the failed node
+        done = fake_kube.wait_job(name, NS)
+        assert done["status"].get("succeeded") == 1, fake_kube.runs[-1].output()
+        node = fake_kube.node("gpu-node-1")
+        assert node["metadata"]["labels"][LABEL] == "passed" and node["spec"]["taints"] == [GPU_TAINT]
+
+        batch.create_namespaced_job(NS, no_op_like_training(train_job, "train-b"))  # and training is back on it
+        assert fake_kube.wait_job("train-b", NS)["status"].get("succeeded") == 1
+        (placed,) = fake_kube.list("Pod", NS, {"test": "train-b"})
+        assert placed["spec"]["nodeName"] == "gpu-node-1"
+    assert {r.content_type for r in fake_kube.requests if r.method == "PATCH"} == {MERGE_PATCH}
+
+
+def test_cli_mark_node_errors_name_the_node_and_the_answer(fake_kube: FakeKube, tmp_path: Path, monkeypatch,
+                                                           capsys) -> None:
+    kubeconfig = str(fake_kube.write_kubeconfig(tmp_path / "kubeconfig"))
+    monkeypatch.setenv("NODE_NAME", "nope")
+    assert main(["preflight", "--check", "python", "--no-record", "--mark-node", "--kubeconfig", kubeconfig]) == 1
+    assert 'cannot mark node nope: API server answered 404 Not Found: nodes "nope" not found' in \
+        capsys.readouterr().err
+    monkeypatch.delenv("NODE_NAME")
+    sent = len(fake_kube.requests)
+    assert main(["preflight", "--check", "python", "--mark-node", "--kubeconfig", kubeconfig]) == 2
+    assert "--mark-node: $NODE_NAME is not set" in capsys.readouterr().err
+    assert len(fake_kube.requests) == sent  # refused up front: nothing measured, nothing sent
+    with socket.socket() as sock:  # a port that was free a moment ago: nothing listens there
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dead = tmp_path / "dead-kubeconfig"
+    dead.write_text(Path(kubeconfig).read_text().replace(fake_kube.host, f"http://127.0.0.1:{port}"))
+    with pytest.raises(MarkError, match="cannot mark node gpu-node-1: .*(Connection refused|Max retries)"):
+        mark_node("gpu-node-1", a_report(("python", True)), kubeconfig=str(dead))
+    with pytest.raises(MarkError, match=f"--kubeconfig: no such file: {tmp_path}/none"):
+        mark_node("gpu-node-1", a_report(("python", True)), kubeconfig=str(tmp_path / "none"))
+    (tmp_path / "garbage").write_text("just text\n")
+    with pytest.raises(MarkError, match=f"--kubeconfig: {tmp_path}/garbage is not a usable kubeconfig"):
+        mark_node("gpu-node-1", a_report(("python", True)), kubeconfig=str(tmp_path / "garbage"))
+    monkeypatch.delenv("KUBECONFIG", raising=False)
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    with pytest.raises(MarkError, match="no Kubernetes credentials: give --kubeconfig"):
+        mark_node("gpu-node-1", a_report(("python", True)))
+
+
+# -- a conflicting writer: fake_kube applies a PATCH whatever its resourceVersion, so this server answers 409 ------
 
 
 class FakeNodes(ThreadingHTTPServer):
-    """GET and PATCH (merge patch only) of /api/v1/nodes/{name}, with resourceVersion conflicts, as the API server
-    answers them; `race` adds a taint of another writer before the next PATCH is applied (once)."""
+    """GET and merge-PATCH of /api/v1/nodes/{name}, answering 409 Conflict to a PATCH whose metadata.resourceVersion
+    is stale, as the API server does; `race` is a taint another writer adds just before the next PATCH lands."""
 
     def __init__(self) -> None:
         super().__init__(("127.0.0.1", 0), _Handler)
         self.nodes: dict[str, dict] = {}
-        self.requests: list[tuple[str, str, str]] = []
+        self.requests: list[str] = []
         self.race: dict | None = None
-        self.lock = threading.Lock()
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -293,120 +377,46 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
-    def _status(self, code: int, reason: str, message: str) -> None:
-        self._send(code, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": reason,
-                          "message": message, "code": code})
-
-    def _node(self) -> str | None:
-        prefix = "/api/v1/nodes/"
-        return self.path.split("?")[0][len(prefix):] if self.path.startswith(prefix) else None
-
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
-        name = self._node()
-        self.server.requests.append(("GET", self.path, ""))
-        with self.server.lock:
-            node = self.server.nodes.get(name or "")
-            if node is None:
-                return self._status(404, "NotFound", f'nodes "{name}" not found')
-            self._send(200, node)
+        self.server.requests.append("GET")
+        self._send(200, self.server.nodes[self.path.rsplit("/", 1)[-1]])
 
     def do_PATCH(self) -> None:  # noqa: N802
-        name = self._node()
-        ctype = self.headers.get("Content-Type", "")
-        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-        self.server.requests.append(("PATCH", self.path, ctype))
-        with self.server.lock:
-            node = self.server.nodes.get(name or "")
-            if node is None:
-                return self._status(404, "NotFound", f'nodes "{name}" not found')
-            if ctype != MERGE_PATCH:
-                return self._status(415, "UnsupportedMediaType", f"this server takes {MERGE_PATCH}, got {ctype}")
-            if self.server.race is not None:  # another writer got there first
-                node["spec"]["taints"].append(self.server.race)
-                node["metadata"]["resourceVersion"] = str(int(node["metadata"]["resourceVersion"]) + 1)
-                self.server.race = None
-            want = body.get("metadata", {}).get("resourceVersion")
-            if want is not None and want != node["metadata"]["resourceVersion"]:
-                return self._status(409, "Conflict", "the object has been modified; please apply your changes to "
-                                    "the latest version and try again")
-            new = merge(node, body)
-            new["metadata"]["resourceVersion"] = str(int(node["metadata"]["resourceVersion"]) + 1)
-            self.server.nodes[name] = new
-            self._send(200, new)
+        self.server.requests.append("PATCH")
+        name = self.path.rsplit("/", 1)[-1]
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        node = self.server.nodes[name]
+        if self.server.race is not None:  # another writer got there first
+            node["spec"]["taints"].append(self.server.race)
+            node["metadata"]["resourceVersion"] = str(int(node["metadata"]["resourceVersion"]) + 1)
+            self.server.race = None
+        if body["metadata"].get("resourceVersion") not in (None, node["metadata"]["resourceVersion"]):
+            return self._send(409, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Conflict",
+                                    "code": 409, "message": "the object has been modified"})
+        new = merge_patch(node, body)
+        new["metadata"]["resourceVersion"] = str(int(node["metadata"]["resourceVersion"]) + 1)
+        self.server.nodes[name] = new
+        self._send(200, new)
 
 
-@pytest.fixture
-def fake_nodes(tmp_path: Path) -> Iterator[tuple[FakeNodes, str]]:
-    """The server, seeded with gpu-node-1, and a kubeconfig file pointing at it."""
+def test_mark_node_retries_a_conflict_and_keeps_the_other_writers_taint(tmp_path: Path) -> None:
     server = FakeNodes()
     server.nodes["gpu-node-1"] = a_node()
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "fake",
-        "clusters": [{"name": "fake", "cluster": {"server": f"http://127.0.0.1:{server.server_address[1]}"}}],
-        "users": [{"name": "test", "user": {"token": "test-token"}}],
-        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "test"}}]}))
     try:
-        yield server, str(kubeconfig)
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "c",
+            "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{server.server_address[1]}"}}],
+            "users": [{"name": "u", "user": {}}],
+            "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}))
+        other = {"key": "example.com/maintenance", "effect": "NoSchedule"}
+        server.race = other
+        marked = mark_node("gpu-node-1", a_report(("matmul", False)), kubeconfig=str(kubeconfig))
     finally:
         server.shutdown()
         server.server_close()
         thread.join()
-
-
-def test_cli_mark_node_taints_a_failing_node_and_a_passing_run_clears_it(fake_nodes, factory_home, monkeypatch,
-                                                                          tmp_path, capsys) -> None:
-    server, kubeconfig = fake_nodes
-    monkeypatch.setenv("NODE_NAME", "gpu-node-1")
-    monkeypatch.setenv("FACTORY_NODE", "gpu-node-1")
-    empty = tmp_path / "bin"
-    empty.mkdir()
-    monkeypatch.setenv("PATH", str(empty))  # no nvidia-smi: a node kind that expects 8 GPUs fails `accelerators`
-    argv = ["preflight", "--check", "accelerators", "--no-record", "--mark-node", "--kubeconfig", kubeconfig]
-    assert main([*argv, "--kind", "gpu-h100x8"]) == 1
-    node = server.nodes["gpu-node-1"]
-    validate(node, "the marked Node")
-    assert node["metadata"]["labels"][LABEL] == "failed"
-    assert node["spec"]["taints"][:2] == [GPU_TAINT, CORDON] and node["spec"]["taints"][2]["key"] == TAINT_KEY
-    note = json.loads(node["metadata"]["annotations"][ANNOTATION])
-    assert note["failed"] == ["accelerators"] and note["partial"] is True
-    err = capsys.readouterr().err
-    assert "expects 8 GPUs" in err and "node gpu-node-1 marked factory.dev/preflight=failed" in err
-    assert {c for m, _, c in server.requests if m == "PATCH"} == {MERGE_PATCH}
-
-    assert main([*argv, "--kind", "cpu"]) == 0  # the fix: the same check passes and clears the node
-    node = server.nodes["gpu-node-1"]
-    assert node["metadata"]["labels"][LABEL] == "passed" and node["spec"]["taints"] == [GPU_TAINT, CORDON]
-    assert json.loads(node["metadata"]["annotations"][ANNOTATION])["failed"] == []
-
-
-def test_mark_node_retries_a_conflict_and_keeps_the_other_writers_taint(fake_nodes) -> None:
-    server, kubeconfig = fake_nodes
-    other = {"key": "example.com/maintenance", "effect": "NoSchedule"}
-    server.race = other
-    marked = mark_node("gpu-node-1", a_report(("matmul", False)), kubeconfig=kubeconfig)
     assert [t["key"] for t in marked["spec"]["taints"]] == [GPU, CORDON_TAINT, other["key"], TAINT_KEY]
-    assert [m for m, _, _ in server.requests] == ["GET", "PATCH", "GET", "PATCH"]  # 409, read again, patch
-
-
-def test_mark_node_errors_name_the_node_and_the_answer(fake_nodes, tmp_path, monkeypatch, capsys) -> None:
-    server, kubeconfig = fake_nodes
-    with pytest.raises(MarkError, match='cannot mark node nope: API server answered 404 .*nodes \\\\"nope\\\\" not'):
-        mark_node("nope", a_report(("python", True)), kubeconfig=kubeconfig)
-    monkeypatch.delenv("NODE_NAME", raising=False)
-    assert main(["preflight", "--check", "python", "--mark-node", "--kubeconfig", kubeconfig]) == 2
-    assert "--mark-node: $NODE_NAME is not set" in capsys.readouterr().err
-    assert server.requests[-1][1] == "/api/v1/nodes/nope"  # nothing sent for the run refused up front
-    closed = FakeNodes()  # a port nothing listens on once closed
-    port = closed.server_address[1]
-    closed.server_close()
-    dead = tmp_path / "dead-kubeconfig"
-    dead.write_text(Path(kubeconfig).read_text().replace(f":{server.server_address[1]}", f":{port}"))
-    with pytest.raises(MarkError, match="cannot mark node gpu-node-1: .*(Connection refused|Max retries)"):
-        mark_node("gpu-node-1", a_report(("python", True)), kubeconfig=str(dead))
-    monkeypatch.delenv("KUBECONFIG", raising=False)
-    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    with pytest.raises(MarkError, match="no Kubernetes credentials: give --kubeconfig"):
-        mark_node("gpu-node-1", a_report(("python", True)))
+    assert server.requests == ["GET", "PATCH", "GET", "PATCH"]  # 409, read again, patch again

@@ -17,8 +17,8 @@ the API server answers 409 Conflict and the read-and-patch is retried.
 A partial run (`--check NAME`) changes only what it checked: the failed checks it did not run stay failed (read from
 the node's annotation), so a partial re-run after a fix clears the node only when nothing else failed.
 
-Not run here: no API server and no real node; the calls are tested against a local HTTP server speaking the subset
-of the Kubernetes API that they use.
+Not run here: no API server and no real node or scheduler; the calls are tested against the fake API server in
+tests/deploy/fake_kube.py (a local HTTP server speaking a subset of the Kubernetes API).
 """
 
 from __future__ import annotations
@@ -98,7 +98,13 @@ def api_client(kubeconfig: str | None = None) -> Any:
 
     path = kubeconfig or os.environ.get("KUBECONFIG")
     if path:
-        return config.new_client_from_config(config_file=path)
+        flag = "--kubeconfig" if kubeconfig else "$KUBECONFIG"
+        if not os.path.isfile(path):
+            raise MarkError(f"{flag}: no such file: {path}")
+        try:
+            return config.new_client_from_config(config_file=path)
+        except Exception as e:  # noqa: BLE001 - the client raises TypeError/KeyError on a malformed file, not only
+            raise MarkError(f"{flag}: {path} is not a usable kubeconfig ({type(e).__name__}: {e})") from None
     cfg = client.Configuration()
     try:
         config.load_incluster_config(client_configuration=cfg)
@@ -123,7 +129,8 @@ def mark_node(name: str, report: PreflightReport, partial: bool = False, kubecon
                 # Raw JSON, not the client's typed model: the taints go back exactly as read (a field this client
                 # version does not know would otherwise be dropped, and timeAdded rewritten).
                 node = json.loads(core.read_node(name, _preload_content=False).data)
-                # The client would send a dict as a JSON *Patch* (RFC 6902) unless told: name the merge patch.
+                # The client sends a dict as a strategic merge patch unless told: name the RFC 7386 merge patch
+                # node_patch is written for (lists replaced whole, null deletes).
                 patched = core.patch_node(name, node_patch(node, report, partial), _content_type=MERGE_PATCH,
                                           _preload_content=False)
                 return json.loads(patched.data)
@@ -131,7 +138,16 @@ def mark_node(name: str, report: PreflightReport, partial: bool = False, kubecon
                 if e.status == 409 and attempt + 1 < CONFLICT_RETRIES:
                     continue
                 raise MarkError(f"cannot mark node {name}: API server answered {e.status} {e.reason}: "
-                                f"{(e.body or '').strip()[:300]}") from None
+                                f"{_status_message(e.body)}") from None
             except (HTTPError, OSError) as e:  # unreachable server, refused connection, TLS
                 raise MarkError(f"cannot mark node {name}: {type(e).__name__}: {e}") from None
     raise AssertionError("unreachable")
+
+
+def _status_message(body: str | bytes | None) -> str:
+    """The `message` of a Kubernetes Status body (what went wrong, in the server's words), else the body's start."""
+    text = body.decode(errors="replace") if isinstance(body, bytes) else (body or "")
+    try:
+        return str(json.loads(text)["message"])
+    except (ValueError, TypeError, KeyError):
+        return text.strip()[:300] or "no body"
