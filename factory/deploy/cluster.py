@@ -229,7 +229,7 @@ def launch_grpo(cluster: Cluster, objs: GrpoObjects, follow_rank0: Callable[[str
     deleted before returning."""
     with cluster.created(objs.services):
         if objs.deployments:
-            log(f"waiting for {len(objs.deployments)} rollout server(s) to be ready")
+            log(f"waiting for {len(objs.deployments)} Deployment(s) to be ready: {', '.join(objs.deployments)}")
             cluster.wait_ready(objs.deployments, ready_timeout_s)
         with cluster.created([objs.train_service, objs.train_job]):
             pods = objs.train_job["spec"]["parallelism"]

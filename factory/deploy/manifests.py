@@ -134,7 +134,10 @@ def _env_from(profile: DeployProfile) -> list[dict[str, Any]]:
 
 def _factory_env(spec: ExperimentSpec, profile: DeployProfile) -> list[dict[str, Any]]:
     env = [{"name": "FACTORY_HOME", "value": f"{DATA_MOUNT}/factory"},
-           {"name": "OMP_NUM_THREADS", "value": str(spec.trainer.threads or 1)}]
+           {"name": "OMP_NUM_THREADS", "value": str(spec.trainer.threads or 1)},
+           # the preflight gate looks up the node's results by node name (`factory deploy preflight` records them
+           # under it); a pod's hostname is the pod's name
+           {"name": "FACTORY_NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
     if needs_sandbox(spec):
         env.append({"name": "FACTORY_SANDBOX_URL",
                     "value": f"http://{run_name(spec)}-sandbox.{profile.namespace}.svc:{profile.sandbox_port}"})

@@ -16,6 +16,8 @@ TINY = ["name=pipes", "model.preset=micro", "task.n_train=300", "task.n_eval=24"
         "sft.stop_at_accuracy=null", "rollout.prompts_per_step=4", "algorithm.group_size=2", "schedule.steps=4",
         "schedule.eval_pass_k=2"]
 TRAINING = QUICKSTART_ASSETS[:3]  # dataset, SFT, GRPO
+GRPO_METADATA = ["curves", "evals", "run_id", "mlflow_run_id", "checkpoint", "sha256", "steps", "start_accuracy",
+                 "start_pass_at_k", "accuracy", "seconds", "attempts", "goodput", "pictures"]
 
 
 def _train(home: Path, where: str, overrides: list[str] = TINY, **kw):
@@ -31,7 +33,7 @@ def test_a_pipes_launch_reports_what_the_in_process_run_reports(tmp_path):
     a = local.asset_materializations_for_node("grpo_run")[0]
     b = piped.asset_materializations_for_node("grpo_run")[0]
     # the same keys in the same order, each the same kind of value (paths, links, pictures, numbers)
-    assert list(a.metadata) == list(b.metadata)
+    assert list(a.metadata) == list(b.metadata) == GRPO_METADATA
     assert {k: type(v).__name__ for k, v in a.metadata.items()} == {k: type(v).__name__ for k, v in b.metadata.items()}
     assert b.metadata["run_id"].value == f"pipes-{piped.run_id[:8]}"  # the run id the launcher sent as an extra
     assert b.metadata["steps"].value == a.metadata["steps"].value == 4
