@@ -245,6 +245,28 @@ def sandbox(spec: ExperimentSpec, profile: DeployProfile) -> list[Manifest]:
              "spec": {"selector": labels, "ports": [{"name": "http", "port": profile.sandbox_port}]}}]
 
 
+# What grpo_run's step pod creates, watches and deletes per run (deploy/cluster.py), and nothing else.
+LAUNCHER_RULES = [
+    {"apiGroups": [""], "resources": ["configmaps", "services"], "verbs": ["get", "create", "update", "delete"]},
+    {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["get", "create", "delete"]},
+    {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["get", "create", "delete"]},
+    {"apiGroups": [""], "resources": ["pods", "pods/log"], "verbs": ["get", "list"]},
+]
+
+
+def launcher_rbac(spec: ExperimentSpec, profile: DeployProfile) -> tuple[Manifest, Manifest]:
+    """(Role, RoleBinding) letting Dagster's pods launch a run's objects in the namespace (LAUNCHER_RULES)."""
+    name = "factory-launcher"
+    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+            "metadata": _meta(name, profile, spec, "launcher"), "rules": LAUNCHER_RULES}
+    binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+               "metadata": _meta(name, profile, spec, "launcher"),
+               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+               "subjects": [{"kind": "ServiceAccount", "name": profile.launcher_service_account,
+                             "namespace": profile.namespace}]}
+    return role, binding
+
+
 def dagster_tags(spec: ExperimentSpec, profile: DeployProfile) -> dict[str, dict[str, str]]:
     """Per step role (STEP_ROLES; deploy/target.py says which asset has which), the op tags for dagster-k8s
     (`{"dagster-k8s/config": json}`): training gets the GPUs of one training pod, shared memory and the train node

@@ -85,6 +85,9 @@ class DeployProfile(_Strict):
     env_secret: str | None = Field("factory-env", description="a Secret whose keys become the environment of "
                                    "every Factory pod (FACTORY_CATALOG_URI, FACTORY_MLFLOW_URI, object-store "
                                    "credentials); optional: pods start without it; unset: none")
+    launcher_service_account: str = Field("dagster", min_length=1, description="the service account of Dagster's "
+                                          "run and step pods (deploy/values.yaml: the chart's, named `dagster`); "
+                                          "grpo_run's step creates the run's objects with it")
     master_port: int = Field(29500, ge=1024, le=65535)
     sandbox_port: int = Field(8200, ge=1024, le=65535)
     train: RoleProfile = Field(default_factory=lambda: RoleProfile(tolerations=_GPU_TAINT, cpu="32", memory="256Gi"))

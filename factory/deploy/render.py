@@ -29,6 +29,7 @@ def render(spec: ExperimentSpec, profile: DeployProfile) -> dict[str, m.Manifest
     except ValueError as e:  # a spec the cluster layout cannot run; the message names the field
         raise RenderError(str(e)) from None
     out: dict[str, m.Manifest] = {"spec-configmap.yaml": m.spec_configmap(spec, profile)}
+    out["launcher-role.yaml"], out["launcher-rolebinding.yaml"] = m.launcher_rbac(spec, profile)
     tags = m.dagster_tags(spec, profile)
     out["dagster-tags-configmap.yaml"] = m.tags_configmap(spec, tags, profile)
     for obj in m.sandbox(spec, profile):

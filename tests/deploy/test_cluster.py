@@ -16,6 +16,7 @@ from dagster import DagsterInstance, materialize
 
 from factory.config import apply_overrides, load_spec, parse_overrides
 from factory.deploy import cluster as cl
+from factory.deploy.manifests import LAUNCHER_RULES
 from factory.deploy.profile import DeployProfile
 from jobs import QUICKSTART_ASSETS, make_resources
 from resources import TrainingLauncherResource
@@ -59,6 +60,25 @@ def cluster(fake_kube: FakeKube, tmp_path: Path) -> cl.Cluster:
 def created_kinds(fake: FakeKube) -> list[str]:
     return [f"{r.body['kind']}/{r.body['metadata']['name']}" for r in fake.requests
             if r.method == "POST" and isinstance(r.body, dict) and "kind" in r.body]
+
+
+def rbac_needed(fake: FakeKube) -> set[tuple[str, str, str]]:
+    """(API group, resource, verb) of every request the launch made, as the API server's authorizer sees them."""
+    out = set()
+    for r in fake.requests:
+        parts = r.path.strip("/").split("/")
+        group, rest = ("", parts[2:]) if parts[0] == "api" else (parts[1], parts[3:])
+        assert rest[0] == "namespaces" and rest[1] == NS, r.path  # nothing cluster-wide
+        resource, named = "/".join([rest[2], *rest[4:5]]), len(rest) > 3
+        verb = {"POST": "create", "PUT": "update", "DELETE": "delete", "PATCH": "patch"}.get(
+            r.method, "get" if named else "list")
+        out.add((group, resource, verb))
+    return out
+
+
+def allowed(group: str, resource: str, verb: str) -> bool:
+    return any(group in rule["apiGroups"] and resource in rule["resources"] and verb in rule["verbs"]
+               for rule in LAUNCHER_RULES)
 
 
 def left_behind(fake: FakeKube) -> list[str]:
@@ -122,6 +142,7 @@ def test_a_leftover_job_of_an_earlier_launch_is_replaced(fake_kube: FakeKube, cl
     outcome = cl.launch_grpo(cluster, scripted_objects(), lambda pod: None, 30, 60)
     assert outcome.succeeded and len(fake_kube.runs) == 2
     assert left_behind(fake_kube) == []
+    assert [n for n in rbac_needed(fake_kube) if not allowed(*n)] == []  # replacing needs no more rights
 
 
 def test_the_grpo_run_asset_trains_in_a_pod_and_reports_through_pipes(fake_kube: FakeKube, tmp_path: Path,
@@ -144,6 +165,9 @@ def test_the_grpo_run_asset_trains_in_a_pod_and_reports_through_pipes(fake_kube:
     assert list(md) == GRPO_METADATA  # what the asset shows when it trains in its own process
     assert md["run_id"].value == f"pipes-{result.run_id[:8]}" and md["steps"].value == 4
     assert Path(md["checkpoint"].value).is_dir() and str(home) in md["checkpoint"].value
+    # the launcher's Role (rendered by `factory deploy render`) allows every call the launch made, pod logs included
+    needed = rbac_needed(fake_kube)
+    assert ("", "pods/log", "get") in needed and [n for n in needed if not allowed(*n)] == []
     (run,) = fake_kube.runs
     assert run.argv[1:] == ["train-grpo", str(tmp_path / "spec" / "spec.yaml")]
     assert run.returncode == 0 and "DAGSTER_PIPES_CONTEXT" in run.env
