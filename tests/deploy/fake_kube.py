@@ -51,18 +51,15 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import random
 import re
-import signal
 import socket
-import subprocess
 import threading
 import time
 import traceback
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -71,6 +68,9 @@ from urllib.parse import parse_qsl, urlsplit
 import kubernetes
 import kubernetes_validate
 import yaml
+
+from tests.deploy import fake_kubelet
+from tests.deploy.fake_kubelet import PodRun, StartError
 
 K8S_VERSION = "1.37.0"  # the schemas tests/deploy/test_render.py validates against
 _SUFFIX_CHARS = "bcdfghjklmnpqrstvwxz2456789"  # Kubernetes' own name-suffix alphabet
@@ -94,12 +94,13 @@ _RESOURCES = {r.plural: r for r in (
     _Resource("Service", "v1", "services", True, _ALL),
     _Resource("Pod", "v1", "pods", True, frozenset({"get", "list", "delete"})),
     _Resource("Node", "v1", "nodes", False, frozenset({"get", "list", "patch"})),
+    _Resource("Event", "v1", "events", True, frozenset({"list"})),  # always empty: nothing records events
     _Resource("Deployment", "apps/v1", "deployments", True, _ALL),
     _Resource("Job", "batch/v1", "jobs", True, _ALL - {"patch"}),
 )}
 _BY_KIND = {r.kind: r for r in _RESOURCES.values()}
 _PATH = re.compile(r"^/(?:api/(?P<core>v1)|apis/(?P<group>[^/]+)/(?P<version>[^/]+))"
-                   r"(?:/namespaces/(?P<ns>[^/]+))?/(?P<plural>[^/]+)(?:/(?P<name>[^/]+))?(?:/(?P<sub>log))?$")
+                   r"(?:/namespaces/(?P<ns>[^/]+))?/(?P<plural>[^/]+)(?:/(?P<name>[^/]+))?(?:/(?P<sub>log|status))?$")
 
 
 class ApiError(Exception):
@@ -124,60 +125,8 @@ class Request:
     content_type: str | None
 
 
-@dataclass
-class PodRun:
-    """One pod's local process: what was started, its output lines and how it ended."""
-
-    namespace: str
-    pod: str
-    argv: list[str] = field(default_factory=list)
-    env: dict[str, str] = field(default_factory=dict)
-    cwd: str = ""
-    proc: subprocess.Popen | None = None
-    lines: list[tuple[str, bytes]] = field(default_factory=list)  # (RFC3339Nano timestamp, line with "\n")
-    started: bool = False
-    eof: bool = False
-    returncode: int | None = None
-    start_error: str | None = None
-
-    def output(self) -> str:
-        return b"".join(line for _, line in self.lines).decode(errors="replace")
-
-
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-
-
-def _nano(ns: int) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ns // 10**9)) + f".{ns % 10**9:09d}Z"
-
-
-def expand(text: str, env: dict[str, str]) -> str:
-    """Kubernetes' $(VAR) expansion: known names substituted, unknown left as written, $$ escapes a $."""
-    out, i = [], 0
-    while i < len(text):
-        if text[i] == "$" and i + 1 < len(text):
-            nxt = text[i + 1]
-            if nxt == "$":
-                out.append("$")
-                i += 2
-                continue
-            if nxt == "(" and (end := text.find(")", i + 2)) != -1:
-                name = text[i + 2:end]
-                out.append(env.get(name, f"$({name})"))
-                i = end + 1
-                continue
-        out.append(text[i])
-        i += 1
-    return "".join(out)
-
-
-def map_paths(text: str, path_map: dict[str, str]) -> str:
-    """Rewrite container paths to local ones: a prefix matches only as a whole path, not inside another path."""
-    for prefix in sorted(path_map, key=len, reverse=True):
-        pattern = r"(?<![\w.\-/])" + re.escape(prefix.rstrip("/")) + r"(?=/|$|[^\w.\-])"
-        text = re.sub(pattern, lambda _m, p=prefix: path_map[p].rstrip("/"), text)
-    return text
 
 
 def _selector(text: str | None) -> Callable[[dict], bool]:
@@ -196,7 +145,8 @@ def _selector(text: str | None) -> Callable[[dict], bool]:
 
 
 _FIELDS = {"metadata.name": ("metadata", "name"), "metadata.namespace": ("metadata", "namespace"),
-           "status.phase": ("status", "phase"), "spec.nodeName": ("spec", "nodeName")}
+           "status.phase": ("status", "phase"), "spec.nodeName": ("spec", "nodeName"),
+           "involvedObject.name": ("involvedObject", "name"), "involvedObject.kind": ("involvedObject", "kind")}
 
 
 def _field_selector(text: str | None) -> Callable[[dict], bool]:
@@ -294,11 +244,12 @@ def _tolerated(taint: dict, tolerations: list[dict]) -> bool:
     return False
 
 
+@dataclass
 class _Stream:
-    """A pod log response, written chunked by the handler as lines appear."""
+    """A response written chunked by the handler as its chunks come: followed logs, watches."""
 
-    def __init__(self, chunks: Iterator[bytes]) -> None:
-        self.chunks = chunks
+    chunks: Iterator[bytes]
+    content_type: str
 
 
 class FakeKube:
@@ -316,6 +267,7 @@ class FakeKube:
         self._ready: dict[tuple[str, str], bool] = {}
         self._cond = threading.Condition(threading.RLock())
         self._rv = 0
+        self._events: list[tuple[int, str, str, str, dict]] = []  # (resourceVersion, type, plural, ns, object)
         self._ips = 0
         self._rr = 0
         self._threads: list[threading.Thread] = []
@@ -338,7 +290,7 @@ class FakeKube:
             self._stopping = True
             self._cond.notify_all()
         for run in list(self.runs):
-            self._kill(run, grace=0.0)
+            fake_kubelet.kill(run, grace=0.0)
         self._server.shutdown()
         self._server.server_close()
         for sock in list(self._server.connections):  # idle keep-alive connections hold handler threads
@@ -440,19 +392,21 @@ class FakeKube:
         m = _PATH.match(path)
         res = _RESOURCES.get(m["plural"]) if m else None
         if not m or not res or res.api_version != (m["core"] or f"{m['group']}/{m['version']}") \
-                or (m["ns"] is not None and not res.namespaced) or (m["sub"] and res.plural != "pods"):
+                or (m["ns"] is not None and not res.namespaced) or (m["sub"] == "log" and res.plural != "pods"):
             raise ApiError(404, "NotFound", f"fake_kube: the server could not find the requested resource {path}")
         ns, name = (m["ns"] or "") if res.namespaced else "", m["name"]
-        if _true(query.get("watch")):
-            raise ApiError(400, "BadRequest", "fake_kube: watch is not emulated")
+        watch = _true(query.get("watch"))
         verb = {("GET", True): "get", ("GET", False): "list", ("POST", False): "create", ("PUT", True): "replace",
                 ("DELETE", True): "delete", ("PATCH", True): "patch"}.get((method, name is not None))
-        if verb is None or verb not in res.verbs or (verb == "create" and not ns and res.namespaced):
+        if verb is None or verb not in res.verbs or (verb == "create" and not ns and res.namespaced) \
+                or (m["sub"] and verb != "get") or (watch and verb != "list"):
             raise ApiError(405, "MethodNotAllowed", f"fake_kube: {method} {path} is not emulated")
         dry = query.get("dryRun") == "All"  # the only value Kubernetes accepts
         with self._cond:
-            if m["sub"]:
+            if m["sub"] == "log":
                 return 200, self._logs(ns, name, query), {}
+            if watch:
+                return 200, self._watch(res, m["ns"], query), {}
             if verb == "list":
                 return 200, self._list(res, m["ns"], query), {}
             if verb == "create":
@@ -485,8 +439,15 @@ class FakeKube:
                 meta["generation"] = 1
         meta["resourceVersion"] = str(self._rv)
         self._objects[(plural, ns, meta["name"])] = obj
-        self._cond.notify_all()
+        self._event("ADDED" if new else "MODIFIED", plural, ns, obj)
         return copy.deepcopy(obj)
+
+    def _event(self, kind: str, plural: str, ns: str, obj: dict) -> None:
+        if kind == "DELETED":
+            self._rv += 1
+            obj["metadata"]["resourceVersion"] = str(self._rv)
+        self._events.append((self._rv, kind, plural, ns, copy.deepcopy(obj)))
+        self._cond.notify_all()
 
     def _admit(self, res: _Resource, ns: str, body: Any) -> dict:
         if not isinstance(body, dict):
@@ -515,6 +476,34 @@ class FakeKube:
                 items.append({k: copy.deepcopy(v) for k, v in obj.items() if k not in ("apiVersion", "kind")})
         return {"apiVersion": res.api_version, "kind": f"{res.kind}List",
                 "metadata": {"resourceVersion": str(self._rv)}, "items": items}
+
+    def _watch(self, res: _Resource, ns: str | None, query: dict) -> _Stream:
+        """Watch events as JSON lines: ADDED for what exists (unless resourceVersion says where to resume), then every
+        change, until timeoutSeconds or the fake stops."""
+        labels, fields = _selector(query.get("labelSelector")), _field_selector(query.get("fieldSelector"))
+        deadline = time.monotonic() + float(query.get("timeoutSeconds") or 3600)
+        since = query.get("resourceVersion")
+        if since in (None, "", "0"):
+            backlog = [(0, "ADDED", p, o_ns, copy.deepcopy(o)) for (p, o_ns, _), o in sorted(self._objects.items())]
+            pos = len(self._events)
+        else:
+            backlog, pos = [], next((i for i, e in enumerate(self._events) if e[0] > int(since)), len(self._events))
+
+        def chunks() -> Iterator[bytes]:
+            nonlocal pos
+            pending = backlog
+            while True:
+                for _, kind, plural, o_ns, obj in pending:
+                    if plural == res.plural and ns in (None, o_ns) and labels(obj["metadata"].get("labels", {})) \
+                            and fields(obj):
+                        yield json.dumps({"type": kind, "object": obj}).encode() + b"\n"
+                with self._cond:
+                    self._cond.wait_for(lambda seen=pos: len(self._events) > seen or self._stopping,
+                                        timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+                    if self._stopping or time.monotonic() >= deadline:
+                        return
+                    pending, pos = self._events[pos:], len(self._events)
+        return _Stream(chunks(), "application/json")
 
     def _create(self, res: _Resource, ns: str, body: Any, dry: bool) -> dict:
         obj = self._admit(res, ns, body)
@@ -610,7 +599,7 @@ class FakeKube:
         if dry:
             return 200, status, headers
         del self._objects[(res.plural, ns, name)]
-        self._rv += 1
+        self._event("DELETED", res.plural, ns, current)
         grace = float(body.get("gracePeriodSeconds", 30))
         if res.kind == "Pod":
             self._kill_later(ns, name, grace)
@@ -620,10 +609,11 @@ class FakeKube:
                 if key[0] == "pods" and any(r["uid"] == uid for r in refs):
                     if policy in ("Background", "Foreground"):
                         del self._objects[key]
+                        self._event("DELETED", "pods", ns, pod)
                         self._kill_later(ns, key[2], grace)
                     else:  # orphaned: the garbage collector drops the owner reference and leaves the pod running
                         pod["metadata"]["ownerReferences"] = [r for r in refs if r["uid"] != uid]
-        self._cond.notify_all()
+                        self._store("pods", ns, pod)
         return 200, status, headers
 
     # -- Deployments and Jobs ----------------------------------------------------------------------------------------
@@ -731,7 +721,7 @@ class FakeKube:
                                         or any(r.returncode is not None for r in running.values()),
                                         timeout=min(left or 1.0, 1.0))
         for run in running.values():  # a failed Job stops its remaining pods
-            self._kill(run, grace=1.0)
+            fake_kubelet.kill(run, grace=1.0)
 
     def _schedule(self, pod_spec: dict) -> str | None:
         nodes = [o for (p, _, _), o in sorted(self._objects.items()) if p == "nodes"]
@@ -757,8 +747,10 @@ class FakeKube:
             meta.setdefault("labels", {})[_INDEX] = str(index)
             meta.setdefault("annotations", {})[_INDEX] = str(index)
             spec["hostname"] = f"{jname}-{index}"
-            for c in spec["containers"]:
-                c.setdefault("env", []).insert(0, {"name": "JOB_COMPLETION_INDEX", "value": str(index)})
+            for c in spec["containers"]:  # as the Job controller adds it: last, from the annotation, unless set
+                if not any(v["name"] == "JOB_COMPLETION_INDEX" for v in c.get("env", [])):
+                    c.setdefault("env", []).append({"name": "JOB_COMPLETION_INDEX", "valueFrom": {
+                        "fieldRef": {"fieldPath": f"metadata.annotations['{_INDEX}']"}}})
         run = PodRun(ns, name)
         with self._cond:
             node = self._schedule(spec)
@@ -783,74 +775,34 @@ class FakeKube:
         return {"name": container["name"], "image": container.get("image", ""), "imageID": "", "ready": ready,
                 "restartCount": 0, "started": "running" in state, "state": state}
 
-    def _launch(self, pod: dict) -> tuple[list[str], dict[str, str], str]:
-        meta, spec = pod["metadata"], pod["spec"]
-        container = spec["containers"][0]
-        if not container.get("command"):
-            raise RuntimeError("fake_kube: the container has no command (an image's entrypoint is unknown here)")
-        env: dict[str, str] = {}
-        for src in container.get("envFrom", []):
-            if "configMapRef" not in src:
-                raise RuntimeError(f"fake_kube: envFrom {src} is not emulated")
-            env.update({src.get("prefix", "") + k: v
-                        for k, v in self._configmap(meta["namespace"], src["configMapRef"]).items()})
-        for var in container.get("env", []):
-            source = var.get("valueFrom")
-            if source is None:
-                env[var["name"]] = expand(var.get("value", ""), env)
-            elif "fieldRef" in source:
-                env[var["name"]] = self._field(pod, source["fieldRef"]["fieldPath"])
-            elif "configMapKeyRef" in source:
-                ref = source["configMapKeyRef"]
-                env[var["name"]] = self._configmap(meta["namespace"], ref).get(ref["key"], "")
-            else:
-                raise RuntimeError(f"fake_kube: env {var['name']} valueFrom {source} is not emulated")
-        argv = [map_paths(expand(a, env), self.path_map) for a in container["command"] + container.get("args", [])]
-        for vol in spec.get("volumes", []):
-            if "configMap" in vol:
-                self._write_configmap_volume(meta["namespace"], vol, container.get("volumeMounts", []))
-        cwd = self._mapped(container["workingDir"]) if container.get("workingDir") else str(self.workdir)
-        full = {"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", ""), "HOSTNAME": meta["name"]}
-        full.update({k: map_paths(v, self.path_map) for k, v in env.items()})
-        full.update(self.extra_env)
-        return argv, full, cwd
-
-    def _field(self, pod: dict, path: str) -> str:
-        meta = pod["metadata"]
-        if m := re.fullmatch(r"metadata\.(labels|annotations)\['(.+)'\]", path):
-            return meta.get(m[1], {}).get(m[2], "")
-        values = {"metadata.name": meta["name"], "metadata.namespace": meta["namespace"], "metadata.uid": meta["uid"],
-                  "spec.nodeName": pod["spec"].get("nodeName", ""), "status.podIP": "127.0.0.1",
-                  "status.hostIP": "127.0.0.1", "spec.serviceAccountName": pod["spec"].get("serviceAccountName", "")}
-        if path not in values:
-            raise RuntimeError(f"fake_kube: fieldRef {path} is not emulated")
-        return values[path]
-
     def _configmap(self, ns: str, ref: dict) -> dict[str, str]:
         with self._cond:
             cm = self._objects.get(("configmaps", ns, ref["name"]))
         if cm is None and not ref.get("optional"):
-            raise RuntimeError(f'configmap "{ref["name"]}" not found')
+            raise StartError(f'configmap "{ref["name"]}" not found')
         return dict((cm or {}).get("data", {}))
 
-    def _mapped(self, container_path: str) -> str:
-        for prefix in sorted(self.path_map, key=len, reverse=True):
-            p = prefix.rstrip("/")
-            if container_path == p or container_path.startswith(p + "/"):
-                return self.path_map[prefix].rstrip("/") + container_path[len(p):]
-        raise RuntimeError(f"fake_kube: no path_map entry covers the container path {container_path}")
+    def _run_pod(self, run: PodRun, pod: dict) -> None:
+        try:
+            argv, env, cwd = fake_kubelet.launch(pod, self.path_map, self.extra_env, self.workdir, self._configmap)
+            with self._cond:  # under the lock: stop() sets _stopping, then kills every process it can see
+                if self._stopping:
+                    raise StartError("fake_kube: stopping")
+                fake_kubelet.start(run, argv, env, cwd)
+        except (StartError, OSError) as e:
+            run.start_error, run.eof, run.returncode = str(e), True, 128
+            self._set_pod(run, "Failed", {"terminated": {"exitCode": 128, "reason": "StartError", "message": str(e),
+                                                         "startedAt": _now(), "finishedAt": _now()}})
+            return
+        started_at = _now()
+        self._set_pod(run, "Running", {"running": {"startedAt": started_at}}, ready=True)
+        code = fake_kubelet.pump(run, self._cond, self.process_timeout)
+        with self._cond:
+            run.returncode, run.eof = code, True
+        self._set_pod(run, "Succeeded" if code == 0 else "Failed", {"terminated": {
+            "exitCode": code, "reason": "Completed" if code == 0 else "Error", "startedAt": started_at,
+            "finishedAt": _now(), "containerID": f"fake://{run.proc.pid}"}})  # type: ignore[union-attr]
 
-    def _write_configmap_volume(self, ns: str, vol: dict, mounts: list[dict]) -> None:
-        data = self._configmap(ns, vol["configMap"])
-        items = vol["configMap"].get("items") or [{"key": k, "path": k} for k in data]
-        for mount in (m for m in mounts if m["name"] == vol["name"]):
-            local = Path(self._mapped(mount["mountPath"]))
-            for item in items:
-                if mount.get("subPath") not in (None, item["path"]):
-                    continue
-                target = local if mount.get("subPath") else local / item["path"]
-                target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_text(data.get(item["key"], ""))
 
     def _set_pod(self, run: PodRun, phase: str, state: dict, ready: bool = False) -> None:
         with self._cond:
@@ -870,60 +822,10 @@ class FakeKube:
                                     for t in ("PodScheduled", "Initialized", "ContainersReady", "Ready")]
             self._store("pods", run.namespace, pod)
 
-    def _run_pod(self, run: PodRun, pod: dict) -> None:
-        try:
-            argv, env, cwd = self._launch(pod)
-            with self._cond:  # under the lock: stop() sets _stopping and then kills every proc it can see
-                if self._stopping:
-                    raise RuntimeError("fake_kube: stopping")
-                run.argv, run.env, run.cwd = argv, env, cwd
-                run.proc = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                            stderr=subprocess.STDOUT, start_new_session=True)
-        except (RuntimeError, OSError) as e:
-            run.start_error, run.eof, run.returncode = str(e), True, 128
-            self._set_pod(run, "Failed", {"terminated": {"exitCode": 128, "reason": "StartError", "message": str(e),
-                                                         "startedAt": _now(), "finishedAt": _now()}})
-            return
-        started_at = _now()
-        run.started = True
-        self._set_pod(run, "Running", {"running": {"startedAt": started_at}}, ready=True)
-        killer = threading.Timer(self.process_timeout, self._kill, (run, 0.0))
-        killer.daemon = True
-        killer.start()
-        last = 0
-        for line in iter(run.proc.stdout.readline, b""):  # type: ignore[union-attr]
-            last = max(time.time_ns(), last + 1)  # strictly increasing: equal stamps would merge lines downstream
-            with self._cond:
-                run.lines.append((_nano(last), line if line.endswith(b"\n") else line + b"\n"))
-                self._cond.notify_all()
-        code = run.proc.wait(timeout=self.process_timeout)
-        killer.cancel()
-        code = code if code >= 0 else 128 - code
-        run.returncode, run.eof = code, True
-        self._set_pod(run, "Succeeded" if code == 0 else "Failed", {"terminated": {
-            "exitCode": code, "reason": "Completed" if code == 0 else "Error", "startedAt": started_at,
-            "finishedAt": _now(), "containerID": f"fake://{run.proc.pid}"}})
-
-    def _kill(self, run: PodRun, grace: float) -> None:
-        proc = run.proc
-        if proc is None or proc.poll() is not None:
-            return
-        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
-            if sig == signal.SIGTERM and grace <= 0:
-                continue
-            try:
-                os.killpg(proc.pid, sig)
-                proc.wait(timeout=wait)
-                return
-            except ProcessLookupError:
-                return
-            except subprocess.TimeoutExpired:
-                continue
-
     def _kill_later(self, ns: str, pod: str, grace: float) -> None:
         for run in self.runs:
             if (run.namespace, run.pod) == (ns, pod):
-                self._spawn(self._kill, run, min(grace, 5.0))
+                self._spawn(fake_kubelet.kill, run, min(grace, 5.0))
 
     def _spawn(self, target: Callable, *args: Any, **kwargs: Any) -> None:
         t = threading.Thread(target=self._guard, args=(target, *args), kwargs=kwargs, daemon=True)
@@ -950,29 +852,18 @@ class FakeKube:
         if run is None or not (run.started or run.start_error):
             raise ApiError(400, "BadRequest", f'container "{container}" in pod "{name}" is waiting to start: '
                                               "ContainerCreating")
-        follow, stamps = _true(query.get("follow")), _true(query.get("timestamps"))
-        start = 0
+        if _true(query.get("previous")):
+            raise ApiError(400, "BadRequest", f'previous terminated container "{container}" in pod "{name}" not found')
+        follow, start = _true(query.get("follow")), 0
         if "sinceSeconds" in query:
-            since = _nano(time.time_ns() - int(query["sinceSeconds"]) * 10**9)
+            since = fake_kubelet.nano(time.time_ns() - int(query["sinceSeconds"]) * 10**9)
             start = next((i for i, (ts, _) in enumerate(run.lines) if ts >= since), len(run.lines))
         if "tailLines" in query:
             start = max(start, len(run.lines) - int(query["tailLines"]))
         if container != names[0]:
             follow, start = False, len(run.lines)  # only the first container runs; the others have no output
-
-        def chunks() -> Iterator[bytes]:
-            sent = start
-            while True:
-                with self._cond:
-                    if follow:
-                        self._cond.wait_for(lambda n=sent: len(run.lines) > n or run.eof or self._stopping, timeout=1.0)
-                    new, done = run.lines[sent:], run.eof or self._stopping or not follow
-                sent += len(new)
-                if new:
-                    yield b"".join((ts.encode() + b" " if stamps else b"") + line for ts, line in new)
-                if done and sent >= len(run.lines):
-                    return
-        return _Stream(chunks())
+        return _Stream(fake_kubelet.log_chunks(run, self._cond, start, follow, _true(query.get("timestamps")),
+                                               lambda: self._stopping), "text/plain")
 
 
 class _Server(ThreadingHTTPServer):
@@ -1006,7 +897,7 @@ class _Handler(BaseHTTPRequestHandler):
         for key, value in headers.items():
             self.send_header(key, value)
         if isinstance(body, _Stream):
-            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Type", body.content_type)
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
             try:

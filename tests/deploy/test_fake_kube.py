@@ -9,15 +9,18 @@ import os
 import re
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import dagster as dg
 import pytest
+from dagster_k8s.client import DagsterK8sError, DagsterKubernetesClient, WaitForPodState
 from dagster_k8s.pipes import PipesK8sPodLogsMessageReader
-from kubernetes import client
+from kubernetes import client, config, watch
 from kubernetes.client import ApiException
 
-from tests.deploy.fake_kube import FakeKube, expand, map_paths
+from tests.deploy.fake_kube import FakeKube
+from tests.deploy.fake_kubelet import expand, map_paths
 
 NS = "default"
 STAMP = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{9}Z"
@@ -230,20 +233,21 @@ def test_deleting_a_job_orphans_its_pods_unless_told_to_cascade(fake_kube: FakeK
 def test_followed_logs_stream_lines_as_the_process_writes_them(fake_kube: FakeKube, apis, tmp_path: Path) -> None:
     core, _, batch = apis
     gate = tmp_path / "gate"
-    os.mkfifo(gate)  # the process blocks on it until the test has seen the first line: no timing involved
-    script = "import sys; print('first', flush=True); open(sys.argv[1]).read(); print('second')"
-    batch.create_namespaced_job(NS, job("talk", [sys.executable, "-c", script, "/gate"]))
+    os.mkfifo(gate)  # the process waits on it until the test has seen its first line: ordering, not timing
+    held = os.open(gate, os.O_RDWR)  # read-write: neither side's open blocks, and the process's read waits for data
     fake_kube.path_map["/gate"] = str(gate)
+    script = "import sys; gate = open(sys.argv[1]); print('first', flush=True); gate.readline(); print('second')"
+    batch.create_namespaced_job(NS, job("talk", [sys.executable, "-c", script, "/gate"]))
     fake_kube.wait(lambda: any(r.started for r in fake_kube.runs), what="the pod starts")
     pod = fake_kube.runs[0].pod
 
     stream = core.read_namespaced_pod_log(pod, NS, follow=True, timestamps=True, container="main",
-                                          _preload_content=False)
+                                          _preload_content=False, _request_timeout=20)
     chunks = stream.stream()
     first = next(chunks).decode()
     assert re.fullmatch(STAMP + " first\n", first)
-    with open(gate, "w") as release:
-        release.write("go")
+    os.write(held, b"go\n")
+    os.close(held)
     rest = b"".join(chunks).decode()
     assert re.fullmatch(STAMP + " second\n", rest)  # and the stream ended because the process exited
     assert first.split()[0] < rest.split()[0]
@@ -342,3 +346,40 @@ def test_dagster_pipes_reads_the_materialization_from_the_job_pods_logs(fake_kub
     assert materialized["rank"].value == 0 and materialized["lr"].value == 0.5
     assert materialized["pod"].value == fake_kube.runs[0].pod
     assert fake_kube.wait_job("pipes")["status"]["succeeded"] == 1
+
+
+def test_watch_status_subresource_and_dagster_k8s_job_client(fake_kube: FakeKube, apis, tmp_path: Path) -> None:
+    core, _, batch = apis
+    created = batch.create_namespaced_job(NS, job("ok", [sys.executable, "-c", "print('fine')"]))
+    batch.create_namespaced_job(NS, job("bad", [sys.executable, "-c", "print('boom'); raise SystemExit(3)"]))
+    seen = []  # from the creation's resourceVersion on: every change, however fast the job ran
+    for event in watch.Watch().stream(batch.list_namespaced_job, NS, field_selector="metadata.name=ok",
+                                      resource_version=created.metadata.resource_version, timeout_seconds=20):
+        seen.append((event["type"], event["object"].metadata.name, event["object"].status.succeeded))
+        if any(c.type == "Complete" for c in event["object"].status.conditions or []):
+            break
+    assert seen[0][0] == "MODIFIED" and seen[-1] == ("MODIFIED", "ok", 1) and {s[1] for s in seen} == {"ok"}
+    fake_kube.wait_job("bad")
+    listed = watch.Watch().stream(core.list_namespaced_pod, NS, label_selector="job-name=bad", timeout_seconds=20)
+    first = next(listed)  # without a resourceVersion: what exists now, as ADDED
+    assert (first["type"], first["object"].status.phase) == ("ADDED", "Failed")
+    listed.close()
+    assert batch.read_namespaced_job_status("ok", NS).status.succeeded == 1
+
+    def no_sleeping(seconds: float) -> None:
+        raise AssertionError(f"dagster-k8s polled again ({seconds}s): the fake's status did not satisfy it")
+    k8s = DagsterKubernetesClient(batch, core, logger=lambda _msg: None, sleeper=no_sleeping, timer=time.monotonic)
+    k8s.wait_for_job_success("ok", NS)
+    (ok_pod,) = k8s.get_pod_names_in_job("ok", NS)
+    k8s.wait_for_pod(ok_pod, NS, wait_for_state=WaitForPodState.Terminated)
+    fake_kube.wait_job("bad")
+    (bad_pod,) = k8s.get_pod_names_in_job("bad", NS)
+    with pytest.raises(DagsterK8sError, match="Container \"main\" failed") as failed:
+        k8s.wait_for_pod(bad_pod, NS, wait_for_state=WaitForPodState.Terminated)
+    assert 'Last 100 log lines: "boom\n"' in str(failed.value)  # read back through tailLines
+
+    kubeconfig = fake_kube.write_kubeconfig(tmp_path / "kubeconfig")
+    configured = client.Configuration()
+    config.load_kube_config(config_file=str(kubeconfig), client_configuration=configured)
+    with client.ApiClient(configured) as api:
+        assert {j.metadata.name for j in client.BatchV1Api(api).list_namespaced_job(NS).items} == {"ok", "bad"}
