@@ -1,6 +1,6 @@
 """The `grpo_run` asset through Dagster Pipes: `factory train-grpo` started as a child process (the protocol the
-trainer pods on Kubernetes speak, with the context in the environment) reports the same materialization as the
-run trained in the asset's own process, and its exit codes decide retries the same way."""
+trainer pods on Kubernetes speak, with the context in the environment; here as 2 torchrun ranks) reports the same
+materialization as the run trained in the asset's own process, and its exit codes decide retries."""
 
 from __future__ import annotations
 
@@ -26,21 +26,23 @@ def _train(home: Path, where: str, overrides: list[str] = TINY, **kw):
         return materialize(TRAINING, resources=resources, instance=instance, **kw)
 
 
-def test_a_pipes_launch_reports_what_the_in_process_run_reports(tmp_path):
-    local = _train(tmp_path / "a", "in_process")
-    piped = _train(tmp_path / "b", "subprocess")
-    assert local.success and piped.success
-    a = local.asset_materializations_for_node("grpo_run")[0]
+def test_a_pipes_launch_of_two_ranks_reports_what_the_in_process_run_reports(tmp_path, capfd):
+    # trainer.world_size 2: train-grpo re-runs itself as 2 torchrun ranks (as in a trainer pod); rank 0 leads and
+    # alone speaks Pipes. The in-process asset's metadata is GRPO_METADATA too (tests/jobs/test_training_retries.py).
+    piped = _train(tmp_path, "subprocess", [*TINY, "trainer.world_size=2"])
+    assert piped.success
     b = piped.asset_materializations_for_node("grpo_run")[0]
-    # the same keys in the same order, each the same kind of value (paths, links, pictures, numbers)
-    assert list(a.metadata) == list(b.metadata) == GRPO_METADATA
-    assert {k: type(v).__name__ for k, v in a.metadata.items()} == {k: type(v).__name__ for k, v in b.metadata.items()}
+    assert list(b.metadata) == GRPO_METADATA  # the same keys in the same order as in the asset's process
+    kinds = {k: type(v).__name__ for k, v in b.metadata.items()}
+    assert (kinds["curves"], kinds["checkpoint"], kinds["mlflow_run_id"], kinds["steps"], kinds["accuracy"]) == (
+        "MarkdownMetadataValue", "PathMetadataValue", "UrlMetadataValue", "IntMetadataValue", "FloatMetadataValue")
     assert b.metadata["run_id"].value == f"pipes-{piped.run_id[:8]}"  # the run id the launcher sent as an extra
-    assert b.metadata["steps"].value == a.metadata["steps"].value == 4
-    assert str(tmp_path / "b") in b.metadata["checkpoint"].value and Path(b.metadata["checkpoint"].value).is_dir()
+    assert b.metadata["steps"].value == 4
+    assert str(tmp_path) in b.metadata["checkpoint"].value and Path(b.metadata["checkpoint"].value).is_dir()
     assert b.tags["dagster/data_version"] == b.metadata["sha256"].value
     assert 0.0 <= b.metadata["accuracy"].value <= 1.0
     assert "data:image/png;base64," in b.metadata["pictures"].value  # drawn from the lake and MLflow here
+    assert "trainer: rank 0 of 2 (fsdp on gloo)" in capfd.readouterr().out  # rank 0 of the child's torchrun
 
 
 def test_a_run_that_needs_a_fix_is_not_retried_through_pipes(tmp_path):

@@ -11,6 +11,7 @@ from dagster import DagsterInstance, materialize
 from factory.home import factory_home
 from factory.lake import Lake
 from jobs import QUICKSTART_ASSETS, make_resources
+from tests.jobs.test_training_launch import GRPO_METADATA
 
 SPEC = str(Path(__file__).parents[2] / "examples" / "quickstart.yaml")
 TINY = ["name=retry", "model.preset=micro", "task.n_train=300", "task.n_eval=24", "sft.steps=10",
@@ -31,6 +32,7 @@ def test_a_crash_in_grpo_run_is_retried_and_resumes_the_same_run(tmp_path, monke
         retried = [e for e in result.all_events if e.event_type_value == "STEP_UP_FOR_RETRY"]
         assert len(retried) == 1
     md = result.asset_materializations_for_node("grpo_run")[0].metadata
+    assert list(md) == GRPO_METADATA  # what a Pipes launch shows too (tests/jobs/test_training_launch.py)
     lake = lake_of(tmp_path)
     (run,) = lake.read("runs").to_pylist()
     assert run["run_id"] == md["run_id"].value == f"retry-{result.run_id[:8]}"
