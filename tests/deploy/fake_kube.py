@@ -1,50 +1,59 @@
 """A fake Kubernetes API server for tests: a test double for the API server that cannot run on this machine.
 
 It is a real HTTP server on 127.0.0.1 (stdlib ThreadingHTTPServer in a thread) speaking the subset of the Kubernetes
-REST API that Factory's launch code uses, so that code runs unchanged through the official `kubernetes` client. Every
-object created, replaced or patched is validated strictly against the Kubernetes 1.37 schemas (kubernetes-validate):
-an invalid body gets a 422 Status naming the field, as a real server would, so a launch test fails loudly on a bad
-manifest.
+REST API that Factory's launch code uses, so that code runs unchanged through the official `kubernetes` client (and
+dagster-k8s on top of it). Every object created, replaced or patched is validated strictly against the Kubernetes 1.37
+schemas (kubernetes-validate, as tests/deploy/test_render.py): an invalid body gets a 422 Status naming the field, as a
+real server would, so a launch test fails loudly on a bad manifest.
 
-Resources: ConfigMap, Service, Pod (read/list/delete/logs only: Jobs create them), Node (cluster scoped: get/list/patch;
-seed with add_node), Deployment (apps/v1), Job (batch/v1). Verbs: POST create (409 AlreadyExists), GET one (404
-NotFound), GET list (labelSelector `a=b,c!=d,e,!f`; fieldSelector on metadata.name/namespace, status.phase,
-spec.nodeName), PUT replace (409 Conflict on a stale resourceVersion), DELETE (DeleteOptions body or query), PATCH
-(merge-patch and json-patch on nodes/configmaps/services/deployments; strategic-merge on nodes only, with merge
-semantics: labels merged, spec.taints replaced), `dryRun=All`.
+Resources: ConfigMap, Service, Deployment (apps/v1), Job (batch/v1), Pod (get/list/delete/log: Jobs make them), Node
+(cluster scoped, get/list/patch: seed with add_node), Event (list: always empty). Verbs: POST create (409 AlreadyExists;
+generateName), GET (404 NotFound; also the /status subresource), list (labelSelector `a=b,c!=d,e,!f`; fieldSelector
+=/!= on metadata.name/namespace, status.phase, spec.nodeName), watch (JSON-line events: ADDED for what exists, or every
+change after a resourceVersion; until timeoutSeconds), PUT replace (409 Conflict on a stale resourceVersion), DELETE
+(DeleteOptions in the body or query), PATCH (merge-patch and json-patch on nodes/configmaps/services/deployments;
+strategic-merge on nodes only, with merge semantics, which is exact for labels, annotations and spec.taints: a list,
+replaced whole), `dryRun=All`. Server-set fields: uid, resourceVersion, creationTimestamp, generation, a Service's
+clusterIP, a Job's selector and controller-uid/job-name labels and the defaults the fake acts on (completions,
+parallelism, backoffLimit, completionMode).
 
-Jobs are run: each pod's first container's command+args runs as a local subprocess (no shell, its own session) with
-the container's env (values, `valueFrom.fieldRef`, `configMapKeyRef`, `envFrom.configMapRef`, `$(VAR)` expansion as
-Kubernetes does it, JOB_COMPLETION_INDEX for Indexed Jobs), PATH/HOME/HOSTNAME, then `extra_env` (the test's last
-word).
-Container paths are rewritten by `path_map` (container prefix -> local dir) in command, args and env values, and
-ConfigMap volumes are written as files under the mapped mountPath. Pods go Pending -> Running -> Succeeded/Failed
-with the exit code; Jobs get active/ready/succeeded/failed, completedIndexes, start/completion times and the conditions
-SuccessCriteriaMet+Complete or FailureTarget+Failed (backoffLimit counts failed pods; a failed index is retried with a
-new pod until it is exceeded; activeDeadlineSeconds kills). Deleting a Job with propagationPolicy Background/Foreground
-deletes its pods and kills their processes; with none or Orphan (the batch/v1 default) the pods and processes stay, as
-on a real cluster. Pod logs (stdout+stderr merged) support follow (chunked, ends at exit), timestamps (fixed-width
-RFC3339Nano UTC, strictly increasing), container, sinceSeconds and tailLines; a container not yet started answers 400
-"waiting to start", like the kubelet. Deployments run nothing: their status says ready (replicas ready, Available=True)
-unless `set_ready(name, False)`.
+Deployments run nothing: their status says ready (readyReplicas = availableReplicas = replicas, Available=True) unless
+`set_ready(name, False)`. Jobs run: for each completion index (Indexed: `parallelism` pods at once; NonIndexed: no
+index) a Pod `{job}-{index}-{5 chars}` (NonIndexed `{job}-{5 chars}`) with the template's labels plus job-name,
+controller-uid and the completion-index label and annotation, spec.hostname `{job}-{index}`, and a node, round robin
+over the seeded nodes whose labels match the nodeSelector and whose NoSchedule/NoExecute taints are tolerated
+("fake-node" if none was seeded; Pending and Unschedulable if none fits). Its first container runs as a local process
+(tests/deploy/fake_kubelet.py: env, $(VAR) expansion, path_map, ConfigMap volumes, JOB_COMPLETION_INDEX). Pods go
+Pending -> Running -> Succeeded/Failed with the exit code (StartError, 128, with the reason if it cannot start); Jobs
+get active/ready/succeeded/failed, completedIndexes, startTime/completionTime and SuccessCriteriaMet+Complete or
+FailureTarget+Failed (BackoffLimitExceeded once failed pods > backoffLimit, a failed index being retried with a new pod
+until then; DeadlineExceeded after activeDeadlineSeconds); a failed Job's remaining processes are killed. Deleting a
+Job with propagationPolicy Background/Foreground deletes its pods and kills their processes (SIGTERM, then SIGKILL);
+with none or Orphan (batch/v1's default, with the API server's Warning header) they stay, as on a real cluster.
+Pod logs (stdout+stderr merged): follow (chunked, ends when the process does), timestamps (fixed-width RFC3339Nano UTC,
+strictly increasing), container, sinceSeconds, tailLines; 400 "waiting to start" before the container runs, like the
+kubelet; limitBytes ignored; previous is always 400 (nothing restarts).
 
-Not emulated: real containers or images (a container without `command` cannot start), scheduling beyond nodeSelector
-equality + NoSchedule/NoExecute taints vs tolerations + round robin (no resources, no affinity; an unschedulable pod
-stays Pending), admission and defaulting beyond the fields acted on, RBAC/auth, watches, restarts (restartPolicy
-OnFailure acts like Never), Pods of Deployments, Services' networking, podFailurePolicy/backoffLimitPerIndex/
-successPolicy/suspend (422 "fake_kube: ..."), graceful termination beyond SIGTERM then SIGKILL, finalizers, Secrets.
+Not emulated: real containers or images (a container without `command` cannot start; only the first container of a pod
+runs), scheduling beyond the above (no resources, affinity, preemption; an unschedulable pod is never retried),
+admission and defaulting beyond the fields acted on, RBAC/auth/TLS, restarts (restartPolicy OnFailure acts like Never),
+Pods of Deployments, Services' networking and DNS, Secrets, finalizers, Events, server-side apply, podFailurePolicy/
+backoffLimitPerIndex/successPolicy/suspend/manualSelector (422 "fake_kube: ... is not emulated").
 
-Fixture API (tests/deploy/conftest.py: `fake_kube`, a FakeKube started on a free port, stopped at teardown with every
-subprocess killed, failing the test if the fake itself raised):
+Fixture API (tests/deploy/conftest.py: `fake_kube`, a FakeKube on a free port whose pods run in tmp_path/fake-kube;
+at teardown every pod process is killed, the server stopped, and the test fails if the fake itself raised):
     fake.host: str; fake.api_client() -> kubernetes.client.ApiClient; fake.write_kubeconfig(path) -> Path
-    fake.path_map: dict[str, str]; fake.extra_env: dict[str, str]; fake.process_timeout: float (s, per pod)
+    fake.path_map: dict[str, str]      # container path prefix -> local dir; set before the Job is created
+    fake.extra_env: dict[str, str]     # added to every pod process's env, last (wins over the container's)
+    fake.process_timeout: float = 60  # seconds a pod process may run before it is killed
     fake.add_node(name, labels=None, taints=None, allocatable=None) -> dict; fake.node(name) -> dict
-    fake.get(kind, name, namespace="default") -> dict | None; fake.list(kind, namespace=None, labels=None) -> list
-    fake.set_ready(name, ready=True, namespace="default")          # a Deployment's readiness
-    fake.wait(predicate, timeout=10.0, what="") -> None            # bounded wait on any state change
-    fake.wait_job(name, namespace="default", timeout=20.0) -> dict # until Complete or Failed
-    fake.runs: list[PodRun] (start order); fake.run_of(pod_name, namespace="default") -> PodRun
-    fake.requests: list[Request(method, path, query, body, content_type)]; fake.errors: list[str] (the fake's own bugs)
+    fake.get(kind, name, namespace="default") -> dict | None; fake.list(kind, namespace=None, labels=None) -> list[dict]
+    fake.set_ready(name, ready=True, namespace="default") -> None   # a Deployment's readiness, before or after create
+    fake.wait(predicate, timeout=10.0, what="") -> None            # bounded wait, re-checked on every state change
+    fake.wait_job(name, namespace="default", timeout=20.0) -> dict # the Job once Complete or Failed
+    fake.runs: list[PodRun]; fake.run_of(pod, namespace="default") -> PodRun  # argv, env, cwd, returncode, output()
+    fake.requests: list[Request]  # method, path, query: dict[str, str], body (parsed JSON), content_type
+    fake.errors: list[str]        # tracebacks of the fake's own failures (500s, crashed threads)
 """
 
 from __future__ import annotations
@@ -203,6 +212,12 @@ def json_patch(doc: Any, ops: list) -> Any:
         except (KeyError, IndexError, ValueError, TypeError) as e:
             raise ApiError(422, "Invalid", f"json patch {op}: path not found ({e})") from e
     return doc
+
+
+def _directives(patch: Any) -> bool:
+    if isinstance(patch, dict):
+        return any(str(k).startswith("$") or _directives(v) for k, v in patch.items())
+    return isinstance(patch, list) and any(_directives(v) for v in patch)
 
 
 def _validate(obj: dict) -> None:
@@ -571,7 +586,7 @@ class FakeKube:
             patched = json_patch(current, body)
         elif kind == "application/merge-patch+json" or (kind == "application/strategic-merge-patch+json"
                                                          and res.kind == "Node"):
-            if "$" in json.dumps(body):  # strategic directives ($patch, $retainKeys, ...) would change the meaning
+            if _directives(body):  # strategic directives ($patch, $retainKeys, ...) would change the meaning
                 raise ApiError(415, "UnsupportedMediaType", "fake_kube: strategic-merge directives are not emulated")
             patched = merge_patch(current, body)
         else:

@@ -165,33 +165,52 @@ def pump(run: PodRun, cond: threading.Condition, timeout: float) -> int:
     killer = threading.Timer(timeout, kill, (run, 0.0))
     killer.daemon = True
     killer.start()
+    reaper = threading.Thread(target=_reap, args=(proc, timeout), daemon=True)
+    reaper.start()
     last = 0
     for line in iter(proc.stdout.readline, b""):
         last = max(time.time_ns(), last + 1)  # strictly increasing: dagster-k8s joins lines that share a stamp
         with cond:
             run.lines.append((nano(last), line if line.endswith(b"\n") else line + b"\n"))
             cond.notify_all()
-    code = proc.wait(timeout=timeout)
+    code = proc.wait(timeout=timeout + 30)  # the killer has fired by then
     killer.cancel()
+    reaper.join(timeout=10)
     return code if code >= 0 else 128 - code
 
 
-def kill(run: PodRun, grace: float) -> None:
-    """SIGTERM to the process group, SIGKILL after grace seconds (none: SIGKILL at once)."""
-    proc = run.proc
-    if proc is None or proc.poll() is not None:
+def _reap(proc: subprocess.Popen, timeout: float) -> None:
+    """When the container's main process exits, the runtime kills what it left behind (which would hold the pipe)."""
+    try:
+        proc.wait(timeout=timeout + 30)
+    except subprocess.TimeoutExpired:
         return
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
-        if sig == signal.SIGTERM and grace <= 0:
-            continue
+    _signal_group(proc, signal.SIGKILL)
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> bool:
+    try:
+        os.killpg(proc.pid, sig)  # the process's session: its children die with it, as in a container
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def kill(run: PodRun, grace: float) -> None:
+    """SIGTERM to the process group, SIGKILL to what is left after grace seconds (none: SIGKILL at once)."""
+    proc = run.proc
+    if proc is None:
+        return
+    if grace > 0 and _signal_group(proc, signal.SIGTERM):
         try:
-            os.killpg(proc.pid, sig)
-            proc.wait(timeout=wait)
-            return
-        except ProcessLookupError:
-            return
+            proc.wait(timeout=grace)
         except subprocess.TimeoutExpired:
-            continue
+            pass
+    _signal_group(proc, signal.SIGKILL)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass  # unkillable (uninterruptible sleep): pump's bounded wait reports it
 
 
 def log_chunks(run: PodRun, cond: threading.Condition, start: int, follow: bool, stamps: bool,

@@ -83,6 +83,11 @@ def test_crud_through_the_typed_clients_deserializes_into_models(fake_kube: Fake
     deploy = apps.create_namespaced_deployment(NS, deployment("rollout"))
     assert (deploy.kind, deploy.api_version, deploy.metadata.generation) == ("Deployment", "apps/v1", 1)
 
+    dry = core.create_namespaced_config_map(NS, client.V1ConfigMap(metadata=client.V1ObjectMeta(generate_name="run-")),
+                                            dry_run="All")
+    assert dry.metadata.name.startswith("run-") and len(dry.metadata.name) == 9
+    assert fake_kube.get("ConfigMap", dry.metadata.name) is None  # validated, named, not stored
+
     core.delete_namespaced_config_map("spec", NS)
     core.delete_namespaced_service("rollout", NS, body=client.V1DeleteOptions(propagation_policy="Background"))
     for read, name in ((core.read_namespaced_config_map, "spec"), (core.read_namespaced_service, "rollout")):
@@ -228,6 +233,22 @@ def test_deleting_a_job_orphans_its_pods_unless_told_to_cascade(fake_kube: FakeK
     assert core.list_namespaced_pod(NS, label_selector="job-name=cascaded").items == []
     fake_kube.wait(lambda: fake_kube.run_of(cascaded).returncode is not None, what="the job's process ends")
     assert fake_kube.run_of(cascaded).returncode == 128 + 15  # SIGTERM, as a kubelet sends first
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_what_a_container_leaves_running_dies_with_it(fake_kube: FakeKube, apis) -> None:
+    _, _, batch = apis
+    script = ("import subprocess, sys; sleeper = [sys.executable, '-c', 'import time; time.sleep(60)']; "
+              "print(subprocess.Popen(sleeper).pid, flush=True)")
+    batch.create_namespaced_job(NS, job("leaves", [sys.executable, "-c", script]))
+    assert fake_kube.wait_job("leaves")["status"]["succeeded"] == 1  # not 60 s: the child held the log pipe
+    assert not alive(int(fake_kube.runs[0].output()))  # killed before the pipe closed, so before the job completed
 
 
 def test_followed_logs_stream_lines_as_the_process_writes_them(fake_kube: FakeKube, apis, tmp_path: Path) -> None:
