@@ -17,9 +17,9 @@ spec, the spec ConfigMap too.
 
 GPUs: a training pod's by default (the spec's layout, else the profile's gpus_per_train_pod), or `--gpus-per-node`,
 a node's whole count, so that every GPU is tested where training pods share a node (which GPUs a smaller request
-gets is the device plugin's choice). The node kinds (ops/preflight/nodes.py) know 1 and 8 GPUs per node; a pod that
-sees another count (4 of 8) is held to the 8-GPU kind and fails `accelerators` as a node missing GPUs, so on such
-nodes give `--gpus-per-node 8`.
+gets is the device plugin's choice). The pod is told how many it asked for (FACTORY_EXPECTED_GPUS), so a pod with 4
+of a node's 8 GPUs is held to the 4-GPU kind's floors and count (ops/preflight/nodes.py: 1, 2, 4 or 8; other
+counts are refused here, naming the flag or field).
 
 It also tolerates the preflight-failed taint (so a failed node is re-tested and cleared) and the cordon taint
 `node.kubernetes.io/unschedulable` (so a node cordoned for repair can be preflighted before it is uncordoned). The
@@ -42,6 +42,7 @@ from factory.deploy import manifests as m
 from factory.deploy.profile import DeployProfile
 from factory.deploy.render import RenderError
 from factory.ops.preflight.mark import TAINT_EFFECT, TAINT_KEY, tolerates
+from factory.ops.preflight.nodes import GPU_COUNTS
 
 NAME = "factory-preflight"
 COMPONENT = "preflight"
@@ -132,10 +133,15 @@ def job_gpus(profile: DeployProfile, spec: ExperimentSpec | None = None, gpus: i
     """The GPUs a preflight pod requests: `gpus` when given (a node's whole count, so every GPU is tested), else a
     training pod's (the spec's layout, else the profile's gpus_per_train_pod). RenderError for a negative count."""
     if gpus is not None:
-        if gpus < 0:
-            raise RenderError(f"--gpus-per-node: expected 0 or more GPUs, got {gpus}")
-        return gpus
-    return m.train_layout(spec, profile)[1] if spec is not None else profile.gpus_per_train_pod
+        where = "--gpus-per-node"
+    elif spec is not None:
+        gpus, where = m.train_layout(spec, profile)[1], "GPUs per training pod (trainer.world_size, gpus_per_train_pod)"
+    else:
+        gpus, where = profile.gpus_per_train_pod, "gpus_per_train_pod"
+    if gpus not in (0, *GPU_COUNTS):
+        raise RenderError(f"{where}: a preflight pod holds 0, 1, 2, 4 or 8 GPUs (the node kinds the checks know), "
+                          f"got {gpus}")
+    return gpus
 
 
 def node_job(node: str, profile: DeployProfile, spec: ExperimentSpec | None = None, deep: bool = False,
@@ -148,7 +154,9 @@ def node_job(node: str, profile: DeployProfile, spec: ExperimentSpec | None = No
     volumes, mounts = _volumes(profile, spec)
     env = [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
            {"name": "FACTORY_NODE", "value": "$(NODE_NAME)"},
-           {"name": "FACTORY_HOME", "value": f"{m.DATA_MOUNT}/factory"}]
+           {"name": "FACTORY_HOME", "value": f"{m.DATA_MOUNT}/factory"},
+           # the GPUs this pod asked for: the count the node kind's floors (and the count check) expect
+           *([{"name": "FACTORY_EXPECTED_GPUS", "value": str(gpus)}] if gpus else [])]
     args = ["factory", "preflight", "--mark-node", "--verbose", *(["--deep"] if deep else [])]
     # The Secret of every Factory pod (catalog, MLflow, object store): the lake and MLflow checks test the services
     # training uses, and the results land in the team's lake. Optional, as for the training pods.

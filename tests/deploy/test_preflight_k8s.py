@@ -167,8 +167,11 @@ def test_bad_node_lists_are_named() -> None:
                         ("a,b,a", "listed more than once: a")):
         with pytest.raises(RenderError, match=f"--nodes: {match}"):
             parse_nodes(text)
-    with pytest.raises(RenderError, match="--gpus-per-node: expected 0 or more GPUs, got -1"):
-        render_preflight(["a"], DeployProfile(), gpus=-1)
+    for bad in (-1, 3):
+        with pytest.raises(RenderError, match=f"--gpus-per-node: a preflight pod holds 0, 1, 2, 4 or 8 .*got {bad}"):
+            render_preflight(["a"], DeployProfile(), gpus=bad)
+    with pytest.raises(RenderError, match="^gpus_per_train_pod: .* got 6"):
+        render_preflight(["a"], DeployProfile(gpus_per_train_pod=6))
     tolerate_all = DeployProfile.model_validate({"train": {"tolerations": [{"key": GPU}, {"operator": "Exists"}]}})
     with pytest.raises(RenderError, match=f"train.tolerations.1: tolerates the taint {TAINT_KEY}"):
         render_preflight(["a"], tolerate_all)

@@ -68,6 +68,18 @@ def test_a_missing_gpu_fails_the_count_and_keeps_the_8_gpu_kind():
     assert not r.passed and r.value == 7 and "7 GPUs visible, expected 8" in r.message
 
 
+def test_a_pod_is_held_to_the_gpus_it_asked_for(monkeypatch):
+    # a preflight Job asking for 4 of a node's 8 GPUs (FACTORY_EXPECTED_GPUS, set by factory deploy preflight)
+    four = "".join(H100X8.splitlines(keepends=True)[:4])
+    monkeypatch.setenv("FACTORY_EXPECTED_GPUS", "4")
+    assert detect_kind([g.name for g in parse_query_gpu(four)]) == "gpu-h100x4"
+    three = "".join(H100X8.splitlines(keepends=True)[:3])  # one of its 4 missing: still the 4-GPU kind
+    assert detect_kind([g.name for g in parse_query_gpu(three)]) == "gpu-h100x4"
+    monkeypatch.setenv("FACTORY_EXPECTED_GPUS", "four")
+    with pytest.raises(ValueError, match="FACTORY_EXPECTED_GPUS: expected a GPU count of 1 or more, got 'four'"):
+        detect_kind([g.name for g in parse_query_gpu(four)])
+
+
 def test_uncorrected_ecc_errors_fail_naming_the_gpu():
     bad = H100X8.replace("3, NVIDIA H100 80GB HBM3, 00000000:5D:00.0, 81559, Enabled, 0, 0",
                          "3, NVIDIA H100 80GB HBM3, 00000000:5D:00.0, 81559, Enabled, 2, 0")

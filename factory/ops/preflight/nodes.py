@@ -12,6 +12,9 @@ import os
 import socket
 from dataclasses import dataclass
 
+GPU_COUNTS = (8, 4, 2, 1)  # GPUs a node (or a pod that asked for part of one) sees
+EXPECTED_GPUS_ENV = "FACTORY_EXPECTED_GPUS"  # set by a pod that requested GPUs: how many it should see
+
 
 @dataclass(frozen=True)
 class NodeKind:
@@ -56,7 +59,7 @@ NODE_KINDS: dict[str, NodeKind] = {k.name: k for k in (
     # Any other CPU node: per-core rates like cpu-2core's (the throughput checks use one thread).
     NodeKind("cpu", matmul_gflops=20.0, memory_gbs=1.0, disk_write_mbs=10.0, disk_read_mbs=20.0,
              disk_free_gb=1.0, allreduce_gbs=0.1, basis="cpu-2core's per-core floors"),
-    *(_gpu_kind(model, n) for model in ("h100", "h200") for n in (8, 1)),
+    *(_gpu_kind(model, n) for model in ("h100", "h200") for n in GPU_COUNTS),
     NodeKind("gpu", matmul_gflops=20_000.0, memory_gbs=300.0, disk_write_mbs=200.0, disk_read_mbs=400.0,
              disk_free_gb=50.0, allreduce_gbs=0.1, gpus=1, gpu_memory_mib=15_000.0, ecc=False,
              basis="any other NVIDIA GPU: loose floors (not measured)"),
@@ -75,15 +78,27 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def expected_gpus() -> int | None:
+    """The GPUs this pod asked for ($FACTORY_EXPECTED_GPUS, set by `factory deploy preflight`'s Jobs), if any."""
+    raw = os.environ.get(EXPECTED_GPUS_ENV)
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{EXPECTED_GPUS_ENV}: expected a GPU count of 1 or more, got {raw!r}")
+    return int(raw)
+
+
 def detect_kind(gpu_names: list[str] | None) -> str:
-    """The node kind for the GPUs nvidia-smi listed (None: no nvidia-smi), else for the CPU core count. A GPU
-    count with no kind of its own (7 of 8 visible: one fell off the bus) maps to the 8-GPU kind, whose count check
-    then fails, rather than to a kind that would accept the missing GPU."""
+    """The node kind for the GPUs nvidia-smi listed (None: no nvidia-smi), else for the CPU core count. The count is
+    the one the pod asked for when it says ($FACTORY_EXPECTED_GPUS: a pod with 4 of a node's 8 GPUs is a 4-GPU
+    kind). Otherwise a count with no kind of its own (7 of 8 visible: one fell off the bus) maps to the 8-GPU kind;
+    either way the count check then fails on a missing GPU rather than a kind accepting it."""
     if gpu_names:
         name = gpu_names[0].upper()
         for model in ("H200", "H100"):
             if model in name:
-                kind = f"gpu-{model.lower()}x{len(gpu_names)}"
+                count = expected_gpus() or len(gpu_names)
+                kind = f"gpu-{model.lower()}x{count}"
                 return kind if kind in NODE_KINDS else f"gpu-{model.lower()}x8"
         return "gpu"
     kind = f"cpu-{usable_cores()}core"
