@@ -73,7 +73,11 @@ def launch_k8s(context: AssetExecutionContext, spec: ExperimentSpec, launcher: T
         profile = load_profile(launcher.deploy_profile or os.environ.get(DEPLOY_PROFILE_ENV) or None)
     except ProfileError as e:
         raise Failure(description=str(e), allow_retries=False) from None
-    cluster = Cluster.connect(profile.namespace, launcher.kubeconfig or None, poll_s=launcher.poll_s)
+    try:
+        cluster = Cluster.connect(profile.namespace, launcher.kubeconfig or None, poll_s=launcher.poll_s)
+    except Exception as e:  # noqa: BLE001 - kubernetes' config errors have no common base worth naming
+        where = f"launcher.kubeconfig {launcher.kubeconfig}" if launcher.kubeconfig else "in-cluster config"
+        raise Failure(description=f"cannot reach the cluster ({where}): {e}", allow_retries=False) from None
     reader = PipesK8sPodLogsMessageReader()
     with open_pipes_session(context=context, extras=inputs, context_injector=PipesEnvContextInjector(),
                             message_reader=reader) as session:

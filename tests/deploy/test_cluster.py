@@ -175,3 +175,14 @@ def test_the_grpo_run_asset_trains_in_a_pod_and_reports_through_pipes(fake_kube:
     pod_spec = load_spec(tmp_path / "spec" / "spec.yaml")
     assert pod_spec == apply_overrides(load_spec(SPEC), parse_overrides(TINY))
     assert left_behind(fake_kube) == []
+
+
+def test_an_unreachable_cluster_is_named_and_not_retried() -> None:
+    from dagster import Failure, build_asset_context
+
+    from resources.launch import launch_k8s
+
+    with pytest.raises(Failure, match="cannot reach the cluster \\(launcher.kubeconfig /nonexistent/kube\\)") as e:
+        launch_k8s(build_asset_context(), code_spec(), TrainingLauncherResource(where="k8s",
+                                                                                kubeconfig="/nonexistent/kube"), {})
+    assert e.value.allow_retries is False
