@@ -43,7 +43,8 @@ backoffLimitPerIndex/successPolicy/suspend/manualSelector (422 "fake_kube: ... i
 Fixture API (tests/deploy/conftest.py: `fake_kube`, a FakeKube on a free port whose pods run in tmp_path/fake-kube;
 at teardown every pod process is killed, the server stopped, and the test fails if the fake itself raised):
     fake.host: str; fake.api_client() -> kubernetes.client.ApiClient; fake.write_kubeconfig(path) -> Path
-    fake.path_map: dict[str, str]      # container path prefix -> local dir; set before the Job is created
+    fake.path_map: dict[str, str]      # container path prefix -> local dir, set before the Job is created;
+                                       # rewrites command, args, env values: pick prefixes no local path starts with
     fake.extra_env: dict[str, str]     # added to every pod process's env, last (wins over the container's)
     fake.process_timeout: float = 60  # seconds a pod process may run before it is killed
     fake.add_node(name, labels=None, taints=None, allocatable=None) -> dict; fake.node(name) -> dict

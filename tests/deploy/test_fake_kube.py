@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
 import sys
 import textwrap
 import time
@@ -235,11 +236,62 @@ def test_deleting_a_job_orphans_its_pods_unless_told_to_cascade(fake_kube: FakeK
     assert fake_kube.run_of(cascaded).returncode == 128 + 15  # SIGTERM, as a kubelet sends first
 
 
-def alive(pid: int) -> bool:
+def test_env_sources_working_dir_and_mount_items(fake_kube: FakeKube, apis, tmp_path: Path) -> None:
+    core, _, batch = apis
+    fake_kube.path_map["/job"] = str(tmp_path / "work")  # not /work: this checkout's python lives under /work
+    (tmp_path / "work").mkdir()
+    core.create_namespaced_config_map(NS, client.V1ConfigMap(metadata=meta("settings"),
+                                                             data={"lr": "0.1", "steps": "5", "unused": "x"}))
+    env = [client.V1EnvVar(name="STEPS", value_from=client.V1EnvVarSource(
+               config_map_key_ref=client.V1ConfigMapKeySelector(name="settings", key="steps"))),
+           client.V1EnvVar(name="PLAN", value="$(CFG_lr)x$(STEPS)")]  # expands against the variables before it
+    script = "import os; print(os.getcwd(), os.environ['CFG_lr'], os.environ['PLAN'], sorted(os.listdir('lr-only')))"
+    body = job("env", [sys.executable, "-c", script], env=env, mounts=[
+        client.V1VolumeMount(name="cfg", mount_path="/job/lr-only")], volumes=[client.V1Volume(
+            name="cfg", config_map=client.V1ConfigMapVolumeSource(name="settings", items=[
+                client.V1KeyToPath(key="lr", path="rate")]))])
+    container = body.spec.template.spec.containers[0]
+    container.env_from = [client.V1EnvFromSource(prefix="CFG_", config_map_ref=client.V1ConfigMapEnvSource(
+        name="settings"))]
+    container.working_dir = "/job"
+    batch.create_namespaced_job(NS, body)
+    assert fake_kube.wait_job("env")["status"]["succeeded"] == 1
+    assert fake_kube.runs[0].output() == f"{tmp_path}/work 0.1 0.1x5 ['rate']\n"
+
+
+def test_a_job_past_its_active_deadline_is_failed_and_its_pods_killed(fake_kube: FakeKube, apis) -> None:
+    _, _, batch = apis
+    body = job("slow", [sys.executable, "-c", "import time; time.sleep(60)"])
+    body.spec.active_deadline_seconds = 1
+    batch.create_namespaced_job(NS, body)
+    failed = fake_kube.wait_job("slow")
+    assert {c["type"]: c["reason"] for c in failed["status"]["conditions"]}["Failed"] == "DeadlineExceeded"
+    fake_kube.wait(lambda: fake_kube.runs[0].returncode is not None, what="the pod's process killed")
+    assert fake_kube.runs[0].returncode == 128 + 15
+
+
+def test_a_non_indexed_job_runs_its_completions_one_at_a_time(fake_kube: FakeKube, apis) -> None:
+    core, _, batch = apis
+    body = job("plain", [sys.executable, "-c", "import os; print(os.environ.get('JOB_COMPLETION_INDEX'))"])
+    body.spec.completions = 3
+    batch.create_namespaced_job(NS, body)
+    done = fake_kube.wait_job("plain")
+    assert done["status"]["succeeded"] == 3 and "completedIndexes" not in done["status"]
+    pods = core.list_namespaced_pod(NS, label_selector="job-name=plain").items
+    assert len(pods) == 3 and all(re.fullmatch(r"plain-[a-z0-9]{5}", p.metadata.name) for p in pods)
+    assert all(p.metadata.annotations is None for p in pods) and {r.output() for r in fake_kube.runs} == {"None\n"}
+
+
+def exits_within(pid: int, timeout: float) -> bool:
+    """Whether process pid has exited (or exits within timeout s): a pidfd turns readable when it does."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([fd], [], [], timeout)[0])
+    finally:
+        os.close(fd)
 
 
 def test_what_a_container_leaves_running_dies_with_it(fake_kube: FakeKube, apis) -> None:
@@ -248,7 +300,7 @@ def test_what_a_container_leaves_running_dies_with_it(fake_kube: FakeKube, apis)
               "print(subprocess.Popen(sleeper).pid, flush=True)")
     batch.create_namespaced_job(NS, job("leaves", [sys.executable, "-c", script]))
     assert fake_kube.wait_job("leaves")["status"]["succeeded"] == 1  # not 60 s: the child held the log pipe
-    assert not alive(int(fake_kube.runs[0].output()))  # killed before the pipe closed, so before the job completed
+    assert exits_within(int(fake_kube.runs[0].output()), timeout=10)  # it would sleep 60 s
 
 
 def test_followed_logs_stream_lines_as_the_process_writes_them(fake_kube: FakeKube, apis, tmp_path: Path) -> None:
