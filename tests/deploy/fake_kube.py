@@ -12,10 +12,11 @@ generateName), GET (404 NotFound; also the /status subresource), list (labelSele
 =/!= on metadata.name/namespace, status.phase, spec.nodeName), watch (JSON-line events: ADDED for what exists, or every
 change after a resourceVersion; until timeoutSeconds), PUT replace (409 Conflict on a stale resourceVersion), DELETE
 (DeleteOptions in the body or query), PATCH (merge-patch and json-patch on nodes/configmaps/services/deployments;
-strategic-merge on nodes only, with merge semantics, which is exact for labels, annotations and spec.taints: a list,
-replaced whole), `dryRun=All`. Server-set fields: uid, resourceVersion, creationTimestamp, generation, a Service's
-clusterIP, a Job's selector and controller-uid/job-name labels and the defaults the fake acts on (completions,
-parallelism, backoffLimit, completionMode).
+strategic-merge (the Python client's default for a dict) on nodes and configmaps only, with merge semantics, which is
+exact there: maps merged, spec.taints replaced whole; elsewhere 415), `dryRun=All`. Server-set fields: uid,
+resourceVersion, creationTimestamp, generation, a Service's clusterIP, a Job's selector and controller-uid/job-name
+labels and the defaults the fake acts on (completions, parallelism, backoffLimit, completionMode). Namespaces are not
+objects: any name works.
 
 Deployments run nothing: their status says ready (readyReplicas = availableReplicas = replicas, Available=True) unless
 `set_ready(name, False)`. Jobs run: for each completion index (Indexed: `parallelism` pods at once; NonIndexed: no
@@ -586,7 +587,7 @@ class FakeKube:
         if kind == "application/json-patch+json" and isinstance(body, list):
             patched = json_patch(current, body)
         elif kind == "application/merge-patch+json" or (kind == "application/strategic-merge-patch+json"
-                                                         and res.kind == "Node"):
+                                                         and res.kind in ("Node", "ConfigMap")):
             if _directives(body):  # strategic directives ($patch, $retainKeys, ...) would change the meaning
                 raise ApiError(415, "UnsupportedMediaType", "fake_kube: strategic-merge directives are not emulated")
             patched = merge_patch(current, body)

@@ -199,8 +199,8 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> bool:
 def kill(run: PodRun, grace: float) -> None:
     """SIGTERM to the process group, SIGKILL to what is left after grace seconds (none: SIGKILL at once)."""
     proc = run.proc
-    if proc is None:
-        return
+    if proc is None or proc.poll() is not None:
+        return  # after the main process, _reap has killed the rest; its pid may belong to someone else by now
     if grace > 0 and _signal_group(proc, signal.SIGTERM):
         try:
             proc.wait(timeout=grace)

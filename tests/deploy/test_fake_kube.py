@@ -83,6 +83,13 @@ def test_crud_through_the_typed_clients_deserializes_into_models(fake_kube: Fake
     assert svc.spec.cluster_ip and svc.spec.type == "ClusterIP"
     deploy = apps.create_namespaced_deployment(NS, deployment("rollout"))
     assert (deploy.kind, deploy.api_version, deploy.metadata.generation) == ("Deployment", "apps/v1", 1)
+    assert core.patch_namespaced_config_map("spec", NS, {"data": {"more": "4"}}).data == {"k": "3", "more": "4"}
+    with pytest.raises(ApiException) as strategic:  # a Deployment's lists merge by key: not emulated, so refused
+        apps.patch_namespaced_deployment("rollout", NS, {"spec": {"replicas": 1}})
+    assert strategic.value.status == 415
+    scaled = apps.patch_namespaced_deployment("rollout", NS, {"spec": {"replicas": 1}},
+                                              _content_type="application/merge-patch+json")
+    assert (scaled.metadata.generation, scaled.status.ready_replicas) == (2, 1)
 
     dry = core.create_namespaced_config_map(NS, client.V1ConfigMap(metadata=client.V1ObjectMeta(generate_name="run-")),
                                             dry_run="All")
