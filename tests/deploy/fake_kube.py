@@ -35,10 +35,11 @@ Pod logs (stdout+stderr merged): follow (chunked, ends when the process does), t
 strictly increasing), container, sinceSeconds, tailLines; 400 "waiting to start" before the container runs, like the
 kubelet; limitBytes ignored; previous is always 400 (nothing restarts).
 
-Not emulated: real containers or images (a container without `command` cannot start; only the first container of a pod
-runs), scheduling beyond the above (no resources, affinity, preemption; an unschedulable pod is never retried),
-admission and defaulting beyond the fields acted on, RBAC/auth/TLS, restarts (restartPolicy OnFailure acts like Never),
-Pods of Deployments, Services' networking and DNS, Secrets, finalizers, Events, server-side apply, podFailurePolicy/
+Not emulated: real containers or images (without `command`, a container runs `entrypoints[image]` + args, the test
+saying what the image's ENTRYPOINT is; only the first container of a pod runs), scheduling beyond the above (no
+resources, affinity, preemption; an unschedulable pod is never retried), admission and defaulting beyond the fields
+acted on, RBAC/auth/TLS, restarts (restartPolicy OnFailure acts like Never), Pods of Deployments, Services' networking
+and cluster DNS (`hosts` rewrites names instead), Secrets, finalizers, Events, server-side apply, podFailurePolicy/
 backoffLimitPerIndex/successPolicy/suspend/manualSelector (422 "fake_kube: ... is not emulated").
 
 Fixture API (tests/deploy/conftest.py: `fake_kube`, a FakeKube on a free port whose pods run in tmp_path/fake-kube;
@@ -46,6 +47,8 @@ at teardown every pod process is killed, the server stopped, and the test fails 
     fake.host: str; fake.api_client() -> kubernetes.client.ApiClient; fake.write_kubeconfig(path) -> Path
     fake.path_map: dict[str, str]      # container path prefix -> local dir, set before the Job is created;
                                        # rewrites command, args, env values: pick prefixes no local path starts with
+    fake.hosts: dict[str, str]         # cluster DNS name -> local address, rewritten in args and env values alike
+    fake.entrypoints: dict[str, list[str]]  # image (or "*") -> its ENTRYPOINT, for containers without a command
     fake.extra_env: dict[str, str]     # added to every pod process's env, last (wins over the container's)
     fake.process_timeout: float = 60  # seconds a pod process may run before it is killed
     fake.add_node(name, labels=None, taints=None, allocatable=None) -> dict; fake.node(name) -> dict
@@ -81,7 +84,7 @@ import kubernetes_validate
 import yaml
 
 from tests.deploy import fake_kubelet
-from tests.deploy.fake_kubelet import PodRun, StartError
+from tests.deploy.fake_kubelet import Machine, PodRun, StartError
 
 K8S_VERSION = "1.37.0"  # the schemas tests/deploy/test_render.py validates against
 _SUFFIX_CHARS = "bcdfghjklmnpqrstvwxz2456789"  # Kubernetes' own name-suffix alphabet
@@ -269,13 +272,18 @@ class _Stream:
     content_type: str
 
 
+def _machine_attr(name: str) -> property:
+    return property(lambda self: getattr(self.machine, name), lambda self, value: setattr(self.machine, name, value))
+
+
 class FakeKube:
     """The fake API server; see the module docstring for what it does and does not emulate."""
 
+    workdir, path_map, hosts, entrypoints, extra_env = map(_machine_attr, (
+        "workdir", "path_map", "hosts", "entrypoints", "extra_env"))
+
     def __init__(self, workdir: Path, process_timeout: float = 60.0) -> None:
-        self.workdir = Path(workdir)
-        self.path_map: dict[str, str] = {}
-        self.extra_env: dict[str, str] = {}
+        self.machine = Machine(Path(workdir))
         self.process_timeout = process_timeout
         self.requests: list[Request] = []
         self.errors: list[str] = []
@@ -801,7 +809,7 @@ class FakeKube:
 
     def _run_pod(self, run: PodRun, pod: dict) -> None:
         try:
-            argv, env, cwd = fake_kubelet.launch(pod, self.path_map, self.extra_env, self.workdir, self._configmap)
+            argv, env, cwd = fake_kubelet.launch(pod, self.machine, self._configmap)
             with self._cond:  # under the lock: stop() sets _stopping, then kills every process it can see
                 if self._stopping:
                     raise StartError("fake_kube: stopping")

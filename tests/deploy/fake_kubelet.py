@@ -135,19 +135,52 @@ def write_configmap_volumes(pod: dict, container: dict, path_map: dict[str, str]
                 target.write_text(data.get(item["key"], ""))
 
 
-def launch(pod: dict, path_map: dict[str, str], extra_env: dict[str, str], workdir: Path,
-           configmaps: ConfigMaps) -> tuple[list[str], dict[str, str], str]:
-    """argv, environment and working directory for the pod's first container; volumes written."""
+@dataclass
+class Machine:
+    """What the test tells the fake about this machine, in place of images, volumes and cluster DNS."""
+
+    workdir: Path  # the working directory of a container that names none
+    path_map: dict[str, str] = field(default_factory=dict)  # container path prefix -> local dir
+    hosts: dict[str, str] = field(default_factory=dict)  # cluster DNS name -> local address
+    entrypoints: dict[str, list[str]] = field(default_factory=dict)  # image (or "*") -> its ENTRYPOINT
+    extra_env: dict[str, str] = field(default_factory=dict)  # added to every process's env, last
+
+    def rewrite(self, text: str) -> str:
+        for name in sorted(self.hosts, key=len, reverse=True):  # a whole name: not part of a longer one
+            text = re.sub(r"(?<![\w.\-])" + re.escape(name) + r"(?![\w.\-])", lambda _m, n=name: self.hosts[n], text)
+        return map_paths(text, self.path_map)
+
+
+def argv_of(container: dict, machine: Machine) -> list[str]:
+    """command + args; without a command, as a runtime does: the image's ENTRYPOINT + args (an image's CMD is not
+    known here, so a container with neither command nor args cannot start)."""
+    if container.get("command"):
+        return container["command"] + container.get("args", [])
+    image = container.get("image", "")
+    entry = machine.entrypoints.get(image, machine.entrypoints.get("*"))
+    if entry is None:
+        raise StartError(f"fake_kube: the container has no command and entrypoints has no entry for {image!r} or '*'")
+    if not entry and not container.get("args"):
+        raise StartError(f"fake_kube: nothing to run: no command, no args, empty entrypoint for {image!r}")
+    return entry + container.get("args", [])
+
+
+def launch(pod: dict, machine: Machine, configmaps: ConfigMaps) -> tuple[list[str], dict[str, str], str]:
+    """argv, environment and working directory for the pod's first container; its volumes written or made."""
     container = pod["spec"]["containers"][0]
-    if not container.get("command"):
-        raise StartError("fake_kube: the container has no command (an image's entrypoint is unknown here)")
     env = container_env(pod, container, configmaps)
-    argv = [map_paths(expand(a, env), path_map) for a in container["command"] + container.get("args", [])]
-    write_configmap_volumes(pod, container, path_map, configmaps)
-    cwd = mapped_path(container["workingDir"], path_map) if container.get("workingDir") else str(workdir)
+    argv = [machine.rewrite(expand(a, env)) for a in argv_of(container, machine)]
+    write_configmap_volumes(pod, container, machine.path_map, configmaps)
+    for mount in container.get("volumeMounts", []):  # emptyDir and friends: an empty directory, where mapped
+        try:
+            Path(mapped_path(mount["mountPath"], machine.path_map)).mkdir(parents=True, exist_ok=True)
+        except (StartError, FileExistsError):
+            pass  # unmapped, or a subPath file
+    wd = container.get("workingDir")
+    cwd = mapped_path(wd, machine.path_map) if wd else str(machine.workdir)
     full = {"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", ""), "HOSTNAME": pod["metadata"]["name"]}
-    full.update({k: map_paths(v, path_map) for k, v in env.items()})
-    full.update(extra_env)  # the test's word is last: e.g. a MASTER_ADDR that cluster DNS would have resolved
+    full.update({k: machine.rewrite(v) for k, v in env.items()})
+    full.update(machine.extra_env)  # the test's word is last
     return argv, full, cwd
 
 

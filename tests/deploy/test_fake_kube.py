@@ -21,7 +21,7 @@ from kubernetes import client, config, watch
 from kubernetes.client import ApiException
 
 from tests.deploy.fake_kube import FakeKube
-from tests.deploy.fake_kubelet import expand, map_paths
+from tests.deploy.fake_kubelet import Machine, expand, map_paths
 
 NS = "default"
 STAMP = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{9}Z"
@@ -266,6 +266,27 @@ def test_env_sources_working_dir_and_mount_items(fake_kube: FakeKube, apis, tmp_
     assert fake_kube.runs[0].output() == f"{tmp_path}/work 0.1 0.1x5 ['rate']\n"
 
 
+def test_an_image_entrypoint_cluster_names_and_empty_dirs_stand_in_for_the_container(fake_kube: FakeKube, apis,
+                                                                                       tmp_path: Path) -> None:
+    _, _, batch = apis
+    fake_kube.entrypoints["registry.example.com/factory:0.1.0"] = [sys.executable]  # as if ENTRYPOINT ["python"]
+    fake_kube.hosts["train-0.train.factory.svc"] = "127.0.0.1"
+    fake_kube.path_map["/scratch"] = str(tmp_path / "scratch")
+    script = "import os, sys; print(sys.argv[1:], os.environ['SANDBOX'], os.path.isdir(os.environ['S']))"
+    body = job("entry", [sys.executable, "-c", script, "--master-addr=train-0.train.factory.svc", "--scratch=/scratch"],
+               env=[client.V1EnvVar(name="SANDBOX", value="http://train-0.train.factory.svc:8200"),
+                    client.V1EnvVar(name="S", value="/scratch")],
+               mounts=[client.V1VolumeMount(name="scratch", mount_path="/scratch")],
+               volumes=[client.V1Volume(name="scratch", empty_dir=client.V1EmptyDirVolumeSource())])
+    container = body.spec.template.spec.containers[0]
+    container.image, container.args, container.command = "registry.example.com/factory:0.1.0", container.command[1:] + \
+        container.args, None
+    batch.create_namespaced_job(NS, body)
+    assert fake_kube.wait_job("entry")["status"]["succeeded"] == 1
+    assert fake_kube.runs[0].output() == f"['--master-addr=127.0.0.1', '--scratch={tmp_path}/scratch'] " \
+        "http://127.0.0.1:8200 True\n"
+
+
 def test_a_job_past_its_active_deadline_is_failed_and_its_pods_killed(fake_kube: FakeKube, apis) -> None:
     _, _, batch = apis
     body = job("slow", [sys.executable, "-c", "import time; time.sleep(60)"])
@@ -376,10 +397,16 @@ def test_a_container_that_cannot_start_fails_its_pod_with_the_reason(fake_kube: 
     batch.create_namespaced_job(NS, job(
         "unmapped", [sys.executable, "-c", "pass"], mounts=[client.V1VolumeMount(name="spec", mount_path="/etc/x")],
         volumes=[client.V1Volume(name="spec", config_map=client.V1ConfigMapVolumeSource(name="spec"))]))
-    assert fake_kube.wait_job("unmapped")["status"]["failed"] == 1
-    terminated = core.list_namespaced_pod(NS).items[0].status.container_statuses[0].state.terminated
-    assert (terminated.reason, terminated.exit_code) == ("StartError", 128)
-    assert "no path_map entry covers the container path /etc/x" in terminated.message
+    no_entry = job("no-entry", [sys.executable, "-c", "pass"])
+    no_entry.spec.template.spec.containers[0].command = None  # and fake_kube.entrypoints knows no image
+    batch.create_namespaced_job(NS, no_entry)
+    for name, reason in (("unmapped", "no path_map entry covers the container path /etc/x"),
+                         ("no-entry", "no command and entrypoints has no entry for 'factory:test'")):
+        assert fake_kube.wait_job(name)["status"]["failed"] == 1
+        (pod,) = core.list_namespaced_pod(NS, label_selector=f"job-name={name}").items
+        terminated = pod.status.container_statuses[0].state.terminated
+        assert (pod.status.phase, terminated.reason, terminated.exit_code) == ("Failed", "StartError", 128)
+        assert reason in terminated.message
 
 
 def test_expansion_and_path_mapping_follow_kubernetes_rules() -> None:
@@ -388,6 +415,9 @@ def test_expansion_and_path_mapping_follow_kubernetes_rules() -> None:
     mapping = {"/data": "/tmp/d", "/data/ckpt": "/tmp/c"}
     assert map_paths("--in=/data/a --ck=/data/ckpt/b /database /x/data", mapping) == \
         "--in=/tmp/d/a --ck=/tmp/c/b /database /x/data"
+    machine = Machine(Path("/w"), path_map={"/data": "/tmp/d"}, hosts={"a.svc": "127.0.0.1"})
+    assert machine.rewrite("http://a.svc:80/data a.svc.cluster.local xa.svc a.svc /data/f") == \
+        "http://127.0.0.1:80/data a.svc.cluster.local xa.svc 127.0.0.1 /tmp/d/f"  # a URL's path is not a local path
 
 
 PIPES_SCRIPT = """
