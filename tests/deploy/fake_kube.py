@@ -7,16 +7,16 @@ schemas (kubernetes-validate, as tests/deploy/test_render.py): an invalid body g
 real server would, so a launch test fails loudly on a bad manifest.
 
 Resources: ConfigMap, Service, Deployment (apps/v1), Job (batch/v1), Pod (get/list/delete/log: Jobs make them), Node
-(cluster scoped, get/list/patch: seed with add_node), Event (list: always empty). Verbs: POST create (409 AlreadyExists;
-generateName), GET (404 NotFound; also the /status subresource), list (labelSelector `a=b,c!=d,e,!f`; fieldSelector
-=/!= on metadata.name/namespace, status.phase, spec.nodeName), watch (JSON-line events: ADDED for what exists, or every
-change after a resourceVersion; until timeoutSeconds), PUT replace (409 Conflict on a stale resourceVersion), DELETE
-(DeleteOptions in the body or query), PATCH (merge-patch and json-patch on nodes/configmaps/services/deployments;
-strategic-merge (the Python client's default for a dict) on nodes and configmaps only, with merge semantics, which is
-exact there: maps merged, spec.taints replaced whole; elsewhere 415), `dryRun=All`. Server-set fields: uid,
-resourceVersion, creationTimestamp, generation, a Service's clusterIP, a Job's selector and controller-uid/job-name
-labels and the defaults the fake acts on (completions, parallelism, backoffLimit, completionMode). Namespaces are not
-objects: any name works.
+(cluster scoped, get/list/patch: seed with add_node), Event (list: always empty); ServiceAccount, Role and RoleBinding
+are stored and validated, nothing more. Verbs: POST create (409 AlreadyExists; generateName), GET (404 NotFound; also
+the /status subresource), list (labelSelector `a=b,c!=d,e,!f`; fieldSelector =/!= on metadata.name/namespace,
+status.phase, spec.nodeName), watch (JSON-line events: ADDED for what exists, or every change after a resourceVersion;
+until timeoutSeconds), PUT replace (409 Conflict on a stale resourceVersion), DELETE (DeleteOptions in the body or
+query), PATCH (merge-patch and json-patch on nodes/configmaps/services/deployments; strategic-merge (the Python client's
+default for a dict) on nodes and configmaps only, with merge semantics, which is exact there: maps merged, spec.taints
+replaced whole; elsewhere 415), `dryRun=All`. Server-set fields: uid, resourceVersion, creationTimestamp, generation, a
+Service's clusterIP, a Job's selector and controller-uid/job-name labels and the defaults the fake acts on (completions,
+parallelism, backoffLimit, completionMode). Namespaces are not objects: any name works.
 
 Deployments run nothing: their status says ready (readyReplicas = availableReplicas = replicas, Available=True) unless
 `set_ready(name, False)`. Jobs run: for each completion index (Indexed: `parallelism` pods at once; NonIndexed: no
@@ -111,6 +111,9 @@ _RESOURCES = {r.plural: r for r in (
     _Resource("Event", "v1", "events", True, frozenset({"list"})),  # always empty: nothing records events
     _Resource("Deployment", "apps/v1", "deployments", True, _ALL),
     _Resource("Job", "batch/v1", "jobs", True, _ALL - {"patch"}),
+    _Resource("ServiceAccount", "v1", "serviceaccounts", True, _ALL - {"patch"}),  # stored, validated; no behaviour
+    _Resource("Role", "rbac.authorization.k8s.io/v1", "roles", True, _ALL - {"patch"}),
+    _Resource("RoleBinding", "rbac.authorization.k8s.io/v1", "rolebindings", True, _ALL - {"patch"}),
 )}
 _BY_KIND = {r.kind: r for r in _RESOURCES.values()}
 _PATH = re.compile(r"^/(?:api/(?P<core>v1)|apis/(?P<group>[^/]+)/(?P<version>[^/]+))"

@@ -91,6 +91,11 @@ def test_crud_through_the_typed_clients_deserializes_into_models(fake_kube: Fake
                                               _content_type="application/merge-patch+json")
     assert (scaled.metadata.generation, scaled.status.ready_replicas) == (2, 1)
 
+    rbac = client.RbacAuthorizationV1Api(core.api_client)
+    rbac.create_namespaced_role(NS, client.V1Role(metadata=meta("reader"), rules=[client.V1PolicyRule(
+        api_groups=[""], resources=["pods"], verbs=["get"])]))
+    assert rbac.read_namespaced_role("reader", NS).rules[0].verbs == ["get"]  # stored, validated; grants nothing
+
     dry = core.create_namespaced_config_map(NS, client.V1ConfigMap(metadata=client.V1ObjectMeta(generate_name="run-")),
                                             dry_run="All")
     assert dry.metadata.name.startswith("run-") and len(dry.metadata.name) == 9
