@@ -55,6 +55,8 @@ def grpo_run(context: AssetExecutionContext, spec: SpecResource, home: FactoryHo
     from factory.grpo_pipes import grpo_scalars
 
     s = spec.spec()
+    if launcher.where == "in_process":  # elsewhere the entrypoint gates its own node
+        require_healthy_node(context, s.ops, home, lake)  # the preflight gate: no training on a node that failed it
     inputs = {"init_checkpoint": upstream(context, "sft_checkpoint")["path"],
               "dataset": upstream(context, "arithmetic_dataset")["path"],
               "run_id": factory_run_id(context, s.name)}
@@ -62,13 +64,12 @@ def grpo_run(context: AssetExecutionContext, spec: SpecResource, home: FactoryHo
         from factory.experiment import load_dataset
         from factory.grpo_run import run_grpo
 
-        require_healthy_node(context, s.ops, home, lake)  # the preflight gate: no training on a node that failed it
         with no_retry_for_what_needs_a_fix():
             res = run_grpo(s, home.paths(), inputs["init_checkpoint"], load_dataset(inputs["dataset"]), lake.lake(),
                            mlflow.tracker(), log=context.log.info, progress=progress_tags(context),
                            run_id=inputs["run_id"])
         scalars = grpo_scalars(res)
-    else:  # the entrypoint gates its own node, and reports the same scalars through Pipes
+    else:  # the entrypoint reports the same scalars through Pipes
         reported = launcher.launch(context, spec, home, inputs)
         scalars = {k: v.value for k, v in (reported.metadata or {}).items()}
     return MaterializeResult(metadata=grpo_metadata(scalars, lake.lake(), mlflow.tracker()),
