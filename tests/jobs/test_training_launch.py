@@ -53,3 +53,10 @@ def test_a_run_that_needs_a_fix_is_not_retried_through_pipes(tmp_path):
     failure = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"][0]
     assert "exited with 4" in str(failure.event_specific_data.error) and "not retried" in str(
         failure.event_specific_data.error)
+
+
+def test_train_grpo_outside_pipes_needs_its_inputs(capsys):
+    from factory.cli import main
+
+    assert main(["train-grpo", SPEC]) == 2
+    assert "not started by Dagster Pipes; give --init and --dataset" in capsys.readouterr().err
