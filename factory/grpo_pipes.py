@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 EXTRAS = ("init_checkpoint", "dataset", "run_id")  # what the launcher must send
 PATH_KEYS = ("checkpoint",)  # shown as paths in the Dagster UI
+PROGRESS_EVERY_S = 5.0  # a Pipes log message each: enough to follow a run, few enough for a pod's log
 
 
 @dataclass(frozen=True)
@@ -64,17 +65,21 @@ def pipes_metadata(scalars: dict[str, Any]) -> dict[str, Any]:
 
 def train(spec: ExperimentSpec, paths: FactoryPaths, inputs: GrpoInputs, log: Callable[[str], None] = print
           ) -> RunResult:
-    """Preflight-gate this node, then train (or continue) the run."""
+    """Preflight-gate this node, then train (or continue) the run; its progress (step, reward, ETA) goes to `log`
+    every PROGRESS_EVERY_S and at the last step, so a run on the cluster shows it in the Dagster run's log."""
     from factory.experiment import load_dataset
     from factory.grpo_run import run_grpo
     from factory.lake import Lake
     from factory.ops.preflight.gate import gate
+    from factory.progress import Throttle
     from factory.tracking import Tracker
 
     gate(spec.ops, paths, log=log)  # no training on a node whose latest preflight failed
     with Lake.open(paths) as lake:
         return run_grpo(spec, paths, inputs.init_checkpoint, load_dataset(inputs.dataset), lake, Tracker(paths),
-                        log=log, run_id=inputs.run_id)
+                        log=log, run_id=inputs.run_id, progress=Throttle(
+                            lambda p: log("progress: " + ", ".join(f"{k} {v}" for k, v in p.tags().items())),
+                            every_s=PROGRESS_EVERY_S))
 
 
 def run_under_pipes(spec: ExperimentSpec, paths: FactoryPaths, fallback: GrpoInputs | None = None) -> int:

@@ -20,17 +20,23 @@ GRPO_METADATA = ["curves", "evals", "run_id", "mlflow_run_id", "checkpoint", "sh
                  "start_pass_at_k", "accuracy", "seconds", "attempts", "goodput", "pictures"]
 
 
-def _train(home: Path, where: str, overrides: list[str] = TINY, **kw):
+def _train(home: Path, where: str, overrides: list[str] = TINY, logs: list[str] | None = None, **kw):
     resources = {**make_resources(SPEC, overrides, str(home)), "launcher": TrainingLauncherResource(where=where)}
     with DagsterInstance.ephemeral() as instance:
-        return materialize(TRAINING, resources=resources, instance=instance, **kw)
+        result = materialize(TRAINING, resources=resources, instance=instance, **kw)
+        if logs is not None:
+            logs += [e.user_message for e in instance.all_logs(result.run_id) if e.step_key == "grpo_run"]
+        return result
 
 
 def test_a_pipes_launch_of_two_ranks_reports_what_the_in_process_run_reports(tmp_path, capfd):
     # trainer.world_size 2: train-grpo re-runs itself as 2 torchrun ranks (as in a trainer pod); rank 0 leads and
     # alone speaks Pipes. The in-process asset's metadata is GRPO_METADATA too (tests/jobs/test_training_retries.py).
-    piped = _train(tmp_path, "subprocess", [*TINY, "trainer.world_size=2"])
+    logs: list[str] = []
+    piped = _train(tmp_path, "subprocess", [*TINY, "trainer.world_size=2"], logs=logs)
     assert piped.success
+    # the run's progress reached the Dagster run's log through Pipes while it trained (the last step always)
+    assert any("progress: progress grpo 4/4" in m for m in logs), [m for m in logs if "progress" in m]
     b = piped.asset_materializations_for_node("grpo_run")[0]
     assert list(b.metadata) == GRPO_METADATA  # the same keys in the same order as in the asset's process
     kinds = {k: type(v).__name__ for k, v in b.metadata.items()}
