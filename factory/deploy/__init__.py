@@ -1,6 +1,8 @@
 """Kubernetes deployment of Factory: a deploy profile (`profile.py`), the manifests a spec needs (`manifests.py`),
-and writing them for review or GitOps (`render.py`, `factory deploy render`).
+writing them for review or GitOps (`render.py`, `factory deploy render`), the code location's profile switch
+(`target.py`, FACTORY_PROFILE=k8s), launching a GRPO run's objects on a cluster (`cluster.py`) and preflight Jobs
+per node (`preflight.py`).
 
-Nothing here talks to a Kubernetes API server: the manifests are checked against the published schemas of a
-Kubernetes release (tests/deploy), never applied to a cluster.
+No Kubernetes API server can run where this was written: the manifests are checked against the published schemas
+of a Kubernetes release, and `cluster.py` was run only against a fake API server (tests/deploy/fake_kube.py).
 """
