@@ -60,20 +60,19 @@ def grpo_run(context: AssetExecutionContext, spec: SpecResource, home: FactoryHo
     inputs = {"init_checkpoint": upstream(context, "sft_checkpoint")["path"],
               "dataset": upstream(context, "arithmetic_dataset")["path"],
               "run_id": factory_run_id(context, s.name)}
+    lk, tracker = lake.lake(), mlflow.tracker()
     if launcher.where == "in_process":
         from factory.experiment import load_dataset
         from factory.grpo_run import run_grpo
 
         with no_retry_for_what_needs_a_fix():
-            res = run_grpo(s, home.paths(), inputs["init_checkpoint"], load_dataset(inputs["dataset"]), lake.lake(),
-                           mlflow.tracker(), log=context.log.info, progress=progress_tags(context),
-                           run_id=inputs["run_id"])
+            res = run_grpo(s, home.paths(), inputs["init_checkpoint"], load_dataset(inputs["dataset"]), lk, tracker,
+                           log=context.log.info, progress=progress_tags(context), run_id=inputs["run_id"])
         scalars = grpo_scalars(res)
     else:  # the entrypoint reports the same scalars through Pipes
         reported = launcher.launch(context, spec, home, inputs)
         scalars = {k: v.value for k, v in (reported.metadata or {}).items()}
-    return MaterializeResult(metadata=grpo_metadata(scalars, lake.lake(), mlflow.tracker()),
-                             data_version=DataVersion(scalars["sha256"]))
+    return MaterializeResult(metadata=grpo_metadata(scalars, lk, tracker), data_version=DataVersion(scalars["sha256"]))
 
 
 def grpo_metadata(scalars: dict, lk, tracker) -> dict:

@@ -90,11 +90,13 @@ def run_under_pipes(spec: ExperimentSpec, paths: FactoryPaths, fallback: GrpoInp
 
     from dagster_pipes import DAGSTER_PIPES_CONTEXT_ENV_VAR, open_dagster_pipes
 
+    from factory.cli import EXIT_BAD_INPUT
+
     if DAGSTER_PIPES_CONTEXT_ENV_VAR not in os.environ:  # not started by a Pipes launcher
         if fallback is None:
             print("factory: error: train-grpo: not started by Dagster Pipes; give --init and --dataset",
                   file=sys.stderr)
-            return 2
+            return EXIT_BAD_INPUT
         res, code = _train_or_exit(spec, paths, fallback, print, lambda m: print(m, file=sys.stderr))
         if res is not None:
             print(f"run {res.run_id}: accuracy {res.start_accuracy:.3f} -> {res.final_accuracy:.3f}", flush=True)
@@ -104,7 +106,7 @@ def run_under_pipes(spec: ExperimentSpec, paths: FactoryPaths, fallback: GrpoInp
             inputs = GrpoInputs.from_extras(dict(pipes.extras))
         except ValueError as e:
             pipes.log.error(str(e))
-            return 2
+            return EXIT_BAD_INPUT
         res, code = _train_or_exit(spec, paths, inputs, pipes.log.info, pipes.log.error)
         if res is not None:
             pipes.report_asset_materialization(metadata=pipes_metadata(grpo_scalars(res)),
@@ -117,14 +119,14 @@ def _train_or_exit(spec: ExperimentSpec, paths: FactoryPaths, inputs: GrpoInputs
     """`train`, its known failures turned into the exit codes of the module docstring (others propagate: 1)."""
     from factory.core.loop import NonFiniteLoss
     from factory.ops.preflight.gate import PreflightFailed
-    from factory.ops.restarts import EXIT_NEEDS_FIX
+    from factory.ops.restarts import EXIT_FAILED, EXIT_NEEDS_FIX
     from factory.ops.supervisor import CircuitOpen
 
     try:
         return train(spec, paths, inputs, log=log), 0
     except PreflightFailed as e:
         error(str(e))
-        return None, 1
+        return None, EXIT_FAILED
     except (NonFiniteLoss, CircuitOpen) as e:
         error(f"{type(e).__name__}: {e}")
         return None, EXIT_NEEDS_FIX

@@ -125,16 +125,19 @@ class Cluster:
 
     def wait_ready(self, deployments: list[str], timeout_s: float) -> None:
         """Wait until every Deployment has all its replicas ready; the error names those that are not."""
-        def not_ready() -> list[str]:
-            out = []
-            for name in deployments:
-                d = self._read("Deployment", name)
-                if d is None or (d.status.ready_replicas or 0) < (d.spec.replicas or 1):
-                    out.append(name)
-            return out
+        pending = list(deployments)
 
-        self._until(lambda: not not_ready() or None, timeout_s,
-                    f"the rollout servers to be ready ({', '.join(deployments)})")
+        def ready() -> bool:
+            nonlocal pending
+            reads = {name: self._read("Deployment", name) for name in pending}
+            pending = [n for n, d in reads.items()
+                       if d is None or (d.status.ready_replicas or 0) < (d.spec.replicas or 1)]
+            return not pending
+
+        try:
+            self._until(ready, timeout_s, "the rollout servers to be ready")
+        except ClusterError as e:
+            raise ClusterError(f"{e}; not ready: {', '.join(pending)}") from None
 
     def pod_of(self, job: str, index: int = 0) -> Any | None:
         pods = self.core.list_namespaced_pod(self.namespace, label_selector=f"job-name={job}").items

@@ -85,10 +85,6 @@ def _resources(role: RoleProfile, gpus: int, gpu_resource: str) -> dict[str, Any
     return {"requests": dict(amounts), "limits": dict(amounts)}
 
 
-def _env_from_key(profile: DeployProfile) -> dict[str, Any]:
-    return {"envFrom": _env_from(profile)} if profile.env_secret else {}
-
-
 def _placement(role: RoleProfile) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if role.node_selector:
@@ -127,9 +123,10 @@ def spec_configmap(spec: ExperimentSpec, profile: DeployProfile) -> Manifest:
             "data": {"spec.yaml": pod_spec(spec, profile).to_yaml()}}
 
 
-def _env_from(profile: DeployProfile) -> list[dict[str, Any]]:
-    # optional: a cluster without the Secret runs on the local defaults instead of failing to start the pod
-    return [{"secretRef": {"name": profile.env_secret, "optional": True}}] if profile.env_secret else []
+def env_from(profile: DeployProfile) -> dict[str, Any]:
+    """A container's `envFrom` of the profile's env Secret (none without one). Optional: a cluster without the
+    Secret runs on the local defaults instead of failing to start the pod."""
+    return {"envFrom": [{"secretRef": {"name": profile.env_secret, "optional": True}}]} if profile.env_secret else {}
 
 
 def _factory_env(spec: ExperimentSpec, profile: DeployProfile) -> list[dict[str, Any]]:
@@ -167,7 +164,7 @@ def training(spec: ExperimentSpec, profile: DeployProfile, command: str = "run")
     env = [{"name": "NODE_RANK", "valueFrom": {"fieldRef": {
         "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}},
         *_factory_env(spec, profile)]
-    container = {"name": "trainer", "image": profile.image, "args": args, "env": env, **_env_from_key(profile),
+    container = {"name": "trainer", "image": profile.image, "args": args, "env": env, **env_from(profile),
                  "ports": [{"containerPort": profile.master_port, "name": "rendezvous"}],
                  "resources": _resources(profile.train, gpus, profile.gpu_resource), "volumeMounts": mounts}
     job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": _meta(name, profile, spec, "train"),
@@ -280,7 +277,7 @@ def dagster_tags(spec: ExperimentSpec, profile: DeployProfile) -> dict[str, dict
         vols, mnts = (volumes, mounts) if group == "training" else (volumes[:2], mounts[:2])
         config = {"container_config": {"resources": _resources(role, g, profile.gpu_resource),
                                        "env": _factory_env(spec, profile), "volume_mounts": mnts,
-                                       **({"env_from": _env_from(profile)} if profile.env_secret else {})},
+                                       **env_from(profile)},  # dagster-k8s takes camelCase keys too
                   "pod_spec_config": {"volumes": vols, **_placement(role)}}
         out[group] = {DAGSTER_CONFIG_TAG: json.dumps(config, sort_keys=True)}
     return out

@@ -160,9 +160,7 @@ def node_job(node: str, profile: DeployProfile, spec: ExperimentSpec | None = No
     args = ["factory", "preflight", "--mark-node", "--verbose", *(["--deep"] if deep else [])]
     # The Secret of every Factory pod (catalog, MLflow, object store): the lake and MLflow checks test the services
     # training uses, and the results land in the team's lake. Optional, as for the training pods.
-    env_from = {"envFrom": [{"secretRef": {"name": profile.env_secret, "optional": True}}]} if profile.env_secret \
-        else {}
-    container = {"name": "preflight", "image": profile.image, "args": args, "env": env, **env_from,
+    container = {"name": "preflight", "image": profile.image, "args": args, "env": env, **m.env_from(profile),
                  "resources": {"requests": dict(amounts), "limits": dict(amounts)}, "volumeMounts": mounts}
     affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
         {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}]}}}

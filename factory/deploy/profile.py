@@ -113,8 +113,9 @@ def _describe(err: dict[str, Any]) -> str:
     loc = ".".join(str(p) for p in err["loc"]) or "<profile>"
     if err["type"] == "extra_forbidden":
         return f"{loc}: unknown key (not a field of the deploy profile)"
-    msg = err.get("ctx", {}).get("error") if err["type"] == "value_error" else None
-    return f"{loc}: {msg or err['msg']}, got {err.get('input')!r}" if msg is None else f"{loc}: {msg}"
+    if err["type"] == "value_error":  # our validators: the message says what was expected
+        return f"{loc}: {err.get('ctx', {}).get('error', err['msg'])}"
+    return f"{loc}: {err['msg']}, got {err.get('input')!r}"
 
 
 def parse_profile(data: Any, source: str | None = None) -> DeployProfile:

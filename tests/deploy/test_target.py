@@ -28,7 +28,6 @@ GPU = "nvidia.com/gpu"
 PROBE = """
 import json
 import jobs
-from dagster import AssetKey
 defs = jobs.defs
 ex = defs.executor
 out = {"executor": None if ex is None else ex.name, "tags": {}, "launcher": None}
@@ -90,7 +89,7 @@ def test_every_asset_step_gets_its_pod_from_the_spec_and_profile(k8s_location: d
         assert GPU not in limits[name], name
         assert tags[name]["pod_spec_config"]["nodeSelector"] == {"cloud.example.com/pool": "cpu"}, name
     for cfg in tags.values():  # every pod reads the team's services from the env Secret, optional
-        assert cfg["container_config"]["env_from"] == [{"secretRef": {"name": "factory-env", "optional": True}}]
+        assert cfg["container_config"]["envFrom"] == [{"secretRef": {"name": "factory-env", "optional": True}}]
 
 
 def test_dagster_k8s_builds_valid_step_jobs_from_the_asset_tags(k8s_location: dict) -> None:
