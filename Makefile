@@ -34,8 +34,10 @@ ui: $(STAMP)
 	@# the Dagster UI (with Factory's instance settings, factory/ops/instance.py) and the MLflow UI beside it
 	$(BIN)/python -m factory.ops.cockpit
 
+# ruff, and the import contracts in pyproject.toml ([tool.importlinter]: the layers, no cycles)
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 
 clean:
 	rm -rf .factory
