@@ -57,7 +57,7 @@ from factory.ops.supervisor import retry
 __all__ = ["LIMIT_MAX", "PRELOAD", "ExecResult", "IsolationUnavailable", "Sandbox", "SandboxLimits", "SandboxPool",
            "SandboxRequestError"]
 
-log = logging.getLogger("factory.envs.sandbox")
+log = logging.getLogger(__name__)
 
 # Modules the worker imports before it forks, so the code's own imports of them cost nothing. Each costs
 # cold-start time (unittest ~15 ms, dataclasses ~8 ms); SandboxPool(preload=...) picks others.

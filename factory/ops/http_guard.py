@@ -34,7 +34,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from factory.text import clip
 
-log = logging.getLogger("factory.ops.http_guard")
+log = logging.getLogger(__name__)
 
 MAX_JSON_BYTES = 8 << 20  # a JSON request body; a service raises it per path where it takes more (weight uploads)
 MAX_MESSAGE = 500
