@@ -28,7 +28,7 @@ from assets.sweeps import sweep_member_run
 from assets.training import grpo_run
 from factory.checkpoint_eval import evaluate_recorded_checkpoint, parse_checkpoint_key, regression_check
 from factory.deploy.target import op_tags
-from factory.envs.benchmarks import BENCHMARKS
+from factory.envs.eval_suites import BENCHMARKS
 from resources import FactoryHomeResource, LakeResource, MlflowResource
 
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from pyiceberg.expressions import And, EqualTo
 
 from factory.config import parse_spec
-from factory.envs.benchmarks import BENCHMARKS, HELD_OUT, benchmark_problems
+from factory.envs.eval_suites import BENCHMARKS, HELD_OUT, benchmark_problems
 from factory.home import FactoryPaths
 from factory.objstore import is_remote
 

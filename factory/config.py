@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 from factory.models.presets import PRESETS
+from factory.text import clip
 
 
 class SpecError(ValueError):
@@ -76,11 +77,7 @@ _MESSAGE_CHARS = 600
 
 def _clip(value: Any) -> str:
     """repr(value), clipped: an error must not echo a 10 MB field back."""
-    text = repr(value)
-    if len(text) <= _ECHO_CHARS:
-        return text
-    size = len(value) if isinstance(value, str) else len(text)
-    return f"{text[:_ECHO_CHARS]}… ({size} chars)"
+    return clip(repr(value), _ECHO_CHARS, mark="…", unit="chars", size=len(value) if isinstance(value, str) else None)
 
 
 class _Section(BaseModel):

@@ -27,7 +27,7 @@ from factory.core.evaluate import EvalResult, evaluate
 from factory.core.rollout.embedded import EmbeddedEngine
 from factory.core.sft import run_sft
 from factory.envs.arithmetic import Problem, Splits
-from factory.envs.benchmarks import HELD_OUT
+from factory.envs.eval_suites import HELD_OUT
 from factory.envs.tasks import make_task_splits
 from factory.home import FactoryPaths
 from factory.lake.writer import Lake

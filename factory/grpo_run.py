@@ -33,7 +33,7 @@ from factory.core.rollout.embedded import EmbeddedEngine
 from factory.data.blend import blend_version, held_out_sets
 from factory.data.feed import make_feed
 from factory.envs.arithmetic import Splits
-from factory.envs.benchmarks import HELD_OUT
+from factory.envs.eval_suites import HELD_OUT
 from factory.experiment import Log, Report, code_version, eval_rows, set_threads
 from factory.home import FactoryPaths
 from factory.lake.writer import Lake

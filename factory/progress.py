@@ -1,7 +1,15 @@
-"""Progress of a long stage (SFT, GRPO): where it is, the latest reward, and when it will end.
+"""Progress of a long stage (SFT, GRPO): where it is, the latest reward, and when it will end; and `Log`, where
+the lines that narrate a run go.
 
 Stages report a `Progress` to a plain callback; whoever runs them decides where it goes (a log line, run
 tags in the Dagster UI, a progress bar). The ETA is the mean time per step so far times the steps left.
+
+Two paths for text, each for its own kind: a module's diagnostics (a retry, a restart, a lost race) go to
+`logging.getLogger(__name__)`; the lines that narrate a run to its user (steps, accuracy, resume points, the
+preflight gate's verdict) go to a `Log` its caller passes: `print` in the CLI, `context.log.info` in a Dagster
+asset, Pipes messages from a pod. A callback and not a logger, because the destination belongs to the run and
+not to the module: one process-wide handler could not send two runs' lines (a sweep's, two assets') each to
+its own Dagster run.
 """
 
 from __future__ import annotations
@@ -9,6 +17,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+Log = Callable[[str], None]  # one line of a run's narration, for its user (see the module docstring)
 
 
 @dataclass(frozen=True)

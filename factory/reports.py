@@ -19,7 +19,7 @@ from typing import Any
 from pyiceberg.expressions import EqualTo, In
 
 from factory import plots
-from factory.envs.benchmarks import HELD_OUT
+from factory.envs.eval_suites import HELD_OUT
 from factory.lake.writer import Lake
 from factory.sweep import member_label
 from factory.tracking import Tracker

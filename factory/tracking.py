@@ -38,6 +38,7 @@ from mlflow.utils.validation import (
 )
 
 from factory.home import FactoryPaths, factory_home, file_lock
+from factory.text import clip
 
 log = logging.getLogger(__name__)
 
@@ -270,12 +271,12 @@ def flatten_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, str
         if isinstance(v, Mapping) and v:
             out.update(flatten_params(v, prefix=f"{key}."))
         else:
-            out[_name(key)] = _cut(str(v), MAX_PARAM_VAL_LENGTH)
+            out[_name(key)] = clip(str(v), MAX_PARAM_VAL_LENGTH, unit=None)
     return out
 
 
 def _tags(tags: Mapping[str, Any]) -> dict[str, str]:
-    return {_name(str(k)): _cut(str(v), MAX_TAG_VAL_LENGTH) for k, v in tags.items()}
+    return {_name(str(k)): clip(str(v), MAX_TAG_VAL_LENGTH, unit=None) for k, v in tags.items()}
 
 
 def _name(key: str) -> str:
@@ -286,8 +287,6 @@ def _name(key: str) -> str:
     return name
 
 
-def _cut(value: str, limit: int) -> str:
-    return value if len(value) <= limit else value[: limit - 3] + "..."
 
 
 def _dir_name(experiment: str) -> str:

@@ -13,7 +13,7 @@ DAPO's dynamic-sampling filter; the loop refills the batch with it.
 Every policy loss below is `-A * f(ratio)` per token, then an aggregation over tokens:
 - grpo:    PPO clip, ratio in [1 - eps, 1 + eps], per-sequence token mean, then mean over sequences.
 - dr_grpo: the same clip; each sequence's token *sum* is divided by a constant max length (no 1/|o|
-           length bias), and advantages are not divided by the group std.
+           length bias, Liu et al. 2025), and advantages are not divided by the group std.
 - dapo:    PPO clip with eps_high > eps_low ("clip-higher"), mean over all tokens of the batch.
 - cispo:   -sg(clip(ratio, max=1 + eps_high)) * A * logp: the IS weight is clipped, never the gradient,
            so tokens beyond the clip still learn (unlike PPO-clip, which zeroes them); token mean.
@@ -241,43 +241,6 @@ def grpo_loss(
 ) -> tuple[Tensor, dict[str, float]]:
     """GRPO's clipped surrogate, token-level, averaged per sequence then over sequences."""
     return ppo_clip_loss(logprobs, old_logprobs, advantages, mask, clip_eps, clip_eps, "seq_mean_token_mean",
-                         ref_logprobs=ref_logprobs, kl_coef=kl_coef, is_weights=is_weights)
-
-
-def dr_grpo_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    max_len: int,
-    clip_eps: float = 0.2,
-    ref_logprobs: Tensor | None = None,
-    kl_coef: float = 0.0,
-    is_weights: Tensor | None = None,
-) -> tuple[Tensor, dict[str, float]]:
-    """Dr.GRPO: GRPO's clip, but each sequence's token sum is divided by the constant `max_len`.
-
-    GRPO's 1/|o_i| makes short correct answers and long wrong ones weigh more per token (Liu et al.
-    2025); a constant keeps every token's weight equal whatever its sequence's length.
-    """
-    return ppo_clip_loss(logprobs, old_logprobs, advantages, mask, clip_eps, clip_eps, "seq_mean_token_sum_norm",
-                         max_len=max_len, ref_logprobs=ref_logprobs, kl_coef=kl_coef, is_weights=is_weights)
-
-
-def dapo_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    eps_low: float = 0.2,
-    eps_high: float = 0.28,
-    ref_logprobs: Tensor | None = None,
-    kl_coef: float = 0.0,
-    is_weights: Tensor | None = None,
-) -> tuple[Tensor, dict[str, float]]:
-    """DAPO: clip-higher (a wider upper clip lets unlikely tokens with A > 0 grow) and a token-level
-    mean over the whole batch. DAPO itself uses no KL term; `kl_coef` stays available."""
-    return ppo_clip_loss(logprobs, old_logprobs, advantages, mask, eps_low, eps_high, "token_mean",
                          ref_logprobs=ref_logprobs, kl_coef=kl_coef, is_weights=is_weights)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import itertools
 import sys
 import tempfile
 import threading
@@ -46,7 +47,7 @@ from factory.models.build import policy_positions
 from factory.models.checkpoint import remove_checkpoint, save_checkpoint
 from factory.models.prompting import prompt_ids
 from factory.ops.placement import enter, placements
-from factory.ops.supervisor import CONNECTION_ERRORS, ServiceProcess, ServiceUnavailable
+from factory.ops.supervisor import CONNECTION_ERRORS, ServiceProcess, ServiceUnavailable, retry
 
 
 class ProducerFailed(RuntimeError):
@@ -296,16 +297,14 @@ class ServerProducer(OverlappedProducer):
 
     def _call(self, fn):
         """Run an HTTP call; through a server crash, restart it, re-send the weights, and run it again."""
-        for attempt in range(1, 4):
-            try:
-                return fn()
-            except CONNECTION_ERRORS as e:
-                if attempt == 3:
-                    raise ServiceUnavailable(f"rollout server: 3 attempts failed; last: {e!r}") from e
-                with self._restart_lock:  # one thread restarts and re-syncs; the others wait, then retry
-                    if self.service.recover():
-                        self._renew_client()
-                        self._push()
+        return retry(fn, attempts=3, on=CONNECTION_ERRORS, between=self._recover,
+                     give_up=lambda e: ServiceUnavailable(f"rollout server: 3 attempts failed; last: {e!r}"))
+
+    def _recover(self, attempt: int, error: BaseException) -> None:
+        with self._restart_lock:  # one thread restarts and re-syncs; the others wait, then retry
+            if self.service.recover():
+                self._renew_client()
+                self._push()
 
     def _push(self) -> None:
         """Send the whole current state (after a restart, the server is back at its initial weights)."""
@@ -366,28 +365,34 @@ class ServerProducer(OverlappedProducer):
                                                     "max_tokens": r.max_new_tokens,
                                                     "seed": (self.spec.seed * 1_000_003 + k) * 1009 + j}}
                  for j in range(g)]
-        for attempt in range(1, 4):
-            sids = [f"draw-{k}-{j}-try{attempt}" for j in range(g)]
+        tries = itertools.count(1)
+        sids: list[str] = []  # the sessions of the attempt in flight
+        errors = (*CONNECTION_ERRORS, openai.APIConnectionError, httpx.HTTPStatusError)
+
+        def episodes() -> tuple[list, list[dict]] | None:
+            attempt = next(tries)
+            sids[:] = [f"draw-{k}-{j}-try{attempt}" for j in range(g)]
             try:
                 results = self.env.run_episodes(self.spec.task.environment, tasks, sids, self.service.url,
                                                 self.spec.task.episode_timeout_s)
-                if results is None:
-                    return None
-                records = [self._session(sid) for sid in sids]
-                break
-            except (*CONNECTION_ERRORS, openai.APIConnectionError, httpx.HTTPStatusError) as e:
+                return None if results is None else (results, [self._session(sid) for sid in sids])
+            except errors:
                 if self._stop.is_set():
                     return None
-                if attempt == 3:
-                    raise ServiceUnavailable(f"episodes of draw {k}: 3 attempts failed; last: {e!r}") from e
-                with self._restart_lock:  # sessions live in the server: after a restart they are gone
-                    if self.service.recover():
-                        self._renew_client()
-                        self._push()
-            finally:
-                for sid in sids:
-                    with contextlib.suppress(*CONNECTION_ERRORS):
-                        self._http.delete(f"/sessions/{sid}")
+                raise
+
+        def recover(attempt: int, error: BaseException) -> None:
+            self._recover(attempt, error)  # sessions live in the server: after a restart they are gone
+            self._end_sessions(sids)  # after the recovery: through the new server's client
+
+        try:
+            out = retry(episodes, attempts=3, on=errors, between=recover,
+                        give_up=lambda e: ServiceUnavailable(f"episodes of draw {k}: 3 attempts failed; last: {e!r}"))
+        finally:
+            self._end_sessions(sids)
+        if out is None:
+            return None
+        results, records = out
         tokens = [tokens_from_session(rec) for rec in records]
         slot.generated_at(min(min(t.versions) for t in tokens))
         samples = [Sample(t.prompt_ids, t.token_ids, t.logprobs, res.reward, t.versions,
@@ -395,6 +400,11 @@ class ServerProducer(OverlappedProducer):
                           mask=t.mask) for t, res in zip(tokens, results, strict=True)]
         return Group(samples, uid=f"draw-{k}", meta={"prompt_id": problem.id, "prompt": problem.prompt, "draw": k,
                                                      "latency_s": 0.0, "source": problem.meta.get("source")})
+
+    def _end_sessions(self, sids: list[str]) -> None:
+        for sid in sids:
+            with contextlib.suppress(*CONNECTION_ERRORS):
+                self._http.delete(f"/sessions/{sid}")
 
     def _session(self, sid: str) -> dict:
         resp = self._http.get(f"/sessions/{sid}")

@@ -38,6 +38,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from factory.ops.faults import fault_point
+from factory.progress import Log
 
 FORMAT = 1
 MANIFEST = "MANIFEST.json"
@@ -198,8 +199,8 @@ def load(path: Path) -> TrainState:
         loop=meta["loop"], extra=meta["extra"])
 
 
-def latest(root: Path, log: Callable[[str], None] = print) -> tuple[TrainState, Path] | None:
-    """The newest complete resume point under `root` (torn or corrupt ones are skipped, and said so)."""
+def latest(root: Path, log: Log) -> tuple[TrainState, Path] | None:
+    """The newest complete resume point under `root` (torn or corrupt ones are skipped, and said so to `log`)."""
     for path in reversed(points(root)):
         problem = verify(path)
         if problem is None:

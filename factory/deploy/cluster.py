@@ -14,6 +14,7 @@ command as a local process. Scheduling, image pulls, RBAC and NCCL between pods 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -23,6 +24,9 @@ from typing import Any
 from factory.config import ExperimentSpec
 from factory.deploy import manifests as m
 from factory.deploy.profile import DeployProfile
+from factory.progress import Log
+
+_log = logging.getLogger(__name__)
 
 # kind -> (API group, the client's method suffix)
 _KINDS = {"ConfigMap": ("core", "config_map"), "Service": ("core", "service"),
@@ -226,7 +230,7 @@ def grpo_objects(spec: ExperimentSpec, profile: DeployProfile, env: dict[str, st
 
 
 def launch_grpo(cluster: Cluster, objs: GrpoObjects, follow_rank0: Callable[[str], None],
-                ready_timeout_s: float, run_timeout_s: float, log: Callable[[str], None] = print) -> JobOutcome:
+                ready_timeout_s: float, run_timeout_s: float, log: Log = _log.info) -> JobOutcome:
     """Create the run's services and wait until they are ready, run the trainer Job, follow rank 0's log with
     `follow_rank0(pod_name)` (returns when the log ends), and return how the Job ended. Everything created is
     deleted before returning."""

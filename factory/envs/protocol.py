@@ -35,6 +35,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeVar
 
+from factory.text import clip
+
 T = TypeVar("T")
 
 REWARD_TIMEOUT_S = 30.0  # TaskSpec.reward_timeout_s's default
@@ -90,15 +92,12 @@ def _number(value: Any) -> float | None:
 
 
 def _garbage(what: str, value: Any) -> str:
-    return _clip(f"{what} returned {reprlib.repr(value)} ({type(value).__name__}), expected a finite number")
+    return clip(f"{what} returned {reprlib.repr(value)} ({type(value).__name__}), expected a finite number",
+                _REASON_CHARS, unit=None)
 
 
 def _raised(what: str, e: BaseException) -> str:
-    return _clip(f"{what} raised {type(e).__name__}: {e}")
-
-
-def _clip(reason: str) -> str:
-    return reason if len(reason) <= _REASON_CHARS else reason[: _REASON_CHARS - 3] + "..."
+    return clip(f"{what} raised {type(e).__name__}: {e}", _REASON_CHARS, unit=None)
 
 
 def checked_reward(value: Any, what: str = "reward") -> RewardResult:

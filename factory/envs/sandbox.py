@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -35,6 +36,8 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import Any, Literal
 
+import tenacity
+
 from factory.envs import sandbox_worker
 from factory.envs.sandbox_isolation import (
     IsolationUnavailable,
@@ -47,18 +50,21 @@ from factory.envs.sandbox_isolation import (
 )
 from factory.envs.sandbox_types import LIMIT_MAX, ExecResult, SandboxLimits, SandboxRequestError, _check_request
 from factory.envs.sandbox_worker import _recv, _send
+from factory.ops.supervisor import retry
 
 # The worker program, the isolation helpers and the data types live in their own modules; these names are
 # importable from here.
 __all__ = ["LIMIT_MAX", "PRELOAD", "ExecResult", "IsolationUnavailable", "Sandbox", "SandboxLimits", "SandboxPool",
            "SandboxRequestError"]
 
-log = logging.getLogger("factory.envs.sandbox")
+log = logging.getLogger(__name__)
 
 # Modules the worker imports before it forks, so the code's own imports of them cost nothing. Each costs
 # cold-start time (unittest ~15 ms, dataclasses ~8 ms); SandboxPool(preload=...) picks others.
 PRELOAD = ("collections", "functools", "itertools", "math", "re", "json", "string", "heapq", "bisect")
 
+# Between failed starts of a worker: 0.1 s, doubling, at most 5 s.
+SPAWN_WAIT = tenacity.wait_exponential(multiplier=0.1, max=5.0)
 _REPLY_GRACE_S = 10.0  # the host waits wall_s + this for a reply before it declares the worker hung
 
 
@@ -419,9 +425,11 @@ class SandboxPool:
     def _spawn(self, attempts: int | None = None) -> bool:
         """Start one worker and make it idle; retries with backoff (forever if attempts is None) until the
         pool closes. Runs on the spawner threads."""
-        delay, tries = 0.1, 0
-        while not self._closed.is_set():
-            tries += 1
+        tries = itertools.count(1)  # the attempt a failure log names
+
+        def start() -> bool:
+            if self._closed.is_set():
+                return False
             sb = None
             try:
                 sb = self._make_sandbox()
@@ -430,14 +438,10 @@ class SandboxPool:
                 with self._stats.lock:
                     self._stats.failures += 1
                 self._last_error = f"{type(e).__name__}: {e}"
-                log.warning("sandbox worker failed to start (try %d): %s", tries, self._last_error)
+                log.warning("sandbox worker failed to start (try %d): %s", next(tries), self._last_error)
                 if sb is not None:
                     sb.reap()
-                if attempts is not None and tries >= attempts:
-                    return False
-                self._closed.wait(delay)  # back off before the next try; returns at once on close
-                delay = min(delay * 2, 5.0)
-                continue
+                raise
             with self._stats.lock:
                 self._stats.cold_starts += 1
                 self._stats.cold_start_s.append(seconds)
@@ -454,7 +458,12 @@ class SandboxPool:
                 return False
             self._idle.put(sb)
             return True
-        return False
+
+        try:
+            # Count it, back off (0.1 s doubling to 5 s; a close cuts the pause short), retry: the pool goes on.
+            return retry(start, attempts=attempts, on=Exception, wait=SPAWN_WAIT, sleep=self._closed.wait)
+        except Exception:  # noqa: BLE001 - the last of `attempts` failed starts, already counted and logged
+            return False
 
     def _retire(self, sb: Sandbox, fault: bool) -> None:
         """Take sb out of service and start a replacement in the background."""

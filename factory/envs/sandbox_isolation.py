@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from factory.envs.sandbox_types import SandboxLimits
 
-log = logging.getLogger("factory.envs.sandbox")
+log = logging.getLogger(__name__)
 
 _CGROUP_OVERHEAD_MB = 64  # the worker and bwrap themselves, on top of the code's memory limit
 _CGROUP_PREFIX = "factory-sandbox-"

@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from factory.text import clip
+
 # Upper bounds of each limit. Past them the kernel or the worker would fail in ways that are not the code's doing
 # (an rlimit or select() timeout that overflows, a reply over the worker's 256 MiB frame: two streams of
 # output_bytes, each byte up to 6 once JSON-escaped), so a request for more is refused up front.
@@ -140,7 +142,6 @@ def _encodes(text: str) -> bool:
     return True
 
 
-def _show(value: object, limit: int = 100) -> str:
-    """repr(value), at most `limit` characters: a huge name is never echoed whole."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+def _show(value: object) -> str:
+    """repr(value), at most 100 characters: a huge name is never echoed whole."""
+    return clip(repr(value))

@@ -49,7 +49,8 @@ from factory.envs.protocol import (
     score_all,
 )
 from factory.envs.tasks import verify
-from factory.ops.http_guard import MAX_JSON_BYTES, RequestError, clip, guard
+from factory.ops.http_guard import MAX_JSON_BYTES, RequestError, guard
+from factory.text import clip
 
 Scorer = Callable[[dict[str, Any], str], float]
 

@@ -26,7 +26,7 @@ from factory.envs.arithmetic import Problem
 from factory.envs.latency import LatencyProfile
 from factory.envs.protocol import REWARD_TIMEOUT_S, EpisodeResult, load_environment, run_episodes_isolated
 from factory.envs.service import score_completions
-from factory.ops.supervisor import CONNECTION_ERRORS, ServiceProcess, ServiceUnavailable
+from factory.ops.supervisor import CONNECTION_ERRORS, ServiceProcess, ServiceUnavailable, retry
 
 
 @dataclass(frozen=True)
@@ -159,26 +159,28 @@ class ServiceEnvironment:
 
     def _post(self, route_key: str, path: str, body: dict) -> dict | None:
         i = zlib.crc32(route_key.encode()) % len(self.services)
-        for attempt in range(1, 4):
+
+        def post() -> dict | None:
             if self._closed.is_set():
                 return None
             try:
                 r = self._clients[i].post(path, json=body)
                 r.raise_for_status()
                 return r.json()
-            except Exception as e:
+            except Exception:
                 if self._closed.is_set():  # shutting down: whatever the half-closed client raised
                     return None
-                if not isinstance(e, CONNECTION_ERRORS):
-                    raise
-                if attempt == 3:
-                    raise ServiceUnavailable(f"{self.services[i].name}: 3 attempts failed; last: {e!r}") from e
-                # One caller restarts it, with a fresh connection pool (the old one's keep-alive connections
-                # went to the dead process); the others find it alive and retry on the new pool.
-                if self.services[i].recover():
-                    self._retired.append(self._clients[i])
-                    self._clients[i] = self._client(self.services[i])
-        raise AssertionError("unreachable")
+                raise
+
+        def recover(attempt: int, error: BaseException) -> None:
+            # One caller restarts it, with a fresh connection pool (the old one's keep-alive connections
+            # went to the dead process); the others find it alive and retry on the new pool.
+            if self.services[i].recover():
+                self._retired.append(self._clients[i])
+                self._clients[i] = self._client(self.services[i])
+
+        return retry(post, attempts=3, on=CONNECTION_ERRORS, between=recover,
+                     give_up=lambda e: ServiceUnavailable(f"{self.services[i].name}: 3 attempts failed; last: {e!r}"))
 
     def run_episodes(self, env: str, tasks: list[dict], session_ids: list[str], rollout_url: str,
                      timeout_s: float) -> list[EpisodeResult] | None:

@@ -13,7 +13,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from factory.envs.benchmarks import HELD_OUT
+from factory.envs.eval_suites import HELD_OUT
 from factory.lake.query import Format, connect, format_table, json_value, run_sql
 from factory.lake.writer import Lake
 

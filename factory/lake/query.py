@@ -22,6 +22,7 @@ import pyarrow as pa
 
 from factory.lake.schemas import TABLES
 from factory.lake.writer import Lake
+from factory.text import clip
 
 Format = Literal["table", "csv", "json"]
 FORMATS: tuple[str, ...] = ("table", "csv", "json")
@@ -155,7 +156,7 @@ def _text_value(v: Any) -> str:
         # Seconds are enough to read; the tz suffix says it is UTC.
         return v.isoformat(sep=" ", timespec="seconds")
     s = _csv_value(v).replace("\n", "\\n")
-    return s if len(s) <= MAX_CELL else s[: MAX_CELL - 1] + "…"
+    return clip(s, MAX_CELL, mark="…", unit=None)
 
 
 def _as_text(tbl: pa.Table) -> str:

@@ -21,7 +21,6 @@ import datetime as dt
 import json
 import logging
 import numbers
-import random
 import time
 import uuid
 import warnings
@@ -31,6 +30,7 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import tenacity
 from pyiceberg.catalog import Catalog
 from pyiceberg.conversions import from_bytes
 from pyiceberg.exceptions import CommitFailedException, ValidationException
@@ -42,6 +42,7 @@ from pyiceberg.types import BooleanType, DoubleType, IcebergType, LongType, Stri
 from factory.home import FactoryPaths
 from factory.lake.catalog import ensure_tables, open_catalog
 from factory.lake.schemas import TableDef, table_def
+from factory.ops.supervisor import retry
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,10 @@ log = logging.getLogger(__name__)
 # concurrent writer touched files our delete depends on) is not retried by pyiceberg, but redoing
 # the whole delete+append from the new head is always correct because it is keyed.
 UPSERT_ATTEMPTS = 12
+CONFLICTS = (CommitFailedException, ValidationException)
+# After failed attempt n, a pause drawn uniformly from [0, min(0.5, 0.01 * 2**n)] s: writers that keep colliding
+# fall out of step.
+CONFLICT_WAIT = tenacity.wait_random_exponential(multiplier=0.02, max=0.5)
 
 # Upkeep thresholds, measured on steps (1-row upserts): without upkeep an upsert costs 55 ms at first,
 # 235 ms after 300 writes and 530 ms after 500 (pyiceberg deep-copies the metadata, which lists every
@@ -87,22 +92,20 @@ class Lake:
         if data.num_rows == 0:
             return 0
         key_filter = key_filter_for(tdef, data)
-        for attempt in range(1, UPSERT_ATTEMPTS + 1):
+
+        def write() -> None:
             tbl = self.table(table)
-            try:
-                with warnings.catch_warnings():
-                    # pyiceberg warns when the delete matches nothing: the normal case for new keys.
-                    warnings.filterwarnings("ignore", message="Delete operation did not match any records")
-                    with tbl.transaction() as tx:
-                        tx.delete(key_filter)
-                        tx.append(data)
-                break
-            except (CommitFailedException, ValidationException) as e:
-                if attempt == UPSERT_ATTEMPTS:
-                    raise
-                log.debug("lake: upsert into %s conflicted (%s); retrying from the new head", table, e)
-                # Jitter, so writers that keep colliding fall out of step.
-                time.sleep(random.uniform(0, min(0.5, 0.01 * 2**attempt)))
+            with warnings.catch_warnings():
+                # pyiceberg warns when the delete matches nothing: the normal case for new keys.
+                warnings.filterwarnings("ignore", message="Delete operation did not match any records")
+                with tbl.transaction() as tx:
+                    tx.delete(key_filter)
+                    tx.append(data)
+
+        def conflicted(attempt: int, e: BaseException) -> None:
+            log.debug("lake: upsert into %s conflicted (%s); retrying from the new head", table, e)
+
+        retry(write, attempts=UPSERT_ATTEMPTS, on=CONFLICTS, between=conflicted, wait=CONFLICT_WAIT)
         if self.auto_maintain:
             try:
                 self._maybe_maintain(table)
@@ -114,17 +117,13 @@ class Lake:
     def delete(self, table: str, row_filter: str | BooleanExpression) -> None:
         """Delete the rows of `table` matching `row_filter` (e.g. the steps a dead attempt recorded past the
         resume point its successor starts from), retried like `upsert` on a concurrent commit."""
-        for attempt in range(1, UPSERT_ATTEMPTS + 1):
+        def delete() -> None:
             tbl = self.table(table)
-            try:
-                with warnings.catch_warnings():
-                    warnings.filterwarnings("ignore", message="Delete operation did not match any records")
-                    tbl.delete(row_filter)
-                return
-            except (CommitFailedException, ValidationException):
-                if attempt == UPSERT_ATTEMPTS:
-                    raise
-                time.sleep(random.uniform(0, min(0.5, 0.01 * 2**attempt)))
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Delete operation did not match any records")
+                tbl.delete(row_filter)
+
+        retry(delete, attempts=UPSERT_ATTEMPTS, on=CONFLICTS, wait=CONFLICT_WAIT)
 
     def read(self, table: str, row_filter: str | BooleanExpression | None = None) -> pa.Table:
         """All rows of `table` matching `row_filter` (pyiceberg expression or string like "step >= 3")."""

@@ -41,6 +41,7 @@ from transformers.utils import logging as hf_logging
 
 from factory.home import file_lock
 from factory.objstore import is_remote
+from factory.ops.supervisor import retry
 
 # Per-file progress bars for a one-file checkpoint only clutter the training log.
 hf_logging.disable_progress_bar()
@@ -116,25 +117,35 @@ def load_checkpoint(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokeni
         model.config._name_or_path = model.name_or_path = tokenizer.name_or_path = str(path)
         return model, tokenizer
     path = Path(path)
-    for _ in range(_LOAD_ATTEMPTS):
+
+    def load_version() -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
         version = path.resolve()
+        loaded = None
         with _reading(version) as pinned:
-            if not pinned:
-                continue  # a save is deleting the version we found: look again
-            try:
-                if not (version / "config.json").is_file():
-                    raise FileNotFoundError(f"not a checkpoint directory (no config.json): {path}")
-                model = AutoModelForCausalLM.from_pretrained(version)
-                tokenizer = PreTrainedTokenizerFast.from_pretrained(version)
-            except Exception:
-                if path.resolve() == version:
-                    raise  # not a save replacing it under us: a real error
-                continue  # deleted between our lookup and our lock: load the new version
-        # Name the checkpoint, not its version directory, as transformers would for `path` itself.
-        model.config._name_or_path = model.name_or_path = str(path)
-        tokenizer.name_or_path = str(path)
-        return model, tokenizer
-    raise RuntimeError(f"checkpoint {path} was replaced {_LOAD_ATTEMPTS} times while loading it")
+            if pinned:  # else a save is deleting the version we found: look again
+                try:
+                    if not (version / "config.json").is_file():
+                        raise FileNotFoundError(f"not a checkpoint directory (no config.json): {path}")
+                    loaded = (AutoModelForCausalLM.from_pretrained(version),
+                              PreTrainedTokenizerFast.from_pretrained(version))
+                except Exception:
+                    if path.resolve() == version:
+                        raise  # not a save replacing it under us: a real error
+                    # deleted between our lookup and our lock: load the new version
+        if loaded is None:
+            raise _Replaced(version)
+        return loaded
+
+    model, tokenizer = retry(load_version, attempts=_LOAD_ATTEMPTS, on=_Replaced, give_up=lambda e: RuntimeError(
+        f"checkpoint {path} was replaced {_LOAD_ATTEMPTS} times while loading it"))
+    # Name the checkpoint, not its version directory, as transformers would for `path` itself.
+    model.config._name_or_path = model.name_or_path = str(path)
+    tokenizer.name_or_path = str(path)
+    return model, tokenizer
+
+
+class _Replaced(Exception):
+    """The version directory a reader looked up was replaced by a newer save before it could load it."""
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:

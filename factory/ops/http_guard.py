@@ -32,10 +32,11 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-log = logging.getLogger("factory.ops.http_guard")
+from factory.text import clip
+
+log = logging.getLogger(__name__)
 
 MAX_JSON_BYTES = 8 << 20  # a JSON request body; a service raises it per path where it takes more (weight uploads)
-MAX_ECHO = 100  # characters of a request's value an error message may quote
 MAX_MESSAGE = 500
 
 # Renders an error body: (status, message, field, kind) -> JSON object.
@@ -48,12 +49,6 @@ class RequestError(Exception):
     def __init__(self, status: int, message: str, field: str | None = None, kind: str = "invalid_request_error"):
         super().__init__(message)
         self.status, self.message, self.field, self.kind = status, message, field, kind
-
-
-def clip(value: object, limit: int = MAX_ECHO) -> str:
-    """`repr(value)` (str as is), at most `limit` characters: a huge value is never echoed whole."""
-    text = value if isinstance(value, str) else repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def default_render(status: int, message: str, field: str | None, kind: str) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Supervised service processes: start a child, wait until it is healthy, restart it when it dies.
 
 The rollout server runs as its own process; when it crashes mid-generation the orchestrator calls
-`ServiceProcess.ensure_alive()` (or wraps calls in `retry_through_restarts`), which restarts it
+`ServiceProcess.recover()` (from `retry`, the retry loop every caller uses), which restarts it
 on the same port and lets the caller retry. Callers keep requests idempotent (whole prompt groups
 are retried, keyed by group id), so a restart neither loses nor double-counts work.
 
@@ -12,6 +12,9 @@ with the tail of its log, so the run can stop cleanly and say which service fail
 A watchdog catches the service that hangs instead of dying: with `hang_timeout_s` set, a thread asks its
 health URL every `heartbeat_s`; a process that answers none of them for `hang_timeout_s` is killed, so the
 next call fails fast and restarts it like any crash (and it counts toward the breaker).
+
+`retry` (on tenacity) is the one retry loop of Factory: calls through a service restart, lake commits that lost
+a race, node patches that conflicted; each caller says what is retried, how often, and what happens between.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import httpx
+import tenacity
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -294,19 +298,33 @@ class ServiceProcess:
         self.stop()
 
 
-def retry_through_restarts(call: Callable[[], T], service: ServiceProcess, attempts: int = 3) -> T:
-    """Run `call`; when it fails because the service went away, restart the service and run it again.
+def retry(call: Callable[[], T], *, attempts: int | None,
+          on: type[BaseException] | tuple[type[BaseException], ...] | Callable[[BaseException], bool],
+          between: Callable[[int, BaseException], object] | None = None,
+          wait: tenacity.wait.wait_base | None = None, sleep: Callable[[float], object] = time.sleep,
+          give_up: Callable[[BaseException], BaseException] | None = None) -> T:
+    """Run `call` until it returns, at most `attempts` times (None: no limit); the one retry loop of Factory.
 
+    A failure retried is an exception that is an instance of `on` (types) or for which `on(e)` is true; any
+    other exception propagates at once. After failed attempt n (1-based) and before the next: `between(n, e)`
+    (restart a service, log), then a pause of `wait` seconds (a tenacity wait strategy; none by default, and
+    a pause of 0 sleeps not at all) through `sleep` (e.g. an Event's `wait`, so a close cuts it short).
+    After the last attempt its exception propagates unchanged, or `give_up(e)` is raised from it.
     `call` must be safe to repeat (a whole request whose result is only used when it completes).
     """
-    for attempt in range(1, attempts + 1):
-        try:
-            return call()
-        except CONNECTION_ERRORS as e:
-            if attempt == attempts:
-                raise ServiceUnavailable(f"{service.name}: call failed {attempts} times; last error: "
-                                         f"{type(e).__name__}: {e}") from e
-            restarted = service.recover()
-            log.warning("%s call failed (%s: %s); %s, retrying (%d/%d)", service.name, type(e).__name__, e,
-                        "service restarted" if restarted else "service still up", attempt, attempts)
-    raise AssertionError("unreachable")
+    def pause(seconds: float) -> None:
+        if seconds > 0:
+            sleep(seconds)
+
+    def last(state: tenacity.RetryCallState) -> None:
+        e = state.outcome.exception()
+        raise give_up(e) from e
+
+    retrying = tenacity.Retrying(
+        stop=tenacity.stop_never if attempts is None else tenacity.stop_after_attempt(attempts),
+        retry=(tenacity.retry_if_exception_type(on) if isinstance(on, type | tuple)
+               else tenacity.retry_if_exception(on)),
+        wait=wait or tenacity.wait_none(), sleep=pause, reraise=True,
+        before_sleep=(lambda state: between(state.attempt_number, state.outcome.exception())) if between else None,
+        retry_error_callback=last if give_up else None)
+    return retrying(call)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import multiprocessing as mp
+import random
 
 import pyarrow as pa
 import pytest
@@ -13,6 +14,7 @@ import factory.lake.writer as writer
 from factory.home import FactoryPaths
 from factory.home import factory_home as open_home
 from factory.lake import TABLES, Lake, ensure_tables, open_catalog
+from factory.ops.supervisor import retry
 
 T0 = dt.datetime(2025, 1, 2, 3, 4, 5, 678901, tzinfo=dt.UTC)
 
@@ -185,3 +187,20 @@ def test_two_processes_writing_one_table_lose_no_rows(lake: Lake, factory_home: 
     rewritten = {1, 6, 11}
     for (run_id, s), row in rows.items():
         assert row["loss"] == (-1.0 if s in rewritten else float(s)), (run_id, s)
+
+
+def test_a_conflicted_write_waits_what_its_hand_written_loop_waited():
+    """After failed attempt n: uniform in [0, min(0.5, 0.01 * 2**n)] s, the same draws from `random`."""
+    slept, calls = [], []
+
+    def conflicting() -> None:
+        calls.append(1)
+        raise writer.CommitFailedException("lost a race")
+
+    random.seed(7)
+    with pytest.raises(writer.CommitFailedException, match="lost a race"):
+        retry(conflicting, attempts=writer.UPSERT_ATTEMPTS, on=writer.CONFLICTS, wait=writer.CONFLICT_WAIT,
+              sleep=slept.append)
+    random.seed(7)
+    assert len(calls) == writer.UPSERT_ATTEMPTS
+    assert slept == [random.uniform(0, min(0.5, 0.01 * 2**n)) for n in range(1, writer.UPSERT_ATTEMPTS)]

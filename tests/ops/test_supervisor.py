@@ -1,5 +1,5 @@
 """Supervised services: health-gated start, restart after a kill, retry of an interrupted call, and the circuit
-breaker that stops a crash loop."""
+breaker that stops a crash loop; `retry`, the one retry loop."""
 
 import sys
 import threading
@@ -7,8 +7,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+import tenacity
 
-from factory.ops.supervisor import CircuitOpen, ServiceProcess, ServiceUnavailable, retry_through_restarts
+from factory.ops.supervisor import CONNECTION_ERRORS, CircuitOpen, ServiceProcess, ServiceUnavailable, retry
 
 SCRIPT = str(Path(__file__).with_name("flaky_service.py"))
 
@@ -50,7 +51,7 @@ def test_call_interrupted_by_a_crash_is_retried_once_on_the_restarted_service(tm
 
         t = threading.Thread(target=killer)
         t.start()
-        assert retry_through_restarts(call, svc) == "answered"
+        assert retry(call, attempts=3, on=CONNECTION_ERRORS, between=lambda n, e: svc.recover()) == "answered"
         t.join(timeout=30)
         assert len(calls) == 2 and svc.restarts == 1
 
@@ -143,3 +144,57 @@ def test_watchdog_kills_a_service_that_stops_answering_and_the_next_call_restart
         assert httpx.get(f"{svc.url}/echo?x=back").text == "back"
         assert svc.hangs == 1  # a healthy, answering service is left alone
     assert "not answered" not in (tmp_path / "svc.log").read_text()
+
+
+class Flaky:
+    """A call that fails `failures` times with `error`, then answers."""
+
+    def __init__(self, failures: int, error: type[BaseException] = ConnectionError):
+        self.failures, self.error, self.calls = failures, error, 0
+
+    def __call__(self) -> str:
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise self.error(f"failure {self.calls}")
+        return "ok"
+
+
+def test_retry_runs_between_after_each_failed_attempt_but_the_last():
+    seen, slept = [], []
+    call = Flaky(2)
+    assert retry(call, attempts=3, on=ConnectionError, between=lambda n, e: seen.append((n, str(e))),
+                 sleep=slept.append) == "ok"
+    assert call.calls == 3 and seen == [(1, "failure 1"), (2, "failure 2")]
+    assert slept == []  # no wait given: no pause, not even of 0 s
+
+
+def test_retry_raises_the_last_error_unchanged_or_give_up_from_it():
+    call = Flaky(5)
+    with pytest.raises(ConnectionError, match="failure 3"):
+        retry(call, attempts=3, on=ConnectionError)
+    assert call.calls == 3
+    with pytest.raises(ServiceUnavailable, match="svc: 2 attempts failed; last: ConnectionError") as info:
+        retry(Flaky(5), attempts=2, on=(ConnectionError, TimeoutError),
+              give_up=lambda e: ServiceUnavailable(f"svc: 2 attempts failed; last: {e!r}"))
+    assert isinstance(info.value.__cause__, ConnectionError)
+
+
+def test_retry_lets_other_errors_through_at_once():
+    call, seen = Flaky(1, ValueError), []
+    with pytest.raises(ValueError, match="failure 1"):
+        retry(call, attempts=3, on=ConnectionError, between=lambda n, e: seen.append(n))
+    assert call.calls == 1 and seen == []
+    conflict = Flaky(1, KeyError)
+    assert retry(conflict, attempts=2, on=lambda e: isinstance(e, KeyError)) == "ok"  # a predicate picks them
+
+
+def test_retry_without_a_limit_and_its_waits():
+    call, slept = Flaky(40), []
+    assert retry(call, attempts=None, on=ConnectionError, sleep=slept.append,
+                 wait=tenacity.wait_exponential(multiplier=0.1, max=5.0)) == "ok"
+    delay, expected = 0.1, []
+    for _ in range(40):  # the schedule the sandbox pool had by hand: 0.1 s doubling, at most 5 s
+        expected.append(delay)
+        delay = min(delay * 2, 5.0)
+    assert slept == expected
+

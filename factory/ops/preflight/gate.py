@@ -14,13 +14,14 @@ import datetime as dt
 import fcntl
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from factory.home import FactoryPaths
 from factory.ops.preflight.nodes import node_name
 from factory.ops.preflight.result import _num
+from factory.progress import Log
 
 if TYPE_CHECKING:
     from factory.config import OpsSpec
@@ -79,7 +80,7 @@ def latest_results(lake: Lake, node: str, since: dt.datetime) -> dict[str, dict[
 
 
 def gate(ops: OpsSpec, paths: FactoryPaths, lake: Lake | None = None,
-         log: Callable[[str], None] = _log.info) -> None:
+         log: Log = _log.info) -> None:
     """Return if this node may train; raise PreflightFailed if its latest preflight failed. Runs a quick preflight
     first when the node has none younger than ops.preflight_max_age_s. See the module docstring."""
     why = preflight_disabled(ops)
@@ -115,7 +116,7 @@ def gate(ops: OpsSpec, paths: FactoryPaths, lake: Lake | None = None,
         f"{newest:%Y-%m-%d %H:%M:%S} UTC)")
 
 
-def _fresh(lake: Lake | None, node: str, max_age_s: float, log: Callable[[str], None]) -> dict[str, dict[str, Any]]:
+def _fresh(lake: Lake | None, node: str, max_age_s: float, log: Log) -> dict[str, dict[str, Any]]:
     if lake is None:
         return {}
     since = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=max_age_s)
@@ -127,7 +128,7 @@ def _fresh(lake: Lake | None, node: str, max_age_s: float, log: Callable[[str], 
 
 
 def _run_now(paths: FactoryPaths, lake: Lake | None, node: str, max_age_s: float,
-             log: Callable[[str], None]) -> dict[str, dict[str, Any]]:
+             log: Log) -> dict[str, dict[str, Any]]:
     from factory.ops.preflight.runner import run_preflight
 
     log(f"preflight gate: no preflight of node {node} in the last {max_age_s:g} s; running a quick one")

@@ -29,6 +29,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from factory.ops.preflight.result import PreflightReport
+from factory.ops.supervisor import retry
 
 LABEL = "factory.dev/preflight"  # "passed" | "failed"
 ANNOTATION = "factory.dev/preflight"  # JSON: {"preflight_id", "failed", "checked_at", "partial"}
@@ -124,24 +125,24 @@ def mark_node(name: str, report: PreflightReport, partial: bool = False, kubecon
 
     with api_client(kubeconfig) as api:
         core = client.CoreV1Api(api)
-        for attempt in range(CONFLICT_RETRIES):
-            try:
-                # Raw JSON, not the client's typed model: the taints go back exactly as read (a field this client
-                # version does not know would otherwise be dropped, and timeAdded rewritten).
-                node = json.loads(core.read_node(name, _preload_content=False).data)
-                # The client sends a dict as a strategic merge patch unless told: name the RFC 7386 merge patch
-                # node_patch is written for (lists replaced whole, null deletes).
-                patched = core.patch_node(name, node_patch(node, report, partial), _content_type=MERGE_PATCH,
-                                          _preload_content=False)
-                return json.loads(patched.data)
-            except ApiException as e:
-                if e.status == 409 and attempt + 1 < CONFLICT_RETRIES:
-                    continue
-                raise MarkError(f"cannot mark node {name}: API server answered {e.status} {e.reason}: "
-                                f"{_status_message(e.body)}") from None
-            except (HTTPError, OSError) as e:  # unreachable server, refused connection, TLS
-                raise MarkError(f"cannot mark node {name}: {type(e).__name__}: {e}") from None
-    raise AssertionError("unreachable")
+
+        def patch() -> dict[str, Any]:
+            # Raw JSON, not the client's typed model: the taints go back exactly as read (a field this client
+            # version does not know would otherwise be dropped, and timeAdded rewritten).
+            node = json.loads(core.read_node(name, _preload_content=False).data)
+            # The client sends a dict as a strategic merge patch unless told: name the RFC 7386 merge patch
+            # node_patch is written for (lists replaced whole, null deletes).
+            patched = core.patch_node(name, node_patch(node, report, partial), _content_type=MERGE_PATCH,
+                                      _preload_content=False)
+            return json.loads(patched.data)
+
+        try:
+            return retry(patch, attempts=CONFLICT_RETRIES, on=lambda e: isinstance(e, ApiException) and e.status == 409)
+        except ApiException as e:
+            raise MarkError(f"cannot mark node {name}: API server answered {e.status} {e.reason}: "
+                            f"{_status_message(e.body)}") from None
+        except (HTTPError, OSError) as e:  # unreachable server, refused connection, TLS
+            raise MarkError(f"cannot mark node {name}: {type(e).__name__}: {e}") from None
 
 
 def _status_message(body: str | bytes | None) -> str:

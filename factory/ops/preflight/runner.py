@@ -13,6 +13,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import json
+import logging
 import subprocess
 import sys
 import time
@@ -25,10 +26,12 @@ from factory.home import FactoryPaths
 from factory.ops.preflight.gpu import GpuInfo, accelerators_check, query_gpus
 from factory.ops.preflight.nodes import NodeKind, node_kind, node_name
 from factory.ops.preflight.result import CheckResult, PreflightReport
+from factory.progress import Log
 
 if TYPE_CHECKING:
     from factory.lake.writer import Lake
 
+_log = logging.getLogger(__name__)
 Mode = Literal["quick", "deep"]
 MODES: tuple[str, ...] = ("quick", "deep")
 MIN_PYTHON = (3, 11)  # pyproject's requires-python
@@ -217,7 +220,7 @@ def select_probes(mode: Mode, only: Sequence[str] | None = None) -> list[Probe]:
 
 def run_preflight(paths: FactoryPaths, lake: Lake | None = None, *, mode: Mode = "quick",
                   only: Sequence[str] | None = None, kind: str | None = None, record: bool = True,
-                  log: Callable[[str], None] = lambda _: None) -> PreflightReport:
+                  log: Log = _log.info) -> PreflightReport:
     """Run the checks of `mode` (or just `only`) on this node and, with `record`, write one `node_health` row per
     check. A check that fails or crashes is a failed result; the report says whether the rows were written
     (`recorded`, else `record_error`). ValueError for an unknown mode, check or node kind."""
@@ -302,7 +305,7 @@ def _child_main(argv: list[str] | None = None) -> int:
 
 
 def _guarded(checks: tuple[str, ...], fn: Callable[[], list[CheckResult]],
-             log: Callable[[str], None]) -> list[CheckResult]:
+             log: Log) -> list[CheckResult]:
     """fn's results, each with its duration (the call's, unless it set one); if fn raises, every check it owns fails
     with the error: a check that crashes is a failed check, never a crashed preflight."""
     t0 = time.perf_counter()

@@ -12,7 +12,7 @@ import pytest
 
 from factory.config import TaskSpec, load_spec
 from factory.envs.arithmetic import _problem, make_splits, reward
-from factory.envs.benchmarks import BENCHMARKS, benchmark_problems, load_suite, suite_names
+from factory.envs.eval_suites import BENCHMARKS, benchmark_problems, load_suite, suite_names
 
 ROOT = Path(__file__).resolve().parents[2]
 BOTH = TaskSpec(operations=["add", "sub"], digits=[3], n_train=100, n_eval=20)
@@ -114,7 +114,7 @@ def test_problems_a_run_trained_on_are_dropped(quickstart):
 
 
 def test_text_task_runs_are_scored_on_their_own_held_out_split_only():
-    from factory.envs.benchmarks import applicable_benchmarks
+    from factory.envs.eval_suites import applicable_benchmarks
     from factory.envs.tasks import make_task_splits
 
     assert applicable_benchmarks("arithmetic") == ["heldout", "carry_chains"]

@@ -1,4 +1,4 @@
-"""Named eval benchmarks of the arithmetic task: the run's own held-out split and shipped suites.
+"""Named eval suites (benchmarks) of the arithmetic task: the run's own held-out split and shipped suites.
 
 A shipped suite is a JSON-lines file in `factory/envs/suites/` (package data), one problem a line:
 `{"id", "a", "op", "b", "digits", "kind"}`, written once and committed so every run and every
