@@ -71,7 +71,7 @@ DAEMON_STALE_S = 120.0  # a sensor daemon silent this long is not running (it he
 SUMMARY_EVAL_WAIT_S = float(os.environ.get("FACTORY_SUMMARY_EVAL_WAIT_S", "600"))
 
 # What the launchpad opens with: a sweep that runs as it stands (two learning rates on the quickstart, 100
-# GRPO steps each with a held-out eval every 20, one member at a time; 4-5 minutes on a 2-core CPU).
+# GRPO steps each with a held-out eval every 20, one member at a time; a few minutes on a laptop CPU).
 EXAMPLE_SWEEP: dict[str, Any] = {
     "name": "lr-sweep", "base_spec": "examples/quickstart.yaml",
     "overrides": ["schedule.steps=100", "schedule.eval_every=20"],

@@ -3,6 +3,7 @@ writing them for review or GitOps (`render.py`, `factory deploy render`), the co
 (`target.py`, FACTORY_PROFILE=k8s), launching a GRPO run's objects on a cluster (`cluster.py`) and preflight Jobs
 per node (`preflight.py`).
 
-No Kubernetes API server can run where this was written: the manifests are checked against the published schemas
-of a Kubernetes release, and `cluster.py` was run only against a fake API server (tests/deploy/fake_kube.py).
+The one package of `factory` that imports dagster and dagster-k8s (`target.py`, `manifests.py`). The manifests are
+checked against the published schemas of a Kubernetes release, and `cluster.py` runs in the tests against a fake API
+server (tests/deploy/fake_kube.py); docs/kubernetes.md says what has not run on a real cluster.
 """

@@ -7,7 +7,7 @@ Dagster side (resources/, Pipes) hands it the Pipes environment and a function t
 Objects are per run and owned by Factory, so one left by an earlier launch of the same spec (an orchestrator that
 died) is deleted and created again rather than patched; ConfigMaps are replaced.
 
-Not run against a real API server (none can run on these machines): tests/deploy drive it against a fake API
+Not run against a real API server (docs/kubernetes.md): tests/deploy drive it against a fake API
 server on 127.0.0.1 that validates every body it receives against the Kubernetes schemas and runs the Job's
 command as a local process. Scheduling, image pulls, RBAC and NCCL between pods are unproven.
 """

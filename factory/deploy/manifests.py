@@ -19,7 +19,7 @@
   (`dagster_k8s.job.construct_dagster_k8s_job`, as its k8s_job_executor does), serialized by the kubernetes
   client. Their args are a placeholder: dagster fills in the serialized step per run.
 
-Not run: no API server here. Nothing is applied; admission, scheduling, DNS and NCCL over the Service are unproven.
+Nothing here applies them; admission, scheduling, DNS and NCCL over the Service are unproven (docs/kubernetes.md).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ train role's node selector is not copied: the node is named, and a selector that
 Pending. The node name reaches the pod through the downward API (spec.nodeName) as NODE_NAME and FACTORY_NODE, so
 `node_health` rows are keyed by the node, not the pod.
 
-Not run: no API server here. Nothing is applied; scheduling, RBAC admission and the patch's effect on a real
+Not run against a real API server (docs/kubernetes.md); scheduling, RBAC admission and the patch's effect on a real
 scheduler are unproven (the manifests are checked against the Kubernetes schemas in tests/deploy).
 """
 

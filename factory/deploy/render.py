@@ -1,7 +1,7 @@
 """`render(spec, profile)`: every manifest Factory would create for a spec, by file name; `write_manifests`
 writes them as YAML into a directory atomically (a temp directory beside it, then renamed into place).
 
-Not applied anywhere: the output is for review and GitOps (`kubectl apply -f DIR` has not been run here).
+The output is for review and GitOps; it has not been applied to a real cluster (docs/kubernetes.md).
 """
 
 from __future__ import annotations

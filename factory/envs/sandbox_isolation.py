@@ -9,7 +9,7 @@ are not reachable. The code sees the standard library only (`python -I -S`, the 
 
 - as root, bwrap runs privileged (no user namespace) with only CAP_SETUID/CAP_SETGID kept; each child
   switches to a random unprivileged uid of its own. RLIMIT_NPROC then binds (the kernel does not apply
-  it to uid 0, even inside a user namespace: measured here), and the code can neither signal the worker
+  it to uid 0, even inside a user namespace), and the code can neither signal the worker
   nor open its pipes through /proc.
 - otherwise bwrap makes a user namespace; the child keeps the worker's uid, so code that kills its
   worker gets the worker recycled (the worker is non-dumpable, so its pipes stay out of reach).

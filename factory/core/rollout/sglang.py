@@ -26,15 +26,15 @@ Logprobs: SGLang returns them under the temperature-scaled distribution (before 
 the same convention as the embedded engine, unless the server runs with
 SGLANG_RETURN_ORIGINAL_LOGPROB set; greedy requests (temperature 0) return untempered ones.
 
-What was NOT run: no SGLang server exists on this machine (no GPU, SGLang not installed). The
-tests drive this client against a fake server on 127.0.0.1 that answers in SGLang's documented
-shapes (docs/basic_usage/native_api, io_struct GenerateReqInput / UpdateWeightFromDiskReqInput,
-the tokenizer manager's meta_info) and checks the requests it receives. Not exercised: real
-sampling and logprob values, the server's handling of `sampling_seed` (only recent servers with
-deterministic inference accept it, so it is off unless `send_seed=True`), whether a given server
-version includes `output_ids` / `weight_version` in its answers (both are optional here),
-update_weights_from_disk loading the safetensors file `load_weights` writes (it must be on a
-filesystem the server can read, named with the model's parameter names), and the SGLang router.
+Not run against a real SGLang server (docs/hardware.md). The tests drive this client against a fake
+server on 127.0.0.1 that answers in SGLang's documented shapes (docs/basic_usage/native_api,
+io_struct GenerateReqInput / UpdateWeightFromDiskReqInput, the tokenizer manager's meta_info) and
+checks the requests it receives. Not exercised: real sampling and logprob values, the server's
+handling of `sampling_seed` (only recent servers with deterministic inference accept it, so it is
+off unless `send_seed=True`), whether a given server version includes `output_ids` /
+`weight_version` in its answers (both are optional here), update_weights_from_disk loading the
+safetensors file `load_weights` writes (it must be on a filesystem the server can read, named with
+the model's parameter names), and the SGLang router.
 """
 
 from __future__ import annotations

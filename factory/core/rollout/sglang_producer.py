@@ -13,7 +13,7 @@ Not the same as the embedded engine: per-sample seeds are not sent (`sampling_se
 deterministic-inference server), so SGLang runs are not bit-reproducible; `token_versions` are
 empty (which token came from which version is unknown; `weight_version` is the oldest possible).
 
-What was NOT run: any real SGLang server (no GPU, sglang not installed here). The producer test
+Not run against a real SGLang server (docs/hardware.md). The producer test
 runs it end to end against fake SGLang server processes (tests/core/fake_sglang_server.py) that
 answer with deterministic tokens.
 """

@@ -24,7 +24,7 @@ Failures: with `servers` (an `SGLangServers`), a call that cannot reach server i
 by the supervisor), brings it to the current weights (`WeightUpdate.resync`) and retries the call
 once; otherwise, or when that fails too, an `SGLangError` names the server.
 
-What was NOT run: a real SGLang server or sglang-router (no GPU here). Tests run two fake servers
+Not run against a real SGLang server or sglang-router (docs/hardware.md). Tests run two fake servers
 (`tests/core/fake_sglang_server.py`, real processes on 127.0.0.1) through this router. Not checked
 against real SGLang: the pause/continue semantics with requests in flight, and how well prefix
 hashing matches the radix cache's reuse on real prompts.

@@ -15,7 +15,7 @@ started: the servers there are only waited on (/health, bounded by startup_timeo
 Errors name the server (index, url), its log file and the log's last lines: a server that exits
 during startup, one not healthy within startup_timeout_s, one that keeps dying.
 
-What was NOT run: a real `sglang.launch_server` (no GPU, sglang not installed here). The tests
+Not run against a real `sglang.launch_server` (docs/hardware.md). The tests
 start `tests/core/fake_sglang_server.py` through the same code path (a `python` wrapper that runs
 it instead of `-m sglang.launch_server`), so the command line, /health polling, logs, restarts and
 stop are exercised, but not SGLang's own startup (minutes; its /health answers 503 while it warms

@@ -5,7 +5,7 @@ One small interface, `WeightUpdate`: `prepare(state, version)` once on the train
 version afterwards), and `resync(client)` for a server restarted at its initial weights.
 
 Shapes followed (SGLang's native HTTP API: docs "native_api" / "rl" pages and
-`python/sglang/srt/managers/io_struct.py` + `entrypoints/http_server.py`, read 2026-11):
+`python/sglang/srt/managers/io_struct.py` + `entrypoints/http_server.py`; docs/hardware.md says which release):
 - disk: POST /update_weights_from_disk {"model_path", "weight_version", "load_format"?}
   (UpdateWeightFromDiskReqInput) → {"success", "message", "num_paused_requests"}; the directory
   holds `model.safetensors` with the Hugging Face parameter names and the model's config files.
@@ -27,7 +27,7 @@ Shapes followed (SGLang's native HTTP API: docs "native_api" / "rl" pages and
   "flush_cache", "weight_version"} (UpdateWeightsFromDistributedReqInput) to every server while
   the trainer broadcasts each tensor from rank 0 in that order.
 
-What was NOT run: any real SGLang server. The tests run all three against
+Not run against a real SGLang server (docs/hardware.md). The tests run all three against
 `tests/core/fake_sglang_server.py`: disk (the fake loads the safetensors), tensor (the fake
 unpickles the payload with an allowlist like SGLang's and checks one entry per TP rank), and
 distributed over gloo on CPU (the fake joins the group with this module's

@@ -16,9 +16,9 @@ A timeout raises `WeightSyncTimeout` naming the rank, its role, the step and exc
 waiting in, and the publisher rank. After a timeout the group has a collective in flight and is not
 usable: destroy it and start again (the trainer's restart logic does that).
 
-Run here: gloo on CPU (tests: world size 2 over 127.0.0.1). NCCL on GPUs is written for (`device`
-puts the collective buffers on the GPU) but was NOT run: no GPU on the machine this was built on.
-Also not run: several subscribers per group, groups other than the default.
+Tested on gloo over CPU (world size 2 over 127.0.0.1). NCCL on GPUs is written for (`device` puts the
+collective buffers on the GPU) but has not run, nor have several subscribers per group or groups other than
+the default (docs/hardware.md).
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ class TorchDistTransport(Transport):
             part = buf[start : start + self.chunk_bytes]
             if self.device.type == "cpu":
                 self._bcast(part, timeout, role, have, f"payload bytes {start}..{start + part.numel()} of {n}")
-            else:  # stage through the device for NCCL (not run here)
+            else:  # stage through the device for NCCL (untested: docs/hardware.md)
                 dev = part.to(self.device)
                 self._bcast(dev, timeout, role, have, f"payload bytes {start}..{start + part.numel()} of {n}")
                 part.copy_(dev.cpu())

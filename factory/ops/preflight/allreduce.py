@@ -1,10 +1,11 @@
 """The all-reduce check: bus bandwidth of a sum all-reduce across local ranks, each its own process.
 
 CPU nodes (and nodes with fewer than 2 GPUs): 2 ranks on gloo over 127.0.0.1. GPU nodes with 2 or more GPUs: one rank
-per GPU on NCCL (NVLink / PCIe between them), written the same way but not run here (no GPU). Each rank is started as
-`python -m factory.ops.preflight.allreduce --rank R ...`; rank 0 prints one JSON line. The reduced values are checked
-(every element must equal the sum of the ranks' fills), so a rank that computes garbage fails, not only a slow one.
-Bus bandwidth is the nccl-tests convention: bytes x 2(n-1)/n / seconds per all-reduce, comparable across world sizes.
+per GPU on NCCL (NVLink / PCIe between them), written the same way but not yet run (docs/hardware.md). Each rank is
+started as `python -m factory.ops.preflight.allreduce --rank R ...`; rank 0 prints one JSON line. The reduced values
+are checked (every element must equal the sum of the ranks' fills), so a rank that computes garbage fails, not only a
+slow one. Bus bandwidth is the nccl-tests convention: bytes x 2(n-1)/n / seconds per all-reduce, comparable across
+world sizes.
 """
 
 from __future__ import annotations

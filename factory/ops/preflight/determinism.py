@@ -6,7 +6,7 @@ the same instructions on the same data, so any difference is a fault (nondetermi
 flaky core) and is held to exact equality. The golden was recorded on another machine: with the same torch,
 transformers and CPU capability (the kernel set ATen dispatches to: AVX512, AVX2, DEFAULT...) the kernels are the
 same, but the BLAS library may still pick a different blocking for another CPU model of that capability, which
-reorders float sums and moves the last bits (measured here across kernel sets, as a stand-in: the losses agree to
+reorders float sums and moves the last bits (measured across kernel sets on one CPU, as a stand-in: the losses agree to
 the bit, the gradient bytes differ, their norm by 4e-9 relative AVX2 vs AVX512 and 2e-8 DEFAULT vs AVX512). A wrong
 stack (a library version that changed numerics or initialisation, a broken kernel, a miscompiled build) moves them
 by far more. So loss, loss after one step and gradient norm are held to a relative tolerance of 1e-5 (500x the

@@ -17,8 +17,8 @@ the API server answers 409 Conflict and the read-and-patch is retried.
 A partial run (`--check NAME`) changes only what it checked: the failed checks it did not run stay failed (read from
 the node's annotation), so a partial re-run after a fix clears the node only when nothing else failed.
 
-Not run here: no API server and no real node or scheduler; the calls are tested against the fake API server in
-tests/deploy/fake_kube.py (a local HTTP server speaking a subset of the Kubernetes API).
+The calls are tested against the fake API server in tests/deploy/fake_kube.py (a local HTTP server speaking a
+subset of the Kubernetes API), not against a real API server, node or scheduler (docs/kubernetes.md).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Which node this is: its name (FACTORY_NODE, else the hostname) and its kind, whose floors the checks are held to.
 
 Floors are per node kind, chosen by detection (GPU model from nvidia-smi, else the CPU core count) and overridable
-with FACTORY_NODE_KIND or `factory preflight --kind`. The CPU floors come from measurements on the 2-core machine
-this project develops on, shared with other work (see `NODE_KINDS`); the GPU floors are typed from the parts'
-published figures with a wide margin, not measured (no GPU here).
+with FACTORY_NODE_KIND or `factory preflight --kind`. The CPU floors come from measurements on a 2-vCPU VM
+shared with other work (see `NODE_KINDS`); the GPU floors are typed from the parts' published figures with a wide
+margin, not measured.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def _gpu_kind(model: str, gpus: int) -> NodeKind:
                     basis=f"typed from published {model.upper()} SXM figures (not measured)")
 
 
-# cpu-2core, measured here (Xeon, AVX512, 2 vCPUs shared with other engineers' test runs; medians of 6 windows):
+# cpu-2core, measured on an Intel Xeon VM (AVX512, 2 vCPUs shared with other test runs; medians of 6 windows):
 #   matmul 512x512 fp32 1 thread: 60-160 GFLOP/s healthy (the low end while other test suites ran beside it: 20
 #     quick preflights in a row under load average 3-9 gave min 60, median 126), 26-53 with 2 extra busy-loop
 #     processes, 1.6-3.5 with 48; on its core the thread always ran at ~135-150.
@@ -51,7 +51,7 @@ def _gpu_kind(model: str, gpus: int) -> NodeKind:
 #     wrote and fsynced beside it); 512 MiB 200-620 / 400-1150.
 #   gloo all-reduce 2 ranks on loopback, bus bandwidth 0.7-1.1 GB/s.
 # Floors sit 3x or more below the lowest healthy figure and far above what an oversubscribed CPU gives: a healthy
-# node (even one shared as this one is) passes; one where the check's thread gets less than about a seventh of a
+# node (even a shared one) passes; one where the check's thread gets less than about a seventh of a
 # core fails matmul. Milder contention passes by design: on a shared machine, healthy and mildly busy look alike.
 NODE_KINDS: dict[str, NodeKind] = {k.name: k for k in (
     NodeKind("cpu-2core", matmul_gflops=20.0, memory_gbs=1.0, disk_write_mbs=10.0, disk_read_mbs=20.0,

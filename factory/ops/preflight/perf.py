@@ -4,8 +4,8 @@ Each is the median of several short timed windows: one stalled window (a page fa
 not fail a healthy node and one lucky window does not pass a busy one (under heavy contention the best window was 3x
 the median, measured), while sustained contention, throttling or a slow part lowers most windows and does. On a CPU
 node both run on one thread: a one-thread rate does not depend on the core count and does not collapse when another
-process holds a core the way a rate split over every core does (measured on a shared 2-core machine: the best window
-at 2 threads fell to a fifth of the 1-thread rate under other work). A CPU whose cores are all oversubscribed still
+process holds a core the way a rate split over every core does (on a 2-core machine shared with other work, the
+best window at 2 threads fell to a fifth of the 1-thread rate). A CPU whose cores are all oversubscribed still
 gives the thread only its share, and fails the floor; the message then says which it was, from the thread's CPU time:
 the share of a core it got, and its rate on that core. On a GPU node they run on GPU 0 (bf16 matmul, device copy).
 """

@@ -1,4 +1,4 @@
-"""Every snippet of the README's "Run history" section runs, as written, against a lake with rows:
+"""Every snippet of the "Run history" section of docs/lake.md runs, as written, against a lake with rows:
 the `factory` commands through main(argv), the Python blocks with exec() from the directory that
 holds `.factory`. Placeholders RUN_A, RUN_B and SWEEP_ID are replaced by recorded ids."""
 
@@ -18,15 +18,15 @@ from factory.cli import main
 from factory.home import factory_home
 from factory.lake import Lake
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "lake.md"
 SECTION = "## Run history"
 T0 = dt.datetime(2025, 7, 1, tzinfo=dt.UTC)
 IDS = {"RUN_A": "quickstart-a", "RUN_B": "quickstart-b", "SWEEP_ID": "lr-sweep"}
 
 
 def section_blocks() -> list[tuple[str, str]]:
-    """(language, code) of each fenced block in the README's Run history section, placeholders filled."""
-    text = README.read_text()
+    """(language, code) of each fenced block in the page's Run history section, placeholders filled."""
+    text = PAGE.read_text()
     start = text.index(SECTION)
     end = text.find("\n## ", start + len(SECTION))
     body = text[start:end if end != -1 else None]
@@ -51,13 +51,13 @@ def commands(code: str) -> list[list[str]]:
         pending = ""
         if argv:
             argvs.append(argv)
-    assert not pending, f"unclosed quote in README command: {pending!r}"
+    assert not pending, f"unclosed quote in a command: {pending!r}"
     return argvs
 
 
 @pytest.fixture
-def readme_home(tmp_path, monkeypatch) -> Path:
-    """./.factory (the default home the README's Python uses) with two runs of a sweep."""
+def doc_home(tmp_path, monkeypatch) -> Path:
+    """./.factory (the default home the page's Python uses) with two runs of a sweep."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("FACTORY_HOME", str(tmp_path / ".factory"))
     with Lake.open(factory_home()) as lake:
@@ -75,14 +75,14 @@ def readme_home(tmp_path, monkeypatch) -> Path:
     return tmp_path
 
 
-def test_readme_section_has_the_snippets():
+def test_the_section_has_the_snippets():
     langs = [lang for lang, _ in section_blocks()]
     assert langs.count("bash") >= 2 and "python" in langs
     argvs = [a for lang, code in section_blocks() if lang == "bash" for a in commands(code)]
     assert {a[1] for a in argvs} >= {"runs", "best", "compare", "query"}
 
 
-def test_readme_commands_run(readme_home, capsys):
+def test_the_commands_run(doc_home, capsys):
     for lang, code in section_blocks():
         if lang != "bash":
             continue
@@ -95,13 +95,13 @@ def test_readme_commands_run(readme_home, capsys):
                 json.loads(out)
 
 
-def test_readme_python_runs(readme_home):
+def test_the_python_runs(doc_home):
     for lang, code in section_blocks():
         if lang != "python":
             continue
         printed = io.StringIO()
         scope: dict = {}
         with contextlib.redirect_stdout(printed):
-            exec(compile(code, str(README), "exec"), scope)  # noqa: S102 - the README's own snippet
+            exec(compile(code, str(PAGE), "exec"), scope)  # noqa: S102 - the page's own snippet
         assert sorted(scope["late"].column("step").to_pylist()) == [100, 110]
         assert printed.getvalue().strip() == "[(12, 0.5)]"

@@ -1,6 +1,7 @@
-"""README's "Running on Kubernetes" commands, checked as far as this machine allows: no cluster, Docker engine or
-helm here, so the `factory` commands run (into a temp directory), and every file the `docker`, `kubectl` and `helm`
-commands name exists, and is a valid spec, deploy profile or strictly valid Kubernetes object as it should be."""
+"""The commands of docs/kubernetes.md (from an empty cluster to a sweep), checked without a cluster, Docker
+engine or helm: the `factory` commands run (into a temp directory), and every file the `docker`, `kubectl` and
+`helm` commands name exists, and is a valid spec, deploy profile or strictly valid Kubernetes object as it
+should be."""
 
 from __future__ import annotations
 
@@ -17,14 +18,13 @@ from factory.config import load_spec
 from factory.deploy.profile import load_profile
 
 ROOT = Path(__file__).resolve().parents[2]
+PAGE = ROOT / "docs" / "kubernetes.md"
 K8S_VERSION = "1.37.0"
 
 
 def commands() -> list[list[str]]:
-    text = (ROOT / "README.md").read_text()
-    section = text.split("## Running on Kubernetes", 1)[1].split("\n## ", 1)[0]
-    block = re.search(r"```sh\n(.*?)```", section, re.S)
-    assert block, "README: Running on Kubernetes has no ```sh block"
+    block = re.search(r"```sh\n(.*?)```", PAGE.read_text(), re.S)
+    assert block, f"{PAGE}: no ```sh block"
     joined = block.group(1).replace("\\\n", " ")
     return [shlex.split(line) for line in joined.splitlines() if line.strip() and not line.lstrip().startswith("#")]
 
@@ -38,7 +38,7 @@ def validate(path: Path) -> None:
 
 
 def test_the_commands_run_or_name_files_that_exist_and_validate(tmp_path: Path, monkeypatch, capsys) -> None:
-    monkeypatch.chdir(tmp_path)  # `--out manifests/...` lands here; the README's paths are the repository's
+    monkeypatch.chdir(tmp_path)  # `--out manifests/...` lands here; the page's other paths are the repository's
     cmds = commands()
     tools = [c[0] for c in cmds]
     assert {"docker", "kubectl", "helm", "factory"} <= set(tools)
