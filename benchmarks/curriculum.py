@@ -53,10 +53,10 @@ from factory.core.sft import run_sft  # noqa: E402
 from factory.data.blend import open_sources  # noqa: E402
 from factory.data.feed import make_feed  # noqa: E402
 from factory.data.source import ListSource  # noqa: E402
-from factory.envs.arithmetic import Problem  # noqa: E402
 from factory.envs.tasks import make_task_splits  # noqa: E402
 from factory.models.build import build_model  # noqa: E402
 from factory.models.tokenizer import tokenizer_for  # noqa: E402
+from factory.problem import Problem  # noqa: E402
 
 SOURCES = ("mid", "hard", "harder")
 DIGITS = (3, 5, 6)

@@ -26,7 +26,6 @@ from factory.config import ExperimentSpec
 from factory.core.evaluate import EvalResult, evaluate
 from factory.core.rollout.embedded import EmbeddedEngine
 from factory.core.sft import run_sft
-from factory.envs.arithmetic import Problem, Splits
 from factory.envs.benchmarks import HELD_OUT
 from factory.envs.tasks import make_task_splits
 from factory.home import FactoryPaths
@@ -35,6 +34,7 @@ from factory.models.build import build_model, policy_for
 from factory.models.checkpoint import CheckpointInfo, dir_digest, load_checkpoint, save_checkpoint
 from factory.models.tokenizer import tokenizer_for
 from factory.ops.placement import check_placement, enter, placements
+from factory.problem import Problem, Splits
 from factory.progress import Progress
 from factory.tracking import Tracker
 

@@ -32,7 +32,6 @@ from factory.core.resume import latest
 from factory.core.rollout.embedded import EmbeddedEngine
 from factory.data.blend import blend_version, held_out_sets
 from factory.data.feed import make_feed
-from factory.envs.arithmetic import Splits
 from factory.envs.benchmarks import HELD_OUT
 from factory.experiment import Log, Report, code_version, eval_rows, set_threads
 from factory.home import FactoryPaths
@@ -42,6 +41,7 @@ from factory.models.checkpoint_store import recorded_uri
 from factory.ops import recovery
 from factory.ops.attempt import AttemptLock, RunCheckpoints, beat, resume_dir
 from factory.ops.supervisor import CircuitOpen
+from factory.problem import Splits
 from factory.progress import Progress, format_duration
 from factory.tracking import Tracker
 

@@ -40,9 +40,9 @@ from factory.core.resume import TrainState, capture, rng_state, set_rng_state
 from factory.core.trainer.batch import TrainBatch, pack
 from factory.core.trainer.ranks import make_trainer
 from factory.core.trainer.torch_trainer import TorchTrainer
-from factory.envs.arithmetic import Problem
 from factory.ops.faults import fault_point
 from factory.ops.supervisor import ServiceUnavailable
+from factory.problem import Problem
 
 
 @dataclass

@@ -39,7 +39,6 @@ from factory.core.rollout.continuous import ContinuousEngine
 from factory.core.rollout.embedded import EmbeddedEngine
 from factory.core.weights import encode_delta, encode_full
 from factory.data.feed import PromptFeed, make_feed
-from factory.envs.arithmetic import Problem
 from factory.envs.protocol import load_environment, tokens_from_session
 from factory.envs.workers import Episode, Scored, make_environment
 from factory.models.build import policy_positions
@@ -47,6 +46,7 @@ from factory.models.checkpoint import remove_checkpoint, save_checkpoint
 from factory.models.prompting import prompt_ids
 from factory.ops.placement import enter, placements
 from factory.ops.supervisor import CONNECTION_ERRORS, ServiceProcess, ServiceUnavailable
+from factory.problem import Problem
 
 
 class ProducerFailed(RuntimeError):

@@ -17,7 +17,7 @@ from factory.config import ExperimentSpec
 from factory.data.blender import Blender
 from factory.data.source import ListSource, PromptSource, num_blocks
 from factory.data.sources import SourceError, make_source
-from factory.envs.arithmetic import Problem
+from factory.problem import Problem
 
 DEFAULT_BLOCK_ROWS = 1024
 

@@ -22,7 +22,7 @@ from factory.config import ExperimentSpec
 from factory.data.blend import blend_schedule, blend_seed, blender_for, open_sources
 from factory.data.blender import Blender
 from factory.data.source import PromptSource
-from factory.envs.arithmetic import Problem
+from factory.problem import Problem
 
 
 class PromptFeed:

@@ -39,7 +39,6 @@ import uvicorn
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from factory.envs.arithmetic import Problem
 from factory.envs.latency import LatencyProfile
 from factory.envs.protocol import (
     REWARD_TIMEOUT_S,
@@ -50,6 +49,7 @@ from factory.envs.protocol import (
 )
 from factory.envs.tasks import verify
 from factory.ops.http_guard import MAX_JSON_BYTES, RequestError, clip, guard
+from factory.problem import Problem
 
 Scorer = Callable[[dict[str, Any], str], float]
 

@@ -24,8 +24,9 @@ from importlib import resources
 from typing import Any
 
 from factory.config import TaskSpec
-from factory.envs.arithmetic import OPS, Problem, Splits, arithmetic_capacity, make_splits, prompt_tokens
+from factory.envs.arithmetic import OPS, arithmetic_capacity, make_splits, prompt_tokens
 from factory.envs.arithmetic import reward as arithmetic_reward
+from factory.problem import Problem, Splits
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")

@@ -91,8 +91,8 @@ async def python_tool_episode(task: dict[str, Any], client: Any) -> EpisodeResul
     import asyncio
     import json
 
-    from factory.envs.arithmetic import Problem
     from factory.envs.tasks import sandbox_pool, verify
+    from factory.problem import Problem
 
     sampling = dict(task.get("sampling", {}))
     problem = Problem(**{k: task[k] for k in ("id", "prompt", "answer", "op", "digits") if k in task},

@@ -22,11 +22,11 @@ from pathlib import Path
 
 import httpx
 
-from factory.envs.arithmetic import Problem
 from factory.envs.latency import LatencyProfile
 from factory.envs.protocol import REWARD_TIMEOUT_S, EpisodeResult, load_environment, run_episodes_isolated
 from factory.envs.service import score_completions
 from factory.ops.supervisor import CONNECTION_ERRORS, ServiceProcess, ServiceUnavailable
+from factory.problem import Problem
 
 
 @dataclass(frozen=True)

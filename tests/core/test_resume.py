@@ -13,9 +13,9 @@ import torch
 from factory.config import ExperimentSpec
 from factory.core.loop import train_grpo
 from factory.core.resume import ResumeWriter, capture, latest, load, points, rng_state, verify, write
-from factory.envs.arithmetic import Problem
 from factory.models.build import build_model
 from factory.models.tokenizer import build_tokenizer
+from factory.problem import Problem
 
 # Answers are the empty string: a completion is right when its first token is <eos>, so rewards are mixed
 # from the first step and the updates are real.

@@ -10,10 +10,10 @@ from factory.config import SFTSpec
 from factory.core.rollout.continuous import ContinuousEngine
 from factory.core.rollout.server import launch_server, parse_tool_calls
 from factory.core.sft import run_sft
-from factory.envs.arithmetic import Problem
 from factory.envs.protocol import tokens_from_session
 from factory.models.build import build_model
 from factory.models.tokenizer import tokenizer_for
+from factory.problem import Problem
 
 CALL = '<tool_call>{"name": "python", "arguments": {"code": "print(6*7)"}}</tool_call>'
 TOOLS = [{"type": "function", "function": {"name": "python", "description": "run Python code",

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from factory.data.blender import Blender, Quota
 from factory.data.source import ListSource
-from factory.envs.arithmetic import Problem
+from factory.problem import Problem
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -29,8 +29,9 @@ from factory.data.sources import (
     SuiteSource,
     make_source,
 )
-from factory.envs.arithmetic import Problem, arithmetic_capacity
+from factory.envs.arithmetic import arithmetic_capacity
 from factory.envs.tasks import _SETS, _records, make_task_splits, verify
+from factory.problem import Problem
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -6,7 +6,6 @@ import asyncio
 import pytest
 
 from factory.config import parse_spec
-from factory.envs.arithmetic import Problem
 from factory.envs.protocol import (
     EpisodeResult,
     GymAdapter,
@@ -16,6 +15,7 @@ from factory.envs.protocol import (
     tokens_from_session,
 )
 from factory.envs.tools import calculator
+from factory.problem import Problem
 
 OBS = "12"  # what the two-turn environment inserts between the model's turns
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from factory.envs.arithmetic import Problem
+from factory.problem import Problem
 
 from .rows import BatchCursor, ColumnMap, SourceError, check_verifier, problems_from_arrow, problems_from_columns
 

@@ -16,7 +16,7 @@ from pyiceberg.exceptions import NoSuchNamespaceError, NoSuchTableError
 from pyiceberg.expressions import AlwaysTrue
 from pyiceberg.io.pyarrow import ArrowScan
 
-from factory.envs.arithmetic import Problem
+from factory.problem import Problem
 
 from .rows import BatchCursor, ColumnMap, SourceError, check_verifier, problems_from_arrow
 

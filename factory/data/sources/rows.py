@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterator, Sequence
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict
 
-from factory.envs.arithmetic import Problem
 from factory.envs.protocol import BUILTINS
+from factory.problem import Problem
 
 TASK_FAMILIES = ("arithmetic", "word_problems", "code")
 # `tasks.verify` dispatches on Problem.op: "word" and "code" rows go to their verifiers, any other op to the exact
