@@ -120,7 +120,8 @@ def _observed_sources_asset(entries: list[dict[str, Any]]) -> AssetsDefinition:
                                        description="Observe the external prompt sources: content hash or "
                                                    "snapshot id as each one's data version.")
         def _observe(context):
-            from factory.data.sources import SourceError, make_source
+            from factory.data.sources import make_source
+            from factory.source_spec import SourceError
 
             catalog = context.resources.lake.lake() if needs_lake else None
             for key in sorted(context.selected_asset_keys, key=lambda k: k.to_user_string()):

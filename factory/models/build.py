@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
-from factory.models.presets import PRESETS
+from factory.presets import PRESETS
 
 if TYPE_CHECKING:
     from factory.config import ExperimentSpec

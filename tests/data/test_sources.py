@@ -25,13 +25,13 @@ from factory.data.sources import (
     IcebergSource,
     JsonlSource,
     ParquetSource,
-    SourceError,
     SuiteSource,
     make_source,
 )
 from factory.envs.arithmetic import arithmetic_capacity
 from factory.envs.tasks import _SETS, _records, make_task_splits, verify
 from factory.problem import Problem
+from factory.source_spec import SourceError
 
 REPO = Path(__file__).resolve().parents[2]
 
