@@ -28,6 +28,7 @@ from pydantic import (
     model_validator,
 )
 
+from factory.digest import model_dir_digest
 from factory.presets import PRESETS
 from factory.source_spec import SourceError, parse_source_spec
 
@@ -141,7 +142,7 @@ class ModelSpec(_Section):
 Operation = Literal["add", "sub", "mul"]
 
 
-MULTI_TURN_BUILTINS = ("calculator_tool", "python_tool")  # envs/protocol.py BUILTINS that run episodes
+MULTI_TURN_BUILTINS = ("calculator_tool", "python_tool")  # envs/registry.py BUILTINS that run episodes
 MIN_N_TRAIN = 16
 
 
@@ -690,8 +691,6 @@ class ExperimentSpec(_Section):
                  "sft": self.sft.model_dump(mode="json"), "seed": self.seed,
                  "max_new_tokens": self.rollout.max_new_tokens}
         if self.model.path is not None:  # a path names a directory, not its weights: key by what is in it
-            from factory.models.hf import model_dir_digest
-
             parts["model_dir_sha256"] = model_dir_digest(self.model.path)
         return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 

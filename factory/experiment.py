@@ -26,12 +26,13 @@ from factory.config import ExperimentSpec
 from factory.core.evaluate import EvalResult, evaluate
 from factory.core.rollout.embedded import EmbeddedEngine
 from factory.core.sft import run_sft
+from factory.digest import dir_digest
 from factory.envs.benchmarks import HELD_OUT
 from factory.envs.tasks import make_task_splits
 from factory.home import FactoryPaths
 from factory.lake.writer import Lake
 from factory.models.build import build_model, policy_for
-from factory.models.checkpoint import CheckpointInfo, dir_digest, load_checkpoint, save_checkpoint
+from factory.models.checkpoint import CheckpointInfo, load_checkpoint, save_checkpoint
 from factory.models.tokenizer import tokenizer_for
 from factory.ops.placement import check_placement, enter, placements
 from factory.problem import Problem, Splits

@@ -43,10 +43,10 @@ from factory.envs.latency import LatencyProfile
 from factory.envs.protocol import (
     REWARD_TIMEOUT_S,
     call_guarded,
-    load_environment,
     run_episodes_isolated_async,
     score_all,
 )
+from factory.envs.registry import load_environment
 from factory.envs.tasks import verify
 from factory.ops.http_guard import MAX_JSON_BYTES, RequestError, clip, guard
 from factory.problem import Problem

@@ -77,7 +77,8 @@ def test_the_python_tool_environment_runs_calls_in_the_sandbox(tool_caller, requ
     import asyncio
 
     from factory.envs import tasks
-    from factory.envs.protocol import load_environment, run_episodes
+    from factory.envs.protocol import run_episodes
+    from factory.envs.registry import load_environment
 
     env = load_environment("python_tool")
     task = {"id": "q1", "prompt": "Q1?", "answer": "42", "op": "word", "digits": 0,

@@ -5,7 +5,7 @@ extra columns go into `meta`. Rows are built from an Arrow table slice one colum
 column is far faster than per-row dicts). A source without an id column gets the row's position as its id.
 
 The verifier names what scores a row: a task family of `factory/envs/tasks.py` ("arithmetic",
-"word_problems", "code"), a built-in environment of `factory/envs/protocol.py`, or an environment import
+"word_problems", "code"), a built-in environment of `factory/envs/registry.py`, or an environment import
 path "pkg.module:attr" (only then is user code imported, to check that it loads).
 """
 
@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 
 import pyarrow as pa
 
-from factory.envs.protocol import BUILTINS
+from factory.envs.registry import BUILTINS, load_environment
 from factory.problem import Problem
 from factory.source_spec import ColumnMap, SourceError
 
@@ -32,8 +32,6 @@ def check_verifier(source: str, verifier: str) -> None:
     if verifier in TASK_FAMILIES or verifier in BUILTINS:
         return
     if ":" in verifier:
-        from factory.envs.protocol import load_environment
-
         try:
             load_environment(verifier)
         except ValueError as e:
