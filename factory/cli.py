@@ -168,9 +168,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _run_spec(spec, args: argparse.Namespace) -> int:
     from factory.core.loop import NonFiniteLoss, RunInterrupted
     from factory.experiment import RunFailed, run_experiment
+    from factory.infra.supervisor import CircuitOpen
     from factory.ops.preflight.gate import PreflightFailed, gate
     from factory.ops.restarts import EXIT_NEEDS_FIX, EXIT_STOPPED
-    from factory.ops.supervisor import CircuitOpen
 
     try:
         gate(spec.ops, home_from(args), log=print)  # no training on a node whose latest preflight failed

@@ -36,11 +36,11 @@ from factory.digest import dir_digest
 from factory.envs.benchmarks import HELD_OUT
 from factory.experiment import Log, Report, code_version, eval_rows, set_threads
 from factory.home import FactoryPaths
+from factory.infra.supervisor import CircuitOpen
 from factory.lake.writer import Lake
 from factory.models.checkpoint import CheckpointInfo, load_checkpoint, recorded_uri, save_checkpoint
 from factory.ops import recovery
 from factory.ops.attempt import AttemptLock, RunCheckpoints, beat, resume_dir
-from factory.ops.supervisor import CircuitOpen
 from factory.problem import Splits
 from factory.progress import Progress, format_duration
 from factory.tracking import Tracker

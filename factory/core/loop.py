@@ -48,8 +48,8 @@ from factory.core.trainer.ranks import make_trainer
 from factory.core.trainer.torch_trainer import TorchTrainer
 from factory.data.feed import PromptFeed, make_feed
 from factory.envs.registry import load_environment
-from factory.ops.faults import fault_point
-from factory.ops.supervisor import ServiceUnavailable
+from factory.infra.faults import fault_point
+from factory.infra.supervisor import ServiceUnavailable
 from factory.problem import Problem
 
 

@@ -42,11 +42,11 @@ from factory.data.feed import PromptFeed
 from factory.envs.protocol import tokens_from_session
 from factory.envs.registry import load_environment
 from factory.envs.workers import Episode, Scored, make_environment
+from factory.infra.placement import enter, placements
+from factory.infra.supervisor import CONNECTION_ERRORS, ServiceProcess, ServiceUnavailable
 from factory.models.build import policy_positions
 from factory.models.checkpoint import remove_checkpoint, save_checkpoint
 from factory.models.prompting import prompt_ids
-from factory.ops.placement import enter, placements
-from factory.ops.supervisor import CONNECTION_ERRORS, ServiceProcess, ServiceUnavailable
 from factory.problem import Problem
 
 

@@ -37,7 +37,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from factory.ops.faults import fault_point
+from factory.infra.faults import fault_point
 
 FORMAT = 1
 MANIFEST = "MANIFEST.json"

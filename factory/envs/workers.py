@@ -27,7 +27,7 @@ from factory.envs.protocol import REWARD_TIMEOUT_S, EpisodeResult, run_episodes_
 from factory.envs.registry import load_environment
 from factory.envs.service import score_completions
 from factory.envs.tasks import configure_sandbox
-from factory.ops.supervisor import CONNECTION_ERRORS, ServiceProcess, ServiceUnavailable
+from factory.infra.supervisor import CONNECTION_ERRORS, ServiceProcess, ServiceUnavailable
 from factory.problem import Problem
 
 

@@ -10,7 +10,7 @@ import pytest
 from factory.envs.latency import LatencyProfile
 from factory.envs.service import SCORERS, score_completions
 from factory.envs.workers import Episode, LocalEnvironment, ServiceEnvironment, make_environment
-from factory.ops.supervisor import CircuitOpen
+from factory.infra.supervisor import CircuitOpen
 from factory.problem import Problem
 
 P = Problem(id="p1", prompt="12+30=", answer="24", op="add", digits=2)

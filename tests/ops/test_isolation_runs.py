@@ -13,10 +13,10 @@ import pytest
 from factory.config import parse_spec
 from factory.core.loop import NonFiniteLoss
 from factory.grpo_run import run_grpo
+from factory.infra.supervisor import CircuitOpen
 from factory.models.build import build_model
 from factory.models.checkpoint import save_checkpoint
 from factory.models.tokenizer import build_tokenizer
-from factory.ops.supervisor import CircuitOpen
 from factory.problem import Problem, Splits
 from factory.tracking import Tracker
 

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from factory.core.rollout.api_models import APIError
-from factory.ops.http_guard import clip
+from factory.infra.http_guard import clip
 
 
 def _message_text(msg: dict[str, Any], i: int) -> dict[str, str]:

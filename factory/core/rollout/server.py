@@ -78,8 +78,8 @@ from factory.core.rollout.chat import (
 )
 from factory.core.rollout.continuous import PAUSE_MODES, UPDATE_MODES, ContinuousEngine
 from factory.core.rollout.sessions import SessionStore, Turn
-from factory.ops.faults import fault_point
-from factory.ops.http_guard import MAX_JSON_BYTES, clip, guard
+from factory.infra.faults import fault_point
+from factory.infra.http_guard import MAX_JSON_BYTES, clip, guard
 
 # The request models, chat template and sessions live in their own modules; their public names are importable
 # from here too.

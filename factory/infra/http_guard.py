@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-log = logging.getLogger("factory.ops.http_guard")
+log = logging.getLogger("factory.infra.http_guard")
 
 MAX_JSON_BYTES = 8 << 20  # a JSON request body; a service raises it per path where it takes more (weight uploads)
 MAX_ECHO = 100  # characters of a request's value an error message may quote

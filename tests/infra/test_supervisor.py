@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from factory.ops.supervisor import CircuitOpen, ServiceProcess, ServiceUnavailable, retry_through_restarts
+from factory.infra.supervisor import CircuitOpen, ServiceProcess, ServiceUnavailable, retry_through_restarts
 
 SCRIPT = str(Path(__file__).with_name("flaky_service.py"))
 

@@ -12,7 +12,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from factory.ops.http_guard import RequestError, clip, field_path, guard, validation_message
+from factory.infra.http_guard import RequestError, clip, field_path, guard, validation_message
 
 
 class Inner(BaseModel):
