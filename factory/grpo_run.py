@@ -30,8 +30,8 @@ from factory.core.evaluate import evaluate
 from factory.core.loop import NonFiniteLoss, RunInterrupted, StepRecord, train_grpo
 from factory.core.resume import latest
 from factory.core.rollout.embedded import EmbeddedEngine
-from factory.data.blend import blend_version, held_out_sets
 from factory.data.feed import make_feed
+from factory.data.from_spec import blend_version, held_out_sets
 from factory.digest import dir_digest
 from factory.envs.benchmarks import HELD_OUT
 from factory.experiment import Log, Report, code_version, eval_rows, set_threads

@@ -19,9 +19,9 @@ from collections.abc import Iterable
 from typing import Any
 
 from factory.config import ExperimentSpec
-from factory.data.blend import blend_schedule, blend_seed, blender_for, open_sources
 from factory.data.blender import Blender
-from factory.data.source import PromptSource
+from factory.data.from_spec import blend_schedule, blend_seed, blender_for, open_sources
+from factory.data.sources.base import PromptSource
 from factory.problem import Problem
 
 
@@ -155,7 +155,7 @@ def make_feed(spec: ExperimentSpec, train: list[Problem] | None = None, sources:
 
 def feed_of(problems: list[Problem], seed: int = 0, name: str = "problems") -> PromptFeed:
     """A feed over an in-memory list of problems with no curriculum (tests, benchmarks)."""
-    from factory.data.source import ListSource
+    from factory.data.sources.base import ListSource
 
     rows = [Problem(p.id, p.prompt, p.answer, p.op, p.digits, {**p.meta, "source": name}) for p in problems]
     return PromptFeed(Blender([ListSource(name, rows, f"{name}-{len(rows)}")], weights={name: 1.0}, seed=seed))

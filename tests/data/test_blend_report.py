@@ -3,8 +3,8 @@
 from pathlib import Path
 
 from factory.config import load_spec, parse_spec
-from factory.data.blend import open_sources
 from factory.data.blend_report import blend_report
+from factory.data.from_spec import open_sources
 from factory.plots import PNG_SIGNATURE
 
 QUICKSTART = Path(__file__).parents[2] / "examples" / "quickstart.yaml"
@@ -53,7 +53,7 @@ def test_the_picture_is_a_deterministic_png_and_long_runs_are_sampled():
 
 
 def test_without_a_data_section_the_task_split_is_the_one_source():
-    from factory.data.blend import task_source
+    from factory.data.from_spec import task_source
     from factory.problem import Problem
 
     s = load_spec(QUICKSTART)

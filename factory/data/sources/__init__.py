@@ -1,5 +1,6 @@
-"""Prompt sources (the `PromptSource` interface of factory/data/source.py), one module per concern:
+"""Prompt sources, one module per concern:
 
+- base: the `PromptSource` interface, `ListSource` (rows in memory), `num_blocks`
 - rows: building `Problem` rows from Arrow columns, verifier names
 - generated: an arithmetic level generated from a seed; the shipped suites (word problems, code)
 - files: JSONL, Parquet, and Hugging Face `save_to_disk` directories, read in blocks without loading them

@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from factory.data.source import PromptSource
+from factory.data.sources.base import PromptSource
 from factory.lake.catalog import open_catalog
 from factory.source_spec import (
     ArithmeticSourceSpec,

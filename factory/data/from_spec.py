@@ -15,8 +15,8 @@ from pathlib import Path
 
 from factory.config import ExperimentSpec
 from factory.data.blender import Blender
-from factory.data.source import ListSource, PromptSource, num_blocks
 from factory.data.sources import make_source
+from factory.data.sources.base import ListSource, PromptSource, num_blocks
 from factory.problem import Problem
 from factory.source_spec import SourceError
 
