@@ -16,6 +16,7 @@ import dataclasses
 from collections.abc import Callable, Iterator
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from factory.envs.registry import BUILTINS, load_environment
 from factory.problem import Problem
@@ -73,8 +74,6 @@ def _text(v: object) -> str:
 
 def _arrow_text(col: pa.ChunkedArray | pa.Array) -> list | None:
     """A column as Python str values ("" for null) done in Arrow, or None when it cannot be cast (e.g. a list)."""
-    import pyarrow.compute as pc
-
     try:
         if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
             col = pc.cast(col, pa.string())
