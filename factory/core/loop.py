@@ -34,6 +34,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from factory.config import ExperimentSpec
 from factory.core import algorithms
+from factory.core.batch import TrainBatch, pack
 from factory.core.buffer import apply_importance_correction, stale_rows
 from factory.core.producer import (
     OverlappedProducer,
@@ -43,7 +44,6 @@ from factory.core.producer import (
 )
 from factory.core.resume import TrainState, capture, rng_state, set_rng_state
 from factory.core.sglang_producer import SGLangProducer
-from factory.core.trainer.batch import TrainBatch, pack
 from factory.core.trainer.ranks import make_trainer
 from factory.core.trainer.torch_trainer import TorchTrainer
 from factory.data.feed import PromptFeed, make_feed

@@ -18,7 +18,7 @@ from factory.core.algorithms import (
     overlong_reward,
     sft_loss,
 )
-from factory.core.trainer.batch import TrainBatch
+from factory.core.batch import TrainBatch
 
 
 def test_group_advantages_hand_computed():

@@ -54,7 +54,7 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
-from factory.core.trainer.batch import TrainBatch
+from factory.core.batch import TrainBatch
 from factory.core.trainer.torch_trainer import LossFn, over_minibatches, token_logprobs
 from factory.models.checkpoint import save_checkpoint
 

@@ -35,7 +35,7 @@ from transformers import PreTrainedModel
 
 from factory.config import ExperimentSpec, load_spec
 from factory.core.algorithms import make_loss
-from factory.core.trainer.batch import TrainBatch
+from factory.core.batch import TrainBatch
 from factory.core.trainer.distributed import DistributedTrainer, init_ranks, load_full_state, rank_device
 from factory.core.trainer.torch_trainer import LossFn, TorchTrainer
 from factory.models.build import policy_for
