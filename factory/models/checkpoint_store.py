@@ -30,7 +30,8 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from factory.digest import dir_digest, hash_files, tree_files
+from factory.digest import dir_digest, hash_files, manifest_entries, tree_files
+from factory.digest import manifest as tree_manifest
 from factory.home import factory_home
 from factory.objstore import check_uri, filesystem, is_remote
 
@@ -68,9 +69,8 @@ def upload_checkpoint(root: Path, base_uri: str, name: str, digest: str | None =
     for f, e in zip(files, tree.files, strict=True):
         with f.open("rb") as src, fs.open_output_stream(f"{base}/{e['path']}") as dst:
             shutil.copyfileobj(src, dst, _CHUNK)
-    manifest = {"format": 1, "sha256": tree.sha256, "bytes": tree.bytes, "files": tree.files}
     with fs.open_output_stream(f"{base}/{MANIFEST_NAME}") as out:  # the marker: written after every file
-        out.write(json.dumps(manifest, indent=2).encode())
+        out.write(json.dumps(tree_manifest(tree), indent=2).encode())
     return uri
 
 
@@ -124,7 +124,7 @@ def fetch_checkpoint(uri: str, cache: str | Path | None = None) -> Path:
 
 def _download(uri: str, manifest: dict[str, Any], into: Path) -> None:
     fs, base = filesystem(uri)
-    for e in manifest["files"]:
+    for e in manifest_entries(manifest):
         rel = e["path"]
         if rel.startswith("/") or ".." in rel.split("/"):
             raise IncompleteCheckpointError(f"checkpoint {uri}: manifest names a file outside it: {rel!r}")
