@@ -5,7 +5,8 @@ Dagster assets, a notebook) takes one; nothing else carries hyperparameters.
 
 This module checks what the schema alone can tell. What only the task families know (how many distinct
 problems a task has, how long its longest prompt is) is checked by `factory.envs.spec_check.check_spec`,
-which every loader calls after `load_spec` / `parse_spec` / `apply_overrides`.
+which the loaders (the CLI, the Dagster spec resource, sweeps, the deploy target) call after `load_spec` /
+`parse_spec` / `apply_overrides`.
 """
 
 from __future__ import annotations
