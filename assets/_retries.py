@@ -30,7 +30,7 @@ def factory_run_id(context: AssetExecutionContext, name: str) -> str:
 @contextlib.contextmanager
 def no_retry_for_what_needs_a_fix() -> Iterator[None]:
     from factory.core.loop import NonFiniteLoss
-    from factory.ops.supervisor import CircuitOpen
+    from factory.infra.supervisor import CircuitOpen
 
     try:
         yield

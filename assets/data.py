@@ -89,7 +89,7 @@ def _task_source_asset(spec: ExperimentSpec) -> AssetsDefinition:
            op_tags=role_tags("data"),
            description=f"The task's training split as the one prompt source {name!r} (the spec has no data section).")
     def _source(context: AssetExecutionContext, spec: SpecResource) -> MaterializeResult:
-        from factory.data.blend import task_source
+        from factory.data.from_spec import task_source
         from factory.experiment import load_dataset  # heavy (torch): imported when the asset runs
 
         train = load_dataset(upstream(context, "arithmetic_dataset")["path"]).train
@@ -120,7 +120,8 @@ def _observed_sources_asset(entries: list[dict[str, Any]]) -> AssetsDefinition:
                                        description="Observe the external prompt sources: content hash or "
                                                    "snapshot id as each one's data version.")
         def _observe(context):
-            from factory.data.sources import SourceError, make_source
+            from factory.data.sources import make_source
+            from factory.source_spec import SourceError
 
             catalog = context.resources.lake.lake() if needs_lake else None
             for key in sorted(context.selected_asset_keys, key=lambda k: k.to_user_string()):
@@ -163,8 +164,8 @@ def blend_asset(spec: ExperimentSpec) -> AssetsDefinition:
         """The prompt blend GRPO draws from: its sources, weights or schedule, seed and curriculum. Its data
         version is theirs hashed (`blend_version`), so a changed source file or weight is a new version. The
         metadata compares the realized share of each source with its target over the spec's steps."""
-        from factory.data.blend import blend_schedule, blend_seed, blend_version, open_sources
         from factory.data.blend_report import blend_report
+        from factory.data.from_spec import blend_schedule, blend_seed, blend_version, open_sources
 
         s = spec.spec()
         if _sources_of(s) != built_from:

@@ -16,7 +16,7 @@ buffered + in flight; default 1.5 batches) trades trainer idle time against mean
 `--engine server --env service` puts the rollout server and the environment workers in their own
 processes (three processes on loopback).
 
-`async_placed` is async with placement (`ops/placement.py`): the trainer's thread on the first core, the
+`async_placed` is async with placement (`infra/placement.py`): the trainer's thread on the first core, the
 engine's and the scoring threads on the others, one torch thread each; without it all threads float over all
 cores and generation slows the trainer's steps.
 
@@ -55,8 +55,8 @@ from factory.core.rollout.embedded import EmbeddedEngine  # noqa: E402
 from factory.envs.latency import LatencyProfile  # noqa: E402
 from factory.experiment import build_dataset, load_dataset, train_sft_checkpoint  # noqa: E402
 from factory.home import factory_home  # noqa: E402
+from factory.infra.placement import enter, placements  # noqa: E402
 from factory.models.checkpoint import load_checkpoint  # noqa: E402
-from factory.ops.placement import enter, placements  # noqa: E402
 
 
 def cpu_seconds() -> float:
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{statistics.mean(acc_placed):.3f} ± {spread(acc_placed):.3f} (SFT start {sft.accuracy:.3f})")
     placed = placed_overrides()
     print(f"async_placed: trainer on cores {placed['trainer.cpus']}, engine and scoring on {placed['rollout.cpus']}, "
-          f"1 torch thread each (ops/placement.py)")
+          f"1 torch thread each (infra/placement.py)")
     print(f"limit for this latency shape at batch {spec.rollout.prompts_per_step}: {limit:.2f}x "
           f"(E[slowest in a batch] / E[mean]); {steps} steps x {spec.rollout.prompts_per_step} prompts x "
           f"{spec.algorithm.group_size} samples per run")

@@ -54,7 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from factory.data.blender import Blender  # noqa: E402
-from factory.envs.arithmetic import Problem  # noqa: E402
+from factory.problem import Problem  # noqa: E402
 
 SHARES = {"add2": 0.5, "add3": 0.3, "word": 0.2}  # of the rows
 WEIGHTS = {"add2": 0.2, "add3": 0.3, "word": 0.5}  # of the stream

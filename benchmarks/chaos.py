@@ -11,7 +11,7 @@ newest resume point), each with its environment workers as separate processes:
 3. a longer `sync` run with the trainer killed every `--long-every` seconds, for goodput.
 
 Kill moments are drawn from a seeded RNG; "during a checkpoint write" and "during a weight publish" wait for
-the process to be at that fault point (`factory/ops/faults.py`, which holds each briefly so the kill lands).
+the process to be at that fault point (`factory/infra/faults.py`, which holds each briefly so the kill lands).
 The breaker is widened for these runs (ops.breaker_restarts = 50): here the crashes are the point.
 
 Prints a table, then one JSON line with kills, survived, bit_identical_sync, duplicate_steps, missing_steps,

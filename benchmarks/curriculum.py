@@ -50,13 +50,13 @@ from factory.core.evaluate import evaluate  # noqa: E402
 from factory.core.loop import train_grpo  # noqa: E402
 from factory.core.rollout.embedded import EmbeddedEngine  # noqa: E402
 from factory.core.sft import run_sft  # noqa: E402
-from factory.data.blend import open_sources  # noqa: E402
 from factory.data.feed import make_feed  # noqa: E402
-from factory.data.source import ListSource  # noqa: E402
-from factory.envs.arithmetic import Problem  # noqa: E402
+from factory.data.from_spec import open_sources  # noqa: E402
+from factory.data.sources.base import ListSource  # noqa: E402
 from factory.envs.tasks import make_task_splits  # noqa: E402
 from factory.models.build import build_model  # noqa: E402
 from factory.models.tokenizer import tokenizer_for  # noqa: E402
+from factory.problem import Problem  # noqa: E402
 
 SOURCES = ("mid", "hard", "harder")
 DIGITS = (3, 5, 6)

@@ -18,8 +18,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from factory.data.source import PromptSource, num_blocks
 from factory.data.sources import ArithmeticSource, JsonlSource, ParquetSource
+from factory.data.sources.base import PromptSource, num_blocks
 
 COLUMNS = {"id": "uid", "prompt": "text", "answer": "label"}
 

@@ -64,8 +64,8 @@ def evaluate_recorded_checkpoint(paths: FactoryPaths, lake: Lake, run_id: str, s
     """Evaluate the checkpoint `run_id`@`step` on `benchmark`, after checking its files against the digest
     recorded with it; write the results to `evals` and return them."""
     # Here, not at the top: sensors and the UI import this module for its keys, without torch.
+    from factory.digest import dir_digest
     from factory.experiment import build_dataset, eval_rows, evaluate_checkpoint, load_dataset
-    from factory.models.checkpoint import dir_digest
 
     name = recorded_name(benchmark)
     rows = lake.read("checkpoints", And(EqualTo("run_id", run_id), EqualTo("step", step))).to_pylist()

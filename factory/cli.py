@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from factory.home import FactoryPaths, factory_home
-from factory.models.presets import PRESETS
+from factory.presets import PRESETS
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -120,10 +120,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _load(args: argparse.Namespace):
-    from factory.config import SpecError, apply_overrides, load_spec, parse_overrides
+    from factory.config import SpecError, parse_overrides
+    from factory.envs.spec_check import load_checked_spec
 
     try:
-        return apply_overrides(load_spec(args.spec), parse_overrides(args.overrides)), None
+        return load_checked_spec(args.spec, parse_overrides(args.overrides)), None
     except SpecError as e:
         return None, e if e.source else SpecError(e.errors, args.spec)
 
@@ -167,9 +168,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _run_spec(spec, args: argparse.Namespace) -> int:
     from factory.core.loop import NonFiniteLoss, RunInterrupted
     from factory.experiment import RunFailed, run_experiment
+    from factory.infra.supervisor import CircuitOpen
     from factory.ops.preflight.gate import PreflightFailed, gate
     from factory.ops.restarts import EXIT_NEEDS_FIX, EXIT_STOPPED
-    from factory.ops.supervisor import CircuitOpen
 
     try:
         gate(spec.ops, home_from(args), log=print)  # no training on a node whose latest preflight failed

@@ -2,6 +2,11 @@
 
 An `ExperimentSpec` is the whole description of a run. Everything that trains (the CLI, the
 Dagster assets, a notebook) takes one; nothing else carries hyperparameters.
+
+This module checks what the schema alone can tell. What only the task families know (how many distinct
+problems a task has, how long its longest prompt is) is checked by `factory.envs.spec_check.check_spec`,
+which the loaders (the CLI, the Dagster spec resource, sweeps, the deploy target) call after `load_spec` /
+`parse_spec` / `apply_overrides`.
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ from pydantic import (
     model_validator,
 )
 
-from factory.models.presets import PRESETS
+from factory.digest import model_dir_digest
+from factory.presets import PRESETS
+from factory.source_spec import SourceError, parse_source_spec
 from factory.text import clip
 
 
@@ -133,7 +140,7 @@ class ModelSpec(_Section):
 Operation = Literal["add", "sub", "mul"]
 
 
-MULTI_TURN_BUILTINS = ("calculator_tool", "python_tool")  # envs/protocol.py BUILTINS that run episodes
+MULTI_TURN_BUILTINS = ("calculator_tool", "python_tool")  # envs/registry.py BUILTINS that run episodes
 MIN_N_TRAIN = 16
 
 
@@ -551,7 +558,7 @@ class DataSpec(_Section):
     The SFT warm start and the `heldout` benchmark stay the task's; each generated source adds its own
     held-out benchmark (`source:<name>`, the `held_out` problems after its training rows)."""
 
-    sources: list[dict[str, Any]] = Field(min_length=1, description="source specs (factory/data/sources/spec.py)")
+    sources: list[dict[str, Any]] = Field(min_length=1, description="source specs (factory/source_spec.py)")
     weights: dict[str, float] | None = Field(None, description="source -> weight (normalized); unset and no "
                                              "schedule: equal weights")
     schedule: dict[int, dict[str, float]] | None = Field(
@@ -564,8 +571,6 @@ class DataSpec(_Section):
     @field_validator("sources")
     @classmethod
     def _sources(cls, v: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        from factory.data.sources import SourceError, parse_source_spec  # here: it imports factory.envs
-
         out, seen = [], set()
         for i, raw in enumerate(v):
             try:
@@ -671,53 +676,7 @@ class ExperimentSpec(_Section):
                 f"trainer.minibatches: must divide rollout.prompts_per_step * algorithm.group_size "
                 f"= {batch}, got {self.trainer.minibatches}"
             )
-        self._check_task_size()
-        self._check_positions()
         return self
-
-    def _check_task_size(self) -> None:
-        """n_train + n_eval must fit the problems the task can make (its splits are disjoint); found here, not
-        after the run has started."""
-        from factory.envs.tasks import task_capacity  # here: factory.envs imports this module
-
-        t = self.task
-        space, most = task_capacity(t)
-        what = (f"task {t.name} with operations {t.operations} and digits {t.digits}" if t.name == "arithmetic"
-                else f"task {t.name}")
-        share = "at most half of them" if most < space else "all of them"
-        n_train_min = MIN_N_TRAIN
-        if t.n_eval > most - n_train_min:
-            raise ValueError(f"task.n_eval: must be <= {max(0, most - n_train_min)} ({what} has {space} distinct "
-                             f"problems; n_train + n_eval may use {share}, and n_train needs at least "
-                             f"{n_train_min}), got {t.n_eval}")
-        if t.n_train + t.n_eval > most:
-            raise ValueError(f"task.n_train: must be <= {most - t.n_eval} ({what} has {space} distinct problems; "
-                             f"n_train + n_eval may use {share}, and n_eval = {t.n_eval}), got {t.n_train}")
-
-    def _check_positions(self) -> None:
-        """The longest prompt plus max_new_tokens must fit the model's positions (the engines size buffers by
-        them: far past it, sampling tries to allocate terabytes)."""
-        from factory.envs.tasks import longest_prompt_tokens
-
-        if self.model.path is not None:  # its tokenizer is only known when it loads: models/build.py checks then
-            return
-        positions = self.model.max_positions or PRESETS[self.model.preset].max_positions
-        where = ("model.max_positions" if self.model.max_positions
-                 else f"model.max_positions, unset: preset {self.model.preset}'s")
-        prompt, new = longest_prompt_tokens(self.task), self.rollout.max_new_tokens
-        if self.data is not None:  # generated sources' longest prompts are known here; files are checked as read
-            from factory.envs.arithmetic import prompt_tokens
-
-            digits = [s["digits"] for s in self.data.sources if s["kind"] == "arithmetic"]
-            prompt = max([prompt, *(prompt_tokens([d]) for d in digits)])
-        if prompt >= positions:
-            raise ValueError(f"model.max_positions: must be >= {prompt + new} to hold the longest prompt ({prompt} "
-                             f"tokens, task {self.task.name}) and rollout.max_new_tokens = {new}, got {positions} "
-                             f"({where})")
-        if prompt + new > positions:
-            raise ValueError(f"rollout.max_new_tokens: must be <= {positions - prompt} so that the longest prompt "
-                             f"({prompt} tokens, task {self.task.name}) plus the completion fit the model's "
-                             f"{positions} positions ({where}), got {new}")
 
     def fingerprint(self) -> str:
         """Stable short hash of the spec's content (key order and formatting do not matter)."""
@@ -730,8 +689,6 @@ class ExperimentSpec(_Section):
                  "sft": self.sft.model_dump(mode="json"), "seed": self.seed,
                  "max_new_tokens": self.rollout.max_new_tokens}
         if self.model.path is not None:  # a path names a directory, not its weights: key by what is in it
-            from factory.models.hf import model_dir_digest
-
             parts["model_dir_sha256"] = model_dir_digest(self.model.path)
         return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -743,8 +700,17 @@ class ExperimentSpec(_Section):
 
 
 def _describe(err: dict[str, Any]) -> str:
-    line = _describe_one(err)
+    return _shorten(_describe_one(err))
+
+
+def _shorten(line: str) -> str:
     return line if len(line) <= _MESSAGE_CHARS else f"{line[:_MESSAGE_CHARS]}… ({len(line)} chars)"
+
+
+def spec_error(message: str, source: str | None = None) -> SpecError:
+    """A SpecError for a check made outside the schema (`factory.envs.spec_check.check_spec`), worded as the
+    schema words its own whole-spec checks."""
+    return SpecError([_shorten(message)], source)
 
 
 def _describe_one(err: dict[str, Any]) -> str:

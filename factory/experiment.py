@@ -26,15 +26,16 @@ from factory.config import ExperimentSpec
 from factory.core.evaluate import EvalResult, evaluate
 from factory.core.rollout.embedded import EmbeddedEngine
 from factory.core.sft import run_sft
-from factory.envs.arithmetic import Problem, Splits
+from factory.digest import dir_digest
 from factory.envs.eval_suites import HELD_OUT
 from factory.envs.tasks import make_task_splits
 from factory.home import FactoryPaths
+from factory.infra.placement import check_placement, enter, placements
 from factory.lake.writer import Lake
 from factory.models.build import build_model, policy_for
-from factory.models.checkpoint import CheckpointInfo, dir_digest, load_checkpoint, save_checkpoint
+from factory.models.checkpoint import CheckpointInfo, load_checkpoint, save_checkpoint
 from factory.models.tokenizer import tokenizer_for
-from factory.ops.placement import check_placement, enter, placements
+from factory.problem import Problem, Splits
 from factory.progress import Progress
 from factory.tracking import Tracker
 
@@ -57,7 +58,7 @@ def code_version() -> str:
 
 
 def set_threads(spec: ExperimentSpec, log: Log = print) -> None:
-    """Place the calling thread (the trainer's) per the spec (`ops/placement.py`); bad cores are refused here."""
+    """Place the calling thread (the trainer's) per the spec (`infra/placement.py`); bad cores are refused here."""
     for note in check_placement(spec):
         log(note)
     enter(placements(spec)["trainer"])

@@ -118,9 +118,9 @@ def _train_or_exit(spec: ExperimentSpec, paths: FactoryPaths, inputs: GrpoInputs
                    error: Callable[[str], None]) -> tuple[RunResult | None, int]:
     """`train`, its known failures turned into the exit codes of the module docstring (others propagate: 1)."""
     from factory.core.loop import NonFiniteLoss
+    from factory.infra.supervisor import CircuitOpen
     from factory.ops.preflight.gate import PreflightFailed
     from factory.ops.restarts import EXIT_FAILED, EXIT_NEEDS_FIX
-    from factory.ops.supervisor import CircuitOpen
 
     try:
         return train(spec, paths, inputs, log=log), 0

@@ -30,18 +30,18 @@ from factory.core.evaluate import evaluate
 from factory.core.loop import NonFiniteLoss, RunInterrupted, StepRecord, train_grpo
 from factory.core.resume import latest
 from factory.core.rollout.embedded import EmbeddedEngine
-from factory.data.blend import blend_version, held_out_sets
 from factory.data.feed import make_feed
-from factory.envs.arithmetic import Splits
+from factory.data.from_spec import blend_version, held_out_sets
+from factory.digest import dir_digest
 from factory.envs.eval_suites import HELD_OUT
 from factory.experiment import Log, Report, code_version, eval_rows, set_threads
 from factory.home import FactoryPaths
+from factory.infra.supervisor import CircuitOpen
 from factory.lake.writer import Lake
-from factory.models.checkpoint import CheckpointInfo, dir_digest, load_checkpoint, save_checkpoint
-from factory.models.checkpoint_store import recorded_uri
+from factory.models.checkpoint import CheckpointInfo, load_checkpoint, recorded_uri, save_checkpoint
 from factory.ops import recovery
 from factory.ops.attempt import AttemptLock, RunCheckpoints, beat, resume_dir
-from factory.ops.supervisor import CircuitOpen
+from factory.problem import Splits
 from factory.progress import Progress, format_duration
 from factory.tracking import Tracker
 

@@ -32,6 +32,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from factory.config import ExperimentSpec, SpecError, apply_overrides, load_spec, parse_spec
+from factory.envs.spec_check import check_spec
 from factory.home import FactoryPaths
 
 SWEEP_TAG, MEMBER_TAG, WARM_START_TAG = "factory/sweep_id", "factory/member", "factory/warm_start"
@@ -103,9 +104,9 @@ def new_sweep_id(name: str) -> str:
 
 def _base(defn: SweepDefinition) -> ExperimentSpec:
     try:
-        base = parse_spec(defn.base_inline, "base_inline") if defn.base_inline is not None \
-            else load_spec(defn.base_spec)
-        return apply_overrides(base, defn.overrides) if defn.overrides else base
+        base = check_spec(parse_spec(defn.base_inline, "base_inline")) if defn.base_inline is not None \
+            else check_spec(load_spec(defn.base_spec))
+        return check_spec(apply_overrides(base, defn.overrides)) if defn.overrides else base
     except SpecError as e:
         where = "base_inline" if defn.base_inline is not None else f"base_spec {defn.base_spec}"
         raise SweepError([f"{where}: {line.removeprefix('<file>: ')}" for line in e.errors]) from None
@@ -151,7 +152,7 @@ def plan_sweep(defn: SweepDefinition, sweep_id: str | None = None) -> SweepPlan:
     for name, values in defn.axes.items():
         for v in values:
             try:
-                apply_overrides(base, {name: v})
+                check_spec(apply_overrides(base, {name: v}))
             except SpecError as e:
                 errors += [f"axes.{name} = {v!r}: {line}" for line in e.errors]
     if errors:
@@ -160,7 +161,7 @@ def plan_sweep(defn: SweepDefinition, sweep_id: str | None = None) -> SweepPlan:
     members = []
     for i, values in enumerate(_combinations(defn)):
         try:
-            spec = apply_overrides(base, {**values, "name": f"{_slug(defn.name)}-m{i:03d}"})
+            spec = check_spec(apply_overrides(base, {**values, "name": f"{_slug(defn.name)}-m{i:03d}"}))
         except SpecError as e:  # a combination that is invalid only together (a cross-field rule)
             errors += [f"axes {values}: {line}" for line in e.errors]
             continue

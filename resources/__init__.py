@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING
 from dagster import ConfigurableResource
 from pydantic import Field
 
-from factory.config import ExperimentSpec, apply_overrides, load_spec, parse_overrides
+from factory.config import ExperimentSpec, parse_overrides
+from factory.envs.spec_check import load_checked_spec
 from factory.home import FactoryPaths, factory_home
 
 if TYPE_CHECKING:  # imported when used: the code location loads without pyiceberg and mlflow
@@ -54,7 +55,7 @@ class SpecResource(ConfigurableResource):
     overrides: list[str] = []
 
     def spec(self) -> ExperimentSpec:
-        return apply_overrides(load_spec(self.path), parse_overrides(self.overrides))
+        return load_checked_spec(self.path, parse_overrides(self.overrides))
 
 
 class TrainingLauncherResource(ConfigurableResource):

@@ -5,11 +5,12 @@ import json
 import pytest
 
 from factory.config import SpecError, apply_overrides, load_spec, parse_overrides, parse_spec
+from factory.envs.spec_check import check_spec
 
 
 def errors_of(data) -> list[str]:
     with pytest.raises(SpecError) as e:
-        parse_spec(data)
+        check_spec(parse_spec(data))
     return e.value.errors
 
 
@@ -248,9 +249,10 @@ def test_a_data_section_round_trips_and_defaults_to_equal_weights():
 
 def test_a_generated_source_whose_prompts_do_not_fit_the_model_is_refused():
     with pytest.raises(SpecError, match="model.max_positions"):
-        parse_spec({"model": {"max_positions": 16}, "task": {"digits": [1], "n_train": 20, "n_eval": 8},
-                    "rollout": {"max_new_tokens": 2},
-                    "data": {"sources": [{"name": "big", "kind": "arithmetic", "op": "add", "digits": 9, "n": 10}]}})
+        check_spec(parse_spec({"model": {"max_positions": 16}, "task": {"digits": [1], "n_train": 20, "n_eval": 8},
+                               "rollout": {"max_new_tokens": 2},
+                               "data": {"sources": [{"name": "big", "kind": "arithmetic", "op": "add", "digits": 9,
+                                                     "n": 10}]}}))
 
 
 def test_overrides_reach_list_entries_by_index():

@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import H100_BF16_DENSE_TFLOPS, n_params, random_model, sync  # noqa: E402
 
-from factory.core.trainer.batch import TrainBatch  # noqa: E402
+from factory.core.batch import TrainBatch  # noqa: E402
 
 MODES = ("single", "ddp", "fsdp", "megatron")
 

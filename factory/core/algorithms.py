@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from factory.config import AlgorithmSpec
-from factory.core.trainer.batch import TrainBatch
+from factory.core.batch import TrainBatch
 
 LossFn = Callable[[Tensor, TrainBatch], tuple[Tensor, dict[str, float]]]
 Aggregation = str  # "seq_mean_token_mean" | "token_mean" | "seq_mean_token_sum_norm"

@@ -71,8 +71,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from factory.core.batch import TrainBatch
 from factory.core.rollout.base import Completion
-from factory.core.trainer.batch import TrainBatch
 
 Policy = Literal["reject", "bound", "importance"]
 POLICIES = ("reject", "bound", "importance")

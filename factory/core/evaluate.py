@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from factory.core.rollout.base import RolloutEngine, SamplingParams
-from factory.envs.arithmetic import Problem
 from factory.envs.tasks import verify as reward
 from factory.models.prompting import prompt_ids
+from factory.problem import Problem
 
 
 @dataclass(frozen=True)

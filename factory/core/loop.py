@@ -34,15 +34,23 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from factory.config import ExperimentSpec
 from factory.core import algorithms
+from factory.core.batch import TrainBatch, pack
 from factory.core.buffer import apply_importance_correction, stale_rows
-from factory.core.producer import ProducerFailed, make_producer
+from factory.core.producer import (
+    OverlappedProducer,
+    ProducerFailed,
+    ServerProducer,
+    SyncProducer,
+)
 from factory.core.resume import TrainState, capture, rng_state, set_rng_state
-from factory.core.trainer.batch import TrainBatch, pack
+from factory.core.sglang_producer import SGLangProducer
 from factory.core.trainer.ranks import make_trainer
 from factory.core.trainer.torch_trainer import TorchTrainer
-from factory.envs.arithmetic import Problem
-from factory.ops.faults import fault_point
-from factory.ops.supervisor import ServiceUnavailable
+from factory.data.feed import PromptFeed, make_feed
+from factory.envs.registry import load_environment
+from factory.infra.faults import fault_point
+from factory.infra.supervisor import ServiceUnavailable
+from factory.problem import Problem
 
 
 @dataclass
@@ -135,7 +143,7 @@ def train_grpo(
     `stateful`: other parts with state the run drives (e.g. a data blender), saved in every resume point by
     name (`state_dict()`, JSON-ready) and restored from `resume` (`load_state_dict()`).
     `feed` is where prompts come from (`data/feed.py`; default: the spec's blend, or `train` without a data section).
-    `producer` replaces the one the spec implies (`core/producer.make_producer`), e.g. to inject faults."""
+    `producer` replaces the one the spec implies (`make_producer`), e.g. to inject faults."""
     g = spec.algorithm.group_size
     reference = None
     if spec.algorithm.kl_coef > 0:  # copied before a resume point is loaded: `model` is still the run's start
@@ -326,3 +334,27 @@ def _record(spec: ExperimentSpec, step: int, groups: list, rewards: torch.Tensor
         env_errors=float(sum(1 for grp in groups for s in grp.samples if s.meta.get("reason"))),
         nonfinite=metrics.get("nonfinite", 0.0),
     )
+
+
+def make_producer(spec: ExperimentSpec, model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast,
+                  train: list[Problem], start_version: int, state: dict | None = None,
+                  feed: PromptFeed | None = None) -> SyncProducer | OverlappedProducer:
+    """The producer for `spec`'s mode; `state` (a producer's `state_dict()` from a resume point) continues
+    its prompt feed and buffer exactly. `feed` defaults to the spec's blend (`data/feed.py`; without a data
+    section, the task's training split `train`)."""
+    feed = feed if feed is not None else make_feed(spec, train)
+    if state is None:  # continuing from step N without a resume point: the sequence goes on from there
+        feed.skip(start_version * spec.rollout.prompts_per_step)
+    if spec.task.environment is not None:
+        env = load_environment(spec.task.environment)  # a clear ValueError for a bad name or import path
+        if env.kind == "multi_turn" and (spec.rollout.engine != "server" or spec.schedule.mode == "sync"):
+            raise ValueError(f"task.environment {spec.task.environment!r} is multi-turn: it talks to the rollout "
+                             "server, so it needs rollout.engine: server and schedule.mode one_step_off or async")
+    if spec.schedule.mode == "sync":
+        cls = SyncProducer
+    elif spec.rollout.engine == "sglang":
+        cls = SGLangProducer
+    else:
+        cls = ServerProducer if spec.rollout.engine == "server" else OverlappedProducer
+    return cls(spec, model, tokenizer, feed, start_version, state=state)
+

@@ -39,15 +39,16 @@ from factory.core.rollout.base import Completion, SamplingParams
 from factory.core.rollout.continuous import ContinuousEngine
 from factory.core.rollout.embedded import EmbeddedEngine
 from factory.core.weights import encode_delta, encode_full
-from factory.data.feed import PromptFeed, make_feed
-from factory.envs.arithmetic import Problem
-from factory.envs.protocol import load_environment, tokens_from_session
+from factory.data.feed import PromptFeed
+from factory.envs.protocol import tokens_from_session
+from factory.envs.registry import load_environment
 from factory.envs.workers import Episode, Scored, make_environment
+from factory.infra.placement import enter, placements
+from factory.infra.supervisor import CONNECTION_ERRORS, ServiceProcess, ServiceUnavailable, retry
 from factory.models.build import policy_positions
 from factory.models.checkpoint import remove_checkpoint, save_checkpoint
 from factory.models.prompting import prompt_ids
-from factory.ops.placement import enter, placements
-from factory.ops.supervisor import CONNECTION_ERRORS, ServiceProcess, ServiceUnavailable, retry
+from factory.problem import Problem
 
 
 class ProducerFailed(RuntimeError):
@@ -432,29 +433,3 @@ def _prompt_ids(tok: PreTrainedTokenizerFast, problem: Problem, spec: Experiment
                          f"rollout.max_new_tokens = {spec.rollout.max_new_tokens} it does not fit the model's {limit} "
                          f"positions (raise model.max_positions, or filter the source)")
     return ids
-
-
-def make_producer(spec: ExperimentSpec, model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast,
-                  train: list[Problem], start_version: int, state: dict | None = None,
-                  feed: PromptFeed | None = None) -> SyncProducer | OverlappedProducer:
-    """The producer for `spec`'s mode; `state` (a producer's `state_dict()` from a resume point) continues
-    its prompt feed and buffer exactly. `feed` defaults to the spec's blend (`data/feed.py`; without a data
-    section, the task's training split `train`)."""
-    feed = feed if feed is not None else make_feed(spec, train)
-    if state is None:  # continuing from step N without a resume point: the sequence goes on from there
-        feed.skip(start_version * spec.rollout.prompts_per_step)
-    if spec.task.environment is not None:
-        env = load_environment(spec.task.environment)  # a clear ValueError for a bad name or import path
-        if env.kind == "multi_turn" and (spec.rollout.engine != "server" or spec.schedule.mode == "sync"):
-            raise ValueError(f"task.environment {spec.task.environment!r} is multi-turn: it talks to the rollout "
-                             "server, so it needs rollout.engine: server and schedule.mode one_step_off or async")
-    if spec.schedule.mode == "sync":
-        cls = SyncProducer
-    elif spec.rollout.engine == "sglang":
-        from factory.core.rollout.sglang_producer import SGLangProducer  # here: that module builds on this one
-
-        cls = SGLangProducer
-    else:
-        cls = ServerProducer if spec.rollout.engine == "server" else OverlappedProducer
-    return cls(spec, model, tokenizer, feed, start_version, state=state)
-

@@ -9,10 +9,10 @@ producers' and the sampler's randomness.
 
 Saving does not stall the trainer for the write: `capture` copies the state into memory between two steps
 (milliseconds on small models: the stall that `ResumeWriter.stall_ms` measures), and a background thread
-writes it: files into a temp directory, each fsynced, a manifest with the sha256 of every file written
-last, then one rename and an fsync of the parent. A directory without a complete, matching manifest is
-not a resume point: `latest()` skips it (and says why) and takes the previous one. The last `keep` are
-kept.
+writes it: files into a temp directory, each fsynced, a manifest (factory/digest.py's format: the sha256 of
+every file and of the whole) written last, then one rename and an fsync of the parent. A directory without a
+complete, matching manifest is not a resume point: `latest()` skips it (and says why) and takes the previous
+one. Resume points written with the earlier manifest format still load. The last `keep` are kept.
 
 Layout: `<run dir>/resume/step-000120/{model.safetensors, optimizer.pt, rng.pt, state.json, MANIFEST.json}`.
 """
@@ -37,10 +37,12 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from factory.ops.faults import fault_point
+from factory.digest import hash_blobs, manifest_entries
+from factory.digest import manifest as tree_manifest
+from factory.infra.faults import fault_point
 from factory.progress import Log
 
-FORMAT = 1
+FORMAT = 1  # of state.json; the manifest is factory/digest.py's
 MANIFEST = "MANIFEST.json"
 PREFIX = "step-"
 
@@ -137,8 +139,7 @@ def write(state: TrainState, root: Path, keep: int) -> Path:
                 f.flush()
                 os.fsync(f.fileno())
             fault_point("resume_write")  # a kill here leaves a torn temp dir, never a resume point
-        manifest = {"format": FORMAT, "step": state.step,
-                    "files": {n: {"sha256": _sha256(d), "bytes": len(d)} for n, d in files.items()}}
+        manifest = tree_manifest(hash_blobs(files), step=state.step)
         with open(tmp / MANIFEST, "w") as f:
             json.dump(manifest, f, indent=1)
             f.flush()
@@ -174,9 +175,14 @@ def verify(path: Path) -> str | None:
         return "no manifest (a write that did not finish)"
     except (OSError, ValueError) as e:
         return f"unreadable manifest: {e}"
-    if manifest.get("format") != FORMAT:
-        return f"format {manifest.get('format')!r}, expected {FORMAT}"
-    for name, want in manifest["files"].items():
+    try:
+        entries = manifest_entries(manifest)
+    except ValueError as e:  # a format this version does not read
+        return str(e)
+    except (KeyError, TypeError) as e:
+        return f"unreadable manifest: {e!r}"
+    for want in entries:
+        name = want["path"]
         f = path / name
         if not f.is_file():
             return f"{name} is missing"

@@ -15,12 +15,12 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from factory.config import SFTSpec
 from factory.core.algorithms import sft_loss
+from factory.core.batch import pack
 from factory.core.evaluate import evaluate
 from factory.core.rollout.embedded import EmbeddedEngine
-from factory.core.trainer.batch import pack
 from factory.core.trainer.torch_trainer import TorchTrainer
-from factory.envs.arithmetic import Problem
 from factory.models.prompting import answer_ids, prompt_ids
+from factory.problem import Problem
 
 CHECK_SAMPLE = 256
 

@@ -21,8 +21,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from factory.config import ExperimentSpec
-from factory.data.blend import blender_for
-from factory.data.source import PromptSource
+from factory.data.from_spec import blender_for
+from factory.data.sources.base import PromptSource
 from factory.plots import DPI, HEIGHT_IN, WIDTH_IN
 
 MAX_POINTS = 400  # points per curve: a long run's curve is sampled, its last step always kept
@@ -83,7 +83,7 @@ def _sampled(steps: int) -> set[int]:
 def blend_report(spec: ExperimentSpec, sources: Sequence[PromptSource], steps: int | None = None,
                  prompts_per_step: int | None = None) -> BlendReport:
     """Play the spec's blend over `steps` (default: schedule.steps) x `prompts_per_step` (default: the rollout's)
-    draws from `sources` (what `factory.data.blend.open_sources(spec, ...)` opened)."""
+    draws from `sources` (what `factory.data.from_spec.open_sources(spec, ...)` opened)."""
     steps = spec.schedule.steps if steps is None else steps
     per_step = spec.rollout.prompts_per_step if prompts_per_step is None else prompts_per_step
     if steps < 1 or per_step < 1:

@@ -27,8 +27,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from factory.data.shuffle import EpochOrder, mix64, name_key
-from factory.data.source import PromptSource
-from factory.envs.arithmetic import Problem
+from factory.data.sources.base import PromptSource
+from factory.problem import Problem
 
 STATE_FORMAT = 1
 Weights = Mapping[str, float]

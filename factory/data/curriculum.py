@@ -32,7 +32,7 @@ from typing import Any
 
 from factory.config import CurriculumSpec, PromptFilterSpec
 from factory.data.shuffle import mix64, name_key
-from factory.envs.arithmetic import Problem
+from factory.problem import Problem
 
 STATE_FORMAT = 1
 Stats = Mapping[tuple[str, str], tuple[int, int]]  # (source, prompt id) -> (samples, passes) over earlier runs

@@ -19,10 +19,11 @@ from collections.abc import Iterable
 from typing import Any
 
 from factory.config import ExperimentSpec
-from factory.data.blend import blend_schedule, blend_seed, blender_for, open_sources
 from factory.data.blender import Blender
-from factory.data.source import PromptSource
-from factory.envs.arithmetic import Problem
+from factory.data.curriculum import make_curriculum
+from factory.data.from_spec import blend_schedule, blend_seed, blender_for, open_sources
+from factory.data.sources.base import ListSource, PromptSource
+from factory.problem import Problem
 
 
 class PromptFeed:
@@ -144,8 +145,6 @@ def make_feed(spec: ExperimentSpec, train: list[Problem] | None = None, sources:
     curriculum = None
     d = spec.data
     if d is not None and (d.curriculum.kind != "none" or d.filter is not None):
-        from factory.data.curriculum import make_curriculum
-
         curriculum = make_curriculum(d.curriculum, sources=blender.names, seed=blend_seed(spec),
                                      base_weights=blend_schedule(spec)[0], prompt_filter=d.filter, stats=stats)
         if (w := curriculum.weights()) is not None:
@@ -155,7 +154,5 @@ def make_feed(spec: ExperimentSpec, train: list[Problem] | None = None, sources:
 
 def feed_of(problems: list[Problem], seed: int = 0, name: str = "problems") -> PromptFeed:
     """A feed over an in-memory list of problems with no curriculum (tests, benchmarks)."""
-    from factory.data.source import ListSource
-
     rows = [Problem(p.id, p.prompt, p.answer, p.op, p.digits, {**p.meta, "source": name}) for p in problems]
     return PromptFeed(Blender([ListSource(name, rows, f"{name}-{len(rows)}")], weights={name: 1.0}, seed=seed))

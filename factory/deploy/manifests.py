@@ -184,7 +184,7 @@ def rollout(spec: ExperimentSpec, profile: DeployProfile) -> list[Manifest]:
     assert sg is not None
     if sg.weight_update != "tensor":
         # disk: the safetensors go to the trainer pod's temp directory; distributed: the group's address is
-        # 127.0.0.1 (core/rollout/sglang_producer.py). Neither reaches a server in another pod.
+        # 127.0.0.1 (core/sglang_producer.py). Neither reaches a server in another pod.
         raise ValueError(f"rollout.sglang.weight_update: the servers run in their own pods, which only 'tensor' "
                          f"(weights over HTTP) reaches, got {sg.weight_update!r}")
     out: list[Manifest] = []

@@ -73,14 +73,15 @@ def k8s_target() -> K8sTarget | None:
     """The k8s target when FACTORY_PROFILE=k8s, else None. Read once per process (the code location's import)."""
     if profile_name() != "k8s":
         return None
-    from factory.config import SpecError, load_spec
+    from factory.config import SpecError
     from factory.deploy.manifests import dagster_tags
     from factory.deploy.profile import ProfileError, load_profile
+    from factory.envs.spec_check import load_checked_spec
 
     spec_path = os.environ.get(SPEC_ENV) or DEFAULT_SPEC
     try:
         profile = load_profile(os.environ.get(DEPLOY_PROFILE_ENV) or None)
-        spec = load_spec(spec_path)
+        spec = load_checked_spec(spec_path)
         tags = dagster_tags(spec, profile)
     except (ProfileError, SpecError) as e:
         raise ProfileSettingError(f"{PROFILE_ENV}=k8s: {e}") from None

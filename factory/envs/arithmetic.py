@@ -9,40 +9,12 @@ are operand digit lengths.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import random
-from dataclasses import asdict, dataclass, field
-from typing import Any
 
 from factory.config import TaskSpec
+from factory.problem import Problem, Splits
 
 OPS = {"add": "+", "sub": "-", "mul": "*"}
-
-
-@dataclass(frozen=True)
-class Problem:
-    id: str
-    prompt: str
-    answer: str
-    op: str  # the arithmetic operation; "word" / "code" for the text tasks (envs/tasks.py)
-    digits: int
-    meta: dict[str, Any] = field(default_factory=dict, compare=False)  # e.g. a code problem's unit tests
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class Splits:
-    train: list[Problem]
-    eval: list[Problem]
-
-    def fingerprint(self) -> str:
-        h = hashlib.sha256()
-        for p in self.train + self.eval:
-            h.update(json.dumps(p.to_dict(), sort_keys=True).encode())
-        return h.hexdigest()[:16]
 
 
 def _operand(rng: random.Random, digits: int) -> int:

@@ -30,7 +30,8 @@ import json
 from importlib import resources
 
 from factory.config import TaskSpec
-from factory.envs.arithmetic import OPS, Problem, Splits, _problem
+from factory.envs.arithmetic import OPS, _problem
+from factory.problem import Problem, Splits
 
 HELD_OUT = "arithmetic_heldout"  # how `evals.benchmark` names a run's own held-out split
 

@@ -10,7 +10,8 @@
   info)`, wrapped by `GymAdapter` into a multi-turn episode (each observation is a user turn, each model
   reply an action).
 
-`load_environment("name")` takes a built-in name (`BUILTINS`) or an import path `package.module:attr`.
+Environments by name (the built-ins, or an import path `package.module:attr`): `load_environment` in
+factory/envs/registry.py.
 
 Failure isolation: user code never stops a run. `score_all` / `score_guarded` (single turn) and `run_guarded` /
 `run_episodes_isolated` (multi turn) score a sample 0.0 with a reason when its environment raises ("reward
@@ -25,8 +26,6 @@ normally (counted in `env_errors`).
 from __future__ import annotations
 
 import asyncio
-import importlib
-import inspect
 import math
 import queue
 import reprlib
@@ -166,43 +165,6 @@ class GymAdapter:
         return EpisodeResult(total, info={**info, "turns": turns})
 
 
-def _builtins() -> dict[str, Environment]:
-    from factory.envs import arithmetic, tools
-
-    return {
-        "arithmetic": Environment("arithmetic", "single_turn", reward=arithmetic.reward_fn),
-        "calculator_tool": Environment("calculator_tool", "multi_turn", run_episode=tools.calculator_episode),
-        "python_tool": Environment("python_tool", "multi_turn", run_episode=tools.python_tool_episode),
-    }
-
-
-BUILTINS = ("arithmetic", "calculator_tool", "python_tool")
-
-
-def load_environment(name: str) -> Environment:
-    """A built-in environment by name, or one at an import path `package.module:attr` (a reward function, an
-    `async def run_episode(task, client)`, or a class/factory of reset/step environments)."""
-    if ":" not in name:
-        builtins = _builtins()
-        if name not in builtins:
-            raise ValueError(f"unknown environment {name!r}: a built-in ({', '.join(BUILTINS)}) or an import "
-                             "path like 'my_pkg.my_env:run_episode'")
-        return builtins[name]
-    module, _, attr = name.partition(":")
-    try:
-        obj = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"environment {name!r}: cannot import {attr!r} from {module!r}: {e}") from e
-    if inspect.isclass(obj) and hasattr(obj, "reset") and hasattr(obj, "step"):
-        return Environment(name, "multi_turn", run_episode=GymAdapter(obj))
-    if inspect.iscoroutinefunction(obj) or inspect.iscoroutinefunction(type(obj).__call__):
-        return Environment(name, "multi_turn", run_episode=obj)
-    if callable(obj):
-        return Environment(name, "single_turn", reward=obj)
-    raise ValueError(f"environment {name!r} is neither a reward function, an async run_episode, nor a reset/step "
-                     f"class (got {type(obj).__name__})")
-
-
 # ------------------------------------------------------------------ running user code, guarded
 
 _hung: set[threading.Thread] = set()
@@ -307,7 +269,7 @@ async def run_guarded(env: Environment, task: dict[str, Any], client: Any, timeo
 
 def _infrastructure(e: BaseException) -> bool:
     try:
-        import openai
+        import openai  # heavy: ~1 s to import; only multi-turn episodes reach the rollout server
     except ImportError:  # pragma: no cover - openai is a dependency
         return False
     return isinstance(e, openai.APIConnectionError)
@@ -315,7 +277,7 @@ def _infrastructure(e: BaseException) -> bool:
 
 async def _run_one(env: Environment, task: dict[str, Any], sid: str, rollout_url: str,
                    timeout_s: float) -> EpisodeResult:
-    import openai
+    import openai  # heavy: as in _infrastructure
 
     async with openai.AsyncOpenAI(base_url=f"{rollout_url}/v1", api_key="unused", max_retries=0,
                                   timeout=timeout_s, default_headers={"x-session-id": sid}) as client:

@@ -50,7 +50,7 @@ from factory.envs.sandbox_isolation import (
 )
 from factory.envs.sandbox_types import LIMIT_MAX, ExecResult, SandboxLimits, SandboxRequestError, _check_request
 from factory.envs.sandbox_worker import _recv, _send
-from factory.ops.supervisor import retry
+from factory.infra.supervisor import retry
 
 # The worker program, the isolation helpers and the data types live in their own modules; these names are
 # importable from here.

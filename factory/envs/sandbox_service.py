@@ -12,7 +12,7 @@ Endpoints:
   run side by side, as many at a time as the pool has workers; the rest wait for one. Anything the code
   does is a 200 with ok=false and a reason.
 
-Errors (`factory/ops/http_guard.py`): {"error": {"message", "type", "field"}}. 422 for a malformed request,
+Errors (`factory/infra/http_guard.py`): {"error": {"message", "type", "field"}}. 422 for a malformed request,
 out-of-range limits, bad file names or text that is not Unicode, naming the field; 413 for a body over
 `max_body_bytes`; 503 when no worker is free within 30 s or the pool is closing; 500 (short) for a bug here.
 """
@@ -34,7 +34,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 
 from factory.envs.sandbox import LIMIT_MAX, ExecResult, SandboxLimits, SandboxPool, SandboxRequestError
-from factory.ops.http_guard import MAX_JSON_BYTES, RequestError, guard
+from factory.infra.http_guard import MAX_JSON_BYTES, RequestError, guard
 
 
 class LimitsIn(BaseModel):

@@ -15,6 +15,7 @@ Host and worker talk over the worker's stdin/stdout: 4-byte big-endian length, t
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import gc
@@ -376,8 +377,6 @@ def _run_as_main(code: str, compiled: types.CodeType | None, run_dir: str, stdio
         status = 1
     try:
         threading._shutdown()  # wait for non-daemon threads, as interpreter exit does
-        import atexit
-
         atexit._run_exitfuncs()
     except SystemExit as e:
         status = _exit_status(e)

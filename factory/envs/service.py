@@ -20,7 +20,7 @@ An environment that raises, hangs or returns garbage scores 0 with the reason re
 the run goes on. A user's reward function is bounded per completion by $FACTORY_REWARD_TIMEOUT_S (the spec's
 `task.reward_timeout_s`, default 30), a multi-turn episode by the request's `timeout_s`.
 
-A bad request is refused (`factory/ops/http_guard.py`): 422 naming the field for a malformed body, wrong types,
+A bad request is refused (`factory/infra/http_guard.py`): 422 naming the field for a malformed body, wrong types,
 non-finite or out-of-range numbers, an unknown or single-turn environment in /episodes; 413 for a body over
 `max_body_bytes`; 502 naming rollout_url when the rollout server cannot be reached. /score keeps scoring an
 unknown env 0 with the reason, as the in-process environment does.
@@ -39,17 +39,17 @@ import uvicorn
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from factory.envs.arithmetic import Problem
 from factory.envs.latency import LatencyProfile
 from factory.envs.protocol import (
     REWARD_TIMEOUT_S,
     call_guarded,
-    load_environment,
     run_episodes_isolated_async,
     score_all,
 )
+from factory.envs.registry import load_environment
 from factory.envs.tasks import verify
-from factory.ops.http_guard import MAX_JSON_BYTES, RequestError, guard
+from factory.infra.http_guard import MAX_JSON_BYTES, RequestError, guard
+from factory.problem import Problem
 from factory.text import clip
 
 Scorer = Callable[[dict[str, Any], str], float]

@@ -24,8 +24,10 @@ from importlib import resources
 from typing import Any
 
 from factory.config import TaskSpec
-from factory.envs.arithmetic import OPS, Problem, Splits, arithmetic_capacity, make_splits, prompt_tokens
+from factory.envs.arithmetic import OPS, arithmetic_capacity, make_splits, prompt_tokens
 from factory.envs.arithmetic import reward as arithmetic_reward
+from factory.envs.sandbox import SandboxPool
+from factory.problem import Problem, Splits
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
@@ -167,12 +169,10 @@ def sandbox_pool():
     with _POOL_LOCK:
         if _POOL is None:
             if url := os.environ.get("FACTORY_SANDBOX_URL"):
-                from factory.envs.sandbox_service import RemoteSandboxPool
+                from factory.envs.sandbox_service import RemoteSandboxPool  # heavy: fastapi, uvicorn (its server side)
 
                 _POOL = RemoteSandboxPool(url)
             else:
-                from factory.envs.sandbox import SandboxPool
-
                 _POOL = SandboxPool(
                     size=_CONFIG.get("size") or int(os.environ.get("FACTORY_SANDBOX_SIZE", "4")),
                     isolation=_CONFIG.get("isolation") or os.environ.get("FACTORY_SANDBOX_ISOLATION", "bwrap"),

@@ -10,10 +10,14 @@ any tool that executes code, after a strict parse of the expression that rebuild
 
 from __future__ import annotations
 
+import asyncio
+import json
 import re
 from typing import Any
 
 from factory.envs.protocol import EpisodeResult
+from factory.envs.tasks import sandbox_pool, verify
+from factory.problem import Problem
 
 _EXPR = re.compile(r"^\s*(\d+(?:[+\-*]\d+)*)=\s*$")
 MAX_TOOL_CALLS = 2
@@ -31,8 +35,6 @@ def calculator_program(expression: str) -> str | None:
 
 def run_tool(expression: str) -> str:
     """The calculator, executed in this process's sandbox pool; what the model sees back."""
-    from factory.envs.tasks import sandbox_pool
-
     program = calculator_program(expression)
     if program is None:
         return "error"
@@ -88,12 +90,6 @@ async def python_tool_episode(task: dict[str, Any], client: Any) -> EpisodeResul
     sandbox pool and its output (or error) comes back as a `tool` message; the first reply without a call is
     the answer, scored by the task family's verifier (`envs/tasks.py`). Meant for the text task families: tool
     output (newlines, letters) must be in the tokenizer's alphabet, which the arithmetic one is not."""
-    import asyncio
-    import json
-
-    from factory.envs.arithmetic import Problem
-    from factory.envs.tasks import sandbox_pool, verify
-
     sampling = dict(task.get("sampling", {}))
     problem = Problem(**{k: task[k] for k in ("id", "prompt", "answer", "op", "digits") if k in task},
                       meta=task.get("meta", {}))

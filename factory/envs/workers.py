@@ -22,11 +22,13 @@ from pathlib import Path
 
 import httpx
 
-from factory.envs.arithmetic import Problem
 from factory.envs.latency import LatencyProfile
-from factory.envs.protocol import REWARD_TIMEOUT_S, EpisodeResult, load_environment, run_episodes_isolated
+from factory.envs.protocol import REWARD_TIMEOUT_S, EpisodeResult, run_episodes_isolated
+from factory.envs.registry import load_environment
 from factory.envs.service import score_completions
-from factory.ops.supervisor import CONNECTION_ERRORS, ServiceProcess, ServiceUnavailable, retry
+from factory.envs.tasks import configure_sandbox
+from factory.infra.supervisor import CONNECTION_ERRORS, ServiceProcess, ServiceUnavailable, retry
+from factory.problem import Problem
 
 
 @dataclass(frozen=True)
@@ -220,8 +222,6 @@ def make_environment(latency_unit_s: float, medium: str, processes: int = 1, tim
     kills one silent for `hang_timeout_s` (`ops.hang_timeout_s`). Placement: worker processes run on `env_cpus`
     (`rollout.env_cpus`; in-process scoring threads place themselves), sandboxes on `sandbox_cpus`."""
     if medium == "in_process":
-        from factory.envs.tasks import configure_sandbox
-
         configure_sandbox(sandbox_workers, sandbox_isolation, sandbox_cpus)
         return LocalEnvironment(LatencyProfile(unit_s=latency_unit_s) if latency_unit_s > 0 else None,
                                 reward_timeout_s=reward_timeout_s)

@@ -40,9 +40,9 @@ from pyiceberg.table import FileScanTask, Table
 from pyiceberg.types import BooleanType, DoubleType, IcebergType, LongType, StringType, TimestamptzType
 
 from factory.home import FactoryPaths
+from factory.infra.supervisor import retry
 from factory.lake.catalog import ensure_tables, open_catalog
 from factory.lake.schemas import TableDef, table_def
-from factory.ops.supervisor import retry
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from factory.models.presets import PRESETS
+from factory.presets import PRESETS
 
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|endoftext|>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"

@@ -8,7 +8,11 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
-from factory.models.presets import PRESETS
+from factory.envs.tasks import longest_prompts
+from factory.models.hf import load_model_dir
+from factory.models.prompting import prompt_ids
+from factory.models.tokenizer import tokenizer_for
+from factory.presets import PRESETS
 
 if TYPE_CHECKING:
     from factory.config import ExperimentSpec
@@ -46,14 +50,10 @@ def policy_for(spec: ExperimentSpec) -> tuple[PreTrainedModel, PreTrainedTokeniz
     """(model, tokenizer) a run starts from: `model.path`'s, or the preset's with the task's character
     tokenizer (seeded by `spec.seed`). A path model's context is checked here, with its real tokenizer, against
     the task's longest prompt plus `rollout.max_new_tokens` (the spec could not: it knows no tokenizer)."""
-    from factory.models.tokenizer import tokenizer_for
-
     m = spec.model
     if m.path is None:
         tok = tokenizer_for(spec.task.name)
         return build_model(m.preset, tok, seed=spec.seed, max_positions=m.max_positions), tok
-    from factory.models.hf import load_model_dir
-
     model, tok = load_model_dir(m.path, max_positions=m.max_positions, trust_remote_code=m.trust_remote_code)
     positions = policy_positions(spec, model)
     if positions is not None:
@@ -74,9 +74,6 @@ def policy_positions(spec: ExperimentSpec, model: PreTrainedModel) -> int | None
 
 def check_prompt_fits(spec: ExperimentSpec, tokenizer: PreTrainedTokenizerFast, positions: int, where: str) -> None:
     """The task's longest prompt under `tokenizer`, plus rollout.max_new_tokens, must fit `positions`."""
-    from factory.envs.tasks import longest_prompts
-    from factory.models.prompting import prompt_ids
-
     texts = longest_prompts(spec.task, spec.data)
     prompt = max(len(prompt_ids(tokenizer, t)) for t in texts)
     new = spec.rollout.max_new_tokens

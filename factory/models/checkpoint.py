@@ -24,7 +24,6 @@ import contextlib
 import ctypes
 import errno
 import fcntl
-import hashlib
 import json
 import os
 import re
@@ -39,9 +38,11 @@ from typing import Any
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
 
+from factory.digest import dir_digest
 from factory.home import file_lock
+from factory.infra.supervisor import retry
+from factory.models.checkpoint_store import checkpoint_store_uri, fetch_checkpoint, upload_checkpoint
 from factory.objstore import is_remote
-from factory.ops.supervisor import retry
 
 # Per-file progress bars for a one-file checkpoint only clutter the training log.
 hf_logging.disable_progress_bar()
@@ -60,22 +61,6 @@ class CheckpointInfo:
     path: Path
     sha256: str
     bytes: int
-
-
-def dir_digest(path: Path) -> tuple[str, int]:
-    """sha256 over sorted relative file names and contents, and the total byte count. A checkpoint link is
-    followed once, so the digest is of one version even if the path is saved again meanwhile."""
-    root = Path(path).resolve()
-    h = hashlib.sha256()
-    total = 0
-    for f in sorted(p for p in root.rglob("*") if p.is_file()):
-        rel = f.relative_to(root).as_posix()
-        h.update(rel.encode() + b"\0")
-        with f.open("rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                h.update(chunk)
-                total += len(chunk)
-    return h.hexdigest(), total
 
 
 def save_checkpoint(
@@ -111,8 +96,6 @@ def load_checkpoint(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokeni
     even while `path` is saved again. An object-store URI (s3://, gs://: one published by models/checkpoint_store.py)
     is fetched into the local cache, verified against its manifest, and loaded from there."""
     if is_remote(path):
-        from factory.models.checkpoint_store import fetch_checkpoint  # imports this module
-
         model, tokenizer = load_checkpoint(fetch_checkpoint(str(path)))
         model.config._name_or_path = model.name_or_path = tokenizer.name_or_path = str(path)
         return model, tokenizer
@@ -146,6 +129,28 @@ def load_checkpoint(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokeni
 
 class _Replaced(Exception):
     """The version directory a reader looked up was replaced by a newer save before it could load it."""
+
+
+def publish_checkpoint(local: str | Path, base_uri: str, name: str, digest: str | None = None) -> str:
+    """Upload the checkpoint version at `local` (a checkpoint link is followed once, and that version is held
+    against deletion by a newer save meanwhile) to `<base_uri>/<name>/<sha256>`, manifest last; return that URI
+    (models/checkpoint_store.py). `digest`, if given, is what the caller recorded for it (save_checkpoint's
+    sha256): a version whose files hash otherwise is refused rather than published under the wrong name."""
+    root = Path(local).resolve()
+    with _reading(root) as pinned:
+        if not pinned:
+            raise FileNotFoundError(f"checkpoint {local}: its version {root.name} is gone (replaced by a newer "
+                                    "save); nothing published")
+        return upload_checkpoint(root, base_uri, name, digest, shown=local)
+
+
+def recorded_uri(info: CheckpointInfo, name: str) -> str:
+    """What to record as the checkpoint's location: its URI on the store when FACTORY_CHECKPOINT_URI is set (published
+    there as `<store>/<name>/<sha256>`), else its local path."""
+    store = checkpoint_store_uri()
+    if store is None:
+        return str(info.path)
+    return publish_checkpoint(info.path, store, name, info.sha256)
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 version there, and fetch one back into a verified local cache.
 
 Layout: a checkpoint is published under `<base>/<name>/<sha256>/` (its files at their relative names) and is
-immutable there: the sha256 (models/checkpoint.dir_digest) names its contents. The manifest `MANIFEST_NAME`, listing
+immutable there: the sha256 (factory/digest.dir_digest) names its contents. The manifest `MANIFEST_NAME`, listing
 every file with its size and sha256 and the whole digest, is uploaded last, after every file: a checkpoint whose
 upload died midway has files but no manifest, and readers refuse it. Object PUTs are atomic, so a manifest is never
 seen half-written. Publishing a digest whose manifest is already there uploads nothing.
@@ -30,8 +30,9 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
+from factory.digest import dir_digest, hash_files, manifest_entries, tree_files
+from factory.digest import manifest as tree_manifest
 from factory.home import factory_home
-from factory.models.checkpoint import CheckpointInfo, _reading, dir_digest
 from factory.objstore import check_uri, filesystem, is_remote
 
 CHECKPOINT_URI_ENV = "FACTORY_CHECKPOINT_URI"
@@ -50,41 +51,27 @@ def checkpoint_store_uri() -> str | None:
     return check_uri(uri, CHECKPOINT_URI_ENV) if uri is not None else None
 
 
-def publish_checkpoint(local: str | Path, base_uri: str, name: str, digest: str | None = None) -> str:
-    """Upload the checkpoint version at `local` (a checkpoint link is followed once, and that version is held
-    against deletion by a newer save meanwhile) to `<base_uri>/<name>/<sha256>`, manifest last; return that URI.
-    `digest`, if given, is what the caller recorded for it (save_checkpoint's sha256): a version whose files hash
-    otherwise is refused rather than published under the wrong name."""
-    root = Path(local).resolve()
-    with _reading(root) as pinned:
-        if not pinned:
-            raise FileNotFoundError(f"checkpoint {local}: its version {root.name} is gone (replaced by a newer "
-                                    "save); nothing published")
-        files = sorted(p for p in root.rglob("*") if p.is_file())  # dir_digest's order
-        entries, whole = _hash_files(root, files)
-        if digest is not None and whole != digest:
-            raise ValueError(f"checkpoint {local}: files hash to {whole[:12]}..., not the recorded "
-                             f"{digest[:12]}...; nothing published")
-        uri = f"{base_uri.rstrip('/')}/{name.strip('/')}/{whole}"
-        fs, base = filesystem(uri)
-        if fs.get_file_info(f"{base}/{MANIFEST_NAME}").type == pafs.FileType.File:
-            return uri  # already published: same digest, same files
-        for f, e in zip(files, entries, strict=True):
-            with f.open("rb") as src, fs.open_output_stream(f"{base}/{e['path']}") as dst:
-                shutil.copyfileobj(src, dst, _CHUNK)
-    manifest = {"format": 1, "sha256": whole, "bytes": sum(e["bytes"] for e in entries), "files": entries}
+def upload_checkpoint(root: Path, base_uri: str, name: str, digest: str | None = None,
+                      shown: str | Path | None = None) -> str:
+    """Upload the checkpoint version directory `root` to `<base_uri>/<name>/<sha256>`, manifest last; return that
+    URI. The caller holds `root` against deletion (`models/checkpoint.publish_checkpoint`). `digest`, if given, is
+    what the caller recorded for it (save_checkpoint's sha256): a version whose files hash otherwise is refused
+    rather than published under the wrong name. Errors name the checkpoint `shown` (default: `root`)."""
+    files = tree_files(root)
+    tree = hash_files(files, root, per_file=True)
+    if digest is not None and tree.sha256 != digest:
+        raise ValueError(f"checkpoint {shown or root}: files hash to {tree.sha256[:12]}..., not the recorded "
+                         f"{digest[:12]}...; nothing published")
+    uri = f"{base_uri.rstrip('/')}/{name.strip('/')}/{tree.sha256}"
+    fs, base = filesystem(uri)
+    if fs.get_file_info(f"{base}/{MANIFEST_NAME}").type == pafs.FileType.File:
+        return uri  # already published: same digest, same files
+    for f, e in zip(files, tree.files, strict=True):
+        with f.open("rb") as src, fs.open_output_stream(f"{base}/{e['path']}") as dst:
+            shutil.copyfileobj(src, dst, _CHUNK)
     with fs.open_output_stream(f"{base}/{MANIFEST_NAME}") as out:  # the marker: written after every file
-        out.write(json.dumps(manifest, indent=2).encode())
+        out.write(json.dumps(tree_manifest(tree), indent=2).encode())
     return uri
-
-
-def recorded_uri(info: CheckpointInfo, name: str) -> str:
-    """What to record as the checkpoint's location: its URI on the store when FACTORY_CHECKPOINT_URI is set (published
-    here as `<store>/<name>/<sha256>`), else its local path."""
-    store = checkpoint_store_uri()
-    if store is None:
-        return str(info.path)
-    return publish_checkpoint(info.path, store, name, info.sha256)
 
 
 def read_manifest(uri: str) -> dict[str, Any]:
@@ -137,7 +124,7 @@ def fetch_checkpoint(uri: str, cache: str | Path | None = None) -> Path:
 
 def _download(uri: str, manifest: dict[str, Any], into: Path) -> None:
     fs, base = filesystem(uri)
-    for e in manifest["files"]:
+    for e in manifest_entries(manifest):
         rel = e["path"]
         if rel.startswith("/") or ".." in rel.split("/"):
             raise IncompleteCheckpointError(f"checkpoint {uri}: manifest names a file outside it: {rel!r}")
@@ -157,20 +144,3 @@ def _download(uri: str, manifest: dict[str, Any], into: Path) -> None:
             raise IncompleteCheckpointError(f"checkpoint {uri}: {rel} does not match its manifest "
                                             f"({size} bytes, sha256 {h.hexdigest()[:12]}...; expected {e['bytes']} "
                                             f"bytes, {e['sha256'][:12]}...)")
-
-
-def _hash_files(root: Path, files: list[Path]) -> tuple[list[dict[str, Any]], str]:
-    """Per-file manifest entries (path, bytes, sha256) and, in the same pass, the whole dir_digest of `files`."""
-    whole = hashlib.sha256()
-    entries = []
-    for f in files:
-        rel = f.relative_to(root).as_posix()
-        whole.update(rel.encode() + b"\0")
-        h, size = hashlib.sha256(), 0
-        with f.open("rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                h.update(chunk)
-                whole.update(chunk)
-                size += len(chunk)
-        entries.append({"path": rel, "bytes": size, "sha256": h.hexdigest()})
-    return entries, whole.hexdigest()

@@ -8,9 +8,6 @@ pad id only has to be a valid id; one without an eos token is refused, since com
 
 from __future__ import annotations
 
-import hashlib
-import os
-from functools import lru_cache
 from pathlib import Path
 
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -87,28 +84,3 @@ def _load_error(what: str, path: Path, e: Exception, trust_remote_code: bool) ->
 def model_positions(model: PreTrainedModel) -> int | None:
     """The model's context length (`max_position_embeddings`), where its config has one."""
     return getattr(model.config, "max_position_embeddings", None)
-
-
-def model_dir_digest(path: str | Path) -> str | None:
-    """sha256 of a model directory's files (names and contents), or None if it is not a directory. The SFT warm
-    start is keyed by it (`ExperimentSpec.warm_start_fingerprint`), so a model saved again under the same path is
-    trained from again instead of reusing a warm start made from other weights. Memoized on the files' names,
-    sizes and mtimes, so a multi-GB model is read once per process, not on every call."""
-    root = Path(path).expanduser()
-    if not root.is_dir():
-        return None
-    files = sorted(f for f in root.resolve().rglob("*") if f.is_file())
-    stats = tuple((f.as_posix(), st.st_size, st.st_mtime_ns) for f in files for st in [os.stat(f)])
-    return _digest(stats)
-
-
-@lru_cache(maxsize=64)
-def _digest(stats: tuple[tuple[str, int, int], ...]) -> str:
-    root = os.path.commonpath([name for name, _, _ in stats]) if stats else ""
-    h = hashlib.sha256()
-    for name, _, _ in stats:
-        h.update(os.path.relpath(name, root).encode() + b"\0")
-        with open(name, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                h.update(chunk)
-    return h.hexdigest()

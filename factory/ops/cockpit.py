@@ -19,8 +19,8 @@ from pathlib import Path
 from urllib.parse import quote
 
 from factory.home import factory_home
+from factory.infra.supervisor import ServiceProcess, free_port
 from factory.ops.instance import ensure_instance_yaml
-from factory.ops.supervisor import ServiceProcess, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCATION = "factory"  # workspace.yaml's location_name

@@ -73,9 +73,9 @@ def attempt_main(paths: FactoryPaths, run_id: str) -> int:
     from factory.core.loop import NonFiniteLoss, RunInterrupted
     from factory.experiment import build_dataset, load_dataset
     from factory.grpo_run import run_grpo
+    from factory.infra.supervisor import CircuitOpen
     from factory.lake.writer import Lake
     from factory.ops.recovery import run_row
-    from factory.ops.supervisor import CircuitOpen
     from factory.tracking import Tracker
 
     run_dir = paths.checkpoints / run_id

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from factory.config import parse_spec
 from factory.core import algorithms
-from factory.core.trainer.batch import pack
+from factory.core.batch import pack
 from factory.core.trainer.distributed import init_ranks
 from factory.core.trainer.ranks import follow, leading, make_trainer
 from factory.models.build import build_model

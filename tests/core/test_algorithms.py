@@ -18,7 +18,7 @@ from factory.core.algorithms import (
     overlong_reward,
     sft_loss,
 )
-from factory.core.trainer.batch import TrainBatch
+from factory.core.batch import TrainBatch
 
 
 def test_group_advantages_hand_computed():
@@ -371,9 +371,9 @@ def test_buffer_spec_errors_name_the_field():
 def test_each_algorithm_learns_in_the_sync_loop(name):
     # The loop's eos task (tests/core/test_loop.py): a completion is right when it stops at once.
     from factory.core.loop import train_grpo
-    from factory.envs.arithmetic import Problem
     from factory.models.build import build_model
     from factory.models.tokenizer import build_tokenizer
+    from factory.problem import Problem
 
     problems = [Problem(id=f"p{i}", prompt=f"{i}+{i}=", answer="", op="add", digits=1) for i in range(10)]
     spec = parse_spec({"seed": 0, "model": {"preset": "micro"},

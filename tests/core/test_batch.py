@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from factory.core.trainer.batch import pack
+from factory.core.batch import pack
 
 
 def test_pack_aligns_targets():

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from factory.config import AlgorithmSpec, BufferSpec
 from factory.core.algorithms import make_loss
+from factory.core.batch import pack
 from factory.core.buffer import (
     BufferClosed,
     BufferTimeout,
@@ -25,7 +26,6 @@ from factory.core.buffer import (
     stale_rows,
 )
 from factory.core.rollout.base import Completion
-from factory.core.trainer.batch import pack
 
 WAIT = 5.0  # generous bound for anything that must happen; a hang fails instead of blocking the suite
 

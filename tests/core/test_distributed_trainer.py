@@ -16,7 +16,7 @@ import torch
 
 from factory.config import AlgorithmSpec, parse_spec
 from factory.core import algorithms
-from factory.core.trainer.batch import TrainBatch, pack
+from factory.core.batch import TrainBatch, pack
 from factory.core.trainer.distributed import DistributedTrainer
 from factory.core.trainer.torch_trainer import TorchTrainer
 from factory.models.build import build_model

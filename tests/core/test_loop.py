@@ -10,9 +10,9 @@ import pytest
 
 from factory.config import parse_spec
 from factory.core.loop import train_grpo
-from factory.envs.arithmetic import Problem
 from factory.models.build import build_model
 from factory.models.tokenizer import build_tokenizer
+from factory.problem import Problem
 
 PROBLEMS = [Problem(id=f"p{i}", prompt=f"{i}+{i}=", answer="", op="add", digits=1) for i in range(10)]
 

@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from factory.config import parse_spec
 from factory.core import algorithms
-from factory.core.trainer.batch import pack
+from factory.core.batch import pack
 from factory.core.trainer.megatron_convert import (
     check_supported,
     fuse_qkv,

@@ -7,8 +7,8 @@ import pytest
 
 from factory.config import parse_spec
 from factory.core.producer import _prompt_ids, scorer
-from factory.envs.arithmetic import Problem
 from factory.models.tokenizer import tokenizer_for
+from factory.problem import Problem
 
 
 def test_a_prompt_too_long_for_the_model_names_the_prompt_and_its_source():

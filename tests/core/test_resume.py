@@ -3,6 +3,7 @@ kept; a loop resumed from one continues exactly (sync: bit-identical weights and
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 
@@ -13,9 +14,9 @@ import torch
 from factory.config import ExperimentSpec
 from factory.core.loop import train_grpo
 from factory.core.resume import ResumeWriter, capture, latest, load, points, rng_state, verify, write
-from factory.envs.arithmetic import Problem
 from factory.models.build import build_model
 from factory.models.tokenizer import build_tokenizer
+from factory.problem import Problem
 
 # Answers are the empty string: a completion is right when its first token is <eos>, so rewards are mixed
 # from the first step and the updates are real.
@@ -63,6 +64,19 @@ def test_torn_and_corrupt_points_are_skipped_for_the_previous_one(tmp_path):
     assert state.step == 2 and path.name == "step-000002"
     assert "step-000006 skipped: optimizer.pt does not match its sha256" in said[0]
     assert "step-000004 skipped: no manifest" in said[1]
+
+
+def test_a_resume_point_with_the_earlier_manifest_format_still_loads_and_is_still_checked(tmp_path):
+    path = write(tiny_state(4), tmp_path, keep=2)
+    manifest = json.loads((path / "MANIFEST.json").read_text())
+    assert manifest["format"] == 2 and manifest["step"] == 4
+    assert [e["path"] for e in manifest["files"]] == ["model.safetensors", "optimizer.pt", "rng.pt", "state.json"]
+    old = {"format": 1, "step": 4, "files": {e["path"]: {"sha256": e["sha256"], "bytes": e["bytes"]}
+                                             for e in manifest["files"]}}  # as resume points were written before
+    (path / "MANIFEST.json").write_text(json.dumps(old, indent=1))
+    assert verify(path) is None and latest(tmp_path, log=lambda _: None)[0].step == 4
+    (path / "rng.pt").write_bytes(b"garbage")
+    assert verify(path) == "rng.pt does not match its sha256 in the manifest (torn or corrupted)"
 
 
 def test_keeps_the_newest_k_and_cleans_temp_dirs_of_dead_writers(tmp_path):

@@ -2,9 +2,9 @@
 
 import torch
 
+from factory.core.batch import pack
 from factory.core.rollout.base import SamplingParams
 from factory.core.rollout.embedded import EmbeddedEngine
-from factory.core.trainer.batch import pack
 from factory.core.trainer.torch_trainer import token_logprobs
 from factory.models.build import build_model
 from factory.models.tokenizer import build_tokenizer

@@ -10,9 +10,9 @@ import pytest
 
 from factory.core.rollout.continuous import ContinuousEngine
 from factory.core.rollout.server import launch_server
+from factory.infra.supervisor import ServiceProcess
 from factory.models.build import build_model
 from factory.models.tokenizer import build_tokenizer
-from factory.ops.supervisor import ServiceProcess
 
 MAX_BODY = 64 << 10
 MAX_UPDATE = 256 << 10

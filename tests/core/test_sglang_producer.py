@@ -8,15 +8,14 @@ from __future__ import annotations
 import pytest
 
 from factory.config import parse_spec
-from factory.core.loop import train_grpo
-from factory.core.producer import make_producer
+from factory.core.loop import make_producer, train_grpo
 from factory.core.rollout.base import SamplingParams
-from factory.core.rollout.sglang_producer import SGLangProducer, make_sglang_engine
 from factory.core.rollout.sglang_servers import SGLangServers
-from factory.envs.arithmetic import Problem
+from factory.core.sglang_producer import SGLangProducer, make_sglang_engine
 from factory.models.build import build_model
 from factory.models.checkpoint import save_checkpoint
 from factory.models.tokenizer import build_tokenizer
+from factory.problem import Problem
 from tests.core.fake_sglang_server import fake_state, free_port_run, python_wrapper
 
 PROBLEMS = [Problem(id=f"p{i}", prompt=f"{i}+{i}=", answer="", op="add", digits=1) for i in range(10)]

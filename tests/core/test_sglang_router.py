@@ -19,7 +19,7 @@ from factory.core.rollout.sglang_weights import (
     buckets,
     serialize_named_tensors,
 )
-from factory.ops.supervisor import free_port
+from factory.infra.supervisor import free_port
 from tests.core.fake_sglang_server import EOS, fake_state, free_port_run, python_wrapper
 
 

@@ -10,10 +10,10 @@ from factory.config import SFTSpec
 from factory.core.rollout.continuous import ContinuousEngine
 from factory.core.rollout.server import launch_server, parse_tool_calls
 from factory.core.sft import run_sft
-from factory.envs.arithmetic import Problem
 from factory.envs.protocol import tokens_from_session
 from factory.models.build import build_model
 from factory.models.tokenizer import tokenizer_for
+from factory.problem import Problem
 
 CALL = '<tool_call>{"name": "python", "arguments": {"code": "print(6*7)"}}</tool_call>'
 TOOLS = [{"type": "function", "function": {"name": "python", "description": "run Python code",
@@ -77,7 +77,8 @@ def test_the_python_tool_environment_runs_calls_in_the_sandbox(tool_caller, requ
     import asyncio
 
     from factory.envs import tasks
-    from factory.envs.protocol import load_environment, run_episodes
+    from factory.envs.protocol import run_episodes
+    from factory.envs.registry import load_environment
 
     env = load_environment("python_tool")
     task = {"id": "q1", "prompt": "Q1?", "answer": "42", "op": "word", "digits": 0,

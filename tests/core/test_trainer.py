@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from factory.core.trainer.batch import TrainBatch, pack
+from factory.core.batch import TrainBatch, pack
 from factory.core.trainer.torch_trainer import TorchTrainer
 from factory.models.build import build_model
 from factory.models.tokenizer import build_tokenizer

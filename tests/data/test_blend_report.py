@@ -3,8 +3,8 @@
 from pathlib import Path
 
 from factory.config import load_spec, parse_spec
-from factory.data.blend import open_sources
 from factory.data.blend_report import blend_report
+from factory.data.from_spec import open_sources
 from factory.plots import PNG_SIGNATURE
 
 QUICKSTART = Path(__file__).parents[2] / "examples" / "quickstart.yaml"
@@ -53,8 +53,8 @@ def test_the_picture_is_a_deterministic_png_and_long_runs_are_sampled():
 
 
 def test_without_a_data_section_the_task_split_is_the_one_source():
-    from factory.data.blend import task_source
-    from factory.envs.arithmetic import Problem
+    from factory.data.from_spec import task_source
+    from factory.problem import Problem
 
     s = load_spec(QUICKSTART)
     train = [Problem(str(i), f"{i}+1=", str(i + 1), "add", 1, {}) for i in range(50)]

@@ -15,8 +15,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from factory.data.blender import Blender, Quota
-from factory.data.source import ListSource
-from factory.envs.arithmetic import Problem
+from factory.data.sources.base import ListSource
+from factory.problem import Problem
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -12,7 +12,7 @@ import pytest
 
 from factory.config import CurriculumSpec, PromptFilterSpec
 from factory.data.curriculum import Curriculum, make_curriculum
-from factory.envs.arithmetic import Problem
+from factory.problem import Problem
 
 SOURCES = ["add1", "add2", "add3", "other"]
 SOLVED, UNSOLVED, MIXED = [1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0], [1.0, 0.0, 1.0, 0.0]

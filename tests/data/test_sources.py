@@ -18,19 +18,20 @@ import pyarrow.parquet as pq
 import pytest
 
 from factory.config import TaskSpec
-from factory.data.source import PromptSource, num_blocks
 from factory.data.sources import (
     ArithmeticSource,
     HFDiskSource,
     IcebergSource,
     JsonlSource,
     ParquetSource,
-    SourceError,
     SuiteSource,
     make_source,
 )
-from factory.envs.arithmetic import Problem, arithmetic_capacity
+from factory.data.sources.base import PromptSource, num_blocks
+from factory.envs.arithmetic import arithmetic_capacity
 from factory.envs.tasks import _SETS, _records, make_task_splits, verify
+from factory.problem import Problem
+from factory.source_spec import SourceError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -270,7 +271,7 @@ def test_parquet_errors_name_the_source_file_and_columns(tmp_path):
 _MEMORY_PROBE = textwrap.dedent("""
     import json, sys, tracemalloc
     import pyarrow as pa
-    from factory.data.source import num_blocks
+    from factory.data.sources.base import num_blocks
     from factory.data.sources import ParquetSource
     src = ParquetSource("big", sys.argv[1], "arithmetic", {"id": "uid", "prompt": "text", "answer": "label"})
     pool = pa.default_memory_pool()

@@ -3,7 +3,8 @@
 import pytest
 
 from factory.config import TaskSpec
-from factory.envs.arithmetic import Problem, make_splits, reward
+from factory.envs.arithmetic import make_splits, reward
+from factory.problem import Problem
 
 
 def test_splits_are_deterministic_and_disjoint():

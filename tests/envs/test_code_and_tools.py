@@ -69,9 +69,10 @@ def test_a_tool_use_run_trains_through_the_async_core():
     from factory.core.producer import ServerProducer
     from factory.core.sft import run_sft
     from factory.data.feed import feed_of
-    from factory.envs.arithmetic import Problem, make_splits
+    from factory.envs.arithmetic import make_splits
     from factory.models.build import build_model
     from factory.models.tokenizer import tokenizer_for
+    from factory.problem import Problem
 
     s = parse_spec(small({"task": {"digits": [1], "n_train": 20, "n_eval": 8, "environment": "calculator_tool",
                                    "episode_timeout_s": 60},

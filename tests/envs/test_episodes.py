@@ -6,16 +6,16 @@ import asyncio
 import pytest
 
 from factory.config import parse_spec
-from factory.envs.arithmetic import Problem
 from factory.envs.protocol import (
     EpisodeResult,
     GymAdapter,
-    load_environment,
     run_guarded,
     score_guarded,
     tokens_from_session,
 )
+from factory.envs.registry import load_environment
 from factory.envs.tools import calculator
+from factory.problem import Problem
 
 OBS = "12"  # what the two-turn environment inserts between the model's turns
 
@@ -174,7 +174,7 @@ def test_a_single_turn_environment_trains_in_sync_mode():
 
 
 def test_a_multi_turn_environment_by_import_path_needs_the_rollout_server():
-    from factory.core.producer import make_producer
+    from factory.core.loop import make_producer
     from factory.models.build import build_model
     from factory.models.tokenizer import build_tokenizer
 

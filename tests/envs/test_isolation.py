@@ -19,12 +19,12 @@ import torch
 from factory.core.rollout.continuous import ContinuousEngine
 from factory.core.rollout.server import launch_server
 from factory.envs import protocol
-from factory.envs.arithmetic import Problem
 from factory.envs.protocol import EpisodeResult, RewardResult, checked_reward
 from factory.envs.service import SCORERS, score_completions
 from factory.envs.workers import Episode, LocalEnvironment, ServiceEnvironment, make_environment
 from factory.models.build import build_model
 from factory.models.tokenizer import build_tokenizer
+from factory.problem import Problem
 from tests.envs import isolation_envs
 
 REWARD = "tests.envs.isolation_envs:moody_reward"

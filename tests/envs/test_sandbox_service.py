@@ -11,7 +11,7 @@ import pytest
 
 from factory.envs.sandbox import SandboxLimits
 from factory.envs.sandbox_service import RemoteSandboxPool
-from factory.ops.supervisor import ServiceProcess
+from factory.infra.supervisor import ServiceProcess
 
 
 @pytest.fixture(scope="module")

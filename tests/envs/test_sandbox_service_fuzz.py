@@ -9,7 +9,7 @@ import sys
 import httpx
 import pytest
 
-from factory.ops.supervisor import ServiceProcess
+from factory.infra.supervisor import ServiceProcess
 from tests.schema_fuzz import fuzz_service, schemathesis
 
 

@@ -10,7 +10,7 @@ import sys
 import httpx
 import pytest
 
-from factory.ops.supervisor import ServiceProcess
+from factory.infra.supervisor import ServiceProcess
 
 P = {"id": "p1", "prompt": "12+30=", "answer": "42", "op": "add", "digits": 2}
 GOOD_SCORE = {"episodes": [{"key": "p1-0", "problem": P, "completions": ["42", "7"]}]}

@@ -3,8 +3,8 @@
 import pytest
 
 from factory.config import TaskSpec
-from factory.envs.arithmetic import Problem
 from factory.envs.tasks import code_program, extract_answer, make_task_splits, verify, word_problem_reward
+from factory.problem import Problem
 
 
 @pytest.mark.parametrize("text,want", [

@@ -7,11 +7,11 @@ import threading
 import httpx
 import pytest
 
-from factory.envs.arithmetic import Problem
 from factory.envs.latency import LatencyProfile
 from factory.envs.service import SCORERS, score_completions
 from factory.envs.workers import Episode, LocalEnvironment, ServiceEnvironment, make_environment
-from factory.ops.supervisor import CircuitOpen
+from factory.infra.supervisor import CircuitOpen
+from factory.problem import Problem
 
 P = Problem(id="p1", prompt="12+30=", answer="24", op="add", digits=2)
 EPISODES = [Episode(key=f"p1-{k}", problem=P, completions=["24", "42", " 24 ", ""]) for k in range(6)]

@@ -9,8 +9,8 @@ import pytest
 from dagster import DagsterInstance, materialize
 from transformers import AutoModelForCausalLM
 
+from factory.digest import dir_digest
 from factory.lake import Lake, query
-from factory.models.checkpoint import dir_digest
 from factory.tracking import Tracker
 from jobs import ALL_CHECKS, QUICKSTART_ASSETS, defs, make_resources
 

@@ -13,8 +13,8 @@ import pytest
 import factory.lake.writer as writer
 from factory.home import FactoryPaths
 from factory.home import factory_home as open_home
+from factory.infra.supervisor import retry
 from factory.lake import TABLES, Lake, ensure_tables, open_catalog
-from factory.ops.supervisor import retry
 
 T0 = dt.datetime(2025, 1, 2, 3, 4, 5, 678901, tzinfo=dt.UTC)
 

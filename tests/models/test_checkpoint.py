@@ -13,9 +13,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
+from factory.digest import dir_digest
 from factory.models import checkpoint
 from factory.models.build import build_model
-from factory.models.checkpoint import dir_digest, load_checkpoint, read_meta, save_checkpoint
+from factory.models.checkpoint import load_checkpoint, read_meta, save_checkpoint
 from factory.models.tokenizer import build_tokenizer
 
 

@@ -11,15 +11,11 @@ import pytest
 import torch
 
 from factory.checkpoint_eval import _path as recorded_checkpoint_dir
+from factory.digest import dir_digest
 from factory.grpo_run import record_checkpoint
 from factory.models.build import build_model
-from factory.models.checkpoint import dir_digest, load_checkpoint, save_checkpoint
-from factory.models.checkpoint_store import (
-    MANIFEST_NAME,
-    IncompleteCheckpointError,
-    publish_checkpoint,
-    recorded_uri,
-)
+from factory.models.checkpoint import load_checkpoint, publish_checkpoint, recorded_uri, save_checkpoint
+from factory.models.checkpoint_store import MANIFEST_NAME, IncompleteCheckpointError
 from factory.models.tokenizer import build_tokenizer
 
 

@@ -12,12 +12,12 @@ import pytest
 
 from factory.config import parse_spec
 from factory.core.loop import NonFiniteLoss
-from factory.envs.arithmetic import Problem, Splits
 from factory.grpo_run import run_grpo
+from factory.infra.supervisor import CircuitOpen
 from factory.models.build import build_model
 from factory.models.checkpoint import save_checkpoint
 from factory.models.tokenizer import build_tokenizer
-from factory.ops.supervisor import CircuitOpen
+from factory.problem import Problem, Splits
 from factory.tracking import Tracker
 
 PROBLEMS = [Problem(id=f"p{i}", prompt=f"{i}+{i}=", answer="", op="add", digits=1) for i in range(40)]

@@ -13,7 +13,7 @@ from typing import Annotated, Any
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from factory.ops.http_guard import RequestError, error_response
+from factory.infra.http_guard import RequestError, error_response
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # the OpenAI default for /v1/completions
 MAX_N = 256

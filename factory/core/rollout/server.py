@@ -52,6 +52,7 @@ from typing import Annotated, Any
 import uvicorn
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse
+from safetensors.torch import load_file
 from torch import Tensor
 
 from factory.core.rollout.api_models import (
@@ -78,8 +79,10 @@ from factory.core.rollout.chat import (
 )
 from factory.core.rollout.continuous import PAUSE_MODES, UPDATE_MODES, ContinuousEngine
 from factory.core.rollout.sessions import SessionStore, Turn
-from factory.ops.faults import fault_point
-from factory.ops.http_guard import MAX_JSON_BYTES, guard
+from factory.core.weights import WeightUpdate, apply_update
+from factory.infra.faults import fault_point
+from factory.infra.http_guard import MAX_JSON_BYTES, guard
+from factory.models.checkpoint import load_checkpoint
 from factory.text import clip
 
 # The request models, chat template and sessions live in their own modules; their public names are importable
@@ -101,8 +104,6 @@ def weight_update_decoder(payload: bytes, current: Mapping[str, Tensor],
                           current_version: int) -> tuple[Mapping[str, Tensor], int | None]:
     """The default decoder: a serialized `factory.core.weights.WeightUpdate` (full, or a lossless delta whose base
     version must be the served version; every tensor is checked against its checksum)."""
-    from factory.core.weights import WeightUpdate, apply_update
-
     update = WeightUpdate.from_bytes(payload)
     return apply_update(dict(current), update, current_version), update.version
 
@@ -110,8 +111,6 @@ def weight_update_decoder(payload: bytes, current: Mapping[str, Tensor],
 # ---------------------------------------------------------------------------------------------- weights on disk
 def load_weights_dir(path: str | Path) -> dict[str, Tensor]:
     """The safetensors weights of an HF checkpoint directory (one file or an index of shards)."""
-    from safetensors.torch import load_file
-
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"model_path is not a directory: {path}")
@@ -547,8 +546,6 @@ def launch_server(engine: ContinuousEngine, host: str = "127.0.0.1", port: int =
 
 def engine_from_checkpoint(path: str | Path, max_batch: int = 64, max_seq_len: int | None = None,
                            version: int = 0) -> ContinuousEngine:
-    from factory.models.checkpoint import load_checkpoint
-
     model, tokenizer = load_checkpoint(path)
     return ContinuousEngine(model, tokenizer, weight_version=version, max_batch=max_batch,
                             max_seq_len=max_seq_len, name=Path(path).name)

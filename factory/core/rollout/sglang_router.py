@@ -43,7 +43,7 @@ from factory.core.rollout.base import Completion, SamplingParams
 from factory.core.rollout.sglang import SGLangEngine, SGLangError
 from factory.core.rollout.sglang_servers import SGLangServers
 from factory.core.rollout.sglang_weights import DistributedUpdate, WeightUpdate
-from factory.ops.supervisor import CONNECTION_ERRORS
+from factory.infra.supervisor import CONNECTION_ERRORS
 
 
 class SGLangVersionMismatch(SGLangError):

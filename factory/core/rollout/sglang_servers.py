@@ -1,7 +1,7 @@
 """SGLang server processes: launch N of them from `SGLangSpec`, wait for /health, restart, stop.
 
 Owns the command line and the process lifecycle, nothing about requests. Each server is one
-`ops.supervisor.ServiceProcess` (own session/process group, log file appended across restarts,
+`infra.supervisor.ServiceProcess` (own session/process group, log file appended across restarts,
 bounded restarts with the circuit breaker, killed with the trainer):
 
     <python> -m sglang.launch_server --model-path M --host 127.0.0.1 --port base_port+i
@@ -33,7 +33,7 @@ from pathlib import Path
 import httpx
 
 from factory.config import SGLangSpec
-from factory.ops.supervisor import ServiceProcess, ServiceUnavailable
+from factory.infra.supervisor import ServiceProcess, ServiceUnavailable
 
 LAUNCH_MODULE = "sglang.launch_server"
 

@@ -46,11 +46,15 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Callable
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing  # noqa: F401 - registers torch's ForkingPickler reductions (CUDA tensors as IPC handles)
+from safetensors.torch import save_file
+from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world, rendezvous
 
 from factory.core.rollout.sglang import SGLangEngine, SGLangError
 
@@ -98,8 +102,6 @@ class DiskUpdate:
         self.path: Path | None = None
 
     def prepare(self, state: dict[str, torch.Tensor], version: int) -> None:
-        from safetensors.torch import save_file
-
         self.weights_dir.mkdir(parents=True, exist_ok=True)
         target = self.weights_dir / f"v{version:08d}"
         tmp = Path(tempfile.mkdtemp(prefix=f".v{version:08d}-", dir=self.weights_dir))
@@ -140,10 +142,6 @@ def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
     reads it: CUDA tensors through ForkingPickler (IPC handles), CPU tensors by value."""
     buf = io.BytesIO()
     if any(t.is_cuda for _, t in named):
-        from multiprocessing.reduction import ForkingPickler
-
-        import torch.multiprocessing  # noqa: F401 - registers torch's ForkingPickler reductions
-
         ForkingPickler(buf).dump([(n, t.detach()) for n, t in named])
     else:
         pickle.dump([(n, t.detach().contiguous()) for n, t in named], buf)
@@ -186,13 +184,6 @@ def init_custom_process_group(backend: str, init_method: str, world_size: int, r
     """A process group outside the default one (the trainer may have its own), joined the way SGLang's
     `init_custom_process_group` joins it: rendezvous on `init_method` (rank 0 hosts the tcp store),
     a PrefixStore named after the group, ranks 0..world_size-1."""
-    from torch.distributed.distributed_c10d import (
-        PrefixStore,
-        _new_process_group_helper,
-        _world,
-        rendezvous,
-    )
-
     store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)

@@ -51,10 +51,12 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
-from factory.core.trainer.batch import TrainBatch
+from factory.core.batch import TrainBatch
 from factory.core.trainer.torch_trainer import LossFn, over_minibatches, token_logprobs
+from factory.models.checkpoint import save_checkpoint
 
 Strategy = Literal["fsdp", "ddp"]
 Precision = Literal["fp32", "bf16"]
@@ -147,7 +149,7 @@ class DistributedTrainer:
         self._autocast = bf16 and self.strategy != "fsdp"
         self._net: torch.nn.Module = model  # what the training forward goes through
         if self.strategy == "fsdp":
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # heavy (~3 s): fsdp only
 
             # Rank 0's weights everywhere (DDP does this itself): followers need only the architecture, and a
             # leader that loaded a resume point or an SFT start passes it on.
@@ -162,8 +164,6 @@ class DistributedTrainer:
                     fully_shard(module, **kw)
             fully_shard(model, **kw)
         elif self.strategy == "ddp":
-            from torch.nn.parallel import DistributedDataParallel
-
             self._net = DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda"
                                                 else None)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
@@ -271,7 +271,10 @@ class DistributedTrainer:
     def full_state_dict(self) -> dict[str, Tensor]:
         """The full, unsharded state on CPU on rank 0 ({} on the others). A collective under fsdp."""
         if self.strategy == "fsdp":
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+            from torch.distributed.checkpoint.state_dict import (  # heavy: loads fsdp; fsdp only
+                StateDictOptions,
+                get_model_state_dict,
+            )
 
             return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank != 0:
@@ -283,7 +286,10 @@ class DistributedTrainer:
         (unsharded, CPU) state keyed by parameter name under fsdp (a collective; {} on ranks other than 0)."""
         if self.strategy != "fsdp":
             return self.optimizer.state_dict()
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (  # heavy: loads fsdp
+            StateDictOptions,
+            get_optimizer_state_dict,
+        )
 
         return get_optimizer_state_dict(self.model, self.optimizer,
                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -293,7 +299,10 @@ class DistributedTrainer:
         if self.strategy != "fsdp":
             self.optimizer.load_state_dict(state)
             return
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (  # heavy: loads fsdp
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
 
         set_optimizer_state_dict(self.model, self.optimizer, state, options=StateDictOptions(full_state_dict=True))
 
@@ -309,8 +318,6 @@ class DistributedTrainer:
                              meta: dict | None = None):
         """Gather the weights and write an HF checkpoint from rank 0 (`models.checkpoint.save_checkpoint`); every
         rank returns once it is written (rank 0: its CheckpointInfo, others: None)."""
-        from factory.models.checkpoint import save_checkpoint
-
         model = self.gathered_model()
         info = save_checkpoint(model, tokenizer, path, meta) if model is not None else None
         if self.world_size > 1:

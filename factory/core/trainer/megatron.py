@@ -37,7 +37,7 @@ try:
 except ImportError as e:  # the backend is optional: `pip install -e ".[megatron]"`
     raise ImportError(f"trainer.backend: megatron needs megatron-core (pip install -e '.[megatron]'): {e}") from e
 
-from factory.core.trainer.batch import TrainBatch
+from factory.core.batch import TrainBatch
 from factory.core.trainer.megatron_convert import (
     geometry,
     hf_to_megatron,

@@ -33,10 +33,12 @@ import torch
 import torch.distributed as dist
 from transformers import PreTrainedModel
 
-from factory.config import ExperimentSpec
-from factory.core.trainer.batch import TrainBatch
+from factory.config import ExperimentSpec, load_spec
+from factory.core.algorithms import make_loss
+from factory.core.batch import TrainBatch
 from factory.core.trainer.distributed import DistributedTrainer, init_ranks, load_full_state, rank_device
 from factory.core.trainer.torch_trainer import LossFn, TorchTrainer
+from factory.models.build import policy_for
 
 Trainer = TorchTrainer | DistributedTrainer  # | LeaderTrainer (the same interface)
 
@@ -155,8 +157,6 @@ class LeaderTrainer:
 
 def follow(spec: ExperimentSpec, model: PreTrainedModel) -> int:
     """A follower rank's loop: apply the leader's calls until it says stop; returns the steps applied."""
-    from factory.core.algorithms import make_loss
-
     trainer = distributed_trainer(spec, model)
     loss_fn = make_loss(spec.algorithm, max_new_tokens=spec.rollout.max_new_tokens)
     steps = 0
@@ -203,9 +203,6 @@ def leading() -> Iterator[None]:
 
 def main(argv: list[str] | None = None) -> int:
     """Rank entry point: rank 0 runs `--leader module:function` with the spec inside `leading()`; others follow."""
-    from factory.config import load_spec
-    from factory.models.build import policy_for
-
     ap = argparse.ArgumentParser(prog="python -m factory.core.trainer.ranks")
     ap.add_argument("--spec", required=True, help="experiment spec (YAML) with trainer.world_size = the rank count")
     ap.add_argument("--leader", required=True, help="module:function run on rank 0 with the spec")

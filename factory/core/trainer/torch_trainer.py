@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from factory.core.trainer.batch import TrainBatch
+from factory.core.batch import TrainBatch
 
 LossFn = Callable[[Tensor, TrainBatch], tuple[Tensor, dict[str, float]]]
 

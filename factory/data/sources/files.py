@@ -18,9 +18,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from factory.envs.arithmetic import Problem
+from factory.problem import Problem
+from factory.source_spec import ColumnMap, SourceError
 
-from .rows import BatchCursor, ColumnMap, SourceError, check_verifier, problems_from_arrow, problems_from_columns
+from .rows import BatchCursor, check_verifier, problems_from_arrow, problems_from_columns
 
 _HASH_CHUNK = 1 << 20
 

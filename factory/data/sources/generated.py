@@ -17,10 +17,12 @@ import json
 import math
 from importlib import resources
 
-from factory.envs.arithmetic import OPS, Problem, _problem, arithmetic_capacity
+from factory.envs.arithmetic import OPS, _problem, arithmetic_capacity
 from factory.envs.tasks import _SETS, _records
+from factory.problem import Problem
+from factory.source_spec import SourceError
 
-from .rows import SourceError, _make_problem, check_verifier
+from .rows import _make_problem, check_verifier
 
 _ROUNDS = 4
 

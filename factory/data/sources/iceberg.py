@@ -16,9 +16,10 @@ from pyiceberg.exceptions import NoSuchNamespaceError, NoSuchTableError
 from pyiceberg.expressions import AlwaysTrue
 from pyiceberg.io.pyarrow import ArrowScan
 
-from factory.envs.arithmetic import Problem
+from factory.problem import Problem
+from factory.source_spec import ColumnMap, SourceError
 
-from .rows import BatchCursor, ColumnMap, SourceError, check_verifier, problems_from_arrow
+from .rows import BatchCursor, check_verifier, problems_from_arrow
 
 
 class IcebergSource:

@@ -1,11 +1,11 @@
-"""Turning columns of a source into `Problem` rows: the column mapping, and the verifier check.
+"""Turning columns of a source into `Problem` rows, and the verifier check.
 
-A `ColumnMap` says which column holds the id, the prompt and the answer, and which extra columns go into
-`meta`. Rows are built from an Arrow table slice one column at a time (`to_pylist` per column is far
-faster than per-row dicts). A source without an id column gets the row's position as its id.
+A `ColumnMap` (factory/source_spec.py) says which column holds the id, the prompt and the answer, and which
+extra columns go into `meta`. Rows are built from an Arrow table slice one column at a time (`to_pylist` per
+column is far faster than per-row dicts). A source without an id column gets the row's position as its id.
 
 The verifier names what scores a row: a task family of `factory/envs/tasks.py` ("arithmetic",
-"word_problems", "code"), a built-in environment of `factory/envs/protocol.py`, or an environment import
+"word_problems", "code"), a built-in environment of `factory/envs/registry.py`, or an environment import
 path "pkg.module:attr" (only then is user code imported, to check that it loads).
 """
 
@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict
+import pyarrow.compute as pc
 
-from factory.envs.arithmetic import Problem
-from factory.envs.protocol import BUILTINS
+from factory.envs.registry import BUILTINS, load_environment
+from factory.problem import Problem
+from factory.source_spec import ColumnMap, SourceError
 
 TASK_FAMILIES = ("arithmetic", "word_problems", "code")
 # `tasks.verify` dispatches on Problem.op: "word" and "code" rows go to their verifiers, any other op to the exact
@@ -27,48 +28,11 @@ TASK_FAMILIES = ("arithmetic", "word_problems", "code")
 _OP_OF_VERIFIER = {"word_problems": "word", "code": "code"}
 
 
-class SourceError(ValueError):
-    """A source that cannot be read as asked; the message names the source (and the file or column)."""
-
-
-class ColumnMap(BaseModel):
-    """Which column holds what. `id: null` numbers rows by position; `answer: null` gives rows an empty answer (a
-    verifier that needs none, e.g. an environment with its own test data in `meta`)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    id: str | None = "id"
-    prompt: str = "prompt"
-    answer: str | None = "answer"
-    meta: list[str] = []  # extra columns copied into Problem.meta under their own names
-    op: str | None = None  # a column for Problem.op (default: from the verifier)
-    digits: str | None = None  # a column for Problem.digits (default 0)
-
-    def wanted(self) -> list[str]:
-        cols = [self.id, self.prompt, self.answer, self.op, self.digits, *self.meta]
-        return list(dict.fromkeys(c for c in cols if c is not None))
-
-    def resolve(self, source: str, where: str, available: Sequence[str], id_optional: bool = True) -> ColumnMap:
-        """This mapping checked against the columns that exist; the default id column may be absent (rows are
-        then numbered), any other missing column is a SourceError naming the columns there are."""
-        have = set(available)
-        cm = self
-        if cm.id == "id" and "id" not in have and id_optional and "id" not in self.model_fields_set:
-            cm = cm.model_copy(update={"id": None})
-        missing = [c for c in cm.wanted() if c not in have]
-        if missing:
-            raise SourceError(f"source {source!r}: {where} has no column {', '.join(map(repr, missing))}; its "
-                              f"columns are {', '.join(map(repr, available)) or '(none)'}")
-        return cm
-
-
 def check_verifier(source: str, verifier: str) -> None:
     """SourceError unless `verifier` is a task family, a built-in environment or an importable environment."""
     if verifier in TASK_FAMILIES or verifier in BUILTINS:
         return
     if ":" in verifier:
-        from factory.envs.protocol import load_environment
-
         try:
             load_environment(verifier)
         except ValueError as e:
@@ -110,8 +74,6 @@ def _text(v: object) -> str:
 
 def _arrow_text(col: pa.ChunkedArray | pa.Array) -> list | None:
     """A column as Python str values ("" for null) done in Arrow, or None when it cannot be cast (e.g. a list)."""
-    import pyarrow.compute as pc
-
     try:
         if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
             col = pc.cast(col, pa.string())

@@ -71,7 +71,7 @@ def _rank_main(argv: list[str] | None = None) -> int:
 
 
 def allreduce_check(floor_gbs: float, mode: str, gpus: int) -> CheckResult:
-    from factory.ops.supervisor import free_port
+    from factory.infra.supervisor import free_port
 
     backend, world = ("nccl", gpus) if gpus >= 2 else ("gloo", 2)
     port = free_port()

@@ -28,8 +28,8 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
+from factory.infra.supervisor import retry
 from factory.ops.preflight.result import PreflightReport
-from factory.ops.supervisor import retry
 
 LABEL = "factory.dev/preflight"  # "passed" | "failed"
 ANNOTATION = "factory.dev/preflight"  # JSON: {"preflight_id", "failed", "checked_at", "partial"}

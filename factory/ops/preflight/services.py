@@ -103,10 +103,10 @@ def rollout_server_check(paths: FactoryPaths) -> CheckResult:
     """`factory serve` on a freshly built `micro` checkpoint, supervised, answers POST /v1/completions."""
     import httpx
 
+    from factory.infra.supervisor import ServiceProcess, ServiceUnavailable
     from factory.models.build import build_model
     from factory.models.checkpoint import save_checkpoint
     from factory.models.tokenizer import build_tokenizer
-    from factory.ops.supervisor import ServiceProcess, ServiceUnavailable
 
     expected = f"serves a completion within {ROLLOUT_STARTUP_S:.0f} s"
     t0 = time.perf_counter()

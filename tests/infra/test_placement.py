@@ -1,4 +1,4 @@
-"""Placement (factory/ops/placement.py): each component's cores and torch threads, from the spec, in the thread or
+"""Placement (factory/infra/placement.py): each component's cores and torch threads, from the spec, in the thread or
 process that runs it."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from factory.config import apply_overrides, load_spec
-from factory.ops.placement import Place, check_placement, enter, entered, placements
+from factory.infra.placement import Place, check_placement, enter, entered, placements
 
 QUICKSTART = str(Path(__file__).parents[2] / "examples" / "quickstart.yaml")
 CORES = sorted(os.sched_getaffinity(0))

@@ -9,7 +9,7 @@ import httpx
 import pytest
 import tenacity
 
-from factory.ops.supervisor import CONNECTION_ERRORS, CircuitOpen, ServiceProcess, ServiceUnavailable, retry
+from factory.infra.supervisor import CONNECTION_ERRORS, CircuitOpen, ServiceProcess, ServiceUnavailable, retry
 
 SCRIPT = str(Path(__file__).with_name("flaky_service.py"))
 

@@ -1,4 +1,6 @@
-"""Model presets: small causal LMs described by a transformers config, built without any download."""
+"""Model presets: the named sizes a spec's `model.preset` picks (small causal LMs described by a transformers
+config, built by factory/models/build.py without any download). A plain table, so that the spec schema can
+check a preset's name and its context length without importing the model code."""
 
 from __future__ import annotations
 

@@ -15,9 +15,10 @@ from pathlib import Path
 
 from factory.config import ExperimentSpec
 from factory.data.blender import Blender
-from factory.data.source import ListSource, PromptSource, num_blocks
-from factory.data.sources import SourceError, make_source
-from factory.envs.arithmetic import Problem
+from factory.data.sources import make_source
+from factory.data.sources.base import ListSource, PromptSource, num_blocks
+from factory.problem import Problem
+from factory.source_spec import SourceError
 
 DEFAULT_BLOCK_ROWS = 1024
 

@@ -1,6 +1,5 @@
-"""The spec of one prompt source (an entry of a `data` section) and `make_source`, which opens it.
-
-One pydantic model per kind, told apart by `kind`; `make_source` accepts the model or its dict. In YAML:
+"""The spec of one prompt source (an entry of a spec's `data.sources`): one pydantic model per kind, told apart
+by `kind`, the column mapping of file and table sources, and `SourceError`. In YAML:
 
     - {name: add3, kind: arithmetic, op: add, digits: 3, n: 200000, seed: 0}
     - {name: wp, kind: suite, suite: word_problems}
@@ -11,18 +10,53 @@ One pydantic model per kind, told apart by `kind`; `make_source` accepts the mod
       columns: {id: qid, prompt: question, answer: final, meta: [topic]}
     - {name: mined, kind: iceberg, table: factory_data.prompts, snapshot_id: 4829917301, verifier: code,
        columns: {prompt: prompt, answer: solution, meta: [tests]}}
+
+Only the shape is checked here; whether a verifier loads or a file has the mapped columns is checked when the
+source is opened (factory/data/sources/).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from factory.data.source import PromptSource
 
-from .rows import ColumnMap, SourceError
+class SourceError(ValueError):
+    """A source that cannot be read as asked; the message names the source (and the file or column)."""
+
+
+class ColumnMap(BaseModel):
+    """Which column holds what. `id: null` numbers rows by position; `answer: null` gives rows an empty answer (a
+    verifier that needs none, e.g. an environment with its own test data in `meta`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str | None = "id"
+    prompt: str = "prompt"
+    answer: str | None = "answer"
+    meta: list[str] = []  # extra columns copied into Problem.meta under their own names
+    op: str | None = None  # a column for Problem.op (default: from the verifier)
+    digits: str | None = None  # a column for Problem.digits (default 0)
+
+    def wanted(self) -> list[str]:
+        cols = [self.id, self.prompt, self.answer, self.op, self.digits, *self.meta]
+        return list(dict.fromkeys(c for c in cols if c is not None))
+
+    def resolve(self, source: str, where: str, available: Sequence[str], id_optional: bool = True) -> ColumnMap:
+        """This mapping checked against the columns that exist; the default id column may be absent (rows are
+        then numbered), any other missing column is a SourceError naming the columns there are."""
+        have = set(available)
+        cm = self
+        if cm.id == "id" and "id" not in have and id_optional and "id" not in self.model_fields_set:
+            cm = cm.model_copy(update={"id": None})
+        missing = [c for c in cm.wanted() if c not in have]
+        if missing:
+            raise SourceError(f"source {source!r}: {where} has no column {', '.join(map(repr, missing))}; its "
+                              f"columns are {', '.join(map(repr, available)) or '(none)'}")
+        return cm
+
 
 _NAME = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$", description="the source's name (in records and weights)")
 
@@ -97,35 +131,3 @@ def parse_source_spec(spec: dict[str, Any] | BaseModel) -> Any:
         name = spec.get("name", "?") if isinstance(spec, dict) else "?"
         problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'spec'}: {err['msg']}" for err in e.errors())
         raise SourceError(f"source {name!r}: {problems}") from e
-
-
-def make_source(spec: dict[str, Any] | BaseModel, *, base_dir: str | Path | None = None,
-                catalog: Any = None) -> PromptSource:
-    """Open the source `spec` describes. Relative paths are under `base_dir` (e.g. the spec file's folder);
-    an Iceberg source reads `catalog` (a pyiceberg Catalog or a `Lake`; default: the lake of $FACTORY_HOME)."""
-    from .files import HFDiskSource, JsonlSource, ParquetSource
-    from .generated import ArithmeticSource, SuiteSource
-    from .iceberg import IcebergSource
-
-    s = parse_source_spec(spec)
-    if isinstance(s, ArithmeticSourceSpec):
-        return ArithmeticSource(s.name, s.op, s.digits, s.n, seed=s.seed, start=s.start,
-                                reverse_answer=s.reverse_answer, reverse_operands=s.reverse_operands,
-                                block_rows=s.block_rows, verifier=s.verifier)
-    if isinstance(s, SuiteSourceSpec):
-        return SuiteSource(s.name, s.suite, block_rows=s.block_rows)
-    if isinstance(s, IcebergSourceSpec):
-        catalog = getattr(catalog, "catalog", catalog)  # a Lake or its catalog
-        if catalog is None:
-            from factory.lake import open_catalog
-
-            catalog = open_catalog()
-        return IcebergSource(s.name, catalog, s.table, s.verifier, snapshot_id=s.snapshot_id, columns=s.columns,
-                             block_rows=s.block_rows)
-    path = Path(s.path)
-    if base_dir is not None and not path.is_absolute():
-        path = Path(base_dir) / path
-    if isinstance(s, HFDiskSourceSpec):
-        return HFDiskSource(s.name, path, s.verifier, s.columns, split=s.split, block_rows=s.block_rows)
-    cls = JsonlSource if isinstance(s, JsonlSourceSpec) else ParquetSource
-    return cls(s.name, path, s.verifier, s.columns, block_rows=s.block_rows)

@@ -3,7 +3,7 @@
 A source holds `len(source)` rows in a fixed order and hands them out a block at a time (`read_block(b)`
 returns rows [b * block_rows, (b + 1) * block_rows)), so a reader never needs the whole source in memory
 and a shuffling reader (the blender) can permute blocks and rows within a block without an index of the
-whole source. Each row is a `Problem` (factory/envs/arithmetic.py): id, prompt, answer, op, digits, and
+whole source. Each row is a `Problem` (factory/problem.py): id, prompt, answer, op, digits, and
 `meta` with at least `source` (the source's name) and `verifier` (what scores it: a task family name such
 as "arithmetic", "word_problems", "code", or an environment import path).
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from factory.envs.arithmetic import Problem
+from factory.problem import Problem
 
 
 @runtime_checkable

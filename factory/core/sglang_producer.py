@@ -34,8 +34,8 @@ from factory.core.rollout.base import Completion, SamplingParams
 from factory.core.rollout.sglang_router import SGLangRouter
 from factory.core.rollout.sglang_servers import LAUNCH_MODULE, SGLangServers
 from factory.core.rollout.sglang_weights import DiskUpdate, DistributedUpdate, TensorUpdate, WeightUpdate
+from factory.infra.supervisor import free_port
 from factory.models.checkpoint import remove_checkpoint, save_checkpoint
-from factory.ops.supervisor import free_port
 
 
 def make_updater(spec: ExperimentSpec, workdir: Path, model_dir: Path | None) -> WeightUpdate:

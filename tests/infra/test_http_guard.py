@@ -12,7 +12,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from factory.ops.http_guard import RequestError, field_path, guard, validation_message
+from factory.infra.http_guard import RequestError, field_path, guard, validation_message
 from factory.text import clip
 
 

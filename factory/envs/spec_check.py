@@ -1,0 +1,75 @@
+"""The checks of an `ExperimentSpec` that need the task families: the task must have enough distinct problems
+for its disjoint splits, and its longest prompt plus the completion must fit the model's positions.
+
+`check_spec` runs after the schema's own validation (factory/config.py) wherever a spec is loaded: `factory
+validate` / `run`, the Dagster spec resource, sweeps, the deploy target. Its errors are `SpecError`s worded
+as the schema's, so a spec that fails here reads the same as one that fails there.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from factory.config import MIN_N_TRAIN, ExperimentSpec, apply_overrides, load_spec, spec_error
+from factory.envs.arithmetic import prompt_tokens
+from factory.envs.tasks import longest_prompt_tokens, task_capacity
+from factory.presets import PRESETS
+
+
+def check_spec(spec: ExperimentSpec, source: str | None = None) -> ExperimentSpec:
+    """`spec`, if its task fits; else a SpecError (naming `source`, e.g. the spec file) with one line."""
+    problem = _task_size_problem(spec) or _positions_problem(spec)
+    if problem is not None:
+        raise spec_error(problem, source)
+    return spec
+
+
+def load_checked_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> ExperimentSpec:
+    """The spec file at `path` checked, then with `overrides` applied (`apply_overrides`) and checked again: an
+    error in the file names the file, one that only the overrides make names none."""
+    spec = check_spec(load_spec(path), str(Path(path)))
+    return check_spec(apply_overrides(spec, overrides)) if overrides is not None else spec
+
+
+def _task_size_problem(spec: ExperimentSpec) -> str | None:
+    """The error if n_train + n_eval exceed the problems the task can make (its splits are disjoint), else
+    None: found when the spec is loaded, not after the run has started."""
+    t = spec.task
+    space, most = task_capacity(t)
+    what = (f"task {t.name} with operations {t.operations} and digits {t.digits}" if t.name == "arithmetic"
+            else f"task {t.name}")
+    share = "at most half of them" if most < space else "all of them"
+    n_train_min = MIN_N_TRAIN
+    if t.n_eval > most - n_train_min:
+        return (f"task.n_eval: must be <= {max(0, most - n_train_min)} ({what} has {space} distinct "
+                f"problems; n_train + n_eval may use {share}, and n_train needs at least "
+                f"{n_train_min}), got {t.n_eval}")
+    if t.n_train + t.n_eval > most:
+        return (f"task.n_train: must be <= {most - t.n_eval} ({what} has {space} distinct problems; "
+                f"n_train + n_eval may use {share}, and n_eval = {t.n_eval}), got {t.n_train}")
+    return None
+
+
+def _positions_problem(spec: ExperimentSpec) -> str | None:
+    """The error if the longest prompt plus max_new_tokens exceed the model's positions, else None (the engines
+    size buffers by them: far past it, sampling tries to allocate terabytes)."""
+    if spec.model.path is not None:  # its tokenizer is only known when it loads: models/build.py checks then
+        return None
+    positions = spec.model.max_positions or PRESETS[spec.model.preset].max_positions
+    where = ("model.max_positions" if spec.model.max_positions
+             else f"model.max_positions, unset: preset {spec.model.preset}'s")
+    prompt, new = longest_prompt_tokens(spec.task), spec.rollout.max_new_tokens
+    if spec.data is not None:  # generated sources' longest prompts are known here; files are checked as read
+        digits = [s["digits"] for s in spec.data.sources if s["kind"] == "arithmetic"]
+        prompt = max([prompt, *(prompt_tokens([d]) for d in digits)])
+    if prompt >= positions:
+        return (f"model.max_positions: must be >= {prompt + new} to hold the longest prompt ({prompt} "
+                f"tokens, task {spec.task.name}) and rollout.max_new_tokens = {new}, got {positions} "
+                f"({where})")
+    if prompt + new > positions:
+        return (f"rollout.max_new_tokens: must be <= {positions - prompt} so that the longest prompt "
+                f"({prompt} tokens, task {spec.task.name}) plus the completion fit the model's "
+                f"{positions} positions ({where}), got {new}")
+    return None
+

@@ -1,0 +1,32 @@
+"""The spec checks that need the task families run wherever a spec is loaded and read as the schema's own."""
+
+import pytest
+
+from factory.config import SpecError, parse_spec
+from factory.envs.spec_check import check_spec, load_checked_spec
+
+
+def test_a_spec_file_whose_task_is_too_small_is_refused_naming_the_file(tmp_path):
+    path = tmp_path / "big.yaml"
+    path.write_text("task: {operations: [add], digits: [1], n_train: 43, n_eval: 8}\n")
+    with pytest.raises(SpecError) as e:
+        load_checked_spec(path)
+    assert e.value.source == str(path)
+    assert e.value.errors == ["task.n_train: must be <= 42 (task arithmetic with operations ['add'] and digits [1] "
+                              "has 100 distinct problems; n_train + n_eval may use at most half of them, and n_eval "
+                              "= 8), got 43"]
+    assert str(e.value).startswith(f"invalid spec {path}:\n  task.n_train: must be <= 42 ")
+
+
+def test_overrides_are_checked_too_and_name_no_file(tmp_path):
+    path = tmp_path / "ok.yaml"
+    path.write_text("task: {operations: [add], digits: [1], n_train: 40, n_eval: 8}\n")
+    assert load_checked_spec(path, {}).task.n_train == 40
+    with pytest.raises(SpecError) as e:
+        load_checked_spec(path, {"rollout.max_new_tokens": 2_000})
+    assert e.value.source is None and e.value.errors[0].startswith("rollout.max_new_tokens: must be <= 59 ")
+
+
+def test_a_spec_that_fits_comes_back_unchanged():
+    spec = parse_spec({"task": {"operations": ["add"], "digits": [1], "n_train": 42, "n_eval": 8}})
+    assert check_spec(spec) is spec
