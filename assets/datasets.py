@@ -7,7 +7,8 @@ from factory.deploy.target import op_tags
 from resources import FactoryHomeResource, SpecResource
 
 
-@asset(group_name="datasets", code_version="1", kinds={"python"}, op_tags=op_tags("arithmetic_dataset"))
+@asset(group_name="datasets", code_version="1", io_manager_key="lineage", kinds={"python"},
+       op_tags=op_tags("arithmetic_dataset"))
 def arithmetic_dataset(context: AssetExecutionContext, spec: SpecResource,
                        home: FactoryHomeResource) -> MaterializeResult:
     """Deterministic arithmetic problems from the spec's seed: train and held-out splits, no overlap."""

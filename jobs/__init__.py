@@ -25,6 +25,7 @@ from jobs.sweeps import (
     sweep_warm_start_job,
 )
 from resources import FactoryHomeResource, LakeResource, MlflowResource, SpecResource, TrainingLauncherResource
+from resources.lineage import LineageIOManager
 
 # The spec the code location is built from: its prompt sources are assets (assets/data.py). FACTORY_SPEC
 # (a YAML path) loads another spec; the blend refuses to run with a spec whose sources differ from these.
@@ -41,6 +42,8 @@ def make_resources(spec_path: str = "examples/quickstart.yaml", overrides: list[
         "mlflow": MlflowResource(home=home_res),
         # FACTORY_PROFILE=k8s: the GRPO run's trainer pods on the cluster; else in the asset's process
         "launcher": TrainingLauncherResource(where="k8s" if profile_name() == "k8s" else "in_process"),
+        # the dataset, SFT checkpoint and GRPO run reach their downstream assets as this run's own materializations
+        "lineage": LineageIOManager(),
     }
 
 
