@@ -2,7 +2,7 @@
 
 The source assets are built from the spec the code location loads (`data_assets(spec)`, called by jobs/): one
 `source_<name>` per entry of `data.sources`, or, without a `data` section, one for the task's training split
-(from `arithmetic_dataset`). Generated sources (arithmetic, suite) are materialized, their data version the
+(from `task_dataset`). Generated sources (arithmetic, suite) are materialized, their data version the
 source's version (a hash of what defines its rows). External ones (jsonl, parquet, hf_disk, iceberg) are
 observed, not materialized: an observation records the file's content hash (the table's snapshot id) as the
 data version, so a changed file is a new version and the blend downstream shows as stale.
@@ -86,7 +86,7 @@ def _generated_source_asset(entry: dict[str, Any]) -> AssetsDefinition:
 def _task_source_asset(spec: ExperimentSpec) -> AssetsDefinition:
     name = spec.task.name
 
-    @asset(name=source_key(name), group_name="data", code_version="1", ins={"dataset": AssetIn("arithmetic_dataset")},
+    @asset(name=source_key(name), group_name="data", code_version="1", ins={"dataset": AssetIn("task_dataset")},
            kinds={"python"}, op_tags=role_tags("data"),
            description=f"The task's training split as the one prompt source {name!r} (the spec has no data section).")
     def _source(context: AssetExecutionContext, dataset: dict, spec: SpecResource) -> MaterializeResult:
@@ -157,7 +157,7 @@ def blend_asset(spec: ExperimentSpec) -> AssetsDefinition:
     """The blend of `spec`'s sources (its deps are their assets; without a data section, the task's dataset is its
     input, the one `dataset`); at run time it uses the SpecResource's spec."""
     built_from = _sources_of(spec)
-    ins = {"dataset": AssetIn("arithmetic_dataset")} if spec.data is None else {}
+    ins = {"dataset": AssetIn("task_dataset")} if spec.data is None else {}
 
     @asset(group_name="data", code_version="1", deps=[source_key(e["name"]) for e in built_from], ins=ins,
            kinds={"python", "mlflow"}, op_tags=op_tags("blend"))

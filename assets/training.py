@@ -23,7 +23,7 @@ from factory.deploy.target import op_tags
 from resources import FactoryHomeResource, LakeResource, MlflowResource, SpecResource, TrainingLauncherResource
 
 # Inputs are the upstream materializations this run depends on (resources/lineage.py), each as its metadata values.
-DATASET = AssetIn("arithmetic_dataset")
+DATASET = AssetIn("task_dataset")
 SFT = AssetIn("sft_checkpoint")
 RUN = AssetIn("grpo_run")
 

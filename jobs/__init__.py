@@ -7,7 +7,7 @@ import os
 from dagster import AssetSelection, Definitions, define_asset_job
 
 from assets.data import data_assets, prompt_stats
-from assets.datasets import arithmetic_dataset
+from assets.datasets import task_dataset
 from assets.evals import checkpoint_eval, eval_report
 from assets.preflight import node_health
 from assets.sweeps import sweep_member_run, sweep_summary, sweep_warm_start
@@ -51,7 +51,7 @@ RESOURCES = make_resources(SPEC_PATH)
 DATA_ASSETS = data_assets(RESOURCES["spec"].spec())  # source_<name> per prompt source, and the blend
 # The first three stay dataset, SFT, GRPO (tests materialize QUICKSTART_ASSETS[:3]); the data assets come after,
 # in graph order whatever the list order.
-QUICKSTART_ASSETS = [arithmetic_dataset, sft_checkpoint, grpo_run, sft_control, eval_report, *DATA_ASSETS,
+QUICKSTART_ASSETS = [task_dataset, sft_checkpoint, grpo_run, sft_control, eval_report, *DATA_ASSETS,
                      prompt_stats]
 ALL_ASSETS = [*QUICKSTART_ASSETS, sweep_warm_start, sweep_member_run, sweep_summary, checkpoint_eval, node_health]
 ALL_CHECKS = [grpo_beats_sft]

@@ -70,7 +70,7 @@ def test_two_quickstarts_at_once_read_their_own_upstream_outputs(tmp_path):
         runs = {r["run_id"]: r for r in lake.read("runs").to_pylist()}
         seen = {}
         for name, result in results.items():
-            dataset, sft, grpo = (metadata(result, a) for a in ("arithmetic_dataset", "sft_checkpoint", "grpo_run"))
+            dataset, sft, grpo = (metadata(result, a) for a in ("task_dataset", "sft_checkpoint", "grpo_run"))
             seen[name] = (dataset["path"], sft["path"], grpo["run_id"])
             train = {json.loads(line)["prompt"] for line in (Path(dataset["path"]) / "train.jsonl").open()}
             prompts = {r["prompt"] for r in lake.read("rollouts").to_pylist() if r["run_id"] == grpo["run_id"]}
