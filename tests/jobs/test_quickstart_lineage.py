@@ -24,6 +24,10 @@ RUNS = {"a": [*TINY, "name=race-a", "seed=1"], "b": [*TINY, "name=race-b", "seed
 # The order the two runs reach these points in: each waits at its point until the next one is reached.
 TURNS = [("a", "sft_checkpoint"), ("b", "sft_checkpoint"), ("a", "grpo_run"), ("b", "grpo_run"), ("a", "end")]
 WAIT_S = 600
+# Capturing a step's output redirects the process's stdout and stderr; two runs in threads would restore each
+# other's redirections and leave pytest writing into a step's log file.
+NO_CAPTURE = {"compute_logs": {"module": "dagster._core.storage.noop_compute_log_manager",
+                               "class": "NoOpComputeLogManager"}}
 
 
 def race(instance: DagsterInstance, home: Path) -> dict:
@@ -63,7 +67,7 @@ def metadata(result, asset: str) -> dict:
 
 def test_two_quickstarts_at_once_read_their_own_upstream_outputs(tmp_path):
     home = tmp_path / "home"
-    with instance_for_test() as instance:  # SQLite storage in a temp DAGSTER_HOME
+    with instance_for_test(overrides=NO_CAPTURE) as instance:  # SQLite storage in a temp DAGSTER_HOME
         results = race(instance, home)
         assert all(r.success for r in results.values())
         lake = Lake.open(factory_home(home))
@@ -77,15 +81,14 @@ def test_two_quickstarts_at_once_read_their_own_upstream_outputs(tmp_path):
             # GRPO started from this run's SFT checkpoint and drew this run's training prompts
             assert runs[grpo["run_id"]]["init_checkpoint"] == sft["path"], name
             assert prompts and prompts <= train, name
-            # the control, the report and the check are about this run's GRPO run
+            # the control and the report are about this run's GRPO run
             assert metadata(result, "sft_control")["run_id"] == grpo["run_id"], name
             assert metadata(result, "eval_report")["run_id"] == grpo["run_id"], name
-            (check,) = result.get_asset_check_evaluations()
-            assert check.metadata["grpo_accuracy"].value == grpo["accuracy"], name
-            # the run's log names the materializations its steps read: all its own
+            # the run's log names the materializations its steps (and the check) read: all its own
             loaded = [e for e in instance.all_logs(result.run_id) if e.dagster_event
                       and e.dagster_event.event_type_value == "LOADED_INPUT"]
-            assert {e.step_key for e in loaded} >= {"sft_checkpoint", "grpo_run", "sft_control", "eval_report"}
+            assert {e.step_key for e in loaded} >= {"sft_checkpoint", "grpo_run", "grpo_run_grpo_beats_sft",
+                                                    "sft_control", "eval_report"}
             assert {e.dagster_event.event_specific_data.metadata["upstream_dagster_run"].value
                     for e in loaded} == {result.run_id}, name
         # the two runs made different files, and the race happened: B's SFT landed between A's SFT and A's GRPO
