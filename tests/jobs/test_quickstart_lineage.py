@@ -45,17 +45,20 @@ def race(instance: DagsterInstance, home: Path) -> dict:
     results: dict = {}
 
     def run(name: str) -> None:
-        with DagsterInstance.from_ref(instance.get_ref()) as own:  # as a second process would open it
-            results[name] = job.execute_in_process(instance=own, resources=make_resources(SPEC, RUNS[name], str(home)),
-                                                   raise_on_error=False)
+        try:
+            with DagsterInstance.from_ref(instance.get_ref()) as own:  # as a second process would open it
+                results[name] = job.execute_in_process(instance=own, raise_on_error=False,
+                                                       resources=make_resources(SPEC, RUNS[name], str(home)))
+        finally:  # A's end is the last turn; a run that stopped early keeps the other from waiting on it
+            for event in reached.values():
+                event.set()
 
     a = threading.Thread(target=run, args=("a",))
     a.start()
-    assert reached[("a", "sft_checkpoint")].wait(WAIT_S)
+    reached[("a", "sft_checkpoint")].wait(WAIT_S)
     b = threading.Thread(target=run, args=("b",))
     b.start()
     a.join()
-    reached[("a", "end")].set()
     b.join()
     return results
 
@@ -70,6 +73,14 @@ def test_two_quickstarts_at_once_read_their_own_upstream_outputs(tmp_path):
     with instance_for_test(overrides=NO_CAPTURE) as instance:  # SQLite storage in a temp DAGSTER_HOME
         results = race(instance, home)
         assert all(r.success for r in results.values())
+        # the race happened: B's SFT landed between A's SFT and A's GRPO, B's GRPO before A's control
+        steps = ("sft_checkpoint", "grpo_run", "sft_control")
+        order = sorted(((e.timestamp, name, e.dagster_event.asset_key.to_user_string())
+                        for name, result in results.items() for e in instance.all_logs(result.run_id)
+                        if e.dagster_event and e.dagster_event.event_type_value == "ASSET_MATERIALIZATION"
+                        and e.dagster_event.asset_key.to_user_string() in steps))
+        assert [(n, a) for _, n, a in order] == [*TURNS[:4], ("a", "sft_control"), ("b", "sft_control")]
+
         lake = Lake.open(factory_home(home))
         runs = {r["run_id"]: r for r in lake.read("runs").to_pylist()}
         seen = {}
@@ -91,11 +102,5 @@ def test_two_quickstarts_at_once_read_their_own_upstream_outputs(tmp_path):
                                                     "sft_control", "eval_report"}
             assert {e.dagster_event.event_specific_data.metadata["upstream_dagster_run"].value
                     for e in loaded} == {result.run_id}, name
-        # the two runs made different files, and the race happened: B's SFT landed between A's SFT and A's GRPO
+        # the two runs made different files
         assert len({v for files in seen.values() for v in files}) == 6
-        order = sorted(((e.timestamp, name, e.dagster_event.asset_key.to_user_string())
-                        for name, result in results.items() for e in instance.all_logs(result.run_id)
-                        if e.dagster_event and e.dagster_event.event_type_value == "ASSET_MATERIALIZATION"
-                        and e.dagster_event.asset_key.to_user_string() in ("sft_checkpoint", "grpo_run")))
-        assert [(n, a) for _, n, a in order] == TURNS[:4]
-
