@@ -1,11 +1,11 @@
-"""Helpers the assets share: upstream metadata, the pictures and links a run shows, and progress while it runs."""
+"""Helpers the assets share: the pictures and links a run shows, and progress while it runs."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from dagster import AssetExecutionContext, AssetKey, Failure, MetadataValue
+from dagster import AssetExecutionContext, MetadataValue
 
 if TYPE_CHECKING:
     from factory.progress import Progress
@@ -13,14 +13,6 @@ if TYPE_CHECKING:
     from factory.tracking import Tracker
 
 PROGRESS_EVERY_S = 5.0  # run tags are a database write; a step every ~0.5 s would be too many
-
-
-def upstream(context: AssetExecutionContext, key: str) -> dict[str, Any]:
-    """Metadata values of `key`'s latest materialization; fails clearly if it was never built."""
-    event = context.instance.get_latest_materialization_event(AssetKey(key))
-    if event is None or event.asset_materialization is None:
-        raise Failure(f"upstream asset {key!r} has no materialization yet; materialize it first")
-    return {k: v.value for k, v in event.asset_materialization.metadata.items()}
 
 
 def inline_picture(alt: str, url: str) -> MetadataValue:

@@ -2,7 +2,7 @@
 
 The source assets are built from the spec the code location loads (`data_assets(spec)`, called by jobs/): one
 `source_<name>` per entry of `data.sources`, or, without a `data` section, one for the task's training split
-(from `arithmetic_dataset`). Generated sources (arithmetic, suite) are materialized, their data version the
+(from `task_dataset`). Generated sources (arithmetic, suite) are materialized, their data version the
 source's version (a hash of what defines its rows). External ones (jsonl, parquet, hf_disk, iceberg) are
 observed, not materialized: an observation records the file's content hash (the table's snapshot id) as the
 data version, so a changed file is a new version and the blend downstream shows as stale.
@@ -20,6 +20,7 @@ from typing import Any
 
 from dagster import (
     AssetExecutionContext,
+    AssetIn,
     AssetKey,
     AssetsDefinition,
     AssetSpec,
@@ -37,7 +38,7 @@ from dagster import (
     multi_observable_source_asset,
 )
 
-from assets._metadata import embedded, inline_picture, upstream
+from assets._metadata import embedded, inline_picture
 from factory.config import ExperimentSpec, PromptFilterSpec
 from factory.deploy.target import op_tags, role_tags
 from resources import LakeResource, MlflowResource, SpecResource
@@ -85,14 +86,14 @@ def _generated_source_asset(entry: dict[str, Any]) -> AssetsDefinition:
 def _task_source_asset(spec: ExperimentSpec) -> AssetsDefinition:
     name = spec.task.name
 
-    @asset(name=source_key(name), group_name="data", code_version="1", deps=["arithmetic_dataset"], kinds={"python"},
-           op_tags=role_tags("data"),
+    @asset(name=source_key(name), group_name="data", code_version="1", ins={"dataset": AssetIn("task_dataset")},
+           kinds={"python"}, op_tags=role_tags("data"),
            description=f"The task's training split as the one prompt source {name!r} (the spec has no data section).")
-    def _source(context: AssetExecutionContext, spec: SpecResource) -> MaterializeResult:
+    def _source(context: AssetExecutionContext, dataset: dict, spec: SpecResource) -> MaterializeResult:
         from factory.data.from_spec import task_source
         from factory.experiment import load_dataset  # heavy (torch): imported when the asset runs
 
-        train = load_dataset(upstream(context, "arithmetic_dataset")["path"]).train
+        train = load_dataset(dataset["path"]).train
         src = task_source(spec.spec(), train)
         return MaterializeResult(metadata=_source_metadata(src, {"name": name, "kind": "task"}),
                                  data_version=DataVersion(src.version()))
@@ -154,13 +155,15 @@ def spec_source_assets(spec: ExperimentSpec) -> list[AssetsDefinition]:
 
 
 def blend_asset(spec: ExperimentSpec) -> AssetsDefinition:
-    """The blend of `spec`'s sources (its deps are their assets); at run time it uses the SpecResource's spec."""
+    """The blend of `spec`'s sources (its deps are their assets; without a data section, the task's dataset is its
+    input, the one `dataset`); at run time it uses the SpecResource's spec."""
     built_from = _sources_of(spec)
-    deps = [source_key(e["name"]) for e in built_from] + (["arithmetic_dataset"] if spec.data is None else [])
+    ins = {"dataset": AssetIn("task_dataset")} if spec.data is None else {}
 
-    @asset(group_name="data", code_version="1", deps=deps, kinds={"python", "mlflow"}, op_tags=op_tags("blend"))
+    @asset(group_name="data", code_version="1", deps=[source_key(e["name"]) for e in built_from], ins=ins,
+           kinds={"python", "mlflow"}, op_tags=op_tags("blend"))
     def blend(context: AssetExecutionContext, spec: SpecResource, lake: LakeResource,
-              mlflow: MlflowResource) -> MaterializeResult:
+              mlflow: MlflowResource, **inputs: dict) -> MaterializeResult:
         """The prompt blend GRPO draws from: its sources, weights or schedule, seed and curriculum. Its data
         version is theirs hashed (`blend_version`), so a changed source file or weight is a new version. The
         metadata compares the realized share of each source with its target over the spec's steps."""
@@ -176,7 +179,7 @@ def blend_asset(spec: ExperimentSpec) -> AssetsDefinition:
         if s.data is None:
             from factory.experiment import load_dataset  # heavy (torch): imported when the asset runs
 
-            train = load_dataset(upstream(context, "arithmetic_dataset")["path"]).train
+            train = load_dataset(inputs["dataset"]["path"]).train
         needs_lake = s.data is not None and any(e["kind"] == "iceberg" for e in s.data.sources)
         sources = open_sources(s, train, catalog=lake.lake() if needs_lake else None)
         version = blend_version(s, sources)

@@ -7,10 +7,13 @@ from factory.deploy.target import op_tags
 from resources import FactoryHomeResource, SpecResource
 
 
-@asset(group_name="datasets", code_version="1", kinds={"python"}, op_tags=op_tags("arithmetic_dataset"))
-def arithmetic_dataset(context: AssetExecutionContext, spec: SpecResource,
-                       home: FactoryHomeResource) -> MaterializeResult:
-    """Deterministic arithmetic problems from the spec's seed: train and held-out splits, no overlap."""
+@asset(group_name="datasets", code_version="1", io_manager_key="lineage", kinds={"python"},
+       op_tags=op_tags("task_dataset"))
+def task_dataset(context: AssetExecutionContext, spec: SpecResource,
+                 home: FactoryHomeResource) -> MaterializeResult:
+    """The spec's task family (arithmetic, word problems, code, ...) as train and held-out splits drawn
+    deterministically from the spec's seed, with no overlap. Named `arithmetic_dataset` before
+    (docs/migrations.md)."""
     from factory.experiment import build_dataset  # heavy (torch): imported when the asset runs, see jobs/
 
     s = spec.spec()

@@ -9,6 +9,7 @@ from dagster import (
     AssetCheckSpec,
     AssetDep,
     AssetExecutionContext,
+    AssetIn,
     Config,
     DataVersion,
     DynamicPartitionsDefinition,
@@ -23,7 +24,7 @@ from dagster import (
 from pydantic import Field
 from pyiceberg.expressions import EqualTo
 
-from assets._metadata import embedded, inline_picture, upstream
+from assets._metadata import embedded, inline_picture
 from assets.sweeps import sweep_member_run
 from assets.training import grpo_run
 from factory.checkpoint_eval import evaluate_recorded_checkpoint, parse_checkpoint_key, regression_check
@@ -32,13 +33,13 @@ from factory.envs.eval_suites import BENCHMARKS
 from resources import FactoryHomeResource, LakeResource, MlflowResource
 
 
-@asset(group_name="evals", code_version="1", deps=["grpo_run", "sft_control"], kinds={"iceberg"},
-       op_tags=op_tags("eval_report"))
-def eval_report(context: AssetExecutionContext, lake: LakeResource) -> MaterializeResult:
+@asset(group_name="evals", code_version="1", ins={"run": AssetIn("grpo_run")}, deps=["sft_control"],
+       kinds={"iceberg"}, op_tags=op_tags("eval_report"))
+def eval_report(context: AssetExecutionContext, run: dict, lake: LakeResource) -> MaterializeResult:
     """Held-out accuracy of the SFT start, the GRPO result and the control, read back from Iceberg."""
     from factory.experiment import eval_summary, render_report  # heavy: see assets/training.py
 
-    run_id = upstream(context, "grpo_run")["run_id"]
+    run_id = run["run_id"]
     s = eval_summary(lake.lake(), run_id)
     md = render_report(s)
     context.log.info(f"run {run_id}: held-out accuracy SFT {s['sft_accuracy']:.3f} -> GRPO {s['grpo_accuracy']:.3f}")

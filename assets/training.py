@@ -8,6 +8,7 @@ sensors, run workers of light jobs) does not pay for it: `import jobs` takes ~1.
 from dagster import (
     AssetCheckResult,
     AssetExecutionContext,
+    AssetIn,
     DataVersion,
     MaterializeResult,
     MetadataValue,
@@ -15,16 +16,21 @@ from dagster import (
     asset_check,
 )
 
-from assets._metadata import progress_tags, run_metadata, upstream
+from assets._metadata import progress_tags, run_metadata
 from assets._retries import TRAINING_RETRY, factory_run_id, no_retry_for_what_needs_a_fix
 from assets.preflight import require_healthy_node
 from factory.deploy.target import op_tags
 from resources import FactoryHomeResource, LakeResource, MlflowResource, SpecResource, TrainingLauncherResource
 
+# Inputs are the upstream materializations this run depends on (resources/lineage.py), each as its metadata values.
+DATASET = AssetIn("task_dataset")
+SFT = AssetIn("sft_checkpoint")
+RUN = AssetIn("grpo_run")
 
-@asset(group_name="training", code_version="2", deps=["arithmetic_dataset"], kinds={"pytorch"},
-       op_tags=op_tags("sft_checkpoint"))
-def sft_checkpoint(context: AssetExecutionContext, spec: SpecResource,
+
+@asset(group_name="training", code_version="2", ins={"dataset": DATASET}, io_manager_key="lineage",
+       kinds={"pytorch"}, op_tags=op_tags("sft_checkpoint"))
+def sft_checkpoint(context: AssetExecutionContext, dataset: dict, spec: SpecResource,
                    home: FactoryHomeResource) -> MaterializeResult:
     """A short supervised warm start that teaches the answer format; HF-format checkpoint.
 
@@ -34,7 +40,7 @@ def sft_checkpoint(context: AssetExecutionContext, spec: SpecResource,
     from factory.experiment import cached_sft_checkpoint, load_dataset
 
     s = spec.spec()
-    splits = load_dataset(upstream(context, "arithmetic_dataset")["path"])
+    splits = load_dataset(dataset["path"])
     res = cached_sft_checkpoint(s, home.paths(), splits, log=context.log.info, progress=progress_tags(context))
     return MaterializeResult(
         metadata={"path": MetadataValue.path(str(res.checkpoint.path)), "sha256": res.checkpoint.sha256,
@@ -44,9 +50,10 @@ def sft_checkpoint(context: AssetExecutionContext, spec: SpecResource,
     )
 
 
-@asset(group_name="training", code_version="1", deps=["sft_checkpoint", "arithmetic_dataset", "blend"],
-       kinds={"pytorch", "iceberg", "mlflow"}, retry_policy=TRAINING_RETRY, op_tags=op_tags("grpo_run"))
-def grpo_run(context: AssetExecutionContext, spec: SpecResource, home: FactoryHomeResource,
+@asset(group_name="training", code_version="1", ins={"sft": SFT, "dataset": DATASET}, deps=["blend"],
+       io_manager_key="lineage", kinds={"pytorch", "iceberg", "mlflow"}, retry_policy=TRAINING_RETRY,
+       op_tags=op_tags("grpo_run"))
+def grpo_run(context: AssetExecutionContext, sft: dict, dataset: dict, spec: SpecResource, home: FactoryHomeResource,
              lake: LakeResource, mlflow: MlflowResource, launcher: TrainingLauncherResource) -> MaterializeResult:
     """GRPO from the SFT checkpoint; every step lands in Iceberg `steps` and in MLflow. While it runs, the run's
     tags show its step, latest reward and ETA; its curves and evals by step are drawn in the metadata. A retry
@@ -57,8 +64,7 @@ def grpo_run(context: AssetExecutionContext, spec: SpecResource, home: FactoryHo
     s = spec.spec()
     if launcher.where == "in_process":  # elsewhere the entrypoint gates its own node
         require_healthy_node(context, s.ops, home, lake)  # the preflight gate: no training on a node that failed it
-    inputs = {"init_checkpoint": upstream(context, "sft_checkpoint")["path"],
-              "dataset": upstream(context, "arithmetic_dataset")["path"],
+    inputs = {"init_checkpoint": sft["path"], "dataset": dataset["path"],
               "run_id": factory_run_id(context, s.name)}
     lk, tracker = lake.lake(), mlflow.tracker()
     if launcher.where == "in_process":
@@ -87,24 +93,22 @@ def grpo_metadata(scalars: dict, lk, tracker) -> dict:
 
 
 @asset_check(asset=grpo_run, description="Held-out accuracy after GRPO is above the SFT checkpoint's")
-def grpo_beats_sft(context) -> AssetCheckResult:
-    md = upstream(context, "grpo_run")
-    gain = md["accuracy"] - md["start_accuracy"]
-    return AssetCheckResult(passed=gain > 0, metadata={"sft_accuracy": md["start_accuracy"],
-                                                       "grpo_accuracy": md["accuracy"], "gain": gain})
+def grpo_beats_sft(grpo_run: dict) -> AssetCheckResult:  # named as the asset: its materialization in this run
+    gain = grpo_run["accuracy"] - grpo_run["start_accuracy"]
+    return AssetCheckResult(passed=gain > 0, metadata={"sft_accuracy": grpo_run["start_accuracy"],
+                                                       "grpo_accuracy": grpo_run["accuracy"], "gain": gain})
 
 
-@asset(group_name="training", code_version="1", deps=["sft_checkpoint", "grpo_run", "arithmetic_dataset"],
+@asset(group_name="training", code_version="1", ins={"sft": SFT, "run": RUN, "dataset": DATASET},
        kinds={"pytorch", "iceberg"}, op_tags=op_tags("sft_control"))
-def sft_control(context: AssetExecutionContext, spec: SpecResource, home: FactoryHomeResource,
-                lake: LakeResource) -> MaterializeResult:
+def sft_control(context: AssetExecutionContext, sft: dict, run: dict, dataset: dict, spec: SpecResource,
+                home: FactoryHomeResource, lake: LakeResource) -> MaterializeResult:
     """The control: the GRPO run's wall time spent on more SFT from the same checkpoint instead."""
     from factory.experiment import load_dataset, run_sft_control
     from factory.models.checkpoint import load_checkpoint
 
     s = spec.spec()
-    sft, run = upstream(context, "sft_checkpoint"), upstream(context, "grpo_run")
-    splits = load_dataset(upstream(context, "arithmetic_dataset")["path"])
+    splits = load_dataset(dataset["path"])
     model, tok = load_checkpoint(sft["path"])
     res = run_sft_control(s, home.paths(), splits, lake.lake(), run["run_id"], run["steps"], model, tok,
                           seconds=run["seconds"], sft_seconds_per_step=sft["seconds"] / max(1, sft["steps"]),

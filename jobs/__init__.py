@@ -7,7 +7,7 @@ import os
 from dagster import AssetSelection, Definitions, define_asset_job
 
 from assets.data import data_assets, prompt_stats
-from assets.datasets import arithmetic_dataset
+from assets.datasets import task_dataset
 from assets.evals import checkpoint_eval, eval_report
 from assets.preflight import node_health
 from assets.sweeps import sweep_member_run, sweep_summary, sweep_warm_start
@@ -25,6 +25,7 @@ from jobs.sweeps import (
     sweep_warm_start_job,
 )
 from resources import FactoryHomeResource, LakeResource, MlflowResource, SpecResource, TrainingLauncherResource
+from resources.lineage import LineageIOManager
 
 # The spec the code location is built from: its prompt sources are assets (assets/data.py). FACTORY_SPEC
 # (a YAML path) loads another spec; the blend refuses to run with a spec whose sources differ from these.
@@ -41,6 +42,8 @@ def make_resources(spec_path: str = "examples/quickstart.yaml", overrides: list[
         "mlflow": MlflowResource(home=home_res),
         # FACTORY_PROFILE=k8s: the GRPO run's trainer pods on the cluster; else in the asset's process
         "launcher": TrainingLauncherResource(where="k8s" if profile_name() == "k8s" else "in_process"),
+        # the dataset, SFT checkpoint and GRPO run reach their downstream assets as this run's own materializations
+        "lineage": LineageIOManager(),
     }
 
 
@@ -48,7 +51,7 @@ RESOURCES = make_resources(SPEC_PATH)
 DATA_ASSETS = data_assets(RESOURCES["spec"].spec())  # source_<name> per prompt source, and the blend
 # The first three stay dataset, SFT, GRPO (tests materialize QUICKSTART_ASSETS[:3]); the data assets come after,
 # in graph order whatever the list order.
-QUICKSTART_ASSETS = [arithmetic_dataset, sft_checkpoint, grpo_run, sft_control, eval_report, *DATA_ASSETS,
+QUICKSTART_ASSETS = [task_dataset, sft_checkpoint, grpo_run, sft_control, eval_report, *DATA_ASSETS,
                      prompt_stats]
 ALL_ASSETS = [*QUICKSTART_ASSETS, sweep_warm_start, sweep_member_run, sweep_summary, checkpoint_eval, node_health]
 ALL_CHECKS = [grpo_beats_sft]

@@ -38,7 +38,7 @@ ASSET_ROLES = {
     "sweep_member_run": "training", "grpo_run": "launcher",
     "checkpoint_eval": "evals", "eval_report": "evals",
     "sweep_summary": "sweeps",
-    "arithmetic_dataset": "data", "blend": "data", "prompt_stats": "data",
+    "task_dataset": "data", "blend": "data", "prompt_stats": "data",
     # a preflight of the node its step pod lands on, a training pod's (`factory deploy preflight` tests every node)
     "node_health": "training",
 }

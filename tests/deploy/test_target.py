@@ -85,7 +85,7 @@ def test_every_asset_step_gets_its_pod_from_the_spec_and_profile(k8s_location: d
         assert {"key": GPU, "operator": "Exists", "effect": "NoSchedule"} in tags[name]["pod_spec_config"][
             "tolerations"]
     # grpo_run only launches the trainer pods: a CPU pod, as evals, sweep summaries and data
-    for name in ("grpo_run", "eval_report", "checkpoint_eval", "sweep_summary", "blend", "arithmetic_dataset"):
+    for name in ("grpo_run", "eval_report", "checkpoint_eval", "sweep_summary", "blend", "task_dataset"):
         assert GPU not in limits[name], name
         assert tags[name]["pod_spec_config"]["nodeSelector"] == {"cloud.example.com/pool": "cpu"}, name
     for cfg in tags.values():  # every pod reads the team's services from the env Secret, optional

@@ -180,7 +180,7 @@ def test_a_sweep_from_the_launchpad_after_make_demo(after_demo):
             page.goto(cockpit_urls(url)["quickstart"], timeout=60_000)
             # (folded, the graph shows only the group names; the nodes far right may be virtualized out of view)
             page.get_by_text("sft_checkpoint", exact=True).first.wait_for(timeout=60_000)
-            expect(page.get_by_text("arithmetic_dataset", exact=True).first).to_be_visible()
+            expect(page.get_by_text("task_dataset", exact=True).first).to_be_visible()
             # 8. the runs list tells members apart.
             page.goto(f"{url}/runs", timeout=60_000)
             page.get_by_text("axis/algorithm.lr: 0.003").first.wait_for(timeout=60_000)

@@ -35,7 +35,7 @@ def materialized(tmp_path_factory):
 def test_definitions_load():
     assert defs.resolve_job_def("quickstart") is not None
     assert {k.to_user_string() for k in defs.resolve_all_asset_keys()} == {
-        "arithmetic_dataset", "sft_checkpoint", "grpo_run", "sft_control", "eval_report", "sweep_warm_start",
+        "task_dataset", "sft_checkpoint", "grpo_run", "sft_control", "eval_report", "sweep_warm_start",
         "sweep_member_run", "sweep_summary", "checkpoint_eval", "node_health", "source_arithmetic", "blend",
         "prompt_stats"}
 

@@ -18,6 +18,7 @@ from dagster import (
 )
 
 from assets.data import data_assets, prompt_stats, source_key, spec_source_assets, stopped_teaching
+from assets.datasets import task_dataset
 from factory.config import load_spec
 from jobs import make_resources
 from jobs.data import blend_job
@@ -111,9 +112,9 @@ def test_a_blend_with_another_spec_than_the_graph_is_refused_by_name(tmp_path, f
     spec_path = write_spec(tmp_path, write_parquet(tmp_path / "p.parquet", ["0", "2"]))
     assets = data_assets(load_spec(QUICKSTART))  # built for the quickstart: one source, the task's split
     blend = next(a for a in assets if a.key == AssetKey("blend"))
-    result = materialize([blend], instance=instance, resources=make_resources(str(spec_path), [],
-                                                                              str(factory_home.root)),
-                         raise_on_error=False)
+    # with the task's dataset, its input in that graph: the blend is refused for its sources, not for a missing input
+    result = materialize([task_dataset, blend], instance=instance,
+                         resources=make_resources(str(spec_path), [], str(factory_home.root)), raise_on_error=False)
     assert not result.success
     (failure,) = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
     assert "the spec's sources ['add2', 'add3', 'pq'] are not the ones this code location's source assets were " \
@@ -144,8 +145,8 @@ def test_lineage_from_source_to_blend_to_training_to_evals_and_stats():
     def parents(key: str) -> set[str]:
         return {k.to_user_string() for k in graph.get(AssetKey(key)).parent_keys}
 
-    assert parents("source_arithmetic") == {"arithmetic_dataset"}  # the quickstart: one source, the task's split
-    assert parents("blend") == {"source_arithmetic", "arithmetic_dataset"}
+    assert parents("source_arithmetic") == {"task_dataset"}  # the quickstart: one source, the task's split
+    assert parents("blend") == {"source_arithmetic", "task_dataset"}
     assert "blend" in parents("grpo_run")
     assert "grpo_run" in parents("checkpoint_eval")  # the checkpoint a run records is evaluated downstream
     assert parents("prompt_stats") == {"grpo_run"}
