@@ -11,7 +11,7 @@ from resources import FactoryHomeResource, SpecResource
 def arithmetic_dataset(context: AssetExecutionContext, spec: SpecResource,
                        home: FactoryHomeResource) -> MaterializeResult:
     """Deterministic arithmetic problems from the spec's seed: train and held-out splits, no overlap."""
-    from factory.experiment import build_dataset  # heavy (torch): imported when the asset runs, see jobs/
+    from factory.runs.stages import build_dataset  # heavy (torch): imported when the asset runs, see jobs/
 
     s = spec.spec()
     ds = build_dataset(s, home.paths())

@@ -61,7 +61,7 @@ class TrainingLauncherResource(ConfigurableResource):
     """Where the `grpo_run` asset trains: `in_process` (the local default), `subprocess` (a child process on this
     machine that reports back through Dagster Pipes), or `k8s` (an Indexed Job of trainer pods and the run's
     rollout servers on the cluster, reporting back through Pipes; FACTORY_PROFILE=k8s selects it). The two Pipes
-    launches run the same entrypoint (`factory train-grpo`, factory/grpo_pipes.py) and give the same metadata."""
+    launches run the same entrypoint (`factory train-grpo`, factory/runs/pipes.py) and give the same metadata."""
 
     where: str = Field("in_process", description="in_process | subprocess | k8s")
     kubeconfig: str = Field("", description="k8s: kubeconfig file; empty: the pod's in-cluster service account")

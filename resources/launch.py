@@ -21,15 +21,15 @@ from dagster import (
     open_pipes_session,
 )
 
+from factory.runs.exit_codes import EXIT_BAD_INPUT, EXIT_NEEDS_FIX
+
 if TYPE_CHECKING:
     from factory.config import ExperimentSpec
     from resources import FactoryHomeResource, SpecResource, TrainingLauncherResource
 
+
 def check_exit(code: int | None, where: str) -> None:
     """Raise the Failure a non-zero exit calls for: retryable, unless the run needs a person first."""
-    from factory.cli import EXIT_BAD_INPUT
-    from factory.ops.restarts import EXIT_NEEDS_FIX
-
     if code == 0:
         return
     if code in (EXIT_BAD_INPUT, EXIT_NEEDS_FIX):

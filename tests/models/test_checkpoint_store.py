@@ -10,8 +10,6 @@ import json
 import pytest
 import torch
 
-from factory.checkpoint_eval import _path as recorded_checkpoint_dir
-from factory.grpo_run import record_checkpoint
 from factory.models.build import build_model
 from factory.models.checkpoint import dir_digest, load_checkpoint, save_checkpoint
 from factory.models.checkpoint_store import (
@@ -21,6 +19,8 @@ from factory.models.checkpoint_store import (
     recorded_uri,
 )
 from factory.models.tokenizer import build_tokenizer
+from factory.runs.checkpoint_eval import _path as recorded_checkpoint_dir
+from factory.runs.rl_run import record_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -7,12 +7,14 @@ A run directory (`checkpoints/<run_id>/`) holds, besides checkpoints:
 - `heartbeat`: touched by the trainer's own loop at every step and sub-step. A supervisor reads its age
   to tell a hung attempt from a slow one (a thread beating on its own would hide a hung loop).
 - `resume/`: the resume points (`core/resume.py`).
+- `launch.json`: what the first attempt of a supervised run needs before the run has a `runs` row.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import signal
 import threading
@@ -25,10 +27,28 @@ from factory.core.resume import ResumeWriter, TrainState
 LOCK = "attempt.lock"
 HEARTBEAT = "heartbeat"
 SAVES = "saves.jsonl"  # one line per resume point written: its step, the trainer's stall, the write time
+LAUNCH = "launch.json"
 
 
 def resume_dir(run_dir: Path) -> Path:
     return run_dir / "resume"
+
+
+def write_launch(run_dir: Path, spec: ExperimentSpec, init_checkpoint: str | Path, sweep_id: str | None = None,
+                 mlflow_experiment: str | None = None, mlflow_parent_run_id: str | None = None) -> None:
+    """What the first attempt needs before the run has a `runs` row (later ones read the row)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / f".{LAUNCH}.tmp"
+    tmp.write_text(json.dumps({"spec": json.loads(spec.to_json()), "init_checkpoint": str(init_checkpoint),
+                               "sweep_id": sweep_id, "mlflow_experiment": mlflow_experiment,
+                               "mlflow_parent_run_id": mlflow_parent_run_id}))
+    os.replace(tmp, run_dir / LAUNCH)
+
+
+def read_launch(run_dir: Path) -> dict:
+    """What `write_launch` wrote, or {} when it wrote nothing."""
+    path = run_dir / LAUNCH
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 class AttemptLock:
