@@ -31,7 +31,7 @@ class LakeResource(ConfigurableResource):
     home: FactoryHomeResource
 
     def lake(self) -> Lake:
-        from factory.lake.writer import Lake
+        from factory.lake.writer import Lake  # heavy: pyiceberg (loading the code location stays light)
 
         return Lake.open(self.home.paths())
 
@@ -42,7 +42,7 @@ class MlflowResource(ConfigurableResource):
     home: FactoryHomeResource
 
     def tracker(self) -> Tracker:
-        from factory.tracking import Tracker
+        from factory.tracking import Tracker  # heavy: mlflow
 
         return Tracker(self.home.paths())
 

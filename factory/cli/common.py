@@ -1,5 +1,5 @@
-"""What every command group of the `factory` command shares: one-line errors, the home directory, printing a
-rendered result, loading a spec with its --set overrides, and the arguments several commands take."""
+"""What the `factory` command's groups share: one-line errors, the home directory, printing a rendered result,
+loading a spec with its --set overrides."""
 
 from __future__ import annotations
 
@@ -30,29 +30,3 @@ def load(args: argparse.Namespace) -> tuple[ExperimentSpec | None, SpecError | N
         return apply_overrides(load_spec(args.spec), parse_overrides(args.overrides)), None
     except SpecError as e:
         return None, e if e.source else SpecError(e.errors, args.spec)
-
-
-def add_format(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--format", "-f", choices=("table", "csv", "json"), default="table",
-                   help="output format (default: table)")
-
-
-def add_spec(p: argparse.ArgumentParser, optional: bool = False) -> None:
-    p.add_argument("spec", nargs="?" if optional else None, help="path to an experiment spec (YAML)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
-                   help="override a spec field, e.g. --set algorithm.lr=1e-4 (repeatable; values are YAML)")
-
-
-def add_max_body(p: argparse.ArgumentParser, flag: str = "--max-body-mb", default: float = 8.0,
-                 what: str = "a JSON request body") -> None:
-    def megabytes(text: str) -> int:
-        try:
-            mb = float(text)
-        except ValueError:
-            mb = float("nan")
-        if not 0 < mb < float("inf"):
-            raise argparse.ArgumentTypeError(f"want a number of MiB > 0, got {text!r}")
-        return max(1, int(mb * (1 << 20)))
-
-    p.add_argument(flag, type=megabytes, default=int(default * (1 << 20)), metavar="MIB",
-                   help=f"{what} over this many MiB gets a 413 (default: {default:g})")

@@ -6,14 +6,12 @@ import argparse
 from pathlib import Path
 
 from factory.cli.common import error
-from factory.models.presets import PRESETS
+from factory.models.bpe import build_bpe_model_dir
 from factory.runs.exit_codes import EXIT_BAD_INPUT, EXIT_OK
 
 
 def cmd_bpe_model(args: argparse.Namespace) -> int:
     """Write a Qwen2 model directory with a byte-level BPE tokenizer and a ChatML template."""
-    from factory.models.bpe import build_bpe_model_dir  # heavy: transformers, torch
-
     out = Path(args.dir)
     if out.exists() and any(out.iterdir()) and not args.force:
         error(f"{out}: exists and is not empty (--force writes over it)")
@@ -27,15 +25,3 @@ def cmd_bpe_model(args: argparse.Namespace) -> int:
     print(f"wrote a Qwen2 model ({args.preset}, random init, seed {args.seed}) with a byte-level BPE tokenizer of "
           f"{args.vocab_size} tokens and a ChatML template to {path}; use it with --set model.path={path}")
     return EXIT_OK
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bpe-model", help="write a small HF model directory (Qwen2, byte-level BPE tokenizer, ChatML "
-                       "template) built offline, to try model.path without a download")
-    p.add_argument("dir", help="the directory to write")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--vocab-size", type=int, default=512)
-    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="the model's size")
-    p.add_argument("--max-positions", type=int, default=128)
-    p.add_argument("--force", action="store_true", help="write over a directory that is not empty")
-    p.set_defaults(func=cmd_bpe_model)

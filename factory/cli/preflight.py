@@ -48,24 +48,3 @@ def cmd_preflight(args: argparse.Namespace) -> int:
             return EXIT_FAILED
         print(f"node {node} marked {LABEL}={marked['metadata']['labels'][LABEL]}", file=sys.stderr)
     return EXIT_OK if report.passed else EXIT_FAILED
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("preflight", help="test this node (hardware, software, disks, lake, sandbox); exit 1 naming "
-                       "failed checks", description="Preflight node tests (factory/ops/preflight/): each check's "
-                       "value against its floor, recorded in the lake table node_health; training refuses a node "
-                       "whose latest preflight failed.")
-    p.add_argument("--deep", action="store_true", help="measure longer; add all-reduce, the rollout server and the "
-                   "whole sandbox red-team suite (about 1-3 min instead of about 15 s)")
-    p.add_argument("--json", action="store_true", help="print the report as one JSON object instead of the table")
-    p.add_argument("--check", dest="checks", action="append", default=[], metavar="NAME",
-                   help="run only this check (repeatable), e.g. after fixing what it found")
-    p.add_argument("--kind", help="node kind whose floors apply (default: $FACTORY_NODE_KIND, else detected)")
-    p.add_argument("--no-record", action="store_true", help="do not write the results to the lake")
-    p.add_argument("--verbose", "-v", action="store_true", help="log each check on stderr as it finishes")
-    p.add_argument("--mark-node", action="store_true", help="then mark the Kubernetes node $NODE_NAME: label "
-                   "factory.dev/preflight=passed|failed, taint factory.dev/preflight-failed on failure (removed on "
-                   "a pass); what the `factory deploy preflight` Jobs run")
-    p.add_argument("--kubeconfig", help="with --mark-node: kubeconfig file (default: $KUBECONFIG, else the pod's "
-                   "service account)")
-    p.set_defaults(func=cmd_preflight)

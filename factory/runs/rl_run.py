@@ -45,8 +45,9 @@ from factory.models.checkpoint_store import recorded_uri
 from factory.ops.supervisor import CircuitOpen
 from factory.progress import Progress, format_duration
 from factory.runs import recovery
-from factory.runs.attempt import LAUNCH, AttemptLock, RunCheckpoints, beat, read_launch, resume_dir
+from factory.runs.attempt import LAUNCH, AttemptLock, beat, read_launch, resume_dir
 from factory.runs.exit_codes import EXIT_NEEDS_FIX, EXIT_OK, EXIT_STOPPED
+from factory.runs.resume_points import RunCheckpoints
 from factory.runs.stages import Log, ProgressCallback, build_dataset, code_version, eval_rows, load_dataset, set_threads
 from factory.tracking import Tracker
 
