@@ -37,7 +37,7 @@ warm_starts = DynamicPartitionsDefinition(name="warm_starts")
 def sweep_warm_start(context: AssetExecutionContext, home: FactoryHomeResource) -> MaterializeResult:
     """The SFT warm start shared by every sweep member with the same model, task, SFT settings and seed
     (partition `sft-<fingerprint>`): trained once; the launcher starts those members after it."""
-    from factory.runs.stages import build_dataset, cached_sft_checkpoint, load_dataset
+    from factory.runs.stages import build_dataset, cached_sft_checkpoint, load_dataset  # heavy: torch
 
     paths = home.paths()
     try:

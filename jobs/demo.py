@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from factory.lake.writer import Lake
     from factory.ops.cockpit import cockpit_urls
-    from factory.runs.stages import eval_summary, render_report
+    from factory.runs.stages import eval_summary, render_report  # heavy: torch
     from jobs import defs, make_resources
 
     job = defs.resolve_job_def("quickstart")
