@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 HEAVY = ("torch", "transformers", "pyiceberg", "duckdb", "uvicorn", "dagster", "mlflow", "kubernetes")
-QUICKSTART = Path(__file__).parent.parent / "examples" / "quickstart.yaml"
+QUICKSTART = Path(__file__).parents[2] / "examples" / "quickstart.yaml"
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["validate", str(QUICKSTART)], ["query", "--help"]])
