@@ -201,6 +201,7 @@ class Run:
         self._t0 = self._t_loop = 0.0
 
     def execute(self) -> RunResult:
+        """The attempt from begin to finish; a failure after `begin` is recorded by `fail` and raised again."""
         self.begin()
         try:
             self.evaluate_start()
