@@ -74,7 +74,7 @@ class TrainingLauncherResource(ConfigurableResource):
 
     def launch(self, context, spec: SpecResource, home: FactoryHomeResource, inputs: dict):
         """Train through Pipes; return the materialization the entrypoint reported (a MaterializeResult)."""
-        from resources.launch import launch_k8s, launch_subprocess
+        from resources.launch import launch_k8s, launch_subprocess  # heavy: the deploy code, for a launch only
 
         if self.where == "subprocess":
             return launch_subprocess(context, spec, home, inputs)
