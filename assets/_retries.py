@@ -2,7 +2,7 @@
 
 A training asset's factory run_id is derived from the Dagster run's root run id, so every retry of the same
 materialization (an op retry in the same run, or a run retry/re-execution, which keeps the root) names the
-same factory run, and `run_grpo` continues it from its newest resume point. Failures that retrying cannot
+same factory run, and `run_rl` continues it from its newest resume point. Failures that retrying cannot
 fix (non-finite losses, a service whose circuit breaker tripped, a node that failed preflight) are raised
 as `Failure(allow_retries=False)`: they need a person first.
 """

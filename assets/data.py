@@ -91,7 +91,7 @@ def _task_source_asset(spec: ExperimentSpec) -> AssetsDefinition:
            description=f"The task's training split as the one prompt source {name!r} (the spec has no data section).")
     def _source(context: AssetExecutionContext, dataset: dict, spec: SpecResource) -> MaterializeResult:
         from factory.data.from_spec import task_source
-        from factory.experiment import load_dataset  # heavy (torch): imported when the asset runs
+        from factory.runs.stages import load_dataset  # heavy (torch): imported when the asset runs
 
         train = load_dataset(dataset["path"]).train
         src = task_source(spec.spec(), train)
@@ -177,7 +177,7 @@ def blend_asset(spec: ExperimentSpec) -> AssetsDefinition:
                           f"location with this spec (FACTORY_SPEC=<path>, see jobs/__init__.py)")
         train = None
         if s.data is None:
-            from factory.experiment import load_dataset  # heavy (torch): imported when the asset runs
+            from factory.runs.stages import load_dataset  # heavy (torch): imported when the asset runs
 
             train = load_dataset(inputs["dataset"]["path"]).train
         needs_lake = s.data is not None and any(e["kind"] == "iceberg" for e in s.data.sources)

@@ -27,9 +27,9 @@ from pyiceberg.expressions import EqualTo
 from assets._metadata import embedded, inline_picture
 from assets.sweeps import sweep_member_run
 from assets.training import grpo_run
-from factory.checkpoint_eval import evaluate_recorded_checkpoint, parse_checkpoint_key, regression_check
 from factory.deploy.target import op_tags
 from factory.envs.eval_suites import BENCHMARKS
+from factory.runs.checkpoint_eval import evaluate_recorded_checkpoint, parse_checkpoint_key, regression_check
 from resources import FactoryHomeResource, LakeResource, MlflowResource
 
 
@@ -37,7 +37,7 @@ from resources import FactoryHomeResource, LakeResource, MlflowResource
        kinds={"iceberg"}, op_tags=op_tags("eval_report"))
 def eval_report(context: AssetExecutionContext, run: dict, lake: LakeResource) -> MaterializeResult:
     """Held-out accuracy of the SFT start, the GRPO result and the control, read back from Iceberg."""
-    from factory.experiment import eval_summary, render_report  # heavy: see assets/training.py
+    from factory.runs.stages import eval_summary, render_report  # heavy: see assets/training.py
 
     run_id = run["run_id"]
     s = eval_summary(lake.lake(), run_id)

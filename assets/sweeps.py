@@ -37,7 +37,7 @@ warm_starts = DynamicPartitionsDefinition(name="warm_starts")
 def sweep_warm_start(context: AssetExecutionContext, home: FactoryHomeResource) -> MaterializeResult:
     """The SFT warm start shared by every sweep member with the same model, task, SFT settings and seed
     (partition `sft-<fingerprint>`): trained once; the launcher starts those members after it."""
-    from factory.experiment import build_dataset, cached_sft_checkpoint, load_dataset
+    from factory.runs.stages import build_dataset, cached_sft_checkpoint, load_dataset  # heavy: torch
 
     paths = home.paths()
     try:
@@ -61,8 +61,8 @@ def sweep_member_run(context: AssetExecutionContext, home: FactoryHomeResource, 
     """A sweep member trained end to end (dataset, the shared SFT warm start, GRPO, held-out eval), nested in
     MLflow under its sweep's parent run; its `sweeps` row follows it from running to succeeded/failed. While it
     runs, its tags show the step, latest reward and ETA."""
-    from factory.experiment import run_sweep_member  # heavy: see assets/training.py
     from factory.reports import run_pictures
+    from factory.runs.experiment import run_sweep_member  # heavy: see assets/training.py
     from factory.sweep import member_label
 
     key = context.partition_key

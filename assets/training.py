@@ -37,7 +37,7 @@ def sft_checkpoint(context: AssetExecutionContext, dataset: dict, spec: SpecReso
     Trained once per (model, task, SFT settings, seed): materializing it again with the same inputs reuses
     the checkpoint after checking its digest, so the data version stays the same and nothing downstream
     goes stale."""
-    from factory.experiment import cached_sft_checkpoint, load_dataset
+    from factory.runs.stages import cached_sft_checkpoint, load_dataset  # heavy: torch
 
     s = spec.spec()
     splits = load_dataset(dataset["path"])
@@ -59,7 +59,7 @@ def grpo_run(context: AssetExecutionContext, sft: dict, dataset: dict, spec: Spe
     tags show its step, latest reward and ETA; its curves and evals by step are drawn in the metadata. A retry
     (automatic, up to 2) resumes the same run from its newest resume point. Trains in this process, or through
     Dagster Pipes in a child process or on Kubernetes (the `launcher` resource): the metadata is the same."""
-    from factory.grpo_pipes import grpo_scalars
+    from factory.runs.pipes import run_scalars  # heavy: torch
 
     s = spec.spec()
     if launcher.where == "in_process":  # elsewhere the entrypoint gates its own node
@@ -68,23 +68,24 @@ def grpo_run(context: AssetExecutionContext, sft: dict, dataset: dict, spec: Spe
               "run_id": factory_run_id(context, s.name)}
     lk, tracker = lake.lake(), mlflow.tracker()
     if launcher.where == "in_process":
-        from factory.experiment import load_dataset
-        from factory.grpo_run import run_grpo
+        from factory.runs.rl_run import run_rl  # heavy: torch
+        from factory.runs.stages import load_dataset  # heavy: torch
 
         with no_retry_for_what_needs_a_fix():
-            res = run_grpo(s, home.paths(), inputs["init_checkpoint"], load_dataset(inputs["dataset"]), lk, tracker,
+            res = run_rl(s, home.paths(), inputs["init_checkpoint"], load_dataset(inputs["dataset"]), lk, tracker,
                            log=context.log.info, progress=progress_tags(context), run_id=inputs["run_id"])
-        scalars = grpo_scalars(res)
+        scalars = run_scalars(res)
     else:  # the entrypoint reports the same scalars through Pipes
         reported = launcher.launch(context, spec, home, inputs)
         scalars = {k: v.value for k, v in (reported.metadata or {}).items()}
-    return MaterializeResult(metadata=grpo_metadata(scalars, lk, tracker), data_version=DataVersion(scalars["sha256"]))
+    return MaterializeResult(metadata=rl_run_metadata(scalars, lk, tracker),
+                             data_version=DataVersion(scalars["sha256"]))
 
 
-def grpo_metadata(scalars: dict, lk, tracker) -> dict:
-    """The run's scalars (factory/grpo_pipes.py) with its pictures and MLflow link, drawn from the lake and MLflow:
+def rl_run_metadata(scalars: dict, lk, tracker) -> dict:
+    """The run's scalars (factory/runs/pipes.py) with its pictures and MLflow link, drawn from the lake and MLflow:
     the same for every launch."""
-    from factory.reports import run_pictures
+    from factory.reports import run_pictures  # heavy: pyiceberg
 
     run_id, mlflow_run_id = scalars["run_id"], scalars["mlflow_run_id"]
     head, tail = run_metadata(run_pictures(lk, tracker, run_id, mlflow_run_id), tracker, run_id, mlflow_run_id)
@@ -104,8 +105,8 @@ def grpo_beats_sft(grpo_run: dict) -> AssetCheckResult:  # named as the asset: i
 def sft_control(context: AssetExecutionContext, sft: dict, run: dict, dataset: dict, spec: SpecResource,
                 home: FactoryHomeResource, lake: LakeResource) -> MaterializeResult:
     """The control: the GRPO run's wall time spent on more SFT from the same checkpoint instead."""
-    from factory.experiment import load_dataset, run_sft_control
-    from factory.models.checkpoint import load_checkpoint
+    from factory.models.checkpoint import load_checkpoint  # heavy: torch
+    from factory.runs.stages import load_dataset, run_sft_control  # heavy: torch
 
     s = spec.spec()
     splits = load_dataset(dataset["path"])

@@ -53,10 +53,10 @@ from factory.core.evaluate import evaluate  # noqa: E402
 from factory.core.loop import train_grpo  # noqa: E402
 from factory.core.rollout.embedded import EmbeddedEngine  # noqa: E402
 from factory.envs.latency import LatencyProfile  # noqa: E402
-from factory.experiment import build_dataset, load_dataset, train_sft_checkpoint  # noqa: E402
 from factory.home import factory_home  # noqa: E402
 from factory.infra.placement import enter, placements  # noqa: E402
 from factory.models.checkpoint import load_checkpoint  # noqa: E402
+from factory.runs.stages import build_dataset, load_dataset, train_sft_checkpoint  # noqa: E402
 
 
 def cpu_seconds() -> float:

@@ -291,7 +291,7 @@ def main() -> int:
     long.proc.send_signal(signal.SIGTERM)  # stop: saves a resume point and ends as interrupted
     long.wait(timeout=300)
     with Lake.open(FactoryPaths(home)) as lake:
-        from factory.ops import recovery
+        from factory.runs import recovery
 
         (row,) = lake.read("runs").to_pylist()
         # The run was stopped on purpose at the end: its goodput over the time it ran, without that stop.

@@ -14,9 +14,9 @@ from datetime import datetime
 
 from dagster import AssetKey, DagsterInstance, DagsterRunStatus, MultiPartitionKey, RunsFilter
 
-from factory.checkpoint_eval import checkpoint_key
 from factory.envs.eval_suites import applicable_benchmarks
 from factory.ops.instance import DEFAULT_MAX_CONCURRENT_EVALS, EVAL_QUEUE, QUEUE_TAG, eval_limit_from
+from factory.runs.checkpoint_eval import checkpoint_key
 
 IN_FLIGHT = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING,
              DagsterRunStatus.STARTED, DagsterRunStatus.CANCELING]

@@ -31,9 +31,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from dagster import DagsterInstance
 
-    from factory.experiment import eval_summary, render_report
     from factory.lake.writer import Lake
     from factory.ops.cockpit import cockpit_urls
+    from factory.runs.stages import eval_summary, render_report  # heavy: torch
     from jobs import defs, make_resources
 
     job = defs.resolve_job_def("quickstart")

@@ -32,7 +32,7 @@ class LakeResource(ConfigurableResource):
     home: FactoryHomeResource
 
     def lake(self) -> Lake:
-        from factory.lake.writer import Lake
+        from factory.lake.writer import Lake  # heavy: pyiceberg (loading the code location stays light)
 
         return Lake.open(self.home.paths())
 
@@ -43,7 +43,7 @@ class MlflowResource(ConfigurableResource):
     home: FactoryHomeResource
 
     def tracker(self) -> Tracker:
-        from factory.tracking import Tracker
+        from factory.tracking import Tracker  # heavy: mlflow
 
         return Tracker(self.home.paths())
 
@@ -62,7 +62,7 @@ class TrainingLauncherResource(ConfigurableResource):
     """Where the `grpo_run` asset trains: `in_process` (the local default), `subprocess` (a child process on this
     machine that reports back through Dagster Pipes), or `k8s` (an Indexed Job of trainer pods and the run's
     rollout servers on the cluster, reporting back through Pipes; FACTORY_PROFILE=k8s selects it). The two Pipes
-    launches run the same entrypoint (`factory train-grpo`, factory/grpo_pipes.py) and give the same metadata."""
+    launches run the same entrypoint (`factory train-grpo`, factory/runs/pipes.py) and give the same metadata."""
 
     where: str = Field("in_process", description="in_process | subprocess | k8s")
     kubeconfig: str = Field("", description="k8s: kubeconfig file; empty: the pod's in-cluster service account")
@@ -75,7 +75,7 @@ class TrainingLauncherResource(ConfigurableResource):
 
     def launch(self, context, spec: SpecResource, home: FactoryHomeResource, inputs: dict):
         """Train through Pipes; return the materialization the entrypoint reported (a MaterializeResult)."""
-        from resources.launch import launch_k8s, launch_subprocess
+        from resources.launch import launch_k8s, launch_subprocess  # heavy: the deploy code, for a launch only
 
         if self.where == "subprocess":
             return launch_subprocess(context, spec, home, inputs)

@@ -21,15 +21,17 @@ from dagster import (
     open_pipes_session,
 )
 
+from factory.deploy.profile import ProfileError, load_profile
+from factory.deploy.target import DEPLOY_PROFILE_ENV
+from factory.runs.exit_codes import EXIT_BAD_INPUT, EXIT_NEEDS_FIX
+
 if TYPE_CHECKING:
     from factory.config import ExperimentSpec
     from resources import FactoryHomeResource, SpecResource, TrainingLauncherResource
 
+
 def check_exit(code: int | None, where: str) -> None:
     """Raise the Failure a non-zero exit calls for: retryable, unless the run needs a person first."""
-    from factory.cli import EXIT_BAD_INPUT
-    from factory.ops.restarts import EXIT_NEEDS_FIX
-
     if code == 0:
         return
     if code in (EXIT_BAD_INPUT, EXIT_NEEDS_FIX):
@@ -63,11 +65,9 @@ def launch_k8s(context: AssetExecutionContext, spec: ExperimentSpec, launcher: T
                inputs: dict[str, Any]) -> MaterializeResult:
     """The run's rollout servers and trainer pods on the cluster (deploy/cluster.py); Pipes context in the
     trainers' environment, messages read from rank 0's log (dagster-k8s's pod-log reader)."""
-    from dagster_k8s.pipes import PipesK8sPodLogsMessageReader
+    from dagster_k8s.pipes import PipesK8sPodLogsMessageReader  # heavy: kubernetes
 
-    from factory.deploy.cluster import Cluster, ClusterError, grpo_objects, launch_grpo
-    from factory.deploy.profile import ProfileError, load_profile
-    from factory.deploy.target import DEPLOY_PROFILE_ENV
+    from factory.deploy.cluster import Cluster, ClusterError, grpo_objects, launch_grpo  # heavy: ~1 s, k8s only
 
     try:
         profile = load_profile(launcher.deploy_profile or os.environ.get(DEPLOY_PROFILE_ENV) or None)

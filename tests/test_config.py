@@ -195,8 +195,8 @@ def test_sft_examples_must_fit_the_training_split():
 
 
 def test_sft_sees_only_its_labeled_examples(factory_home):
-    from factory.experiment import build_dataset, load_dataset, train_sft_checkpoint
     from factory.models.checkpoint import read_meta
+    from factory.runs.stages import build_dataset, load_dataset, train_sft_checkpoint
 
     spec = parse_spec({"model": {"preset": "micro"}, "task": {"n_train": 200, "n_eval": 16},
                        "sft": {"steps": 2, "examples": 7}, "schedule": {"eval_pass_k": 1}})

@@ -46,10 +46,10 @@ from factory.config import apply_overrides, load_spec, parse_overrides  # noqa: 
 from factory.core.evaluate import evaluate  # noqa: E402
 from factory.core.loop import train_grpo  # noqa: E402
 from factory.core.rollout.embedded import EmbeddedEngine  # noqa: E402
-from factory.experiment import build_dataset, load_dataset, train_sft_checkpoint  # noqa: E402
 from factory.home import factory_home  # noqa: E402
 from factory.models.bpe import build_bpe_model_dir  # noqa: E402
 from factory.models.checkpoint import load_checkpoint  # noqa: E402
+from factory.runs.stages import build_dataset, load_dataset, train_sft_checkpoint  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -114,7 +114,7 @@ class Stateful(Protocol):
 
 
 class Checkpoints(Protocol):
-    """When the loop takes resume points, and where they go (the run's policy; `experiment.py` has one)."""
+    """When the loop takes resume points, and where they go (the run's policy; `runs/attempt.py` has one)."""
 
     def due(self, steps_done: int) -> bool: ...
     def stopping(self) -> bool: ...

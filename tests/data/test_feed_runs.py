@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from tests.test_grpo_run import TINY, factory, rows
+from tests.runs.test_rl_run import TINY, factory, rows
 
 DATA = {"sources": [{"name": "add2", "kind": "arithmetic", "op": "add", "digits": 2, "n": 24, "block_rows": 8,
                      "reverse_operands": True},
@@ -45,7 +45,7 @@ def test_a_new_run_filters_its_sources_by_the_pass_rates_of_earlier_runs(tmp_pat
     (all 0 for this barely trained model); run 2 blends that source with a new one and a pass-rate window that
     excludes never-solved prompts: it skips all of the old source's prompts and trains only the new ones."""
     from factory.data.stats import read_prompt_stats, update_prompt_stats
-    from tests.test_grpo_run import _lake
+    from tests.runs.test_rl_run import _lake
 
     home = tmp_path / "home"
     old = {"name": "seen", "kind": "arithmetic", "op": "add", "digits": 3, "n": 16, "reverse_operands": True}

@@ -64,8 +64,8 @@ def test_enter_places_the_calling_thread(restore_main_thread):
 def test_an_async_run_puts_trainer_engine_and_scoring_on_their_cores(restore_main_thread):
     from factory.core.loop import train_grpo
     from factory.envs.tasks import make_task_splits
-    from factory.experiment import set_threads
     from factory.models.build import policy_for
+    from factory.runs.stages import set_threads
 
     a, b = CORES[0], CORES[1]
     spec = spec_with(**{"model.preset": "micro", "schedule.mode": "async", "schedule.steps": 2,

@@ -7,9 +7,9 @@ SFT stop rule looks only at training problems.
 import pytest
 
 from factory.config import apply_overrides, load_spec, parse_overrides
-from factory.experiment import build_dataset, load_dataset, train_sft_checkpoint
-from factory.grpo_run import run_grpo
 from factory.lake import Lake
+from factory.runs.rl_run import run_rl
+from factory.runs.stages import build_dataset, load_dataset, train_sft_checkpoint
 from factory.tracking import Tracker
 
 # Measured on this spec (30 GRPO steps, 300 held-out problems, 1 thread), SFT -> GRPO accuracy:
@@ -25,7 +25,7 @@ def test_grpo_raises_heldout_accuracy(factory_home):
     ]))
     splits = load_dataset(build_dataset(spec, factory_home).path)
     sft = train_sft_checkpoint(spec, factory_home, splits, log=lambda _: None)
-    run = run_grpo(spec, factory_home, sft.checkpoint.path, splits, Lake.open(factory_home),
+    run = run_rl(spec, factory_home, sft.checkpoint.path, splits, Lake.open(factory_home),
                    Tracker(factory_home), log=lambda _: None)
     assert run.start_accuracy == pytest.approx(sft.accuracy)
     assert run.start_pass_at_k > run.start_accuracy  # room for RL to turn pass@k into pass@1

@@ -20,14 +20,14 @@ from dagster._core.loader import LoadingContextForTest
 from dagster._core.test_utils import create_run_for_test
 
 from assets.evals import checkpoint_eval, checkpoints
-from factory.checkpoint_eval import checkpoint_key, parse_checkpoint_key
 from factory.config import parse_spec
-from factory.experiment import build_dataset, load_dataset, train_sft_checkpoint
-from factory.grpo_run import run_grpo
 from factory.lake import Lake
 from factory.models.build import build_model
 from factory.models.checkpoint import save_checkpoint
 from factory.models.tokenizer import build_tokenizer
+from factory.runs.checkpoint_eval import checkpoint_key, parse_checkpoint_key
+from factory.runs.rl_run import run_rl
+from factory.runs.stages import build_dataset, load_dataset, train_sft_checkpoint
 from factory.tracking import Tracker
 from jobs.evals import eval_schedule, new_checkpoint_evals
 from resources import FactoryHomeResource, LakeResource, MlflowResource
@@ -58,7 +58,7 @@ def recorded(tmp_path_factory):
     sft = train_sft_checkpoint(spec, home, splits, log=lambda _: None)
     assert sft.accuracy >= 0.1, sft.accuracy  # something to lose
     lake = Lake.open(home)
-    run = run_grpo(spec, home, sft.checkpoint.path, splits, lake, Tracker(home), log=lambda _: None)
+    run = run_rl(spec, home, sft.checkpoint.path, splits, lake, Tracker(home), log=lambda _: None)
     tok = build_tokenizer()
     bad = save_checkpoint(build_model("micro", tok, seed=1), tok, home.checkpoints / run.run_id / "step-000003")
     lake.upsert("checkpoints", [dict(run_id=run.run_id, step=3, kind="rl", uri=str(bad.path), bytes=bad.bytes,
@@ -159,7 +159,7 @@ def test_regression_check_per_checkpoint_and_benchmark(recorded):
 
 def test_the_final_checkpoint_reuses_the_runs_own_held_out_result(recorded):
     home, run_id = recorded
-    from factory.checkpoint_eval import evaluate_recorded_checkpoint
+    from factory.runs.checkpoint_eval import evaluate_recorded_checkpoint
 
     lake = Lake.open(home)
     final = max(r["step"] for r in lake.read("checkpoints").to_pylist() if r["run_id"] == run_id and r["step"] < 3)
@@ -182,7 +182,7 @@ def test_lineage_connects_training_to_evals_and_members_to_the_summary():
 
 def test_a_checkpoint_whose_files_changed_is_not_evaluated(recorded, tmp_path):
     home, run_id = recorded
-    from factory.checkpoint_eval import evaluate_recorded_checkpoint
+    from factory.runs.checkpoint_eval import evaluate_recorded_checkpoint
 
     lake = Lake.open(home)
     (row,) = [r for r in lake.read("checkpoints").to_pylist() if r["run_id"] == run_id and r["step"] == 3]

@@ -10,13 +10,13 @@ import json
 import pytest
 import torch
 
-from factory.checkpoint_eval import _path as recorded_checkpoint_dir
 from factory.digest import dir_digest
-from factory.grpo_run import record_checkpoint
 from factory.models.build import build_model
 from factory.models.checkpoint import load_checkpoint, publish_checkpoint, recorded_uri, save_checkpoint
 from factory.models.checkpoint_store import MANIFEST_NAME, IncompleteCheckpointError
 from factory.models.tokenizer import build_tokenizer
+from factory.runs.checkpoint_eval import _path as recorded_checkpoint_dir
+from factory.runs.rl_run import record_checkpoint
 
 
 @pytest.fixture(scope="module")

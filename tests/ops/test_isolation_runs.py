@@ -12,12 +12,12 @@ import pytest
 
 from factory.config import parse_spec
 from factory.core.loop import NonFiniteLoss
-from factory.grpo_run import run_grpo
 from factory.infra.supervisor import CircuitOpen
 from factory.models.build import build_model
 from factory.models.checkpoint import save_checkpoint
 from factory.models.tokenizer import build_tokenizer
 from factory.problem import Problem, Splits
+from factory.runs.rl_run import run_rl
 from factory.tracking import Tracker
 
 PROBLEMS = [Problem(id=f"p{i}", prompt=f"{i}+{i}=", answer="", op="add", digits=1) for i in range(40)]
@@ -41,7 +41,7 @@ def init(factory_home):
 
 
 def run(s, factory_home, init, lake, run_id=None):
-    return run_grpo(s, factory_home, init, SPLITS, lake, Tracker(factory_home), log=lambda _: None, run_id=run_id)
+    return run_rl(s, factory_home, init, SPLITS, lake, Tracker(factory_home), log=lambda _: None, run_id=run_id)
 
 
 def test_a_raising_or_hanging_reward_scores_0_with_its_reason_and_the_run_goes_on(factory_home, init, lake):

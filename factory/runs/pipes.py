@@ -1,27 +1,39 @@
-"""The GRPO run of the `grpo_run` asset as a process of its own that reports back through Dagster Pipes: what the
+"""The RL run of the `grpo_run` asset as a process of its own that reports back through Dagster Pipes: what the
 trainer pods run on Kubernetes (`factory train-grpo SPEC`, launched by deploy/cluster.py) and what a local
-subprocess launch runs. In the asset's own process the same `run_grpo` runs directly.
+subprocess launch runs. In the asset's own process the same `run_rl` runs directly.
 
 The run's inputs (the SFT checkpoint, the dataset, the factory run id that retries share) arrive as Pipes
-extras; its result leaves as one asset materialization whose metadata is `grpo_scalars` (plain values, typed for
+extras; its result leaves as one asset materialization whose metadata is `run_scalars` (plain values, typed for
 Pipes) with the checkpoint digest as the data version. The pictures and links are not sent through Pipes (a pod's
 log lines are not the place for megabytes of PNG): the asset builds them from the lake and MLflow, for every
 launch the same way, so the materialization looks the same wherever the run trained.
 
-Exit codes are the CLI's: 0 done, 1 failed (a node that failed preflight, or a crash: retryable), 2 bad input,
-4 needs a fix (non-finite loss, a service whose circuit breaker tripped); the launcher maps them onto retries.
+Exit codes are the CLI's (`runs/exit_codes.py`): 0 done, 1 failed (a node that failed preflight, or a crash:
+retryable), 2 bad input, 4 needs a fix (non-finite loss, a service whose circuit breaker tripped); the launcher
+maps them onto retries.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from factory.config import ExperimentSpec
-    from factory.grpo_run import RunResult
-    from factory.home import FactoryPaths
+from dagster_pipes import DAGSTER_PIPES_CONTEXT_ENV_VAR, open_dagster_pipes
+
+from factory.config import ExperimentSpec
+from factory.core.loop import NonFiniteLoss
+from factory.home import FactoryPaths
+from factory.infra.supervisor import CircuitOpen
+from factory.lake import Lake
+from factory.ops.preflight.gate import PreflightFailed, gate
+from factory.progress import Throttle
+from factory.runs.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_NEEDS_FIX, EXIT_OK
+from factory.runs.rl_run import RunResult, run_rl
+from factory.runs.stages import load_dataset
+from factory.tracking import Tracker
 
 EXTRAS = ("init_checkpoint", "dataset", "run_id")  # what the launcher must send
 PATH_KEYS = ("checkpoint",)  # shown as paths in the Dagster UI
@@ -29,20 +41,20 @@ PROGRESS_EVERY_S = 5.0  # a Pipes log message each: enough to follow a run, few 
 
 
 @dataclass(frozen=True)
-class GrpoInputs:
+class RunInputs:
     init_checkpoint: str
     dataset: str
     run_id: str | None = None
 
     @classmethod
-    def from_extras(cls, extras: dict[str, Any]) -> GrpoInputs:
+    def from_extras(cls, extras: dict[str, Any]) -> RunInputs:
         missing = [k for k in EXTRAS[:2] if not extras.get(k)]
         if missing:
             raise ValueError(f"Pipes extras: missing {', '.join(missing)} (the launcher sends {', '.join(EXTRAS)})")
         return cls(str(extras["init_checkpoint"]), str(extras["dataset"]), extras.get("run_id") or None)
 
 
-def grpo_scalars(res: RunResult) -> dict[str, Any]:
+def run_scalars(res: RunResult) -> dict[str, Any]:
     """A finished run's metadata other than pictures and links, in the order the asset shows it."""
     return {"run_id": res.run_id, "mlflow_run_id": res.mlflow_run_id, "checkpoint": str(res.checkpoint.path),
             "sha256": res.checkpoint.sha256, "steps": res.steps, "start_accuracy": res.start_accuracy,
@@ -51,7 +63,7 @@ def grpo_scalars(res: RunResult) -> dict[str, Any]:
 
 
 def pipes_metadata(scalars: dict[str, Any]) -> dict[str, Any]:
-    """`grpo_scalars` in Pipes' wire form: paths typed as paths, None as null, the rest inferred."""
+    """`run_scalars` in Pipes' wire form: paths typed as paths, None as null, the rest inferred."""
     out: dict[str, Any] = {}
     for k, v in scalars.items():
         if k in PATH_KEYS:
@@ -63,35 +75,21 @@ def pipes_metadata(scalars: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def train(spec: ExperimentSpec, paths: FactoryPaths, inputs: GrpoInputs, log: Callable[[str], None] = print
+def train(spec: ExperimentSpec, paths: FactoryPaths, inputs: RunInputs, log: Callable[[str], None] = print
           ) -> RunResult:
     """Preflight-gate this node, then train (or continue) the run; its progress (step, reward, ETA) goes to `log`
     every PROGRESS_EVERY_S and at the last step, so a run on the cluster shows it in the Dagster run's log."""
-    from factory.experiment import load_dataset
-    from factory.grpo_run import run_grpo
-    from factory.lake import Lake
-    from factory.ops.preflight.gate import gate
-    from factory.progress import Throttle
-    from factory.tracking import Tracker
-
     gate(spec.ops, paths, log=log)  # no training on a node whose latest preflight failed
     with Lake.open(paths) as lake:
-        return run_grpo(spec, paths, inputs.init_checkpoint, load_dataset(inputs.dataset), lake, Tracker(paths),
+        return run_rl(spec, paths, inputs.init_checkpoint, load_dataset(inputs.dataset), lake, Tracker(paths),
                         log=log, run_id=inputs.run_id, progress=Throttle(
                             lambda p: log("progress: " + ", ".join(f"{k} {v}" for k, v in p.tags().items())),
                             every_s=PROGRESS_EVERY_S))
 
 
-def run_under_pipes(spec: ExperimentSpec, paths: FactoryPaths, fallback: GrpoInputs | None = None) -> int:
+def run_under_pipes(spec: ExperimentSpec, paths: FactoryPaths, fallback: RunInputs | None = None) -> int:
     """Train with the inputs the Pipes extras give (or `fallback` when not started by Dagster) and report the
     materialization; return an exit code."""
-    import os
-    import sys
-
-    from dagster_pipes import DAGSTER_PIPES_CONTEXT_ENV_VAR, open_dagster_pipes
-
-    from factory.cli import EXIT_BAD_INPUT
-
     if DAGSTER_PIPES_CONTEXT_ENV_VAR not in os.environ:  # not started by a Pipes launcher
         if fallback is None:
             print("factory: error: train-grpo: not started by Dagster Pipes; give --init and --dataset",
@@ -103,27 +101,22 @@ def run_under_pipes(spec: ExperimentSpec, paths: FactoryPaths, fallback: GrpoInp
         return code
     with open_dagster_pipes() as pipes:
         try:
-            inputs = GrpoInputs.from_extras(dict(pipes.extras))
+            inputs = RunInputs.from_extras(dict(pipes.extras))
         except ValueError as e:
             pipes.log.error(str(e))
             return EXIT_BAD_INPUT
         res, code = _train_or_exit(spec, paths, inputs, pipes.log.info, pipes.log.error)
         if res is not None:
-            pipes.report_asset_materialization(metadata=pipes_metadata(grpo_scalars(res)),
+            pipes.report_asset_materialization(metadata=pipes_metadata(run_scalars(res)),
                                                data_version=res.checkpoint.sha256)
     return code
 
 
-def _train_or_exit(spec: ExperimentSpec, paths: FactoryPaths, inputs: GrpoInputs, log: Callable[[str], None],
+def _train_or_exit(spec: ExperimentSpec, paths: FactoryPaths, inputs: RunInputs, log: Callable[[str], None],
                    error: Callable[[str], None]) -> tuple[RunResult | None, int]:
     """`train`, its known failures turned into the exit codes of the module docstring (others propagate: 1)."""
-    from factory.core.loop import NonFiniteLoss
-    from factory.infra.supervisor import CircuitOpen
-    from factory.ops.preflight.gate import PreflightFailed
-    from factory.ops.restarts import EXIT_FAILED, EXIT_NEEDS_FIX
-
     try:
-        return train(spec, paths, inputs, log=log), 0
+        return train(spec, paths, inputs, log=log), EXIT_OK
     except PreflightFailed as e:
         error(str(e))
         return None, EXIT_FAILED

@@ -1,7 +1,8 @@
-"""The experiment's stages as plain functions: dataset → SFT checkpoint → GRPO run → eval report.
+"""The experiment's stages other than the RL run, as plain functions: the dataset, the SFT warm start (shared
+by runs that ask for the same one), the more-SFT control, and the eval report.
 
-`factory run` calls them in order; the Dagster assets call the same functions one per asset.
-Each stage writes its outputs under FACTORY_HOME and its records to Iceberg and MLflow.
+`runs/experiment.py` calls them in order around the RL run (`runs/rl_run.py`); the Dagster assets call the same
+functions one per asset. Each stage writes its outputs under FACTORY_HOME and its records to Iceberg and MLflow.
 """
 
 from __future__ import annotations
@@ -37,10 +38,9 @@ from factory.models.checkpoint import CheckpointInfo, load_checkpoint, save_chec
 from factory.models.tokenizer import tokenizer_for
 from factory.problem import Problem, Splits
 from factory.progress import Progress
-from factory.tracking import Tracker
 
 Log = Callable[[str], None]
-Report = Callable[[Progress], None]
+ProgressCallback = Callable[[Progress], None]  # told each step's progress (stage, step, ETA)
 
 
 def _now() -> datetime:
@@ -138,7 +138,7 @@ class SFTResult:
 
 def train_sft_checkpoint(spec: ExperimentSpec, paths: FactoryPaths, splits: Splits, log: Log = print,
                          model=None, tokenizer=None, steps: int | None = None, name: str | None = None,
-                         progress: Report | None = None) -> SFTResult:
+                         progress: ProgressCallback | None = None) -> SFTResult:
     """SFT from scratch (or continue `model`), save an atomic checkpoint, evaluate it held-out."""
     set_threads(spec, log)
     if model is None and tokenizer is None:
@@ -252,7 +252,7 @@ def render_report(s: dict) -> str:
     return "\n".join(lines)
 
 
-# ---------------------------------------------------------------- all stages
+# ---------------------------------------------------------------- the shared SFT warm start
 
 
 def sft_fingerprint(spec: ExperimentSpec) -> str:
@@ -266,7 +266,7 @@ def warm_start_name(spec: ExperimentSpec) -> str:
 
 
 def cached_sft_checkpoint(spec: ExperimentSpec, paths: FactoryPaths, splits: Splits, log: Log = print,
-                          progress: Report | None = None) -> SFTResult:
+                          progress: ProgressCallback | None = None) -> SFTResult:
     """The SFT warm start for `spec`, trained once per `sft_fingerprint` and reused after that.
 
     Runs that ask for the same warm start at the same time (sweep members, a CLI run beside the UI) take
@@ -307,70 +307,3 @@ def _exclusive(path: Path, on_wait: Callable[[], None]) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def run_sweep_member(spec: ExperimentSpec, paths: FactoryPaths, lake: Lake, tracker: Tracker, sweep_id: str,
-                     member: str, axes: dict, sweep_name: str, mlflow_parent_run_id: str | None = None,
-                     log: Log = print, progress: Report | None = None, run_id: str | None = None):
-    """One sweep member end to end (dataset, shared SFT warm start, GRPO, evals), its `sweeps` row kept current."""
-    created = _now()
-    row = dict(sweep_id=sweep_id, member=member, name=sweep_name, axes=json.dumps(axes, sort_keys=True),
-               spec=spec.to_json(), mlflow_parent_run_id=mlflow_parent_run_id, created_at=created)
-    lake.upsert("sweeps", [dict(row, status="running", recorded_at=_now())])
-    from factory.grpo_run import run_grpo  # the run stage builds on this module
-
-    try:
-        splits = load_dataset(build_dataset(spec, paths).path)
-        sft = cached_sft_checkpoint(spec, paths, splits, log=log, progress=progress)
-        res = run_grpo(spec, paths, sft.checkpoint.path, splits, lake, tracker, log=log, sweep_id=sweep_id,
-                       run_id=run_id, mlflow_experiment=sweep_name, mlflow_parent_run_id=mlflow_parent_run_id,
-                       progress=progress)
-    except BaseException:
-        lake.upsert("sweeps", [dict(row, status="failed", recorded_at=_now())])
-        raise
-    lake.upsert("sweeps", [dict(row, status="succeeded", run_id=res.run_id, final_accuracy=res.final_accuracy,
-                                recorded_at=_now())])
-    return res
-
-
-def run_experiment(spec: ExperimentSpec, paths: FactoryPaths, control: bool = False, log: Log = print,
-                   supervised: bool = False) -> dict:
-    """Every stage in order, as the quickstart job runs them; returns the eval summary + report.
-
-    `supervised`: the GRPO run's attempts run in child processes that are restarted (resuming) when one
-    dies or hangs (`ops/restarts.py`); a run that does not succeed raises `RunFailed` with its exit code."""
-    from factory.grpo_run import new_run_id, run_grpo  # the run stage builds on this module
-    from factory.ops.recovery import run_row
-    from factory.ops.restarts import supervise, write_launch
-
-    ds = build_dataset(spec, paths)
-    splits = load_dataset(ds.path)
-    log(f"dataset {ds.fingerprint}: {ds.n_train} train / {ds.n_eval} held-out")
-    sft = train_sft_checkpoint(spec, paths, splits, log=log)
-    lake, tracker = Lake.open(paths), Tracker(paths)
-    if supervised:
-        run_id = new_run_id(spec)
-        write_launch(paths.checkpoints / run_id, spec, sft.checkpoint.path)
-        rc = supervise(paths, run_id, spec, log=log)
-        if rc != 0:
-            raise RunFailed(run_id, rc)
-        seconds = run_row(lake, run_id)["wall_s"]
-    else:
-        run = run_grpo(spec, paths, sft.checkpoint.path, splits, lake, tracker, log=log)
-        run_id, seconds = run.run_id, run.seconds
-    if control:
-        model, tok = load_checkpoint(sft.checkpoint.path)
-        run_sft_control(spec, paths, splits, lake, run_id, spec.schedule.steps, model, tok, seconds=seconds,
-                        sft_seconds_per_step=sft.seconds / max(1, sft.steps), log=log)
-    summary = eval_summary(lake, run_id)
-    summary["report"] = render_report(summary)
-    return summary
-
-
-class RunFailed(RuntimeError):
-    """A supervised run that did not succeed; `code` is the exit code `factory run` returns."""
-
-    def __init__(self, run_id: str, code: int):
-        super().__init__(f"run {run_id} did not succeed (exit code {code}); see `factory runs` and the "
-                         f"interruptions table; resume it with: factory resume {run_id}")
-        self.run_id, self.code = run_id, code

@@ -1,4 +1,4 @@
-"""One attempt of a training run: its signs of life, its stop signals, and when it takes resume points.
+"""One attempt of a training run: its lock, its signs of life, and what its run directory holds.
 
 A run directory (`checkpoints/<run_id>/`) holds, besides checkpoints:
 - `attempt.lock`: held (flock) by the live attempt for its whole life. The kernel releases it when the
@@ -6,29 +6,46 @@ A run directory (`checkpoints/<run_id>/`) holds, besides checkpoints:
   dead one that still says `running` in the lake, without trusting pids (which get reused).
 - `heartbeat`: touched by the trainer's own loop at every step and sub-step. A supervisor reads its age
   to tell a hung attempt from a slow one (a thread beating on its own would hide a hung loop).
-- `resume/`: the resume points (`core/resume.py`).
+- `resume/`: the resume points (`core/resume.py`), taken when `runs/resume_points.py` says.
+- `launch.json`: what the first attempt of a supervised run needs before the run has a `runs` row.
 """
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
+import json
 import os
-import signal
-import threading
-from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from factory.config import ExperimentSpec
-from factory.core.resume import ResumeWriter, TrainState
+if TYPE_CHECKING:
+    from factory.config import ExperimentSpec
+
 
 LOCK = "attempt.lock"
 HEARTBEAT = "heartbeat"
-SAVES = "saves.jsonl"  # one line per resume point written: its step, the trainer's stall, the write time
+LAUNCH = "launch.json"
 
 
 def resume_dir(run_dir: Path) -> Path:
     return run_dir / "resume"
+
+
+def write_launch(run_dir: Path, spec: ExperimentSpec, init_checkpoint: str | Path, sweep_id: str | None = None,
+                 mlflow_experiment: str | None = None, mlflow_parent_run_id: str | None = None) -> None:
+    """What the first attempt needs before the run has a `runs` row (later ones read the row)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / f".{LAUNCH}.tmp"
+    tmp.write_text(json.dumps({"spec": json.loads(spec.to_json()), "init_checkpoint": str(init_checkpoint),
+                               "sweep_id": sweep_id, "mlflow_experiment": mlflow_experiment,
+                               "mlflow_parent_run_id": mlflow_parent_run_id}))
+    os.replace(tmp, run_dir / LAUNCH)
+
+
+def read_launch(run_dir: Path) -> dict:
+    """What `write_launch` wrote, or {} when it wrote nothing."""
+    path = run_dir / LAUNCH
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 class AttemptLock:
@@ -98,46 +115,3 @@ def last_beat(run_dir: Path) -> float | None:
         return (run_dir / HEARTBEAT).stat().st_mtime
     except FileNotFoundError:
         return None
-
-
-class RunCheckpoints:
-    """The loop's `Checkpoints` for a run: resume points every `ops.resume_every` and every
-    `schedule.checkpoint_every` steps, written in the background by a `ResumeWriter`; `stopping()` turns
-    true on SIGTERM/SIGINT (see `signals`), and the loop then saves and stops after its current step."""
-
-    def __init__(self, spec: ExperimentSpec, run_dir: Path, before_write: Callable[[int], None] | None = None):
-        self.every = [n for n in (spec.ops.resume_every, spec.schedule.checkpoint_every) if n]
-        self.writer = ResumeWriter(resume_dir(run_dir), spec.ops.keep_resume, before_write=before_write,
-                                   log_path=run_dir / SAVES)
-        self.stop = threading.Event()
-        self.signal_name: str | None = None
-
-    def due(self, steps_done: int) -> bool:
-        return any(steps_done % n == 0 for n in self.every)
-
-    def stopping(self) -> bool:
-        return self.stop.is_set()
-
-    def save(self, make_state: Callable[[], TrainState], wait: bool = False) -> None:
-        self.writer.submit(make_state, wait=wait)
-
-    @contextlib.contextmanager
-    def signals(self) -> Iterator[None]:
-        """SIGTERM / SIGINT ask the loop to save and stop after its current step (a second SIGINT
-        interrupts at once). Only in the main thread, where Python delivers signals."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-
-        def handler(signum: int, frame: object) -> None:
-            if self.stop.is_set() and signum == signal.SIGINT:
-                raise KeyboardInterrupt
-            self.signal_name = signal.Signals(signum).name
-            self.stop.set()
-
-        old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
-        try:
-            yield
-        finally:
-            for s, h in old.items():
-                signal.signal(s, h)

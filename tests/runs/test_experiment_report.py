@@ -1,9 +1,9 @@
-"""The run's eval report (factory/experiment.py eval_summary): SFT (step 0) against the final step only."""
+"""The run's eval report (factory/runs/stages.py eval_summary): SFT (step 0) against the final step only."""
 
 from __future__ import annotations
 
 from factory.core.evaluate import EvalResult
-from factory.experiment import eval_rows, eval_summary, render_report
+from factory.runs.stages import eval_rows, eval_summary, render_report
 
 
 def test_periodic_evals_do_not_stand_in_for_the_final_one(lake):

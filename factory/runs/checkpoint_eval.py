@@ -63,9 +63,9 @@ def evaluate_recorded_checkpoint(paths: FactoryPaths, lake: Lake, run_id: str, s
                                  benchmark: str) -> CheckpointEval:
     """Evaluate the checkpoint `run_id`@`step` on `benchmark`, after checking its files against the digest
     recorded with it; write the results to `evals` and return them."""
-    # Here, not at the top: sensors and the UI import this module for its keys, without torch.
+    # heavy: torch; sensors and the UI import this module for its keys only
     from factory.digest import dir_digest
-    from factory.experiment import build_dataset, eval_rows, evaluate_checkpoint, load_dataset
+    from factory.runs.stages import build_dataset, eval_rows, evaluate_checkpoint, load_dataset
 
     name = recorded_name(benchmark)
     rows = lake.read("checkpoints", And(EqualTo("run_id", run_id), EqualTo("step", step))).to_pylist()
@@ -110,7 +110,7 @@ def _path(uri: str, paths: FactoryPaths) -> Path:
     """The local directory of a recorded checkpoint: its path, or for an object-store URI (FACTORY_CHECKPOINT_URI)
     the verified local cache copy (models/checkpoint_store.py)."""
     if is_remote(uri):
-        from factory.models.checkpoint_store import fetch_checkpoint  # torch-free callers never get here
+        from factory.models.checkpoint_store import fetch_checkpoint  # heavy: torch; torch-free callers never get here
 
         return fetch_checkpoint(uri, paths.checkpoint_cache)
     return Path(uri.removeprefix("file://"))

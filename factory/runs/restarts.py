@@ -2,7 +2,7 @@
 this parent starts the next one when an attempt dies, hangs or crashes, up to `ops.max_restarts` times.
 
 Like torchrun's elastic agent, but for one run and with exact resume: the parent holds no training state.
-It watches two things: the child's exit, and the age of the run's heartbeat (`ops/attempt.py`), which the
+It watches two things: the child's exit, and the age of the run's heartbeat (`runs/attempt.py`), which the
 training loop itself touches. An attempt silent for longer than `ops.hang_timeout_s` is killed (SIGKILL)
 and recorded as a hang; PyTorch's own watchdog would wait 10 minutes. How an attempt ended decides what
 follows:
@@ -10,7 +10,7 @@ follows:
 - `EXIT_STOPPED`: it stopped on request (SIGTERM/SIGINT, forwarded by this parent too): no restart;
 - `EXIT_NEEDS_FIX`: it stopped for good until something is fixed (non-finite losses, a circuit breaker
   that tripped on a crash-looping service): no restart; `factory resume RUN_ID` once fixed;
-- anything else (killed, crashed, hung): the dead attempt is recorded (`ops/recovery.py`) and the next
+- anything else (killed, crashed, hung): the dead attempt is recorded (`runs/recovery.py`) and the next
   attempt resumes from the newest resume point.
 
 A warm standby makes that fast: once an attempt is running, the parent starts the next one's process,
@@ -21,85 +21,21 @@ paying the several seconds of imports a cold process needs (measured in benchmar
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-from factory.config import ExperimentSpec, parse_spec
+from factory.config import ExperimentSpec
 from factory.home import FactoryPaths
-from factory.ops.attempt import last_beat
+from factory.lake.writer import Lake
+from factory.runs import recovery
+from factory.runs.attempt import last_beat
+from factory.runs.exit_codes import EXIT_FAILED, EXIT_NEEDS_FIX, EXIT_OK, EXIT_STOPPED
 
-EXIT_FAILED = 1
-EXIT_STOPPED = 3
-EXIT_NEEDS_FIX = 4
-LAUNCH = "launch.json"
 POLL_S = 0.2
 STARTUP_GRACE_S = 120.0  # an attempt's start (imports, loading the model and lake) before it first beats
-
-
-def write_launch(run_dir: Path, spec: ExperimentSpec, init_checkpoint: str | Path, sweep_id: str | None = None,
-                 mlflow_experiment: str | None = None, mlflow_parent_run_id: str | None = None) -> None:
-    """What the first attempt needs before the run has a `runs` row (later ones read the row)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run_dir / f".{LAUNCH}.tmp"
-    tmp.write_text(json.dumps({"spec": json.loads(spec.to_json()), "init_checkpoint": str(init_checkpoint),
-                               "sweep_id": sweep_id, "mlflow_experiment": mlflow_experiment,
-                               "mlflow_parent_run_id": mlflow_parent_run_id}))
-    os.replace(tmp, run_dir / LAUNCH)
-
-
-def standby(paths: FactoryPaths, run_id: str) -> int:
-    """Warm up (imports, lake, MLflow), then wait for `go <attempt>` on stdin and run that attempt; exit
-    quietly when stdin closes instead (the run ended without needing this standby)."""
-    import factory.grpo_run  # noqa: F401 - the import is the warm-up
-    from factory.lake.writer import Lake
-    from factory.tracking import Tracker
-
-    Lake.open(paths).close()
-    Tracker(paths)
-    line = sys.stdin.readline().split()
-    if not line or line[0] != "go":
-        return 0
-    os.environ["FACTORY_ATTEMPT"] = line[1]
-    return attempt_main(paths, run_id)
-
-
-def attempt_main(paths: FactoryPaths, run_id: str) -> int:
-    """One attempt of `run_id` in this process (the child side): train until done, stopped or dead."""
-    from factory.core.loop import NonFiniteLoss, RunInterrupted
-    from factory.experiment import build_dataset, load_dataset
-    from factory.grpo_run import run_grpo
-    from factory.infra.supervisor import CircuitOpen
-    from factory.lake.writer import Lake
-    from factory.ops.recovery import run_row
-    from factory.tracking import Tracker
-
-    run_dir = paths.checkpoints / run_id
-    launch_file = run_dir / LAUNCH
-    launch = json.loads(launch_file.read_text()) if launch_file.is_file() else {}
-    with Lake.open(paths) as lake:
-        row = run_row(lake, run_id)
-        if row is None and not launch:
-            print(f"factory: error: no run {run_id!r} in the lake and no {launch_file}", file=sys.stderr)
-            return EXIT_NEEDS_FIX
-        spec = spec_of_run(row) if row else parse_spec(launch["spec"], source=f"run {run_id}")
-        init = row["init_checkpoint"] if row else launch["init_checkpoint"]
-        splits = load_dataset(build_dataset(spec, paths).path)
-        try:
-            run_grpo(spec, paths, init, splits, lake, Tracker(paths), run_id=run_id,
-                     sweep_id=row["sweep_id"] if row else launch.get("sweep_id"),
-                     mlflow_experiment=launch.get("mlflow_experiment"),
-                     mlflow_parent_run_id=launch.get("mlflow_parent_run_id"))
-        except (RunInterrupted, KeyboardInterrupt):
-            return EXIT_STOPPED
-        except (NonFiniteLoss, CircuitOpen) as e:
-            print(f"factory: error: run {run_id} stopped: {e}", file=sys.stderr)
-            return EXIT_NEEDS_FIX
-    return 0
 
 
 class _Attempts:
@@ -135,9 +71,6 @@ class _Attempts:
 def supervise(paths: FactoryPaths, run_id: str, spec: ExperimentSpec, log=print, warm_standby: bool = True) -> int:
     """Run attempts of `run_id` in child processes until it succeeds, stops on request, needs a fix, or
     has used `spec.ops.max_restarts` restarts. Returns the exit code for the command line."""
-    from factory.lake.writer import Lake
-    from factory.ops import recovery
-
     run_dir = paths.checkpoints / run_id
     ops = spec.ops
     stop: list[int] = []
@@ -169,8 +102,8 @@ def supervise(paths: FactoryPaths, run_id: str, spec: ExperimentSpec, log=print,
                     child.kill()
                     child.wait()
             rc = child.returncode
-            if rc == 0:
-                return 0
+            if rc == EXIT_OK:
+                return EXIT_OK
             if stop or rc == EXIT_STOPPED:
                 log(f"run {run_id}: stopped on request; resume it with: factory resume {run_id}")
                 return EXIT_STOPPED
@@ -204,7 +137,3 @@ def _describe(rc: int) -> str:
     if rc < 0:
         return f"signal {signal.Signals(-rc).name}"
     return f"exit code {rc}"
-
-
-def spec_of_run(row: dict) -> ExperimentSpec:
-    return parse_spec(json.loads(row["spec"]), source=f"run {row['run_id']}")

@@ -13,6 +13,7 @@ its evals and checkpoints are work that counts.
 
 from __future__ import annotations
 
+import json
 import socket
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -20,8 +21,9 @@ from pathlib import Path
 
 from pyiceberg.expressions import And, EqualTo, In
 
+from factory.config import ExperimentSpec, parse_spec
 from factory.lake.writer import Lake
-from factory.ops.attempt import AttemptLock, beat_step, last_beat
+from factory.runs.attempt import AttemptLock, beat_step, last_beat
 
 LIVE = ("running", "resumed")
 
@@ -45,6 +47,11 @@ class DeadAttempt:
 def run_row(lake: Lake, run_id: str) -> dict | None:
     rows = lake.read("runs", EqualTo("run_id", run_id)).to_pylist()
     return rows[0] if rows else None
+
+
+def spec_of_run(row: dict) -> ExperimentSpec:
+    """The spec a run was started with (its `runs` row keeps it)."""
+    return parse_spec(json.loads(row["spec"]), source=f"run {row['run_id']}")
 
 
 def last_step(lake: Lake, run_id: str) -> int | None:

@@ -1,0 +1,33 @@
+"""What the `factory` command's groups share: one-line errors, the home directory, printing a rendered result,
+loading a spec with its --set overrides."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from factory.config import ExperimentSpec, SpecError, parse_overrides
+from factory.envs.spec_check import load_checked_spec
+from factory.home import FactoryPaths, factory_home
+
+
+def error(msg: str) -> None:
+    """One line on stderr, the way argparse reports usage errors."""
+    print(f"factory: error: {msg}", file=sys.stderr)
+
+
+def home_from(args: argparse.Namespace) -> FactoryPaths:
+    return factory_home(getattr(args, "home", None))
+
+
+def emit(text: str) -> None:
+    """Print a rendered result; CSV already ends in a newline, and a blank last line would be read as a row."""
+    print(text, end="" if text.endswith("\n") else "\n")
+
+
+def load(args: argparse.Namespace) -> tuple[ExperimentSpec | None, SpecError | None]:
+    """The spec of `args.spec` with `args.overrides` applied, or the error naming each bad field."""
+    try:
+        return load_checked_spec(args.spec, parse_overrides(args.overrides)), None
+    except SpecError as e:
+        return None, e if e.source else SpecError(e.errors, args.spec)

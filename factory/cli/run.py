@@ -1,0 +1,160 @@
+"""`factory run`, `resume`, `train-grpo` and the internal `attempt`: training a spec in this process, in restarted
+child processes (`runs/restarts.py`), as torchrun ranks, or under Dagster Pipes."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+import torch.distributed as dist
+
+from factory.cli.common import error, home_from, load
+from factory.config import ExperimentSpec
+from factory.core.loop import NonFiniteLoss, RunInterrupted
+from factory.core.trainer.distributed import init_ranks
+from factory.core.trainer.launch import free_port, torchrun_command
+from factory.core.trainer.ranks import follow, leading
+from factory.home import FactoryPaths
+from factory.infra.supervisor import CircuitOpen
+from factory.lake import Lake
+from factory.models.build import policy_for
+from factory.ops.preflight.gate import PreflightFailed, gate
+from factory.runs import recovery
+from factory.runs.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_NEEDS_FIX, EXIT_OK, EXIT_STOPPED
+from factory.runs.experiment import RunFailed, run_experiment
+from factory.runs.pipes import RunInputs, run_under_pipes
+from factory.runs.restarts import supervise
+from factory.runs.rl_run import attempt_main, standby
+from factory.runs.stages import eval_summary, render_report
+
+RANK_TIMEOUT_S = 6 * 3600.0  # followers wait in a collective while rank 0 builds the dataset and trains SFT
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """Train a spec end to end (dataset, SFT, RL run, report): the same functions the Dagster assets call.
+
+    The RL run's attempts run in child processes, restarted (resuming) when one dies or hangs; with
+    --in-process it trains in this process and is not restarted."""
+    if args.resume:
+        if args.spec is not None:
+            error("give a spec or --resume RUN_ID, not both (a run resumes with its own spec)")
+            return EXIT_BAD_INPUT
+        return _resume(home_from(args), args.resume)
+    if args.spec is None:
+        error("a spec is required (or --resume RUN_ID)")
+        return EXIT_BAD_INPUT
+    spec, err = load(args)
+    if err is not None:
+        print(str(err), file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if spec.trainer.world_size > 1:
+        return _run_ranks(spec, args)
+    return _run_spec(spec, args)
+
+
+def _run_spec(spec: ExperimentSpec, args: argparse.Namespace) -> int:
+    try:
+        gate(spec.ops, home_from(args), log=print)  # no training on a node whose latest preflight failed
+    except PreflightFailed as e:
+        error(str(e))
+        return EXIT_FAILED
+    try:
+        summary = run_experiment(spec, home_from(args), control=args.control, supervised=not args.in_process)
+    except RunFailed as e:
+        error(str(e))
+        return e.code
+    except RunInterrupted as e:  # --in-process, stopped by a signal: the resume point is on disk
+        error(str(e))
+        return EXIT_STOPPED
+    except (NonFiniteLoss, CircuitOpen) as e:
+        error(str(e))
+        return EXIT_NEEDS_FIX
+    print(summary["report"])
+    return EXIT_OK
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    """Continue a run that did not finish, from its newest complete resume point (same run_id, same MLflow run)."""
+    return _resume(home_from(args), args.run_id)
+
+
+def _resume(paths: FactoryPaths, run_id: str) -> int:
+    with Lake.open(paths) as lake:
+        row = recovery.run_row(lake, run_id)
+        if row is None:
+            error(f"no run {run_id!r} in the lake (see `factory runs`)")
+            return EXIT_BAD_INPUT
+        if row["status"] == "succeeded":
+            print(f"run {run_id} already succeeded")
+            return EXIT_OK
+        if recovery.is_dead(row, paths.checkpoints / run_id):
+            recovery.mark_dead(lake, row, paths.checkpoints / run_id)
+        elif row["status"] in recovery.LIVE:
+            error(f"run {run_id} is running (an attempt holds its lock); stop it first")
+            return EXIT_BAD_INPUT
+        row = recovery.run_row(lake, run_id)
+        try:
+            gate(recovery.spec_of_run(row).ops, paths, lake, log=print)
+        except PreflightFailed as e:  # the attempt that would have resumed it was refused: say so in its record
+            recovery.record_interruption(lake, run_id, int(row.get("attempts") or 1) + 1, "failed_preflight",
+                                         str(e), recovery.last_step(lake, run_id))
+            error(str(e))
+            return EXIT_FAILED
+    rc = supervise(paths, run_id, recovery.spec_of_run(row))
+    if rc != EXIT_OK:
+        return rc
+    with Lake.open(paths) as lake:
+        print(render_report(eval_summary(lake, run_id)))
+    return EXIT_OK
+
+
+def _run_ranks(spec: ExperimentSpec, args: argparse.Namespace, body=None) -> int:
+    """trainer.world_size > 1: started by the user, re-run this command as that many torchrun ranks on this node
+    (rank 0's output shown); as a rank, rank 0 runs the command (`body`, default `_run_spec`) and leads, the
+    others apply its trainer steps."""
+    if "RANK" not in os.environ:
+        if not args.in_process:
+            error(f"trainer.world_size = {spec.trainer.world_size}: data-parallel runs need --in-process for now "
+                  f"(automatic restarts of a group of ranks are not built)")
+            return EXIT_BAD_INPUT
+        cmd = torchrun_command(spec.trainer.world_size, "factory.cli", args.argv, free_port(), log_dir=None)
+        env = {**os.environ, "OMP_NUM_THREADS": str(spec.trainer.threads or 1)}
+        return subprocess.run(cmd, env=env).returncode
+    rank, world = init_ranks(threads=spec.trainer.threads, timeout_s=max(RANK_TIMEOUT_S,
+                                                                           2 * spec.schedule.wait_timeout_s + 60))
+    try:
+        if world != spec.trainer.world_size:
+            error(f"trainer.world_size is {spec.trainer.world_size} but {world} ranks were started")
+            return EXIT_BAD_INPUT
+        if rank != 0:
+            follow(spec, policy_for(spec)[0])  # the architecture; the weights come from rank 0
+            return EXIT_OK
+        print(f"trainer: rank 0 of {world} ({spec.trainer.strategy} on {dist.get_backend()}); ranks 1-{world - 1} "
+              f"apply its steps to their share of each batch", flush=True)
+        with leading():
+            return (body or _run_spec)(spec, args)
+    finally:
+        dist.destroy_process_group()
+
+
+def cmd_train_rl(args: argparse.Namespace) -> int:
+    """The `grpo_run` asset's RL run in this process, its inputs and result passed through Dagster Pipes (what the
+    trainer pods run on Kubernetes); outside Pipes, --init and --dataset give the inputs."""
+    spec, err = load(args)
+    if err is not None:
+        print(str(err), file=sys.stderr)
+        return EXIT_BAD_INPUT
+    args.in_process = True  # the ranks re-run this command; the launcher (Dagster) does the retrying
+    return _run_ranks(spec, args, _train_under_pipes) if spec.trainer.world_size > 1 else _train_under_pipes(spec, args)
+
+
+def _train_under_pipes(spec: ExperimentSpec, args: argparse.Namespace) -> int:
+    fallback = RunInputs(args.init, args.dataset, args.run_id) if args.init and args.dataset else None
+    return run_under_pipes(spec, home_from(args), fallback)
+
+
+def cmd_attempt(args: argparse.Namespace) -> int:
+    """One attempt of a run in this process (what `factory run` and `factory resume` start as children)."""
+    return (standby if args.standby else attempt_main)(home_from(args), args.run_id)

@@ -1,0 +1,89 @@
+"""The whole experiment in one call, as the quickstart job runs it: dataset, SFT warm start, the RL run
+(supervised in child processes, or in this process), the control, the eval report; and one sweep member end to
+end. What `factory run` runs."""
+
+from __future__ import annotations
+
+import json
+
+from factory.config import ExperimentSpec
+from factory.home import FactoryPaths
+from factory.lake.writer import Lake
+from factory.models.checkpoint import load_checkpoint
+from factory.runs.attempt import write_launch
+from factory.runs.recovery import now, run_row
+from factory.runs.restarts import supervise
+from factory.runs.rl_run import new_run_id, run_rl
+from factory.runs.stages import (
+    Log,
+    ProgressCallback,
+    build_dataset,
+    cached_sft_checkpoint,
+    eval_summary,
+    load_dataset,
+    render_report,
+    run_sft_control,
+    train_sft_checkpoint,
+)
+from factory.tracking import Tracker
+
+
+def run_sweep_member(spec: ExperimentSpec, paths: FactoryPaths, lake: Lake, tracker: Tracker, sweep_id: str,
+                     member: str, axes: dict, sweep_name: str, mlflow_parent_run_id: str | None = None,
+                     log: Log = print, progress: ProgressCallback | None = None, run_id: str | None = None):
+    """One sweep member end to end (dataset, shared SFT warm start, RL run, evals), its `sweeps` row kept current."""
+    created = now()
+    row = dict(sweep_id=sweep_id, member=member, name=sweep_name, axes=json.dumps(axes, sort_keys=True),
+               spec=spec.to_json(), mlflow_parent_run_id=mlflow_parent_run_id, created_at=created)
+    lake.upsert("sweeps", [dict(row, status="running", recorded_at=now())])
+    try:
+        splits = load_dataset(build_dataset(spec, paths).path)
+        sft = cached_sft_checkpoint(spec, paths, splits, log=log, progress=progress)
+        res = run_rl(spec, paths, sft.checkpoint.path, splits, lake, tracker, log=log, sweep_id=sweep_id,
+                     run_id=run_id, mlflow_experiment=sweep_name, mlflow_parent_run_id=mlflow_parent_run_id,
+                     progress=progress)
+    except BaseException:
+        lake.upsert("sweeps", [dict(row, status="failed", recorded_at=now())])
+        raise
+    lake.upsert("sweeps", [dict(row, status="succeeded", run_id=res.run_id, final_accuracy=res.final_accuracy,
+                                recorded_at=now())])
+    return res
+
+
+def run_experiment(spec: ExperimentSpec, paths: FactoryPaths, control: bool = False, log: Log = print,
+                   supervised: bool = False) -> dict:
+    """Every stage in order, as the quickstart job runs them; returns the eval summary + report.
+
+    `supervised`: the RL run's attempts run in child processes that are restarted (resuming) when one
+    dies or hangs (`runs/restarts.py`); a run that does not succeed raises `RunFailed` with its exit code."""
+    ds = build_dataset(spec, paths)
+    splits = load_dataset(ds.path)
+    log(f"dataset {ds.fingerprint}: {ds.n_train} train / {ds.n_eval} held-out")
+    sft = train_sft_checkpoint(spec, paths, splits, log=log)
+    lake, tracker = Lake.open(paths), Tracker(paths)
+    if supervised:
+        run_id = new_run_id(spec)
+        write_launch(paths.checkpoints / run_id, spec, sft.checkpoint.path)
+        rc = supervise(paths, run_id, spec, log=log)
+        if rc != 0:
+            raise RunFailed(run_id, rc)
+        seconds = run_row(lake, run_id)["wall_s"]
+    else:
+        run = run_rl(spec, paths, sft.checkpoint.path, splits, lake, tracker, log=log)
+        run_id, seconds = run.run_id, run.seconds
+    if control:
+        model, tok = load_checkpoint(sft.checkpoint.path)
+        run_sft_control(spec, paths, splits, lake, run_id, spec.schedule.steps, model, tok, seconds=seconds,
+                        sft_seconds_per_step=sft.seconds / max(1, sft.steps), log=log)
+    summary = eval_summary(lake, run_id)
+    summary["report"] = render_report(summary)
+    return summary
+
+
+class RunFailed(RuntimeError):
+    """A supervised run that did not succeed; `code` is the exit code `factory run` returns."""
+
+    def __init__(self, run_id: str, code: int):
+        super().__init__(f"run {run_id} did not succeed (exit code {code}); see `factory runs` and the "
+                         f"interruptions table; resume it with: factory resume {run_id}")
+        self.run_id, self.code = run_id, code

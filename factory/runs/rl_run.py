@@ -1,0 +1,515 @@
+"""The RL run stage: one training run from a warm start with the spec's algorithm, recorded in Iceberg and MLflow,
+and resumable.
+
+A run is one run_id, one MLflow run, and one or more attempts (`Run`: one attempt from begin to finish or fail).
+Calling `run_rl` with the run_id of a run that did not finish continues it: from its newest complete resume point
+(`core/resume.py`), into the same MLflow run, as attempt N+1. The lake stays exact across attempts: rows the dead
+attempt wrote past that resume point (steps, rollouts, evals, checkpoints) are deleted before the new attempt
+writes them again, so `steps` holds one row per step with no hole, each tagged with the attempt that trained it;
+the interruption is recorded (`runs/recovery.py`) with what it cost. A run that already succeeded is not trained
+again: its recorded result is returned.
+
+While an attempt lives it holds the run's lock and beats its heartbeat (`runs/attempt.py`); SIGTERM or
+SIGINT make it save a resume point after the current step and stop as `interrupted`. `attempt_main` is one
+attempt in a child process of the restarts supervisor (`runs/restarts.py`).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from threading import Lock
+
+from pyiceberg.expressions import And, EqualTo, GreaterThan
+
+from factory.config import ExperimentSpec, parse_spec
+from factory.core.evaluate import evaluate
+from factory.core.loop import NonFiniteLoss, RunInterrupted, StepRecord, train_grpo
+from factory.core.resume import TrainState, latest
+from factory.core.rollout.embedded import EmbeddedEngine
+from factory.data.feed import make_feed
+from factory.data.from_spec import blend_version, held_out_sets
+from factory.data.stats import read_prompt_stats
+from factory.digest import dir_digest
+from factory.envs.eval_suites import HELD_OUT
+from factory.home import FactoryPaths
+from factory.infra.supervisor import CircuitOpen
+from factory.lake.writer import Lake
+from factory.models.checkpoint import CheckpointInfo, load_checkpoint, recorded_uri, save_checkpoint
+from factory.problem import Splits
+from factory.progress import Progress, format_duration
+from factory.runs import recovery
+from factory.runs.attempt import LAUNCH, AttemptLock, beat, read_launch, resume_dir
+from factory.runs.exit_codes import EXIT_NEEDS_FIX, EXIT_OK, EXIT_STOPPED
+from factory.runs.resume_points import RunCheckpoints
+from factory.runs.stages import Log, ProgressCallback, build_dataset, code_version, eval_rows, load_dataset, set_threads
+from factory.tracking import Tracker
+
+_now = recovery.now
+
+
+@dataclass
+class RunResult:
+    run_id: str
+    mlflow_run_id: str
+    checkpoint: CheckpointInfo
+    steps: int
+    start_accuracy: float
+    start_pass_at_k: float | None
+    final_accuracy: float
+    seconds: float  # wall time of the run over all its attempts
+    records: list[StepRecord] = field(repr=False, default_factory=list)  # this attempt's steps
+    attempt: int = 1
+    goodput: float = 1.0
+
+
+def new_run_id(spec: ExperimentSpec) -> str:
+    return f"{spec.name}-{_now():%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"
+
+
+class StepLog:
+    """Step and rollout rows not yet in the lake. Flushed every few steps by the trainer's thread and,
+    before each resume point is written, by the writer's thread (with its own Lake: a Lake is per thread),
+    so every step a resume point covers is in `steps` by the time the resume point exists."""
+
+    def __init__(self, run_id: str, attempt: int):
+        self.run_id, self.attempt = run_id, attempt
+        self._lock = Lock()
+        self._steps: list[dict] = []
+        self._rollouts: list[dict] = []
+        self._groups: list[dict] = []
+        self._sources: list[dict] = []
+
+    def add(self, r: StepRecord) -> int:
+        at = _now()
+        with self._lock:
+            self._steps.append(dict(run_id=self.run_id, recorded_at=at, attempt=self.attempt, **r.to_dict()))
+            self._rollouts.extend(dict(run_id=self.run_id, step=r.step, recorded_at=at, **s) for s in r.samples)
+            self._groups.extend(dict(run_id=self.run_id, step=r.step, recorded_at=at, **g) for g in r.groups)
+            self._sources.extend(dict(run_id=self.run_id, step=r.step, recorded_at=at, **s) for s in r.sources)
+            return len(self._steps)
+
+    def flush(self, lake: Lake) -> None:
+        with self._lock:
+            steps, rollouts, groups, sources = self._steps, self._rollouts, self._groups, self._sources
+            self._steps, self._rollouts, self._groups, self._sources = [], [], [], []
+        # Per-step detail first, the step last: a crash in between leaves a step to re-record, never orphan rows.
+        for table, rows in (("rollouts", rollouts), ("prompt_attempts", groups), ("step_sources", sources),
+                            ("steps", steps)):
+            if rows:
+                lake.upsert(table, rows)
+
+
+def _forget_after(lake: Lake, run_id: str, step: int) -> None:
+    """Delete what a dead attempt recorded past `step` (its successor trains and records those again)."""
+    this_run = EqualTo("run_id", run_id)
+    for table in ("rollouts", "prompt_attempts", "step_sources", "steps", "checkpoints", "evals"):
+        lake.delete(table, And(this_run, GreaterThan("step", step)))
+
+
+def _finished(lake: Lake, row: dict) -> RunResult:
+    """The recorded result of a run that already succeeded."""
+    evals = {(r["step"], r["metric"]): r["value"] for r in
+             lake.read("evals", And(EqualTo("run_id", row["run_id"]), EqualTo("benchmark", HELD_OUT))).to_pylist()}
+    final = max(s for s, _ in evals)
+    path = Path(row["final_checkpoint"])
+    digest, size = dir_digest(path)
+    k = next((m for s, m in evals if s == 0 and m.startswith("pass@")), None)
+    return RunResult(row["run_id"], row["mlflow_run_id"], CheckpointInfo(path, digest, size), final,
+                     evals.get((0, "accuracy"), 0.0), evals.get((0, k)) if k else None,
+                     evals.get((final, "accuracy"), 0.0), row.get("wall_s") or 0.0,
+                     attempt=int(row.get("attempts") or 1), goodput=row.get("goodput") or 1.0)
+
+
+def run_rl(spec: ExperimentSpec, paths: FactoryPaths, init_checkpoint: str | Path, splits: Splits,
+           lake: Lake, tracker: Tracker, log: Log = print, run_id: str | None = None,
+           sweep_id: str | None = None, flush_every: int = 10, mlflow_experiment: str | None = None,
+           mlflow_parent_run_id: str | None = None, progress: ProgressCallback | None = None) -> RunResult:
+    """RL (the spec's algorithm) from `init_checkpoint`; records the run, every step, checkpoints and evals.
+
+    With the `run_id` of a run that did not finish, continues it (see the module docstring). A sweep
+    member passes its `sweep_id` and the sweep's MLflow parent run (nested under it, in the parent's
+    experiment `mlflow_experiment`)."""
+    set_threads(spec, log)
+    run_id = run_id or new_run_id(spec)
+    run_dir = paths.checkpoints / run_id
+    with AttemptLock(run_dir):
+        prev = recovery.run_row(lake, run_id)
+        if prev is not None and prev["status"] == "succeeded":
+            log(f"run {run_id} already succeeded; nothing to do")
+            return _finished(lake, prev)
+        if prev is not None and prev["spec_fingerprint"] != spec.fingerprint():
+            raise ValueError(f"run {run_id} was started with spec {prev['spec_fingerprint']}, not this one "
+                             f"({spec.fingerprint()}): resume it with its own spec (factory resume {run_id})")
+        if prev is not None and prev["status"] in recovery.LIVE:  # we hold its lock: that attempt is dead
+            recovery.mark_dead(lake, prev, run_dir)
+            prev = recovery.run_row(lake, run_id)
+        run = Run(spec, paths, splits, lake, tracker, run_id, prev, init_checkpoint,
+                  RunOptions(sweep_id, mlflow_experiment, mlflow_parent_run_id, flush_every, log, progress))
+        return run.execute()
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How a run is filed and reported, beyond what it trains."""
+    sweep_id: str | None = None  # a sweep member's sweep
+    mlflow_experiment: str | None = None  # default: the spec's name
+    mlflow_parent_run_id: str | None = None  # a sweep member's MLflow run nests under the sweep's
+    flush_every: int = 10  # steps between writes of step rows (and the `runs` row) to the lake
+    log: Log = print
+    progress: ProgressCallback | None = None
+
+
+class Run:
+    """One attempt of a run, from `begin` to `finish` or `fail`, called with the run's lock held.
+
+    `begin` records the attempt (the `runs` row, the MLflow run: new, or the same one continued), loads the
+    start and the newest resume point, and forgets what a dead attempt recorded past it; `train` runs the loop,
+    which calls `step` after every step (heartbeat, step rows, MLflow, progress, periodic evals and
+    checkpoints); `finish` saves, evaluates and records the final checkpoint; `fail` records why the attempt
+    stopped. `execute` does all of that in order."""
+
+    def __init__(self, spec: ExperimentSpec, paths: FactoryPaths, splits: Splits, lake: Lake, tracker: Tracker,
+                 run_id: str, prev: dict | None, init_checkpoint: str | Path, options: RunOptions = RunOptions()):
+        self.spec, self.paths, self.splits, self.lake, self.tracker = spec, paths, splits, lake, tracker
+        self.run_id, self.prev, self.init_checkpoint, self.options = run_id, prev, init_checkpoint, options
+        self.log = options.log
+        self.run_dir = paths.checkpoints / run_id
+        self.attempt = 1 if prev is None else int(prev.get("attempts") or 1) + 1
+        self.live_status = "running" if self.attempt == 1 else "resumed"
+        self.base_row: dict = {}
+        self.mlflow_id = ""
+        self.lost_s = 0.0  # time lost to interruptions: changes only when one is closed, not at every flush
+        self.model = self.tok = self.reference = None
+        self.state: TrainState | None = None  # the resume point this attempt starts from
+        self.resumed_from = 0
+        self.interruption: dict | None = None  # the previous attempt's, closed at this attempt's first step
+        self.first_step_at: float | None = None  # when this attempt's first step began (time.time())
+        self.steplog = StepLog(run_id, self.attempt)
+        self.ckpts: RunCheckpoints | None = None
+        self.held: dict = {}  # held-out problems per blend source
+        self.feed = None
+        self.start: tuple[float, float | None] = (0.0, None)  # held-out accuracy and pass@k at step 0
+        self.records: list[StepRecord] = []  # this attempt's steps
+        self._writer_lake: Lake | None = None  # the resume writer's thread's own Lake
+        self._t0 = self._t_loop = 0.0
+
+    def execute(self) -> RunResult:
+        """The attempt from begin to finish; a failure after `begin` is recorded by `fail` and raised again."""
+        self.begin()
+        try:
+            self.evaluate_start()
+            self.train()
+            return self.finish()
+        except BaseException as e:
+            self.fail(e)
+            raise
+
+    # ------------------------------------------------------------ begin
+
+    def begin(self) -> None:
+        """Record the attempt, load the model and the resume point, forget what the last attempt did past it."""
+        self._open_records()
+        self._record_run(self.live_status)
+        beat(self.run_dir)
+        self.model, self.tok = load_checkpoint(self.init_checkpoint)
+        if self.spec.algorithm.kl_coef > 0:  # the KL reference is the run's start, whatever attempt this is
+            self.reference = copy.deepcopy(self.model).eval()
+        found = latest(resume_dir(self.run_dir), log=self.log) if self.prev is not None else None
+        self.state = found[0] if found else None
+        self.resumed_from = self.state.step if self.state else 0
+        if self.prev is not None:
+            self.interruption = recovery.open_interruption(self.lake, self.run_id, self.attempt - 1)
+            _forget_after(self.lake, self.run_id, self.resumed_from)
+            self.log(f"run {self.run_id}: attempt {self.attempt} resumes from "
+                     + (f"resume point {found[1].name} (step {self.resumed_from})" if found
+                        else "its start (no resume point)"))
+        self._t0 = time.perf_counter()
+        self.ckpts = RunCheckpoints(self.spec, self.run_dir, before_write=self._flush_from_writer)
+
+    def _open_records(self) -> None:
+        """The `runs` row's fixed part and the MLflow run: new for a first attempt, continued for a later one."""
+        spec, run_id, opts = self.spec, self.run_id, self.options
+        if self.prev is None:
+            self.base_row = dict(run_id=run_id, sweep_id=opts.sweep_id, name=spec.name, spec=spec.to_json(),
+                                 spec_fingerprint=spec.fingerprint(), code_version=code_version(), seed=spec.seed,
+                                 init_checkpoint=str(self.init_checkpoint), started_at=_now(), interruptions=0)
+            tags = {"factory.run_id": run_id, "factory.init_checkpoint": str(self.init_checkpoint),
+                    "factory.code_version": self.base_row["code_version"]}
+            if opts.sweep_id:
+                tags["factory.sweep_id"] = opts.sweep_id
+            if opts.mlflow_parent_run_id:
+                tags["mlflow.parentRunId"] = opts.mlflow_parent_run_id  # MLflow's nesting convention
+            self.base_row["mlflow_run_id"] = self.tracker.start_run(
+                experiment=opts.mlflow_experiment or spec.name, run_name=run_id, params=json.loads(spec.to_json()),
+                tags=tags)
+        else:
+            self.base_row = {k: v for k, v in self.prev.items() if k not in ("ended_at", "error")}
+            self.tracker.client.update_run(self.prev["mlflow_run_id"], status="RUNNING")  # the same run continues
+            self.lost_s = recovery.lost_seconds(self.lake, run_id)
+        self.mlflow_id = self.base_row["mlflow_run_id"]
+        self.base_row.update(attempts=self.attempt, restarts=self.attempt - 1, host=recovery.host(), pid=os.getpid())
+
+    def _wall(self) -> float:
+        return (_now() - self.base_row["started_at"]).total_seconds()
+
+    def _record_run(self, status: str, **extra) -> None:
+        """The run's `runs` row as of now, with `status`."""
+        w = self._wall()
+        self.lake.upsert("runs", [dict(self.base_row, status=status, heartbeat_at=_now(), wall_s=w,
+                                       lost_s=self.lost_s, goodput=recovery.goodput(w, self.lost_s), **extra)])
+
+    def _flush_from_writer(self, step: int) -> None:
+        """Before a resume point is written (in the writer's thread): its steps into the lake first."""
+        if self._writer_lake is None:
+            self._writer_lake = Lake.open(self.paths)
+        self.steplog.flush(self._writer_lake)
+
+    def evaluate_start(self) -> None:
+        """Step 0's evals (once per run), and the data feed."""
+        spec, lake, run_id = self.spec, self.lake, self.run_id
+        self.start = _start_eval(spec, lake, self.tracker, run_id, self.mlflow_id, self.model, self.tok,
+                                 self.splits, self.log)
+        self.held = held_out_sets(spec)
+        if self.held and lake.read("evals", And(And(EqualTo("run_id", run_id), EqualTo("step", 0)), EqualTo(
+                "benchmark", SOURCE_BENCHMARK + next(iter(self.held))))).num_rows == 0:
+            self._evaluate_sources(0, None)
+        self.feed = make_feed(spec, self.splits.train,
+                              stats=_offline_stats(spec, lake, self.tracker, self.mlflow_id, self.log))
+        self.tracker.set_tags(self.mlflow_id, {"factory.blend_version": blend_version(spec, self.feed.blender.sources)})
+        beat(self.run_dir)
+
+    # ------------------------------------------------------------ train, step
+
+    def train(self) -> None:
+        """The training loop from the resume point (if any) to the last step, `step` called after each."""
+        self._t_loop = time.perf_counter()
+        try:
+            with self.ckpts.signals():
+                if self.state is not None and self.state.step >= self.spec.schedule.steps:
+                    self.model.load_state_dict(self.state.model)  # trained to the end before: only the last stages
+                else:
+                    self.records = train_grpo(self.spec, self.model, self.tok, self.splits.train, on_step=self.step,
+                                              checkpoints=self.ckpts, resume=self.state,
+                                              reference_model=self.reference, feed=self.feed)
+        finally:
+            try:
+                self.ckpts.writer.wait()
+            finally:
+                self.steplog.flush(self.lake)
+                if self._writer_lake is not None:
+                    self._writer_lake.close()
+        beat(self.run_dir)
+
+    def step(self, r: StepRecord) -> None:
+        """After each training step (the loop's `on_step`)."""
+        if self.first_step_at is None:
+            self.first_step_at = time.time() - r.wall_s
+            self._close_interruption()
+        beat(self.run_dir, r.step)
+        n = self.steplog.add(r)
+        self.tracker.log_metrics(self.mlflow_id, r.step,
+                                 {**{k: v for k, v in r.to_dict().items() if k != "step"}, **r.data})
+        self._report_progress(r)
+        if n >= self.options.flush_every:
+            self.steplog.flush(self.lake)
+            self._record_run(self.live_status)
+        sched = self.spec.schedule
+        if sched.eval_every and r.step % sched.eval_every == 0 and r.step < sched.steps:
+            self._periodic_eval(r.step)
+        if sched.checkpoint_every and r.step % sched.checkpoint_every == 0 and r.step < sched.steps:
+            record_checkpoint(self.model, self.tok, self.paths, self.lake, self.run_id, r.step)
+
+    def _close_interruption(self) -> None:
+        """At this attempt's first step: what recovering from the previous attempt's interruption cost."""
+        if self.interruption is None:
+            return
+        failed = self.interruption["failed_at"].timestamp()
+        saved = self.state.loop.get("saved_at", failed) if self.state else self.base_row["started_at"].timestamp()
+        detected = failed + (self.interruption.get("detect_s") or 0.0)
+        recovery.close_interruption(self.lake, self.interruption, self.resumed_from, failed - saved,
+                                    self.first_step_at - detected)
+        self.lost_s = recovery.lost_seconds(self.lake, self.run_id)
+
+    def _report_progress(self, r: StepRecord) -> None:
+        steps = self.spec.schedule.steps
+        done_here = r.step - self.resumed_from
+        p = Progress("grpo", r.step, steps, (time.perf_counter() - self._t_loop) * r.step / max(done_here, 1),
+                     r.reward_mean, r.accuracy)
+        if self.options.progress is not None:
+            self.options.progress(p)
+        self.log(f"step {r.step}/{steps} reward={r.reward_mean:.3f} acc={r.accuracy:.3f} "
+                 f"entropy={r.entropy:.3f} tok/s={r.tokens_per_s:.0f} eta={format_duration(p.eta_s)}")
+
+    def _periodic_eval(self, step: int) -> None:
+        res = evaluate(EmbeddedEngine(self.model, self.tok), self.tok, self.splits.eval,
+                       self.spec.rollout.max_new_tokens)
+        self.lake.upsert("evals", eval_rows(self.run_id, step, res, None))
+        self.tracker.log_metrics(self.mlflow_id, step, {"eval/accuracy": res.accuracy})
+        self._evaluate_sources(step, None)
+        beat(self.run_dir)
+
+    def _evaluate_sources(self, step: int, sha256: str | None) -> None:
+        _source_evals(self.spec, self.held, self.model, self.tok, self.lake, self.tracker, self.run_id,
+                      self.mlflow_id, step, sha256)
+
+    # ------------------------------------------------------------ finish, fail
+
+    def finish(self) -> RunResult:
+        """The final checkpoint, its evals, and the run recorded as succeeded."""
+        spec, lake, tracker, mlflow_id = self.spec, self.lake, self.tracker, self.mlflow_id
+        final_step = spec.schedule.steps
+        info = record_checkpoint(self.model, self.tok, self.paths, lake, self.run_id, final_step, final=True)
+        final_eval = evaluate(EmbeddedEngine(self.model, self.tok), self.tok, self.splits.eval,
+                              spec.rollout.max_new_tokens, k=spec.schedule.eval_pass_k, temperature=1.0,
+                              seed=spec.seed)
+        lake.upsert("evals", eval_rows(self.run_id, final_step, final_eval, info.sha256))
+        self._evaluate_sources(final_step, info.sha256)
+        tracker.log_metrics(mlflow_id, final_step, {"eval/accuracy": final_eval.accuracy,
+                                                    f"eval/pass_at_{final_eval.k}": final_eval.pass_at_k})
+        tracker.set_tags(mlflow_id, {"factory.checkpoint": str(info.path)})
+        self._record_run("succeeded", final_checkpoint=str(info.path), ended_at=_now())
+        done = recovery.run_row(lake, self.run_id)
+        tracker.log_metrics(mlflow_id, final_step, {"goodput": done["goodput"]})
+        tracker.end_run(mlflow_id, "FINISHED")
+        self.log(f"run {self.run_id}: final held-out accuracy {final_eval.accuracy:.3f} "
+                 f"({time.perf_counter() - self._t0:.0f}s"
+                 + (f", attempt {self.attempt}, goodput {done['goodput']:.3f}" if self.attempt > 1 else "") + ")")
+        return RunResult(self.run_id, mlflow_id, info, final_step, self.start[0], self.start[1], final_eval.accuracy,
+                         done["wall_s"], self.records, attempt=self.attempt, goodput=done["goodput"])
+
+    def fail(self, e: BaseException) -> None:
+        """Record why this attempt stopped: an interruption row, the run's status, the MLflow run's end."""
+        status, cause = _classify(e, self.ckpts)
+        detail = f"{type(e).__name__}: {e}"
+        recovery.record_interruption(self.lake, self.run_id, self.attempt, cause, detail,
+                                     recovery.last_step(self.lake, self.run_id))
+        self._record_run(status, ended_at=_now(), error=f"attempt {self.attempt}: {cause}: {detail}"[:4000],
+                         interruptions=int(self.base_row.get("interruptions") or 0) + 1)
+        self.tracker.end_run(self.mlflow_id, "FAILED" if status == "failed" else "KILLED")
+        self.log(f"run {self.run_id}: attempt {self.attempt} stopped ({cause}); "
+                 + (f"resume it with: factory resume {self.run_id}" if status == "interrupted"
+                    else f"failed: {detail}"))
+
+
+def _classify(e: BaseException, ckpts: RunCheckpoints) -> tuple[str, str]:
+    """(run status, interruption cause) for an attempt that ended with `e`."""
+    if isinstance(e, RunInterrupted | KeyboardInterrupt) or ckpts.stopping():
+        return "interrupted", "signal"
+    if isinstance(e, NonFiniteLoss):
+        return "failed", "non_finite_loss"
+    if isinstance(e, CircuitOpen):
+        return "interrupted", "crash_loop"
+    return "interrupted", "crash"  # resumable: a restart (the supervisor, a Dagster retry) continues it
+
+
+def _start_eval(spec: ExperimentSpec, lake: Lake, tracker: Tracker, run_id: str, mlflow_id: str, model, tok,
+                splits: Splits, log: Log) -> tuple[float, float | None]:
+    """Held-out accuracy and pass@k of the start (step 0), measured once per run (a resumed attempt reads it)."""
+    rows = lake.read("evals", And(And(EqualTo("run_id", run_id), EqualTo("step", 0)),
+                                  EqualTo("benchmark", HELD_OUT))).to_pylist()
+    got = {r["metric"]: r["value"] for r in rows}
+    k = f"pass@{spec.schedule.eval_pass_k}"
+    if "accuracy" in got:
+        return got["accuracy"], got.get(k)
+    res = evaluate(EmbeddedEngine(model, tok), tok, splits.eval, spec.rollout.max_new_tokens,
+                   k=spec.schedule.eval_pass_k, temperature=1.0, seed=spec.seed)
+    lake.upsert("evals", eval_rows(run_id, 0, res, None))
+    tracker.log_metrics(mlflow_id, 0, {"eval/accuracy": res.accuracy, f"eval/pass_at_{res.k}": res.pass_at_k})
+    log(f"run {run_id}: start held-out accuracy {res.accuracy:.3f}, pass@{res.k} {res.pass_at_k:.3f}")
+    return res.accuracy, res.pass_at_k
+
+
+SOURCE_BENCHMARK = "source:"  # evals.benchmark of a blend source's held-out set: "source:<name>"
+
+
+def _source_evals(spec: ExperimentSpec, held: dict, model, tok, lake: Lake, tracker: Tracker, run_id: str,
+                  mlflow_id: str, step: int, sha256: str | None) -> None:
+    """Greedy held-out accuracy per blend source (`data.held_out` problems of each generated source)."""
+    rows, metrics = [], {}
+    for name, problems in held.items():
+        res = evaluate(EmbeddedEngine(model, tok), tok, problems, spec.rollout.max_new_tokens)
+        rows.append(dict(run_id=run_id, step=step, benchmark=SOURCE_BENCHMARK + name, metric="accuracy",
+                         value=res.accuracy, n=res.n, checkpoint_sha256=sha256, recorded_at=_now()))
+        metrics[f"eval/source/{name}"] = res.accuracy
+    if rows:
+        lake.upsert("evals", rows)
+        tracker.log_metrics(mlflow_id, step, metrics)
+
+
+PROMPT_STATS_TAG = "factory.prompt_stats_snapshot"
+
+
+def _offline_stats(spec: ExperimentSpec, lake: Lake, tracker: Tracker, mlflow_id: str, log: Log) -> dict | None:
+    """Per-prompt (samples, passes) over earlier runs, when the spec filters prompts by them (data.filter). The
+    snapshot read is tagged on the run, and a resumed attempt reads the same one (runs that finished meanwhile
+    must not change what the filter decides)."""
+    if spec.data is None or spec.data.filter is None:
+        return None
+    pinned = tracker.client.get_run(mlflow_id).data.tags.get(PROMPT_STATS_TAG)
+    stats, snapshot = read_prompt_stats(lake, spec.data.names(), int(pinned) if pinned else None)
+    if pinned and str(snapshot) != pinned:
+        log(f"data.filter: prompt_stats snapshot {pinned} no longer exists (expired); read {snapshot} instead")
+    tracker.set_tags(mlflow_id, {PROMPT_STATS_TAG: str(snapshot)})
+    log(f"data.filter: pass rates of {len(stats)} prompts from prompt_stats (snapshot {snapshot})")
+    return stats
+
+
+def record_checkpoint(model, tok, paths: FactoryPaths, lake: Lake, run_id: str, step: int,
+                      final: bool = False) -> CheckpointInfo:
+    """Save an HF-format checkpoint of the run at `step` and record it (periodic evals pick it up). With
+    $FACTORY_CHECKPOINT_URI set it is also published to that object store, and its URI there is what is recorded."""
+    name = "final" if final else f"step-{step:06d}"
+    info = save_checkpoint(model, tok, paths.checkpoints / run_id / name,
+                           meta={"kind": "rl", "run_id": run_id, "step": step})
+    uri = recorded_uri(info, f"{run_id}/{name}")
+    lake.upsert("checkpoints", [dict(run_id=run_id, step=step, kind="rl", uri=uri,
+                                     bytes=info.bytes, sha256=info.sha256, recorded_at=_now())])
+    return info
+
+
+# ---------------------------------------------------------------- an attempt in a child process
+
+
+def attempt_main(paths: FactoryPaths, run_id: str) -> int:
+    """One attempt of `run_id` in this process (the child side of `runs/restarts.py`): train until done, stopped
+    or dead; returns the exit code the supervisor reads."""
+    run_dir = paths.checkpoints / run_id
+    launch = read_launch(run_dir)
+    with Lake.open(paths) as lake:
+        row = recovery.run_row(lake, run_id)
+        if row is None and not launch:
+            print(f"factory: error: no run {run_id!r} in the lake and no {run_dir / LAUNCH}", file=sys.stderr)
+            return EXIT_NEEDS_FIX
+        spec = recovery.spec_of_run(row) if row else parse_spec(launch["spec"], source=f"run {run_id}")
+        init = row["init_checkpoint"] if row else launch["init_checkpoint"]
+        splits = load_dataset(build_dataset(spec, paths).path)
+        try:
+            run_rl(spec, paths, init, splits, lake, Tracker(paths), run_id=run_id,
+                   sweep_id=row["sweep_id"] if row else launch.get("sweep_id"),
+                   mlflow_experiment=launch.get("mlflow_experiment"),
+                   mlflow_parent_run_id=launch.get("mlflow_parent_run_id"))
+        except (RunInterrupted, KeyboardInterrupt):
+            return EXIT_STOPPED
+        except (NonFiniteLoss, CircuitOpen) as e:
+            print(f"factory: error: run {run_id} stopped: {e}", file=sys.stderr)
+            return EXIT_NEEDS_FIX
+    return EXIT_OK
+
+
+def standby(paths: FactoryPaths, run_id: str) -> int:
+    """Warm up (this module's imports, the lake, MLflow), then wait for `go <attempt>` on stdin and run that attempt;
+    exit quietly when stdin closes instead (the run ended without needing this standby)."""
+    Lake.open(paths).close()
+    Tracker(paths)
+    line = sys.stdin.readline().split()
+    if not line or line[0] != "go":
+        return EXIT_OK
+    os.environ["FACTORY_ATTEMPT"] = line[1]
+    return attempt_main(paths, run_id)
