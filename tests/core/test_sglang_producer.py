@@ -17,7 +17,7 @@ from factory.envs.arithmetic import Problem
 from factory.models.build import build_model
 from factory.models.checkpoint import save_checkpoint
 from factory.models.tokenizer import build_tokenizer
-from tests.core.fake_sglang_server import fake_state, free_port_run, python_wrapper
+from tests.core.fake_sglang_server import fake_state, python_wrapper, reserve_ports
 
 PROBLEMS = [Problem(id=f"p{i}", prompt=f"{i}+{i}=", answer="", op="add", digits=1) for i in range(10)]
 
@@ -26,7 +26,7 @@ def spec(tmp_path, weight_update: str, steps: int = 3):
     return parse_spec({
         "seed": 0, "model": {"preset": "micro"}, "algorithm": {"group_size": 4, "lr": 0.01},
         "rollout": {"prompts_per_step": 4, "max_new_tokens": 3, "engine": "sglang",
-                    "sglang": {"servers": 2, "python": python_wrapper(tmp_path), "base_port": free_port_run(2),
+                    "sglang": {"servers": 2, "python": python_wrapper(tmp_path), "base_port": reserve_ports(2),
                                "startup_timeout_s": 60, "weight_update": weight_update,
                                "extra_args": ["--fake-vocab", "17"]}},
         "trainer": {"threads": 1}, "schedule": {"mode": "one_step_off", "steps": steps, "wait_timeout_s": 60}})

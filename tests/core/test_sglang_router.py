@@ -20,7 +20,7 @@ from factory.core.rollout.sglang_weights import (
     serialize_named_tensors,
 )
 from factory.ops.supervisor import free_port
-from tests.core.fake_sglang_server import EOS, fake_state, free_port_run, python_wrapper
+from tests.core.fake_sglang_server import EOS, fake_state, python_wrapper, reserve_ports
 
 
 def expected_tokens(prompt: list[int], copy: int, max_new: int) -> list[int]:
@@ -47,7 +47,7 @@ def cluster(tmp_path_factory):
     model.mkdir()
     (model / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
     (model / "tokenizer.json").write_text("{}")
-    spec = SGLangSpec(servers=2, python=python_wrapper(tmp), base_port=free_port_run(2), startup_timeout_s=60)
+    spec = SGLangSpec(servers=2, python=python_wrapper(tmp), base_port=reserve_ports(2), startup_timeout_s=60)
     servers = SGLangServers(spec, model, tmp / "logs").start()
     yield servers, model, tmp
     servers.stop()
@@ -171,7 +171,7 @@ def test_in_flight_updates_pause_and_continue_generation(cluster):
 
 def test_a_server_reporting_another_version_is_named(cluster, tmp_path):
     servers, model, _ = cluster
-    spec = SGLangSpec(servers=1, python=python_wrapper(tmp_path), base_port=free_port_run(1),
+    spec = SGLangSpec(servers=1, python=python_wrapper(tmp_path), base_port=reserve_ports(1),
                       extra_args=["--fake-stale-version"])
     with SGLangServers(spec, model, tmp_path / "logs") as stale:
         with SGLangRouter([servers.urls[0], stale.urls[0]], DiskUpdate(tmp_path / "pub", config_dir=model)) as router:
@@ -192,7 +192,7 @@ def test_a_server_killed_mid_run_is_restarted_and_resynced(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
-    spec = SGLangSpec(servers=2, python=python_wrapper(tmp_path), base_port=free_port_run(2), startup_timeout_s=60)
+    spec = SGLangSpec(servers=2, python=python_wrapper(tmp_path), base_port=reserve_ports(2), startup_timeout_s=60)
     state = weights(10)
     with SGLangServers(spec, model, tmp_path / "logs") as servers, \
             SGLangRouter(servers.urls, DiskUpdate(tmp_path / "pub", config_dir=model), servers=servers) as router:

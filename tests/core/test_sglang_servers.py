@@ -4,14 +4,16 @@ No real SGLang runs here."""
 
 from __future__ import annotations
 
+import errno
 import os
+import socket
 
 import httpx
 import pytest
 
 from factory.config import SGLangSpec
 from factory.core.rollout.sglang_servers import SGLangServerError, SGLangServers, launch_command
-from tests.core.fake_sglang_server import fake_state, free_port_run, python_wrapper
+from tests.core.fake_sglang_server import fake_state, python_wrapper, reserve_ports
 
 
 def test_launch_command_is_built_from_the_spec():
@@ -34,8 +36,18 @@ def model_dir(tmp_path):
 
 
 def _spec(tmp_path, n: int = 2, **kw) -> SGLangSpec:
-    return SGLangSpec(servers=n, python=python_wrapper(tmp_path), base_port=free_port_run(n),
+    return SGLangSpec(servers=n, python=python_wrapper(tmp_path), base_port=reserve_ports(n),
                       startup_timeout_s=kw.pop("startup_timeout_s", 60.0), **kw)
+
+
+def test_reserved_ports_are_taken_by_no_one_else_and_the_fakes_still_start_on_them(tmp_path, model_dir):
+    spec = _spec(tmp_path)
+    for port in (spec.base_port, spec.base_port + 1):  # what other work binding these ports meets: they are held
+        with socket.socket() as other, pytest.raises(OSError) as taken:
+            other.bind(("127.0.0.1", port))
+        assert taken.value.errno == errno.EADDRINUSE
+    with SGLangServers(spec, model_dir, tmp_path / "logs") as servers:
+        assert [fake_state(u)["port"] for u in servers.urls] == [spec.base_port, spec.base_port + 1]
 
 
 def test_two_servers_start_with_their_ports_gpus_and_logs_and_stop(tmp_path, model_dir):
@@ -81,7 +93,7 @@ def test_a_server_that_exits_at_startup_is_named_with_its_log(tmp_path, model_di
 
 
 def test_a_python_that_cannot_run_is_named(tmp_path, model_dir):
-    spec = SGLangSpec(python=str(tmp_path / "no-venv" / "bin" / "python"), base_port=free_port_run(1))
+    spec = SGLangSpec(python=str(tmp_path / "no-venv" / "bin" / "python"), base_port=reserve_ports(1))
     with pytest.raises(SGLangServerError, match=r"sglang-0 at .*: cannot run '.*no-venv/bin/python' "
                                                 r"\(rollout.sglang.python"):
         SGLangServers(spec, model_dir, tmp_path / "logs").start()
