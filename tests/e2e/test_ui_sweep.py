@@ -127,6 +127,7 @@ def _images_loaded(page, mlflow_url: str, n: int) -> list[int]:
                          mlflow_url)
 
 
+@pytest.mark.slow
 def test_a_sweep_from_the_launchpad_after_make_demo(after_demo):
     from playwright.sync_api import expect, sync_playwright
 
