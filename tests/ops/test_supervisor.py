@@ -1,6 +1,7 @@
 """Supervised services: health-gated start, restart after a kill, retry of an interrupted call, and the circuit
 breaker that stops a crash loop."""
 
+import socket
 import sys
 import threading
 from pathlib import Path
@@ -143,3 +144,21 @@ def test_watchdog_kills_a_service_that_stops_answering_and_the_next_call_restart
         assert httpx.get(f"{svc.url}/echo?x=back").text == "back"
         assert svc.hangs == 1  # a healthy, answering service is left alone
     assert "not answered" not in (tmp_path / "svc.log").read_text()
+
+
+def test_a_picked_port_taken_before_the_child_binds_it_is_replaced_at_first_start(tmp_path, monkeypatch):
+    from factory.ops import supervisor
+
+    with socket.socket() as other:  # other work takes the port the supervisor picks, before its child binds it
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        taken = other.getsockname()[1]
+        picks = iter([taken, supervisor.free_port()])
+        monkeypatch.setattr(supervisor, "free_port", lambda: next(picks))
+        with service(tmp_path) as svc:
+            assert svc.port != taken and httpx.get(f"{svc.url}/echo?x=hi").text == "hi"
+            assert svc.argv[2] == str(svc.port) and svc.restarts == 0
+        assert "Address already in use" in (tmp_path / "svc.log").read_text()  # the first child's death
+        monkeypatch.setattr(supervisor, "free_port", lambda: taken)  # every pick taken: the error, after PORT_TRIES
+        with pytest.raises(ServiceUnavailable, match="exited with code"):
+            service(tmp_path).start()
