@@ -247,9 +247,9 @@ def _run_ranks(spec, args: argparse.Namespace, body=None) -> int:
             error(f"trainer.world_size = {spec.trainer.world_size}: data-parallel runs need --in-process for now "
                   f"(automatic restarts of a group of ranks are not built)")
             return EXIT_BAD_INPUT
-        from factory.core.trainer.launch import free_port, torchrun_command
+        from factory.core.trainer.launch import torchrun_command
 
-        cmd = torchrun_command(spec.trainer.world_size, "factory.cli", args.argv, free_port(), log_dir=None)
+        cmd = torchrun_command(spec.trainer.world_size, "factory.cli", args.argv, log_dir=None)
         env = {**os.environ, "OMP_NUM_THREADS": str(spec.trainer.threads or 1)}
         return subprocess.run(cmd, env=env).returncode
     import torch.distributed as dist
