@@ -270,6 +270,7 @@ def no_op_like_training(train_job: dict, name: str) -> dict:
                 **placement}}}}
 
 
+@pytest.mark.slow
 def test_preflight_job_on_a_fake_cluster_taints_a_failing_node_keeps_training_off_and_a_rerun_clears_it(
         fake_kube: FakeKube, tmp_path: Path) -> None:
     """The rendered Job, created in the fake cluster, runs `factory preflight --mark-node` as a local process on the
