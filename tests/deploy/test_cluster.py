@@ -116,6 +116,7 @@ def test_a_trainer_that_exits_4_is_reported_and_nothing_is_left_behind(fake_kube
     assert left_behind(fake_kube) == []
 
 
+@pytest.mark.slow
 def test_rollout_servers_that_never_get_ready_are_named_and_cleaned_up(fake_kube: FakeKube, cluster: cl.Cluster
                                                                         ) -> None:
     for i in range(2):

@@ -82,6 +82,7 @@ def test_readme_section_has_the_snippets():
     assert {a[1] for a in argvs} >= {"runs", "best", "compare", "query"}
 
 
+@pytest.mark.slow
 def test_readme_commands_run(readme_home, capsys):
     for lang, code in section_blocks():
         if lang != "bash":

@@ -99,6 +99,7 @@ def test_a_crash_looping_service_trips_the_breaker_with_its_stderr_tail(tmp_path
         assert not svc.alive() and svc.restarts == 3 and svc.breaker_open
 
 
+@pytest.mark.slow
 def test_a_service_that_crashes_rarely_never_trips(tmp_path):
     now = [1000.0]  # the supervisor's clock, moved by the test: crashes hours apart without waiting hours
     with service(tmp_path, breaker_restarts=1, breaker_window_s=60.0, clock=lambda: now[0]) as svc:
@@ -128,6 +129,7 @@ def test_breaker_settings_are_checked():
         ServiceProcess("x", ["true"], breaker_restarts=0)
 
 
+@pytest.mark.slow
 def test_watchdog_kills_a_service_that_stops_answering_and_the_next_call_restarts_it(tmp_path):
     import os
     import signal
