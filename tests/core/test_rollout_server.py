@@ -184,6 +184,7 @@ def test_session_records_turns_and_continues_exact_ids(server):
     assert httpx.delete(server.url + "/sessions/ep-2").status_code == 200
 
 
+@pytest.mark.slow
 def test_pause_wait_continue_and_flush(server):
     r = httpx.post(server.url + "/pause_generation", json={"mode": "drain", "wait": True, "timeout": 10})
     assert r.status_code == 200 and r.json()["drained"] is True
@@ -233,6 +234,7 @@ def test_bad_chat_requests_and_bodies(server):
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("invalid request")
 
 
+@pytest.mark.slow
 def test_factory_serve_command_serves_the_openai_api():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

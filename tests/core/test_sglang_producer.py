@@ -38,6 +38,7 @@ def model_and_tok():
     return build_model("micro", tok, seed=0), tok
 
 
+@pytest.mark.slow
 def test_the_producer_samples_from_sglang_and_publishes_versions(tmp_path, model_and_tok):
     model, tok = model_and_tok
     s = spec(tmp_path, "tensor")
@@ -64,6 +65,7 @@ def test_the_producer_samples_from_sglang_and_publishes_versions(tmp_path, model
     assert not any(producer.engine.servers.alive(i) for i in range(2))
 
 
+@pytest.mark.slow
 def test_a_short_grpo_run_on_sglang_servers(tmp_path, model_and_tok):
     model, tok = model_and_tok
     s = spec(tmp_path, "disk", steps=3)
@@ -76,6 +78,7 @@ def test_a_short_grpo_run_on_sglang_servers(tmp_path, model_and_tok):
         assert [f"(disk), version {v}" in log for v in (1, 2, 3)] == [True, True, True], log
 
 
+@pytest.mark.slow
 def test_external_servers_get_the_trainers_weights_before_any_request(tmp_path, model_and_tok):
     model, tok = model_and_tok
     s = spec(tmp_path, "tensor")

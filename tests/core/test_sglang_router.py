@@ -170,6 +170,7 @@ def test_in_flight_updates_pause_and_continue_generation(cluster):
         assert fake_state(u)["requests"][-3]["mode"] == "retract" and not fake_state(u)["paused"]
 
 
+@pytest.mark.slow
 def test_a_server_reporting_another_version_is_named(cluster, tmp_path):
     servers, model, _ = cluster
     spec = SGLangSpec(servers=1, python=python_wrapper(tmp_path), base_port=reserve_ports(1),
@@ -189,6 +190,7 @@ def test_an_unreachable_server_without_a_supervisor_is_named():
             router.generate([[1]], SamplingParams())
 
 
+@pytest.mark.slow
 def test_a_server_killed_mid_run_is_restarted_and_resynced(tmp_path):
     model = tmp_path / "model"
     model.mkdir()

@@ -50,6 +50,7 @@ def test_reserved_ports_are_taken_by_no_one_else_and_the_fakes_still_start_on_th
         assert [fake_state(u)["port"] for u in servers.urls] == [spec.base_port, spec.base_port + 1]
 
 
+@pytest.mark.slow
 def test_two_servers_start_with_their_ports_gpus_and_logs_and_stop(tmp_path, model_dir):
     spec = _spec(tmp_path, extra_args=["--fake-warmup-polls", "2"])  # /health says 503 twice first
     servers = SGLangServers(spec, model_dir, tmp_path / "logs", gpus=[4, 5]).start()
@@ -71,6 +72,7 @@ def test_two_servers_start_with_their_ports_gpus_and_logs_and_stop(tmp_path, mod
             os.kill(pid, 0)
 
 
+@pytest.mark.slow
 def test_unplaced_servers_take_consecutive_gpu_ranges(tmp_path, model_dir):
     spec = _spec(tmp_path, tp_size=2)
     with SGLangServers(spec, model_dir, tmp_path / "logs") as servers:
@@ -83,6 +85,7 @@ def test_placement_with_too_few_gpus_is_refused(tmp_path, model_dir):
         SGLangServers(_spec(tmp_path, tp_size=2), model_dir, tmp_path / "logs", gpus=[0, 1, 2])
 
 
+@pytest.mark.slow
 def test_a_server_that_exits_at_startup_is_named_with_its_log(tmp_path, model_dir):
     spec = _spec(tmp_path, n=1, extra_args=["--fake-exit-code", "3"])
     with pytest.raises(SGLangServerError) as e:
@@ -109,6 +112,7 @@ def test_startup_timeout_names_the_server_and_its_log(tmp_path, model_dir):
     assert not servers.alive(0)  # the unhealthy process was stopped
 
 
+@pytest.mark.slow
 def test_a_killed_server_is_restarted_on_the_same_port(tmp_path, model_dir):
     with SGLangServers(_spec(tmp_path), model_dir, tmp_path / "logs") as servers:
         before = fake_state(servers.urls[1])["pid"]
@@ -120,6 +124,7 @@ def test_a_killed_server_is_restarted_on_the_same_port(tmp_path, model_dir):
         assert servers.recover(0) is False  # alive and healthy: nothing to do
 
 
+@pytest.mark.slow
 def test_restarts_are_bounded(tmp_path, model_dir):
     with SGLangServers(_spec(tmp_path, n=1), model_dir, tmp_path / "logs", max_restarts=1) as servers:
         servers.kill(0)
@@ -129,6 +134,7 @@ def test_restarts_are_bounded(tmp_path, model_dir):
             servers.recover(0)
 
 
+@pytest.mark.slow
 def test_external_urls_are_waited_on_not_started(tmp_path, model_dir):
     with SGLangServers(_spec(tmp_path, n=1), model_dir, tmp_path / "logs") as running:
         external = SGLangServers(SGLangSpec(urls=[running.urls[0] + "/"], startup_timeout_s=10), None, tmp_path / "x")

@@ -344,6 +344,7 @@ def raw_all(state: dict[str, torch.Tensor]) -> dict[str, bytes]:
     return {k: raw(v) for k, v in state.items()}
 
 
+@pytest.mark.slow
 def test_shared_dir_across_processes_delivers_every_version(tmp_path):
     n_lockstep, final = 5, 12
     states = make_states(final)
@@ -450,6 +451,7 @@ def _run_dist(scenario: str) -> dict[int, tuple[str, object]]:
     return out
 
 
+@pytest.mark.slow
 def test_torch_distributed_gloo_broadcast_delivers_deltas_bit_exactly():
     out = _run_dist("deliver")
     assert out.get(0, (None, None))[0] == "ok", out
@@ -461,6 +463,7 @@ def test_torch_distributed_gloo_broadcast_delivers_deltas_bit_exactly():
             "rank 0 is at exchange #5, this rank at #1" in out[rank][1][4], out[rank][1][4]
 
 
+@pytest.mark.slow
 def test_torch_distributed_subscriber_times_out_naming_what_it_waited_for():
     out = _run_dist("silent publisher")
     assert out.get(1, (None, None))[0] == "ok", out
