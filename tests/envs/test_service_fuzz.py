@@ -25,6 +25,7 @@ def _stay_local(case) -> None:
             holder["env"] = "no_such_module_for_fuzzing:attr"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(schemathesis is None, reason="schemathesis (dev extra) not installed")
 def test_schema_fuzzing_finds_no_server_error(tmp_path):
     argv = [sys.executable, "-m", "factory.cli", "env-serve", "--port", "{port}"]
