@@ -1,4 +1,4 @@
-# Two commands matter: `make demo` and `make test`. Both create .venv and install on first use;
+# Two commands matter: `make demo` and `make test` (`make test-fast`: every package, the tests marked slow left out).
 # a second run skips the install unless pyproject.toml changed.
 PY      ?= python3
 VENV    := .venv
@@ -8,7 +8,7 @@ TORCH   := torch==2.13.0
 export FACTORY_HOME ?= $(CURDIR)/.factory
 export DAGSTER_HOME ?= $(FACTORY_HOME)/dagster
 
-.PHONY: demo test ui install lint clean
+.PHONY: demo test test-fast ui install lint clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -29,6 +29,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# Every package, without the tests marked slow (pyproject.toml's markers; tests/test_tiers.py keeps every package in).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
 
 ui: $(STAMP)
 	@# the Dagster UI (with Factory's instance settings, factory/ops/instance.py) and the MLflow UI beside it

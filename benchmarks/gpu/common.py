@@ -58,11 +58,15 @@ def device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def free_ports(n: int) -> int:
-    """A port p with p .. p+n-1 free now (SGLang server i listens on base_port + i)."""
-    from tests.core.fake_sglang_server import free_port_run
+def free_ports(n: int, *, smoke: bool) -> int:
+    """A port p for servers on p .. p+n-1 (SGLang server i listens on base_port + i): reserved for the fake
+    servers (which bind beside the reservation), found free now for real ones."""
+    from tests.core.fake_sglang_server import release_ports, reserve_ports
 
-    return free_port_run(n)
+    base = reserve_ports(n)
+    if not smoke:
+        release_ports(base)
+    return base
 
 
 def sglang_spec(*, smoke: bool, workdir: Path, servers: int = 1, weight_update: str = "tensor",
@@ -78,8 +82,9 @@ def sglang_spec(*, smoke: bool, workdir: Path, servers: int = 1, weight_update: 
         extra = ["--fake-vocab", str(fake_vocab)] if fake_vocab else []
         mem_fraction = None
         startup_timeout_s = 60.0
-    return SGLangSpec(servers=servers, python=python, base_port=free_ports(servers), weight_update=weight_update,
-                      mem_fraction_static=mem_fraction, extra_args=extra, startup_timeout_s=startup_timeout_s)
+    return SGLangSpec(servers=servers, python=python, base_port=free_ports(servers, smoke=smoke),
+                      weight_update=weight_update, mem_fraction_static=mem_fraction, extra_args=extra,
+                      startup_timeout_s=startup_timeout_s)
 
 
 def sglang_python(arg: str | None) -> str | None:

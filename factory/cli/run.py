@@ -14,7 +14,7 @@ from factory.cli.common import error, home_from, load
 from factory.config import ExperimentSpec
 from factory.core.loop import NonFiniteLoss, RunInterrupted
 from factory.core.trainer.distributed import init_ranks
-from factory.core.trainer.launch import free_port, torchrun_command
+from factory.core.trainer.launch import torchrun_command
 from factory.core.trainer.ranks import follow, leading
 from factory.home import FactoryPaths
 from factory.infra.supervisor import CircuitOpen
@@ -119,7 +119,7 @@ def _run_ranks(spec: ExperimentSpec, args: argparse.Namespace, body=None) -> int
             error(f"trainer.world_size = {spec.trainer.world_size}: data-parallel runs need --in-process for now "
                   f"(automatic restarts of a group of ranks are not built)")
             return EXIT_BAD_INPUT
-        cmd = torchrun_command(spec.trainer.world_size, "factory.cli", args.argv, free_port(), log_dir=None)
+        cmd = torchrun_command(spec.trainer.world_size, "factory.cli", args.argv, log_dir=None)
         env = {**os.environ, "OMP_NUM_THREADS": str(spec.trainer.threads or 1)}
         return subprocess.run(cmd, env=env).returncode
     rank, world = init_ranks(threads=spec.trainer.threads, timeout_s=max(RANK_TIMEOUT_S,

@@ -34,7 +34,6 @@ from factory.core.rollout.base import Completion, SamplingParams
 from factory.core.rollout.sglang_router import SGLangRouter
 from factory.core.rollout.sglang_servers import LAUNCH_MODULE, SGLangServers
 from factory.core.rollout.sglang_weights import DiskUpdate, DistributedUpdate, TensorUpdate, WeightUpdate
-from factory.infra.supervisor import free_port
 from factory.models.checkpoint import remove_checkpoint, save_checkpoint
 
 
@@ -46,7 +45,7 @@ def make_updater(spec: ExperimentSpec, workdir: Path, model_dir: Path | None) ->
         return TensorUpdate(tp_size=sg.tp_size)
     cuda = torch.cuda.is_available()
     n = len(sg.urls) or sg.servers
-    return DistributedUpdate("127.0.0.1", free_port(), [sg.tp_size] * n, backend="nccl" if cuda else "gloo",
+    return DistributedUpdate("127.0.0.1", 0, [sg.tp_size] * n, backend="nccl" if cuda else "gloo",
                              device="cuda" if cuda else "cpu", timeout_s=spec.schedule.wait_timeout_s)
 
 

@@ -80,11 +80,27 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def port_taken(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether another socket holds `port` now (a closing connection's TIME_WAIT does not count)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+        return False
+
+
+PORT_TRIES = 3  # ports tried at a first start whose port this class picked
+
+
 class ServiceProcess:
     """A child process serving HTTP on 127.0.0.1:`port`, with a health URL and bounded restarts.
 
     `argv` may contain `{port}`, replaced by the port (kept across restarts so clients need no
-    new address). Output goes to `log_path` (appended; one file across restarts).
+    new address). Output goes to `log_path` (appended; one file across restarts). A port picked here (no `port`
+    given) was free when picked, not when the child binds it: a first start that dies while another socket holds
+    that port is tried again on a new one (PORT_TRIES ports in all).
 
     Restarts are bounded twice: `max_restarts` over the service's life, and the circuit breaker: the
     `breaker_restarts`+1-th restart needed within `breaker_window_s` seconds raises `CircuitOpen` instead,
@@ -101,10 +117,8 @@ class ServiceProcess:
             raise ValueError(f"{name}: breaker_restarts must be >= 1 and breaker_window_s > 0, got "
                              f"{breaker_restarts} and {breaker_window_s}")
         self.name = name
-        self.port = port or free_port()
-        self.argv = [a.replace("{port}", str(self.port)) for a in argv]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.health_url = self.url + health_path
+        self._argv, self._health_path, self._picked_port = list(argv), health_path, not port
+        self._use_port(port or free_port())
         self.env = env
         self.cwd = cwd
         self.cpus = frozenset(cpus) if cpus else None  # placement: the child's cores (set before it runs)
@@ -122,6 +136,12 @@ class ServiceProcess:
         self._last_ok = time.monotonic()
         self._closed = threading.Event()
         self._watchdog: threading.Thread | None = None
+
+    def _use_port(self, port: int) -> None:
+        self.port = port
+        self.argv = [a.replace("{port}", str(port)) for a in self._argv]
+        self.url = f"http://127.0.0.1:{port}"
+        self.health_url = self.url + self._health_path
 
     @property
     def restart_history(self) -> tuple[Restart, ...]:
@@ -153,7 +173,15 @@ class ServiceProcess:
 
     def start(self) -> ServiceProcess:
         with self._lock:
-            self._spawn()
+            for tries_left in reversed(range(PORT_TRIES if self._picked_port else 1)):
+                try:
+                    self._spawn()
+                    break
+                except ServiceUnavailable:
+                    if not tries_left or not port_taken(self.port):
+                        raise
+                log.warning("%s: port %d was taken before it bound it; starting it on another", self.name, self.port)
+                self._use_port(free_port())
         if self.hang_timeout_s is not None and self._watchdog is None:
             self._watchdog = threading.Thread(target=self._watch, name=f"{self.name}-watchdog", daemon=True)
             self._watchdog.start()

@@ -19,7 +19,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from factory.home import factory_home
-from factory.infra.supervisor import ServiceProcess, free_port
+from factory.infra.supervisor import ServiceProcess
 from factory.ops.instance import ensure_instance_yaml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -83,8 +83,8 @@ def dagster_dev(home: Path, port: int | None = None, mlflow_url: str | None = No
 def cockpit(home: Path, dagster_port: int | None = None, mlflow_port: int | None = None
             ) -> Iterator[tuple[ServiceProcess, ServiceProcess]]:
     """Both UIs started (MLflow first: the Dagster processes learn its address), stopped on exit."""
-    with mlflow_ui(home, mlflow_port or free_port()) as mlflow:
-        with dagster_dev(home, dagster_port or free_port(), mlflow_url=mlflow.url) as dagster:
+    with mlflow_ui(home, mlflow_port) as mlflow:  # without a port: one picked, another if it was taken
+        with dagster_dev(home, dagster_port, mlflow_url=mlflow.url) as dagster:
             yield dagster, mlflow
 
 

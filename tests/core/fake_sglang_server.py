@@ -20,6 +20,7 @@ import datetime
 import io
 import os
 import pickle
+import socket
 import sys
 import threading
 import time
@@ -259,29 +260,54 @@ def python_wrapper(directory: Path) -> str:
     return str(path)
 
 
-def free_port_run(n: int) -> int:
-    """A port p such that p .. p+n-1 are free now (servers take base_port + i)."""
-    import socket
+# Sockets that keep reserve_ports' ports bound for this process's life, by base port.
+_RESERVED: dict[int, list[socket.socket]] = {}
 
+
+def _reuseport_socket() -> socket.socket:
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    return s
+
+
+def reserve_ports(n: int) -> int:
+    """A port p such that p .. p+n-1 (servers take base_port + i) stay reserved for fakes until this process exits.
+
+    A port found free and closed again was, under load, taken by other work (another server, an outgoing
+    connection's local port) in the seconds before the fake bound it: "address already in use". Here each port
+    stays bound by a socket with SO_REUSEPORT that never listens: the kernel hands it to no one else, while a
+    fake started on it binds beside that socket (SO_REUSEPORT, same user) and is the only one accepting."""
     for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65000:
-            continue
-        socks = []
+        first = _reuseport_socket()
+        first.bind(("127.0.0.1", 0))  # a port scan never shares a port, SO_REUSEPORT or not
+        base, held = first.getsockname()[1], [first]
         try:
-            for k in range(n):
-                t = socket.socket()
-                socks.append(t)
-                t.bind(("127.0.0.1", base + k))
-            return base
+            for k in range(1, n):
+                with socket.socket() as probe:  # without SO_REUSEPORT: fails if anyone holds it, reservations too
+                    probe.bind(("127.0.0.1", base + k))
+                held.append(_reuseport_socket())
+                held[-1].bind(("127.0.0.1", base + k))
         except OSError:
+            for s in held:
+                s.close()
             continue
-        finally:
-            for t in socks:
-                t.close()
+        _RESERVED[base] = held
+        return base
     raise RuntimeError(f"no run of {n} free ports found")
+
+
+def release_ports(base: int) -> None:
+    """Give reserve_ports(n)'s ports back (for servers that bind without SO_REUSEPORT, such as real SGLang)."""
+    for s in _RESERVED.pop(base):
+        s.close()
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The fake's listening socket, bound beside reserve_ports' reservation of `port` (uvicorn listens on it)."""
+    s = _reuseport_socket()
+    s.bind((host, port))
+    return s
 
 
 def fake_state(url: str) -> dict:
@@ -301,7 +327,8 @@ def main(argv: list[str]) -> None:
     torch.set_num_threads(1)
     threading.current_thread().name = f"fake-sglang-{args.port}"
     t0 = time.monotonic()
-    uvicorn.run(make_app(args), host=args.host, port=args.port, log_level="warning")
+    config = uvicorn.Config(make_app(args), log_level="warning")
+    uvicorn.Server(config).run(sockets=[listen_socket(args.host, args.port)])
     print(f"fake sglang server on {args.port} stopped after {time.monotonic() - t0:.1f} s", flush=True)
 
 

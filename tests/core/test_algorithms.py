@@ -367,6 +367,7 @@ def test_buffer_spec_errors_name_the_field():
     assert BufferSpec(policy="reject", max_staleness=0).max_staleness == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["grpo", "dr_grpo", "dapo", "cispo", "gspo"])
 def test_each_algorithm_learns_in_the_sync_loop(name):
     # The loop's eos task (tests/core/test_loop.py): a completion is right when it stops at once.

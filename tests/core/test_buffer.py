@@ -224,6 +224,7 @@ def simulate_stragglers(buf: RolloutBuffer, b: int, actions: list[int]) -> list[
     return seen
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(eta=st.integers(1, 3), b=st.integers(1, 3), actions=st.lists(st.integers(0, 4), max_size=300))
 def test_bound_waits_for_stragglers_and_never_drops_or_exceeds_eta(eta, b, actions):

@@ -12,6 +12,7 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from factory.config import AlgorithmSpec, parse_spec
@@ -149,8 +150,6 @@ if __name__ == "__main__":
 
 import functools  # noqa: E402
 
-import pytest  # noqa: E402
-
 from factory.core.trainer.launch import RanksFailed, RanksTimedOut, run_ranks  # noqa: E402
 
 
@@ -168,6 +167,7 @@ def _reference(job: Path, algo_name: str):
     return history, model
 
 
+@pytest.mark.slow
 def test_two_fsdp_ranks_match_one_process(job, tmp_path):
     """FSDP2 fully_shard on gloo, GRPO's per-sequence mean over unequal shards (3 and 2 rows); the checkpoint
     written from the gathered state loads with transformers. (DDP: the leader/follower test below.)"""
@@ -212,6 +212,7 @@ def _check_against_one_process(tmp_path: Path, job: Path, algo_name: str, label:
     assert diffs.max().item() <= WEIGHT_TOL and diffs.mean().item() <= WEIGHT_MEAN_TOL, label
 
 
+@pytest.mark.slow
 def test_leader_and_follower_train_like_one_process(job, tmp_path):
     """`ranks.main` under torchrun: rank 0 trains through make_trainer (a LeaderTrainer: DDP, DAPO's token mean,
     grad_accum 2) while rank 1 follows with the loss rebuilt from the spec and a model of other weights (seed 5:
@@ -228,6 +229,7 @@ def test_leader_and_follower_train_like_one_process(job, tmp_path):
     _check_against_one_process(tmp_path, job, "dapo", "leader/follower")
 
 
+@pytest.mark.slow
 def test_make_trainer_keeps_the_plain_trainer_by_default():
     from factory.core.trainer.ranks import make_trainer
 
@@ -297,6 +299,7 @@ def test_unknown_aggregation_is_named():
         DistributedTrainer(build_model("tiny", tok), lr=1e-3, aggregation="median")
 
 
+@pytest.mark.slow
 def test_failing_rank_is_reported_with_its_traceback(tmp_path):
     script = tmp_path / "boom.py"
     script.write_text("import os\nif os.environ['RANK'] == '1':\n    raise ValueError('rank one cannot go on')\n")
@@ -304,6 +307,7 @@ def test_failing_rank_is_reported_with_its_traceback(tmp_path):
         run_ranks(2, script, timeout=120)
 
 
+@pytest.mark.slow
 def test_hung_ranks_are_killed_at_the_timeout(tmp_path):
     script = tmp_path / "hang.py"
     script.write_text("import signal\nprint('waiting', flush=True)\nsignal.pause()\n")

@@ -30,6 +30,7 @@ def model_and_tok():
     return build_model("micro", tok, seed=0), tok
 
 
+@pytest.mark.slow
 def test_loop_records_and_learns(model_and_tok):
     model, tok = model_and_tok
     records = train_grpo(spec(), model, tok, PROBLEMS)
@@ -91,6 +92,7 @@ def test_dapo_dynamic_sampling_drops_uninformative_groups_and_still_learns(model
     assert all(r.filtered is not None for r in records)
 
 
+@pytest.mark.slow
 def test_rollout_server_killed_mid_run_is_restarted_and_no_group_is_lost_or_doubled(model_and_tok):
     from factory.core.producer import ServerProducer
     from factory.data.feed import feed_of
@@ -119,6 +121,7 @@ def test_rollout_server_killed_mid_run_is_restarted_and_no_group_is_lost_or_doub
     assert max(r.logprob_mismatch for r in records) < 1e-4  # the restarted server got the current weights
 
 
+@pytest.mark.slow
 def test_environment_worker_killed_mid_run_is_restarted_and_no_group_is_lost_or_doubled(model_and_tok):
     """Trainer, rollout server and environment workers in three processes; the environment dies mid-run."""
     from factory.core.producer import ServerProducer

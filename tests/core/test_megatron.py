@@ -345,6 +345,7 @@ def _tensor_parallel_worker(out: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_tensor_parallel_2_on_two_ranks_matches_torch_trainer(tmp_path):
     """Megatron's own TP layers (column/row parallel, vocab-parallel embedding, gathered logits) on two CPU ranks:
     the shards load strictly, gather back bit-exact, and logprobs / loss / gradient norm / the step match the

@@ -32,6 +32,7 @@ def _steps(name: str, capsys) -> tuple[str, list[dict]]:
     return run["run_id"], json.loads(capsys.readouterr().out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_gloo_ranks_train_like_one_process(factory_home, capfd, strategy):
     capsys = capfd  # the ranks are child processes: their output is read from the file descriptors
@@ -59,6 +60,7 @@ def test_a_group_of_ranks_needs_in_process_for_now(factory_home, capsys):
     assert not any(Path(factory_home.checkpoints).glob("*/*"))
 
 
+@pytest.mark.slow
 def test_fsdp_resume_state_round_trips_after_a_probe():
     """The resume point's optimizer state under fsdp (gathered, keyed by parameter name) taken after a forward (the
     loop's probe leaves the root unsharded unless resharded) and loaded back changes nothing."""

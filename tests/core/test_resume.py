@@ -137,6 +137,7 @@ def _spec(mode: str, steps: int, **buffer) -> ExperimentSpec:
         "schedule": {"mode": mode, "steps": steps, "wait_timeout_s": 60, "log_rollouts": 4}})
 
 
+@pytest.mark.slow
 def test_sync_resume_is_bit_identical_to_an_uninterrupted_run():
     tok = build_tokenizer()
     spec = _spec("sync", 6)
@@ -153,6 +154,7 @@ def test_sync_resume_is_bit_identical_to_an_uninterrupted_run():
         assert torch.equal(a, b), k
 
 
+@pytest.mark.slow
 def test_async_resume_trains_every_draw_once_including_those_buffered_or_in_flight():
     tok = build_tokenizer()
     spec = _spec("async", 6, policy="bound", max_staleness=2)
@@ -189,6 +191,7 @@ class Counter:
         self.seen = state["seen"]
 
 
+@pytest.mark.slow
 def test_stateful_parts_are_saved_and_restored_by_name():
     tok = build_tokenizer()
     spec = _spec("sync", 4)

@@ -191,6 +191,7 @@ def test_a_server_side_bug_is_a_short_500_and_the_server_goes_on(server, http, m
     _still_serves(http)
 
 
+@pytest.mark.slow
 def test_factory_serve_takes_the_body_limits_from_its_flags(tmp_path):
     argv = [sys.executable, "-m", "factory.cli", "serve", "--preset", "micro", "--port", "{port}", "--threads", "1",
             "--max-body-mb", "0.01", "--max-update-mb", "0.02"]

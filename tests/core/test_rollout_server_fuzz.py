@@ -13,6 +13,7 @@ from factory.models.tokenizer import build_tokenizer
 from tests.schema_fuzz import fuzz_service, schemathesis
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(schemathesis is None, reason="schemathesis (dev extra) not installed")
 def test_schema_fuzzing_finds_no_server_error():
     tok = build_tokenizer()

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from factory.core.rollout.base import RolloutEngine, SamplingParams
 from factory.core.rollout.sglang import SGLangEngine, SGLangError, SGLangTimeout
+from tests.ports import refusing_port
 
 EOS = 2
 SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "sampling_seed",
@@ -273,9 +274,7 @@ def test_timeout_is_a_clear_error(server):
 
 
 def test_unreachable_server():
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = refusing_port()
     with SGLangEngine(f"http://127.0.0.1:{port}", timeout=1.0, connect_timeout=1.0) as engine:
         assert engine.health() is False
         with pytest.raises(SGLangError, match="cannot reach"):

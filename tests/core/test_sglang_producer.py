@@ -16,7 +16,7 @@ from factory.models.build import build_model
 from factory.models.checkpoint import save_checkpoint
 from factory.models.tokenizer import build_tokenizer
 from factory.problem import Problem
-from tests.core.fake_sglang_server import fake_state, free_port_run, python_wrapper
+from tests.core.fake_sglang_server import fake_state, python_wrapper, reserve_ports
 
 PROBLEMS = [Problem(id=f"p{i}", prompt=f"{i}+{i}=", answer="", op="add", digits=1) for i in range(10)]
 
@@ -25,7 +25,7 @@ def spec(tmp_path, weight_update: str, steps: int = 3):
     return parse_spec({
         "seed": 0, "model": {"preset": "micro"}, "algorithm": {"group_size": 4, "lr": 0.01},
         "rollout": {"prompts_per_step": 4, "max_new_tokens": 3, "engine": "sglang",
-                    "sglang": {"servers": 2, "python": python_wrapper(tmp_path), "base_port": free_port_run(2),
+                    "sglang": {"servers": 2, "python": python_wrapper(tmp_path), "base_port": reserve_ports(2),
                                "startup_timeout_s": 60, "weight_update": weight_update,
                                "extra_args": ["--fake-vocab", "17"]}},
         "trainer": {"threads": 1}, "schedule": {"mode": "one_step_off", "steps": steps, "wait_timeout_s": 60}})
@@ -37,6 +37,7 @@ def model_and_tok():
     return build_model("micro", tok, seed=0), tok
 
 
+@pytest.mark.slow
 def test_the_producer_samples_from_sglang_and_publishes_versions(tmp_path, model_and_tok):
     model, tok = model_and_tok
     s = spec(tmp_path, "tensor")
@@ -63,6 +64,7 @@ def test_the_producer_samples_from_sglang_and_publishes_versions(tmp_path, model
     assert not any(producer.engine.servers.alive(i) for i in range(2))
 
 
+@pytest.mark.slow
 def test_a_short_grpo_run_on_sglang_servers(tmp_path, model_and_tok):
     model, tok = model_and_tok
     s = spec(tmp_path, "disk", steps=3)
@@ -75,6 +77,7 @@ def test_a_short_grpo_run_on_sglang_servers(tmp_path, model_and_tok):
         assert [f"(disk), version {v}" in log for v in (1, 2, 3)] == [True, True, True], log
 
 
+@pytest.mark.slow
 def test_external_servers_get_the_trainers_weights_before_any_request(tmp_path, model_and_tok):
     model, tok = model_and_tok
     s = spec(tmp_path, "tensor")

@@ -19,8 +19,8 @@ from factory.core.rollout.sglang_weights import (
     buckets,
     serialize_named_tensors,
 )
-from factory.infra.supervisor import free_port
-from tests.core.fake_sglang_server import EOS, fake_state, free_port_run, python_wrapper
+from tests.core.fake_sglang_server import EOS, fake_state, python_wrapper, reserve_ports
+from tests.ports import refusing_port
 
 
 def expected_tokens(prompt: list[int], copy: int, max_new: int) -> list[int]:
@@ -47,7 +47,7 @@ def cluster(tmp_path_factory):
     model.mkdir()
     (model / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
     (model / "tokenizer.json").write_text("{}")
-    spec = SGLangSpec(servers=2, python=python_wrapper(tmp), base_port=free_port_run(2), startup_timeout_s=60)
+    spec = SGLangSpec(servers=2, python=python_wrapper(tmp), base_port=reserve_ports(2), startup_timeout_s=60)
     servers = SGLangServers(spec, model, tmp / "logs").start()
     yield servers, model, tmp
     servers.stop()
@@ -142,7 +142,7 @@ def test_a_refused_tensor_update_names_the_server(cluster):
 def test_distributed_update_over_a_gloo_group(cluster):
     servers, _, _ = cluster
     state = weights(6)
-    update = DistributedUpdate("127.0.0.1", free_port(), [1, 1], backend="gloo", group_name="factory_test",
+    update = DistributedUpdate("127.0.0.1", 0, [1, 1], backend="gloo", group_name="factory_test",
                                bucket_bytes=200, timeout_s=60)
     with SGLangRouter(servers.urls, update, weight_version=4) as router:
         router.load_weights(state, version=6)
@@ -152,6 +152,7 @@ def test_distributed_update_over_a_gloo_group(cluster):
             st = fake_state(u)
             init = [r for r in st["requests"] if r["endpoint"] == "/init_weights_update_group"]
             assert len(init) == 1 and init[0]["rank_offset"] == 1 + i and init[0]["world_size"] == 3
+            assert init[0]["master_port"] > 0  # the port the trainer's store bound (asked for 0)
             posts = [r for r in st["requests"] if r["endpoint"] == "/update_weights_from_distributed"][-2:]
             assert [r["names"] for r in posts] == [list(state2)[:2], list(state2)[2:]]
             assert posts[0]["dtypes"] == ["float32", "bfloat16"]
@@ -169,9 +170,10 @@ def test_in_flight_updates_pause_and_continue_generation(cluster):
         assert fake_state(u)["requests"][-3]["mode"] == "retract" and not fake_state(u)["paused"]
 
 
+@pytest.mark.slow
 def test_a_server_reporting_another_version_is_named(cluster, tmp_path):
     servers, model, _ = cluster
-    spec = SGLangSpec(servers=1, python=python_wrapper(tmp_path), base_port=free_port_run(1),
+    spec = SGLangSpec(servers=1, python=python_wrapper(tmp_path), base_port=reserve_ports(1),
                       extra_args=["--fake-stale-version"])
     with SGLangServers(spec, model, tmp_path / "logs") as stale:
         with SGLangRouter([servers.urls[0], stale.urls[0]], DiskUpdate(tmp_path / "pub", config_dir=model)) as router:
@@ -182,17 +184,18 @@ def test_a_server_reporting_another_version_is_named(cluster, tmp_path):
 
 
 def test_an_unreachable_server_without_a_supervisor_is_named():
-    port = free_port()
+    port = refusing_port()
     with SGLangRouter([f"http://127.0.0.1:{port}"], timeout=2) as router:
         with pytest.raises(SGLangError, match=rf"sglang server 0 at http://127.0.0.1:{port}: .*cannot reach"):
             router.generate([[1]], SamplingParams())
 
 
+@pytest.mark.slow
 def test_a_server_killed_mid_run_is_restarted_and_resynced(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
-    spec = SGLangSpec(servers=2, python=python_wrapper(tmp_path), base_port=free_port_run(2), startup_timeout_s=60)
+    spec = SGLangSpec(servers=2, python=python_wrapper(tmp_path), base_port=reserve_ports(2), startup_timeout_s=60)
     state = weights(10)
     with SGLangServers(spec, model, tmp_path / "logs") as servers, \
             SGLangRouter(servers.urls, DiskUpdate(tmp_path / "pub", config_dir=model), servers=servers) as router:

@@ -4,14 +4,16 @@ No real SGLang runs here."""
 
 from __future__ import annotations
 
+import errno
 import os
+import socket
 
 import httpx
 import pytest
 
 from factory.config import SGLangSpec
 from factory.core.rollout.sglang_servers import SGLangServerError, SGLangServers, launch_command
-from tests.core.fake_sglang_server import fake_state, free_port_run, python_wrapper
+from tests.core.fake_sglang_server import fake_state, python_wrapper, reserve_ports
 
 
 def test_launch_command_is_built_from_the_spec():
@@ -34,10 +36,21 @@ def model_dir(tmp_path):
 
 
 def _spec(tmp_path, n: int = 2, **kw) -> SGLangSpec:
-    return SGLangSpec(servers=n, python=python_wrapper(tmp_path), base_port=free_port_run(n),
+    return SGLangSpec(servers=n, python=python_wrapper(tmp_path), base_port=reserve_ports(n),
                       startup_timeout_s=kw.pop("startup_timeout_s", 60.0), **kw)
 
 
+def test_reserved_ports_are_taken_by_no_one_else_and_the_fakes_still_start_on_them(tmp_path, model_dir):
+    spec = _spec(tmp_path)
+    for port in (spec.base_port, spec.base_port + 1):  # what other work binding these ports meets: they are held
+        with socket.socket() as other, pytest.raises(OSError) as taken:
+            other.bind(("127.0.0.1", port))
+        assert taken.value.errno == errno.EADDRINUSE
+    with SGLangServers(spec, model_dir, tmp_path / "logs") as servers:
+        assert [fake_state(u)["port"] for u in servers.urls] == [spec.base_port, spec.base_port + 1]
+
+
+@pytest.mark.slow
 def test_two_servers_start_with_their_ports_gpus_and_logs_and_stop(tmp_path, model_dir):
     spec = _spec(tmp_path, extra_args=["--fake-warmup-polls", "2"])  # /health says 503 twice first
     servers = SGLangServers(spec, model_dir, tmp_path / "logs", gpus=[4, 5]).start()
@@ -59,6 +72,7 @@ def test_two_servers_start_with_their_ports_gpus_and_logs_and_stop(tmp_path, mod
             os.kill(pid, 0)
 
 
+@pytest.mark.slow
 def test_unplaced_servers_take_consecutive_gpu_ranges(tmp_path, model_dir):
     spec = _spec(tmp_path, tp_size=2)
     with SGLangServers(spec, model_dir, tmp_path / "logs") as servers:
@@ -71,6 +85,7 @@ def test_placement_with_too_few_gpus_is_refused(tmp_path, model_dir):
         SGLangServers(_spec(tmp_path, tp_size=2), model_dir, tmp_path / "logs", gpus=[0, 1, 2])
 
 
+@pytest.mark.slow
 def test_a_server_that_exits_at_startup_is_named_with_its_log(tmp_path, model_dir):
     spec = _spec(tmp_path, n=1, extra_args=["--fake-exit-code", "3"])
     with pytest.raises(SGLangServerError) as e:
@@ -81,7 +96,7 @@ def test_a_server_that_exits_at_startup_is_named_with_its_log(tmp_path, model_di
 
 
 def test_a_python_that_cannot_run_is_named(tmp_path, model_dir):
-    spec = SGLangSpec(python=str(tmp_path / "no-venv" / "bin" / "python"), base_port=free_port_run(1))
+    spec = SGLangSpec(python=str(tmp_path / "no-venv" / "bin" / "python"), base_port=reserve_ports(1))
     with pytest.raises(SGLangServerError, match=r"sglang-0 at .*: cannot run '.*no-venv/bin/python' "
                                                 r"\(rollout.sglang.python"):
         SGLangServers(spec, model_dir, tmp_path / "logs").start()
@@ -97,6 +112,7 @@ def test_startup_timeout_names_the_server_and_its_log(tmp_path, model_dir):
     assert not servers.alive(0)  # the unhealthy process was stopped
 
 
+@pytest.mark.slow
 def test_a_killed_server_is_restarted_on_the_same_port(tmp_path, model_dir):
     with SGLangServers(_spec(tmp_path), model_dir, tmp_path / "logs") as servers:
         before = fake_state(servers.urls[1])["pid"]
@@ -108,6 +124,7 @@ def test_a_killed_server_is_restarted_on_the_same_port(tmp_path, model_dir):
         assert servers.recover(0) is False  # alive and healthy: nothing to do
 
 
+@pytest.mark.slow
 def test_restarts_are_bounded(tmp_path, model_dir):
     with SGLangServers(_spec(tmp_path, n=1), model_dir, tmp_path / "logs", max_restarts=1) as servers:
         servers.kill(0)
@@ -117,6 +134,7 @@ def test_restarts_are_bounded(tmp_path, model_dir):
             servers.recover(0)
 
 
+@pytest.mark.slow
 def test_external_urls_are_waited_on_not_started(tmp_path, model_dir):
     with SGLangServers(_spec(tmp_path, n=1), model_dir, tmp_path / "logs") as running:
         external = SGLangServers(SGLangSpec(urls=[running.urls[0] + "/"], startup_timeout_s=10), None, tmp_path / "x")

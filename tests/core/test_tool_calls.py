@@ -45,6 +45,7 @@ def tool_caller():
         yield handle
 
 
+@pytest.mark.slow
 def test_tool_calls_reach_the_openai_client_and_the_session_keeps_exact_tokens(tool_caller):
     client = openai.OpenAI(base_url=tool_caller.url + "/v1", api_key="x", max_retries=0, timeout=60,
                            default_headers={"x-session-id": "tools-1"})
@@ -73,6 +74,7 @@ def test_tool_calls_reach_the_openai_client_and_the_session_keeps_exact_tokens(t
     assert first_turn == CALL  # the model's call, as sampled
 
 
+@pytest.mark.slow
 def test_the_python_tool_environment_runs_calls_in_the_sandbox(tool_caller, require_sandbox):
     import asyncio
 

@@ -10,7 +10,6 @@ import datetime
 import multiprocessing as mp
 import os
 import queue
-import socket
 import threading
 import time
 import traceback
@@ -345,6 +344,7 @@ def raw_all(state: dict[str, torch.Tensor]) -> dict[str, bytes]:
     return {k: raw(v) for k, v in state.items()}
 
 
+@pytest.mark.slow
 def test_shared_dir_across_processes_delivers_every_version(tmp_path):
     n_lockstep, final = 5, 12
     states = make_states(final)
@@ -371,12 +371,6 @@ def test_shared_dir_across_processes_delivers_every_version(tmp_path):
     assert proc.exitcode == 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _dist_worker(rank: int, port: int, scenario: str, results, done) -> None:
     import torch.distributed as dist
 
@@ -384,8 +378,8 @@ def _dist_worker(rank: int, port: int, scenario: str, results, done) -> None:
 
     try:
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                                timeout=datetime.timedelta(seconds=WAIT))
+        store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=datetime.timedelta(seconds=WAIT))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=WAIT))
         transport = TorchDistTransport(src=0, chunk_bytes=4096)  # small chunks: several payload broadcasts
         states = make_states(4)
         if scenario == "deliver":
@@ -433,7 +427,10 @@ def _dist_worker(rank: int, port: int, scenario: str, results, done) -> None:
 def _run_dist(scenario: str) -> dict[int, tuple[str, object]]:
     ctx = mp.get_context("spawn")
     results, done = ctx.Queue(), ctx.Event()
-    port = _free_port()
+    # this process hosts the group's store, on a port the kernel picks at bind (one found free and bound later by a
+    # rank was, under load, taken by other work in between)
+    store = torch.distributed.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+    port = store.port
     procs = [ctx.Process(target=_dist_worker, args=(r, port, scenario, results, done)) for r in range(2)]
     for p in procs:
         p.start()
@@ -454,6 +451,7 @@ def _run_dist(scenario: str) -> dict[int, tuple[str, object]]:
     return out
 
 
+@pytest.mark.slow
 def test_torch_distributed_gloo_broadcast_delivers_deltas_bit_exactly():
     out = _run_dist("deliver")
     assert out.get(0, (None, None))[0] == "ok", out
@@ -465,6 +463,7 @@ def test_torch_distributed_gloo_broadcast_delivers_deltas_bit_exactly():
             "rank 0 is at exchange #5, this rank at #1" in out[rank][1][4], out[rank][1][4]
 
 
+@pytest.mark.slow
 def test_torch_distributed_subscriber_times_out_naming_what_it_waited_for():
     out = _run_dist("silent publisher")
     assert out.get(1, (None, None))[0] == "ok", out

@@ -2,6 +2,8 @@
 
 from pathlib import Path
 
+import pytest
+
 from factory.config import load_spec, parse_spec
 from factory.data.blend_report import blend_report
 from factory.data.from_spec import open_sources
@@ -19,6 +21,7 @@ def spec(**data):
     return parse_spec(d, "test")
 
 
+@pytest.mark.slow
 def test_fixed_weights_are_met_within_one_prompt_at_every_prefix():
     s = spec(weights={"add2": 1.0, "add3": 3.0})
     r = blend_report(s, open_sources(s))

@@ -53,6 +53,7 @@ def max_prefix_error(names: list[str], weights: dict[str, float], served: list[s
     return worst
 
 
+@pytest.mark.slow
 @given(weights=st.lists(st.floats(0.001, 1.0), min_size=1, max_size=12), steps=st.integers(1, 400))
 @example(weights=[0.028, 0.002, 0.365, 0.315], steps=200)  # the largest-deficit rule reaches an error of 1 here
 @settings(max_examples=200, deadline=None)
@@ -171,6 +172,7 @@ def test_resume_reads_at_most_one_block_whatever_the_position() -> None:
     assert sum(len(s.reads) for s in srcs) <= 2
 
 
+@pytest.mark.slow
 def test_exactly_once_across_a_fresh_process(tmp_path: Path) -> None:
     weights = {"a": 0.6, "b": 0.25, "c": 0.15}
     ref = Blender(sources(), weights=weights, seed=4)

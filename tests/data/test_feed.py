@@ -76,6 +76,7 @@ print(json.dumps({"log": log, "in_flight": [k for k, _ in rest], "metrics": feed
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CURRICULA))
 def test_a_resume_in_a_fresh_process_trains_the_prompts_of_an_uninterrupted_run(tmp_path, name):
     steps, cut = 40, 17

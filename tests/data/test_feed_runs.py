@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.runs.test_rl_run import TINY, factory, rows
 
 DATA = {"sources": [{"name": "add2", "kind": "arithmetic", "op": "add", "digits": 2, "n": 24, "block_rows": 8,
@@ -21,6 +23,7 @@ def trained(home) -> list[tuple]:
                   for r in rows(home, "prompt_attempts"))
 
 
+@pytest.mark.slow
 def test_a_killed_and_resumed_blend_run_trains_the_prompts_of_an_uninterrupted_one(tmp_path):
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
     ok = factory(straight, *ARGS, "--in-process")
@@ -40,6 +43,7 @@ def test_a_killed_and_resumed_blend_run_trains_the_prompts_of_an_uninterrupted_o
     assert run["attempts"] == 2 and run["status"] == "succeeded"
 
 
+@pytest.mark.slow
 def test_a_new_run_filters_its_sources_by_the_pass_rates_of_earlier_runs(tmp_path):
     """Offline curriculum: run 1 trains every prompt of a small source; prompt_stats records their pass rates
     (all 0 for this barely trained model); run 2 blends that source with a new one and a pass-rate window that

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from factory.data.shuffle import EpochOrder, FeistelPermutation, mix64, name_key
 
 
+@pytest.mark.slow
 @given(n=st.integers(1, 600), key=st.integers(0, 2**64 - 1))
 @settings(max_examples=150, deadline=None)
 def test_feistel_is_a_bijection_with_its_inverse(n: int, key: int) -> None:

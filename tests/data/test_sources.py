@@ -292,6 +292,7 @@ def memory_of_reading(path: Path) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_parquet_of_200k_rows_streams_in_small_memory(tmp_path):
     """Read every block of a 200k-row file in a fresh process: the Python heap holds about one block of rows and
     Arrow about one row group, far below the file's decoded size, and the same as for a file half its size."""

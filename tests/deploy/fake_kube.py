@@ -50,7 +50,7 @@ at teardown every pod process is killed, the server stopped, and the test fails 
     fake.hosts: dict[str, str]         # cluster DNS name -> local address, rewritten in args and env values alike
     fake.entrypoints: dict[str, list[str]]  # image (or "*") -> its ENTRYPOINT, for containers without a command
     fake.extra_env: dict[str, str]     # added to every pod process's env, last (wins over the container's)
-    fake.process_timeout: float = 60  # seconds a pod process may run before it is killed
+    fake.process_timeout: float = 600  # seconds a pod process may run before it is killed (a hang guard)
     fake.add_node(name, labels=None, taints=None, allocatable=None) -> dict; fake.node(name) -> dict
     fake.get(kind, name, namespace="default") -> dict | None; fake.list(kind, namespace=None, labels=None) -> list[dict]
     fake.set_ready(name, ready=True, namespace="default") -> None   # a Deployment's readiness, before or after create
@@ -285,7 +285,9 @@ class FakeKube:
     workdir, path_map, hosts, entrypoints, extra_env = map(_machine_attr, (
         "workdir", "path_map", "hosts", "entrypoints", "extra_env"))
 
-    def __init__(self, workdir: Path, process_timeout: float = 60.0) -> None:
+    # A guard against hung pods, not a speed check: at 60 s, a pod's whole `factory train-grpo` beside other work
+    # (load 10 on 2 cores) was killed (137) as it exited, and Dagster's retry of the step started a second pod.
+    def __init__(self, workdir: Path, process_timeout: float = 600.0) -> None:
         self.machine = Machine(Path(workdir))
         self.process_timeout = process_timeout
         self.requests: list[Request] = []

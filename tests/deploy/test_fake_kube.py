@@ -55,6 +55,7 @@ def status_of(e: ApiException) -> dict:
     return json.loads(e.body)
 
 
+@pytest.mark.slow
 def test_crud_through_the_typed_clients_deserializes_into_models(fake_kube: FakeKube, apis) -> None:
     core, apps, _ = apis
     made = core.create_namespaced_config_map(NS, client.V1ConfigMap(metadata=meta("spec", app="a"), data={"k": "1"}))

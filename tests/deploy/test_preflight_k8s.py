@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -40,6 +39,7 @@ from factory.ops.preflight.mark import (
 )
 from factory.ops.preflight.result import CheckResult, PreflightReport
 from tests.deploy.fake_kube import FakeKube, merge_patch
+from tests.ports import refusing_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SNAPSHOTS = Path(__file__).parent / "snapshots"
@@ -270,6 +270,7 @@ def no_op_like_training(train_job: dict, name: str) -> dict:
                 **placement}}}}
 
 
+@pytest.mark.slow
 def test_preflight_job_on_a_fake_cluster_taints_a_failing_node_keeps_training_off_and_a_rerun_clears_it(
         fake_kube: FakeKube, tmp_path: Path) -> None:
     """The rendered Job, created in the fake cluster, runs `factory preflight --mark-node` as a local process on the
@@ -334,9 +335,7 @@ def test_cli_mark_node_errors_name_the_node_and_the_answer(fake_kube: FakeKube, 
     assert main(["preflight", "--check", "python", "--mark-node", "--kubeconfig", kubeconfig]) == 2
     assert "--mark-node: $NODE_NAME is not set" in capsys.readouterr().err
     assert len(fake_kube.requests) == sent  # refused up front: nothing measured, nothing sent
-    with socket.socket() as sock:  # a port that was free a moment ago: nothing listens there
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = refusing_port()  # nothing listens there
     dead = tmp_path / "dead-kubeconfig"
     dead.write_text(Path(kubeconfig).read_text().replace(fake_kube.host, f"http://127.0.0.1:{port}"))
     with pytest.raises(MarkError, match="cannot mark node gpu-node-1: .*(Connection refused|Max retries)"):

@@ -54,12 +54,14 @@ def k8s_location() -> dict:
     return load_code_location(FACTORY_PROFILE="k8s", FACTORY_DEPLOY_PROFILE=str(PROFILE), FACTORY_SPEC=str(K8S_SPEC))
 
 
+@pytest.mark.slow
 def test_the_local_default_has_no_executor_and_no_pod_tags() -> None:
     loc = load_code_location()
     assert loc["executor"] is None and loc["launcher"] == "in_process"
     assert all(DAGSTER_CONFIG_TAG not in tags for tags in loc["tags"].values())
 
 
+@pytest.mark.slow
 def test_k8s_profile_uses_the_k8s_job_executor_and_launches_training_on_the_cluster(k8s_location: dict) -> None:
     assert k8s_location["executor"] == "factory_k8s" and k8s_location["launcher"] == "k8s"
     from dagster_k8s import k8s_job_executor
@@ -92,6 +94,7 @@ def test_every_asset_step_gets_its_pod_from_the_spec_and_profile(k8s_location: d
         assert cfg["container_config"]["envFrom"] == [{"secretRef": {"name": "factory-env", "optional": True}}]
 
 
+@pytest.mark.slow
 def test_dagster_k8s_builds_valid_step_jobs_from_the_asset_tags(k8s_location: dict) -> None:
     from dagster_k8s.job import DagsterK8sJobConfig, construct_dagster_k8s_job, get_user_defined_k8s_config
     from kubernetes.client import ApiClient

@@ -127,6 +127,7 @@ def _images_loaded(page, mlflow_url: str, n: int) -> list[int]:
                          mlflow_url)
 
 
+@pytest.mark.slow
 def test_a_sweep_from_the_launchpad_after_make_demo(after_demo):
     from playwright.sync_api import expect, sync_playwright
 
@@ -203,3 +204,21 @@ def test_a_sweep_from_the_launchpad_after_make_demo(after_demo):
             raise
         finally:
             browser.close()
+
+
+def test_the_sweep_typed_into_the_launchpad_is_valid_and_plans_two_members_on_one_warm_start():
+    """The browser test's input, checked in seconds without a browser or a run (that test is marked slow): the
+    `sweep` job accepts it as run config, and it plans what the browser test then waits for."""
+    import yaml
+    from dagster import validate_run_config
+
+    from factory.config import parse_overrides
+    from factory.sweep import SweepDefinition, plan_sweep
+    from jobs import defs
+
+    run_config = yaml.safe_load(SWEEP_YAML)
+    validate_run_config(defs.get_job_def("sweep"), run_config)
+    fields = run_config["ops"]["plan_and_queue_sweep"]["config"]
+    plan = plan_sweep(SweepDefinition(**{**fields, "overrides": parse_overrides(fields["overrides"])}))
+    assert [m.values for m in plan.members] == [{"algorithm.lr": 1.0e-3}, {"algorithm.lr": 3.0e-3}]
+    assert len(plan.warm_starts()) == 1

@@ -26,6 +26,7 @@ def test_calculator_runs_in_the_sandbox():
     assert tasks.sandbox_pool().metrics()["executions"] == before + 1
 
 
+@pytest.mark.slow
 def test_code_reward_is_the_unit_test_pass_rate():
     splits = make_task_splits(TaskSpec(name="code", n_train=16, n_eval=8), 0)
     p = next(x for x in splits.train + splits.eval if x.id.endswith("-maximum"))
@@ -42,6 +43,7 @@ def small(spec: dict) -> dict:
             "schedule": {"mode": "async", "steps": 3, "wait_timeout_s": 180}, **spec}
 
 
+@pytest.mark.slow
 def test_a_code_generation_run_trains_through_the_async_core():
     from factory.core.loop import train_grpo
     from factory.models.build import build_model
@@ -61,6 +63,7 @@ def test_a_code_generation_run_trains_through_the_async_core():
     assert tasks.sandbox_pool().metrics()["executions"] - before >= 3 * 4 * 4
 
 
+@pytest.mark.slow
 def test_a_tool_use_run_trains_through_the_async_core():
     """A policy first taught to echo its prompt (an expression ending in '=', i.e. a calculator call) calls the
     tool; the tool's reply is in the episode's tokens but never in the loss."""

@@ -100,6 +100,7 @@ def test_spec_refuses_a_multi_turn_environment_without_the_rollout_server():
 PROBLEMS = [Problem(id=f"p{i}", prompt=f"{i}+{i}=", answer="", op="add", digits=1) for i in range(10)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("medium", ["in_process", "service"])
 def test_multi_turn_episodes_train_through_the_async_core(medium):
     from factory.core.loop import train_grpo

@@ -105,6 +105,7 @@ def test_values_a_reward_may_return():
     assert len(long) <= 300 and long.endswith("expected a finite number")
 
 
+@pytest.mark.slow
 def test_a_misbehaving_reward_function_scores_zero_with_the_reason_in_process():
     env = make_environment(0.0, "in_process", reward_timeout_s=REWARD_TIMEOUT_S)
     assert isinstance(env, LocalEnvironment) and env.metrics() == {"env_errors": 0.0}
@@ -115,6 +116,7 @@ def test_a_misbehaving_reward_function_scores_zero_with_the_reason_in_process():
     env.close()
 
 
+@pytest.mark.slow
 def test_a_misbehaving_reward_function_scores_zero_with_the_reason_through_env_serve():
     env = make_environment(0.0, "service", processes=1, timeout=120, reward_timeout_s=REWARD_TIMEOUT_S)
     try:
@@ -216,6 +218,7 @@ def check_episodes(env, rollout_server, name: str, table: dict, prefix: str) -> 
     assert out[0].info["answer"] == out[-1].info["answer"]  # the good ones really talked to the model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("medium", ["in_process", "service"])
 def test_misbehaving_episodes_score_zero_with_the_reason(rollout_server, medium):
     env = make_environment(0.0, medium, processes=1, timeout=120)
@@ -228,6 +231,7 @@ def test_misbehaving_episodes_score_zero_with_the_reason(rollout_server, medium)
         env.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("medium", ["in_process", "service"])
 def test_an_episode_that_blocks_its_event_loop_times_out_and_the_next_group_runs(rollout_server, medium):
     env = make_environment(0.0, medium, processes=1, timeout=120)

@@ -214,6 +214,7 @@ def test_limits_validate(kwargs):
     assert dataclasses.asdict(SandboxLimits())["output_bytes"] == 1 << 20
 
 
+@pytest.mark.slow
 def test_redteam_suite_is_contained_under_bwrap(require_sandbox):
     from factory.envs.redteam import run_suite
 

@@ -24,6 +24,7 @@ def _short_runs(case) -> None:
                 limits[name] = 2
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(schemathesis is None, reason="schemathesis (dev extra) not installed")
 def test_schema_fuzzing_finds_no_server_error(tmp_path, require_sandbox):
     argv = [sys.executable, "-m", "factory.cli", "sandbox-serve", "--port", "{port}", "--size", "2"]

@@ -4,22 +4,16 @@ the field, an unreachable rollout server with a 502 naming rollout_url, and keep
 from __future__ import annotations
 
 import json
-import socket
 import sys
 
 import httpx
 import pytest
 
 from factory.infra.supervisor import ServiceProcess
+from tests.ports import refusing_port
 
 P = {"id": "p1", "prompt": "12+30=", "answer": "42", "op": "add", "digits": 2}
 GOOD_SCORE = {"episodes": [{"key": "p1-0", "problem": P, "completions": ["42", "7"]}]}
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:  # bound, never listening: connections are refused
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 EPISODES = {"env": "calculator_tool", "tasks": [P], "session_ids": ["s1"], "rollout_url": "http://127.0.0.1:1",
@@ -62,7 +56,7 @@ CASES = [
      ["http(s) URL"]),
     ("episodes-rollout-url-scheme", "/episodes", {**EPISODES, "rollout_url": "file:///etc"}, 422, "rollout_url",
      ["http(s) URL"]),
-    ("episodes-rollout-unreachable", "/episodes", {**EPISODES, "rollout_url": f"http://127.0.0.1:{_closed_port()}"},
+    ("episodes-rollout-unreachable", "/episodes", {**EPISODES, "rollout_url": f"http://127.0.0.1:{refusing_port()}"},
      502, "rollout_url", ["cannot reach the rollout server"]),
     ("unknown-route", "/scores", {}, 404, None, ["/scores"]),
     ("oversized", "/score", {"episodes": [{"key": "k", "problem": P, "completions": ["4" * (8 << 20)]}]}, 413,

@@ -3,26 +3,20 @@
 
 from __future__ import annotations
 
-import socket
 import sys
 
 import pytest
 
 from factory.infra.supervisor import ServiceProcess
+from tests.ports import refusing_port
 from tests.schema_fuzz import fuzz_service, schemathesis
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:  # bound, never listening: connections are refused
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _stay_local(case) -> None:
     """Generated URLs and import paths would reach the network or import arbitrary modules: pin them."""
     body = case.body if isinstance(case.body, dict) else {}
     if isinstance(body.get("rollout_url"), str):
-        body["rollout_url"] = f"http://127.0.0.1:{_closed_port()}"
+        body["rollout_url"] = f"http://127.0.0.1:{refusing_port()}"
     holders = [body]
     if isinstance(body.get("episodes"), list):
         holders += [e for e in body["episodes"] if isinstance(e, dict)]
@@ -31,6 +25,7 @@ def _stay_local(case) -> None:
             holder["env"] = "no_such_module_for_fuzzing:attr"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(schemathesis is None, reason="schemathesis (dev extra) not installed")
 def test_schema_fuzzing_finds_no_server_error(tmp_path):
     argv = [sys.executable, "-m", "factory.cli", "env-serve", "--port", "{port}"]

@@ -24,6 +24,7 @@ def service():
     env.close()
 
 
+@pytest.mark.slow
 def test_service_scores_like_the_local_environment(service):
     local = LocalEnvironment(LatencyProfile(unit_s=0.001))
     assert service.score(EPISODES) == local.score(EPISODES)
@@ -55,6 +56,7 @@ def test_a_killed_worker_is_restarted_and_the_request_repeated(service):
     assert sum(s.restarts for s in service.services) == restarts + 1  # only the one the request went to
 
 
+@pytest.mark.slow
 def test_a_crash_looping_worker_trips_the_breaker_and_is_not_restarted():
     env = make_environment(0.0, "service", processes=1, timeout=60, breaker_restarts=1, breaker_window_s=3600.0)
     try:

@@ -84,6 +84,7 @@ def test_an_async_run_puts_trainer_engine_and_scoring_on_their_cores(restore_mai
     assert producers and all(v[:2] == ("environment", frozenset({b})) for v in producers)
 
 
+@pytest.mark.slow
 @two_cores
 def test_child_processes_start_on_their_components_cores(require_sandbox):
     from factory.envs.sandbox import SandboxPool

@@ -1,6 +1,7 @@
 """Supervised services: health-gated start, restart after a kill, retry of an interrupted call, and the circuit
 breaker that stops a crash loop; `retry`, the one retry loop."""
 
+import socket
 import sys
 import threading
 from pathlib import Path
@@ -99,6 +100,7 @@ def test_a_crash_looping_service_trips_the_breaker_with_its_stderr_tail(tmp_path
         assert not svc.alive() and svc.restarts == 3 and svc.breaker_open
 
 
+@pytest.mark.slow
 def test_a_service_that_crashes_rarely_never_trips(tmp_path):
     now = [1000.0]  # the supervisor's clock, moved by the test: crashes hours apart without waiting hours
     with service(tmp_path, breaker_restarts=1, breaker_window_s=60.0, clock=lambda: now[0]) as svc:
@@ -128,6 +130,7 @@ def test_breaker_settings_are_checked():
         ServiceProcess("x", ["true"], breaker_restarts=0)
 
 
+@pytest.mark.slow
 def test_watchdog_kills_a_service_that_stops_answering_and_the_next_call_restarts_it(tmp_path):
     import os
     import signal
@@ -198,3 +201,20 @@ def test_retry_without_a_limit_and_its_waits():
         delay = min(delay * 2, 5.0)
     assert slept == expected
 
+
+def test_a_picked_port_taken_before_the_child_binds_it_is_replaced_at_first_start(tmp_path, monkeypatch):
+    from factory.infra import supervisor
+
+    with socket.socket() as other:  # other work takes the port the supervisor picks, before its child binds it
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        taken = other.getsockname()[1]
+        picks = iter([taken, supervisor.free_port()])
+        monkeypatch.setattr(supervisor, "free_port", lambda: next(picks))
+        with service(tmp_path) as svc:
+            assert svc.port != taken and httpx.get(f"{svc.url}/echo?x=hi").text == "hi"
+            assert svc.argv[2] == str(svc.port) and svc.restarts == 0
+        assert "Address already in use" in (tmp_path / "svc.log").read_text()  # the first child's death
+        monkeypatch.setattr(supervisor, "free_port", lambda: taken)  # every pick taken: the error, after PORT_TRIES
+        with pytest.raises(ServiceUnavailable, match="exited with code"):
+            service(tmp_path).start()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from dagster import instance_for_test, materialize
 
 from factory.cli import main
@@ -22,6 +23,7 @@ TINY = [
 SPEC = str(Path(__file__).parents[2] / "examples" / "quickstart.yaml")
 
 
+@pytest.mark.slow
 def test_quickstart_assets_on_postgres(postgres_databases, tmp_path, monkeypatch, capsys):
     catalog, mlflow, dagster = postgres_databases(), postgres_databases(), postgres_databases()
     monkeypatch.setenv("FACTORY_HOME", str(tmp_path / "home"))

@@ -40,6 +40,7 @@ def test_definitions_load():
         "prompt_stats"}
 
 
+@pytest.mark.slow
 def test_iceberg_records(materialized):
     result, home, _ = materialized
     md = result.asset_materializations_for_node("grpo_run")[0].metadata
@@ -67,12 +68,14 @@ def test_iceberg_records(materialized):
     assert AutoModelForCausalLM.from_pretrained(ckpt["uri"]).config.model_type == "qwen2"
 
 
+@pytest.mark.slow
 def test_progress_was_shown_on_the_run(materialized):
     _, _, tags = materialized
     # the last report of each stage that ran: the run's tags end with GRPO's final step
     assert tags["factory/progress"] == "grpo 3/3" and tags["factory/eta"] == "0s" and "factory/reward" in tags
 
 
+@pytest.mark.slow
 def test_mlflow_run(materialized):
     result, home, _ = materialized
     md = result.asset_materializations_for_node("grpo_run")[0].metadata
@@ -86,6 +89,7 @@ def test_mlflow_run(materialized):
     assert [s for s, _ in tracker.metric_history(run.info.run_id, "reward_mean")] == [1, 2, 3]
 
 
+@pytest.mark.slow
 def test_report_and_check(materialized):
     result, _, _ = materialized
     report = result.asset_materializations_for_node("eval_report")[0].metadata
@@ -96,6 +100,7 @@ def test_report_and_check(materialized):
     assert check.passed == (gain > 0)
 
 
+@pytest.mark.slow
 def test_rematerializing_unchanged_inputs_reuses_the_sft_checkpoint(materialized):
     result, home, _ = materialized
     first = result.asset_materializations_for_node("sft_checkpoint")[0]

@@ -52,6 +52,7 @@ def test_an_unknown_source_is_refused_naming_the_axis(instance):
                                 "unknown source(s) ['add9'] (sources: ['add2', 'add3'])")
 
 
+@pytest.mark.slow
 def test_members_train_on_the_blend_their_weights_describe(instance, factory_home):
     daemon_running(instance)
     result = launch(instance, {AXIS: [0.2, 0.8]}, max_concurrent=2)

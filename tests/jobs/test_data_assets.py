@@ -61,6 +61,7 @@ def versions(instance) -> dict[str, str]:
     return out
 
 
+@pytest.mark.slow
 def test_data_versions_follow_the_file_and_the_weights(tmp_path, factory_home, instance):
     parquet = write_parquet(tmp_path / "p.parquet", [str(2 * i) for i in range(60)])
     spec_path = write_spec(tmp_path, parquet)

@@ -77,6 +77,7 @@ def _sensor(instance, home):
         return new_checkpoint_evals(ctx)
 
 
+@pytest.mark.slow
 def test_the_sensor_spreads_evals_within_the_limit(recorded):
     home, run_id = recorded
     keys = [checkpoint_key(run_id, s) for s in (1, 2, 3)]
@@ -105,6 +106,7 @@ def test_the_sensor_spreads_evals_within_the_limit(recorded):
         assert len(_sensor(instance, home).run_requests) == 3
 
 
+@pytest.mark.slow
 def test_regression_check_per_checkpoint_and_benchmark(recorded):
     home, run_id = recorded
     keys = [checkpoint_key(run_id, s) for s in (1, 2, 3)]

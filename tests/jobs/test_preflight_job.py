@@ -37,6 +37,7 @@ def node(monkeypatch) -> str:
     return name
 
 
+@pytest.mark.slow
 def test_node_health_materializes_with_an_asset_check_per_check(factory_home, node):
     home = FactoryHomeResource(root=str(factory_home.root))
     with DagsterInstance.ephemeral() as instance:
@@ -104,6 +105,7 @@ def test_grpo_run_refuses_a_node_that_failed_its_preflight(factory_home, node, m
     assert "bubblewrap not found" in err.description and err.metadata["failed_checks"].value == "sandbox"
 
 
+@pytest.mark.slow
 def test_sweep_member_refuses_a_node_that_failed_its_preflight(factory_home, node, monkeypatch,
                                                               sandbox_check_failed):
     from dagster._daemon.types import DaemonHeartbeat

@@ -111,6 +111,7 @@ def _optional_op_fields() -> set[str]:
     return {k for k, f in fields.items() if not f.is_required}
 
 
+@pytest.mark.slow
 def test_one_warm_start_then_members_within_the_limit_then_evals_then_the_summary(instance, factory_home):
     daemon_running(instance)
     result = launch(instance, axes={"algorithm.lr": [1e-3, 3e-3]}, max_concurrent=1)
@@ -219,6 +220,7 @@ def test_one_warm_start_then_members_within_the_limit_then_evals_then_the_summar
         "plots/curves.png", "plots/evals.png", "plots/curves.small.png", "plots/evals.small.png"}
 
 
+@pytest.mark.slow
 def test_summary_reports_a_tie_as_a_tie(instance, factory_home):
     from datetime import UTC, datetime
 
@@ -240,6 +242,7 @@ def test_summary_reports_a_tie_as_a_tie(instance, factory_home):
     assert md["failed"].value == 1
 
 
+@pytest.mark.slow
 def test_one_member_failing_does_not_affect_the_others(instance, factory_home):
     """A member whose rewards overflow float32 (its losses go non-finite and the run stops) fails alone: the other
     member trains to the end, both were launched at once, and the sweep's rows say which failed."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from dagster import DagsterInstance, materialize
 
 from jobs import QUICKSTART_ASSETS, make_resources
@@ -29,6 +30,7 @@ def _train(home: Path, where: str, overrides: list[str] = TINY, logs: list[str] 
         return result
 
 
+@pytest.mark.slow
 def test_a_pipes_launch_of_two_ranks_reports_what_the_in_process_run_reports(tmp_path, capfd):
     # trainer.world_size 2: train-grpo re-runs itself as 2 torchrun ranks (as in a trainer pod); rank 0 leads and
     # alone speaks Pipes. The in-process asset's metadata is GRPO_METADATA too (tests/jobs/test_training_retries.py).
@@ -51,6 +53,7 @@ def test_a_pipes_launch_of_two_ranks_reports_what_the_in_process_run_reports(tmp
     assert "trainer: rank 0 of 2 (fsdp on gloo)" in capfd.readouterr().out  # rank 0 of the child's torchrun
 
 
+@pytest.mark.slow
 def test_a_run_that_needs_a_fix_is_not_retried_through_pipes(tmp_path):
     spec = [*TINY, "task.environment=tests.ops.faulty_envs:overflowing_reward", "ops.max_nonfinite_steps=2"]
     result = _train(tmp_path, "subprocess", spec, raise_on_error=False)

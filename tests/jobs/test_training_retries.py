@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from dagster import DagsterInstance, materialize
 
 from factory.home import factory_home
@@ -24,6 +25,7 @@ def lake_of(home: Path) -> Lake:
     return Lake.open(factory_home(home))
 
 
+@pytest.mark.slow
 def test_a_crash_in_grpo_run_is_retried_and_resumes_the_same_run(tmp_path, monkeypatch):
     monkeypatch.setenv("FACTORY_FAULT_RAISE", "publish:5")  # the 5th weight publish of this process raises
     with DagsterInstance.ephemeral() as instance:
@@ -45,6 +47,7 @@ def test_a_crash_in_grpo_run_is_retried_and_resumes_the_same_run(tmp_path, monke
     assert cut["resumed_from_step"] in (2, 4)
 
 
+@pytest.mark.slow
 def test_non_finite_losses_are_not_retried(tmp_path):
     spec = [*TINY, "task.environment=tests.ops.faulty_envs:overflowing_reward", "ops.max_nonfinite_steps=2"]
     with DagsterInstance.ephemeral() as instance:

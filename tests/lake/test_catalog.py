@@ -3,6 +3,8 @@ and leave exactly one table of each name (no orphan metadata from a lost create)
 
 from __future__ import annotations
 
+import pytest
+
 from factory.home import factory_home
 from factory.lake import TABLES, Lake
 from tests.racing import race
@@ -14,6 +16,7 @@ Lake.open(factory_home(root)).close()
 """
 
 
+@pytest.mark.slow
 def test_processes_opening_a_fresh_catalog_together_all_succeed(tmp_path):
     root = race(tmp_path, _OPEN, 6)
     paths = factory_home(root)

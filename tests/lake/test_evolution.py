@@ -76,6 +76,7 @@ def test_day_partitioned_node_health_round_trip(lake: Lake):
     assert len(data_files(lake, "node_health")) == 3
 
 
+@pytest.mark.slow
 def test_old_lake_gains_partitioning_and_columns_without_rewriting(factory_home: FactoryPaths, monkeypatch):
     old = older(STEPS)
     assert NEW_COLUMN not in old.columns

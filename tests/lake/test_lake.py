@@ -40,6 +40,7 @@ def test_tables_created_once_with_keys_as_identifier_fields(factory_home: Factor
         assert again[name].metadata.table_uuid == first[name].metadata.table_uuid
 
 
+@pytest.mark.slow
 def test_upsert_same_key_twice_leaves_one_row_with_latest_values(lake: Lake):
     lake.upsert("steps", [step_row("r1", 6, loss=0.6), step_row("r1", 7, loss=0.7)])
     lake.upsert("steps", [step_row("r1", 7, loss=0.07, kl=0.5)])
@@ -134,6 +135,7 @@ def test_read_with_row_filter(lake: Lake):
     assert sorted(lake.read("steps", "run_id == 'r1' and step >= 3")["step"].to_pylist()) == [3, 4]
 
 
+@pytest.mark.slow
 def test_upkeep_compacts_small_files_and_keeps_every_row(lake: Lake, monkeypatch):
     monkeypatch.setattr(writer, "COMPACT_AFTER_FILES", 4)
     monkeypatch.setattr(writer, "KEEP_SNAPSHOTS", 2)
@@ -150,6 +152,7 @@ def test_upkeep_compacts_small_files_and_keeps_every_row(lake: Lake, monkeypatch
     assert rows[(3,)]["loss"] == -3.0 and rows[(11,)]["loss"] == 11.0
 
 
+@pytest.mark.slow
 def test_large_batch_with_many_key_groups(lake: Lake):
     # 3000 distinct (run_id, step, prompt_id) groups: the key filter must not recurse 3000 deep.
     rows = [dict(run_id="r1", step=s, prompt_id=f"p{p}", sample=0, prompt="1+1=", completion="2", reward=1.0,
@@ -170,6 +173,7 @@ def _write_steps(home: str, run_id: str, n: int, barrier, compact_after: int) ->
     lake.close()
 
 
+@pytest.mark.slow
 def test_two_processes_writing_one_table_lose_no_rows(lake: Lake, factory_home: FactoryPaths):
     ctx = mp.get_context("spawn")  # no SQLite handles inherited through fork
     barrier = ctx.Barrier(2)

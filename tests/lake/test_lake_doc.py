@@ -82,6 +82,7 @@ def test_the_section_has_the_snippets():
     assert {a[1] for a in argvs} >= {"runs", "best", "compare", "query"}
 
 
+@pytest.mark.slow
 def test_the_commands_run(doc_home, capsys):
     for lang, code in section_blocks():
         if lang != "bash":

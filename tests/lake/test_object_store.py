@@ -18,6 +18,7 @@ def _steps(run_id: str, n: int) -> list[dict]:
     return [dict(run_id=run_id, step=s, weight_version=s, loss=1.0 / s, recorded_at=at) for s in range(1, n + 1)]
 
 
+@pytest.mark.slow
 def test_tables_live_in_the_bucket_and_read_back(factory_home, s3_server, monkeypatch, capsys):
     monkeypatch.setenv("FACTORY_WAREHOUSE_URI", f"s3://{s3_server.bucket}/team/lake/")
     with Lake.open(factory_home) as lake:

@@ -7,7 +7,6 @@ nothing (or something else) answers. Creating tables and committing through a re
 from __future__ import annotations
 
 import json
-import socket
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -16,6 +15,7 @@ import pytest
 from pyiceberg.catalog.rest import RestCatalog
 
 from factory.lake import open_catalog
+from tests.ports import refusing_port
 
 
 class _Catalog(BaseHTTPRequestHandler):
@@ -72,9 +72,7 @@ def test_a_rest_uri_opens_a_rest_catalog_there_with_warehouse_and_token(factory_
 
 
 def test_no_catalog_answering_is_an_error_naming_the_uri(factory_home, monkeypatch):
-    with socket.socket() as s:  # a port nothing listens on once closed
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = refusing_port()
     monkeypatch.setenv("FACTORY_CATALOG_URI", f"http://127.0.0.1:{port}")
     with pytest.raises(ConnectionError, match=rf"FACTORY_CATALOG_URI=http://127.0.0.1:{port}: no Iceberg REST "
                                               "catalog answered GET .*/v1/config"):

@@ -115,6 +115,7 @@ def _poll_reader(path, stop, out) -> None:
     out.put(("done", misses, loads))
 
 
+@pytest.mark.slow
 def test_reader_never_finds_the_checkpoint_missing_while_it_is_saved_again(tmp_path):
     tok, a, b = _models()
     path = tmp_path / "final"
@@ -171,6 +172,7 @@ def _legacy_dir(model, tok, path) -> None:
     tok.save_pretrained(path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("before", ["absent", "saved", "legacy_dir"])
 def test_saver_killed_at_every_step_leaves_the_old_or_the_new_checkpoint(tmp_path, before):
     tok, a, b = _models()
@@ -235,6 +237,7 @@ def _save_forever(model_a, model_b, tok, path, ready) -> None:
         i += 1
 
 
+@pytest.mark.slow
 def test_saver_killed_at_random_moments_always_leaves_a_loadable_checkpoint(tmp_path):
     tok, a, b = _models()
     path = tmp_path / "ckpt"

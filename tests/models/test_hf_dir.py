@@ -125,6 +125,7 @@ def test_prompt_too_long_for_the_models_own_positions_names_it(tmp_path):
         policy_for(quickstart_with(d))
 
 
+@pytest.mark.slow
 def test_sft_with_the_bpe_model_lowers_the_loss(bpe_model_dir):
     spec = quickstart_with(bpe_model_dir)
     model, tok = policy_for(spec)
@@ -154,6 +155,7 @@ def test_one_grpo_step_runs_with_the_bpe_model(bpe_model_dir):
     assert texts and max(len(t) for t in texts) > spec.rollout.max_new_tokens
 
 
+@pytest.mark.slow
 def test_factory_run_trains_the_path_model_end_to_end(bpe_model_dir, factory_home, capsys):
     from factory.models.checkpoint import load_checkpoint
 

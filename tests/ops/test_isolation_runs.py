@@ -44,6 +44,7 @@ def run(s, factory_home, init, lake, run_id=None):
     return run_rl(s, factory_home, init, SPLITS, lake, Tracker(factory_home), log=lambda _: None, run_id=run_id)
 
 
+@pytest.mark.slow
 def test_a_raising_or_hanging_reward_scores_0_with_its_reason_and_the_run_goes_on(factory_home, init, lake):
     s = spec(task={"environment": "tests.ops.faulty_envs:flaky_reward", "reward_timeout_s": 0.5})
     res = run(s, factory_home, init, lake)
@@ -58,6 +59,7 @@ def test_a_raising_or_hanging_reward_scores_0_with_its_reason_and_the_run_goes_o
     assert sum(r["env_errors"] for r in steps) == len(failed)  # every sample is in rollouts (log_rollouts = 4)
 
 
+@pytest.mark.slow
 def test_a_crash_looping_rollout_server_trips_the_breaker_then_the_run_resumes(factory_home, init, lake, monkeypatch):
     s = spec(schedule={"mode": "async"}, rollout={"engine": "server"}, buffer={"policy": "bound", "max_staleness": 2},
              ops={"breaker_restarts": 2, "breaker_window_s": 120})
@@ -77,6 +79,7 @@ def test_a_crash_looping_rollout_server_trips_the_breaker_then_the_run_resumes(f
     assert sorted(r["step"] for r in lake.read("steps").to_pylist()) == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_non_finite_losses_are_skipped_and_k_in_a_row_stop_the_run(factory_home, init, lake):
     s = spec(task={"environment": "tests.ops.faulty_envs:overflowing_reward"}, ops={"max_nonfinite_steps": 2},
              schedule={"steps": 6})

@@ -179,12 +179,15 @@ class TensorUpdate:
 # ------------------------------------------------------------------ distributed
 
 
-def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,
-                              timeout: datetime.timedelta) -> dist.ProcessGroup:
+def init_custom_process_group(backend: str, init_method: str | dist.Store, world_size: int, rank: int,
+                              group_name: str, timeout: datetime.timedelta) -> dist.ProcessGroup:
     """A process group outside the default one (the trainer may have its own), joined the way SGLang's
-    `init_custom_process_group` joins it: rendezvous on `init_method` (rank 0 hosts the tcp store),
-    a PrefixStore named after the group, ranks 0..world_size-1."""
-    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+    `init_custom_process_group` joins it: rendezvous on `init_method` (rank 0 hosts the tcp store; or
+    `init_method` is that store, already listening), a PrefixStore named after the group, ranks 0..world_size-1."""
+    if isinstance(init_method, str):
+        store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+    else:
+        store = init_method
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
     pg, _ = _new_process_group_helper(world_size, rank, [], backend, store, group_name=group_name, timeout=timeout)
@@ -201,6 +204,7 @@ class DistributedUpdate:
     """Broadcast from the trainer (rank 0) over a group that every server's TP ranks join.
 
     `tp_sizes[i]`: server i's TP ranks take ranks 1 + sum(tp_sizes[:i]) ... (its `rank_offset`).
+    `master_port` 0: the kernel picks the port when the trainer's store binds, and the servers are told that one.
     `device`: where the trainer stages each tensor for the broadcast ("cuda" for NCCL)."""
 
     def __init__(self, master_address: str, master_port: int, tp_sizes: list[int], *, backend: str = "nccl",
@@ -251,15 +255,20 @@ class DistributedUpdate:
         if len(clients) != len(self.tp_sizes):
             raise ValueError(f"{len(clients)} servers but tp_sizes for {len(self.tp_sizes)}")
 
+        # The trainer's store listens before any server hears its port: a port found free and bound later was,
+        # under load, taken by other work in between.
+        store = dist.TCPStore(self.master_address, self.master_port, self.world_size, is_master=True,
+                              timeout=self.timeout, wait_for_workers=False)
+
         def init(i: int, c: SGLangEngine) -> None:
             _checked(c, "/init_weights_update_group", {
-                "master_address": self.master_address, "master_port": self.master_port,
+                "master_address": self.master_address, "master_port": store.port,
                 "rank_offset": self.rank_offset(i), "world_size": self.world_size, "group_name": self.group_name,
                 "backend": self.backend}, f"joining group {self.group_name!r}")
 
         def join() -> None:
-            self.group = init_custom_process_group(self.backend, f"tcp://{self.master_address}:{self.master_port}",
-                                                   self.world_size, 0, self.group_name, self.timeout)
+            self.group = init_custom_process_group(self.backend, store, self.world_size, 0, self.group_name,
+                                                   self.timeout)
 
         self._side_by_side(clients, init, join)
 

@@ -1,10 +1,10 @@
 """Starting a job as N trainer ranks under torchrun, from Python: a bounded wait, and a failing rank's own error.
 
-`run_ranks` runs `python -m torch.distributed.run` on one node with a static rendezvous on 127.0.0.1 and a free
-port, each rank's stdout/stderr in its own log file. It returns every rank's output when all exit 0; otherwise it
-raises `RanksFailed` naming the rank torchrun saw fail first, with that rank's stderr tail (the traceback), not
-torchrun's own stack. Past `timeout` the whole process group is killed and `RanksTimedOut` is raised with what the
-ranks had written.
+`run_ranks` runs `python -m torch.distributed.run --standalone` on one node (its rendezvous store binds port 0 and
+the ranks share it: no port is picked free and bound later, when other work may have taken it), each rank's
+stdout/stderr in its own log file. It returns every rank's output when all exit 0; otherwise it raises `RanksFailed`
+naming the rank torchrun saw fail first, with that rank's stderr tail (the traceback), not torchrun's own stack. Past
+`timeout` the whole process group is killed and `RanksTimedOut` is raised with what the ranks had written.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,20 +38,12 @@ class RankOutput:
     stderr: str
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` now (the OS picks it; another process could still take it before the ranks bind)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def torchrun_command(nproc: int, target: str, args: Sequence[str], port: int, log_dir: Path | None) -> list[str]:
+def torchrun_command(nproc: int, target: str, args: Sequence[str], log_dir: Path | None) -> list[str]:
     """The torchrun command line: `target` is a script path (ends in .py) or a module name (run with -m). Each
     rank's output goes to `log_dir`, or with None rank 0's to this terminal and the others' nowhere."""
     if nproc < 1:
         raise ValueError(f"nproc: need at least 1 rank, got {nproc}")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--node-rank", "0",
-           "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(port),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            "--max-restarts", "0"]
     cmd += ["--log-dir", str(log_dir), "--redirects", "3"] if log_dir is not None else ["--local-ranks-filter", "0"]
     if not target.endswith(".py"):
@@ -71,7 +62,7 @@ def run_ranks(nproc: int, target: str | Path, args: Sequence[str] = (), env: Map
         raise FileNotFoundError(f"rank script not found: {target}")
     with tempfile.TemporaryDirectory(prefix="factory-ranks-") as tmp:
         log_dir = Path(tmp)
-        cmd = torchrun_command(nproc, target, args, free_port(), log_dir)
+        cmd = torchrun_command(nproc, target, args, log_dir)
         full_env = {**os.environ, **(env or {}), "OMP_NUM_THREADS": str(threads)}
         # Its own session: on timeout the agent and every rank go down together, nothing is orphaned.
         proc = subprocess.Popen(cmd, env=full_env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -17,7 +17,6 @@ refuses it.
 from __future__ import annotations
 
 import contextlib
-import socket
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
@@ -75,18 +74,12 @@ def megatron_config(hf_config: PretrainedConfig, tensor_parallel: int = 1, pipel
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_model_parallel(tensor_parallel: int = 1, pipeline_parallel: int = 1, backend: str = "gloo") -> None:
-    """Megatron's parallel state. Without a process group (one process, the loop's) a 1-rank group on a free
-    127.0.0.1 port is started; under torchrun the existing group is used. Already initialised with other sizes
-    is an error."""
+    """Megatron's parallel state. Without a process group (one process, the loop's) a 1-rank group over an
+    in-process store is started (no port: nothing else can take it); under torchrun the existing group is used.
+    Already initialised with other sizes is an error."""
     if not dist.is_initialized():
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if parallel_state.model_parallel_is_initialized():
         have = (parallel_state.get_tensor_model_parallel_world_size(),
                 parallel_state.get_pipeline_model_parallel_world_size())

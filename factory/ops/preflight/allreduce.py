@@ -28,7 +28,7 @@ def _rank_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m factory.ops.preflight.allreduce")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world", type=int, required=True)
-    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--port", type=int, required=True, help="of the group's store, hosted by the check's process")
     p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     p.add_argument("--mb", type=int, default=8)
     p.add_argument("--iters", type=int, default=10)
@@ -43,8 +43,9 @@ def _rank_main(argv: list[str] | None = None) -> int:
     if a.backend == "nccl":
         torch.cuda.set_device(a.rank)
         device = f"cuda:{a.rank}"
-    dist.init_process_group(a.backend, init_method=f"tcp://127.0.0.1:{a.port}", rank=a.rank, world_size=a.world,
-                            timeout=dt.timedelta(seconds=TIMEOUT_S / 2))
+    timeout = dt.timedelta(seconds=TIMEOUT_S / 2)
+    store = dist.TCPStore("127.0.0.1", a.port, a.world, is_master=False, timeout=timeout)
+    dist.init_process_group(a.backend, store=store, rank=a.rank, world_size=a.world, timeout=timeout)
     try:
         n = (a.mb << 20) // 4
         t = torch.full((n,), float(a.rank + 1), device=device)
@@ -71,10 +72,13 @@ def _rank_main(argv: list[str] | None = None) -> int:
 
 
 def allreduce_check(floor_gbs: float, mode: str, gpus: int) -> CheckResult:
-    from factory.infra.supervisor import free_port
+    import torch.distributed as dist  # heavy: torch; the check's other probes run without it
 
     backend, world = ("nccl", gpus) if gpus >= 2 else ("gloo", 2)
-    port = free_port()
+    # The group's store listens (on a port the kernel picks at bind) before any rank starts: a port found free and
+    # bound later by rank 0 can be taken by other work in between.
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+    port = store.port
     mb, iters = SIZES_MB[mode], ITERS[mode]
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, "-m", "factory.ops.preflight.allreduce", "--rank", str(r),
