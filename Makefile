@@ -1,5 +1,5 @@
-# Two commands matter: `make demo` and `make test` (`make test-fast`: every package, the tests marked slow left out).
-# a second run skips the install unless pyproject.toml changed.
+# Two commands matter: `make demo` and `make test`. Both create .venv and install on first use;
+# a second run skips the install unless pyproject.toml changed. `make test-fast` leaves out the tests marked slow.
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
@@ -41,7 +41,7 @@ ui: $(STAMP)
 # ruff, and the import contracts in pyproject.toml ([tool.importlinter]: the layers, no cycles)
 lint: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/lint-imports
+	PYTHONPATH=$(CURDIR) $(BIN)/lint-imports
 
 clean:
 	rm -rf .factory
