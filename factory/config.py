@@ -449,7 +449,8 @@ class TrainerSpec(_Section):
     tensor_parallel: int = Field(1, ge=1, description="Megatron tensor-parallel size")
     pipeline_parallel: int = Field(1, ge=1, description="Megatron pipeline-parallel size")
     devices: list[int] | None = Field(
-        None, description="placement: CUDA device indices for the trainer ranks; unset: CPU here, cuda:rank on GPUs")
+        None, description="placement: CUDA device indices for the trainer ranks; unset: cuda:LOCAL_RANK where CUDA "
+        "is available, else the CPU")
     cpus: list[int] | None = Field(
         None, min_length=1, description="placement: the CPU cores the trainer's threads run on (its torch threads "
         "stay on them); unset: any")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 from factory.config import ExperimentSpec
+from factory.envs.spec_check import check_spec
 from factory.home import FactoryPaths
 from factory.lake.writer import Lake
 from factory.models.checkpoint import load_checkpoint
@@ -55,7 +56,9 @@ def run_experiment(spec: ExperimentSpec, paths: FactoryPaths, control: bool = Fa
     """Every stage in order, as the quickstart job runs them; returns the eval summary + report.
 
     `supervised`: the RL run's attempts run in child processes that are restarted (resuming) when one
-    dies or hangs (`runs/restarts.py`); a run that does not succeed raises `RunFailed` with its exit code."""
+    dies or hangs (`runs/restarts.py`); a run that does not succeed raises `RunFailed` with its exit code.
+    A spec built in Python gets the task checks a loaded one got (`check_spec`: task size, prompt length)."""
+    check_spec(spec)
     ds = build_dataset(spec, paths)
     splits = load_dataset(ds.path)
     log(f"dataset {ds.fingerprint}: {ds.n_train} train / {ds.n_eval} held-out")
