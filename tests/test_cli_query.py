@@ -85,6 +85,7 @@ def test_usage_errors_exit_2(capsys):
     assert {"query", "runs"} <= set(build_parser()._subparsers._group_actions[0].choices)
 
 
+@pytest.mark.slow
 def test_module_entry_point_exit_code(factory_home):
     import subprocess
     import sys

@@ -128,6 +128,7 @@ with Lake.open(paths) as lake:
 """
 
 
+@pytest.mark.slow
 def test_processes_starting_together_on_a_fresh_home_all_succeed(tmp_path):
     n = 5
     root = race(tmp_path, _SET_UP, n)
