@@ -15,7 +15,8 @@ def _fast_packages(request) -> set[str]:
     (`make test`, `make test-fast`: free), else from a collection of it in a subprocess (tens of seconds)."""
     opt = request.config.option
     whole = [Path(a).resolve() for a in request.config.args] in ([TESTS.resolve()], [TESTS.parent.resolve()])
-    if whole and not opt.keyword and opt.markexpr in ("", "not slow") and not opt.lf and not opt.deselect:
+    filtered = opt.keyword or opt.markexpr not in ("", "not slow") or getattr(opt, "lf", False) or opt.deselect
+    if whole and not filtered:
         nodes = [item.nodeid for item in request.session.items if item.get_closest_marker("slow") is None]
     else:
         out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "not slow",
