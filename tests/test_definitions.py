@@ -5,9 +5,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parents[1]
 
 
+@pytest.mark.slow
 def test_workspace_loads_without_errors(tmp_path):
     env = dict(os.environ, DAGSTER_HOME=str(tmp_path), FACTORY_HOME=str(tmp_path / "home"))
     dagster = Path(sys.executable).parent / "dagster"

@@ -317,6 +317,7 @@ def test_sweep_curves_skips_members_without_rows_per_panel():
     _check_png(sweep_curves_png(members), SWEEP_SIZE, max_bytes=150_000)
 
 
+@pytest.mark.slow
 def test_sweep_curves_many_members_get_distinct_styles_and_a_legend_that_fits():
     members = _sweep_members(32, steps=20)
     for m in members:  # labels as long as a real sweep's: four columns of them would not fit

@@ -22,6 +22,7 @@ def tracker(tmp_path_factory) -> Tracker:
     return Tracker(factory_home(tmp_path_factory.mktemp("tracking-home")))
 
 
+@pytest.mark.slow
 def test_run_round_trip_through_a_new_client(tracker: Tracker, tmp_path):
     params = {"model": {"preset": "micro", "layers": 2}, "lr": 1e-3, "mode": "sync", "empty": {}}
     run_id = tracker.start_run("arith", "run-1", params=params, tags={"factory.run_id": "r1", "seed": 7})
@@ -76,6 +77,7 @@ def test_non_numeric_metric_is_named(tracker: Tracker):
         tracker.log_metrics(run_id, 0, {"loss": "low"})
 
 
+@pytest.mark.slow
 def test_first_use_of_a_home_is_quiet(factory_home, capfd):
     Tracker()  # $FACTORY_HOME from the fixture; a brand-new MLflow DB
     out, err = capfd.readouterr()
@@ -128,6 +130,7 @@ with Lake.open(paths) as lake:
 """
 
 
+@pytest.mark.slow
 def test_processes_starting_together_on_a_fresh_home_all_succeed(tmp_path):
     n = 5
     root = race(tmp_path, _SET_UP, n)
@@ -145,6 +148,7 @@ def test_processes_starting_together_on_a_fresh_home_all_succeed(tmp_path):
     assert not list(paths.mlflow_db.parent.glob("mlflow.db.setup-*"))
 
 
+@pytest.mark.slow
 def test_half_made_store_without_runs_is_rebuilt_and_one_with_runs_refused(tmp_path):
     # What a racing first set-up used to leave: some tables, an Alembic revision short of the head.
     paths = factory_home(tmp_path / "home")

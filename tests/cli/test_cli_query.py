@@ -48,6 +48,7 @@ def test_query_table_format_by_default(runs_recorded, capsys):
     assert out[-1] == "(2 rows)"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sql", ["SELEC 1", "SELECT * FROM no_such_table", "SELECT nope FROM runs"])
 def test_bad_sql_exits_2_with_one_line_error(runs_recorded, capsys, sql):
     assert main(["query", sql]) == 2
@@ -56,6 +57,7 @@ def test_bad_sql_exits_2_with_one_line_error(runs_recorded, capsys, sql):
     assert err.startswith("factory: error: ") and err.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_runs_lists_final_accuracy_at_the_last_step(runs_recorded, capsys):
     assert main(["runs", "--format", "json"]) == 0
     rows = json.loads(capsys.readouterr().out)
@@ -85,6 +87,7 @@ def test_usage_errors_exit_2(capsys):
     assert {"query", "runs"} <= set(build_parser()._subparsers._group_actions[0].choices)
 
 
+@pytest.mark.slow
 def test_module_entry_point_exit_code(factory_home):
     import subprocess
     import sys

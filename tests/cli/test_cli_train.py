@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from factory.cli import main
 
 TINY = ["--set", "name=cli", "--set", "model.preset=micro", "--set", "task.n_train=200", "--set", "task.n_eval=24",
@@ -31,6 +33,7 @@ def test_validate_missing_file_exits_2(capsys):
     assert "no such spec file: nope.yaml" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_run_records_one_row_per_step_and_lists_the_run(factory_home, capsys):
     assert main(["run", "examples/quickstart.yaml", *TINY]) == 0
     assert "held-out accuracy" in capsys.readouterr().out

@@ -187,6 +187,7 @@ def simulate(buf: RolloutBuffer, b: int, actions: list[int]) -> list[int]:
     return seen
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None)
 @given(eta=st.integers(1, 3), b=st.integers(1, 3), actions=st.lists(st.integers(0, 4), max_size=200))
 def test_bound_capacity_eta_times_b_guarantees_staleness(eta, b, actions):

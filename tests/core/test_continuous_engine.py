@@ -50,6 +50,7 @@ def run_staggered(eng: ContinuousEngine, prompts: list[list[int]], params: list[
     return [f.result() for f in futures]
 
 
+@pytest.mark.slow
 def test_greedy_matches_generate_when_requests_arrive_at_different_times():
     model, tok = sharp_model()
     # 3 slots for 8 requests with different lengths: rows are refilled, prompts shift the layout right,
@@ -84,6 +85,7 @@ def test_logprobs_equal_trainer_logprobs_under_continuous_batching():
     assert diff.max().item() < 1e-4
 
 
+@pytest.mark.slow
 def test_seeded_samples_do_not_depend_on_batching():
     model, tok = sharp_model()
     params = SamplingParams(n=3, temperature=1.0, max_new_tokens=8, seed=11)
@@ -200,6 +202,7 @@ def test_load_weights_checks_the_state_dict():
     assert c.weight_version == 3 and c.token_versions == [3] * len(c.token_ids)
 
 
+@pytest.mark.slow
 def test_background_thread_batches_concurrent_callers_and_honours_pause_and_cancel():
     model, tok = sharp_model()
     eng = ContinuousEngine(model, tok, max_batch=8).start()

@@ -252,6 +252,7 @@ def test_make_trainer_keeps_the_plain_trainer_by_default():
             make_trainer(parse_spec({**base, "trainer": {"backend": "megatron"}}), build_model("tiny", tok))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo_name", ["grpo", "dapo"])
 def test_grad_accum_matches_one_batch(job, algo_name):
     """grad_accum=2 in one process (no process group) against the plain trainer: same curve, same weights."""

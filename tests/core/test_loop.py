@@ -55,6 +55,7 @@ def test_resuming_at_a_step_numbers_records_from_there(model_and_tok):
     assert [r.step for r in train_grpo(s, model, tok, PROBLEMS, start_step=10)] == [11, 12]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode,buffer", [
     ("one_step_off", {}),
     ("async", {"policy": "bound", "max_staleness": 2}),
@@ -79,6 +80,7 @@ def test_overlapped_modes_learn_within_their_staleness(model_and_tok, mode, buff
     assert last > first + 0.3, (first, last)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_dapo_dynamic_sampling_drops_uninformative_groups_and_still_learns(model_and_tok, mode):
     model, tok = model_and_tok

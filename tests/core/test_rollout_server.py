@@ -39,6 +39,7 @@ def client(handle) -> openai.OpenAI:
     return openai.OpenAI(base_url=handle.url + "/v1", api_key="x", max_retries=0, timeout=30)
 
 
+@pytest.mark.slow
 def test_health_models_and_model_info(server):
     assert server.url.startswith("http://127.0.0.1:")
     assert httpx.get(server.url + "/health").status_code == 200
@@ -157,6 +158,7 @@ def test_update_weights_from_delta_with_a_custom_decoder():
         assert torch.equal(eng.model.state_dict()[name], torch.full_like(eng.model.state_dict()[name], 2.0))
 
 
+@pytest.mark.slow
 def test_session_records_turns_and_continues_exact_ids(server):
     tok = server.engine.tokenizer
     c = client(server)

@@ -110,6 +110,7 @@ def state_pairs(draw):
     return old, new
 
 
+@pytest.mark.slow
 @settings(max_examples=80, deadline=None, derandomize=True)
 @given(state_pairs())
 def test_delta_round_trip_is_bit_exact(pair):

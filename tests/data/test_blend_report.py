@@ -45,6 +45,7 @@ def test_a_schedule_shows_as_a_turn_in_the_target_and_the_stream_follows_it():
     assert r.max_quota_error == 0.0  # one source at a time: never off
 
 
+@pytest.mark.slow
 def test_the_picture_is_a_deterministic_png_and_long_runs_are_sampled():
     s = spec(weights={"add2": 0.3, "add3": 0.7})
     a, b = blend_report(s, open_sources(s), steps=1000, prompts_per_step=2), blend_report(s, open_sources(s))

@@ -285,6 +285,7 @@ def test_bad_sources_are_named() -> None:
         Blender(sources({"a": 3}) + sources({"a": 4}), weights={"a": 1})
 
 
+@pytest.mark.slow
 @given(weights=st.lists(st.integers(0, 5), min_size=3, max_size=3).filter(any), cut=st.integers(0, 200),
        keep=st.lists(st.booleans(), min_size=1, max_size=30), seed=st.integers(0, 3))
 @settings(max_examples=60, deadline=None)

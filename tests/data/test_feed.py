@@ -117,6 +117,7 @@ def teaches(problem) -> bool:
     return len(set(rewards_for(problem))) > 1  # mixed outcomes: non-zero advantages
 
 
+@pytest.mark.slow
 def test_an_online_curriculum_spends_rollouts_on_prompts_that_still_teach():
     never_retry = {**CURRICULA["online"], "retry_after": 0}
     feeds = {"none": make_feed(spec({})), "online": make_feed(spec(never_retry)),

@@ -26,6 +26,7 @@ def test_feistel_depends_on_the_key() -> None:
     assert [a(x) for x in range(n)] != list(range(n))
 
 
+@pytest.mark.slow
 @given(n_rows=st.integers(1, 400), block_rows=st.integers(1, 64), key=st.integers(0, 2**32))
 @settings(max_examples=150, deadline=None)
 def test_an_epoch_serves_every_row_exactly_once(n_rows: int, block_rows: int, key: int) -> None:

@@ -340,6 +340,7 @@ def test_hf_save_to_disk_directory_reads_without_datasets(tmp_path):
     assert len(src.version()) == 16
 
 
+@pytest.mark.slow
 def test_hf_directory_written_by_datasets_itself(tmp_path):
     datasets = pytest.importorskip("datasets")
     n = 5000

@@ -2,6 +2,8 @@
 
 from datetime import UTC, datetime, timedelta
 
+import pytest
+
 from factory.data.stats import read_prompt_stats, update_prompt_stats
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -46,6 +48,7 @@ def test_stats_count_only_succeeded_runs_and_a_second_update_writes_nothing(lake
     assert stats(lake) == got
 
 
+@pytest.mark.slow
 def test_a_run_that_succeeds_later_updates_only_its_prompts_and_a_lost_run_drops_its_rows(lake):
     run(lake, "a", "succeeded")
     run(lake, "c", "running", 3)
@@ -77,6 +80,7 @@ def test_read_prompt_stats_by_source_with_the_snapshot_read(lake):
     assert read_prompt_stats(lake, []) == ({}, snap)
 
 
+@pytest.mark.slow
 def test_a_pinned_snapshot_reads_what_it_held_and_an_unknown_one_the_current(lake):
     run(lake, "a", "succeeded")
     lake.upsert("prompt_attempts", [attempt("a", 0, "add2", "p", 8, 3)])

@@ -370,6 +370,7 @@ def test_followed_logs_stream_lines_as_the_process_writes_them(fake_kube: FakeKu
     assert wrong.value.status == 400
 
 
+@pytest.mark.slow
 def test_node_patches_merge_labels_and_replace_taints_and_taints_keep_pods_off(fake_kube: FakeKube, apis) -> None:
     core, _, batch = apis
     fake_kube.add_node("gpu-a", {"pool": "gpu"})

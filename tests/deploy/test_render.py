@@ -40,6 +40,7 @@ def pod_specs(obj: dict) -> list[dict]:
     return [obj["spec"]["template"]["spec"]] if obj["kind"] in ("Job", "Deployment") else []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_every_manifest_is_strictly_valid_kubernetes(case: str) -> None:
     manifests = rendered(case)

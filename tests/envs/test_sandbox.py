@@ -63,6 +63,7 @@ def test_wall_timeout_kills_the_code(pool):
     assert pool.run("print(2)").stdout == "2\n"
 
 
+@pytest.mark.slow
 def test_cpu_limit(pool):
     r = pool.run("while True:\n    pass", limits=SandboxLimits(cpu_s=1, wall_s=30))
     assert (r.ok, r.timed_out, r.killed_by, r.reason) == (False, False, "SIGXCPU", "CPU time limit (1 s)")

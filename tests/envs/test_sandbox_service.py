@@ -137,6 +137,7 @@ def test_code_rewards_use_the_pool_service_when_configured(remote, monkeypatch):
     monkeypatch.setattr(tasks, "_POOL", None)
 
 
+@pytest.mark.slow
 def test_sandbox_serve_takes_the_body_limit_from_its_flag(tmp_path, require_sandbox):
     argv = [sys.executable, "-m", "factory.cli", "sandbox-serve", "--port", "{port}", "--size", "1",
             "--max-body-mb", "0.01"]

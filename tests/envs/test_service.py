@@ -103,6 +103,7 @@ def test_an_unknown_env_in_score_still_scores_zero_with_the_reason(http):
     assert "unknown env 'nope'" in r.json()["episodes"][0]["reasons"][0]
 
 
+@pytest.mark.slow
 def test_env_serve_takes_the_body_limit_from_its_flag(tmp_path):
     argv = [sys.executable, "-m", "factory.cli", "env-serve", "--port", "{port}", "--max-body-mb", "0.01"]
     with ServiceProcess("env-serve", argv, log_path=tmp_path / "service.log", startup_timeout=120) as svc:

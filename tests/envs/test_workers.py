@@ -47,6 +47,7 @@ def test_a_raising_or_unknown_environment_scores_zero_with_the_reason(service, m
     assert scored.rewards == [0.0] and "unknown env 'nope'" in scored.reasons[0]
 
 
+@pytest.mark.slow
 def test_a_killed_worker_is_restarted_and_the_request_repeated(service):
     first = service.score(EPISODES[:1])
     restarts = sum(s.restarts for s in service.services)

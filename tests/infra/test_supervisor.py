@@ -78,6 +78,7 @@ def crash(svc: ServiceProcess) -> None:
         httpx.get(f"{svc.url}/crash", timeout=30)
 
 
+@pytest.mark.slow
 def test_a_crash_looping_service_trips_the_breaker_with_its_stderr_tail(tmp_path):
     with service(tmp_path, breaker_restarts=3, breaker_window_s=3600.0) as svc:
         for _ in range(3):

@@ -159,6 +159,7 @@ def test_regression_check_per_checkpoint_and_benchmark(recorded):
             assert len(eval_schedule(ctx)) == 1  # one slot
 
 
+@pytest.mark.slow
 def test_the_final_checkpoint_reuses_the_runs_own_held_out_result(recorded):
     home, run_id = recorded
     from factory.runs.checkpoint_eval import evaluate_recorded_checkpoint
@@ -182,6 +183,7 @@ def test_lineage_connects_training_to_evals_and_members_to_the_summary():
     assert "sweep_warm_start" in parents("sweep_member_run")
 
 
+@pytest.mark.slow
 def test_a_checkpoint_whose_files_changed_is_not_evaluated(recorded, tmp_path):
     home, run_id = recorded
     from factory.runs.checkpoint_eval import evaluate_recorded_checkpoint

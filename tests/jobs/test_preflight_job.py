@@ -65,6 +65,7 @@ def test_the_job_and_schedule_are_defined():
         "FACTORY_PREFLIGHT_CRON", "0 * * * *")
 
 
+@pytest.mark.slow
 def test_schedule_skips_while_runs_are_going_or_preflight_is_off(monkeypatch):
     monkeypatch.setenv("FACTORY_PREFLIGHT", "gate")
     with instance_for_test() as instance:

@@ -72,6 +72,7 @@ def _failure(result) -> str:
     return failure.event_specific_data.user_failure_data.description
 
 
+@pytest.mark.slow
 def test_a_bad_axis_or_base_spec_fails_in_one_line_and_launches_nothing(instance, factory_home):
     daemon_running(instance)
     bad_axis = launch(instance, axes={"algorithm.lr": [1e-5], "algorithm.grup_size": [4, 8]})

@@ -51,6 +51,7 @@ def test_upsert_same_key_twice_leaves_one_row_with_latest_values(lake: Lake):
     assert rows[("r1", 6)]["loss"] == 0.6 and rows[("r1", 6)]["kl"] is None
 
 
+@pytest.mark.slow
 def test_batch_with_duplicate_keys_keeps_the_last(lake: Lake):
     n = lake.upsert("steps", [step_row("r1", 1, loss=1.0), step_row("r1", 2, loss=2.0),
                               step_row("r1", 1, loss=9.0)])
@@ -59,6 +60,7 @@ def test_batch_with_duplicate_keys_keeps_the_last(lake: Lake):
     assert len(rows) == 2 and rows[("r1", 1)]["loss"] == 9.0
 
 
+@pytest.mark.slow
 def test_upsert_rewrites_only_matching_keys_of_a_composite_key(lake: Lake):
     base = dict(run_id="r1", step=10, n=100, recorded_at=T0)
     lake.upsert("evals", [dict(base, benchmark="b1", metric="accuracy", value=0.5),
@@ -73,6 +75,7 @@ def test_upsert_rewrites_only_matching_keys_of_a_composite_key(lake: Lake):
     }
 
 
+@pytest.mark.slow
 def test_timestamp_in_key_node_health(lake: Lake):
     later = T0 + dt.timedelta(seconds=1)
     check = dict(node="n1", check="gpu_mem", expected=">= 70GiB")
@@ -105,6 +108,7 @@ def test_unknown_column_table_and_bad_type_are_named(lake: Lake):
         lake.upsert("steps", [step_row("r1", 1, loss="low")])
 
 
+@pytest.mark.slow
 def test_optional_columns_missing_from_the_dict_are_null(lake: Lake):
     lake.upsert("runs", [dict(run_id="r1", name="n", spec={"model": "micro"}, spec_fingerprint="f",
                               code_version="abc", status="running", seed=1, started_at=T0)])
@@ -117,6 +121,7 @@ def test_optional_columns_missing_from_the_dict_are_null(lake: Lake):
     assert all(step[m] is None for m in ("loss", "reward_mean", "kl", "tokens_per_s", "wall_s"))
 
 
+@pytest.mark.slow
 def test_timestamps_are_stored_in_utc(lake: Lake):
     plus2 = dt.timezone(dt.timedelta(hours=2))
     at_naive = dt.datetime(2025, 1, 2, 3, 4, 5)
@@ -130,6 +135,7 @@ def test_timestamps_are_stored_in_utc(lake: Lake):
     assert got[(2,)]["recorded_at"] == at_naive.replace(tzinfo=dt.UTC)  # naive datetimes are taken as UTC
 
 
+@pytest.mark.slow
 def test_read_with_row_filter(lake: Lake):
     lake.upsert("steps", [step_row("r1", s) for s in range(5)] + [step_row("r2", 0)])
     assert sorted(lake.read("steps", "run_id == 'r1' and step >= 3")["step"].to_pylist()) == [3, 4]

@@ -45,6 +45,7 @@ def test_only_named_tables_are_scanned():
     assert referenced_tables("SELECT 1 AS step") == []
 
 
+@pytest.mark.slow
 def test_bad_sql_and_unknown_table_raise_query_error(filled: Lake):
     with pytest.raises(QueryError, match="syntax error"):
         query("SELEC * FROM steps", filled)
@@ -71,6 +72,7 @@ def test_json_round_trip_with_iso_timestamps_and_nan_as_null():
                     {"run_id": "b", "loss": None, "n": None, "at": None}]
 
 
+@pytest.mark.slow
 def test_json_of_duckdb_aggregates(filled: Lake):
     tbl = query("SELECT sum(step) AS total, avg(loss) AS mean, count(*) AS n FROM steps", filled)
     assert json.loads(format_table(tbl, "json")) == [{"total": 6, "mean": pytest.approx(1.4166666), "n": 5}]

@@ -16,6 +16,7 @@ def tok(bpe_model_dir):
     return AutoTokenizer.from_pretrained(bpe_model_dir)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("text", ["321+654=", "999*999=", "7-3=", "000+1=", "123456+654321="])
 def test_arithmetic_round_trips_with_one_token_per_digit(tok, text):
     ids = tok(text).input_ids

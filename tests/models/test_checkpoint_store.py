@@ -35,6 +35,7 @@ def _logits(model, tok) -> torch.Tensor:
     return model(torch.tensor([tok("12+34=").input_ids])).logits
 
 
+@pytest.mark.slow
 def test_published_checkpoint_loads_from_the_store_and_the_cache_is_reused(micro, saved, factory_home, s3_server,
                                                                             monkeypatch):
     monkeypatch.setenv("FACTORY_CHECKPOINT_URI", f"s3://{s3_server.bucket}/ckpts/")

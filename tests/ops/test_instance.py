@@ -15,6 +15,7 @@ def _instance(home):
         return DagsterInstance.get()
 
 
+@pytest.mark.slow
 def test_a_fresh_home_gets_factorys_settings(tmp_path):
     changes = ensure_instance_yaml(tmp_path, max_concurrent_runs=3, max_concurrent_evals=2)
     assert changes == [f"{tmp_path / 'dagster.yaml'}: written with Factory's settings"]
@@ -25,6 +26,7 @@ def test_a_fresh_home_gets_factorys_settings(tmp_path):
         assert queue.max_concurrent_runs == 3 and eval_limit(inst) == 2
 
 
+@pytest.mark.slow
 def test_the_file_an_older_demo_wrote_gains_the_queue_and_keeps_its_settings(tmp_path):
     # What `make demo` used to write: telemetry only, no run queue (issue 9, defect 1).
     (tmp_path / "dagster.yaml").write_text("telemetry:\n  enabled: true\n")
@@ -37,6 +39,7 @@ def test_the_file_an_older_demo_wrote_gains_the_queue_and_keeps_its_settings(tmp
         assert eval_limit(inst) == 1
 
 
+@pytest.mark.slow
 def test_an_old_style_run_coordinator_gets_the_eval_limit_in_place(tmp_path):
     old = {"run_coordinator": {"module": "dagster.core.run_coordinator", "class": "QueuedRunCoordinator",
                                "config": {"max_concurrent_runs": 5, "tag_concurrency_limits": [

@@ -128,6 +128,7 @@ def test_read_only_lake_fails_the_lake_checks_and_the_gate_refuses(factory_home,
     assert rows_of(lake, node) == []
 
 
+@pytest.mark.slow
 def test_bwrap_missing_fails_the_sandbox_check_and_the_gate_refuses(factory_home, lake, node, monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", _path_without("bwrap", tmp_path))
     assert shutil.which("bwrap") is None and shutil.which("sh") is not None

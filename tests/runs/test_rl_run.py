@@ -48,6 +48,7 @@ def weights_sha(home: Path, run_id: str) -> str:
     return hashlib.sha256((home / "checkpoints" / run_id / "final" / "model.safetensors").read_bytes()).hexdigest()
 
 
+@pytest.mark.slow
 def test_a_killed_attempt_is_restarted_and_the_result_is_bit_identical(tmp_path):
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
     ok = factory(straight, "run", "examples/quickstart.yaml", *TINY, "--in-process")
@@ -74,6 +75,7 @@ def test_a_killed_attempt_is_restarted_and_the_result_is_bit_identical(tmp_path)
         assert len({r["step"] for r in lake.read("rollouts").to_pylist()}) == 8
 
 
+@pytest.mark.slow
 def test_a_hung_attempt_is_killed_and_resumed(tmp_path):
     res = factory(tmp_path, "run", "examples/quickstart.yaml", *TINY, "--set", "ops.hang_timeout_s=3",
                   env={"FACTORY_FAULT_HANG": "publish:4", "FACTORY_FAULT_ATTEMPT": "1"})
@@ -85,6 +87,7 @@ def test_a_hung_attempt_is_killed_and_resumed(tmp_path):
     assert only_run(tmp_path)["status"] == "succeeded"
 
 
+@pytest.mark.slow
 def test_sigterm_saves_and_stops_then_resume_finishes_into_the_same_mlflow_run(tmp_path):
     # Each weight publish holds 0.3 s (a fault point's window), so the test can signal mid-run.
     env = {**os.environ, "FACTORY_FAULT_DIR": str(tmp_path / "faults"), "FACTORY_FAULT_HOLD_S": "0.3"}
@@ -124,6 +127,7 @@ def test_sigterm_saves_and_stops_then_resume_finishes_into_the_same_mlflow_run(t
     assert cut["resumed_from_step"] == stopped_at and cut["steps_lost"] == 0
 
 
+@pytest.mark.slow
 def test_factory_runs_shows_a_killed_run_as_interrupted_and_resume_completes_it(tmp_path):
     res = factory(tmp_path, "run", "examples/quickstart.yaml", *TINY, "--in-process",
                   env={"FACTORY_FAULT_KILL": "publish:6"})
@@ -141,12 +145,14 @@ def test_factory_runs_shows_a_killed_run_as_interrupted_and_resume_completes_it(
     assert sorted(r["step"] for r in rows(tmp_path, "steps")) == list(range(1, 9))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [["resume", "nope"], ["run", "--resume", "nope"]])
 def test_resuming_an_unknown_run_is_a_clear_error(tmp_path, args):
     res = factory(tmp_path, *args)
     assert res.returncode == 2 and "no run 'nope' in the lake" in res.stderr
 
 
+@pytest.mark.slow
 def test_a_node_that_failed_preflight_gets_no_run_and_no_resume(tmp_path):
     assert TINY[-2:] == ["--set", "ops.preflight=off"]
     gated = [*TINY[:-2], "--set", "ops.preflight=gate"]
