@@ -10,7 +10,7 @@ outputs.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NoReturn
 
 from dagster import (
     AssetKey,
@@ -36,7 +36,7 @@ class LineageIOManager(ConfigurableIOManager):
       materialization of the asset (and partition), never another run's, whatever finished since.
     - Upstream not materialized in this run (a run that selects only downstream assets, e.g. GRPO from the SFT
       checkpoint built yesterday, or a scheduled eval): its latest materialization, which is the one such a run
-      depends on; the step's log says so.
+      depends on; the step's log says so. Never materialized at all: a `MissingUpstream` whose first read fails.
 
     Stores nothing: the assets return a MaterializeResult without a value, so Dagster never calls
     `handle_output`, and the reference lives in the materialization's metadata, which the instance's event log
@@ -60,14 +60,28 @@ class LineageIOManager(ConfigurableIOManager):
         else:
             entry = latest_materialization(context.instance, key, partition)
             if entry is None:
-                raise Failure(f"upstream asset {key.to_user_string()!r} has no materialization yet; materialize it "
-                              "first")
+                return MissingUpstream(key.to_user_string())
             context.log.info(f"{key.to_user_string()} was not materialized in this run: using its latest "
                              f"materialization (run {entry.run_id})")
         md = {k: v.value for k, v in entry.asset_materialization.metadata.items()}
         context.add_input_metadata({"upstream_dagster_run": entry.run_id,
                                     **{k: str(md[k]) for k in SHOWN if k in md}})
         return md
+
+
+class MissingUpstream(dict):
+    """The input of an upstream never materialized: the asset's first read of it fails, naming the upstream. Failing
+    at the read, not at the load, keeps what an asset checks before it reads its inputs first (the preflight gate
+    names a failed node even when the upstreams are missing too). A dict, as the assets' inputs are typed."""
+
+    def __init__(self, key: str):
+        super().__init__()
+        self.key = key
+
+    def _fail(self, *_: Any) -> NoReturn:
+        raise Failure(f"upstream asset {self.key!r} has no materialization yet; materialize it first")
+
+    __getitem__ = get = __iter__ = __len__ = __contains__ = keys = values = items = _fail
 
 
 def producing_run(context: InputContext) -> str | None:

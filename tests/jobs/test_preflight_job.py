@@ -19,8 +19,9 @@ from dagster import (
 )
 from dagster._core.test_utils import create_run_for_test
 
+from assets.datasets import task_dataset
 from assets.preflight import node_health
-from assets.training import grpo_run
+from assets.training import grpo_run, sft_checkpoint
 from factory.lake import Lake
 from factory.ops.preflight import run_preflight, select_probes
 from jobs import defs, make_resources
@@ -97,8 +98,9 @@ def sandbox_check_failed(factory_home, monkeypatch, tmp_path) -> None:
 def test_grpo_run_refuses_a_node_that_failed_its_preflight(factory_home, node, monkeypatch, sandbox_check_failed):
     monkeypatch.setenv("FACTORY_PREFLIGHT", "gate")
     with DagsterInstance.ephemeral() as instance:
-        result = materialize([grpo_run], instance=instance, resources=make_resources(SPEC, [], str(factory_home.root)),
-                             raise_on_error=False)
+        # its upstreams never materialized: the gate still names the node first
+        result = materialize([task_dataset, sft_checkpoint, grpo_run], selection=[grpo_run], instance=instance,
+                             resources=make_resources(SPEC, [], str(factory_home.root)), raise_on_error=False)
     assert not result.success
     (failure,) = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
     err = failure.step_failure_data.user_failure_data

@@ -11,6 +11,7 @@ import json
 import threading
 from pathlib import Path
 
+import pytest
 from dagster import DagsterInstance, HookContext, instance_for_test, success_hook
 
 from factory.home import factory_home
@@ -68,6 +69,7 @@ def metadata(result, asset: str) -> dict:
     return {k: v.value for k, v in mat.metadata.items()}
 
 
+@pytest.mark.slow
 def test_two_quickstarts_at_once_read_their_own_upstream_outputs(tmp_path):
     home = tmp_path / "home"
     with instance_for_test(overrides=NO_CAPTURE) as instance:  # SQLite storage in a temp DAGSTER_HOME
