@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 from dagster import AssetExecutionContext, MetadataValue
 
+from factory.progress import Throttle
+
 if TYPE_CHECKING:
     from factory.progress import Progress
     from factory.reports import RunPictures
@@ -24,7 +26,7 @@ def inline_picture(alt: str, url: str) -> MetadataValue:
 def embedded(pictures: dict[str, bytes]) -> MetadataValue:
     """Every picture inlined in one markdown value (data URIs): one click away ([Show Markdown]) with no
     MLflow UI running."""
-    from factory.plots import markdown_image
+    from factory.plots import markdown_image  # heavy: matplotlib, when the step runs
 
     return MetadataValue.md("\n\n".join(f"**{name}**\n\n{markdown_image(png, name)}"
                                          for name, png in pictures.items()))
@@ -34,7 +36,7 @@ def run_metadata(pics: RunPictures, tracker: Tracker, run_id: str, mlflow_run_id
                  ) -> tuple[dict[str, Any], dict[str, Any]]:
     """A training run's pictures (drawn in place when the MLflow UI runs, as `make ui` starts it) and its MLflow
     link, to go first; and the pictures embedded (one click away, no MLflow UI needed), to go last."""
-    from factory.reports import CURVES, EVALS, small
+    from factory.reports import CURVES, EVALS, small  # heavy: mlflow, matplotlib, when the step runs
 
     where = "served by the MLflow UI; without it, open `pictures`"
     md: dict[str, Any] = {
@@ -53,7 +55,6 @@ def run_metadata(pics: RunPictures, tracker: Tracker, run_id: str, mlflow_run_id
 def progress_tags(context: AssetExecutionContext) -> Callable[[Progress], None]:
     """Reports a stage's progress as run tags (`factory/progress`, `factory/reward`, `factory/eta`), which the
     Dagster UI lists beside the run while it runs; at most every PROGRESS_EVERY_S seconds and at the end."""
-    from factory.progress import Throttle
 
     def report(p: Progress) -> None:
         context.instance.add_run_tags(context.run.run_id, {f"factory/{k}": v for k, v in p.tags().items()})

@@ -14,6 +14,8 @@ from collections.abc import Iterator
 
 from dagster import AssetExecutionContext, Backoff, Failure, RetryPolicy
 
+from factory.infra.supervisor import CircuitOpen
+
 # Two automatic retries, a few seconds apart (a crashed service or a killed process is usually back by then).
 TRAINING_RETRY = RetryPolicy(max_retries=2, delay=2, backoff=Backoff.EXPONENTIAL)
 # Run-level retries, for a run worker that died outright (kill -9, OOM): the instance's run monitoring notices
@@ -29,8 +31,7 @@ def factory_run_id(context: AssetExecutionContext, name: str) -> str:
 
 @contextlib.contextmanager
 def no_retry_for_what_needs_a_fix() -> Iterator[None]:
-    from factory.core.loop import NonFiniteLoss
-    from factory.infra.supervisor import CircuitOpen
+    from factory.core.loop import NonFiniteLoss  # heavy: torch, transformers, when the step runs
 
     try:
         yield

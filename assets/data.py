@@ -41,6 +41,7 @@ from dagster import (
 from assets._metadata import embedded, inline_picture
 from factory.config import ExperimentSpec, PromptFilterSpec
 from factory.deploy.target import op_tags, role_tags
+from factory.source_spec import SourceError
 from resources import LakeResource, MlflowResource, SpecResource
 
 OBSERVED_KINDS = ("jsonl", "parquet", "hf_disk", "iceberg")  # rows that live outside Factory: observed
@@ -74,7 +75,7 @@ def _generated_source_asset(entry: dict[str, Any]) -> AssetsDefinition:
            description=f"Prompt source {entry['name']!r} ({entry['kind']}): generated, versioned by what defines "
                        f"its rows.")
     def _source(context: AssetExecutionContext) -> MaterializeResult:
-        from factory.data.sources import make_source
+        from factory.data.sources import make_source  # heavy: pyiceberg, duckdb, when the step runs
 
         src = make_source(entry)
         context.log.info(f"source {entry['name']}: {len(src)} rows, version {src.version()}")
@@ -90,7 +91,7 @@ def _task_source_asset(spec: ExperimentSpec) -> AssetsDefinition:
            kinds={"python"}, op_tags=role_tags("data"),
            description=f"The task's training split as the one prompt source {name!r} (the spec has no data section).")
     def _source(context: AssetExecutionContext, dataset: dict, spec: SpecResource) -> MaterializeResult:
-        from factory.data.from_spec import task_source
+        from factory.data.from_spec import task_source  # heavy: pyiceberg, duckdb, when the step runs
         from factory.runs.stages import load_dataset  # heavy (torch): imported when the asset runs
 
         train = load_dataset(dataset["path"]).train
@@ -121,8 +122,7 @@ def _observed_sources_asset(entries: list[dict[str, Any]]) -> AssetsDefinition:
                                        description="Observe the external prompt sources: content hash or "
                                                    "snapshot id as each one's data version.")
         def _observe(context):
-            from factory.data.sources import make_source
-            from factory.source_spec import SourceError
+            from factory.data.sources import make_source  # heavy: pyiceberg, duckdb, when the source is observed
 
             catalog = context.resources.lake.lake() if needs_lake else None
             for key in sorted(context.selected_asset_keys, key=lambda k: k.to_user_string()):
@@ -167,6 +167,7 @@ def blend_asset(spec: ExperimentSpec) -> AssetsDefinition:
         """The prompt blend GRPO draws from: its sources, weights or schedule, seed and curriculum. Its data
         version is theirs hashed (`blend_version`), so a changed source file or weight is a new version. The
         metadata compares the realized share of each source with its target over the spec's steps."""
+        # heavy: pyiceberg, duckdb, matplotlib, when the step runs
         from factory.data.blend_report import blend_report
         from factory.data.from_spec import blend_schedule, blend_seed, blend_version, open_sources
 
@@ -210,7 +211,7 @@ def blend_asset(spec: ExperimentSpec) -> AssetsDefinition:
 def _pictures(mlflow: MlflowResource, spec: ExperimentSpec, version: str, report: Any) -> tuple[dict, MetadataValue]:
     """The shares picture stored on the blend version's MLflow run (one per version, reused: equal blends draw
     equal bytes), drawn in place by its MLflow UI link; and embedded, one click away without the UI."""
-    from factory.reports import small, store
+    from factory.reports import small, store  # heavy: mlflow, matplotlib, when the step runs
 
     tracker = mlflow.tracker()
     name = f"blend-{version}"
@@ -244,7 +245,7 @@ def prompt_stats(context: AssetExecutionContext, spec: SpecResource, lake: LakeR
     """Per prompt over every succeeded run: samples, passes, groups, runs, pass rate (the lake's `prompt_stats`,
     what `data.filter` skips prompts by). Recomputed when a run finishes; rows that did not change are not
     rewritten."""
-    from factory.data.stats import update_prompt_stats
+    from factory.data.stats import update_prompt_stats  # heavy: pyiceberg, duckdb, when the step runs
 
     lk = lake.lake()
     written = update_prompt_stats(lk)

@@ -81,7 +81,7 @@ def checkpoint_eval(context: AssetExecutionContext, config: CheckpointEvalConfig
                     lake: LakeResource, mlflow: MlflowResource):
     """One checkpoint recorded by a training run (`grpo_run`, a sweep member) scored on one benchmark (held-out
     split or a shipped suite); rows land in `evals`, and the run's held-out accuracy by step is redrawn."""
-    from factory.reports import EVALS, refresh_evals_picture, small
+    from factory.reports import EVALS, refresh_evals_picture, small  # heavy: mlflow, matplotlib, when the step runs
 
     key = context.partition_key.keys_by_dimension
     try:
@@ -118,7 +118,7 @@ def checkpoint_eval(context: AssetExecutionContext, config: CheckpointEvalConfig
 def _check_metadata(res, reg, tolerance: float, picture: bytes | None) -> dict:
     """What the check shows: every figure as text, so the UI does not plot them across runs and benchmarks
     (its plots join executions in wall-clock order), and the picture of this run and benchmark alone."""
-    from factory.plots import markdown_image
+    from factory.plots import markdown_image  # heavy: matplotlib, when the check runs
 
     if reg.previous_step is None:
         compared = "nothing: the run's first evaluated checkpoint on this benchmark"

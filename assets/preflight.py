@@ -23,7 +23,7 @@ from pydantic import Field
 
 from factory.config import OpsSpec
 from factory.deploy.target import op_tags
-from factory.ops.preflight import CHECK_NAMES, CheckResult, PreflightFailed, gate
+from factory.ops.preflight import CHECK_NAMES, CheckResult, PreflightFailed, format_checks, gate, run_preflight
 from resources import FactoryHomeResource, LakeResource
 
 NODE_HEALTH = AssetKey("node_health")
@@ -75,7 +75,6 @@ def _check_result(r: CheckResult) -> AssetCheckResult:
 def node_health(context: AssetExecutionContext, config: PreflightConfig, home: FactoryHomeResource,
                 lake: LakeResource):
     """Run this node's preflight (all checks of the mode, or only the checks selected), record it, show it."""
-    from factory.ops.preflight import format_checks, run_preflight
 
     selected = {k.name for k in context.selected_asset_check_keys}
     whole = NODE_HEALTH in context.selected_asset_keys

@@ -24,7 +24,15 @@ from assets._metadata import embedded, inline_picture, progress_tags, run_metada
 from assets._retries import TRAINING_RETRY, factory_run_id, no_retry_for_what_needs_a_fix
 from assets.preflight import require_healthy_node
 from factory.deploy.target import op_tags
-from factory.sweep import MEMBER_TAG, read_member, read_sweep, read_warm_start_spec, sweep_id_of
+from factory.sweep import (
+    MEMBER_TAG,
+    format_value,
+    member_label,
+    read_member,
+    read_sweep,
+    read_warm_start_spec,
+    sweep_id_of,
+)
 from resources import FactoryHomeResource, LakeResource, MlflowResource
 
 sweep_members = DynamicPartitionsDefinition(name="sweep_members")
@@ -61,9 +69,8 @@ def sweep_member_run(context: AssetExecutionContext, home: FactoryHomeResource, 
     """A sweep member trained end to end (dataset, the shared SFT warm start, GRPO, held-out eval), nested in
     MLflow under its sweep's parent run; its `sweeps` row follows it from running to succeeded/failed. While it
     runs, its tags show the step, latest reward and ETA."""
-    from factory.reports import run_pictures
+    from factory.reports import run_pictures  # heavy: mlflow, matplotlib, when the step runs
     from factory.runs.experiment import run_sweep_member  # heavy: see assets/training.py
-    from factory.sweep import member_label
 
     key = context.partition_key
     paths = home.paths()
@@ -97,6 +104,7 @@ def sweep_summary(context: AssetExecutionContext, lake: LakeResource, mlflow: Ml
     """A sweep's members compared: their curves and held-out accuracy by step overlaid, accuracy against each
     axis, and per member its axis values, accuracy, pass@k, reward, wall time and links to its Dagster run, MLflow
     run and checkpoint; best first, a tie reported as a tie. Pictures are also stored on the MLflow parent run."""
+    # heavy: matplotlib, mlflow, when the step runs
     from factory.plots import DPI, sweep_summary_png
     from factory.reports import compare_sweep, small, store
 
@@ -160,7 +168,6 @@ def _fmt(v: float | None, digits: int = 3) -> float | None:
 
 
 def _members_table(members, axes: list[str], runs: dict[str, str]) -> MetadataValue:
-    from factory.sweep import format_value
 
     cols = ["member", *axes, "status", "accuracy", "pass_at_k", "reward", "wall_s", "steps", "dagster_run"]
     records = [TableRecord({

@@ -10,6 +10,10 @@ import os
 import sys
 import time
 
+from factory.home import factory_home
+from factory.ops.cockpit import cockpit_urls
+from factory.ops.instance import ensure_instance_yaml
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
@@ -17,9 +21,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
                         help="override a spec field, e.g. --set seed=1 (repeatable)")
     args = parser.parse_args(argv)
-
-    from factory.home import factory_home
-    from factory.ops.instance import ensure_instance_yaml
 
     paths = factory_home()
     os.environ.setdefault("DAGSTER_HOME", str(paths.dagster_home))
@@ -29,10 +30,10 @@ def main(argv: list[str] | None = None) -> int:
     for change in ensure_instance_yaml(os.environ["DAGSTER_HOME"]):
         print(change)
 
+    # heavy: dagster, the lake and every asset module; after --help and the instance file
     from dagster import DagsterInstance
 
     from factory.lake.writer import Lake
-    from factory.ops.cockpit import cockpit_urls
     from factory.runs.stages import eval_summary, render_report  # heavy: torch
     from jobs import defs, make_resources
 

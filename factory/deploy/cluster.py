@@ -14,6 +14,7 @@ command as a local process. Scheduling, image pulls, RBAC and NCCL between pods 
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -49,7 +50,7 @@ class Cluster:
     """One namespace of a cluster, through the `kubernetes` client's typed APIs (plain dict bodies)."""
 
     def __init__(self, api_client: Any, namespace: str, poll_s: float = 1.0) -> None:
-        from kubernetes import client
+        from kubernetes import client  # heavy: kubernetes client; rendering manifests needs no cluster
 
         self.namespace = namespace
         self.poll_s = poll_s
@@ -60,7 +61,7 @@ class Cluster:
     @classmethod
     def connect(cls, namespace: str, kubeconfig: str | None = None, poll_s: float = 1.0) -> Cluster:
         """In a pod (no kubeconfig): the service account's in-cluster config; else the kubeconfig file."""
-        from kubernetes import client, config
+        from kubernetes import client, config  # heavy: kubernetes client; rendering manifests needs no cluster
 
         cfg = client.Configuration()
         if kubeconfig:
@@ -77,7 +78,7 @@ class Cluster:
 
     def apply(self, obj: m.Manifest) -> None:
         """Create `obj`; if it exists, replace a ConfigMap, or delete and recreate anything else."""
-        from kubernetes.client.exceptions import ApiException
+        from kubernetes.client.exceptions import ApiException  # heavy: kubernetes client; rendering needs no cluster
 
         kind, name = obj["kind"], obj["metadata"]["name"]
         try:
@@ -94,7 +95,7 @@ class Cluster:
 
     def delete(self, obj: m.Manifest, wait_s: float = 0.0) -> None:
         """Delete `obj` (and a Job's pods); a missing object is fine. With `wait_s`, wait until it is gone."""
-        from kubernetes.client.exceptions import ApiException
+        from kubernetes.client.exceptions import ApiException  # heavy: kubernetes client; rendering needs no cluster
 
         kind, name = obj["kind"], obj["metadata"]["name"]
         try:
@@ -106,7 +107,7 @@ class Cluster:
         self._until(lambda: self._read(kind, name) is None, wait_s, f"{kind} {name} to be deleted")
 
     def _read(self, kind: str, name: str) -> Any:
-        from kubernetes.client.exceptions import ApiException
+        from kubernetes.client.exceptions import ApiException  # heavy: kubernetes client; rendering needs no cluster
 
         try:
             return self._call("read", kind)(name, self.namespace)
@@ -195,8 +196,6 @@ class Cluster:
 
 
 def _reason(e: Any) -> str:
-    import json
-
     try:
         return json.loads(e.body).get("message", e.reason)
     except (TypeError, ValueError, AttributeError):

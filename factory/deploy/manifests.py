@@ -293,6 +293,7 @@ def dagster_job(spec: ExperimentSpec, profile: DeployProfile, group: str, tags: 
     """The Job dagster-k8s would create for `tags`: for an asset group, the step Job of its k8s_job_executor; for
     `run`, the run worker Job of its K8sRunLauncher. Built by dagster-k8s's own functions (the tags parsed and
     checked by `get_user_defined_k8s_config`, the Job by `construct_dagster_k8s_job`)."""
+    # heavy: dagster-k8s, kubernetes; only the run worker Job needs them, not the other manifests
     from dagster_k8s.job import DagsterK8sJobConfig, construct_dagster_k8s_job, get_user_defined_k8s_config
     from kubernetes.client import ApiClient
 

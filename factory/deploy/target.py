@@ -73,6 +73,7 @@ def k8s_target() -> K8sTarget | None:
     """The k8s target when FACTORY_PROFILE=k8s, else None. Read once per process (the code location's import)."""
     if profile_name() != "k8s":
         return None
+    # optional: only the k8s profile reads a deploy profile and spec; the local code location imports none of it
     from factory.config import SpecError
     from factory.deploy.manifests import dagster_tags
     from factory.deploy.profile import ProfileError, load_profile
@@ -109,7 +110,7 @@ def executor() -> ExecutorDefinition | None:
     target = k8s_target()
     if target is None:
         return None
-    from dagster_k8s import k8s_job_executor
+    from dagster_k8s import k8s_job_executor  # heavy: dagster-k8s, only under the k8s profile
 
     return k8s_job_executor.configured(executor_config(target.profile), name="factory_k8s")
 

@@ -11,6 +11,7 @@ world sizes.
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import os
 import subprocess
@@ -33,8 +34,7 @@ def _rank_main(argv: list[str] | None = None) -> int:
     p.add_argument("--mb", type=int, default=8)
     p.add_argument("--iters", type=int, default=10)
     a = p.parse_args(argv)
-    import datetime as dt
-
+    # heavy: torch; this is the torchrun worker's entry, the parent check process does not load it
     import torch
     import torch.distributed as dist
 

@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from factory.ops.preflight.perf import torch_threads
 from factory.ops.preflight.result import CheckResult
 
 GOLDEN_FILE = Path(__file__).with_name("goldens.json")
@@ -35,6 +36,7 @@ COMPARED = ("loss", "loss_after_step", "grad_norm")  # held to RTOL against the 
 
 
 def golden_key() -> str:
+    # probe: torch, transformers imported by the check that uses them, so a failing import fails this check only
     import torch
     import transformers
 
@@ -44,11 +46,11 @@ def golden_key() -> str:
 
 def micro_step(seed: int = SEED) -> dict[str, Any]:
     """Loss, loss after one SGD step, and a digest of every gradient's bytes, for a freshly built `micro` model."""
+    # probe: torch, transformers imported by the check that uses them, so a failing import fails this check only
     import torch
 
     from factory.models.build import build_model
     from factory.models.tokenizer import build_tokenizer
-    from factory.ops.preflight.perf import torch_threads
 
     # fork_rng: the check seeds torch, and must not change the random stream of a run in the same process.
     with torch.random.fork_rng(devices=[]), torch_threads(1):

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from factory.home import FactoryPaths
 from factory.ops.preflight.nodes import node_name
 from factory.ops.preflight.result import _num
+from factory.ops.preflight.runner import run_preflight
 from factory.progress import Log
 
 if TYPE_CHECKING:
@@ -69,6 +70,7 @@ def preflight_disabled(ops: OpsSpec) -> str:
 
 def latest_results(lake: Lake, node: str, since: dt.datetime) -> dict[str, dict[str, Any]]:
     """{check: its latest `node_health` row} for `node`, among rows recorded at or after `since`."""
+    # heavy: pyiceberg, only when the gate reads the lake
     from pyiceberg.expressions import And, EqualTo, GreaterThanOrEqual
 
     micros = int(since.timestamp() * 1_000_000)
@@ -90,7 +92,7 @@ def gate(ops: OpsSpec, paths: FactoryPaths, lake: Lake | None = None,
     node = node_name()
     opened = None
     if lake is None:
-        from factory.lake.writer import Lake
+        from factory.lake.writer import Lake  # heavy: pyiceberg, duckdb, only when the gate reads the lake
 
         try:
             lake = opened = Lake.open(paths)
@@ -129,8 +131,6 @@ def _fresh(lake: Lake | None, node: str, max_age_s: float, log: Log) -> dict[str
 
 def _run_now(paths: FactoryPaths, lake: Lake | None, node: str, max_age_s: float,
              log: Log) -> dict[str, dict[str, Any]]:
-    from factory.ops.preflight.runner import run_preflight
-
     log(f"preflight gate: no preflight of node {node} in the last {max_age_s:g} s; running a quick one")
     report = run_preflight(paths, lake, mode="quick", log=log)
     log(f"preflight gate: quick preflight {report.preflight_id} {'passed' if report.passed else 'FAILED'} in "

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from factory.ops.preflight.result import CheckResult
 
@@ -113,7 +113,6 @@ def parse_remapped_rows(text: str) -> dict[str, tuple[bool | None, bool | None]]
 
 
 def with_remaps(gpus: list[GpuInfo], remaps: dict[str, tuple[bool | None, bool | None]]) -> list[GpuInfo]:
-    from dataclasses import replace
 
     return [replace(g, remap_pending=remaps[g.bus_id][0], remap_failure=remaps[g.bus_id][1])
             if g.bus_id in remaps else g for g in gpus]

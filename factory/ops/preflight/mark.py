@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -93,9 +94,7 @@ def tolerates(tolerations: Iterable[dict[str, Any]], key: str = TAINT_KEY, effec
 def api_client(kubeconfig: str | None = None) -> Any:
     """A kubernetes ApiClient: from `kubeconfig` (a file; tests point it at a local server), else $KUBECONFIG, else
     the pod's in-cluster service account (the preflight Job's)."""
-    import os
-
-    from kubernetes import client, config
+    from kubernetes import client, config  # heavy: kubernetes client; only marking a node needs it, the checks do not
 
     path = kubeconfig or os.environ.get("KUBECONFIG")
     if path:
@@ -119,6 +118,7 @@ def mark_node(name: str, report: PreflightReport, partial: bool = False, kubecon
               ) -> dict[str, Any]:
     """Read node `name`, send `node_patch`, retry on 409 Conflict; return the patched Node (camelCase dict).
     MarkError naming the node and the API server's answer otherwise."""
+    # heavy: kubernetes client; only marking a node needs it, the checks do not
     from kubernetes import client
     from kubernetes.client.exceptions import ApiException
     from urllib3.exceptions import HTTPError

@@ -22,10 +22,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
-from factory.home import FactoryPaths
+from factory.home import FactoryPaths, factory_home
+from factory.ops.preflight.allreduce import allreduce_check
+from factory.ops.preflight.determinism import determinism_check
+from factory.ops.preflight.disk import disk_checks
 from factory.ops.preflight.gpu import GpuInfo, accelerators_check, query_gpus
 from factory.ops.preflight.nodes import NodeKind, node_kind, node_name
+from factory.ops.preflight.perf import matmul_check, memory_bandwidth_check
 from factory.ops.preflight.result import CheckResult, PreflightReport
+from factory.ops.preflight.services import lake_commit_check, mlflow_check, rollout_server_check, sandbox_check
 from factory.progress import Log
 
 if TYPE_CHECKING:
@@ -61,6 +66,7 @@ class Context:
         if self.lake_given is not None:
             return self.lake_given
         if self._lake is None:
+            # heavy: pyiceberg, duckdb; a preflight given a lake or recording nothing never loads them
             from factory.lake.writer import Lake
 
             self._lake = Lake.open(self.paths)
@@ -124,27 +130,19 @@ def _accelerators(ctx: Context) -> list[CheckResult]:
 
 
 def _matmul(ctx: Context) -> list[CheckResult]:
-    from factory.ops.preflight.perf import matmul_check
-
     return [matmul_check(ctx.kind.matmul_gflops, ctx.mode, gpus_expected=ctx.kind.gpus > 0)]
 
 
 def _memory(ctx: Context) -> list[CheckResult]:
-    from factory.ops.preflight.perf import memory_bandwidth_check
-
     return [memory_bandwidth_check(ctx.kind.memory_gbs, ctx.mode)]
 
 
 def _determinism(ctx: Context) -> list[CheckResult]:
-    from factory.ops.preflight.determinism import determinism_check
-
     return [determinism_check()]
 
 
 def _disk(label: str, where: Callable[[FactoryPaths], object]) -> Callable[[Context], list[CheckResult]]:
     def run(ctx: Context) -> list[CheckResult]:
-        from factory.ops.preflight.disk import disk_checks
-
         k = ctx.kind
         return disk_checks(label, where(ctx.paths), ctx.mode, free_floor_gb=k.disk_free_gb,  # type: ignore[arg-type]
                            write_floor_mbs=k.disk_write_mbs, read_floor_mbs=k.disk_read_mbs)
@@ -152,32 +150,22 @@ def _disk(label: str, where: Callable[[FactoryPaths], object]) -> Callable[[Cont
 
 
 def _allreduce(ctx: Context) -> list[CheckResult]:
-    from factory.ops.preflight.allreduce import allreduce_check
-
     return [allreduce_check(ctx.kind.allreduce_gbs, ctx.mode, len(ctx.gpus or []))]
 
 
 def _lake_commit(ctx: Context) -> list[CheckResult]:
-    from factory.ops.preflight.services import lake_commit_check
-
     return [lake_commit_check(ctx.lake, ctx.node, ctx.started_at, ctx.preflight_id, ctx.mode)]
 
 
 def _mlflow(ctx: Context) -> list[CheckResult]:
-    from factory.ops.preflight.services import mlflow_check
-
     return [mlflow_check(ctx.paths)]
 
 
 def _sandbox(ctx: Context) -> list[CheckResult]:
-    from factory.ops.preflight.services import sandbox_check
-
     return [sandbox_check(ctx.mode)]
 
 
 def _rollout_server(ctx: Context) -> list[CheckResult]:
-    from factory.ops.preflight.services import rollout_server_check
-
     return [rollout_server_check(ctx.paths)]
 
 
@@ -295,7 +283,6 @@ def _child_main(argv: list[str] | None = None) -> int:
     p.add_argument("--mode", choices=MODES, default="quick")
     p.add_argument("--kind")
     a = p.parse_args(argv)
-    from factory.home import factory_home
 
     probe = next(pr for pr in PROBES if pr.name == a.child)
     ctx = Context(factory_home(a.home), node_name(), node_kind(a.kind, None), a.mode, "child",

@@ -28,6 +28,7 @@ def lake_commit_check(lake: Callable[[], Lake], node: str, recorded_at: dt.datet
     """Commit this check's own `node_health` row (as failed, "in progress") and read it back. The preflight's record
     later replaces it with the real result under the same key, so the round trip leaves nothing behind, and a
     preflight killed after it leaves a failed row that keeps the gate shut until a preflight completes."""
+    # heavy: pyiceberg; a probe imports what it probes, so a failing import fails this check only
     from pyiceberg.expressions import And, EqualTo
 
     try:
@@ -54,6 +55,7 @@ def lake_commit_check(lake: Callable[[], Lake], node: str, recorded_at: dt.datet
 
 
 def mlflow_check(paths: FactoryPaths) -> CheckResult:
+    # heavy: mlflow; a probe imports what it probes, so a failing import fails this check only
     from factory.tracking import Tracker
 
     tracker = Tracker(paths)
@@ -65,6 +67,7 @@ def mlflow_check(paths: FactoryPaths) -> CheckResult:
 def sandbox_check(mode: str) -> CheckResult:
     """Quick: a pool of one bwrap worker contains a fork bomb (short limits). Deep: the whole red-team suite
     (`python -m factory.envs.redteam`)."""
+    # probe: the sandbox is imported by its check, so a failing import fails this check, not the whole preflight
     from factory.envs.redteam import CASES, Harness, run_case, run_suite
     from factory.envs.sandbox import IsolationUnavailable, SandboxLimits, SandboxPool
 
@@ -101,6 +104,7 @@ def sandbox_check(mode: str) -> CheckResult:
 
 def rollout_server_check(paths: FactoryPaths) -> CheckResult:
     """`factory serve` on a freshly built `micro` checkpoint, supervised, answers POST /v1/completions."""
+    # heavy: torch, transformers; a probe imports what it probes, so a failing import fails this check only
     import httpx
 
     from factory.infra.supervisor import ServiceProcess, ServiceUnavailable
