@@ -230,7 +230,7 @@ def ensure_sqlite_store(db: Path, artifact_root: Path) -> None:
 def _build_store(db: Path, artifact_root: Path) -> None:
     # SqlAlchemyStore runs MLflow's own set-up (tables, every migration, the Default experiment) on the temp
     # file; the rename then publishes a finished store in one step.
-    # heavy: sqlalchemy, alembic; only creating the store
+    # heavy: sqlalchemy (MLflow's SQL store); only creating the store needs it
     from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 
     tmp = db.with_name(f"{db.name}.setup-{os.getpid()}")
@@ -244,7 +244,7 @@ def _store_state(db: Path) -> Literal["missing", "complete", "incomplete"]:
     """Whether `db` is absent, a complete MLflow store at MLflow's head schema revision, or anything else."""
     if not db.exists() or db.stat().st_size == 0:
         return "missing"
-    # heavy: sqlalchemy, alembic; only checking the store's schema needs them
+    # heavy: sqlalchemy (MLflow's SQL store); only checking the store's schema needs it
     import sqlalchemy
     from mlflow.store.db import utils as db_utils  # private helpers; mlflow is pinned to one minor version
 
