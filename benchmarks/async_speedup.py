@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from factory.config import apply_overrides, load_spec, parse_overrides  # noqa: E402
 from factory.core.evaluate import evaluate  # noqa: E402
-from factory.core.loop import train_grpo  # noqa: E402
+from factory.core.loop import train_rl  # noqa: E402
 from factory.core.rollout.embedded import EmbeddedEngine  # noqa: E402
 from factory.envs.latency import LatencyProfile  # noqa: E402
 from factory.home import factory_home  # noqa: E402
@@ -87,7 +87,7 @@ def run_mode(spec, ckpt: Path, splits, mode: str, seed: int, args: argparse.Name
     cpus, threads = os.sched_getaffinity(0), torch.get_num_threads()
     enter(placements(s)["trainer"])  # unplaced modes: the process's cores (a previous placed run narrowed them)
     t0, c0 = time.perf_counter(), cpu_seconds()
-    records = train_grpo(s, model, tok, splits.train)
+    records = train_rl(s, model, tok, splits.train)
     wall, cpu = time.perf_counter() - t0, cpu_seconds() - c0
     os.sched_setaffinity(0, cpus)
     torch.set_num_threads(threads)

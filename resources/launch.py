@@ -67,7 +67,7 @@ def launch_k8s(context: AssetExecutionContext, spec: ExperimentSpec, launcher: T
     trainers' environment, messages read from rank 0's log (dagster-k8s's pod-log reader)."""
     from dagster_k8s.pipes import PipesK8sPodLogsMessageReader  # heavy: kubernetes
 
-    from factory.deploy.cluster import Cluster, ClusterError, grpo_objects, launch_grpo  # heavy: ~1 s, k8s only
+    from factory.deploy.cluster import Cluster, ClusterError, run_objects, launch_run  # heavy: ~1 s, k8s only
 
     try:
         profile = load_profile(launcher.deploy_profile or os.environ.get(DEPLOY_PROFILE_ENV) or None)
@@ -81,9 +81,9 @@ def launch_k8s(context: AssetExecutionContext, spec: ExperimentSpec, launcher: T
     reader = PipesK8sPodLogsMessageReader()
     with open_pipes_session(context=context, extras=inputs, context_injector=PipesEnvContextInjector(),
                             message_reader=reader) as session:
-        objs = grpo_objects(spec, profile, dict(session.get_bootstrap_env_vars()))
+        objs = run_objects(spec, profile, dict(session.get_bootstrap_env_vars()))
         try:
-            outcome = launch_grpo(
+            outcome = launch_run(
                 cluster, objs, lambda pod: reader.consume_pod_logs(context, cluster.core, pod, cluster.namespace),
                 launcher.ready_timeout_s, launcher.run_timeout_s, log=context.log.info)
         except ClusterError as e:

@@ -3,7 +3,7 @@
 The experiment is `examples/bring_your_own_model.yaml` (2-digit addition, reversed answers, ChatML prompts) on a
 fresh `build_bpe_model_dir` model (a ~0.9M-parameter Qwen2 with a byte-level BPE tokenizer, random init, no
 download), warm-started by its SFT stage (`train_sft_checkpoint`, stopping at 0.3 held-out accuracy), then trained
-by GRPO (`factory.core.loop.train_grpo`) with `rollout.engine: sglang` and `schedule.mode: async`: the producer
+by GRPO (`factory.core.loop.train_rl`) with `rollout.engine: sglang` and `schedule.mode: async`: the producer
 threads sample from SGLang servers that Factory starts from `--sglang-python` on a checkpoint of the SFT model,
 and every trainer step's weights reach them through `rollout.sglang.weight_update` (default tensor). Held-out
 greedy accuracy (the embedded engine, `evaluate`) is printed before and after, with the per-step reward.
@@ -44,7 +44,7 @@ from common import ROOT, sglang_python, sglang_spec, smoke_note  # noqa: E402
 
 from factory.config import apply_overrides, load_spec, parse_overrides  # noqa: E402
 from factory.core.evaluate import evaluate  # noqa: E402
-from factory.core.loop import train_grpo  # noqa: E402
+from factory.core.loop import train_rl  # noqa: E402
 from factory.core.rollout.embedded import EmbeddedEngine  # noqa: E402
 from factory.home import factory_home  # noqa: E402
 from factory.models.bpe import build_bpe_model_dir  # noqa: E402
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     n_new = spec.rollout.max_new_tokens
     before = evaluate(EmbeddedEngine(model, tok), tok, splits.eval, n_new).accuracy
     t0 = time.perf_counter()
-    records = train_grpo(spec, model, tok, splits.train,
+    records = train_rl(spec, model, tok, splits.train,
                          on_step=lambda r: print(f"  step {r.step:3d}: reward {r.reward_mean:.3f}  sampled accuracy "
                                                  f"{r.accuracy:.3f}  staleness max {r.staleness_max:.0f}", flush=True))
     grpo_s = time.perf_counter() - t0

@@ -114,14 +114,14 @@ class Stateful(Protocol):
 
 
 class Checkpoints(Protocol):
-    """When the loop takes resume points, and where they go (the run's policy; `runs/attempt.py` has one)."""
+    """When the loop takes resume points, and where they go (the run's policy; `runs/resume_points.py` has one)."""
 
     def due(self, steps_done: int) -> bool: ...
     def stopping(self) -> bool: ...
     def save(self, make_state: Callable[[], TrainState], wait: bool = False) -> None: ...
 
 
-def train_grpo(
+def train_rl(
     spec: ExperimentSpec,
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerFast,

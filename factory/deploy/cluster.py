@@ -1,7 +1,7 @@
 """Launching a spec's GRPO run on a Kubernetes cluster, through the official `kubernetes` client: per run, the
 sandbox pool and the SGLang rollout servers (a Deployment + Service each) are created and waited on until ready,
 then the trainer ranks (headless Service + Indexed Job running `factory train-grpo`), and every object is deleted
-when the run ends, whatever the outcome. `Cluster` holds the client calls; `launch_grpo` is the sequence; the
+when the run ends, whatever the outcome. `Cluster` holds the client calls; `launch_run` is the sequence; the
 Dagster side (resources/, Pipes) hands it the Pipes environment and a function that follows rank 0's log.
 
 Objects are per run and owned by Factory, so one left by an earlier launch of the same spec (an orchestrator that
@@ -203,8 +203,8 @@ def _reason(e: Any) -> str:
 
 
 @dataclass(frozen=True)
-class GrpoObjects:
-    """What one GRPO run creates: services (ConfigMap, sandbox, rollout servers) before the trainers, then the
+class RunObjects:
+    """What one RL run creates: services (ConfigMap, sandbox, rollout servers) before the trainers, then the
     trainers' headless Service and Indexed Job."""
 
     services: list[m.Manifest]
@@ -217,18 +217,18 @@ class GrpoObjects:
         return self.train_job["metadata"]["name"]
 
 
-def grpo_objects(spec: ExperimentSpec, profile: DeployProfile, env: dict[str, str]) -> GrpoObjects:
-    """The objects of one GRPO run, the trainer containers given `env` (the Pipes bootstrap variables)."""
+def run_objects(spec: ExperimentSpec, profile: DeployProfile, env: dict[str, str]) -> RunObjects:
+    """The objects of one RL run, the trainer containers given `env` (the Pipes bootstrap variables)."""
     services = [m.spec_configmap(spec, profile), *m.sandbox(spec, profile), *m.rollout(spec, profile)]
     train_service, job = m.training(spec, profile, command=TRAIN_COMMAND)
     container = job["spec"]["template"]["spec"]["containers"][0]
     container["env"] = [*container["env"], *({"name": k, "value": v} for k, v in sorted(env.items()))]
-    return GrpoObjects(services=services, deployments=[o["metadata"]["name"] for o in services
+    return RunObjects(services=services, deployments=[o["metadata"]["name"] for o in services
                                                        if o["kind"] == "Deployment"],
                        train_service=train_service, train_job=job)
 
 
-def launch_grpo(cluster: Cluster, objs: GrpoObjects, follow_rank0: Callable[[str], None],
+def launch_run(cluster: Cluster, objs: RunObjects, follow_rank0: Callable[[str], None],
                 ready_timeout_s: float, run_timeout_s: float, log: Log = _log.info) -> JobOutcome:
     """Create the run's services and wait until they are ready, run the trainer Job, follow rank 0's log with
     `follow_rank0(pod_name)` (returns when the log ends), and return how the Job ended. Everything created is

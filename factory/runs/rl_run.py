@@ -30,7 +30,7 @@ from pyiceberg.expressions import And, EqualTo, GreaterThan
 
 from factory.config import ExperimentSpec, parse_spec
 from factory.core.evaluate import evaluate
-from factory.core.loop import NonFiniteLoss, RunInterrupted, StepRecord, train_grpo
+from factory.core.loop import NonFiniteLoss, RunInterrupted, StepRecord, train_rl
 from factory.core.resume import TrainState, latest
 from factory.core.rollout.embedded import EmbeddedEngine
 from factory.data.feed import make_feed
@@ -295,7 +295,7 @@ class Run:
                 if self.state is not None and self.state.step >= self.spec.schedule.steps:
                     self.model.load_state_dict(self.state.model)  # trained to the end before: only the last stages
                 else:
-                    self.records = train_grpo(self.spec, self.model, self.tok, self.splits.train, on_step=self.step,
+                    self.records = train_rl(self.spec, self.model, self.tok, self.splits.train, on_step=self.step,
                                               checkpoints=self.ckpts, resume=self.state,
                                               reference_model=self.reference, feed=self.feed)
         finally:

@@ -371,7 +371,7 @@ def test_buffer_spec_errors_name_the_field():
 @pytest.mark.parametrize("name", ["grpo", "dr_grpo", "dapo", "cispo", "gspo"])
 def test_each_algorithm_learns_in_the_sync_loop(name):
     # The loop's eos task (tests/core/test_loop.py): a completion is right when it stops at once.
-    from factory.core.loop import train_grpo
+    from factory.core.loop import train_rl
     from factory.models.build import build_model
     from factory.models.tokenizer import build_tokenizer
     from factory.problem import Problem
@@ -385,7 +385,7 @@ def test_each_algorithm_learns_in_the_sync_loop(name):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a micro model: more threads only contend on a shared machine
     try:
-        records = train_grpo(spec, build_model("micro", tok, seed=0), tok, problems)
+        records = train_rl(spec, build_model("micro", tok, seed=0), tok, problems)
     finally:
         torch.set_num_threads(threads)
     first, last = records[0].reward_mean, sum(r.reward_mean for r in records[-5:]) / 5

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from factory.config import parse_spec
-from factory.core.loop import train_grpo
+from factory.core.loop import train_rl
 from factory.models.build import build_model
 from factory.models.tokenizer import build_tokenizer
 from factory.problem import Problem
@@ -33,7 +33,7 @@ def model_and_tok():
 @pytest.mark.slow
 def test_loop_records_and_learns(model_and_tok):
     model, tok = model_and_tok
-    records = train_grpo(spec(), model, tok, PROBLEMS)
+    records = train_rl(spec(), model, tok, PROBLEMS)
     assert [r.step for r in records] == list(range(1, 26))
     assert [r.weight_version for r in records] == list(range(1, 26))
     assert all(r.staleness_max == 0 and r.logprob_mismatch < 1e-4 for r in records)
@@ -44,7 +44,7 @@ def test_loop_records_and_learns(model_and_tok):
 
 def test_kl_to_reference_is_zero_then_positive(model_and_tok):
     model, tok = model_and_tok
-    records = train_grpo(spec(kl_coef=0.1).model_copy(update={"schedule": spec().schedule.model_copy(
+    records = train_rl(spec(kl_coef=0.1).model_copy(update={"schedule": spec().schedule.model_copy(
         update={"steps": 4})}), model, tok, PROBLEMS)
     assert records[0].kl < 1e-6 < records[-1].kl
 
@@ -52,7 +52,7 @@ def test_kl_to_reference_is_zero_then_positive(model_and_tok):
 def test_resuming_at_a_step_numbers_records_from_there(model_and_tok):
     model, tok = model_and_tok
     s = spec().model_copy(update={"schedule": spec().schedule.model_copy(update={"steps": 12})})
-    assert [r.step for r in train_grpo(s, model, tok, PROBLEMS, start_step=10)] == [11, 12]
+    assert [r.step for r in train_rl(s, model, tok, PROBLEMS, start_step=10)] == [11, 12]
 
 
 @pytest.mark.slow
@@ -68,7 +68,7 @@ def test_overlapped_modes_learn_within_their_staleness(model_and_tok, mode, buff
         "schedule": spec().schedule.model_copy(update={"mode": mode, "wait_timeout_s": 120}),
         "buffer": spec().buffer.model_copy(update=buffer),
     })
-    records = train_grpo(s, model, tok, PROBLEMS)
+    records = train_rl(s, model, tok, PROBLEMS)
     assert [r.step for r in records] == list(range(1, 26))
     limit = 1 if mode == "one_step_off" else buffer["max_staleness"]
     if buffer.get("policy") != "importance":
@@ -86,7 +86,7 @@ def test_dapo_dynamic_sampling_drops_uninformative_groups_and_still_learns(model
     model, tok = model_and_tok
     s = spec(name="dapo").model_copy(update={"schedule": spec().schedule.model_copy(update={"mode": mode})})
     assert s.algorithm.uses_dynamic_sampling()
-    records = train_grpo(s, model, tok, PROBLEMS)
+    records = train_rl(s, model, tok, PROBLEMS)
     first, last = records[0].reward_mean, sum(r.reward_mean for r in records[-5:]) / 5
     assert last > first + 0.3, (first, last)
     # early groups that are all wrong, late ones that are all right: dropped and counted
@@ -115,7 +115,7 @@ def test_rollout_server_killed_mid_run_is_restarted_and_no_group_is_lost_or_doub
         return groups
 
     producer.next_batch = next_batch
-    records = train_grpo(s, model, tok, PROBLEMS, producer=producer)
+    records = train_rl(s, model, tok, PROBLEMS, producer=producer)
     assert producer.service.restarts == 1
     assert [r.step for r in records] == list(range(1, 11))
     assert len(trained) == len(set(trained)) == 10 * s.rollout.prompts_per_step  # none doubled, every step full
@@ -149,7 +149,7 @@ def test_environment_worker_killed_mid_run_is_restarted_and_no_group_is_lost_or_
         return groups
 
     producer.next_batch = next_batch
-    records = train_grpo(s, model, tok, PROBLEMS, producer=producer)
+    records = train_rl(s, model, tok, PROBLEMS, producer=producer)
     assert producer.env.services[0].restarts == 1
     assert [r.step for r in records] == list(range(1, 9))
     assert len(trained) == len(set(trained)) == 8 * s.rollout.prompts_per_step

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from factory.config import ExperimentSpec
-from factory.core.loop import train_grpo
+from factory.core.loop import train_rl
 from factory.core.resume import ResumeWriter, capture, latest, load, points, rng_state, verify, write
 from factory.models.build import build_model
 from factory.models.tokenizer import build_tokenizer
@@ -143,10 +143,10 @@ def test_sync_resume_is_bit_identical_to_an_uninterrupted_run():
     spec = _spec("sync", 6)
     straight = build_model("micro", tok, seed=0)
     saver = Saver(every=3)
-    full = train_grpo(spec, straight, tok, PROBLEMS, checkpoints=saver)
+    full = train_rl(spec, straight, tok, PROBLEMS, checkpoints=saver)
     # A second process would start from the run's start checkpoint and load the resume point of step 3.
     resumed_model = build_model("micro", tok, seed=0)  # the run's start: the default KL reference
-    rest = train_grpo(spec, resumed_model, tok, PROBLEMS, resume=saver.states[3])
+    rest = train_rl(spec, resumed_model, tok, PROBLEMS, resume=saver.states[3])
     assert [r.step for r in rest] == [4, 5, 6]
     assert [r.loss for r in rest] == [r.loss for r in full[3:]]
     assert [r.reward_mean for r in rest] == [r.reward_mean for r in full[3:]]
@@ -159,7 +159,7 @@ def test_async_resume_trains_every_draw_once_including_those_buffered_or_in_flig
     tok = build_tokenizer()
     spec = _spec("async", 6, policy="bound", max_staleness=2)
     saver = Saver(every=3)
-    first = train_grpo(spec, build_model("micro", tok, seed=0), tok, PROBLEMS, checkpoints=saver)
+    first = train_rl(spec, build_model("micro", tok, seed=0), tok, PROBLEMS, checkpoints=saver)
     state = saver.states[3]
     producer = state.loop["producer"]
     buffered = {g["meta"]["draw"] for g in producer["buffer"]["groups"]}
@@ -167,7 +167,7 @@ def test_async_resume_trains_every_draw_once_including_those_buffered_or_in_flig
     assert buffered <= pending  # every buffered group is a pending draw
     trained_before = {s["draw"] for r in first[:3] for s in r.samples}
     assert len(trained_before) == 3 * 4
-    rest = train_grpo(spec, build_model("micro", tok, seed=0), tok, PROBLEMS, resume=state)
+    rest = train_rl(spec, build_model("micro", tok, seed=0), tok, PROBLEMS, resume=state)
     trained_after = [s["draw"] for r in rest for s in r.samples if s["sample"] == 0]
     assert len(trained_after) == len(set(trained_after)) == 3 * 4
     assert not trained_before & set(trained_after)
@@ -196,13 +196,13 @@ def test_stateful_parts_are_saved_and_restored_by_name():
     tok = build_tokenizer()
     spec = _spec("sync", 4)
     counter, saver = Counter(), Saver(every=2)
-    train_grpo(spec, build_model("micro", tok, seed=0), tok, PROBLEMS, checkpoints=saver,
+    train_rl(spec, build_model("micro", tok, seed=0), tok, PROBLEMS, checkpoints=saver,
                on_step=lambda r: setattr(counter, "seen", counter.seen + 1), stateful={"counter": counter})
     assert saver.states[2].extra == {"counter": {"seen": 2}} and saver.states[4].extra == {"counter": {"seen": 4}}
     fresh = Counter()
-    train_grpo(spec, build_model("micro", tok, seed=0), tok, PROBLEMS, resume=saver.states[2],
+    train_rl(spec, build_model("micro", tok, seed=0), tok, PROBLEMS, resume=saver.states[2],
                stateful={"counter": fresh}, on_step=lambda r: setattr(fresh, "seen", fresh.seen + 1))
     assert fresh.seen == 4
     with pytest.raises(ValueError, match="holds no state for 'blender'"):
-        train_grpo(spec, build_model("micro", tok, seed=0), tok, PROBLEMS, resume=saver.states[2],
+        train_rl(spec, build_model("micro", tok, seed=0), tok, PROBLEMS, resume=saver.states[2],
                    stateful={"blender": Counter()})

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from factory.config import parse_spec
-from factory.core.loop import make_producer, train_grpo
+from factory.core.loop import make_producer, train_rl
 from factory.core.rollout.base import SamplingParams
 from factory.core.rollout.sglang_servers import SGLangServers
 from factory.core.sglang_producer import SGLangProducer, make_sglang_engine
@@ -69,7 +69,7 @@ def test_a_short_grpo_run_on_sglang_servers(tmp_path, model_and_tok):
     model, tok = model_and_tok
     s = spec(tmp_path, "disk", steps=3)
     producer = make_producer(s, model, tok, PROBLEMS, start_version=0)
-    records = train_grpo(s, model, tok, PROBLEMS, producer=producer)
+    records = train_rl(s, model, tok, PROBLEMS, producer=producer)
     assert [r.step for r in records] == [1, 2, 3]
     assert max(r.staleness_max for r in records) <= 1 and all(r.rejected == 0 for r in records)
     for service in producer.engine.servers.services:  # every server loaded each published version from disk

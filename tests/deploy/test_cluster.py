@@ -30,7 +30,7 @@ PROFILE = DeployProfile(namespace=NS, gpus_per_train_pod=0, checkpoint_pvc=None,
 SCRIPT = "import os, sys; print('rank0 says hi', flush=True); sys.exit(int(os.environ.get('EXIT', '0')))"
 
 
-def no_entrypoint(objs: cl.GrpoObjects) -> cl.GrpoObjects:
+def no_entrypoint(objs: cl.RunObjects) -> cl.RunObjects:
     """The image's ENTRYPOINT (tini --) does not exist here: run the container's args as its command."""
     for obj in [objs.train_job, *objs.services]:
         if obj["kind"] in ("Job", "Deployment"):
@@ -45,8 +45,8 @@ def code_spec():
     return apply_overrides(load_spec(ROOT / "examples" / "k8s.yaml"), {"trainer.world_size": 1})
 
 
-def scripted_objects(exit_code: int = 0) -> cl.GrpoObjects:
-    objs = no_entrypoint(cl.grpo_objects(code_spec(), PROFILE, {"EXIT": str(exit_code)}))
+def scripted_objects(exit_code: int = 0) -> cl.RunObjects:
+    objs = no_entrypoint(cl.run_objects(code_spec(), PROFILE, {"EXIT": str(exit_code)}))
     objs.train_job["spec"]["template"]["spec"]["containers"][0]["command"] = [sys.executable, "-c", SCRIPT]
     return objs
 
@@ -91,7 +91,7 @@ def test_services_are_ready_before_the_trainers_start_and_everything_is_deleted_
                                                                                       cluster: cl.Cluster) -> None:
     followed: list[str] = []
     objs = scripted_objects()
-    outcome = cl.launch_grpo(cluster, objs, followed.append, ready_timeout_s=30, run_timeout_s=60)
+    outcome = cl.launch_run(cluster, objs, followed.append, ready_timeout_s=30, run_timeout_s=60)
     assert outcome == cl.JobOutcome(succeeded=True, exit_code=0, reason=outcome.reason)
     made = created_kinds(fake_kube)
     assert made == ["ConfigMap/k8s-code-grpo-spec",
@@ -111,7 +111,7 @@ def test_services_are_ready_before_the_trainers_start_and_everything_is_deleted_
 @pytest.mark.slow
 def test_a_trainer_that_exits_4_is_reported_and_nothing_is_left_behind(fake_kube: FakeKube, cluster: cl.Cluster
                                                                         ) -> None:
-    outcome = cl.launch_grpo(cluster, scripted_objects(exit_code=4), lambda pod: None, 30, 60)
+    outcome = cl.launch_run(cluster, scripted_objects(exit_code=4), lambda pod: None, 30, 60)
     assert (outcome.succeeded, outcome.exit_code) == (False, 4)
     assert left_behind(fake_kube) == []
 
@@ -123,7 +123,7 @@ def test_rollout_servers_that_never_get_ready_are_named_and_cleaned_up(fake_kube
         fake_kube.set_ready(f"k8s-code-grpo-sglang-{i}", False, namespace=NS)
     with pytest.raises(cl.ClusterError, match="rollout servers to be ready; not ready: k8s-code-grpo-sglang-0, "
                                               "k8s-code-grpo-sglang-1$"):  # the sandbox pool was ready
-        cl.launch_grpo(cluster, scripted_objects(), lambda pod: None, ready_timeout_s=0.3, run_timeout_s=60)
+        cl.launch_run(cluster, scripted_objects(), lambda pod: None, ready_timeout_s=0.3, run_timeout_s=60)
     assert "Job/k8s-code-grpo-train" not in created_kinds(fake_kube)  # no trainer pods for servers that are not up
     assert left_behind(fake_kube) == []
 
@@ -136,7 +136,7 @@ def test_trainer_pods_avoid_a_node_that_failed_preflight(fake_kube: FakeKube, cl
 
     fake_kube.add_node("gpu-1", taints=[{"key": TAINT_KEY, "value": "failed", "effect": TAINT_EFFECT}])
     with pytest.raises(cl.ClusterError, match="pod 0 of Job k8s-code-grpo-train to start"):
-        cl.launch_grpo(cluster, scripted_objects(), lambda pod: None, ready_timeout_s=0.5, run_timeout_s=60)
+        cl.launch_run(cluster, scripted_objects(), lambda pod: None, ready_timeout_s=0.5, run_timeout_s=60)
     assert left_behind(fake_kube) == []
 
 
@@ -145,7 +145,7 @@ def test_a_leftover_job_of_an_earlier_launch_is_replaced(fake_kube: FakeKube, cl
     stale = scripted_objects()
     cluster.apply(stale.train_job)  # an orchestrator died and left its Job
     fake_kube.wait_job(stale.job_name, NS)
-    outcome = cl.launch_grpo(cluster, scripted_objects(), lambda pod: None, 30, 60)
+    outcome = cl.launch_run(cluster, scripted_objects(), lambda pod: None, 30, 60)
     assert outcome.succeeded and len(fake_kube.runs) == 2
     assert left_behind(fake_kube) == []
     assert [n for n in rbac_needed(fake_kube) if not allowed(*n)] == []  # replacing needs no more rights
@@ -158,8 +158,8 @@ def test_the_grpo_run_asset_trains_in_a_pod_and_reports_through_pipes(fake_kube:
     home = data / "factory"
     fake_kube.path_map.update({"/etc/factory": str(tmp_path / "spec"), "/data": str(data)})
     fake_kube.extra_env["PATH"] = f"{Path(sys.executable).parent}:/usr/bin:/bin"  # `factory` of this venv
-    real = cl.grpo_objects
-    monkeypatch.setattr(cl, "grpo_objects", lambda *a, **kw: no_entrypoint(real(*a, **kw)))
+    real = cl.run_objects
+    monkeypatch.setattr(cl, "run_objects", lambda *a, **kw: no_entrypoint(real(*a, **kw)))
     profile = tmp_path / "deploy.yaml"
     profile.write_text(yaml.safe_dump(PROFILE.model_dump(mode="json")))
     launcher = TrainingLauncherResource(where="k8s", kubeconfig=str(fake_kube.write_kubeconfig(tmp_path / "kube")),

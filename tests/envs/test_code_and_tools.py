@@ -45,7 +45,7 @@ def small(spec: dict) -> dict:
 
 @pytest.mark.slow
 def test_a_code_generation_run_trains_through_the_async_core():
-    from factory.core.loop import train_grpo
+    from factory.core.loop import train_rl
     from factory.models.build import build_model
     from factory.models.tokenizer import tokenizer_for
 
@@ -56,7 +56,7 @@ def test_a_code_generation_run_trains_through_the_async_core():
     tok = tokenizer_for("code")
     model = build_model("micro", tok, seed=0, max_positions=s.model.max_positions)
     before = tasks.sandbox_pool().metrics()["executions"]
-    records = train_grpo(s, model, tok, splits.train)
+    records = train_rl(s, model, tok, splits.train)
     assert [r.step for r in records] == [1, 2, 3]
     assert all(0.0 <= r.reward_mean <= 1.0 and r.logprob_mismatch < 1e-4 for r in records)
     # every completion was scored by running it in the pool: 3 steps x 4 prompts x 4 samples at least
@@ -68,7 +68,7 @@ def test_a_tool_use_run_trains_through_the_async_core():
     """A policy first taught to echo its prompt (an expression ending in '=', i.e. a calculator call) calls the
     tool; the tool's reply is in the episode's tokens but never in the loss."""
     from factory.config import SFTSpec
-    from factory.core.loop import train_grpo
+    from factory.core.loop import train_rl
     from factory.core.producer import ServerProducer
     from factory.core.sft import run_sft
     from factory.data.feed import feed_of
@@ -90,7 +90,7 @@ def test_a_tool_use_run_trains_through_the_async_core():
     seen = []
     original = producer.next_batch
     producer.next_batch = lambda step: seen.extend(g := original(step)) or g
-    records = train_grpo(s, model, tok, splits.train, producer=producer)
+    records = train_rl(s, model, tok, splits.train, producer=producer)
     assert [r.step for r in records] == [1, 2, 3]
     samples = [x for g in seen for x in g.samples]
     assert len(samples) == 3 * 4 * 4

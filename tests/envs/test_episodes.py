@@ -103,7 +103,7 @@ PROBLEMS = [Problem(id=f"p{i}", prompt=f"{i}+{i}=", answer="", op="add", digits=
 @pytest.mark.slow
 @pytest.mark.parametrize("medium", ["in_process", "service"])
 def test_multi_turn_episodes_train_through_the_async_core(medium):
-    from factory.core.loop import train_grpo
+    from factory.core.loop import train_rl
     from factory.core.producer import ServerProducer
     from factory.data.feed import feed_of
     from factory.models.build import build_model
@@ -127,7 +127,7 @@ def test_multi_turn_episodes_train_through_the_async_core(medium):
         return groups
 
     producer.next_batch = next_batch
-    records = train_grpo(s, model, tok, PROBLEMS, producer=producer)
+    records = train_rl(s, model, tok, PROBLEMS, producer=producer)
     assert [r.step for r in records] == [1, 2, 3, 4]
     assert all(r.logprob_mismatch < 1e-4 for r in records)
     samples = [x for g in seen for x in g.samples]
@@ -160,7 +160,7 @@ def test_a_single_turn_environment_by_import_path_scores_completions():
 
 
 def test_a_single_turn_environment_trains_in_sync_mode():
-    from factory.core.loop import train_grpo
+    from factory.core.loop import train_rl
     from factory.models.build import build_model
     from factory.models.tokenizer import build_tokenizer
 
@@ -169,7 +169,7 @@ def test_a_single_turn_environment_trains_in_sync_mode():
                     "tests.envs.test_episodes:length_reward"}, "algorithm": {"group_size": 4, "lr": 0.01},
                     "rollout": {"prompts_per_step": 4, "max_new_tokens": 3}, "trainer": {"threads": 1},
                     "schedule": {"steps": 12}})
-    records = train_grpo(s, build_model("micro", tok, seed=0), tok, PROBLEMS)
+    records = train_rl(s, build_model("micro", tok, seed=0), tok, PROBLEMS)
     first, last = records[0].reward_mean, sum(r.reward_mean for r in records[-3:]) / 3
     assert last > first, (first, last)  # the user's reward is what it learned from
 

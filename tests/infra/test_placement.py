@@ -62,7 +62,7 @@ def test_enter_places_the_calling_thread(restore_main_thread):
 
 @two_cores
 def test_an_async_run_puts_trainer_engine_and_scoring_on_their_cores(restore_main_thread):
-    from factory.core.loop import train_grpo
+    from factory.core.loop import train_rl
     from factory.envs.tasks import make_task_splits
     from factory.models.build import policy_for
     from factory.runs.stages import set_threads
@@ -75,7 +75,7 @@ def test_an_async_run_puts_trainer_engine_and_scoring_on_their_cores(restore_mai
     entered(clear=True)  # runs earlier in this process placed threads of the same names
     set_threads(spec, log=lambda _: None)
     model, tok = policy_for(spec)
-    records = train_grpo(spec, model, tok, make_task_splits(spec.task, spec.seed).train[:64])
+    records = train_rl(spec, model, tok, make_task_splits(spec.task, spec.seed).train[:64])
     assert len(records) == 2
     placed = entered()
     assert placed["MainThread"] == ("trainer", frozenset({a}), 1)

@@ -139,13 +139,13 @@ def test_sft_with_the_bpe_model_lowers_the_loss(bpe_model_dir):
 
 
 def test_one_grpo_step_runs_with_the_bpe_model(bpe_model_dir):
-    from factory.core.loop import train_grpo
+    from factory.core.loop import train_rl
 
     spec = quickstart_with(bpe_model_dir, **{"rollout.prompts_per_step": 4, "algorithm.group_size": 2,
                                              "trainer.minibatches": 1, "schedule.steps": 2})
     model, tok = policy_for(spec)
     splits = make_task_splits(spec.task, spec.seed)
-    records = train_grpo(spec, model, tok, splits.train[:16])
+    records = train_rl(spec, model, tok, splits.train[:16])
     assert [(r.step, r.weight_version) for r in records] == [(1, 1), (2, 2)]
     # Sampler and trainer agree on the same BPE tokens (left padding, pad id, eos) to float precision.
     assert all(r.logprob_mismatch < 1e-4 and r.nonfinite == 0 for r in records)
