@@ -67,7 +67,7 @@ def launch_k8s(context: AssetExecutionContext, spec: ExperimentSpec, launcher: T
     trainers' environment, messages read from rank 0's log (dagster-k8s's pod-log reader)."""
     from dagster_k8s.pipes import PipesK8sPodLogsMessageReader  # heavy: kubernetes
 
-    from factory.deploy.cluster import Cluster, ClusterError, run_objects, launch_run  # heavy: ~1 s, k8s only
+    from factory.deploy.cluster import Cluster, ClusterError, launch_run, run_objects  # heavy: ~1 s, k8s only
 
     try:
         profile = load_profile(launcher.deploy_profile or os.environ.get(DEPLOY_PROFILE_ENV) or None)
