@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +28,7 @@ from factory.home import FactoryPaths
 from factory.infra.supervisor import CircuitOpen
 from factory.lake import Lake
 from factory.ops.preflight.gate import PreflightFailed, gate
-from factory.progress import Throttle
+from factory.progress import Log, Throttle
 from factory.runs.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_NEEDS_FIX, EXIT_OK
 from factory.runs.rl_run import RunResult, run_rl
 from factory.runs.stages import load_dataset
@@ -75,7 +74,7 @@ def pipes_metadata(scalars: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def train(spec: ExperimentSpec, paths: FactoryPaths, inputs: RunInputs, log: Callable[[str], None] = print
+def train(spec: ExperimentSpec, paths: FactoryPaths, inputs: RunInputs, log: Log = print
           ) -> RunResult:
     """Preflight-gate this node, then train (or continue) the run; its progress (step, reward, ETA) goes to `log`
     every PROGRESS_EVERY_S and at the last step, so a run on the cluster shows it in the Dagster run's log."""
@@ -112,8 +111,8 @@ def run_under_pipes(spec: ExperimentSpec, paths: FactoryPaths, fallback: RunInpu
     return code
 
 
-def _train_or_exit(spec: ExperimentSpec, paths: FactoryPaths, inputs: RunInputs, log: Callable[[str], None],
-                   error: Callable[[str], None]) -> tuple[RunResult | None, int]:
+def _train_or_exit(spec: ExperimentSpec, paths: FactoryPaths, inputs: RunInputs, log: Log,
+                   error: Log) -> tuple[RunResult | None, int]:
     """`train`, its known failures turned into the exit codes of the module docstring (others propagate: 1)."""
     try:
         return train(spec, paths, inputs, log=log), EXIT_OK

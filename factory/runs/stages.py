@@ -37,9 +37,8 @@ from factory.models.build import build_model, policy_for
 from factory.models.checkpoint import CheckpointInfo, load_checkpoint, save_checkpoint
 from factory.models.tokenizer import tokenizer_for
 from factory.problem import Problem, Splits
-from factory.progress import Progress
+from factory.progress import Log, Progress
 
-Log = Callable[[str], None]
 ProgressCallback = Callable[[Progress], None]  # told each step's progress (stage, step, ETA)
 
 
