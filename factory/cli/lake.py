@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from typing import TypeVar
 
 from factory.cli.common import emit, error, home_from
 from factory.lake import Lake, QueryError, format_table, query
 from factory.lake.history import HistoryError, best_runs, compare_runs, format_comparison
 from factory.runs.exit_codes import EXIT_BAD_INPUT, EXIT_OK
 from factory.runs.recovery import reconcile
+
+T = TypeVar("T")
 
 # The `runs` listing. "Final accuracy" is the mean over whole benchmarks (not their `bench/slice` rows)
 # of metric 'accuracy' at the run's last step, the greatest step the run recorded in `steps` or
@@ -36,16 +40,21 @@ ORDER BY r.started_at DESC, r.run_id
 """
 
 
-def cmd_query(args: argparse.Namespace) -> int:
-    """Run SQL over the lake tables and print the result."""
+def _read_and_print(args: argparse.Namespace, read: Callable[[Lake], T], render: Callable[[T], str]) -> int:
+    """Print `render(read(lake))`; a bad query, metric, benchmark or run name is a one-line error (exit 2)."""
     with Lake.open(home_from(args)) as lake:
         try:
-            result = query(args.sql, lake)
-        except QueryError as e:
+            result = read(lake)
+        except (QueryError, HistoryError) as e:
             error(str(e))
             return EXIT_BAD_INPUT
-    emit(format_table(result, args.format))
+    emit(render(result))
     return EXIT_OK
+
+
+def cmd_query(args: argparse.Namespace) -> int:
+    """Run SQL over the lake tables and print the result."""
+    return _read_and_print(args, lambda lake: query(args.sql, lake), lambda r: format_table(r, args.format))
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
@@ -60,24 +69,13 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
 def cmd_best(args: argparse.Namespace) -> int:
     """Rank runs by a metric at their final evaluated step."""
-    with Lake.open(home_from(args)) as lake:
-        try:
-            result = best_runs(lake, args.metric, benchmark=args.benchmark, sweep_id=args.sweep,
-                               top=args.top, lowest=args.lowest)
-        except HistoryError as e:
-            error(str(e))
-            return EXIT_BAD_INPUT
-    emit(format_table(result, args.format))
-    return EXIT_OK
+    return _read_and_print(
+        args, lambda lake: best_runs(lake, args.metric, benchmark=args.benchmark, sweep_id=args.sweep, top=args.top,
+                                     lowest=args.lowest),
+        lambda r: format_table(r, args.format))
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
     """Two runs side by side: spec differences, final evals, step aggregates."""
-    with Lake.open(home_from(args)) as lake:
-        try:
-            comparison = compare_runs(lake, args.run_a, args.run_b)
-        except HistoryError as e:
-            error(str(e))
-            return EXIT_BAD_INPUT
-    emit(format_comparison(comparison, args.format))
-    return EXIT_OK
+    return _read_and_print(args, lambda lake: compare_runs(lake, args.run_a, args.run_b),
+                           lambda c: format_comparison(c, args.format))
