@@ -10,13 +10,15 @@ with the returned text's UTF-8. A token is listed when some of its bytes are in 
 tokens of a stop string (which the text excludes) are not. A token that a stop string cuts mid-token is listed with
 only its bytes before the cut (its logprob is the whole token's). Each listed token's `token` string is the text of
 the characters whose last byte it holds, so a token ending mid-character has `""` and the one completing it carries
-the whole character: the `token` strings concatenate to exactly the text, and the `bytes` lists decode to it.
+the whole character: the `token` strings concatenate to exactly the text, and the `bytes` lists decode to it (bytes
+that are not valid UTF-8, which a sampled sequence can hold, decode to U+FFFD as in the text).
 Alternatives (top logprobs) are not in the text: each is named by its decoded text when its bytes are valid UTF-8
 on their own, else `bytes:\\xe4\\xb8` (OpenAI's convention), so two tokens never share a key.
 """
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 from dataclasses import dataclass
@@ -97,33 +99,42 @@ class TokenPieces:
 def token_pieces(token_bytes: TokenBytes, token_ids: list[int], text: str) -> TokenPieces:
     """The tokens of `token_ids` that make up `text` (the returned text: the decoded completion, cut before a stop
     string), each with the part of `text` and of its bytes it accounts for; see the module docstring."""
-    target = text.encode()
-    # The byte offset at which each character of `text` ends, to give a character to the token holding its end.
-    char_end, pos = [], 0
-    for ch in text:
-        pos += len(ch.encode())
-        char_end.append(pos)
     raw = [token_bytes(t) for t in token_ids]
-    if not b"".join(raw).startswith(target):
+    if not b"".join(raw).decode(errors="replace").startswith(text):
         # A decoder that is not a plain concatenation of token bytes (e.g. one that strips or cleans up spaces):
         # fall back to what each token adds to the decoded prefix, which joins up by construction.
-        raw = _incremental_bytes(token_bytes.tokenizer, token_ids, target)
+        raw = _incremental_bytes(token_bytes.tokenizer, token_ids, text.encode())
+    # Feed the bytes one at a time to a UTF-8 decoder: a character belongs to the token whose byte completes it
+    # (an invalid sequence becomes U+FFFD, as the tokenizers' lossy decoding writes it).
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    chars, cut_byte, count, pos = [], None, 0, 0  # chars completed per token; the byte offset where `text` ends
+    for b in raw:
+        n = 0
+        for k in range(len(b)):
+            n += len(decoder.decode(b[k:k + 1]))
+            if cut_byte is None and count + n >= len(text):
+                cut_byte = pos + k + 1
+        chars.append(n)
+        count += n
+        pos += len(b)
+    if chars:
+        chars[-1] += len(decoder.decode(b"", final=True))  # a trailing partial character, replaced
+    if cut_byte is None:
+        cut_byte = pos
+    if not text:
+        cut_byte = 0
     out = TokenPieces([], [], [], [])
-    start, ci = 0, 0
+    c0 = start = 0
     for i, b in enumerate(raw):
-        if start >= len(target):
+        if start >= cut_byte:
             break
-        if not b:
-            continue
-        end = min(start + len(b), len(target))
-        first = ci
-        while ci < len(char_end) and char_end[ci] <= end:
-            ci += 1
-        out.index.append(i)
-        out.bytes.append(target[start:end])
-        out.text.append(text[first:ci])
-        out.offset.append(first)
-        start = end
+        c1 = c0 + chars[i]
+        if b:
+            out.index.append(i)
+            out.text.append(text[c0:min(c1, len(text))])
+            out.bytes.append(b[: cut_byte - start])
+            out.offset.append(min(c0, len(text)))
+        c0, start = c1, start + len(b)
     return out
 
 
