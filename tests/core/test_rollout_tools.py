@@ -114,5 +114,6 @@ def test_forced_calls_are_read_however_the_reply_ended():
     # cut at max_tokens, or not JSON: the arguments as the model wrote them
     assert forced_call(forced, '{"city": "Pa', "c")["function"] == {"name": "get_weather", "arguments": '{"city": "Pa'}
     assert forced_call(forced, "sunny}", "c")["function"]["arguments"] == "sunny"
+    assert forced_call(forced, '{"city": "Paris"}}\n</tool', "c")["function"]["arguments"] == '{"city": "Paris"}'
     named = forced_call('<tool_call>\n{"name": "', 'get_time", "arguments": {}}\n', "c")["function"]
     assert named == {"name": "get_time", "arguments": "{}"}

@@ -131,6 +131,10 @@ def forced_call(prefill: str, text: str, call_id: str) -> dict[str, Any]:
     """The one tool call of a forced reply: `prefill` (the prompt's start of the call) + `text` (the reply, cut
     before `</tool_call>` or at max_tokens). Arguments that do not parse as a JSON object are returned as written."""
     body = (prefill + text)[len(CALL_OPEN):].strip()
+    for k in range(len(CALL_CLOSE) - 1, 1, -1):  # cut at max_tokens inside `</tool_call>`: not part of the call
+        if body.endswith(CALL_CLOSE[:k]):
+            body = body[:-k].rstrip()
+            break
     name, args = "", body
     try:
         obj = json.loads(body)
