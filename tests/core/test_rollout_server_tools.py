@@ -117,7 +117,6 @@ def test_chat_logprobs_join_up_to_the_content_and_completions_to_the_text(server
 
 
 def test_a_stop_string_cut_mid_token_lists_only_the_text_part(server):
-    tok = server.engine.tokenizer
     base = dict(model="m", prompt="Weather in Paris", max_tokens=24, temperature=1.0, seed=1, logprobs=0,
                 extra_body={"ignore_eos": True})
     full = client(server).completions.create(**base).choices[0]
