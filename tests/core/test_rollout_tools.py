@@ -117,3 +117,30 @@ def test_forced_calls_are_read_however_the_reply_ended():
     assert forced_call(forced, '{"city": "Paris"}}\n</tool', "c")["function"]["arguments"] == '{"city": "Paris"}'
     named = forced_call('<tool_call>\n{"name": "', 'get_time", "arguments": {}}\n', "c")["function"]
     assert named == {"name": "get_time", "arguments": "{}"}
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir():  # TEMP: main's session fixture of the same name (tests/conftest.py) replaces this on merge
+    from pathlib import Path
+
+    path = Path("/work/smollm2")
+    if not path.is_dir():
+        pytest.skip("no SmolLM2 directory")
+    return path
+
+
+def test_smollm2s_chatml_template_gets_the_tools_block_and_its_tokens_have_distinct_bytes(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    from factory.core.rollout.logprobs import TokenBytes
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    template = ChatTemplate(tok)
+    assert template.native and not template.shows_tools  # its template ignores tools: the fallback shows them
+    text = rendered(template, CONVERSATION, tools=[WEATHER])
+    assert text.startswith("<|im_start|>system\n# Tools\n") and json.dumps(WEATHER) in text
+    assert "named SmolLM" not in text  # the tools' system message stands in for the template's default one
+    tb = TokenBytes(tok)
+    names = {tb.name(i) for i in range(len(tok))}
+    assert len(names) == len(tok)  # top-logprob keys never collide
+    assert sum(name.startswith("bytes:") for name in names) > 0
