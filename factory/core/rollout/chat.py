@@ -146,6 +146,19 @@ class ChatTemplate:
         # Whether the template itself writes `tools` / an assistant's `tool_calls` into the prompt.
         self.shows_tools = self.native and _PROBE in self._text([hi], tools=[_PROBE_TOOL])
         self.shows_tool_calls = self.native and _PROBE in self._text([hi, call])
+        self.closing = self._closing()
+
+    def _closing(self) -> list[int]:
+        """The ids the template writes after an assistant message's content (ChatML: `<|im_end|>\\n`): what closes a
+        recorded turn that ended without them (a stop string, max_tokens) when a session continues it."""
+        tok = self.tokenizer
+        eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+        if not self.native:
+            return eos
+        text = self._text([{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE}])
+        if _PROBE not in text:
+            return eos
+        return list(tok(text[text.index(_PROBE) + len(_PROBE):], add_special_tokens=False).input_ids)
 
     def _text(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
         try:

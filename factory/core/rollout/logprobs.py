@@ -47,7 +47,7 @@ class TokenBytes:
         kinds = _decoder_types(tokenizer)
         self._byte_level = "ByteLevel" in kinds
         self._byte_fallback = "ByteFallback" in kinds
-        self._special = set(getattr(tokenizer, "all_special_ids", []) or [])
+        self.special = set(getattr(tokenizer, "all_special_ids", []) or [])
         self._cache: dict[int, bytes] = {}
 
     @cached_property
@@ -55,13 +55,13 @@ class TokenBytes:
         return {c: b for b, c in bytes_to_unicode().items()}
 
     def is_special(self, tid: int) -> bool:
-        return tid in self._special
+        return tid in self.special
 
     def __call__(self, tid: int) -> bytes:
         """The bytes token `tid` adds to decoded text (b"" for a special token)."""
         if tid in self._cache:
             return self._cache[tid]
-        if tid in self._special:
+        if tid in self.special:
             out = b""
         else:
             piece = self.tokenizer.convert_ids_to_tokens(tid)
@@ -77,7 +77,7 @@ class TokenBytes:
 
     def name(self, tid: int) -> str:
         """How an alternative token is named: its text if its bytes are valid UTF-8 alone, else `bytes:\\x..`."""
-        if tid in self._special:
+        if tid in self.special:
             return self.tokenizer.decode([tid])
         b = self(tid)
         try:

@@ -39,7 +39,8 @@ is recorded as a turn (prompt ids, completion ids, logprobs, versions). For chat
 continue a recorded turn (same earlier messages, then that turn's reply verbatim as an assistant message), the
 prompt is built from that turn's exact prompt + completion ids followed by the template of the new messages:
 the episode's token stream is never re-tokenized, and the last turn's `prompt_token_ids + token_ids` is the whole
-episode.
+episode. A turn that a stop string ended is closed with the template's end-of-message ids (ChatML `<|im_end|>\n`,
+the built-in template's eos) before the new messages, as the template renders a reply.
 """
 
 from __future__ import annotations
@@ -340,7 +341,13 @@ class RolloutServer:
                     and _same_reply(messages[j], reply, t.text)):
                 head = self.template.render(messages[: j + 1], generation_prompt=False, tools=plan.tools)
                 if full[: len(head)] == head:  # the template renders the conversation prefix-stably
-                    return t.prompt_ids + t.completion_ids + full[len(head):], idx
+                    # A turn cut by a stop string (e.g. `</tool_call>`) has no end-of-turn token: it gets the
+                    # template's closing, as the rendered reply has it. (eos and stop tokens close a turn; a turn cut
+                    # by max_tokens is continued as it stands.)
+                    cut = t.finish_reason == "stop" and bool(t.completion_ids) \
+                        and not self.token_bytes.is_special(t.completion_ids[-1])
+                    closing = self.template.closing if cut else []
+                    return t.prompt_ids + t.completion_ids + closing + full[len(head):], idx
         return full, None
 
     def _chat_logprobs(self, c: Completion) -> dict:
