@@ -58,6 +58,8 @@ def test_the_prefill_ends_the_prompt(tmp_path):
     plan = plan_tools([WEATHER, CLOCK], {"type": "function", "function": {"name": "get_time"}}, None)
     text = rendered(template, CONVERSATION[:1], tools=plan.tools, prefill=plan.prefill)
     assert text.endswith('<|im_start|>assistant\n<tool_call>\n{"name": "get_time", "arguments": ')
+    # what closes a reply that a stop string (`</tool_call>`) cut before its end-of-message tokens
+    assert template.tokenizer.decode(template.closing) == "<|im_end|>\n"
 
 
 def test_tool_choice_plans():
