@@ -143,6 +143,9 @@ def test_refusals_reach_the_openai_client_naming_the_field(server):
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model="m", messages=QUESTION, response_format={"type": "json_object"})
     assert e.value.body["param"] == "response_format"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model="m", prompt="x", extra_body={"response_format": {"type": "json_schema"}})
+    assert e.value.body["param"] == "response_format"
     ok = c.chat.completions.create(model="m", messages=QUESTION, response_format={"type": "text"}, max_tokens=2)
     assert ok.choices[0].message.role == "assistant"
 

@@ -240,6 +240,7 @@ class RolloutServer:
             raise APIError(400, "best_of is not supported", "best_of")
         if body.suffix:
             raise APIError(400, "suffix is not supported", "suffix")
+        check_response_format((body.model_extra or {}).get("response_format"))  # not OpenAI's here: never ignored
         k = body.logprobs
         if k is not None and not 0 <= k <= 20:
             raise APIError(400, f"logprobs must be in [0, 20], got {k}", "logprobs")
