@@ -166,3 +166,21 @@ def test_a_forced_call_sent_back_renders_through_the_template(server):
     prompt = tok.decode(second.choices[0].prompt_token_ids)
     assert "<tool_response>\n12:00\n</tool_response>" in prompt and json.dumps(CLOCK) in prompt
     assert '<|im_start|>assistant\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call><|im_end|>' in prompt
+
+
+def test_a_turn_cut_by_a_stop_string_is_closed_by_the_template_when_the_session_goes_on(server):
+    tok = server.engine.tokenizer
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60,
+                      default_headers={"x-session-id": "stop-closing"})
+    sampling = dict(model="m", max_tokens=12, temperature=1.0, seed=2, extra_body={"ignore_eos": True})
+    probe = c.chat.completions.create(messages=QUESTION, **sampling).choices[0].message.content
+    stop = probe[len(probe) // 2:][:2]  # a string the same seeded sample reaches part-way
+    first = c.chat.completions.create(messages=QUESTION, stop=[stop], **sampling).choices[0]
+    assert first.finish_reason == "stop" and first.stop_reason == stop
+    messages = [*QUESTION, {"role": "assistant", "content": first.message.content},
+                {"role": "user", "content": "And in Rome?"}]
+    second = c.chat.completions.create(messages=messages, **sampling).choices[0]
+    closing = tok("<|im_end|>\n", add_special_tokens=False).input_ids
+    new_turn = tok("<|im_start|>user\nAnd in Rome?<|im_end|>\n<|im_start|>assistant\n",
+                   add_special_tokens=False).input_ids
+    assert second.prompt_token_ids == first.prompt_token_ids + first.token_ids + closing + new_turn
