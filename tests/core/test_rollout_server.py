@@ -56,8 +56,11 @@ def test_completions_return_exact_tokens_and_openai_logprobs(server):
     assert len(r.choices) == 4 and [c.index for c in r.choices] == [0, 1, 2, 3]
     for i, c in enumerate(r.choices):
         assert c.prompt_token_ids == tok(PROMPTS[i // 2]).input_ids
-        assert c.logprobs.token_logprobs == c.token_logprobs  # OpenAI shape == the extension field
-        assert c.logprobs.tokens == [tok.decode([t]) for t in c.token_ids]
+        # the OpenAI shape lists the tokens of the text (not bos/pad/eos); the extension field has them all
+        listed = [i for i, t in enumerate(c.token_ids) if t not in tok.all_special_ids]
+        assert c.logprobs.token_logprobs == [c.token_logprobs[i] for i in listed]
+        assert c.logprobs.tokens == [tok.decode([c.token_ids[i]]) for i in listed]
+        assert "".join(c.logprobs.tokens) == c.text
         assert all(len(top) <= 2 for top in c.logprobs.top_logprobs)
         assert tok.decode(c.token_ids, skip_special_tokens=True) == c.text
         assert c.weight_version == 0 and c.token_versions == [0] * len(c.token_ids)
@@ -78,8 +81,9 @@ def test_chat_completions_with_logprobs(server):
     assert c.message.role == "assistant"
     # the built-in template: <bos> + content for a lone user message, i.e. the completions prompt of its text
     assert c.prompt_token_ids == tok("12+3=").input_ids
-    assert [x.logprob for x in c.logprobs.content] == c.token_logprobs
-    assert [x.token for x in c.logprobs.content] == [tok.decode([t]) for t in c.token_ids]
+    listed = [i for i, t in enumerate(c.token_ids) if t not in tok.all_special_ids]  # not in the content: unlisted
+    assert [x.logprob for x in c.logprobs.content] == [c.token_logprobs[i] for i in listed]
+    assert [x.token for x in c.logprobs.content] == [tok.decode([c.token_ids[i]]) for i in listed]
     assert all(len(x.top_logprobs) == 3 for x in c.logprobs.content)
     assert tok.decode(c.token_ids, skip_special_tokens=True) == c.message.content
 

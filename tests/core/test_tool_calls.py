@@ -101,3 +101,23 @@ def test_the_python_tool_environment_runs_calls_in_the_sandbox(tool_caller, requ
     inserted = tok.decode([t for t, m in zip(ep.token_ids, ep.mask, strict=True) if not m], skip_special_tokens=True)
     assert inserted == "42\n"  # the tool's output, and nothing the model wrote
     assert ep.turns == 2
+
+
+@pytest.mark.slow
+def test_parallel_tool_calls_false_stops_at_the_first_call_and_the_session_closes_the_turn(tool_caller):
+    """Generation stops at `</tool_call>` (a stop string, so no eos was sampled); the next turn continues the exact
+    ids with the template's end of message (the built-in template's eos) before the tool's answer."""
+    tok = tool_caller.engine.tokenizer
+    client = openai.OpenAI(base_url=tool_caller.url + "/v1", api_key="x", max_retries=0, timeout=60,
+                           default_headers={"x-session-id": "tools-2"})
+    messages = [{"role": "user", "content": "Q2?"}]
+    first = client.chat.completions.create(model="m", messages=messages, tools=TOOLS, temperature=0,
+                                           max_tokens=len(CALL) + 8, parallel_tool_calls=False).choices[0]
+    assert first.finish_reason == "tool_calls" and first.stop_reason == "</tool_call>"
+    assert len(first.message.tool_calls) == 1 and tok.eos_token_id not in first.token_ids
+    messages += [first.message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": first.message.tool_calls[0].id, "content": "42"}]
+    second = client.chat.completions.create(model="m", messages=messages, tools=TOOLS, temperature=0,
+                                            max_tokens=2).choices[0]
+    assert second.prompt_token_ids == (first.prompt_token_ids + first.token_ids + [tok.eos_token_id]
+                                       + tok("42", add_special_tokens=False).input_ids)

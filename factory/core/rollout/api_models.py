@@ -101,8 +101,10 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_SamplingRequest):
     messages: list[ChatMessage]
-    tools: list[dict[str, Any]] | None = None  # offered: replies' <tool_call> blocks come back as tool_calls
+    tools: list[Any] | None = None  # checked and used as `tools.py` says
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: Any = None  # only {"type": "text"}: see tools.check_response_format
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = False

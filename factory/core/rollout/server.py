@@ -24,9 +24,14 @@ Extension fields on every choice (the exact tokens, so the trainer never re-toke
   `weight_version`    the oldest of them (all equal unless an in-flight update happened mid-completion),
   `stop_reason`       the stop token id or stop string that ended it (null for EOS-free length stops).
 Extension request fields (the openai client's `extra_body`): `session_id`, `stop_token_ids`, `ignore_eos`.
-Tool calls: when a chat request offers `tools`, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks
-in a reply (Hermes style) come back as OpenAI `tool_calls` (finish_reason "tool_calls"); an assistant message
-with `tool_calls` sent back renders to that text, and still continues the turn's exact ids in a session.
+Tool calls: when a chat request offers `tools`, they are shown through the model's chat template (`chat.py`) and
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks in a reply (Hermes style) come back as OpenAI
+`tool_calls` (finish_reason "tool_calls"); an assistant message with `tool_calls` sent back renders through the
+template, and still continues the turn's exact ids in a session. `tool_choice`, `parallel_tool_calls` and
+`response_format` follow `tools.py` (honoured, or refused with a 400 naming the field).
+Log-probs (`logprobs.py`): the listed tokens join up to exactly the returned `text` (completions) or the generated
+text (chat: the `content`, unless tool calls were taken out of it); eos, pad and stop-string tokens are not listed,
+and `bytes` are each token's true bytes. The extension `token_ids`/`token_logprobs` keep every sampled token.
 temperature=0 is greedy; its logprobs are those of the untempered distribution (temperature 1).
 
 Sessions: a request names its session with the `X-Session-Id` header or a `session_id` body field. Every choice
@@ -34,7 +39,8 @@ is recorded as a turn (prompt ids, completion ids, logprobs, versions). For chat
 continue a recorded turn (same earlier messages, then that turn's reply verbatim as an assistant message), the
 prompt is built from that turn's exact prompt + completion ids followed by the template of the new messages:
 the episode's token stream is never re-tokenized, and the last turn's `prompt_token_ids + token_ids` is the whole
-episode.
+episode. A turn that a stop string ended is closed with the template's end-of-message ids (ChatML `<|im_end|>\n`,
+the built-in template's eos) before the new messages, as the template renders a reply.
 """
 
 from __future__ import annotations
@@ -78,7 +84,9 @@ from factory.core.rollout.chat import (
     parse_tool_calls,
 )
 from factory.core.rollout.continuous import PAUSE_MODES, UPDATE_MODES, ContinuousEngine
+from factory.core.rollout.logprobs import TokenBytes, token_pieces
 from factory.core.rollout.sessions import SessionStore, Turn
+from factory.core.rollout.tools import CALL_CLOSE, ToolPlan, check_response_format, forced_call, plan_tools
 from factory.core.weights import WeightUpdate, apply_update
 from factory.infra.faults import fault_point
 from factory.infra.http_guard import MAX_JSON_BYTES, guard
@@ -150,6 +158,7 @@ class RolloutServer:
         self.model_path = model_path
         self.delta_decoder = delta_decoder or weight_update_decoder
         self.template = ChatTemplate(engine.tokenizer)
+        self.token_bytes = TokenBytes(engine.tokenizer)
         self.sessions = SessionStore(max_sessions)
         self.created = int(time.time())
         self._update_lock = asyncio.Lock()  # one weight update at a time, in arrival order
@@ -162,7 +171,7 @@ class RolloutServer:
         return body.session_id or header or None
 
     def _params(self, body: _SamplingRequest, max_tokens: int, top_logprobs: int,
-                max_tokens_field: str = "max_tokens") -> SamplingParams:
+                max_tokens_field: str = "max_tokens", extra_stop: tuple[str, ...] = ()) -> SamplingParams:
         if body.stream:
             raise APIError(400, "stream=true is not supported by this server", "stream")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -183,6 +192,7 @@ class RolloutServer:
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if any(not s for s in stop):
             raise APIError(400, "stop strings must be non-empty", "stop")
+        stop += [s for s in extra_stop if s not in stop]
         return SamplingParams(
             n=body.n, temperature=temperature if temperature > 0 else 1.0, top_p=top_p,
             max_new_tokens=max_tokens, greedy=temperature == 0, seed=body.seed, stop=tuple(stop),
@@ -208,9 +218,6 @@ class RolloutServer:
                 f.cancel()
             raise
 
-    def _token_str(self, tid: int) -> str:
-        return self.tokenizer.decode([tid])
-
     def _extension(self, c: Completion) -> dict:
         return {"prompt_token_ids": c.prompt_ids, "token_ids": c.token_ids, "token_logprobs": c.logprobs,
                 "token_versions": c.token_versions, "weight_version": c.weight_version,
@@ -233,6 +240,7 @@ class RolloutServer:
             raise APIError(400, "best_of is not supported", "best_of")
         if body.suffix:
             raise APIError(400, "suffix is not supported", "suffix")
+        check_response_format((body.model_extra or {}).get("response_format"))  # not OpenAI's here: never ignored
         k = body.logprobs
         if k is not None and not 0 <= k <= 20:
             raise APIError(400, f"logprobs must be in [0, 20], got {k}", "logprobs")
@@ -264,15 +272,12 @@ class RolloutServer:
         return [list(p) for p in prompt]
 
     def _completion_logprobs(self, c: Completion, k: int) -> dict:
-        tokens = [self._token_str(t) for t in c.token_ids]
-        offsets, pos = [], 0
-        for t in c.token_ids:
-            offsets.append(pos)
-            pos += len(self.tokenizer.decode([t], skip_special_tokens=True))
+        pieces = token_pieces(self.token_bytes, c.token_ids, c.text)
         top = None
         if k and c.top_logprobs is not None:
-            top = [{self._token_str(t): lp for t, lp in alts} for alts in c.top_logprobs]
-        return {"tokens": tokens, "token_logprobs": c.logprobs, "top_logprobs": top, "text_offset": offsets}
+            top = [{self.token_bytes.name(t): lp for t, lp in c.top_logprobs[i]} for i in pieces.index]
+        return {"tokens": pieces.text, "token_logprobs": [c.logprobs[i] for i in pieces.index],
+                "top_logprobs": top, "text_offset": pieces.offset}
 
     # -- /v1/chat/completions
     async def chat(self, request: Request, body: ChatRequest) -> dict:
@@ -283,25 +288,24 @@ class RolloutServer:
             raise APIError(400, f"top_logprobs must be in [0, 20], got {k}", "top_logprobs")
         if k and not body.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", "top_logprobs")
+        check_response_format(body.response_format)
+        plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
         sid = self._session_id(request, body)
         messages = [_message_text(m.model_dump(), i) for i, m in enumerate(body.messages)]
-        prompt, continues = self._chat_prompt(messages, sid)
+        prompt, continues = self._chat_prompt(messages, sid, plan)
         given = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = getattr(body, given)
         if max_tokens is None:  # as many as fit the context
             max_tokens = max(1, self.engine.max_seq_len - len(prompt))
-        params = self._params(body, max_tokens, k or 0, given)
+        params = self._params(body, max_tokens, k or 0, given, extra_stop=plan.stop)
         comps = await self._run([prompt], params, "messages", given)
         choices, replies = [], []
         for i, c in enumerate(comps):
-            message: dict[str, Any] = {"role": "assistant", "content": c.text}
-            finish = c.finish_reason
-            if body.tools:
-                content, calls = parse_tool_calls(c.text)
-                if calls:
-                    message = {"role": "assistant", "content": content, "tool_calls": calls}
-                    finish = "tool_calls"
-            replies.append(_message_text(message, 0))
+            message, finish = self._reply(c, plan)
+            try:
+                replies.append(_message_text(message, 0))
+            except APIError:  # a forced call whose arguments are not a JSON object: the session keeps its text
+                replies.append({"role": "assistant", "content": c.text})
             choices.append({"index": i, "message": message, "finish_reason": finish,
                             "logprobs": self._chat_logprobs(c) if body.logprobs else None, **self._extension(c)})
         self._record(sid, [Turn("chat", i, c.prompt_ids, c.token_ids, c.logprobs, c.token_versions, c.weight_version,
@@ -311,9 +315,24 @@ class RolloutServer:
                 "model": self.engine.name, "choices": choices, "usage": self._usage([prompt], comps),
                 "session_id": sid}
 
-    def _chat_prompt(self, messages: list[dict[str, str]], sid: str | None) -> tuple[list[int], int | None]:
+    def _reply(self, c: Completion, plan: ToolPlan) -> tuple[dict[str, Any], str]:
+        """The assistant message of a completion and its finish_reason, tool calls taken out as `plan` says."""
+        message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        if plan.forced:  # the prompt started the call: the reply is that call, however it ended
+            call = forced_call(plan.prefill, c.text, f"call_{secrets.token_hex(8)}")
+            return ({"role": "assistant", "content": None, "tool_calls": [call]},
+                    "tool_calls" if c.finish_reason == "stop" else c.finish_reason)
+        if plan.parse:
+            closed = c.meta.get("stop_reason") == CALL_CLOSE  # parallel_tool_calls=false stopped at the first call
+            content, calls = parse_tool_calls(c.text + (CALL_CLOSE if closed else ""))
+            if calls:
+                return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+        return message, c.finish_reason
+
+    def _chat_prompt(self, messages: list[dict[str, str]], sid: str | None,
+                     plan: ToolPlan) -> tuple[list[int], int | None]:
         """Prompt ids for `messages`; in a session, continue the exact ids of the turn these messages extend."""
-        full = self.template.render(messages, generation_prompt=True)
+        full = self.template.render(messages, generation_prompt=True, tools=plan.tools, prefill=plan.prefill)
         turns = self.sessions.get(sid) if sid is not None else None
         for idx in range(len(turns or []) - 1, -1, -1):
             t = turns[idx]
@@ -321,19 +340,26 @@ class RolloutServer:
             reply = t.reply or {"role": "assistant", "content": t.text}
             if (t.endpoint == "chat" and len(messages) > j and messages[:j] == t.messages
                     and _same_reply(messages[j], reply, t.text)):
-                head = self.template.render(messages[: j + 1], generation_prompt=False)
+                head = self.template.render(messages[: j + 1], generation_prompt=False, tools=plan.tools)
                 if full[: len(head)] == head:  # the template renders the conversation prefix-stably
-                    return t.prompt_ids + t.completion_ids + full[len(head):], idx
+                    # A turn cut by a stop string (e.g. `</tool_call>`) has no end-of-turn token: it gets the
+                    # template's closing, as the rendered reply has it. (eos and stop tokens close a turn; a turn cut
+                    # by max_tokens is continued as it stands.)
+                    cut = t.finish_reason == "stop" and bool(t.completion_ids) \
+                        and not self.token_bytes.is_special(t.completion_ids[-1])
+                    closing = self.template.closing if cut else []
+                    return t.prompt_ids + t.completion_ids + closing + full[len(head):], idx
         return full, None
 
     def _chat_logprobs(self, c: Completion) -> dict:
+        pieces = token_pieces(self.token_bytes, c.token_ids, c.text)
         content = []
-        for i, (t, lp) in enumerate(zip(c.token_ids, c.logprobs, strict=True)):
-            s = self._token_str(t)
+        for i, s, b in zip(pieces.index, pieces.text, pieces.bytes, strict=True):
             alts = c.top_logprobs[i] if c.top_logprobs is not None else []
-            content.append({"token": s, "logprob": lp, "bytes": list(s.encode()),
-                            "top_logprobs": [{"token": (a := self._token_str(at)), "logprob": alp,
-                                              "bytes": list(a.encode())} for at, alp in alts]})
+            content.append({"token": s, "logprob": c.logprobs[i], "bytes": list(b),
+                            "top_logprobs": [{"token": self.token_bytes.name(at), "logprob": alp,
+                                              "bytes": list(self.token_bytes(at) or self.token_bytes.name(at).encode())}
+                                             for at, alp in alts]})
         return {"content": content, "refusal": None}
 
     # -- control
