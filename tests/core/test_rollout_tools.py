@@ -121,16 +121,6 @@ def test_forced_calls_are_read_however_the_reply_ended():
     assert named == {"name": "get_time", "arguments": "{}"}
 
 
-@pytest.fixture(scope="module")
-def smollm2_dir():  # TEMP: main's session fixture of the same name (tests/conftest.py) replaces this on merge
-    from pathlib import Path
-
-    path = Path("/work/smollm2")
-    if not path.is_dir():
-        pytest.skip("no SmolLM2 directory")
-    return path
-
-
 def test_smollm2s_chatml_template_gets_the_tools_block_and_its_tokens_have_distinct_bytes(smollm2_dir):
     from transformers import AutoTokenizer
 
