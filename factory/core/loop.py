@@ -150,7 +150,9 @@ def train_rl(
     if spec.algorithm.kl_coef > 0:  # copied before a resume point is loaded: `model` is still the run's start
         ref = reference_model if reference_model is not None else copy.deepcopy(model)
         reference = TorchTrainer(ref.eval(), lr=0.0, temperature=spec.rollout.temperature)
-    if spec.trainer.lora is not None:  # after the KL reference copy (the base), before a resume point's adapters
+    # After the KL reference copy (the base), before a resume point's adapters; a caller may have attached them
+    # already (e.g. to build its own producer from the adapted model).
+    if spec.trainer.lora is not None and not lora.attached(model):
         lora.attach(model, spec.trainer.lora)
     if resume is not None:
         start_step = resume.step
