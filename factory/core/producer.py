@@ -282,10 +282,12 @@ class ServerProducer(OverlappedProducer):
 
     def _start_engine(self, model: PreTrainedModel, version: int) -> None:
         self._workdir = Path(tempfile.mkdtemp(prefix="factory-rollout-"))
-        save_checkpoint(model, self.tok, self._workdir / "initial")
+        # With LoRA the server starts from the base weights and receives only adapters (merged there: its
+        # UpdateDecoder), the current ones pushed as soon as it is up.
+        save_checkpoint(lora.base_copy(model) if lora.attached(model) else model, self.tok, self._workdir / "initial")
         self._version = version
         self._merger = None
-        self._state = _plain_state(model)
+        self._state = _published_state(model)
         self._restart_lock = threading.RLock()  # publish holds it and may restart inside
         self.service = ServiceProcess(
             "rollout-server",
@@ -297,6 +299,8 @@ class ServerProducer(OverlappedProducer):
             hang_timeout_s=self.spec.ops.hang_timeout_s, cpus=self.spec.rollout.cpus).start()
         self._retired: list[httpx.Client] = []
         self._renew_client()
+        if lora.attached(model):
+            self._call(self._push)
 
     def _renew_client(self) -> None:
         # A fresh connection pool: the old one's keep-alive connections went to the dead process, and a
@@ -340,7 +344,7 @@ class ServerProducer(OverlappedProducer):
                            token_versions=c["token_versions"]) for c in out["choices"]]
 
     def publish(self, model: PreTrainedModel, version: int) -> None:
-        new = _plain_state(model)
+        new = _published_state(model)
         update = encode_delta(self._state, new, version, base_version=self._version)
 
         def post() -> None:
@@ -430,11 +434,11 @@ class ServerProducer(OverlappedProducer):
         remove_checkpoint(self._workdir / "initial")  # the small server.log stays for post-mortems
 
 
-def _plain_state(model: PreTrainedModel) -> dict:
-    """A copy of the weights under plain HF names (with LoRA: merged; the rollout server holds a plain model and
-    takes lossless deltas of the merged weights, not yet the adapters alone)."""
-    state = lora.merged_state(model) if lora.attached(model) else model.state_dict()
-    return {k: v.detach().clone() for k, v in state.items()}
+def _published_state(model: PreTrainedModel) -> dict:
+    """What a version sends the rollout server: a copy of the weights, or with LoRA of the adapters alone."""
+    if lora.attached(model):
+        return lora.adapter_state(model)  # already fresh CPU copies
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def _prompt_ids(tok: PreTrainedTokenizerFast, problem: Problem, spec: ExperimentSpec,

@@ -20,6 +20,7 @@ that hold their own copy); `base_state(model)` the frozen base weights alone.
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -48,16 +49,65 @@ def attach(model: PreTrainedModel, spec: Any) -> None:
     if attached(model):
         raise ValueError("trainer.lora: the model already has LoRA adapters attached")
     targets = spec.target_modules
+    if (problem := targets_problem(model, targets)) is not None:
+        raise ValueError(problem)
     config = LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout, bias="none",
                         target_modules=targets if isinstance(targets, str) else list(targets))
     try:
         peft_model = get_peft_model(model, config)
     except ValueError as e:
-        linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
-                         if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"})
         raise ValueError(f"trainer.lora.target_modules: {targets!r} does not fit model {type(model).__name__} "
-                         f"({e}); its linear modules are {linear}") from None
+                         f"({e}); its linear modules are {_linear_names(model)}") from None
     object.__setattr__(model, _PEFT, peft_model)  # not a submodule: the wrapper holds the model, not the reverse
+
+
+def _linear_names(model: torch.nn.Module) -> list[str]:
+    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                   if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"})
+
+
+def targets_problem(model: torch.nn.Module, targets: str | list[str]) -> str | None:
+    """The error naming `trainer.lora.target_modules` if a listed target matches no module of `model` (peft itself
+    only objects when none matches), else None. A string other than 'all-linear' is a regex, as in peft."""
+    if targets == "all-linear":
+        return None
+    names = [name for name, _ in model.named_modules() if name]
+    if isinstance(targets, str):
+        found = any(re.fullmatch(targets, n) for n in names)
+        missing = [] if found else [targets]
+    else:
+        missing = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in names)]
+    if not missing:
+        return None
+    return (f"trainer.lora.target_modules: {missing} match no module of {type(model).__name__}; its linear modules "
+            f"are {_linear_names(model)} (or use 'all-linear')")
+
+
+def spec_targets_problem(spec: Any) -> str | None:
+    """`targets_problem` for an `ExperimentSpec` before its run, on the model's skeleton (built on the meta device
+    from the preset or `model.path`'s config.json: no weights are read). None when the spec has no LoRA section, or
+    when the model's config cannot be read here (the run's start reports that)."""
+    lora_spec = spec.trainer.lora
+    if lora_spec is None or lora_spec.target_modules == "all-linear":
+        return None
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from factory.presets import PRESETS
+
+    m = spec.model
+    try:
+        if m.path is None:
+            p = PRESETS[m.preset]
+            config = AutoConfig.for_model(p.arch, vocab_size=64, hidden_size=p.hidden_size, num_hidden_layers=1,
+                                          num_attention_heads=p.heads, num_key_value_heads=p.kv_heads,
+                                          intermediate_size=p.intermediate_size)
+        else:
+            config = AutoConfig.from_pretrained(m.path, trust_remote_code=m.trust_remote_code)
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=m.trust_remote_code)
+    except (OSError, ValueError, KeyError):
+        return None
+    return targets_problem(skeleton, lora_spec.target_modules)
 
 
 def lora_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
@@ -111,6 +161,14 @@ def merged_copy(model: PreTrainedModel) -> PreTrainedModel:
     plain.__dict__.pop(_PEFT, None)
     for p in plain.parameters():
         p.requires_grad_(True)
+    return plain
+
+
+def base_copy(model: PreTrainedModel) -> PreTrainedModel:
+    """A plain HF model (no LoRA layers) with the frozen base weights, without the adapters."""
+    plain = merged_copy(model)
+    if attached(model):
+        plain.load_state_dict(base_state(model))
     return plain
 
 

@@ -49,14 +49,16 @@ def weights_sha(home: Path, run_id: str) -> str:
 
 
 @pytest.mark.slow
-def test_a_killed_attempt_is_restarted_and_the_result_is_bit_identical(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--set", "trainer.lora={r: 4, alpha: 8}"]], ids=["full", "lora"])
+def test_a_killed_attempt_is_restarted_and_the_result_is_bit_identical(tmp_path, extra):
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
-    ok = factory(straight, "run", "examples/quickstart.yaml", *TINY, "--in-process")
+    ok = factory(straight, "run", "examples/quickstart.yaml", *TINY, *extra, "--in-process", timeout=900)
     assert ok.returncode == 0, ok.stderr
     # The first attempt SIGKILLs itself as it is about to publish step 5's weights (a resume point of
-    # step 4, or of step 2 if step 4's was still being written, is on disk).
-    res = factory(crashed, "run", "examples/quickstart.yaml", *TINY,
-                  env={"FACTORY_FAULT_KILL": "publish:5", "FACTORY_FAULT_ATTEMPT": "1"})
+    # step 4, or of step 2 if step 4's was still being written, is on disk). With LoRA the resume point holds the
+    # adapters and their AdamW state, and the final checkpoint is the merged model.
+    res = factory(crashed, "run", "examples/quickstart.yaml", *TINY, *extra,
+                  env={"FACTORY_FAULT_KILL": "publish:5", "FACTORY_FAULT_ATTEMPT": "1"}, timeout=900)
     assert res.returncode == 0, res.stderr + res.stdout
     assert "attempt died (signal SIGKILL); restart 1 of 3" in res.stdout
     run = only_run(crashed)

@@ -79,6 +79,7 @@ from factory.core.rollout.chat import (
 )
 from factory.core.rollout.continuous import PAUSE_MODES, UPDATE_MODES, ContinuousEngine
 from factory.core.rollout.sessions import SessionStore, Turn
+from factory.core.rollout.update_decoder import UpdateDecoder
 from factory.core.weights import WeightUpdate, apply_update
 from factory.infra.faults import fault_point
 from factory.infra.http_guard import MAX_JSON_BYTES, guard
@@ -148,7 +149,7 @@ class RolloutServer:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_path = model_path
-        self.delta_decoder = delta_decoder or weight_update_decoder
+        self.delta_decoder = delta_decoder or UpdateDecoder()  # full weights, or LoRA adapters
         self.template = ChatTemplate(engine.tokenizer)
         self.sessions = SessionStore(max_sessions)
         self.created = int(time.time())
