@@ -4,6 +4,7 @@ merges them into its base copy, holds exactly the trainer's merged weights after
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -83,3 +84,20 @@ def test_an_overlapped_lora_run_publishes_adapters_and_the_engine_holds_the_merg
     ids = torch.tensor([tok("3+3=").input_ids])
     with torch.no_grad():
         assert torch.equal(producer.engine.model(input_ids=ids).logits, model.eval()(input_ids=ids).logits)
+
+
+@pytest.mark.slow
+def test_a_lora_run_with_the_rollout_server_sends_adapters_and_samples_the_current_policy():
+    tok = build_tokenizer()
+    spec = parse_spec({"seed": 0, "model": {"preset": "micro"}, "algorithm": {"group_size": 4, "lr": 0.01},
+                       "rollout": {"prompts_per_step": 4, "max_new_tokens": 3, "engine": "server"},
+                       "trainer": {"threads": 1, "lora": {"r": 4, "alpha": 8}},
+                       "schedule": {"steps": 3, "mode": "one_step_off", "wait_timeout_s": 300}})
+    model = build_model("micro", tok, seed=0)
+    lora.attach(model, spec.trainer.lora)
+    producer = make_producer(spec, model, tok, PROBLEMS, start_version=0)
+    records = train_rl(spec, model, tok, PROBLEMS, producer=producer)
+    assert [r.step for r in records] == [1, 2, 3]
+    assert lora.is_adapter_state(producer._state)  # what the server was last sent: adapters, not weights
+    # the server's samples are scored by the trainer's (unmerged LoRA) forward right after each publish
+    assert max(r.logprob_mismatch for r in records) < 1e-4

@@ -59,3 +59,34 @@ def test_full_weight_updates_decode_as_before():
     assert version == 5 and all(torch.equal(state[k], new[k]) for k in new)
     with pytest.raises(WeightVersionMismatch):
         UpdateDecoder()(bytes(encode_delta(current, new, 5, base_version=4).to_bytes()), current, 3)
+
+
+def test_the_rollout_server_takes_adapters_over_http_and_samples_the_merged_policy():
+    import httpx
+
+    from factory.core.rollout.continuous import ContinuousEngine
+    from factory.core.rollout.server import launch_server
+    from factory.models.build import build_model
+    from factory.models.tokenizer import build_tokenizer
+
+    tok = build_tokenizer()
+    engine = ContinuousEngine(build_model("micro", tok, seed=0), tok, max_batch=4, name="micro")  # the base
+    trainer = build_model("micro", tok, seed=0)
+    lora.attach(trainer, LoraSpec(r=4, alpha=8))
+    with launch_server(engine) as handle:
+        v1 = step_adapters(trainer, 1)
+        r = httpx.post(handle.url + "/update_weights_from_delta", content=bytes(encode_full(v1, 1).to_bytes()),
+                       timeout=30)
+        assert r.status_code == 200 and r.json()["weight_version"] == 1
+        v2 = step_adapters(trainer, 2)
+        body = bytes(encode_delta(v1, v2, 2, base_version=1).to_bytes())
+        r = httpx.post(handle.url + "/update_weights_from_delta", content=body, timeout=30)
+        assert r.status_code == 200 and r.json()["weight_version"] == 2
+        merged = lora.merged_copy(trainer).eval()
+        for k, v in merged.state_dict().items():
+            assert torch.equal(engine.model.state_dict()[k], v), k
+        ids = torch.tensor([tok("12+34=").input_ids])
+        with torch.no_grad():
+            assert torch.equal(engine.model(input_ids=ids).logits, merged(input_ids=ids).logits)
+        again = httpx.post(handle.url + "/update_weights_from_delta", content=body, timeout=30)
+        assert again.status_code == 409  # the server's adapters are at v2 now: the trainer resends them in full
