@@ -116,3 +116,24 @@ def test_a_lora_checkpoint_is_a_plain_hf_directory_with_the_merged_weights(tmp_p
     ids = torch.randint(3, tok.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
     assert torch.equal(logits(loaded, ids), logits(lora.merged_copy(model), ids))
     assert lora.attached(model)  # saving left the training model as it was
+
+
+@pytest.mark.slow
+def test_smollm2_lora_adapts_every_projection_and_its_merged_checkpoint_loads_in_transformers(smollm2_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    lora.attach(model, LoraSpec(r=8, alpha=16))
+    assert len(lora.lora_layers(model)) == 30 * 7  # q k v o gate up down in each of its 30 layers
+    assert sum(p.numel() for p in model.parameters() if p.requires_grad) == 2_442_240
+    randomise_adapters(model, 9)
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    info = save_checkpoint(model, tok, tmp_path / "ckpt")
+    loaded = AutoModelForCausalLM.from_pretrained(info.path, dtype=torch.float32)
+    ids = torch.tensor([tok("What is 17 + 25?").input_ids])
+    expected = logits(model, ids)  # the adapted model's own forward (unmerged)
+    torch.testing.assert_close(logits(loaded, ids), expected, rtol=1e-4, atol=1e-4)
+    rollout = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)  # the rollout side's base
+    rollout.load_state_dict({**rollout.state_dict(), **lora.AdapterMerger(rollout.state_dict()).merge(
+        lora.adapter_state(model))})
+    assert torch.equal(logits(rollout, ids), logits(loaded, ids))
