@@ -286,7 +286,6 @@ class ServerProducer(OverlappedProducer):
         # UpdateDecoder), the current ones pushed as soon as it is up.
         save_checkpoint(lora.base_copy(model) if lora.attached(model) else model, self.tok, self._workdir / "initial")
         self._version = version
-        self._merger = None
         self._state = _published_state(model)
         self._restart_lock = threading.RLock()  # publish holds it and may restart inside
         self.service = ServiceProcess(

@@ -176,3 +176,29 @@ def test_a_node_that_failed_preflight_gets_no_run_and_no_resume(tmp_path):
     assert again.returncode == 1 and "training refused" in again.stderr
     causes = sorted(c["cause"] for c in rows(tmp_path, "interruptions"))
     assert causes == ["failed_preflight", "killed"]
+
+
+def test_a_lora_runs_resume_point_loads_into_its_start_model_merged():
+    import torch
+
+    from factory.config import parse_spec
+    from factory.models import lora
+    from factory.models.build import build_model
+    from factory.models.tokenizer import build_tokenizer
+    from factory.runs.rl_run import load_trained
+
+    tok = build_tokenizer()
+    spec = parse_spec({"model": {"preset": "micro"}, "trainer": {"lora": {"r": 2, "alpha": 4}}})
+    trained = build_model("micro", tok, seed=0)
+    lora.attach(trained, spec.trainer.lora)
+    with torch.no_grad():
+        for name, p in trained.named_parameters():
+            if ".lora_B." in name:
+                p.fill_(0.01)
+    weights = {k: v.clone() for k, v in trained.state_dict().items()}  # what a resume point holds: base + adapters
+    start = build_model("micro", tok, seed=0)
+    load_trained(spec, start, weights)
+    assert not lora.attached(start)
+    expected = lora.merged_copy(trained).state_dict()
+    assert list(start.state_dict()) == list(expected)
+    assert all(torch.equal(v, expected[k]) for k, v in start.state_dict().items())
