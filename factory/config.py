@@ -424,12 +424,35 @@ class RolloutSpec(_Section):
         return self
 
 
+class LoraSpec(_Section):
+    """LoRA adapters (peft) instead of full fine-tuning: only the adapters train and are published to the rollout
+    side, which merges them into its copy of the base weights; checkpoints are saved merged (a plain HF model)."""
+
+    r: int = Field(16, ge=1, le=4096, description="the adapters' rank")
+    alpha: float = Field(32.0, gt=0, description="scaling numerator: each adapter's update is (alpha / r) * B @ A")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input while training; 0 keeps the "
+                           "trainer's logprobs those of the policy that sampled (dropout would add noise to the ratio)")
+    target_modules: str | list[str] = Field(
+        "all-linear", description="the modules that get adapters: 'all-linear' (every linear projection of attention "
+        "and MLP, not the output head), or module names / suffixes (e.g. [q_proj, v_proj]); checked against the model "
+        "when the run starts")
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets(cls, v: str | list[str]) -> str | list[str]:
+        if isinstance(v, list) and (not v or any(not t.strip() for t in v)):
+            raise ValueError(f"need at least one non-empty module name, got {v}")
+        if isinstance(v, str) and not v.strip():
+            raise ValueError("need 'all-linear' or module names, got an empty string")
+        return v
+
+
 class TrainerSpec(_Section):
     """Optimizer details the algorithm does not own, and how the trainer is laid out (processes, parallelism)."""
 
     _LATE_FIELDS: ClassVar[tuple[str, ...]] = (
         "world_size", "strategy", "grad_accum", "precision", "tensor_parallel", "pipeline_parallel", "devices",
-        "cpus")
+        "cpus", "lora")
 
     backend: Literal["torch", "megatron"] = Field(
         "torch", description="torch (one process, or DDP/FSDP2 ranks under torchrun) or megatron (Megatron-core "
@@ -454,9 +477,15 @@ class TrainerSpec(_Section):
     cpus: list[int] | None = Field(
         None, min_length=1, description="placement: the CPU cores the trainer's threads run on (its torch threads "
         "stay on them); unset: any")
+    lora: LoraSpec | None = Field(None, description="LoRA adapters through peft; unset: full fine-tuning")
 
     @model_validator(mode="after")
     def _layout(self) -> TrainerSpec:
+        if self.lora is not None and (self.backend != "torch" or self.world_size > 1 or self.grad_accum > 1
+                                      or self.precision != "fp32"):
+            raise ValueError(f"trainer.lora: LoRA runs on the one-process torch trainer (backend torch, world_size 1, "
+                             f"grad_accum 1, precision fp32), got backend {self.backend!r}, world_size "
+                             f"{self.world_size}, grad_accum {self.grad_accum}, precision {self.precision!r}")
         if self.backend != "megatron" and (self.tensor_parallel > 1 or self.pipeline_parallel > 1):
             raise ValueError(f"trainer.tensor_parallel / trainer.pipeline_parallel: need trainer.backend: megatron, "
                              f"got backend {self.backend!r} with tensor_parallel {self.tensor_parallel} and "
@@ -671,6 +700,9 @@ class ExperimentSpec(_Section):
         if self.sft.examples is not None and self.sft.examples > self.task.n_train:
             raise ValueError(f"sft.examples: must be <= task.n_train = {self.task.n_train} (the demonstrations are "
                              f"the first training problems), got {self.sft.examples}")
+        if self.trainer.lora is not None and self.rollout.engine == "sglang":
+            raise ValueError("trainer.lora: not wired to rollout.engine sglang yet (it would load each version's "
+                             "adapter through SGLang's /load_lora_adapter); use engine embedded or server")
         batch = self.rollout.prompts_per_step * self.algorithm.group_size
         if batch % self.trainer.minibatches:
             raise ValueError(

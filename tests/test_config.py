@@ -260,3 +260,21 @@ def test_overrides_reach_list_entries_by_index():
     assert apply_overrides(spec, {"data.sources.1.n": 300}).data.sources[1]["n"] == 300
     with pytest.raises(SpecError, match=r"data.sources.7.n: '7' is not an index of the 3 entries of data.sources"):
         apply_overrides(spec, {"data.sources.7.n": 1})
+
+
+def test_lora_section_defaults_and_the_combinations_it_refuses():
+    spec = parse_spec({"trainer": {"lora": {}}})
+    lo = spec.trainer.lora
+    assert (lo.r, lo.alpha, lo.dropout, lo.target_modules) == (16, 32.0, 0.0, "all-linear")
+    assert parse_spec({}).trainer.lora is None  # full fine-tuning
+    assert parse_spec({}).fingerprint() == parse_spec({"trainer": {"lora": None}}).fingerprint()  # unchanged
+    assert errors_of({"trainer": {"lora": {"r": 0}}}) == ["trainer.lora.r: must be >= 1, got 0"]
+    assert errors_of({"trainer": {"lora": {"dropout": 1.0}}}) == ["trainer.lora.dropout: must be < 1.0, got 1.0"]
+    (err,) = errors_of({"trainer": {"lora": {"target_modules": []}}})
+    assert err.startswith("trainer.lora.target_modules")
+    (err,) = errors_of({"trainer": {"lora": {}, "backend": "megatron"}})
+    assert "trainer.lora: LoRA runs on the one-process torch trainer" in err and "'megatron'" in err
+    (err,) = errors_of({"trainer": {"lora": {}, "world_size": 2}})
+    assert "trainer.lora" in err and "world_size 2" in err
+    (err,) = errors_of({"trainer": {"lora": {}}, "rollout": {"engine": "sglang"}})
+    assert "trainer.lora: not wired to rollout.engine sglang" in err

@@ -28,6 +28,14 @@ def emit(text: str) -> None:
 def load(args: argparse.Namespace) -> tuple[ExperimentSpec | None, SpecError | None]:
     """The spec of `args.spec` with `args.overrides` applied, or the error naming each bad field."""
     try:
-        return load_checked_spec(args.spec, parse_overrides(args.overrides)), None
+        spec = load_checked_spec(args.spec, parse_overrides(args.overrides))
     except SpecError as e:
         return None, e if e.source else SpecError(e.errors, args.spec)
+    # LoRA target modules need the model's module names (its skeleton, no weights): checked before any work starts.
+    # Imported here: torch and transformers are not loaded by commands that never build a model.
+    if spec.trainer.lora is not None:
+        from factory.models.lora import spec_targets_problem
+
+        if (problem := spec_targets_problem(spec)) is not None:
+            return None, SpecError([problem], args.spec)
+    return spec, None

@@ -50,6 +50,7 @@ from factory.data.feed import PromptFeed, make_feed
 from factory.envs.registry import load_environment
 from factory.infra.faults import fault_point
 from factory.infra.supervisor import ServiceUnavailable
+from factory.models import lora
 from factory.problem import Problem
 
 
@@ -149,6 +150,10 @@ def train_rl(
     if spec.algorithm.kl_coef > 0:  # copied before a resume point is loaded: `model` is still the run's start
         ref = reference_model if reference_model is not None else copy.deepcopy(model)
         reference = TorchTrainer(ref.eval(), lr=0.0, temperature=spec.rollout.temperature)
+    # After the KL reference copy (the base), before a resume point's adapters; a caller may have attached them
+    # already (e.g. to build its own producer from the adapted model).
+    if spec.trainer.lora is not None and not lora.attached(model):
+        lora.attach(model, spec.trainer.lora)
     if resume is not None:
         start_step = resume.step
         model.load_state_dict(resume.model)
@@ -243,6 +248,7 @@ def train_rl(
         raise
     finally:
         producer.close()
+    lora.detach(model)  # a LoRA run leaves `model` plain, its adapters merged in (no-op for full fine-tuning)
     return records
 
 

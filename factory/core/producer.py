@@ -20,7 +20,6 @@ three processes on loopback; the producer threads here only move requests betwee
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import itertools
 import sys
@@ -45,6 +44,7 @@ from factory.envs.registry import load_environment
 from factory.envs.workers import Episode, Scored, make_environment
 from factory.infra.placement import enter, placements
 from factory.infra.supervisor import CONNECTION_ERRORS, ServiceProcess, ServiceUnavailable, retry
+from factory.models import lora
 from factory.models.build import policy_positions
 from factory.models.checkpoint import remove_checkpoint, save_checkpoint
 from factory.models.prompting import prompt_ids
@@ -170,8 +170,13 @@ class OverlappedProducer:
             t.start()
 
     def _start_engine(self, model: PreTrainedModel, version: int) -> None:
-        # The engine samples from its own copy: the trainer changes its weights only by publishing.
-        self.engine = ContinuousEngine(copy.deepcopy(model).eval(), self.tok, weight_version=version,
+        # The engine samples from its own copy: the trainer changes its weights only by publishing. With LoRA the
+        # copy is plain (adapters merged in), and the merger keeps the base weights of the adapted modules.
+        self._merger = None
+        if lora.attached(model):
+            base = lora.base_state(model)
+            self._merger = lora.AdapterMerger({f"{m}.weight": base[f"{m}.weight"] for m in lora.lora_layers(model)})
+        self.engine = ContinuousEngine(lora.merged_copy(model).eval(), self.tok, weight_version=version,
                                        max_batch=self.rows)
         self.engine.start(functools.partial(enter, placements(self.spec)["rollout"]))
 
@@ -228,8 +233,13 @@ class OverlappedProducer:
         return {"buffer": buffer, "stream": self.feed.state_dict()}
 
     def publish(self, model: PreTrainedModel, version: int) -> None:
-        # In-process transport: a tensor copy, applied by the engine between decode steps.
-        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        # In-process transport: a tensor copy, applied by the engine between decode steps. With LoRA only the
+        # adapters leave the trainer; they are merged into the base copy here, on the rollout side.
+        if self._merger is not None:
+            merged = self._merger.merge(lora.adapter_state(model))
+            state = {**self.engine.model.state_dict(), **merged}  # the rest: the engine's own tensors, unchanged
+        else:
+            state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         self.engine.update_weights(state, version, self.spec.rollout.update_mode).result(timeout=self.timeout)
         self._published = version
 
@@ -272,9 +282,11 @@ class ServerProducer(OverlappedProducer):
 
     def _start_engine(self, model: PreTrainedModel, version: int) -> None:
         self._workdir = Path(tempfile.mkdtemp(prefix="factory-rollout-"))
-        save_checkpoint(model, self.tok, self._workdir / "initial")
+        # With LoRA the server starts from the base weights and receives only adapters (merged there: its
+        # UpdateDecoder), the current ones pushed as soon as it is up.
+        save_checkpoint(lora.base_copy(model) if lora.attached(model) else model, self.tok, self._workdir / "initial")
         self._version = version
-        self._state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        self._state = _published_state(model)
         self._restart_lock = threading.RLock()  # publish holds it and may restart inside
         self.service = ServiceProcess(
             "rollout-server",
@@ -286,6 +298,8 @@ class ServerProducer(OverlappedProducer):
             hang_timeout_s=self.spec.ops.hang_timeout_s, cpus=self.spec.rollout.cpus).start()
         self._retired: list[httpx.Client] = []
         self._renew_client()
+        if lora.attached(model):
+            self._call(self._push)
 
     def _renew_client(self) -> None:
         # A fresh connection pool: the old one's keep-alive connections went to the dead process, and a
@@ -329,7 +343,7 @@ class ServerProducer(OverlappedProducer):
                            token_versions=c["token_versions"]) for c in out["choices"]]
 
     def publish(self, model: PreTrainedModel, version: int) -> None:
-        new = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        new = _published_state(model)
         update = encode_delta(self._state, new, version, base_version=self._version)
 
         def post() -> None:
@@ -417,6 +431,13 @@ class ServerProducer(OverlappedProducer):
         for client in (self._http, *self._retired):
             client.close()
         remove_checkpoint(self._workdir / "initial")  # the small server.log stays for post-mortems
+
+
+def _published_state(model: PreTrainedModel) -> dict:
+    """What a version sends the rollout server: a copy of the weights, or with LoRA of the adapters alone."""
+    if lora.attached(model):
+        return lora.adapter_state(model)  # already fresh CPU copies
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def _prompt_ids(tok: PreTrainedTokenizerFast, problem: Problem, spec: ExperimentSpec,

@@ -41,6 +41,7 @@ from transformers.utils import logging as hf_logging
 from factory.digest import dir_digest
 from factory.home import file_lock
 from factory.infra.supervisor import retry
+from factory.models import lora
 from factory.models.checkpoint_store import checkpoint_store_uri, fetch_checkpoint, upload_checkpoint
 from factory.objstore import is_remote
 
@@ -77,7 +78,8 @@ def save_checkpoint(
         _remove_leftovers(path)
         new = Path(tempfile.mkdtemp(prefix=f".{path.name}.{VERSION_TAG}", dir=path.parent))
         try:
-            model.save_pretrained(new, safe_serialization=True)
+            # A LoRA model is saved merged: a plain HF directory that transformers (and SGLang) load directly.
+            (lora.merged_copy(model) if lora.attached(model) else model).save_pretrained(new, safe_serialization=True)
             tokenizer.save_pretrained(new)
             if meta is not None:
                 (new / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True))

@@ -41,6 +41,7 @@ from factory.envs.eval_suites import HELD_OUT
 from factory.home import FactoryPaths
 from factory.infra.supervisor import CircuitOpen
 from factory.lake.writer import Lake
+from factory.models import lora
 from factory.models.checkpoint import CheckpointInfo, load_checkpoint, recorded_uri, save_checkpoint
 from factory.problem import Splits
 from factory.progress import Progress, format_duration
@@ -293,7 +294,7 @@ class Run:
         try:
             with self.ckpts.signals():
                 if self.state is not None and self.state.step >= self.spec.schedule.steps:
-                    self.model.load_state_dict(self.state.model)  # trained to the end before: only the last stages
+                    load_trained(self.spec, self.model, self.state.model)  # trained to the end before: the last stages
                 else:
                     self.records = train_rl(self.spec, self.model, self.tok, self.splits.train, on_step=self.step,
                                               checkpoints=self.ckpts, resume=self.state,
@@ -459,6 +460,15 @@ def _offline_stats(spec: ExperimentSpec, lake: Lake, tracker: Tracker, mlflow_id
     tracker.set_tags(mlflow_id, {PROMPT_STATS_TAG: str(snapshot)})
     log(f"data.filter: pass rates of {len(stats)} prompts from prompt_stats (snapshot {snapshot})")
     return stats
+
+
+def load_trained(spec: ExperimentSpec, model, weights: dict) -> None:
+    """Load a resume point's weights into the run's start `model`: a LoRA run's hold the base and the adapters, which
+    are attached, loaded and merged (the loop leaves a LoRA run's model merged too)."""
+    if spec.trainer.lora is not None:
+        lora.attach(model, spec.trainer.lora)
+    model.load_state_dict(weights)
+    lora.detach(model)
 
 
 def record_checkpoint(model, tok, paths: FactoryPaths, lake: Lake, run_id: str, step: int,

@@ -43,3 +43,13 @@ def test_run_records_one_row_per_step_and_lists_the_run(factory_home, capsys):
     assert main(["query", f"SELECT step, count(*) AS n FROM steps WHERE run_id = '{run['run_id']}' "
                           "GROUP BY step ORDER BY step", "--format", "json"]) == 0
     assert json.loads(capsys.readouterr().out) == [{"step": 1, "n": 1}, {"step": 2, "n": 1}]
+
+
+def test_validate_refuses_lora_targets_the_model_does_not_have(tmp_path, capsys):
+    spec = tmp_path / "lora.yaml"
+    spec.write_text("model: {preset: micro}\ntrainer:\n  lora: {target_modules: [q_proj, wq]}\n")
+    assert main(["validate", str(spec)]) == 2
+    err = capsys.readouterr().err
+    assert "trainer.lora.target_modules: ['wq'] match no module of Qwen2ForCausalLM" in err and "'v_proj'" in err
+    spec.write_text("model: {preset: micro}\ntrainer:\n  lora: {target_modules: [q_proj, v_proj]}\n")
+    assert main(["validate", str(spec)]) == 0

@@ -127,23 +127,27 @@ class Saver:
         self.states[s.step] = s
 
 
-def _spec(mode: str, steps: int, **buffer) -> ExperimentSpec:
+def _spec(mode: str, steps: int, lora: dict | None = None, **buffer) -> ExperimentSpec:
     return ExperimentSpec.model_validate({
         "model": {"preset": "micro"}, "task": {"digits": [2], "n_train": 2000, "n_eval": 60},
         "algorithm": {"group_size": 4, "lr": 1e-3, "kl_coef": 0.05},
         "rollout": {"prompts_per_step": 4, "max_new_tokens": 4},
-        "trainer": {"minibatches": 2},
+        "trainer": {"minibatches": 2, "lora": lora},
         "buffer": buffer or {"policy": "bound", "max_staleness": 1},
         "schedule": {"mode": mode, "steps": steps, "wait_timeout_s": 60, "log_rollouts": 4}})
 
 
 @pytest.mark.slow
-def test_sync_resume_is_bit_identical_to_an_uninterrupted_run():
+@pytest.mark.parametrize("lora", [None, {"r": 4, "alpha": 8, "dropout": 0.1}], ids=["full", "lora"])
+def test_sync_resume_is_bit_identical_to_an_uninterrupted_run(lora):
     tok = build_tokenizer()
-    spec = _spec("sync", 6)
+    spec = _spec("sync", 6, lora=lora)
     straight = build_model("micro", tok, seed=0)
     saver = Saver(every=3)
     full = train_rl(spec, straight, tok, PROBLEMS, checkpoints=saver)
+    if lora is not None:  # the resume point holds the frozen base and the adapters; the optimizer only the adapters
+        assert any(".lora_A." in k for k in saver.states[3].model)
+        assert len(saver.states[3].optimizer["state"]) == 2 * 14  # A and B of 7 projections x 2 layers
     # A second process would start from the run's start checkpoint and load the resume point of step 3.
     resumed_model = build_model("micro", tok, seed=0)  # the run's start: the default KL reference
     rest = train_rl(spec, resumed_model, tok, PROBLEMS, resume=saver.states[3])
@@ -152,6 +156,10 @@ def test_sync_resume_is_bit_identical_to_an_uninterrupted_run():
     assert [r.reward_mean for r in rest] == [r.reward_mean for r in full[3:]]
     for (k, a), b in zip(straight.state_dict().items(), resumed_model.state_dict().values(), strict=True):
         assert torch.equal(a, b), k
+    if lora is not None:  # both left plain and merged; the adapters did move the projections
+        start = build_model("micro", tok, seed=0).state_dict()
+        assert not torch.equal(straight.state_dict()["model.layers.0.self_attn.q_proj.weight"],
+                               start["model.layers.0.self_attn.q_proj.weight"])
 
 
 @pytest.mark.slow

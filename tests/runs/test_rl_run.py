@@ -49,14 +49,16 @@ def weights_sha(home: Path, run_id: str) -> str:
 
 
 @pytest.mark.slow
-def test_a_killed_attempt_is_restarted_and_the_result_is_bit_identical(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--set", "trainer.lora={r: 4, alpha: 8}"]], ids=["full", "lora"])
+def test_a_killed_attempt_is_restarted_and_the_result_is_bit_identical(tmp_path, extra):
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
-    ok = factory(straight, "run", "examples/quickstart.yaml", *TINY, "--in-process")
+    ok = factory(straight, "run", "examples/quickstart.yaml", *TINY, *extra, "--in-process", timeout=900)
     assert ok.returncode == 0, ok.stderr
     # The first attempt SIGKILLs itself as it is about to publish step 5's weights (a resume point of
-    # step 4, or of step 2 if step 4's was still being written, is on disk).
-    res = factory(crashed, "run", "examples/quickstart.yaml", *TINY,
-                  env={"FACTORY_FAULT_KILL": "publish:5", "FACTORY_FAULT_ATTEMPT": "1"})
+    # step 4, or of step 2 if step 4's was still being written, is on disk). With LoRA the resume point holds the
+    # adapters and their AdamW state, and the final checkpoint is the merged model.
+    res = factory(crashed, "run", "examples/quickstart.yaml", *TINY, *extra,
+                  env={"FACTORY_FAULT_KILL": "publish:5", "FACTORY_FAULT_ATTEMPT": "1"}, timeout=900)
     assert res.returncode == 0, res.stderr + res.stdout
     assert "attempt died (signal SIGKILL); restart 1 of 3" in res.stdout
     run = only_run(crashed)
@@ -174,3 +176,29 @@ def test_a_node_that_failed_preflight_gets_no_run_and_no_resume(tmp_path):
     assert again.returncode == 1 and "training refused" in again.stderr
     causes = sorted(c["cause"] for c in rows(tmp_path, "interruptions"))
     assert causes == ["failed_preflight", "killed"]
+
+
+def test_a_lora_runs_resume_point_loads_into_its_start_model_merged():
+    import torch
+
+    from factory.config import parse_spec
+    from factory.models import lora
+    from factory.models.build import build_model
+    from factory.models.tokenizer import build_tokenizer
+    from factory.runs.rl_run import load_trained
+
+    tok = build_tokenizer()
+    spec = parse_spec({"model": {"preset": "micro"}, "trainer": {"lora": {"r": 2, "alpha": 4}}})
+    trained = build_model("micro", tok, seed=0)
+    lora.attach(trained, spec.trainer.lora)
+    with torch.no_grad():
+        for name, p in trained.named_parameters():
+            if ".lora_B." in name:
+                p.fill_(0.01)
+    weights = {k: v.clone() for k, v in trained.state_dict().items()}  # what a resume point holds: base + adapters
+    start = build_model("micro", tok, seed=0)
+    load_trained(spec, start, weights)
+    assert not lora.attached(start)
+    expected = lora.merged_copy(trained).state_dict()
+    assert list(start.state_dict()) == list(expected)
+    assert all(torch.equal(v, expected[k]) for k, v in start.state_dict().items())

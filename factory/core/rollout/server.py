@@ -87,6 +87,7 @@ from factory.core.rollout.continuous import PAUSE_MODES, UPDATE_MODES, Continuou
 from factory.core.rollout.logprobs import TokenBytes, token_pieces
 from factory.core.rollout.sessions import SessionStore, Turn
 from factory.core.rollout.tools import CALL_CLOSE, ToolPlan, check_response_format, forced_call, plan_tools
+from factory.core.rollout.update_decoder import UpdateDecoder
 from factory.core.weights import WeightUpdate, apply_update
 from factory.infra.faults import fault_point
 from factory.infra.http_guard import MAX_JSON_BYTES, guard
@@ -156,7 +157,7 @@ class RolloutServer:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_path = model_path
-        self.delta_decoder = delta_decoder or weight_update_decoder
+        self.delta_decoder = delta_decoder or UpdateDecoder()  # full weights, or LoRA adapters
         self.template = ChatTemplate(engine.tokenizer)
         self.token_bytes = TokenBytes(engine.tokenizer)
         self.sessions = SessionStore(max_sessions)

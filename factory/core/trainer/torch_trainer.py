@@ -66,8 +66,9 @@ class TorchTrainer:
         self.model = model
         self.temperature = temperature
         self.grad_clip = grad_clip
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay,
-                                           betas=(0.9, 0.99))
+        # Only what trains: with LoRA adapters attached (models/lora.py) the frozen base weights stay out of AdamW.
+        self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
+                                           weight_decay=weight_decay, betas=(0.9, 0.99))
         self.version = 0  # number of optimizer steps taken: the weight version it would publish
 
     @torch.no_grad()
