@@ -70,12 +70,19 @@ def blender_for(spec: ExperimentSpec, sources: list[PromptSource]) -> Blender:
 
 
 def held_out_sets(spec: ExperimentSpec) -> dict[str, list[Problem]]:
-    """Per generated arithmetic source, `data.held_out` problems of the same level right after its training rows
-    (another range of the same seeded order: no overlap); empty without a data section."""
+    """Per generated source, `data.held_out` problems right after its training rows, none of them a training
+    row: an arithmetic level's next range of the same seeded order, a reasoning-gym dataset's next entries with
+    questions unlike the training rows', HumanEval's next problems (as many as are left; none after the last).
+    Empty without a data section."""
     if spec.data is None or spec.data.held_out == 0:
         return {}
     out = {}
     for s in spec.data.sources:
+        if s["kind"] in ("reasoning_gym", "humaneval"):
+            rows = make_source(s).held_out_rows(spec.data.held_out)
+            if rows:
+                out[s["name"]] = rows
+            continue
         if s["kind"] != "arithmetic":
             continue
         held = {**s, "start": s["start"] + s["n"], "n": spec.data.held_out}

