@@ -95,6 +95,19 @@ def held_out_sets(spec: ExperimentSpec) -> dict[str, list[Problem]]:
     return out
 
 
+def humaneval_benchmark(spec: ExperimentSpec) -> list[Problem]:
+    """The `humaneval` benchmark of a run: HumanEval's problems less those its humaneval sources train on."""
+    from factory.data.sources.field import HumanEvalSource
+
+    trained: set[str] = set()
+    for s in spec.data.sources if spec.data is not None else []:
+        if s["kind"] == "humaneval":
+            src = make_source(s)
+            trained |= {p.id for b in range(num_blocks(src)) for p in src.read_block(b)}
+    every = HumanEvalSource("humaneval")
+    return [p for b in range(num_blocks(every)) for p in every.read_block(b) if p.id not in trained]
+
+
 def blend_version(spec: ExperimentSpec, sources: list[PromptSource]) -> str:
     """The blend's data version: its sources (name, version, length), weights or schedule, seed, curriculum and
     offline filter."""
