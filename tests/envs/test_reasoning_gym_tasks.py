@@ -42,7 +42,8 @@ def test_bad_task_names_and_configs_name_the_field():
     bad_key = rg_config_problem("basic_arithmetic", {"min_term": 2})
     assert bad_key.startswith("config.min_term: not a config field of reasoning-gym task 'basic_arithmetic'; its "
                               "fields are min_terms, max_terms,")
-    assert rg_config_problem("basic_arithmetic", {"seed": 1}) == "config.seed: set the source's own `seed`, not the config's"
+    assert rg_config_problem("basic_arithmetic", {"seed": 1}) == (
+        "config.seed: set the source's own `seed`, not the config's")
     refused = rg_config_problem("basic_arithmetic", {"min_terms": 5, "max_terms": 2})
     assert refused.startswith("config: reasoning-gym task 'basic_arithmetic' refuses it:")
     assert rg_config_problem("basic_arithmetic", {"min_terms": 2, "max_terms": 3}) is None
