@@ -128,7 +128,6 @@ class ReasoningGymSourceSpec(_Spec):
 class HumanEvalSourceSpec(_Spec):
     kind: Literal["humaneval"]
     size: int = Field(164, ge=1, le=164, description="the first `size` problems (a held-out set takes the next)")
-    verifier: str = "humaneval"
     block_rows: int = Field(64, ge=1)
 
 

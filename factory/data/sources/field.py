@@ -95,8 +95,7 @@ class ReasoningGymSource:
 class HumanEvalSource:
     """HumanEval problems [start, start + size) in file order (HumanEval/0 ... /163)."""
 
-    def __init__(self, name: str, size: int = 164, start: int = 0, block_rows: int = 64,
-                 verifier: str = "humaneval"):
+    def __init__(self, name: str, size: int = 164, start: int = 0, block_rows: int = 64):
         try:
             total = len(humaneval_problems())
         except ImportError as e:
@@ -104,8 +103,7 @@ class HumanEvalSource:
         if size < 1 or start < 0 or start + size > total or block_rows < 1:
             raise SourceError(f"source {name!r}: size: rows [start, start + size) = [{start}, {start + size}) must "
                               f"lie within HumanEval's {total} problems (size >= 1, block_rows >= 1)")
-        check_verifier(name, verifier)
-        self.name, self.size, self.start, self.block_rows, self.verifier = name, size, start, block_rows, verifier
+        self.name, self.size, self.start, self.block_rows = name, size, start, block_rows
 
     def __len__(self) -> int:
         return self.size
@@ -116,11 +114,11 @@ class HumanEvalSource:
 
     def read_block(self, block: int) -> list[Problem]:
         records = humaneval_problems()
-        return [humaneval_problem(records[self.start + i], self.name, self.verifier)
+        return [humaneval_problem(records[self.start + i], self.name)
                 for i in _block(self.name, block, self.block_rows, self.size)]
 
     def held_out_rows(self, n: int) -> list[Problem]:
         """Up to `n` problems after the training range (none when it reaches the last problem)."""
         records = humaneval_problems()
         end = self.start + self.size
-        return [humaneval_problem(r, self.name, self.verifier) for r in records[end:end + n]]
+        return [humaneval_problem(r, self.name) for r in records[end:end + n]]

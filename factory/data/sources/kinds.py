@@ -39,7 +39,7 @@ def make_source(spec: dict[str, Any] | BaseModel, *, base_dir: str | Path | None
         return ReasoningGymSource(s.name, s.task, s.config, seed=s.seed, size=s.size, block_rows=s.block_rows,
                                   verifier=s.verifier)
     if isinstance(s, HumanEvalSourceSpec):
-        return HumanEvalSource(s.name, size=s.size, block_rows=s.block_rows, verifier=s.verifier)
+        return HumanEvalSource(s.name, size=s.size, block_rows=s.block_rows)
     if isinstance(s, SuiteSourceSpec):
         return SuiteSource(s.name, s.suite, block_rows=s.block_rows)
     if isinstance(s, IcebergSourceSpec):
