@@ -6,8 +6,11 @@ demand and the verifier can make the very entry it scores again from what the ro
 
 Prompt: the entry's question, then `ANSWER_INSTRUCTION` (reasoning-gym's own prompts ask for the final answer
 between `<answer>` tags; the tag form is what its `extract_answer` reads). The reward is the task's own
-`score_answer(extracted answer, entry)`, with the answer taken by `reasoning_gym.utils.extract_answer` (the last
-`<answer>...</answer>`, stripped; None without one, which every task scores 0), clipped to [0, 1].
+`score_answer(extracted answer, entry)`, clipped to [0, 1]. The answer is the last `<answer>...</answer>`
+content, stripped (`reasoning_gym.utils.extract_answer`); a completion without one answers nothing (0), except
+where the entry's answer is a number: then its last number is the answer. Small chat models rarely write the
+tags (SmolLM2-135M-Instruct wrote none in 66 tries, docs/results.md) but often end on the number, so a numeric
+task still gives them a learning signal.
 
 Row meta (JSON-safe): `rg_task`, `rg_config`, `rg_seed`, `rg_size`, `rg_index` (which entry), and the entry's
 `rg_metadata` (JSON-safe copy, for reading; scoring uses the regenerated entry, whose metadata keeps its types).
@@ -19,6 +22,7 @@ import dataclasses
 import difflib
 import functools
 import json
+import re
 from importlib import metadata
 from typing import Any
 
@@ -26,7 +30,8 @@ from factory.problem import Problem
 
 EXTRA = "real"  # the pyproject extra that installs reasoning-gym
 ANSWER_INSTRUCTION = "Give only your final answer between <answer> and </answer> tags."
-_RESERVED = ("seed", "size")  # reasoning-gym config fields that are the source's own fields
+_RESERVED = ("seed", "size")
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")  # reasoning-gym config fields that are the source's own fields
 
 
 def _rg():
@@ -98,11 +103,20 @@ def rg_problem(task: str, config: dict[str, Any], seed: int, size: int, index: i
                    answer=str(e["answer"]), op=verifier, digits=0, meta=meta)
 
 
+def rg_answer(completion: str, gold: str) -> str | None:
+    """The completion's answer: its last `<answer>` content; without one, its last number if `gold` is a number;
+    else None."""
+    tagged = _rg().utils.extract_answer(completion)
+    if tagged is not None or not _NUMBER.fullmatch(gold.strip()):
+        return tagged
+    numbers = _NUMBER.findall(completion)
+    return numbers[-1] if numbers else None
+
+
 def rg_reward(completion: str, problem: Problem) -> float:
-    """The task's own `score_answer` on the completion's `<answer>` content, clipped to [0, 1]."""
-    rg = _rg()
+    """The task's own `score_answer` on the completion's answer (`rg_answer`), clipped to [0, 1]."""
     m = problem.meta
     entry = rg_entry(m["rg_task"], m["rg_config"], int(m["rg_seed"]), int(m["rg_size"]), int(m["rg_index"]))
     dataset = _dataset(m["rg_task"], m["rg_config"], int(m["rg_seed"]), int(m["rg_size"]))
-    score = float(dataset.score_answer(rg.utils.extract_answer(completion), entry))
+    score = float(dataset.score_answer(rg_answer(completion, str(entry["answer"])), entry))
     return min(1.0, max(0.0, score)) if score == score else 0.0

@@ -24,7 +24,20 @@ def test_a_real_entrys_answer_scores_1_and_a_wrong_one_0(task, config):
         assert verify(f"<answer>{p.answer}</answer>", p) == 1.0
         wrong = rg_reward("<answer>certainly not this</answer>", p)
         assert wrong < 1.0 and (wrong == 0.0 or task == "spell_backward")  # it gives partial credit by letters
-        assert rg_reward(p.answer, p) == 0.0  # no answer tag: no answer
+        numeric = p.answer.lstrip("-").isdigit()
+        # without a tag, a numeric task takes the last number; any other answers nothing
+        assert rg_reward(f"so it is {p.answer}", p) == (1.0 if numeric else 0.0)
+        assert rg_reward(f"{p.answer}, or rather 123456789", p) == 0.0
+
+
+def test_the_tag_wins_over_numbers_and_the_last_number_is_the_fallback():
+    from factory.envs.reasoning_gym_tasks import rg_answer
+
+    assert rg_answer("9 + 8 = 17", "17") == "17"
+    assert rg_answer("I guess 12. <answer>17</answer> not 5", "17") == "17"
+    assert rg_answer("28 - 92 = -64.", "-64") == "-64"
+    assert rg_answer("no numbers", "3") is None
+    assert rg_answer("olleh 3", "olleh") is None  # a word answer needs the tag
 
 
 def test_rows_are_a_function_of_task_config_seed_and_index():
