@@ -2,7 +2,10 @@
 verifier, which runs a completion against the problem's tests in the sandbox pool, never in this process.
 
 A row's prompt is the problem's `prompt` (signature and docstring); the completion is the function body that
-continues it, as HumanEval expects. The reward is 1.0 iff the problem's `check(entry_point)` passes.
+continues it, as HumanEval expects. A chat model tends to answer with the whole function instead, often in a
+```python fence: a completion whose first fenced block (or, unfenced, whose text) defines `def <entry_point>(`
+is taken as that definition, after the prompt (whose imports and helpers it may use). The reward is 1.0 iff
+the problem's `check(entry_point)` passes.
 
 How a verdict is reached without trusting anything the candidate can write. The candidate is untrusted code,
 and whatever runs in its process can read that process's memory and write its stdout or pick its exit status
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import secrets
 from typing import Any
 
@@ -114,12 +118,25 @@ def humaneval_problem(r: dict[str, Any], source: str) -> Problem:
                    meta={"source": source, "verifier": "humaneval", "entry_point": r["entry_point"], "test": r["test"]})
 
 
+_FENCE = re.compile(r"```[A-Za-z0-9_+-]*\n(.*?)```", re.DOTALL)
+
+
+def candidate_source(completion: str, problem: Problem) -> str:
+    """The candidate program: the prompt continued by the completion (a body), or, when the completion's first
+    fenced block or its text defines the entry point, the prompt followed by that definition."""
+    fenced = _FENCE.search(completion)
+    code = fenced.group(1) if fenced else completion
+    if re.search(rf"^def {re.escape(problem.meta['entry_point'])}\(", code, re.MULTILINE):
+        return problem.prompt.rstrip() + "\n    pass\n\n\n" + code
+    return problem.prompt + completion
+
+
 def humaneval_request(completion: str, problem: Problem, nonce: str) -> dict[str, Any]:
     """The sandbox request (code, stdin, files) that checks `completion` against `problem`'s tests."""
     meta = problem.meta
     files = {"problem.json": json.dumps({"prompt": problem.prompt, "test": meta["test"],
                                          "entry_point": meta["entry_point"]}),
-             "candidate.py": problem.prompt + completion, "child.py": _CHILD}
+             "candidate.py": candidate_source(completion, problem), "child.py": _CHILD}
     return {"code": _HARNESS, "stdin": nonce + "\n", "files": files}
 
 

@@ -55,6 +55,14 @@ def test_the_canonical_solution_passes_and_a_broken_body_fails(pool, task_id):
     assert humaneval_reward("    this is not python\n", p, pool) == 0.0
 
 
+def test_a_chat_answer_with_the_whole_function_in_a_fence_is_checked_as_that_function(pool):
+    p = problem("HumanEval/2")
+    whole = f"def truncate_number(number: float) -> float:\n{p.answer}"
+    assert humaneval_reward(f"Here it is:\n```python\n{whole}```\nDone.", p, pool) == 1.0
+    assert humaneval_reward(whole, p, pool) == 1.0  # unfenced
+    assert humaneval_reward("```python\ndef truncate_number(number):\n    return number\n```", p, pool) == 0.0
+
+
 @pytest.mark.parametrize("attack", [
     '    import os; os.write(1, b"PASS\\n"); os._exit(0)\n',
     ALWAYS_EQUAL,
