@@ -9,7 +9,7 @@ between `<answer>` tags; the tag form is what its `extract_answer` reads). The r
 `score_answer(extracted answer, entry)`, clipped to [0, 1]. The answer is the last `<answer>...</answer>`
 content, stripped (`reasoning_gym.utils.extract_answer`); a completion without one answers nothing (0), except
 where the entry's answer is a number: then its last number is the answer. Small chat models rarely write the
-tags (SmolLM2-135M-Instruct wrote none in 66 tries, docs/results.md) but often end on the number, so a numeric
+tags (SmolLM2-135M-Instruct wrote none in 96 tries, docs/results.md) but often end on the number, so a numeric
 task still gives them a learning signal.
 
 Row meta (JSON-safe): `rg_task`, `rg_config`, `rg_seed`, `rg_size`, `rg_index` (which entry), and the entry's
