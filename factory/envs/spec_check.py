@@ -1,5 +1,6 @@
 """The checks of an `ExperimentSpec` that need the task families: the task must have enough distinct problems
-for its disjoint splits, and its longest prompt plus the completion must fit the model's positions.
+for its disjoint splits, a reasoning-gym source's task and config must be ones reasoning-gym accepts, and its
+longest prompt plus the completion must fit the model's positions.
 
 `check_spec` runs after the schema's own validation (factory/config.py) wherever a spec is loaded: `factory
 validate` / `run`, the Dagster spec resource, sweeps, the deploy target. Its errors are `SpecError`s worded
@@ -19,7 +20,7 @@ from factory.presets import PRESETS
 
 def check_spec(spec: ExperimentSpec, source: str | None = None) -> ExperimentSpec:
     """`spec`, if its task fits; else a SpecError (naming `source`, e.g. the spec file) with one line."""
-    problem = _task_size_problem(spec) or _positions_problem(spec)
+    problem = _task_size_problem(spec) or _sources_problem(spec) or _positions_problem(spec)
     if problem is not None:
         raise spec_error(problem, source)
     return spec
@@ -48,6 +49,23 @@ def _task_size_problem(spec: ExperimentSpec) -> str | None:
     if t.n_train + t.n_eval > most:
         return (f"task.n_train: must be <= {most - t.n_eval} ({what} has {space} distinct problems; "
                 f"n_train + n_eval may use {share}, and n_eval = {t.n_eval}), got {t.n_train}")
+    return None
+
+
+def _sources_problem(spec: ExperimentSpec) -> str | None:
+    """The error if a reasoning-gym source names an unknown task or a config its dataset refuses (field
+    `data.sources[i].task` / `.config.<key>`), else None. Only specs with such a source import reasoning-gym."""
+    for i, s in enumerate(spec.data.sources if spec.data is not None else []):
+        if s["kind"] != "reasoning_gym":
+            continue
+        from factory.envs.reasoning_gym_tasks import rg_config_problem  # optional: reasoning-gym, loaded on use
+
+        try:
+            problem = rg_config_problem(s["task"], s["config"])
+        except ImportError as e:
+            return f"data.sources[{i}]: {e}"
+        if problem is not None:
+            return f"data.sources[{i}].{problem}"
     return None
 
 

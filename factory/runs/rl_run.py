@@ -29,7 +29,7 @@ from threading import Lock
 from pyiceberg.expressions import And, EqualTo, GreaterThan
 
 from factory.config import ExperimentSpec, parse_spec
-from factory.core.evaluate import evaluate
+from factory.core.evaluate import evaluate, sampled_pass_at_k
 from factory.core.loop import NonFiniteLoss, RunInterrupted, StepRecord, train_rl
 from factory.core.resume import TrainState, latest
 from factory.core.rollout.embedded import EmbeddedEngine
@@ -432,13 +432,22 @@ SOURCE_BENCHMARK = "source:"  # evals.benchmark of a blend source's held-out set
 
 def _source_evals(spec: ExperimentSpec, held: dict, model, tok, lake: Lake, tracker: Tracker, run_id: str,
                   mlflow_id: str, step: int, sha256: str | None) -> None:
-    """Greedy held-out accuracy per blend source (`data.held_out` problems of each generated source)."""
+    """Greedy held-out accuracy per blend source (`data.held_out` problems of each generated source); for a
+    HumanEval source also the unbiased pass@1 and pass@k from k = schedule.eval_pass_k samples a problem."""
     rows, metrics = [], {}
     for name, problems in held.items():
         res = evaluate(EmbeddedEngine(model, tok), tok, problems, spec.rollout.max_new_tokens)
         rows.append(dict(run_id=run_id, step=step, benchmark=SOURCE_BENCHMARK + name, metric="accuracy",
                          value=res.accuracy, n=res.n, checkpoint_sha256=sha256, recorded_at=_now()))
         metrics[f"eval/source/{name}"] = res.accuracy
+        if all(p.op == "humaneval" for p in problems):
+            k = spec.schedule.eval_pass_k
+            passes = sampled_pass_at_k(EmbeddedEngine(model, tok), tok, problems, spec.rollout.max_new_tokens, n=k,
+                                       ks=sorted({1, k}), seed=spec.seed)
+            for kk, value in passes.items():
+                rows.append(dict(run_id=run_id, step=step, benchmark=SOURCE_BENCHMARK + name, metric=f"pass@{kk}",
+                                 value=value, n=res.n, checkpoint_sha256=sha256, recorded_at=_now()))
+                metrics[f"eval/source/{name}/pass_at_{kk}"] = value
     if rows:
         lake.upsert("evals", rows)
         tracker.log_metrics(mlflow_id, step, metrics)

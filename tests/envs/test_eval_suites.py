@@ -78,10 +78,10 @@ def test_answers_and_formatting_follow_the_task(reverse_answer, reverse_operands
 
 def test_benchmark_names(quickstart):
     task, splits = quickstart
-    assert set(BENCHMARKS) == {"heldout", "carry_chains"}
+    assert set(BENCHMARKS) == {"heldout", "carry_chains", "humaneval"}
     assert benchmark_problems("heldout", task, splits) == splits.eval
     assert [p.op for p in benchmark_problems("carry_chains", task, splits)] == ["add"] * 180
-    with pytest.raises(ValueError, match="known: heldout, carry_chains"):
+    with pytest.raises(ValueError, match="known: heldout, carry_chains, humaneval"):
         benchmark_problems("gsm8k", task, splits)
     with pytest.raises(ValueError, match="shipped: carry_chains"):
         load_suite("nope", task)
@@ -125,3 +125,5 @@ def test_text_task_runs_are_scored_on_their_own_held_out_split_only():
     with pytest.raises(ValueError, match="is an arithmetic suite; a word_problems run is scored on: heldout"):
         benchmark_problems("carry_chains", task, splits)
     assert "word_problems" not in suite_names() and "code_problems" not in suite_names()
+    with pytest.raises(ValueError, match="depends on the run's data sources"):  # checkpoint_eval builds it
+        benchmark_problems("humaneval", task, splits)

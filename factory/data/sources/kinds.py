@@ -12,12 +12,15 @@ from factory.lake.catalog import open_catalog
 from factory.source_spec import (
     ArithmeticSourceSpec,
     HFDiskSourceSpec,
+    HumanEvalSourceSpec,
     IcebergSourceSpec,
     JsonlSourceSpec,
+    ReasoningGymSourceSpec,
     SuiteSourceSpec,
     parse_source_spec,
 )
 
+from .field import HumanEvalSource, ReasoningGymSource
 from .files import HFDiskSource, JsonlSource, ParquetSource
 from .generated import ArithmeticSource, SuiteSource
 from .iceberg import IcebergSource
@@ -32,6 +35,11 @@ def make_source(spec: dict[str, Any] | BaseModel, *, base_dir: str | Path | None
         return ArithmeticSource(s.name, s.op, s.digits, s.n, seed=s.seed, start=s.start,
                                 reverse_answer=s.reverse_answer, reverse_operands=s.reverse_operands,
                                 block_rows=s.block_rows, verifier=s.verifier)
+    if isinstance(s, ReasoningGymSourceSpec):
+        return ReasoningGymSource(s.name, s.task, s.config, seed=s.seed, size=s.size, block_rows=s.block_rows,
+                                  verifier=s.verifier)
+    if isinstance(s, HumanEvalSourceSpec):
+        return HumanEvalSource(s.name, size=s.size, block_rows=s.block_rows)
     if isinstance(s, SuiteSourceSpec):
         return SuiteSource(s.name, s.suite, block_rows=s.block_rows)
     if isinstance(s, IcebergSourceSpec):

