@@ -132,7 +132,19 @@ def _serve_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def _model_commands(sub: argparse._SubParsersAction) -> None:
-    """bpe-model."""
+    """bpe-model, models import."""
+    p = sub.add_parser("models", help="models for model.path: a .gguf file, a cached Hugging Face Hub id or a "
+                       "directory")
+    models = p.add_subparsers(dest="models_command", required=True)
+    p = models.add_parser("import", help="resolve a model.path value ahead of a run (a .gguf file is converted "
+                          "once into FACTORY_HOME/models/gguf) and print the directory it names",
+                          description="model.path takes a local Hugging Face directory, a .gguf file (converted "
+                          "once under FACTORY_HOME and reused) or a Hugging Face Hub id org/name[@revision] from the "
+                          "local cache ($HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub; nothing is "
+                          "downloaded). An existing directory wins over a hub id.")
+    p.add_argument("src", metavar="SRC", help="a .gguf file, a hub id (org/name or org/name@revision) or a directory")
+    p.set_defaults(func="models:cmd_models_import")
+
     p = sub.add_parser("bpe-model", help="write a small HF model directory (Qwen2, byte-level BPE tokenizer, ChatML "
                        "template) built offline, to try model.path without a download")
     p.add_argument("dir", help="the directory to write")

@@ -9,8 +9,10 @@ pad id only has to be a valid id; one without an eos token is refused, since com
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+if TYPE_CHECKING:  # transformers is imported where a model loads, so `factory validate` checks a path without it
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 # Any one of these is a tokenizer transformers can load without a download.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
@@ -36,6 +38,8 @@ def check_model_dir(path: str | Path) -> Path:
 
 def load_tokenizer_dir(path: str | Path, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """The directory's tokenizer, with pad = eos when it has no pad token; refused without an eos token."""
+    from transformers import AutoTokenizer
+
     p = check_model_dir(path)
     try:
         tok = AutoTokenizer.from_pretrained(p, local_files_only=True, trust_remote_code=trust_remote_code)
@@ -54,6 +58,8 @@ def load_model_dir(path: str | Path, max_positions: int | None = None,
                    trust_remote_code: bool = False) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """(model, tokenizer) from a local HF directory, float32 for training. `max_positions` may only shrink the
     model's context (`max_position_embeddings`): positions past what it was built for have no trained meaning."""
+    from transformers import AutoModelForCausalLM
+
     tok = load_tokenizer_dir(path, trust_remote_code)
     p = Path(path).expanduser()
     try:
