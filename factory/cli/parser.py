@@ -96,7 +96,8 @@ def _serve_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a policy over the OpenAI API (rollout server mode)",
                        description="OpenAI-compatible rollout server with SGLang-style control endpoints.")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", help="HF-format checkpoint directory to serve")
+    src.add_argument("--checkpoint", help="HF-format checkpoint directory to serve (or, as model.path takes, a .gguf "
+                     "file or a Hugging Face Hub id in the local cache)")
     src.add_argument("--preset", help="serve a freshly initialised model of this preset (for trying the API)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")

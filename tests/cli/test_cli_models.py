@@ -46,6 +46,8 @@ def test_a_missing_hub_id_is_one_error_line(hub, factory_home, capsys):
     assert main(["validate", QUICKSTART, "--set", "model.path=HuggingFaceTB/absent"]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.count("\n") == 1 and "HuggingFaceTB/absent" in captured.err
+    assert main(["serve", "--checkpoint", "HuggingFaceTB/absent"]) == 2  # serve resolves it the same way
+    assert capsys.readouterr().err.startswith("factory: error: model.path: HuggingFaceTB/absent is neither")
 
 
 def test_validate_names_what_the_path_resolves_to(hub, capsys, tmp_path):
