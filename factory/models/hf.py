@@ -8,6 +8,7 @@ pad id only has to be a valid id; one without an eos token is refused, since com
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,6 +34,17 @@ def check_model_dir(path: str | Path) -> Path:
         raise ModelDirError(f"model.path: no config.json in {p} (expected a Hugging Face model directory)")
     if not any((p / f).is_file() for f in TOKENIZER_FILES):
         raise ModelDirError(f"model.path: no tokenizer files in {p} (expected one of {', '.join(TOKENIZER_FILES)})")
+    try:
+        config = json.loads((p / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ModelDirError(f"model.path: cannot read {p / 'config.json'} as JSON: {e}") from None
+    quant = config.get("quantization_config") if isinstance(config, dict) else None
+    if quant:  # transformers loads such a model marked quantized, and refuses to save it once it has trained
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+        raise ModelDirError(f"model.path: {p / 'config.json'} declares a quantized model (quantization_config, "
+                            f"quant_method {method}); Factory trains and saves full-precision weights: give a .gguf "
+                            f"file itself as model.path (it is converted), or remove quantization_config from a "
+                            f"config whose weights are not quantized")
     return p
 
 
