@@ -30,6 +30,7 @@ from pydantic import (
 )
 
 from factory.digest import model_dir_digest
+from factory.model_source import source_files
 from factory.presets import PRESETS
 from factory.source_spec import SourceError, parse_source_spec
 from factory.text import clip
@@ -105,16 +106,19 @@ class _Section(BaseModel):
 
 
 class ModelSpec(_Section):
-    """Which policy to start from: a preset built from a config, or `path`, a local Hugging Face model directory
-    with its own tokenizer (models/hf.py). Nothing is downloaded either way. When `path` is set the preset is
-    ignored (`factory validate` says so if both were given)."""
+    """Which policy to start from: a preset built from a config, or `path`, a model with its own tokenizer: a
+    local Hugging Face directory, a `.gguf` file or a Hugging Face Hub id in the local cache (factory/model_source.py).
+    Nothing is downloaded either way. When `path` is set the preset is ignored (`factory validate` says so if both
+    were given)."""
 
     _LATE_FIELDS: ClassVar[tuple[str, ...]] = ("path", "trust_remote_code")
 
     preset: str = "tiny"
     path: str | None = Field(
-        None, min_length=1, description="a local Hugging Face causal-LM directory (config.json, weights, tokenizer "
-        "files); its tokenizer is used for every prompt; replaces the preset")
+        None, min_length=1, description="the model to start from, with its tokenizer (used for every prompt; "
+        "replaces the preset): a local Hugging Face causal-LM directory (config.json, weights, tokenizer files), a "
+        ".gguf file (converted once under FACTORY_HOME), or a Hugging Face Hub id org/name[@revision] found in the "
+        "local HF cache (HF_HUB_CACHE; nothing is downloaded); an existing directory wins over a hub id")
     trust_remote_code: bool = Field(
         False, description="let transformers run Python code shipped in model.path (custom architectures); off: "
         "only architectures transformers itself implements load")
@@ -723,8 +727,9 @@ class ExperimentSpec(_Section):
         parts = {"model": self.model.model_dump(mode="json"), "task": self.task.model_dump(mode="json"),
                  "sft": self.sft.model_dump(mode="json"), "seed": self.seed,
                  "max_new_tokens": self.rollout.max_new_tokens}
-        if self.model.path is not None:  # a path names a directory, not its weights: key by what is in it
-            parts["model_dir_sha256"] = model_dir_digest(self.model.path)
+        if self.model.path is not None:  # a path names where a model is, not its weights: key by what is there
+            files = source_files(self.model.path)  # the directory, the GGUF file or the hub id's cached snapshot
+            parts["model_dir_sha256"] = model_dir_digest(files) if files is not None else None
         return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
     def to_json(self) -> str:

@@ -98,14 +98,18 @@ def dir_digest(path: str | Path) -> tuple[str, int]:
 
 
 def model_dir_digest(path: str | Path) -> str | None:
-    """sha256 of a model directory's files (names and contents), or None if it is not a directory. The SFT warm
-    start is keyed by it (`ExperimentSpec.warm_start_fingerprint`), so a model saved again under the same path is
-    trained from again instead of reusing a warm start made from other weights. Memoized on the files' names,
-    sizes and mtimes, so a multi-GB model is read once per process, not on every call."""
+    """sha256 of a model directory's files (names and contents), or of a single model file (a `.gguf`: its name
+    and bytes), or None if there is neither. The SFT warm start is keyed by it
+    (`ExperimentSpec.warm_start_fingerprint`), so a model saved again under the same path is trained from again
+    instead of reusing a warm start made from other weights. Memoized on the files' names, sizes and mtimes, so a
+    multi-GB model is read once per process, not on every call."""
     root = Path(path).expanduser()
-    if not root.is_dir():
+    if root.is_file():
+        files = [root.resolve()]
+    elif root.is_dir():
+        files = tree_files(root.resolve())
+    else:
         return None
-    files = tree_files(root.resolve())
     stats = tuple((f.as_posix(), st.st_size, st.st_mtime_ns) for f in files for st in [os.stat(f)])
     return _model_digest(stats)
 

@@ -1,14 +1,16 @@
 """What the `factory` command's groups share: one-line errors, the home directory, printing a rendered result,
-loading a spec with its --set overrides."""
+loading a spec with its --set overrides, checking its `model.path` resolves."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 from factory.config import ExperimentSpec, SpecError, parse_overrides
 from factory.envs.spec_check import load_checked_spec
-from factory.home import FactoryPaths, factory_home
+from factory.home import DEFAULT_HOME, FactoryPaths, factory_home
 
 
 def error(msg: str) -> None:
@@ -39,3 +41,22 @@ def load(args: argparse.Namespace) -> tuple[ExperimentSpec | None, SpecError | N
         if (problem := spec_targets_problem(spec)) is not None:
             return None, SpecError([problem], args.spec)
     return spec, None
+
+
+def check_model(spec: ExperimentSpec, args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """(what `model.path` resolves to, None) or (None, the error naming the field), checked cheaply: no GGUF is
+    converted and no weights are read (models/resolve.py). (None, None) for a preset model."""
+    if spec.model.path is None:
+        return None, None
+    from factory.model_source import HubCacheError
+    from factory.models.gguf import GGUFError
+    from factory.models.hf import ModelDirError
+    from factory.models.resolve import check_model_path
+
+    # The home is only looked in (for a finished GGUF conversion), not created: validating leaves no trace.
+    home = FactoryPaths(Path(getattr(args, "home", None) or os.environ.get("FACTORY_HOME") or DEFAULT_HOME)
+                        .expanduser().resolve())
+    try:
+        return check_model_path(spec.model.path, home), None
+    except (ModelDirError, GGUFError, HubCacheError) as e:
+        return None, str(e)

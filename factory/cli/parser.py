@@ -96,7 +96,8 @@ def _serve_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a policy over the OpenAI API (rollout server mode)",
                        description="OpenAI-compatible rollout server with SGLang-style control endpoints.")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", help="HF-format checkpoint directory to serve")
+    src.add_argument("--checkpoint", help="HF-format checkpoint directory to serve (or, as model.path takes, a .gguf "
+                     "file or a Hugging Face Hub id in the local cache)")
     src.add_argument("--preset", help="serve a freshly initialised model of this preset (for trying the API)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
@@ -132,7 +133,19 @@ def _serve_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def _model_commands(sub: argparse._SubParsersAction) -> None:
-    """bpe-model."""
+    """bpe-model, models import."""
+    p = sub.add_parser("models", help="models for model.path: a .gguf file, a cached Hugging Face Hub id or a "
+                       "directory")
+    models = p.add_subparsers(dest="models_command", required=True)
+    p = models.add_parser("import", help="resolve a model.path value ahead of a run (a .gguf file is converted "
+                          "once into FACTORY_HOME/models/gguf) and print the directory it names",
+                          description="model.path takes a local Hugging Face directory, a .gguf file (converted "
+                          "once under FACTORY_HOME and reused) or a Hugging Face Hub id org/name[@revision] from the "
+                          "local cache ($HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub; nothing is "
+                          "downloaded). An existing directory wins over a hub id.")
+    p.add_argument("src", metavar="SRC", help="a .gguf file, a hub id (org/name or org/name@revision) or a directory")
+    p.set_defaults(func="models:cmd_models_import")
+
     p = sub.add_parser("bpe-model", help="write a small HF model directory (Qwen2, byte-level BPE tokenizer, ChatML "
                        "template) built offline, to try model.path without a download")
     p.add_argument("dir", help="the directory to write")

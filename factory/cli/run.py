@@ -10,7 +10,7 @@ import sys
 
 import torch.distributed as dist
 
-from factory.cli.common import error, home_from, load
+from factory.cli.common import check_model, error, home_from, load
 from factory.config import ExperimentSpec
 from factory.core.loop import NonFiniteLoss, RunInterrupted
 from factory.core.trainer.distributed import init_ranks
@@ -48,6 +48,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     spec, err = load(args)
     if err is not None:
         print(str(err), file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if (problem := check_model(spec, args)[1]) is not None:  # before any process starts or restarts
+        error(problem)
         return EXIT_BAD_INPUT
     if spec.trainer.world_size > 1:
         return _run_ranks(spec, args)
@@ -129,7 +132,7 @@ def _run_ranks(spec: ExperimentSpec, args: argparse.Namespace, body=None) -> int
             error(f"trainer.world_size is {spec.trainer.world_size} but {world} ranks were started")
             return EXIT_BAD_INPUT
         if rank != 0:
-            follow(spec, policy_for(spec)[0])  # the architecture; the weights come from rank 0
+            follow(spec, policy_for(spec, home_from(args))[0])  # the architecture; the weights come from rank 0
             return EXIT_OK
         print(f"trainer: rank 0 of {world} ({spec.trainer.strategy} on {dist.get_backend()}); ranks 1-{world - 1} "
               f"apply its steps to their share of each batch", flush=True)

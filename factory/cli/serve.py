@@ -7,10 +7,12 @@ import sys
 
 import torch
 
-from factory.cli.common import error
+from factory.cli.common import error, home_from
 from factory.core.rollout.continuous import ContinuousEngine
 from factory.core.rollout.server import engine_from_checkpoint, serve
+from factory.model_source import model_source
 from factory.models.build import build_model
+from factory.models.resolve import resolve_model_path
 from factory.models.tokenizer import build_tokenizer
 from factory.runs.exit_codes import EXIT_BAD_INPUT, EXIT_OK
 
@@ -21,7 +23,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     try:
         if args.checkpoint:
-            engine = engine_from_checkpoint(args.checkpoint, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
+            # A .gguf file or a cached hub id names a directory the way model.path does (models/resolve.py); a
+            # directory or an object-store URI is load_checkpoint's to read.
+            path = args.checkpoint
+            if model_source(path).kind != "dir":
+                path = resolve_model_path(path, home_from(args), log=lambda m: print(m, file=sys.stderr))
+            engine = engine_from_checkpoint(path, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
                                             version=args.weight_version)
         else:
             tok = build_tokenizer()

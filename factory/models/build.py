@@ -9,10 +9,13 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
 from factory.envs.tasks import longest_prompts
+from factory.home import FactoryPaths, factory_home
 from factory.models.hf import load_model_dir
 from factory.models.prompting import prompt_ids
+from factory.models.resolve import resolve_model_path
 from factory.models.tokenizer import tokenizer_for
 from factory.presets import PRESETS
+from factory.progress import Log
 
 if TYPE_CHECKING:
     from factory.config import ExperimentSpec
@@ -46,15 +49,18 @@ def build_model(preset: str, tokenizer: PreTrainedTokenizerFast, seed: int = 0,
     return model
 
 
-def policy_for(spec: ExperimentSpec) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
-    """(model, tokenizer) a run starts from: `model.path`'s, or the preset's with the task's character
+def policy_for(spec: ExperimentSpec, home: FactoryPaths | None = None,
+               log: Log = print) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """(model, tokenizer) a run starts from: `model.path`'s (a directory, a GGUF file converted under `home`,
+    default $FACTORY_HOME, or a cached hub id: models/resolve.py), or the preset's with the task's character
     tokenizer (seeded by `spec.seed`). A path model's context is checked here, with its real tokenizer, against
     the task's longest prompt plus `rollout.max_new_tokens` (the spec could not: it knows no tokenizer)."""
     m = spec.model
     if m.path is None:
         tok = tokenizer_for(spec.task.name)
         return build_model(m.preset, tok, seed=spec.seed, max_positions=m.max_positions), tok
-    model, tok = load_model_dir(m.path, max_positions=m.max_positions, trust_remote_code=m.trust_remote_code)
+    model_dir = resolve_model_path(m.path, home or factory_home(), log=log)
+    model, tok = load_model_dir(model_dir, max_positions=m.max_positions, trust_remote_code=m.trust_remote_code)
     positions = policy_positions(spec, model)
     if positions is not None:
         check_prompt_fits(spec, tok, positions, "model.max_positions" if m.max_positions else

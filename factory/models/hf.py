@@ -8,9 +8,12 @@ pad id only has to be a valid id; one without an eos token is refused, since com
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+if TYPE_CHECKING:  # transformers is imported where a model loads, so `factory validate` checks a path without it
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 # Any one of these is a tokenizer transformers can load without a download.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
@@ -31,11 +34,24 @@ def check_model_dir(path: str | Path) -> Path:
         raise ModelDirError(f"model.path: no config.json in {p} (expected a Hugging Face model directory)")
     if not any((p / f).is_file() for f in TOKENIZER_FILES):
         raise ModelDirError(f"model.path: no tokenizer files in {p} (expected one of {', '.join(TOKENIZER_FILES)})")
+    try:
+        config = json.loads((p / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ModelDirError(f"model.path: cannot read {p / 'config.json'} as JSON: {e}") from None
+    quant = config.get("quantization_config") if isinstance(config, dict) else None
+    if quant:  # transformers loads such a model marked quantized, and refuses to save it once it has trained
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+        raise ModelDirError(f"model.path: {p / 'config.json'} declares a quantized model (quantization_config, "
+                            f"quant_method {method}); Factory trains and saves full-precision weights: give a .gguf "
+                            f"file itself as model.path (it is converted), or remove quantization_config from a "
+                            f"config whose weights are not quantized")
     return p
 
 
 def load_tokenizer_dir(path: str | Path, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """The directory's tokenizer, with pad = eos when it has no pad token; refused without an eos token."""
+    from transformers import AutoTokenizer
+
     p = check_model_dir(path)
     try:
         tok = AutoTokenizer.from_pretrained(p, local_files_only=True, trust_remote_code=trust_remote_code)
@@ -54,6 +70,8 @@ def load_model_dir(path: str | Path, max_positions: int | None = None,
                    trust_remote_code: bool = False) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """(model, tokenizer) from a local HF directory, float32 for training. `max_positions` may only shrink the
     model's context (`max_position_embeddings`): positions past what it was built for have no trained meaning."""
+    from transformers import AutoModelForCausalLM
+
     tok = load_tokenizer_dir(path, trust_remote_code)
     p = Path(path).expanduser()
     try:

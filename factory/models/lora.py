@@ -92,6 +92,7 @@ def spec_targets_problem(spec: Any) -> str | None:
         return None
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from factory.model_source import source_files
     from factory.presets import PRESETS
 
     m = spec.model
@@ -102,7 +103,12 @@ def spec_targets_problem(spec: Any) -> str | None:
                                           num_attention_heads=p.heads, num_key_value_heads=p.kv_heads,
                                           intermediate_size=p.intermediate_size)
         else:
-            config = AutoConfig.from_pretrained(m.path, trust_remote_code=m.trust_remote_code)
+            # The directory or cached hub snapshot `model.path` names (never a download); a GGUF file that is not
+            # converted yet has no config.json to read, so it is checked when the run converts it.
+            files = source_files(m.path)
+            if files is None or not files.is_dir():
+                return None
+            config = AutoConfig.from_pretrained(files, trust_remote_code=m.trust_remote_code, local_files_only=True)
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=m.trust_remote_code)
     except (OSError, ValueError, KeyError):

@@ -35,6 +35,7 @@ from factory.infra.placement import check_placement, enter, placements
 from factory.lake.writer import Lake
 from factory.models.build import build_model, policy_for
 from factory.models.checkpoint import CheckpointInfo, load_checkpoint, save_checkpoint
+from factory.models.resolve import model_provenance, resolve_model_path
 from factory.models.tokenizer import tokenizer_for
 from factory.problem import Problem, Splits
 from factory.progress import Log, Progress
@@ -141,7 +142,7 @@ def train_sft_checkpoint(spec: ExperimentSpec, paths: FactoryPaths, splits: Spli
     """SFT from scratch (or continue `model`), save an atomic checkpoint, evaluate it held-out."""
     set_threads(spec, log)
     if model is None and tokenizer is None:
-        model, tok = policy_for(spec)  # model.path's model and tokenizer, or the preset's
+        model, tok = policy_for(spec, paths, log=log)  # model.path's model and tokenizer, or the preset's
     else:
         tok = tokenizer or tokenizer_for(spec.task.name)
         model = model if model is not None else build_model(spec.model.preset, tok, seed=spec.seed,
@@ -163,9 +164,10 @@ def train_sft_checkpoint(spec: ExperimentSpec, paths: FactoryPaths, splits: Spli
     seconds = time.perf_counter() - t0
     steps_run = int(metrics["steps"])
     name = name or f"sft-{spec.fingerprint()}"
-    info = save_checkpoint(model, tok, paths.checkpoints / name,
-                           meta={"kind": "sft", "spec": json.loads(spec.to_json()), "steps": steps_run,
-                                 "labeled_examples": len(labeled)})
+    meta = {"kind": "sft", "spec": json.loads(spec.to_json()), "steps": steps_run, "labeled_examples": len(labeled)}
+    if spec.model.path is not None:  # where the weights came from: the path as given and the directory it named
+        meta["model_source"] = model_provenance(spec.model.path, resolve_model_path(spec.model.path, paths, log=log))
+    info = save_checkpoint(model, tok, paths.checkpoints / name, meta=meta)
     result = evaluate_checkpoint(spec, info.path, splits.eval)
     log(f"sft checkpoint {info.path.name} after {steps_run} steps: held-out accuracy {result.accuracy:.3f}, "
         f"pass@{result.k} {result.pass_at_k:.3f} ({seconds:.0f}s)")

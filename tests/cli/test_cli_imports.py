@@ -21,3 +21,18 @@ def test_light_commands_import_no_heavy_library(argv):
     proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_validate_checks_a_model_path_without_heavy_libraries(tmp_path):
+    """`factory validate --set model.path=DIR` looks at the directory's files, loads nothing."""
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        (model / name).write_text("{}")
+    code = ("import sys; from factory.cli import main; rc = main(sys.argv[1:]); "
+            f"print(sorted(m for m in {HEAVY!r} if m in sys.modules)); sys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", code, "validate", str(QUICKSTART), "--set", f"model.path={model}"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert lines[-2] == f"model.path: model directory {model}" and lines[-1] == "[]"

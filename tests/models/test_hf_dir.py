@@ -59,6 +59,20 @@ def test_no_tokenizer_files_is_named(tmp_path, bpe_model_dir):
         load_model_dir(d)
 
 
+def test_a_config_declaring_quantized_weights_is_refused_before_loading(tmp_path, bpe_model_dir):
+    """transformers would load it marked quantized and refuse to save it after training: refused up front (a
+    GGUF-loaded model saved with its config untouched looks like this)."""
+    d = shutil.copytree(bpe_model_dir, tmp_path / "m")
+    config = json.loads((d / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gguf", "gguf_file": "m.gguf", "dequantize": False}
+    (d / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelDirError, match=f"{d / 'config.json'} declares a quantized model .*quant_method gguf"):
+        load_model_dir(d)
+    (d / "config.json").write_text("{not json")
+    with pytest.raises(ModelDirError, match=f"cannot read {d / 'config.json'} as JSON"):
+        load_model_dir(d)
+
+
 def _edit_tokenizer_config(d, **changes):
     # null, not absent: an absent token takes the tokenizer class's default (Qwen2's is <|endoftext|>)
     cfg = json.loads((d / "tokenizer_config.json").read_text())
