@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
             totals["engine"][0] += tokens
             totals["engine"][1] += time.perf_counter() - t0
     rate = {k: v[0] / v[1] for k, v in totals.items()}
-    print(f"{model_dir}: {args.prompts} prompts in groups of {args.group} ({min(map(len, prompts))}-{max(map(len, prompts))} tokens), "
+    lengths = sorted(map(len, prompts))
+    print(f"{model_dir}: {args.prompts} prompts in groups of {args.group} ({lengths[0]}-{lengths[-1]} tokens), "
           f"temperature 1, max_new_tokens {args.max_new}, batch/slots {batch}, {args.rounds} interleaved rounds, "
           f"torch threads {args.threads}")
     print(f"{'side':10} {'tokens':>8} {'wall s':>8} {'tokens/s':>9} {'vs generate':>11}")

@@ -21,7 +21,8 @@ from torch import Tensor
 class SlotKVCache:
     """K/V buffers for the running rows, shaped for the transformers attention modules.
 
-    It is passed to the model as `cache` (transformers calls `update(k, v, layer_idx)` in every attention layer). In capture mode (`begin_prefill`) it only records the new K/V, for a prefill that runs on its own batch.
+    It is passed to the model as `cache` (transformers calls `update(k, v, layer_idx)` in every attention layer).
+    In capture mode (`begin_prefill`) it only records the new K/V, for a prefill that runs on its own batch.
     """
 
     def __init__(self, slots: int, initial_capacity: int = 64):
