@@ -21,7 +21,9 @@ from factory.core.rollout.base import SamplingParams
 from factory.core.rollout.continuous import ContinuousEngine
 from factory.core.rollout.embedded import EmbeddedEngine
 from factory.core.rollout.server import launch_server
+from factory.models.build import policy_positions
 from factory.models.tokenizer import build_tokenizer
+from factory.presets import PRESETS
 from factory.problem import Problem
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "phi", "phi3", "gpt2"]
@@ -112,6 +114,13 @@ def test_sliding_window_caps_the_engine_at_the_window():
         assert c.token_ids == reference_greedy(model, p, m)
     with pytest.raises(ValueError, match="maximum context length is 12"):
         eng.check(prompts[1], SamplingParams(max_new_tokens=13 - len(prompts[1])))
+
+
+def test_the_run_context_stops_at_the_sliding_window():
+    # the overlapped modes size prompts + completions by policy_positions, so a windowed model's run is refused
+    # up front (build.check_prompt_fits) instead of failing requests mid-run
+    assert policy_positions(run_spec("async"), tiny_model("mistral", sliding_window=16)) == 16
+    assert policy_positions(run_spec("async"), tiny_model("llama")) == PRESETS["micro"].max_positions
 
 
 def run_spec(mode: str, engine: str = "embedded"):
