@@ -28,43 +28,48 @@ RECURRENT_MODEL_TYPES = frozenset({
 CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 
 
-def architecture_problem(config: Mapping[str, Any]) -> str | None:
-    """Why the continuous engine cannot run a model with this config (a config.json dict), or None if it can.
-    The message names the architecture."""
+def architecture_problem(config: Mapping[str, Any] | Any) -> str | None:
+    """Why the continuous engine cannot run a model with this config (a config.json dict or a transformers
+    config object), or None if it can. The message names the architecture."""
     arch = _name(config)
-    if config.get("is_encoder_decoder"):
+    if _field(config, "is_encoder_decoder"):
         return f"{arch} is an encoder-decoder model; Factory samples from decoder-only causal LMs"
-    if "text_config" in config or "vision_config" in config:
+    if _field(config, "text_config") is not None or _field(config, "vision_config") is not None:
         return (f"{arch} is a multimodal wrapper (it has a text_config/vision_config); point model.path at a "
                 f"text-only causal LM")
-    classes = config.get("architectures") or []
+    classes = _field(config, "architectures") or []
     if classes and not any(str(c).endswith(CAUSAL_LM_SUFFIXES) for c in classes):
         return f"{arch} is not a causal LM (expected a class ending in {' or '.join(CAUSAL_LM_SUFFIXES)})"
-    model_type = config.get("model_type")
+    model_type = _field(config, "model_type")
     if model_type in RECURRENT_MODEL_TYPES:
         return (f"{arch} keeps recurrent/state-space state, which the continuous engine's attention KV cache "
                 f"cannot hold")
-    other = sorted({str(t) for t in config.get("layer_types") or []} - ENGINE_LAYER_TYPES)
+    other = sorted({str(t) for t in _field(config, "layer_types") or []} - ENGINE_LAYER_TYPES)
     if other:
         return (f"{arch} has layer types {other}; the continuous engine's KV cache holds only "
                 f"{sorted(ENGINE_LAYER_TYPES)} layers")
     return None
 
 
-def attention_window(config: Mapping[str, Any]) -> int | None:
+def attention_window(config: Mapping[str, Any] | Any) -> int | None:
     """The sliding window of the model's windowed layers (tokens a query may see, itself included), or None if
     every layer attends to the whole sequence. Qwen2-style configs keep `sliding_window` when
     `use_sliding_window` is off; it counts only when a layer is sliding or the config has no `layer_types`."""
-    window = config.get("sliding_window")
-    if not window or config.get("use_sliding_window") is False:
+    window = _field(config, "sliding_window")
+    if not window or _field(config, "use_sliding_window") is False:
         return None
-    layer_types = config.get("layer_types")
+    layer_types = _field(config, "layer_types")
     if layer_types and "sliding_attention" not in layer_types:
         return None
     return int(window)
 
 
-def _name(config: Mapping[str, Any]) -> str:
-    classes = config.get("architectures") or []
-    model_type = config.get("model_type") or "unknown model_type"
+def _field(config: Mapping[str, Any] | Any, name: str) -> Any:
+    """`name` of a config.json dict or a config object; None where it has none."""
+    return config.get(name) if isinstance(config, Mapping) else getattr(config, name, None)
+
+
+def _name(config: Mapping[str, Any] | Any) -> str:
+    classes = _field(config, "architectures") or []
+    model_type = _field(config, "model_type") or "unknown model_type"
     return f"{classes[0]} ({model_type})" if classes else str(model_type)

@@ -58,7 +58,7 @@ def policy_for(spec: ExperimentSpec) -> tuple[PreTrainedModel, PreTrainedTokeniz
     model, tok = load_model_dir(m.path, max_positions=m.max_positions, trust_remote_code=m.trust_remote_code)
     positions = policy_positions(spec, model)
     if positions is not None:
-        window = attention_window(model.config.to_dict())
+        window = attention_window(model.config)
         where = ("model.max_positions" if m.max_positions else f"the max_position_embeddings of the model in {m.path}")
         if window is not None and window == positions:
             where = f"the sliding window of the model in {m.path}: the rollout engines are exact within it"
@@ -76,7 +76,7 @@ def policy_positions(spec: ExperimentSpec, model: PreTrainedModel) -> int | None
         positions = getattr(model.config, "max_position_embeddings", None)
     else:
         positions = PRESETS[spec.model.preset].max_positions
-    window = attention_window(model.config.to_dict())
+    window = attention_window(model.config)
     if window is None:
         return positions
     return window if positions is None else min(positions, window)

@@ -105,7 +105,7 @@ def test_sliding_window_caps_the_engine_at_the_window():
     # Gemma 3 interleaves sliding-window layers; with sequences no longer than the window the sliding mask is
     # the full causal mask, so the engine is exact up to the window and refuses anything longer.
     model = tiny_model("gemma3_text", sliding_window=12)
-    assert attention_window(model.config.to_dict()) == 12
+    assert attention_window(model.config) == 12
     eng = ContinuousEngine(model, TOK, max_batch=2)
     assert eng.max_seq_len == 12
     prompts = [TOK(p).input_ids for p in PROMPTS[:4]]

@@ -126,8 +126,7 @@ class ContinuousEngine:
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, weight_version: int = 0,
                  max_batch: int = 64, max_seq_len: int | None = None, name: str = "factory-policy",
                  kv_capacity: int = 64):
-        config = model.config.to_dict()
-        problem = architecture_problem(config)
+        problem = architecture_problem(model.config)
         if problem is not None:
             raise ValueError(problem)
         attn = model.config._attn_implementation
@@ -138,7 +137,7 @@ class ContinuousEngine:
         self.name = name
         self.max_batch = max_batch
         self.max_seq_len = int(max_seq_len or model.config.max_position_embeddings)
-        window = attention_window(config)
+        window = attention_window(model.config)
         if window is not None:  # past the window the full mask would show columns the sliding layers hide
             self.max_seq_len = min(self.max_seq_len, window)
         self.eos_id = tokenizer.eos_token_id
