@@ -134,15 +134,18 @@ def run_spec(mode: str, engine: str = "embedded"):
 
 def _run_cases():
     for arch in ARCHS:
-        for mode in ("sync", "one_step_off", "async"):
-            slow = arch not in FAST_RUN_ARCHS or mode == "one_step_off"
-            yield pytest.param(arch, mode, id=f"{arch}-{mode}", marks=[pytest.mark.slow] if slow else [])
+        for mode, engine in (("sync", "embedded"), ("one_step_off", "embedded"), ("async", "embedded"),
+                             ("async", "server")):
+            # the server case runs `factory serve` in its own process (~10 s to start): slow for every arch
+            slow = arch not in FAST_RUN_ARCHS or mode == "one_step_off" or engine == "server"
+            yield pytest.param(arch, mode, engine, id=f"{arch}-{mode}-{engine}",
+                               marks=[pytest.mark.slow] if slow else [])
 
 
-@pytest.mark.parametrize("arch,mode", list(_run_cases()))
-def test_a_two_step_run_in_each_mode(arch, mode):
+@pytest.mark.parametrize("arch,mode,engine", list(_run_cases()))
+def test_a_two_step_run_in_each_mode(arch, mode, engine):
     model = tiny_model(arch)
-    records = train_rl(run_spec(mode), model, TOK, PROBLEMS)
+    records = train_rl(run_spec(mode, engine), model, TOK, PROBLEMS)
     assert [r.step for r in records] == [1, 2]
     assert [r.weight_version for r in records] == [1, 2]
     assert all(not r.rejected for r in records)  # None in sync mode (no buffer)
