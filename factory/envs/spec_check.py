@@ -1,6 +1,7 @@
 """The checks of an `ExperimentSpec` that need the task families: the task must have enough distinct problems
-for its disjoint splits, a reasoning-gym source's task and config must be ones reasoning-gym accepts, and its
-longest prompt plus the completion must fit the model's positions.
+for its disjoint splits, a reasoning-gym source's task and config must be ones reasoning-gym accepts, its
+longest prompt plus the completion must fit the model's positions, and a `model.path` directory's architecture
+must be one the rollout engines can run (read from its config.json, no weights loaded).
 
 `check_spec` runs after the schema's own validation (factory/config.py) wherever a spec is loaded: `factory
 validate` / `run`, the Dagster spec resource, sweeps, the deploy target. Its errors are `SpecError`s worded
@@ -9,18 +10,22 @@ as the schema's, so a spec that fails here reads the same as one that fails ther
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
+from factory.architectures import architecture_problem
 from factory.config import MIN_N_TRAIN, ExperimentSpec, apply_overrides, load_spec, spec_error
 from factory.envs.arithmetic import prompt_tokens
 from factory.envs.tasks import longest_prompt_tokens, task_capacity
+from factory.model_source import source_files
 from factory.presets import PRESETS
 
 
 def check_spec(spec: ExperimentSpec, source: str | None = None) -> ExperimentSpec:
     """`spec`, if its task fits; else a SpecError (naming `source`, e.g. the spec file) with one line."""
-    problem = _task_size_problem(spec) or _sources_problem(spec) or _positions_problem(spec)
+    problem = (_task_size_problem(spec) or _sources_problem(spec) or _positions_problem(spec)
+               or _architecture_problem(spec))
     if problem is not None:
         raise spec_error(problem, source)
     return spec
@@ -91,3 +96,23 @@ def _positions_problem(spec: ExperimentSpec) -> str | None:
                 f"{positions} positions ({where}), got {new}")
     return None
 
+
+
+def _architecture_problem(spec: ExperimentSpec) -> str | None:
+    """The error if `model.path` is a directory whose config.json names an architecture the engines cannot run
+    (`factory.architectures.architecture_problem`), else None. Paths that are not such a directory are left to
+    the loader (factory/models/hf.py), which names what is missing."""
+    if spec.model.path is None:
+        return None
+    files = source_files(spec.model.path)  # the directory, or a hub id's cached snapshot (a GGUF file has none)
+    config_file = files / "config.json" if files is not None else None
+    if config_file is None or not config_file.is_file():
+        return None
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError) as e:
+        return f"model.path: cannot read {config_file}: {e}"
+    if not isinstance(config, dict):
+        return f"model.path: {config_file} must hold a JSON object, got {type(config).__name__}"
+    problem = architecture_problem(config)
+    return None if problem is None else f"model.path: {config_file.parent}: {problem}"

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
+from factory.architectures import attention_window
 from factory.envs.tasks import longest_prompts
 from factory.home import FactoryPaths, factory_home
 from factory.models.hf import load_model_dir
@@ -63,19 +64,28 @@ def policy_for(spec: ExperimentSpec, home: FactoryPaths | None = None,
     model, tok = load_model_dir(model_dir, max_positions=m.max_positions, trust_remote_code=m.trust_remote_code)
     positions = policy_positions(spec, model)
     if positions is not None:
-        check_prompt_fits(spec, tok, positions, "model.max_positions" if m.max_positions else
-                          f"the max_position_embeddings of the model in {m.path}")
+        window = attention_window(model.config)
+        where = ("model.max_positions" if m.max_positions else f"the max_position_embeddings of the model in {m.path}")
+        if window is not None and window == positions:
+            where = f"the sliding window of the model in {m.path}: the rollout engines are exact within it"
+        check_prompt_fits(spec, tok, positions, where)
     return model, tok
 
 
 def policy_positions(spec: ExperimentSpec, model: PreTrainedModel) -> int | None:
     """The context the policy has: `model.max_positions`, else a `model.path` model's own
-    (`max_position_embeddings`; None if its config has none), else its preset's."""
+    (`max_position_embeddings`; None if its config has none), else its preset's; never past the model's sliding
+    window (`factory.architectures.attention_window`), beyond which the continuous engine would not be exact."""
     if spec.model.max_positions:
-        return spec.model.max_positions
-    if spec.model.path is not None:
-        return getattr(model.config, "max_position_embeddings", None)
-    return PRESETS[spec.model.preset].max_positions
+        positions = spec.model.max_positions
+    elif spec.model.path is not None:
+        positions = getattr(model.config, "max_position_embeddings", None)
+    else:
+        positions = PRESETS[spec.model.preset].max_positions
+    window = attention_window(model.config)
+    if window is None:
+        return positions
+    return window if positions is None else min(positions, window)
 
 
 def check_prompt_fits(spec: ExperimentSpec, tokenizer: PreTrainedTokenizerFast, positions: int, where: str) -> None:

@@ -280,3 +280,34 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on():
         assert len(ok.result(timeout=30).token_ids) == 10
     finally:
         eng.stop()
+
+
+SMOLLM2_QUESTIONS = ["What is 17 + 25? Answer with just the number.", "Name a primary colour.",
+                     "Write a haiku about the sea.", "Is 91 a prime number?"]
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_equals_generate_token_for_token(smollm2_dir):
+    """The real SmolLM2-135M-Instruct (Llama, ChatML): prompts rendered with its chat template, requests
+    joining while others decode, each completion equal to transformers `generate`'s."""
+    from factory.models.hf import load_model_dir
+    from factory.models.prompting import prompt_ids
+
+    model, tok = load_model_dir(smollm2_dir)
+    model.eval()
+    prompts = [prompt_ids(tok, q) for q in SMOLLM2_QUESTIONS]
+    assert all(tok.decode(p).startswith("<|im_start|>") for p in prompts)  # the template was applied
+    eng = ContinuousEngine(model, tok, max_batch=3, kv_capacity=16)
+    max_new = [24, 16, 24, 20]
+    futures = []
+    for p, m in zip(prompts, max_new, strict=True):
+        futures.append(eng.submit(p, SamplingParams(greedy=True, max_new_tokens=m)))
+        eng.step()
+    while not all(f.done() for f in futures):
+        assert eng.step()
+    for p, m, f in zip(prompts, max_new, futures, strict=True):
+        ids = torch.tensor([p])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=m, do_sample=False,
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        assert f.result().token_ids == out[0, len(p):].tolist(), tok.decode(p)
+    assert eng.stats.max_running == 3

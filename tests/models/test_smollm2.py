@@ -104,9 +104,6 @@ def test_every_path_feeds_smollm2_its_chat_template(smol):
     assert seen[0] == want + answer  # one sequence: no padding
 
 
-@pytest.mark.xfail(raises=openai.InternalServerError, strict=True,
-                   reason="TEMP: the continuous engine passes Qwen2's mask dict, which Llama refuses (issue 21 point "
-                   "1, fixed in continuous.py on another branch): remove this mark when it lands")
 def test_the_rollout_server_chat_endpoint_on_smollm2(smol):
     """`factory serve` on SmolLM2: the chat endpoint feeds the model its template's ids for a user message."""
     from factory.core.rollout.continuous import ContinuousEngine

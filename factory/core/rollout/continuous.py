@@ -4,14 +4,16 @@ Owns the scheduler (admission, one decode step for every running sequence, retir
 sampler state, and weight updates applied between decode steps. The HTTP server (`server.py`) and in-process
 callers (`generate`) submit requests to it; a background thread (`start`) or the caller (`step`) drives it.
 
-KV layout (`SlotKVCache`): per layer one buffer [slots, kv_heads, capacity, head_dim]. Running sequences are
-rows 0..n-1 (a finished row is replaced by the last one, so rows stay dense and every step works on views, no
-gather). All rows share one write column `width`: each step writes every row's new K/V at column `width`, and a
-sequence's valid columns are [start, width) — a new sequence is placed right-aligned, ending at `width`, and a
-boolean mask hides the columns left of its start. Positions (RoPE) are per row, so where a sequence sits in the
-buffer does not change its numbers. When the oldest sequences leave, the dead columns on the left are dropped in
-one copy (compaction); the buffer grows by doubling. A decode step therefore costs one forward over the n running
-rows plus an in-place column write per layer — no per-step `torch.cat` of the whole cache as in `DynamicCache`.
+KV cache (`SlotKVCache`, slot_cache.py): running sequences are dense rows of per-layer buffers, all writing one
+shared column per decode step; a sequence's columns are right-aligned and an explicit mask hides the columns left
+of its start. Positions are per row, so where a sequence sits in the buffer does not change its numbers. A decode
+step costs one forward over the n running rows plus an in-place column write per layer.
+
+Any decoder-only transformers causal LM whose layers are all attention runs (Llama, Qwen2/3, Mistral, Gemma 1-3,
+Phi, GPT-2, ...): the engine hands the model a 4-D mask (boolean for sdpa, additive for eager), which every
+architecture's mask builder passes through unchanged, and the cache as `cache=`. Sliding-window layers are
+exact because sequences are capped at the window (`factory.architectures.attention_window`); recurrent or
+hybrid models are refused (`architecture_problem`).
 
 New requests are prefilled together in one left-padded forward (identical prompts — the n samples of a GRPO
 group — once), then copied into free rows; their first token is sampled from the prefill logits.
@@ -43,7 +45,9 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
+from factory.architectures import architecture_problem, attention_window
 from factory.core.rollout.base import Completion, SamplingParams
+from factory.core.rollout.slot_cache import SlotKVCache
 
 log = logging.getLogger(__name__)
 
@@ -51,136 +55,6 @@ UpdateMode = Literal["finish_old", "in_flight"]
 PauseMode = Literal["drain", "in_place"]
 UPDATE_MODES: tuple[str, ...] = ("finish_old", "in_flight")
 PAUSE_MODES: tuple[str, ...] = ("drain", "in_place")
-
-
-class SlotKVCache:
-    """K/V buffers for the running rows, shaped for the transformers attention modules.
-
-    It is passed to the model as `past_key_values` (transformers calls `update(k, v, layer_idx)` in every attention
-    layer). In capture mode (`begin_prefill`) it only records the new K/V, for a prefill that runs on its own batch.
-    """
-
-    def __init__(self, slots: int, initial_capacity: int = 64):
-        self.slots = slots
-        self.initial_capacity = initial_capacity
-        self.keys: list[Tensor] = []  # per layer [slots, kv_heads, capacity, head_dim]
-        self.values: list[Tensor] = []
-        self.start = torch.zeros(slots, dtype=torch.long)  # first valid column of each row
-        self.n = 0  # running rows: 0..n-1
-        self.width = 0  # columns in use; the next decode step writes column `width`
-        self._captured: list[tuple[Tensor, Tensor]] | None = None
-
-    @property
-    def capacity(self) -> int:
-        return self.keys[0].shape[2] if self.keys else 0
-
-    # -- the part of the transformers Cache interface the attention layers use
-    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args,
-               **kwargs) -> tuple[Tensor, Tensor]:
-        if self._captured is not None:
-            self._captured.append((key_states, value_states))
-            return key_states, value_states
-        w, n = self.width, self.n
-        k, v = self.keys[layer_idx], self.values[layer_idx]
-        k[:n, :, w] = key_states[:, :, 0]
-        v[:n, :, w] = value_states[:, :, 0]
-        return k[:n, :, : w + 1], v[:n, :, : w + 1]
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.width
-
-    # -- prefill capture
-    def begin_prefill(self) -> None:
-        self._captured = []
-
-    def end_prefill(self) -> list[tuple[Tensor, Tensor]]:
-        kv, self._captured = self._captured or [], None
-        return kv
-
-    # -- layout
-    def decode_mask(self) -> Tensor:
-        """[n, 1, 1, width + 1] bool: the columns each row attends to in the next decode step (True = attend)."""
-        cols = torch.arange(self.width + 1)
-        return (cols[None, :] >= self.start[: self.n, None])[:, None, None, :]
-
-    def _resize(self, capacity: int) -> None:
-        """Reallocate every buffer with `capacity` columns, keeping the running rows' columns."""
-        w = self.width
-        for buffers in (self.keys, self.values):
-            for i, old in enumerate(buffers):
-                new = old.new_zeros(old.shape[0], old.shape[1], capacity, old.shape[3])
-                new[: self.n, :, :w] = old[: self.n, :, :w]
-                buffers[i] = new
-
-    def _shift(self, by: int) -> None:
-        """Move the running rows' columns right (by > 0) or left (by < 0)."""
-        w, n = self.width, self.n
-        lo = max(0, -by)  # columns left of `lo` are dropped when shifting left
-        for buffers in (self.keys, self.values):
-            for buf in buffers:
-                # the source and destination overlap, so copy through a temporary
-                buf[:n, :, lo + by : w + by] = buf[:n, :, lo:w].clone()
-        self.start[:n] += by
-        self.width = w + by
-
-    def compact(self, min_gain: int = 1) -> None:
-        """Drop the leading columns no running row uses, if at least `min_gain` of them."""
-        if self.n == 0:
-            self.width = 0
-            return
-        dead = int(self.start[: self.n].min())
-        if dead >= min_gain:
-            self._shift(-dead)
-
-    def reserve_decode(self) -> None:
-        """Make room for one more column."""
-        if self.width + 1 <= self.capacity:
-            return
-        self.compact()
-        if self.width + 1 > self.capacity:
-            self._resize(max(2 * self.capacity, self.width + 1))
-
-    def insert(self, kv: list[tuple[Tensor, Tensor]], src: Tensor, lengths: list[int]) -> None:
-        """Append rows n.. from a prefill's K/V: row j takes prefill row `src[j]` (left-padded to width P), of
-        which the last `lengths[j]` columns are its prompt."""
-        k_count = len(lengths)
-        if self.n + k_count > self.slots:
-            raise RuntimeError(f"{self.n} + {k_count} rows exceed {self.slots} slots")
-        p = kv[0][0].shape[2]
-        if not self.keys:
-            cap = max(self.initial_capacity, p + 1)
-            for k, v in kv:
-                self.keys.append(k.new_zeros(self.slots, k.shape[1], cap, k.shape[3]))
-                self.values.append(v.new_zeros(self.slots, v.shape[1], cap, v.shape[3]))
-        if self.n == 0:
-            self.width = 0
-        if self.width < p:  # the new prompts need p columns left of the write column
-            if p + 1 > self.capacity:
-                self._resize(max(2 * self.capacity, p + 1))
-            self._shift(p - self.width)
-        w, n = self.width, self.n
-        for layer, (k, v) in enumerate(kv):
-            self.keys[layer][n : n + k_count, :, w - p : w] = k.index_select(0, src)
-            self.values[layer][n : n + k_count, :, w - p : w] = v.index_select(0, src)
-        self.start[n : n + k_count] = torch.tensor([w - length for length in lengths], dtype=torch.long)
-        self.n = n + k_count
-
-    def remove(self, row: int) -> None:
-        """Free `row` by moving the last running row into it (callers remove rows in descending order)."""
-        last = self.n - 1
-        if row != last:
-            w = self.width
-            for buffers in (self.keys, self.values):
-                for buf in buffers:
-                    buf[row, :, :w] = buf[last, :, :w]
-            self.start[row] = self.start[last]
-        self.n = last
-
-    def release(self) -> None:
-        """Free the buffers (only when no row is running)."""
-        if self.n:
-            raise RuntimeError("cannot release the KV cache while sequences are running")
-        self.keys, self.values, self.width = [], [], 0
 
 
 def _mix_seed(seed: int, index: int) -> int:
@@ -244,17 +118,17 @@ class ContinuousEngine:
     """Continuous-batching sampler over a transformers causal LM (a `RolloutEngine`).
 
     `max_batch` rows decode together; waiting requests join whenever rows are free. `max_seq_len` (default: the
-    model's `max_position_embeddings`) bounds prompt + completion; `kv_capacity` is the KV buffer's initial width
-    in columns (it doubles when needed). Drive it with `start()` (a background thread)
-    or, single-threaded, through `generate` / `step`.
+    model's `max_position_embeddings`; never past its sliding window) bounds prompt + completion; `kv_capacity` is
+    the KV buffer's initial width in columns (it doubles when needed). Drive it with `start()` (a background
+    thread) or, single-threaded, through `generate` / `step`.
     """
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, weight_version: int = 0,
                  max_batch: int = 64, max_seq_len: int | None = None, name: str = "factory-policy",
                  kv_capacity: int = 64):
-        layer_types = set(getattr(model.config, "layer_types", None) or ["full_attention"])
-        if layer_types != {"full_attention"}:
-            raise ValueError(f"only full-attention models are supported, got layer types {sorted(layer_types)}")
+        problem = architecture_problem(model.config)
+        if problem is not None:
+            raise ValueError(problem)
         attn = model.config._attn_implementation
         if attn not in ("sdpa", "eager"):
             raise ValueError(f"attention implementation {attn!r} is not supported (use 'sdpa' or 'eager')")
@@ -263,6 +137,9 @@ class ContinuousEngine:
         self.name = name
         self.max_batch = max_batch
         self.max_seq_len = int(max_seq_len or model.config.max_position_embeddings)
+        window = attention_window(model.config)
+        if window is not None:  # past the window the full mask would show columns the sliding layers hide
+            self.max_seq_len = min(self.max_seq_len, window)
         self.eos_id = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
         self._version = weight_version
@@ -542,8 +419,8 @@ class ContinuousEngine:
         self._cache.begin_prefill()
         try:
             out = self.model(input_ids=ids, position_ids=pos,
-                             attention_mask={"full_attention": self._mask(allowed[:, None])},
-                             past_key_values=self._cache, use_cache=True, logits_to_keep=1)
+                             attention_mask=self._mask(allowed[:, None]),
+                             cache=self._cache, use_cache=True, logits_to_keep=1)
         finally:
             kv = self._cache.end_prefill()
         self.stats.prefills += 1
@@ -564,8 +441,7 @@ class ContinuousEngine:
         ids = torch.tensor([[r.tokens[-1]] for r in rows])
         pos = torch.tensor([[r.next_position] for r in rows])
         mask = self._mask(cache.decode_mask())
-        out = self.model(input_ids=ids, position_ids=pos, attention_mask={"full_attention": mask},
-                         past_key_values=cache, use_cache=True)
+        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache, use_cache=True)
         cache.width += 1
         self.stats.steps += 1
         self._sample(out.logits[:, -1, :], rows)

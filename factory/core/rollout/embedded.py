@@ -78,8 +78,8 @@ class EmbeddedEngine:
         step_ids, step_pos = ids, pos
         for t in range(params.max_new_tokens):
             out = self.model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos,
-                             past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
+                             cache=cache, use_cache=True)
+            cache = out.cache
             tok, lp = _sample(out.logits[:, -1, :], params, gen)
             tok = torch.where(done, torch.full_like(tok, self.pad_id), tok)
             tokens[:, t] = tok

@@ -1,0 +1,148 @@
+"""The continuous engine's KV cache: per layer one buffer of slots (rows) x columns that sequences join and leave.
+
+KV layout: per layer one buffer [slots, kv_heads, capacity, head_dim]. Running sequences are rows 0..n-1 (a
+finished row is replaced by the last one, so rows stay dense and every step works on views, no gather). All rows
+share one write column `width`: each step writes every row's new K/V at column `width`, and a sequence's valid
+columns are [start, width) — a new sequence is placed right-aligned, ending at `width`, and a boolean mask hides
+the columns left of its start. When the oldest sequences leave, the dead columns on the left are dropped in one
+copy (compaction); the buffer grows by doubling.
+
+It is handed to the model as its `cache` argument: transformers' attention layers call
+`update(k, v, layer_idx)`, and the model's mask builders return the engine's explicit 4-D mask untouched, so
+only `update` and `get_seq_length` of the `transformers.Cache` interface are used.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class SlotKVCache:
+    """K/V buffers for the running rows, shaped for the transformers attention modules.
+
+    It is passed to the model as `cache` (transformers calls `update(k, v, layer_idx)` in every attention layer).
+    In capture mode (`begin_prefill`) it only records the new K/V, for a prefill that runs on its own batch.
+    """
+
+    def __init__(self, slots: int, initial_capacity: int = 64):
+        self.slots = slots
+        self.initial_capacity = initial_capacity
+        self.keys: list[Tensor] = []  # per layer [slots, kv_heads, capacity, head_dim]
+        self.values: list[Tensor] = []
+        self.start = torch.zeros(slots, dtype=torch.long)  # first valid column of each row
+        self.n = 0  # running rows: 0..n-1
+        self.width = 0  # columns in use; the next decode step writes column `width`
+        self._captured: list[tuple[Tensor, Tensor]] | None = None
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2] if self.keys else 0
+
+    # -- the part of the transformers Cache interface the attention layers use
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args,
+               **kwargs) -> tuple[Tensor, Tensor]:
+        if self._captured is not None:
+            self._captured.append((key_states, value_states))
+            return key_states, value_states
+        w, n = self.width, self.n
+        k, v = self.keys[layer_idx], self.values[layer_idx]
+        k[:n, :, w] = key_states[:, :, 0]
+        v[:n, :, w] = value_states[:, :, 0]
+        return k[:n, :, : w + 1], v[:n, :, : w + 1]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.width
+
+    # -- prefill capture
+    def begin_prefill(self) -> None:
+        self._captured = []
+
+    def end_prefill(self) -> list[tuple[Tensor, Tensor]]:
+        kv, self._captured = self._captured or [], None
+        return kv
+
+    # -- layout
+    def decode_mask(self) -> Tensor:
+        """[n, 1, 1, width + 1] bool: the columns each row attends to in the next decode step (True = attend)."""
+        cols = torch.arange(self.width + 1)
+        return (cols[None, :] >= self.start[: self.n, None])[:, None, None, :]
+
+    def _resize(self, capacity: int) -> None:
+        """Reallocate every buffer with `capacity` columns, keeping the running rows' columns."""
+        w = self.width
+        for buffers in (self.keys, self.values):
+            for i, old in enumerate(buffers):
+                new = old.new_zeros(old.shape[0], old.shape[1], capacity, old.shape[3])
+                new[: self.n, :, :w] = old[: self.n, :, :w]
+                buffers[i] = new
+
+    def _shift(self, by: int) -> None:
+        """Move the running rows' columns right (by > 0) or left (by < 0)."""
+        w, n = self.width, self.n
+        lo = max(0, -by)  # columns left of `lo` are dropped when shifting left
+        for buffers in (self.keys, self.values):
+            for buf in buffers:
+                # the source and destination overlap, so copy through a temporary
+                buf[:n, :, lo + by : w + by] = buf[:n, :, lo:w].clone()
+        self.start[:n] += by
+        self.width = w + by
+
+    def compact(self, min_gain: int = 1) -> None:
+        """Drop the leading columns no running row uses, if at least `min_gain` of them."""
+        if self.n == 0:
+            self.width = 0
+            return
+        dead = int(self.start[: self.n].min())
+        if dead >= min_gain:
+            self._shift(-dead)
+
+    def reserve_decode(self) -> None:
+        """Make room for one more column."""
+        if self.width + 1 <= self.capacity:
+            return
+        self.compact()
+        if self.width + 1 > self.capacity:
+            self._resize(max(2 * self.capacity, self.width + 1))
+
+    def insert(self, kv: list[tuple[Tensor, Tensor]], src: Tensor, lengths: list[int]) -> None:
+        """Append rows n.. from a prefill's K/V: row j takes prefill row `src[j]` (left-padded to width P), of
+        which the last `lengths[j]` columns are its prompt."""
+        k_count = len(lengths)
+        if self.n + k_count > self.slots:
+            raise RuntimeError(f"{self.n} + {k_count} rows exceed {self.slots} slots")
+        p = kv[0][0].shape[2]
+        if not self.keys:
+            cap = max(self.initial_capacity, p + 1)
+            for k, v in kv:
+                self.keys.append(k.new_zeros(self.slots, k.shape[1], cap, k.shape[3]))
+                self.values.append(v.new_zeros(self.slots, v.shape[1], cap, v.shape[3]))
+        if self.n == 0:
+            self.width = 0
+        if self.width < p:  # the new prompts need p columns left of the write column
+            if p + 1 > self.capacity:
+                self._resize(max(2 * self.capacity, p + 1))
+            self._shift(p - self.width)
+        w, n = self.width, self.n
+        for layer, (k, v) in enumerate(kv):
+            self.keys[layer][n : n + k_count, :, w - p : w] = k.index_select(0, src)
+            self.values[layer][n : n + k_count, :, w - p : w] = v.index_select(0, src)
+        self.start[n : n + k_count] = torch.tensor([w - length for length in lengths], dtype=torch.long)
+        self.n = n + k_count
+
+    def remove(self, row: int) -> None:
+        """Free `row` by moving the last running row into it (callers remove rows in descending order)."""
+        last = self.n - 1
+        if row != last:
+            w = self.width
+            for buffers in (self.keys, self.values):
+                for buf in buffers:
+                    buf[row, :, :w] = buf[last, :, :w]
+            self.start[row] = self.start[last]
+        self.n = last
+
+    def release(self) -> None:
+        """Free the buffers (only when no row is running)."""
+        if self.n:
+            raise RuntimeError("cannot release the KV cache while sequences are running")
+        self.keys, self.values, self.width = [], [], 0
