@@ -203,6 +203,7 @@ def test_validate_refuses_what_the_engines_cannot_run(case, tmp_path, capsys):
     d = tmp_path / "model"
     d.mkdir()
     (d / "config.json").write_text(json.dumps(config))
+    (d / "tokenizer_config.json").write_text("{}")  # validate looks for tokenizer files; it loads none
     spec = tmp_path / "spec.yaml"
     spec.write_text("model: {preset: micro}\n")
     assert main(["validate", str(spec), "--set", f"model.path={d}"]) != 0
@@ -216,6 +217,7 @@ def test_validate_accepts_a_sliding_window_model(tmp_path, capsys):
     config = tiny_config("gemma2").to_dict()
     config["architectures"] = ["Gemma2ForCausalLM"]
     (d / "config.json").write_text(json.dumps(config))
+    (d / "tokenizer_config.json").write_text("{}")  # validate looks for tokenizer files; it loads none
     spec = tmp_path / "spec.yaml"
     spec.write_text("model: {preset: micro}\n")
     assert main(["validate", str(spec), "--set", f"model.path={d}"]) == 0, capsys.readouterr().err
