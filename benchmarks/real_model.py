@@ -117,14 +117,15 @@ def rg_rows(source: dict[str, Any], held_out: int) -> tuple[list[Problem], list[
 
 
 def accuracy(model, tok, problems: list[Problem], max_new_tokens: int, batch: int = 32) -> float:
-    """Greedy pass@1 on `problems` through the embedded engine (the engine sync rollouts use)."""
+    """Greedy pass@1 (share scored 1.0) on `problems` through the embedded engine (the one sync rollouts use)."""
     eng = EmbeddedEngine(model, tok, max_batch=batch)
-    right = 0.0
+    right = 0
     for s in range(0, len(problems), batch):
         chunk = problems[s:s + batch]
         out = eng.generate([prompt_ids(tok, p.prompt) for p in chunk],
                            SamplingParams(n=1, greedy=True, max_new_tokens=max_new_tokens))
-        right += sum(reward(p.prompt, g[0].text, p.meta) for g, p in zip(out, chunk, strict=True))
+        # exactly right only: score_answer's partial credit (a reply that contains the answer) is a reward, not a pass
+        right += sum(reward(p.prompt, g[0].text, p.meta) >= 1.0 for g, p in zip(out, chunk, strict=True))
     model.eval()
     return right / len(problems)
 
