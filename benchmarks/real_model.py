@@ -4,9 +4,9 @@ For each seed the benchmark reads `examples/smollm2_reasoning.yaml` (or `--spec`
 reasoning-gym source (task, config, seed, size) and `data.held_out`, and:
 
 1. builds the training rows (entries 0..size-1) and the held-out rows (the entries after them whose
-   question is not a training question), the prompt being the entry's question plus `ANSWER_INSTRUCTION`;
+   question is not a training question), the prompt being the entry's question;
 2. measures greedy held-out accuracy of the base model (reward = the task's own `score_answer` on the
-   extracted answer: the last `<answer>...</answer>` if any, else the whole reply);
+   extracted answer: the last `<answer>...</answer>` if any, else the last number of the reply);
 3. trains with Factory's loop (`factory.core.loop.train_rl`, the spec's algorithm/rollout/trainer/schedule
    sections, sync mode) until `schedule.steps` or `--minutes` of training wall time, evaluating the
    held-out set every `--eval-every` steps (eval time is excluded from the budget);
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import time
@@ -51,11 +52,12 @@ from factory.problem import Problem  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "examples" / "smollm2_reasoning.yaml"
-# The prompt suffix. The reasoning_gym source's own (factory/envs/reasoning_gym_tasks.py on the branch that
-# adds it) asks for <answer> tags, which SmolLM2-135M never writes (greedy: "The final answer to the given
-# arithmetic problem is 1." on 32 of 32 chain_sum prompts, none right): no reward for GRPO to start from.
-# Asked for just the number, it often writes the sum bare or as "a + b = c": a format RL can sharpen.
-ANSWER_INSTRUCTION = "Answer with just the number."
+# The prompt is the entry's question alone. The reasoning_gym source's own suffix (factory/envs/
+# reasoning_gym_tasks.py on the branch that adds it) asks for <answer> tags, which SmolLM2-135M never writes
+# (greedy: "The final answer to the given arithmetic problem is 1." on 32 of 32 chain_sum prompts), and
+# "Answer with just the number." gets no bare number either: it answers "The final answer to this arithmetic
+# problem is 6.", so the answer is read as the last number of the reply.
+ANSWER_INSTRUCTION = ""
 VERIFIER = "benchmarks.real_model:reward"
 
 
@@ -73,11 +75,17 @@ _DATASETS: dict[tuple, Any] = {}
 
 def extracted(completion: str) -> str:
     """The answer a completion gives: its last `<answer>...</answer>` (reasoning-gym's `extract_answer`), else
-    the whole reply, stripped (so "42" is an answer and "The sum is 42." is not)."""
+    the last number in it ("" without one), as Factory's word-problem verifier reads a final number."""
     from reasoning_gym.utils import extract_answer
 
     tagged = extract_answer(completion)
-    return tagged if tagged is not None else completion.strip()
+    if tagged is not None:
+        return tagged
+    numbers = _NUMBER.findall(completion)
+    return numbers[-1] if numbers else ""
+
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
 def reward(prompt: str, completion: str, meta: dict[str, Any], **_: Any) -> float:
@@ -100,7 +108,8 @@ def rg_rows(source: dict[str, Any], held_out: int) -> tuple[list[Problem], list[
         e = ds[i]
         meta = {"source": source["name"], "verifier": VERIFIER, "rg_task": task, "rg_config": config_json,
                 "rg_seed": seed, "rg_size": total, "rg_index": i}
-        return Problem(id=f"{task}/{seed}/{i}", prompt=f"{e['question']}\n{ANSWER_INSTRUCTION}",
+        prompt = f"{e['question']}\n{ANSWER_INSTRUCTION}" if ANSWER_INSTRUCTION else e["question"]
+        return Problem(id=f"{task}/{seed}/{i}", prompt=prompt,
                        answer=str(e["answer"]), op="reasoning_gym", digits=0, meta=meta)
 
     train = [row(i) for i in range(size)]

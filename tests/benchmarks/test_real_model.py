@@ -17,10 +17,11 @@ SOURCE = {"name": "cs", "kind": "reasoning_gym", "task": "chain_sum", "seed": 3,
           "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}}
 
 
-def test_extracted_takes_the_last_answer_tag_else_the_whole_reply() -> None:
-    assert rm.extracted("x <answer>3</answer> y <answer> 41 </answer>") == "41"
-    assert rm.extracted("  42\n") == "42"
-    assert rm.extracted("The sum is 42.") == "The sum is 42."
+def test_extracted_takes_the_last_answer_tag_else_the_last_number() -> None:
+    assert rm.extracted("x <answer>3</answer> y <answer> 41 </answer> 7") == "41"
+    assert rm.extracted("The final answer to this arithmetic problem is 6.") == "6"
+    assert rm.extracted("4 - 9 = -5") == "-5"
+    assert rm.extracted("no number here") == ""
 
 
 def test_reward_is_the_tasks_score_answer_on_the_extracted_answer() -> None:
@@ -28,9 +29,10 @@ def test_reward_is_the_tasks_score_answer_on_the_extracted_answer() -> None:
     p = train[0]
     assert rm.reward(p.prompt, p.answer, p.meta) == 1.0
     assert rm.reward(p.prompt, f"<answer>{p.answer}</answer>", p.meta) == 1.0
-    chatty = rm.reward(p.prompt, f"The answer is {p.answer}.", p.meta)
-    assert 0.0 < chatty < 1.0  # chain_sum's own partial credit for a reply that contains the answer: no pass
+    assert rm.reward(p.prompt, f"The final answer to this arithmetic problem is {p.answer}.", p.meta) == 1.0
+    assert rm.reward(p.prompt, f"<answer>{int(p.answer) + 1}</answer> {p.answer}", p.meta) == 0.0  # tags win
     assert rm.reward(p.prompt, str(int(p.answer) + 1), p.meta) == 0.0
+    assert rm.reward(p.prompt, "I do not know", p.meta) == 0.0
 
 
 def test_the_loop_loads_the_verifier_by_its_import_path() -> None:
@@ -48,7 +50,7 @@ def test_held_out_rows_follow_the_training_rows_with_unseen_questions() -> None:
     questions = {p.prompt for p in train}
     assert not questions & {p.prompt for p in held}
     assert len({p.prompt for p in held}) == 20
-    assert all(p.prompt.endswith("\n" + rm.ANSWER_INSTRUCTION) for p in train + held)
+    assert all(p.prompt.startswith("State the final answer") and p.prompt.endswith("=") for p in train + held)
     again, held_again = rm.rg_rows(SOURCE, 20)  # a pure function of the source: the same rows every time
     assert [p.prompt for p in again + held_again] == [p.prompt for p in train + held]
 
