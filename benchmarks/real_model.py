@@ -47,6 +47,7 @@ from factory.config import ExperimentSpec  # noqa: E402
 from factory.core.loop import train_rl  # noqa: E402
 from factory.core.rollout.base import SamplingParams  # noqa: E402
 from factory.core.rollout.embedded import EmbeddedEngine  # noqa: E402
+from factory.data.feed import feed_of  # noqa: E402
 from factory.models.prompting import prompt_ids  # noqa: E402
 from factory.problem import Problem  # noqa: E402
 
@@ -189,7 +190,8 @@ def run_seed(raw: dict[str, Any], source: dict[str, Any], held_out: int, seed: i
 
     t_run = time.perf_counter()
     try:
-        train_rl(spec, model, tok, train, on_step=on_step)
+        # feed_of keeps each row's verifier; the spec's default feed would file them under the task section's
+        train_rl(spec, model, tok, train, on_step=on_step, feed=feed_of(train, seed=seed, name=source["name"]))
     except _OutOfTime:
         pass
     wall = time.perf_counter() - t_run

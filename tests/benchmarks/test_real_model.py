@@ -67,3 +67,13 @@ def test_a_spec_without_a_reasoning_gym_source_is_refused(tmp_path: Path) -> Non
     bad.write_text("data:\n  sources:\n    - {name: a, kind: arithmetic, op: add, digits: 2, n: 10}\n")
     with pytest.raises(SystemExit, match="exactly one reasoning_gym source, got 0"):
         rm.load_spec_dict(bad, None)
+
+
+def test_the_feed_the_benchmark_trains_from_keeps_each_rows_verifier() -> None:
+    # the spec's default feed (no data section) files rows under the task section's family ("arithmetic"),
+    # whose verifier scores every chain_sum reply 0: the benchmark passes its own feed
+    from factory.data.feed import feed_of
+
+    train, _ = rm.rg_rows(SOURCE, 5)
+    _, drawn = feed_of(train, seed=0, name="cs").draw(0)
+    assert drawn.meta["verifier"] == rm.VERIFIER and drawn.meta["source"] == "cs"
