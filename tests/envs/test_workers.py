@@ -38,7 +38,7 @@ def test_service_scores_like_the_local_environment(service):
 
 
 def test_a_raising_or_unknown_environment_scores_zero_with_the_reason(service, monkeypatch):
-    known = "['arithmetic', 'code', 'word_problems']"
+    known = "['arithmetic', 'code', 'humaneval', 'math_verify', 'reasoning_gym', 'word_problems']"
     assert score_completions("nope", P.to_dict(), ["24"]) == ([0.0], [f"unknown env 'nope'; known: {known}"])
     monkeypatch.setitem(SCORERS, "broken", lambda problem, c: 1 / 0)
     assert score_completions("broken", P.to_dict(), ["24"]) == ([0.0],
