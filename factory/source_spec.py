@@ -122,6 +122,9 @@ class ReasoningGymSourceSpec(_Spec):
     config: dict[str, Any] = Field(default_factory=dict, description="the dataset's config fields")
     seed: int = 0
     size: int = Field(ge=1, description="rows: entries 0..size-1 (a held-out set takes the entries after them)")
+    instruction: str | None = Field(
+        None, description="the line after each question; default: ask for the answer between <answer> tags; '' "
+                          "asks nothing (small chat models ignore the tags and end on the answer instead)")
     verifier: str = "reasoning_gym"
 
 

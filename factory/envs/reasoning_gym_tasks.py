@@ -5,7 +5,8 @@ function of (task, config, seed, i) (reasoning-gym seeds each entry with `seed +
 demand and the verifier can make the very entry it scores again from what the row's meta names.
 
 Prompt: the entry's question, then `ANSWER_INSTRUCTION` (reasoning-gym's own prompts ask for the final answer
-between `<answer>` tags; the tag form is what its `extract_answer` reads). The reward is the task's own
+between `<answer>` tags; the tag form is what its `extract_answer` reads), or the source's own `instruction`
+line ("" for the question alone). The reward is the task's own
 `score_answer(extracted answer, entry)`, clipped to [0, 1]. The answer is the last `<answer>...</answer>`
 content, stripped (`reasoning_gym.utils.extract_answer`); a completion without one answers nothing (0), except
 where the entry's answer is a number: then its last number is the answer. Small chat models rarely write the
@@ -91,15 +92,16 @@ def _json_safe(value: Any) -> Any:
 
 
 def rg_problem(task: str, config: dict[str, Any], seed: int, size: int, index: int, source: str,
-               verifier: str = "reasoning_gym") -> Problem:
-    """Entry `index` as a row: the question plus `ANSWER_INSTRUCTION`, the entry's answer, and in meta what
-    the verifier needs to make the entry again."""
+               verifier: str = "reasoning_gym", instruction: str | None = None) -> Problem:
+    """Entry `index` as a row: the question plus `instruction` (default `ANSWER_INSTRUCTION`; "" adds nothing),
+    the entry's answer, and in meta what the verifier needs to make the entry again."""
     config_json = json.dumps(config, sort_keys=True)
     e = rg_entry(task, config_json, seed, size, index)
     meta = {"source": source, "verifier": verifier, "rg_task": task, "rg_config": config_json, "rg_seed": seed,
             "rg_size": size, "rg_index": index, "rg_metadata": _json_safe(e.get("metadata", {}))}
     # op names the verifier: tasks.verify dispatches on it (math_verify may score a reasoning-gym row too)
-    return Problem(id=f"{task}/{seed}/{index}", prompt=f"{e['question']}\n{ANSWER_INSTRUCTION}",
+    line = ANSWER_INSTRUCTION if instruction is None else instruction
+    return Problem(id=f"{task}/{seed}/{index}", prompt=f"{e['question']}\n{line}" if line else e["question"],
                    answer=str(e["answer"]), op=verifier, digits=0, meta=meta)
 
 

@@ -1,5 +1,5 @@
-"""benchmarks/real_model.py's pieces that need no model: the answer extraction and reward (reasoning-gym's own
-score_answer), the training and held-out rows, and reading the example spec. The learning run itself is a
+"""benchmarks/real_model.py's pieces that need no model: the reward (Factory's reasoning_gym verifier: the task's
+own score_answer), the training and held-out rows, and reading the example spec. The learning run itself is a
 benchmark, not a test."""
 
 from __future__ import annotations
@@ -9,37 +9,22 @@ from pathlib import Path
 
 import pytest
 
-from factory.envs.registry import load_environment
-
 ROOT = Path(__file__).resolve().parents[2]
 rm = importlib.import_module("benchmarks.real_model")
 SOURCE = {"name": "cs", "kind": "reasoning_gym", "task": "chain_sum", "seed": 3, "size": 40,
-          "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}}
-
-
-def test_extracted_takes_the_last_answer_tag_else_the_last_number() -> None:
-    assert rm.extracted("x <answer>3</answer> y <answer> 41 </answer> 7") == "41"
-    assert rm.extracted("The final answer to this arithmetic problem is 6.") == "6"
-    assert rm.extracted("4 - 9 = -5") == "-5"
-    assert rm.extracted("no number here") == ""
+          "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}, "instruction": ""}
 
 
 def test_reward_is_the_tasks_score_answer_on_the_extracted_answer() -> None:
     train, _ = rm.rg_rows(SOURCE, 5)
     p = train[0]
-    assert rm.reward(p.prompt, p.answer, p.meta) == 1.0
-    assert rm.reward(p.prompt, f"<answer>{p.answer}</answer>", p.meta) == 1.0
-    assert rm.reward(p.prompt, f"The final answer to this arithmetic problem is {p.answer}.", p.meta) == 1.0
-    assert rm.reward(p.prompt, f"<answer>{int(p.answer) + 1}</answer> {p.answer}", p.meta) == 0.0  # tags win
-    assert rm.reward(p.prompt, str(int(p.answer) + 1), p.meta) == 0.0
-    assert rm.reward(p.prompt, "I do not know", p.meta) == 0.0
-
-
-def test_the_loop_loads_the_verifier_by_its_import_path() -> None:
-    env = load_environment(rm.VERIFIER)
-    assert env.kind == "single_turn"
-    train, _ = rm.rg_rows(SOURCE, 5)
-    assert train[0].meta["verifier"] == rm.VERIFIER
+    assert p.meta["verifier"] == "reasoning_gym" and p.op == "reasoning_gym"
+    assert rm.reward(p, p.answer) == 1.0
+    assert rm.reward(p, f"<answer>{p.answer}</answer>") == 1.0
+    assert rm.reward(p, f"The final answer to this arithmetic problem is {p.answer}.") == 1.0
+    assert rm.reward(p, f"<answer>{int(p.answer) + 1}</answer> {p.answer}") == 0.0  # tags win
+    assert rm.reward(p, str(int(p.answer) + 1)) == 0.0
+    assert rm.reward(p, "I do not know") == 0.0
 
 
 def test_held_out_rows_follow_the_training_rows_with_unseen_questions() -> None:
@@ -76,4 +61,4 @@ def test_the_feed_the_benchmark_trains_from_keeps_each_rows_verifier() -> None:
 
     train, _ = rm.rg_rows(SOURCE, 5)
     _, drawn = feed_of(train, seed=0, name="cs").draw(0)
-    assert drawn.meta["verifier"] == rm.VERIFIER and drawn.meta["source"] == "cs"
+    assert drawn.meta["verifier"] == "reasoning_gym" and drawn.meta["source"] == "cs"

@@ -43,7 +43,8 @@ class ReasoningGymSource:
     """`size` entries of one reasoning-gym dataset, from entry `start`."""
 
     def __init__(self, name: str, task: str, config: dict[str, Any] | None = None, seed: int = 0, size: int = 1000,
-                 start: int = 0, block_rows: int = 1024, verifier: str = "reasoning_gym"):
+                 start: int = 0, block_rows: int = 1024, verifier: str = "reasoning_gym",
+                 instruction: str | None = None):
         config = dict(config or {})
         try:
             problem = rg_config_problem(task, config)
@@ -56,19 +57,20 @@ class ReasoningGymSource:
                               f"block_rows {block_rows}, start {start}")
         check_verifier(name, verifier)
         self.name, self.task, self.config, self.seed, self.size, self.start = name, task, config, seed, size, start
-        self.block_rows, self.verifier = block_rows, verifier
+        self.block_rows, self.verifier, self.instruction = block_rows, verifier, instruction
 
     def __len__(self) -> int:
         return self.size
 
     def version(self) -> str:
         return _hash({"kind": "reasoning_gym", "task": self.task, "config": self.config, "seed": self.seed,
-                      "size": self.size, "start": self.start, "reasoning_gym": rg_version(), "format": 1})
+                      "size": self.size, "start": self.start, "reasoning_gym": rg_version(), "format": 1,
+                      **({"instruction": self.instruction} if self.instruction is not None else {})})
 
     def row(self, i: int) -> Problem:
         """Row i: entry start + i of a dataset of start + size entries (the verifier makes it again from that)."""
         return rg_problem(self.task, self.config, self.seed, self.start + self.size, self.start + i, self.name,
-                          self.verifier)
+                          self.verifier, self.instruction)
 
     def read_block(self, block: int) -> list[Problem]:
         return [self.row(i) for i in _block(self.name, block, self.block_rows, self.size)]
@@ -78,7 +80,7 @@ class ReasoningGymSource:
         up to 10 * n of them; fewer than n found is a SourceError)."""
         seen = {self.row(i).prompt for i in range(self.size)}
         after = ReasoningGymSource(self.name, self.task, self.config, self.seed, 10 * n, self.start + self.size,
-                                   self.block_rows, self.verifier)
+                                   self.block_rows, self.verifier, self.instruction)
         out: list[Problem] = []
         for i in range(after.size):
             p = after.row(i)

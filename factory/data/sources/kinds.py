@@ -37,7 +37,7 @@ def make_source(spec: dict[str, Any] | BaseModel, *, base_dir: str | Path | None
                                 block_rows=s.block_rows, verifier=s.verifier)
     if isinstance(s, ReasoningGymSourceSpec):
         return ReasoningGymSource(s.name, s.task, s.config, seed=s.seed, size=s.size, block_rows=s.block_rows,
-                                  verifier=s.verifier)
+                                  verifier=s.verifier, instruction=s.instruction)
     if isinstance(s, HumanEvalSourceSpec):
         return HumanEvalSource(s.name, size=s.size, block_rows=s.block_rows)
     if isinstance(s, SuiteSourceSpec):
