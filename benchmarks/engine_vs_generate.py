@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from benchmarks.rollout_engine import left_padded, useful  # noqa: E402
 from factory.core.rollout.base import SamplingParams  # noqa: E402
 from factory.core.rollout.continuous import ContinuousEngine  # noqa: E402
 from factory.models.hf import load_model_dir  # noqa: E402
@@ -48,23 +49,13 @@ def questions(n: int, seed: int, group: int = 1) -> list[str]:
     return [q for q in distinct for _ in range(group)][:n]
 
 
-def useful(tokens: list[int], limit: int, eos: int) -> int:
-    """Tokens a trainer keeps: up to and including the first EOS, at most `limit`."""
-    tokens = tokens[:limit]
-    return tokens.index(eos) + 1 if eos in tokens else len(tokens)
-
-
 def run_generate(model, tok, prompts: list[list[int]], max_new: int, batch: int, seed: int) -> int:
     torch.manual_seed(seed)
     total = 0
     for s in range(0, len(prompts), batch):
         chunk = prompts[s : s + batch]
-        width = max(len(p) for p in chunk)
-        ids = torch.full((len(chunk), width), tok.pad_token_id, dtype=torch.long)
-        attn = torch.zeros_like(ids)
-        for i, p in enumerate(chunk):
-            ids[i, width - len(p):] = torch.tensor(p)
-            attn[i, width - len(p):] = 1
+        ids, attn = left_padded(chunk, tok.pad_token_id)
+        width = ids.shape[1]
         out = model.generate(ids, attention_mask=attn, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
                              max_new_tokens=max_new, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
         total += sum(useful(row[width:].tolist(), max_new, tok.eos_token_id) for row in out)

@@ -42,6 +42,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.rollout_engine import left_padded, useful  # noqa: E402
 from factory.config import ExperimentSpec  # noqa: E402
 from factory.core.loop import train_rl  # noqa: E402
 from factory.core.rollout.base import SamplingParams  # noqa: E402
@@ -157,25 +158,17 @@ def throughput(model, tok, problems: list[Problem], max_new_tokens: int, batch: 
     prompts = [prompt_ids(tok, p.prompt) for p in problems]
     eos = tok.eos_token_id
 
-    def kept(ids: list[int]) -> int:
-        ids = ids[:max_new_tokens]
-        return ids.index(eos) + 1 if eos in ids else len(ids)
-
     out: dict[str, Any] = {}
     t = time.perf_counter()
     n = 0
     with torch.no_grad():
         for s in range(0, len(prompts), batch):
             chunk = prompts[s:s + batch]
-            width = max(len(p) for p in chunk)
-            ids = torch.full((len(chunk), width), tok.pad_token_id, dtype=torch.long)
-            attn = torch.zeros_like(ids)
-            for i, p in enumerate(chunk):
-                ids[i, width - len(p):] = torch.tensor(p)
-                attn[i, width - len(p):] = 1
+            ids, attn = left_padded(chunk, tok.pad_token_id)
+            width = ids.shape[1]
             gen = model.generate(ids, attention_mask=attn, do_sample=False, max_new_tokens=max_new_tokens,
                                  eos_token_id=eos, pad_token_id=tok.pad_token_id)
-            n += sum(kept(row[width:].tolist()) for row in gen)
+            n += sum(useful(row[width:].tolist(), max_new_tokens, eos) for row in gen)
     out["hf_generate_tokens_per_s"] = n / (time.perf_counter() - t)
     out["hf_generate_tokens"] = n
     try:
@@ -187,7 +180,7 @@ def throughput(model, tok, problems: list[Problem], max_new_tokens: int, batch: 
             futures = [eng.submit(p, SamplingParams(greedy=True, max_new_tokens=max_new_tokens)) for p in prompts]
             while not all(f.done() for f in futures):
                 eng.step()
-        m = sum(kept(f.result().token_ids) for f in futures)
+        m = sum(useful(f.result().token_ids, max_new_tokens, eos) for f in futures)
         out["engine_tokens_per_s"] = m / (time.perf_counter() - t)
         out["engine_tokens"] = m
     except Exception as e:  # noqa: BLE001 - a branch whose engine cannot run Llama: say so, keep the rest

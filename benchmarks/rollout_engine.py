@@ -56,16 +56,23 @@ def useful(tokens: list[int], limit: int, eos: int) -> int:
     return tokens.index(eos) + 1 if eos in tokens else len(tokens)
 
 
+def left_padded(chunk: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input ids, attention mask) of prompts left-padded to the longest: the batch `model.generate` takes."""
+    width = max(len(p) for p in chunk)
+    ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for i, p in enumerate(chunk):
+        ids[i, width - len(p):] = torch.tensor(p)
+        attn[i, width - len(p):] = 1
+    return ids, attn
+
+
 def run_generate(model, tok, prompts: list[list[int]], limits: list[int], batch: int) -> int:
     total = 0
     for s in range(0, len(prompts), batch):
         chunk, lim = prompts[s : s + batch], limits[s : s + batch]
-        width = max(len(p) for p in chunk)
-        ids = torch.full((len(chunk), width), tok.pad_token_id, dtype=torch.long)
-        attn = torch.zeros_like(ids)
-        for i, p in enumerate(chunk):
-            ids[i, width - len(p):] = torch.tensor(p)
-            attn[i, width - len(p):] = 1
+        ids, attn = left_padded(chunk, tok.pad_token_id)
+        width = ids.shape[1]
         out = model.generate(ids, attention_mask=attn, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
                              max_new_tokens=max(lim), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
         total += sum(useful(row[width:].tolist(), m, tok.eos_token_id) for row, m in zip(out, lim, strict=True))
