@@ -666,10 +666,18 @@ class DataSpec(_Section):
 
 
 class ExperimentSpec(_Section):
-    """A whole experiment: model, task, SFT warm start, algorithm, rollout, trainer, schedule, ops, data, seed."""
+    """A whole experiment: model, task, SFT warm start, algorithm, rollout, trainer, schedule, ops, data, seed,
+    and the device it computes on."""
+
+    _LATE_FIELDS: ClassVar[tuple[str, ...]] = ("device",)
 
     name: str = Field("experiment", min_length=1, max_length=80, pattern=r"^[A-Za-z0-9_.-]+$")
     seed: int = 0
+    device: str = Field(
+        "auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$", description="where the run computes: SFT, the trainer, the "
+        "in-process rollout engines, evals, the KL reference and the rollout server (factory/infra/device.py). auto: "
+        "the current CUDA device when torch sees one, else the CPU; cpu; cuda (the current CUDA device); cuda:N. "
+        "trainer.devices still places the ranks of a multi-process trainer")
     model: ModelSpec = Field(default_factory=ModelSpec)
     task: TaskSpec = Field(default_factory=TaskSpec)
     sft: SFTSpec = Field(default_factory=SFTSpec)
