@@ -8,8 +8,14 @@ safetensors from disk, pickled named tensors from /update_weights_from_tensor (a
 unpickler like SGLang's), and broadcasts over a gloo group for /update_weights_from_distributed.
 Shapes: io_struct GenerateReqInput, UpdateWeightFromDiskReqInput, UpdateWeightsFromTensorReqInput,
 InitWeightsUpdateGroupReqInput, UpdateWeightsFromDistributedReqInput, UpdateWeightVersionReqInput,
-PauseGenerationReqInput; /model_info with weight_version; /get_weight_version answers 404 as on
-current servers. Generation is deterministic: not a model.
+PauseGenerationReqInput; /model_info with weight_version; /server_info (and the older
+/get_server_info) with the sglang `version`; /get_weight_version answers 404 as on current servers;
+/flush_cache answers 400 while "busy" (`--fake-flush-busy N`: the first N calls), as SGLang does while
+requests run. Generation is deterministic: not a model. Each /generate is recorded with the sampling
+parameters in effect (`--fake-sampling-defaults` fills the ones a request leaves out, as SGLang's
+`--sampling-defaults model` does from generation_config.json), the weight version and how many
+buckets of a multi-bucket update had been applied without their last one (`partial_buckets`).
+Loaded tensors are recorded with their dtypes; `--dtype` is the dtype the fake "serves".
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import argparse
 import base64
 import datetime
 import io
+import json
 import os
 import pickle
 import socket
@@ -35,7 +42,8 @@ from fastapi.responses import JSONResponse, Response
 GENERATE_KEYS = {"input_ids", "text", "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num",
                  "return_text_in_logprobs", "stream", "rid"}
 SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "sampling_seed",
-                 "skip_special_tokens", "ignore_eos", "stop", "no_stop_trim"}
+                 "skip_special_tokens", "ignore_eos", "stop", "no_stop_trim", "min_p", "repetition_penalty",
+                 "frequency_penalty", "presence_penalty", "min_new_tokens", "n"}
 DISK_KEYS = {"model_path", "load_format", "abort_all_requests", "weight_version", "is_async", "torch_empty_cache",
              "keep_pause", "recapture_cuda_graph", "token_step", "flush_cache"}
 TENSOR_KEYS = {"serialized_named_tensors", "load_format", "flush_cache", "abort_all_requests", "weight_version",
@@ -63,6 +71,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--base-gpu-id", type=int, default=0)
     p.add_argument("--mem-fraction-static", type=float)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--fake-version", default="0.5.23", help="the sglang version /server_info reports")
+    p.add_argument("--fake-flush-busy", type=int, default=0, help="answer /flush_cache 400 (busy) this many times")
+    p.add_argument("--fake-sampling-defaults", default="{}",
+                   help="JSON of sampling params filled in where a request leaves them out")
     p.add_argument("--fake-warmup-polls", type=int, default=0, help="answer /health 503 this many times first")
     p.add_argument("--fake-never-healthy", action="store_true")
     p.add_argument("--fake-exit-code", type=int, help="print an error and exit with this code at once")
@@ -73,7 +86,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def make_app(args: argparse.Namespace) -> FastAPI:
     app = FastAPI()
-    st = {"version": "default", "requests": [], "weights": {}, "health_polls": 0, "paused": False, "groups": {}}
+    st = {"version": "default", "requests": [], "weights": {}, "dtypes": {}, "health_polls": 0, "paused": False,
+          "groups": {}, "partial": 0, "flushes": 0}
+    defaults = json.loads(args.fake_sampling_defaults)
 
     def bad(msg: str) -> JSONResponse:
         print(f"400: {msg}", flush=True)
@@ -86,8 +101,11 @@ def make_app(args: argparse.Namespace) -> FastAPI:
     def loaded(named: dict[str, torch.Tensor], version: str | None, how: str) -> None:
         for k, v in named.items():
             st["weights"][k] = float(v.double().sum())
+            st["dtypes"][k] = str(v.dtype).removeprefix("torch.")
         if version is not None:
             st["version"] = version
+        # a bucket without the version is part of an unfinished multi-bucket update
+        st["partial"] = 0 if version is not None or how == "disk" else st["partial"] + 1
         print(f"loaded {len(named)} tensors ({how}), version {st['version']}", flush=True)
 
     @app.get("/health")
@@ -111,7 +129,9 @@ def make_app(args: argparse.Namespace) -> FastAPI:
         sps = sps if isinstance(sps, list) else [sps] * len(batch)
         if len(sps) != len(batch) or any(set(sp) - SAMPLING_KEYS for sp in sps):
             return bad("bad sampling_params")
-        st["requests"].append({"endpoint": "/generate", "input_ids": batch})
+        sps = [{**defaults, **sp} for sp in sps]  # what the sampler runs with
+        st["requests"].append({"endpoint": "/generate", "input_ids": batch, "sampling_params": sps,
+                               "version": st["version"], "partial_buckets": st["partial"]})
         outs, seen = [], {}
         for p, sp in zip(batch, sps, strict=True):
             copy = seen[tuple(p)] = seen.get(tuple(p), -1) + 1
@@ -224,7 +244,17 @@ def make_app(args: argparse.Namespace) -> FastAPI:
 
     @app.post("/flush_cache")
     async def flush() -> Response:
+        st["flushes"] += 1
+        if st["flushes"] <= args.fake_flush_busy:  # SGLang: 400 while requests are running or waiting
+            return Response("Cache flushed.\nPlease check backend logs for more details. (When there are running "
+                            "or waiting requests, the operation will not be performed.)\n", status_code=400)
         return Response("Cache flushed.\n")
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def server_info() -> Response:
+        return JSONResponse({"model_path": args.model_path, "tp_size": args.tp_size, "dtype": args.dtype,
+                             "version": args.fake_version})
 
     @app.get("/model_info")
     @app.get("/get_model_info")
@@ -242,6 +272,7 @@ def make_app(args: argparse.Namespace) -> FastAPI:
     async def state() -> Response:
         return JSONResponse({"pid": os.getpid(), "port": args.port, "version": st["version"],
                              "requests": st["requests"], "weights": st["weights"], "paused": st["paused"],
+                             "dtypes": st["dtypes"], "dtype": args.dtype, "flushes": st["flushes"],
                              "argv": sys.argv[1:], "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")})
 
     return app

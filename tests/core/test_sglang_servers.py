@@ -12,7 +12,13 @@ import httpx
 import pytest
 
 from factory.config import SGLangSpec
-from factory.core.rollout.sglang_servers import SGLangServerError, SGLangServers, launch_command
+from factory.core.rollout.sglang_servers import (
+    SGLangServerError,
+    SGLangServers,
+    launch_command,
+    served_dtype,
+    visible_devices,
+)
 from tests.core.fake_sglang_server import fake_state, python_wrapper, reserve_ports
 
 
@@ -24,7 +30,30 @@ def test_launch_command_is_built_from_the_spec():
         "127.0.0.1", "--port", "31001", "--tp-size", "2", "--base-gpu-id", "2", "--mem-fraction-static", "0.7",
         "--dtype", "bfloat16"]
     placed = launch_command(SGLangSpec(), "m", 0, python="py", placed=True)
-    assert placed[:3] == ["py", "-m", "sglang.launch_server"] and placed[-2:] == ["--base-gpu-id", "0"]
+    assert placed[:3] == ["py", "-m", "sglang.launch_server"] and placed[-4:-2] == ["--base-gpu-id", "0"]
+
+
+def test_servers_serve_bf16_unless_the_user_chose_a_dtype():
+    # SGLang's default `auto` reads torch_dtype from the fp32 checkpoint and serves it as float16.
+    argv = launch_command(SGLangSpec(), "m", 0, python="py")
+    assert argv[argv.index("--dtype") + 1] == "bfloat16" and argv.count("--dtype") == 1
+    assert served_dtype(SGLangSpec()) == "bfloat16"
+    for extra, dtype in ((["--dtype", "float16"], "float16"), (["--dtype=half"], "float16"), (["--dtype", "auto"], None)):
+        spec = SGLangSpec(extra_args=extra)
+        argv = launch_command(spec, "m", 0, python="py")
+        assert sum(a == "--dtype" or a.startswith("--dtype=") for a in argv) == 1  # the user's, once
+        assert served_dtype(spec) == dtype
+    with pytest.raises(SGLangServerError, match="--dtype 'fp8'"):
+        served_dtype(SGLangSpec(extra_args=["--dtype", "fp8"]))
+
+
+def test_server_gpus_are_mapped_through_the_parents_visible_devices():
+    assert visible_devices([0, 2], parent="") == ["0", "2"]
+    assert visible_devices([0, 2], parent="4,5,6") == ["4", "6"]
+    uuid = "GPU-2b6c8a1e-0000-1111-2222-333344445555"
+    assert visible_devices([1], parent=f"3,{uuid}") == [uuid]  # UUIDs (and MIG ids) passed on as written
+    with pytest.raises(SGLangServerError, match=r"rollout.devices \[0, 3\]: \[3\] not among"):
+        visible_devices([0, 3], parent="4,5")
 
 
 @pytest.fixture
@@ -50,8 +79,18 @@ def test_reserved_ports_are_taken_by_no_one_else_and_the_fakes_still_start_on_th
         assert [fake_state(u)["port"] for u in servers.urls] == [spec.base_port, spec.base_port + 1]
 
 
+def test_a_started_server_gets_the_parents_gpu_and_serves_bf16(tmp_path, model_dir, monkeypatch):
+    uuid = "GPU-2b6c8a1e-0000-1111-2222-333344445555"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", f"6,{uuid},7")  # this process sees 3 GPUs; rollout gets its 2nd
+    with SGLangServers(_spec(tmp_path, n=1), model_dir, tmp_path / "logs", gpus=[1]) as servers:
+        st = fake_state(servers.urls[0])
+    assert st["cuda_visible_devices"] == uuid
+    assert st["dtype"] == "bfloat16"
+
+
 @pytest.mark.slow
-def test_two_servers_start_with_their_ports_gpus_and_logs_and_stop(tmp_path, model_dir):
+def test_two_servers_start_with_their_ports_gpus_and_logs_and_stop(tmp_path, model_dir, monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     spec = _spec(tmp_path, extra_args=["--fake-warmup-polls", "2"])  # /health says 503 twice first
     servers = SGLangServers(spec, model_dir, tmp_path / "logs", gpus=[4, 5]).start()
     try:

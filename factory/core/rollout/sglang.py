@@ -15,6 +15,17 @@ It owns the request and response shapes of SGLang's native endpoints and nothing
 Several servers, their processes and weight updates: `sglang_servers.py`, `sglang_router.py`,
 `sglang_weights.py`, and `factory/core/sglang_producer.py`.
 
+Every sampling parameter that changes the distribution is sent with each request (top_k -1, min_p 0,
+neutral repetition/frequency/presence penalties, min_new_tokens 0, besides temperature, top_p and
+max_new_tokens): SGLang's default `--sampling-defaults model` fills the ones a request leaves out from
+the checkpoint's generation_config.json, and the samples would then not come from the policy the
+trainer scores.
+
+`server_version` reads the server's sglang version (GET /server_info, else the older /get_server_info);
+`check_server_version` refuses one older than `MIN_SGLANG_VERSION`: 0.5.5 and older ignore
+/pause_generation's `mode` (added by sglang PR #10071, after 0.5.5) and abort every request instead.
+`flush_cache` retries SGLang's busy answer (HTTP 400 while requests run) with bounded backoff.
+
 Completions from a batch of n samples per prompt are requested as n copies of each prompt with
 n=1 (SGLang's own advice for batches with parallel sampling), in one /generate call per
 `max_batch` sequences, and regrouped by prompt. A completion's `weight_version` is the oldest
@@ -42,12 +53,38 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from factory.core.rollout.base import Completion, SamplingParams
+
+
+MIN_SGLANG_VERSION = "0.5.6"  # the first release whose /pause_generation honours `mode` (pyproject's gpu extra)
+
+# Neutral values of the sampling parameters Factory does not use, sent so that no server default applies.
+NEUTRAL_SAMPLING: dict[str, Any] = {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
+                                    "frequency_penalty": 0.0, "presence_penalty": 0.0, "min_new_tokens": 0}
+
+
+def _release(version: str) -> tuple[int, ...] | None:
+    """(0, 5, 6) for "0.5.6", "0.5.6.post2", "0.5.10rc0"; None when it does not start with a number."""
+    parts: list[int] = []
+    for piece in version.strip().lstrip("v").split("."):
+        digits = ""
+        for ch in piece:
+            if not ch.isdigit():
+                break
+            digits += ch
+        if not digits:
+            break
+        parts.append(int(digits))
+        if len(digits) != len(piece):
+            break  # "6rc0": the release part ends here
+    return tuple(parts) or None
 
 
 class SGLangError(RuntimeError):
@@ -134,7 +171,7 @@ class SGLangEngine:
     # ------------------------------------------------------------ generation
 
     def _sampling_params(self, params: SamplingParams) -> dict[str, Any]:
-        sp: dict[str, Any] = {"max_new_tokens": params.max_new_tokens, "top_p": params.top_p,
+        sp: dict[str, Any] = {**NEUTRAL_SAMPLING, "max_new_tokens": params.max_new_tokens, "top_p": params.top_p,
                               "temperature": 0.0 if params.greedy else params.temperature}
         if params.greedy:
             sp["top_p"] = 1.0
@@ -317,10 +354,42 @@ class SGLangEngine:
     def continue_generation(self) -> None:
         self._request("POST", "/continue_generation", {})
 
-    def flush_cache(self) -> None:
-        """Ask the server to drop its prefix (radix) cache. SGLang skips the flush while requests are
-        running or waiting and still answers 200, so this is a request, not a guarantee."""
-        self._request("POST", "/flush_cache")
+    def flush_cache(self, attempts: int = 8, first_wait_s: float = 0.05, max_wait_s: float = 2.0,
+                    wait: Callable[[float], None] = time.sleep) -> int:
+        """Drop the server's prefix (radix) cache. SGLang refuses (HTTP 400) while requests are running or
+        waiting; that answer is retried up to `attempts` times, waiting `first_wait_s` doubling to at most
+        `max_wait_s` in between (`wait`: injectable). Returns the retries it took; raises after `attempts`."""
+        for k in range(attempts):
+            r = self._request("POST", "/flush_cache", ok_statuses=(200, 400))
+            if r.status_code == 200:
+                return k
+            if k + 1 < attempts:
+                wait(min(first_wait_s * 2**k, max_wait_s))
+        raise SGLangError("/flush_cache", f"{self.base_url} stayed busy (HTTP 400: requests running or waiting) "
+                                          f"through {attempts} attempts", 400)
+
+    def server_version(self) -> str:
+        """The server's sglang version: GET /server_info (current), else /get_server_info (older)."""
+        for endpoint in ("/server_info", "/get_server_info"):
+            r = self._request("GET", endpoint, ok_statuses=(200, 404))
+            if r.status_code == 200:
+                body = self._json(r, endpoint)
+                if not isinstance(body, dict) or not isinstance(body.get("version"), str):
+                    raise SGLangError(endpoint, f"{self.base_url} reports no sglang version (no string "
+                                                f"'version' in the answer)")
+                return body["version"]
+        raise SGLangError("/server_info", f"{self.base_url} answers neither /server_info nor /get_server_info")
+
+    def check_server_version(self, minimum: str = MIN_SGLANG_VERSION) -> str:
+        """The server's version; an error naming it and `minimum` when it is older (or unreadable)."""
+        found = self.server_version()
+        have, need = _release(found), _release(minimum)
+        if have is None or need is None or have < need:
+            raise SGLangError("/server_info", f"{self.base_url} runs sglang {found!r}; Factory needs sglang >= "
+                                              f"{minimum} (older servers ignore /pause_generation's mode and "
+                                              "abort every request at a weight update): upgrade sglang in "
+                                              "rollout.sglang.python's environment")
+        return found
 
     def model_info(self) -> dict[str, Any]:
         body = self._json(self._request("GET", "/get_model_info"), "/get_model_info")

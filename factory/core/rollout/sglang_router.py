@@ -12,8 +12,11 @@ Weight updates: `load_weights(state, version)` prepares the update once (`sglang
 it to every server side by side (distributed: the whole group at once), then asks every server for
 its weight_version (/model_info, falling back to older endpoints) and raises
 `SGLangVersionMismatch` naming each server that does not report the published version.
-`update_mode` "finish_old" sends the update as is (SGLang's model-update lock lets running requests
-finish on the old weights first); "in_flight" wraps it in POST /pause_generation {"mode":
+`update_mode` "finish_old" holds this router's new generate calls, lets those in flight finish on the
+old weights, sends every bucket, then lets the held calls go: SGLang's model-update lock covers one
+update request, and an update in several buckets (tensor, distributed) is several requests, between
+which a server would admit new requests onto half-updated weights labelled with the old version.
+"in_flight" wraps it in POST /pause_generation {"mode":
 "retract"} ... POST /continue_generation (sglang PR #10071: "retract" moves running requests back
 to the waiting queue, so they continue on the new weights with their KV recomputed, and the radix
 cache can be flushed; "in_place" would leave old-weight KV in use and make flush_cache fail). Their
@@ -40,7 +43,7 @@ from typing import Literal
 import torch
 
 from factory.core.rollout.base import Completion, SamplingParams
-from factory.core.rollout.sglang import SGLangEngine, SGLangError
+from factory.core.rollout.sglang import MIN_SGLANG_VERSION, SGLangEngine, SGLangError
 from factory.core.rollout.sglang_servers import SGLangServers
 from factory.core.rollout.sglang_weights import DistributedUpdate, WeightUpdate
 from factory.infra.supervisor import CONNECTION_ERRORS
@@ -74,6 +77,12 @@ class SGLangRouter:
         self.routed = [0] * len(urls)  # prompts sent per server, ever
         self._lock = threading.Lock()
         self._update_lock = threading.Lock()
+        self._publish_lock = threading.Lock()  # one load_weights at a time
+        # finish_old: generate calls in flight through this router, and whether an update holds new ones back
+        self._gate = threading.Condition()
+        self._running = 0
+        self._updating = False
+        self.held = 0  # generate calls now waiting for an update to finish
         self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(urls)), thread_name_prefix="sglang-route")
 
     def describe(self, i: int) -> str:
@@ -98,7 +107,23 @@ class SGLangRouter:
             self.outstanding[i] -= n
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
-        """For each prompt, `params.n` completions; each prompt's samples from one server."""
+        """For each prompt, `params.n` completions; each prompt's samples from one server. While a
+        finish_old update is being applied, waits for it (no request runs on half-updated weights)."""
+        with self._gate:
+            if self._updating:
+                self.held += 1
+                while self._updating:
+                    self._gate.wait()
+                self.held -= 1
+            self._running += 1
+        try:
+            return self._generate(prompts, params)
+        finally:
+            with self._gate:
+                self._running -= 1
+                self._gate.notify_all()
+
+    def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         by_server: dict[int, list[int]] = {}
         for k, p in enumerate(prompts):
             by_server.setdefault(self.pick(p, params.n), []).append(k)
@@ -159,22 +184,49 @@ class SGLangRouter:
         """Publish `version` to every server, then check each reports it."""
         if self.updater is None:
             raise SGLangError("/update_weights", "this router has no weight updater (rollout.sglang.weight_update)")
-        with self._update_lock:
-            self.updater.prepare(state_dict, version)
-            if self.update_mode == "in_flight":
-                self._each(lambda i, c: c.pause_generation("retract"))
+        with self._publish_lock:
+            with self._update_lock:
+                self.updater.prepare(state_dict, version)
+            if self.update_mode != "in_flight":
+                # Drained before taking _update_lock: a call in flight may need it to resync a restarted server.
+                with self._gate:  # hold new generate calls; those in flight finish on the old weights
+                    self._updating = True
+                    while self._running:
+                        self._gate.wait()
             try:
-                if isinstance(self.updater, DistributedUpdate):
-                    self.updater.apply_all(self.clients, version)
-                else:
-                    self._each(lambda i, c: self.updater.apply(c, version))
+                with self._update_lock:
+                    self._apply(version)
             finally:
-                if self.update_mode == "in_flight":
-                    self._each(lambda i, c: c.continue_generation())
-            self.check_versions(version)
-            for c in self.clients:
-                c.weight_version = version
-            self.weight_version = version
+                if self.update_mode != "in_flight":  # the held calls go, labelled with the new version
+                    with self._gate:
+                        self._updating = False
+                        self._gate.notify_all()
+
+    def _apply(self, version: int) -> None:
+        if self.update_mode == "in_flight":
+            self._each(lambda i, c: c.pause_generation("retract"))
+        try:
+            if isinstance(self.updater, DistributedUpdate):
+                self.updater.apply_all(self.clients, version)
+            else:
+                self._each(lambda i, c: self.updater.apply(c, version))
+        finally:
+            if self.update_mode == "in_flight":
+                self._each(lambda i, c: c.continue_generation())
+        self.check_versions(version)
+        for c in self.clients:
+            c.weight_version = version
+        self.weight_version = version
+
+    def check_server_versions(self, minimum: str = MIN_SGLANG_VERSION) -> list[str]:
+        """Every server's sglang version (/server_info); an error naming each server older than `minimum`."""
+        found: list[str] = [""] * len(self.clients)
+
+        def ask(i: int, c: SGLangEngine) -> None:
+            found[i] = c.check_server_version(minimum)
+
+        self._each(ask)
+        return found
 
     def check_versions(self, version: int) -> None:
         """Every server must report weight_version str(version); else an error naming each that does not."""

@@ -5,11 +5,17 @@ Owns the command line and the process lifecycle, nothing about requests. Each se
 bounded restarts with the circuit breaker, killed with the trainer):
 
     <python> -m sglang.launch_server --model-path M --host 127.0.0.1 --port base_port+i
-        --tp-size T --base-gpu-id i*T [--mem-fraction-static F] <extra_args>
+        --tp-size T --base-gpu-id i*T --dtype bfloat16 [--mem-fraction-static F] <extra_args>
+
+`--dtype bfloat16` unless `extra_args` sets a dtype: SGLang's `auto` reads `torch_dtype` from the
+checkpoint's config.json and serves fp32 checkpoints as float16. `served_dtype` says which dtype the
+servers run in, so weight updates are published in it (`sglang_weights.py`).
 
 `python` is `spec.python` (sglang's own venv: it replaces the CPU torch, so it never lives in
 Factory's venv) or this interpreter. With a placement (`gpus`: the GPU ids lent to rollout), each
-server gets `CUDA_VISIBLE_DEVICES` = its T GPUs and `--base-gpu-id 0`. With `spec.urls`, nothing is
+server gets `CUDA_VISIBLE_DEVICES` = its T GPUs and `--base-gpu-id 0`. The GPU ids are indices into
+this process's own visible devices (as torch numbers them), so they are mapped through the parent's
+`CUDA_VISIBLE_DEVICES` when it is set (its entries, ids or UUIDs, are passed on as written). With `spec.urls`, nothing is
 started: the servers there are only waited on (/health, bounded by startup_timeout_s).
 
 Errors name the server (index, url), its log file and the log's last lines: a server that exits
@@ -24,6 +30,7 @@ up, which the poll treats as "not yet"), nor CUDA_VISIBLE_DEVICES on real GPUs.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -36,10 +43,35 @@ from factory.config import SGLangSpec
 from factory.infra.supervisor import ServiceProcess, ServiceUnavailable
 
 LAUNCH_MODULE = "sglang.launch_server"
+SERVED_DTYPE = "bfloat16"  # what Factory asks SGLang to serve in, unless extra_args says otherwise
+# SGLang's --dtype choices -> the torch dtype name they serve in ("auto": the checkpoint's torch_dtype)
+_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "half": "float16", "float32": "float32",
+           "float": "float32", "auto": None}
 
 
 class SGLangServerError(RuntimeError):
     """An SGLang server could not be started, kept alive or reached; the message names it and its log."""
+
+
+def _user_dtype(extra_args: Sequence[str]) -> str | None:
+    """The value of `--dtype X` / `--dtype=X` in `extra_args`, if the user set one."""
+    for k, arg in enumerate(extra_args):
+        if arg == "--dtype" and k + 1 < len(extra_args):
+            return extra_args[k + 1]
+        if arg.startswith("--dtype="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def served_dtype(spec: SGLangSpec) -> str | None:
+    """The torch dtype name ("bfloat16", ...) the servers of `spec` serve in; None when it is the checkpoint's
+    own (`--dtype auto` in extra_args): weights are then published as they are."""
+    chosen = _user_dtype(spec.extra_args)
+    if chosen is None:
+        return SERVED_DTYPE
+    if chosen not in _DTYPES:
+        raise SGLangServerError(f"rollout.sglang.extra_args: --dtype {chosen!r} is not one of {sorted(_DTYPES)}")
+    return _DTYPES[chosen]
 
 
 def launch_command(spec: SGLangSpec, model_path: str | Path, index: int, *, python: str | None = None,
@@ -48,9 +80,26 @@ def launch_command(spec: SGLangSpec, model_path: str | Path, index: int, *, pyth
     argv = [python or spec.python or sys.executable, "-m", module, "--model-path", str(model_path),
             "--host", "127.0.0.1", "--port", str(spec.base_port + index), "--tp-size", str(spec.tp_size),
             "--base-gpu-id", str(0 if placed else index * spec.tp_size)]
+    if _user_dtype(spec.extra_args) is None:
+        argv += ["--dtype", SERVED_DTYPE]
     if spec.mem_fraction_static is not None:
         argv += ["--mem-fraction-static", repr(spec.mem_fraction_static)]
     return argv + list(spec.extra_args)
+
+
+def visible_devices(gpus: Sequence[int], parent: str | None = None) -> list[str]:
+    """`CUDA_VISIBLE_DEVICES` entries for `gpus`, indices into this process's visible devices: mapped through
+    `parent` (default: this process's CUDA_VISIBLE_DEVICES) when it is set; ids and UUIDs kept as written."""
+    parent = os.environ.get("CUDA_VISIBLE_DEVICES") if parent is None else parent
+    if parent is None or not parent.strip():
+        return [str(g) for g in gpus]
+    entries = [e.strip() for e in parent.split(",") if e.strip()]
+    outside = [g for g in gpus if not 0 <= g < len(entries)]
+    if outside:
+        raise SGLangServerError(f"rollout.devices {list(gpus)}: {outside} not among this process's "
+                                f"{len(entries)} visible GPUs (CUDA_VISIBLE_DEVICES={parent!r}); the ids index "
+                                "that list")
+    return [entries[g] for g in gpus]
 
 
 def _wait_healthy(url: str, timeout: float, what: str) -> None:
@@ -108,10 +157,11 @@ class SGLangServers:
             raise SGLangServerError(f"rollout.sglang: {spec.servers} servers x tp_size {spec.tp_size} need "
                                     f"{spec.servers * spec.tp_size} GPUs, placement gives {len(gpus)}: {list(gpus)}")
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        mapped = visible_devices(gpus) if gpus is not None else None
         for i in range(spec.servers):
             env = None
-            if gpus is not None:
-                env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus[i * spec.tp_size:(i + 1) * spec.tp_size]))}
+            if mapped is not None:
+                env = {"CUDA_VISIBLE_DEVICES": ",".join(mapped[i * spec.tp_size:(i + 1) * spec.tp_size])}
             argv = launch_command(spec, model_path, i, module=module, placed=gpus is not None)
             self.services.append(_SGLangProcess(
                 f"sglang-{i}", argv, port=spec.base_port + i, env=env, log_path=self.log_dir / f"sglang-{i}.log",

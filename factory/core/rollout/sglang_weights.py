@@ -27,13 +27,22 @@ Shapes followed (SGLang's native HTTP API: docs "native_api" / "rl" pages and
   "flush_cache", "weight_version"} (UpdateWeightsFromDistributedReqInput) to every server while
   the trainer broadcasts each tensor from rank 0 in that order.
 
+Weights are published in the dtype the servers serve (`dtype`, from `sglang_servers.served_dtype`:
+bfloat16 by default): floating tensors are cast on the trainer's device before they leave it, which
+halves what travels and what is written, and the server gets what it runs with.
+
+CUDA tensors sent by /update_weights_from_tensor name their device by UUID, not by the trainer's
+index (`cuda_ipc_reduction`): a server sees only its own GPUs, renumbered from 0, so the trainer's
+index names another GPU there or none. SGLang's receiving side (its `monkey_patch_torch_reductions`,
+applied in every server) maps a UUID in that slot back to its own index.
+
 Not run against a real SGLang server (docs/hardware.md). The tests run all three against
 `tests/core/fake_sglang_server.py`: disk (the fake loads the safetensors), tensor (the fake
 unpickles the payload with an allowlist like SGLang's and checks one entry per TP rank), and
 distributed over gloo on CPU (the fake joins the group with this module's
-`init_custom_process_group` and receives the broadcasts). Not run: CUDA IPC tensors, NCCL, TP > 1
-behind one server, SGLang's own loaders, and the sender-side device-UUID patch SGLang applies
-(`monkey_patch_torch_reductions`) for trainers whose CUDA_VISIBLE_DEVICES differ from the server's.
+`init_custom_process_group` and receives the broadcasts). Not run: CUDA IPC tensors (the UUID
+rewrite is tested with a mocked reduction and mocked device properties), NCCL, TP > 1 behind one
+server, SGLang's own loaders.
 """
 
 from __future__ import annotations
@@ -49,6 +58,8 @@ from collections.abc import Callable
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any, Protocol
+
+import torch.multiprocessing.reductions as reductions
 
 import torch
 import torch.distributed as dist
@@ -75,6 +86,17 @@ def _checked(client: SGLangEngine, endpoint: str, payload: dict[str, Any], what:
     return client.post_checked(endpoint, payload, what)
 
 
+def cast_state(state: dict[str, torch.Tensor], dtype: str | torch.dtype | None) -> dict[str, torch.Tensor]:
+    """`state` with its floating tensors in `dtype` (cast where they are, before they travel); others, and
+    everything when `dtype` is None, unchanged."""
+    if dtype is None:
+        return dict(state)
+    dt = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"weight dtype {dtype!r} is not a torch dtype name")
+    return {k: v.detach().to(dt) if v.is_floating_point() else v for k, v in state.items()}
+
+
 def buckets(state: dict[str, torch.Tensor], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
     """The named tensors in order, cut into runs of at most `bucket_bytes` (a larger tensor alone)."""
     out: list[list[tuple[str, torch.Tensor]]] = [[]]
@@ -96,12 +118,14 @@ class DiskUpdate:
     """Write `weights_dir/v{version:08d}/` (model.safetensors + the model's config files), then every
     server loads it. `weights_dir` must be readable by the servers at the same path."""
 
-    def __init__(self, weights_dir: str | Path, config_dir: str | Path | None = None, keep: int = 2):
-        self.weights_dir, self.keep = Path(weights_dir), keep
+    def __init__(self, weights_dir: str | Path, config_dir: str | Path | None = None, keep: int = 2,
+                 dtype: str | torch.dtype | None = None):
+        self.weights_dir, self.keep, self.dtype = Path(weights_dir), keep, dtype
         self.config_dir = Path(config_dir) if config_dir is not None else None
         self.path: Path | None = None
 
     def prepare(self, state: dict[str, torch.Tensor], version: int) -> None:
+        state = cast_state(state, self.dtype)
         self.weights_dir.mkdir(parents=True, exist_ok=True)
         target = self.weights_dir / f"v{version:08d}"
         tmp = Path(tempfile.mkdtemp(prefix=f".v{version:08d}-", dir=self.weights_dir))
@@ -137,12 +161,45 @@ class DiskUpdate:
 # ------------------------------------------------------------------ tensor
 
 
+_DEVICE_ARG = 6  # where torch's reduce_tensor puts the storage's device index among rebuild_cuda_tensor's args
+
+
+def device_uuid(index: int) -> str:
+    """The UUID of this process's CUDA device `index`, written as SGLang's reductions patch compares it."""
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def cuda_ipc_reduction(t: torch.Tensor, reduce: Callable | None = None,
+                       uuid_of: Callable[[int], str] | None = None) -> tuple[Callable, tuple]:
+    """torch's CUDA IPC reduction of `t` with the device index replaced by the device's UUID: the server
+    (its own CUDA_VISIBLE_DEVICES) finds its local index for that UUID when it rebuilds the tensor."""
+    fn, args = (reduce or reductions.reduce_tensor)(t)
+    uuid_of = uuid_of or device_uuid
+    args = list(args)
+    if isinstance(args[_DEVICE_ARG], int):
+        args[_DEVICE_ARG] = uuid_of(args[_DEVICE_ARG])
+    return fn, tuple(args)
+
+
+class _UUIDPickler(ForkingPickler):
+    """ForkingPickler whose CUDA tensors travel as IPC handles addressed by device UUID."""
+
+    @staticmethod
+    def is_ipc(t: torch.Tensor) -> bool:
+        return t.is_cuda
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor) and self.is_ipc(obj):
+            return cuda_ipc_reduction(obj)
+        return NotImplemented
+
+
 def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
     """base64 of a pickle of [(name, tensor)] as SGLang's MultiprocessingSerializer(output_str=True)
-    reads it: CUDA tensors through ForkingPickler (IPC handles), CPU tensors by value."""
+    reads it: CUDA tensors as IPC handles naming their device by UUID, CPU tensors by value."""
     buf = io.BytesIO()
     if any(t.is_cuda for _, t in named):
-        ForkingPickler(buf).dump([(n, t.detach()) for n, t in named])
+        _UUIDPickler(buf).dump([(n, t.detach()) for n, t in named])
     else:
         pickle.dump([(n, t.detach().contiguous()) for n, t in named], buf)
     return base64.b64encode(buf.getvalue()).decode("ascii")
@@ -153,12 +210,15 @@ class TensorUpdate:
 
     endpoint = "/update_weights_from_tensor"
 
-    def __init__(self, tp_size: int = 1, bucket_bytes: int = 512 << 20):
-        self.tp_size, self.bucket_bytes = tp_size, bucket_bytes
+    def __init__(self, tp_size: int = 1, bucket_bytes: int = 512 << 20, dtype: str | torch.dtype | None = None):
+        self.tp_size, self.bucket_bytes, self.dtype = tp_size, bucket_bytes, dtype
         self.payloads: list[str] = []
         self.version: int | None = None
+        self._held: dict[str, torch.Tensor] = {}  # CUDA IPC: the sent tensors must outlive the server's loads
 
     def prepare(self, state: dict[str, torch.Tensor], version: int) -> None:
+        state = cast_state(state, self.dtype)
+        self._held = state
         self.payloads = [serialize_named_tensors(b) for b in buckets(state, self.bucket_bytes)]
         self.version = version
 
@@ -205,15 +265,16 @@ class DistributedUpdate:
 
     `tp_sizes[i]`: server i's TP ranks take ranks 1 + sum(tp_sizes[:i]) ... (its `rank_offset`).
     `master_port` 0: the kernel picks the port when the trainer's store binds, and the servers are told that one.
-    `device`: where the trainer stages each tensor for the broadcast ("cuda" for NCCL)."""
+    `device`: where the trainer stages each tensor for the broadcast (a CUDA device for NCCL: one no server
+    uses, since NCCL refuses two ranks on one GPU). `dtype`: what the servers serve (tensors are cast to it)."""
 
     def __init__(self, master_address: str, master_port: int, tp_sizes: list[int], *, backend: str = "nccl",
-                 group_name: str = "factory_weights", bucket_bytes: int = 512 << 20, device: str = "cpu",
-                 timeout_s: float = 600.0):
+                 group_name: str = "factory_weights", bucket_bytes: int = 512 << 20,
+                 device: str | torch.device = "cpu", timeout_s: float = 600.0, dtype: str | torch.dtype | None = None):
         self.master_address, self.master_port, self.tp_sizes = master_address, master_port, list(tp_sizes)
         self.backend, self.group_name, self.bucket_bytes = backend, group_name, bucket_bytes
         self.device, self.timeout = torch.device(device), datetime.timedelta(seconds=timeout_s)
-        self.world_size = 1 + sum(self.tp_sizes)
+        self.world_size, self.dtype = 1 + sum(self.tp_sizes), dtype
         self.group: dist.ProcessGroup | None = None
         self.state: dict[str, torch.Tensor] = {}
 
@@ -273,7 +334,7 @@ class DistributedUpdate:
         self._side_by_side(clients, init, join)
 
     def prepare(self, state: dict[str, torch.Tensor], version: int) -> None:
-        self.state = state
+        self.state = cast_state(state, self.dtype)
 
     def apply_all(self, clients: list[SGLangEngine], version: int) -> None:
         """One version to every server: per bucket, the servers' requests and the trainer's broadcasts."""
