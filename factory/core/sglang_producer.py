@@ -9,6 +9,12 @@ the request left with and the server's label, the older counting (`SGLangEngine`
 works as with the embedded engine. `publish` sends the trainer's state dict to every server and
 checks every server reports the new version before the producers date new work with it.
 
+Servers serve in bfloat16 unless `extra_args` sets a `--dtype` (`sglang_servers.served_dtype`), and
+every update is published in that dtype. A distributed (NCCL) update stages on the trainer's GPU;
+when a server started here uses that GPU too (rollout.devices, or SGLang's own GPUs 0.. when unset),
+NCCL would refuse two ranks on one GPU, so the update goes as tensors (CUDA IPC) instead, saying so in
+the log. At start, every server's sglang version must be at least `MIN_SGLANG_VERSION`.
+
 Not the same as the embedded engine: per-sample seeds are not sent (`sampling_seed` needs a
 deterministic-inference server), so SGLang runs are not bit-reproducible; `token_versions` are
 empty (which token came from which version is unknown; `weight_version` is the oldest possible).
@@ -20,6 +26,7 @@ answer with deterministic tokens.
 
 from __future__ import annotations
 
+import logging
 import shutil
 import tempfile
 from collections.abc import Sequence
@@ -32,38 +39,71 @@ from factory.config import ExperimentSpec
 from factory.core.producer import OverlappedProducer
 from factory.core.rollout.base import Completion, SamplingParams
 from factory.core.rollout.sglang_router import SGLangRouter
-from factory.core.rollout.sglang_servers import LAUNCH_MODULE, SGLangServers
+from factory.core.rollout.sglang_servers import LAUNCH_MODULE, SGLangServers, served_dtype
 from factory.core.rollout.sglang_weights import DiskUpdate, DistributedUpdate, TensorUpdate, WeightUpdate
 from factory.models.checkpoint import remove_checkpoint, save_checkpoint
 
+log = logging.getLogger(__name__)
 
-def make_updater(spec: ExperimentSpec, workdir: Path, model_dir: Path | None) -> WeightUpdate:
+
+def server_gpus(spec: ExperimentSpec) -> set[int] | None:
+    """The GPU ids (this process's numbering) the started servers use; None for `rollout.sglang.urls`
+    (servers Factory did not start: their GPUs are unknown here)."""
     sg = spec.rollout.sglang
-    if sg.weight_update == "disk":
-        return DiskUpdate(workdir / "weights", config_dir=model_dir)
-    if sg.weight_update == "tensor":
-        return TensorUpdate(tp_size=sg.tp_size)
+    if sg.urls:
+        return None
+    n = sg.servers * sg.tp_size
+    return set(spec.rollout.devices[:n]) if spec.rollout.devices is not None else set(range(n))
+
+
+def make_updater(spec: ExperimentSpec, workdir: Path, model_dir: Path | None,
+                 staging: torch.device | str | None = None) -> WeightUpdate:
+    """The spec's weight update, publishing in the servers' dtype. `staging`: where a distributed update
+    stages tensors (the trainer's device; default: the first GPU when there is one)."""
+    sg = spec.rollout.sglang
+    dtype = served_dtype(sg)
+    how = sg.weight_update
     cuda = torch.cuda.is_available()
+    device = torch.device(staging) if staging is not None else torch.device("cuda" if cuda else "cpu")
+    if how == "distributed" and device.type == "cuda":
+        index = device.index if device.index is not None else 0
+        taken = server_gpus(spec)
+        if taken is not None and index in taken:
+            log.warning("rollout.sglang.weight_update: distributed would stage on cuda:%d, which SGLang server(s) "
+                        "also use (GPUs %s): NCCL refuses two ranks on one GPU; sending tensors (CUDA IPC) "
+                        "instead", index, sorted(taken))
+            how = "tensor"
+    if how == "disk":
+        return DiskUpdate(workdir / "weights", config_dir=model_dir, dtype=dtype)
+    if how == "tensor":
+        return TensorUpdate(tp_size=sg.tp_size, dtype=dtype)
     n = len(sg.urls) or sg.servers
-    return DistributedUpdate("127.0.0.1", 0, [sg.tp_size] * n, backend="nccl" if cuda else "gloo",
-                             device="cuda" if cuda else "cpu", timeout_s=spec.schedule.wait_timeout_s)
+    return DistributedUpdate("127.0.0.1", 0, [sg.tp_size] * n, backend="nccl" if device.type == "cuda" else "gloo",
+                             device=device, timeout_s=spec.schedule.wait_timeout_s, dtype=dtype)
 
 
 def make_sglang_engine(spec: ExperimentSpec, model_dir: Path | None, workdir: Path, version: int,
                        state: dict[str, torch.Tensor] | None = None, *, gpus: Sequence[int] | None = None,
-                       module: str = LAUNCH_MODULE, stop_token_ids: list[int] | None = None) -> SGLangRouter:
+                       module: str = LAUNCH_MODULE, stop_token_ids: list[int] | None = None,
+                       staging: torch.device | str | None = None) -> SGLangRouter:
     """Start (or find) the spec's SGLang servers and a router over them at `version`.
 
     Started servers load `model_dir` (the weights of `version`) and get the label `version`
-    (POST /update_weight_version); external ones (`rollout.sglang.urls`) are sent `state` as `version`."""
+    (POST /update_weight_version); external ones (`rollout.sglang.urls`) are sent `state` as `version`.
+    Servers older than `MIN_SGLANG_VERSION` are refused. `staging`: the trainer's device (`make_updater`)."""
     sg = spec.rollout.sglang
     if sg is None:
         raise ValueError("rollout.engine: sglang needs rollout.sglang")
     servers = SGLangServers(sg, None if sg.urls else model_dir, workdir / "logs", gpus=gpus, module=module).start()
     try:
-        router = SGLangRouter(servers.urls, make_updater(spec, workdir, model_dir), weight_version=version,
+        router = SGLangRouter(servers.urls, make_updater(spec, workdir, model_dir, staging), weight_version=version,
                               servers=servers, update_mode=spec.rollout.update_mode,
                               timeout=spec.schedule.wait_timeout_s, stop_token_ids=stop_token_ids)
+        try:
+            router.check_server_versions()
+        except BaseException:
+            router.close()
+            raise
         if servers.external:
             if state is None:
                 raise ValueError("rollout.sglang.urls: the servers there need the trainer's weights (state)")
@@ -90,7 +130,8 @@ class SGLangProducer(OverlappedProducer):
         eos = self.tok.eos_token_id
         self.engine = make_sglang_engine(self.spec, model_dir, self._workdir, version, state,
                                          gpus=self.spec.rollout.devices,
-                                         stop_token_ids=[eos] if eos is not None else None)
+                                         stop_token_ids=[eos] if eos is not None else None,
+                                         staging=next(model.parameters()).device)
 
     def _sample(self, prompt_ids: list[int], params: SamplingParams) -> list[Completion]:
         return self.engine.generate([prompt_ids], params)[0]

@@ -27,8 +27,12 @@ from factory.core.rollout.sglang import SGLangEngine, SGLangError, SGLangTimeout
 from tests.ports import refusing_port
 
 EOS = 2
+# every request carries these, so no server-side default (generation_config.json) applies
+NEUTRAL = {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+           "min_new_tokens": 0}
 SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "sampling_seed",
-                 "skip_special_tokens", "ignore_eos", "stop", "no_stop_trim"}
+                 "skip_special_tokens", "ignore_eos", "stop", "no_stop_trim", "min_p", "repetition_penalty",
+                 "frequency_penalty", "presence_penalty", "min_new_tokens", "n"}
 GENERATE_KEYS = {"input_ids", "text", "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num",
                  "return_text_in_logprobs", "stream", "rid"}
 UPDATE_KEYS = {"model_path", "load_format", "abort_all_requests", "weight_version", "is_async",
@@ -175,7 +179,7 @@ def test_generate_sends_sglang_requests_and_reads_tokens_and_logprobs(fake):
     (endpoint, body), = state.requests
     assert endpoint == "/generate" and body["return_logprob"] is True
     assert body["input_ids"] == [[1, 2]] * 3 + [[2, 4, 6]] * 3
-    assert body["sampling_params"] == {"max_new_tokens": 4, "top_p": 0.9, "temperature": 0.7}
+    assert body["sampling_params"] == {**NEUTRAL, "max_new_tokens": 4, "top_p": 0.9, "temperature": 0.7}
     assert [len(g) for g in groups] == [3, 3]
     # The fake's tokens for batch row k: odd prompt sum runs to the limit, 10 + (sum + k + j) % 50;
     # even sum stops after [10 + (sum + k) % 50, 11, EOS], and the EOS token is kept.
@@ -202,7 +206,7 @@ def test_greedy_seed_and_stop_tokens(server):
     with SGLangEngine(url, stop_token_ids=[EOS, 7], send_seed=True) as engine:
         engine.generate([[1]], SamplingParams(n=2, greedy=True, max_new_tokens=2, seed=100))
     sp = state.requests[0][1]["sampling_params"]
-    assert sp == [{"max_new_tokens": 2, "top_p": 1.0, "temperature": 0.0, "stop_token_ids": [EOS, 7],
+    assert sp == [{**NEUTRAL, "max_new_tokens": 2, "top_p": 1.0, "temperature": 0.0, "stop_token_ids": [EOS, 7],
                    "sampling_seed": 100 + i} for i in range(2)]
 
 
@@ -321,7 +325,7 @@ def test_stop_ignore_eos_and_top_logprobs_are_forwarded(server):
         c = engine.generate([[1, 2]], params)[0][0]
     body = state.requests[0][1]
     assert body["top_logprobs_num"] == 2
-    assert body["sampling_params"] == {"max_new_tokens": 3, "top_p": 1.0, "temperature": 1.0,
+    assert body["sampling_params"] == {**NEUTRAL, "max_new_tokens": 3, "top_p": 1.0, "temperature": 1.0,
                                        "stop_token_ids": [EOS, 9], "stop": ["\n\n"], "ignore_eos": True}
     # per token: (token, logprob) of the sampled token, then the runner-up one lower
     assert c.token_ids == [13, 14, 15]

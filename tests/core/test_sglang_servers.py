@@ -38,7 +38,8 @@ def test_servers_serve_bf16_unless_the_user_chose_a_dtype():
     argv = launch_command(SGLangSpec(), "m", 0, python="py")
     assert argv[argv.index("--dtype") + 1] == "bfloat16" and argv.count("--dtype") == 1
     assert served_dtype(SGLangSpec()) == "bfloat16"
-    for extra, dtype in ((["--dtype", "float16"], "float16"), (["--dtype=half"], "float16"), (["--dtype", "auto"], None)):
+    chosen = ((["--dtype", "float16"], "float16"), (["--dtype=half"], "float16"), (["--dtype", "auto"], None))
+    for extra, dtype in chosen:
         spec = SGLangSpec(extra_args=extra)
         argv = launch_command(spec, "m", 0, python="py")
         assert sum(a == "--dtype" or a.startswith("--dtype=") for a in argv) == 1  # the user's, once

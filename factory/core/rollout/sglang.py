@@ -62,7 +62,6 @@ import httpx
 
 from factory.core.rollout.base import Completion, SamplingParams
 
-
 MIN_SGLANG_VERSION = "0.5.6"  # the first release whose /pause_generation honours `mode` (pyproject's gpu extra)
 
 # Neutral values of the sampling parameters Factory does not use, sent so that no server default applies.

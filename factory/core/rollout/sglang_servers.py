@@ -15,8 +15,8 @@ servers run in, so weight updates are published in it (`sglang_weights.py`).
 Factory's venv) or this interpreter. With a placement (`gpus`: the GPU ids lent to rollout), each
 server gets `CUDA_VISIBLE_DEVICES` = its T GPUs and `--base-gpu-id 0`. The GPU ids are indices into
 this process's own visible devices (as torch numbers them), so they are mapped through the parent's
-`CUDA_VISIBLE_DEVICES` when it is set (its entries, ids or UUIDs, are passed on as written). With `spec.urls`, nothing is
-started: the servers there are only waited on (/health, bounded by startup_timeout_s).
+`CUDA_VISIBLE_DEVICES` when it is set (its entries, ids or UUIDs, are passed on as written). With
+`spec.urls`, nothing is started: the servers there are only waited on (/health, bounded by startup_timeout_s).
 
 Errors name the server (index, url), its log file and the log's last lines: a server that exits
 during startup, one not healthy within startup_timeout_s, one that keeps dying.

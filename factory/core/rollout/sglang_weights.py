@@ -59,11 +59,10 @@ from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any, Protocol
 
-import torch.multiprocessing.reductions as reductions
-
 import torch
 import torch.distributed as dist
 import torch.multiprocessing  # noqa: F401 - registers torch's ForkingPickler reductions (CUDA tensors as IPC handles)
+import torch.multiprocessing.reductions as reductions
 from safetensors.torch import save_file
 from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world, rendezvous
 
