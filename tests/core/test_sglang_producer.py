@@ -6,6 +6,7 @@ publication, version tags, staleness), not learning."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from factory.config import parse_spec
 from factory.core.loop import make_producer, train_rl
@@ -51,10 +52,12 @@ def test_the_producer_samples_from_sglang_and_publishes_versions(tmp_path, model
         assert all(s.versions == [0] for g in batch for s in g.samples)
         assert all(max(s.token_ids) < len(tok) for g in batch for s in g.samples)
         producer.publish(model, 1)
-        expected = {k: pytest.approx(float(v.double().sum()), rel=1e-6) for k, v in model.state_dict().items()}
+        expected = {k: pytest.approx(float(v.to(torch.bfloat16).double().sum()), rel=1e-6)
+                    for k, v in model.state_dict().items()}
         for u in urls:
             st = fake_state(u)
             assert st["version"] == "1" and st["weights"] == expected
+            assert set(st["dtypes"].values()) == {"bfloat16"} and st["dtype"] == "bfloat16"  # what it serves
         later = producer.next_batch(1)
         assert all(g.oldest_version >= 0 and 1 - g.oldest_version <= 1 for g in later)  # one_step_off's bound
         assert sum(producer.engine.routed) >= 8 and min(producer.engine.routed) > 0  # both servers used
@@ -89,7 +92,9 @@ def test_external_servers_get_the_trainers_weights_before_any_request(tmp_path, 
         router = make_sglang_engine(external, None, tmp_path / "work", 5, state)
         try:
             assert router.servers.external and router.servers.services == []
-            expected = {k: pytest.approx(float(v.double().sum()), rel=1e-6) for k, v in state.items()}
+            # published in the dtype the servers serve (bf16)
+            expected = {k: pytest.approx(float(v.to(torch.bfloat16).double().sum()), rel=1e-6)
+                        for k, v in state.items()}
             for u in running.urls:
                 st = fake_state(u)
                 assert st["version"] == "5" and st["weights"] == expected

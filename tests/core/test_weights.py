@@ -471,3 +471,29 @@ def test_torch_distributed_subscriber_times_out_naming_what_it_waited_for():
     msg = out[1][1]
     assert "rank 1 (subscriber, version None) waited 2.0s for the publisher (rank 0)" in msg
     assert "version exchange of weight-sync exchange #1 over torch.distributed gloo group of 2 ranks" in msg
+
+
+def test_publishing_in_the_receivers_dtype_sends_bf16_and_its_deltas_compress_better():
+    g = torch.Generator().manual_seed(7)
+    emb = torch.randn(256, 64, generator=g)
+    step1 = {"emb": emb, "head": emb, "mlp": torch.randn(64, 256, generator=g), "steps": torch.tensor([3])}
+    # one small optimiser step (lr 1e-3 on unit-scale weights), the head still tied to the embedding
+    emb2 = emb + 1e-3 * torch.randn(emb.shape, generator=g)
+    step2 = {"emb": emb2, "head": emb2, "mlp": step1["mlp"] + 1e-3 * torch.randn(64, 256, generator=g),
+             "steps": torch.tensor([4])}
+    ratios = {}
+    for dtype in (None, torch.bfloat16):
+        channel = InProcessTransport()
+        pub, sub = WeightPublisher(channel, full_every=0, dtype=dtype), WeightSubscriber(channel, "server")
+        pub.publish(step1, 1)
+        sub.poll(timeout=WAIT)
+        delta = pub.publish(step2, 2)
+        assert delta.encoding == "delta" and sub.poll(timeout=WAIT) == 2
+        want = {k: v.to(dtype) if dtype is not None and v.is_floating_point() else v for k, v in step2.items()}
+        assert_bit_exact(sub.state, want)
+        assert sub.state["emb"].data_ptr() == sub.state["head"].data_ptr()  # still tied: sent once
+        raw_bytes = sum(v.numel() * v.element_size() for k, v in want.items() if k != "head")
+        ratios[dtype] = raw_bytes / delta.nbytes
+    assert step1["emb"].dtype == torch.float32  # the trainer's own tensors are left as they are
+    assert ratios[torch.bfloat16] > ratios[None]
+    print(f"delta compression: fp32 {ratios[None]:.2f}x, bf16 {ratios[torch.bfloat16]:.2f}x")
