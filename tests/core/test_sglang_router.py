@@ -159,6 +159,26 @@ def test_distributed_update_over_a_gloo_group(cluster):
             assert st["version"] == "7" and st["weights"] == sums(state2)  # the broadcast values arrived
 
 
+def test_disk_and_distributed_updates_publish_in_the_served_dtype(cluster):
+    servers, model, tmp = cluster
+    state = weights(8)  # fp32 master weights, one bf16 tensor
+    bf16 = {k: v.to(torch.bfloat16) for k, v in state.items()}
+    for version, update in ((8, DiskUpdate(tmp / "pub-bf16", config_dir=model, dtype="bfloat16")),
+                            (9, DistributedUpdate("127.0.0.1", 0, [1, 1], backend="gloo", group_name="factory_bf16",
+                                                  timeout_s=60, dtype=torch.bfloat16))):
+        with SGLangRouter(servers.urls, update, weight_version=version - 1) as router:
+            router.load_weights(state, version=version)
+        for u in servers.urls:
+            st = fake_state(u)
+            assert st["version"] == str(version) and st["weights"] == sums(bf16)
+            assert {st["dtypes"][k] for k in state} == {"bfloat16"}
+        if version == 9:
+            (post,) = [r for r in st["requests"] if r["endpoint"] == "/update_weights_from_distributed"
+                       and r["weight_version"] == "9"]
+            assert post["dtypes"] == ["bfloat16"] * 3
+    assert state["model.embed_tokens.weight"].dtype == torch.float32  # the trainer's tensors are not touched
+
+
 def test_in_flight_updates_pause_and_continue_generation(cluster):
     servers, model, tmp = cluster
     with SGLangRouter(servers.urls, DiskUpdate(tmp / "pub-inflight", config_dir=model),
