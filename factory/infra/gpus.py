@@ -6,9 +6,9 @@ timeout, else none), narrowed by CUDA_VISIBLE_DEVICES the way CUDA reads it: a c
 GPU-/MIG- UUIDs, visible up to the first entry that names no device; set but empty means none.
 
 A spec uses CUDA when it says so (`device: cuda` / `cuda:N`), places GPUs (`trainer.devices`, `rollout.devices`),
-starts SGLang servers, trains with Megatron, or leaves `device: auto` on a machine with a GPU (the trainer's ranks
-then go to cuda:LOCAL_RANK). Only then are GPUs counted against it: a two-rank gloo run on a CPU machine stays
-valid.
+trains with Megatron, or leaves `device: auto` on a machine with a GPU (the trainer's ranks then go to
+cuda:LOCAL_RANK; SGLang servers it starts get GPUs from 0). Only then are GPUs counted against it: a two-rank gloo
+run on a CPU machine stays valid.
 """
 
 from __future__ import annotations
@@ -82,17 +82,16 @@ def count_gpus(environ: dict[str, str] | None = None) -> Gpus:
 
 
 def cuda_reasons(spec: ExperimentSpec) -> list[tuple[str, str]]:
-    """The spec's settings that need CUDA whatever the machine, as (field, value) (empty: it runs on a CPU
-    machine too)."""
+    """The spec's settings that name CUDA whatever the machine, as (field, value) (empty: it runs on a CPU
+    machine too). SGLang servers are not among them: `rollout.sglang.python` starts them, which may be a CPU
+    build or a stand-in; GPUs placed for them (`rollout.devices`) are."""
     reasons = []
     if spec.device.startswith("cuda"):
         reasons.append(("device", spec.device))
     if spec.trainer.devices:
         reasons.append(("trainer.devices", str(spec.trainer.devices)))
     if spec.trainer.backend == "megatron":
-        reasons.append(("trainer.backend", "megatron"))
-    if spec.rollout.engine == "sglang" and not (spec.rollout.sglang and spec.rollout.sglang.urls):
-        reasons.append(("rollout.engine", "sglang"))  # servers already running elsewhere need none of ours
+        reasons.append(("trainer.backend", "megatron"))  # make_megatron_trainer refuses a CPU device
     if spec.rollout.devices:
         reasons.append(("rollout.devices", str(spec.rollout.devices)))
     return reasons
@@ -102,13 +101,14 @@ def check_gpus(spec: ExperimentSpec, gpus: Gpus | None = None) -> None:
     """Refuse (ValueError naming the field, what was asked and what this machine has) a spec needing more GPUs, or
     other GPU indices, than `gpus` (default: `count_gpus()`)."""
     reasons = cuda_reasons(spec)
-    if not reasons and spec.device != "auto":
+    sglang = spec.rollout.sglang if spec.rollout.sglang is not None and not spec.rollout.sglang.urls else None
+    if not reasons and spec.device != "auto" and sglang is None:
         return  # device: cpu and nothing GPU-only: no GPU is touched
     have = gpus if gpus is not None else count_gpus()
     n = have.count
     machine = f"this machine has {n} GPU{'s' if n != 1 else ''} ({have.source})"
     if not reasons and n == 0:
-        return  # device: auto on a CPU machine: everything on the CPU (gloo ranks included)
+        return  # device: auto on a CPU machine: everything on the CPU (gloo ranks included), SGLang as configured
     if n == 0:
         field, value = reasons[0]
         raise ValueError(f"{field}: {value} needs a CUDA GPU, but {machine}; on a CPU machine use device: cpu or "
@@ -123,12 +123,12 @@ def check_gpus(spec: ExperimentSpec, gpus: Gpus | None = None) -> None:
         refuse_index("device", [int(spec.device.split(":")[1])])
     if spec.trainer.devices:
         refuse_index("trainer.devices", list(spec.trainer.devices))
-    elif spec.trainer.world_size > n:
+    elif spec.device != "cpu" and spec.trainer.world_size > n:
         # Unplaced ranks go to cuda:LOCAL_RANK: rank n would fail later with "invalid device ordinal".
         raise ValueError(f"trainer.world_size: {spec.trainer.world_size} ranks, one GPU each, but {machine}; use at "
                          f"most {n} ranks, or device: cpu to run them on the CPU (gloo)")
     if spec.rollout.devices:
         refuse_index("rollout.devices", list(spec.rollout.devices))
-    elif ("rollout.engine", "sglang") in reasons and spec.rollout.sglang is not None:
-        if (tp := spec.rollout.sglang.tp_size) > n:  # unplaced servers start from GPU 0
+    elif sglang is not None:
+        if (tp := sglang.tp_size) > n:  # unplaced servers start from GPU 0
             raise ValueError(f"rollout.sglang.tp_size: {tp} GPUs per server, but {machine}")

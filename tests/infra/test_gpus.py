@@ -122,7 +122,7 @@ def test_gpu_lists_and_indices_the_machine_lacks_are_refused():
     ({"device": "cuda"}, "device: cuda"),
     ({"trainer.devices": [0]}, "trainer.devices: [0]"),
     ({"trainer.backend": "megatron"}, "trainer.backend: megatron"),
-    ({"rollout.engine": "sglang", "schedule.mode": "async"}, "rollout.engine: sglang"),
+    ({"rollout.engine": "sglang", "schedule.mode": "async", "rollout.devices": [0]}, "rollout.devices: [0]"),
 ])
 def test_gpu_only_settings_on_a_machine_without_gpus_are_refused(overrides, field):
     with pytest.raises(ValueError, match=rf"^{__import__('re').escape(field)} needs a CUDA GPU, but this machine has "
@@ -131,6 +131,11 @@ def test_gpu_only_settings_on_a_machine_without_gpus_are_refused(overrides, fiel
 
 
 def test_sglang_servers_already_running_elsewhere_need_no_local_gpu():
-    spec = spec_with(**{"rollout.engine": "sglang", "schedule.mode": "async",
+    spec = spec_with(**{"rollout.engine": "sglang", "schedule.mode": "async", "rollout.sglang.tp_size": 4,
                         "rollout.sglang.urls": ["http://10.0.0.2:30000"]})
-    check_gpus(spec, Gpus(0, "test"))
+    check_gpus(spec, Gpus(1, "test"))
+
+
+def test_unplaced_sglang_servers_are_left_to_their_python_without_gpus():
+    """`rollout.sglang.python` may start a CPU build or a stand-in (the fake server of the smoke benchmarks)."""
+    check_gpus(spec_with(**{"rollout.engine": "sglang", "schedule.mode": "async"}), Gpus(0, "test"))
