@@ -20,6 +20,8 @@ Parts (each guarded: a part that fails records its error under its key and the o
 - logprobs: torch vs Megatron per-token log-probs of the same weights and batch (bf16 on a GPU), max abs diff;
   skipped with the reason where megatron-core does not import.
 
+`gpu_count` puts `factory validate`'s torch-free GPU count (factory/infra/gpus.py) beside torch's.
+
 The run's device follows Factory's rule: `factory.infra.device.run_device(spec)` picks it (device: auto), and each
 component computes on the device of the model it is given. `--smoke`: the same code paths on the CPU with tiny
 shapes and few steps (seconds); tests/benchmarks/test_gpu_check.py runs it so the kit cannot rot. The JSON is also
@@ -59,6 +61,7 @@ from trainer_throughput import _cpu_stand_ins, nll, random_batch  # noqa: E402
 
 from factory.config import apply_overrides, load_spec, parse_spec  # noqa: E402
 from factory.infra.device import describe, prepare, run_device, to_host  # noqa: E402
+from factory.infra.gpus import count_gpus  # noqa: E402
 
 QUICKSTART = ROOT / "examples" / "quickstart.yaml"
 SMOKE_GRPO = {"model.preset": "micro", "task.n_train": 200, "task.n_eval": 24, "sft.steps": 10,
@@ -337,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
                     "cuda": torch.version.cuda, "smoke": a.smoke, "stood_in": STOOD_IN,
                     "note": "SMOKE: CPU, tiny shapes, few steps: the code paths ran, the numbers mean nothing"
                     if a.smoke else None}
+    counted = count_gpus()  # `factory validate`'s torch-free count, beside torch's: they must agree on a GPU machine
+    result["gpu_count"] = {"torch": torch.cuda.device_count(), "factory": counted.count, "source": counted.source}
     shared: dict = {}
     runners = {"trainer": lambda: part_trainer(a, dev, shared), "publish": lambda: part_publish(a, dev, shared),
                "engine": lambda: part_engine(a, dev), "logprobs": lambda: part_logprobs(a, dev, shared),
@@ -376,7 +381,8 @@ def print_table(r: dict) -> None:
         v = r.get(part, {}).get(key)
         return "-" if v is None else fmt.format(v) if isinstance(v, int | float) and not isinstance(v, bool) else str(v)
 
-    print(f"\ndevice check on {r['device']} (torch {r['torch']}, CUDA {r['cuda']}){' SMOKE' if r['smoke'] else ''}")
+    print(f"\ndevice check on {r['device']} (torch {r['torch']}, CUDA {r['cuda']}){' SMOKE' if r['smoke'] else ''}; "
+          f"GPUs counted: torch {r['gpu_count']['torch']}, factory validate {r['gpu_count']['factory']}")
     rows = [("grpo steps/s: device | cpu", f"{get('grpo', 'device_steps_per_s')} | {get('grpo', 'cpu_steps_per_s')}"),
             ("grpo held-out acc: device | cpu", f"{get('grpo', 'device_accuracy')} | {get('grpo', 'cpu_accuracy')} "
                                                 f"(same band: {get('grpo', 'same_band')})"),

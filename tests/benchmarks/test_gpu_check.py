@@ -34,6 +34,7 @@ def test_smoke_runs_every_part_and_prints_one_json_line(tmp_path):
     r = json.loads(line)
     assert json.loads(out.read_text()) == r  # the file holds the same line
     assert r["smoke"] is True and r["device"].startswith("cpu") and "numbers mean nothing" in r["note"]
+    assert r["gpu_count"]["torch"] == r["gpu_count"]["factory"] == 0  # the CPU build of torch here sees none
     for part in PARTS:
         assert not {"error", "device_error", "cpu_error", "skipped"} & set(r[part]), (part, r[part])
     g = r["grpo"]
