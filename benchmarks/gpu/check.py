@@ -232,8 +232,13 @@ def part_engine(a: argparse.Namespace, dev: torch.device) -> dict:
 
 
 def published(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The state a server is sent, in bf16, copied to the host through pinned buffers."""
-    return {k: to_host(v.detach().to(torch.bfloat16)).clone() for k, v in model.state_dict().items()}
+    """The state a server is sent, in bf16, copied to the host through pinned buffers (a GPU tensor's host copy
+    is new; a CPU tensor already in bf16 would be the live weight itself, hence the clone there)."""
+    out = {}
+    for k, v in model.state_dict().items():
+        host = to_host(v.detach().to(torch.bfloat16))
+        out[k] = host if v.device.type == "cuda" else host.clone()
+    return out
 
 
 def part_publish(a: argparse.Namespace, dev: torch.device, shared: dict) -> dict:
@@ -360,8 +365,8 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # noqa: BLE001 - a failing part is recorded; the others still run
             result[name] = {"error": error_text(e), "wall_s": time.perf_counter() - t0}
             traceback.print_exc()
-        if name == "publish":
-            shared.pop("trainer", None)  # free the 0.5B trainer before Megatron's copy
+        if name in ("publish", "megatron_trainer"):
+            shared.pop("trainer" if name == "publish" else "megatron", None)  # free GPU memory for what follows
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
         print(f"{name}: {json.dumps(clean(result[name]))}", flush=True)
