@@ -112,7 +112,7 @@ def check_gpus(spec: ExperimentSpec, gpus: Gpus | None = None) -> None:
     if n == 0:
         field, value = reasons[0]
         raise ValueError(f"{field}: {value} needs a CUDA GPU, but {machine}; on a CPU machine use device: cpu or "
-                         f"auto, the torch backend, the embedded or server engine and no GPU lists")
+                         f"auto, the torch backend and no GPU lists")
 
     def refuse_index(field: str, asked: list[int]) -> None:
         bad = [i for i in asked if i >= n]
