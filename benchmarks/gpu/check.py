@@ -6,8 +6,9 @@ Parts (each guarded: a part that fails records its error under its key and the o
 - grpo: the quickstart's GRPO stage (examples/quickstart.yaml; no lake, no MLflow): one SFT warm start on the CPU
   (`factory.core.sft.run_sft`, the quickstart's stop rule), then `factory.core.loop.train_rl` from those same
   weights with the same seed twice: on the device (model placed with `.to(device)`, `spec.device` set to it) and
-  on the CPU (`--cpu-threads` torch threads; the quickstart's trainer.threads is 1). Steps/s of each and held-out
-  greedy accuracy (`factory.core.evaluate`) of each; `same_band` when they are within `band_abs`.
+  on the CPU (`--cpu-threads` torch threads; the quickstart's trainer.threads is 1), `--grpo-steps` each (default
+  100: the quickstart's 200 per side do not fit 8 minutes beside the SFT). Steps/s of each and held-out greedy
+  accuracy (`factory.core.evaluate`) of each; `same_band` when they are within `band_abs`.
 - trainer: tokens/s and MFU (6 x params x tokens/s / `--peak-tflops`) of the torch trainer (`DistributedTrainer`
   in one process, bf16 autocast over fp32 weights) on the Qwen2-0.5B shape, random tokens, every position a target
   (trainer_throughput.py's batches and loss); the Megatron trainer too where megatron-core imports.
@@ -321,8 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="the same code paths on the CPU, tiny shapes (seconds)")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {', '.join(PARTS)}")
-    ap.add_argument("--grpo-steps", type=int, default=None, help="GRPO steps per side (default 200, the "
-                    "quickstart's; smoke 2)")
+    ap.add_argument("--grpo-steps", type=int, default=None, help="GRPO steps per side (default 100, half the "
+                    "quickstart's 200, to fit 8 minutes beside the CPU SFT warm start; smoke 2)")
     ap.add_argument("--cpu-threads", type=int, default=1, help="torch threads of the CPU side of grpo")
     ap.add_argument("--band", type=float, default=0.10, help="held-out accuracies within this are one band")
     ap.add_argument("--batch", type=int, default=16, help="trainer rows per optimizer step (4 per forward)")
@@ -333,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="peak bf16 FLOP/s per GPU in TFLOP/s for MFU (989: H100/H200 SXM dense)")
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON here (after every part)")
     a = ap.parse_args(argv)
-    a.grpo_steps = a.grpo_steps or (2 if a.smoke else 200)
+    a.grpo_steps = a.grpo_steps or (2 if a.smoke else 100)
     parts = [p.strip() for p in a.parts.split(",") if p.strip()]
     if bad := [p for p in parts if p not in PARTS]:
         ap.error(f"--parts: unknown {bad}; expected a subset of {', '.join(PARTS)}")
