@@ -153,7 +153,7 @@ def part_trainer(a: argparse.Namespace, dev: torch.device, shared: dict) -> dict
     from factory.core.trainer.distributed import DistributedTrainer
 
     shape, rows, micro, seq, steps, warmup = trainer_shape(a)
-    model = random_model(shape, seed=0)
+    model = random_model(shape, seed=0).to(dev)  # the run places the model; the trainer computes where it is
     params = n_params(model)
     bf16 = dev.type == "cuda"
     trainer = DistributedTrainer(model, lr=1e-5, aggregation="token_mean", grad_accum=rows // micro,
@@ -289,7 +289,8 @@ def part_logprobs(a: argparse.Namespace, dev: torch.device, shared: dict) -> dic
     spec = parse_spec({"model": {"preset": "micro"}, "trainer": {"backend": "megatron", "precision": precision}})
     mega = make_megatron_trainer(spec, model, device=dev if cuda else "cpu")
     shared["megatron"] = mega
-    torch_side = DistributedTrainer(model, lr=1e-5, precision=precision, device=dev)  # the same weights, in place
+    model.to(dev)  # after Megatron copied the weights: the torch side computes where the model is placed
+    torch_side = DistributedTrainer(model, lr=1e-5, precision=precision, device=dev)
     batch = random_batch(micro, seq, model.config.vocab_size, torch.Generator().manual_seed(2))
     lp_torch = torch_side.logprobs(batch).float()
     lp_mega = mega.logprobs(batch).float().to(lp_torch.device)
