@@ -22,7 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _spec_commands(sub: argparse._SubParsersAction) -> None:
     """validate: check a spec."""
-    p = sub.add_parser("validate", help="check a spec; exit 2 naming each bad field")
+    p = sub.add_parser("validate", help="check a spec, and that this machine has the cores and GPUs it asks for; "
+                                          "exit 2 naming each bad field")
     add_spec(p)
     p.add_argument("--show", action="store_true", help="print the resolved spec with defaults")
     p.set_defaults(func="spec:cmd_validate")

@@ -6,7 +6,18 @@ import argparse
 import sys
 
 from factory.cli.common import check_model, error, load
+from factory.config import ExperimentSpec
+from factory.infra.placement import check_placement
 from factory.runs.exit_codes import EXIT_BAD_INPUT, EXIT_OK
+
+
+def machine_problem(spec: ExperimentSpec) -> tuple[str | None, list[str]]:
+    """(the error, []) if this machine cannot hold the spec's cores or GPUs (counted without torch), else (None,
+    placement notes): what the run's start would refuse, said before it starts."""
+    try:
+        return None, check_placement(spec)
+    except ValueError as e:
+        return str(e), []
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -16,6 +27,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
         print(str(err), file=sys.stderr)
         return EXIT_BAD_INPUT
     model, problem = check_model(spec, args)
+    notes: list[str] = []
+    if problem is None:
+        problem, notes = machine_problem(spec)
     if problem is not None:
         error(problem)
         return EXIT_BAD_INPUT
@@ -24,6 +38,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
         print(note)
     if model is not None:
         print(model)
+    for note in notes:
+        print(note)
     if args.show:
         print(spec.to_yaml(), end="")
     return EXIT_OK

@@ -11,8 +11,8 @@ Linux applies CPU affinity per thread and torch's intra-op thread count is per t
 that are threads of one process are placed by the thread itself when it starts (`enter`), and a child process
 inherits the affinity of the thread that forks it (`for_child` sets it in the child before it runs). A component
 without cores of its own runs on the cores the process had at start, not on the trainer's, which the loop's
-thread narrows for itself. GPU devices: `trainer.devices` (ranks) and `rollout.devices` (SGLang servers' GPUs); the
-embedded engine runs on the CPU.
+thread narrows for itself. GPU devices: `trainer.devices` (ranks) and `rollout.devices` (SGLang servers' GPUs),
+checked against the machine's GPUs by `infra/gpus.py`.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from factory.infra.gpus import Gpus, check_gpus
 
 if TYPE_CHECKING:
     from factory.config import ExperimentSpec
@@ -56,9 +58,12 @@ def placements(spec: ExperimentSpec) -> dict[str, Place]:
             "sandbox": Place("sandbox", cpus(spec.task.sandbox_cpus))}
 
 
-def check_placement(spec: ExperimentSpec, available: Iterable[int] | None = None) -> list[str]:
-    """Refuse cores this process may not use (a ValueError naming the field and the cores it has); return notes
-    for components that share cores (allowed, but they will compete)."""
+def check_placement(spec: ExperimentSpec, available: Iterable[int] | None = None,
+                    gpus: Gpus | None = None) -> list[str]:
+    """Refuse cores this process may not use and GPUs this machine does not have (`infra/gpus.py`; `gpus`
+    default: counted here), each a ValueError naming the field and what there is; return notes for components
+    that share cores (allowed, but they will compete)."""
+    check_gpus(spec, gpus)
     have = frozenset(available if available is not None else _START_CPUS)
     places = placements(spec)
     for name, place in places.items():

@@ -31,6 +31,7 @@ from factory.digest import dir_digest
 from factory.envs.eval_suites import HELD_OUT
 from factory.envs.tasks import make_task_splits
 from factory.home import FactoryPaths
+from factory.infra.gpus import Gpus
 from factory.infra.placement import check_placement, enter, placements
 from factory.lake.writer import Lake
 from factory.models.build import build_model, policy_for
@@ -58,8 +59,12 @@ def code_version() -> str:
 
 
 def set_threads(spec: ExperimentSpec, log: Log = print) -> None:
-    """Place the calling thread (the trainer's) per the spec (`infra/placement.py`); bad cores are refused here."""
-    for note in check_placement(spec):
+    """Place the calling thread (the trainer's) per the spec (`infra/placement.py`); cores and GPUs the machine
+    does not have are refused here (GPUs as torch counts them: the count the run will meet)."""
+    import torch
+
+    gpus = Gpus(torch.cuda.device_count(), "torch.cuda.device_count()")
+    for note in check_placement(spec, gpus=gpus):
         log(note)
     enter(placements(spec)["trainer"])
 
