@@ -42,6 +42,7 @@ from factory.data.feed import PromptFeed
 from factory.envs.protocol import tokens_from_session
 from factory.envs.registry import load_environment
 from factory.envs.workers import Episode, Scored, make_environment
+from factory.infra.device import to_host
 from factory.infra.placement import enter, placements
 from factory.infra.supervisor import CONNECTION_ERRORS, ServiceProcess, ServiceUnavailable, retry
 from factory.models import lora
@@ -437,7 +438,9 @@ def _published_state(model: PreTrainedModel) -> dict:
     """What a version sends the rollout server: a copy of the weights, or with LoRA of the adapters alone."""
     if lora.attached(model):
         return lora.adapter_state(model)  # already fresh CPU copies
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    # The delta is encoded on the CPU: weights on a GPU leave through pinned host buffers (fresh ones: no clone).
+    return {k: v.detach().clone() if v.device.type == "cpu" else to_host(v.detach())
+            for k, v in model.state_dict().items()}
 
 
 def _prompt_ids(tok: PreTrainedTokenizerFast, problem: Problem, spec: ExperimentSpec,
