@@ -83,15 +83,13 @@ def rng_state(shuffle: torch.Generator | None = None) -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any], shuffle: torch.Generator | None = None) -> None:
     """Restore what `rng_state` took. A resume point without CUDA states (older ones, or taken on the CPU) leaves
-    the CUDA generators as they are; CUDA states with no CUDA here are refused (the run would not be the same)."""
+    the CUDA generators as they are; one with CUDA states resumed where torch sees no GPU ignores them (nothing
+    there draws from a CUDA generator); with a different number of visible GPUs it is refused."""
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     cuda = state.get("cuda")
-    if cuda is not None:
-        if not torch.cuda.is_available():
-            raise ResumeError(f"the resume point holds the RNG states of {len(cuda)} CUDA device(s), but torch sees "
-                              f"no CUDA device here: resume it on a machine with a GPU")
+    if cuda is not None and torch.cuda.is_available():
         if len(cuda) != torch.cuda.device_count():
             raise ResumeError(f"the resume point holds the RNG states of {len(cuda)} CUDA device(s), but this "
                               f"process sees {torch.cuda.device_count()} (CUDA_VISIBLE_DEVICES): resume it with "
