@@ -250,6 +250,10 @@ class Run:
     def _open_records(self) -> None:
         """The `runs` row's fixed part and the MLflow run: new for a first attempt, continued for a later one."""
         spec, run_id, opts = self.spec, self.run_id, self.options
+        # This attempt's device (a resumed attempt may run elsewhere), resolved once, before anything is recorded: a
+        # device the machine does not have is refused here. Logged, and recorded in the `runs` row and as an MLflow
+        # tag; `begin` places the model on it.
+        self.device = run_device(spec)
         if self.prev is None:
             self.base_row = dict(run_id=run_id, sweep_id=opts.sweep_id, name=spec.name, spec=spec.to_json(),
                                  spec_fingerprint=spec.fingerprint(), code_version=code_version(), seed=spec.seed,
@@ -268,9 +272,6 @@ class Run:
             self.tracker.client.update_run(self.prev["mlflow_run_id"], status="RUNNING")  # the same run continues
             self.lost_s = recovery.lost_seconds(self.lake, run_id)
         self.mlflow_id = self.base_row["mlflow_run_id"]
-        # The device is this attempt's (a resumed attempt may run elsewhere): resolved once here, logged, recorded
-        # in the `runs` row and as an MLflow tag; `begin` places the model on it.
-        self.device = run_device(spec)
         device = describe(self.device)
         self.log(f"run {run_id}: device {device}")
         self.tracker.set_tags(self.mlflow_id, {"factory.device": device})
