@@ -34,6 +34,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from factory.config import BufferSpec, ExperimentSpec
 from factory.core.buffer import BufferClosed, BufferTimeout, Group, Reservation, RolloutBuffer, Sample
+from factory.core.resume import host_copy
 from factory.core.rollout.base import Completion, SamplingParams
 from factory.core.rollout.continuous import ContinuousEngine
 from factory.core.rollout.embedded import EmbeddedEngine
@@ -42,7 +43,6 @@ from factory.data.feed import PromptFeed
 from factory.envs.protocol import tokens_from_session
 from factory.envs.registry import load_environment
 from factory.envs.workers import Episode, Scored, make_environment
-from factory.infra.device import to_host
 from factory.infra.placement import enter, placements
 from factory.infra.supervisor import CONNECTION_ERRORS, ServiceProcess, ServiceUnavailable, retry
 from factory.models import lora
@@ -439,8 +439,7 @@ def _published_state(model: PreTrainedModel) -> dict:
     if lora.attached(model):
         return lora.adapter_state(model)  # already fresh CPU copies
     # The delta is encoded on the CPU: weights on a GPU leave through pinned host buffers (fresh ones: no clone).
-    return {k: v.detach().clone() if v.device.type == "cpu" else to_host(v.detach())
-            for k, v in model.state_dict().items()}
+    return {k: host_copy(v) for k, v in model.state_dict().items()}
 
 
 def _prompt_ids(tok: PreTrainedTokenizerFast, problem: Problem, spec: ExperimentSpec,

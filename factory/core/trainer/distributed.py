@@ -59,6 +59,7 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
 from factory.core.batch import TrainBatch
+from factory.core.resume import host_copy
 from factory.core.trainer.torch_trainer import LossFn, batch_to, model_device, over_minibatches, token_logprobs
 from factory.models.checkpoint import save_checkpoint
 
@@ -279,7 +280,7 @@ class DistributedTrainer:
             return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank != 0:
             return {}
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        return {k: host_copy(v) for k, v in self.model.state_dict().items()}  # from a GPU: pinned buffers
 
     def optimizer_state(self) -> dict:
         """The optimizer's state for a resume point: as `state_dict()` where each rank holds all of it, the full
