@@ -101,12 +101,15 @@ def test_a_bad_precision_names_the_field(model):
         TorchTrainer(model, lr=0.01, precision="fp16")
 
 
-def test_grad_accum_in_one_process_computes_where_the_model_is_and_moves_nothing(model, cuda_moves):
-    """grad_accum > 1 at world_size 1 takes the lone DistributedTrainer. With CUDA present it used to put itself on
-    cuda:LOCAL_RANK and move the shared model there behind the engines' and evals' back; now it computes on the
-    model's device (the run placed it) and moves nothing."""
-    trainer = make_trainer(_spec(grad_accum=2), model)
-    assert isinstance(trainer, DistributedTrainer)
+@pytest.mark.parametrize("layout", [{"grad_accum": 2}, {"precision": "bf16"}, {"grad_accum": 2, "precision": "bf16"}],
+                         ids=["grad_accum", "bf16", "both"])
+def test_one_process_computes_where_the_model_is_and_moves_nothing(model, cuda_moves, layout):
+    """grad_accum > 1 or bf16 at world_size 1 used to take a lone DistributedTrainer that, with CUDA present, put
+    itself on cuda:LOCAL_RANK and moved the shared model there behind the engines' and evals' back (a device
+    mismatch at step 0). Now the trainer computes on the model's device (where the run placed it) and moves
+    nothing; bf16 alone is the plain TorchTrainer."""
+    trainer = make_trainer(_spec(**layout), model)
+    assert isinstance(trainer, DistributedTrainer if "grad_accum" in layout else TorchTrainer)
     assert cuda_moves == [] and trainer.device == torch.device("cpu")
     loss_fn = algorithms.make_loss(_spec().algorithm, max_new_tokens=3)
     assert trainer.step(_batch(), loss_fn)["nonfinite"] == 0.0
