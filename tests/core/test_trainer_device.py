@@ -133,3 +133,16 @@ def test_the_kl_reference_goes_to_the_policys_device(model, monkeypatch):
     problems = [Problem(id=f"p{i}", prompt=f"{i}+{i}=", answer="", op="add", digits=1) for i in range(4)]
     records = train_rl(spec, model, tok, problems, reference_model=reference)
     assert moves == [torch.device("cuda", 1)] and len(records) == 1
+
+
+def test_a_bf16_run_trains_in_process_with_the_engine_sharing_the_model(model):
+    """The loop at precision bf16 in one process: the sync engine samples from the trainer's own model, the KL
+    reference runs at the same precision, and every step is finite and applied."""
+    tok = build_tokenizer()
+    spec = parse_spec({**_spec(precision="bf16").model_dump(mode="json"),
+                       "algorithm": {"group_size": 4, "lr": 0.01, "kl_coef": 0.1}, "schedule": {"steps": 2}})
+    problems = [Problem(id=f"p{i}", prompt=f"{i}+{i}=", answer="", op="add", digits=1) for i in range(4)]
+    records = train_rl(spec, model, tok, problems)
+    assert [r.step for r in records] == [1, 2] and all(r.nonfinite == 0.0 for r in records)
+    assert all(torch.isfinite(torch.tensor([r.loss, r.kl, r.grad_norm, r.logprob_mismatch])).all() for r in records)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
