@@ -45,7 +45,7 @@ from factory.core.producer import (
 from factory.core.resume import TrainState, capture, rng_state, set_rng_state
 from factory.core.sglang_producer import SGLangProducer
 from factory.core.trainer.ranks import make_trainer
-from factory.core.trainer.torch_trainer import TorchTrainer
+from factory.core.trainer.torch_trainer import TorchTrainer, model_device
 from factory.data.feed import PromptFeed, make_feed
 from factory.envs.registry import load_environment
 from factory.infra.faults import fault_point
@@ -149,7 +149,8 @@ def train_rl(
     reference = None
     if spec.algorithm.kl_coef > 0:  # copied before a resume point is loaded: `model` is still the run's start
         ref = reference_model if reference_model is not None else copy.deepcopy(model)
-        reference = TorchTrainer(ref.eval(), lr=0.0, temperature=spec.rollout.temperature)
+        reference = TorchTrainer(ref.eval(), lr=0.0, temperature=spec.rollout.temperature,
+                                 precision=spec.trainer.precision)
     # After the KL reference copy (the base), before a resume point's adapters; a caller may have attached them
     # already (e.g. to build its own producer from the adapted model).
     if spec.trainer.lora is not None and not lora.attached(model):
@@ -160,6 +161,10 @@ def train_rl(
     torch.manual_seed(spec.seed + start_step)
     shuffle = torch.Generator().manual_seed(spec.seed)
     trainer = make_trainer(spec, model)  # one process (the default), or rank 0 leading torchrun ranks
+    if reference is not None:
+        # On the policy's device (after make_trainer: a rank-0 trainer may have placed it), at the trainer's
+        # precision: the KL compares like with like, and a reference left on the CPU would run there.
+        reference.model.to(model_device(model))
     loss_fn = _grpo_loss_fn(spec)
     nonfinite_streak = 0
     if resume is not None:

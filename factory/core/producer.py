@@ -34,6 +34,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from factory.config import BufferSpec, ExperimentSpec
 from factory.core.buffer import BufferClosed, BufferTimeout, Group, Reservation, RolloutBuffer, Sample
+from factory.core.resume import host_copy
 from factory.core.rollout.base import Completion, SamplingParams
 from factory.core.rollout.continuous import ContinuousEngine
 from factory.core.rollout.embedded import EmbeddedEngine
@@ -437,7 +438,8 @@ def _published_state(model: PreTrainedModel) -> dict:
     """What a version sends the rollout server: a copy of the weights, or with LoRA of the adapters alone."""
     if lora.attached(model):
         return lora.adapter_state(model)  # already fresh CPU copies
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    # The delta is encoded on the CPU: weights on a GPU leave through pinned host buffers (fresh ones: no clone).
+    return {k: host_copy(v) for k, v in model.state_dict().items()}
 
 
 def _prompt_ids(tok: PreTrainedTokenizerFast, problem: Problem, spec: ExperimentSpec,

@@ -1,11 +1,14 @@
 """Resume points: everything a run needs to continue exactly where it was, on disk, atomic and verified.
 
-A resume point after step S holds the model's weights, the optimizer's state, every RNG (torch, python,
-numpy, the trainer's minibatch shuffle), the loop's own counters, the prompt stream's position with the
-prompts still in flight (served again after a resume: never skipped, never trained twice), the rollout
-buffer's scored groups not yet trained, and the `state_dict()` of anything else stateful the loop drives
-(`extra`, e.g. a data blender). Prompt sampling is seeded per draw, so the stream's position covers the
-producers' and the sampler's randomness.
+A resume point after step S holds the model's weights, the optimizer's state, every RNG (torch, python, numpy, the
+trainer's minibatch shuffle, every CUDA device's where CUDA is in use), the loop's own counters, the prompt stream's
+position with the prompts still in flight (served again after a resume: never skipped, never trained twice), the
+rollout buffer's scored groups not yet trained, and the `state_dict()` of anything else stateful the loop drives
+(`extra`, e.g. a data blender). Prompt sampling is seeded per draw, so the stream's position covers the producers'
+and the sampler's randomness.
+
+Every tensor is copied to the CPU (from a GPU through a pinned host buffer), so a resume point loads on any
+device: the model and optimizer `load_state_dict` copy it to wherever the run placed them.
 
 Saving does not stall the trainer for the write: `capture` copies the state into memory between two steps
 (milliseconds on small models: the stall that `ResumeWriter.stall_ms` measures), and a background thread
@@ -39,6 +42,7 @@ from safetensors.torch import save as save_safetensors
 
 from factory.digest import hash_blobs, manifest_entries
 from factory.digest import manifest as tree_manifest
+from factory.infra.device import to_host
 from factory.infra.faults import fault_point
 from factory.progress import Log
 
@@ -64,26 +68,48 @@ class TrainState:
 
 
 def rng_state(shuffle: torch.Generator | None = None) -> dict[str, Any]:
-    """Every RNG the process uses: torch's global one, python's, numpy's, and the trainer's shuffle."""
+    """Every RNG the process uses: torch's global one, python's, numpy's, the trainer's shuffle, and where CUDA is
+    in use, every CUDA device's (`cuda`: one state per visible device)."""
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(),
                              "numpy": np.random.get_state()}
+    # is_initialized, not is_available: a process that never touched the GPU has no CUDA stream to restore, and
+    # asking for it would initialise CUDA (and fail on machines where the driver is there but unusable).
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
     if shuffle is not None:
         state["shuffle"] = shuffle.get_state()
     return state
 
 
 def set_rng_state(state: dict[str, Any], shuffle: torch.Generator | None = None) -> None:
+    """Restore what `rng_state` took. A resume point without CUDA states (older ones, or taken on the CPU) leaves
+    the CUDA generators as they are; one with CUDA states resumed where torch sees no GPU ignores them (nothing
+    there draws from a CUDA generator); with a different number of visible GPUs it is refused."""
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available():
+        if len(cuda) != torch.cuda.device_count():
+            raise ResumeError(f"the resume point holds the RNG states of {len(cuda)} CUDA device(s), but this "
+                              f"process sees {torch.cuda.device_count()} (CUDA_VISIBLE_DEVICES): resume it with "
+                              f"the same GPUs visible")
+        torch.cuda.set_rng_state_all(cuda)
     if shuffle is not None and "shuffle" in state:
         shuffle.set_state(state["shuffle"])
+
+
+def host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A private CPU copy of `tensor`: through a pinned host buffer when it is on a GPU (`infra/device.to_host`:
+    already a fresh buffer), a clone when it is on the CPU."""
+    tensor = tensor.detach()
+    return tensor.clone() if tensor.device.type == "cpu" else to_host(tensor)
 
 
 def _copy(obj: Any) -> Any:
     """A deep copy whose tensors are detached CPU clones (what the optimizer holds keeps changing)."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
+        return host_copy(obj)
     if isinstance(obj, dict):
         return {k: _copy(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
@@ -93,8 +119,9 @@ def _copy(obj: Any) -> Any:
 
 def capture(step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rng: dict[str, Any],
             loop: dict[str, Any], extra: dict[str, Any] | None = None) -> TrainState:
-    """Copy the state into memory (the only part of a save the trainer waits for)."""
-    return TrainState(step=step, model={k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()},
+    """Copy the state into memory (the only part of a save the trainer waits for): every tensor to the CPU, so the
+    resume point loads on any device (`load_state_dict` copies into the model where it is)."""
+    return TrainState(step=step, model={k: host_copy(v) for k, v in model.state_dict().items()},
                       optimizer=_copy(optimizer.state_dict()), rng=_copy(rng), loop=json.loads(json.dumps(loop)),
                       extra=json.loads(json.dumps(extra or {})))
 

@@ -161,6 +161,7 @@ RUNS = _table("runs", ("run_id",), [
     ("heartbeat_at", TS, OPT),  # last sign of life of the current attempt
     ("error", STR, OPT),  # why it stopped, when it did not succeed
     ("lost_s", DBL, OPT),  # wall time lost to interruptions (redone steps, detection, recovery) and preflight
+    ("device", STR, OPT),  # the current attempt's compute device, e.g. "cuda:0 (NVIDIA H100 80GB HBM3)"
 ])
 
 _STEP_METRICS = (

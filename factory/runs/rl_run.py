@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from threading import Lock
 
+import torch
 from pyiceberg.expressions import And, EqualTo, GreaterThan
 
 from factory.config import ExperimentSpec, parse_spec
@@ -39,6 +40,7 @@ from factory.data.stats import read_prompt_stats
 from factory.digest import dir_digest
 from factory.envs.eval_suites import HELD_OUT
 from factory.home import FactoryPaths
+from factory.infra.device import describe, run_device
 from factory.infra.supervisor import CircuitOpen
 from factory.lake.writer import Lake
 from factory.models import lora
@@ -49,7 +51,16 @@ from factory.runs import recovery
 from factory.runs.attempt import LAUNCH, AttemptLock, beat, read_launch, resume_dir
 from factory.runs.exit_codes import EXIT_NEEDS_FIX, EXIT_OK, EXIT_STOPPED
 from factory.runs.resume_points import RunCheckpoints
-from factory.runs.stages import Log, ProgressCallback, build_dataset, code_version, eval_rows, load_dataset, set_threads
+from factory.runs.stages import (
+    Log,
+    ProgressCallback,
+    build_dataset,
+    code_version,
+    eval_rows,
+    load_dataset,
+    place,
+    set_threads,
+)
 from factory.tracking import Tracker
 
 _now = recovery.now
@@ -188,6 +199,7 @@ class Run:
         self.mlflow_id = ""
         self.lost_s = 0.0  # time lost to interruptions: changes only when one is closed, not at every flush
         self.model = self.tok = self.reference = None
+        self.device: torch.device | None = None  # this attempt's (`_open_records` resolves it)
         self.state: TrainState | None = None  # the resume point this attempt starts from
         self.resumed_from = 0
         self.interruption: dict | None = None  # the previous attempt's, closed at this attempt's first step
@@ -220,6 +232,7 @@ class Run:
         self._record_run(self.live_status)
         beat(self.run_dir)
         self.model, self.tok = load_checkpoint(self.init_checkpoint)
+        place(self.spec, self.model, device=self.device)  # before the KL reference is copied from it: both there
         if self.spec.algorithm.kl_coef > 0:  # the KL reference is the run's start, whatever attempt this is
             self.reference = copy.deepcopy(self.model).eval()
         found = latest(resume_dir(self.run_dir), log=self.log) if self.prev is not None else None
@@ -237,6 +250,10 @@ class Run:
     def _open_records(self) -> None:
         """The `runs` row's fixed part and the MLflow run: new for a first attempt, continued for a later one."""
         spec, run_id, opts = self.spec, self.run_id, self.options
+        # This attempt's device (a resumed attempt may run elsewhere), resolved once, before anything is recorded: a
+        # device the machine does not have is refused here. Logged, and recorded in the `runs` row and as an MLflow
+        # tag; `begin` places the model on it.
+        self.device = run_device(spec)
         if self.prev is None:
             self.base_row = dict(run_id=run_id, sweep_id=opts.sweep_id, name=spec.name, spec=spec.to_json(),
                                  spec_fingerprint=spec.fingerprint(), code_version=code_version(), seed=spec.seed,
@@ -255,7 +272,11 @@ class Run:
             self.tracker.client.update_run(self.prev["mlflow_run_id"], status="RUNNING")  # the same run continues
             self.lost_s = recovery.lost_seconds(self.lake, run_id)
         self.mlflow_id = self.base_row["mlflow_run_id"]
-        self.base_row.update(attempts=self.attempt, restarts=self.attempt - 1, host=recovery.host(), pid=os.getpid())
+        device = describe(self.device)
+        self.log(f"run {run_id}: device {device}")
+        self.tracker.set_tags(self.mlflow_id, {"factory.device": device})
+        self.base_row.update(attempts=self.attempt, restarts=self.attempt - 1, host=recovery.host(), pid=os.getpid(),
+                             device=device)
 
     def _wall(self) -> float:
         return (_now() - self.base_row["started_at"]).total_seconds()

@@ -3,6 +3,8 @@ by runs that ask for the same one), the more-SFT control, and the eval report.
 
 `runs/experiment.py` calls them in order around the RL run (`runs/rl_run.py`); the Dagster assets call the same
 functions one per asset. Each stage writes its outputs under FACTORY_HOME and its records to Iceberg and MLflow.
+Each stage places the model it builds or loads on the run's device (`place`); checkpoints are written from it and
+load on the CPU (transformers' default), to be placed again by whoever loads them.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+import torch
 from pyiceberg.expressions import EqualTo
 
 import factory
@@ -31,6 +34,7 @@ from factory.digest import dir_digest
 from factory.envs.eval_suites import HELD_OUT
 from factory.envs.tasks import make_task_splits
 from factory.home import FactoryPaths
+from factory.infra.device import describe, prepare, run_device
 from factory.infra.gpus import Gpus
 from factory.infra.placement import check_placement, enter, placements
 from factory.lake.writer import Lake
@@ -58,11 +62,23 @@ def code_version() -> str:
     return f"{factory.__version__}+{sha}" if sha else factory.__version__
 
 
+def place(spec: ExperimentSpec, model: torch.nn.Module, log: Log | None = None,
+          device: torch.device | None = None) -> torch.device:
+    """Put `model` on the run's device (`device` if the caller resolved it already, else `infra/device.run_device`:
+    the spec's `device`, or trainer.devices at world_size 1), made current with TF32 on a GPU, and say which
+    (`log`); returns it. Every stage places its model here once: the trainers, engines, evals and the KL reference
+    then follow the model."""
+    device = device or run_device(spec)
+    prepare(device)
+    model.to(device)
+    if log is not None:
+        log(f"device: {describe(device)}")
+    return device
+
+
 def set_threads(spec: ExperimentSpec, log: Log = print) -> None:
     """Place the calling thread (the trainer's) per the spec (`infra/placement.py`); cores and GPUs the machine
     does not have are refused here (GPUs as torch counts them: the count the run will meet)."""
-    import torch
-
     gpus = Gpus(torch.cuda.device_count(), "torch.cuda.device_count()")
     for note in check_placement(spec, gpus=gpus):
         log(note)
@@ -112,6 +128,7 @@ def load_dataset(path: str | Path) -> Splits:
 def evaluate_checkpoint(spec: ExperimentSpec, path: str | Path, problems: list[Problem],
                         k: int | None = None) -> EvalResult:
     model, tok = load_checkpoint(path)
+    place(spec, model)
     return evaluate(EmbeddedEngine(model, tok), tok, problems, spec.rollout.max_new_tokens,
                     k=spec.schedule.eval_pass_k if k is None else k, temperature=1.0, seed=spec.seed)
 
@@ -152,6 +169,7 @@ def train_sft_checkpoint(spec: ExperimentSpec, paths: FactoryPaths, splits: Spli
         tok = tokenizer or tokenizer_for(spec.task.name)
         model = model if model is not None else build_model(spec.model.preset, tok, seed=spec.seed,
                                                             max_positions=spec.model.max_positions)
+    place(spec, model, log)  # SFT (and the control) train on the run's device
     # An explicit step count (the control) means exactly that many steps: no early stop.
     sft = spec.sft if steps is None else spec.sft.model_copy(update={"steps": steps, "stop_at_accuracy": None})
     t0 = time.perf_counter()

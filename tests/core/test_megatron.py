@@ -312,6 +312,69 @@ def test_make_megatron_trainer_reads_the_spec(mg):
         mg.make_megatron_trainer(tp2, model, device="cpu")
 
 
+class _FakeCudaRng:
+    """The one CUDA generator Megatron's RNG tracker reads and writes, kept on the CPU: seeding it, reading and
+    setting its state. What the tracker does with it (add, fork, restore) is Megatron's own code."""
+
+    def __init__(self):
+        self.state = torch.Generator().manual_seed(0).get_state()
+        self.seeds: list[int] = []
+
+    def manual_seed(self, seed: int) -> None:
+        self.seeds.append(seed)
+        self.state = torch.Generator().manual_seed(seed).get_state()
+
+    def get(self, *args, **kwargs) -> torch.Tensor:
+        return self.state.clone()
+
+    def set(self, state: torch.Tensor, *args, **kwargs) -> None:
+        self.state = state.clone()
+
+
+@pytest.fixture
+def cuda_path(mg, monkeypatch):
+    """What make_megatron_trainer meets on a one-GPU machine, on this CPU: torch reports one CUDA device, a fresh
+    (never seeded) Megatron RNG tracker over a fake CUDA generator, and moving a module to CUDA leaves it on the
+    CPU. Megatron's real CudaRNGStatesTracker is used: only the generator under it is fake."""
+    import megatron.core.tensor_parallel.random as mrandom
+
+    rng = _FakeCudaRng()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")  # RoPE's table stays with the model
+    monkeypatch.setattr(torch.cuda, "manual_seed", rng.manual_seed)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", rng.get)
+    monkeypatch.setattr(mrandom, "_get_cuda_rng_state", rng.get)
+    monkeypatch.setattr(mrandom, "_set_cuda_rng_state", rng.set)
+    monkeypatch.setattr(mrandom, "_CUDA_RNG_STATE_TRACKER", None)
+    monkeypatch.setattr(mrandom, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", False)
+    to = torch.nn.Module.to
+
+    def to_cpu_for_cuda(self, *args, **kwargs):
+        if args and torch.device(args[0]).type == "cuda":
+            return self
+        return to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "to", to_cpu_for_cuda)
+    return mrandom, rng
+
+
+def test_megatron_on_cuda_seeds_the_model_parallel_rng_from_the_run_seed(mg, cuda_path):
+    """On CUDA, attention forks Megatron's 'model-parallel-rng' state on every forward; unseeded it raises "cuda rng
+    state model-parallel-rng is not added" (the CPU stand-ins above replace the tracker and hid this). The trainer
+    built for a CUDA device registers it, seeded from the run's seed, and the forward through the real tracker
+    runs."""
+    mrandom, rng = cuda_path
+    spec = parse_spec({**_spec("qwen2").model_dump(mode="json"), "seed": 7})
+    trainer = mg.make_megatron_trainer(spec, tiny("qwen2", True), device="cuda:0")
+    tracker = mrandom.get_cuda_rng_tracker()
+    assert "model-parallel-rng" in tracker.get_states()
+    assert rng.seeds[0] == 7 and 7 + 2718 in tracker.seeds_  # data-parallel seed, then tensor-parallel rank 0's
+    lp = trainer.logprobs(_batch())  # DotProductAttention forks the tracker: raises if the state is not added
+    assert torch.isfinite(lp).all()
+
+
 # --- tensor parallel 2 across two real ranks (torchrun, gloo, CPU) -------------------------------------------------
 
 

@@ -110,6 +110,69 @@ def test_rng_state_covers_python_numpy_and_torch():
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == a
 
 
+class FakeCudaRng:
+    """Two CUDA devices' generators as torch.cuda shows them to a process that has used CUDA: states read and set
+    per device (kept on the CPU: there is no GPU here)."""
+
+    def __init__(self, monkeypatch, devices: int = 2):
+        self.states = [torch.Generator().manual_seed(100 + i).get_state() for i in range(devices)]
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: devices)
+        monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [s.clone() for s in self.states])
+        monkeypatch.setattr(torch.cuda, "set_rng_state_all", self.set_all)
+
+    def set_all(self, states) -> None:
+        assert len(states) == len(self.states)
+        self.states = [s.clone() for s in states]
+
+
+def test_a_resume_point_round_trips_every_cuda_devices_rng_state(monkeypatch, tmp_path):
+    """Where CUDA is in use, the resume point holds each device's RNG state (written, loaded, restored): sampling
+    on the GPU after a resume continues the same random stream."""
+    from factory.core.resume import set_rng_state
+
+    cuda = FakeCudaRng(monkeypatch)
+    saved = [s.clone() for s in cuda.states]
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state = capture(1, model, opt, rng_state(), {})
+    assert [torch.equal(a, b) for a, b in zip(state.rng["cuda"], saved, strict=True)] == [True, True]
+    cuda.states = [torch.Generator().manual_seed(7).get_state() for _ in range(2)]  # the GPUs kept drawing
+    set_rng_state(load(write(state, tmp_path / "resume", keep=1)).rng)
+    assert all(torch.equal(a, b) for a, b in zip(cuda.states, saved, strict=True))
+
+
+def test_an_old_resume_point_without_cuda_states_still_loads_where_cuda_is_in_use(monkeypatch, tmp_path):
+    """Resume points written before CUDA states were kept (or on a CPU) have none: they load, and the CUDA
+    generators are left as they are."""
+    from factory.core.resume import set_rng_state
+
+    old = load(write(tiny_state(), tmp_path / "resume", keep=1))  # taken where CUDA was not in use
+    assert "cuda" not in old.rng
+    cuda = FakeCudaRng(monkeypatch)
+    before = [s.clone() for s in cuda.states]
+    set_rng_state(old.rng)
+    assert all(torch.equal(a, b) for a, b in zip(cuda.states, before, strict=True))
+
+
+def test_cuda_rng_states_for_other_gpus_are_refused_and_ignored_without_a_gpu(monkeypatch):
+    """A point taken with 2 GPUs visible cannot restore them where 1 is (refused, saying why); on a machine without
+    CUDA its CPU state still loads (nothing draws from a CUDA generator there)."""
+    from factory.core.resume import ResumeError, set_rng_state
+
+    FakeCudaRng(monkeypatch, devices=2)
+    state = rng_state()
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ResumeError, match=r"RNG states of 2 CUDA device\(s\), but this process sees 1"):
+        set_rng_state(state)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: pytest.fail("no CUDA to restore"))
+    drawn = torch.rand(3)
+    set_rng_state(state)
+    assert "cuda" in state and torch.equal(torch.rand(3), drawn)
+
+
 class Saver:
     """A Checkpoints policy that keeps resume points in memory, every `every` steps."""
 

@@ -34,6 +34,10 @@ backward, on the minibatch's first row at weight 0, since FSDP and DDP need ever
 
 Under both strategies every rank starts from rank 0's weights (broadcast at construction).
 
+Device: alone (world_size 1) it computes where the model already is, the run's device (`infra/device.run_device`),
+so the in-process engines and evals that share the model are not left behind; a rank of a group is placed on its
+own device (`rank_device`), and on rank 0 the loop's components follow the model there.
+
 Weights leave through `full_state_dict` / `gathered_model` / `save_full_checkpoint`: collectives that every rank
 calls, after which rank 0 holds the full, unsharded float32 state on CPU (for publication or an HF checkpoint).
 """
@@ -55,7 +59,8 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
 from factory.core.batch import TrainBatch
-from factory.core.trainer.torch_trainer import LossFn, over_minibatches, token_logprobs
+from factory.core.resume import host_copy
+from factory.core.trainer.torch_trainer import LossFn, batch_to, model_device, over_minibatches, token_logprobs
 from factory.models.checkpoint import save_checkpoint
 
 Strategy = Literal["fsdp", "ddp"]
@@ -72,14 +77,6 @@ def loss_units(batch: TrainBatch, aggregation: str) -> int:
         return batch.n_tokens
     raise ValueError(f"aggregation: expected one of {', '.join(SEQUENCE_AGGREGATIONS + TOKEN_AGGREGATIONS)}, "
                      f"got {aggregation!r}")
-
-
-def batch_to(batch: TrainBatch, device: torch.device) -> TrainBatch:
-    if batch.input_ids.device == device:
-        return batch
-    return TrainBatch(batch.input_ids.to(device), batch.attention_mask.to(device), batch.loss_mask.to(device),
-                      {k: v.to(device) for k, v in batch.per_token.items()},
-                      {k: v.to(device) for k, v in batch.per_seq.items()})
 
 
 def load_full_state(model: PreTrainedModel, state: dict[str, Tensor]) -> PreTrainedModel:
@@ -139,7 +136,11 @@ class DistributedTrainer:
         if grad_accum < 1:
             raise ValueError(f"trainer.grad_accum: expected >= 1, got {grad_accum}")
         self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        self.device = device or rank_device()
+        # One process computes where the run placed the model (the engines and evals share it); a rank of a group
+        # goes to its own device (trainer.devices / LOCAL_RANK), and the loop's components follow the model there.
+        if device is None:
+            device = model_device(model) if self.world_size == 1 else rank_device()
+        self.device = device
         self.aggregation, self.grad_accum, self.precision = aggregation, grad_accum, precision
         self.temperature, self.grad_clip = temperature, grad_clip
         self.strategy = strategy if self.world_size > 1 else "single"
@@ -279,7 +280,7 @@ class DistributedTrainer:
             return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank != 0:
             return {}
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        return {k: host_copy(v) for k, v in self.model.state_dict().items()}  # from a GPU: pinned buffers
 
     def optimizer_state(self) -> dict:
         """The optimizer's state for a resume point: as `state_dict()` where each rank holds all of it, the full

@@ -8,7 +8,9 @@ table is moved to `torch.cuda.current_device()`, attention dropout forks the CUD
 run the forward, `logprobs` and `step` only with those two replaced by CPU equivalents (tests/core/test_megatron.py,
 `_cpu_stand_ins`); everything else in the forward and backward is Megatron's own, tensor_parallel 2 included (two
 gloo ranks under torchrun: sharded load, gathered logits, the TP-aware gradient norm, the gather back to HF).
-On a GPU nothing is replaced, but nothing here has run on CUDA yet, nor in bf16, nor with data-parallel ranks
+On a GPU nothing is replaced: `make_megatron_trainer` seeds Megatron's CUDA RNG tracker (`seed_cuda_rng`, from the
+run's seed) whenever it runs on CUDA, and takes the device the run placed the HF model on. Nothing here has run on
+CUDA yet, nor in bf16, nor with data-parallel ranks
 (world_size > tensor_parallel: the gradient averaging is unexercised). Pipeline parallel > 1 is converted
 (`megatron_convert.pipeline_stage`) but not trained: it needs Megatron's pipeline schedules, and `MegatronTrainer`
 refuses it.
@@ -31,6 +33,7 @@ try:
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import random as tensor_parallel_random
     from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
     from megatron.core.transformer.transformer_config import TransformerConfig
 except ImportError as e:  # the backend is optional: `pip install -e ".[megatron]"`
@@ -113,6 +116,14 @@ def build_gpt_model(hf_config: PretrainedConfig, tensor_parallel: int = 1, pipel
             parallel_output=False, share_embeddings_and_output_weights=g.tied, position_embedding_type="rope",
             rotary_base=rope_theta(hf_config),
         )
+
+
+def seed_cuda_rng(seed: int) -> None:
+    """Megatron's CUDA RNG tracker, seeded from the run's seed (`model_parallel_cuda_manual_seed`: the default,
+    data-parallel state gets `seed`, the tensor-parallel one `seed + 2718 + tp_rank`). Megatron's attention forks
+    the 'model-parallel-rng' state on every forward and raises without it. Needs the parallel state initialised
+    (`init_model_parallel`); it reseeds the current CUDA device's default generator with `seed`."""
+    tensor_parallel_random.model_parallel_cuda_manual_seed(seed)
 
 
 def _rank_state(hf_state: Mapping[str, Tensor], hf_config: PretrainedConfig) -> dict[str, Tensor]:
@@ -297,21 +308,29 @@ def _to(batch: TrainBatch, device: torch.device) -> TrainBatch:
 def make_megatron_trainer(spec: ExperimentSpec, hf_model: PreTrainedModel,
                           device: torch.device | str | None = None) -> MegatronTrainer:
     """The Megatron trainer for `spec` (trainer.backend: megatron) starting from `hf_model`'s weights, which it keeps
-    in step. `device` defaults to this rank's CUDA device (`trainer.devices[rank]`, else cuda:<local rank>); the
-    backend is GPU-only, so without CUDA that is an error (tests pass device='cpu' explicitly)."""
+    in step. `device` defaults, in one process, to the CUDA device the run placed `hf_model` on; else this rank's
+    CUDA device (`trainer.devices[rank]`, else cuda:<local rank>); the backend is GPU-only, so without CUDA that is
+    an error (tests pass device='cpu' explicitly). On CUDA, Megatron's RNG tracker is seeded from `spec.seed`."""
     t = spec.trainer
     if t.backend != "megatron":
         raise ValueError(f"trainer.backend: make_megatron_trainer needs 'megatron', got {t.backend!r}")
     if device is None:
-        if not torch.cuda.is_available():
+        placed = next(hf_model.parameters()).device
+        if placed.type == "cuda" and not (dist.is_initialized() and dist.get_world_size() > 1):
+            device = placed  # one process: where the run placed the model (the loop's engines share it)
+        elif not torch.cuda.is_available():
             raise ValueError("trainer.backend: megatron runs on CUDA GPUs; none is available here")
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        device = torch.device("cuda", t.devices[rank] if t.devices else rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
+        else:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            device = torch.device("cuda", t.devices[rank] if t.devices else rank % torch.cuda.device_count())
     device = torch.device(device)
     if device.type == "cpu" and t.precision == "bf16":
         raise ValueError("trainer.precision: bf16 with the Megatron backend needs a CUDA device")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     init_model_parallel(t.tensor_parallel, t.pipeline_parallel, backend="nccl" if device.type == "cuda" else "gloo")
+    if device.type == "cuda":
+        seed_cuda_rng(spec.seed)
     model = build_gpt_model(hf_model.config, t.tensor_parallel, t.pipeline_parallel)
     load_hf_state(model, hf_model.state_dict(), hf_model.config)
     model.to(device)

@@ -58,19 +58,22 @@ def _receive() -> tuple[str, Any]:
 
 
 def distributed_trainer(spec: ExperimentSpec, model: PreTrainedModel) -> DistributedTrainer:
-    """The `DistributedTrainer` that `spec.trainer` describes, on this rank's device."""
+    """The `DistributedTrainer` that `spec.trainer` describes: in a process group on this rank's device, alone on the
+    device the run placed `model` on (it is not moved: the loop's engines and evals share it)."""
     t = spec.trainer
+    device = rank_device(t.devices) if dist.is_initialized() and dist.get_world_size() > 1 else None
     return DistributedTrainer(model, lr=spec.algorithm.lr, grad_clip=t.grad_clip, weight_decay=t.weight_decay,
                               temperature=spec.rollout.temperature, aggregation=spec.algorithm.aggregation(),
                               strategy=t.strategy, grad_accum=t.grad_accum, precision=t.precision,
-                              device=rank_device(t.devices))
+                              device=device)
 
 
 def make_trainer(spec: ExperimentSpec, model: PreTrainedModel):
-    """The loop's trainer for `spec.trainer`: the plain `TorchTrainer` at world_size 1 with fp32 and no
-    accumulation (the default path, unchanged); a lone `DistributedTrainer` at world_size 1 with grad_accum or
-    bf16; on rank 0 of a torchrun group of world_size ranks, a `LeaderTrainer` (the others must run `follow`);
-    with backend megatron, a `MegatronTrainer` (one process; CUDA only, `trainer/megatron.py`)."""
+    """The loop's trainer for `spec.trainer`: the plain `TorchTrainer` at world_size 1 without accumulation (fp32, the
+    default path, or bf16 autocast), on the device the run placed `model` on; a lone `DistributedTrainer` at
+    world_size 1 with grad_accum (on that device too); on rank 0 of a torchrun group of world_size ranks, a
+    `LeaderTrainer` (the others must run `follow`); with backend megatron, a `MegatronTrainer` (one process; CUDA
+    only, `trainer/megatron.py`)."""
     t = spec.trainer
     if t.backend == "megatron":
         if t.world_size > 1:
@@ -80,9 +83,9 @@ def make_trainer(spec: ExperimentSpec, model: PreTrainedModel):
 
         return make_megatron_trainer(spec, model)
     if t.world_size == 1:
-        if t.grad_accum == 1 and t.precision == "fp32":
+        if t.grad_accum == 1:
             return TorchTrainer(model, lr=spec.algorithm.lr, grad_clip=t.grad_clip, weight_decay=t.weight_decay,
-                                temperature=spec.rollout.temperature)
+                                temperature=spec.rollout.temperature, precision=t.precision)
         return distributed_trainer(spec, model)
     group = dist.get_world_size() if dist.is_initialized() else None
     if group != t.world_size:

@@ -3,6 +3,12 @@
 It knows nothing of the algorithm: the loss function receives the new logprobs and the batch
 (with whatever per-token tensors the algorithm put there) and returns (loss, metrics).
 
+Device and precision: it computes on the device of the model it is given (the run placed it there: nothing here
+moves the model, so the rollout engines and evals that share it keep finding it where they left it). Batches
+arrive as CPU tensors and are moved to that device per minibatch; `logprobs` comes back on the CPU. `precision`
+"bf16" runs the forward under bf16 autocast over the float32 master weights (`factory.infra.device.autocast`);
+the log-softmax and the loss are taken in float32.
+
 A minibatch whose loss or gradient norm is NaN/inf is not applied: its gradients are dropped and the
 optimizer is not stepped, so the parameters and the AdamW state stay exactly as they were (one bad batch
 would otherwise poison the moments for good). `step` reports the share of such minibatches as `nonfinite`;
@@ -19,6 +25,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from factory.core.batch import TrainBatch
+from factory.infra.device import autocast
 
 LossFn = Callable[[Tensor, TrainBatch], tuple[Tensor, dict[str, float]]]
 
@@ -32,6 +39,20 @@ def token_logprobs(model: PreTrainedModel, batch: TrainBatch, temperature: float
     logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
     return logp, entropy
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """Where `model` computes: the device of its first parameter (the run placed it; components follow it)."""
+    return next(model.parameters()).device
+
+
+def batch_to(batch: TrainBatch, device: torch.device) -> TrainBatch:
+    """`batch` with every tensor on `device` (itself when it is there already: no copy on the CPU)."""
+    if batch.input_ids.device == device:
+        return batch
+    return TrainBatch(batch.input_ids.to(device), batch.attention_mask.to(device), batch.loss_mask.to(device),
+                      {k: v.to(device) for k, v in batch.per_token.items()},
+                      {k: v.to(device) for k, v in batch.per_seq.items()})
 
 
 MinibatchFn = Callable[[TrainBatch], tuple[dict[str, float], bool]]
@@ -59,11 +80,14 @@ def over_minibatches(batch: TrainBatch, minibatches: int, generator: torch.Gener
 
 
 class TorchTrainer:
-    """Owns the model being trained and its optimizer."""
+    """Owns the model being trained and its optimizer; computes on the model's device."""
 
     def __init__(self, model: PreTrainedModel, lr: float, grad_clip: float = 1.0,
-                 weight_decay: float = 0.0, temperature: float = 1.0):
+                 weight_decay: float = 0.0, temperature: float = 1.0, precision: str = "fp32"):
+        if precision not in ("fp32", "bf16"):
+            raise ValueError(f"trainer.precision: expected 'fp32' or 'bf16', got {precision!r}")
         self.model = model
+        self.precision = precision
         self.temperature = temperature
         self.grad_clip = grad_clip
         # Only what trains: with LoRA adapters attached (models/lora.py) the frozen base weights stay out of AdamW.
@@ -71,10 +95,21 @@ class TorchTrainer:
                                            weight_decay=weight_decay, betas=(0.9, 0.99))
         self.version = 0  # number of optimizer steps taken: the weight version it would publish
 
+    @property
+    def device(self) -> torch.device:
+        return model_device(self.model)
+
+    def _logprobs(self, batch: TrainBatch, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+        """`token_logprobs` on the model's device, under the trainer's precision (logprobs in float32)."""
+        with autocast(self.device, self.precision):
+            logp, entropy = token_logprobs(self.model, batch, self.temperature, with_entropy=with_entropy)
+        return logp.float(), None if entropy is None else entropy.float()
+
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> Tensor:
+        """Target-token logprobs [B, T-1], on the CPU (where the loop's batches live)."""
         self.model.eval()
-        return token_logprobs(self.model, batch, self.temperature)[0]
+        return self._logprobs(batch_to(batch, self.device))[0].cpu()
 
     def step(self, batch: TrainBatch, loss_fn: LossFn, minibatches: int = 1,
              generator: torch.Generator | None = None) -> dict[str, float]:
@@ -87,7 +122,8 @@ class TorchTrainer:
         return over_minibatches(batch, minibatches, generator, lambda mb: self._minibatch(mb, loss_fn))
 
     def _minibatch(self, mb: TrainBatch, loss_fn: LossFn) -> tuple[dict[str, float], bool]:
-        logp, entropy = token_logprobs(self.model, mb, self.temperature, with_entropy=True)
+        mb = batch_to(mb, self.device)
+        logp, entropy = self._logprobs(mb, with_entropy=True)
         loss, metrics = loss_fn(logp, mb)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
