@@ -334,6 +334,9 @@ class ContinuousEngine:
     def _run(self, thread_init: Callable[[], None] | None = None) -> None:
         if thread_init is not None:
             thread_init()
+        device = self.device
+        if device.type == "cuda":  # the current CUDA device is per thread: this thread's is the model's
+            torch.cuda.set_device(device)
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._stopping or self._has_work())
