@@ -56,6 +56,7 @@ class DeviceRecorder(TorchFunctionMode):
         self.calls: list[tuple[str, str, torch.device | None]] = []  # (function, caller file, device asked for)
         self._tagged: dict[int, torch.Tensor] = {}  # id -> tensor (held, so that ids stay unique)
         self.reads: list[tuple[str, torch.Size]] = []  # the engines' reads of device tensors on the host (waits)
+        self.events: list[str] = []  # factory calls, reads and model forwards, in order
 
     def tagged(self, t: object) -> bool:
         return isinstance(t, torch.Tensor) and self._tagged.get(id(t)) is t
@@ -76,12 +77,14 @@ class DeviceRecorder(TorchFunctionMode):
             device = kwargs.get("device")
             device = None if device is None else torch.device(device)
             self.calls.append((func.__name__, caller, device))
+            self.events.append(func.__name__)
             if device == FAKE:
                 kwargs["device"] = "cpu"
                 return self._tag(func(*args, **kwargs))
             return func(*args, **kwargs)
         if ours and func in HOST_READS and self.tagged(args[0]):
             self.reads.append((func.__name__, args[0].shape))
+            self.events.append(func.__name__)
             out = func(*args, **kwargs)
             if isinstance(out, torch.Tensor):  # a host copy (here the tensor itself: `.cpu()` of a CPU tensor)
                 self._tagged.pop(id(out), None)
@@ -104,6 +107,7 @@ class DeviceRecorder(TorchFunctionMode):
         forward, strays = model.forward, []
 
         def checked(*args, **kwargs):
+            self.events.append("forward")
             strays.extend(k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and not self.tagged(v))
             strays.extend("positional" for a in args if isinstance(a, torch.Tensor) and not self.tagged(a))
             return forward(*args, **kwargs)
@@ -203,7 +207,8 @@ def test_continuous_engine_makes_every_tensor_on_the_models_device(on_fake_gpu):
 
 
 def test_continuous_decode_step_copies_to_and_from_the_device_once(on_fake_gpu):
-    """A decode step makes one host-to-device copy (tokens, positions, starts) and one device-to-host copy."""
+    """A decode step copies its inputs to the device before the forward is queued (so the copies do not wait for
+    it) and reads the device once, after it."""
     model, tok = sharp_model()
     eng = ContinuousEngine(model, tok, max_batch=4)
     for i, prompt in enumerate(PROMPTS[:4]):
@@ -212,10 +217,14 @@ def test_continuous_decode_step_copies_to_and_from_the_device_once(on_fake_gpu):
     with DeviceRecorder():
         eng.step()  # the prefill (and a first decode step)
     rec = DeviceRecorder()
+    strays = rec.watch_inputs(model)
     with rec:
         eng._decode()
     uploads = [c for c in rec.calls if c[0] == "tensor"]
     assert len(uploads) == 2, rec.calls  # the step's inputs, and the rows' sampling knobs
+    assert rec.events.count("forward") == 1 and not strays
+    forward = rec.events.index("forward")
+    assert "tensor" not in rec.events[forward:] and rec.events[-1] == "tolist", rec.events
     assert rec.reads == [("tolist", torch.Size([4, 2 + 2 * 2]))]  # token, logprob, 2 ids, 2 logprobs per row
 
 

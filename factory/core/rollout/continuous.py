@@ -434,6 +434,9 @@ class ContinuousEngine:
         allowed = torch.tril(torch.ones(p, p, dtype=torch.bool, device=device))[None] & valid[:, None, :]
         # Pad queries attend to themselves: a row with nothing to attend to would turn into NaN.
         allowed = allowed | torch.eye(p, dtype=torch.bool, device=device)[None]
+        # Copied before the forward is queued, so that the copies do not wait for it.
+        src_t = torch.tensor(src, device=device)
+        knobs = self._knobs(admit)
         self._cache.begin_prefill()
         try:
             with decode_autocast(device, self.precision):
@@ -444,43 +447,48 @@ class ContinuousEngine:
             kv = self._cache.end_prefill()
         self.stats.prefills += 1
         self.stats.prefill_tokens += sum(len(q) for q in prompts)
-        src_t = torch.tensor(src, device=device)
         self._cache.insert(kv, src_t, [len(r.prompt_ids) for r in admit])
         now = time.perf_counter()
         for r in admit:
             r.admitted_at = now
         self._rows.extend(admit)
         first = len(self._rows) - len(admit)
-        self._sample(out.logits[:, -1, :].index_select(0, src_t), self._rows[first:])
+        self._sample(out.logits[:, -1, :].index_select(0, src_t), self._rows[first:], knobs)
 
     def _decode(self) -> None:
         cache = self._cache
         cache.reserve_decode()
         rows = self._rows
         device = self.device
-        # The step's one host-to-device copy: last tokens, their positions, the rows' first valid columns.
+        # The step's host-to-device copies, both made before the forward is queued (so neither waits for it): the
+        # last tokens, their positions and the rows' first valid columns; the rows' sampling knobs.
         step = torch.tensor([[r.tokens[-1] for r in rows], [r.next_position for r in rows], cache.start[: len(rows)]],
                             dtype=torch.long, device=device)
+        knobs = self._knobs(rows)
         mask = self._mask(cache.decode_mask(step[2]))
         with decode_autocast(device, self.precision):
             out = self.model(input_ids=step[0, :, None], position_ids=step[1, :, None], attention_mask=mask,
                              cache=cache, use_cache=True)
         cache.width += 1
         self.stats.steps += 1
-        self._sample(out.logits[:, -1, :], rows)
+        self._sample(out.logits[:, -1, :], rows, knobs)
 
-    def _sample(self, logits: Tensor, rows: list[_Request]) -> None:
-        """Pick each row's next token with its own parameters and generator; record it and its logprob."""
+    def _knobs(self, rows: list[_Request]) -> Tensor:
+        """[3, rows] float32 (as torch.tensor makes Python floats) on the device, in one copy: each row's
+        temperature (1 for greedy), top-p and greedy flag."""
+        return torch.tensor([[1.0 if r.params.greedy else r.params.temperature for r in rows],
+                             [r.params.top_p for r in rows], [float(r.params.greedy) for r in rows]],
+                            device=self.device)
+
+    def _sample(self, logits: Tensor, rows: list[_Request], knobs: Tensor) -> None:
+        """Pick each row's next token with its own parameters (`knobs`, from `_knobs(rows)`) and generator; record
+        it and its logprob."""
         b = len(rows)
         device = self.device
-        top_ps = [r.params.top_p for r in rows]
-        # One copy of the rows' knobs (float32, as torch.tensor makes Python floats): temperature, top-p, greedy.
-        knobs = torch.tensor([[1.0 if r.params.greedy else r.params.temperature for r in rows], top_ps,
-                              [float(r.params.greedy) for r in rows]], device=device)
         temps, top_p, greedy = knobs[0, :, None], knobs[1], knobs[2] > 0
         logp = torch.log_softmax(logits.float() / temps, dim=-1)
         probs = logp.exp()
-        if any(tp < 1 for tp in top_ps):
+        if any(r.params.top_p < 1 for r in rows):
             sorted_p, idx = probs.sort(dim=-1, descending=True)
             keep = (sorted_p.cumsum(-1) - sorted_p < top_p[:, None]) | (top_p[:, None] >= 1)  # top token always kept
             probs = torch.zeros_like(probs).scatter(-1, idx, torch.where(keep, sorted_p, torch.zeros_like(sorted_p)))
