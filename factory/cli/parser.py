@@ -108,6 +108,10 @@ def _serve_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="init seed for --preset")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice; on cores shared with "
                                                "other jobs 1 can be much faster)")
+    p.add_argument("--device", default="auto", help="where the model computes: auto (a GPU when torch sees one, else "
+                                                    "the CPU; default), cpu, cuda or cuda:N")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                   help="bf16: decode under bf16 autocast on a GPU (fp32 weights kept); the CPU always decodes fp32")
     add_max_body(p)
     add_max_body(p, "--max-update-mb", 16384, "a weight update (POST /update_weights_from_delta)")
     p.set_defaults(func="serve:cmd_serve")

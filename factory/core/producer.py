@@ -43,6 +43,7 @@ from factory.data.feed import PromptFeed
 from factory.envs.protocol import tokens_from_session
 from factory.envs.registry import load_environment
 from factory.envs.workers import Episode, Scored, make_environment
+from factory.infra.device import run_device
 from factory.infra.placement import enter, placements
 from factory.infra.supervisor import CONNECTION_ERRORS, ServiceProcess, ServiceUnavailable, retry
 from factory.models import lora
@@ -102,7 +103,8 @@ class SyncProducer:
         self.positions = policy_positions(spec, model)
         if state is not None:  # nothing is buffered between sync steps: only the feed continues
             feed.load_state_dict(state["stream"])
-        self.engine = EmbeddedEngine(model, tokenizer, weight_version=start_version)
+        self.engine = EmbeddedEngine(model, tokenizer, weight_version=start_version,
+                                     precision=spec.trainer.precision)  # computes where the model is
         self.env = _environment(spec)
 
     def next_batch(self, step: int) -> list[Group]:
@@ -177,8 +179,9 @@ class OverlappedProducer:
         if lora.attached(model):
             base = lora.base_state(model)
             self._merger = lora.AdapterMerger({f"{m}.weight": base[f"{m}.weight"] for m in lora.lora_layers(model)})
+        # The copy stays on the trainer model's device, and the engine computes there.
         self.engine = ContinuousEngine(lora.merged_copy(model).eval(), self.tok, weight_version=version,
-                                       max_batch=self.rows)
+                                       max_batch=self.rows, precision=self.spec.trainer.precision)
         self.engine.start(functools.partial(enter, placements(self.spec)["rollout"]))
 
     def _produce(self) -> None:
@@ -290,10 +293,7 @@ class ServerProducer(OverlappedProducer):
         self._state = _published_state(model)
         self._restart_lock = threading.RLock()  # publish holds it and may restart inside
         self.service = ServiceProcess(
-            "rollout-server",
-            [sys.executable, "-m", "factory.cli", "serve", "--checkpoint", str(self._workdir / "initial"),
-             "--port", "{port}", "--threads", str(self.spec.rollout.threads or 1), "--max-batch", str(self.rows),
-             "--weight-version", str(version)],
+            "rollout-server", server_argv(self.spec, self._workdir / "initial", self.rows, version),
             log_path=self._workdir / "server.log", startup_timeout=self.timeout,
             breaker_restarts=self.spec.ops.breaker_restarts, breaker_window_s=self.spec.ops.breaker_window_s,
             hang_timeout_s=self.spec.ops.hang_timeout_s, cpus=self.spec.rollout.cpus).start()
@@ -434,8 +434,17 @@ class ServerProducer(OverlappedProducer):
         remove_checkpoint(self._workdir / "initial")  # the small server.log stays for post-mortems
 
 
+def server_argv(spec: ExperimentSpec, checkpoint: Path, rows: int, version: int) -> list[str]:
+    """The `factory serve` command of a run's rollout server (`{port}` filled in by the supervisor): it serves
+    `checkpoint` on the run's device, in the trainer's precision."""
+    return [sys.executable, "-m", "factory.cli", "serve", "--checkpoint", str(checkpoint), "--port", "{port}",
+            "--threads", str(spec.rollout.threads or 1), "--max-batch", str(rows), "--weight-version", str(version),
+            "--device", str(run_device(spec)), "--precision", spec.trainer.precision]
+
+
 def _published_state(model: PreTrainedModel) -> dict:
-    """What a version sends the rollout server: a copy of the weights, or with LoRA of the adapters alone."""
+    """What a version sends the rollout server: a host copy of the weights (through pinned buffers from a GPU), or
+    with LoRA of the adapters alone."""
     if lora.attached(model):
         return lora.adapter_state(model)  # already fresh CPU copies
     # The delta is encoded on the CPU: weights on a GPU leave through pinned host buffers (fresh ones: no clone).

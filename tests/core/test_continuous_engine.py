@@ -249,14 +249,14 @@ def test_slot_cache_compaction_keeps_rows_and_drops_dead_columns():
     cache = SlotKVCache(slots=4, initial_capacity=4)
     k = torch.arange(2 * 1 * 3 * 1, dtype=torch.float32).reshape(2, 1, 3, 1)  # 2 prompts, padded to 3
     cache.insert([(k, k.clone())], torch.tensor([0, 1]), [3, 2])
-    assert cache.n == 2 and cache.width == 3 and cache.start[:2].tolist() == [0, 1]
+    assert cache.n == 2 and cache.width == 3 and cache.start[:2] == [0, 1]
     cache.reserve_decode()
     cache.update(torch.full((2, 1, 1, 1), 9.0), torch.full((2, 1, 1, 1), 9.0), 0)
     cache.width += 1
     cache.remove(0)  # row 1 moves into row 0
-    assert cache.n == 1 and cache.start[0].item() == 1
+    assert cache.n == 1 and cache.start[0] == 1
     cache.compact()
-    assert cache.width == 3 and cache.start[0].item() == 0
+    assert cache.width == 3 and cache.start[0] == 0
     assert cache.keys[0][0, 0, :3, 0].tolist() == [4.0, 5.0, 9.0]
 
 

@@ -3,10 +3,13 @@ blends score each prompt with its own source's verifier."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from factory.config import parse_spec
 from factory.core.producer import _prompt_ids, scorer
+from factory.infra.device import run_device
 from factory.models.tokenizer import tokenizer_for
 from factory.problem import Problem
 
@@ -47,3 +50,17 @@ def test_the_context_is_the_specs_else_a_path_models_own_else_the_presets():  # 
     assert policy_positions(parse_spec({}), model) == 64  # the tiny preset's, whatever the model object says
     assert policy_positions(parse_spec({"model": {"max_positions": 48}}), model) == 48
     assert policy_positions(parse_spec({"model": {"path": "/some/dir"}}), model) == 128
+
+
+def test_the_rollout_server_process_runs_on_the_runs_device_in_its_precision():
+    from factory.cli.parser import build_parser
+    from factory.core.producer import server_argv
+
+    spec = parse_spec({"device": "cpu", "rollout": {"engine": "server"}})
+    argv = server_argv(spec, Path("/ckpt"), rows=64, version=3)
+    args = build_parser().parse_args([a.replace("{port}", "0") for a in argv[3:]])  # what `factory serve` reads
+    assert (args.device, args.precision, args.checkpoint, args.max_batch, args.weight_version) == \
+        ("cpu", "fp32", "/ckpt", 64, 3)
+    auto = server_argv(parse_spec({"trainer": {"precision": "bf16"}}), Path("/ckpt"), rows=8, version=0)
+    assert auto[auto.index("--device") + 1] == str(run_device(parse_spec({})))  # auto resolved once, by the run
+    assert auto[auto.index("--precision") + 1] == "bf16"

@@ -263,3 +263,23 @@ def test_factory_serve_command_serves_the_openai_api():
         watchdog.cancel()
         proc.terminate()
         proc.wait(10)
+
+
+def test_server_info_names_the_device_and_decoders_get_host_copies():
+    seen = {}
+
+    def decoder(payload: bytes, current, current_version: int):
+        seen["devices"] = {t.device.type for t in current.values()}
+        name = "model.norm.weight"
+        current[name].fill_(3.0)  # patched in place: the served weights must not change until the update applies
+        seen["served_meanwhile"] = eng.model.state_dict()[name].clone()
+        return current, None
+
+    eng = make_engine()
+    with launch_server(eng, delta_decoder=decoder) as handle:
+        assert httpx.get(handle.url + "/get_server_info").json()["device"] == "cpu"
+        r = httpx.post(handle.url + "/update_weights_from_delta", params={"version": 4}, content=b"x", timeout=30)
+        assert r.status_code == 200 and r.json()["weight_version"] == 4
+    assert seen["devices"] == {"cpu"} and not torch.equal(seen["served_meanwhile"], torch.full_like(
+        seen["served_meanwhile"], 3.0))
+    assert torch.equal(eng.model.state_dict()["model.norm.weight"], torch.full_like(seen["served_meanwhile"], 3.0))

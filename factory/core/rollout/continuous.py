@@ -26,6 +26,13 @@ Weight updates (`update_weights`) are applied between decode steps. mode="in_fli
 sequences keep their KV (computed by the old weights, as PipelineRL does) and their later tokens carry the new
 version. mode="finish_old": admissions stop, running sequences finish on the old weights, then the swap happens and
 queued requests start on the new ones. Every completion lists the version of each token (`token_versions`).
+
+Device: the engine computes where its model is (looked up at each step, so it follows the model it is given):
+prompts, positions, masks, the KV cache and each request's generator are made there. A decode step makes one
+host-to-device copy (the rows' last tokens, positions and start columns, packed) and one device-to-host copy (the
+sampled tokens with their logprobs and top alternatives, packed), which is the step's only wait on the device;
+the scheduler's bookkeeping stays in Python. On a GPU, `precision="bf16"` runs the model under bf16 autocast over
+its fp32 weights; on the CPU it is always fp32, so CPU tokens do not depend on it.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from factory.architectures import architecture_problem, attention_window
 from factory.core.rollout.base import Completion, SamplingParams
+from factory.core.rollout.embedded import decode_autocast, model_device
 from factory.core.rollout.slot_cache import SlotKVCache
 
 log = logging.getLogger(__name__)
@@ -125,7 +133,7 @@ class ContinuousEngine:
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, weight_version: int = 0,
                  max_batch: int = 64, max_seq_len: int | None = None, name: str = "factory-policy",
-                 kv_capacity: int = 64):
+                 kv_capacity: int = 64, precision: str = "fp32"):
         problem = architecture_problem(model.config)
         if problem is not None:
             raise ValueError(problem)
@@ -136,6 +144,7 @@ class ContinuousEngine:
         self.tokenizer = tokenizer
         self.name = name
         self.max_batch = max_batch
+        self.precision = precision  # "bf16": autocast on a GPU (see the module docstring)
         self.max_seq_len = int(max_seq_len or model.config.max_position_embeddings)
         window = attention_window(model.config)
         if window is not None:  # past the window the full mask would show columns the sliding layers hide
@@ -168,6 +177,11 @@ class ContinuousEngine:
         self._version = version
 
     @property
+    def device(self) -> torch.device:
+        """Where the engine computes: its model's device."""
+        return model_device(self.model)
+
+    @property
     def running(self) -> int:
         return len(self._rows)
 
@@ -186,7 +200,7 @@ class ContinuousEngine:
         return {"weight_version": self._version, "running": self.running, "queued": self.queued,
                 "paused": self._paused, "pending_updates": len(self._updates), "max_batch": self.max_batch,
                 "max_seq_len": self.max_seq_len, "kv_width": self._cache.width, "kv_capacity": self._cache.capacity,
-                **vars(self.stats)}
+                "device": str(self.device), **vars(self.stats)}
 
     # ------------------------------------------------------------------ requests
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -215,8 +229,8 @@ class ContinuousEngine:
         future stays pending until the result is set) drops the request at the next step."""
         self.check(prompt_ids, params)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        req = _Request(list(prompt_ids), params, Future(),
-                       torch.Generator().manual_seed(_mix_seed(seed, sample_index)), time.perf_counter())
+        gen = torch.Generator(device=self.device).manual_seed(_mix_seed(seed, sample_index))
+        req = _Request(list(prompt_ids), params, Future(), gen, time.perf_counter())
         with self._cond:
             self._queue.append(req)
             self._cond.notify_all()
@@ -320,6 +334,9 @@ class ContinuousEngine:
     def _run(self, thread_init: Callable[[], None] | None = None) -> None:
         if thread_init is not None:
             thread_init()
+        device = self.device
+        if device.type == "cuda":  # the current CUDA device is per thread: this thread's is the model's
+            torch.cuda.set_device(device)
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._stopping or self._has_work())
@@ -397,7 +414,8 @@ class ContinuousEngine:
         if not self._additive_mask:
             return allowed
         dtype = self.model.dtype
-        return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed,
+                                                                                          torch.finfo(dtype).min)
 
     def _prefill(self, admit: list[_Request]) -> None:
         """Run the new prompts (each distinct prompt once), add their rows, sample their first token."""
@@ -405,78 +423,101 @@ class ContinuousEngine:
         src = [unique.setdefault(tuple(r.prompt_ids), len(unique)) for r in admit]
         prompts = list(unique)
         p = max(len(q) for q in prompts)
-        ids = torch.full((len(prompts), p), self.pad_id, dtype=torch.long)
-        lengths = torch.tensor([len(q) for q in prompts])
-        for i, q in enumerate(prompts):
-            ids[i, p - len(q):] = torch.tensor(q)
-        cols = torch.arange(p)
-        offset = (p - lengths)[:, None]
+        device = self.device
+        # Left-padded on the host, then one copy to the device: each row's tokens followed by its first real column.
+        packed = torch.tensor([[self.pad_id] * (p - len(q)) + list(q) + [p - len(q)] for q in prompts],
+                              dtype=torch.long, device=device)
+        ids, offset = packed[:, :p], packed[:, p:]
+        cols = torch.arange(p, device=device)
         pos = (cols[None, :] - offset).clamp(min=0)
         valid = cols[None, :] >= offset  # [u, p] real (non-pad) columns
-        allowed = torch.tril(torch.ones(p, p, dtype=torch.bool))[None] & valid[:, None, :]
+        allowed = torch.tril(torch.ones(p, p, dtype=torch.bool, device=device))[None] & valid[:, None, :]
         # Pad queries attend to themselves: a row with nothing to attend to would turn into NaN.
-        allowed = allowed | torch.eye(p, dtype=torch.bool)[None]
+        allowed = allowed | torch.eye(p, dtype=torch.bool, device=device)[None]
+        # Copied before the forward is queued, so that the copies do not wait for it.
+        src_t = torch.tensor(src, device=device)
+        knobs = self._knobs(admit)
         self._cache.begin_prefill()
         try:
-            out = self.model(input_ids=ids, position_ids=pos,
-                             attention_mask=self._mask(allowed[:, None]),
-                             cache=self._cache, use_cache=True, logits_to_keep=1)
+            with decode_autocast(device, self.precision):
+                out = self.model(input_ids=ids, position_ids=pos,
+                                 attention_mask=self._mask(allowed[:, None]),
+                                 cache=self._cache, use_cache=True, logits_to_keep=1)
         finally:
             kv = self._cache.end_prefill()
         self.stats.prefills += 1
-        self.stats.prefill_tokens += int(lengths.sum())
-        src_t = torch.tensor(src)
+        self.stats.prefill_tokens += sum(len(q) for q in prompts)
         self._cache.insert(kv, src_t, [len(r.prompt_ids) for r in admit])
         now = time.perf_counter()
         for r in admit:
             r.admitted_at = now
         self._rows.extend(admit)
         first = len(self._rows) - len(admit)
-        self._sample(out.logits[:, -1, :].index_select(0, src_t), self._rows[first:])
+        self._sample(out.logits[:, -1, :].index_select(0, src_t), self._rows[first:], knobs)
 
     def _decode(self) -> None:
         cache = self._cache
         cache.reserve_decode()
         rows = self._rows
-        ids = torch.tensor([[r.tokens[-1]] for r in rows])
-        pos = torch.tensor([[r.next_position] for r in rows])
-        mask = self._mask(cache.decode_mask())
-        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache, use_cache=True)
+        device = self.device
+        # The step's host-to-device copies, both made before the forward is queued (so neither waits for it): the
+        # last tokens, their positions and the rows' first valid columns; the rows' sampling knobs.
+        step = torch.tensor([[r.tokens[-1] for r in rows], [r.next_position for r in rows], cache.start[: len(rows)]],
+                            dtype=torch.long, device=device)
+        knobs = self._knobs(rows)
+        mask = self._mask(cache.decode_mask(step[2]))
+        with decode_autocast(device, self.precision):
+            out = self.model(input_ids=step[0, :, None], position_ids=step[1, :, None], attention_mask=mask,
+                             cache=cache, use_cache=True)
         cache.width += 1
         self.stats.steps += 1
-        self._sample(out.logits[:, -1, :], rows)
+        self._sample(out.logits[:, -1, :], rows, knobs)
 
-    def _sample(self, logits: Tensor, rows: list[_Request]) -> None:
-        """Pick each row's next token with its own parameters and generator; record it and its logprob."""
+    def _knobs(self, rows: list[_Request]) -> Tensor:
+        """[3, rows] float32 (as torch.tensor makes Python floats) on the device, in one copy: each row's
+        temperature (1 for greedy), top-p and greedy flag."""
+        return torch.tensor([[1.0 if r.params.greedy else r.params.temperature for r in rows],
+                             [r.params.top_p for r in rows], [float(r.params.greedy) for r in rows]],
+                            device=self.device)
+
+    def _sample(self, logits: Tensor, rows: list[_Request], knobs: Tensor) -> None:
+        """Pick each row's next token with its own parameters (`knobs`, from `_knobs(rows)`) and generator; record
+        it and its logprob."""
         b = len(rows)
-        greedy = torch.tensor([r.params.greedy for r in rows])
-        temps = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in rows])[:, None]
+        device = self.device
+        temps, top_p, greedy = knobs[0, :, None], knobs[1], knobs[2] > 0
         logp = torch.log_softmax(logits.float() / temps, dim=-1)
         probs = logp.exp()
-        top_p = torch.tensor([r.params.top_p for r in rows])
-        if bool((top_p < 1).any()):
+        if any(r.params.top_p < 1 for r in rows):
             sorted_p, idx = probs.sort(dim=-1, descending=True)
             keep = (sorted_p.cumsum(-1) - sorted_p < top_p[:, None]) | (top_p[:, None] >= 1)  # top token always kept
             probs = torch.zeros_like(probs).scatter(-1, idx, torch.where(keep, sorted_p, torch.zeros_like(sorted_p)))
-        # Inverse-CDF sampling with one uniform per row from that row's generator: batched, yet per-request seeded.
-        u = torch.cat([torch.rand(1, generator=r.generator) for r in rows])
+        # Inverse-CDF sampling with one uniform per row from that row's generator (on the device, so nothing
+        # waits): batched, yet per-request seeded.
+        u = torch.cat([torch.rand(1, generator=r.generator, device=device) for r in rows])
         cdf = probs.cumsum(-1)
         sampled = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)
         sampled = sampled.clamp(max=probs.shape[-1] - 1)
         tok = torch.where(greedy, logp.argmax(-1), sampled)
         tok_logp = logp.gather(-1, tok[:, None]).squeeze(-1)
         k = max(r.params.top_logprobs for r in rows)
-        top = logp.topk(k, dim=-1) if k else None
-        toks, lps = tok.tolist(), tok_logp.tolist()
+        # The step's one device-to-host copy, as float64 (exact for token ids and float32 logprobs): per row the
+        # token, its logprob, then k alternative ids and k logprobs.
+        cols = [tok[:, None].double(), tok_logp[:, None].double()]
+        if k:
+            top = logp.topk(k, dim=-1)
+            cols += [top.indices.double(), top.values.double()]
+        host = torch.cat(cols, dim=1).tolist()
         version = self._version
         for i, r in enumerate(rows):
-            r.tokens.append(toks[i])
-            r.logprobs.append(lps[i])
+            row = host[i]
+            r.tokens.append(int(row[0]))
+            r.logprobs.append(row[1])
             r.versions.append(version)
             r.max_batch = max(r.max_batch, b)
             if r.params.top_logprobs:
                 kk = r.params.top_logprobs
-                r.top.append(list(zip(top.indices[i, :kk].tolist(), top.values[i, :kk].tolist(), strict=True)))
+                r.top.append([(int(t), lp) for t, lp in zip(row[2 : 2 + kk], row[2 + k : 2 + k + kk], strict=True)])
             self._check_stop(r)
         self.stats.generated_tokens += b
         self.stats.max_running = max(self.stats.max_running, b)

@@ -3,15 +3,35 @@
 Prompts are left-padded into one batch and decoded step by step through the model's KV cache;
 a sequence that emits the stop token stops contributing. This is the simple engine of the
 single-machine defaults; continuous batching and the HTTP server build on it.
+
+Device: the engine computes where its model is (`model_device`, looked up at every call, so a model the trainer
+moves in place is followed): inputs, masks, the KV cache and the sampling generator are made there, and the
+results come back as host lists. A decode step waits on the device once (is every sequence done?); tokens and
+logprobs come back in one copy at the end. On a GPU, `precision="bf16"` decodes under bf16 autocast (fp32 master
+weights); on the CPU decoding is always fp32, so CPU numbers do not depend on it.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from factory.core.rollout.base import Completion, SamplingParams
+from factory.infra.device import autocast
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The device `model` computes on: that of its first parameter (the CPU for a model without any)."""
+    param = next(model.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
+def decode_autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
+    """bf16 autocast for a `precision: bf16` run's rollouts on a GPU; nothing on the CPU (fp32 as always)."""
+    return autocast(device, precision if device.type == "cuda" else "fp32")
 
 
 def _sample(logits: Tensor, params: SamplingParams, gen: torch.Generator) -> tuple[Tensor, Tensor]:
@@ -36,11 +56,12 @@ class EmbeddedEngine:
     """Samples from a torch model it holds; `load_weights` swaps in a new published version."""
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, weight_version: int = 0,
-                 max_batch: int = 1024):
+                 max_batch: int = 1024, precision: str = "fp32"):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.weight_version = weight_version
         self.max_batch = max_batch
+        self.precision = precision  # "bf16": autocast on a GPU (see the module docstring)
         self.eos_id = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id
 
@@ -53,32 +74,35 @@ class EmbeddedEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
-        gen = torch.Generator().manual_seed(params.seed if params.seed is not None else 0)
+        device = model_device(self.model)
+        gen = torch.Generator(device=device).manual_seed(params.seed if params.seed is not None else 0)
         flat = [p for p in prompts for _ in range(params.n)]
         out: list[Completion] = []
         for start in range(0, len(flat), self.max_batch):
-            out.extend(self._generate_batch(flat[start : start + self.max_batch], params, gen))
+            out.extend(self._generate_batch(flat[start : start + self.max_batch], params, gen, device))
         return [out[i * params.n : (i + 1) * params.n] for i in range(len(prompts))]
 
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams,
-                        gen: torch.Generator) -> list[Completion]:
+                        gen: torch.Generator, device: torch.device) -> list[Completion]:
         b = len(prompts)
         width = max(len(p) for p in prompts)
-        ids = torch.full((b, width), self.pad_id, dtype=torch.long)
-        attn = torch.zeros((b, width), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(p)
-            attn[i, width - len(p):] = 1
+        # Left-padded on the host as lists, then one copy each to the device.
+        ids = torch.tensor([[self.pad_id] * (width - len(p)) + list(p) for p in prompts], dtype=torch.long,
+                           device=device)
+        attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long,
+                            device=device)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
-        tokens = torch.full((b, params.max_new_tokens), self.pad_id, dtype=torch.long)
-        logps = torch.zeros((b, params.max_new_tokens))
-        done = torch.zeros(b, dtype=torch.bool)
-        lengths = torch.full((b,), params.max_new_tokens, dtype=torch.long)
+        tokens = torch.full((b, params.max_new_tokens), self.pad_id, dtype=torch.long, device=device)
+        logps = torch.zeros((b, params.max_new_tokens), device=device)
+        done = torch.zeros(b, dtype=torch.bool, device=device)
+        lengths = torch.full((b,), params.max_new_tokens, dtype=torch.long, device=device)
+        one = torch.ones((b, 1), dtype=torch.long, device=device)
         cache = None
         step_ids, step_pos = ids, pos
         for t in range(params.max_new_tokens):
-            out = self.model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos,
-                             cache=cache, use_cache=True)
+            with decode_autocast(device, self.precision):
+                out = self.model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos,
+                                 cache=cache, use_cache=True)
             cache = out.cache
             tok, lp = _sample(out.logits[:, -1, :], params, gen)
             tok = torch.where(done, torch.full_like(tok, self.pad_id), tok)
@@ -87,11 +111,12 @@ class EmbeddedEngine:
             newly = (~done) & (tok == self.eos_id)
             lengths = torch.where(newly, torch.full_like(lengths, t + 1), lengths)
             done |= newly
-            if bool(done.all()):
+            if bool(done.all()):  # the step's one wait on the device
                 break
             step_ids = tok[:, None]
             step_pos = step_pos[:, -1:] + 1
-            attn = torch.cat([attn, torch.ones((b, 1), dtype=torch.long)], dim=1)
+            attn = torch.cat([attn, one], dim=1)
+        tokens, logps, lengths = tokens.cpu(), logps.cpu(), lengths.cpu()  # no-ops on the CPU
         completions = []
         for i in range(b):
             n = int(lengths[i])

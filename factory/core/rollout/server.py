@@ -1,7 +1,8 @@
 """The rollout server: an OpenAI-compatible HTTP API (FastAPI + uvicorn) over a `ContinuousEngine`.
 
 Owns the HTTP surface, the routes' logic and the launcher; the request bodies and errors are in `api_models.py`,
-the chat template and tool calls in `chat.py`, the session records in `sessions.py`; sampling is the engine's.
+the chat template and tool calls in `chat.py`, the session records in `sessions.py`, checkpoint loading in
+`served.py`; sampling is the engine's.
 Endpoints:
 
 - OpenAI: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (no streaming). The `openai`
@@ -52,13 +53,11 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Annotated, Any
 
 import uvicorn
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse
-from safetensors.torch import load_file
 from torch import Tensor
 
 from factory.core.rollout.api_models import (
@@ -85,17 +84,17 @@ from factory.core.rollout.chat import (
 )
 from factory.core.rollout.continuous import PAUSE_MODES, UPDATE_MODES, ContinuousEngine
 from factory.core.rollout.logprobs import TokenBytes, token_pieces
+from factory.core.rollout.served import engine_from_checkpoint, host_copy, load_weights_dir
 from factory.core.rollout.sessions import SessionStore, Turn
 from factory.core.rollout.tools import CALL_CLOSE, ToolPlan, check_response_format, forced_call, plan_tools
 from factory.core.rollout.update_decoder import UpdateDecoder
 from factory.core.weights import WeightUpdate, apply_update
 from factory.infra.faults import fault_point
 from factory.infra.http_guard import MAX_JSON_BYTES, guard
-from factory.models.checkpoint import load_checkpoint
 from factory.text import clip
 
-# The request models, chat template and sessions live in their own modules; their public names are importable
-# from here too.
+# The request models, chat template, sessions and checkpoint loading live in their own modules; their public names
+# are importable from here too.
 __all__ = ["DEFAULT_COMPLETION_MAX_TOKENS", "MAX_N", "SESSION_HEADER", "TOOL_CALL", "APIError", "ChatRequest",
            "ChatTemplate", "CompletionRequest", "DeltaDecoder", "PauseRequest", "RolloutServer", "ServerHandle",
            "SessionStore", "Turn", "UpdateFromDiskRequest", "create_app", "engine_from_checkpoint", "launch_server",
@@ -115,25 +114,6 @@ def weight_update_decoder(payload: bytes, current: Mapping[str, Tensor],
     version must be the served version; every tensor is checked against its checksum)."""
     update = WeightUpdate.from_bytes(payload)
     return apply_update(dict(current), update, current_version), update.version
-
-
-# ---------------------------------------------------------------------------------------------- weights on disk
-def load_weights_dir(path: str | Path) -> dict[str, Tensor]:
-    """The safetensors weights of an HF checkpoint directory (one file or an index of shards)."""
-    path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"model_path is not a directory: {path}")
-    single = path / "model.safetensors"
-    if single.is_file():
-        return load_file(single)
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        out: dict[str, Tensor] = {}
-        for shard in shards:
-            out.update(load_file(path / shard))
-        return out
-    raise FileNotFoundError(f"no model.safetensors (or its index) in {path}")
 
 
 def _engine_field(message: str, prompt_field: str, max_tokens_field: str) -> str | None:
@@ -453,8 +433,9 @@ def create_app(engine: ContinuousEngine, model_path: str | None = None, delta_de
         payload = await request.body()
 
         def decode() -> tuple[Mapping[str, Tensor], int | None]:
-            # a copy: a decoder that patches tensors in place must not touch the weights being sampled from
-            current = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+            # a host copy: a decoder that patches tensors in place must not touch the weights being sampled from,
+            # and the decoders work on CPU tensors (the engine copies the result to its model's device)
+            current = {k: host_copy(v) for k, v in engine.model.state_dict().items()}
             try:
                 return srv.delta_decoder(payload, current, engine.weight_version)
             except ImportError as e:
@@ -569,13 +550,6 @@ def launch_server(engine: ContinuousEngine, host: str = "127.0.0.1", port: int =
         raise RuntimeError(f"the rollout server did not start on {host}:{port}")
     bound = server.servers[0].sockets[0].getsockname()[1]
     return ServerHandle(host, bound, engine, app, server, thread, stop_engine)
-
-
-def engine_from_checkpoint(path: str | Path, max_batch: int = 64, max_seq_len: int | None = None,
-                           version: int = 0) -> ContinuousEngine:
-    model, tokenizer = load_checkpoint(path)
-    return ContinuousEngine(model, tokenizer, weight_version=version, max_batch=max_batch,
-                            max_seq_len=max_seq_len, name=Path(path).name)
 
 
 def serve(engine: ContinuousEngine, host: str = "127.0.0.1", port: int = 8000, model_path: str | None = None,

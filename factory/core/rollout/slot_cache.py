@@ -10,6 +10,9 @@ copy (compaction); the buffer grows by doubling.
 It is handed to the model as its `cache` argument: transformers' attention layers call
 `update(k, v, layer_idx)`, and the model's mask builders return the engine's explicit 4-D mask untouched, so
 only `update` and `get_seq_length` of the `transformers.Cache` interface are used.
+
+Device: the buffers live where the prefill's K/V were computed (the model's device); the bookkeeping (each row's
+start column, the width) is plain Python on the host, so compaction and retirement never wait for the device.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ class SlotKVCache:
         self.initial_capacity = initial_capacity
         self.keys: list[Tensor] = []  # per layer [slots, kv_heads, capacity, head_dim]
         self.values: list[Tensor] = []
-        self.start = torch.zeros(slots, dtype=torch.long)  # first valid column of each row
+        self.start = [0] * slots  # first valid column of each row (host-side: read without a device sync)
         self.n = 0  # running rows: 0..n-1
         self.width = 0  # columns in use; the next decode step writes column `width`
         self._captured: list[tuple[Tensor, Tensor]] | None = None
@@ -63,10 +66,17 @@ class SlotKVCache:
         return kv
 
     # -- layout
-    def decode_mask(self) -> Tensor:
-        """[n, 1, 1, width + 1] bool: the columns each row attends to in the next decode step (True = attend)."""
-        cols = torch.arange(self.width + 1)
-        return (cols[None, :] >= self.start[: self.n, None])[:, None, None, :]
+    @property
+    def device(self) -> torch.device | None:
+        """Where the buffers live (None before the first insert)."""
+        return self.keys[0].device if self.keys else None
+
+    def decode_mask(self, start: Tensor) -> Tensor:
+        """[n, 1, 1, width + 1] bool: the columns each row attends to in the next decode step (True = attend).
+        `start` is `self.start[:n]` as a long tensor on the buffers' device (the caller copies it there together
+        with the step's other inputs, in one transfer)."""
+        cols = torch.arange(self.width + 1, device=start.device)
+        return (cols[None, :] >= start[:, None])[:, None, None, :]
 
     def _resize(self, capacity: int) -> None:
         """Reallocate every buffer with `capacity` columns, keeping the running rows' columns."""
@@ -85,7 +95,7 @@ class SlotKVCache:
             for buf in buffers:
                 # the source and destination overlap, so copy through a temporary
                 buf[:n, :, lo + by : w + by] = buf[:n, :, lo:w].clone()
-        self.start[:n] += by
+        self.start[:n] = [s + by for s in self.start[:n]]
         self.width = w + by
 
     def compact(self, min_gain: int = 1) -> None:
@@ -93,7 +103,7 @@ class SlotKVCache:
         if self.n == 0:
             self.width = 0
             return
-        dead = int(self.start[: self.n].min())
+        dead = min(self.start[: self.n])
         if dead >= min_gain:
             self._shift(-dead)
 
@@ -127,7 +137,7 @@ class SlotKVCache:
         for layer, (k, v) in enumerate(kv):
             self.keys[layer][n : n + k_count, :, w - p : w] = k.index_select(0, src)
             self.values[layer][n : n + k_count, :, w - p : w] = v.index_select(0, src)
-        self.start[n : n + k_count] = torch.tensor([w - length for length in lengths], dtype=torch.long)
+        self.start[n : n + k_count] = [w - length for length in lengths]
         self.n = n + k_count
 
     def remove(self, row: int) -> None:
