@@ -45,9 +45,10 @@ from factory.core.producer import (
 from factory.core.resume import TrainState, capture, rng_state, set_rng_state
 from factory.core.sglang_producer import SGLangProducer
 from factory.core.trainer.ranks import make_trainer
-from factory.core.trainer.torch_trainer import TorchTrainer, model_device
+from factory.core.trainer.torch_trainer import TorchTrainer
 from factory.data.feed import PromptFeed, make_feed
 from factory.envs.registry import load_environment
+from factory.infra.device import model_device
 from factory.infra.faults import fault_point
 from factory.infra.supervisor import ServiceUnavailable
 from factory.models import lora

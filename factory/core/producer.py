@@ -34,7 +34,6 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from factory.config import BufferSpec, ExperimentSpec
 from factory.core.buffer import BufferClosed, BufferTimeout, Group, Reservation, RolloutBuffer, Sample
-from factory.core.resume import host_copy
 from factory.core.rollout.base import Completion, SamplingParams
 from factory.core.rollout.continuous import ContinuousEngine
 from factory.core.rollout.embedded import EmbeddedEngine
@@ -43,7 +42,7 @@ from factory.data.feed import PromptFeed
 from factory.envs.protocol import tokens_from_session
 from factory.envs.registry import load_environment
 from factory.envs.workers import Episode, Scored, make_environment
-from factory.infra.device import run_device
+from factory.infra.device import host_copy, run_device
 from factory.infra.placement import enter, placements
 from factory.infra.supervisor import CONNECTION_ERRORS, ServiceProcess, ServiceUnavailable, retry
 from factory.models import lora

@@ -42,7 +42,7 @@ from safetensors.torch import save as save_safetensors
 
 from factory.digest import hash_blobs, manifest_entries
 from factory.digest import manifest as tree_manifest
-from factory.infra.device import to_host
+from factory.infra.device import host_copy
 from factory.infra.faults import fault_point
 from factory.progress import Log
 
@@ -97,13 +97,6 @@ def set_rng_state(state: dict[str, Any], shuffle: torch.Generator | None = None)
         torch.cuda.set_rng_state_all(cuda)
     if shuffle is not None and "shuffle" in state:
         shuffle.set_state(state["shuffle"])
-
-
-def host_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """A private CPU copy of `tensor`: through a pinned host buffer when it is on a GPU (`infra/device.to_host`:
-    already a fresh buffer), a clone when it is on the CPU."""
-    tensor = tensor.detach()
-    return tensor.clone() if tensor.device.type == "cpu" else to_host(tensor)
 
 
 def _copy(obj: Any) -> Any:

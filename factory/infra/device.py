@@ -93,6 +93,20 @@ def on(device: torch.device) -> Iterator[None]:
         yield
 
 
+def model_device(model: torch.nn.Module) -> torch.device:
+    """Where `model` computes: the device of its first parameter (the CPU for a model without any). The run placed
+    it there; components follow it."""
+    param = next(model.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
+def host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A private CPU copy of `tensor` the caller may keep while the original changes: a clone on the CPU, a fresh
+    pinned buffer from a GPU (`to_host`)."""
+    tensor = tensor.detach()
+    return tensor.clone() if tensor.device.type == "cpu" else to_host(tensor)
+
+
 def to_host(tensor: torch.Tensor, pinned: bool = True) -> torch.Tensor:
     """A CPU copy of `tensor`: through a pinned buffer when it lives on a GPU (faster, and the copy can overlap),
     the tensor itself when it is already on the CPU (callers that keep it must clone)."""

@@ -54,8 +54,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from factory.architectures import architecture_problem, attention_window
 from factory.core.rollout.base import Completion, SamplingParams
-from factory.core.rollout.embedded import decode_autocast, model_device
+from factory.core.rollout.embedded import decode_autocast
 from factory.core.rollout.slot_cache import SlotKVCache
+from factory.infra.device import model_device
 
 log = logging.getLogger(__name__)
 

@@ -20,13 +20,7 @@ from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from factory.core.rollout.base import Completion, SamplingParams
-from factory.infra.device import autocast
-
-
-def model_device(model: torch.nn.Module) -> torch.device:
-    """The device `model` computes on: that of its first parameter (the CPU for a model without any)."""
-    param = next(model.parameters(), None)
-    return param.device if param is not None else torch.device("cpu")
+from factory.infra.device import autocast, model_device
 
 
 def decode_autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:

@@ -11,7 +11,6 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from factory.core.rollout.continuous import ContinuousEngine
-from factory.infra.device import to_host
 from factory.models.checkpoint import load_checkpoint
 
 
@@ -31,11 +30,6 @@ def load_weights_dir(path: str | Path) -> dict[str, Tensor]:
             out.update(load_file(path / shard))
         return out
     raise FileNotFoundError(f"no model.safetensors (or its index) in {path}")
-
-
-def host_copy(t: Tensor) -> Tensor:
-    """A CPU copy of a weight that the caller may change: through a pinned buffer from a GPU."""
-    return t.detach().clone() if t.device.type == "cpu" else to_host(t.detach())
 
 
 def engine_from_checkpoint(path: str | Path, max_batch: int = 64, max_seq_len: int | None = None,

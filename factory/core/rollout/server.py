@@ -84,11 +84,12 @@ from factory.core.rollout.chat import (
 )
 from factory.core.rollout.continuous import PAUSE_MODES, UPDATE_MODES, ContinuousEngine
 from factory.core.rollout.logprobs import TokenBytes, token_pieces
-from factory.core.rollout.served import engine_from_checkpoint, host_copy, load_weights_dir
+from factory.core.rollout.served import engine_from_checkpoint, load_weights_dir
 from factory.core.rollout.sessions import SessionStore, Turn
 from factory.core.rollout.tools import CALL_CLOSE, ToolPlan, check_response_format, forced_call, plan_tools
 from factory.core.rollout.update_decoder import UpdateDecoder
 from factory.core.weights import WeightUpdate, apply_update
+from factory.infra.device import host_copy
 from factory.infra.faults import fault_point
 from factory.infra.http_guard import MAX_JSON_BYTES, guard
 from factory.text import clip

@@ -67,7 +67,7 @@ from safetensors.torch import save_file
 from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world, rendezvous
 
 from factory.core.rollout.sglang import SGLangEngine, SGLangError
-from factory.infra.device import to_host
+from factory.infra.device import host_copy
 
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
 
@@ -95,13 +95,6 @@ def cast_state(state: dict[str, torch.Tensor], dtype: str | torch.dtype | None) 
     if not isinstance(dt, torch.dtype):
         raise ValueError(f"weight dtype {dtype!r} is not a torch dtype name")
     return {k: v.detach().to(dt) if v.is_floating_point() else v for k, v in state.items()}
-
-
-def _host_copy(t: torch.Tensor) -> torch.Tensor:
-    """A CPU tensor of its own (safetensors refuses tensors that share storage, as tied embeddings do); a GPU
-    tensor leaves through pinned host memory."""
-    t = t.detach()
-    return t.contiguous().clone() if t.device.type == "cpu" else to_host(t).contiguous()
 
 
 def buckets(state: dict[str, torch.Tensor], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
@@ -137,7 +130,7 @@ class DiskUpdate:
         target = self.weights_dir / f"v{version:08d}"
         tmp = Path(tempfile.mkdtemp(prefix=f".v{version:08d}-", dir=self.weights_dir))
         try:
-            save_file({k: _host_copy(v) for k, v in state.items()}, str(tmp / "model.safetensors"))
+            save_file({k: host_copy(v).contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"))
             if self.config_dir is not None:
                 for f in self.config_dir.iterdir():
                     if f.is_file() and not f.name.endswith(WEIGHT_FILES):

@@ -59,8 +59,8 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
 from factory.core.batch import TrainBatch
-from factory.core.resume import host_copy
-from factory.core.trainer.torch_trainer import LossFn, batch_to, model_device, over_minibatches, token_logprobs
+from factory.core.trainer.torch_trainer import LossFn, batch_to, over_minibatches, token_logprobs
+from factory.infra.device import host_copy, model_device
 from factory.models.checkpoint import save_checkpoint
 
 Strategy = Literal["fsdp", "ddp"]

@@ -25,7 +25,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from factory.core.batch import TrainBatch
-from factory.infra.device import autocast
+from factory.infra.device import autocast, model_device
 
 LossFn = Callable[[Tensor, TrainBatch], tuple[Tensor, dict[str, float]]]
 
@@ -39,11 +39,6 @@ def token_logprobs(model: PreTrainedModel, batch: TrainBatch, temperature: float
     logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
     return logp, entropy
-
-
-def model_device(model: torch.nn.Module) -> torch.device:
-    """Where `model` computes: the device of its first parameter (the run placed it; components follow it)."""
-    return next(model.parameters()).device
 
 
 def batch_to(batch: TrainBatch, device: torch.device) -> TrainBatch:
