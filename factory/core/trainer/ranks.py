@@ -37,6 +37,7 @@ from factory.config import ExperimentSpec, load_spec
 from factory.core.algorithms import make_loss
 from factory.core.batch import TrainBatch
 from factory.core.trainer.distributed import DistributedTrainer, init_ranks, load_full_state, rank_device
+from factory.core.trainer.logprobs import enable_activation_checkpointing
 from factory.core.trainer.torch_trainer import LossFn, TorchTrainer
 from factory.models.build import policy_for
 
@@ -60,6 +61,8 @@ def _receive() -> tuple[str, Any]:
 def distributed_trainer(spec: ExperimentSpec, model: PreTrainedModel) -> DistributedTrainer:
     """The `DistributedTrainer` that `spec.trainer` describes, on this rank's device."""
     t = spec.trainer
+    if t.activation_checkpointing:
+        enable_activation_checkpointing(model)
     return DistributedTrainer(model, lr=spec.algorithm.lr, grad_clip=t.grad_clip, weight_decay=t.weight_decay,
                               temperature=spec.rollout.temperature, aggregation=spec.algorithm.aggregation(),
                               strategy=t.strategy, grad_accum=t.grad_accum, precision=t.precision,
@@ -81,6 +84,8 @@ def make_trainer(spec: ExperimentSpec, model: PreTrainedModel):
         return make_megatron_trainer(spec, model)
     if t.world_size == 1:
         if t.grad_accum == 1 and t.precision == "fp32":
+            if t.activation_checkpointing:
+                enable_activation_checkpointing(model)
             return TorchTrainer(model, lr=spec.algorithm.lr, grad_clip=t.grad_clip, weight_decay=t.weight_decay,
                                 temperature=spec.rollout.temperature)
         return distributed_trainer(spec, model)
