@@ -6,8 +6,9 @@ several [B, T, V] float32 tensors until backward: 2.5 GB each for a 151,936-toke
 Here the target positions are cut into chunks of at most `chunk_elements` logits (rows x vocabulary) and each chunk
 runs under `torch.utils.checkpoint` (non-reentrant): its forward keeps only its input rows and its [rows]
 log-probs, and backward recomputes the chunk's logits and softmax one chunk at a time. The arithmetic of every row
-is the old one (logits in the model's dtype, `.float() / temperature`, `log_softmax`, gather), so the numbers agree
-up to float reassociation in the head's matmul.
+is the old one (logits in the model's dtype, `.float() / temperature`, `log_softmax`, gather). A batch that fits in
+one chunk (every preset's: the quickstart) is the old computation op for op, so its numbers are bit-identical on
+the CPU; split into chunks, the head's matmul and its weight gradient reassociate float sums.
 
 Where the architecture's head is known (`PLAIN_HEADS`: the causal-LM forward is `lm_head(decoder(...))`, with
 Gemma 2/3's final logit softcapping), the chunks start from the decoder's hidden states and apply the head per
@@ -49,14 +50,13 @@ def token_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: float
     head = _plain_head(model)
     if head is None:
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
-        return chunked_logprobs(logits[:, :-1, :], targets, _identity, temperature, with_entropy, chunk_elements,
-                                vocab=logits.shape[-1])
+        return chunked_logprobs(logits, targets, _identity, temperature, with_entropy, chunk_elements,
+                                vocab=logits.shape[-1], drop_last=True)
     decoder, lm_head, softcap = head
     hidden = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
-    hidden = hidden.last_hidden_state[:, :-1, :]
     to_logits = functools.partial(_head_logits, lm_head, softcap)
-    return chunked_logprobs(hidden, targets, to_logits, temperature, with_entropy, chunk_elements,
-                            vocab=_vocab_size(lm_head, model))
+    return chunked_logprobs(hidden.last_hidden_state, targets, to_logits, temperature, with_entropy, chunk_elements,
+                            vocab=_vocab_size(lm_head, model), drop_last=True)
 
 
 def logprobs_from_logits(logits: Tensor, targets: Tensor, temperature: float = 1.0, with_entropy: bool = False,
@@ -67,37 +67,50 @@ def logprobs_from_logits(logits: Tensor, targets: Tensor, temperature: float = 1
 
 
 def chunked_logprobs(rows: Tensor, targets: Tensor, to_logits: Callable[[Tensor], Tensor], temperature: float,
-                     with_entropy: bool, chunk_elements: int, vocab: int) -> tuple[Tensor, Tensor | None]:
+                     with_entropy: bool, chunk_elements: int, vocab: int,
+                     drop_last: bool = False) -> tuple[Tensor, Tensor | None]:
     """Log-probs of `targets` [B, T] under `to_logits(rows[...])` (logits over `vocab`), chunk by chunk: whole
     sequences per chunk when they fit, else pieces of one sequence (views, never copies of `rows`). With a graph,
-    each chunk is checkpointed so backward recomputes its logits instead of keeping them."""
+    each chunk is checkpointed so backward recomputes its logits instead of keeping them.
+
+    `drop_last`: `rows` has one more position than `targets` (the last, which predicts nothing). Whole-sequence
+    chunks then take the head over all positions and drop the last logits, as the causal-LM forward followed by
+    `[:, :-1]` does: one chunk is then the previous computation op for op, bit for bit on the CPU."""
     if chunk_elements < 1:
         raise ValueError(f"chunk_elements: expected >= 1, got {chunk_elements}")
     b, t = targets.shape
     per_chunk = max(1, chunk_elements // max(vocab, 1))  # token rows
-    chunk = functools.partial(_chunk, to_logits, temperature, with_entropy)
-    run = functools.partial(checkpoint, chunk, use_reentrant=False) if torch.is_grad_enabled() else chunk
-    if t == 0 or per_chunk >= t:
-        seqs = max(1, per_chunk // max(t, 1))
-        parts = [run(rows[i:i + seqs], targets[i:i + seqs]) for i in range(0, b, seqs)]
-        if not parts:  # an empty batch
-            return rows.new_zeros(0, t, dtype=torch.float32), rows.new_zeros(0, t, dtype=torch.float32)
+    span = t + drop_last  # positions of `rows` per sequence
+    whole = functools.partial(_chunk, to_logits, temperature, with_entropy, drop_last)
+    piece = functools.partial(_chunk, to_logits, temperature, with_entropy, False)
+    graph = torch.is_grad_enabled()
+
+    def run(fn: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]], x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        return checkpoint(fn, x, y, use_reentrant=False) if graph else fn(x, y)
+
+    if b == 0:
+        empty = rows.new_zeros(0, t, dtype=torch.float32)
+        return empty, (empty if with_entropy else None)
+    if per_chunk >= span:
+        seqs = max(1, per_chunk // max(span, 1))
+        parts = [run(whole, rows[i:i + seqs], targets[i:i + seqs]) for i in range(0, b, seqs)]
         logp, entropy = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     else:
-        pieces = [[run(rows[i, t0:t0 + per_chunk], targets[i, t0:t0 + per_chunk]) for t0 in range(0, t, per_chunk)]
-                  for i in range(b)]
-        if not pieces:
-            return rows.new_zeros(0, t, dtype=torch.float32), rows.new_zeros(0, t, dtype=torch.float32)
+        pieces = [[run(piece, rows[i, t0:min(t0 + per_chunk, t)], targets[i, t0:t0 + per_chunk])
+                   for t0 in range(0, t, per_chunk)] for i in range(b)]
         logp = torch.stack([torch.cat([p[0] for p in row]) for row in pieces])
         entropy = torch.stack([torch.cat([p[1] for p in row]) for row in pieces])
     return logp, (entropy if with_entropy else None)
 
 
-def _chunk(to_logits: Callable[[Tensor], Tensor], temperature: float, with_entropy: bool, x: Tensor,
+def _chunk(to_logits: Callable[[Tensor], Tensor], temperature: float, with_entropy: bool, drop_last: bool, x: Tensor,
            targets: Tensor) -> tuple[Tensor, Tensor]:
     """One chunk: the target log-probs [..., n] (with a graph) and the entropy there (without; zeros when not
     asked, so the chunks' outputs always stack)."""
-    logp_all = torch.log_softmax(to_logits(x).float() / temperature, dim=-1)
+    logits = to_logits(x)
+    if drop_last:
+        logits = logits[..., :-1, :]
+    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
     logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     # After the gather, so a recompute in backward stops before it (checkpoint's early stop): all it needs is saved.
     with torch.no_grad():
