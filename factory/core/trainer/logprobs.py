@@ -5,7 +5,8 @@ The plain computation (full logits, their float32 log-softmax over the vocabular
 several [B, T, V] float32 tensors until backward: 2.5 GB each for a 151,936-token vocabulary at 4 x 1024 tokens.
 Here the target positions are cut into chunks of at most `chunk_elements` logits (rows x vocabulary) and each chunk
 runs under `torch.utils.checkpoint` (non-reentrant): its forward keeps only its input rows and its [rows]
-log-probs, and backward recomputes the chunk's logits and softmax one chunk at a time. The arithmetic of every row
+log-probs, and backward recomputes the chunk's logits and softmax one chunk at a time (a batch that fits in one
+chunk is computed directly: its logits are within the budget anyway). The arithmetic of every row
 is the old one (logits in the model's dtype, `.float() / temperature`, `log_softmax`, gather). A batch that fits in
 one chunk (every preset's: the quickstart) is the old computation op for op, so its numbers are bit-identical on
 the CPU; split into chunks, the head's matmul and its weight gradient reassociate float sums.
@@ -83,7 +84,9 @@ def chunked_logprobs(rows: Tensor, targets: Tensor, to_logits: Callable[[Tensor]
     span = t + drop_last  # positions of `rows` per sequence
     whole = functools.partial(_chunk, to_logits, temperature, with_entropy, drop_last)
     piece = functools.partial(_chunk, to_logits, temperature, with_entropy, False)
-    graph = torch.is_grad_enabled()
+    # One chunk for the whole batch (every preset's): its logits fit the budget, so they may as well stay for
+    # backward; the recompute would only cost time.
+    graph = torch.is_grad_enabled() and b * span > per_chunk
 
     def run(fn: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]], x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
         return checkpoint(fn, x, y, use_reentrant=False) if graph else fn(x, y)
