@@ -249,3 +249,35 @@ def test_make_trainer_turns_it_on() -> None:
     other = tiny("qwen2", **ARCHS["qwen2"])
     make_trainer(_spec(), other)
     assert not other.model.layers[0].gradient_checkpointing
+
+
+# ------------------------------------------------------------------ GPU only (skipped on the CPU)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_under_bf16_autocast_the_numbers_match_and_the_peak_drops() -> None:
+    """On a GPU, as `DistributedTrainer` runs it with precision bf16: the log-probs follow the model's device, match
+    the old computation within bf16 noise, and one micro-batch's peak allocation is lower (vocabulary 32,000)."""
+    device = torch.device("cuda")
+    cfg = AutoConfig.for_model("qwen2", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, intermediate_size=128, vocab_size=32000, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).to(device).train()
+    ids = torch.randint(0, 32000, (2, 512), generator=torch.Generator().manual_seed(0)).to(device)
+    b = TrainBatch(ids, torch.ones_like(ids), torch.ones(2, 511, dtype=torch.bool, device=device))
+    out = {}
+    chunked = lambda m, b, t, with_entropy: token_logprobs(m, b, t, with_entropy, chunk_elements=32000 * 128)  # noqa: E731
+    for name, impl in (("old", reference), ("new", chunked)):
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logp, entropy = impl(model, b, 1.0, with_entropy=True)
+        (-(logp * b.loss_mask).sum() / b.loss_mask.sum()).backward()
+        torch.cuda.synchronize()
+        out[name] = (logp.detach(), entropy.detach(), torch.cuda.max_memory_allocated() - base)
+    assert out["new"][0].device.type == "cuda"
+    torch.testing.assert_close(out["new"][0], out["old"][0], atol=1e-2, rtol=0)
+    torch.testing.assert_close(out["new"][1], out["old"][1], atol=1e-2, rtol=0)
+    assert out["new"][2] < out["old"][2] / 2
