@@ -223,6 +223,23 @@ def test_activation_checkpointing_gives_the_same_gradients() -> None:
         torch.testing.assert_close(grads2[name], g, atol=1e-6, rtol=1e-5, msg=name)
 
 
+def test_activation_checkpointing_with_lora_adapters() -> None:
+    from factory.models.lora import attach
+
+    model = tiny("llama", **ARCHS["llama"])
+    attach(model, LoraSpec(r=4, alpha=8.0))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(3))
+    _, _, grads = grads_of(model, token_logprobs, 1.0)
+    enable_activation_checkpointing(model)
+    _, _, grads2 = grads_of(model, token_logprobs, 1.0)
+    assert grads.keys() == grads2.keys() and all("lora_" in n for n in grads)
+    for name, g in grads.items():
+        torch.testing.assert_close(grads2[name], g, atol=1e-6, rtol=1e-5, msg=name)
+
+
 def test_activation_checkpointing_refuses_a_model_that_cannot() -> None:
     with pytest.raises(ValueError, match="trainer.activation_checkpointing: Linear"):
         enable_activation_checkpointing(torch.nn.Linear(2, 2))
