@@ -456,7 +456,7 @@ class TrainerSpec(_Section):
 
     _LATE_FIELDS: ClassVar[tuple[str, ...]] = (
         "world_size", "strategy", "grad_accum", "precision", "tensor_parallel", "pipeline_parallel", "devices",
-        "cpus", "lora")
+        "cpus", "lora", "activation_checkpointing")
 
     backend: Literal["torch", "megatron"] = Field(
         "torch", description="torch (one process, or DDP/FSDP2 ranks under torchrun) or megatron (Megatron-core "
@@ -482,6 +482,9 @@ class TrainerSpec(_Section):
         None, min_length=1, description="placement: the CPU cores the trainer's threads run on (its torch threads "
         "stay on them); unset: any")
     lora: LoraSpec | None = Field(None, description="LoRA adapters through peft; unset: full fine-tuning")
+    activation_checkpointing: bool = Field(
+        False, description="recompute each decoder layer's activations in backward instead of keeping them (less "
+        "memory, about a third more compute); torch backend only")
 
     @model_validator(mode="after")
     def _layout(self) -> TrainerSpec:
@@ -490,6 +493,9 @@ class TrainerSpec(_Section):
             raise ValueError(f"trainer.lora: LoRA runs on the one-process torch trainer (backend torch, world_size 1, "
                              f"grad_accum 1, precision fp32), got backend {self.backend!r}, world_size "
                              f"{self.world_size}, grad_accum {self.grad_accum}, precision {self.precision!r}")
+        if self.activation_checkpointing and self.backend != "torch":
+            raise ValueError(f"trainer.activation_checkpointing: only the torch backend checkpoints activations, got "
+                             f"backend {self.backend!r}; set it to false")
         if self.backend != "megatron" and (self.tensor_parallel > 1 or self.pipeline_parallel > 1):
             raise ValueError(f"trainer.tensor_parallel / trainer.pipeline_parallel: need trainer.backend: megatron, "
                              f"got backend {self.backend!r} with tensor_parallel {self.tensor_parallel} and "

@@ -40,6 +40,7 @@ except ImportError as e:  # the backend is optional: `pip install -e ".[megatron
     raise ImportError(f"trainer.backend: megatron needs megatron-core (pip install -e '.[megatron]'): {e}") from e
 
 from factory.core.batch import TrainBatch
+from factory.core.trainer.logprobs import logprobs_from_logits
 from factory.core.trainer.megatron_convert import (
     geometry,
     hf_to_megatron,
@@ -175,7 +176,7 @@ def megatron_attention_mask(attention_mask: Tensor) -> Tensor:
 
 def megatron_token_logprobs(model: GPTModel, batch: TrainBatch, temperature: float = 1.0, with_entropy: bool = False,
                             autocast_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor | None]:
-    """Logprob of each target token [B, T-1] (and the entropy there) under `model`, as `torch_trainer.token_logprobs`
+    """Logprob of each target token [B, T-1] (and the entropy there, detached) under `model`, as `token_logprobs`
     computes them. Megatron's RoPE uses positions 0..T-1 whatever `position_ids` says, which is what HF uses for
     right-padded batches without position ids (`batch.pack`'s layout)."""
     device = next(model.parameters()).device
@@ -187,10 +188,8 @@ def megatron_token_logprobs(model: GPTModel, batch: TrainBatch, temperature: flo
                else contextlib.nullcontext())
     with compute:
         logits = model(ids, position_ids, mask)[:, :-1, :]  # [B, T, V]: GPTModel returns batch-first logits
-    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
-    logp = logp_all.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
-    return logp, entropy
+    # Chunked and checkpointed as the torch trainer's: no [B, T, V] float32 tensor kept through backward.
+    return logprobs_from_logits(logits, ids[:, 1:], temperature, with_entropy)
 
 
 def _clip_grads(params: list[torch.nn.Parameter], max_norm: float) -> Tensor:

@@ -37,6 +37,7 @@ from factory.config import ExperimentSpec, load_spec
 from factory.core.algorithms import make_loss
 from factory.core.batch import TrainBatch
 from factory.core.trainer.distributed import DistributedTrainer, init_ranks, load_full_state, rank_device
+from factory.core.trainer.logprobs import enable_activation_checkpointing
 from factory.core.trainer.torch_trainer import LossFn, TorchTrainer
 from factory.models.build import policy_for
 
@@ -62,6 +63,8 @@ def distributed_trainer(spec: ExperimentSpec, model: PreTrainedModel) -> Distrib
     device the run placed `model` on (it is not moved: the loop's engines and evals share it)."""
     t = spec.trainer
     device = rank_device(t.devices) if dist.is_initialized() and dist.get_world_size() > 1 else None
+    if t.activation_checkpointing:
+        enable_activation_checkpointing(model)
     return DistributedTrainer(model, lr=spec.algorithm.lr, grad_clip=t.grad_clip, weight_decay=t.weight_decay,
                               temperature=spec.rollout.temperature, aggregation=spec.algorithm.aggregation(),
                               strategy=t.strategy, grad_accum=t.grad_accum, precision=t.precision,
@@ -84,6 +87,8 @@ def make_trainer(spec: ExperimentSpec, model: PreTrainedModel):
         return make_megatron_trainer(spec, model)
     if t.world_size == 1:
         if t.grad_accum == 1:
+            if t.activation_checkpointing:
+                enable_activation_checkpointing(model)
             return TorchTrainer(model, lr=spec.algorithm.lr, grad_clip=t.grad_clip, weight_decay=t.weight_decay,
                                 temperature=spec.rollout.temperature, precision=t.precision)
         return distributed_trainer(spec, model)

@@ -25,6 +25,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from factory.core.batch import TrainBatch
+from factory.core.trainer.logprobs import token_logprobs as chunked_token_logprobs
 from factory.infra.device import autocast, model_device
 
 LossFn = Callable[[Tensor, TrainBatch], tuple[Tensor, dict[str, float]]]
@@ -32,13 +33,9 @@ LossFn = Callable[[Tensor, TrainBatch], tuple[Tensor, dict[str, float]]]
 
 def token_logprobs(model: PreTrainedModel, batch: TrainBatch, temperature: float = 1.0,
                    with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
-    """Logprob of each target token [B, T-1] (and the policy entropy there) under `model`."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1, :]
-    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
-    targets = batch.input_ids[:, 1:]
-    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
-    return logp, entropy
+    """Logprob of each target token [B, T-1] (and the policy entropy there, detached: a metric) under `model`,
+    chunked over tokens so no full-vocabulary float32 tensor is kept through backward (`trainer/logprobs.py`)."""
+    return chunked_token_logprobs(model, batch, temperature, with_entropy)
 
 
 def batch_to(batch: TrainBatch, device: torch.device) -> TrainBatch:
