@@ -72,7 +72,8 @@ def test_bf16_at_world_size_1_stays_in_process_and_trains_under_autocast(model):
     trainer = make_trainer(_spec(precision="bf16"), model)
     assert type(trainer) is TorchTrainer and trainer.precision == "bf16"
     seen: list[tuple[bool, torch.dtype]] = []
-    model.register_forward_hook(lambda m, a, out: seen.append(
+    # The head: the chunked log-probs (trainer/logprobs.py) run the decoder and the head, not the model's forward.
+    model.get_output_embeddings().register_forward_hook(lambda m, a, out: seen.append(
         (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))))
     batch = _batch()
     before = [p.detach().clone() for p in model.parameters()]
