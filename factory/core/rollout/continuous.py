@@ -11,9 +11,9 @@ step costs one forward over the n running rows plus an in-place column write per
 
 Any decoder-only transformers causal LM whose layers are all attention runs (Llama, Qwen2/3, Mistral, Gemma 1-3,
 Phi, GPT-2, ...): the engine hands the model a 4-D mask (boolean for sdpa, additive for eager), which every
-architecture's mask builder passes through unchanged, and the cache as `cache=`. Sliding-window layers are
-exact because sequences are capped at the window (`factory.architectures.attention_window`); recurrent or
-hybrid models are refused (`architecture_problem`).
+architecture's mask builder passes through unchanged, and the cache as `cache=` (`past_key_values=` before
+transformers 5.2x: models/compat.py). Sliding-window layers are exact because sequences are capped at the window
+(`factory.architectures.attention_window`); recurrent or hybrid models are refused (`architecture_problem`).
 
 New requests are prefilled together in one left-padded forward (identical prompts — the n samples of a GRPO
 group — once), then copied into free rows; their first token is sampled from the prefill logits.
@@ -57,6 +57,7 @@ from factory.core.rollout.base import Completion, SamplingParams
 from factory.core.rollout.embedded import decode_autocast
 from factory.core.rollout.slot_cache import SlotKVCache
 from factory.infra.device import model_device
+from factory.models.compat import cache_kwargs
 
 log = logging.getLogger(__name__)
 
@@ -443,7 +444,7 @@ class ContinuousEngine:
             with decode_autocast(device, self.precision):
                 out = self.model(input_ids=ids, position_ids=pos,
                                  attention_mask=self._mask(allowed[:, None]),
-                                 cache=self._cache, use_cache=True, logits_to_keep=1)
+                                 use_cache=True, logits_to_keep=1, **cache_kwargs(self.model, self._cache))
         finally:
             kv = self._cache.end_prefill()
         self.stats.prefills += 1
@@ -469,7 +470,7 @@ class ContinuousEngine:
         mask = self._mask(cache.decode_mask(step[2]))
         with decode_autocast(device, self.precision):
             out = self.model(input_ids=step[0, :, None], position_ids=step[1, :, None], attention_mask=mask,
-                             cache=cache, use_cache=True)
+                             use_cache=True, **cache_kwargs(self.model, cache))
         cache.width += 1
         self.stats.steps += 1
         self._sample(out.logits[:, -1, :], rows, knobs)

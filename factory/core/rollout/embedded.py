@@ -21,6 +21,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from factory.core.rollout.base import Completion, SamplingParams
 from factory.infra.device import autocast, model_device
+from factory.models.compat import cache_kwargs, returned_cache
 
 
 def decode_autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
@@ -96,8 +97,8 @@ class EmbeddedEngine:
         for t in range(params.max_new_tokens):
             with decode_autocast(device, self.precision):
                 out = self.model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos,
-                                 cache=cache, use_cache=True)
-            cache = out.cache
+                                 use_cache=True, **cache_kwargs(self.model, cache))
+            cache = returned_cache(self.model, out)
             tok, lp = _sample(out.logits[:, -1, :], params, gen)
             tok = torch.where(done, torch.full_like(tok, self.pad_id), tok)
             tokens[:, t] = tok
