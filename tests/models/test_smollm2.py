@@ -52,7 +52,8 @@ def chat_ids(tok, text: str) -> list[int]:
 
 @contextmanager
 def fed(model) -> Iterator[list[list[int]]]:
-    """The rows of input_ids each forward call of `model` receives."""
+    """The rows of input_ids each forward call of `model`'s decoder receives (generation calls the whole model, the
+    trainer's chunked log-probs the decoder and then the head: both pass through the decoder)."""
     seen: list[list[int]] = []
 
     def hook(_module, args, kwargs):
@@ -60,7 +61,7 @@ def fed(model) -> Iterator[list[list[int]]]:
         if ids is not None:
             seen.extend(ids.tolist())
 
-    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+    handle = model.get_decoder().register_forward_pre_hook(hook, with_kwargs=True)
     try:
         yield seen
     finally:
