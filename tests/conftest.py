@@ -124,3 +124,19 @@ def smollm2_dir(smollm2_gguf):
 
     cache = Path(os.environ.get("FACTORY_TEST_CACHE", Path.home() / ".cache" / "factory-tests"))
     return convert_gguf(smollm2_gguf, FactoryPaths(cache), log=lambda _msg: None)
+
+
+@pytest.fixture
+def gpu_driver(tmp_path, monkeypatch):
+    """`gpu_driver(n)`: this machine's NVIDIA driver shows `n` GPUs (a real directory standing in for
+    /proc/driver/nvidia/gpus, one entry per GPU; `factory/infra/gpus.py` reads it), CUDA_VISIBLE_DEVICES unset."""
+    from factory.infra import gpus
+
+    def make(n: int) -> None:
+        proc = tmp_path / "gpus"
+        proc.mkdir()
+        for i in range(n):
+            (proc / f"0000:{i:02x}:00.0").mkdir()
+        monkeypatch.setattr(gpus, "PROC_GPUS", proc)
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    return make

@@ -15,7 +15,6 @@ Every component takes the resolved `torch.device` from its caller: nothing below
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -81,16 +80,6 @@ def describe(device: torch.device) -> str:
         index = device.index if device.index is not None else torch.cuda.current_device()
         return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
     return f"cpu ({torch.get_num_threads()} threads)"
-
-
-@contextlib.contextmanager
-def on(device: torch.device) -> Iterator[None]:
-    """Run a block with `device` current (so `torch.cuda` calls without an index go to it)."""
-    if device.type == "cuda":
-        with torch.cuda.device(device):
-            yield
-    else:
-        yield
 
 
 def model_device(model: torch.nn.Module) -> torch.device:

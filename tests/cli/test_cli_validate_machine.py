@@ -9,28 +9,15 @@ from factory.cli import main
 from factory.infra import gpus as gpus_mod
 
 
-@pytest.fixture
-def machine(tmp_path, monkeypatch):
-    """This machine shows `n` GPUs: a real /proc-like directory with one entry per GPU, no CUDA_VISIBLE_DEVICES."""
-    def make(n: int) -> None:
-        proc = tmp_path / "gpus"
-        proc.mkdir()
-        for i in range(n):
-            (proc / f"0000:{i:02x}:00.0").mkdir()
-        monkeypatch.setattr(gpus_mod, "PROC_GPUS", proc)
-        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    return make
-
-
-def test_world_size_above_the_gpu_count_is_refused(machine, capsys):
-    machine(1)
+def test_world_size_above_the_gpu_count_is_refused(gpu_driver, capsys):
+    gpu_driver(1)
     assert main(["validate", "examples/quickstart.yaml", "--set", "trainer.world_size=2"]) == 2
     err = capsys.readouterr().err
     assert "trainer.world_size: 2 ranks, one GPU each, but this machine has 1 GPU" in err and "device: cpu" in err
 
 
-def test_cuda_visible_devices_is_honoured(machine, monkeypatch, capsys):
-    machine(4)
+def test_cuda_visible_devices_is_honoured(gpu_driver, monkeypatch, capsys):
+    gpu_driver(4)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2")
     assert main(["validate", "examples/quickstart.yaml", "--set", "trainer.world_size=2",
                  "--set", "trainer.devices=[0,1]"]) == 2
@@ -42,16 +29,16 @@ def test_cuda_visible_devices_is_honoured(machine, monkeypatch, capsys):
         in capsys.readouterr().err
 
 
-def test_a_two_rank_cpu_run_stays_valid(machine, capsys):
-    machine(0)
+def test_a_two_rank_cpu_run_stays_valid(gpu_driver, capsys):
+    gpu_driver(0)
     assert main(["validate", "examples/quickstart.yaml", "--set", "trainer.world_size=2"]) == 0
     gpus_mod.PROC_GPUS.joinpath("0000:00:00.0").mkdir()  # now one GPU: the spec asking for the CPU stays valid
     assert main(["validate", "examples/quickstart.yaml", "--set", "trainer.world_size=2", "--set", "device=cpu"]) == 0
     assert "ok (fingerprint" in capsys.readouterr().out
 
 
-def test_cores_the_process_lacks_are_refused(machine, capsys):
-    machine(0)
+def test_cores_the_process_lacks_are_refused(gpu_driver, capsys):
+    gpu_driver(0)
     assert main(["validate", "examples/quickstart.yaml", "--set", "rollout.cpus=[0,4096]"]) == 2
     assert "rollout.cpus: cores [4096] are not available to this process" in capsys.readouterr().err
 

@@ -11,23 +11,9 @@ from factory.core.batch import pack
 from factory.core.rollout.base import SamplingParams
 from factory.core.rollout.continuous import ContinuousEngine, SlotKVCache
 from factory.core.trainer.torch_trainer import token_logprobs
-from factory.models.build import build_model
-from factory.models.tokenizer import build_tokenizer
+from tests.core.engine_cases import sharp_model
 
 PROMPTS = ["1+2=", "123+456=", "99*9=", "7", "5555+5555=", "1-1=", "2*3*4*5=", "31-4*1="]
-
-
-def sharp_model(seed: int = 0):
-    """The micro model with large weights: greedy outputs depend on the context and often end in EOS
-    (a freshly initialised model repeats one token)."""
-    tok = build_tokenizer()
-    model = build_model("micro", tok, seed=seed)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.3, generator=g)
-    return model.eval(), tok
 
 
 def reference_greedy(model, tok, prompt: str, max_new: int) -> list[int]:

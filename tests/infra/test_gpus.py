@@ -19,18 +19,6 @@ def spec_with(**overrides):
 
 
 @pytest.fixture
-def driver(tmp_path, monkeypatch):
-    """A machine whose driver shows `n` GPUs in /proc (a real directory standing in for /proc/driver/nvidia)."""
-    def make(n: int) -> None:
-        proc = tmp_path / "gpus"
-        proc.mkdir()
-        for i in range(n):
-            (proc / f"0000:{i:02x}:00.0").mkdir()
-        monkeypatch.setattr(gpus_mod, "PROC_GPUS", proc)
-    return make
-
-
-@pytest.fixture
 def smi(tmp_path, monkeypatch):
     """No /proc entry; a real `nvidia-smi` on PATH printing `text` (and exiting `rc`)."""
     def make(text: str, rc: int = 0) -> None:
@@ -44,8 +32,8 @@ def smi(tmp_path, monkeypatch):
     return make
 
 
-def test_proc_entries_are_counted(driver):
-    driver(4)
+def test_proc_entries_are_counted(gpu_driver):
+    gpu_driver(4)
     assert count_gpus({}) == Gpus(4, str(gpus_mod.PROC_GPUS))
 
 
@@ -76,8 +64,8 @@ def test_no_driver_counts_none(tmp_path, monkeypatch):
     ("GPU-8a1b2c3d-0000-1111-2222-333344445555,MIG-1234", 2),  # UUIDs
     ("GPU-a,GPU-b,GPU-c,GPU-d,GPU-e", 4),  # never more than the driver shows
 ])
-def test_cuda_visible_devices_narrows_the_driver_count(driver, setting, want):
-    driver(4)
+def test_cuda_visible_devices_narrows_the_driver_count(gpu_driver, setting, want):
+    gpu_driver(4)
     assert count_gpus({"CUDA_VISIBLE_DEVICES": setting}).count == want
 
 
