@@ -241,6 +241,8 @@ class AlgorithmSpec(_Section):
                  "scale_rewards": True, "dynamic_sampling": False, "overlong": False},
     }
 
+    _LATE_FIELDS: ClassVar[tuple[str, ...]] = ("dual_clip",)
+
     name: Literal["grpo", "dr_grpo", "dapo", "cispo", "gspo"] = "grpo"
     group_size: int = Field(8, ge=2)
     lr: float = Field(3e-4, gt=0, le=1e30, description=LR_HELP)
@@ -269,6 +271,10 @@ class AlgorithmSpec(_Section):
         None, description="drop groups whose rewards are all equal and refill the batch (DAPO)",
     )
     is_cap: float = Field(2.0, ge=1, description="truncation of importance weights on stale samples")
+    dual_clip: float | None = Field(
+        None, gt=1, description="dual-clip PPO's c (Ye et al. 2020; verl's clip_ratio_c, 3.0 there): a token with "
+        "negative advantage loses at most -A * c, and past it passes no gradient; grpo, dr_grpo and dapo only; "
+        "unset: off")
 
     @field_validator("scale_rewards")
     @classmethod
@@ -284,6 +290,15 @@ class AlgorithmSpec(_Section):
         max_len = info.data.get("overlong_max_len")
         if v is not None and max_len is not None and v >= max_len:
             raise ValueError(f"must be < overlong_max_len = {max_len}, got {v}")
+        return v
+
+    @field_validator("dual_clip")
+    @classmethod
+    def _dual_clip_ppo_only(cls, v: float | None, info: ValidationInfo) -> float | None:
+        name = info.data.get("name")
+        if v is not None and name in ("cispo", "gspo"):
+            raise ValueError(f"the dual clip bounds the PPO-clip losses (grpo, dr_grpo, dapo), not {name}; "
+                             "leave it unset")
         return v
 
     def _default(self, key: str) -> Any:

@@ -20,11 +20,18 @@ Every policy loss below is `-A * f(ratio)` per token, then an aggregation over t
 - gspo:    a sequence-level ratio s = exp(mean_t(logp - old)), clipped with tiny eps, in the token form
            s_t = sg(s) * exp(logp - sg(logp)) (same value and gradient as the sequence form).
 
-Numerics, as verl does them (verl/trainer/ppo/core_algos.py): every log-ratio (logp - old, GSPO's sequence
-mean of it) is clamped to +-LOG_RATIO_BOUND before exp, and the k3 KL estimate to +-KL_BOUND after clamping
-its own log-ratio, so one token on which the sampler and the policy (or the reference) disagree by thousands
-of nats gives a finite loss and finite gradients instead of inf/NaN for the whole batch (such a token's
-clamped ratio passes no gradient, as in verl). The KL penalty is added after the importance weights of
+Numerics, as verl does them (verl/trainer/ppo/core_algos.py): every token log-ratio logp - old is clamped to
++-LOG_RATIO_BOUND before exp; GSPO's token-form log-ratio sg(sequence mean) + logp - sg(logp) is clamped
+above at GSPO_LOG_RATIO_MAX (below it needs none: exp of a very negative number is 0, finite); the k3 KL
+estimate is clamped to +-KL_BOUND after clamping its own log-ratio. So one token on which the sampler and the
+policy (or the reference) disagree by thousands of nats gives a finite loss and finite gradients instead of
+inf/NaN for the whole batch. Each clamp sits on the gradient path, and a clamp that binds passes no gradient:
+in grpo, dr_grpo, dapo a token whose ratio is clamped, in gspo a sequence whose ratio is clamped, contributes
+none, so one far-off-policy token or sequence cannot steer the update. CISPO's ratio is a detached weight,
+clipped to at most 1 + eps_high: a clamped token learns with that bounded weight like any clipped token (that
+is CISPO's point, and verl's CISPO does the same). The optional dual clip (`AlgorithmSpec.dual_clip`, verl's
+clip_ratio_c) bounds a PPO-clip token's loss by -A * c where A < 0, so a negative-advantage token far above
+its clip adds at most c * |A| and no gradient. The KL penalty is added after the importance weights of
 stale samples: they scale the policy-gradient term only (verl's rollout_is_weights multiply pg_losses; its
 kl_loss is aggregated unweighted). The weights correct the policy gradient's estimate for samples drawn by
 older weights; the KL term is a regularizer of the current policy towards the reference, evaluated on
@@ -46,6 +53,7 @@ LossFn = Callable[[Tensor, TrainBatch], tuple[Tensor, dict[str, float]]]
 Aggregation = str  # "seq_mean_token_mean" | "token_mean" | "seq_mean_token_sum_norm"
 
 LOG_RATIO_BOUND = 20.0  # |log ratio| before exp: e^20 ~ 4.9e8, finite and far outside any clip (verl: 20)
+GSPO_LOG_RATIO_MAX = 10.0  # GSPO's sequence log-ratio, upper side only (verl's compute_policy_loss_gspo: 10)
 KL_BOUND = 10.0  # |k3 estimate| per token (verl's low_var_kl: 10)
 
 
@@ -213,11 +221,14 @@ def ppo_clip_loss(
     ref_logprobs: Tensor | None = None,
     kl_coef: float = 0.0,
     is_weights: Tensor | None = None,
+    dual_clip: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high)) per token, aggregated by `agg`.
 
     GRPO, Dr.GRPO and DAPO are this loss with different clips and aggregations. `old_logprobs` are
     the sampler's logprobs of the same tokens, so the ratio is 1 on the first on-policy minibatch.
+    `dual_clip` c > 1 (dual-clip PPO): where A < 0 the token's loss is at most -A * c, a constant, so
+    past it the token passes no gradient; `dual_clip_frac` is the share of tokens it bounds.
     """
     mask = mask.bool()
     lp = _clean(mask, logprobs)
@@ -226,6 +237,14 @@ def ppo_clip_loss(
     clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
     per_token = torch.maximum(-adv * ratio, -adv * clipped)
     metrics = _clip_metrics(ratio, mask, eps_low, eps_high)
+    if dual_clip is not None:
+        if not dual_clip > 1:
+            raise ValueError(f"dual_clip must be > 1 (a bound on the ratio), got {dual_clip}")
+        bound = -adv * dual_clip
+        bounded = (adv < 0) & (per_token > bound)
+        per_token = torch.where(bounded, bound, per_token)
+        with torch.no_grad():
+            metrics["dual_clip_frac"] = masked_mean(bounded.float(), mask).item()
     return _finish(per_token, lp, mask, agg, max_len, ref_logprobs, kl_coef, is_weights, metrics)
 
 
@@ -291,17 +310,22 @@ def gspo_loss(
     s_i on every token and its gradient is s_i * A_i * grad(logp_t), so with a per-sequence
     advantage and the per-sequence token mean it equals sequence-level GSPO exactly. Clipping is
     decided per sequence: a whole response is in or out.
+
+    The token-form log-ratio is clamped above at GSPO_LOG_RATIO_MAX *with* its gradient term, as verl
+    does: a sequence whose ratio is clamped passes no gradient. (Clamping only the detached sequence
+    mean would keep exp(bound) * grad(logp), about 1.2e8 per token of a 4-token sequence at A = -1.)
     """
     mask = mask.bool()
     lp = _clean(mask, logprobs)
-    log_s = masked_mean(lp.detach() - _clean(mask, old_logprobs.to(lp.dtype)), mask, dim=-1)  # [B]
-    log_s = torch.clamp(log_s, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-    s_tok = torch.exp(log_s.unsqueeze(-1) + lp - lp.detach())  # value s_i, gradient s_i * grad(logp)
+    log_s = masked_mean(lp.detach() - _clean(mask, old_logprobs.to(lp.dtype)), mask, dim=-1)  # [B], detached
+    # lp - sg(lp) first: it is exactly 0, so the value is log_s itself, not log_s + lp - lp rounded.
+    log_s_tok = torch.clamp(lp - lp.detach() + log_s.unsqueeze(-1), max=GSPO_LOG_RATIO_MAX)
+    s_tok = torch.exp(log_s_tok)  # value s_i, gradient s_i * grad(logp), none where clamped
     adv = _per_token_adv(advantages, lp, mask)
     clipped = torch.clamp(s_tok, 1 - eps_low, 1 + eps_high)
     per_token = torch.maximum(-adv * s_tok, -adv * clipped)
     has_tokens = mask.any(dim=-1)
-    s = log_s.exp()
+    s = torch.clamp(log_s, max=GSPO_LOG_RATIO_MAX).exp()
     metrics = _clip_metrics(s.unsqueeze(-1).expand_as(lp), mask, eps_low, eps_high)
     metrics["seq_ratio_mean"] = masked_mean(s, has_tokens).item()
     return _finish(per_token, lp, mask, agg, max_len, ref_logprobs, kl_coef, is_weights, metrics)
@@ -348,6 +372,7 @@ def make_loss(spec: AlgorithmSpec, max_new_tokens: int | None = None) -> LossFn:
             return gspo_loss(logp, old, adv, mask, eps_low=eps_low, eps_high=eps_high, **common)
         # grpo, dr_grpo, dapo: PPO-clip with their clips and aggregations (resolved from the spec).
         assert eps_low is not None, f"{name} needs a lower clip"
-        return ppo_clip_loss(logp, old, adv, mask, eps_low=eps_low, eps_high=eps_high, **common)
+        return ppo_clip_loss(logp, old, adv, mask, eps_low=eps_low, eps_high=eps_high, dual_clip=spec.dual_clip,
+                             **common)
 
     return loss_fn
