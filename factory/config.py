@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -877,7 +878,28 @@ def load_spec(path: str | Path) -> ExperimentSpec:
         raise SpecError([f"<file>: {e}"], str(path)) from None
     except yaml.YAMLError as e:
         raise SpecError([f"<file>: not valid YAML: {e}"], str(path)) from None
+    anchor_source_paths(data, path.parent)
     return parse_spec(data, str(path))
+
+
+FILE_SOURCE_KINDS = ("jsonl", "parquet", "hf_disk")
+
+
+def anchor_source_paths(data: Any, folder: str | Path) -> None:
+    """Make each relative `path:` of the file sources in raw spec `data` absolute under `folder` (the spec file's
+    folder), in place, so a spec means the same files wherever the command runs (and in a run's own copy of it).
+    A spec built in Python keeps its paths as given: relative ones are then relative to the working directory of
+    the process that opens the sources. Malformed entries are left for validation to report."""
+    sources = data.get("data", {}).get("sources") if isinstance(data, dict) and isinstance(data.get("data"), dict) \
+        else None
+    if not isinstance(sources, list):
+        return
+    for s in sources:
+        if isinstance(s, dict) and s.get("kind") in FILE_SOURCE_KINDS and isinstance(s.get("path"), str) \
+                and s["path"]:
+            p = os.path.expanduser(s["path"])
+            if not os.path.isabs(p):
+                s["path"] = os.path.normpath(os.path.join(os.path.abspath(folder), p))
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
