@@ -131,3 +131,29 @@ def test_run_refuses_a_bad_source_before_any_attempt(tmp_path, flag):
     _refused(r, "does not exist")
     runs = home / "runs"
     assert not runs.exists() or not any(runs.iterdir())  # no attempt was started
+
+
+RUN_IN_PROCESS = """
+import argparse, sys
+from factory.cli.run import _run_spec
+from factory.config import parse_spec
+spec = parse_spec({"model": {"preset": "micro"}, "ops": {"preflight": "off"},
+                   "task": {"name": "arithmetic", "operations": ["add"], "digits": [2], "n_train": 200, "n_eval": 20},
+                   "sft": {"steps": 2, "batch_size": 8, "check_every": 1}, "algorithm": {"group_size": 2},
+                   "rollout": {"prompts_per_step": 2, "max_new_tokens": 4}, "schedule": {"steps": 1, "eval_pass_k": 1},
+                   "data": {"sources": [{"name": "a", "kind": "arithmetic", "op": "add", "digits": 2, "n": 100},
+                                        {"name": "f", "kind": "parquet", "path": sys.argv[1],
+                                         "verifier": "arithmetic"}]}})
+sys.exit(_run_spec(spec, argparse.Namespace(home=None, control=False, in_process=True)))
+"""
+
+
+def test_in_process_run_gives_one_line_for_a_source_gone_after_the_check(tmp_path):
+    """A file that vanished after the spec was checked (what `load` would have refused): one line, exit 2."""
+    env = {**os.environ, "FACTORY_HOME": str(tmp_path / "home"), "PYTHONPATH": str(Path(__file__).parents[2])}
+    r = subprocess.run([sys.executable, "-c", RUN_IN_PROCESS, str(tmp_path / "gone.parquet")], capture_output=True,
+                       text=True, cwd=tmp_path, env=env, timeout=900, check=False)
+    assert r.returncode == 2, (r.returncode, r.stderr[-3000:])
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    (line,) = [x for x in r.stderr.splitlines() if x.startswith("factory: error:")]
+    assert "source 'f'" in line and "does not exist" in line, line
