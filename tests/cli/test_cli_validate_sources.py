@@ -92,37 +92,6 @@ def test_relative_paths_are_relative_to_the_spec_folder(tmp_path):
     _refused(r, "does not exist", str(tmp_path / "other" / "data" / "rows.parquet"))
 
 
-def test_python_specs_resolve_relative_paths_against_the_working_directory(tmp_path, monkeypatch):
-    from factory.config import parse_spec
-    from factory.data.source_check import check_sources
-    from factory.source_spec import SourceError
-
-    write_parquet(tmp_path / "rows.parquet", GOOD)
-    spec = parse_spec({"data": {"sources": [{"name": "f", "kind": "parquet", "path": "rows.parquet",
-                                             "verifier": "arithmetic"}]}})
-    assert spec.data.sources[0]["path"] == "rows.parquet"  # kept as given
-    monkeypatch.chdir(tmp_path)
-    check_sources(spec)
-    monkeypatch.chdir(tmp_path.parent)
-    with pytest.raises(SourceError, match=r"data.sources.0.path: .*does not exist"):
-        check_sources(spec)
-    check_sources(spec, base_dir=tmp_path)
-
-
-def test_good_sources_pass(tmp_path):
-    from factory.config import parse_spec
-    from factory.data.source_check import check_sources
-
-    pq_path = write_parquet(tmp_path / "shards" / "a.parquet", GOOD)
-    jsonl = tmp_path / "rows.jsonl"
-    jsonl.write_text('\n{"id": "a", "prompt": "1+1=", "answer": "2"}\n{"id": "b", "prompt": "2+2=", "answer": 4}\n')
-    spec = parse_spec({"data": {"sources": [
-        {"name": "p", "kind": "parquet", "path": str(pq_path), "verifier": "arithmetic"},
-        {"name": "d", "kind": "parquet", "path": str(pq_path.parent), "verifier": "arithmetic"},
-        {"name": "j", "kind": "jsonl", "path": str(jsonl), "verifier": "arithmetic"}]}})
-    check_sources(spec)
-
-
 @pytest.mark.parametrize("flag", [[], ["--in-process"]])
 def test_run_refuses_a_bad_source_before_any_attempt(tmp_path, flag):
     spec = write_spec(tmp_path / "s", {"kind": "parquet", "path": str(tmp_path / "nope.parquet")})
