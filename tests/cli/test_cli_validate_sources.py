@@ -126,3 +126,18 @@ def test_in_process_run_gives_one_line_for_a_source_gone_after_the_check(tmp_pat
     assert "Traceback" not in r.stderr, r.stderr[-3000:]
     (line,) = [x for x in r.stderr.splitlines() if x.startswith("factory: error:")]
     assert "source 'f'" in line and "does not exist" in line, line
+
+
+def test_supervised_attempt_stops_on_a_source_gone_after_the_check(tmp_path):
+    """Supervised: an attempt whose data file is gone says so in one line and is not restarted (restarting cannot
+    bring the file back)."""
+    script = RUN_IN_PROCESS.replace('"ops": {"preflight": "off"}', '"ops": {"preflight": "off", "max_restarts": 2}') \
+        .replace("in_process=True", "in_process=False")
+    env = {**os.environ, "FACTORY_HOME": str(tmp_path / "home"), "PYTHONPATH": str(Path(__file__).parents[2])}
+    r = subprocess.run([sys.executable, "-c", script, str(tmp_path / "gone.parquet")], capture_output=True,
+                       text=True, cwd=tmp_path, env=env, timeout=900, check=False)
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert "restart 1 of" not in r.stdout + r.stderr, (r.stdout[-2000:], r.stderr[-2000:])
+    lines = [x for x in r.stderr.splitlines() if "source 'f'" in x]
+    assert lines and all("does not exist" in x for x in lines), r.stderr[-3000:]
