@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -32,7 +33,7 @@ from pydantic import (
 from factory.digest import model_dir_digest
 from factory.model_source import source_files
 from factory.presets import PRESETS
-from factory.source_spec import SourceError, parse_source_spec
+from factory.source_spec import Seed, SourceError, parse_source_spec
 from factory.text import clip
 
 
@@ -74,9 +75,64 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+# The most nodes a spec document may hold once its aliases are expanded. A spec is a few hundred nodes; an alias
+# bomb (each level a list of 9 aliases to the one before) is 9**levels, and pydantic walks the expanded tree.
+MAX_YAML_NODES = 100_000
+
+
+class YAMLBombError(yaml.YAMLError):
+    """A YAML document whose aliases expand past MAX_YAML_NODES nodes, or refer to themselves."""
+
+
+def _expanded_nodes(root: yaml.Node) -> int:
+    """How many nodes `root` holds with every alias expanded, counted without expanding (an anchored node's size is
+    computed once); YAMLBombError past MAX_YAML_NODES or on an alias inside the node it names."""
+    sizes: dict[int, int] = {}
+    open_: set[int] = set()
+
+    def size(node: yaml.Node) -> int:
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in open_:
+            raise YAMLBombError(f"a recursive alias at line {node.start_mark.line + 1} (an anchor used inside "
+                                f"itself)")
+        open_.add(key)
+        total = 1
+        if isinstance(node, yaml.SequenceNode):
+            children = node.value
+        elif isinstance(node, yaml.MappingNode):
+            children = [n for pair in node.value for n in pair]
+        else:
+            children = []
+        for child in children:
+            total += size(child)
+            if total > MAX_YAML_NODES:
+                raise YAMLBombError(f"the document expands to more than {MAX_YAML_NODES} nodes through its aliases "
+                                    f"(*name); a spec needs far fewer: write the repeated parts out or use fewer "
+                                    f"aliases")
+        open_.discard(key)
+        sizes[key] = total
+        return total
+
+    return size(root)
+
+
 def load_yaml(text: str) -> Any:
-    """`yaml.safe_load`, but a key given twice in a mapping raises DuplicateKeyError (a YAMLError)."""
-    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    """`yaml.safe_load`, but a key given twice in a mapping raises DuplicateKeyError, and a document whose aliases
+    expand past MAX_YAML_NODES nodes (an alias bomb) or recurse raises YAMLBombError (both YAMLErrors), before
+    anything is built from it."""
+    loader = _UniqueKeyLoader(text)
+    try:
+        node = loader.get_single_node()  # composed: aliases are shared nodes here, not yet copies
+        if node is None:
+            return None
+        _expanded_nodes(node)
+        return loader.construct_document(node)
+    except RecursionError:  # composing and constructing recurse once per nesting level
+        raise YAMLBombError("the document nests too deeply (thousands of levels); a spec needs a handful") from None
+    finally:
+        loader.dispose()
 
 
 _ECHO_CHARS = 100  # longest input echoed whole in an error; longer ones are clipped
@@ -618,7 +674,7 @@ class DataSpec(_Section):
                                              "schedule: equal weights")
     schedule: dict[int, dict[str, float]] | None = Field(
         None, description="step -> {source: weight}: the weights from that training step on (first at step 0)")
-    seed: int | None = Field(None, description="the blend's shuffle seed; unset: the spec's seed")
+    seed: Seed | None = Field(None, description="the blend's shuffle seed; unset: the spec's seed")
     curriculum: CurriculumSpec = Field(default_factory=CurriculumSpec)
     filter: PromptFilterSpec | None = Field(None, description="offline: skip prompts by their recorded pass rate")
     held_out: int = Field(100, ge=0, description="held-out problems per generated source: arithmetic, "
@@ -693,7 +749,7 @@ class ExperimentSpec(_Section):
     _LATE_FIELDS: ClassVar[tuple[str, ...]] = ("device",)
 
     name: str = Field("experiment", min_length=1, max_length=80, pattern=r"^[A-Za-z0-9_.-]+$")
-    seed: int = 0
+    seed: Seed = 0
     device: str = Field(
         "auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$", description="where the run computes: SFT, the trainer, the "
         "in-process rollout engines, evals, the KL reference and the rollout server (factory/infra/device.py). auto: "
@@ -833,11 +889,32 @@ def load_spec(path: str | Path) -> ExperimentSpec:
         raise SpecError([f"<file>: no such spec file: {path}"], str(path))
     try:
         data = load_yaml(path.read_text())
-    except DuplicateKeyError as e:
+    except (DuplicateKeyError, YAMLBombError) as e:
         raise SpecError([f"<file>: {e}"], str(path)) from None
     except yaml.YAMLError as e:
         raise SpecError([f"<file>: not valid YAML: {e}"], str(path)) from None
+    anchor_source_paths(data, path.parent)
     return parse_spec(data, str(path))
+
+
+FILE_SOURCE_KINDS = ("jsonl", "parquet", "hf_disk")
+
+
+def anchor_source_paths(data: Any, folder: str | Path) -> None:
+    """Make each relative `path:` of the file sources in raw spec `data` absolute under `folder` (the spec file's
+    folder), in place, so a spec means the same files wherever the command runs (and in a run's own copy of it).
+    A spec built in Python keeps its paths as given: relative ones are then relative to the working directory of
+    the process that opens the sources. Malformed entries are left for validation to report."""
+    sources = data.get("data", {}).get("sources") if isinstance(data, dict) and isinstance(data.get("data"), dict) \
+        else None
+    if not isinstance(sources, list):
+        return
+    for s in sources:
+        if isinstance(s, dict) and s.get("kind") in FILE_SOURCE_KINDS and isinstance(s.get("path"), str) \
+                and s["path"]:
+            p = os.path.expanduser(s["path"])
+            if not os.path.isabs(p):
+                s["path"] = os.path.normpath(os.path.join(os.path.abspath(folder), p))
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:

@@ -61,6 +61,11 @@ class ColumnMap(BaseModel):
         return cm
 
 
+# Seeds are stored as int64 in the lake and fed to torch.manual_seed (which takes < 2**64, with the step added),
+# random.Random and numpy's generators (which refuse negatives): 0 .. 2**63 - 1 fits all of them.
+MAX_SEED = (1 << 63) - 1
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED, description="a seed: an integer in [0, 2**63 - 1]")]
+
 _NAME = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$", description="the source's name (in records and weights)")
 
 
@@ -76,7 +81,7 @@ class ArithmeticSourceSpec(_Spec):
     op: Literal["add", "sub", "mul"]
     digits: int = Field(ge=1, le=18)
     n: int = Field(ge=1, description="rows: distinct problems of this level")
-    seed: int = 0
+    seed: Seed = 0
     start: int = Field(0, ge=0, description="first problem of the seeded order (a held-out set takes another range)")
     reverse_answer: bool = True
     reverse_operands: bool = False
@@ -120,7 +125,7 @@ class ReasoningGymSourceSpec(_Spec):
     kind: Literal["reasoning_gym"]
     task: str = Field(description="a reasoning-gym dataset name (reasoning_gym.create_dataset)")
     config: dict[str, Any] = Field(default_factory=dict, description="the dataset's config fields")
-    seed: int = 0
+    seed: Seed = 0
     size: int = Field(ge=1, description="rows: entries 0..size-1 (a held-out set takes the entries after them)")
     instruction: str | None = Field(
         None, description="the line after each question; default: ask for the answer between <answer> tags; '' "

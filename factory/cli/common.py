@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from factory.config import ExperimentSpec, SpecError, parse_overrides
+from factory.config import FILE_SOURCE_KINDS, ExperimentSpec, SpecError, parse_overrides
 from factory.envs.spec_check import load_checked_spec
 from factory.home import DEFAULT_HOME, FactoryPaths, factory_home
 
@@ -33,6 +33,15 @@ def load(args: argparse.Namespace) -> tuple[ExperimentSpec | None, SpecError | N
         spec = load_checked_spec(args.spec, parse_overrides(args.overrides))
     except SpecError as e:
         return None, e if e.source else SpecError(e.errors, args.spec)
+    if spec.data is not None and any(s["kind"] in FILE_SOURCE_KINDS for s in spec.data.sources):
+        # What opening the files would refuse, said now: not after the run's first attempt died of it.
+        from factory.data.source_check import check_sources
+        from factory.source_spec import SourceError
+
+        try:
+            check_sources(spec)  # paths from the file are absolute (load_spec); from --set, the working directory's
+        except SourceError as e:
+            return None, SpecError([str(e)], args.spec)
     # LoRA target modules need the model's module names (its skeleton, no weights): checked before any work starts.
     # Imported here: torch and transformers are not loaded by commands that never build a model.
     if spec.trainer.lora is not None:

@@ -28,6 +28,7 @@ from factory.runs.pipes import RunInputs, run_under_pipes
 from factory.runs.restarts import supervise
 from factory.runs.rl_run import attempt_main, standby
 from factory.runs.stages import eval_summary, render_report
+from factory.source_spec import SourceError
 
 RANK_TIMEOUT_S = 6 * 3600.0  # followers wait in a collective while rank 0 builds the dataset and trains SFT
 
@@ -74,6 +75,9 @@ def _run_spec(spec: ExperimentSpec, args: argparse.Namespace) -> int:
     except (NonFiniteLoss, CircuitOpen) as e:
         error(str(e))
         return EXIT_NEEDS_FIX
+    except SourceError as e:  # --in-process: a data file that changed or vanished since the spec was checked
+        error(" ".join(str(e).split()))
+        return EXIT_BAD_INPUT
     print(summary["report"])
     return EXIT_OK
 

@@ -61,6 +61,7 @@ from factory.runs.stages import (
     place,
     set_threads,
 )
+from factory.source_spec import SourceError
 from factory.tracking import Tracker
 
 _now = recovery.now
@@ -537,8 +538,8 @@ def attempt_main(paths: FactoryPaths, run_id: str) -> int:
                    mlflow_parent_run_id=launch.get("mlflow_parent_run_id"))
         except (RunInterrupted, KeyboardInterrupt):
             return EXIT_STOPPED
-        except (NonFiniteLoss, CircuitOpen) as e:
-            print(f"factory: error: run {run_id} stopped: {e}", file=sys.stderr)
+        except (NonFiniteLoss, CircuitOpen, SourceError) as e:  # a data file gone bad: restarting cannot help
+            print(f"factory: error: run {run_id} stopped: {' '.join(str(e).split())}", file=sys.stderr)
             return EXIT_NEEDS_FIX
     return EXIT_OK
 

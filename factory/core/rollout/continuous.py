@@ -210,14 +210,15 @@ class ContinuousEngine:
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         vocab = self.model.config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if params.max_new_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {params.max_new_tokens}")
+        # the length first: it costs nothing, the id scan costs a pass over a prompt that may be millions long
         if len(prompt_ids) + params.max_new_tokens > self.max_seq_len:
             raise ValueError(f"this model's maximum context length is {self.max_seq_len} tokens; the request needs "
                              f"{len(prompt_ids) + params.max_new_tokens} ({len(prompt_ids)} in the prompt, "
                              f"{params.max_new_tokens} for the completion)")
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if not params.greedy and params.temperature <= 0:
             raise ValueError(f"temperature must be > 0 when sampling, got {params.temperature}")
         if not 0 < params.top_p <= 1:

@@ -84,6 +84,7 @@ from factory.core.rollout.chat import (
 )
 from factory.core.rollout.continuous import PAUSE_MODES, UPDATE_MODES, ContinuousEngine
 from factory.core.rollout.logprobs import TokenBytes, token_pieces
+from factory.core.rollout.prompt_gate import PromptGate
 from factory.core.rollout.served import engine_from_checkpoint, load_weights_dir
 from factory.core.rollout.sessions import SessionStore, Turn
 from factory.core.rollout.tools import CALL_CLOSE, ToolPlan, check_response_format, forced_call, plan_tools
@@ -142,8 +143,17 @@ class RolloutServer:
         self.template = ChatTemplate(engine.tokenizer)
         self.token_bytes = TokenBytes(engine.tokenizer)
         self.sessions = SessionStore(max_sessions)
+        self.gate = PromptGate(engine.tokenizer, engine.max_seq_len)  # length bound first, large prompts off-loop
         self.created = int(time.time())
         self._update_lock = asyncio.Lock()  # one weight update at a time, in arrival order
+
+    @property
+    def max_prompt_chars(self) -> int | None:
+        """The most characters a prompt may have (None: no character bound; see `prompt_gate.py`)."""
+        return self.gate.max_prompt_chars
+
+    def close(self) -> None:
+        self.gate.close()
 
     # -- helpers
     def _session_id(self, request: Request, body: _SamplingRequest) -> str | None:
@@ -227,7 +237,10 @@ class RolloutServer:
         if k is not None and not 0 <= k <= 20:
             raise APIError(400, f"logprobs must be in [0, 20], got {k}", "logprobs")
         sid = self._session_id(request, body)
-        prompts = self._completion_prompts(body.prompt)
+        texts = [body.prompt] if isinstance(body.prompt, str) else [p for p in body.prompt if isinstance(p, str)]
+        for text in texts:  # before any tokenizing: a prompt that cannot fit costs nothing
+            self.gate.check(len(text), "prompt")
+        prompts = await self.gate.run(sum(map(len, texts)), self._completion_prompts, body.prompt)
         params = self._params(body, DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens,
                               k or 0)
         comps = await self._run(prompts, params)
@@ -274,7 +287,10 @@ class RolloutServer:
         plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
         sid = self._session_id(request, body)
         messages = [_message_text(m.model_dump(), i) for i, m in enumerate(body.messages)]
-        prompt, continues = self._chat_prompt(messages, sid, plan)
+        chars = sum(len(m["content"]) for m in messages)
+        self.gate.check(chars, "messages")  # the template only adds to the contents
+        turns = list(self.sessions.get(sid) or []) if sid is not None else []  # read here: sessions are the loop's
+        prompt, continues = await self.gate.run(chars, self._chat_prompt, messages, turns, plan)
         given = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = getattr(body, given)
         if max_tokens is None:  # as many as fit the context
@@ -311,12 +327,12 @@ class RolloutServer:
                 return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
         return message, c.finish_reason
 
-    def _chat_prompt(self, messages: list[dict[str, str]], sid: str | None,
+    def _chat_prompt(self, messages: list[dict[str, str]], turns: list[Turn],
                      plan: ToolPlan) -> tuple[list[int], int | None]:
-        """Prompt ids for `messages`; in a session, continue the exact ids of the turn these messages extend."""
+        """Prompt ids for `messages`; in a session (its `turns`), continue the exact ids of the turn these messages
+        extend. Runs on a worker thread for a large prompt: it reads only its arguments and the template."""
         full = self.template.render(messages, generation_prompt=True, tools=plan.tools, prefill=plan.prefill)
-        turns = self.sessions.get(sid) if sid is not None else None
-        for idx in range(len(turns or []) - 1, -1, -1):
+        for idx in range(len(turns) - 1, -1, -1):
             t = turns[idx]
             j = len(t.messages or [])
             reply = t.reply or {"role": "assistant", "content": t.text}
@@ -520,6 +536,7 @@ class ServerHandle:
     def stop(self, timeout: float = 10.0) -> None:
         self._server.should_exit = True
         self._thread.join(timeout)
+        self.app.state.rollout.close()
         if self._stop_engine:
             self.engine.stop(timeout)
 
