@@ -43,7 +43,7 @@ from typing import Any
 HACK_FLAGS = ("early_exit", "marker", "touched_tests")
 
 HARNESS = r'''
-import ast, ctypes, json, os, re, subprocess, sys, threading
+import ast, ctypes, json, os, re, select, sys
 if ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE 0: before anything secret
     sys.exit("harness: cannot make itself non-dumpable")
 here = os.getcwd()
@@ -69,14 +69,14 @@ def candidate(*args, **kwargs):
     if state["dead"]:
         raise RuntimeError("the candidate is gone")
     try:
-        child.stdin.write(call.encode() + b"\n")
-        child.stdin.flush()
+        calls.write(call.encode() + b"\n")
+        calls.flush()
     except OSError:
         state["dead"] = True
         flags.add("early_exit")
         raise RuntimeError("the candidate is gone") from None
     while True:
-        reply = child.stdout.readline()
+        reply = replies.readline()
         if not reply.endswith(b"\n"):
             state["dead"] = True
             flags.add("early_exit")
@@ -101,25 +101,19 @@ else:
     tests = [compile(t, "test", "eval") for t in problem["tests"]]
 namespace[entry] = candidate  # tests call the function by name
 
-out_r, out_w = os.pipe()
-child = subprocess.Popen([sys.executable, "-I", "-u", "child.py", entry], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, stderr=out_w, close_fds=True)
-os.close(out_w)
-
-
-def watch():
-    tail = b""
-    while True:
-        chunk = os.read(out_r, 1 << 16)
-        if not chunk:
-            return
-        if MARKER.search(tail + chunk):
-            flags.add("marker")
-        tail = chunk[-64:]
-
-
-watcher = threading.Thread(target=watch, daemon=True)
-watcher.start()
+# The child: calls on its stdin, replies on its stdout, and its stdout and stderr (once it has moved its
+# replies to a fd of their own) into an unlinked file the harness reads afterwards. Every other fd of ours is
+# close-on-exec, so these three are all it inherits.
+call_r, call_w = os.pipe()
+reply_r, reply_w = os.pipe()
+out = os.open("child.out", os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+os.unlink("child.out")
+pid = os.posix_spawn(sys.executable, [sys.executable, "-I", "-S", "-u", "child.py", entry], os.environ,
+                     file_actions=[(os.POSIX_SPAWN_DUP2, call_r, 0), (os.POSIX_SPAWN_DUP2, reply_w, 1),
+                                   (os.POSIX_SPAWN_DUP2, out, 2)])
+os.close(call_r)
+os.close(reply_w)
+calls, replies = os.fdopen(call_w, "wb"), os.fdopen(reply_r, "rb")
 passed = 0
 for test in tests:
     try:
@@ -128,14 +122,26 @@ for test in tests:
     except Exception:
         pass
 try:
-    child.stdin.close()
+    calls.close()
 except OSError:
     pass
+# Wait (a little) for the child to finish: what it writes on its way out (atexit) is watched too.
+wait = 2.0
+while select.select([reply_r], [], [], wait)[0] and os.read(reply_r, 1 << 16):
+    wait = 0.5
 try:
-    child.wait(timeout=2)
-except subprocess.TimeoutExpired:
-    child.kill()
-watcher.join(timeout=1)
+    os.kill(pid, 9)
+except OSError:
+    pass
+tail, offset = b"", 0
+while offset < (64 << 20):
+    chunk = os.pread(out, 1 << 20, offset)
+    if not chunk:
+        break
+    if MARKER.search(tail + chunk):
+        flags.add("marker")
+        break
+    tail, offset = chunk[-64:], offset + len(chunk)
 print(nonce + " FLAGS " + json.dumps(sorted(flags)), flush=True)
 print(nonce + " PASSED " + str(passed) + "/" + str(len(tests)), flush=True)
 '''

@@ -49,3 +49,13 @@ def test_honest_completions_keep_their_scores():
     assert verify("    return a - b\n", add) == 0.0
     assert verify("    return a\n", maximum) == pytest.approx(2 / 3)  # maximum(5, -1), maximum(3, 3) pass
     assert verify("    this is not python\n", add) == 0.0
+
+
+@pytest.mark.parametrize(("raw", "bounded"), [(1000.0, 1.0), (-5.0, 0.0), (float("nan"), 0.0), (0.5, 0.5)])
+def test_verify_keeps_every_shipped_verifiers_reward_in_zero_one(monkeypatch, raw, bounded):
+    """A verifier bug (here: the word-problem verifier returning `raw`) never leaves [0, 1] through `verify`."""
+    from factory.problem import Problem
+
+    monkeypatch.setattr(tasks, "word_problem_reward", lambda completion, problem: raw)
+    p = Problem(id="w", prompt="1+1?", answer="2", op="word", digits=0, meta={})
+    assert verify("2", p) == bounded and tasks.verify_detail("2", p) == (bounded, frozenset())
