@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from factory.config import TaskSpec
-from factory.envs.reward_hacks import EXPECTED_FLAGS, HACKS, hack_targets, run_reward_hacks, score_in
+from factory.envs.reward_hacks import EXPECTED_FLAGS, HACKS, hack_targets, score_in
 from factory.envs.sandbox import SandboxPool
 from factory.envs.tasks import make_task_splits
 
@@ -44,7 +44,9 @@ def test_honest_completions_trip_no_detector_and_keep_their_scores(pool, targets
     assert score_in(pool, he.answer, he) == (1.0, frozenset())
 
 
-def test_run_reward_hacks_reports_every_case_on_every_target(pool):
-    outcomes, honest = run_reward_hacks(pool)
-    assert honest
-    assert len(outcomes) == 2 * len(HACKS) and all(o.scored_zero for o in outcomes)
+def test_the_redteam_suite_reports_every_hack_on_every_target_scored_zero(require_sandbox, capsys):
+    from factory.envs.redteam import print_reward_hacks, run_reward_hack_cases
+
+    summary = print_reward_hacks(*run_reward_hack_cases("bwrap", size=1))
+    assert summary == {"cases": 2 * len(HACKS), "scored_zero": 2 * len(HACKS), "honest_control": True}
+    assert "forge 'PASSED 1000/1', os._exit(0)" in capsys.readouterr().out
