@@ -147,7 +147,7 @@ print(nonce + " PASSED " + str(passed) + "/" + str(len(tests)), flush=True)
 '''
 
 CHILD = r'''
-import ast, os, sys
+import os, sys
 proto = os.dup(1)
 os.dup2(2, 1)  # the candidate's prints go to the output the harness watches, never into the protocol
 ppid = os.getppid()
@@ -191,7 +191,7 @@ except BaseException:
     pass
 for line in sys.stdin:
     try:
-        args, kwargs = ast.literal_eval(line)
+        args, kwargs = eval(line)  # the harness's repr of plain literals (`ast` would cost the start-up time)
         if fn is None:
             raise NameError(sys.argv[1])
         out = "R " + repr(fn(*args, **kwargs))
