@@ -9,8 +9,9 @@ always true. So the program the sandbox pool runs is not the candidate but a tru
   files: memory, fds), drops its working directory from `sys.path` (the candidate can write files there, and a
   `json.py` must not be imported by the harness), reads a per-call random nonce from stdin and wipes stdin,
   reads the checks (`problem.json`) and deletes that file, and compiles the tests, all before the candidate runs;
-- the candidate runs in a *child* interpreter (`CHILD`) with no inherited fds but a protocol pipe and an output
-  pipe the harness watches; the harness runs the tests itself, with the entry function bound to a stub that
+- the candidate runs in a *child* interpreter (`CHILD`, a fresh `python -I -S`: nothing of the harness's memory)
+  that inherits only two protocol pipes and an unlinked file for its stdout and stderr, which the harness
+  reads afterwards; the harness runs the tests itself, with the entry function bound to a stub that
   sends each call's arguments to the child and takes its return value back as a Python literal
   (`ast.literal_eval`: only plain data crosses, so an always-equal object or an `int` subclass with a forged
   `__eq__` arrives as plain data, and nothing the child does changes the harness's builtins or tests);
@@ -43,7 +44,7 @@ from typing import Any
 HACK_FLAGS = ("early_exit", "marker", "touched_tests")
 
 HARNESS = r'''
-import ast, ctypes, json, os, re, select, sys
+import ast, ctypes, json, os, re, select, sys, time
 if ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE 0: before anything secret
     sys.exit("harness: cannot make itself non-dumpable")
 here = os.getcwd()
@@ -126,9 +127,10 @@ try:
 except OSError:
     pass
 # Wait (a little) for the child to finish: what it writes on its way out (atexit) is watched too.
-wait = 2.0
-while select.select([reply_r], [], [], wait)[0] and os.read(reply_r, 1 << 16):
-    wait = 0.5
+deadline = time.monotonic() + 2.0  # bounded: a lingering grandchild may hold the pipe open and keep writing
+while (wait := deadline - time.monotonic()) > 0 and select.select([reply_r], [], [], wait)[0]:
+    if not os.read(reply_r, 1 << 16):
+        break
 try:
     os.kill(pid, 9)
 except OSError:
