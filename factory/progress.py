@@ -29,6 +29,7 @@ class Progress:
     elapsed_s: float
     reward: float | None = None  # latest training reward mean
     accuracy: float | None = None  # latest training-sample accuracy
+    hacks: float | None = None  # latest step's completions that tripped a reward-hack detector (code verifiers)
 
     @property
     def eta_s(self) -> float | None:
@@ -51,6 +52,8 @@ class Progress:
         out = {"progress": f"{self.phase} {self.step}/{self.steps}", "eta": format_duration(self.eta_s)}
         if self.reward is not None:
             out["reward"] = f"{self.reward:.3f}"
+        if self.hacks is not None:
+            out["hacks"] = f"{self.hacks:g}"
         return out
 
 

@@ -9,6 +9,8 @@ def test_eta_is_the_mean_step_time_times_the_steps_left():
     assert p.line() == "grpo step 10/50 reward 0.412 eta 1m20s"
     assert p.tags() == {"progress": "grpo 10/50", "eta": "1m20s", "reward": "0.412"}
     assert Progress("sft", 0, 50, 0.0).eta_s is None and Progress("sft", 0, 50, 0.0).tags()["eta"] == "?"
+    # a step's completions that tripped a reward-hack detector show beside the reward in the Dagster UI
+    assert Progress("grpo", 10, 50, 16.0, 0.412, hacks=3.0).tags()["hacks"] == "3"
     assert Progress("sft", 50, 50, 99.0).eta_s == 0.0
 
 

@@ -47,6 +47,7 @@ from factory.core.sglang_producer import SGLangProducer
 from factory.core.trainer.ranks import make_trainer
 from factory.core.trainer.torch_trainer import TorchTrainer
 from factory.data.feed import PromptFeed, make_feed
+from factory.envs.code_harness import HACK_FLAGS
 from factory.envs.registry import load_environment
 from factory.infra.device import model_device
 from factory.infra.faults import fault_point
@@ -83,6 +84,12 @@ class StepRecord:
     env_errors: float | None = None  # samples scored 0 because their reward function or episode failed
     nonfinite: float | None = None  # 1.0: the loss or gradient was not finite and the update was skipped
     useful_token_share: float | None = None  # share of generated tokens with a non-zero advantage
+    # Completions of the step that tripped a reward-hack detector (envs/code_harness.py), each and any: a
+    # signal beside the reward, which they never change.
+    hacks_early_exit: float | None = None
+    hacks_marker: float | None = None
+    hacks_touched_tests: float | None = None
+    hacks_any: float | None = None
     samples: list[dict] = field(default_factory=list)  # a few episodes, for the `rollouts` table
     groups: list[dict] = field(default_factory=list)  # every trained group's outcome (`prompt_attempts`)
     sources: list[dict] = field(default_factory=list)  # per prompt source (`step_sources`)
@@ -345,7 +352,14 @@ def _record(spec: ExperimentSpec, step: int, groups: list, rewards: torch.Tensor
         buffer_depth=producer.get("depth"), rejected=producer.get("rejected"), corrected=producer.get("corrected"),
         env_errors=float(sum(1 for grp in groups for s in grp.samples if s.meta.get("reason"))),
         nonfinite=metrics.get("nonfinite", 0.0),
+        **hack_counts([s.meta.get("hacks", ()) for grp in groups for s in grp.samples]),
     )
+
+
+def hack_counts(flags: list) -> dict[str, float]:
+    """The step's `hacks_*` metrics from each completion's tripped detectors: how many tripped each, and any."""
+    counts = {f"hacks_{name}": float(sum(1 for f in flags if name in f)) for name in HACK_FLAGS}
+    return {**counts, "hacks_any": float(sum(1 for f in flags if f))}
 
 
 def make_producer(spec: ExperimentSpec, model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast,

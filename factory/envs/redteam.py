@@ -9,6 +9,11 @@ file appeared on the host, the daemon did not survive into the next run, ...), a
 pool runs a trivial snippet normally. The harness process staying alive is implied by it printing the
 table. Prints a table (case, outcome, reason, seconds), then one JSON line {"cases", "contained", ...};
 exits 0 only if every case was contained. tests/envs/test_sandbox.py runs it under bwrap.
+
+Then the reward hacks (`envs/reward_hacks.py`): completions that try to raise their own code reward without
+passing the tests, each scored by the real verifiers on a built-in code problem and on HumanEval in a pool of
+the same kind; the JSON line gains "reward_hacks": {"cases", "scored_zero", "honest_control"} and the exit
+status requires every one to score 0 (and the reference solutions 1.0).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from factory.envs.reward_hacks import HackOutcome, run_reward_hacks
 from factory.envs.sandbox import ExecResult, SandboxLimits, SandboxPool
 
 REPO = Path(__file__).resolve().parents[2]
@@ -287,6 +293,25 @@ def run_suite(isolation: str = "bwrap", size: int = 2, verbose: bool = False) ->
     return outcomes, metrics
 
 
+# ------------------------------------------------------------------ reward hacks (envs/reward_hacks.py)
+
+
+def run_reward_hack_cases(isolation: str = "bwrap", size: int = 2) -> tuple[list[HackOutcome], bool]:
+    """Every reward hack on every target, in a fresh pool; and whether the honest control scored 1.0."""
+    with SandboxPool(size=size, isolation=isolation) as pool:
+        return run_reward_hacks(pool)
+
+
+def print_reward_hacks(outcomes: list[HackOutcome], honest: bool) -> dict:
+    """The reward-hack table, and the summary for the JSON line."""
+    width = max(len(o.case) for o in outcomes)
+    print(f"\n{'reward hack':<{width}}  {'target':<12}  {'reward':>6}  detectors")
+    for o in outcomes:
+        print(f"{o.case:<{width}}  {o.target:<12}  {o.reward:6.3g}  {','.join(sorted(o.flags)) or '-'}")
+    return {"cases": len(outcomes), "scored_zero": sum(1 for o in outcomes if o.scored_zero),
+            "honest_control": honest}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m factory.envs.redteam", description=__doc__.split("\n")[0])
     p.add_argument("--isolation", choices=("bwrap", "none"), default="bwrap")
@@ -303,8 +328,11 @@ def main(argv: list[str] | None = None) -> int:
                "skipped": len(outcomes) - len(ran), "isolation": args.isolation,
                "memory_limit": metrics["memory_limit"], "failures": metrics["failures"],
                "cold_starts": metrics["cold_starts"]}
+    hacks = print_reward_hacks(*run_reward_hack_cases(args.isolation, args.size))
+    summary["reward_hacks"] = hacks
     print(json.dumps(summary))
-    return 0 if summary["contained"] == summary["cases"] else 1
+    hacks_ok = hacks["scored_zero"] == hacks["cases"] and hacks["honest_control"]
+    return 0 if summary["contained"] == summary["cases"] and hacks_ok else 1
 
 
 if __name__ == "__main__":

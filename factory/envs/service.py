@@ -9,7 +9,8 @@ Endpoints:
 - `GET /health` - 200 when ready.
 - `GET /metrics` - {"episodes", "in_flight", "failures", "pid"}.
 - `POST /score` - {"episodes": [{"key", "env", "problem", "completions"}]} -> {"episodes": [{"key",
-  "rewards", "reasons", "latency_s"}]}, in request order. All episodes of a request run concurrently, so
+  "rewards", "reasons", "hacks", "latency_s"}]}, in request order (`hacks`: per completion, the reward-hack
+  detectors it tripped, `envs/code_harness.py`). All episodes of a request run concurrently, so
   a request takes as long as its slowest episode. Scoring is a pure function of the request (latency
   included, drawn from the episode key), so a client may repeat a request after a crash.
 - `POST /episodes` - {"env", "tasks", "session_ids", "rollout_url", "timeout_s"} -> {"episodes": [{"reward",
@@ -42,21 +43,23 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from factory.envs.latency import LatencyProfile
 from factory.envs.protocol import (
     REWARD_TIMEOUT_S,
+    RewardResult,
     call_guarded,
     run_episodes_isolated_async,
     score_all,
 )
 from factory.envs.registry import load_environment
-from factory.envs.tasks import verify
+from factory.envs.tasks import verify_detail
 from factory.infra.http_guard import MAX_JSON_BYTES, RequestError, guard
 from factory.problem import Problem
 from factory.text import clip
 
-Scorer = Callable[[dict[str, Any], str], float]
+Scorer = Callable[[dict[str, Any], str], "float | RewardResult"]
 
 
-def _task_verifier(problem: dict[str, Any], completion: str) -> float:
-    return verify(completion, Problem(**problem))
+def _task_verifier(problem: dict[str, Any], completion: str) -> RewardResult:
+    reward, hacks = verify_detail(completion, Problem(**problem))
+    return RewardResult(reward, info={"hacks": sorted(hacks)} if hacks else {})
 
 
 # The task families' verifiers (envs/tasks.py); code rewards run in this process's sandbox pool.
@@ -105,24 +108,34 @@ class EpisodesRequest(BaseModel):
 
 def score_completions(env: str, problem: dict[str, Any], completions: list[str],
                       timeout_s: float = REWARD_TIMEOUT_S) -> tuple[list[float], list[str | None]]:
+    """Rewards and reasons of `score_completions_detail` (without the hack detectors)."""
+    rewards, reasons, _ = score_completions_detail(env, problem, completions, timeout_s)
+    return rewards, reasons
+
+
+def score_completions_detail(env: str, problem: dict[str, Any], completions: list[str],
+                             timeout_s: float = REWARD_TIMEOUT_S
+                             ) -> tuple[list[float], list[str | None], list[list[str]]]:
     """Rewards and reasons (None when scored normally) from a task family's verifier, or from a user's single-turn
     reward function named by import path (`package.module:attr`, called as reward(prompt, completion,
     **problem fields), each call bounded by `timeout_s`); an unknown env, or a scorer that raises, hangs or
-    returns something other than a finite number, gives 0 and why."""
+    returns something other than a finite number, gives 0 and why. Third: per completion, the reward-hack
+    detectors a task family's code verifier saw it trip (`envs/code_harness.py`; empty elsewhere)."""
     scorer = SCORERS.get(env)
     if scorer is None and ":" in env:
         try:
             user = load_environment(env)
         except ValueError as e:
-            return [0.0] * len(completions), [str(e)] * len(completions)
+            return [0.0] * len(completions), [str(e)] * len(completions), [[] for _ in completions]
         if user.kind == "single_turn":
             results = score_all(user, problem.get("prompt", ""), completions,
                                 {k: v for k, v in problem.items() if k != "prompt"}, timeout_s)
-            return [r.reward for r in results], [r.reason for r in results]
+            return [r.reward for r in results], [r.reason for r in results], [[] for _ in completions]
     if scorer is None:
-        return [0.0] * len(completions), [f"unknown env {env!r}; known: {sorted(SCORERS)}"] * len(completions)
+        why = f"unknown env {env!r}; known: {sorted(SCORERS)}"
+        return [0.0] * len(completions), [why] * len(completions), [[] for _ in completions]
     results = call_guarded(lambda c: scorer(problem, c), completions, None)  # built-ins bound themselves
-    return [r.reward for r in results], [r.reason for r in results]
+    return [r.reward for r in results], [r.reason for r in results], [list(r.info.get("hacks", ())) for r in results]
 
 
 def create_app(latency: LatencyProfile | None = None, max_body_bytes: int = MAX_JSON_BYTES) -> FastAPI:
@@ -136,11 +149,11 @@ def create_app(latency: LatencyProfile | None = None, max_body_bytes: int = MAX_
             wait = latency.sample(ep.key) if latency else 0.0
             if wait > 0:
                 await asyncio.sleep(wait)
-            rewards, reasons = await asyncio.to_thread(score_completions, ep.env, ep.problem, ep.completions,
-                                                       reward_timeout_s)
+            rewards, reasons, hacks = await asyncio.to_thread(score_completions_detail, ep.env, ep.problem,
+                                                              ep.completions, reward_timeout_s)
             state["episodes"] += 1
             state["failures"] += sum(1 for r in reasons if r)
-            return {"key": ep.key, "rewards": rewards, "reasons": reasons, "latency_s": wait}
+            return {"key": ep.key, "rewards": rewards, "reasons": reasons, "hacks": hacks, "latency_s": wait}
         finally:
             state["in_flight"] -= 1
 

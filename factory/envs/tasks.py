@@ -8,10 +8,11 @@
   the verifier): `envs/reasoning_gym_tasks.py`, `envs/math_answers.py`, `envs/humaneval.py`.
 - `code`: `suites/code_problems.jsonl`, small Python functions (a signature and docstring as the prompt, a
   reference body, three unit tests each). The completion is the body; the reward is the fraction of unit
-  tests that pass, run in the sandbox pool (`envs/sandbox.py`), never in this process.
+  tests that pass, as the trusted harness of `envs/code_harness.py` reports it from the sandbox pool
+  (`envs/sandbox.py`), never in this process and never from the completion's own output.
 
 `make_task_splits(task, seed)` gives disjoint train / held-out splits of any family; `verify(completion,
-problem)` scores one completion and never raises.
+problem)` scores one completion in [0, 1] and never raises; `verify_detail` adds the hack detectors it tripped.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import functools
 import importlib
 import json
+import math
 import os
 import random
 import re
@@ -29,7 +31,8 @@ from typing import Any
 from factory.config import TaskSpec
 from factory.envs.arithmetic import OPS, arithmetic_capacity, make_splits, prompt_tokens
 from factory.envs.arithmetic import reward as arithmetic_reward
-from factory.envs.humaneval import humaneval_reward
+from factory.envs.code_harness import run_checks
+from factory.envs.humaneval import humaneval_detail
 from factory.envs.sandbox import SandboxPool
 from factory.problem import Problem, Splits
 
@@ -127,14 +130,20 @@ def word_problem_reward(completion: str, problem: Problem) -> float:
         return 0.0
 
 
-def code_program(completion: str, problem: Problem) -> str:
-    """The function (prompt + completed body) and a harness that counts passing tests: prints `PASSED k/n`."""
-    tests = problem.meta["tests"]
-    lines = [problem.prompt + completion, "", "_passed = 0"]
-    for t in tests:
-        lines += ["try:", f"    _passed += bool({t})", "except Exception:", "    pass"]
-    lines.append(f"print(f'PASSED {{_passed}}/{len(tests)}')")
-    return "\n".join(lines) + "\n"
+_ENTRY = re.compile(r"^def ([A-Za-z_]\w*)\(", re.MULTILINE)
+
+
+def code_checks(problem: Problem) -> tuple[dict[str, Any], str]:
+    """The harness's checks for a built-in `code` problem (its unit-test expressions) and the function they call
+    (the one the prompt defines). ValueError naming the problem when it has no tests or defines no function."""
+    tests = problem.meta.get("tests")
+    if not isinstance(tests, list) or not tests or not all(isinstance(t, str) for t in tests):
+        raise ValueError(f"code problem {problem.id}: meta.tests must be a non-empty list of expressions, "
+                         f"got {tests!r}")
+    m = _ENTRY.search(problem.prompt)
+    if m is None:
+        raise ValueError(f"code problem {problem.id}: its prompt defines no function (expected 'def name(')")
+    return {"kind": "code", "tests": tests}, m.group(1)
 
 
 _POOL_LOCK = threading.Lock()
@@ -185,11 +194,16 @@ def sandbox_pool():
         return _POOL
 
 
+def code_detail(completion: str, problem: Problem) -> tuple[float, frozenset[str]]:
+    """(fraction of the problem's unit tests that pass, the hack detectors the completion tripped), run by the
+    trusted harness of `envs/code_harness.py` in the sandbox pool: the verdict is the harness's, never the code's."""
+    checks, entry = code_checks(problem)
+    return run_checks(sandbox_pool(), problem.prompt + completion, checks, entry, len(checks["tests"]), completion)
+
+
 def code_reward(completion: str, problem: Problem) -> float:
-    """Fraction of the problem's unit tests that pass, run in the sandbox pool."""
-    result = sandbox_pool().run(code_program(completion, problem))
-    m = re.search(r"PASSED (\d+)/(\d+)\s*$", result.stdout or "")
-    return int(m.group(1)) / int(m.group(2)) if m and result.exit_code == 0 else 0.0
+    """Fraction of the problem's unit tests that pass, run in the sandbox pool (see `code_detail`)."""
+    return code_detail(completion, problem)[0]
 
 
 # The field's verifiers (rows whose op names them), scored in this process: module and function, imported on
@@ -198,13 +212,24 @@ FIELD_VERIFIERS = {"reasoning_gym": ("factory.envs.reasoning_gym_tasks", "rg_rew
                    "math_verify": ("factory.envs.math_answers", "math_verify_reward")}
 
 
-def verify(completion: str, problem: Problem) -> float:
-    """The task family's reward for one completion of `problem`; 0 for whatever the completion does. A sandbox
-    pool that cannot isolate (`IsolationUnavailable`) is not a completion's fault: it raises."""
+def _bounded(reward: float) -> float:
+    """A shipped verifier's reward in its documented range [0, 1]: anything else (a bug) is clamped, NaN is 0."""
+    return min(1.0, max(0.0, reward)) if math.isfinite(reward) else 0.0
+
+
+def verify_detail(completion: str, problem: Problem) -> tuple[float, frozenset[str]]:
+    """`verify`'s reward and the hack detectors (`code_harness.HACK_FLAGS`) the completion tripped: a signal for
+    the step's metrics, never part of the reward; only code verifiers have detectors (empty for the others)."""
     if problem.op == "code":
-        return code_reward(completion, problem)  # the pool returns a result for anything the code does
-    if problem.op == "humaneval":
-        return humaneval_reward(completion, problem, sandbox_pool())  # the harness's verdict, never the code's
+        reward, flags = code_detail(completion, problem)  # the pool returns a result for anything the code does
+    elif problem.op == "humaneval":
+        reward, flags = humaneval_detail(completion, problem, sandbox_pool())  # the harness's verdict
+    else:
+        reward, flags = _scored_here(completion, problem), frozenset()
+    return _bounded(reward), flags
+
+
+def _scored_here(completion: str, problem: Problem) -> float:
     try:
         if problem.op in FIELD_VERIFIERS:
             module, fn = FIELD_VERIFIERS[problem.op]
@@ -214,3 +239,10 @@ def verify(completion: str, problem: Problem) -> float:
         return arithmetic_reward(completion, problem)
     except Exception:  # noqa: BLE001 - a reward must never take the run down
         return 0.0
+
+
+def verify(completion: str, problem: Problem) -> float:
+    """The task family's reward for one completion of `problem`, in [0, 1]; 0 for whatever the completion does.
+    A sandbox pool that cannot isolate (`IsolationUnavailable`) or a malformed code problem (ValueError naming
+    it) is not a completion's fault: those raise."""
+    return verify_detail(completion, problem)[0]

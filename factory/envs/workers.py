@@ -17,7 +17,7 @@ import sys
 import tempfile
 import threading
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -25,7 +25,7 @@ import httpx
 from factory.envs.latency import LatencyProfile
 from factory.envs.protocol import REWARD_TIMEOUT_S, EpisodeResult, run_episodes_isolated
 from factory.envs.registry import load_environment
-from factory.envs.service import score_completions
+from factory.envs.service import score_completions_detail
 from factory.envs.tasks import configure_sandbox
 from factory.infra.supervisor import CONNECTION_ERRORS, ServiceProcess, ServiceUnavailable, retry
 from factory.problem import Problem
@@ -44,6 +44,7 @@ class Scored:
     rewards: list[float]
     reasons: list[str | None]  # None where scored normally; why the reward is 0 where the environment failed
     latency_s: float
+    hacks: list[list[str]] = field(default_factory=list)  # per completion: reward-hack detectors it tripped
 
 
 def _check_timeout(reward_timeout_s: float) -> None:
@@ -79,8 +80,9 @@ class LocalEnvironment:
             return None
         out = []
         for ep, w in zip(episodes, waits, strict=True):
-            rewards, reasons = score_completions(ep.env, ep.problem.to_dict(), ep.completions, self.reward_timeout_s)
-            out.append(Scored(rewards, reasons, w))
+            rewards, reasons, hacks = score_completions_detail(ep.env, ep.problem.to_dict(), ep.completions,
+                                                               self.reward_timeout_s)
+            out.append(Scored(rewards, reasons, w, hacks))
         for s in out:
             self._errors.add(s.reasons)
         return out
@@ -154,7 +156,7 @@ class ServiceEnvironment:
         out = self._post(episodes[0].key, "/score", body)
         if out is None:
             return None
-        scored = [Scored(e["rewards"], e["reasons"], e["latency_s"]) for e in out["episodes"]]
+        scored = [Scored(e["rewards"], e["reasons"], e["latency_s"], e.get("hacks") or []) for e in out["episodes"]]
         for s in scored:  # counted once per answered request: a repeated request's first try never answered
             self._errors.add(s.reasons)
         return scored

@@ -182,6 +182,8 @@ STEPS = _table("steps", ("run_id", "step"), [
     *[(m, DBL, OPT) for m in ("env_errors", "nonfinite")],
     # Added with the data blender: share of generated tokens with a non-zero advantage.
     ("useful_token_share", DBL, OPT),
+    # Added with reward integrity: completions of the step that tripped each reward-hack detector, and any.
+    *[(m, DBL, OPT) for m in ("hacks_early_exit", "hacks_marker", "hacks_touched_tests", "hacks_any")],
 ], partition=BY_RUN)
 
 CHECKPOINTS = _table("checkpoints", ("run_id", "step"), [

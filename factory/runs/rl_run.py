@@ -364,11 +364,12 @@ class Run:
         steps = self.spec.schedule.steps
         done_here = r.step - self.resumed_from
         p = Progress("grpo", r.step, steps, (time.perf_counter() - self._t_loop) * r.step / max(done_here, 1),
-                     r.reward_mean, r.accuracy)
+                     r.reward_mean, r.accuracy, r.hacks_any)
         if self.options.progress is not None:
             self.options.progress(p)
+        hacks = f" hacks={r.hacks_any:g}" if r.hacks_any else ""  # completions that tripped a hack detector
         self.log(f"step {r.step}/{steps} reward={r.reward_mean:.3f} acc={r.accuracy:.3f} "
-                 f"entropy={r.entropy:.3f} tok/s={r.tokens_per_s:.0f} eta={format_duration(p.eta_s)}")
+                 f"entropy={r.entropy:.3f} tok/s={r.tokens_per_s:.0f}{hacks} eta={format_duration(p.eta_s)}")
 
     def _periodic_eval(self, step: int) -> None:
         res = evaluate(EmbeddedEngine(self.model, self.tok), self.tok, self.splits.eval,

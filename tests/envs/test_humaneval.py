@@ -101,9 +101,11 @@ def test_the_nonce_is_not_in_the_code_or_the_files_and_only_its_exact_line_count
     req = humaneval_request(p.answer, p, "f00d" * 8)
     assert "f00d" * 8 not in req["code"] and all("f00d" * 8 not in v for v in req["files"].values())
     assert req["stdin"] == "f00d" * 8 + "\n"
-    assert humaneval_verdict("x\n" + "f00d" * 8 + " PASS\n", "f00d" * 8) == 1.0
-    assert humaneval_verdict("PASS\n", "f00d" * 8) == 0.0
-    assert humaneval_verdict("f00d" * 8 + " PASS trailing\n", "f00d" * 8) == 0.0
+    assert humaneval_verdict("x\n" + "f00d" * 8 + " PASSED 1/1\n", "f00d" * 8) == 1.0
+    assert humaneval_verdict("f00d" * 8 + " PASSED 0/1\n", "f00d" * 8) == 0.0
+    assert humaneval_verdict("PASSED 1/1\n", "f00d" * 8) == 0.0
+    assert humaneval_verdict("f00d" * 8 + " PASSED 1/1 trailing\n", "f00d" * 8) == 0.0
+    assert humaneval_verdict("f00d" * 8 + " PASSED 2/2\n", "f00d" * 8) == 0.0  # n is not the one check sent
     assert humaneval_verdict("", "f00d" * 8) == 0.0
 
 

@@ -3,7 +3,7 @@
 import pytest
 
 from factory.config import TaskSpec
-from factory.envs.tasks import code_program, extract_answer, make_task_splits, verify, word_problem_reward
+from factory.envs.tasks import extract_answer, make_task_splits, verify, word_problem_reward
 from factory.problem import Problem
 
 
@@ -47,15 +47,3 @@ def extract_answer_all(text):
     import re
 
     return re.findall(r"\d+", text)
-
-
-def test_code_program_counts_passing_tests():
-    splits = make_task_splits(TaskSpec(name="code", n_train=16, n_eval=8), 0)
-    p = next(x for x in splits.train + splits.eval if x.id.endswith("-add"))
-    ns: dict = {}
-    # the shipped reference body (trusted), run here to check the harness; completions only run in the sandbox
-    exec(code_program(p.answer, p).replace("print(", "_out = ("), ns)
-    assert ns["_passed"] == 3
-    wrong: dict = {}
-    exec(code_program("    return a - b\n", p).replace("print(", "_out = ("), wrong)
-    assert wrong["_passed"] == 0  # a - b fails all three
