@@ -1,16 +1,28 @@
 """The sandbox worker's program: a fork server that runs one execution at a time, and the framing it speaks.
 
 The pool (`sandbox.py`) runs this whole file with `python -I -S -c`, inside bubblewrap when isolated
-(`sandbox_isolation.py`), so it imports only the standard library. Per execution the worker compiles the
-code (when small), forks a child that drops privileges, sets rlimits, makes a fresh private directory,
-runs the code with `exec()` as `__main__` and exits. The worker reads the child's stdout and stderr (capped
-at `output_bytes`, the code killed past it), kills it at the wall timeout, then kills whatever it left
-behind and wipes its files, so one execution never sees another's.
+(`sandbox_isolation.py`), so it imports only the standard library. Per execution the worker forks a child
+that reads the request itself, drops privileges, denies itself user namespaces (a seccomp filter), sets
+rlimits, makes a fresh private directory, runs the code with `exec()` as `__main__` and exits. The worker
+reads the child's stdout and stderr (capped at `output_bytes`, the code killed past it), kills it at the
+wall timeout, then kills whatever it left behind and wipes its files.
+
+Why one execution never sees another's code, inputs, files or outputs: every child is a fork of this
+process, so whatever this process's heap ever held, every later execution could read (/proc/self/mem).
+So it never holds them. The request comes in two frames: a control frame the worker reads (the op and the
+limits only) and a body frame (code, stdin, files) that only the child reads from the pipe, with raw
+os.read, and that dies with it. The child's stdout and stderr go from its pipes into two buffers made
+once (`os.readv`, no intermediate bytes objects), from there to the host's pipe (`os.write` of a
+memoryview) and are then overwritten with zeros, before the next fork. The run's files are wiped; its
+processes are killed. Nothing of an execution is left in memory or on disk that a later fork inherits.
 
 Host and worker talk over the worker's stdin/stdout: 4-byte big-endian length, then UTF-8 JSON
-(`_send`/`_recv`, used on both sides). Requests: {"op": "ping"} -> {"op": "pong"}; {"op": "exec", "code",
-"stdin", "files", "limits"} -> {"op": "result", "exit_code", "signal", "timed_out", "truncated", "stdout",
-"stderr", "memory_error", "wall_s", "fault"}. The first message is {"op": "ready"}.
+(`_send`/`_recv`, used on both sides). Requests: {"op": "ping"} -> {"op": "pong"}; {"op": "exec",
+"limits"} followed by a body frame {"code", "stdin", "files"} -> {"op": "result", "exit_code", "signal",
+"timed_out", "truncated", "stdout_bytes", "stderr_bytes", "memory_error", "wall_s", "fault"} followed by
+that many raw bytes of stdout, then of stderr (`_recv_result` reads it all). The first message is
+{"op": "ready"}. A worker whose child did not take the whole body exits after its reply: the stream
+would be out of step.
 """
 
 from __future__ import annotations
@@ -32,7 +44,6 @@ import threading
 import time
 import traceback
 import types
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -44,7 +55,37 @@ _PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_SET_NO_NEW_PRIVS = 1, 4, 38
 
 _KILL_WAIT_S = 2.0  # a SIGKILLed process not gone after this is "a child it could not kill": recycle
 _DRAIN_S = 1.0  # after the code's process exits, how long its pipes may stay open (held by leftovers)
-_COMPILE_HERE_MAX = 32 << 10  # code up to this many characters is compiled by the worker, before the fork
+
+# seccomp (linux/seccomp.h, linux/filter.h, linux/audit.h): a classic BPF program that fails unshare(2) and
+# clone(2) with CLONE_NEWUSER (EPERM), and clone3(2) (ENOSYS: its flags are in memory a filter cannot read;
+# glibc then falls back to clone). Other architectures' and x32 system calls are refused (EPERM).
+_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 22, 2
+_CLONE_NEWUSER = 0x10000000
+# machine -> (AUDIT_ARCH_*, __NR_unshare, __NR_clone, __NR_clone3)
+_SYSCALLS = {"x86_64": (0xC000003E, 272, 56, 435), "aarch64": (0xC00000B7, 97, 220, 435)}
+
+
+def _deny_userns_filter(machine: str) -> bytes | None:
+    """The BPF program (struct sock_filter[]) for this machine; None where the numbers are not known."""
+    if machine not in _SYSCALLS:
+        return None
+    arch, unshare, clone, clone3 = _SYSCALLS[machine]
+    allow, eperm, enosys = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
+    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, JGE, JSET, BPF_RET|K
+    prog = [(ld, 0, 0, 4),                # arch
+            (jeq, 0, 9, arch),            # other ABI -> deny (11)
+            (ld, 0, 0, 0),                # nr
+            (jge, 7, 0, 0x40000000),      # x32 -> deny (11)
+            (jeq, 7, 0, clone3),          # -> enosys (12)
+            (jeq, 2, 0, unshare),         # -> check flags (8)
+            (jeq, 1, 0, clone),           # -> check flags (8)
+            (ret, 0, 0, allow),
+            (ld, 0, 0, 16),               # args[0], low 32 bits (little-endian)
+            (jset, 1, 0, _CLONE_NEWUSER),  # -> deny (11)
+            (ret, 0, 0, allow),
+            (ret, 0, 0, eperm),
+            (ret, 0, 0, enosys)]
+    return b"".join(struct.pack("=HBBI", *ins) for ins in prog)
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -89,9 +130,31 @@ def _recv(fd: int, deadline: float | None = None) -> dict[str, Any] | None:
     return msg
 
 
+class _SockFprog(ctypes.Structure):
+    """struct sock_fprog: the program prctl(PR_SET_SECCOMP) takes."""
+
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+def _recv_result(fd: int, deadline: float | None = None) -> dict[str, Any] | None:
+    """A reply with its raw stdout and stderr after it, decoded into "stdout" and "stderr" (host side)."""
+    msg = _recv(fd, deadline)
+    if msg is None or msg.get("op") != "result":
+        return msg
+    for key in ("stdout", "stderr"):
+        n = msg.pop(f"{key}_bytes")
+        if not isinstance(n, int) or not 0 <= n <= _MAX_MESSAGE:
+            raise ValueError(f"bad {key}_bytes {n!r} in a reply")
+        raw = _read_exact(fd, n, deadline) if n else b""
+        if raw is None:
+            return None
+        msg[key] = raw.decode("utf-8", "replace")
+    return msg
+
+
 class _Worker:
     """The fork server. cfg: scratch (where run dirs go), wipe (dirs emptied after each run), drop_uid
-    (uid the code runs as, when the worker is root), pidns (alone in a pid namespace), preload."""
+    (uid the code runs as, when the worker is root), pidns (alone in a pid namespace), preload, deny_userns."""
 
     def __init__(self, cfg: dict[str, Any]):
         self.scratch: str = cfg["scratch"]
@@ -100,6 +163,16 @@ class _Worker:
         self.pidns: bool = cfg["pidns"]
         self.runs = 0
         self.libc = ctypes.CDLL(None, use_errno=True)
+        self.seccomp: ctypes.Structure | None = None
+        if cfg.get("deny_userns", True):
+            prog = _deny_userns_filter(os.uname().machine)
+            if prog is None:
+                raise SystemExit(f"cannot deny user namespaces on {os.uname().machine}: no seccomp filter for it "
+                                 f"(allow_userns=True runs without one)")
+            self._filter = ctypes.create_string_buffer(prog, len(prog))
+            self.seccomp = _SockFprog(len(prog) // 8, ctypes.addressof(self._filter))
+        # The code's output lands here and only here (see the module docstring); grown, never shrunk.
+        self.out_buf, self.err_buf = bytearray(), bytearray()
         # Non-dumpable: the code (same uid in user-namespace mode) can neither ptrace us nor open our pipes
         # through /proc/<pid>/fd to forge a reply.
         self.libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
@@ -128,47 +201,68 @@ class _Worker:
             if op == "ping":
                 _send(1, {"op": "pong", "runs": self.runs})
             elif op == "exec":
-                _send(1, self.execute(req))
+                self.execute(req["limits"])
             else:
                 _send(1, {"op": "error", "error": f"unknown op {op!r}"})
 
     # -- one execution -----------------------------------------------------------------------------------
 
-    def execute(self, req: dict[str, Any]) -> dict[str, Any]:
+    def execute(self, lim: dict[str, Any]) -> None:
+        """One execution: fork the child (it reads the body frame), supervise it, reply, clean up."""
         self.runs += 1
-        lim = req["limits"]
         run_dir = os.path.join(self.scratch, f"run-{self.runs}")
-        compiled = None
-        if len(req["code"]) <= _COMPILE_HERE_MAX:
-            # Compiling in a fresh child costs ~1 ms of copy-on-write faults (the compiler touches much of
-            # the heap); here it is ~20 us. Only small code: a long compile would run outside the limits.
-            with contextlib.suppress(Exception), warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                compiled = compile(req["code"], "main.py", "exec", dont_inherit=True)
-            if caught:
-                compiled = None  # an error or a SyntaxWarning: the child compiles again and reports like python
+        cap = int(lim["output_bytes"])
+        if len(self.out_buf) < cap + 1:  # one byte more than the cap: a full buffer means "truncated"
+            self.out_buf, self.err_buf = bytearray(cap + 1), bytearray(cap + 1)
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
+        took_r, took_w = os.pipe()  # the child writes one byte once it has read the whole body
         t0 = time.monotonic()
         pid = os.fork()
         if pid == 0:  # the code's process: never returns
             try:
-                self._child(req, compiled, lim, run_dir, out_w, err_w, (out_r, err_r))
+                os.close(took_r)
+                req = _recv(0)
+                if req is None:
+                    os._exit(126)
+                os.write(took_w, b"1")
+                os.close(took_w)
+                self._child(req, lim, run_dir, out_w, err_w, (out_r, err_r))
             except BaseException:  # noqa: BLE001 - report setup failures as the code's stderr
                 with contextlib.suppress(Exception):
                     os.write(2, ("sandbox setup failed: " + traceback.format_exc()).encode())
             finally:
                 os._exit(126)
-        os.close(out_w)
-        os.close(err_w)
-        res = self._supervise(pid, out_r, err_r, lim, t0)
+        for fd in (out_w, err_w, took_w):
+            os.close(fd)
+        try:
+            res, n_out, n_err, took = self._supervise(pid, out_r, err_r, took_r, cap, lim, t0)
+        finally:
+            os.close(took_r)
+        if not took:
+            res["fault"] = res["fault"] or "the execution did not read its whole request"
         res["op"] = "result"
-        return res
+        res["stdout_bytes"], res["stderr_bytes"] = n_out, n_err
+        try:
+            _send(1, res)
+            _write_all(1, memoryview(self.out_buf)[:n_out])
+            _write_all(1, memoryview(self.err_buf)[:n_err])
+        finally:
+            # Zeros over what the code wrote, before the next fork inherits this heap.
+            self.out_buf[:n_out] = bytes(n_out)
+            self.err_buf[:n_err] = bytes(n_err)
+        if not took:
+            os._exit(0)  # the rest of the body is still in the pipe: the stream is out of step
 
-    def _supervise(self, pid: int, out_r: int, err_r: int, lim: dict[str, Any], t0: float) -> dict[str, Any]:
-        cap = int(lim["output_bytes"])
-        bufs = {out_r: bytearray(), err_r: bytearray()}
-        open_fds = [out_r, err_r]
+    def _supervise(self, pid: int, out_r: int, err_r: int, took_r: int, cap: int, lim: dict[str, Any],
+                   t0: float) -> tuple[dict[str, Any], int, int, bool]:
+        """Watch the code until it exits (and its pipes close) or a limit; kill, reap and wipe after it.
+        Returns the reply (without the output), the bytes of stdout and stderr in the buffers, and whether
+        the child took its whole request."""
+        bufs = {out_r: memoryview(self.out_buf), err_r: memoryview(self.err_buf)}
+        filled = {out_r: 0, err_r: 0}
+        open_fds = [out_r, err_r, took_r]
+        took = False
         pidfd = os.pidfd_open(pid)
         end = t0 + float(lim["wall_s"])
         drain_end = None
@@ -181,20 +275,25 @@ class _Worker:
                 if now >= limit:
                     timed_out = not exited
                     break
-                watch = [*open_fds, 0] if exited else [*open_fds, pidfd, 0]
+                # The host never writes during a run, once the child has read the body: fd 0 readable is EOF.
+                watch = [*open_fds, *([0] if took else [])] + ([] if exited else [pidfd])
                 ready, _, _ = select.select(watch, [], [], limit - now)
-                if 0 in ready:  # the host never writes during a run: this is EOF, the host is gone
+                if 0 in ready:  # the host is gone
                     self._sweep(pid)
                     os._exit(0)
                 for fd in ready:
-                    if fd in bufs:
-                        data = os.read(fd, 1 << 16)
-                        if not data:
+                    if fd == took_r:  # its byte, or EOF: the child exited before it took the body
+                        took = os.read(took_r, 1) == b"1"
+                        open_fds.remove(took_r)
+                    elif fd in bufs:
+                        # Straight into the buffer: no bytes object holds the code's output.
+                        n = os.readv(fd, [bufs[fd][filled[fd]:cap + 1]])
+                        if not n:
                             open_fds.remove(fd)
                             continue
-                        room = cap - len(bufs[fd])
-                        bufs[fd] += data[:room]
-                        truncated = truncated or len(data) > room
+                        filled[fd] += n
+                        if filled[fd] > cap:
+                            truncated, filled[fd] = True, cap
                 if truncated:
                     break
                 if pidfd in ready and not exited:
@@ -227,13 +326,14 @@ class _Worker:
                 sig = _signal_name(os.WTERMSIG(status))
             else:
                 exit_code = os.waitstatus_to_exitcode(status)
-        return {"exit_code": exit_code, "signal": sig, "timed_out": timed_out, "truncated": truncated,
-                "stdout": bufs[out_r].decode("utf-8", "replace"), "stderr": bufs[err_r].decode("utf-8", "replace"),
-                "memory_error": exit_code not in (None, 0) and b"MemoryError" in bytes(bufs[err_r][-2048:]),
-                "wall_s": wall, "fault": fault}
+        n_out, n_err = filled[out_r], filled[err_r]
+        memory_error = exit_code not in (None, 0) and self.err_buf.find(b"MemoryError", max(0, n_err - 2048),
+                                                                         n_err) >= 0
+        return ({"exit_code": exit_code, "signal": sig, "timed_out": timed_out, "truncated": truncated,
+                 "memory_error": memory_error, "wall_s": wall, "fault": fault}, n_out, n_err, took)
 
-    def _child(self, req: dict[str, Any], compiled: types.CodeType | None, lim: dict[str, Any], run_dir: str,
-               out_w: int, err_w: int, inherited: tuple[int, ...]) -> None:
+    def _child(self, req: dict[str, Any], lim: dict[str, Any], run_dir: str, out_w: int, err_w: int,
+               inherited: tuple[int, ...]) -> None:
         os.setsid()  # own session and process group: the worker kills the group
         for fd in inherited:
             os.close(fd)
@@ -248,6 +348,9 @@ class _Worker:
         self.libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # dies with its worker (after setuid: it resets it)
         self.libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)  # no setuid binary or file capability raises it
         self.libc.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)  # its own /proc entries stay usable to the code
+        if self.seccomp is not None and self.libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER,
+                                                        ctypes.byref(self.seccomp), 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "could not install the seccomp filter that denies user namespaces")
         # Files through os.open/os.write: a text file object costs this fresh child ~0.15 ms of faults.
         with contextlib.suppress(OSError):  # under a memory cgroup, the OOM killer takes the code, not us
             _write_file("/proc/self/oom_score_adj", "1000", os.O_WRONLY)
@@ -275,7 +378,7 @@ class _Worker:
         resource.setrlimit(resource.RLIMIT_NPROC, (int(lim["processes"]),) * 2)
         resource.setrlimit(resource.RLIMIT_FSIZE, (int(lim["file_size_mb"]) * mb,) * 2)
         resource.setrlimit(resource.RLIMIT_NOFILE, (int(lim["open_files"]),) * 2)
-        _run_as_main(code, compiled, run_dir, self.stdio)
+        _run_as_main(code, run_dir, self.stdio)
 
     # -- cleanup -----------------------------------------------------------------------------------------
 
@@ -357,7 +460,7 @@ def _signal_name(sig: int) -> str:
         return f"signal {sig}"
 
 
-def _run_as_main(code: str, compiled: types.CodeType | None, run_dir: str, stdio: tuple) -> None:
+def _run_as_main(code: str, run_dir: str, stdio: tuple) -> None:
     """Run code like `python main.py` would, in this (forked) process, and exit with its status."""
     sys.stdin, sys.stdout, sys.stderr = stdio
     main = types.ModuleType("__main__")
@@ -367,9 +470,8 @@ def _run_as_main(code: str, compiled: types.CodeType | None, run_dir: str, stdio
     sys.path[0] = run_dir
     status = 0
     try:
-        if compiled is None:  # dont_inherit: not this module's `from __future__ import annotations`
-            compiled = compile(code, "main.py", "exec", dont_inherit=True)
-        exec(compiled, main.__dict__)  # noqa: S102 - the point of the sandbox
+        # dont_inherit: not this module's `from __future__ import annotations`
+        exec(compile(code, "main.py", "exec", dont_inherit=True), main.__dict__)  # noqa: S102 - the point of the sandbox
     except SystemExit as e:
         status = _exit_status(e)
     except BaseException as e:  # noqa: BLE001 - an uncaught exception: traceback and status 1, like python
@@ -377,9 +479,7 @@ def _run_as_main(code: str, compiled: types.CodeType | None, run_dir: str, stdio
         status = 1
     try:
         threading._shutdown()  # wait for non-daemon threads, as interpreter exit does
-        atexit._run_exitfuncs()
-    except SystemExit as e:
-        status = _exit_status(e)
+        atexit._run_exitfuncs()  # prints and ignores what a function raises, SystemExit too, as python does
     except BaseException:  # noqa: BLE001
         traceback.print_exc()
     for stream in (sys.stdout, sys.stderr):
@@ -389,10 +489,13 @@ def _run_as_main(code: str, compiled: types.CodeType | None, run_dir: str, stdio
 
 
 def _exit_status(e: SystemExit) -> int:
+    """The status `python` exits with for this SystemExit (Python/pythonrun.c, _Py_HandleSystemExit): None is 0;
+    an int is converted to a C long long (out of range: -1) and passed to exit(), which keeps its low 8 bits;
+    anything else is printed to stderr and gives 1."""
     if e.code is None:
         return 0
     if isinstance(e.code, int):
-        return e.code & 0xFF
+        return e.code & 0xFF if -(1 << 63) <= e.code < (1 << 63) else 255
     with contextlib.suppress(Exception):
         print(e.code, file=sys.stderr)
     return 1
