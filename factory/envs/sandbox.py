@@ -57,7 +57,7 @@ from factory.envs.sandbox_isolation import (
     _world_readable,
 )
 from factory.envs.sandbox_types import LIMIT_MAX, ExecResult, SandboxLimits, SandboxRequestError, _check_request
-from factory.envs.sandbox_worker import _recv, _recv_result, _send
+from factory.envs.sandbox_worker import _HEADER, _body_frame, _recv, _recv_result, _send, _write_all
 from factory.infra.supervisor import retry
 
 # The worker program, the isolation helpers and the data types live in their own modules; these names are
@@ -238,12 +238,11 @@ class Sandbox:
                 self._set_cgroup_limits(limits)
             oom_before = self._cgroup.oom_kills()
         # Two frames: the worker reads the first, only the execution's own process the second (sandbox_worker.py).
-        control = {"op": "exec", "limits": dataclasses.asdict(limits)}
-        body = {"code": code, "stdin": stdin, "files": files or {}}
+        control = json.dumps({"op": "exec", "limits": dataclasses.asdict(limits)}).encode()
+        frames = _HEADER.pack(len(control)) + control + _body_frame(code, stdin, files or {})
         t0 = time.monotonic()
         try:
-            _send(self._proc.stdin.fileno(), control)
-            _send(self._proc.stdin.fileno(), body)
+            _write_all(self._proc.stdin.fileno(), frames)
             r = _recv_result(self._proc.stdout.fileno(), t0 + limits.wall_s + _REPLY_GRACE_S)
         except TimeoutError:
             self.fault = "worker hung (no reply past the wall timeout)"

@@ -18,7 +18,7 @@ processes are killed. Nothing of an execution is left in memory or on disk that 
 
 Host and worker talk over the worker's stdin/stdout: 4-byte big-endian length, then UTF-8 JSON
 (`_send`/`_recv`, used on both sides). Requests: {"op": "ping"} -> {"op": "pong"}; {"op": "exec",
-"limits"} followed by a body frame {"code", "stdin", "files"} -> {"op": "result", "exit_code", "signal",
+"limits"} followed by a body frame (`_body_frame`: code, stdin, files) -> {"op": "result", "exit_code", "signal",
 "timed_out", "truncated", "stdout_bytes", "stderr_bytes", "memory_error", "wall_s", "fault"} followed by
 that many raw bytes of stdout, then of stderr (`_recv_result` reads it all). The first message is
 {"op": "ready"}. A worker whose child did not take the whole body exits after its reply: the stream
@@ -130,6 +130,67 @@ def _recv(fd: int, deadline: float | None = None) -> dict[str, Any] | None:
     return msg
 
 
+# Compiled once by the fork server before it forks anything: typical code for the compiler to warm up on.
+_WARM_UP = '''
+import sys
+def f(n: int, *args, k=None, **kw) -> str:
+    """doc"""
+    if n % 15 == 0 and not args:
+        return "FizzBuzz"
+    elif n < 0 or k is not None:
+        raise ValueError(f"bad {n!r:>4}")
+    for i, x in enumerate([y * 2 for y in range(n) if y]):
+        while x > 1.5:
+            x -= 1
+    try:
+        with open("x") as fh:
+            data = {a: b for a, b in zip(fh, "ab")}
+    except (OSError, KeyError) as e:
+        data = {"e": e, **kw}
+    finally:
+        pass
+    return str(lambda z: z) + str(sum(x for x in (1, 2)))
+class T:
+    x: int = 1
+    def m(self):
+        return [*sys.argv, self.x]
+assert f(3) == "3", "message"
+print(f(15), sys.stdin.read(), end="")
+'''
+
+
+_BODY = struct.Struct(">III")  # a body frame: the lengths of the code, stdin and files parts, then the parts
+
+
+def _body_frame(code: str, stdin: str, files: dict[str, str]) -> bytes:
+    """The framed body of an exec request (host side): code and stdin as UTF-8 (surrogateescape keeps raw
+    bytes), files as JSON when there are any. Not JSON as a whole: parsing it in each fresh child would cost
+    it ~0.3 ms of copy-on-write faults."""
+    parts = [code.encode("utf-8", "surrogateescape"), stdin.encode("utf-8", "surrogateescape"),
+             json.dumps(files).encode() if files else b""]
+    body = _BODY.pack(*map(len, parts)) + b"".join(parts)
+    return _HEADER.pack(len(body)) + body
+
+
+def _recv_body(fd: int) -> tuple[str, bytes, dict[str, str]] | None:
+    """Read one body frame (the child, from the host's pipe): code, stdin bytes, files; None on EOF."""
+    header = _read_exact(fd, _HEADER.size, None)
+    if header is None:
+        return None
+    (n,) = _HEADER.unpack(header)
+    if not _BODY.size <= n <= _MAX_MESSAGE:
+        raise ValueError(f"body frame of {n} bytes")
+    body = _read_exact(fd, n, None)
+    if body is None:
+        return None
+    lens = _BODY.unpack_from(body)
+    if _BODY.size + sum(lens) != n:
+        raise ValueError("body frame parts do not add up")
+    a, b = _BODY.size + lens[0], _BODY.size + lens[0] + lens[1]
+    files = json.loads(body[b:]) if lens[2] else {}
+    return body[_BODY.size:a].decode("utf-8", "surrogateescape"), body[a:b], files
+
+
 class _SockFprog(ctypes.Structure):
     """struct sock_fprog: the program prctl(PR_SET_SECCOMP) takes."""
 
@@ -163,14 +224,14 @@ class _Worker:
         self.pidns: bool = cfg["pidns"]
         self.runs = 0
         self.libc = ctypes.CDLL(None, use_errno=True)
-        self.seccomp: ctypes.Structure | None = None
+        self.seccomp: Any = None  # a pointer to the seccomp program, made once
         if cfg.get("deny_userns", True):
             prog = _deny_userns_filter(os.uname().machine)
             if prog is None:
                 raise SystemExit(f"cannot deny user namespaces on {os.uname().machine}: no seccomp filter for it "
                                  f"(allow_userns=True runs without one)")
             self._filter = ctypes.create_string_buffer(prog, len(prog))
-            self.seccomp = _SockFprog(len(prog) // 8, ctypes.addressof(self._filter))
+            self.seccomp = ctypes.pointer(_SockFprog(len(prog) // 8, ctypes.addressof(self._filter)))
         # The code's output lands here and only here (see the module docstring); grown, never shrunk.
         self.out_buf, self.err_buf = bytearray(), bytearray()
         # Non-dumpable: the code (same uid in user-namespace mode) can neither ptrace us nor open our pipes
@@ -184,6 +245,11 @@ class _Worker:
         self.stdio = (open(0, encoding="utf-8", errors="surrogateescape", closefd=False),  # noqa: SIM115
                       open(1, "w", encoding="utf-8", errors="surrogateescape", closefd=False),  # noqa: SIM115
                       open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False))  # noqa: SIM115
+        # The first compile() and json.loads() of a process set up state (parser tables, interned names)
+        # that then costs every child ~2.5 ms of CPU and copy-on-write faults; done once here, on text of
+        # our own (never a request's: see the module docstring), the child's compile of small code is ~0.2 ms.
+        json.loads(json.dumps({"code": _WARM_UP, "stdin": "", "files": {"a.txt": ""}}))
+        compile(_WARM_UP, "main.py", "exec", dont_inherit=True)
         # Everything alive now is never collected: a collection in a child would touch (and so copy)
         # every page of the fork server's heap.
         gc.freeze()
@@ -222,12 +288,12 @@ class _Worker:
         if pid == 0:  # the code's process: never returns
             try:
                 os.close(took_r)
-                req = _recv(0)
-                if req is None:
+                body = _recv_body(0)
+                if body is None:
                     os._exit(126)
                 os.write(took_w, b"1")
                 os.close(took_w)
-                self._child(req, lim, run_dir, out_w, err_w, (out_r, err_r))
+                self._child(*body, lim, run_dir, out_w, err_w, (out_r, err_r))
             except BaseException:  # noqa: BLE001 - report setup failures as the code's stderr
                 with contextlib.suppress(Exception):
                     os.write(2, ("sandbox setup failed: " + traceback.format_exc()).encode())
@@ -248,9 +314,11 @@ class _Worker:
             _write_all(1, memoryview(self.out_buf)[:n_out])
             _write_all(1, memoryview(self.err_buf)[:n_err])
         finally:
-            # Zeros over what the code wrote, before the next fork inherits this heap.
-            self.out_buf[:n_out] = bytes(n_out)
-            self.err_buf[:n_err] = bytes(n_err)
+            # Zeros over what the code wrote (and the byte past the cap that told of truncation), before the
+            # next fork inherits this heap.
+            for buf, n in ((self.out_buf, n_out), (self.err_buf, n_err)):
+                k = min(n + 1, len(buf))
+                buf[:k] = bytes(k)
         if not took:
             os._exit(0)  # the rest of the body is still in the pipe: the stream is out of step
 
@@ -332,8 +400,8 @@ class _Worker:
         return ({"exit_code": exit_code, "signal": sig, "timed_out": timed_out, "truncated": truncated,
                  "memory_error": memory_error, "wall_s": wall, "fault": fault}, n_out, n_err, took)
 
-    def _child(self, req: dict[str, Any], lim: dict[str, Any], run_dir: str, out_w: int, err_w: int,
-               inherited: tuple[int, ...]) -> None:
+    def _child(self, code: str, stdin: bytes, files: dict[str, str], lim: dict[str, Any], run_dir: str,
+               out_w: int, err_w: int, inherited: tuple[int, ...]) -> None:
         os.setsid()  # own session and process group: the worker kills the group
         for fd in inherited:
             os.close(fd)
@@ -348,24 +416,22 @@ class _Worker:
         self.libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # dies with its worker (after setuid: it resets it)
         self.libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)  # no setuid binary or file capability raises it
         self.libc.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)  # its own /proc entries stay usable to the code
-        if self.seccomp is not None and self.libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER,
-                                                        ctypes.byref(self.seccomp), 0, 0) != 0:
+        if self.seccomp is not None and self.libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, self.seccomp,
+                                                        0, 0) != 0:
             raise OSError(ctypes.get_errno(), "could not install the seccomp filter that denies user namespaces")
         # Files through os.open/os.write: a text file object costs this fresh child ~0.15 ms of faults.
         with contextlib.suppress(OSError):  # under a memory cgroup, the OOM killer takes the code, not us
             _write_file("/proc/self/oom_score_adj", "1000", os.O_WRONLY)
         os.mkdir(run_dir, 0o700)
-        files = req.get("files") or {}
         for name, text in files.items():
             path = os.path.join(run_dir, name)
             os.makedirs(os.path.dirname(path), exist_ok=True)
             _write_file(path, text)
-        code = req["code"]
         if "main.py" not in files:
             _write_file(os.path.join(run_dir, "main.py"), code)  # for tracebacks' source lines
         os.chdir(run_dir)
         stdin_fd = os.memfd_create("stdin")  # no pipe to deadlock on, no file for the code to find
-        _write_all(stdin_fd, req.get("stdin", "").encode("utf-8", "surrogateescape"))
+        _write_all(stdin_fd, stdin)
         os.lseek(stdin_fd, 0, os.SEEK_SET)
         os.dup2(stdin_fd, 0)
         os.close(stdin_fd)
