@@ -94,6 +94,17 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
+def _writev_all(fd: int, parts: list[bytes | memoryview]) -> None:
+    views = [memoryview(p) for p in parts if len(p)]
+    while views:
+        n = os.writev(fd, views)
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views:
+            views[0] = views[0][n:]
+
+
 def _send(fd: int, msg: dict[str, Any]) -> None:
     body = json.dumps(msg).encode()
     _write_all(fd, _HEADER.pack(len(body)) + body)
@@ -202,14 +213,14 @@ def _recv_result(fd: int, deadline: float | None = None) -> dict[str, Any] | Non
     msg = _recv(fd, deadline)
     if msg is None or msg.get("op") != "result":
         return msg
-    for key in ("stdout", "stderr"):
-        n = msg.pop(f"{key}_bytes")
-        if not isinstance(n, int) or not 0 <= n <= _MAX_MESSAGE:
-            raise ValueError(f"bad {key}_bytes {n!r} in a reply")
-        raw = _read_exact(fd, n, deadline) if n else b""
-        if raw is None:
-            return None
-        msg[key] = raw.decode("utf-8", "replace")
+    sizes = [msg.pop("stdout_bytes"), msg.pop("stderr_bytes")]
+    if not all(isinstance(n, int) and 0 <= n <= _MAX_MESSAGE for n in sizes):
+        raise ValueError(f"bad output sizes {sizes!r} in a reply")
+    raw = _read_exact(fd, sum(sizes), deadline) if sum(sizes) else b""
+    if raw is None:
+        return None
+    msg["stdout"] = raw[:sizes[0]].decode("utf-8", "replace")
+    msg["stderr"] = raw[sizes[0]:].decode("utf-8", "replace")
     return msg
 
 
@@ -283,6 +294,7 @@ class _Worker:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         took_r, took_w = os.pipe()  # the child writes one byte once it has read the whole body
+        os.set_blocking(took_r, False)
         t0 = time.monotonic()
         pid = os.fork()
         if pid == 0:  # the code's process: never returns
@@ -310,9 +322,10 @@ class _Worker:
         res["op"] = "result"
         res["stdout_bytes"], res["stderr_bytes"] = n_out, n_err
         try:
-            _send(1, res)
-            _write_all(1, memoryview(self.out_buf)[:n_out])
-            _write_all(1, memoryview(self.err_buf)[:n_err])
+            body = json.dumps(res).encode()
+            # One writev of the header and views of the buffers: no copy of the output is made.
+            _writev_all(1, [_HEADER.pack(len(body)) + body, memoryview(self.out_buf)[:n_out],
+                            memoryview(self.err_buf)[:n_err]])
         finally:
             # Zeros over what the code wrote (and the byte past the cap that told of truncation), before the
             # next fork inherits this heap.
@@ -329,9 +342,13 @@ class _Worker:
         the child took its whole request."""
         bufs = {out_r: memoryview(self.out_buf), err_r: memoryview(self.err_buf)}
         filled = {out_r: 0, err_r: 0}
-        open_fds = [out_r, err_r, took_r]
-        took = False
+        open_fds = {out_r, err_r}
         pidfd = os.pidfd_open(pid)
+        poller = select.poll()
+        for fd in (out_r, err_r, pidfd):
+            poller.register(fd, select.POLLIN)
+        # fd 0 for POLLHUP only (the host is gone): it stays readable until the child has read the body.
+        poller.register(0, 0)
         end = t0 + float(lim["wall_s"])
         drain_end = None
         exited = timed_out = truncated = swept = False
@@ -343,28 +360,24 @@ class _Worker:
                 if now >= limit:
                     timed_out = not exited
                     break
-                # The host never writes during a run, once the child has read the body: fd 0 readable is EOF.
-                watch = [*open_fds, *([0] if took else [])] + ([] if exited else [pidfd])
-                ready, _, _ = select.select(watch, [], [], limit - now)
+                ready = {fd for fd, _ in poller.poll(math.ceil((limit - now) * 1000))}
                 if 0 in ready:  # the host is gone
                     self._sweep(pid)
                     os._exit(0)
-                for fd in ready:
-                    if fd == took_r:  # its byte, or EOF: the child exited before it took the body
-                        took = os.read(took_r, 1) == b"1"
-                        open_fds.remove(took_r)
-                    elif fd in bufs:
-                        # Straight into the buffer: no bytes object holds the code's output.
-                        n = os.readv(fd, [bufs[fd][filled[fd]:cap + 1]])
-                        if not n:
-                            open_fds.remove(fd)
-                            continue
-                        filled[fd] += n
-                        if filled[fd] > cap:
-                            truncated, filled[fd] = True, cap
+                for fd in ready & open_fds:
+                    # Straight into the buffer: no bytes object holds the code's output.
+                    n = os.readv(fd, [bufs[fd][filled[fd]:cap + 1]])
+                    if not n:
+                        open_fds.discard(fd)
+                        poller.unregister(fd)
+                        continue
+                    filled[fd] += n
+                    if filled[fd] > cap:
+                        truncated, filled[fd] = True, cap
                 if truncated:
                     break
                 if pidfd in ready and not exited:
+                    poller.unregister(pidfd)
                     exited, wall = True, time.monotonic() - t0
                     # The code is done: kill what it left behind, which also closes the pipes it holds.
                     self._sweep(pid)
@@ -379,6 +392,11 @@ class _Worker:
                 status = None
             else:
                 status = os.waitpid(pid, 0)[1]
+            # Read after the fact, not watched: a wakeup of ours in mid-run would cost the code its CPU.
+            try:
+                took = os.read(took_r, 1) == b"1"
+            except BlockingIOError:
+                took = False
         finally:
             for fd in (out_r, err_r, pidfd):
                 os.close(fd)

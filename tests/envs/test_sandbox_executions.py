@@ -134,3 +134,16 @@ def test_user_namespaces_are_denied_unless_asked_for(isolation):
     if "Operation not permitted" in allowed.stdout and isolation == "bwrap":
         pytest.skip(f"this kernel refuses user namespaces inside bwrap even when asked: {allowed.stdout}")
     assert allowed.exit_code == 0 and "created" in allowed.stdout, allowed
+
+
+def test_large_stdout_and_stderr_come_back_whole_and_the_next_run_gets_none_of_them(require_sandbox):
+    # Megabytes through the worker's buffers and its pipe to the host (many partial writes), then a run that
+    # prints little: nothing of the first may trail into its reply.
+    code = ("import sys\nsys.stdout.write(''.join(chr(97 + i % 26) for i in range(3_000_001)))\n"
+            "sys.stderr.write('e' * 2_000_000)\n")
+    with SandboxPool(size=1) as pool, pool.sandbox() as sb:
+        big = sb.exec(code, limits=SandboxLimits(output_bytes=4 << 20))
+        small = sb.exec("print('x')")
+    want = "".join(chr(97 + i % 26) for i in range(3_000_001))
+    assert big.ok and big.stdout == want and big.stderr == "e" * 2_000_000
+    assert (small.stdout, small.stderr) == ("x\n", "")
