@@ -145,28 +145,20 @@ def _recv(fd: int, deadline: float | None = None) -> dict[str, Any] | None:
 _WARM_UP = '''
 import sys
 def f(n: int, *args, k=None, **kw) -> str:
-    """doc"""
-    if n % 15 == 0 and not args:
-        return "FizzBuzz"
-    elif n < 0 or k is not None:
+    if n % 15 == 0 and not args or k is not None:
         raise ValueError(f"bad {n!r:>4}")
-    for i, x in enumerate([y * 2 for y in range(n) if y]):
-        while x > 1.5:
+    for i, x in enumerate([y * 2.5 for y in range(n) if y]):
+        while x > 1:
             x -= 1
     try:
         with open("x") as fh:
-            data = {a: b for a, b in zip(fh, "ab")}
+            return str({a: b for a, b in zip(fh, "ab")} | kw)
     except (OSError, KeyError) as e:
-        data = {"e": e, **kw}
-    finally:
-        pass
-    return str(lambda z: z) + str(sum(x for x in (1, 2)))
+        return str(lambda z: sum(x for x in (1, 2)))
 class T:
     x: int = 1
-    def m(self):
-        return [*sys.argv, self.x]
 assert f(3) == "3", "message"
-print(f(15), sys.stdin.read(), end="")
+print(f(15), sys.stdin.read(), [*sys.argv, T.x], end="")
 '''
 
 
