@@ -230,6 +230,34 @@ CASES: list[Case] = [
         "assert others or left, 'nothing survived'\n")),
 ]
 
+# Isolation between executions (issue 23): a separate list, appended, so other case lists merge cleanly.
+CASES += [
+    Case("read an earlier execution from memory", setup=lambda h: (
+        # The earlier execution holds the secret in its code and on its stdout.
+        f"secret = {h.secret!r}\nprint(secret)\n"), code=lambda h: (
+        # Scan every readable region of this process for the secret's pattern (its text never appears here).
+        "import re, sys\n"
+        "pat = re.compile(b'SECRET' + b'-[0-9a-f]{32}')\n"
+        "found = set()\n"
+        "regions = [line.split() for line in open('/proc/self/maps')]\n"
+        "with open('/proc/self/mem', 'rb', buffering=0) as mem:\n"
+        "    for parts in regions:\n"
+        "        lo, hi = (int(x, 16) for x in parts[0].split('-'))\n"
+        "        if parts[1][0] != 'r' or parts[-1] in ('[vvar]', '[vsyscall]'):\n"
+        "            continue\n"
+        "        tail = b''\n"
+        "        for pos in range(lo, hi, 1 << 20):\n"
+        "            try:\n"
+        "                mem.seek(pos)\n"
+        "                buf = tail + mem.read(min(1 << 20, hi - pos))\n"
+        "            except (OSError, OverflowError):\n"
+        "                break\n"
+        "            found.update(m.group().decode() for m in pat.finditer(buf))\n"
+        "            tail = buf[-64:]\n"
+        "print(sorted(found))\n"
+        "sys.exit(0 if found else 1)\n"), check=_secret_not_in_output, limits=SandboxLimits(cpu_s=20.0, wall_s=40.0)),
+]
+
 
 @dataclass
 class Outcome:

@@ -11,6 +11,14 @@ Memory: RLIMIT_AS per process always, and a per-worker cgroup where this process
 
 `isolation="none"` runs workers as plain processes (rlimits, timeouts and, as root, the uid switch still
 apply) and logs a WARNING once: untrusted code is then not isolated from the host.
+
+Between executions (see sandbox_worker.py for how): under bwrap no execution can read another's code,
+inputs, files or outputs, on the same worker (nothing of one is left in the fork server's memory or on
+disk for the next) or on another (own pid, mount and ipc namespaces, own /tmp). With isolation="none" the
+first still holds (the same worker program), as do the exit statuses and the denial of user namespaces;
+what does not: concurrent executions on different workers share the host's filesystem and /proc, so
+unless the pool runs as root (then each worker's code has a uid of its own and a 0700 run directory) one
+can read another's run directory and, same uid, its process's memory.
 """
 
 from __future__ import annotations
@@ -49,7 +57,7 @@ from factory.envs.sandbox_isolation import (
     _world_readable,
 )
 from factory.envs.sandbox_types import LIMIT_MAX, ExecResult, SandboxLimits, SandboxRequestError, _check_request
-from factory.envs.sandbox_worker import _recv, _send
+from factory.envs.sandbox_worker import _HEADER, _body_frame, _recv, _recv_result, _send, _write_all
 from factory.infra.supervisor import retry
 
 # The worker program, the isolation helpers and the data types live in their own modules; these names are
@@ -229,11 +237,13 @@ class Sandbox:
             if limits != self._cgroup_limits:
                 self._set_cgroup_limits(limits)
             oom_before = self._cgroup.oom_kills()
-        req = {"op": "exec", "code": code, "stdin": stdin, "files": files or {}, "limits": dataclasses.asdict(limits)}
+        # Two frames: the worker reads the first, only the execution's own process the second (sandbox_worker.py).
+        control = json.dumps({"op": "exec", "limits": dataclasses.asdict(limits)}).encode()
+        frames = _HEADER.pack(len(control)) + control + _body_frame(code, stdin, files or {})
         t0 = time.monotonic()
         try:
-            _send(self._proc.stdin.fileno(), req)
-            r = _recv(self._proc.stdout.fileno(), t0 + limits.wall_s + _REPLY_GRACE_S)
+            _write_all(self._proc.stdin.fileno(), frames)
+            r = _recv_result(self._proc.stdout.fileno(), t0 + limits.wall_s + _REPLY_GRACE_S)
         except TimeoutError:
             self.fault = "worker hung (no reply past the wall timeout)"
             self.kill()
@@ -303,13 +313,14 @@ class SandboxPool:
     Extra keyword arguments: bwrap (the bubblewrap executable, name or path), cgroups (use per-worker
     cgroups where this process may create them), startup_timeout (seconds for a worker to answer),
     preload (modules each worker imports before it forks; default PRELOAD), cpus (placement: the cores the
-    workers run on; default: the caller's).
+    workers run on; default: the caller's), allow_userns (let the code create user namespaces, for a
+    task that needs them; default: denied).
     """
 
     def __init__(self, size: int = 4, isolation: Literal["bwrap", "none"] = "bwrap",
                  limits: SandboxLimits = SandboxLimits(), recycle_after: int = 100, python: str = sys.executable,  # noqa: B008
                  *, bwrap: str = "bwrap", cgroups: bool = True, startup_timeout: float = 30.0,
-                 preload: tuple[str, ...] = PRELOAD, cpus: Iterable[int] | None = None):
+                 preload: tuple[str, ...] = PRELOAD, cpus: Iterable[int] | None = None, allow_userns: bool = False):
         if size < 1:
             raise ValueError(f"size must be >= 1, got {size}")
         if recycle_after < 1:
@@ -318,6 +329,7 @@ class SandboxPool:
             raise ValueError(f"isolation must be 'bwrap' or 'none', got {isolation!r}")
         self.size, self.isolation, self.limits, self.recycle_after = size, isolation, limits, recycle_after
         self.startup_timeout, self.preload = startup_timeout, tuple(preload)
+        self.allow_userns = bool(allow_userns)
         self._layout = _python_layout(python)
         # As root, the code always runs as a random uid of its own (see the module docstring): code running
         # as root outside a pid namespace could `kill -9 -1` every process on the host.
@@ -328,7 +340,7 @@ class SandboxPool:
             if exe is None:
                 raise IsolationUnavailable(f"bubblewrap not found ({bwrap!r} is not an executable on PATH or a "
                                            f"path to one): install the bubblewrap package, or use isolation='none'")
-            self._prefix = _bwrap_prefix(exe, self._layout, self._root, self._tmp_mb)
+            self._prefix = _bwrap_prefix(exe, self._layout, self._root, self._tmp_mb, not self.allow_userns)
             _probe_bwrap(self._prefix, self._layout.executable)
         else:
             self._prefix = []
@@ -405,7 +417,8 @@ class SandboxPool:
     def _worker_argv(self, scratch: str, drop_uid: int | None) -> list[str]:
         sandboxed = self.isolation == "bwrap"
         cfg = {"scratch": "/tmp" if sandboxed else scratch, "wipe": ["/tmp", "/dev/shm"] if sandboxed else [scratch],
-               "drop_uid": drop_uid, "pidns": sandboxed, "preload": list(self.preload)}
+               "drop_uid": drop_uid, "pidns": sandboxed, "preload": list(self.preload),
+               "deny_userns": not self.allow_userns}
         return [*self._prefix, self._layout.executable, "-I", "-S", "-c", self._source, json.dumps(cfg)]
 
     def _make_sandbox(self) -> Sandbox:

@@ -4,8 +4,11 @@ Isolation (`isolation="bwrap"`): new mount, pid, net, ipc and uts namespaces; a 
 read-only /usr (+ the /bin, /lib* links), a few /etc files and the interpreter's installation; private
 size-bounded tmpfs /tmp and /dev/shm (the only writable places); fresh /proc and minimal /dev; a
 scrubbed environment (PATH, HOME=/tmp, LANG). The repo, FACTORY_HOME, /root and the host's loopback
-are not reachable. The code sees the standard library only (`python -I -S`, the interpreter behind
-`python`, e.g. a venv's base). How the code is kept from the worker depends on who runs the pool:
+are not reachable. User namespaces: the code's process installs a seccomp filter (sandbox_worker.py) that
+fails unshare/clone with CLONE_NEWUSER, in every mode, unless the pool was made with allow_userns=True; in
+bwrap's own user namespace `--disable-userns` (bubblewrap >= 0.8) forbids them as well. The code sees
+the standard library only (`python -I -S`, the interpreter behind `python`, e.g. a venv's base). How the
+code is kept from the worker depends on who runs the pool:
 
 - as root, bwrap runs privileged (no user namespace) with only CAP_SETUID/CAP_SETGID kept; each child
   switches to a random unprivileged uid of its own. RLIMIT_NPROC then binds (the kernel does not apply
@@ -74,15 +77,29 @@ def _python_layout(python: str) -> _PythonLayout:
 
 
 
-def _bwrap_prefix(bwrap: str, layout: _PythonLayout, privileged: bool, tmp_mb: int) -> list[str]:
+def _bwrap_supports(bwrap: str, option: str) -> bool:
+    """Whether this bubblewrap lists option in its --help (--disable-userns came with 0.8.0)."""
+    try:
+        p = subprocess.run([bwrap, "--help"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return option in p.stdout + p.stderr
+
+
+def _bwrap_prefix(bwrap: str, layout: _PythonLayout, privileged: bool, tmp_mb: int,
+                  deny_userns: bool = True) -> list[str]:
     """bubblewrap's arguments up to the command. privileged: we are root, so no user namespace (see the
-    module docstring) and only the capabilities the worker needs to switch the code to its own uid."""
+    module docstring) and only the capabilities the worker needs to switch the code to its own uid.
+    deny_userns: in a user namespace of bwrap's own, forbid nested ones too (where bwrap can; the worker's
+    seccomp filter denies them in every mode)."""
     a = [bwrap]
     if privileged:
         a += ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
               "--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     else:
         a += ["--unshare-all", "--unshare-user"]
+        if deny_userns and _bwrap_supports(bwrap, "--disable-userns"):
+            a += ["--disable-userns"]
     a += ["--die-with-parent", "--new-session", "--ro-bind", "/usr", "/usr"]
     for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
         if os.path.islink(top):

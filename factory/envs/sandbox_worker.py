@@ -1,16 +1,28 @@
 """The sandbox worker's program: a fork server that runs one execution at a time, and the framing it speaks.
 
 The pool (`sandbox.py`) runs this whole file with `python -I -S -c`, inside bubblewrap when isolated
-(`sandbox_isolation.py`), so it imports only the standard library. Per execution the worker compiles the
-code (when small), forks a child that drops privileges, sets rlimits, makes a fresh private directory,
-runs the code with `exec()` as `__main__` and exits. The worker reads the child's stdout and stderr (capped
-at `output_bytes`, the code killed past it), kills it at the wall timeout, then kills whatever it left
-behind and wipes its files, so one execution never sees another's.
+(`sandbox_isolation.py`), so it imports only the standard library. Per execution the worker forks a child
+that reads the request itself, drops privileges, denies itself user namespaces (a seccomp filter), sets
+rlimits, makes a fresh private directory, runs the code with `exec()` as `__main__` and exits. The worker
+reads the child's stdout and stderr (capped at `output_bytes`, the code killed past it), kills it at the
+wall timeout, then kills whatever it left behind and wipes its files.
+
+Why one execution never sees another's code, inputs, files or outputs: every child is a fork of this
+process, so whatever this process's heap ever held, every later execution could read (/proc/self/mem).
+So it never holds them. The request comes in two frames: a control frame the worker reads (the op and the
+limits only) and a body frame (code, stdin, files) that only the child reads from the pipe, with raw
+os.read, and that dies with it. The child's stdout and stderr go from its pipes into two buffers made
+once (`os.readv`, no intermediate bytes objects), from there to the host's pipe (`os.write` of a
+memoryview) and are then overwritten with zeros, before the next fork. The run's files are wiped; its
+processes are killed. Nothing of an execution is left in memory or on disk that a later fork inherits.
 
 Host and worker talk over the worker's stdin/stdout: 4-byte big-endian length, then UTF-8 JSON
-(`_send`/`_recv`, used on both sides). Requests: {"op": "ping"} -> {"op": "pong"}; {"op": "exec", "code",
-"stdin", "files", "limits"} -> {"op": "result", "exit_code", "signal", "timed_out", "truncated", "stdout",
-"stderr", "memory_error", "wall_s", "fault"}. The first message is {"op": "ready"}.
+(`_send`/`_recv`, used on both sides). Requests: {"op": "ping"} -> {"op": "pong"}; {"op": "exec",
+"limits"} followed by a body frame (`_body_frame`: code, stdin, files) -> {"op": "result", "exit_code", "signal",
+"timed_out", "truncated", "stdout_bytes", "stderr_bytes", "memory_error", "wall_s", "fault"} followed by
+that many raw bytes of stdout, then of stderr (`_recv_result` reads it all). The first message is
+{"op": "ready"}. A worker whose child did not take the whole body exits after its reply: the stream
+would be out of step.
 """
 
 from __future__ import annotations
@@ -32,7 +44,6 @@ import threading
 import time
 import traceback
 import types
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -44,13 +55,54 @@ _PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_SET_NO_NEW_PRIVS = 1, 4, 38
 
 _KILL_WAIT_S = 2.0  # a SIGKILLed process not gone after this is "a child it could not kill": recycle
 _DRAIN_S = 1.0  # after the code's process exits, how long its pipes may stay open (held by leftovers)
-_COMPILE_HERE_MAX = 32 << 10  # code up to this many characters is compiled by the worker, before the fork
+
+# seccomp (linux/seccomp.h, linux/filter.h, linux/audit.h): a classic BPF program that fails unshare(2) and
+# clone(2) with CLONE_NEWUSER (EPERM), and clone3(2) (ENOSYS: its flags are in memory a filter cannot read;
+# glibc then falls back to clone). Other architectures' and x32 system calls are refused (EPERM).
+_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 22, 2
+_CLONE_NEWUSER = 0x10000000
+# machine -> (AUDIT_ARCH_*, __NR_unshare, __NR_clone, __NR_clone3)
+_SYSCALLS = {"x86_64": (0xC000003E, 272, 56, 435), "aarch64": (0xC00000B7, 97, 220, 435)}
+
+
+def _deny_userns_filter(machine: str) -> bytes | None:
+    """The BPF program (struct sock_filter[]) for this machine; None where the numbers are not known."""
+    if machine not in _SYSCALLS:
+        return None
+    arch, unshare, clone, clone3 = _SYSCALLS[machine]
+    allow, eperm, enosys = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
+    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, JGE, JSET, BPF_RET|K
+    prog = [(ld, 0, 0, 4),                # arch
+            (jeq, 0, 9, arch),            # other ABI -> deny (11)
+            (ld, 0, 0, 0),                # nr
+            (jge, 7, 0, 0x40000000),      # x32 -> deny (11)
+            (jeq, 7, 0, clone3),          # -> enosys (12)
+            (jeq, 2, 0, unshare),         # -> check flags (8)
+            (jeq, 1, 0, clone),           # -> check flags (8)
+            (ret, 0, 0, allow),
+            (ld, 0, 0, 16),               # args[0], low 32 bits (little-endian)
+            (jset, 1, 0, _CLONE_NEWUSER),  # -> deny (11)
+            (ret, 0, 0, allow),
+            (ret, 0, 0, eperm),
+            (ret, 0, 0, enosys)]
+    return b"".join(struct.pack("=HBBI", *ins) for ins in prog)
 
 
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
+
+
+def _writev_all(fd: int, parts: list[bytes | memoryview]) -> None:
+    views = [memoryview(p) for p in parts if len(p)]
+    while views:
+        n = os.writev(fd, views)
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views:
+            views[0] = views[0][n:]
 
 
 def _send(fd: int, msg: dict[str, Any]) -> None:
@@ -89,9 +141,84 @@ def _recv(fd: int, deadline: float | None = None) -> dict[str, Any] | None:
     return msg
 
 
+# Compiled once by the fork server before it forks anything: typical code for the compiler to warm up on.
+_WARM_UP = '''
+import sys
+def f(n: int, *args, k=None, **kw) -> str:
+    if n % 15 == 0 and not args or k is not None:
+        raise ValueError(f"bad {n!r:>4}")
+    for i, x in enumerate([y * 2.5 for y in range(n) if y]):
+        while x > 1:
+            x -= 1
+    try:
+        with open("x") as fh:
+            return str({a: b for a, b in zip(fh, "ab")} | kw)
+    except (OSError, KeyError) as e:
+        return str(lambda z: sum(x for x in (1, 2)))
+class T:
+    x: int = 1
+assert f(3) == "3", "message"
+print(f(15), sys.stdin.read(), [*sys.argv, T.x], end="")
+'''
+
+
+_BODY = struct.Struct(">III")  # a body frame: the lengths of the code, stdin and files parts, then the parts
+
+
+def _body_frame(code: str, stdin: str, files: dict[str, str]) -> bytes:
+    """The framed body of an exec request (host side): code and stdin as UTF-8 (surrogateescape keeps raw
+    bytes), files as JSON when there are any. Not JSON as a whole: parsing it in each fresh child would cost
+    it ~0.3 ms of copy-on-write faults."""
+    parts = [code.encode("utf-8", "surrogateescape"), stdin.encode("utf-8", "surrogateescape"),
+             json.dumps(files).encode() if files else b""]
+    body = _BODY.pack(*map(len, parts)) + b"".join(parts)
+    return _HEADER.pack(len(body)) + body
+
+
+def _recv_body(fd: int) -> tuple[str, bytes, dict[str, str]] | None:
+    """Read one body frame (the child, from the host's pipe): code, stdin bytes, files; None on EOF."""
+    header = _read_exact(fd, _HEADER.size, None)
+    if header is None:
+        return None
+    (n,) = _HEADER.unpack(header)
+    if not _BODY.size <= n <= _MAX_MESSAGE:
+        raise ValueError(f"body frame of {n} bytes")
+    body = _read_exact(fd, n, None)
+    if body is None:
+        return None
+    lens = _BODY.unpack_from(body)
+    if _BODY.size + sum(lens) != n:
+        raise ValueError("body frame parts do not add up")
+    a, b = _BODY.size + lens[0], _BODY.size + lens[0] + lens[1]
+    files = json.loads(body[b:]) if lens[2] else {}
+    return body[_BODY.size:a].decode("utf-8", "surrogateescape"), body[a:b], files
+
+
+class _SockFprog(ctypes.Structure):
+    """struct sock_fprog: the program prctl(PR_SET_SECCOMP) takes."""
+
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+def _recv_result(fd: int, deadline: float | None = None) -> dict[str, Any] | None:
+    """A reply with its raw stdout and stderr after it, decoded into "stdout" and "stderr" (host side)."""
+    msg = _recv(fd, deadline)
+    if msg is None or msg.get("op") != "result":
+        return msg
+    sizes = [msg.pop("stdout_bytes"), msg.pop("stderr_bytes")]
+    if not all(isinstance(n, int) and 0 <= n <= _MAX_MESSAGE for n in sizes):
+        raise ValueError(f"bad output sizes {sizes!r} in a reply")
+    raw = _read_exact(fd, sum(sizes), deadline) if sum(sizes) else b""
+    if raw is None:
+        return None
+    msg["stdout"] = raw[:sizes[0]].decode("utf-8", "replace")
+    msg["stderr"] = raw[sizes[0]:].decode("utf-8", "replace")
+    return msg
+
+
 class _Worker:
     """The fork server. cfg: scratch (where run dirs go), wipe (dirs emptied after each run), drop_uid
-    (uid the code runs as, when the worker is root), pidns (alone in a pid namespace), preload."""
+    (uid the code runs as, when the worker is root), pidns (alone in a pid namespace), preload, deny_userns."""
 
     def __init__(self, cfg: dict[str, Any]):
         self.scratch: str = cfg["scratch"]
@@ -100,6 +227,16 @@ class _Worker:
         self.pidns: bool = cfg["pidns"]
         self.runs = 0
         self.libc = ctypes.CDLL(None, use_errno=True)
+        self.seccomp: Any = None  # a pointer to the seccomp program, made once
+        if cfg.get("deny_userns", True):
+            prog = _deny_userns_filter(os.uname().machine)
+            if prog is None:
+                raise SystemExit(f"cannot deny user namespaces on {os.uname().machine}: no seccomp filter for it "
+                                 f"(allow_userns=True runs without one)")
+            self._filter = ctypes.create_string_buffer(prog, len(prog))
+            self.seccomp = ctypes.pointer(_SockFprog(len(prog) // 8, ctypes.addressof(self._filter)))
+        # The code's output lands here and only here (see the module docstring); grown, never shrunk.
+        self.out_buf, self.err_buf = bytearray(), bytearray()
         # Non-dumpable: the code (same uid in user-namespace mode) can neither ptrace us nor open our pipes
         # through /proc/<pid>/fd to forge a reply.
         self.libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
@@ -111,6 +248,11 @@ class _Worker:
         self.stdio = (open(0, encoding="utf-8", errors="surrogateescape", closefd=False),  # noqa: SIM115
                       open(1, "w", encoding="utf-8", errors="surrogateescape", closefd=False),  # noqa: SIM115
                       open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False))  # noqa: SIM115
+        # The first compile() and json.loads() of a process set up state (parser tables, interned names)
+        # that then costs every child ~2.5 ms of CPU and copy-on-write faults; done once here, on text of
+        # our own (never a request's: see the module docstring), the child's compile of small code is ~0.2 ms.
+        json.loads(json.dumps({"code": _WARM_UP, "stdin": "", "files": {"a.txt": ""}}))
+        compile(_WARM_UP, "main.py", "exec", dont_inherit=True)
         # Everything alive now is never collected: a collection in a child would touch (and so copy)
         # every page of the fork server's heap.
         gc.freeze()
@@ -128,48 +270,77 @@ class _Worker:
             if op == "ping":
                 _send(1, {"op": "pong", "runs": self.runs})
             elif op == "exec":
-                _send(1, self.execute(req))
+                self.execute(req["limits"])
             else:
                 _send(1, {"op": "error", "error": f"unknown op {op!r}"})
 
     # -- one execution -----------------------------------------------------------------------------------
 
-    def execute(self, req: dict[str, Any]) -> dict[str, Any]:
+    def execute(self, lim: dict[str, Any]) -> None:
+        """One execution: fork the child (it reads the body frame), supervise it, reply, clean up."""
         self.runs += 1
-        lim = req["limits"]
         run_dir = os.path.join(self.scratch, f"run-{self.runs}")
-        compiled = None
-        if len(req["code"]) <= _COMPILE_HERE_MAX:
-            # Compiling in a fresh child costs ~1 ms of copy-on-write faults (the compiler touches much of
-            # the heap); here it is ~20 us. Only small code: a long compile would run outside the limits.
-            with contextlib.suppress(Exception), warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                compiled = compile(req["code"], "main.py", "exec", dont_inherit=True)
-            if caught:
-                compiled = None  # an error or a SyntaxWarning: the child compiles again and reports like python
+        cap = int(lim["output_bytes"])
+        if len(self.out_buf) < cap + 1:  # one byte more than the cap: a full buffer means "truncated"
+            self.out_buf, self.err_buf = bytearray(cap + 1), bytearray(cap + 1)
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
+        took_r, took_w = os.pipe()  # the child writes one byte once it has read the whole body
+        os.set_blocking(took_r, False)
         t0 = time.monotonic()
         pid = os.fork()
         if pid == 0:  # the code's process: never returns
             try:
-                self._child(req, compiled, lim, run_dir, out_w, err_w, (out_r, err_r))
+                os.close(took_r)
+                body = _recv_body(0)
+                if body is None:
+                    os._exit(126)
+                os.write(took_w, b"1")
+                os.close(took_w)
+                self._child(*body, lim, run_dir, out_w, err_w, (out_r, err_r))
             except BaseException:  # noqa: BLE001 - report setup failures as the code's stderr
                 with contextlib.suppress(Exception):
                     os.write(2, ("sandbox setup failed: " + traceback.format_exc()).encode())
             finally:
                 os._exit(126)
-        os.close(out_w)
-        os.close(err_w)
-        res = self._supervise(pid, out_r, err_r, lim, t0)
+        for fd in (out_w, err_w, took_w):
+            os.close(fd)
+        try:
+            res, n_out, n_err, took = self._supervise(pid, out_r, err_r, took_r, cap, lim, t0)
+        finally:
+            os.close(took_r)
+        if not took:
+            res["fault"] = res["fault"] or "the execution did not read its whole request"
         res["op"] = "result"
-        return res
+        res["stdout_bytes"], res["stderr_bytes"] = n_out, n_err
+        try:
+            body = json.dumps(res).encode()
+            # One writev of the header and views of the buffers: no copy of the output is made.
+            _writev_all(1, [_HEADER.pack(len(body)) + body, memoryview(self.out_buf)[:n_out],
+                            memoryview(self.err_buf)[:n_err]])
+        finally:
+            # Zeros over what the code wrote (and the byte past the cap that told of truncation), before the
+            # next fork inherits this heap.
+            for buf, n in ((self.out_buf, n_out), (self.err_buf, n_err)):
+                k = min(n + 1, len(buf))
+                buf[:k] = bytes(k)
+        if not took:
+            os._exit(0)  # the rest of the body is still in the pipe: the stream is out of step
 
-    def _supervise(self, pid: int, out_r: int, err_r: int, lim: dict[str, Any], t0: float) -> dict[str, Any]:
-        cap = int(lim["output_bytes"])
-        bufs = {out_r: bytearray(), err_r: bytearray()}
-        open_fds = [out_r, err_r]
+    def _supervise(self, pid: int, out_r: int, err_r: int, took_r: int, cap: int, lim: dict[str, Any],
+                   t0: float) -> tuple[dict[str, Any], int, int, bool]:
+        """Watch the code until it exits (and its pipes close) or a limit; kill, reap and wipe after it.
+        Returns the reply (without the output), the bytes of stdout and stderr in the buffers, and whether
+        the child took its whole request."""
+        bufs = {out_r: memoryview(self.out_buf), err_r: memoryview(self.err_buf)}
+        filled = {out_r: 0, err_r: 0}
+        open_fds = {out_r, err_r}
         pidfd = os.pidfd_open(pid)
+        poller = select.poll()
+        for fd in (out_r, err_r, pidfd):
+            poller.register(fd, select.POLLIN)
+        # fd 0 for POLLHUP only (the host is gone): it stays readable until the child has read the body.
+        poller.register(0, 0)
         end = t0 + float(lim["wall_s"])
         drain_end = None
         exited = timed_out = truncated = swept = False
@@ -181,23 +352,24 @@ class _Worker:
                 if now >= limit:
                     timed_out = not exited
                     break
-                watch = [*open_fds, 0] if exited else [*open_fds, pidfd, 0]
-                ready, _, _ = select.select(watch, [], [], limit - now)
-                if 0 in ready:  # the host never writes during a run: this is EOF, the host is gone
+                ready = {fd for fd, _ in poller.poll(math.ceil((limit - now) * 1000))}
+                if 0 in ready:  # the host is gone
                     self._sweep(pid)
                     os._exit(0)
-                for fd in ready:
-                    if fd in bufs:
-                        data = os.read(fd, 1 << 16)
-                        if not data:
-                            open_fds.remove(fd)
-                            continue
-                        room = cap - len(bufs[fd])
-                        bufs[fd] += data[:room]
-                        truncated = truncated or len(data) > room
+                for fd in ready & open_fds:
+                    # Straight into the buffer: no bytes object holds the code's output.
+                    n = os.readv(fd, [bufs[fd][filled[fd]:cap + 1]])
+                    if not n:
+                        open_fds.discard(fd)
+                        poller.unregister(fd)
+                        continue
+                    filled[fd] += n
+                    if filled[fd] > cap:
+                        truncated, filled[fd] = True, cap
                 if truncated:
                     break
                 if pidfd in ready and not exited:
+                    poller.unregister(pidfd)
                     exited, wall = True, time.monotonic() - t0
                     # The code is done: kill what it left behind, which also closes the pipes it holds.
                     self._sweep(pid)
@@ -212,6 +384,11 @@ class _Worker:
                 status = None
             else:
                 status = os.waitpid(pid, 0)[1]
+            # Read after the fact, not watched: a wakeup of ours in mid-run would cost the code its CPU.
+            try:
+                took = os.read(took_r, 1) == b"1"
+            except BlockingIOError:
+                took = False
         finally:
             for fd in (out_r, err_r, pidfd):
                 os.close(fd)
@@ -227,12 +404,13 @@ class _Worker:
                 sig = _signal_name(os.WTERMSIG(status))
             else:
                 exit_code = os.waitstatus_to_exitcode(status)
-        return {"exit_code": exit_code, "signal": sig, "timed_out": timed_out, "truncated": truncated,
-                "stdout": bufs[out_r].decode("utf-8", "replace"), "stderr": bufs[err_r].decode("utf-8", "replace"),
-                "memory_error": exit_code not in (None, 0) and b"MemoryError" in bytes(bufs[err_r][-2048:]),
-                "wall_s": wall, "fault": fault}
+        n_out, n_err = filled[out_r], filled[err_r]
+        memory_error = exit_code not in (None, 0) and self.err_buf.find(b"MemoryError", max(0, n_err - 2048),
+                                                                         n_err) >= 0
+        return ({"exit_code": exit_code, "signal": sig, "timed_out": timed_out, "truncated": truncated,
+                 "memory_error": memory_error, "wall_s": wall, "fault": fault}, n_out, n_err, took)
 
-    def _child(self, req: dict[str, Any], compiled: types.CodeType | None, lim: dict[str, Any], run_dir: str,
+    def _child(self, code: str, stdin: bytes, files: dict[str, str], lim: dict[str, Any], run_dir: str,
                out_w: int, err_w: int, inherited: tuple[int, ...]) -> None:
         os.setsid()  # own session and process group: the worker kills the group
         for fd in inherited:
@@ -248,21 +426,22 @@ class _Worker:
         self.libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # dies with its worker (after setuid: it resets it)
         self.libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)  # no setuid binary or file capability raises it
         self.libc.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)  # its own /proc entries stay usable to the code
+        if self.seccomp is not None and self.libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, self.seccomp,
+                                                        0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "could not install the seccomp filter that denies user namespaces")
         # Files through os.open/os.write: a text file object costs this fresh child ~0.15 ms of faults.
         with contextlib.suppress(OSError):  # under a memory cgroup, the OOM killer takes the code, not us
             _write_file("/proc/self/oom_score_adj", "1000", os.O_WRONLY)
         os.mkdir(run_dir, 0o700)
-        files = req.get("files") or {}
         for name, text in files.items():
             path = os.path.join(run_dir, name)
             os.makedirs(os.path.dirname(path), exist_ok=True)
             _write_file(path, text)
-        code = req["code"]
         if "main.py" not in files:
             _write_file(os.path.join(run_dir, "main.py"), code)  # for tracebacks' source lines
         os.chdir(run_dir)
         stdin_fd = os.memfd_create("stdin")  # no pipe to deadlock on, no file for the code to find
-        _write_all(stdin_fd, req.get("stdin", "").encode("utf-8", "surrogateescape"))
+        _write_all(stdin_fd, stdin)
         os.lseek(stdin_fd, 0, os.SEEK_SET)
         os.dup2(stdin_fd, 0)
         os.close(stdin_fd)
@@ -275,7 +454,7 @@ class _Worker:
         resource.setrlimit(resource.RLIMIT_NPROC, (int(lim["processes"]),) * 2)
         resource.setrlimit(resource.RLIMIT_FSIZE, (int(lim["file_size_mb"]) * mb,) * 2)
         resource.setrlimit(resource.RLIMIT_NOFILE, (int(lim["open_files"]),) * 2)
-        _run_as_main(code, compiled, run_dir, self.stdio)
+        _run_as_main(code, run_dir, self.stdio)
 
     # -- cleanup -----------------------------------------------------------------------------------------
 
@@ -357,7 +536,7 @@ def _signal_name(sig: int) -> str:
         return f"signal {sig}"
 
 
-def _run_as_main(code: str, compiled: types.CodeType | None, run_dir: str, stdio: tuple) -> None:
+def _run_as_main(code: str, run_dir: str, stdio: tuple) -> None:
     """Run code like `python main.py` would, in this (forked) process, and exit with its status."""
     sys.stdin, sys.stdout, sys.stderr = stdio
     main = types.ModuleType("__main__")
@@ -367,9 +546,8 @@ def _run_as_main(code: str, compiled: types.CodeType | None, run_dir: str, stdio
     sys.path[0] = run_dir
     status = 0
     try:
-        if compiled is None:  # dont_inherit: not this module's `from __future__ import annotations`
-            compiled = compile(code, "main.py", "exec", dont_inherit=True)
-        exec(compiled, main.__dict__)  # noqa: S102 - the point of the sandbox
+        # dont_inherit: not this module's `from __future__ import annotations`
+        exec(compile(code, "main.py", "exec", dont_inherit=True), main.__dict__)  # noqa: S102 - the point of the sandbox
     except SystemExit as e:
         status = _exit_status(e)
     except BaseException as e:  # noqa: BLE001 - an uncaught exception: traceback and status 1, like python
@@ -377,9 +555,7 @@ def _run_as_main(code: str, compiled: types.CodeType | None, run_dir: str, stdio
         status = 1
     try:
         threading._shutdown()  # wait for non-daemon threads, as interpreter exit does
-        atexit._run_exitfuncs()
-    except SystemExit as e:
-        status = _exit_status(e)
+        atexit._run_exitfuncs()  # prints and ignores what a function raises, SystemExit too, as python does
     except BaseException:  # noqa: BLE001
         traceback.print_exc()
     for stream in (sys.stdout, sys.stderr):
@@ -389,10 +565,13 @@ def _run_as_main(code: str, compiled: types.CodeType | None, run_dir: str, stdio
 
 
 def _exit_status(e: SystemExit) -> int:
+    """The status `python` exits with for this SystemExit (Python/pythonrun.c, _Py_HandleSystemExit): None is 0;
+    an int is converted to a C long long (out of range: -1) and passed to exit(), which keeps its low 8 bits;
+    anything else is printed to stderr and gives 1."""
     if e.code is None:
         return 0
     if isinstance(e.code, int):
-        return e.code & 0xFF
+        return e.code & 0xFF if -(1 << 63) <= e.code < (1 << 63) else 255
     with contextlib.suppress(Exception):
         print(e.code, file=sys.stderr)
     return 1
