@@ -17,12 +17,22 @@ from factory.core.trainer.distributed import init_ranks
 from factory.core.trainer.launch import torchrun_command
 from factory.core.trainer.ranks import follow, leading
 from factory.home import FactoryPaths
+from factory.infra.disk import full_disk_dir
 from factory.infra.supervisor import CircuitOpen
 from factory.lake import Lake
+from factory.lake.spool import SPOOL, LakeDown, Spool
 from factory.models.build import policy_for
 from factory.ops.preflight.gate import PreflightFailed, gate
 from factory.runs import recovery
-from factory.runs.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_NEEDS_FIX, EXIT_OK, EXIT_STOPPED
+from factory.runs.exit_codes import (
+    EXIT_BAD_INPUT,
+    EXIT_DEPENDENCY_DOWN,
+    EXIT_DISK_FULL,
+    EXIT_FAILED,
+    EXIT_NEEDS_FIX,
+    EXIT_OK,
+    EXIT_STOPPED,
+)
 from factory.runs.experiment import RunFailed, run_experiment
 from factory.runs.pipes import RunInputs, run_under_pipes
 from factory.runs.restarts import supervise
@@ -74,6 +84,14 @@ def _run_spec(spec: ExperimentSpec, args: argparse.Namespace) -> int:
     except (NonFiniteLoss, CircuitOpen) as e:
         error(str(e))
         return EXIT_NEEDS_FIX
+    except LakeDown as e:  # --in-process: stopped at a resume point, its rows spooled
+        error(str(e))
+        return EXIT_DEPENDENCY_DOWN
+    except Exception as e:
+        if (full := full_disk_dir(e, default=home_from(args).root)) is None:
+            raise
+        error(f"disk full: {full} (free space, then resume the run: factory resume RUN_ID, see `factory runs`)")
+        return EXIT_DISK_FULL
     print(summary["report"])
     return EXIT_OK
 
@@ -85,6 +103,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
 def _resume(paths: FactoryPaths, run_id: str) -> int:
     with Lake.open(paths) as lake:
+        Spool(paths.checkpoints / run_id / SPOOL).flush(lake)  # what the run kept while the lake was down, first
         row = recovery.run_row(lake, run_id)
         if row is None:
             error(f"no run {run_id!r} in the lake (see `factory runs`)")

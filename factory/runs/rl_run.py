@@ -41,7 +41,10 @@ from factory.digest import dir_digest
 from factory.envs.eval_suites import HELD_OUT
 from factory.home import FactoryPaths
 from factory.infra.device import describe, run_device
+from factory.infra.disk import DiskFull, full_disk_dir, is_disk_full
+from factory.infra.faults import fault_point
 from factory.infra.supervisor import CircuitOpen
+from factory.lake.spool import SPOOL, LakeDown, Spool, SpooledLake, down_message, is_outage
 from factory.lake.writer import Lake
 from factory.models import lora
 from factory.models.checkpoint import CheckpointInfo, load_checkpoint, recorded_uri, save_checkpoint
@@ -49,7 +52,7 @@ from factory.problem import Splits
 from factory.progress import Progress, format_duration
 from factory.runs import recovery
 from factory.runs.attempt import LAUNCH, AttemptLock, beat, read_launch, resume_dir
-from factory.runs.exit_codes import EXIT_NEEDS_FIX, EXIT_OK, EXIT_STOPPED
+from factory.runs.exit_codes import EXIT_DEPENDENCY_DOWN, EXIT_DISK_FULL, EXIT_NEEDS_FIX, EXIT_OK, EXIT_STOPPED
 from factory.runs.resume_points import RunCheckpoints
 from factory.runs.stages import (
     Log,
@@ -152,6 +155,8 @@ def run_rl(spec: ExperimentSpec, paths: FactoryPaths, init_checkpoint: str | Pat
     run_id = run_id or new_run_id(spec)
     run_dir = paths.checkpoints / run_id
     with AttemptLock(run_dir):
+        # What an earlier attempt spooled during a lake outage goes in first: the run's row and steps it recorded.
+        Spool(run_dir / SPOOL).flush(lake)
         prev = recovery.run_row(lake, run_id)
         if prev is not None and prev["status"] == "succeeded":
             log(f"run {run_id} already succeeded; nothing to do")
@@ -189,7 +194,11 @@ class Run:
 
     def __init__(self, spec: ExperimentSpec, paths: FactoryPaths, splits: Splits, lake: Lake, tracker: Tracker,
                  run_id: str, prev: dict | None, init_checkpoint: str | Path, options: RunOptions = RunOptions()):
-        self.spec, self.paths, self.splits, self.lake, self.tracker = spec, paths, splits, lake, tracker
+        # Writes go through a spool that rides out a lake outage (lake/spool.py), up to ops.lake_outage_s.
+        self.spool = Spool(paths.checkpoints / run_id / SPOOL)
+        self.lake = SpooledLake(lambda: lake, self.spool)
+        self.lake_down: str | None = None  # why this attempt stops: the lake stayed down past its budget
+        self.spec, self.paths, self.splits, self.tracker = spec, paths, splits, tracker
         self.run_id, self.prev, self.init_checkpoint, self.options = run_id, prev, init_checkpoint, options
         self.log = options.log
         self.run_dir = paths.checkpoints / run_id
@@ -210,7 +219,7 @@ class Run:
         self.feed = None
         self.start: tuple[float, float | None] = (0.0, None)  # held-out accuracy and pass@k at step 0
         self.records: list[StepRecord] = []  # this attempt's steps
-        self._writer_lake: Lake | None = None  # the resume writer's thread's own Lake
+        self._writer_lake: SpooledLake | None = None  # the resume writer's thread's own Lake
         self._t0 = self._t_loop = 0.0
 
     def execute(self) -> RunResult:
@@ -221,8 +230,21 @@ class Run:
             self.train()
             return self.finish()
         except BaseException as e:
-            self.fail(e)
+            stop = LakeDown(self.lake_down) if self.lake_down and isinstance(e, RunInterrupted) else None
+            self._record_failure(stop or e)
+            if stop is not None:
+                raise stop from e
             raise
+
+    def _record_failure(self, e: BaseException) -> None:
+        """`fail`, which itself may meet the lake down or the disk full: then the stop is still clean (the
+        spool and the run's resume point say what happened), and the cause is logged."""
+        try:
+            self.fail(e)
+        except Exception as rec:
+            if not (is_disk_full(rec) or is_outage(rec)):
+                raise
+            self.log(f"run {self.run_id}: could not record why attempt {self.attempt} stopped: {rec}")
 
     # ------------------------------------------------------------ begin
 
@@ -290,7 +312,7 @@ class Run:
     def _flush_from_writer(self, step: int) -> None:
         """Before a resume point is written (in the writer's thread): its steps into the lake first."""
         if self._writer_lake is None:
-            self._writer_lake = Lake.open(self.paths)
+            self._writer_lake = SpooledLake(lambda: Lake.open(self.paths), self.spool)
         self.steplog.flush(self._writer_lake)
 
     def evaluate_start(self) -> None:
@@ -342,11 +364,26 @@ class Run:
         if n >= self.options.flush_every:
             self.steplog.flush(self.lake)
             self._record_run(self.live_status)
+        self._watch_lake(r.step)
         sched = self.spec.schedule
         if sched.eval_every and r.step % sched.eval_every == 0 and r.step < sched.steps:
             self._periodic_eval(r.step)
         if sched.checkpoint_every and r.step % sched.checkpoint_every == 0 and r.step < sched.steps:
             record_checkpoint(self.model, self.tok, self.paths, self.lake, self.run_id, r.step)
+
+    def _watch_lake(self, step: int) -> None:
+        """During a lake outage: try it again now and then; past ops.lake_outage_s ask the loop to stop at a
+        resume point (written without the lake: its rows are spooled), as a signal would."""
+        if self.spool.down_since is None:
+            return
+        if self.lake.try_flush():
+            self.log(f"run {self.run_id}: the lake is back at step {step}; spooled rows flushed")
+            return
+        budget = self.spec.ops.lake_outage_s
+        if self.spool.outage_s() > budget and self.lake_down is None:
+            self.lake_down = down_message(self.spool, budget)
+            self.log(f"run {self.run_id}: {self.lake_down}; stopping at a resume point after step {step}")
+            self.ckpts.stop.set()
 
     def _close_interruption(self) -> None:
         """At this attempt's first step: what recovering from the previous attempt's interruption cost."""
@@ -357,7 +394,11 @@ class Run:
         detected = failed + (self.interruption.get("detect_s") or 0.0)
         recovery.close_interruption(self.lake, self.interruption, self.resumed_from, failed - saved,
                                     self.first_step_at - detected)
-        self.lost_s = recovery.lost_seconds(self.lake, self.run_id)
+        try:
+            self.lost_s = recovery.lost_seconds(self.lake, self.run_id)
+        except Exception as e:  # the lake is down: keep the old figure, the next attempt reads it right
+            if not is_outage(e):
+                raise
 
     def _report_progress(self, r: StepRecord) -> None:
         steps = self.spec.schedule.steps
@@ -397,6 +438,7 @@ class Run:
                                                     f"eval/pass_at_{final_eval.k}": final_eval.pass_at_k})
         tracker.set_tags(mlflow_id, {"factory.checkpoint": str(info.path)})
         self._record_run("succeeded", final_checkpoint=str(info.path), ended_at=_now())
+        self.lake.drain(spec.ops.lake_outage_s)  # the result is read back: wait out an outage within its budget
         done = recovery.run_row(lake, self.run_id)
         tracker.log_metrics(mlflow_id, final_step, {"goodput": done["goodput"]})
         tracker.end_run(mlflow_id, "FINISHED")
@@ -410,8 +452,7 @@ class Run:
         """Record why this attempt stopped: an interruption row, the run's status, the MLflow run's end."""
         status, cause = _classify(e, self.ckpts)
         detail = f"{type(e).__name__}: {e}"
-        recovery.record_interruption(self.lake, self.run_id, self.attempt, cause, detail,
-                                     recovery.last_step(self.lake, self.run_id))
+        recovery.record_interruption(self.lake, self.run_id, self.attempt, cause, detail, self._last_step())
         self._record_run(status, ended_at=_now(), error=f"attempt {self.attempt}: {cause}: {detail}"[:4000],
                          interruptions=int(self.base_row.get("interruptions") or 0) + 1)
         self.tracker.end_run(self.mlflow_id, "FAILED" if status == "failed" else "KILLED")
@@ -419,9 +460,22 @@ class Run:
                  + (f"resume it with: factory resume {self.run_id}" if status == "interrupted"
                     else f"failed: {detail}"))
 
+    def _last_step(self) -> int | None:
+        """The last step recorded: in the lake, or (the lake down) the last one this attempt trained."""
+        try:
+            return recovery.last_step(self.lake, self.run_id)
+        except Exception as e:
+            if not is_outage(e):
+                raise
+            return self.records[-1].step if self.records else None
+
 
 def _classify(e: BaseException, ckpts: RunCheckpoints) -> tuple[str, str]:
     """(run status, interruption cause) for an attempt that ended with `e`."""
+    if isinstance(e, LakeDown):
+        return "interrupted", "lake_down"
+    if is_disk_full(e):
+        return "interrupted", "disk_full"
     if isinstance(e, RunInterrupted | KeyboardInterrupt) or ckpts.stopping():
         return "interrupted", "signal"
     if isinstance(e, NonFiniteLoss):
@@ -506,8 +560,14 @@ def record_checkpoint(model, tok, paths: FactoryPaths, lake: Lake, run_id: str, 
     """Save an HF-format checkpoint of the run at `step` and record it (periodic evals pick it up). With
     $FACTORY_CHECKPOINT_URI set it is also published to that object store, and its URI there is what is recorded."""
     name = "final" if final else f"step-{step:06d}"
-    info = save_checkpoint(model, tok, paths.checkpoints / run_id / name,
-                           meta={"kind": "rl", "run_id": run_id, "step": step})
+    where = paths.checkpoints / run_id / name
+    try:
+        fault_point("checkpoint_write", where)
+        info = save_checkpoint(model, tok, where, meta={"kind": "rl", "run_id": run_id, "step": step})
+    except Exception as e:  # safetensors reports a full disk as a SafetensorError: name the directory
+        if is_disk_full(e):
+            raise DiskFull(where.parent, e) from e
+        raise
     uri = recorded_uri(info, f"{run_id}/{name}")
     lake.upsert("checkpoints", [dict(run_id=run_id, step=step, kind="rl", uri=uri,
                                      bytes=info.bytes, sha256=info.sha256, recorded_at=_now())])
@@ -519,7 +579,34 @@ def record_checkpoint(model, tok, paths: FactoryPaths, lake: Lake, run_id: str, 
 
 def attempt_main(paths: FactoryPaths, run_id: str) -> int:
     """One attempt of `run_id` in this process (the child side of `runs/restarts.py`): train until done, stopped
-    or dead; returns the exit code the supervisor reads."""
+    or dead; returns the exit code the supervisor reads. A lake that stayed down and a full disk end it with one
+    line on stderr and their own exit codes (`EXIT_DEPENDENCY_DOWN`, `EXIT_DISK_FULL`), which spend no restart."""
+    try:
+        return _attempt(paths, run_id)
+    except LakeDown as e:
+        print(f"factory: error: run {run_id} stopped: {e}", file=sys.stderr)
+        return EXIT_DEPENDENCY_DOWN
+    except Exception as e:
+        if (full := full_disk_dir(e, default=paths.root)) is not None:
+            print(f"factory: error: run {run_id} stopped: disk full: {full} (free space, then: factory resume "
+                  f"{run_id})", file=sys.stderr)
+            return EXIT_DISK_FULL
+        if _lake_error(e):
+            print(f"factory: error: run {run_id} stopped: lake unavailable: {type(e).__name__}: "
+                  f"{str(e).splitlines()[0] if str(e) else ''}", file=sys.stderr)
+            return EXIT_DEPENDENCY_DOWN
+        raise
+
+
+def _lake_error(e: BaseException) -> bool:
+    """An outage error of the catalog's database or REST server (not any OSError: those may be bugs)."""
+    import httpx
+    from sqlalchemy.exc import SQLAlchemyError
+
+    return isinstance(e, SQLAlchemyError | httpx.TransportError) and is_outage(e)
+
+
+def _attempt(paths: FactoryPaths, run_id: str) -> int:
     run_dir = paths.checkpoints / run_id
     launch = read_launch(run_dir)
     with Lake.open(paths) as lake:
