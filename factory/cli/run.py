@@ -20,7 +20,7 @@ from factory.home import FactoryPaths
 from factory.infra.disk import full_disk_dir
 from factory.infra.supervisor import CircuitOpen
 from factory.lake import Lake
-from factory.lake.spool import SPOOL, LakeDown, Spool
+from factory.lake.spool import SPOOL, LakeDown, Spool, is_catalog_error
 from factory.models.build import policy_for
 from factory.ops.preflight.gate import PreflightFailed, gate
 from factory.runs import recovery
@@ -102,6 +102,20 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
 
 def _resume(paths: FactoryPaths, run_id: str) -> int:
+    try:
+        return _resume_run(paths, run_id)
+    except Exception as e:  # the lake down or the disk full before any attempt started: one line, its exit code
+        if (full := full_disk_dir(e, default=paths.root)) is not None:
+            error(f"disk full: {full} (free space, then: factory resume {run_id})")
+            return EXIT_DISK_FULL
+        if not is_catalog_error(e):
+            raise
+        error(f"lake unavailable: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}; "
+              f"try again once it is back: factory resume {run_id}")
+        return EXIT_DEPENDENCY_DOWN
+
+
+def _resume_run(paths: FactoryPaths, run_id: str) -> int:
     with Lake.open(paths) as lake:
         Spool(paths.checkpoints / run_id / SPOOL).flush(lake)  # what the run kept while the lake was down, first
         row = recovery.run_row(lake, run_id)

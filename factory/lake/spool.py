@@ -55,6 +55,15 @@ def is_outage(e: BaseException) -> bool:
     return isinstance(e, OSError)  # sockets, an object store, the warehouse's files
 
 
+def is_catalog_error(e: BaseException) -> bool:
+    """An outage error of the catalog's database or REST server (`is_outage`, less plain OSErrors: at the top of a
+    command those may be anything, e.g. a bug or a missing file)."""
+    import httpx
+    from sqlalchemy.exc import SQLAlchemyError
+
+    return isinstance(e, SQLAlchemyError | httpx.TransportError) and is_outage(e)
+
+
 def _jsonable(value: Any) -> Any:
     if isinstance(value, dt.datetime):
         return value.isoformat()  # Lake.upsert reads ISO-8601 strings back as timestamps

@@ -44,7 +44,7 @@ from factory.infra.device import describe, run_device
 from factory.infra.disk import DiskFull, full_disk_dir, is_disk_full
 from factory.infra.faults import fault_point
 from factory.infra.supervisor import CircuitOpen
-from factory.lake.spool import SPOOL, LakeDown, Spool, SpooledLake, down_message, is_outage
+from factory.lake.spool import SPOOL, LakeDown, Spool, SpooledLake, down_message, is_catalog_error, is_outage
 from factory.lake.writer import Lake
 from factory.models import lora
 from factory.models.checkpoint import CheckpointInfo, load_checkpoint, recorded_uri, save_checkpoint
@@ -591,19 +591,11 @@ def attempt_main(paths: FactoryPaths, run_id: str) -> int:
             print(f"factory: error: run {run_id} stopped: disk full: {full} (free space, then: factory resume "
                   f"{run_id})", file=sys.stderr)
             return EXIT_DISK_FULL
-        if _lake_error(e):
+        if is_catalog_error(e):
             print(f"factory: error: run {run_id} stopped: lake unavailable: {type(e).__name__}: "
                   f"{str(e).splitlines()[0] if str(e) else ''}", file=sys.stderr)
             return EXIT_DEPENDENCY_DOWN
         raise
-
-
-def _lake_error(e: BaseException) -> bool:
-    """An outage error of the catalog's database or REST server (not any OSError: those may be bugs)."""
-    import httpx
-    from sqlalchemy.exc import SQLAlchemyError
-
-    return isinstance(e, SQLAlchemyError | httpx.TransportError) and is_outage(e)
 
 
 def _attempt(paths: FactoryPaths, run_id: str) -> int:
