@@ -41,10 +41,9 @@ from factory.digest import dir_digest
 from factory.envs.eval_suites import HELD_OUT
 from factory.home import FactoryPaths
 from factory.infra.device import describe, run_device
-from factory.infra.disk import DiskFull, full_disk_dir, is_disk_full
-from factory.infra.faults import fault_point
+from factory.infra.disk import is_disk_full
 from factory.infra.supervisor import CircuitOpen
-from factory.lake.spool import SPOOL, LakeDown, Spool, SpooledLake, down_message, is_catalog_error, is_outage
+from factory.lake.spool import SPOOL, LakeDown, Spool, SpooledLake
 from factory.lake.writer import Lake
 from factory.models import lora
 from factory.models.checkpoint import CheckpointInfo, load_checkpoint, recorded_uri, save_checkpoint
@@ -52,7 +51,8 @@ from factory.problem import Splits
 from factory.progress import Progress, format_duration
 from factory.runs import recovery
 from factory.runs.attempt import LAUNCH, AttemptLock, beat, read_launch, resume_dir
-from factory.runs.exit_codes import EXIT_DEPENDENCY_DOWN, EXIT_DISK_FULL, EXIT_NEEDS_FIX, EXIT_OK, EXIT_STOPPED
+from factory.runs.degraded import disk_guard, stop_code, tolerating, unless_down, watch_lake
+from factory.runs.exit_codes import EXIT_NEEDS_FIX, EXIT_OK, EXIT_STOPPED
 from factory.runs.resume_points import RunCheckpoints
 from factory.runs.stages import (
     Log,
@@ -231,20 +231,11 @@ class Run:
             return self.finish()
         except BaseException as e:
             stop = LakeDown(self.lake_down) if self.lake_down and isinstance(e, RunInterrupted) else None
-            self._record_failure(stop or e)
+            failure = stop or e
+            tolerating(lambda: self.fail(failure), self.log, f"why attempt {self.attempt} of {self.run_id} stopped")
             if stop is not None:
                 raise stop from e
             raise
-
-    def _record_failure(self, e: BaseException) -> None:
-        """`fail`, which itself may meet the lake down or the disk full: then the stop is still clean (the
-        spool and the run's resume point say what happened), and the cause is logged."""
-        try:
-            self.fail(e)
-        except Exception as rec:
-            if not (is_disk_full(rec) or is_outage(rec)):
-                raise
-            self.log(f"run {self.run_id}: could not record why attempt {self.attempt} stopped: {rec}")
 
     # ------------------------------------------------------------ begin
 
@@ -374,15 +365,10 @@ class Run:
     def _watch_lake(self, step: int) -> None:
         """During a lake outage: try it again now and then; past ops.lake_outage_s ask the loop to stop at a
         resume point (written without the lake: its rows are spooled), as a signal would."""
-        if self.spool.down_since is None:
-            return
-        if self.lake.try_flush():
-            self.log(f"run {self.run_id}: the lake is back at step {step}; spooled rows flushed")
-            return
-        budget = self.spec.ops.lake_outage_s
-        if self.spool.outage_s() > budget and self.lake_down is None:
-            self.lake_down = down_message(self.spool, budget)
-            self.log(f"run {self.run_id}: {self.lake_down}; stopping at a resume point after step {step}")
+        cause = watch_lake(self.lake, self.spec.ops.lake_outage_s)
+        if cause is not None and self.lake_down is None:
+            self.lake_down = cause
+            self.log(f"run {self.run_id}: {cause}; stopping at a resume point after step {step}")
             self.ckpts.stop.set()
 
     def _close_interruption(self) -> None:
@@ -394,11 +380,8 @@ class Run:
         detected = failed + (self.interruption.get("detect_s") or 0.0)
         recovery.close_interruption(self.lake, self.interruption, self.resumed_from, failed - saved,
                                     self.first_step_at - detected)
-        try:
-            self.lost_s = recovery.lost_seconds(self.lake, self.run_id)
-        except Exception as e:  # the lake is down: keep the old figure, the next attempt reads it right
-            if not is_outage(e):
-                raise
+        # The lake down: keep the old figure, the next attempt reads it right.
+        self.lost_s = unless_down(lambda: recovery.lost_seconds(self.lake, self.run_id), self.lost_s)
 
     def _report_progress(self, r: StepRecord) -> None:
         steps = self.spec.schedule.steps
@@ -452,22 +435,15 @@ class Run:
         """Record why this attempt stopped: an interruption row, the run's status, the MLflow run's end."""
         status, cause = _classify(e, self.ckpts)
         detail = f"{type(e).__name__}: {e}"
-        recovery.record_interruption(self.lake, self.run_id, self.attempt, cause, detail, self._last_step())
+        last = unless_down(lambda: recovery.last_step(self.lake, self.run_id),
+                           self.records[-1].step if self.records else None)  # the lake down: what this attempt did
+        recovery.record_interruption(self.lake, self.run_id, self.attempt, cause, detail, last)
         self._record_run(status, ended_at=_now(), error=f"attempt {self.attempt}: {cause}: {detail}"[:4000],
                          interruptions=int(self.base_row.get("interruptions") or 0) + 1)
         self.tracker.end_run(self.mlflow_id, "FAILED" if status == "failed" else "KILLED")
         self.log(f"run {self.run_id}: attempt {self.attempt} stopped ({cause}); "
                  + (f"resume it with: factory resume {self.run_id}" if status == "interrupted"
                     else f"failed: {detail}"))
-
-    def _last_step(self) -> int | None:
-        """The last step recorded: in the lake, or (the lake down) the last one this attempt trained."""
-        try:
-            return recovery.last_step(self.lake, self.run_id)
-        except Exception as e:
-            if not is_outage(e):
-                raise
-            return self.records[-1].step if self.records else None
 
 
 def _classify(e: BaseException, ckpts: RunCheckpoints) -> tuple[str, str]:
@@ -561,13 +537,8 @@ def record_checkpoint(model, tok, paths: FactoryPaths, lake: Lake, run_id: str, 
     $FACTORY_CHECKPOINT_URI set it is also published to that object store, and its URI there is what is recorded."""
     name = "final" if final else f"step-{step:06d}"
     where = paths.checkpoints / run_id / name
-    try:
-        fault_point("checkpoint_write", where)
+    with disk_guard("checkpoint_write", where):  # a full disk: "disk full: <run dir>", not a SafetensorError
         info = save_checkpoint(model, tok, where, meta={"kind": "rl", "run_id": run_id, "step": step})
-    except Exception as e:  # safetensors reports a full disk as a SafetensorError: name the directory
-        if is_disk_full(e):
-            raise DiskFull(where.parent, e) from e
-        raise
     uri = recorded_uri(info, f"{run_id}/{name}")
     lake.upsert("checkpoints", [dict(run_id=run_id, step=step, kind="rl", uri=uri,
                                      bytes=info.bytes, sha256=info.sha256, recorded_at=_now())])
@@ -583,19 +554,11 @@ def attempt_main(paths: FactoryPaths, run_id: str) -> int:
     line on stderr and their own exit codes (`EXIT_DEPENDENCY_DOWN`, `EXIT_DISK_FULL`), which spend no restart."""
     try:
         return _attempt(paths, run_id)
-    except LakeDown as e:
-        print(f"factory: error: run {run_id} stopped: {e}", file=sys.stderr)
-        return EXIT_DEPENDENCY_DOWN
     except Exception as e:
-        if (full := full_disk_dir(e, default=paths.root)) is not None:
-            print(f"factory: error: run {run_id} stopped: disk full: {full} (free space, then: factory resume "
-                  f"{run_id})", file=sys.stderr)
-            return EXIT_DISK_FULL
-        if is_catalog_error(e):
-            print(f"factory: error: run {run_id} stopped: lake unavailable: {type(e).__name__}: "
-                  f"{str(e).splitlines()[0] if str(e) else ''}", file=sys.stderr)
-            return EXIT_DEPENDENCY_DOWN
-        raise
+        code = stop_code(e, paths.root, run_id)
+        if code is None:
+            raise
+        return code
 
 
 def _attempt(paths: FactoryPaths, run_id: str) -> int:
