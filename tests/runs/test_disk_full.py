@@ -35,3 +35,22 @@ def test_a_full_disk_stops_the_run_cleanly_without_spending_restarts_and_resume_
     run = only_run(home)
     assert (run["status"], run["attempts"]) == ("succeeded", 2)
     assert sorted(r["step"] for r in rows(home, "steps")) == list(range(1, 9))
+
+
+@pytest.mark.slow
+def test_a_full_disk_at_a_checkpoint_in_process_is_one_line_and_exit_6_not_a_safetensors_traceback(tmp_path):
+    home = tmp_path / "home"
+    res = factory(home, "run", "examples/quickstart.yaml", *TINY, "--set", "schedule.checkpoint_every=4",
+                  "--in-process", env={"FACTORY_FAULT_ENOSPC": "checkpoint_write:1"}, timeout=900)
+    run = only_run(home)
+    assert res.returncode == EXIT_DISK_FULL, res.stderr[-3000:]
+    assert f"factory: error: disk full: {home / 'checkpoints' / run['run_id']} (free space" in res.stderr
+    assert "Traceback" not in res.stderr
+    (cut,) = rows(home, "interruptions")
+    assert (run["status"], cut["cause"]) == ("interrupted", "disk_full")
+    resume = home / "checkpoints" / run["run_id"] / "resume"
+    assert verify(resume / "step-000002") is None  # written before the checkpoint of step 4 met the full disk
+
+    again = factory(home, "resume", run["run_id"], timeout=900)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert sorted(r["step"] for r in rows(home, "steps")) == list(range(1, 9))
