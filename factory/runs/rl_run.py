@@ -421,7 +421,8 @@ class Run:
                                                     f"eval/pass_at_{final_eval.k}": final_eval.pass_at_k})
         tracker.set_tags(mlflow_id, {"factory.checkpoint": str(info.path)})
         self._record_run("succeeded", final_checkpoint=str(info.path), ended_at=_now())
-        self.lake.drain(spec.ops.lake_outage_s)  # the result is read back: wait out an outage within its budget
+        # The result is read back: wait out an outage within its budget, beating (the hang watchdog is shorter).
+        self.lake.drain(spec.ops.lake_outage_s, sleep=lambda s: (time.sleep(s), beat(self.run_dir)))
         done = recovery.run_row(lake, self.run_id)
         tracker.log_metrics(mlflow_id, final_step, {"goodput": done["goodput"]})
         tracker.end_run(mlflow_id, "FINISHED")
