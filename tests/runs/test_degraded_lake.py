@@ -131,3 +131,10 @@ def test_an_outage_past_the_budget_stops_at_a_resume_point_and_resume_finishes(f
     (cut,) = lake.read("interruptions").to_pylist()
     assert cut["cause"] == "lake_down" and cut["attempt"] == 1 and "lake unavailable" in cut["detail"]
     assert not list((run_dir / SPOOL).glob("*.json"))
+
+
+def test_lake_outage_s_is_a_late_field_kept_out_of_dumps_and_fingerprints_at_its_default():
+    default = spec()
+    assert "lake_outage_s" not in json.loads(default.to_json())["ops"] and default.ops.lake_outage_s == 300
+    assert spec(lake_outage_s=300).fingerprint() == default.fingerprint()
+    assert spec(lake_outage_s=60).fingerprint() != default.fingerprint()
