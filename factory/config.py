@@ -616,6 +616,11 @@ class OpsSpec(_Section):
         "gate", description="gate: a node whose latest preflight failed gets no training run (one missing or older "
         "than preflight_max_age_s is run first, quick mode); off: no gate (env FACTORY_PREFLIGHT=off also)")
     preflight_max_age_s: float = Field(86400.0, gt=0)
+    lake_outage_s: float = Field(300.0, ge=0, description="how long the lake/catalog may be unreachable while the "
+                                 "run keeps training (rows are spooled under the run's directory and flushed when "
+                                 "it returns); past that the run stops at a resume point (exit code 5)")
+
+    _LATE_FIELDS: ClassVar[tuple[str, ...]] = ("lake_outage_s",)
 
     @field_validator("preflight", mode="before")
     @classmethod

@@ -17,12 +17,22 @@ from factory.core.trainer.distributed import init_ranks
 from factory.core.trainer.launch import torchrun_command
 from factory.core.trainer.ranks import follow, leading
 from factory.home import FactoryPaths
+from factory.infra.disk import full_disk_dir
 from factory.infra.supervisor import CircuitOpen
 from factory.lake import Lake
+from factory.lake.spool import SPOOL, LakeDown, Spool, is_catalog_error
 from factory.models.build import policy_for
 from factory.ops.preflight.gate import PreflightFailed, gate
 from factory.runs import recovery
-from factory.runs.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_NEEDS_FIX, EXIT_OK, EXIT_STOPPED
+from factory.runs.exit_codes import (
+    EXIT_BAD_INPUT,
+    EXIT_DEPENDENCY_DOWN,
+    EXIT_DISK_FULL,
+    EXIT_FAILED,
+    EXIT_NEEDS_FIX,
+    EXIT_OK,
+    EXIT_STOPPED,
+)
 from factory.runs.experiment import RunFailed, run_experiment
 from factory.runs.pipes import RunInputs, run_under_pipes
 from factory.runs.restarts import supervise
@@ -78,6 +88,14 @@ def _run_spec(spec: ExperimentSpec, args: argparse.Namespace) -> int:
     except SourceError as e:  # --in-process: a data file that changed or vanished since the spec was checked
         error(" ".join(str(e).split()))
         return EXIT_BAD_INPUT
+    except LakeDown as e:  # --in-process: stopped at a resume point, its rows spooled
+        error(str(e))
+        return EXIT_DEPENDENCY_DOWN
+    except Exception as e:
+        if (full := full_disk_dir(e, default=home_from(args).root)) is None:
+            raise
+        error(f"disk full: {full} (free space, then resume the run: factory resume RUN_ID, see `factory runs`)")
+        return EXIT_DISK_FULL
     print(summary["report"])
     return EXIT_OK
 
@@ -88,7 +106,22 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
 
 def _resume(paths: FactoryPaths, run_id: str) -> int:
+    try:
+        return _resume_run(paths, run_id)
+    except Exception as e:  # the lake down or the disk full before any attempt started: one line, its exit code
+        if (full := full_disk_dir(e, default=paths.root)) is not None:
+            error(f"disk full: {full} (free space, then: factory resume {run_id})")
+            return EXIT_DISK_FULL
+        if not is_catalog_error(e):
+            raise
+        error(f"lake unavailable: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}; "
+              f"try again once it is back: factory resume {run_id}")
+        return EXIT_DEPENDENCY_DOWN
+
+
+def _resume_run(paths: FactoryPaths, run_id: str) -> int:
     with Lake.open(paths) as lake:
+        Spool(paths.checkpoints / run_id / SPOOL).flush(lake)  # what the run kept while the lake was down, first
         row = recovery.run_row(lake, run_id)
         if row is None:
             error(f"no run {run_id!r} in the lake (see `factory runs`)")

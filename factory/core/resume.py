@@ -43,6 +43,7 @@ from safetensors.torch import save as save_safetensors
 from factory.digest import hash_blobs, manifest_entries
 from factory.digest import manifest as tree_manifest
 from factory.infra.device import host_copy
+from factory.infra.disk import DiskFull, is_disk_full
 from factory.infra.faults import fault_point
 from factory.progress import Log
 
@@ -158,7 +159,7 @@ def write(state: TrainState, root: Path, keep: int) -> Path:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-            fault_point("resume_write")  # a kill here leaves a torn temp dir, never a resume point
+            fault_point("resume_write", tmp / name)  # a kill here leaves a torn temp dir, never a resume point
         manifest = tree_manifest(hash_blobs(files), step=state.step)
         with open(tmp / MANIFEST, "w") as f:
             json.dump(manifest, f, indent=1)
@@ -169,8 +170,10 @@ def write(state: TrainState, root: Path, keep: int) -> Path:
             shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync_dir(root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)  # the previous resume point stays the newest, intact
+        if is_disk_full(e):
+            raise DiskFull(root, e) from e
         raise
     for old in sorted(points(root))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)

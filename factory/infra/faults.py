@@ -6,6 +6,8 @@ Off unless the environment asks:
   way to die at an exact place, as a kill -9 from outside would, without the race);
 - `FACTORY_FAULT_HANG=name:n`: the n-th time, it stops there for good (a hang: alive, silent);
 - `FACTORY_FAULT_RAISE=name:n`: the n-th time, it raises `InjectedFault` (a crash the process survives);
+- `FACTORY_FAULT_ENOSPC=name:n`: the n-th time, it raises OSError(ENOSPC) for the `path` the point names (a
+  full disk at that write: a real small filesystem needs root to mount);
 - `FACTORY_FAULT_ATTEMPT=k`: those two only in attempt k of a run (`FACTORY_ATTEMPT`, which the restart
   supervisor sets for each attempt), so the attempt that resumes does not die the same way;
 - `FACTORY_FAULT_DIR`: each point touches `<dir>/<name>.<pid>` while the process is there (so a harness can
@@ -16,6 +18,7 @@ Production code pays a few dictionary lookups per point.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import threading
@@ -52,8 +55,11 @@ def _hold(name: str) -> float:
     return float(holds.get(name, 0))
 
 
-def fault_point(name: str) -> None:
-    """This process reached fault point `name` (no-op unless the environment asks, see the module docstring)."""
+def fault_point(name: str, path: str | Path | None = None) -> None:
+    """This process reached fault point `name`, about to write `path` if it names one (no-op unless the
+    environment asks, see the module docstring)."""
+    if _armed("FACTORY_FAULT_ENOSPC", name):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), None if path is None else str(path))
     if _armed("FACTORY_FAULT_KILL", name):
         os.kill(os.getpid(), signal.SIGKILL)
     if _armed("FACTORY_FAULT_RAISE", name):

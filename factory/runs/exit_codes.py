@@ -1,10 +1,14 @@
 """Exit codes of the `factory` command and of a run's processes (an attempt, the Pipes entrypoint), which the
 restarts supervisor and the Dagster launcher read back: 0 ok, 1 failure while doing the work (retryable),
 2 bad input, 3 stopped on request (SIGTERM/SIGINT; resumable), 4 stopped until something is fixed (non-finite
-losses, a tripped circuit breaker: not retried)."""
+losses, a tripped circuit breaker: not retried), 5 stopped because a dependency stayed down (the lake/catalog past
+`ops.lake_outage_s`: not retried, resumable once it is back), 6 stopped because a disk is full (not retried,
+resumable once space is freed)."""
 
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_STOPPED = 3
 EXIT_NEEDS_FIX = 4
+EXIT_DEPENDENCY_DOWN = 5
+EXIT_DISK_FULL = 6

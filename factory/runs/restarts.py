@@ -10,6 +10,9 @@ follows:
 - `EXIT_STOPPED`: it stopped on request (SIGTERM/SIGINT, forwarded by this parent too): no restart;
 - `EXIT_NEEDS_FIX`: it stopped for good until something is fixed (non-finite losses, a circuit breaker
   that tripped on a crash-looping service): no restart; `factory resume RUN_ID` once fixed;
+- `EXIT_DEPENDENCY_DOWN`, `EXIT_DISK_FULL`: the lake stayed down past `ops.lake_outage_s`, or a disk is full: the
+  attempt stopped at a resume point and said why; restarting would meet the same wall, so no restart is spent and
+  that exit code is returned; `factory resume RUN_ID` once the lake is back or space is freed;
 - anything else (killed, crashed, hung): the dead attempt is recorded (`runs/recovery.py`) and the next
   attempt resumes from the newest resume point.
 
@@ -29,10 +32,19 @@ import time
 
 from factory.config import ExperimentSpec
 from factory.home import FactoryPaths
+from factory.infra.disk import is_disk_full
+from factory.lake.spool import is_outage
 from factory.lake.writer import Lake
 from factory.runs import recovery
 from factory.runs.attempt import last_beat
-from factory.runs.exit_codes import EXIT_FAILED, EXIT_NEEDS_FIX, EXIT_OK, EXIT_STOPPED
+from factory.runs.exit_codes import (
+    EXIT_DEPENDENCY_DOWN,
+    EXIT_DISK_FULL,
+    EXIT_FAILED,
+    EXIT_NEEDS_FIX,
+    EXIT_OK,
+    EXIT_STOPPED,
+)
 
 POLL_S = 0.2
 STARTUP_GRACE_S = 120.0  # an attempt's start (imports, loading the model and lake) before it first beats
@@ -109,19 +121,24 @@ def supervise(paths: FactoryPaths, run_id: str, spec: ExperimentSpec, log=print,
                 return EXIT_STOPPED
             if rc == EXIT_NEEDS_FIX:
                 return EXIT_FAILED
-            with Lake.open(paths) as lake:
-                row = recovery.run_row(lake, run_id)
-                if row is not None and row["status"] in recovery.LIVE:  # it died without a word
-                    cause = "hang" if hung is not None else "killed"
-                    detail = (f"no sign of life for {hung:.0f} s (ops.hang_timeout_s = {ops.hang_timeout_s:g}); "
-                              "killed" if hung is not None else f"attempt exited with {_describe(rc)}")
-                    recovery.mark_dead(lake, row, run_dir, cause=cause, detail=detail)
+            if rc in (EXIT_DEPENDENCY_DOWN, EXIT_DISK_FULL):
+                what = "the lake stayed unavailable" if rc == EXIT_DEPENDENCY_DOWN else "a disk is full"
+                log(f"run {run_id}: stopped at a resume point because {what} (see the line above); no restart "
+                    f"spent; once fixed: factory resume {run_id}")
+                return rc
+            try:
+                if _record_dead(paths, run_id, run_dir, ops, rc, hung, restarts, log):
+                    return EXIT_FAILED
+            except Exception as e:
+                # The supervisor outlives a lake outage (or a full disk): the next attempt finds the run still
+                # marked live with its lock free, and records the dead attempt itself (rl_run.run_rl).
+                if not (is_outage(e) or is_disk_full(e)):
+                    raise
+                log(f"run {run_id}: could not record the dead attempt in the lake ({type(e).__name__}: "
+                    f"{str(e).splitlines()[0] if str(e) else ''}); the next attempt records it")
                 if restarts >= ops.max_restarts:
-                    log(f"run {run_id}: attempt died ({_describe(rc)}) and ops.max_restarts = {ops.max_restarts} "
-                        f"restarts are used up; resume it by hand with: factory resume {run_id}")
-                    if row is not None:
-                        latest = recovery.run_row(lake, run_id)
-                        lake.upsert("runs", [dict(latest, status="failed")])
+                    log(f"run {run_id}: ops.max_restarts = {ops.max_restarts} restarts are used up; resume it by "
+                        f"hand with: factory resume {run_id}")
                     return EXIT_FAILED
             restarts += 1
             log(f"run {run_id}: attempt died ({_describe(rc)}"
@@ -131,6 +148,26 @@ def supervise(paths: FactoryPaths, run_id: str, spec: ExperimentSpec, log=print,
         for s, h in old.items():
             signal.signal(s, h)
         children.close()
+
+
+def _record_dead(paths: FactoryPaths, run_id: str, run_dir, ops, rc: int, hung: float | None, restarts: int,
+                 log) -> bool:
+    """Record an attempt that died without a word; True when that used up the run's restarts (marked failed)."""
+    with Lake.open(paths) as lake:
+        row = recovery.run_row(lake, run_id)
+        if row is not None and row["status"] in recovery.LIVE:  # it died without a word
+            cause = "hang" if hung is not None else "killed"
+            detail = (f"no sign of life for {hung:.0f} s (ops.hang_timeout_s = {ops.hang_timeout_s:g}); "
+                      "killed" if hung is not None else f"attempt exited with {_describe(rc)}")
+            recovery.mark_dead(lake, row, run_dir, cause=cause, detail=detail)
+        if restarts >= ops.max_restarts:
+            log(f"run {run_id}: attempt died ({_describe(rc)}) and ops.max_restarts = {ops.max_restarts} "
+                f"restarts are used up; resume it by hand with: factory resume {run_id}")
+            if row is not None:
+                latest = recovery.run_row(lake, run_id)
+                lake.upsert("runs", [dict(latest, status="failed")])
+            return True
+    return False
 
 
 def _describe(rc: int) -> str:

@@ -41,7 +41,9 @@ from factory.digest import dir_digest
 from factory.envs.eval_suites import HELD_OUT
 from factory.home import FactoryPaths
 from factory.infra.device import describe, run_device
+from factory.infra.disk import is_disk_full
 from factory.infra.supervisor import CircuitOpen
+from factory.lake.spool import SPOOL, LakeDown, Spool, SpooledLake
 from factory.lake.writer import Lake
 from factory.models import lora
 from factory.models.checkpoint import CheckpointInfo, load_checkpoint, recorded_uri, save_checkpoint
@@ -49,6 +51,7 @@ from factory.problem import Splits
 from factory.progress import Progress, format_duration
 from factory.runs import recovery
 from factory.runs.attempt import LAUNCH, AttemptLock, beat, read_launch, resume_dir
+from factory.runs.degraded import disk_guard, stop_code, tolerating, unless_down, watch_lake
 from factory.runs.exit_codes import EXIT_NEEDS_FIX, EXIT_OK, EXIT_STOPPED
 from factory.runs.resume_points import RunCheckpoints
 from factory.runs.stages import (
@@ -153,6 +156,8 @@ def run_rl(spec: ExperimentSpec, paths: FactoryPaths, init_checkpoint: str | Pat
     run_id = run_id or new_run_id(spec)
     run_dir = paths.checkpoints / run_id
     with AttemptLock(run_dir):
+        # What an earlier attempt spooled during a lake outage goes in first: the run's row and steps it recorded.
+        Spool(run_dir / SPOOL).flush(lake)
         prev = recovery.run_row(lake, run_id)
         if prev is not None and prev["status"] == "succeeded":
             log(f"run {run_id} already succeeded; nothing to do")
@@ -190,7 +195,11 @@ class Run:
 
     def __init__(self, spec: ExperimentSpec, paths: FactoryPaths, splits: Splits, lake: Lake, tracker: Tracker,
                  run_id: str, prev: dict | None, init_checkpoint: str | Path, options: RunOptions = RunOptions()):
-        self.spec, self.paths, self.splits, self.lake, self.tracker = spec, paths, splits, lake, tracker
+        # Writes go through a spool that rides out a lake outage (lake/spool.py), up to ops.lake_outage_s.
+        self.spool = Spool(paths.checkpoints / run_id / SPOOL)
+        self.lake = SpooledLake(lambda: lake, self.spool)
+        self.lake_down: str | None = None  # why this attempt stops: the lake stayed down past its budget
+        self.spec, self.paths, self.splits, self.tracker = spec, paths, splits, tracker
         self.run_id, self.prev, self.init_checkpoint, self.options = run_id, prev, init_checkpoint, options
         self.log = options.log
         self.run_dir = paths.checkpoints / run_id
@@ -211,7 +220,7 @@ class Run:
         self.feed = None
         self.start: tuple[float, float | None] = (0.0, None)  # held-out accuracy and pass@k at step 0
         self.records: list[StepRecord] = []  # this attempt's steps
-        self._writer_lake: Lake | None = None  # the resume writer's thread's own Lake
+        self._writer_lake: SpooledLake | None = None  # the resume writer's thread's own Lake
         self._t0 = self._t_loop = 0.0
 
     def execute(self) -> RunResult:
@@ -222,7 +231,11 @@ class Run:
             self.train()
             return self.finish()
         except BaseException as e:
-            self.fail(e)
+            stop = LakeDown(self.lake_down) if self.lake_down and isinstance(e, RunInterrupted) else None
+            failure = stop or e
+            tolerating(lambda: self.fail(failure), self.log, f"why attempt {self.attempt} of {self.run_id} stopped")
+            if stop is not None:
+                raise stop from e
             raise
 
     # ------------------------------------------------------------ begin
@@ -291,7 +304,7 @@ class Run:
     def _flush_from_writer(self, step: int) -> None:
         """Before a resume point is written (in the writer's thread): its steps into the lake first."""
         if self._writer_lake is None:
-            self._writer_lake = Lake.open(self.paths)
+            self._writer_lake = SpooledLake(lambda: Lake.open(self.paths), self.spool)
         self.steplog.flush(self._writer_lake)
 
     def evaluate_start(self) -> None:
@@ -343,11 +356,21 @@ class Run:
         if n >= self.options.flush_every:
             self.steplog.flush(self.lake)
             self._record_run(self.live_status)
+        self._watch_lake(r.step)
         sched = self.spec.schedule
         if sched.eval_every and r.step % sched.eval_every == 0 and r.step < sched.steps:
             self._periodic_eval(r.step)
         if sched.checkpoint_every and r.step % sched.checkpoint_every == 0 and r.step < sched.steps:
             record_checkpoint(self.model, self.tok, self.paths, self.lake, self.run_id, r.step)
+
+    def _watch_lake(self, step: int) -> None:
+        """During a lake outage: try it again now and then; past ops.lake_outage_s ask the loop to stop at a
+        resume point (written without the lake: its rows are spooled), as a signal would."""
+        cause = watch_lake(self.lake, self.spec.ops.lake_outage_s)
+        if cause is not None and self.lake_down is None:
+            self.lake_down = cause
+            self.log(f"run {self.run_id}: {cause}; stopping at a resume point after step {step}")
+            self.ckpts.stop.set()
 
     def _close_interruption(self) -> None:
         """At this attempt's first step: what recovering from the previous attempt's interruption cost."""
@@ -358,7 +381,8 @@ class Run:
         detected = failed + (self.interruption.get("detect_s") or 0.0)
         recovery.close_interruption(self.lake, self.interruption, self.resumed_from, failed - saved,
                                     self.first_step_at - detected)
-        self.lost_s = recovery.lost_seconds(self.lake, self.run_id)
+        # The lake down: keep the old figure, the next attempt reads it right.
+        self.lost_s = unless_down(lambda: recovery.lost_seconds(self.lake, self.run_id), self.lost_s)
 
     def _report_progress(self, r: StepRecord) -> None:
         steps = self.spec.schedule.steps
@@ -399,6 +423,8 @@ class Run:
                                                     f"eval/pass_at_{final_eval.k}": final_eval.pass_at_k})
         tracker.set_tags(mlflow_id, {"factory.checkpoint": str(info.path)})
         self._record_run("succeeded", final_checkpoint=str(info.path), ended_at=_now())
+        # The result is read back: wait out an outage within its budget, beating (the hang watchdog is shorter).
+        self.lake.drain(spec.ops.lake_outage_s, sleep=lambda s: (time.sleep(s), beat(self.run_dir)))
         done = recovery.run_row(lake, self.run_id)
         tracker.log_metrics(mlflow_id, final_step, {"goodput": done["goodput"]})
         tracker.end_run(mlflow_id, "FINISHED")
@@ -412,8 +438,9 @@ class Run:
         """Record why this attempt stopped: an interruption row, the run's status, the MLflow run's end."""
         status, cause = _classify(e, self.ckpts)
         detail = f"{type(e).__name__}: {e}"
-        recovery.record_interruption(self.lake, self.run_id, self.attempt, cause, detail,
-                                     recovery.last_step(self.lake, self.run_id))
+        last = unless_down(lambda: recovery.last_step(self.lake, self.run_id),
+                           self.records[-1].step if self.records else None)  # the lake down: what this attempt did
+        recovery.record_interruption(self.lake, self.run_id, self.attempt, cause, detail, last)
         self._record_run(status, ended_at=_now(), error=f"attempt {self.attempt}: {cause}: {detail}"[:4000],
                          interruptions=int(self.base_row.get("interruptions") or 0) + 1)
         self.tracker.end_run(self.mlflow_id, "FAILED" if status == "failed" else "KILLED")
@@ -424,6 +451,10 @@ class Run:
 
 def _classify(e: BaseException, ckpts: RunCheckpoints) -> tuple[str, str]:
     """(run status, interruption cause) for an attempt that ended with `e`."""
+    if isinstance(e, LakeDown):
+        return "interrupted", "lake_down"
+    if is_disk_full(e):
+        return "interrupted", "disk_full"
     if isinstance(e, RunInterrupted | KeyboardInterrupt) or ckpts.stopping():
         return "interrupted", "signal"
     if isinstance(e, NonFiniteLoss):
@@ -508,8 +539,9 @@ def record_checkpoint(model, tok, paths: FactoryPaths, lake: Lake, run_id: str, 
     """Save an HF-format checkpoint of the run at `step` and record it (periodic evals pick it up). With
     $FACTORY_CHECKPOINT_URI set it is also published to that object store, and its URI there is what is recorded."""
     name = "final" if final else f"step-{step:06d}"
-    info = save_checkpoint(model, tok, paths.checkpoints / run_id / name,
-                           meta={"kind": "rl", "run_id": run_id, "step": step})
+    where = paths.checkpoints / run_id / name
+    with disk_guard("checkpoint_write", where):  # a full disk: "disk full: <run dir>", not a SafetensorError
+        info = save_checkpoint(model, tok, where, meta={"kind": "rl", "run_id": run_id, "step": step})
     uri = recorded_uri(info, f"{run_id}/{name}")
     lake.upsert("checkpoints", [dict(run_id=run_id, step=step, kind="rl", uri=uri,
                                      bytes=info.bytes, sha256=info.sha256, recorded_at=_now())])
@@ -521,7 +553,18 @@ def record_checkpoint(model, tok, paths: FactoryPaths, lake: Lake, run_id: str, 
 
 def attempt_main(paths: FactoryPaths, run_id: str) -> int:
     """One attempt of `run_id` in this process (the child side of `runs/restarts.py`): train until done, stopped
-    or dead; returns the exit code the supervisor reads."""
+    or dead; returns the exit code the supervisor reads. A lake that stayed down and a full disk end it with one
+    line on stderr and their own exit codes (`EXIT_DEPENDENCY_DOWN`, `EXIT_DISK_FULL`), which spend no restart."""
+    try:
+        return _attempt(paths, run_id)
+    except Exception as e:
+        code = stop_code(e, paths.root, run_id)
+        if code is None:
+            raise
+        return code
+
+
+def _attempt(paths: FactoryPaths, run_id: str) -> int:
     run_dir = paths.checkpoints / run_id
     launch = read_launch(run_dir)
     with Lake.open(paths) as lake:
