@@ -232,7 +232,7 @@ def sweep_summarizer(context: SensorEvaluationContext, home: FactoryHomeResource
     for sweep_id in pending:
         mine = [r for r in rows if r["sweep_id"] == sweep_id]
         n = len(read_sweep(home.paths(), sweep_id)["members"])
-        if len(mine) != n or not all(r["status"] in ("succeeded", "failed") for r in mine):
+        if len(mine) != n or not all(r["status"] in ("succeeded", "failed", "refused") for r in mine):
             continue
         # Not beside its members' evals (they share one limit), and after them: the summary plots them.
         if in_flight(context.instance, EVAL_TAGS):
