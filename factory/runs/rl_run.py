@@ -45,6 +45,8 @@ from factory.infra.supervisor import CircuitOpen
 from factory.lake.writer import Lake
 from factory.models import lora
 from factory.models.checkpoint import CheckpointInfo, load_checkpoint, recorded_uri, save_checkpoint
+from factory.models.checkpoint_store import checkpoint_store_uri
+from factory.models.uploads import BackgroundUploads
 from factory.problem import Splits
 from factory.progress import Progress, format_duration
 from factory.runs import recovery
@@ -61,6 +63,7 @@ from factory.runs.stages import (
     place,
     set_threads,
 )
+from factory.runs.step_metrics import StepMetrics
 from factory.tracking import Tracker
 
 _now = recovery.now
@@ -211,6 +214,8 @@ class Run:
         self.start: tuple[float, float | None] = (0.0, None)  # held-out accuracy and pass@k at step 0
         self.records: list[StepRecord] = []  # this attempt's steps
         self._writer_lake: Lake | None = None  # the resume writer's thread's own Lake
+        # With $FACTORY_CHECKPOINT_URI: checkpoint uploads beside the loop (`begin` starts them).
+        self.uploads: BackgroundUploads | None = None
         self._t0 = self._t_loop = 0.0
 
     def execute(self) -> RunResult:
@@ -245,7 +250,13 @@ class Run:
                      + (f"resume point {found[1].name} (step {self.resumed_from})" if found
                         else "its start (no resume point)"))
         self._t0 = time.perf_counter()
-        self.ckpts = RunCheckpoints(self.spec, self.run_dir, before_write=self._flush_from_writer)
+        # A step's MLflow points wait for a resume point covering them: one point per step across attempts.
+        self.step_metrics = StepMetrics(self.tracker, self.mlflow_id,
+                                        self.resumed_from if self.prev is not None else None)
+        self.ckpts = RunCheckpoints(self.spec, self.run_dir, before_write=self._flush_from_writer,
+                                    before_save=self.step_metrics.flush)
+        if checkpoint_store_uri() is not None:
+            self.uploads = BackgroundUploads(log=self.log)
 
     def _open_records(self) -> None:
         """The `runs` row's fixed part and the MLflow run: new for a first attempt, continued for a later one."""
@@ -320,6 +331,11 @@ class Run:
                     self.records = train_rl(self.spec, self.model, self.tok, self.splits.train, on_step=self.step,
                                               checkpoints=self.ckpts, resume=self.state,
                                               reference_model=self.reference, feed=self.feed)
+        except BaseException:
+            self.step_metrics.drop()  # past the last resume point: the next attempt trains and logs them again
+            raise
+        else:
+            self.step_metrics.flush()
         finally:
             try:
                 self.ckpts.writer.wait()
@@ -336,8 +352,7 @@ class Run:
             self._close_interruption()
         beat(self.run_dir, r.step)
         n = self.steplog.add(r)
-        self.tracker.log_metrics(self.mlflow_id, r.step,
-                                 {**{k: v for k, v in r.to_dict().items() if k != "step"}, **r.data})
+        self.step_metrics.add(r.step, {**{k: v for k, v in r.to_dict().items() if k != "step"}, **r.data})
         self._report_progress(r)
         if n >= self.options.flush_every:
             self.steplog.flush(self.lake)
@@ -346,7 +361,7 @@ class Run:
         if sched.eval_every and r.step % sched.eval_every == 0 and r.step < sched.steps:
             self._periodic_eval(r.step)
         if sched.checkpoint_every and r.step % sched.checkpoint_every == 0 and r.step < sched.steps:
-            record_checkpoint(self.model, self.tok, self.paths, self.lake, self.run_id, r.step)
+            record_checkpoint(self.model, self.tok, self.paths, self.lake, self.run_id, r.step, uploads=self.uploads)
 
     def _close_interruption(self) -> None:
         """At this attempt's first step: what recovering from the previous attempt's interruption cost."""
@@ -373,7 +388,7 @@ class Run:
         res = evaluate(EmbeddedEngine(self.model, self.tok), self.tok, self.splits.eval,
                        self.spec.rollout.max_new_tokens)
         self.lake.upsert("evals", eval_rows(self.run_id, step, res, None))
-        self.tracker.log_metrics(self.mlflow_id, step, {"eval/accuracy": res.accuracy})
+        self.step_metrics.add(step, {"eval/accuracy": res.accuracy})  # with the step's: once a resume point has it
         self._evaluate_sources(step, None)
         beat(self.run_dir)
 
@@ -387,7 +402,8 @@ class Run:
         """The final checkpoint, its evals, and the run recorded as succeeded."""
         spec, lake, tracker, mlflow_id = self.spec, self.lake, self.tracker, self.mlflow_id
         final_step = spec.schedule.steps
-        info = record_checkpoint(self.model, self.tok, self.paths, lake, self.run_id, final_step, final=True)
+        info = record_checkpoint(self.model, self.tok, self.paths, lake, self.run_id, final_step, final=True,
+                                 uploads=self.uploads)
         final_eval = evaluate(EmbeddedEngine(self.model, self.tok), self.tok, self.splits.eval,
                               spec.rollout.max_new_tokens, k=spec.schedule.eval_pass_k, temperature=1.0,
                               seed=spec.seed)
@@ -396,6 +412,8 @@ class Run:
         tracker.log_metrics(mlflow_id, final_step, {"eval/accuracy": final_eval.accuracy,
                                                     f"eval/pass_at_{final_eval.k}": final_eval.pass_at_k})
         tracker.set_tags(mlflow_id, {"factory.checkpoint": str(info.path)})
+        if self.uploads is not None:  # the end of the run waits for its uploads (the final eval ran meanwhile)
+            self.uploads.close()
         self._record_run("succeeded", final_checkpoint=str(info.path), ended_at=_now())
         done = recovery.run_row(lake, self.run_id)
         tracker.log_metrics(mlflow_id, final_step, {"goodput": done["goodput"]})
@@ -410,6 +428,8 @@ class Run:
         """Record why this attempt stopped: an interruption row, the run's status, the MLflow run's end."""
         status, cause = _classify(e, self.ckpts)
         detail = f"{type(e).__name__}: {e}"
+        if self.uploads is not None:  # what was handed over still goes up; failures are logged, not raised over e
+            self.uploads.close(raise_errors=False)
         recovery.record_interruption(self.lake, self.run_id, self.attempt, cause, detail,
                                      recovery.last_step(self.lake, self.run_id))
         self._record_run(status, ended_at=_now(), error=f"attempt {self.attempt}: {cause}: {detail}"[:4000],
@@ -502,15 +522,28 @@ def load_trained(spec: ExperimentSpec, model, weights: dict) -> None:
 
 
 def record_checkpoint(model, tok, paths: FactoryPaths, lake: Lake, run_id: str, step: int,
-                      final: bool = False) -> CheckpointInfo:
+                      final: bool = False, uploads: BackgroundUploads | None = None) -> CheckpointInfo:
     """Save an HF-format checkpoint of the run at `step` and record it (periodic evals pick it up). With
-    $FACTORY_CHECKPOINT_URI set it is also published to that object store, and its URI there is what is recorded."""
+    $FACTORY_CHECKPOINT_URI set it is also published to that object store, and its URI there is what is recorded:
+    with `uploads`, beside training (recorded once it is there, from the upload thread), else before returning."""
     name = "final" if final else f"step-{step:06d}"
     info = save_checkpoint(model, tok, paths.checkpoints / run_id / name,
                            meta={"kind": "rl", "run_id": run_id, "step": step})
-    uri = recorded_uri(info, f"{run_id}/{name}")
-    lake.upsert("checkpoints", [dict(run_id=run_id, step=step, kind="rl", uri=uri,
-                                     bytes=info.bytes, sha256=info.sha256, recorded_at=_now())])
+
+    def record(uri: str) -> None:
+        row = dict(run_id=run_id, step=step, kind="rl", uri=uri, bytes=info.bytes, sha256=info.sha256,
+                   recorded_at=_now())
+        if uploads is None:
+            lake.upsert("checkpoints", [row])
+        else:  # the upload thread: its own Lake (a Lake is used by one thread)
+            with Lake.open(paths) as own:
+                own.upsert("checkpoints", [row])
+
+    store = checkpoint_store_uri()
+    if uploads is not None and store is not None:
+        uploads.submit(info.path, store, f"{run_id}/{name}", info.sha256, on_done=record)
+    else:
+        record(recorded_uri(info, f"{run_id}/{name}"))
     return info
 
 
