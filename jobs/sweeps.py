@@ -40,6 +40,7 @@ from dagster._core.definitions.selector import InstigatorSelector
 from dagster._core.scheduler.instigation import InstigatorStatus
 from pydantic import Field
 
+from assets._retries import TRAINING_TAGS
 from assets.sweeps import sweep_member_run, sweep_members, sweep_summary, sweep_warm_start, sweeps, warm_starts
 from factory.config import SpecError, parse_overrides
 from factory.sweep import (
@@ -63,7 +64,7 @@ from resources import FactoryHomeResource, LakeResource, MlflowResource
 KIND_TAG = "factory/kind"
 sweep_warm_start_job = define_asset_job("sweep_warm_start_job", selection=[sweep_warm_start],
                                         description="A warm start shared by sweep members (queued by sweep_launcher).")
-sweep_member_job = define_asset_job("sweep_member_job", selection=[sweep_member_run],
+sweep_member_job = define_asset_job("sweep_member_job", selection=[sweep_member_run], tags=TRAINING_TAGS,
                                     description="One sweep member's training run (queued by sweep_launcher).")
 sweep_summary_job = define_asset_job("sweep_summary_job", selection=[sweep_summary], tags=EVAL_TAGS,
                                      description="A finished sweep's summary (queued by sweep_summarizer).")
