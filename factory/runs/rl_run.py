@@ -142,6 +142,14 @@ def _finished(lake: Lake, row: dict) -> RunResult:
                      attempt=int(row.get("attempts") or 1), goodput=row.get("goodput") or 1.0)
 
 
+def finished_result(lake: Lake, run_id: str) -> RunResult:
+    """The recorded result of run `run_id`, which succeeded (e.g. under a supervisor, in other processes)."""
+    row = recovery.run_row(lake, run_id)
+    if row is None or row["status"] != "succeeded":
+        raise ValueError(f"run {run_id}: no succeeded run recorded (status: {row and row['status']})")
+    return _finished(lake, row)
+
+
 def run_rl(spec: ExperimentSpec, paths: FactoryPaths, init_checkpoint: str | Path, splits: Splits,
            lake: Lake, tracker: Tracker, log: Log = print, run_id: str | None = None,
            sweep_id: str | None = None, flush_every: int = 10, mlflow_experiment: str | None = None,
