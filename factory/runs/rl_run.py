@@ -44,7 +44,7 @@ from factory.infra.device import describe, run_device
 from factory.infra.supervisor import CircuitOpen
 from factory.lake.writer import Lake
 from factory.models import lora
-from factory.models.checkpoint import CheckpointInfo, load_checkpoint, recorded_uri, save_checkpoint
+from factory.models.checkpoint import CheckpointInfo, load_checkpoint
 from factory.models.checkpoint_store import checkpoint_store_uri
 from factory.models.uploads import BackgroundUploads
 from factory.problem import Splits
@@ -53,6 +53,7 @@ from factory.runs import recovery
 from factory.runs.attempt import LAUNCH, AttemptLock, beat, read_launch, resume_dir
 from factory.runs.exit_codes import EXIT_NEEDS_FIX, EXIT_OK, EXIT_STOPPED
 from factory.runs.resume_points import RunCheckpoints
+from factory.runs.run_checkpoints import record_checkpoint
 from factory.runs.stages import (
     Log,
     ProgressCallback,
@@ -397,12 +398,13 @@ class Run:
                        self.spec.rollout.max_new_tokens)
         self.lake.upsert("evals", eval_rows(self.run_id, step, res, None))
         self.step_metrics.add(step, {"eval/accuracy": res.accuracy})  # with the step's: once a resume point has it
-        self._evaluate_sources(step, None)
+        self._evaluate_sources(step, None, deferred=True)
         beat(self.run_dir)
 
-    def _evaluate_sources(self, step: int, sha256: str | None) -> None:
+    def _evaluate_sources(self, step: int, sha256: str | None, deferred: bool = False) -> None:
+        """`deferred`: a periodic eval's MLflow points wait with the step's (`step_metrics`)."""
         _source_evals(self.spec, self.held, self.model, self.tok, self.lake, self.tracker, self.run_id,
-                      self.mlflow_id, step, sha256)
+                      self.mlflow_id, step, sha256, self.step_metrics if deferred else None)
 
     # ------------------------------------------------------------ finish, fail
 
@@ -480,7 +482,7 @@ SOURCE_BENCHMARK = "source:"  # evals.benchmark of a blend source's held-out set
 
 
 def _source_evals(spec: ExperimentSpec, held: dict, model, tok, lake: Lake, tracker: Tracker, run_id: str,
-                  mlflow_id: str, step: int, sha256: str | None) -> None:
+                  mlflow_id: str, step: int, sha256: str | None, deferred: StepMetrics | None = None) -> None:
     """Greedy held-out accuracy per blend source (`data.held_out` problems of each generated source); for a
     HumanEval source also the unbiased pass@1 and pass@k from k = schedule.eval_pass_k samples a problem."""
     rows, metrics = [], {}
@@ -499,7 +501,10 @@ def _source_evals(spec: ExperimentSpec, held: dict, model, tok, lake: Lake, trac
                 metrics[f"eval/source/{name}/pass_at_{kk}"] = value
     if rows:
         lake.upsert("evals", rows)
-        tracker.log_metrics(mlflow_id, step, metrics)
+        if deferred is not None:
+            deferred.add(step, metrics)
+        else:
+            tracker.log_metrics(mlflow_id, step, metrics)
 
 
 PROMPT_STATS_TAG = "factory.prompt_stats_snapshot"
@@ -527,32 +532,6 @@ def load_trained(spec: ExperimentSpec, model, weights: dict) -> None:
         lora.attach(model, spec.trainer.lora)
     model.load_state_dict(weights)
     lora.detach(model)
-
-
-def record_checkpoint(model, tok, paths: FactoryPaths, lake: Lake, run_id: str, step: int,
-                      final: bool = False, uploads: BackgroundUploads | None = None) -> CheckpointInfo:
-    """Save an HF-format checkpoint of the run at `step` and record it (periodic evals pick it up). With
-    $FACTORY_CHECKPOINT_URI set it is also published to that object store, and its URI there is what is recorded:
-    with `uploads`, beside training (recorded once it is there, from the upload thread), else before returning."""
-    name = "final" if final else f"step-{step:06d}"
-    info = save_checkpoint(model, tok, paths.checkpoints / run_id / name,
-                           meta={"kind": "rl", "run_id": run_id, "step": step})
-
-    def record(uri: str) -> None:
-        row = dict(run_id=run_id, step=step, kind="rl", uri=uri, bytes=info.bytes, sha256=info.sha256,
-                   recorded_at=_now())
-        if uploads is None:
-            lake.upsert("checkpoints", [row])
-        else:  # the upload thread: its own Lake (a Lake is used by one thread)
-            with Lake.open(paths) as own:
-                own.upsert("checkpoints", [row])
-
-    store = checkpoint_store_uri()
-    if uploads is not None and store is not None:
-        uploads.submit(info.path, store, f"{run_id}/{name}", info.sha256, on_done=record)
-    else:
-        record(recorded_uri(info, f"{run_id}/{name}"))
-    return info
 
 
 # ---------------------------------------------------------------- an attempt in a child process
