@@ -33,7 +33,7 @@ from factory.lake.writer import Lake
 from factory.runs import recovery
 from factory.runs.attempt import last_beat
 from factory.runs.exit_codes import EXIT_FAILED, EXIT_NEEDS_FIX, EXIT_OK, EXIT_STOPPED
-from factory.runs.rank_group import attempt_command, group_code, is_group
+from factory.runs.rank_group import GROUP_EXIT, attempt_command, group_code, is_group
 
 POLL_S = 0.2
 STARTUP_GRACE_S = 120.0  # an attempt's start (imports, loading the model and lake) before it first beats
@@ -46,12 +46,14 @@ class _Attempts:
     def __init__(self, paths: FactoryPaths, run_id: str, spec: ExperimentSpec | None = None):
         self.argv = [sys.executable, "-m", "factory.cli", "--home", str(paths.root), "attempt", run_id]
         self.group = spec is not None and is_group(spec)
+        self.run_dir = paths.checkpoints / run_id
         if self.group:
             self.argv = attempt_command(paths, run_id, spec)
         self.spare: subprocess.Popen | None = None
 
     def start(self, attempt: int) -> subprocess.Popen:
         if self.group:  # no warm standby for a group: torchrun starts its ranks cold
+            (self.run_dir / GROUP_EXIT).unlink(missing_ok=True)  # an earlier `factory run`/`resume`'s attempt's
             return subprocess.Popen(self.argv, env={**os.environ, "FACTORY_ATTEMPT": str(attempt),
                                                     "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
                                     start_new_session=True)

@@ -66,3 +66,29 @@ def test_factory_resume_continues_a_data_parallel_run(tmp_path):
     done = factory(tmp_path, "resume", run["run_id"])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     _check_resumed(tmp_path)
+
+
+def test_a_groups_exit_code_is_rank_0s_only_when_it_finished_or_needs_a_fix(tmp_path):
+    from factory.runs.exit_codes import EXIT_NEEDS_FIX, EXIT_STOPPED
+    from factory.runs.rank_group import GROUP_EXIT, group_code
+
+    assert group_code(tmp_path, 1, 0) == 0
+    assert group_code(tmp_path, 1, 1) == 1  # nothing written: rank 0 died too
+    for said, attempt, expected in [(f"1 {EXIT_NEEDS_FIX}", 1, EXIT_NEEDS_FIX), ("1 0", 1, 0),
+                                    (f"1 {EXIT_STOPPED}", 1, 1),  # stopped because torchrun stopped it: a crash
+                                    (f"2 {EXIT_NEEDS_FIX}", 1, 1), ("1 garbage", 1, 1)]:  # another attempt's
+        (tmp_path / GROUP_EXIT).write_text(said)
+        assert group_code(tmp_path, attempt, 1) == expected, said
+
+
+def test_a_group_attempt_is_torchrun_on_this_machine(tmp_path):
+    from factory.config import load_spec
+    from factory.runs.rank_group import attempt_command
+
+    one = load_spec("examples/quickstart.yaml")
+    spec = one.model_copy(update={"trainer": one.trainer.model_copy(update={"world_size": 2})})
+    cmd = attempt_command(FactoryPaths(tmp_path), "r1", spec)
+    assert cmd[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node"] and cmd[5] == "2"
+    assert cmd[-6:] == ["-m", "factory.cli", "--home", str(tmp_path), "attempt", "r1"]
+    assert attempt_command(FactoryPaths(tmp_path), "r1", one)[1:] == ["-m", "factory.cli", "--home", str(tmp_path),
+                                                                      "attempt", "r1"]
