@@ -17,7 +17,9 @@ Jobs itself. Instance settings: deploy/dagster.yaml.
 
 from __future__ import annotations
 
-import psutil
+import os
+from pathlib import Path
+
 from dagster import DagsterEventType, DagsterInstance, DagsterRun
 from dagster._core.launcher import CheckRunHealthResult, DefaultRunLauncher, WorkerStatus
 from dagster._serdes import ConfigurableClassData
@@ -62,12 +64,22 @@ def worker_pid(instance: DagsterInstance, run_id: str) -> tuple[int, float] | No
 
 def pid_health(pid: int, recorded_at: float) -> CheckRunHealthResult:
     """RUNNING if `pid` is a live process that existed when its start was recorded, else FAILED."""
-    try:
-        proc = psutil.Process(pid)
-        alive = proc.status() != psutil.STATUS_ZOMBIE and proc.create_time() <= recorded_at + _CLOCK_SLACK_S
-    except psutil.NoSuchProcess:
-        alive = False
-    if alive:
+    started = _process_start(pid)
+    if started is not None and started <= recorded_at + _CLOCK_SLACK_S:
         return CheckRunHealthResult(WorkerStatus.RUNNING, run_worker_id=str(pid))
     return CheckRunHealthResult(WorkerStatus.FAILED, f"run worker process {pid} is gone (killed or crashed)",
                                 run_worker_id=str(pid))
+
+
+def _process_start(pid: int) -> float | None:
+    """When process `pid` started (epoch seconds, from /proc), or None if there is no such live process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+    except (FileNotFoundError, ProcessLookupError, StopIteration):
+        return None
+    fields = stat.rpartition(")")[2].split()  # after the command name, which may hold spaces
+    if fields[0] in ("Z", "X"):  # a zombie or dead: exited, not yet reaped
+        return None
+    return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
