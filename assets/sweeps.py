@@ -31,6 +31,7 @@ from factory.sweep import (
     read_member,
     read_sweep,
     read_warm_start_spec,
+    refuse_member,
     sweep_id_of,
 )
 from resources import FactoryHomeResource, LakeResource, MlflowResource
@@ -78,7 +79,12 @@ def sweep_member_run(context: AssetExecutionContext, home: FactoryHomeResource, 
         spec, axes = read_member(paths, key)
     except (FileNotFoundError, KeyError, ValueError) as e:
         raise Failure(f"sweep member {key}: {e}") from None
-    require_healthy_node(context, spec.ops, home, lake)  # the preflight gate: no training on a node that failed it
+    try:
+        require_healthy_node(context, spec.ops, home, lake)  # the preflight gate: no training on a node that failed it
+    except Failure as e:  # the member never starts: its row says so and why, instead of staying queued
+        with lake.lake() as lk:
+            refuse_member(lk, key, e.description or "refused by the preflight gate")
+        raise
     info = read_sweep(paths, sweep_id_of(key))
     lk, tracker = lake.lake(), mlflow.tracker()
     context.log.info(f"sweep member {key}: {member_label(axes)}")

@@ -72,8 +72,14 @@ def grpo_run(context: AssetExecutionContext, sft: dict, dataset: dict, spec: Spe
         from factory.runs.stages import load_dataset  # heavy: torch
 
         with no_retry_for_what_needs_a_fix():
-            res = run_rl(s, home.paths(), inputs["init_checkpoint"], load_dataset(inputs["dataset"]), lk, tracker,
-                           log=context.log.info, progress=progress_tags(context), run_id=inputs["run_id"])
+            if s.trainer.world_size > 1:  # this process is no rank: each attempt is a group of ranks, supervised
+                from factory.runs.experiment import run_rl_supervised  # heavy: torch
+
+                res = run_rl_supervised(s, home.paths(), inputs["init_checkpoint"], inputs["run_id"], lk,
+                                        log=context.log.info)
+            else:
+                res = run_rl(s, home.paths(), inputs["init_checkpoint"], load_dataset(inputs["dataset"]), lk,
+                             tracker, log=context.log.info, progress=progress_tags(context), run_id=inputs["run_id"])
         scalars = run_scalars(res)
     else:  # the entrypoint reports the same scalars through Pipes
         reported = launcher.launch(context, spec, home, inputs)

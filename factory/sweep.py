@@ -295,3 +295,20 @@ def next_launches(members: list[dict[str, Any]], started: set[str], warm_state: 
             start.append(m["key"])
             free -= 1
     return Launches(warm, start, finished=len(started) + len(start) == len(members))
+
+
+def refuse_member(lake: Any, member_key: str, reason: str) -> dict[str, Any]:
+    """Record that a sweep member was refused before it started (the preflight gate): its `sweeps` row goes from
+    queued to `refused` with `reason`, so the sweep shows why the member has no run instead of waiting forever.
+    `lake` is a `factory.lake.Lake`; returns the row written. A member with no row yet (not planned through the
+    sweep job) gets none: there is nothing to correct."""
+    sweep_id = sweep_id_of(member_key)
+    from pyiceberg.expressions import EqualTo  # a key is data, not expression text
+
+    rows = lake.read("sweeps", EqualTo("member", member_key)).to_pylist()
+    mine = [r for r in rows if r["sweep_id"] == sweep_id]
+    if not mine:
+        return {}
+    row = dict(mine[0], status="refused", reason=reason, recorded_at=datetime.now(UTC))
+    lake.upsert("sweeps", [row])
+    return row

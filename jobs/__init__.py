@@ -6,6 +6,7 @@ import os
 
 from dagster import AssetSelection, Definitions, define_asset_job
 
+from assets._retries import TRAINING_TAGS
 from assets.data import data_assets, prompt_stats
 from assets.datasets import task_dataset
 from assets.evals import checkpoint_eval, eval_report
@@ -59,6 +60,7 @@ ALL_CHECKS = [grpo_beats_sft]
 quickstart = define_asset_job(
     "quickstart",
     selection=AssetSelection.assets(*QUICKSTART_ASSETS),
+    tags=TRAINING_TAGS,  # a run worker that died is re-executed from the failed step (deploy/dagster.yaml)
     description="Prompt sources → blend, dataset → SFT warm start → GRPO → control → eval report and prompt stats, "
                 "on the embedded defaults.",
 )

@@ -40,6 +40,7 @@ from dagster._core.definitions.selector import InstigatorSelector
 from dagster._core.scheduler.instigation import InstigatorStatus
 from pydantic import Field
 
+from assets._retries import TRAINING_TAGS
 from assets.sweeps import sweep_member_run, sweep_members, sweep_summary, sweep_warm_start, sweeps, warm_starts
 from factory.config import SpecError, parse_overrides
 from factory.sweep import (
@@ -63,7 +64,7 @@ from resources import FactoryHomeResource, LakeResource, MlflowResource
 KIND_TAG = "factory/kind"
 sweep_warm_start_job = define_asset_job("sweep_warm_start_job", selection=[sweep_warm_start],
                                         description="A warm start shared by sweep members (queued by sweep_launcher).")
-sweep_member_job = define_asset_job("sweep_member_job", selection=[sweep_member_run],
+sweep_member_job = define_asset_job("sweep_member_job", selection=[sweep_member_run], tags=TRAINING_TAGS,
                                     description="One sweep member's training run (queued by sweep_launcher).")
 sweep_summary_job = define_asset_job("sweep_summary_job", selection=[sweep_summary], tags=EVAL_TAGS,
                                      description="A finished sweep's summary (queued by sweep_summarizer).")
@@ -232,7 +233,7 @@ def sweep_summarizer(context: SensorEvaluationContext, home: FactoryHomeResource
     for sweep_id in pending:
         mine = [r for r in rows if r["sweep_id"] == sweep_id]
         n = len(read_sweep(home.paths(), sweep_id)["members"])
-        if len(mine) != n or not all(r["status"] in ("succeeded", "failed") for r in mine):
+        if len(mine) != n or not all(r["status"] in ("succeeded", "failed", "refused") for r in mine):
             continue
         # Not beside its members' evals (they share one limit), and after them: the summary plots them.
         if in_flight(context.instance, EVAL_TAGS):

@@ -35,6 +35,7 @@ from factory.runs.exit_codes import (
 )
 from factory.runs.experiment import RunFailed, run_experiment
 from factory.runs.pipes import RunInputs, run_under_pipes
+from factory.runs.rank_group import attempt_spec, is_group, run_group_attempt
 from factory.runs.restarts import supervise
 from factory.runs.rl_run import attempt_main, standby
 from factory.runs.stages import eval_summary, render_report
@@ -63,8 +64,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     if (problem := check_model(spec, args)[1]) is not None:  # before any process starts or restarts
         error(problem)
         return EXIT_BAD_INPUT
-    if spec.trainer.world_size > 1:
+    if spec.trainer.world_size > 1 and (args.in_process or "RANK" in os.environ):
         return _run_ranks(spec, args)
+    # Supervised (world_size > 1 too): each attempt is a child process, or a torchrun group of ranks
+    # (runs/rank_group.py), restarted from the newest resume point when it dies.
     return _run_spec(spec, args)
 
 
@@ -155,10 +158,6 @@ def _run_ranks(spec: ExperimentSpec, args: argparse.Namespace, body=None) -> int
     (rank 0's output shown); as a rank, rank 0 runs the command (`body`, default `_run_spec`) and leads, the
     others apply its trainer steps."""
     if "RANK" not in os.environ:
-        if not args.in_process:
-            error(f"trainer.world_size = {spec.trainer.world_size}: data-parallel runs need --in-process for now "
-                  f"(automatic restarts of a group of ranks are not built)")
-            return EXIT_BAD_INPUT
         cmd = torchrun_command(spec.trainer.world_size, "factory.cli", args.argv, log_dir=None)
         env = {**os.environ, "OMP_NUM_THREADS": str(spec.trainer.threads or 1)}
         return subprocess.run(cmd, env=env).returncode
@@ -196,5 +195,11 @@ def _train_under_pipes(spec: ExperimentSpec, args: argparse.Namespace) -> int:
 
 
 def cmd_attempt(args: argparse.Namespace) -> int:
-    """One attempt of a run in this process (what `factory run` and `factory resume` start as children)."""
-    return (standby if args.standby else attempt_main)(home_from(args), args.run_id)
+    """One attempt of a run in this process (what `factory run` and `factory resume` start as children); in a
+    torchrun rank, the rank's part of a data-parallel attempt (runs/rank_group.py)."""
+    paths = home_from(args)
+    if "RANK" in os.environ and not args.standby:
+        spec = attempt_spec(paths, args.run_id)
+        if spec is not None and is_group(spec):
+            return run_group_attempt(paths, args.run_id, spec)
+    return (standby if args.standby else attempt_main)(paths, args.run_id)

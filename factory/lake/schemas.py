@@ -298,7 +298,7 @@ INTERRUPTIONS = _table("interruptions", ("run_id", "attempt"), [
     ("recorded_at", TS, REQ),
 ], partition=BY_RUN)
 
-SWEEP_STATUSES = ("queued", "running", "succeeded", "failed")
+SWEEP_STATUSES = ("queued", "running", "succeeded", "failed", "refused")  # refused: by the preflight gate
 SWEEPS = _table("sweeps", ("sweep_id", "member"), [
     ("sweep_id", STR, REQ),
     ("member", STR, REQ),  # the member's partition key of the sweep-member asset
@@ -311,6 +311,7 @@ SWEEPS = _table("sweeps", ("sweep_id", "member"), [
     ("final_accuracy", DBL, OPT),
     ("created_at", TS, REQ),
     ("recorded_at", TS, REQ),
+    ("reason", STR, OPT),  # why it did not run (status refused: the preflight gate's one line)
 ])
 
 TABLES: dict[str, TableDef] = {t.name: t for t in (RUNS, STEPS, CHECKPOINTS, EVALS, ROLLOUTS, NODE_HEALTH, SWEEPS,

@@ -14,7 +14,7 @@ from factory.models.checkpoint import load_checkpoint
 from factory.runs.attempt import write_launch
 from factory.runs.recovery import now, run_row
 from factory.runs.restarts import supervise
-from factory.runs.rl_run import new_run_id, run_rl
+from factory.runs.rl_run import RunResult, finished_result, new_run_id, run_rl
 from factory.runs.stages import (
     Log,
     ProgressCallback,
@@ -81,6 +81,18 @@ def run_experiment(spec: ExperimentSpec, paths: FactoryPaths, control: bool = Fa
     summary = eval_summary(lake, run_id)
     summary["report"] = render_report(summary)
     return summary
+
+
+def run_rl_supervised(spec: ExperimentSpec, paths: FactoryPaths, init_checkpoint: str, run_id: str, lake: Lake,
+                      log: Log = print) -> RunResult:
+    """The RL run `run_id` (new, or continued from its newest resume point) in supervised child processes: what a
+    caller that is not itself a rank runs for a data-parallel spec (each attempt a torchrun group of ranks,
+    runs/rank_group.py), e.g. the `grpo_run` asset in the Dagster process. `RunFailed` if it does not succeed."""
+    write_launch(paths.checkpoints / run_id, spec, init_checkpoint)  # read only until the run has its row
+    rc = supervise(paths, run_id, spec, log=log)
+    if rc != 0:
+        raise RunFailed(run_id, rc)
+    return finished_result(lake, run_id)
 
 
 class RunFailed(RuntimeError):

@@ -45,19 +45,30 @@ from factory.runs.exit_codes import (
     EXIT_OK,
     EXIT_STOPPED,
 )
+from factory.runs.rank_group import GROUP_EXIT, attempt_command, group_code, is_group
 
 POLL_S = 0.2
 STARTUP_GRACE_S = 120.0  # an attempt's start (imports, loading the model and lake) before it first beats
 
 
 class _Attempts:
-    """Child processes for attempts: a warm standby when one is ready, else a cold start."""
+    """Child processes for attempts: a warm standby when one is ready, else a cold start. A data-parallel run's
+    attempt is a torchrun group of ranks (`runs/rank_group.py`) in its own process session, killed as a whole."""
 
-    def __init__(self, paths: FactoryPaths, run_id: str):
+    def __init__(self, paths: FactoryPaths, run_id: str, spec: ExperimentSpec | None = None):
         self.argv = [sys.executable, "-m", "factory.cli", "--home", str(paths.root), "attempt", run_id]
+        self.group = spec is not None and is_group(spec)
+        self.run_dir = paths.checkpoints / run_id
+        if self.group:
+            self.argv = attempt_command(paths, run_id, spec)
         self.spare: subprocess.Popen | None = None
 
     def start(self, attempt: int) -> subprocess.Popen:
+        if self.group:  # no warm standby for a group: torchrun starts its ranks cold
+            (self.run_dir / GROUP_EXIT).unlink(missing_ok=True)  # an earlier `factory run`/`resume`'s attempt's
+            return subprocess.Popen(self.argv, env={**os.environ, "FACTORY_ATTEMPT": str(attempt),
+                                                    "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
+                                    start_new_session=True)
         spare, self.spare = self.spare, None
         if spare is not None and spare.poll() is None:
             spare.stdin.write(f"go {attempt}\n")
@@ -67,8 +78,27 @@ class _Attempts:
 
     def prepare(self) -> None:
         """Start the next attempt's process now, warm and waiting (once per running attempt)."""
+        if self.group:
+            return
         if self.spare is None or self.spare.poll() is not None:
             self.spare = subprocess.Popen([*self.argv, "--standby"], stdin=subprocess.PIPE, text=True)
+
+    def kill(self, child: subprocess.Popen) -> None:
+        """Kill an attempt: a group's whole process session (torchrun and every rank), or the one process."""
+        if self.group:
+            try:
+                os.killpg(child.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        else:
+            child.kill()
+        child.wait()
+
+    def exit_code(self, child: subprocess.Popen, run_dir, attempt: int) -> int:
+        """What the attempt's exit stands for (a group's: `rank_group.group_code`)."""
+        if self.group:
+            return group_code(run_dir, attempt, child.returncode)
+        return child.returncode
 
     def close(self) -> None:
         if self.spare is not None and self.spare.poll() is None:
@@ -86,7 +116,7 @@ def supervise(paths: FactoryPaths, run_id: str, spec: ExperimentSpec, log=print,
     run_dir = paths.checkpoints / run_id
     ops = spec.ops
     stop: list[int] = []
-    children = _Attempts(paths, run_id)
+    children = _Attempts(paths, run_id, spec)
     child: subprocess.Popen | None = None
 
     def forward(signum: int, frame: object) -> None:
@@ -111,9 +141,8 @@ def supervise(paths: FactoryPaths, run_id: str, spec: ExperimentSpec, log=print,
                 age = time.time() - max(beat, started)
                 if age > limit and not stop:
                     hung = age
-                    child.kill()
-                    child.wait()
-            rc = child.returncode
+                    children.kill(child)
+            rc = children.exit_code(child, run_dir, restarts + 1)
             if rc == EXIT_OK:
                 return EXIT_OK
             if stop or rc == EXIT_STOPPED:

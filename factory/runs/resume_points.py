@@ -24,7 +24,11 @@ class RunCheckpoints:
     `schedule.checkpoint_every` steps, written in the background by a `ResumeWriter`; `stopping()` turns
     true on SIGTERM/SIGINT (see `signals`), and the loop then saves and stops after its current step."""
 
-    def __init__(self, spec: ExperimentSpec, run_dir: Path, before_write: Callable[[int], None] | None = None):
+    def __init__(self, spec: ExperimentSpec, run_dir: Path, before_write: Callable[[int], None] | None = None,
+                 before_save: Callable[[], object] | None = None):
+        """`before_write(step)` runs in the writer's thread before a point is written; `before_save()` in the
+        loop's thread before a point is taken (what the loop reported so far is covered by it)."""
+        self.before_save = before_save
         self.every = [n for n in (spec.ops.resume_every, spec.schedule.checkpoint_every) if n]
         self.writer = ResumeWriter(resume_dir(run_dir), spec.ops.keep_resume, before_write=before_write,
                                    log_path=run_dir / SAVES)
@@ -38,6 +42,8 @@ class RunCheckpoints:
         return self.stop.is_set()
 
     def save(self, make_state: Callable[[], TrainState], wait: bool = False) -> None:
+        if self.before_save is not None:
+            self.before_save()
         self.writer.submit(make_state, wait=wait)
 
     @contextlib.contextmanager

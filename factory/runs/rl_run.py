@@ -24,10 +24,9 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from threading import Lock
 
 import torch
-from pyiceberg.expressions import And, EqualTo, GreaterThan
+from pyiceberg.expressions import And, EqualTo
 
 from factory.config import ExperimentSpec, parse_spec
 from factory.core.evaluate import evaluate, sampled_pass_at_k
@@ -46,14 +45,17 @@ from factory.infra.supervisor import CircuitOpen
 from factory.lake.spool import SPOOL, LakeDown, Spool, SpooledLake
 from factory.lake.writer import Lake
 from factory.models import lora
-from factory.models.checkpoint import CheckpointInfo, load_checkpoint, recorded_uri, save_checkpoint
+from factory.models.checkpoint import CheckpointInfo, load_checkpoint
+from factory.models.checkpoint_store import checkpoint_store_uri
+from factory.models.uploads import BackgroundUploads
 from factory.problem import Splits
 from factory.progress import Progress, format_duration
 from factory.runs import recovery
 from factory.runs.attempt import LAUNCH, AttemptLock, beat, read_launch, resume_dir
-from factory.runs.degraded import disk_guard, stop_code, tolerating, unless_down, watch_lake
+from factory.runs.degraded import stop_code, tolerating, unless_down, watch_lake
 from factory.runs.exit_codes import EXIT_NEEDS_FIX, EXIT_OK, EXIT_STOPPED
 from factory.runs.resume_points import RunCheckpoints
+from factory.runs.run_checkpoints import record_checkpoint
 from factory.runs.stages import (
     Log,
     ProgressCallback,
@@ -64,6 +66,8 @@ from factory.runs.stages import (
     place,
     set_threads,
 )
+from factory.runs.step_metrics import StepMetrics
+from factory.runs.step_rows import StepLog, forget_after
 from factory.source_spec import SourceError
 from factory.tracking import Tracker
 
@@ -89,46 +93,6 @@ def new_run_id(spec: ExperimentSpec) -> str:
     return f"{spec.name}-{_now():%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"
 
 
-class StepLog:
-    """Step and rollout rows not yet in the lake. Flushed every few steps by the trainer's thread and,
-    before each resume point is written, by the writer's thread (with its own Lake: a Lake is per thread),
-    so every step a resume point covers is in `steps` by the time the resume point exists."""
-
-    def __init__(self, run_id: str, attempt: int):
-        self.run_id, self.attempt = run_id, attempt
-        self._lock = Lock()
-        self._steps: list[dict] = []
-        self._rollouts: list[dict] = []
-        self._groups: list[dict] = []
-        self._sources: list[dict] = []
-
-    def add(self, r: StepRecord) -> int:
-        at = _now()
-        with self._lock:
-            self._steps.append(dict(run_id=self.run_id, recorded_at=at, attempt=self.attempt, **r.to_dict()))
-            self._rollouts.extend(dict(run_id=self.run_id, step=r.step, recorded_at=at, **s) for s in r.samples)
-            self._groups.extend(dict(run_id=self.run_id, step=r.step, recorded_at=at, **g) for g in r.groups)
-            self._sources.extend(dict(run_id=self.run_id, step=r.step, recorded_at=at, **s) for s in r.sources)
-            return len(self._steps)
-
-    def flush(self, lake: Lake) -> None:
-        with self._lock:
-            steps, rollouts, groups, sources = self._steps, self._rollouts, self._groups, self._sources
-            self._steps, self._rollouts, self._groups, self._sources = [], [], [], []
-        # Per-step detail first, the step last: a crash in between leaves a step to re-record, never orphan rows.
-        for table, rows in (("rollouts", rollouts), ("prompt_attempts", groups), ("step_sources", sources),
-                            ("steps", steps)):
-            if rows:
-                lake.upsert(table, rows)
-
-
-def _forget_after(lake: Lake, run_id: str, step: int) -> None:
-    """Delete what a dead attempt recorded past `step` (its successor trains and records those again)."""
-    this_run = EqualTo("run_id", run_id)
-    for table in ("rollouts", "prompt_attempts", "step_sources", "steps", "checkpoints", "evals"):
-        lake.delete(table, And(this_run, GreaterThan("step", step)))
-
-
 def _finished(lake: Lake, row: dict) -> RunResult:
     """The recorded result of a run that already succeeded."""
     evals = {(r["step"], r["metric"]): r["value"] for r in
@@ -141,6 +105,14 @@ def _finished(lake: Lake, row: dict) -> RunResult:
                      evals.get((0, "accuracy"), 0.0), evals.get((0, k)) if k else None,
                      evals.get((final, "accuracy"), 0.0), row.get("wall_s") or 0.0,
                      attempt=int(row.get("attempts") or 1), goodput=row.get("goodput") or 1.0)
+
+
+def finished_result(lake: Lake, run_id: str) -> RunResult:
+    """The recorded result of run `run_id`, which succeeded (e.g. under a supervisor, in other processes)."""
+    row = recovery.run_row(lake, run_id)
+    if row is None or row["status"] != "succeeded":
+        raise ValueError(f"run {run_id}: no succeeded run recorded (status: {row and row['status']})")
+    return _finished(lake, row)
 
 
 def run_rl(spec: ExperimentSpec, paths: FactoryPaths, init_checkpoint: str | Path, splits: Splits,
@@ -221,6 +193,8 @@ class Run:
         self.start: tuple[float, float | None] = (0.0, None)  # held-out accuracy and pass@k at step 0
         self.records: list[StepRecord] = []  # this attempt's steps
         self._writer_lake: SpooledLake | None = None  # the resume writer's thread's own Lake
+        # With $FACTORY_CHECKPOINT_URI: checkpoint uploads beside the loop (`begin` starts them).
+        self.uploads: BackgroundUploads | None = None
         self._t0 = self._t_loop = 0.0
 
     def execute(self) -> RunResult:
@@ -254,12 +228,18 @@ class Run:
         self.resumed_from = self.state.step if self.state else 0
         if self.prev is not None:
             self.interruption = recovery.open_interruption(self.lake, self.run_id, self.attempt - 1)
-            _forget_after(self.lake, self.run_id, self.resumed_from)
+            forget_after(self.lake, self.run_id, self.resumed_from)
             self.log(f"run {self.run_id}: attempt {self.attempt} resumes from "
                      + (f"resume point {found[1].name} (step {self.resumed_from})" if found
                         else "its start (no resume point)"))
         self._t0 = time.perf_counter()
-        self.ckpts = RunCheckpoints(self.spec, self.run_dir, before_write=self._flush_from_writer)
+        # A step's MLflow points wait for a resume point covering them: one point per step across attempts.
+        self.step_metrics = StepMetrics(self.tracker, self.mlflow_id,
+                                        self.resumed_from if self.prev is not None else None)
+        self.ckpts = RunCheckpoints(self.spec, self.run_dir, before_write=self._flush_from_writer,
+                                    before_save=self.step_metrics.flush)
+        if checkpoint_store_uri() is not None:
+            self.uploads = BackgroundUploads(log=self.log)
 
     def _open_records(self) -> None:
         """The `runs` row's fixed part and the MLflow run: new for a first attempt, continued for a later one."""
@@ -334,6 +314,11 @@ class Run:
                     self.records = train_rl(self.spec, self.model, self.tok, self.splits.train, on_step=self.step,
                                               checkpoints=self.ckpts, resume=self.state,
                                               reference_model=self.reference, feed=self.feed)
+        except BaseException:
+            self.step_metrics.drop()  # past the last resume point: the next attempt trains and logs them again
+            raise
+        else:
+            self.step_metrics.flush()
         finally:
             try:
                 self.ckpts.writer.wait()
@@ -350,8 +335,7 @@ class Run:
             self._close_interruption()
         beat(self.run_dir, r.step)
         n = self.steplog.add(r)
-        self.tracker.log_metrics(self.mlflow_id, r.step,
-                                 {**{k: v for k, v in r.to_dict().items() if k != "step"}, **r.data})
+        self.step_metrics.add(r.step, {**{k: v for k, v in r.to_dict().items() if k != "step"}, **r.data})
         self._report_progress(r)
         if n >= self.options.flush_every:
             self.steplog.flush(self.lake)
@@ -361,7 +345,7 @@ class Run:
         if sched.eval_every and r.step % sched.eval_every == 0 and r.step < sched.steps:
             self._periodic_eval(r.step)
         if sched.checkpoint_every and r.step % sched.checkpoint_every == 0 and r.step < sched.steps:
-            record_checkpoint(self.model, self.tok, self.paths, self.lake, self.run_id, r.step)
+            record_checkpoint(self.model, self.tok, self.paths, self.lake, self.run_id, r.step, uploads=self.uploads)
 
     def _watch_lake(self, step: int) -> None:
         """During a lake outage: try it again now and then; past ops.lake_outage_s ask the loop to stop at a
@@ -399,13 +383,14 @@ class Run:
         res = evaluate(EmbeddedEngine(self.model, self.tok), self.tok, self.splits.eval,
                        self.spec.rollout.max_new_tokens)
         self.lake.upsert("evals", eval_rows(self.run_id, step, res, None))
-        self.tracker.log_metrics(self.mlflow_id, step, {"eval/accuracy": res.accuracy})
-        self._evaluate_sources(step, None)
+        self.step_metrics.add(step, {"eval/accuracy": res.accuracy})  # with the step's: once a resume point has it
+        self._evaluate_sources(step, None, deferred=True)
         beat(self.run_dir)
 
-    def _evaluate_sources(self, step: int, sha256: str | None) -> None:
+    def _evaluate_sources(self, step: int, sha256: str | None, deferred: bool = False) -> None:
+        """`deferred`: a periodic eval's MLflow points wait with the step's (`step_metrics`)."""
         _source_evals(self.spec, self.held, self.model, self.tok, self.lake, self.tracker, self.run_id,
-                      self.mlflow_id, step, sha256)
+                      self.mlflow_id, step, sha256, self.step_metrics if deferred else None)
 
     # ------------------------------------------------------------ finish, fail
 
@@ -413,7 +398,8 @@ class Run:
         """The final checkpoint, its evals, and the run recorded as succeeded."""
         spec, lake, tracker, mlflow_id = self.spec, self.lake, self.tracker, self.mlflow_id
         final_step = spec.schedule.steps
-        info = record_checkpoint(self.model, self.tok, self.paths, lake, self.run_id, final_step, final=True)
+        info = record_checkpoint(self.model, self.tok, self.paths, lake, self.run_id, final_step, final=True,
+                                 uploads=self.uploads)
         final_eval = evaluate(EmbeddedEngine(self.model, self.tok), self.tok, self.splits.eval,
                               spec.rollout.max_new_tokens, k=spec.schedule.eval_pass_k, temperature=1.0,
                               seed=spec.seed)
@@ -422,6 +408,8 @@ class Run:
         tracker.log_metrics(mlflow_id, final_step, {"eval/accuracy": final_eval.accuracy,
                                                     f"eval/pass_at_{final_eval.k}": final_eval.pass_at_k})
         tracker.set_tags(mlflow_id, {"factory.checkpoint": str(info.path)})
+        if self.uploads is not None:  # the end of the run waits for its uploads (the final eval ran meanwhile)
+            self.uploads.close()
         self._record_run("succeeded", final_checkpoint=str(info.path), ended_at=_now())
         # The result is read back: wait out an outage within its budget, beating (the hang watchdog is shorter).
         self.lake.drain(spec.ops.lake_outage_s, sleep=lambda s: (time.sleep(s), beat(self.run_dir)))
@@ -438,6 +426,8 @@ class Run:
         """Record why this attempt stopped: an interruption row, the run's status, the MLflow run's end."""
         status, cause = _classify(e, self.ckpts)
         detail = f"{type(e).__name__}: {e}"
+        if self.uploads is not None:  # what was handed over still goes up; failures are logged, not raised over e
+            self.uploads.close(raise_errors=False)
         last = unless_down(lambda: recovery.last_step(self.lake, self.run_id),
                            self.records[-1].step if self.records else None)  # the lake down: what this attempt did
         recovery.record_interruption(self.lake, self.run_id, self.attempt, cause, detail, last)
@@ -485,7 +475,7 @@ SOURCE_BENCHMARK = "source:"  # evals.benchmark of a blend source's held-out set
 
 
 def _source_evals(spec: ExperimentSpec, held: dict, model, tok, lake: Lake, tracker: Tracker, run_id: str,
-                  mlflow_id: str, step: int, sha256: str | None) -> None:
+                  mlflow_id: str, step: int, sha256: str | None, deferred: StepMetrics | None = None) -> None:
     """Greedy held-out accuracy per blend source (`data.held_out` problems of each generated source); for a
     HumanEval source also the unbiased pass@1 and pass@k from k = schedule.eval_pass_k samples a problem."""
     rows, metrics = [], {}
@@ -504,7 +494,10 @@ def _source_evals(spec: ExperimentSpec, held: dict, model, tok, lake: Lake, trac
                 metrics[f"eval/source/{name}/pass_at_{kk}"] = value
     if rows:
         lake.upsert("evals", rows)
-        tracker.log_metrics(mlflow_id, step, metrics)
+        if deferred is not None:
+            deferred.add(step, metrics)
+        else:
+            tracker.log_metrics(mlflow_id, step, metrics)
 
 
 PROMPT_STATS_TAG = "factory.prompt_stats_snapshot"
@@ -532,20 +525,6 @@ def load_trained(spec: ExperimentSpec, model, weights: dict) -> None:
         lora.attach(model, spec.trainer.lora)
     model.load_state_dict(weights)
     lora.detach(model)
-
-
-def record_checkpoint(model, tok, paths: FactoryPaths, lake: Lake, run_id: str, step: int,
-                      final: bool = False) -> CheckpointInfo:
-    """Save an HF-format checkpoint of the run at `step` and record it (periodic evals pick it up). With
-    $FACTORY_CHECKPOINT_URI set it is also published to that object store, and its URI there is what is recorded."""
-    name = "final" if final else f"step-{step:06d}"
-    where = paths.checkpoints / run_id / name
-    with disk_guard("checkpoint_write", where):  # a full disk: "disk full: <run dir>", not a SafetensorError
-        info = save_checkpoint(model, tok, where, meta={"kind": "rl", "run_id": run_id, "step": step})
-    uri = recorded_uri(info, f"{run_id}/{name}")
-    lake.upsert("checkpoints", [dict(run_id=run_id, step=step, kind="rl", uri=uri,
-                                     bytes=info.bytes, sha256=info.sha256, recorded_at=_now())])
-    return info
 
 
 # ---------------------------------------------------------------- an attempt in a child process

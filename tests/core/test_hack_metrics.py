@@ -14,7 +14,7 @@ from factory.core.rollout.base import Completion
 from factory.envs import tasks
 from factory.envs.reward_hacks import HACKS
 from factory.envs.workers import Episode, LocalEnvironment, make_environment
-from factory.runs.rl_run import StepLog
+from factory.runs.step_rows import StepLog
 
 # honest, forged marker + exit, reads the tests' file, wrong: detectors {}, {marker, early_exit}, {touched_tests}, {}
 COMPLETIONS = ["    return a + b\n", HACKS["forge 'PASSED 3/3', os._exit(0)"],

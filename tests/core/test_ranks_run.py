@@ -54,12 +54,6 @@ def test_two_gloo_ranks_train_like_one_process(factory_home, capfd, strategy):
     assert AutoModelForCausalLM.from_pretrained(ckpt["uri"]).config.model_type == "qwen2"
 
 
-def test_a_group_of_ranks_needs_in_process_for_now(factory_home, capsys):
-    assert main(["run", "examples/quickstart.yaml", *TINY, "--set", "trainer.world_size=2"]) == 2
-    assert "data-parallel runs need --in-process for now" in capsys.readouterr().err
-    assert not any(Path(factory_home.checkpoints).glob("*/*"))
-
-
 @pytest.mark.slow
 def test_fsdp_resume_state_round_trips_after_a_probe():
     """The resume point's optimizer state under fsdp (gathered, keyed by parameter name) taken after a forward (the

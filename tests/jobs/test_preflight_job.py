@@ -126,5 +126,7 @@ def test_sweep_member_refuses_a_node_that_failed_its_preflight(factory_home, nod
     (failure,) = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
     err = failure.step_failure_data.user_failure_data.description
     assert "failed preflight check(s) sandbox; training refused" in err
-    # It never started: its sweeps row is still queued (a retry after the node is fixed runs it).
-    assert [r["status"] for r in Lake.open(factory_home).read("sweeps").to_pylist()] == ["queued"]
+    # It never started: its sweeps row says refused, and why (a retry after the node is fixed runs it).
+    (row,) = Lake.open(factory_home).read("sweeps").to_pylist()
+    assert row["status"] == "refused" and row["member"] == member
+    assert "failed preflight check(s) sandbox; training refused" in row["reason"]

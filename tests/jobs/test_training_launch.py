@@ -69,3 +69,16 @@ def test_train_grpo_outside_pipes_needs_its_inputs(capsys):
 
     assert main(["train-grpo", SPEC]) == 2
     assert "not started by Dagster Pipes; give --init and --dataset" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_grpo_run_in_the_dagster_process_trains_two_ranks(tmp_path):
+    # The asset's own process is no rank: each attempt of the run is a torchrun group of 2 ranks on this machine,
+    # supervised from the asset (factory/runs/rank_group.py); the metadata is the same as for one process.
+    result = _train(tmp_path, "in_process", [*TINY, "trainer.world_size=2", "trainer.strategy=ddp",
+                                              "ops.preflight=off"])
+    assert result.success
+    md = result.asset_materializations_for_node("grpo_run")[0].metadata
+    assert list(md) == GRPO_METADATA
+    assert md["run_id"].value == f"pipes-{result.run_id[:8]}" and md["steps"].value == 4
+    assert md["attempts"].value == 1 and Path(md["checkpoint"].value).is_dir()

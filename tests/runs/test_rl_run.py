@@ -145,6 +145,14 @@ def test_factory_runs_shows_a_killed_run_as_interrupted_and_resume_completes_it(
     run = only_run(tmp_path)
     assert run["status"] == "succeeded" and run["attempts"] == 2
     assert sorted(r["step"] for r in rows(tmp_path, "steps")) == list(range(1, 9))
+    # MLflow too: step 5, trained by the dead attempt past its resume point (step 4) and again by the second, has
+    # one point, as has every other step (raw history: MLflow keeps every point logged).
+    from factory.home import FactoryPaths
+    from factory.tracking import Tracker
+
+    client = Tracker(FactoryPaths(tmp_path)).client
+    for key in ("reward_mean", "loss"):
+        assert sorted(m.step for m in client.get_metric_history(run["mlflow_run_id"], key)) == list(range(1, 9)), key
 
 
 @pytest.mark.slow

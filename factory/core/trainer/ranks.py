@@ -39,6 +39,7 @@ from factory.core.batch import TrainBatch
 from factory.core.trainer.distributed import DistributedTrainer, init_ranks, load_full_state, rank_device
 from factory.core.trainer.logprobs import enable_activation_checkpointing
 from factory.core.trainer.torch_trainer import LossFn, TorchTrainer
+from factory.infra.faults import fault_point
 from factory.models.build import policy_for
 
 Trainer = TorchTrainer | DistributedTrainer  # | LeaderTrainer (the same interface)
@@ -96,8 +97,8 @@ def make_trainer(spec: ExperimentSpec, model: PreTrainedModel):
     if group != t.world_size:
         raise RuntimeError(f"trainer.world_size: {t.world_size} ranks wanted, but this process is "
                            f"{'in no process group' if group is None else f'in a group of {group}'}: start the run "
-                           f"with `factory run SPEC --in-process`, which starts the torchrun ranks (the Dagster "
-                           f"asset and `factory resume` do not yet)")
+                           f"with `factory run SPEC` (or `factory resume RUN_ID`), whose attempts are groups of "
+                           f"torchrun ranks")
     if dist.get_rank() != 0:
         raise RuntimeError("make_trainer builds rank 0's trainer; the other ranks run follow(spec, model)")
     if t.strategy == "fsdp":  # the ranks train sharded copies; `model` stays the loop's full replica
@@ -171,6 +172,7 @@ def follow(spec: ExperimentSpec, model: PreTrainedModel) -> int:
     while True:
         op, payload = _receive()
         if op == "step":
+            fault_point("follower_step")  # a chaos test's rank kill (infra/faults.py)
             batch, minibatches, state = payload
             generator = None
             if state is not None:

@@ -1,0 +1,65 @@
+"""A run's per-step MLflow metrics, logged once per step however many attempts trained it.
+
+An attempt that dies has trained (and would have logged) steps past its last resume point; the next attempt trains
+them again, and MLflow, which cannot delete a metric point, would then show two points for those steps. So a step's
+metrics wait here until a resume point that covers them is about to be written (`flush`, called by the run's
+`RunCheckpoints` just before it hands the point to the writer: the loop calls it after the step's `on_step`), and
+are dropped when the attempt ends without one (`drop`): those steps will be trained again.
+
+They are logged just before the point is durable, not after, so a kill in between cannot lose them (a resume point
+is never newer than the metrics it covers). The converse case, a kill while that point is being written, leaves
+logged points for steps the next attempt trains again from an older point: the next attempt reads which of its
+steps MLflow already has (`SENTINEL`'s history past its resume point) and does not log them again.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+
+from factory.tracking import Tracker
+
+SENTINEL = "reward_mean"  # in every step's record: which steps a metric history already holds
+
+
+class StepMetrics:
+    """Per-step metrics held until a resume point covers them, then logged to `mlflow_id` once per step."""
+
+    def __init__(self, tracker: Tracker, mlflow_id: str, resumed_from: int | None = None):
+        """`resumed_from`: the step this attempt resumes from (None for a run's first attempt): steps after it that
+        MLflow already holds were logged by a dead attempt just before a resume point it never finished."""
+        self.tracker, self.mlflow_id = tracker, mlflow_id
+        self._pending: dict[int, dict[str, float | None]] = {}
+        self._lock = threading.Lock()  # `flush` may be called from the resume writer's thread
+        self.logged = 0  # steps logged by this attempt
+        self._have: set[int] = set()
+        if resumed_from is not None:
+            self._have = {s for s, _ in tracker.metric_history(mlflow_id, SENTINEL) if s > resumed_from}
+
+    def add(self, step: int, metrics: Mapping[str, float | None]) -> None:
+        """This step's metrics (more may be added for the same step, e.g. its eval), logged at the next `flush`."""
+        with self._lock:
+            self._pending.setdefault(step, {}).update(metrics)
+
+    def pending(self) -> list[int]:
+        with self._lock:
+            return sorted(self._pending)
+
+    def flush(self) -> int:
+        """Log every held step (a resume point covering them is about to be written). Returns the steps logged."""
+        with self._lock:
+            held, self._pending = self._pending, {}
+        n = 0
+        for step in sorted(held):
+            if step in self._have:  # logged by a dead attempt before its unfinished resume point
+                continue
+            self.tracker.log_metrics(self.mlflow_id, step, held[step])
+            n += 1
+        self.logged += n
+        return n
+
+    def drop(self) -> list[int]:
+        """Forget the held steps (the attempt ends without a resume point covering them); returns them."""
+        with self._lock:
+            held, self._pending = self._pending, {}
+        return sorted(held)

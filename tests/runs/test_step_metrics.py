@@ -1,0 +1,65 @@
+"""StepMetrics against a real SQLite MLflow store: a step's points are logged once a resume point covers them, so
+attempts that die past their resume point (killed, or killed while that point was being written) leave one point
+per step in the raw metric history after the run resumes. (The end-to-end case, a real killed `factory run` and
+`factory resume`, is in tests/runs/test_rl_run.py.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from factory.home import factory_home
+from factory.runs.step_metrics import StepMetrics
+from factory.tracking import Tracker
+
+
+@pytest.fixture(scope="module")
+def tracker(tmp_path_factory) -> Tracker:
+    return Tracker(factory_home(tmp_path_factory.mktemp("step-metrics-home")))
+
+
+def _raw_steps(tracker: Tracker, run_id: str, key: str) -> list[int]:
+    return sorted(m.step for m in tracker.client.get_metric_history(run_id, key))
+
+
+def _train(m: StepMetrics, steps: range, save_every: int, saved: list[int]) -> None:
+    """What the run does per step: add the step's metrics, then flush before each resume point is taken."""
+    for s in steps:
+        m.add(s, {"reward_mean": s / 10, "loss": 1.0 / s})
+        if s % save_every == 0:
+            m.flush()
+            saved.append(s)
+
+
+def test_an_attempt_killed_past_its_resume_point_leaves_one_point_per_step(tracker):
+    run_id = tracker.start_run("step-metrics", "killed")
+    first, saved = StepMetrics(tracker, run_id), []
+    _train(first, range(1, 6), save_every=2, saved=saved)  # dies after step 5: its resume point is step 4
+    assert first.pending() == [5] and _raw_steps(tracker, run_id, "reward_mean") == [1, 2, 3, 4]
+    second = StepMetrics(tracker, run_id, resumed_from=saved[-1])
+    _train(second, range(5, 9), save_every=2, saved=saved)
+    assert _raw_steps(tracker, run_id, "reward_mean") == _raw_steps(tracker, run_id, "loss") == list(range(1, 9))
+
+
+def test_a_kill_during_a_resume_write_does_not_log_the_redone_steps_twice(tracker):
+    run_id = tracker.start_run("step-metrics", "torn")
+    first, saved = StepMetrics(tracker, run_id), []
+    _train(first, range(1, 7), save_every=2, saved=saved)  # step 6's point was flushed, then its write torn
+    assert _raw_steps(tracker, run_id, "reward_mean") == list(range(1, 7))
+    second = StepMetrics(tracker, run_id, resumed_from=4)  # the newest complete point
+    _train(second, range(5, 9), save_every=2, saved=saved)
+    assert second.logged == 2  # 7 and 8; 5 and 6 were already there
+    assert _raw_steps(tracker, run_id, "reward_mean") == _raw_steps(tracker, run_id, "loss") == list(range(1, 9))
+
+
+def test_metrics_of_one_step_added_twice_are_one_batch_and_drop_forgets(tracker):
+    run_id = tracker.start_run("step-metrics", "merge")
+    m = StepMetrics(tracker, run_id)
+    m.add(2, {"reward_mean": 0.5})
+    m.add(2, {"eval/accuracy": 0.25})  # the step's periodic eval
+    m.add(3, {"reward_mean": 0.7})
+    assert m.drop() == [2, 3] and m.flush() == 0
+    m.add(2, {"reward_mean": 0.5})
+    m.add(2, {"eval/accuracy": 0.25})
+    assert m.flush() == 1
+    assert tracker.metric_history(run_id, "eval/accuracy") == [(2, 0.25)]
+    assert _raw_steps(tracker, run_id, "reward_mean") == [2]
