@@ -1,10 +1,12 @@
 """Exit codes of the `factory` command and of a run's processes (an attempt, the Pipes entrypoint), which the
 restarts supervisor and the Dagster launcher read back: 0 ok, 1 failure while doing the work (retryable),
 2 bad input, 3 stopped on request (SIGTERM/SIGINT; resumable), 4 stopped until something is fixed (non-finite
-losses, a tripped circuit breaker: not retried)."""
+losses, a tripped circuit breaker: not retried), 6 an attempt that lost its supervisor and stopped at a resume
+point (resumable with `factory resume`; nobody is left to read it but the record)."""
 
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_STOPPED = 3
 EXIT_NEEDS_FIX = 4
+EXIT_SUPERVISOR_LOST = 6
