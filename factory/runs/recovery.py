@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from pyiceberg.expressions import And, EqualTo, In
+from pyiceberg.expressions import EqualTo, In
 
 from factory.config import ExperimentSpec, parse_spec
 from factory.lake.writer import Lake
@@ -102,12 +102,6 @@ def record_interruption(lake: Lake, run_id: str, attempt: int, cause: str, detai
                                        last_step=last_step, failed_at=t, detect_s=0.0, recorded_at=t)])
 
 
-def open_interruption(lake: Lake, run_id: str, attempt: int) -> dict | None:
-    """The interruption of attempt `attempt` (the one the current attempt recovers from), if recorded."""
-    rows = lake.read("interruptions", And(EqualTo("run_id", run_id), EqualTo("attempt", attempt))).to_pylist()
-    return rows[0] if rows else None
-
-
 def close_open_interruptions(lake: Lake, run_id: str, attempt: int, resumed_from: int, saved_at: float,
                              started_at: float, work: tuple[int, float] | None) -> None:
     """When attempt `attempt` starts training (its first step began at `started_at`, from the resume point of step
@@ -124,9 +118,9 @@ def close_open_interruptions(lake: Lake, run_id: str, attempt: int, resumed_from
     for i, row in enumerate(rows):
         if row.get("resumed_from_step") is not None:
             continue  # closed when an earlier attempt started training
-        failed = _stamp(row["failed_at"])
+        failed = stamp(row["failed_at"])
         detected = failed + (row.get("detect_s") or 0.0)
-        recovered = _stamp(rows[i + 1]["failed_at"]) if i + 1 < len(rows) else started_at
+        recovered = stamp(rows[i + 1]["failed_at"]) if i + 1 < len(rows) else started_at
         if work is None:
             redo = failed - saved_at
         elif work[0] == row["attempt"]:
@@ -140,7 +134,8 @@ def close_open_interruptions(lake: Lake, run_id: str, attempt: int, resumed_from
                                            redo_s=max(0.0, redo), recover_s=max(0.0, recovered - detected))])
 
 
-def _stamp(t: datetime) -> float:
+def stamp(t: datetime) -> float:
+    """A lake timestamp (UTC, maybe stored naive) as seconds since the epoch."""
     return (t if t.tzinfo else t.replace(tzinfo=UTC)).timestamp()
 
 

@@ -370,7 +370,7 @@ class Run:
             started = self.base_row["started_at"]
             saved = self.state.loop.get("saved_at") if self.state else None
             recovery.close_open_interruptions(self.lake, self.run_id, self.attempt, self.resumed_from,
-                                              saved if saved is not None else recovery._stamp(started), at,
+                                              saved if saved is not None else recovery.stamp(started), at,
                                               work_start(self.run_dir))
             self.lost_s = recovery.lost_seconds(self.lake, self.run_id)
         record_work_start(self.run_dir, self.attempt, at)
@@ -412,6 +412,7 @@ class Run:
 
     def finish(self) -> RunResult:
         """The final checkpoint, its evals, and the run recorded as succeeded."""
+        fault_point("finish")  # chaos tests: a kill after the last resume point, before the result is recorded
         spec, lake, tracker, mlflow_id = self.spec, self.lake, self.tracker, self.mlflow_id
         final_step = spec.schedule.steps
         info = record_checkpoint(self.model, self.tok, self.paths, lake, self.run_id, final_step, final=True)
