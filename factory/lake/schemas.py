@@ -47,7 +47,8 @@ NAMESPACE = "factory"
 # crash with a resume point on disk (resumable); failed: stopped for good (or its process is gone).
 RUN_STATUSES = ("running", "resumed", "succeeded", "failed", "interrupted")
 # Why an attempt of a run ended early (the `interruptions` table).
-INTERRUPTION_CAUSES = ("killed", "signal", "hang", "crash", "crash_loop", "non_finite_loss", "failed_preflight")
+INTERRUPTION_CAUSES = ("killed", "signal", "hang", "crash", "crash_loop", "non_finite_loss", "failed_preflight",
+                       "supervisor_lost")
 CHECKPOINT_KINDS = ("sft", "rl")
 
 

@@ -8,6 +8,15 @@ A run directory (`checkpoints/<run_id>/`) holds, besides checkpoints:
   to tell a hung attempt from a slow one (a thread beating on its own would hide a hung loop).
 - `resume/`: the resume points (`core/resume.py`), taken when `runs/resume_points.py` says.
 - `launch.json`: what the first attempt of a supervised run needs before the run has a `runs` row.
+- `finished`: the pid of an attempt that recorded its result and has only its exit left; the supervisor's hang
+  watchdog stands down for it (closing the lake, MLflow and the interpreter beats no heartbeat).
+- `work.json`: which attempt last started training, and when (what its interruption's `redo_s` counts from).
+
+A supervised attempt knows its supervisor (`FACTORY_SUPERVISOR_PID`). If that process dies (kill -9 of
+`factory run`), nothing would watch the attempt for hangs or crashes any more, so the attempt stops itself: it
+polls its parent at every step, and when the parent is gone it saves a resume point after that step and exits
+with `EXIT_SUPERVISOR_LOST` (the run is `interrupted`, cause `supervisor_lost`; `factory resume` continues it).
+Until then `OrphanGuard` kills it if it also stops beating for `ops.hang_timeout_s` (the watchdog it lost).
 """
 
 from __future__ import annotations
@@ -15,6 +24,10 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import signal
+import sys
+import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,6 +38,9 @@ if TYPE_CHECKING:
 LOCK = "attempt.lock"
 HEARTBEAT = "heartbeat"
 LAUNCH = "launch.json"
+FINISHED = "finished"
+WORK = "work.json"
+SUPERVISOR_ENV = "FACTORY_SUPERVISOR_PID"  # set by the supervisor (`runs/restarts.py`) for its attempts
 
 
 def resume_dir(run_dir: Path) -> Path:
@@ -115,3 +131,78 @@ def last_beat(run_dir: Path) -> float | None:
         return (run_dir / HEARTBEAT).stat().st_mtime
     except FileNotFoundError:
         return None
+
+
+def supervisor_lost() -> bool:
+    """Whether this process was started by a supervisor (`FACTORY_SUPERVISOR_PID`) that is no longer its parent:
+    killed, so the kernel gave this process to another parent. False for an unsupervised process."""
+    pid = os.environ.get(SUPERVISOR_ENV, "")
+    return pid.isdigit() and os.getppid() != int(pid)
+
+
+class OrphanGuard:
+    """A daemon thread, in a supervised attempt: once its supervisor is gone it does the supervisor's hang check
+    itself, killing this process (SIGKILL, as the supervisor would) when the heartbeat is older than
+    `hang_timeout_s`. A live loop stops at its next step on its own (see `supervisor_lost`); this catches one that
+    never reaches that step."""
+
+    def __init__(self, run_dir: Path, hang_timeout_s: float, poll_s: float = 1.0):
+        self.run_dir, self.hang_timeout_s, self.poll_s = run_dir, hang_timeout_s, poll_s
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="orphan-guard", daemon=True)
+
+    def __enter__(self) -> OrphanGuard:
+        if os.environ.get(SUPERVISOR_ENV):
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+
+    def _watch(self) -> None:
+        lost_at: float | None = None
+        while not self._done.wait(self.poll_s):
+            if lost_at is None:
+                if not supervisor_lost():
+                    continue
+                lost_at = time.time()
+            # Silence counts from the later of the last beat and the loss: the supervisor's clock died with it.
+            silent = time.time() - max(last_beat(self.run_dir) or 0.0, lost_at)
+            if silent > self.hang_timeout_s and not self._done.is_set():
+                print(f"factory: attempt (pid {os.getpid()}) lost its supervisor and has not beaten for {silent:.0f} s "
+                      f"(ops.hang_timeout_s = {self.hang_timeout_s:g}): killing itself as hung", file=sys.stderr,
+                      flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+
+def announce_finished(run_dir: Path) -> None:
+    """This attempt recorded its result; what is left (closing things, exiting) needs no hang watchdog."""
+    (run_dir / FINISHED).write_text(str(os.getpid()))
+
+
+def finished(run_dir: Path, pid: int) -> bool:
+    """Whether the attempt with process id `pid` announced that it finished (`announce_finished`)."""
+    try:
+        return (run_dir / FINISHED).read_text().strip() == str(pid)
+    except FileNotFoundError:
+        return False
+
+
+def clear_finished(run_dir: Path) -> None:
+    (run_dir / FINISHED).unlink(missing_ok=True)
+
+
+def record_work_start(run_dir: Path, attempt: int, at: float) -> None:
+    """Attempt `attempt` started training at `at` (time.time()): its interruption's redo runs from then at most."""
+    tmp = run_dir / f".{WORK}.tmp"
+    tmp.write_text(json.dumps({"attempt": attempt, "started": at}))
+    os.replace(tmp, run_dir / WORK)
+
+
+def work_start(run_dir: Path) -> tuple[int, float] | None:
+    """(attempt, when it started training) of the last attempt that did, or None when not recorded here."""
+    try:
+        got = json.loads((run_dir / WORK).read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+    return int(got["attempt"]), float(got["started"])

@@ -3,7 +3,8 @@ restarts supervisor and the Dagster launcher read back: 0 ok, 1 failure while do
 2 bad input, 3 stopped on request (SIGTERM/SIGINT; resumable), 4 stopped until something is fixed (non-finite
 losses, a tripped circuit breaker: not retried), 5 stopped because a dependency stayed down (the lake/catalog past
 `ops.lake_outage_s`: not retried, resumable once it is back), 6 stopped because a disk is full (not retried,
-resumable once space is freed)."""
+resumable once space is freed), 7 an attempt that lost its supervisor and stopped at a resume point
+(resumable with `factory resume`; nobody is left to read it but the record)."""
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -12,3 +13,4 @@ EXIT_STOPPED = 3
 EXIT_NEEDS_FIX = 4
 EXIT_DEPENDENCY_DOWN = 5
 EXIT_DISK_FULL = 6
+EXIT_SUPERVISOR_LOST = 7

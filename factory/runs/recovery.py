@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from pyiceberg.expressions import And, EqualTo, In
+from pyiceberg.expressions import EqualTo, In
 
 from factory.config import ExperimentSpec, parse_spec
 from factory.lake.writer import Lake
@@ -102,17 +102,41 @@ def record_interruption(lake: Lake, run_id: str, attempt: int, cause: str, detai
                                        last_step=last_step, failed_at=t, detect_s=0.0, recorded_at=t)])
 
 
-def open_interruption(lake: Lake, run_id: str, attempt: int) -> dict | None:
-    """The interruption of attempt `attempt` (the one the current attempt recovers from), if recorded."""
-    rows = lake.read("interruptions", And(EqualTo("run_id", run_id), EqualTo("attempt", attempt))).to_pylist()
-    return rows[0] if rows else None
+def close_open_interruptions(lake: Lake, run_id: str, attempt: int, resumed_from: int, saved_at: float,
+                             started_at: float, work: tuple[int, float] | None) -> None:
+    """When attempt `attempt` starts training (its first step began at `started_at`, from the resume point of step
+    `resumed_from` saved at `saved_at`): fill in the costs of every earlier interruption still open. More than one
+    is open when attempts died before their first step (killed while starting, or during a resume write before
+    training); each row gets its own costs, so none is counted twice:
+    - redo_s: the interrupted attempt's training after the resume point, from the later of `saved_at` and when that
+      attempt started training (`work`: (attempt, time) of the last attempt that started training, None when not
+      recorded: then from `saved_at`); 0 for an attempt that never started training;
+    - recover_s: from noticing the failure to the next attempt that trains (`started_at`), or, when the next
+      attempt died before training, to that attempt's own failure (the rest is that one's row)."""
+    rows = sorted(lake.read("interruptions", EqualTo("run_id", run_id)).to_pylist(), key=lambda r: r["attempt"])
+    rows = [r for r in rows if r["attempt"] < attempt]
+    for i, row in enumerate(rows):
+        if row.get("resumed_from_step") is not None:
+            continue  # closed when an earlier attempt started training
+        failed = stamp(row["failed_at"])
+        detected = failed + (row.get("detect_s") or 0.0)
+        recovered = stamp(rows[i + 1]["failed_at"]) if i + 1 < len(rows) else started_at
+        if work is None:
+            redo = failed - saved_at
+        elif work[0] == row["attempt"]:
+            redo = failed - max(saved_at, work[1])
+        elif work[0] < row["attempt"]:
+            redo = 0.0  # it died before training anything
+        else:
+            redo = failed - saved_at  # a later attempt's record replaced its own: the cost from the resume point
+        lost = 0 if row.get("last_step") is None else max(0, row["last_step"] - resumed_from)  # None: no step yet
+        lake.upsert("interruptions", [dict(row, resumed_from_step=resumed_from, steps_lost=lost,
+                                           redo_s=max(0.0, redo), recover_s=max(0.0, recovered - detected))])
 
 
-def close_interruption(lake: Lake, row: dict, resumed_from: int, redo_s: float, recover_s: float) -> None:
-    """Fill in what the recovery cost, once the next attempt starts its first step."""
-    lost = None if row.get("last_step") is None else max(0, row["last_step"] - resumed_from)
-    lake.upsert("interruptions", [dict(row, resumed_from_step=resumed_from, steps_lost=lost,
-                                       redo_s=max(0.0, redo_s), recover_s=max(0.0, recover_s))])
+def stamp(t: datetime) -> float:
+    """A lake timestamp (UTC, maybe stored naive) as seconds since the epoch."""
+    return (t if t.tzinfo else t.replace(tzinfo=UTC)).timestamp()
 
 
 def lost_seconds(lake: Lake, run_id: str) -> float:

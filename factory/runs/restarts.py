@@ -20,6 +20,11 @@ A warm standby makes that fast: once an attempt is running, the parent starts th
 which imports torch and the engine and opens the lake and MLflow, then waits on its stdin. When the
 running attempt dies, the standby is told `go` and is training again within about a second, instead of
 paying the several seconds of imports a cold process needs (measured in benchmarks/chaos.py).
+
+Each attempt is told this supervisor's pid (`FACTORY_SUPERVISOR_PID`): if the supervisor is killed, the attempt
+stops at its next resume point by itself (`runs/attempt.py`), so no attempt trains on unwatched. An attempt that
+announced it finished (`announce_finished`: its result is recorded, only its exit is left) is not killed as hung;
+and one that dies after that announcement, with its run recorded as succeeded, counts as a success.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 from factory.config import ExperimentSpec
 from factory.home import FactoryPaths
@@ -36,7 +43,7 @@ from factory.infra.disk import is_disk_full
 from factory.lake.spool import is_outage
 from factory.lake.writer import Lake
 from factory.runs import recovery
-from factory.runs.attempt import last_beat
+from factory.runs.attempt import SUPERVISOR_ENV, clear_finished, finished, last_beat
 from factory.runs.exit_codes import (
     EXIT_DEPENDENCY_DOWN,
     EXIT_DISK_FULL,
@@ -61,6 +68,7 @@ class _Attempts:
         self.run_dir = paths.checkpoints / run_id
         if self.group:
             self.argv = attempt_command(paths, run_id, spec)
+        self.env = {**os.environ, SUPERVISOR_ENV: str(os.getpid())}  # an attempt stops if this process dies
         self.spare: subprocess.Popen | None = None
 
     def start(self, attempt: int) -> subprocess.Popen:
@@ -74,14 +82,14 @@ class _Attempts:
             spare.stdin.write(f"go {attempt}\n")
             spare.stdin.flush()
             return spare
-        return subprocess.Popen(self.argv, env={**os.environ, "FACTORY_ATTEMPT": str(attempt)})
+        return subprocess.Popen(self.argv, env={**self.env, "FACTORY_ATTEMPT": str(attempt)})
 
     def prepare(self) -> None:
         """Start the next attempt's process now, warm and waiting (once per running attempt)."""
         if self.group:
             return
         if self.spare is None or self.spare.poll() is not None:
-            self.spare = subprocess.Popen([*self.argv, "--standby"], stdin=subprocess.PIPE, text=True)
+            self.spare = subprocess.Popen([*self.argv, "--standby"], stdin=subprocess.PIPE, text=True, env=self.env)
 
     def kill(self, child: subprocess.Popen) -> None:
         """Kill an attempt: a group's whole process session (torchrun and every rank), or the one process."""
@@ -129,10 +137,13 @@ def supervise(paths: FactoryPaths, run_id: str, spec: ExperimentSpec, log=print,
     try:
         while True:
             started = time.time()
+            clear_finished(run_dir)
             child = children.start(restarts + 1)
             hung = None
             while child.poll() is None:
                 time.sleep(POLL_S)
+                if finished(run_dir, child.pid):
+                    continue  # its result is recorded: only its exit is left, which beats no heartbeat
                 beat = last_beat(run_dir) or 0.0
                 if beat > started and warm_standby and restarts < ops.max_restarts:
                     children.prepare()  # this attempt is up: warm the next one while it trains
@@ -143,7 +154,7 @@ def supervise(paths: FactoryPaths, run_id: str, spec: ExperimentSpec, log=print,
                     hung = age
                     children.kill(child)
             rc = children.exit_code(child, run_dir, restarts + 1)
-            if rc == EXIT_OK:
+            if rc == EXIT_OK or _finished_anyway(paths, run_id, run_dir, child.pid, rc, log):
                 return EXIT_OK
             if stop or rc == EXIT_STOPPED:
                 log(f"run {run_id}: stopped on request; resume it with: factory resume {run_id}")
@@ -197,6 +208,20 @@ def _record_dead(paths: FactoryPaths, run_id: str, run_dir, ops, rc: int, hung: 
                 lake.upsert("runs", [dict(latest, status="failed")])
             return True
     return False
+
+
+def _finished_anyway(paths: FactoryPaths, run_id: str, run_dir: Path, pid: int, rc: int,
+                     log: Callable[[str], object]) -> bool:
+    """An attempt that died after announcing it finished, with its run recorded as succeeded: a success (its
+    result is whole; restarting it would only find the run done)."""
+    if not finished(run_dir, pid):
+        return False
+    with Lake.open(paths) as lake:
+        row = recovery.run_row(lake, run_id)
+    if row is None or row["status"] != "succeeded":
+        return False
+    log(f"run {run_id}: the attempt ended with {_describe(rc)} after recording its result; the run succeeded")
+    return True
 
 
 def _describe(rc: int) -> str:

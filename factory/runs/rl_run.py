@@ -10,8 +10,9 @@ the interruption is recorded (`runs/recovery.py`) with what it cost. A run that 
 again: its recorded result is returned.
 
 While an attempt lives it holds the run's lock and beats its heartbeat (`runs/attempt.py`); SIGTERM or
-SIGINT make it save a resume point after the current step and stop as `interrupted`. `attempt_main` is one
-attempt in a child process of the restarts supervisor (`runs/restarts.py`).
+SIGINT make it save a resume point after the current step and stop as `interrupted`; so does a supervised attempt
+whose supervisor died (cause `supervisor_lost`). `attempt_main` is one attempt in a child process of the restarts
+supervisor (`runs/restarts.py`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from factory.envs.eval_suites import HELD_OUT
 from factory.home import FactoryPaths
 from factory.infra.device import describe, run_device
 from factory.infra.disk import is_disk_full
+from factory.infra.faults import fault_point
 from factory.infra.supervisor import CircuitOpen
 from factory.lake.spool import SPOOL, LakeDown, Spool, SpooledLake
 from factory.lake.writer import Lake
@@ -51,9 +53,21 @@ from factory.models.uploads import BackgroundUploads
 from factory.problem import Splits
 from factory.progress import Progress, format_duration
 from factory.runs import recovery
-from factory.runs.attempt import LAUNCH, AttemptLock, beat, read_launch, resume_dir
+from factory.runs.attempt import (
+    LAUNCH,
+    SUPERVISOR_ENV,
+    AttemptLock,
+    OrphanGuard,
+    announce_finished,
+    beat,
+    read_launch,
+    record_work_start,
+    resume_dir,
+    supervisor_lost,
+    work_start,
+)
 from factory.runs.degraded import stop_code, tolerating, unless_down, watch_lake
-from factory.runs.exit_codes import EXIT_NEEDS_FIX, EXIT_OK, EXIT_STOPPED
+from factory.runs.exit_codes import EXIT_NEEDS_FIX, EXIT_OK, EXIT_STOPPED, EXIT_SUPERVISOR_LOST
 from factory.runs.resume_points import RunCheckpoints
 from factory.runs.run_checkpoints import record_checkpoint
 from factory.runs.stages import (
@@ -184,7 +198,6 @@ class Run:
         self.device: torch.device | None = None  # this attempt's (`_open_records` resolves it)
         self.state: TrainState | None = None  # the resume point this attempt starts from
         self.resumed_from = 0
-        self.interruption: dict | None = None  # the previous attempt's, closed at this attempt's first step
         self.first_step_at: float | None = None  # when this attempt's first step began (time.time())
         self.steplog = StepLog(run_id, self.attempt)
         self.ckpts: RunCheckpoints | None = None
@@ -227,7 +240,6 @@ class Run:
         self.state = found[0] if found else None
         self.resumed_from = self.state.step if self.state else 0
         if self.prev is not None:
-            self.interruption = recovery.open_interruption(self.lake, self.run_id, self.attempt - 1)
             forget_after(self.lake, self.run_id, self.resumed_from)
             self.log(f"run {self.run_id}: attempt {self.attempt} resumes from "
                      + (f"resume point {found[1].name} (step {self.resumed_from})" if found
@@ -310,6 +322,7 @@ class Run:
             with self.ckpts.signals():
                 if self.state is not None and self.state.step >= self.spec.schedule.steps:
                     load_trained(self.spec, self.model, self.state.model)  # trained to the end before: the last stages
+                    self._started_work(time.time())  # no step to train: the recovery ends here
                 else:
                     self.records = train_rl(self.spec, self.model, self.tok, self.splits.train, on_step=self.step,
                                               checkpoints=self.ckpts, resume=self.state,
@@ -331,9 +344,9 @@ class Run:
     def step(self, r: StepRecord) -> None:
         """After each training step (the loop's `on_step`)."""
         if self.first_step_at is None:
-            self.first_step_at = time.time() - r.wall_s
-            self._close_interruption()
+            self._started_work(time.time() - r.wall_s)
         beat(self.run_dir, r.step)
+        self._check_supervisor()
         n = self.steplog.add(r)
         self.step_metrics.add(r.step, {**{k: v for k, v in r.to_dict().items() if k != "step"}, **r.data})
         self._report_progress(r)
@@ -356,17 +369,31 @@ class Run:
             self.log(f"run {self.run_id}: {cause}; stopping at a resume point after step {step}")
             self.ckpts.stop.set()
 
-    def _close_interruption(self) -> None:
-        """At this attempt's first step: what recovering from the previous attempt's interruption cost."""
-        if self.interruption is None:
+    def _started_work(self, at: float) -> None:
+        """This attempt starts training at `at` (its first step began, or it had no step left): close the costs of
+        every earlier interruption still open, then record when this attempt's own work began (what its redo
+        counts from, should it die)."""
+        self.first_step_at = at
+        if self.prev is not None:
+            started = self.base_row["started_at"]
+            saved = self.state.loop.get("saved_at") if self.state else None
+            recovery.close_open_interruptions(self.lake, self.run_id, self.attempt, self.resumed_from,
+                                              saved if saved is not None else recovery.stamp(started), at,
+                                              work_start(self.run_dir))
+            # The lake down: keep the old figure, the next attempt reads it right.
+            self.lost_s = unless_down(lambda: recovery.lost_seconds(self.lake, self.run_id), self.lost_s)
+        record_work_start(self.run_dir, self.attempt, at)
+
+    def _check_supervisor(self) -> None:
+        """A supervised attempt whose supervisor died: save a resume point after this step and stop (the loop does,
+        as on SIGTERM), since nothing would restart it after a crash or kill it when it hangs."""
+        if self.ckpts.stopping() or not supervisor_lost():
             return
-        failed = self.interruption["failed_at"].timestamp()
-        saved = self.state.loop.get("saved_at", failed) if self.state else self.base_row["started_at"].timestamp()
-        detected = failed + (self.interruption.get("detect_s") or 0.0)
-        recovery.close_interruption(self.lake, self.interruption, self.resumed_from, failed - saved,
-                                    self.first_step_at - detected)
-        # The lake down: keep the old figure, the next attempt reads it right.
-        self.lost_s = unless_down(lambda: recovery.lost_seconds(self.lake, self.run_id), self.lost_s)
+        self.log(f"run {self.run_id}: attempt {self.attempt} lost its supervisor (pid "
+                 f"{os.environ.get(SUPERVISOR_ENV)} is gone): stopping at a resume point; continue with: "
+                 f"factory resume {self.run_id}")
+        self.ckpts.signal_name = SUPERVISOR_LOST
+        self.ckpts.stop.set()
 
     def _report_progress(self, r: StepRecord) -> None:
         steps = self.spec.schedule.steps
@@ -396,15 +423,19 @@ class Run:
 
     def finish(self) -> RunResult:
         """The final checkpoint, its evals, and the run recorded as succeeded."""
+        fault_point("finish")  # chaos tests: a kill after the last resume point, before the result is recorded
         spec, lake, tracker, mlflow_id = self.spec, self.lake, self.tracker, self.mlflow_id
         final_step = spec.schedule.steps
         info = record_checkpoint(self.model, self.tok, self.paths, lake, self.run_id, final_step, final=True,
                                  uploads=self.uploads)
+        beat(self.run_dir)  # the work after the last step beats too, between its parts
         final_eval = evaluate(EmbeddedEngine(self.model, self.tok), self.tok, self.splits.eval,
                               spec.rollout.max_new_tokens, k=spec.schedule.eval_pass_k, temperature=1.0,
                               seed=spec.seed)
         lake.upsert("evals", eval_rows(self.run_id, final_step, final_eval, info.sha256))
+        beat(self.run_dir)
         self._evaluate_sources(final_step, info.sha256)
+        beat(self.run_dir)
         tracker.log_metrics(mlflow_id, final_step, {"eval/accuracy": final_eval.accuracy,
                                                     f"eval/pass_at_{final_eval.k}": final_eval.pass_at_k})
         tracker.set_tags(mlflow_id, {"factory.checkpoint": str(info.path)})
@@ -413,6 +444,7 @@ class Run:
         self._record_run("succeeded", final_checkpoint=str(info.path), ended_at=_now())
         # The result is read back: wait out an outage within its budget, beating (the hang watchdog is shorter).
         self.lake.drain(spec.ops.lake_outage_s, sleep=lambda s: (time.sleep(s), beat(self.run_dir)))
+        announce_finished(self.run_dir)  # the result is recorded: a supervisor's hang watchdog stands down
         done = recovery.run_row(lake, self.run_id)
         tracker.log_metrics(mlflow_id, final_step, {"goodput": done["goodput"]})
         tracker.end_run(mlflow_id, "FINISHED")
@@ -439,12 +471,17 @@ class Run:
                     else f"failed: {detail}"))
 
 
+SUPERVISOR_LOST = "supervisor lost"  # RunCheckpoints.signal_name of an attempt stopped by its supervisor's death
+
+
 def _classify(e: BaseException, ckpts: RunCheckpoints) -> tuple[str, str]:
     """(run status, interruption cause) for an attempt that ended with `e`."""
     if isinstance(e, LakeDown):
         return "interrupted", "lake_down"
     if is_disk_full(e):
         return "interrupted", "disk_full"
+    if ckpts is not None and ckpts.signal_name == SUPERVISOR_LOST:
+        return "interrupted", "supervisor_lost"
     if isinstance(e, RunInterrupted | KeyboardInterrupt) or ckpts.stopping():
         return "interrupted", "signal"
     if isinstance(e, NonFiniteLoss):
@@ -555,12 +592,14 @@ def _attempt(paths: FactoryPaths, run_id: str) -> int:
         init = row["init_checkpoint"] if row else launch["init_checkpoint"]
         splits = load_dataset(build_dataset(spec, paths).path)
         try:
-            run_rl(spec, paths, init, splits, lake, Tracker(paths), run_id=run_id,
-                   sweep_id=row["sweep_id"] if row else launch.get("sweep_id"),
-                   mlflow_experiment=launch.get("mlflow_experiment"),
-                   mlflow_parent_run_id=launch.get("mlflow_parent_run_id"))
+            with OrphanGuard(run_dir, spec.ops.hang_timeout_s):  # watches for hangs if the supervisor dies
+                run_rl(spec, paths, init, splits, lake, Tracker(paths), run_id=run_id,
+                       sweep_id=row["sweep_id"] if row else launch.get("sweep_id"),
+                       mlflow_experiment=launch.get("mlflow_experiment"),
+                       mlflow_parent_run_id=launch.get("mlflow_parent_run_id"))
+            fault_point("attempt_exit")  # chaos tests: the work between the recorded result and the exit
         except (RunInterrupted, KeyboardInterrupt):
-            return EXIT_STOPPED
+            return EXIT_SUPERVISOR_LOST if supervisor_lost() else EXIT_STOPPED
         except (NonFiniteLoss, CircuitOpen, SourceError) as e:  # a data file gone bad: restarting cannot help
             print(f"factory: error: run {run_id} stopped: {' '.join(str(e).split())}", file=sys.stderr)
             return EXIT_NEEDS_FIX
