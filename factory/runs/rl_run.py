@@ -30,7 +30,7 @@ import torch
 from pyiceberg.expressions import And, EqualTo
 
 from factory.config import ExperimentSpec, parse_spec
-from factory.core.evaluate import evaluate, sampled_pass_at_k
+from factory.core.evaluate import evaluate
 from factory.core.loop import NonFiniteLoss, RunInterrupted, StepRecord, train_rl
 from factory.core.resume import TrainState, latest
 from factory.core.rollout.embedded import EmbeddedEngine
@@ -70,6 +70,7 @@ from factory.runs.degraded import stop_code, tolerating, unless_down, watch_lake
 from factory.runs.exit_codes import EXIT_NEEDS_FIX, EXIT_OK, EXIT_STOPPED, EXIT_SUPERVISOR_LOST
 from factory.runs.resume_points import RunCheckpoints
 from factory.runs.run_checkpoints import record_checkpoint
+from factory.runs.run_evals import SOURCE_BENCHMARK, source_evals, start_eval
 from factory.runs.stages import (
     Log,
     ProgressCallback,
@@ -302,7 +303,7 @@ class Run:
     def evaluate_start(self) -> None:
         """Step 0's evals (once per run), and the data feed."""
         spec, lake, run_id = self.spec, self.lake, self.run_id
-        self.start = _start_eval(spec, lake, self.tracker, run_id, self.mlflow_id, self.model, self.tok,
+        self.start = start_eval(spec, lake, self.tracker, run_id, self.mlflow_id, self.model, self.tok,
                                  self.splits, self.log)
         self.held = held_out_sets(spec)
         if self.held and lake.read("evals", And(And(EqualTo("run_id", run_id), EqualTo("step", 0)), EqualTo(
@@ -416,7 +417,7 @@ class Run:
 
     def _evaluate_sources(self, step: int, sha256: str | None, deferred: bool = False) -> None:
         """`deferred`: a periodic eval's MLflow points wait with the step's (`step_metrics`)."""
-        _source_evals(self.spec, self.held, self.model, self.tok, self.lake, self.tracker, self.run_id,
+        source_evals(self.spec, self.held, self.model, self.tok, self.lake, self.tracker, self.run_id,
                       self.mlflow_id, step, sha256, self.step_metrics if deferred else None)
 
     # ------------------------------------------------------------ finish, fail
@@ -489,52 +490,6 @@ def _classify(e: BaseException, ckpts: RunCheckpoints) -> tuple[str, str]:
     if isinstance(e, CircuitOpen):
         return "interrupted", "crash_loop"
     return "interrupted", "crash"  # resumable: a restart (the supervisor, a Dagster retry) continues it
-
-
-def _start_eval(spec: ExperimentSpec, lake: Lake, tracker: Tracker, run_id: str, mlflow_id: str, model, tok,
-                splits: Splits, log: Log) -> tuple[float, float | None]:
-    """Held-out accuracy and pass@k of the start (step 0), measured once per run (a resumed attempt reads it)."""
-    rows = lake.read("evals", And(And(EqualTo("run_id", run_id), EqualTo("step", 0)),
-                                  EqualTo("benchmark", HELD_OUT))).to_pylist()
-    got = {r["metric"]: r["value"] for r in rows}
-    k = f"pass@{spec.schedule.eval_pass_k}"
-    if "accuracy" in got:
-        return got["accuracy"], got.get(k)
-    res = evaluate(EmbeddedEngine(model, tok), tok, splits.eval, spec.rollout.max_new_tokens,
-                   k=spec.schedule.eval_pass_k, temperature=1.0, seed=spec.seed)
-    lake.upsert("evals", eval_rows(run_id, 0, res, None))
-    tracker.log_metrics(mlflow_id, 0, {"eval/accuracy": res.accuracy, f"eval/pass_at_{res.k}": res.pass_at_k})
-    log(f"run {run_id}: start held-out accuracy {res.accuracy:.3f}, pass@{res.k} {res.pass_at_k:.3f}")
-    return res.accuracy, res.pass_at_k
-
-
-SOURCE_BENCHMARK = "source:"  # evals.benchmark of a blend source's held-out set: "source:<name>"
-
-
-def _source_evals(spec: ExperimentSpec, held: dict, model, tok, lake: Lake, tracker: Tracker, run_id: str,
-                  mlflow_id: str, step: int, sha256: str | None, deferred: StepMetrics | None = None) -> None:
-    """Greedy held-out accuracy per blend source (`data.held_out` problems of each generated source); for a
-    HumanEval source also the unbiased pass@1 and pass@k from k = schedule.eval_pass_k samples a problem."""
-    rows, metrics = [], {}
-    for name, problems in held.items():
-        res = evaluate(EmbeddedEngine(model, tok), tok, problems, spec.rollout.max_new_tokens)
-        rows.append(dict(run_id=run_id, step=step, benchmark=SOURCE_BENCHMARK + name, metric="accuracy",
-                         value=res.accuracy, n=res.n, checkpoint_sha256=sha256, recorded_at=_now()))
-        metrics[f"eval/source/{name}"] = res.accuracy
-        if all(p.op == "humaneval" for p in problems):
-            k = spec.schedule.eval_pass_k
-            passes = sampled_pass_at_k(EmbeddedEngine(model, tok), tok, problems, spec.rollout.max_new_tokens, n=k,
-                                       ks=sorted({1, k}), seed=spec.seed)
-            for kk, value in passes.items():
-                rows.append(dict(run_id=run_id, step=step, benchmark=SOURCE_BENCHMARK + name, metric=f"pass@{kk}",
-                                 value=value, n=res.n, checkpoint_sha256=sha256, recorded_at=_now()))
-                metrics[f"eval/source/{name}/pass_at_{kk}"] = value
-    if rows:
-        lake.upsert("evals", rows)
-        if deferred is not None:
-            deferred.add(step, metrics)
-        else:
-            tracker.log_metrics(mlflow_id, step, metrics)
 
 
 PROMPT_STATS_TAG = "factory.prompt_stats_snapshot"
