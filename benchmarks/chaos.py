@@ -14,11 +14,28 @@ Kill moments are drawn from a seeded RNG; "during a checkpoint write" and "durin
 the process to be at that fault point (`factory/infra/faults.py`, which holds each briefly so the kill lands).
 The breaker is widened for these runs (ops.breaker_restarts = 50): here the crashes are the point.
 
-Prints a table, then one JSON line with kills, survived, bit_identical_sync, duplicate_steps, missing_steps,
-duplicate_prompts, skipped_prompts, resume_s_p50, goodput, save_stall_ms_p50 (and more).
+Then the dependency and supervision faults (`benchmarks/chaos_faults.py`), each one real supervised run of the
+tiny model struck once: a catalog outage mid-run (the SQLite catalog's write lock held, shorter than
+ops.lake_outage_s), ENOSPC at a resume-point write, SIGKILL of the supervising `factory run`, SIGKILL of one rank
+of a 2-rank data-parallel run; and the red-team reward hacks (`envs/reward_hacks.py`).
 
-    .venv/bin/python benchmarks/chaos.py            # ~10 min on 2 cores
-    .venv/bin/python benchmarks/chaos.py --quick    # fewer kills and steps, ~4 min
+Prints a table, then one JSON line with kills, survived, bit_identical_sync, duplicate_steps, missing_steps,
+duplicate_prompts, skipped_prompts, resume_s_p50, goodput, save_stall_ms_p50 (and more), and one boolean per fault
+(all must be true):
+- lake_outage_survived: the run through the outage finished `succeeded`, rows were spooled meanwhile, and no
+  `steps` row is duplicated or missing;
+- disk_full_clean_stop: the run stopped with "disk full: DIR" and exit code EXIT_DISK_FULL, no traceback, 0
+  restarts spent, the previous resume point intact; then `factory resume` finished it, every step once;
+- supervisor_kill_survived: the orphaned attempt stopped at a resume point (cause supervisor_lost) and no process
+  of the run was left running (/proc); then `factory resume` finished it, every step once;
+- rank_kill_survived: the group was restarted after rank 1's SIGKILL and the run finished `succeeded`, every
+  step once;
+- reward_hacks_scored_zero: every red-team reward hack scored 0 and the honest control 1.
+`faults` holds what each fault run saw (and `why`, the first check that failed). `--only` runs some parts.
+
+    .venv/bin/python benchmarks/chaos.py
+    .venv/bin/python benchmarks/chaos.py --quick    # fewer kills and steps
+    .venv/bin/python benchmarks/chaos.py --quick --only disk_full,reward_hacks
 """
 
 from __future__ import annotations
@@ -232,6 +249,9 @@ def chaos_run(work: Path, name: str, extra: list[str], plan: list[tuple[str, str
             "run_dir": str(run.run_dir())}
 
 
+FAULTS = ("lake_outage", "disk_full", "supervisor_kill", "rank_kill", "reward_hacks")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer kills and steps")
@@ -239,14 +259,29 @@ def main() -> int:
     ap.add_argument("--long-minutes", type=float, default=None, help="length of the goodput run (default 6; quick 3)")
     ap.add_argument("--long-every", type=float, default=None, help="seconds between trainer kills in the goodput run "
                                                                   "(default 120; quick 60)")
+    ap.add_argument("--only", default=None, help="comma-separated parts to run: kills (the kill runs above) and/or "
+                                                 f"{', '.join(FAULTS)} (default: all)")
+    ap.add_argument("--isolation", choices=("bwrap", "none"), default="bwrap", help="sandbox of the reward hacks")
     args = ap.parse_args()
+    parts = set(args.only.split(",")) if args.only else {"kills", *FAULTS}
+    if unknown := parts - {"kills", *FAULTS}:
+        ap.error(f"--only: unknown part(s) {sorted(unknown)}; expected kills or {', '.join(FAULTS)}")
+    work = Path(tempfile.mkdtemp(prefix="factory-chaos-"))
+    print(f"chaos: work in {work} (logs: {work}/*.log)", flush=True)
+    result = kill_runs(args, work) if "kills" in parts else {}
+    result.update(fault_runs(args, work, parts))
+    result["quick"] = args.quick
+    print(json.dumps(result))
+    return 0
+
+
+def kill_runs(args: argparse.Namespace, work: Path) -> dict:
+    """The kill runs: reference, sync and async with kills, the goodput run; their table and JSON keys."""
     rng = random.Random(args.seed)
     quick = args.quick
     sync_steps, async_steps = (200, 150) if quick else (400, 300)
     long_min = args.long_minutes or (3.0 if quick else 6.0)
     long_every = args.long_every or (60.0 if quick else 120.0)
-    work = Path(tempfile.mkdtemp(prefix="factory-chaos-"))
-    print(f"chaos: work in {work} (logs: {work}/*.log)", flush=True)
 
     # 0. The uninterrupted sync run the killed one must match, bit for bit.
     t0 = time.perf_counter()
@@ -323,7 +358,7 @@ def main() -> int:
     print(f"async draws trained {asy['draws_trained']}, duplicated {asy['duplicate_prompts']}, "
           f"skipped {asy['skipped_prompts']}")
     print(f"goodput run: {long_min:g} min, trainer killed every {long_every:g} s ({len(long_kills)} kills)")
-    result = {
+    return {
         "kills": len(killed), "survived": survived, "bit_identical_sync": sync["bit_identical"],
         "duplicate_steps": sync["duplicate_steps"] + asy["duplicate_steps"],
         "missing_steps": sync["missing_steps"] + asy["missing_steps"],
@@ -334,10 +369,41 @@ def main() -> int:
         "goodput": round(long_goodput, 4), "goodput_kill_every_s": long_every, "goodput_kills": len(long_kills),
         "goodput_sync_chaos": round(sync["goodput"], 4), "goodput_async_chaos": round(asy["goodput"], 4),
         "save_stall_ms_p50": round(statistics.median(stall), 2) if stall else None,
-        "save_stall_ms_max": round(max(stall), 2) if stall else None, "quick": quick,
+        "save_stall_ms_max": round(max(stall), 2) if stall else None,
     }
-    print(json.dumps(result))
-    return 0
+
+
+def fault_runs(args: argparse.Namespace, work: Path, parts: set[str]) -> dict:
+    """The dependency and supervision faults (`chaos_faults.py`), one run each: a table line per fault and one
+    boolean JSON key each (`<fault>_survived`, or as named below), plus `faults` with what each saw."""
+    import chaos_faults as cf
+
+    steps = 12 if args.quick else 24
+    scenarios = {
+        "lake_outage": ("lake_outage_survived", lambda: cf.lake_outage(work, SPEC, BASE, steps)),
+        "disk_full": ("disk_full_clean_stop", lambda: cf.disk_full(work, SPEC, BASE, steps)),
+        "supervisor_kill": ("supervisor_kill_survived", lambda: cf.supervisor_kill(work, SPEC, BASE, steps)),
+        "rank_kill": ("rank_kill_survived", lambda: cf.rank_kill(work, SPEC, BASE, steps)),
+        "reward_hacks": ("reward_hacks_scored_zero", lambda: cf.reward_hacks(work, args.isolation)),
+    }
+    out: dict = {}
+    seen: dict[str, dict] = {}
+    for name in FAULTS:
+        if name not in parts:
+            continue
+        key, scenario = scenarios[name]
+        t0 = time.perf_counter()
+        try:
+            res = scenario()
+        except Exception as e:  # a scenario that could not run is reported as failed, and the others still run
+            res = {"fault": name, "ok": False, "why": f"{type(e).__name__}: {e}"}
+        res["wall_s"] = round(time.perf_counter() - t0, 1)
+        out[key], seen[name] = bool(res["ok"]), res
+        print(f"fault {name:<16} {'held' if res['ok'] else 'FAILED: ' + str(res['why'])}  ({res['wall_s']:.0f} s)",
+              flush=True)
+    if seen:
+        out["faults"] = seen
+    return out
 
 
 if __name__ == "__main__":
