@@ -52,7 +52,7 @@ def _run_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("resume", help="continue a run that did not finish, from its newest resume point",
                        description="Continue a run that did not finish (killed, crashed, stopped, out of restarts) "
                        "from its newest complete resume point, supervised like `factory run`. If the supervising "
-                       "`factory run` was killed, its attempt stopped by itself at its next resume point (exit 6, "
+                       "`factory run` was killed, its attempt stopped by itself at its next resume point (exit 7, "
                        "cause supervisor_lost) and this continues it; while that attempt still holds the run's "
                        "lock, resume refuses (wait for it to stop).")
     p.add_argument("run_id", metavar="RUN_ID", help="run id (see `factory runs`)")
