@@ -17,6 +17,7 @@ from factory.infra.http_guard import RequestError, error_response
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # the OpenAI default for /v1/completions
 MAX_N = 256
+MAX_PROMPTS = 64  # prompts in one /v1/completions request (each sampled n times); bounds what its body may hold
 MAX_VERSION = (1 << 63) - 1  # weight versions are int64 in the lake
 MAX_WAIT_S = 3600.0  # the longest a control request may block the caller (pause with wait)
 

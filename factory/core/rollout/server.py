@@ -63,6 +63,7 @@ from torch import Tensor
 from factory.core.rollout.api_models import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     MAX_N,
+    MAX_PROMPTS,
     MAX_VERSION,
     APIError,
     ChatRequest,
@@ -74,6 +75,7 @@ from factory.core.rollout.api_models import (
     openai_render,
 )
 from factory.core.rollout.base import Completion, SamplingParams
+from factory.core.rollout.body_gate import CompletionBodyGate
 from factory.core.rollout.chat import (
     TOOL_CALL,
     ChatTemplate,
@@ -236,6 +238,9 @@ class RolloutServer:
         k = body.logprobs
         if k is not None and not 0 <= k <= 20:
             raise APIError(400, f"logprobs must be in [0, 20], got {k}", "logprobs")
+        if isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int) \
+                and len(body.prompt) > MAX_PROMPTS:
+            raise APIError(400, f"prompt: at most {MAX_PROMPTS} prompts per request, got {len(body.prompt)}", "prompt")
         sid = self._session_id(request, body)
         texts = [body.prompt] if isinstance(body.prompt, str) else [p for p in body.prompt if isinstance(p, str)]
         for text in texts:  # before any tokenizing: a prompt that cannot fit costs nothing
@@ -399,6 +404,9 @@ def create_app(engine: ContinuousEngine, model_path: str | None = None, delta_de
     srv = RolloutServer(engine, model_path, delta_decoder, max_sessions)
     app = FastAPI(title="factory rollout server", docs_url=None, redoc_url=None)
     app.state.rollout = srv
+    # A token-id body that no acceptable request could be is refused from its bytes, before the loop decodes and
+    # validates it (seconds for millions of ids). Added before `guard`: inside its body limit and crash guard.
+    app.add_middleware(CompletionBodyGate, max_seq_len=engine.max_seq_len)
     # 400 for a malformed body, as OpenAI answers it (the openai client raises BadRequestError).
     guard(app, validation_status=400, render=openai_render, max_body_bytes=max_body_bytes,
           body_limits={"/update_weights_from_delta": max_update_bytes})
