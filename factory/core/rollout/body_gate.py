@@ -42,17 +42,32 @@ def body_problem(body: bytes, max_seq_len: int) -> str | None:
     limit = max_values(max_seq_len)
     if commas <= limit:  # the common case: one C-speed pass
         return None
-    flat = body.replace(b"\\\\", b"").replace(b'\\"', b"")
+    flat = _unescaped(body)
     strings = flat.count(b'"') // 2
     if strings > MAX_STRINGS:
         return (f"prompt: the request holds {strings} strings; one this server can run holds at most {MAX_STRINGS} "
                 f"({MAX_PROMPTS} prompts and {MAX_OTHER_VALUES} values in its other fields)")
-    outside = commas - b"".join(flat.split(b'"')[1::2]).count(b",")
+    outside = commas - _commas_in_strings(flat)
     if outside <= limit:
         return None
     return (f"prompt: the request holds about {outside} values; one this server can run holds at most {limit} "
             f"(at most {MAX_PROMPTS} prompts of fewer than {max_seq_len} token ids, the maximum context length, and "
             f"{MAX_OTHER_VALUES} values in its other fields)")
+
+
+def commas_outside_strings(body: bytes) -> int:
+    """The commas of a JSON text that are not inside a string (one fewer than the values of each non-empty
+    container, summed)."""
+    return body.count(b",") - _commas_in_strings(_unescaped(body))
+
+
+def _unescaped(body: bytes) -> bytes:
+    """`body` without its `\\\\` pairs and then its `\\"`: only the quotes that open or close strings remain."""
+    return body.replace(b"\\\\", b"").replace(b'\\"', b"")
+
+
+def _commas_in_strings(flat: bytes) -> int:
+    return b"".join(flat.split(b'"')[1::2]).count(b",")
 
 
 class CompletionBodyGate:
