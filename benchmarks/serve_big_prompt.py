@@ -3,11 +3,11 @@
 A real server on 127.0.0.1 (the `micro` preset, the character tokenizer, the default 8 MiB body limit) gets one
 request whose body is just under the limit, sent from a thread; meanwhile `/health` is asked again and again on a
 keep-alive connection until that request has its answer. Three bodies: a text prompt (refused by the character bound
-before tokenizing), a chat message (the same, for `messages`), and a prompt of token ids (about 4M ints: parsed by
-pydantic on the loop, then refused by the context length). A fourth sends a prompt within the character bound of a
-model with a long context (`--context`, default 65536 positions), so it is tokenized (off the loop) and then refused by
-the token count. Prints a table, then one JSON line: per case the request's status and seconds, and the /health
-latencies seen meanwhile (count, p50, max).
+before tokenizing), a chat message (the same, for `messages`), and a prompt of token ids (about 4M ints: refused
+from the raw bytes by `body_gate.py`, more values than any acceptable request holds). A fourth sends a prompt within
+the character bound of a model with a long context (`--context`, default 65536 positions), so it is tokenized (off
+the loop) and then refused by the token count. Prints a table, then one JSON line: per case the request's status
+and seconds, and the /health latencies seen meanwhile (count, p50, max).
 """
 
 from __future__ import annotations

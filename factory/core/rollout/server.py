@@ -6,7 +6,8 @@ the chat template and tool calls in `chat.py`, the session records in `sessions.
 Endpoints:
 
 - OpenAI: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (no streaming). The `openai`
-  client works unchanged; `model` may be any name.
+  client works unchanged; `model` may be any name. A completions request has at most `MAX_PROMPTS` (64) prompts;
+  a body holding more values than that allows is refused before it is parsed (`body_gate.py`).
 - Control, named as SGLang names them: `GET /health`, `GET /get_model_info`, `GET /get_server_info`,
   `POST /update_weights_from_disk` {"model_path", "version"?, "mode"?}, `POST /pause_generation`
   {"mode"?: "drain" | "in_place", "wait"?}, `POST /continue_generation`, `POST /flush_cache`; and (SGLang has no
