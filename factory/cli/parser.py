@@ -60,7 +60,7 @@ def _run_commands(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("attempt", help="(internal) one attempt of a run in this process; run/resume start these")
     p.add_argument("run_id", metavar="RUN_ID")
-    p.add_argument("--standby", action="store_true", help="warm up, then wait for 'go ATTEMPT' on stdin")
+    p.add_argument("--standby", action="store_true", help="warm up, then fork an attempt per 'go ATTEMPT' on stdin")
     p.set_defaults(func="run:cmd_attempt")
 
 

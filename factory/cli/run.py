@@ -23,7 +23,7 @@ from factory.lake import Lake
 from factory.lake.spool import SPOOL, LakeDown, Spool, is_catalog_error
 from factory.models.build import policy_for
 from factory.ops.preflight.gate import PreflightFailed, gate
-from factory.runs import recovery
+from factory.runs import recovery, standby
 from factory.runs.exit_codes import (
     EXIT_BAD_INPUT,
     EXIT_DEPENDENCY_DOWN,
@@ -37,7 +37,7 @@ from factory.runs.experiment import RunFailed, run_experiment
 from factory.runs.pipes import RunInputs, run_under_pipes
 from factory.runs.rank_group import attempt_spec, is_group, run_group_attempt
 from factory.runs.restarts import supervise
-from factory.runs.rl_run import attempt_main, standby
+from factory.runs.rl_run import attempt_main
 from factory.runs.stages import eval_summary, render_report
 from factory.source_spec import SourceError
 
@@ -202,4 +202,6 @@ def cmd_attempt(args: argparse.Namespace) -> int:
         spec = attempt_spec(paths, args.run_id)
         if spec is not None and is_group(spec):
             return run_group_attempt(paths, args.run_id, spec)
-    return (standby if args.standby else attempt_main)(paths, args.run_id)
+    if args.standby:
+        return standby.serve(paths, args.run_id, attempt_main)
+    return attempt_main(paths, args.run_id)

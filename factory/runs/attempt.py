@@ -134,10 +134,22 @@ def last_beat(run_dir: Path) -> float | None:
 
 
 def supervisor_lost() -> bool:
-    """Whether this process was started by a supervisor (`FACTORY_SUPERVISOR_PID`) that is no longer its parent:
-    killed, so the kernel gave this process to another parent. False for an unsupervised process."""
+    """Whether this process was started by a supervisor (`FACTORY_SUPERVISOR_PID`) that is no longer its parent, nor
+    the parent of its parent (the run's warm standby, `runs/standby.py`, which forks attempts): killed, so the kernel
+    gave this process (or its standby) to another parent. False for an unsupervised process."""
     pid = os.environ.get(SUPERVISOR_ENV, "")
-    return pid.isdigit() and os.getppid() != int(pid)
+    if not pid.isdigit():
+        return False
+    parent = os.getppid()
+    return int(pid) not in (parent, _parent_of(parent))
+
+
+def _parent_of(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2:].split()[1])
 
 
 class OrphanGuard:

@@ -16,10 +16,10 @@ follows:
 - anything else (killed, crashed, hung): the dead attempt is recorded (`runs/recovery.py`) and the next
   attempt resumes from the newest resume point.
 
-A warm standby makes that fast: once an attempt is running, the parent starts the next one's process,
-which imports torch and the engine and opens the lake and MLflow, then waits on its stdin. When the
-running attempt dies, the standby is told `go` and is training again within about a second, instead of
-paying the several seconds of imports a cold process needs (measured in benchmarks/chaos.py).
+A warm standby makes that fast (`runs/standby.py`): one process per run, started with the first attempt, imports
+torch and the engine and opens the lake and MLflow once, then forks every attempt. A restart is a fork of an
+already-warm process, whenever the last attempt died, instead of a cold process paying several seconds of imports
+(measured in benchmarks/chaos.py). If the standby itself dies, the next attempt starts a new one.
 
 Each attempt is told this supervisor's pid (`FACTORY_SUPERVISOR_PID`): if the supervisor is killed, the attempt
 stops at its next resume point by itself (`runs/attempt.py`), so no attempt trains on unwatched. An attempt that
@@ -53,13 +53,14 @@ from factory.runs.exit_codes import (
     EXIT_STOPPED,
 )
 from factory.runs.rank_group import GROUP_EXIT, attempt_command, group_code, is_group
+from factory.runs.standby import Forked, Standby
 
 POLL_S = 0.2
 STARTUP_GRACE_S = 120.0  # an attempt's start (imports, loading the model and lake) before it first beats
 
 
 class _Attempts:
-    """Child processes for attempts: a warm standby when one is ready, else a cold start. A data-parallel run's
+    """Processes for attempts: forked by the run's warm standby, or cold (`warm=False`). A data-parallel run's
     attempt is a torchrun group of ranks (`runs/rank_group.py`) in its own process session, killed as a whole."""
 
     def __init__(self, paths: FactoryPaths, run_id: str, spec: ExperimentSpec | None = None):
@@ -69,29 +70,25 @@ class _Attempts:
         if self.group:
             self.argv = attempt_command(paths, run_id, spec)
         self.env = {**os.environ, SUPERVISOR_ENV: str(os.getpid())}  # an attempt stops if this process dies
-        self.spare: subprocess.Popen | None = None
+        self.standby: Standby | None = None  # forks the attempts of a single-process run
 
-    def start(self, attempt: int) -> subprocess.Popen:
+    def start(self, attempt: int, warm: bool) -> subprocess.Popen | Forked:
+        """Attempt `attempt`: forked by the warm standby (started now if there is none alive), or, with `warm`
+        False, a cold process of its own."""
         if self.group:  # no warm standby for a group: torchrun starts its ranks cold
             (self.run_dir / GROUP_EXIT).unlink(missing_ok=True)  # an earlier `factory run`/`resume`'s attempt's
             return subprocess.Popen(self.argv, env={**os.environ, "FACTORY_ATTEMPT": str(attempt),
                                                     "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
                                     start_new_session=True)
-        spare, self.spare = self.spare, None
-        if spare is not None and spare.poll() is None:
-            spare.stdin.write(f"go {attempt}\n")
-            spare.stdin.flush()
-            return spare
-        return subprocess.Popen(self.argv, env={**self.env, "FACTORY_ATTEMPT": str(attempt)})
+        if not warm:
+            return subprocess.Popen(self.argv, env={**self.env, "FACTORY_ATTEMPT": str(attempt)})
+        if self.standby is None or not self.standby.alive():
+            if self.standby is not None:
+                self.standby.close()
+            self.standby = Standby(self.argv, self.env)
+        return self.standby.go(attempt)
 
-    def prepare(self) -> None:
-        """Start the next attempt's process now, warm and waiting (once per running attempt)."""
-        if self.group:
-            return
-        if self.spare is None or self.spare.poll() is not None:
-            self.spare = subprocess.Popen([*self.argv, "--standby"], stdin=subprocess.PIPE, text=True, env=self.env)
-
-    def kill(self, child: subprocess.Popen) -> None:
+    def kill(self, child: subprocess.Popen | Forked) -> None:
         """Kill an attempt: a group's whole process session (torchrun and every rank), or the one process."""
         if self.group:
             try:
@@ -102,20 +99,15 @@ class _Attempts:
             child.kill()
         child.wait()
 
-    def exit_code(self, child: subprocess.Popen, run_dir, attempt: int) -> int:
+    def exit_code(self, child: subprocess.Popen | Forked, run_dir, attempt: int) -> int:
         """What the attempt's exit stands for (a group's: `rank_group.group_code`)."""
         if self.group:
             return group_code(run_dir, attempt, child.returncode)
         return child.returncode
 
     def close(self) -> None:
-        if self.spare is not None and self.spare.poll() is None:
-            self.spare.stdin.close()  # it exits on EOF
-            try:
-                self.spare.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.spare.kill()
-                self.spare.wait()
+        if self.standby is not None:
+            self.standby.close()
 
 
 def supervise(paths: FactoryPaths, run_id: str, spec: ExperimentSpec, log=print, warm_standby: bool = True) -> int:
@@ -138,15 +130,13 @@ def supervise(paths: FactoryPaths, run_id: str, spec: ExperimentSpec, log=print,
         while True:
             started = time.time()
             clear_finished(run_dir)
-            child = children.start(restarts + 1)
+            child = children.start(restarts + 1, warm=warm_standby)
             hung = None
             while child.poll() is None:
                 time.sleep(POLL_S)
-                if finished(run_dir, child.pid):
+                if child.pid is not None and finished(run_dir, child.pid):
                     continue  # its result is recorded: only its exit is left, which beats no heartbeat
                 beat = last_beat(run_dir) or 0.0
-                if beat > started and warm_standby and restarts < ops.max_restarts:
-                    children.prepare()  # this attempt is up: warm the next one while it trains
                 # Until this attempt's first sign of life it is starting (imports, loading): a longer grace.
                 limit = ops.hang_timeout_s if beat > started else max(ops.hang_timeout_s, STARTUP_GRACE_S)
                 age = time.time() - max(beat, started)

@@ -559,15 +559,3 @@ def _attempt(paths: FactoryPaths, run_id: str) -> int:
             print(f"factory: error: run {run_id} stopped: {' '.join(str(e).split())}", file=sys.stderr)
             return EXIT_NEEDS_FIX
     return EXIT_OK
-
-
-def standby(paths: FactoryPaths, run_id: str) -> int:
-    """Warm up (this module's imports, the lake, MLflow), then wait for `go <attempt>` on stdin and run that attempt;
-    exit quietly when stdin closes instead (the run ended without needing this standby)."""
-    Lake.open(paths).close()
-    Tracker(paths)
-    line = sys.stdin.readline().split()
-    if not line or line[0] != "go":
-        return EXIT_OK
-    os.environ["FACTORY_ATTEMPT"] = line[1]
-    return attempt_main(paths, run_id)

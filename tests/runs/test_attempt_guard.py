@@ -32,12 +32,17 @@ child.wait()
 """
 
 
-def test_supervisor_lost_only_when_the_named_supervisor_is_no_longer_the_parent(monkeypatch):
+def test_supervisor_lost_only_when_the_named_supervisor_is_neither_parent_nor_grandparent(monkeypatch):
     monkeypatch.delenv(SUPERVISOR_ENV, raising=False)
     assert not supervisor_lost()  # not supervised: nothing to lose
     monkeypatch.setenv(SUPERVISOR_ENV, str(os.getppid()))
     assert not supervisor_lost()
-    monkeypatch.setenv(SUPERVISOR_ENV, str(os.getppid() + 1))
+    grandparent = Path(f"/proc/{os.getppid()}/stat").read_text().rsplit(")", 1)[1].split()[1]
+    monkeypatch.setenv(SUPERVISOR_ENV, grandparent)  # an attempt forked by the run's warm standby
+    assert not supervisor_lost()
+    gone = subprocess.Popen([sys.executable, "-c", ""])
+    gone.wait()
+    monkeypatch.setenv(SUPERVISOR_ENV, str(gone.pid))
     assert supervisor_lost()
 
 
