@@ -42,6 +42,7 @@ from factory.data.feed import PromptFeed
 from factory.envs.protocol import tokens_from_session
 from factory.envs.registry import load_environment
 from factory.envs.workers import Episode, Scored, make_environment
+from factory.infra import http_client
 from factory.infra.device import host_copy, run_device
 from factory.infra.placement import enter, placements
 from factory.infra.supervisor import CONNECTION_ERRORS, ServiceProcess, ServiceUnavailable, retry
@@ -310,7 +311,7 @@ class ServerProducer(OverlappedProducer):
         # there; it is closed with the producer.
         if getattr(self, "_http", None) is not None:
             self._retired.append(self._http)
-        self._http = httpx.Client(base_url=self.service.url, timeout=self.timeout,
+        self._http = http_client.client(base_url=self.service.url, timeout=self.timeout,
                                   limits=httpx.Limits(max_connections=max(100, len(getattr(self, "_threads", ())) + 8)))
 
     def _call(self, fn):

@@ -34,6 +34,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 
 from factory.envs.sandbox import LIMIT_MAX, ExecResult, SandboxLimits, SandboxPool, SandboxRequestError
+from factory.infra import http_client
 from factory.infra.http_guard import MAX_JSON_BYTES, RequestError, guard
 
 
@@ -112,7 +113,7 @@ class RemoteSandboxPool:
     def __init__(self, url: str, timeout: float = 60.0):
         self.url = url.rstrip("/")
         self.timeout = timeout  # on top of the run's own wall limit
-        self._client = httpx.Client(timeout=timeout)
+        self._client = http_client.client(timeout=timeout)
 
     def run(self, code: str, stdin: str = "", files: dict[str, str] | None = None,
             limits: SandboxLimits | None = None) -> ExecResult:

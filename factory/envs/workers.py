@@ -27,6 +27,7 @@ from factory.envs.protocol import REWARD_TIMEOUT_S, EpisodeResult, run_episodes_
 from factory.envs.registry import load_environment
 from factory.envs.service import score_completions_detail
 from factory.envs.tasks import configure_sandbox
+from factory.infra import http_client
 from factory.infra.supervisor import CONNECTION_ERRORS, ServiceProcess, ServiceUnavailable, retry
 from factory.problem import Problem
 
@@ -145,7 +146,7 @@ class ServiceEnvironment:
             raise
 
     def _client(self, svc: ServiceProcess) -> httpx.Client:
-        return httpx.Client(base_url=svc.url, timeout=self.timeout,
+        return http_client.client(base_url=svc.url, timeout=self.timeout,
                             limits=httpx.Limits(max_connections=self.max_connections))
 
     def score(self, episodes: list[Episode]) -> list[Scored] | None:

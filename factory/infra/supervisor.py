@@ -37,6 +37,8 @@ from typing import TypeVar
 import httpx
 import tenacity
 
+from factory.infra import http_client
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -53,6 +55,10 @@ class ServiceUnavailable(RuntimeError):
 
 class CircuitOpen(ServiceUnavailable):
     """The service crashed too often in too short a time; it is not restarted again."""
+
+
+class DiedStarting(ServiceUnavailable):
+    """The service's process exited before it answered its health check."""
 
 
 @dataclass(frozen=True)
@@ -172,16 +178,19 @@ class ServiceProcess:
         return self._proc is not None and self._proc.poll() is None
 
     def start(self) -> ServiceProcess:
+        """Start the service and wait until it is healthy. A process killed by a signal before it was healthy (a
+        kill from outside, not its own failure) is started again within the restart budget, as a later death
+        would be; one that exits with an error code fails the start at once."""
         with self._lock:
-            for tries_left in reversed(range(PORT_TRIES if self._picked_port else 1)):
+            while True:
                 try:
-                    self._spawn()
+                    self._first_spawn()
                     break
-                except ServiceUnavailable:
-                    if not tries_left or not port_taken(self.port):
+                except DiedStarting:
+                    code = self._proc.returncode
+                    if code >= 0:
                         raise
-                log.warning("%s: port %d was taken before it bound it; starting it on another", self.name, self.port)
-                self._use_port(free_port())
+                    self._count_restart(code)
         if self.hang_timeout_s is not None and self._watchdog is None:
             self._watchdog = threading.Thread(target=self._watch, name=f"{self.name}-watchdog", daemon=True)
             self._watchdog.start()
@@ -189,7 +198,7 @@ class ServiceProcess:
 
     def _watch(self) -> None:
         """Kill the process when it stops answering its health check for `hang_timeout_s` (a hang)."""
-        with httpx.Client(timeout=self.heartbeat_s) as client:
+        with http_client.client(timeout=self.heartbeat_s) as client:
             while not self._closed.wait(self.heartbeat_s):
                 if self._lock.locked() or not self.alive():
                     self._last_ok = time.monotonic()  # starting or dead: the restart path owns it
@@ -228,10 +237,10 @@ class ServiceProcess:
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.startup_timeout
         last_error = "no answer yet"
-        with httpx.Client(timeout=2.0) as client:
+        with http_client.client(timeout=2.0) as client:
             while time.monotonic() < deadline:
                 if self._proc.poll() is not None:
-                    raise ServiceUnavailable(
+                    raise DiedStarting(
                         f"{self.name}: process exited with code {self._proc.returncode} before it was healthy "
                         f"(command: {' '.join(self.argv)}; log: {self.log_path or 'not kept'}); last lines:\n"
                         f"{self.log_tail()}")
@@ -255,26 +264,42 @@ class ServiceProcess:
                 raise CircuitOpen(self._open)
             if self.alive():
                 return False
-            code = self._proc.returncode if self._proc else None
-            now = self._clock()
-            recent = [r for r in self._history if now - r.at <= self.breaker_window_s]
-            if len(recent) >= self.breaker_restarts:
-                self._open = (f"{self.name}: circuit open: it died again (exit {code}) after {len(recent)} "
-                              f"restarts within {self.breaker_window_s:g}s (ops.breaker_restarts="
-                              f"{self.breaker_restarts}, ops.breaker_window_s={self.breaker_window_s:g}); not "
-                              f"restarting it. Last lines of {self.log_path or 'its output'}:\n{self.log_tail()}")
-                log.error("%s", self._open)
-                raise CircuitOpen(self._open)
-            if self.restarts >= self.max_restarts:
-                raise ServiceUnavailable(f"{self.name}: died (exit {code}) and already restarted "
-                                         f"{self.restarts} times (max_restarts={self.max_restarts}); last lines "
-                                         f"of {self.log_path or 'its output'}:\n{self.log_tail()}")
-            self._history.append(Restart(now, code))
-            self.restarts += 1
-            log.warning("%s died (exit %s); restart %d/%d", self.name, code, self.restarts, self.max_restarts)
+            self._count_restart(self._proc.returncode if self._proc else None)
             self._spawn()
             self._last_ok = time.monotonic()
             return True
+
+    def _first_spawn(self) -> None:
+        """`_spawn`, on a new port when a port picked here was taken before the child bound it (PORT_TRIES)."""
+        for tries_left in reversed(range(PORT_TRIES if self._picked_port else 1)):
+            try:
+                self._spawn()
+                return
+            except ServiceUnavailable:
+                if not tries_left or not port_taken(self.port):
+                    raise
+            log.warning("%s: port %d was taken before it bound it; starting it on another", self.name, self.port)
+            self._use_port(free_port())
+
+    def _count_restart(self, code: int | None) -> None:
+        """Record a restart about to happen after the process died with `code`; `CircuitOpen` when it has crashed
+        too often lately, `ServiceUnavailable` past `max_restarts` (the restart must not happen then)."""
+        now = self._clock()
+        recent = [r for r in self._history if now - r.at <= self.breaker_window_s]
+        if len(recent) >= self.breaker_restarts:
+            self._open = (f"{self.name}: circuit open: it died again (exit {code}) after {len(recent)} "
+                          f"restarts within {self.breaker_window_s:g}s (ops.breaker_restarts="
+                          f"{self.breaker_restarts}, ops.breaker_window_s={self.breaker_window_s:g}); not "
+                          f"restarting it. Last lines of {self.log_path or 'its output'}:\n{self.log_tail()}")
+            log.error("%s", self._open)
+            raise CircuitOpen(self._open)
+        if self.restarts >= self.max_restarts:
+            raise ServiceUnavailable(f"{self.name}: died (exit {code}) and already restarted "
+                                     f"{self.restarts} times (max_restarts={self.max_restarts}); last lines "
+                                     f"of {self.log_path or 'its output'}:\n{self.log_tail()}")
+        self._history.append(Restart(now, code))
+        self.restarts += 1
+        log.warning("%s died (exit %s); restart %d/%d", self.name, code, self.restarts, self.max_restarts)
 
     def recover(self) -> bool:
         """After a call failed with a connection error: restart the service if its process died; if it still
@@ -284,7 +309,7 @@ class ServiceProcess:
         if self.ensure_alive():
             return True
         deadline = time.monotonic() + self.startup_timeout
-        with httpx.Client(timeout=2.0) as client:
+        with http_client.client(timeout=2.0) as client:
             while time.monotonic() < deadline:
                 if not self.alive():
                     return self.ensure_alive()

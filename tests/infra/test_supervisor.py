@@ -61,6 +61,34 @@ def test_a_service_that_cannot_start_fails_loudly(tmp_path):
     bad = ServiceProcess("broken", [sys.executable, "-c", "raise SystemExit(3)"], startup_timeout=10)
     with pytest.raises(ServiceUnavailable, match="broken: process exited with code 3"):
         bad.start()
+    assert bad.restarts == 0  # its own failure: not started again
+
+
+# Killed by SIGKILL on its first start (before it answers), healthy on the second.
+KILLED_ONCE = """
+import os, pathlib, signal, sys
+marker = pathlib.Path(sys.argv[2])
+if not marker.exists():
+    marker.write_text("killed")
+    os.kill(os.getpid(), signal.SIGKILL)
+os.execv(sys.executable, [sys.executable, sys.argv[3], sys.argv[1], sys.argv[4]])
+"""
+
+
+def test_a_service_killed_before_it_was_healthy_is_started_again(tmp_path):
+    svc = ServiceProcess("killed-once", [sys.executable, "-c", KILLED_ONCE, "{port}", str(tmp_path / "once"), SCRIPT,
+                                         str(tmp_path / "marker")], startup_timeout=30)
+    with svc.start():
+        assert httpx.get(f"{svc.url}/echo?x=up").text == "up"
+        assert svc.restarts == 1 and [r.exit_code for r in svc.restart_history] == [-9]
+
+
+def test_a_service_killed_at_every_start_trips_the_breaker(tmp_path):
+    svc = ServiceProcess("always-killed", [sys.executable, "-c", "import os; os.kill(os.getpid(), 9)"],
+                         startup_timeout=30, breaker_restarts=2)
+    with pytest.raises(CircuitOpen, match="always-killed: circuit open"):
+        svc.start()
+    assert svc.restarts == 2
 
 
 def test_restart_budget_is_enforced(tmp_path):

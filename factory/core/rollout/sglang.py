@@ -61,6 +61,7 @@ from typing import Any
 import httpx
 
 from factory.core.rollout.base import Completion, SamplingParams
+from factory.infra import http_client
 
 MIN_SGLANG_VERSION = "0.5.6"  # the first release whose /pause_generation honours `mode` (pyproject's gpu extra)
 
@@ -144,7 +145,7 @@ class SGLangEngine:
         self.stop_token_ids = list(stop_token_ids) if stop_token_ids else None
         self.weights_dir = Path(weights_dir) if weights_dir is not None else None
         self.send_seed = send_seed
-        self._client = client or httpx.Client(timeout=httpx.Timeout(timeout, connect=connect_timeout))
+        self._client = client or http_client.client(timeout=httpx.Timeout(timeout, connect=connect_timeout))
 
     # ------------------------------------------------------------ HTTP
 

@@ -40,6 +40,7 @@ from pathlib import Path
 import httpx
 
 from factory.config import SGLangSpec
+from factory.infra import http_client
 from factory.infra.supervisor import ServiceProcess, ServiceUnavailable
 
 LAUNCH_MODULE = "sglang.launch_server"
@@ -105,7 +106,7 @@ def visible_devices(gpus: Sequence[int], parent: str | None = None) -> list[str]
 def _wait_healthy(url: str, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     last = "no answer yet"
-    with httpx.Client(timeout=2.0) as client:
+    with http_client.client(timeout=2.0) as client:
         while time.monotonic() < deadline:
             try:
                 r = client.get(url + "/health")
