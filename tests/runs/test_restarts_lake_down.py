@@ -21,7 +21,7 @@ def test_the_supervisor_survives_a_lake_error_while_recording_a_dead_attempt(fac
                               host=recovery.host(), attempts=1)])
     started: list[int] = []
 
-    def crashing_attempt(self, attempt: int) -> subprocess.Popen:
+    def crashing_attempt(self, attempt: int, warm: bool) -> subprocess.Popen:
         started.append(attempt)
         return subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
 
