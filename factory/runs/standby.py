@@ -34,6 +34,7 @@ from factory.home import FactoryPaths
 
 REPORT_ENV = "FACTORY_STANDBY_FD"  # the write end of the report pipe, in the standby
 _PR_SET_PDEATHSIG = 1
+_STOPS = (signal.SIGINT, signal.SIGTERM)  # an attempt stops at a resume point on these; the standby ignores them
 
 
 def serve(paths: FactoryPaths, run_id: str, attempt: Callable[[FactoryPaths, str], int]) -> int:
@@ -41,18 +42,23 @@ def serve(paths: FactoryPaths, run_id: str, attempt: Callable[[FactoryPaths, str
     in the standby itself with 0 once stdin closes."""
     report = int(os.environ.pop(REPORT_ENV))
     _warm_up(paths)
-    old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    old = {s: signal.signal(s, signal.SIG_IGN) for s in _STOPS}
     for line in sys.stdin:
         words = line.split()
         if len(words) != 2 or words[0] != "go" or not words[1].isdigit():
             continue
         sys.stdout.flush()
         sys.stderr.flush()
+        # Blocked across the fork: a SIGTERM or SIGINT sent to the child before it has its handlers back stays
+        # pending (a blocked signal is never discarded as ignored) and reaches it once they are back.
+        signal.pthread_sigmask(signal.SIG_BLOCK, _STOPS)
+        standby = os.getpid()
         pid = os.fork()
         if pid == 0:
             os.close(report)
-            _become_attempt(old, words[1])
+            _become_attempt(old, words[1], standby)
             return attempt(paths, run_id)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOPS)
         _say(report, f"pid {pid}")
         _, status = os.waitpid(pid, 0)
         _say(report, f"exit {pid} {os.waitstatus_to_exitcode(status)}")
@@ -75,18 +81,22 @@ def _warm_up(paths: FactoryPaths) -> None:
         engine.dispose()
 
 
-def _become_attempt(handlers: dict, attempt: str) -> None:
-    """In the forked child: die with the standby, the signals an attempt handles back, stdin off the go-pipe."""
+def _become_attempt(handlers: dict, attempt: str, standby: int) -> None:
+    """In the forked child: die with the standby, stdin off the go-pipe, the signals an attempt handles back (and
+    unblocked)."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
         pass  # not Linux: the supervisor still sees the standby die
-    for s, h in handlers.items():
-        signal.signal(s, h)
+    if os.getppid() != standby:
+        os._exit(128 + signal.SIGKILL)  # the standby died before the death signal was armed
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
     os.environ["FACTORY_ATTEMPT"] = attempt
+    for s, h in handlers.items():
+        signal.signal(s, h)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOPS)  # what arrived since the fork is delivered now
 
 
 def _say(fd: int, line: str) -> None:
