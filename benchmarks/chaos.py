@@ -18,6 +18,7 @@ Then the dependency and supervision faults (`benchmarks/chaos_faults.py`), each 
 tiny model struck once: a catalog outage mid-run (the SQLite catalog's write lock held, shorter than
 ops.lake_outage_s), ENOSPC at a resume-point write, SIGKILL of the supervising `factory run`, SIGKILL of one rank
 of a 2-rank data-parallel run; and the red-team reward hacks (`envs/reward_hacks.py`).
+Every run here is a `benchmarks/chaos_runs.py` `Run` (its run directory, heartbeat, attempt and lake rows).
 
 Prints a table, then one JSON line with kills, survived, bit_identical_sync, duplicate_steps, missing_steps,
 duplicate_prompts, skipped_prompts, resume_s_p50, goodput, save_stall_ms_p50 (and more), and one boolean per fault

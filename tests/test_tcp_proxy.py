@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -17,12 +17,14 @@ STUCK_S = 60.0  # only turns a hang into a failure
 
 
 class Echo:
-    """An upstream on 127.0.0.1 that sends back what it receives and counts the connections it accepted."""
+    """An upstream on 127.0.0.1 that sends back what it receives, counts the connections it accepted and calls
+    `on_accept` (if set) as it accepts each."""
 
     def __init__(self):
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.addr = ("127.0.0.1", self.sock.getsockname()[1])
         self.accepted = 0
+        self.on_accept: Callable[[], None] | None = None
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -32,6 +34,8 @@ class Echo:
             except OSError:
                 return
             self.accepted += 1
+            if self.on_accept is not None:
+                self.on_accept()
             threading.Thread(target=self._echo, args=(conn,), daemon=True).start()
 
     @staticmethod
@@ -71,6 +75,8 @@ def test_bytes_pass_both_ways_and_the_end_of_the_stream_is_passed_on(echo):
 
 def test_a_gated_proxy_holds_the_connection_until_the_gate_opens(echo):
     proxy = TcpProxy(echo.addr, gated=True)
+    gate_at_accept: list[bool] = []
+    echo.on_accept = lambda: gate_at_accept.append(proxy.gate.is_set())
     result: dict[str, bytes] = {}
     sender = threading.Thread(target=lambda: result.update(got=_exchange(proxy.port, b"ping")))
     sender.start()
@@ -80,6 +86,7 @@ def test_a_gated_proxy_holds_the_connection_until_the_gate_opens(echo):
         proxy.gate.set()
         sender.join(STUCK_S)
         assert result["got"] == b"ping" and echo.accepted == 1
+        assert gate_at_accept == [True]  # the upstream connection was opened only once the gate was
     finally:
         proxy.close()
         sender.join(STUCK_S)
