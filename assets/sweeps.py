@@ -146,6 +146,8 @@ def sweep_summary(context: AssetExecutionContext, lake: LakeResource, mlflow: Ml
         "best_accuracy": _fmt(members[0].accuracy) if best else None,
         "best_accuracy_ci95": members[0].accuracy_text() if best else "",  # `0.764 [0.725, 0.799] n=500`
         "verdict": cmp.verdict,  # the top member against the runner-up: a win only outside the noise
+        **({"points_over_seeds": MetadataValue.md(_points_md(cmp.points)), "point_verdict": cmp.point_verdict}
+           if cmp.points else {}),  # a `seed` axis: points ranked by their mean over seeds
         "members_table": _members_table(members, axes, runs),
         "links": MetadataValue.md(_links_md(members, runs, tracker)),
         "members": len(members), "succeeded": sum(m.status == "succeeded" for m in members),
@@ -186,6 +188,15 @@ def _members_table(members, axes: list[str], runs: dict[str, str]) -> MetadataVa
         for m in members]
     types = {"accuracy": "float", "pass_at_k": "float", "reward": "float", "wall_s": "float", "steps": "int"}
     return MetadataValue.table(records, schema=TableSchema([TableColumn(c, types.get(c, "string")) for c in cols]))
+
+
+def _points_md(points) -> str:
+    """The sweep's points ranked by their mean accuracy over seeds, each with its interval and per-seed values."""
+    lines = ["| point | mean accuracy over seeds [95% CI] | per seed |", "|---|---|---|"]
+    lines += [f"| {p.label or '(base)'} | {p.text()} | "
+              f"{', '.join(f'seed {s}: {a:.3f}' for s, a in zip(p.seeds, p.accuracies, strict=True))} |"
+              for p in points]
+    return "\n".join(lines)
 
 
 def _links_md(members, runs: dict[str, str], tracker) -> str:

@@ -136,3 +136,48 @@ class Verdict:
 def verdict(a: str, acc_a: Accuracy, b: str, acc_b: Accuracy) -> Verdict:
     """Compare accuracy `acc_a` (named `a`) with `acc_b` (named `b`) by Newcombe's interval of a - b at 95%."""
     return Verdict(a, b, acc_a.value - acc_b.value, newcombe(acc_a.k, acc_a.n, acc_b.k, acc_b.n), acc_a.n, acc_b.n)
+
+
+# ---------------------------------------------------------------- means over seeds
+
+# Student's t 97.5% quantiles (a two-sided 95% interval) by degrees of freedom; between rows the smaller df's value
+# is used, which is conservative (wider).
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+         11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
+         20: 2.086, 21: 2.080, 22: 2.074, 23: 2.069, 24: 2.064, 25: 2.060, 26: 2.056, 27: 2.052, 28: 2.048,
+         29: 2.045, 30: 2.042, 40: 2.021, 60: 2.000, 120: 1.980}
+
+
+def t975(df: float) -> float:
+    """Student's t 97.5% quantile for `df` degrees of freedom (>= 1), from the table (conservative between rows)."""
+    if not df >= 1:
+        raise ValueError(f"df: expected degrees of freedom >= 1, got {df!r}")
+    return _T975[max(k for k in _T975 if k <= df)] if df < 1000 else Z95
+
+
+def _mean_var(values: list[float], what: str) -> tuple[float, float]:
+    if len(values) < 2:
+        raise ValueError(f"{what}: a mean over seeds needs at least 2 values, got {len(values)}")
+    m = sum(values) / len(values)
+    return m, sum((v - m) ** 2 for v in values) / (len(values) - 1)
+
+
+def mean_interval(values: list[float]) -> Interval:
+    """The 95% t interval of the mean of `values` (one accuracy per seed): what another seed's run would average
+    to, seed-to-seed variation and eval noise both included."""
+    m, var = _mean_var(values, "mean_interval")
+    half = t975(len(values) - 1) * math.sqrt(var / len(values))
+    return Interval(m - half, m + half)
+
+
+def welch(a: list[float], b: list[float]) -> Interval | None:
+    """Welch's 95% interval for mean(a) - mean(b) (per-seed accuracies of two sweep points); None when both sets
+    agree exactly within themselves (no spread to measure the noise by: no claim either way)."""
+    ma, va = _mean_var(a, "welch (first)")
+    mb, vb = _mean_var(b, "welch (second)")
+    sa, sb = va / len(a), vb / len(b)
+    if sa + sb == 0:
+        return None
+    df = (sa + sb) ** 2 / (sa ** 2 / (len(a) - 1) + sb ** 2 / (len(b) - 1))
+    half = t975(df) * math.sqrt(sa + sb)
+    return Interval(ma - mb - half, ma - mb + half)

@@ -20,7 +20,7 @@ from pyiceberg.expressions import EqualTo, In
 
 from factory import plots
 from factory.envs.eval_suites import HELD_OUT
-from factory.intervals import Accuracy, accuracy_text, verdict
+from factory.intervals import Accuracy, Interval, accuracy_text, mean_interval, verdict, welch
 from factory.lake.results import RunOutcome, outcomes_from_evals
 from factory.lake.writer import Lake
 from factory.sweep import member_label
@@ -114,6 +114,25 @@ class MemberFigures:
 
 
 @dataclass(frozen=True)
+class PointFigures:
+    """One point of a sweep (its axis values other than `seed`) over the seeds it was trained with."""
+
+    label: str  # `algorithm.lr=0.0003`
+    members: list[str]
+    seeds: list[Any]
+    accuracies: list[float]  # one per seed, in `seeds` order
+    mean: float
+    interval: Interval | None  # 95% t interval of the mean over seeds (None: fewer than 2 seeds)
+    n: int | None  # problems each accuracy was measured on
+
+    def text(self) -> str:
+        """`0.712 [0.690, 0.734] over 3 seeds, n=500 each` (the interval is over seeds)."""
+        ci = f" [{self.interval.low:.3f}, {self.interval.high:.3f}]" if self.interval else ""
+        each = f", n={self.n} each" if self.n else ""
+        return f"{self.mean:.3f}{ci} over {len(self.seeds)} seed{'s' if len(self.seeds) != 1 else ''}{each}"
+
+
+@dataclass(frozen=True)
 class SweepComparison:
     sweep_id: str
     members: list[MemberFigures]  # best first (by accuracy; unfinished last)
@@ -122,6 +141,10 @@ class SweepComparison:
     best: list[str] = field(default_factory=list)
     pictures: dict[str, Render] = field(default_factory=dict)  # name -> picture at a dpi
     verdict: str = ""  # the top member against the runner-up: `m001 wins (diff ...)` or `no significant difference`
+    # With a `seed` axis: the sweep's points (members grouped by their other axes) ranked by their mean over seeds,
+    # and the top point against the runner-up (`seed_points`).
+    points: list[PointFigures] = field(default_factory=list)
+    point_verdict: str = ""
 
 
 def compare_sweep(lake: Lake, sweep_id: str) -> SweepComparison:
@@ -150,7 +173,41 @@ def compare_sweep(lake: Lake, sweep_id: str) -> SweepComparison:
             continue
         short = "heldout" if bench == HELD_OUT else bench
         pictures[f"members_on_{short}"] = functools.partial(_overlay, overlay, title, bench)
-    return SweepComparison(sweep_id, members, best, pictures, text)
+    points, point_text = seed_points(done)
+    return SweepComparison(sweep_id, members, best, pictures, text, points, point_text)
+
+
+SEED = "seed"  # the axis a sweep repeats its points over; the summary aggregates it
+
+
+def seed_points(done: list[MemberFigures]) -> tuple[list[PointFigures], str]:
+    """Finished members grouped by their axis values other than `seed`, ranked by their mean accuracy over seeds
+    (best first), and the top point against the runner-up: a win only when Welch's 95% interval of the difference
+    of means excludes 0. Empty when the sweep has no `seed` axis with at least two seeds."""
+    if len({json.dumps(m.axes.get(SEED)) for m in done if SEED in m.axes}) < 2:
+        return [], ""
+    groups: dict[str, list[MemberFigures]] = {}
+    for m in done:
+        groups.setdefault(member_label({k: v for k, v in m.axes.items() if k != SEED}), []).append(m)
+    points = []
+    for label, ms in groups.items():
+        ms = sorted(ms, key=lambda m: json.dumps(m.axes.get(SEED)))
+        accs = [m.accuracy for m in ms]
+        ns = {m.n for m in ms}
+        points.append(PointFigures(label, [m.member for m in ms], [m.axes.get(SEED) for m in ms], accs,
+                                   sum(accs) / len(accs), mean_interval(accs) if len(accs) > 1 else None,
+                                   ns.pop() if len(ns) == 1 else None))
+    points.sort(key=lambda p: (-p.mean, p.label))
+    if len(points) < 2 or len(points[0].accuracies) < 2 or len(points[1].accuracies) < 2:
+        return points, ""
+    top, second = points[0], points[1]
+    ci = welch(top.accuracies, second.accuracies)
+    detail = (f"mean diff {top.mean - second.mean:+.3f}"
+              + (f" [{ci.low:+.3f}, {ci.high:+.3f}]" if ci else " (no spread across seeds to judge it by)")
+              + f", {len(top.seeds)} and {len(second.seeds)} seeds")
+    if ci is not None and ci.excludes_zero():
+        return points, f"{top.label or 'the base point'} wins ({detail})"
+    return points, f"no significant difference between {top.label} and {second.label} ({detail})"
 
 
 def best_members(done: list[MemberFigures]) -> tuple[list[str], str]:

@@ -3,6 +3,8 @@ of an accuracy, and the verdict between two accuracies."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from factory.intervals import Accuracy, accuracy_text, newcombe, successes, verdict, wilson
@@ -68,5 +70,18 @@ def test_a_wide_gap_wins_either_way_round():
     (lambda: successes(0.123, 10), "accuracy 0.123 is not a count out of n=10"),
 ])
 def test_bad_input_names_the_field(call, message):
-    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         call()
+
+
+def test_mean_over_seeds_and_welch():
+    from factory.intervals import mean_interval, t975, welch
+
+    ci = mean_interval([0.70, 0.72, 0.71])  # 0.71 +- t(2) 4.303 * 0.01 / sqrt(3)
+    assert (round(ci.low, 4), round(ci.high, 4)) == (0.6852, 0.7348)
+    d = welch([0.70, 0.72, 0.71], [0.60, 0.61, 0.62])  # equal variances, 3 each: df = 4, t = 2.776
+    assert (round(d.low, 4), round(d.high, 4)) == (0.0773, 0.1227)
+    assert welch([0.5, 0.5], [0.4, 0.4]) is None  # no spread: no claim
+    assert (t975(2), t975(4.7), t975(45)) == (4.303, 2.776, 2.021)
+    with pytest.raises(ValueError, match="mean_interval: a mean over seeds needs at least 2 values, got 1"):
+        mean_interval([0.5])

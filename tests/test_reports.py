@@ -46,3 +46,35 @@ def test_members_known_only_by_their_sweeps_row_tie_on_equal_accuracy(lake):
     cmp = compare_sweep(lake, "t")
     assert cmp.best == ["t-m000", "t-m001"] and cmp.verdict == ""
     assert cmp.members[0].accuracy_text() == "0.500"
+
+
+def _seed_sweep(lake, sweep_id: str, by_lr: dict[float, list[float]], n: int = 500) -> None:
+    members = [(lr, seed, acc) for lr, accs in by_lr.items() for seed, acc in enumerate(accs)]
+    lake.upsert("sweeps", [dict(sweep_id=sweep_id, member=f"{sweep_id}-m{i:03d}", name=sweep_id,
+                                axes=json.dumps({"algorithm.lr": lr, "seed": seed}), spec="{}", status="succeeded",
+                                run_id=f"{sweep_id}-r{i}", final_accuracy=acc, created_at=T0, recorded_at=T0)
+                           for i, (lr, seed, acc) in enumerate(members)])
+    lake.upsert("evals", [dict(run_id=f"{sweep_id}-r{i}", step=40, benchmark="arithmetic_heldout", metric="accuracy",
+                               value=acc, n=n, recorded_at=T0) for i, (_, _, acc) in enumerate(members)])
+
+
+def test_a_seed_axis_ranks_points_by_their_mean_over_seeds(lake):
+    _seed_sweep(lake, "k", {3e-3: [0.60, 0.61, 0.62], 1e-3: [0.70, 0.72, 0.71]})
+    cmp = compare_sweep(lake, "k")
+    assert [p.label for p in cmp.points] == ["algorithm.lr=0.001", "algorithm.lr=0.003"]
+    top = cmp.points[0]
+    assert (top.seeds, top.accuracies, top.n) == ([0, 1, 2], [0.70, 0.72, 0.71], 500)
+    assert top.text() == "0.710 [0.685, 0.735] over 3 seeds, n=500 each"
+    assert cmp.point_verdict == "algorithm.lr=0.001 wins (mean diff +0.100 [+0.077, +0.123], 3 and 3 seeds)"
+
+
+def test_points_whose_seeds_overlap_are_no_win(lake):
+    _seed_sweep(lake, "o", {1e-3: [0.70, 0.74, 0.66], 3e-3: [0.69, 0.71, 0.67]})
+    cmp = compare_sweep(lake, "o")
+    assert cmp.point_verdict.startswith("no significant difference between algorithm.lr=0.001 and "
+                                        "algorithm.lr=0.003 (mean diff +0.010 [-")
+
+
+def test_a_sweep_without_a_seed_axis_has_no_points(lake):
+    _sweep(lake, "p", [0.6, 0.8])
+    assert compare_sweep(lake, "p").points == []

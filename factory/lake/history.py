@@ -117,7 +117,8 @@ DEFAULT_BENCHMARK = HELD_OUT  # every run records its held-out split under this 
 def best_runs(lake: Lake, metric: str, benchmark: str | None = None, sweep_id: str | None = None,
               top: int = 10, lowest: bool = False) -> pa.Table:
     """The `top` runs by `metric` on `benchmark` at each run's final evaluated step, best first
-    (greatest value, or least with `lowest`), optionally only runs of sweep `sweep_id`.
+    (greatest value, or least with `lowest`), optionally only runs of sweep `sweep_id`. Values are
+    rounded to 3 decimals, with their n and, for an accuracy (k of n), the 95% interval `ci95`.
 
     `benchmark` None picks the one whole benchmark (a name without '/', not a `bench/slice`) that has
     `metric` among the runs considered; when there are several, the held-out split every run records

@@ -249,7 +249,8 @@ def eval_summary(lake: Lake, run_id: str) -> dict:
            "sft_accuracy": value(start), "sft_n": n_of(start),
            "grpo_accuracy": outcome.accuracy if outcome else None,
            "control_accuracy": value(control), "control_n": n_of(control),
-           "others": {name: {"accuracy": sc.value, "n": sc.n} for name, sc in (outcome.others if outcome else {}).items()},
+           "others": {name: {"accuracy": sc.value, "n": sc.n}
+                      for name, sc in (outcome.others if outcome else {}).items()},
            "levels": {}}
     for (step, b, metric), r in get.items():
         if step not in (0, final):  # periodic evals between them (schedule.eval_every) are not the final word
@@ -277,7 +278,15 @@ def eval_summary(lake: Lake, run_id: str) -> dict:
 
 
 def _accuracy(value: float | None, n: int | None) -> Accuracy | None:
-    return Accuracy(value, int(n)) if value is not None and n else None
+    """`value` of n problems as an `Accuracy`; None when n is unknown or `value` is not a count out of n."""
+    if value is None or not n:
+        return None
+    try:
+        acc = Accuracy(value, int(n))
+        acc.interval()  # raises when value is not k of n
+    except ValueError:
+        return None
+    return acc
 
 
 def render_report(s: dict) -> str:

@@ -52,7 +52,8 @@ def test_the_result_is_the_primary_benchmark_at_the_final_step_with_the_others_b
     assert (o.step, o.accuracy, o.n) == (60, 0.764, 500)
     assert o.others == {"carry_chains": Score("carry_chains", 0.795, 200)}
     assert o.primary.text() == "0.764 [0.725, 0.799] n=500"
-    assert o.text() == "arithmetic_heldout 0.764 [0.725, 0.799] n=500 at step 60 (carry_chains 0.795 [0.734, 0.845] n=200)"
+    assert o.text() == ("arithmetic_heldout 0.764 [0.725, 0.799] n=500 at step 60 "
+                        "(carry_chains 0.795 [0.734, 0.845] n=200)")
 
 
 def test_a_run_still_training_has_its_latest_primary_eval_and_only_what_was_evaluated_with_it():
