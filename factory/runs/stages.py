@@ -293,7 +293,7 @@ def render_report(s: dict) -> str:
     """Markdown table of an `eval_summary`: accuracies to 3 decimals with their 95% Wilson interval and n."""
     acc = lambda v, n: "—" if v is None else accuracy_text(v, n)  # noqa: E731
     dec = lambda v: "—" if v is None else f"{v:.3f}"  # noqa: E731
-    lines = [f"### Run `{s['run_id']}` — {s['benchmark']} accuracy (95% Wilson intervals)", "",
+    lines = [f"### Run `{s['run_id']}` — held-out accuracy ({s['benchmark']}, 95% Wilson intervals)", "",
              "| checkpoint | greedy accuracy | pass@8 (T=1) |", "|---|---|---|",
              f"| SFT warm start (step 0) | {acc(s['sft_accuracy'], s['sft_n'])} | {dec(s.get('sft_pass_at_8'))} |",
              f"| GRPO (step {s['final_step']}) | {acc(s['grpo_accuracy'], s['n'])} | {dec(s.get('grpo_pass_at_8'))} |"]
