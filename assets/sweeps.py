@@ -143,7 +143,11 @@ def sweep_summary(context: AssetExecutionContext, lake: LakeResource, mlflow: Ml
     return MaterializeResult(metadata={
         **head,
         "best_member": (best[0] if len(best) == 1 else f"tie: {', '.join(best)}") if best else "",
-        "best_accuracy": members[0].accuracy if best else None,
+        "best_accuracy": _fmt(members[0].accuracy) if best else None,
+        "best_accuracy_ci95": members[0].accuracy_text() if best else "",  # `0.764 [0.725, 0.799] n=500`
+        "verdict": cmp.verdict,  # the top member against the runner-up: a win only outside the noise
+        **({"points_over_seeds": MetadataValue.md(_points_md(cmp.points)), "point_verdict": cmp.point_verdict}
+           if cmp.points else {}),  # a `seed` axis: points ranked by their mean over seeds
         "members_table": _members_table(members, axes, runs),
         "links": MetadataValue.md(_links_md(members, runs, tracker)),
         "members": len(members), "succeeded": sum(m.status == "succeeded" for m in members),
@@ -175,14 +179,24 @@ def _fmt(v: float | None, digits: int = 3) -> float | None:
 
 def _members_table(members, axes: list[str], runs: dict[str, str]) -> MetadataValue:
 
-    cols = ["member", *axes, "status", "accuracy", "pass_at_k", "reward", "wall_s", "steps", "dagster_run"]
+    cols = ["member", *axes, "status", "accuracy", "ci95_n", "pass_at_k", "reward", "wall_s", "steps", "dagster_run"]
     records = [TableRecord({
         "member": m.member.rpartition("-")[2], **{a: format_value(m.axes.get(a)) for a in axes}, "status": m.status,
-        "accuracy": _fmt(m.accuracy), "pass_at_k": _fmt(m.pass_at_k), "reward": _fmt(m.reward),
+        "accuracy": _fmt(m.accuracy), "ci95_n": m.accuracy_text().partition(" ")[2],
+        "pass_at_k": _fmt(m.pass_at_k), "reward": _fmt(m.reward),
         "wall_s": _fmt(m.wall_s, 1), "steps": m.steps, "dagster_run": runs.get(m.member, "")[:8]})
         for m in members]
     types = {"accuracy": "float", "pass_at_k": "float", "reward": "float", "wall_s": "float", "steps": "int"}
     return MetadataValue.table(records, schema=TableSchema([TableColumn(c, types.get(c, "string")) for c in cols]))
+
+
+def _points_md(points) -> str:
+    """The sweep's points ranked by their mean accuracy over seeds, each with its interval and per-seed values."""
+    lines = ["| point | mean accuracy over seeds [95% CI] | per seed |", "|---|---|---|"]
+    lines += [f"| {p.label or '(base)'} | {p.text()} | "
+              f"{', '.join(f'seed {s}: {a:.3f}' for s, a in zip(p.seeds, p.accuracies, strict=True))} |"
+              for p in points]
+    return "\n".join(lines)
 
 
 def _links_md(members, runs: dict[str, str], tracker) -> str:

@@ -4,7 +4,8 @@ A sweep is defined by `SweepDefinition`: the base spec (a YAML path or an inline
 (`{"algorithm.lr": [1e-5, 3e-5], "seed": [0, 1]}`), `grid` (every combination) or `random`
 (`samples` combinations drawn without repeats from the grid, seeded), and how many members may
 run at once. `plan_sweep` expands and validates every member *before* anything is written or
-launched: an empty axis, an unknown field or a value of the wrong type is a `SweepError` whose
+launched (`seeds` repeats every point over training seeds: the axis `seed`, which the sweep summary aggregates
+into a mean per point); an empty axis, an unknown field or a value of the wrong type is a `SweepError` whose
 lines name the axis (and the member's values). `write_sweep` stores the plan under
 FACTORY_HOME/sweeps/<sweep_id>/ (atomically: a temp directory renamed into place) and
 `read_member` gives a member's spec back to whatever trains it.
@@ -67,6 +68,8 @@ class SweepDefinition(BaseModel):
     draw_seed: int = Field(0, description="random mode: which members are drawn (not the training seed: sweep "
                            "that as the axis `seed`)")
     max_concurrent: int = Field(2, ge=1, le=64, description="members of this sweep running at once")
+    seeds: list[int] = Field(default_factory=list, description="repeat every point over these training seeds: the "
+                             "axis `seed`, which the summary aggregates (points ranked by their mean over seeds)")
 
 
 @dataclass(frozen=True)
@@ -122,7 +125,7 @@ def _combinations(defn: SweepDefinition) -> list[dict[str, Any]]:
             raise SweepError([f"axes: the grid has {total} members, more than {MAX_MEMBERS}; use mode: random "
                               "with samples"])
         return [dict(zip(names, combo, strict=True)) for combo in itertools.product(*defn.axes.values())]
-    n = min(defn.samples or total, total)
+    n = min(defn.samples or total, total)  # random mode draws points; `seeds` repeats each one
     if n > MAX_MEMBERS:
         raise SweepError([f"samples: {n} members, more than {MAX_MEMBERS}"])
     rng = random.Random(defn.draw_seed)
@@ -143,13 +146,17 @@ def _combinations(defn: SweepDefinition) -> list[dict[str, Any]]:
 def plan_sweep(defn: SweepDefinition, sweep_id: str | None = None) -> SweepPlan:
     """Expand and validate every member; raise `SweepError` (every problem, each naming its axis) if any fails."""
     errors = [f"axes.{name}: empty axis (give at least one value)" for name, v in defn.axes.items() if not v]
-    if not defn.axes:
+    if not defn.axes and not defn.seeds:
         errors.append("axes: no axes (give at least one field path with a list of values)")
+    if defn.seeds and "seed" in defn.axes:
+        errors.append("seeds: the axis `seed` is given too (axes.seed); give the seeds once, as `seeds`")
+    if len(set(defn.seeds)) != len(defn.seeds):
+        errors.append(f"seeds: each seed once, got {defn.seeds}")
     if errors:
         raise SweepError(errors)
     base = _base(defn)
     # Each axis alone first, so a bad field or value is reported once, by its axis, not per member.
-    for name, values in defn.axes.items():
+    for name, values in {**defn.axes, **({"seed": defn.seeds} if defn.seeds else {})}.items():
         for v in values:
             try:
                 check_spec(apply_overrides(base, {name: v}))
@@ -159,7 +166,12 @@ def plan_sweep(defn: SweepDefinition, sweep_id: str | None = None) -> SweepPlan:
         raise SweepError(errors)
     sweep_id = sweep_id or new_sweep_id(defn.name)
     members = []
-    for i, values in enumerate(_combinations(defn)):
+    points = _combinations(defn)
+    combos = [{**p, "seed": seed} for p in points for seed in defn.seeds] if defn.seeds else points
+    if len(combos) > MAX_MEMBERS:
+        raise SweepError([f"seeds: {len(points)} points x {len(defn.seeds)} seeds is {len(combos)} members, more "
+                          f"than {MAX_MEMBERS}"])
+    for i, values in enumerate(combos):
         try:
             spec = check_spec(apply_overrides(base, {**values, "name": f"{_slug(defn.name)}-m{i:03d}"}))
         except SpecError as e:  # a combination that is invalid only together (a cross-field rule)

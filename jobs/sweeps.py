@@ -96,6 +96,8 @@ class SweepConfig(Config):
     samples: int | None = Field(None, description="random mode: how many members (default: all)")
     draw_seed: int = Field(0, description="random mode: which combinations are drawn (not the training seed)")
     max_concurrent: int = Field(2, description="runs of this sweep (members and shared warm starts) at once")
+    seeds: list[int] = Field(default_factory=list, description="repeat every point over these training seeds, e.g. "
+                             "[0, 1, 2]: the summary ranks points by their mean over seeds, with its interval")
 
 
 @op(description="Validate every member, then record the sweep and queue its members (through the sensor).")

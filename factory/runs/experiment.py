@@ -9,6 +9,7 @@ import json
 from factory.config import ExperimentSpec
 from factory.envs.spec_check import check_spec
 from factory.home import FactoryPaths
+from factory.lake.results import run_outcome
 from factory.lake.writer import Lake
 from factory.models.checkpoint import load_checkpoint
 from factory.runs.attempt import write_launch
@@ -46,8 +47,9 @@ def run_sweep_member(spec: ExperimentSpec, paths: FactoryPaths, lake: Lake, trac
     except BaseException:
         lake.upsert("sweeps", [dict(row, status="failed", recorded_at=now())])
         raise
-    lake.upsert("sweeps", [dict(row, status="succeeded", run_id=res.run_id, final_accuracy=res.final_accuracy,
-                                recorded_at=now())])
+    result = run_outcome(lake, res.run_id).accuracy  # the run's result, as lake/results.py defines it
+    lake.upsert("sweeps", [dict(row, status="succeeded", run_id=res.run_id,
+                                final_accuracy=res.final_accuracy if result is None else result, recorded_at=now())])
     return res
 
 

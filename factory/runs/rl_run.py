@@ -44,6 +44,8 @@ from factory.infra.device import describe, run_device
 from factory.infra.disk import is_disk_full
 from factory.infra.faults import fault_point
 from factory.infra.supervisor import CircuitOpen
+from factory.intervals import accuracy_text
+from factory.lake.results import outcomes_from_evals
 from factory.lake.spool import SPOOL, LakeDown, Spool, SpooledLake
 from factory.lake.writer import Lake
 from factory.models import lora
@@ -110,15 +112,16 @@ def new_run_id(spec: ExperimentSpec) -> str:
 
 def _finished(lake: Lake, row: dict) -> RunResult:
     """The recorded result of a run that already succeeded."""
-    evals = {(r["step"], r["metric"]): r["value"] for r in
-             lake.read("evals", And(EqualTo("run_id", row["run_id"]), EqualTo("benchmark", HELD_OUT))).to_pylist()}
-    final = max(s for s, _ in evals)
+    rows = lake.read("evals", And(EqualTo("run_id", row["run_id"]), EqualTo("benchmark", HELD_OUT))).to_pylist()
+    evals = {(r["step"], r["metric"]): r["value"] for r in rows}
+    result = outcomes_from_evals(rows).get(row["run_id"])  # the run's result, as lake/results.py defines it
+    final = result.step if result is not None and result.step is not None else max(s for s, _ in evals)
     path = Path(row["final_checkpoint"])
     digest, size = dir_digest(path)
     k = next((m for s, m in evals if s == 0 and m.startswith("pass@")), None)
     return RunResult(row["run_id"], row["mlflow_run_id"], CheckpointInfo(path, digest, size), final,
                      evals.get((0, "accuracy"), 0.0), evals.get((0, k)) if k else None,
-                     evals.get((final, "accuracy"), 0.0), row.get("wall_s") or 0.0,
+                     result.accuracy if result is not None and result.primary else 0.0, row.get("wall_s") or 0.0,
                      attempt=int(row.get("attempts") or 1), goodput=row.get("goodput") or 1.0)
 
 
@@ -449,7 +452,7 @@ class Run:
         done = recovery.run_row(lake, self.run_id)
         tracker.log_metrics(mlflow_id, final_step, {"goodput": done["goodput"]})
         tracker.end_run(mlflow_id, "FINISHED")
-        self.log(f"run {self.run_id}: final held-out accuracy {final_eval.accuracy:.3f} "
+        self.log(f"run {self.run_id}: final held-out accuracy {accuracy_text(final_eval.accuracy, final_eval.n)} "
                  f"({time.perf_counter() - self._t0:.0f}s"
                  + (f", attempt {self.attempt}, goodput {done['goodput']:.3f}" if self.attempt > 1 else "") + ")")
         return RunResult(self.run_id, mlflow_id, info, final_step, self.start[0], self.start[1], final_eval.accuracy,
