@@ -263,6 +263,37 @@ def read_sweep(paths: FactoryPaths, sweep_id: str) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
+CONTROL = "control.json"  # beside sweep.json: what an operator changed while the sweep runs (its own file: the
+# launcher rewrites sweep.json as it adds a tpe sweep's members, and neither writer may lose the other's change)
+
+
+def read_control(paths: FactoryPaths, sweep_id: str) -> dict[str, Any]:
+    """A sweep's live settings: `paused` (no member or trial starts; running ones go on) and `max_concurrent`
+    (None: the definition's)."""
+    path = sweep_dir(paths, sweep_id) / CONTROL
+    stored = json.loads(path.read_text()) if path.is_file() else {}
+    return {"paused": bool(stored.get("paused", False)), "max_concurrent": stored.get("max_concurrent")}
+
+
+def set_control(paths: FactoryPaths, sweep_id: str, paused: bool | None = None,
+                max_concurrent: int | None = None) -> dict[str, Any]:
+    """Pause or resume a running sweep, or raise or lower how many of its runs may be in flight; takes effect at
+    the launcher's next tick (runs already in flight are not stopped). Returns the live settings."""
+    read_sweep(paths, sweep_id)  # FileNotFoundError naming the sweep
+    if max_concurrent is not None and not 1 <= max_concurrent <= 64:
+        raise SweepError([f"max_concurrent: must be between 1 and 64, got {max_concurrent}"])
+    control = read_control(paths, sweep_id)
+    if paused is not None:
+        control["paused"] = paused
+    if max_concurrent is not None:
+        control["max_concurrent"] = max_concurrent
+    path = sweep_dir(paths, sweep_id) / CONTROL
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(control, sort_keys=True))
+    os.replace(tmp, path)
+    return control
+
+
 def sweep_id_of(member_key: str) -> str:
     """The sweep a member partition key belongs to (`<sweep_id>-m<index>`)."""
     sweep_id, sep, index = member_key.rpartition("-m")

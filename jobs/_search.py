@@ -31,16 +31,16 @@ from resources.study import sweep_study
 
 
 def ask_trials(context: SensorEvaluationContext, paths: FactoryPaths, lake: LakeResource, info: dict[str, Any],
-               started: set[str], in_flight: int) -> dict[str, Any]:
-    """New trials for the tpe sweep `info` as far as its limit allows; returns the sweep as stored after them
-    (`search_done` set once every trial was asked)."""
+               started: set[str], in_flight: int, limit: int) -> dict[str, Any]:
+    """New trials for the tpe sweep `info` as far as its limit (`limit` runs in flight) allows; returns the sweep as
+    stored after them (`search_done` set once every trial was asked)."""
     import optuna
 
     defn, sweep_id = info["definition"], info["sweep_id"]
     if info.get("search_done"):
         return info
     waiting = sum(m["key"] not in started for m in info["members"])
-    room = defn["max_concurrent"] - in_flight - waiting
+    room = limit - in_flight - waiting
     if room <= 0:
         return info
     study = sweep_study(context.instance, paths, info)

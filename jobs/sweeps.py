@@ -54,7 +54,9 @@ from factory.sweep import (
     axis_tags,
     next_launches,
     plan_sweep,
+    read_control,
     read_sweep,
+    set_control,
     sweep_dir,
     write_sweep,
     write_warm_start_spec,
@@ -145,8 +147,9 @@ def plan_and_queue_sweep(context: OpExecutionContext, config: SweepConfig, home:
                                   for m in plan.members])
     for name, spec in plan.warm_starts().items():
         write_warm_start_spec(paths, name, spec)
-    context.instance.add_dynamic_partitions(warm_starts.name, list(plan.warm_starts()))
-    context.instance.add_dynamic_partitions(sweep_members.name, [m.key for m in plan.members])
+    if plan.members:  # a tpe sweep has none yet: the launcher adds each as its trial is asked
+        context.instance.add_dynamic_partitions(warm_starts.name, list(plan.warm_starts()))
+        context.instance.add_dynamic_partitions(sweep_members.name, [m.key for m in plan.members])
     context.instance.add_dynamic_partitions(sweeps.name, [plan.sweep_id])
     # Last: the stored plan is what the launcher sensor reacts to, so its partitions must exist by then.
     write_sweep(plan, paths, extra={"mlflow_parent_run_id": parent, "search": search})
@@ -197,6 +200,37 @@ def sweep():
     plan_and_queue_sweep()
 
 
+class SweepControlConfig(Config):
+    """Change a running sweep: pause it, resume it, or raise or lower its max_concurrent."""
+
+    sweep_id: str = Field(description="the sweep to change (its id, as the `sweep` run logged it)")
+    paused: bool | None = Field(None, description="true: no member or trial starts (runs in flight go on); "
+                                "false: resume; empty: unchanged")
+    max_concurrent: int | None = Field(None, description="runs of this sweep at once from now on; empty: unchanged")
+
+
+@op(description="Pause, resume or re-limit a sweep; the launcher applies it at its next tick.")
+def change_sweep(context: OpExecutionContext, config: SweepControlConfig, home: FactoryHomeResource) -> dict:
+    try:
+        control = set_control(home.paths(), config.sweep_id, paused=config.paused,
+                              max_concurrent=config.max_concurrent)
+    except SweepError as e:
+        raise Failure(description=e.one_line().replace("invalid sweep (nothing was launched)", "sweep unchanged"),
+                      allow_retries=False) from None
+    except FileNotFoundError as e:
+        raise Failure(description=f"sweep unchanged: {e}", allow_retries=False) from None
+    context.add_output_metadata({"sweep_id": config.sweep_id, **{k: str(v) for k, v in control.items()}})
+    context.log.info(f"sweep {config.sweep_id}: " + ("paused" if control["paused"] else "running") +
+                     (f", max_concurrent {control['max_concurrent']}" if control["max_concurrent"] else ""))
+    return control
+
+
+@job(description="Pause, resume, or raise or lower max_concurrent of a running sweep.", tags={KIND_TAG: "sweep"},
+     executor_def=in_process_executor)
+def sweep_control():
+    change_sweep()
+
+
 def _sweep_ids(home: FactoryHomeResource) -> list[str]:
     root = home.paths().root / "sweeps"
     return sorted(p.name for p in root.iterdir() if (p / "sweep.json").is_file()) if root.is_dir() else []
@@ -224,15 +258,19 @@ def sweep_launcher(context: SensorEvaluationContext, home: FactoryHomeResource, 
         if sweep_id in finished:
             continue
         info = read_sweep(home.paths(), sweep_id)
+        control = read_control(home.paths(), sweep_id)
+        if control["paused"]:  # nothing new starts; its runs in flight go on (`sweep_control` resumes it)
+            continue
+        limit = control["max_concurrent"] or info["definition"]["max_concurrent"]
         runs = context.instance.get_runs(RunsFilter(tags={SWEEP_TAG: sweep_id}))
         started = {r.tags[MEMBER_TAG] for r in runs if MEMBER_TAG in r.tags}
         flying = sum(r.status in IN_FLIGHT for r in runs)
         tpe = info["definition"].get("mode") == "tpe"
         if tpe:  # members are asked from the study as slots free up (jobs/_search.py)
-            info = ask_trials(context, home.paths(), lake, info, started, flying)
+            info = ask_trials(context, home.paths(), lake, info, started, flying, limit)
         members = info["members"]
         launch = next_launches(members, started, _warm_state(context, {m["warm_start"] for m in members}),
-                               in_flight=flying, max_concurrent=info["definition"]["max_concurrent"])
+                               in_flight=flying, max_concurrent=limit)
         requests += [RunRequest(job_name=sweep_warm_start_job.name, run_key=f"{sweep_id}-{ws}", partition_key=ws,
                                 tags={SWEEP_TAG: sweep_id, WARM_START_TAG: ws, KIND_TAG: "warm_start"})
                      for ws in launch.warm_starts]
@@ -283,5 +321,5 @@ def sweep_summarizer(context: SensorEvaluationContext, home: FactoryHomeResource
     return SensorResult(run_requests=requests, cursor=json.dumps(sorted(done)))
 
 
-__all__ = ["EXAMPLE_SWEEP", "SweepConfig", "sweep", "sweep_dir", "sweep_launcher", "sweep_member_job",
+__all__ = ["EXAMPLE_SWEEP", "SweepConfig", "SweepControlConfig", "sweep", "sweep_control", "sweep_dir", "sweep_launcher", "sweep_member_job",
            "sweep_summarizer", "sweep_summary_job", "sweep_warm_start_job"]

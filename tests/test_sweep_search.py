@@ -90,9 +90,11 @@ def test_studies_live_in_a_sqlite_file_under_factory_home_without_an_instance_po
     again = optuna.load_study(study_name="sweep-a", storage=open_storage(url))
     (trial,) = again.get_trials()
     assert (trial.number, trial.params, trial.user_attrs["member"]) == (first.number, first.params, "sweep-a-m000")
-    assert isinstance(again.pruner, optuna.pruners.MedianPruner) is False  # the pruner is not stored: open_study
-    assert isinstance(open_study(open_storage(url), "sweep-a", {"prune": "median"}, 8, 2).pruner,
-                      optuna.pruners.MedianPruner)
+    # The pruner is not stored with the study: every opener builds the one the definition names.
+    assert isinstance(open_study(open_storage(url), "sweep-a", {"prune": "none"}, 8, 2).pruner,
+                      optuna.pruners.NopPruner)
+    assert isinstance(open_study(open_storage(url), "sweep-a", {"prune": "hyperband"}, 8, 2).pruner,
+                      optuna.pruners.HyperbandPruner)
 
 
 def test_the_instance_postgres_is_where_studies_go_when_there_is_one(factory_home):
