@@ -68,8 +68,9 @@ def sweep_warm_start(context: AssetExecutionContext, home: FactoryHomeResource) 
 def sweep_member_run(context: AssetExecutionContext, home: FactoryHomeResource, lake: LakeResource,
                      mlflow: MlflowResource) -> MaterializeResult:
     """A sweep member trained end to end (dataset, the shared SFT warm start, GRPO, held-out eval), nested in
-    MLflow under its sweep's parent run; its `sweeps` row follows it from running to succeeded/failed. While it
-    runs, its tags show the step, latest reward and ETA."""
+    MLflow under its sweep's parent run; its `sweeps` row follows it from running to succeeded/failed, or pruned (a
+    tpe sweep's member that its pruner stopped at a resume point: an outcome, not a failure). While it runs, its
+    tags show the step, latest reward and ETA."""
     from factory.reports import run_pictures  # heavy: mlflow, matplotlib, when the step runs
     from factory.runs.experiment import Pruned, run_sweep_member  # heavy: see assets/training.py
 

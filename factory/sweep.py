@@ -73,8 +73,8 @@ class SweepDefinition(BaseModel):
     space: dict[str, SearchParam] = Field(default_factory=dict, description="tpe: spec field path -> {low, high, "
                                           "log, step, type} or {choices}")
     trials: int | None = Field(None, ge=1, le=MAX_MEMBERS, description="tpe: how many trials (members) in all")
-    prune: Literal["median", "hyperband", "none"] = Field("none", description="tpe: stop hopeless members at a periodic eval "
-                                    "(median, hyperband) or never (none)")
+    prune: Literal["median", "hyperband", "none"] = Field(
+        "none", description="tpe: stop hopeless members at a periodic eval (median, hyperband) or never (none)")
     prune_startup_trials: int = Field(3, ge=0, description="tpe, prune: median: completed trials before any "
                                       "member is pruned")
 

@@ -142,6 +142,8 @@ def _param_errors(name: str, p: SearchParam, base: ExperimentSpec) -> list[str]:
             return [f"{where}: type int needs whole low, high and step (got low={p.low}, high={p.high}, "
                     f"step={p.step})"]
         values = [_typed(p, p.low), _typed(p, p.high)]
+        if p.type == "float" and p.step is None:  # a value inside too: a whole-number field needs type: int
+            values.append(p.low * (p.high / p.low) ** 0.37 if p.log else p.low + 0.37 * (p.high - p.low))
     errors = []
     for v in values:  # the ends of a range and every choice must make a valid spec on their own
         try:

@@ -321,5 +321,5 @@ def sweep_summarizer(context: SensorEvaluationContext, home: FactoryHomeResource
     return SensorResult(run_requests=requests, cursor=json.dumps(sorted(done)))
 
 
-__all__ = ["EXAMPLE_SWEEP", "SweepConfig", "SweepControlConfig", "sweep", "sweep_control", "sweep_dir", "sweep_launcher", "sweep_member_job",
-           "sweep_summarizer", "sweep_summary_job", "sweep_warm_start_job"]
+__all__ = ["EXAMPLE_SWEEP", "SweepConfig", "SweepControlConfig", "sweep", "sweep_control", "sweep_dir",
+           "sweep_launcher", "sweep_member_job", "sweep_summarizer", "sweep_summary_job", "sweep_warm_start_job"]

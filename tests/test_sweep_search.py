@@ -47,6 +47,8 @@ def test_a_tpe_sweep_plans_no_members_and_keeps_its_space():
     ({"space": {"algorithm.group_size": {"low": 2, "high": 8.5, "type": "int"}}},
      "space.algorithm.group_size: type int needs whole low, high and step"),
     ({"space": {"algorithm.group_size": {"choices": []}}}, "space.algorithm.group_size.choices: empty"),
+    ({"space": {"algorithm.group_size": {"low": 2, "high": 8}}},
+     "space.algorithm.group_size = 4.22: algorithm.group_size: Input should be a valid integer"),
     ({"space": {"x": {"choices": [[2, 3]]}}}, "space.x.choices: Optuna chooses among numbers"),
     ({"space": {"algorithm.lr": {"choices": [1e-4], "low": 1e-5}}}, "space.algorithm.lr: give either choices"),
     ({"space": {}}, "space: no parameters"),
@@ -74,7 +76,7 @@ def test_search_fields_on_a_grid_sweep_are_refused_by_name(kw, named):
 
 
 def test_an_unknown_key_of_a_searched_field_names_it():
-    with pytest.raises(ValidationError, match=r"space\.algorithm\.lr\.lo\n.*Extra inputs are not permitted"):
+    with pytest.raises(ValidationError, match=r"space\.`algorithm\.lr`\.lo\n.*Extra inputs are not permitted"):
         tpe(space={"algorithm.lr": {"lo": 1e-5, "high": 1e-3}})
     with pytest.raises(ValidationError, match=r"prune\n.*'median', 'hyperband' or 'none'"):
         tpe(prune="asha")
