@@ -120,3 +120,44 @@ def test_trials_are_asked_as_slots_free_up_until_the_budget_is_spent(instance, f
     # The summary waits for the members' rows to end (queued here), pruned counting as ended.
     assert tick(instance, sensor=sweep_summarizer).run_requests == []
 
+
+
+def execute(instance, request, job_name=None):
+    """Run what a sensor requested, the way the daemon would: the requested job, partition and tags."""
+    result = defs.resolve_job_def(job_name or request.job_name).execute_in_process(
+        instance=instance, partition_key=request.partition_key, tags=request.tags, raise_on_error=False)
+    assert result.success, [str(e.event_specific_data.error) for e in result.all_events
+                            if e.event_type_value == "STEP_FAILURE"]
+    return result
+
+
+@pytest.mark.slow
+def test_a_member_run_through_dagster_is_pruned_and_the_sweep_is_summarized(instance, factory_home):
+    result = launch(instance, mode="tpe", trials=3, max_concurrent=1, prune="median", prune_startup_trials=2,
+                    space=SPACE)
+    sweep_id = result.output_for_node("plan_and_queue_sweep")["sweep_id"]
+    # Two trials that finished perfect at the step-1 eval, as earlier members would have: the third must be below.
+    study = optuna.load_study(study_name=sweep_id, storage=open_storage(study_storage_url(factory_home, None)))
+    dist = {"algorithm.lr": optuna.distributions.FloatDistribution(1e-4, 1e-3, log=True)}
+    for lr in (2e-4, 5e-4):
+        study.add_trial(optuna.trial.create_trial(params={"algorithm.lr": lr}, distributions=dist, value=1.0,
+                                                  intermediate_values={1: 1.0}))
+    first = tick(instance)
+    (ws,) = first.run_requests  # one trial asked (the budget is 3); its warm start first
+    execute(instance, ws)
+    second = tick(instance, first.cursor)
+    (member,) = second.run_requests
+    assert member.partition_key == f"{sweep_id}-m002" and member.tags[TRIAL_TAG] == "2"
+    run = execute(instance, member)
+    md = run.asset_materializations_for_node("sweep_member_run")[0].metadata
+    assert md["status"].value == "pruned" and md["trial"].value == 2
+    assert md["reason"].value.startswith("median pruner at step 1: held-out accuracy ")
+    (row,) = Lake.open(factory_home).read("sweeps").to_pylist()
+    assert (row["status"], row["reason"]) == ("pruned", md["reason"].value)
+    assert study.get_trials()[2].state == optuna.trial.TrialState.PRUNED
+    assert json.loads(second.cursor) == [sweep_id]  # every trial asked and started
+    # Pruned counts as ended: the summary comes, and says how many were pruned.
+    (summary,) = tick(instance, sensor=sweep_summarizer).run_requests
+    done = execute(instance, summary, job_name="sweep_summary_job")
+    smd = done.asset_materializations_for_node("sweep_summary")[0].metadata
+    assert (smd["members"].value, smd["pruned"].value, smd["succeeded"].value) == (1, 1, 0)
