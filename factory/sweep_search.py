@@ -67,6 +67,13 @@ def study_storage_url(paths: FactoryPaths, instance_postgres_url: str | None) ->
     return f"sqlite:///{studies_db(paths)}"
 
 
+def postgres_driver_url(url: str) -> str:
+    """`url` naming the psycopg2 driver when it names none: Dagster writes `postgresql://...`, which SQLAlchemy 2.1
+    maps to psycopg 3, and Factory installs psycopg2 (pyproject)."""
+    scheme, sep, rest = url.partition("://")
+    return f"postgresql+psycopg2://{rest}" if sep and scheme in ("postgres", "postgresql") else url
+
+
 def open_storage(url: str) -> optuna.storages.RDBStorage:
     """Optuna's storage at `url` (see `study_storage_url`), its tables created on first use: on Postgres in the
     schema `optuna` (created if missing), so Dagster's tables and alembic version stay untouched."""
@@ -77,7 +84,7 @@ def open_storage(url: str) -> optuna.storages.RDBStorage:
         Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
         # The launcher sensor and every member's process share the file: wait for a lock rather than fail.
         return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 60}})
-    url = "postgresql://" + url.split("://", 1)[1] if url.startswith("postgres://") else url
+    url = postgres_driver_url(url)
     engine = sqlalchemy.create_engine(url)
     try:
         with engine.begin() as conn:

@@ -13,6 +13,7 @@ from factory.sweep_search import (
     ask,
     open_storage,
     open_study,
+    postgres_driver_url,
     studies_db,
     study_storage_url,
 )
@@ -104,12 +105,17 @@ def test_the_instance_postgres_is_where_studies_go_when_there_is_one(factory_hom
     assert study_storage_url(factory_home, pg) == pg
     with pytest.raises(ValueError, match="instance_postgres_url: expected a postgresql:// URL, got 'mysql://x'"):
         study_storage_url(factory_home, "mysql://x")
+    # Dagster's URLs name no driver; SQLAlchemy would pick psycopg 3, which is not installed: psycopg2 is.
+    assert postgres_driver_url(pg) == "postgresql+psycopg2://dagster:secret@db:5432/dagster"
+    assert postgres_driver_url("postgres://u@h/d") == "postgresql+psycopg2://u@h/d"
+    assert postgres_driver_url("postgresql+psycopg2://u@h/d") == "postgresql+psycopg2://u@h/d"
 
 
 def test_studies_on_postgres_get_a_schema_of_their_own(postgres_uri):
     import sqlalchemy
 
-    study = open_study(open_storage(postgres_uri), "sweep-pg", {}, 8, 2)
+    driverless = postgres_uri.replace("postgresql+psycopg2://", "postgresql://", 1)  # as Dagster writes it
+    study = open_study(open_storage(driverless), "sweep-pg", {}, 8, 2)
     study.ask()
     engine = sqlalchemy.create_engine(postgres_uri)
     with engine.connect() as conn:

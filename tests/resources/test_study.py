@@ -1,5 +1,6 @@
 """Where a tpe sweep's study is stored, read from the Dagster instance that runs the sweep."""
 
+import sqlalchemy
 import yaml
 from dagster import DagsterInstance
 
@@ -26,3 +27,12 @@ def test_an_instance_on_postgres_keeps_studies_in_its_database(factory_home, tmp
         assert study_storage_for(instance, factory_home) == postgres_uri
         assert sweep_study(instance, factory_home, INFO).study_name == "tpe-1"
     assert not studies_db(factory_home).exists()
+    engine = sqlalchemy.create_engine(postgres_uri)
+    with engine.connect() as conn:
+        versions = {s: conn.execute(sqlalchemy.text(f"SELECT version_num FROM {s}.alembic_version")).scalar()
+                    for s in ("public", "optuna")}
+        studies = conn.execute(sqlalchemy.text("SELECT study_name FROM optuna.studies")).scalars().all()
+    engine.dispose()
+    # One database, two alembic histories: Dagster's in public, Optuna's in its own schema, neither overwritten.
+    assert versions["public"] != versions["optuna"] and None not in versions.values()
+    assert studies == ["tpe-1"]
