@@ -169,3 +169,17 @@ def test_the_median_pruner_prunes_a_trial_below_the_completed_ones_and_says_why(
     bad.complete(0.99)  # a retried member whose trial already ended leaves it as it is
     assert study.get_trials()[bad.trial_number()].state == optuna.trial.TrialState.PRUNED
     assert bad.report(4, 0.0) is None
+
+
+def test_the_hyperband_pruner_stops_a_trial_far_below_the_finished_ones(factory_home):
+    study = open_study(open_storage(study_storage_url(factory_home, None)), "hb", {"prune": "hyperband"}, 8, 2)
+    space = {"algorithm.lr": tpe().space["algorithm.lr"]}
+    for _ in range(12):  # finished trials at 0.9 at every eval, spread over Hyperband's brackets
+        done = TrialReporter(study, ask(study, space, str).trial_id, "hyperband")
+        assert [done.report(step, 0.9) for step in (2, 4, 6)] == [None, None, None]
+        done.complete(0.9)
+    for _ in range(4):  # in whichever bracket a trial falls, a rung by step 6 stops it
+        bad = TrialReporter(study, ask(study, space, str).trial_id, "hyperband")
+        reasons = [bad.report(step, 0.0) for step in (2, 4, 6)]
+        assert "hyperband pruner at step 6: held-out accuracy 0.000" in reasons or reasons[0] is not None
+        assert all(r is None or r.startswith("hyperband pruner at step ") for r in reasons)
