@@ -68,10 +68,11 @@ def sweep_warm_start(context: AssetExecutionContext, home: FactoryHomeResource) 
 def sweep_member_run(context: AssetExecutionContext, home: FactoryHomeResource, lake: LakeResource,
                      mlflow: MlflowResource) -> MaterializeResult:
     """A sweep member trained end to end (dataset, the shared SFT warm start, GRPO, held-out eval), nested in
-    MLflow under its sweep's parent run; its `sweeps` row follows it from running to succeeded/failed. While it
-    runs, its tags show the step, latest reward and ETA."""
+    MLflow under its sweep's parent run; its `sweeps` row follows it from running to succeeded/failed, or pruned (a
+    tpe sweep's member that its pruner stopped at a resume point: an outcome, not a failure). While it runs, its
+    tags show the step, latest reward and ETA."""
     from factory.reports import run_pictures  # heavy: mlflow, matplotlib, when the step runs
-    from factory.runs.experiment import run_sweep_member  # heavy: see assets/training.py
+    from factory.runs.experiment import Pruned, run_sweep_member  # heavy: see assets/training.py
 
     key = context.partition_key
     paths = home.paths()
@@ -88,11 +89,17 @@ def sweep_member_run(context: AssetExecutionContext, home: FactoryHomeResource, 
     info = read_sweep(paths, sweep_id_of(key))
     lk, tracker = lake.lake(), mlflow.tracker()
     context.log.info(f"sweep member {key}: {member_label(axes)}")
+    trial = _trial(context, paths, info, key)
     with no_retry_for_what_needs_a_fix():  # anything else: a retry resumes the member's run (assets/_retries.py)
         res = run_sweep_member(spec, paths, lk, tracker, info["sweep_id"], key, axes,
                                sweep_name=info["definition"]["name"],
                                mlflow_parent_run_id=info.get("mlflow_parent_run_id"), log=context.log.info,
-                               progress=progress_tags(context), run_id=factory_run_id(context, spec.name))
+                               progress=progress_tags(context), run_id=factory_run_id(context, spec.name),
+                               trial=trial)
+    if isinstance(res, Pruned):  # stopped at a resume point by the sweep's pruner: an outcome, not a failure
+        return MaterializeResult(metadata={"sweep_id": info["sweep_id"], "axes": member_label(axes),
+                                           "status": "pruned", "reason": res.reason, "run_id": res.run_id,
+                                           "trial": trial.trial_number()})
     head, tail = run_metadata(run_pictures(lk, tracker, res.run_id, res.mlflow_run_id), tracker, res.run_id,
                               res.mlflow_run_id)
     return MaterializeResult(metadata={
@@ -102,6 +109,17 @@ def sweep_member_run(context: AssetExecutionContext, home: FactoryHomeResource, 
         "attempts": res.attempt, "goodput": res.goodput,
         **tail,
     })
+
+
+def _trial(context: AssetExecutionContext, paths, info: dict, key: str):
+    """The Optuna trial of a tpe sweep's member (a `TrialReporter`), else None."""
+    if info["definition"].get("mode") != "tpe":
+        return None
+    from factory.sweep_search import TrialReporter
+    from resources.study import sweep_study
+
+    entry = next(m for m in info["members"] if m["key"] == key)
+    return TrialReporter(sweep_study(context.instance, paths, info), entry["trial_id"], info["definition"]["prune"])
 
 
 @asset(group_name="sweeps", code_version="2", partitions_def=sweeps, kinds={"iceberg", "mlflow"},
@@ -152,6 +170,7 @@ def sweep_summary(context: AssetExecutionContext, lake: LakeResource, mlflow: Ml
         "links": MetadataValue.md(_links_md(members, runs, tracker)),
         "members": len(members), "succeeded": sum(m.status == "succeeded" for m in members),
         "failed": sum(m.status == "failed" for m in members),
+        "pruned": sum(m.status == "pruned" for m in members),
         **({"mlflow_parent_run_id": MetadataValue.url(tracker.run_url(parent))} if parent else {}),
         "pictures": embedded(shots),
     })

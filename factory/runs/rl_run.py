@@ -23,6 +23,7 @@ import os
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -89,6 +90,7 @@ from factory.source_spec import SourceError
 from factory.tracking import Tracker
 
 _now = recovery.now
+EvalHook = Callable[[int, float], str | None]  # (step, held-out accuracy) -> why to prune the run, or None
 
 
 @dataclass
@@ -136,12 +138,15 @@ def finished_result(lake: Lake, run_id: str) -> RunResult:
 def run_rl(spec: ExperimentSpec, paths: FactoryPaths, init_checkpoint: str | Path, splits: Splits,
            lake: Lake, tracker: Tracker, log: Log = print, run_id: str | None = None,
            sweep_id: str | None = None, flush_every: int = 10, mlflow_experiment: str | None = None,
-           mlflow_parent_run_id: str | None = None, progress: ProgressCallback | None = None) -> RunResult:
+           mlflow_parent_run_id: str | None = None, progress: ProgressCallback | None = None,
+           on_eval: EvalHook | None = None) -> RunResult:
     """RL (the spec's algorithm) from `init_checkpoint`; records the run, every step, checkpoints and evals.
 
     With the `run_id` of a run that did not finish, continues it (see the module docstring). A sweep
     member passes its `sweep_id` and the sweep's MLflow parent run (nested under it, in the parent's
-    experiment `mlflow_experiment`)."""
+    experiment `mlflow_experiment`). `on_eval(step, accuracy)` is called after each periodic held-out eval;
+    a reason returned stops the run at a resume point as pruned (a tpe sweep's trial, factory/sweep_search.py):
+    `RunInterrupted` is raised and the interruption's cause is `pruned`."""
     set_threads(spec, log)
     run_id = run_id or new_run_id(spec)
     run_dir = paths.checkpoints / run_id
@@ -159,7 +164,7 @@ def run_rl(spec: ExperimentSpec, paths: FactoryPaths, init_checkpoint: str | Pat
             recovery.mark_dead(lake, prev, run_dir)
             prev = recovery.run_row(lake, run_id)
         run = Run(spec, paths, splits, lake, tracker, run_id, prev, init_checkpoint,
-                  RunOptions(sweep_id, mlflow_experiment, mlflow_parent_run_id, flush_every, log, progress))
+                  RunOptions(sweep_id, mlflow_experiment, mlflow_parent_run_id, flush_every, log, progress, on_eval))
         return run.execute()
 
 
@@ -172,6 +177,7 @@ class RunOptions:
     flush_every: int = 10  # steps between writes of step rows (and the `runs` row) to the lake
     log: Log = print
     progress: ProgressCallback | None = None
+    on_eval: EvalHook | None = None  # after each periodic eval: a reason stops the run as pruned
 
 
 class Run:
@@ -417,6 +423,16 @@ class Run:
         self.step_metrics.add(step, {"eval/accuracy": res.accuracy})  # with the step's: once a resume point has it
         self._evaluate_sources(step, None, deferred=True)
         beat(self.run_dir)
+        if self.options.on_eval is not None:
+            self._prune_if_told(step, res.accuracy)
+
+    def _prune_if_told(self, step: int, accuracy: float) -> None:
+        """Ask `on_eval` whether to go on; a reason makes the loop save a resume point after this step and stop."""
+        reason = self.options.on_eval(step, accuracy)
+        if reason and not self.ckpts.stopping():
+            self.log(f"run {self.run_id}: pruned ({reason}); stopping at a resume point after step {step}")
+            self.ckpts.signal_name = PRUNED
+            self.ckpts.stop.set()
 
     def _evaluate_sources(self, step: int, sha256: str | None, deferred: bool = False) -> None:
         """`deferred`: a periodic eval's MLflow points wait with the step's (`step_metrics`)."""
@@ -476,6 +492,7 @@ class Run:
 
 
 SUPERVISOR_LOST = "supervisor lost"  # RunCheckpoints.signal_name of an attempt stopped by its supervisor's death
+PRUNED = "pruned"  # RunCheckpoints.signal_name of an attempt stopped by its sweep's pruner (`on_eval`)
 
 
 def _classify(e: BaseException, ckpts: RunCheckpoints) -> tuple[str, str]:
@@ -486,6 +503,8 @@ def _classify(e: BaseException, ckpts: RunCheckpoints) -> tuple[str, str]:
         return "interrupted", "disk_full"
     if ckpts is not None and ckpts.signal_name == SUPERVISOR_LOST:
         return "interrupted", "supervisor_lost"
+    if ckpts is not None and ckpts.signal_name == PRUNED:
+        return "interrupted", "pruned"
     if isinstance(e, RunInterrupted | KeyboardInterrupt) or ckpts.stopping():
         return "interrupted", "signal"
     if isinstance(e, NonFiniteLoss):
