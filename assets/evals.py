@@ -45,8 +45,8 @@ def eval_report(context: AssetExecutionContext, run: dict, lake: LakeResource) -
     context.log.info(f"run {run_id}: held-out accuracy SFT {s['sft_accuracy']:.3f} -> GRPO {s['grpo_accuracy']:.3f}")
     metadata = {"report": MetadataValue.md(md), "run_id": run_id}
     for key in ("sft_accuracy", "grpo_accuracy", "control_accuracy", "gain", "sft_pass_at_8", "winner"):
-        if s.get(key) is not None:
-            metadata[key] = s[key]
+        if s.get(key) is not None:  # accuracies and their gain to 3 decimals, as they are shown everywhere
+            metadata[key] = round(s[key], 3) if isinstance(s[key], float) else s[key]
     return MaterializeResult(metadata=metadata)
 
 
