@@ -181,7 +181,7 @@ class Tracker:
         filtered and sorted by anything other than start time, so every member is drawn."""
         experiment_id = self.client.get_run(parent_run_id).info.experiment_id
         query = urllib.parse.urlencode({"searchFilter": f"tags.`factory.sweep_id` = '{sweep_id}'",
-                                        "orderByKey": "attributes.run_name", "orderByAsc": "true",
+                                        "orderByKey": "tags.`mlflow.runName`", "orderByAsc": "true",
                                         "compareRunsMode": "CHART"}, quote_via=urllib.parse.quote)
         return f"{ui_url()}/#/experiments/{experiment_id}/runs?{WORKFLOW_QUERY}&{query}"
 

@@ -144,7 +144,7 @@ def test_a_sweeps_link_charts_its_members_flat(tracker: Tracker, monkeypatch):
     assert base == f"http://127.0.0.1:5000/#/experiments/{exp_id}/runs"
     assert urllib.parse.parse_qs(query) == {
         "workflowType": ["machine_learning"], "searchFilter": ["tags.`factory.sweep_id` = 's-1'"],
-        "orderByKey": ["attributes.run_name"], "orderByAsc": ["true"], "compareRunsMode": ["CHART"]}
+        "orderByKey": ["tags.`mlflow.runName`"], "orderByAsc": ["true"], "compareRunsMode": ["CHART"]}
     # the filter is one MLflow accepts, and it finds the members
     kids = [tracker.start_run("sweep-view", f"m{i}", tags={"factory.sweep_id": "s-1"}, parent_run_id=parent)
             for i in range(2)]
