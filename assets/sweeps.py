@@ -171,7 +171,8 @@ def sweep_summary(context: AssetExecutionContext, lake: LakeResource, mlflow: Ml
         "members": len(members), "succeeded": sum(m.status == "succeeded" for m in members),
         "failed": sum(m.status == "failed" for m in members),
         "pruned": sum(m.status == "pruned" for m in members),
-        **({"mlflow_parent_run_id": MetadataValue.url(tracker.run_url(parent))} if parent else {}),
+        **({"mlflow_parent_run_id": MetadataValue.url(tracker.run_url(parent)),
+            "mlflow_members_charts": MetadataValue.url(tracker.sweep_url(parent, sweep_id))} if parent else {}),
         "pictures": embedded(shots),
     })
 

@@ -179,7 +179,8 @@ def train_sft_checkpoint(spec: ExperimentSpec, paths: FactoryPaths, splits: Spli
 
     def on_step(step: int, m: dict[str, float]) -> None:
         if progress is not None:
-            progress(Progress("sft", step + 1, sft.steps, time.perf_counter() - t0))
+            progress(Progress("sft", step + 1, sft.steps, time.perf_counter() - t0,
+                              stops_at_accuracy=sft.stop_at_accuracy))
         if (step + 1) % every == 0 or step + 1 == sft.steps:
             log(f"sft step {step + 1}/{sft.steps} loss={m['loss']:.4f}")
 

@@ -209,6 +209,9 @@ def test_one_warm_start_then_members_within_the_limit_then_evals_then_the_summar
     links = md["links"].value
     assert all(f"(/runs/{run.run_id})" in links for _, run in seen)
     assert links.count("http://127.0.0.1:5000/#/experiments/") == 2 and links.count("`/") == 2
+    assert links.count("?workflowType=machine_learning") == 2  # MLflow's training view, not its GenAI one
+    charts = md["mlflow_members_charts"].value  # the members flat in MLflow's chart view (tracking.sweep_url)
+    assert "compareRunsMode=CHART" in charts and f"%27{sweep_id}%27" in charts
     names = ("members_on_heldout", "members_on_carry_chains", "accuracy_vs_algorithm.lr")
     for name in names:
         assert "/get-artifact?" in md[name].value and len(md[name].value) < 1000
