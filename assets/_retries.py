@@ -55,7 +55,7 @@ def no_retry_for_what_needs_a_fix() -> Iterator[None]:
 def run_worker_parent(context: AssetExecutionContext) -> int | None:
     """The pid of this run's worker when this step runs in a child process of it (the multiprocess executor on
     this machine), else None: the step runs in the worker itself, in a pod, or in a test's process."""
-    found = worker_pid(context.instance, context.run_id)
+    found = worker_pid(context.instance, context.run.run_id)
     if found is None or found[0] != os.getppid():
         return None
     return found[0]
@@ -64,11 +64,10 @@ def run_worker_parent(context: AssetExecutionContext) -> int | None:
 @contextlib.contextmanager
 def watched_by_run_worker(context: AssetExecutionContext) -> Iterator[int | None]:
     """Training inside this block stops at a resume point if the run worker dies (see the module docstring):
-    the worker is the supervisor of the attempt here, and of a `factory train-grpo` child (its grandparent). A
-    stop for that reason leaves as a Failure that says so; Dagster's run retry resumes the run. Yields the
-    worker's pid, or None where there is no worker process to watch (the block runs unwatched)."""
-    from factory.core.loop import RunInterrupted  # heavy: torch, when the step runs
-
+    the worker is the supervisor of the attempt here, and of a `factory train-grpo` child (its grandparent). What
+    ends the block once the worker is gone leaves as a Failure that says so, not retried here (nothing is left to
+    act on a retry request): the run's own retry resumes the run. Yields the worker's pid, or None where there is
+    no worker process to watch (the block runs unwatched)."""
     pid = run_worker_parent(context)
     if pid is None:
         yield None
@@ -77,12 +76,11 @@ def watched_by_run_worker(context: AssetExecutionContext) -> Iterator[int | None
     os.environ[SUPERVISOR_ENV] = str(pid)
     try:
         yield pid
-    except RunInterrupted as e:
+    except Exception as e:
         if os.getppid() == pid:
-            raise  # the worker lives: a signal stopped training
-        # Nothing is left to act on a retry request: the run's own retry (TRAINING_TAGS) resumes it.
-        raise Failure(description=f"the run worker (pid {pid}) is gone: training stopped at a resume point ({e}); "
-                      "the run's retry resumes it", allow_retries=False) from e
+            raise  # the worker lives: whatever stopped training says so itself
+        raise Failure(description=f"the run worker (pid {pid}) is gone: training stopped at a resume point "
+                      f"({type(e).__name__}: {e}); the run's retry resumes it", allow_retries=False) from e
     finally:
         if before is None:
             os.environ.pop(SUPERVISOR_ENV, None)

@@ -2,7 +2,6 @@
 `interruptions` rows (recorded and closed as a run's attempts do), a sentence with the cause, the step reached and the
 step resumed from, and, in a real materialization, a warning in the run's log and an AssetObservation of the asset."""
 
-from __future__ import annotations
 
 import logging
 
