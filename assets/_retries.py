@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Iterator
 
 from dagster import AssetExecutionContext, Backoff, Failure, RetryPolicy
 
 from factory.infra.supervisor import CircuitOpen
 from factory.runs.attempt import SUPERVISOR_ENV
+from factory.runs.exit_codes import EXIT_SUPERVISOR_LOST
 from resources.run_launcher import worker_pid
 
 # Two automatic retries, a few seconds apart (a crashed service or a killed process is usually back by then).
@@ -52,6 +54,20 @@ def no_retry_for_what_needs_a_fix() -> Iterator[None]:
         raise Failure(description=f"{type(e).__name__}: {e}", allow_retries=False) from e
 
 
+# What an orphaned step may take, once it failed, to record that and exit: Dagster's multiprocess executor sends its
+# events to the dead worker through a pipe that nobody reads any more, and at exit Python waits for that pipe to
+# take them all (seen: an orphan blocked in a pipe write for good after its step ended).
+ORPHAN_EXIT_S = 30.0
+
+
+def _exit_soon(after_s: float) -> None:
+    """End this process `after_s` seconds from now if it is still here (the step's failure is in the instance's
+    event log by then: Dagster writes it there before it queues it for the worker)."""
+    timer = threading.Timer(after_s, os._exit, args=(EXIT_SUPERVISOR_LOST,))
+    timer.daemon = True
+    timer.start()
+
+
 def run_worker_parent(context: AssetExecutionContext) -> int | None:
     """The pid of this run's worker when this step runs in a child process of it (the multiprocess executor on
     this machine), else None: the step runs in the worker itself, in a pod, or in a test's process."""
@@ -79,6 +95,7 @@ def watched_by_run_worker(context: AssetExecutionContext) -> Iterator[int | None
     except Exception as e:
         if os.getppid() == pid:
             raise  # the worker lives: whatever stopped training says so itself
+        _exit_soon(ORPHAN_EXIT_S)
         raise Failure(description=f"the run worker (pid {pid}) is gone: training stopped at a resume point "
                       f"({type(e).__name__}: {e}); the run's retry resumes it", allow_retries=False) from e
     finally:
