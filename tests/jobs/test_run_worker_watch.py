@@ -7,6 +7,7 @@ materialization in the test's process), nothing is watched. The whole chain with
 tests/jobs/test_run_worker_kill.py."""
 
 
+import contextlib
 import json
 import os
 import signal
@@ -72,7 +73,9 @@ def _wait_for(what: str, ready, limit_s: float = 300.0):
 def test_the_trainer_of_a_step_stops_when_its_run_worker_is_killed(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop(SUPERVISOR_ENV, None)
-    worker = subprocess.Popen([sys.executable, "-c", WORKER, STEP, str(tmp_path)], cwd=ROOT, env=env)
+    # Its own process group: the step outlives the worker, and the group reaches it whatever happens here.
+    worker = subprocess.Popen([sys.executable, "-c", WORKER, STEP, str(tmp_path)], cwd=ROOT, env=env,
+                              start_new_session=True)
     try:
         ready = json.loads(_wait_for("the step to train", lambda: (tmp_path / "ready").is_file()
                                      and (tmp_path / "ready").read_text()))
@@ -83,9 +86,9 @@ def test_the_trainer_of_a_step_stops_when_its_run_worker_is_killed(tmp_path):
         got = json.loads(_wait_for("the orphaned step to stop", lambda: (tmp_path / "result.json").is_file()
                                    and (tmp_path / "result.json").read_text()))
     finally:
-        if worker.poll() is None:
-            worker.kill()
-            worker.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(worker.pid, signal.SIGKILL)  # the step too, should it still be there (a failure above)
+        worker.wait()
     assert f"the run worker (pid {worker.pid}) is gone" in got["error"]
     assert "stopped on request after step 3" in got["error"]
     assert got["retried"] == 0 and got["env_after"] is None
