@@ -18,12 +18,14 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 from dagster import AssetExecutionContext, Backoff, Failure, RetryPolicy
 
 from factory.infra.supervisor import CircuitOpen
-from factory.runs.attempt import SUPERVISOR_ENV
+from factory.runs.attempt import SUPERVISOR_ENV, AttemptLock
 from factory.runs.exit_codes import EXIT_SUPERVISOR_LOST
 from resources.run_launcher import worker_pid
 
@@ -103,3 +105,20 @@ def watched_by_run_worker(context: AssetExecutionContext) -> Iterator[int | None
             os.environ.pop(SUPERVISOR_ENV, None)
         else:
             os.environ[SUPERVISOR_ENV] = before
+
+
+def wait_for_previous_attempt(run_dir: Path, timeout_s: float, log: Callable[[str], None],
+                              poll_s: float = 0.5) -> bool:
+    """Before a retry trains: wait up to `timeout_s` for a live earlier attempt of the run (the orphaned trainer of a
+    run worker that died, stopping at its next step) to release the run's lock. True once it is free; False after
+    the timeout, and the run then refuses to start, naming the lock."""
+    if not AttemptLock.is_held(run_dir):
+        return True
+    log(f"an earlier attempt of this run still holds {run_dir / 'attempt.lock'} (the trainer of a run worker that "
+        f"died stops at its next step): waiting up to {timeout_s:g} s for it")
+    deadline = time.monotonic() + timeout_s
+    while AttemptLock.is_held(run_dir):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
+    return True

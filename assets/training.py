@@ -18,7 +18,13 @@ from dagster import (
 
 from assets._interruptions import report_interruptions
 from assets._metadata import progress_tags, run_metadata
-from assets._retries import TRAINING_RETRY, factory_run_id, no_retry_for_what_needs_a_fix, watched_by_run_worker
+from assets._retries import (
+    TRAINING_RETRY,
+    factory_run_id,
+    no_retry_for_what_needs_a_fix,
+    wait_for_previous_attempt,
+    watched_by_run_worker,
+)
 from assets.preflight import require_healthy_node
 from factory.deploy.target import op_tags
 from resources import FactoryHomeResource, LakeResource, MlflowResource, SpecResource, TrainingLauncherResource
@@ -72,6 +78,9 @@ def grpo_run(context: AssetExecutionContext, sft: dict, dataset: dict, spec: Spe
     lk, tracker = lake.lake(), mlflow.tracker()
     if launcher.where == "in_process":
         from factory.runs.rl_run import run_rl  # heavy: torch
+
+        # a run retry can start while the dead worker's trainer still finishes its step (assets/_retries.py)
+        wait_for_previous_attempt(home.paths().checkpoints / inputs["run_id"], s.ops.hang_timeout_s, context.log.info)
         from factory.runs.stages import load_dataset  # heavy: torch
 
         with no_retry_for_what_needs_a_fix(), watched_by_run_worker(context):

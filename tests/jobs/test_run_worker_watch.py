@@ -18,7 +18,7 @@ from pathlib import Path
 
 from dagster import AssetExecutionContext, DagsterInstance, MaterializeResult, asset, materialize
 
-from assets._retries import run_worker_parent, watched_by_run_worker
+from assets._retries import run_worker_parent, wait_for_previous_attempt, watched_by_run_worker
 from factory.runs.attempt import SUPERVISOR_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -107,3 +107,50 @@ def test_a_step_without_a_run_worker_of_its_own_is_not_watched():
     with DagsterInstance.ephemeral() as instance:
         assert materialize([trains], instance=instance).success
     assert seen == {"parent": None, "pid": None, "env": os.environ.get(SUPERVISOR_ENV)}
+
+
+# An earlier attempt that holds the run's lock until told to let go (its `go` file), as an orphaned trainer does until
+# its next step.
+HOLDER = """
+import sys, time
+from pathlib import Path
+from factory.runs.attempt import AttemptLock
+run_dir, held, go = (Path(a) for a in sys.argv[1:])
+with AttemptLock(run_dir):
+    held.touch()
+    while not go.exists():
+        time.sleep(0.01)
+"""
+
+
+def test_a_retry_waits_for_the_earlier_attempt_to_let_go_of_the_run(tmp_path):
+    run_dir, held, go = tmp_path / "run", tmp_path / "held", tmp_path / "go"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(run_dir), str(held), str(go)], env=env)
+    try:
+        _wait_for("the earlier attempt to hold the lock", held.exists)
+        said: list[str] = []
+
+        def log(line: str) -> None:  # the retry says it waits, then the earlier attempt lets go
+            said.append(line)
+            go.touch()
+
+        assert wait_for_previous_attempt(run_dir, timeout_s=300.0, log=log, poll_s=0.01)
+        assert holder.wait() == 0 and len(said) == 1 and "still holds" in said[0]
+        assert wait_for_previous_attempt(run_dir, timeout_s=300.0, log=said.append) and len(said) == 1  # free: no wait
+    finally:
+        go.touch()
+        holder.wait()
+
+
+def test_a_retry_stops_waiting_for_an_attempt_that_never_lets_go(tmp_path):
+    run_dir, held, go = tmp_path / "run", tmp_path / "held", tmp_path / "go"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(run_dir), str(held), str(go)], env=env)
+    try:
+        _wait_for("the earlier attempt to hold the lock", held.exists)
+        assert not wait_for_previous_attempt(run_dir, timeout_s=0.2, log=lambda line: None, poll_s=0.01)
+        assert holder.poll() is None  # still holding: the run's own refusal names the lock
+    finally:
+        go.touch()
+        holder.wait()
