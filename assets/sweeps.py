@@ -20,8 +20,15 @@ from dagster import (
     asset,
 )
 
+from assets._interruptions import report_interruptions
 from assets._metadata import embedded, inline_picture, progress_tags, run_metadata
-from assets._retries import TRAINING_RETRY, factory_run_id, no_retry_for_what_needs_a_fix
+from assets._retries import (
+    TRAINING_RETRY,
+    factory_run_id,
+    no_retry_for_what_needs_a_fix,
+    wait_for_previous_attempt,
+    watched_by_run_worker,
+)
 from assets.preflight import require_healthy_node
 from factory.deploy.target import op_tags
 from factory.sweep import (
@@ -89,17 +96,20 @@ def sweep_member_run(context: AssetExecutionContext, home: FactoryHomeResource, 
     info = read_sweep(paths, sweep_id_of(key))
     lk, tracker = lake.lake(), mlflow.tracker()
     context.log.info(f"sweep member {key}: {member_label(axes)}")
+    run_id = factory_run_id(context, spec.name)
+    wait_for_previous_attempt(paths.checkpoints / run_id, spec.ops.hang_timeout_s, context.log.info)
     trial = _trial(context, paths, info, key)
-    with no_retry_for_what_needs_a_fix():  # anything else: a retry resumes the member's run (assets/_retries.py)
+    # anything else: a retry resumes the member's run; the run worker's death stops it at a resume point
+    with no_retry_for_what_needs_a_fix(), watched_by_run_worker(context):  # (assets/_retries.py)
         res = run_sweep_member(spec, paths, lk, tracker, info["sweep_id"], key, axes,
                                sweep_name=info["definition"]["name"],
                                mlflow_parent_run_id=info.get("mlflow_parent_run_id"), log=context.log.info,
-                               progress=progress_tags(context), run_id=factory_run_id(context, spec.name),
-                               trial=trial)
+                               progress=progress_tags(context), run_id=run_id, trial=trial)
     if isinstance(res, Pruned):  # stopped at a resume point by the sweep's pruner: an outcome, not a failure
         return MaterializeResult(metadata={"sweep_id": info["sweep_id"], "axes": member_label(axes),
                                            "status": "pruned", "reason": res.reason, "run_id": res.run_id,
                                            "trial": trial.trial_number()})
+    report_interruptions(context, lk, res.run_id)
     head, tail = run_metadata(run_pictures(lk, tracker, res.run_id, res.mlflow_run_id), tracker, res.run_id,
                               res.mlflow_run_id)
     return MaterializeResult(metadata={

@@ -69,7 +69,9 @@ from resources import FactoryHomeResource, LakeResource, MlflowResource
 from resources.study import sweep_study
 
 KIND_TAG = "factory/kind"
-sweep_warm_start_job = define_asset_job("sweep_warm_start_job", selection=[sweep_warm_start],
+# The warm start's run is retried too when its worker dies: the retry waits for the orphaned SFT (its lock) and reuses
+# its checkpoint, so the partition ends succeeded rather than failed beside a checkpoint that exists.
+sweep_warm_start_job = define_asset_job("sweep_warm_start_job", selection=[sweep_warm_start], tags=TRAINING_TAGS,
                                         description="A warm start shared by sweep members (queued by sweep_launcher).")
 sweep_member_job = define_asset_job("sweep_member_job", selection=[sweep_member_run], tags=TRAINING_TAGS,
                                     description="One sweep member's training run (queued by sweep_launcher).")
