@@ -20,8 +20,15 @@ from dagster import (
     asset,
 )
 
+from assets._interruptions import report_interruptions
 from assets._metadata import embedded, inline_picture, progress_tags, run_metadata
-from assets._retries import TRAINING_RETRY, factory_run_id, no_retry_for_what_needs_a_fix
+from assets._retries import (
+    TRAINING_RETRY,
+    factory_run_id,
+    no_retry_for_what_needs_a_fix,
+    wait_for_previous_attempt,
+    watched_by_run_worker,
+)
 from assets.preflight import require_healthy_node
 from factory.deploy.target import op_tags
 from factory.sweep import (
@@ -68,10 +75,11 @@ def sweep_warm_start(context: AssetExecutionContext, home: FactoryHomeResource) 
 def sweep_member_run(context: AssetExecutionContext, home: FactoryHomeResource, lake: LakeResource,
                      mlflow: MlflowResource) -> MaterializeResult:
     """A sweep member trained end to end (dataset, the shared SFT warm start, GRPO, held-out eval), nested in
-    MLflow under its sweep's parent run; its `sweeps` row follows it from running to succeeded/failed. While it
-    runs, its tags show the step, latest reward and ETA."""
+    MLflow under its sweep's parent run; its `sweeps` row follows it from running to succeeded/failed, or pruned (a
+    tpe sweep's member that its pruner stopped at a resume point: an outcome, not a failure). While it runs, its
+    tags show the step, latest reward and ETA."""
     from factory.reports import run_pictures  # heavy: mlflow, matplotlib, when the step runs
-    from factory.runs.experiment import run_sweep_member  # heavy: see assets/training.py
+    from factory.runs.experiment import Pruned, run_sweep_member  # heavy: see assets/training.py
 
     key = context.partition_key
     paths = home.paths()
@@ -88,11 +96,20 @@ def sweep_member_run(context: AssetExecutionContext, home: FactoryHomeResource, 
     info = read_sweep(paths, sweep_id_of(key))
     lk, tracker = lake.lake(), mlflow.tracker()
     context.log.info(f"sweep member {key}: {member_label(axes)}")
-    with no_retry_for_what_needs_a_fix():  # anything else: a retry resumes the member's run (assets/_retries.py)
+    run_id = factory_run_id(context, spec.name)
+    wait_for_previous_attempt(paths.checkpoints / run_id, spec.ops.hang_timeout_s, context.log.info)
+    trial = _trial(context, paths, info, key)
+    # anything else: a retry resumes the member's run; the run worker's death stops it at a resume point
+    with no_retry_for_what_needs_a_fix(), watched_by_run_worker(context):  # (assets/_retries.py)
         res = run_sweep_member(spec, paths, lk, tracker, info["sweep_id"], key, axes,
                                sweep_name=info["definition"]["name"],
                                mlflow_parent_run_id=info.get("mlflow_parent_run_id"), log=context.log.info,
-                               progress=progress_tags(context), run_id=factory_run_id(context, spec.name))
+                               progress=progress_tags(context), run_id=run_id, trial=trial)
+    if isinstance(res, Pruned):  # stopped at a resume point by the sweep's pruner: an outcome, not a failure
+        return MaterializeResult(metadata={"sweep_id": info["sweep_id"], "axes": member_label(axes),
+                                           "status": "pruned", "reason": res.reason, "run_id": res.run_id,
+                                           "trial": trial.trial_number()})
+    report_interruptions(context, lk, res.run_id)
     head, tail = run_metadata(run_pictures(lk, tracker, res.run_id, res.mlflow_run_id), tracker, res.run_id,
                               res.mlflow_run_id)
     return MaterializeResult(metadata={
@@ -102,6 +119,17 @@ def sweep_member_run(context: AssetExecutionContext, home: FactoryHomeResource, 
         "attempts": res.attempt, "goodput": res.goodput,
         **tail,
     })
+
+
+def _trial(context: AssetExecutionContext, paths, info: dict, key: str):
+    """The Optuna trial of a tpe sweep's member (a `TrialReporter`), else None."""
+    if info["definition"].get("mode") != "tpe":
+        return None
+    from factory.sweep_search import TrialReporter
+    from resources.study import sweep_study
+
+    entry = next(m for m in info["members"] if m["key"] == key)
+    return TrialReporter(sweep_study(context.instance, paths, info), entry["trial_id"], info["definition"]["prune"])
 
 
 @asset(group_name="sweeps", code_version="2", partitions_def=sweeps, kinds={"iceberg", "mlflow"},
@@ -143,12 +171,18 @@ def sweep_summary(context: AssetExecutionContext, lake: LakeResource, mlflow: Ml
     return MaterializeResult(metadata={
         **head,
         "best_member": (best[0] if len(best) == 1 else f"tie: {', '.join(best)}") if best else "",
-        "best_accuracy": members[0].accuracy if best else None,
+        "best_accuracy": _fmt(members[0].accuracy) if best else None,
+        "best_accuracy_ci95": members[0].accuracy_text() if best else "",  # `0.764 [0.725, 0.799] n=500`
+        "verdict": cmp.verdict,  # the top member against the runner-up: a win only outside the noise
+        **({"points_over_seeds": MetadataValue.md(_points_md(cmp.points)), "point_verdict": cmp.point_verdict}
+           if cmp.points else {}),  # a `seed` axis: points ranked by their mean over seeds
         "members_table": _members_table(members, axes, runs),
         "links": MetadataValue.md(_links_md(members, runs, tracker)),
         "members": len(members), "succeeded": sum(m.status == "succeeded" for m in members),
         "failed": sum(m.status == "failed" for m in members),
-        **({"mlflow_parent_run_id": MetadataValue.url(tracker.run_url(parent))} if parent else {}),
+        "pruned": sum(m.status == "pruned" for m in members),
+        **({"mlflow_parent_run_id": MetadataValue.url(tracker.run_url(parent)),
+            "mlflow_members_charts": MetadataValue.url(tracker.sweep_url(parent, sweep_id))} if parent else {}),
         "pictures": embedded(shots),
     })
 
@@ -175,14 +209,24 @@ def _fmt(v: float | None, digits: int = 3) -> float | None:
 
 def _members_table(members, axes: list[str], runs: dict[str, str]) -> MetadataValue:
 
-    cols = ["member", *axes, "status", "accuracy", "pass_at_k", "reward", "wall_s", "steps", "dagster_run"]
+    cols = ["member", *axes, "status", "accuracy", "ci95_n", "pass_at_k", "reward", "wall_s", "steps", "dagster_run"]
     records = [TableRecord({
         "member": m.member.rpartition("-")[2], **{a: format_value(m.axes.get(a)) for a in axes}, "status": m.status,
-        "accuracy": _fmt(m.accuracy), "pass_at_k": _fmt(m.pass_at_k), "reward": _fmt(m.reward),
+        "accuracy": _fmt(m.accuracy), "ci95_n": m.accuracy_text().partition(" ")[2],
+        "pass_at_k": _fmt(m.pass_at_k), "reward": _fmt(m.reward),
         "wall_s": _fmt(m.wall_s, 1), "steps": m.steps, "dagster_run": runs.get(m.member, "")[:8]})
         for m in members]
     types = {"accuracy": "float", "pass_at_k": "float", "reward": "float", "wall_s": "float", "steps": "int"}
     return MetadataValue.table(records, schema=TableSchema([TableColumn(c, types.get(c, "string")) for c in cols]))
+
+
+def _points_md(points) -> str:
+    """The sweep's points ranked by their mean accuracy over seeds, each with its interval and per-seed values."""
+    lines = ["| point | mean accuracy over seeds [95% CI] | per seed |", "|---|---|---|"]
+    lines += [f"| {p.label or '(base)'} | {p.text()} | "
+              f"{', '.join(f'seed {s}: {a:.3f}' for s, a in zip(p.seeds, p.accuracies, strict=True))} |"
+              for p in points]
+    return "\n".join(lines)
 
 
 def _links_md(members, runs: dict[str, str], tracker) -> str:

@@ -16,8 +16,15 @@ from dagster import (
     asset_check,
 )
 
+from assets._interruptions import report_interruptions
 from assets._metadata import progress_tags, run_metadata
-from assets._retries import TRAINING_RETRY, factory_run_id, no_retry_for_what_needs_a_fix
+from assets._retries import (
+    TRAINING_RETRY,
+    factory_run_id,
+    no_retry_for_what_needs_a_fix,
+    wait_for_previous_attempt,
+    watched_by_run_worker,
+)
 from assets.preflight import require_healthy_node
 from factory.deploy.target import op_tags
 from resources import FactoryHomeResource, LakeResource, MlflowResource, SpecResource, TrainingLauncherResource
@@ -57,8 +64,10 @@ def grpo_run(context: AssetExecutionContext, sft: dict, dataset: dict, spec: Spe
              lake: LakeResource, mlflow: MlflowResource, launcher: TrainingLauncherResource) -> MaterializeResult:
     """GRPO from the SFT checkpoint; every step lands in Iceberg `steps` and in MLflow. While it runs, the run's
     tags show its step, latest reward and ETA; its curves and evals by step are drawn in the metadata. A retry
-    (automatic, up to 2) resumes the same run from its newest resume point. Trains in this process, or through
-    Dagster Pipes in a child process or on Kubernetes (the `launcher` resource): the metadata is the same."""
+    (automatic, up to 2) resumes the same run from its newest resume point, and the run's log and the asset's
+    observations say what interrupted it. Trains in this process, or through Dagster Pipes in a child process or
+    on Kubernetes (the `launcher` resource): the metadata is the same. Training stops at a resume point if the
+    run worker dies (assets/_retries.py `watched_by_run_worker`)."""
     from factory.runs.pipes import run_scalars  # heavy: torch
 
     s = spec.spec()
@@ -69,9 +78,12 @@ def grpo_run(context: AssetExecutionContext, sft: dict, dataset: dict, spec: Spe
     lk, tracker = lake.lake(), mlflow.tracker()
     if launcher.where == "in_process":
         from factory.runs.rl_run import run_rl  # heavy: torch
+
+        # a run retry can start while the dead worker's trainer still finishes its step (assets/_retries.py)
+        wait_for_previous_attempt(home.paths().checkpoints / inputs["run_id"], s.ops.hang_timeout_s, context.log.info)
         from factory.runs.stages import load_dataset  # heavy: torch
 
-        with no_retry_for_what_needs_a_fix():
+        with no_retry_for_what_needs_a_fix(), watched_by_run_worker(context):
             if s.trainer.world_size > 1:  # this process is no rank: each attempt is a group of ranks, supervised
                 from factory.runs.experiment import run_rl_supervised  # heavy: torch
 
@@ -82,8 +94,10 @@ def grpo_run(context: AssetExecutionContext, sft: dict, dataset: dict, spec: Spe
                              tracker, log=context.log.info, progress=progress_tags(context), run_id=inputs["run_id"])
         scalars = run_scalars(res)
     else:  # the entrypoint reports the same scalars through Pipes
-        reported = launcher.launch(context, spec, home, inputs)
+        with watched_by_run_worker(context):  # a local `factory train-grpo` child watches the worker too
+            reported = launcher.launch(context, spec, home, inputs)
         scalars = {k: v.value for k, v in (reported.metadata or {}).items()}
+    report_interruptions(context, lk, inputs["run_id"])
     return MaterializeResult(metadata=rl_run_metadata(scalars, lk, tracker),
                              data_version=DataVersion(scalars["sha256"]))
 
@@ -102,8 +116,10 @@ def rl_run_metadata(scalars: dict, lk, tracker) -> dict:
 @asset_check(asset=grpo_run, description="Held-out accuracy after GRPO is above the SFT checkpoint's")
 def grpo_beats_sft(grpo_run: dict) -> AssetCheckResult:  # named as the asset: its materialization in this run
     gain = grpo_run["accuracy"] - grpo_run["start_accuracy"]
-    return AssetCheckResult(passed=gain > 0, metadata={"sft_accuracy": grpo_run["start_accuracy"],
-                                                       "grpo_accuracy": grpo_run["accuracy"], "gain": gain})
+    # Shown to 3 decimals, as accuracies are (a difference of two floats reads 0.020000000000000018).
+    return AssetCheckResult(passed=gain > 0, metadata={"sft_accuracy": round(grpo_run["start_accuracy"], 3),
+                                                       "grpo_accuracy": round(grpo_run["accuracy"], 3),
+                                                       "gain": round(gain, 3)})
 
 
 @asset(group_name="training", code_version="1", ins={"sft": SFT, "run": RUN, "dataset": DATASET},

@@ -18,6 +18,7 @@ Then the dependency and supervision faults (`benchmarks/chaos_faults.py`), each 
 tiny model struck once: a catalog outage mid-run (the SQLite catalog's write lock held, shorter than
 ops.lake_outage_s), ENOSPC at a resume-point write, SIGKILL of the supervising `factory run`, SIGKILL of one rank
 of a 2-rank data-parallel run; and the red-team reward hacks (`envs/reward_hacks.py`).
+Every run here is a `benchmarks/chaos_runs.py` `Run` (its run directory, heartbeat, attempt and lake rows).
 
 Prints a table, then one JSON line with kills, survived, bit_identical_sync, duplicate_steps, missing_steps,
 duplicate_prompts, skipped_prompts, resume_s_p50, goodput, save_stall_ms_p50 (and more), and one boolean per fault
@@ -47,7 +48,6 @@ import os
 import random
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -56,8 +56,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from factory.home import FactoryPaths  # noqa: E402
-from factory.lake import Lake  # noqa: E402
+from benchmarks.chaos_runs import Run, lake_rows, wait_for  # noqa: E402
 
 SPEC = ROOT / "examples" / "quickstart.yaml"
 BASE = ["--set", "model.preset=tiny", "--set", "task.n_train=2000", "--set", "task.n_eval=32",
@@ -70,99 +69,11 @@ ASYNC = ["--set", "schedule.mode=async", "--set", "rollout.engine=server", "--se
 HOLDS = "resume_write:0.15,publish:0.03"  # widen the windows a kill is aimed at (not the trainer's work)
 
 
-def children(pid: int) -> list[tuple[int, str]]:
-    """(pid, command line) of the direct children of `pid`."""
-    out = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-            ppid = int(stat[stat.rindex(")") + 2:].split()[1])
-            if ppid == pid:
-                out.append((int(d.name), (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()))
-        except (OSError, ValueError):
-            continue
-    return out
-
-
-class Run:
-    """A supervised `factory run` and what it has on disk."""
-
-    def __init__(self, home: Path, name: str, extra: list[str], faults: Path | None):
-        self.home, self.name = home, name
-        env = {**os.environ}
-        if faults is not None:
-            env.update(FACTORY_FAULT_DIR=str(faults), FACTORY_FAULT_HOLD_S=HOLDS)
-        self.faults = faults
-        self.log = open(home.parent / f"{name}.log", "w")  # noqa: SIM115 - closed in wait()
-        self.proc = subprocess.Popen([sys.executable, "-m", "factory.cli", "--home", str(home), "run", str(SPEC),
-                                      "--set", f"name={name}", *BASE, *extra],
-                                     stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-
-    def run_dir(self) -> Path | None:
-        dirs = list((self.home / "checkpoints").glob(f"{self.name}-*"))
-        return dirs[0] if dirs else None
-
-    def trainer(self) -> int | None:
-        """The pid of the live attempt (it writes its pid into the lock it holds)."""
-        d = self.run_dir()
-        try:
-            pid = int((d / "attempt.lock").read_text().strip()) if d else 0
-        except (OSError, ValueError):
-            return None
-        return pid if pid and Path(f"/proc/{pid}").exists() else None
-
-    def step(self) -> int:
-        d = self.run_dir()
-        try:
-            text = (d / "heartbeat").read_text().strip() if d else ""
-        except OSError:
-            return 0
-        return int(text) if text.isdigit() else 0
-
-    def beat_at(self) -> float:
-        d = self.run_dir()
-        try:
-            return (d / "heartbeat").stat().st_mtime if d else 0.0
-        except OSError:
-            return 0.0
-
-    def service(self, kind: str) -> int | None:
-        pid = self.trainer()
-        if pid is None:
-            return None
-        want = {"rollout-server": " serve ", "env-worker": " env-serve "}[kind]
-        found = [c for c, cmd in children(pid) if want in f" {cmd} "]
-        return found[0] if found else None
-
-    def at_point(self, point: str, pid: int, timeout: float = 60) -> bool:
-        """Wait until process `pid` is at fault point `point` (its marker file exists)."""
-        deadline = time.monotonic() + timeout
-        marker = self.faults / f"{point}.{pid}"
-        while time.monotonic() < deadline:
-            if marker.exists():
-                return True
-            if self.proc.poll() is not None:
-                return False
-            time.sleep(0.002)
-        return False
-
-    def wait(self, timeout: float) -> int:
-        try:
-            rc = self.proc.wait(timeout=timeout)
-        finally:
-            self.log.close()
-        return rc
-
-
-def wait_for(pred, timeout: float, every: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(every)
-    return False
+def start(work: Path, name: str, extra: list[str], faults: Path | None) -> Run:
+    """A supervised run of the quickstart spec with BASE and `extra`; with `faults`, its fault points mark
+    themselves there and hold a kill's windows open (HOLDS)."""
+    env = {"FACTORY_FAULT_DIR": str(faults), "FACTORY_FAULT_HOLD_S": HOLDS} if faults is not None else None
+    return Run.start(work, name, SPEC, [*BASE, *extra], env=env, faults=faults)
 
 
 def strike(run: Run, target: str, moment: str, rng: random.Random, killed: list[int]) -> dict:
@@ -171,12 +82,12 @@ def strike(run: Run, target: str, moment: str, rng: random.Random, killed: list[
     since = time.time()
 
     def established() -> bool:
-        pid = run.trainer()
+        pid = run.attempt_pid()
         return pid is not None and pid not in killed and run.beat_at() > since
     if not wait_for(established, 300):
         return {"target": target, "moment": moment, "killed": False, "why": "no live attempt"}
     time.sleep(rng.uniform(2.0, 8.0))  # a random moment
-    trainer = run.trainer()
+    trainer = run.attempt_pid()
     pid = trainer if target == "trainer" else run.service(target)
     if pid is None or trainer is None:
         return {"target": target, "moment": moment, "killed": False, "why": f"no {target} process"}
@@ -191,24 +102,14 @@ def strike(run: Run, target: str, moment: str, rng: random.Random, killed: list[
     if target == "trainer":
         killed.append(pid)
     # Survived this kill: training gets past the step it had reached (a killed trainer redoes a few first).
-    ok = wait_for(lambda: (run.step() > step and run.trainer() not in (None, *killed)) or run.proc.poll() is not None,
-                  300)
+    ok = wait_for(lambda: (run.step() > step and run.attempt_pid() not in (None, *killed))
+                  or run.proc.poll() is not None, 300)
     return {"target": target, "moment": moment, "killed": True, "pid": pid, "step": step,
             "recovered": ok and run.proc.poll() in (None, 0), "until_progress_s": time.monotonic() - t_kill}
 
 
-def lake_rows(home: Path, table: str) -> list[dict]:
-    with Lake.open(FactoryPaths(home)) as lake:
-        return lake.read(table).to_pylist()
-
-
 def weights_sha(home: Path, run_id: str) -> str:
     return hashlib.sha256((home / "checkpoints" / run_id / "final" / "model.safetensors").read_bytes()).hexdigest()
-
-
-def step_counts(home: Path, steps: int) -> tuple[int, int]:
-    got = [r["step"] for r in lake_rows(home, "steps")]
-    return len(got) - len(set(got)), len(set(range(1, steps + 1)) - set(got))
 
 
 def prompt_counts(home: Path, run_dir: Path) -> tuple[int, int, int]:
@@ -233,14 +134,13 @@ def stalls(run_dir: Path) -> list[float]:
 
 def chaos_run(work: Path, name: str, extra: list[str], plan: list[tuple[str, str]], rng: random.Random,
               steps: int) -> dict:
-    home = work / name
-    run = Run(home, name, ["--set", f"schedule.steps={steps}", *extra], work / f"{name}-faults")
+    run = start(work, name, ["--set", f"schedule.steps={steps}", *extra], work / f"{name}-faults")
     killed: list[int] = []
     kills = [strike(run, target, moment, rng, killed) for target, moment in plan if run.proc.poll() is None]
     rc = run.wait(timeout=1800)
-    (row,) = lake_rows(home, "runs")
-    cuts = lake_rows(home, "interruptions")
-    dup, missing = step_counts(home, steps)
+    row = run.run_row()
+    cuts = run.rows("interruptions")
+    dup, missing = run.step_faults(steps)
     return {"name": name, "rc": rc, "status": row["status"], "run_id": row["run_id"], "kills": kills,
             "attempts": row["attempts"], "goodput": row["goodput"], "wall_s": row["wall_s"],
             "recover_s": [c["recover_s"] for c in cuts if c.get("recover_s") is not None],
@@ -285,9 +185,9 @@ def kill_runs(args: argparse.Namespace, work: Path) -> dict:
 
     # 0. The uninterrupted sync run the killed one must match, bit for bit.
     t0 = time.perf_counter()
-    ref = Run(work / "reference", "reference", ["--set", f"schedule.steps={sync_steps}", "--set", "name=sync"], None)
+    ref = start(work, "reference", ["--set", f"schedule.steps={sync_steps}", "--set", "name=sync"], None)
     assert ref.wait(timeout=1800) == 0, f"reference run failed: see {work}/reference.log"
-    (ref_row,) = lake_rows(work / "reference", "runs")
+    ref_row = ref.run_row()
     print(f"reference sync run: {time.perf_counter() - t0:.0f} s", flush=True)
 
     # 1. sync, killed: trainer and environment workers, some kills during a resume-point write.
@@ -310,30 +210,27 @@ def kill_runs(args: argparse.Namespace, work: Path) -> dict:
     print(f"async chaos: {sum(k['killed'] for k in asy['kills'])} kills, status {asy['status']}", flush=True)
 
     # 3. Goodput: a longer sync run, the trainer killed every `long_every` seconds.
-    home = work / "long"
-    long = Run(home, "long", ["--set", "schedule.steps=100000"], None)
+    long = start(work, "long", ["--set", "schedule.steps=100000"], None)
     long_kills = []
     wait_for(lambda: long.step() > 0, 600)
     t_end = time.monotonic() + long_min * 60
     while time.monotonic() + long_every < t_end and long.proc.poll() is None:
         time.sleep(long_every)
-        pid = long.trainer()
+        pid = long.attempt_pid()
         if pid is not None:
             os.kill(pid, signal.SIGKILL)
             long_kills.append(time.monotonic())
-    wait_for(lambda: long.trainer() is not None and long.step() > 0, 120)
+    wait_for(lambda: long.attempt_pid() is not None and long.step() > 0, 120)
     time.sleep(max(0.0, t_end - time.monotonic()))
     long.proc.send_signal(signal.SIGTERM)  # stop: saves a resume point and ends as interrupted
     long.wait(timeout=300)
-    with Lake.open(FactoryPaths(home)) as lake:
-        from factory.runs import recovery
+    from factory.runs import recovery
 
-        (row,) = lake.read("runs").to_pylist()
-        # The run was stopped on purpose at the end: its goodput over the time it ran, without that stop.
-        cuts = [c for c in lake.read("interruptions").to_pylist() if c["cause"] != "signal"]
-        lost = sum((c.get("redo_s") or 0) + (c.get("detect_s") or 0) + (c.get("recover_s") or 0) for c in cuts)
-        long_goodput = recovery.goodput(row["wall_s"], lost)
-        long_steps = len(lake.read("steps").to_pylist())
+    # The run was stopped on purpose at the end: its goodput over the time it ran, without that stop.
+    cuts = [c for c in long.rows("interruptions") if c["cause"] != "signal"]
+    lost = sum((c.get("redo_s") or 0) + (c.get("detect_s") or 0) + (c.get("recover_s") or 0) for c in cuts)
+    long_goodput = recovery.goodput(long.run_row()["wall_s"], lost)
+    long_steps = len(long.rows("steps"))
 
     # Report.
     all_kills = sync["kills"] + asy["kills"]
@@ -376,7 +273,7 @@ def kill_runs(args: argparse.Namespace, work: Path) -> dict:
 def fault_runs(args: argparse.Namespace, work: Path, parts: set[str]) -> dict:
     """The dependency and supervision faults (`chaos_faults.py`), one run each: a table line per fault and one
     boolean JSON key each (`<fault>_survived`, or as named below), plus `faults` with what each saw."""
-    import chaos_faults as cf
+    from benchmarks import chaos_faults as cf
 
     steps = 12 if args.quick else 24
     scenarios = {

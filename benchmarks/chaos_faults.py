@@ -28,130 +28,18 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
+from benchmarks.chaos_runs import LIMIT_S, ROOT, Run, alive, descendants, proc_table, wait_for
 from factory.core.resume import verify
 from factory.home import FactoryPaths
-from factory.lake import Lake
 from factory.lake.spool import SPOOL
 from factory.runs.attempt import AttemptLock
 from factory.runs.exit_codes import EXIT_DISK_FULL
 
-ROOT = Path(__file__).resolve().parents[1]
 RESUME_EVERY = 3  # resume points every 3 steps: each fault lands after the first one
 # resume_write is reached after each of a resume point's 4 files: the 5th time is the second point's first file.
 SECOND_RESUME_WRITE = "resume_write:5"
-LIMIT_S = 1800.0  # only so a broken run cannot hang the benchmark
-
-
-def wait_for(pred: Callable[[], object], timeout: float, every: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(every)
-    return False
-
-
-def alive(pid: int) -> bool:
-    """Whether `pid` is a live process (a zombie, dead but not yet reaped, is not)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
-
-
-def proc_table() -> dict[int, tuple[int, str]]:
-    """pid -> (parent pid, command line) of every live process."""
-    out = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-            fields = stat[stat.rindex(")") + 2:].split()
-            if fields[0] == "Z":
-                continue
-            out[int(d.name)] = (int(fields[1]), (d / "cmdline").read_bytes().replace(b"\0", b" ").decode())
-        except (OSError, ValueError, IndexError):
-            continue
-    return out
-
-
-def descendants(pid: int) -> set[int]:
-    table = proc_table()
-    found, frontier = set(), {pid}
-    while frontier:
-        frontier = {p for p, (ppid, _) in table.items() if ppid in frontier} - found
-        found |= frontier
-    return found
-
-
-class FaultRun:
-    """One scenario's supervised `factory run` on its own FACTORY_HOME, its log, and what it has on disk."""
-
-    def __init__(self, work: Path, name: str, spec: Path, args: list[str], env: dict[str, str] | None = None):
-        self.work, self.home, self.name = work, work / name, name
-        self.log_path = work / f"{name}.log"
-        with self.log_path.open("w") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "factory.cli", "--home", str(self.home), "run",
-                                          str(spec), "--set", f"name={name}", *args],
-                                         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-                                         cwd=ROOT)
-
-    def run_dir(self) -> Path | None:
-        dirs = list((self.home / "checkpoints").glob(f"{self.name}-*"))
-        return dirs[0] if dirs else None
-
-    def step(self) -> int:
-        d = self.run_dir()
-        try:
-            text = (d / "heartbeat").read_text().strip() if d else ""
-        except OSError:
-            return 0
-        return int(text) if text.isdigit() else 0
-
-    def attempt_pid(self) -> int | None:
-        """The live attempt (rank 0 of a group): it writes its pid into the lock it holds."""
-        d = self.run_dir()
-        try:
-            pid = int((d / "attempt.lock").read_text().strip()) if d else 0
-        except (OSError, ValueError):
-            return None
-        return pid if pid and alive(pid) else None
-
-    def reached(self, step: int) -> bool:
-        """Step `step` trained (or the run ended: the caller checks which)."""
-        return self.step() >= step or self.proc.poll() is not None
-
-    def wait(self) -> int:
-        return self.proc.wait(timeout=LIMIT_S)
-
-    def resume(self, run_id: str) -> int:
-        """`factory resume RUN_ID` without any fault, its output appended to the log."""
-        with self.log_path.open("a") as log:
-            log.write(f"\n--- factory resume {run_id}\n")
-            log.flush()
-            return subprocess.run([sys.executable, "-m", "factory.cli", "--home", str(self.home), "resume", run_id],
-                                  stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, timeout=LIMIT_S).returncode
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def rows(self, table: str) -> list[dict]:
-        with Lake.open(FactoryPaths(self.home)) as lake:
-            return lake.read(table).to_pylist()
-
-    def run_row(self) -> dict:
-        (row,) = self.rows("runs")
-        return row
-
-    def step_faults(self, steps: int) -> tuple[int, int]:
-        """(duplicated, missing) `steps` rows of a run of `steps` steps."""
-        got = [r["step"] for r in self.rows("steps")]
-        return len(got) - len(set(got)), len(set(range(1, steps + 1)) - set(got))
 
 
 def _verdict(res: dict, checks: list[tuple[bool, str]]) -> dict:
@@ -160,7 +48,7 @@ def _verdict(res: dict, checks: list[tuple[bool, str]]) -> dict:
     return {**res, "ok": not failed, "why": failed[0] if failed else None}
 
 
-def _finished(run: FaultRun, res: dict, steps: int) -> list[tuple[bool, str]]:
+def _finished(run: Run, res: dict, steps: int) -> list[tuple[bool, str]]:
     """Record the run's end in `res`; the checks that it succeeded with every step once."""
     row = run.run_row()
     dup, missing = run.step_faults(steps)
@@ -172,9 +60,9 @@ def _finished(run: FaultRun, res: dict, steps: int) -> list[tuple[bool, str]]:
 def lake_outage(work: Path, spec: Path, base: list[str], steps: int, budget_s: float = 300.0) -> dict:
     """A catalog outage from step 2, held until rows were spooled and 4 more steps trained (under `budget_s`,
     ops.lake_outage_s, set explicitly so the outage is inside it)."""
-    run = FaultRun(work, "lake-outage", spec, [*base, "--set", f"schedule.steps={steps}", "--set",
-                                               f"ops.resume_every={RESUME_EVERY}", "--set",
-                                               f"ops.lake_outage_s={budget_s:g}"])
+    run = Run.start(work, "lake-outage", spec, [*base, "--set", f"schedule.steps={steps}", "--set",
+                                                f"ops.resume_every={RESUME_EVERY}", "--set",
+                                                f"ops.lake_outage_s={budget_s:g}"])
     res: dict = {"fault": "lake_outage"}
     wait_for(lambda: run.reached(2), LIMIT_S)
     if run.proc.poll() is not None:
@@ -204,9 +92,9 @@ def lake_outage(work: Path, spec: Path, base: list[str], steps: int, budget_s: f
 
 def disk_full(work: Path, spec: Path, base: list[str], steps: int) -> dict:
     """ENOSPC at the second resume-point write; then `factory resume` with the fault gone (space freed)."""
-    run = FaultRun(work, "disk-full", spec, [*base, "--set", f"schedule.steps={steps}", "--set",
-                                             f"ops.resume_every={RESUME_EVERY}"],
-                   env={"FACTORY_FAULT_ENOSPC": SECOND_RESUME_WRITE})
+    run = Run.start(work, "disk-full", spec, [*base, "--set", f"schedule.steps={steps}", "--set",
+                                              f"ops.resume_every={RESUME_EVERY}"],
+                    env={"FACTORY_FAULT_ENOSPC": SECOND_RESUME_WRITE})
     res: dict = {"fault": "disk_full", "rc": run.wait()}
     row = run.run_row()
     resume = run.home / "checkpoints" / row["run_id"] / "resume"
@@ -229,8 +117,8 @@ def disk_full(work: Path, spec: Path, base: list[str], steps: int) -> dict:
 def supervisor_kill(work: Path, spec: Path, base: list[str], steps: int) -> dict:
     """SIGKILL of the supervising `factory run` after step 4 (a resume point at 3 exists); the attempt must stop
     by itself at its next resume point and leave nothing running; then `factory resume`."""
-    run = FaultRun(work, "supervisor-kill", spec, [*base, "--set", f"schedule.steps={steps}", "--set",
-                                                   f"ops.resume_every={RESUME_EVERY}"])
+    run = Run.start(work, "supervisor-kill", spec, [*base, "--set", f"schedule.steps={steps}", "--set",
+                                                    f"ops.resume_every={RESUME_EVERY}"])
     res: dict = {"fault": "supervisor_kill"}
     wait_for(lambda: run.reached(RESUME_EVERY + 1) and run.attempt_pid() is not None, LIMIT_S)
     attempt = run.attempt_pid()
@@ -269,9 +157,9 @@ def supervisor_kill(work: Path, spec: Path, base: list[str], steps: int) -> dict
 
 def rank_kill(work: Path, spec: Path, base: list[str], steps: int) -> dict:
     """A 2-rank data-parallel run; SIGKILL of rank 1 after step 4 (a resume point at 3 exists)."""
-    run = FaultRun(work, "rank-kill", spec, [*base, "--set", f"schedule.steps={steps}", "--set",
-                                             f"ops.resume_every={RESUME_EVERY}", "--set", "trainer.world_size=2",
-                                             "--set", "trainer.strategy=ddp"])
+    run = Run.start(work, "rank-kill", spec, [*base, "--set", f"schedule.steps={steps}", "--set",
+                                              f"ops.resume_every={RESUME_EVERY}", "--set", "trainer.world_size=2",
+                                              "--set", "trainer.strategy=ddp"])
     res: dict = {"fault": "rank_kill"}
     wait_for(lambda: run.reached(RESUME_EVERY + 1) and run.attempt_pid() is not None, LIMIT_S)
     rank0 = run.attempt_pid()

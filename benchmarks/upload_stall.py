@@ -15,43 +15,14 @@ import argparse
 import json
 import logging
 import os
-import socket
+import sys
 import tempfile
-import threading
 import time
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-def _pump(src: socket.socket, dst: socket.socket) -> None:
-    try:
-        while data := src.recv(65536):
-            dst.sendall(data)
-    except OSError:
-        pass
-    finally:
-        try:
-            dst.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass
-
-
-def slow_proxy(upstream: tuple[str, int], delay_s: float) -> int:
-    """A proxy to `upstream` that holds each connection `delay_s` first; returns its port."""
-    listener = socket.create_server(("127.0.0.1", 0))
-
-    def serve(client: socket.socket) -> None:
-        time.sleep(delay_s)  # the slow network this benchmark is about
-        with client, socket.create_connection(upstream) as up:
-            t = threading.Thread(target=_pump, args=(up, client), daemon=True)
-            t.start()
-            _pump(client, up)
-            t.join()
-
-    def accept() -> None:
-        while True:
-            threading.Thread(target=serve, args=(listener.accept()[0],), daemon=True).start()
-
-    threading.Thread(target=accept, daemon=True).start()
-    return listener.getsockname()[1]
+from tests.tcp_proxy import TcpProxy  # noqa: E402
 
 
 def main() -> None:
@@ -72,7 +43,8 @@ def main() -> None:
     pafs.S3FileSystem(endpoint_override=f"http://{host}:{port}", access_key="k", secret_key="k", region="us-east-1",
                       allow_bucket_creation=True).create_dir("bench-bucket")
     home = tempfile.mkdtemp(prefix="upload-stall-")
-    os.environ.update(AWS_ENDPOINT_URL=f"http://127.0.0.1:{slow_proxy((host, port), args.delay_s)}",
+    proxy = TcpProxy((host, port), delay_s=args.delay_s)  # holds each new connection delay_s first
+    os.environ.update(AWS_ENDPOINT_URL=f"http://127.0.0.1:{proxy.port}",
                       AWS_ACCESS_KEY_ID="k", AWS_SECRET_ACCESS_KEY="k", AWS_REGION="us-east-1",
                       FACTORY_CHECKPOINT_URI="s3://bench-bucket/runs", FACTORY_HOME=home)
 

@@ -2,7 +2,8 @@
 the lines that narrate a run go.
 
 Stages report a `Progress` to a plain callback; whoever runs them decides where it goes (a log line, run
-tags in the Dagster UI, a progress bar). The ETA is the mean time per step so far times the steps left.
+tags in the Dagster UI, a progress bar). The ETA is the mean time per step so far times the steps left; a stage
+that may stop early (SFT's `stop_at_accuracy`) shows it as an upper bound and says what ends it sooner.
 
 Two paths for text, each for its own kind: a module's diagnostics (a retry, a restart, a lost race) go to
 `logging.getLogger(__name__)`; the lines that narrate a run to its user (steps, accuracy, resume points, the
@@ -30,6 +31,9 @@ class Progress:
     reward: float | None = None  # latest training reward mean
     accuracy: float | None = None  # latest training-sample accuracy
     hacks: float | None = None  # latest step's completions that tripped a reward-hack detector (code verifiers)
+    # The accuracy at which the stage stops before `steps` (SFT's stop_at_accuracy): `steps` is then only an
+    # upper bound, and so is the ETA drawn from it.
+    stops_at_accuracy: float | None = None
 
     @property
     def eta_s(self) -> float | None:
@@ -39,17 +43,26 @@ class Progress:
             return None
         return self.elapsed_s / self.step * (self.steps - self.step)
 
+    @property
+    def eta(self) -> str:
+        """The ETA as shown: `1m20s`; `≤ 12m00s (stops early at accuracy 0.25)` when the stage may end sooner
+        than `steps` (the time left to `steps` is then only a bound); `?` before the first step."""
+        eta = format_duration(self.eta_s)
+        if self.stops_at_accuracy is None or self.eta_s is None or self.step >= self.steps:
+            return eta
+        return f"≤ {eta} (stops early at accuracy {self.stops_at_accuracy:g})"
+
     def line(self) -> str:
         """`grpo step 12/50 reward 0.412 eta 1m20s`"""
         parts = [f"{self.phase} step {self.step}/{self.steps}"]
         if self.reward is not None:
             parts.append(f"reward {self.reward:.3f}")
-        parts.append(f"eta {format_duration(self.eta_s)}")
+        parts.append(f"eta {self.eta}")
         return " ".join(parts)
 
     def tags(self) -> dict[str, str]:
         """Short string fields for run tags (the Dagster UI lists them beside a running run)."""
-        out = {"progress": f"{self.phase} {self.step}/{self.steps}", "eta": format_duration(self.eta_s)}
+        out = {"progress": f"{self.phase} {self.step}/{self.steps}", "eta": self.eta}
         if self.reward is not None:
             out["reward"] = f"{self.reward:.3f}"
         if self.hacks is not None:

@@ -20,6 +20,8 @@ from pyiceberg.expressions import EqualTo, In
 
 from factory import plots
 from factory.envs.eval_suites import HELD_OUT
+from factory.intervals import Accuracy, Interval, accuracy_text, mean_interval, verdict, welch
+from factory.lake.results import RunOutcome, outcomes_from_evals
 from factory.lake.writer import Lake
 from factory.sweep import member_label
 from factory.tracking import Tracker
@@ -96,21 +98,53 @@ class MemberFigures:
     status: str
     run_id: str | None
     mlflow_run_id: str | None
-    accuracy: float | None  # final held-out greedy accuracy
+    accuracy: float | None  # the run's result: held-out greedy accuracy at its final evaluated step
+    n: int | None  # problems that accuracy was measured on (None: only the `sweeps` row's figure is known)
     pass_at_k: float | None  # final held-out pass@k (k from the spec)
     k: int | None
     reward: float | None  # mean training reward over the last LAST_STEPS steps
     steps: int
     wall_s: float | None  # the training run's wall time (GRPO, from `runs`)
     checkpoint: str | None
+    others: str = ""  # the other benchmarks at the same step, `carry_chains 0.794 [0.732, 0.845] n=200`
+
+    def accuracy_text(self) -> str:
+        """`0.764 [0.725, 0.799] n=500`."""
+        return accuracy_text(self.accuracy, self.n)
+
+
+@dataclass(frozen=True)
+class PointFigures:
+    """One point of a sweep (its axis values other than `seed`) over the seeds it was trained with."""
+
+    label: str  # `algorithm.lr=0.0003`
+    members: list[str]
+    seeds: list[Any]
+    accuracies: list[float]  # one per seed, in `seeds` order
+    mean: float
+    interval: Interval | None  # 95% t interval of the mean over seeds (None: fewer than 2 seeds)
+    n: int | None  # problems each accuracy was measured on
+
+    def text(self) -> str:
+        """`0.712 [0.690, 0.734] over 3 seeds, n=500 each` (the interval is over seeds)."""
+        ci = f" [{self.interval.low:.3f}, {self.interval.high:.3f}]" if self.interval else ""
+        each = f", n={self.n} each" if self.n else ""
+        return f"{self.mean:.3f}{ci} over {len(self.seeds)} seed{'s' if len(self.seeds) != 1 else ''}{each}"
 
 
 @dataclass(frozen=True)
 class SweepComparison:
     sweep_id: str
     members: list[MemberFigures]  # best first (by accuracy; unfinished last)
-    best: list[str] = field(default_factory=list)  # every member sharing the best accuracy (a tie has several)
+    # The top member and every finished member not significantly below it (95% interval of the difference includes
+    # 0), or, without n, every member sharing the top accuracy: one name is a win, several a tie.
+    best: list[str] = field(default_factory=list)
     pictures: dict[str, Render] = field(default_factory=dict)  # name -> picture at a dpi
+    verdict: str = ""  # the top member against the runner-up: `m001 wins (diff ...)` or `no significant difference`
+    # With a `seed` axis: the sweep's points (members grouped by their other axes) ranked by their mean over seeds,
+    # and the top point against the runner-up (`seed_points`).
+    points: list[PointFigures] = field(default_factory=list)
+    point_verdict: str = ""
 
 
 def compare_sweep(lake: Lake, sweep_id: str) -> SweepComparison:
@@ -122,11 +156,12 @@ def compare_sweep(lake: Lake, sweep_id: str) -> SweepComparison:
     steps = _by_run(lake.read("steps", In("run_id", run_ids)).to_pylist() if run_ids else [])
     evals = _by_run(lake.read("evals", In("run_id", run_ids)).to_pylist() if run_ids else [])
     runs = {r["run_id"]: r for r in (lake.read("runs", In("run_id", run_ids)).to_pylist() if run_ids else [])}
-    members = [_figures(r, steps.get(r["run_id"], []), evals.get(r["run_id"], []), runs.get(r["run_id"]))
-               for r in sorted(rows, key=lambda r: r["member"])]
+    outcomes = outcomes_from_evals(r for rs in evals.values() for r in rs)
+    members = [_figures(r, steps.get(r["run_id"], []), evals.get(r["run_id"], []), runs.get(r["run_id"]),
+                        outcomes.get(r["run_id"])) for r in sorted(rows, key=lambda r: r["member"])]
     members.sort(key=lambda m: (m.accuracy is None, -(m.accuracy or 0.0), m.member))
     done = [m for m in members if m.status == "succeeded" and m.accuracy is not None]
-    best = [m.member for m in done if math.isclose(m.accuracy, done[0].accuracy, abs_tol=1e-12)] if done else []
+    best, text = best_members(done)
     overlay = [{"label": m.label, "steps": steps.get(m.run_id, []), "evals": evals.get(m.run_id, [])}
                for m in sorted(members, key=lambda m: m.member) if m.run_id]
     pictures: dict[str, Render] = {}
@@ -138,7 +173,70 @@ def compare_sweep(lake: Lake, sweep_id: str) -> SweepComparison:
             continue
         short = "heldout" if bench == HELD_OUT else bench
         pictures[f"members_on_{short}"] = functools.partial(_overlay, overlay, title, bench)
-    return SweepComparison(sweep_id, members, best, pictures)
+    points, point_text = seed_points(done)
+    return SweepComparison(sweep_id, members, best, pictures, text, points, point_text)
+
+
+SEED = "seed"  # the axis a sweep repeats its points over; the summary aggregates it
+
+
+def seed_points(done: list[MemberFigures]) -> tuple[list[PointFigures], str]:
+    """Finished members grouped by their axis values other than `seed`, ranked by their mean accuracy over seeds
+    (best first), and the top point against the runner-up: a win only when Welch's 95% interval of the difference
+    of means excludes 0. Empty when the sweep has no `seed` axis with at least two seeds."""
+    if len({json.dumps(m.axes.get(SEED)) for m in done if SEED in m.axes}) < 2:
+        return [], ""
+    groups: dict[str, list[MemberFigures]] = {}
+    for m in done:
+        groups.setdefault(member_label({k: v for k, v in m.axes.items() if k != SEED}), []).append(m)
+    points = []
+    for label, ms in groups.items():
+        ms = sorted(ms, key=lambda m: json.dumps(m.axes.get(SEED)))
+        accs = [m.accuracy for m in ms]
+        ns = {m.n for m in ms}
+        points.append(PointFigures(label, [m.member for m in ms], [m.axes.get(SEED) for m in ms], accs,
+                                   sum(accs) / len(accs), mean_interval(accs) if len(accs) > 1 else None,
+                                   ns.pop() if len(ns) == 1 else None))
+    points.sort(key=lambda p: (-p.mean, p.label))
+    if len(points) < 2 or len(points[0].accuracies) < 2 or len(points[1].accuracies) < 2:
+        return points, ""
+    top, second = points[0], points[1]
+    ci = welch(top.accuracies, second.accuracies)
+    detail = (f"mean diff {top.mean - second.mean:+.3f}"
+              + (f" [{ci.low:+.3f}, {ci.high:+.3f}]" if ci else " (no spread across seeds to judge it by)")
+              + f", {len(top.seeds)} and {len(second.seeds)} seeds")
+    if ci is not None and ci.excludes_zero():
+        return points, f"{top.label or 'the base point'} wins ({detail})"
+    return points, f"no significant difference between {top.label} and {second.label} ({detail})"
+
+
+def best_members(done: list[MemberFigures]) -> tuple[list[str], str]:
+    """The best of finished members sorted best first, and the verdict of the top one against the runner-up.
+
+    The best are the top member and every member whose accuracy is not significantly below it (Newcombe's 95%
+    interval of the difference includes 0); members without n (only their `sweeps` row's figure) tie only on
+    equal accuracy. One name is a win; several are a tie within the noise."""
+    if not done:
+        return [], ""
+    top = done[0]
+    best = [top.member]
+    for m in done[1:]:
+        if top.n and m.n:
+            same = verdict("top", Accuracy(top.accuracy, top.n), "m", Accuracy(m.accuracy, m.n)).winner is None
+        else:
+            same = math.isclose(m.accuracy, top.accuracy, abs_tol=1e-12)
+        if same:
+            best.append(m.member)
+    if len(done) < 2 or not (top.n and done[1].n):
+        return best, ""
+    return best, verdict(_name(top), Accuracy(top.accuracy, top.n), _name(done[1]),
+                         Accuracy(done[1].accuracy, done[1].n)).text()
+
+
+def _name(m: MemberFigures) -> str:
+    """A member as a verdict names it: its short key and axis values (`m001 (algorithm.lr=0.0003)`)."""
+    short = m.member.rpartition("-")[2]
+    return f"{short} ({m.label})" if m.label else short
 
 
 def _overlay(members: list[dict], title: str, benchmark: str, dpi: int) -> bytes:
@@ -158,7 +256,8 @@ def _whole_benchmarks(evals: dict[str, list[dict]]) -> list[str]:
     return sorted(names, key=lambda b: (b != HELD_OUT, b))  # the run's own held-out split first
 
 
-def _figures(row: dict, steps: list[dict], evals: list[dict], run: dict | None) -> MemberFigures:
+def _figures(row: dict, steps: list[dict], evals: list[dict], run: dict | None,
+             outcome: RunOutcome | None) -> MemberFigures:
     axes = json.loads(row["axes"])
     last = sorted((s for s in steps if s.get("reward_mean") is not None), key=lambda s: s["step"])[-LAST_STEPS:]
     held = [e for e in evals if e["benchmark"] == HELD_OUT]
@@ -169,7 +268,11 @@ def _figures(row: dict, steps: list[dict], evals: list[dict], run: dict | None) 
         wall = (run["ended_at"] - run["started_at"]).total_seconds()
     return MemberFigures(
         member=row["member"], axes=axes, label=member_label(axes), status=row["status"], run_id=row["run_id"],
-        mlflow_run_id=run.get("mlflow_run_id") if run else None, accuracy=row["final_accuracy"],
+        mlflow_run_id=run.get("mlflow_run_id") if run else None,
+        # The run's result from its evals (with n); a member with none yet shows its `sweeps` row's figure.
+        accuracy=outcome.accuracy if outcome and outcome.primary else row["final_accuracy"],
+        n=outcome.n if outcome and outcome.primary else None,
+        others=outcome.others_text() if outcome else "",
         pass_at_k=pass_rows[0]["value"] if pass_rows else None,
         k=int(pass_rows[0]["metric"].removeprefix("pass@")) if pass_rows else None,
         reward=sum(s["reward_mean"] for s in last) / len(last) if last else None,

@@ -4,7 +4,8 @@ A sweep is defined by `SweepDefinition`: the base spec (a YAML path or an inline
 (`{"algorithm.lr": [1e-5, 3e-5], "seed": [0, 1]}`), `grid` (every combination) or `random`
 (`samples` combinations drawn without repeats from the grid, seeded), and how many members may
 run at once. `plan_sweep` expands and validates every member *before* anything is written or
-launched: an empty axis, an unknown field or a value of the wrong type is a `SweepError` whose
+launched (`seeds` repeats every point over training seeds: the axis `seed`, which the sweep summary aggregates
+into a mean per point); an empty axis, an unknown field or a value of the wrong type is a `SweepError` whose
 lines name the axis (and the member's values). `write_sweep` stores the plan under
 FACTORY_HOME/sweeps/<sweep_id>/ (atomically: a temp directory renamed into place) and
 `read_member` gives a member's spec back to whatever trains it.
@@ -34,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from factory.config import ExperimentSpec, SpecError, apply_overrides, load_spec, parse_spec
 from factory.envs.spec_check import check_spec
 from factory.home import FactoryPaths
+from factory.sweep_search import SearchParam, search_errors
 
 SWEEP_TAG, MEMBER_TAG, WARM_START_TAG = "factory/sweep_id", "factory/member", "factory/warm_start"
 AXIS_TAG_PREFIX = "axis/"  # one run tag per axis: axis/algorithm.lr = 0.0003
@@ -62,11 +64,22 @@ class SweepDefinition(BaseModel):
     base_inline: dict[str, Any] | None = Field(None, description="the base spec inline; replaces base_spec")
     overrides: dict[str, Any] = Field(default_factory=dict, description="fixed field=value for every member")
     axes: dict[str, list[Any]] = Field(default_factory=dict, description="spec field path -> values")
-    mode: Literal["grid", "random"] = "grid"
+    mode: Literal["grid", "random", "tpe"] = Field("grid", description="grid: every combination of the axes; "
+                                                   "random: `samples` of them; tpe: Optuna's TPE search over `space`")
     samples: int | None = Field(None, ge=1, description="random mode: how many members (default: all)")
-    draw_seed: int = Field(0, description="random mode: which members are drawn (not the training seed: sweep "
-                           "that as the axis `seed`)")
+    draw_seed: int = Field(0, description="random mode: which members are drawn; tpe: the sampler's seed (not the "
+                           "training seed: sweep that as the axis `seed`)")
     max_concurrent: int = Field(2, ge=1, le=64, description="members of this sweep running at once")
+    seeds: list[int] = Field(default_factory=list, description="repeat every point over these training seeds: the "
+                             "axis `seed`, which the summary aggregates (points ranked by their mean over seeds)")
+    # mode tpe (factory/sweep_search.py): members are asked from an Optuna study, one per trial, as slots free up.
+    space: dict[str, SearchParam] = Field(default_factory=dict, description="tpe: spec field path -> {low, high, "
+                                          "log, step, type} or {choices}")
+    trials: int | None = Field(None, ge=1, le=MAX_MEMBERS, description="tpe: how many trials (members) in all")
+    prune: Literal["median", "hyperband", "none"] = Field(
+        "none", description="tpe: stop hopeless members at a periodic eval (median, hyperband) or never (none)")
+    prune_startup_trials: int = Field(3, ge=0, description="tpe, prune: median: completed trials before any "
+                                      "member is pruned")
 
 
 @dataclass(frozen=True)
@@ -122,7 +135,7 @@ def _combinations(defn: SweepDefinition) -> list[dict[str, Any]]:
             raise SweepError([f"axes: the grid has {total} members, more than {MAX_MEMBERS}; use mode: random "
                               "with samples"])
         return [dict(zip(names, combo, strict=True)) for combo in itertools.product(*defn.axes.values())]
-    n = min(defn.samples or total, total)
+    n = min(defn.samples or total, total)  # random mode draws points; `seeds` repeats each one
     if n > MAX_MEMBERS:
         raise SweepError([f"samples: {n} members, more than {MAX_MEMBERS}"])
     rng = random.Random(defn.draw_seed)
@@ -141,15 +154,30 @@ def _combinations(defn: SweepDefinition) -> list[dict[str, Any]]:
 
 
 def plan_sweep(defn: SweepDefinition, sweep_id: str | None = None) -> SweepPlan:
-    """Expand and validate every member; raise `SweepError` (every problem, each naming its axis) if any fails."""
+    """Expand and validate every member; raise `SweepError` (every problem, each naming its axis) if any fails.
+    A tpe sweep's space is validated instead, and its plan has no members yet (its launcher asks for them)."""
+    if defn.mode == "tpe":
+        base = _base(defn)
+        errors = search_errors(defn, base)
+        if defn.seeds:
+            errors.append("seeds: repeating points over seeds is for grid and random sweeps; a tpe sweep searches "
+                          "`space` (put `seed` in it to vary the training seed)")
+        if errors:
+            raise SweepError(errors)
+        return SweepPlan(sweep_id or new_sweep_id(defn.name), defn, base, [])
     errors = [f"axes.{name}: empty axis (give at least one value)" for name, v in defn.axes.items() if not v]
-    if not defn.axes:
+    if not defn.axes and not defn.seeds:
         errors.append("axes: no axes (give at least one field path with a list of values)")
+    if defn.seeds and "seed" in defn.axes:
+        errors.append("seeds: the axis `seed` is given too (axes.seed); give the seeds once, as `seeds`")
+    if len(set(defn.seeds)) != len(defn.seeds):
+        errors.append(f"seeds: each seed once, got {defn.seeds}")
+    errors += search_errors(defn, None)
     if errors:
         raise SweepError(errors)
     base = _base(defn)
     # Each axis alone first, so a bad field or value is reported once, by its axis, not per member.
-    for name, values in defn.axes.items():
+    for name, values in {**defn.axes, **({"seed": defn.seeds} if defn.seeds else {})}.items():
         for v in values:
             try:
                 check_spec(apply_overrides(base, {name: v}))
@@ -159,7 +187,12 @@ def plan_sweep(defn: SweepDefinition, sweep_id: str | None = None) -> SweepPlan:
         raise SweepError(errors)
     sweep_id = sweep_id or new_sweep_id(defn.name)
     members = []
-    for i, values in enumerate(_combinations(defn)):
+    points = _combinations(defn)
+    combos = [{**p, "seed": seed} for p in points for seed in defn.seeds] if defn.seeds else points
+    if len(combos) > MAX_MEMBERS:
+        raise SweepError([f"seeds: {len(points)} points x {len(defn.seeds)} seeds is {len(combos)} members, more "
+                          f"than {MAX_MEMBERS}"])
+    for i, values in enumerate(combos):
         try:
             spec = check_spec(apply_overrides(base, {**values, "name": f"{_slug(defn.name)}-m{i:03d}"}))
         except SpecError as e:  # a combination that is invalid only together (a cross-field rule)
@@ -193,8 +226,49 @@ def write_sweep(plan: SweepPlan, paths: FactoryPaths, extra: dict[str, Any] | No
     }, indent=2, sort_keys=True))
     for m in plan.members:
         (tmp / "members" / f"{m.key}.yaml").write_text(m.spec.to_yaml())
+    (tmp / BASE_SPEC).write_text(plan.base.to_yaml())  # what a tpe sweep's trials are made from, as launched
     tmp.rename(final)
     return final
+
+
+BASE_SPEC = "base.yaml"
+
+
+def trial_member(paths: FactoryPaths, sweep_id: str, number: int, params: dict[str, Any]) -> Member:
+    """The member of a tpe sweep's trial `number`: the stored base spec with the trial's `params` applied.
+    A `SweepError` names the parameters when they are invalid only together (a cross-field rule)."""
+    info = read_sweep(paths, sweep_id)
+    base = load_spec(sweep_dir(paths, sweep_id) / BASE_SPEC)
+    try:
+        spec = check_spec(apply_overrides(base, {**params, "name": f"{_slug(info['definition']['name'])}-m"
+                                                 f"{number:03d}"}))
+    except SpecError as e:
+        raise SweepError([f"trial {number} {params}: {line}" for line in e.errors]) from None
+    return Member(key=f"{sweep_id}-m{number:03d}", index=number, values=params, spec=spec,
+                  warm_start=f"sft-{spec.warm_start_fingerprint()}")
+
+
+def add_member(paths: FactoryPaths, sweep_id: str, member: Member, **fields: Any) -> dict[str, Any]:
+    """Add a tpe sweep's `member` to its stored plan (its spec file first, then `sweep.json` rewritten
+    atomically, so a reader sees the member with its spec or not at all), with `fields` (e.g. its trial) on its
+    entry; returns the updated sweep. Adding a member that is there already changes nothing."""
+    info = read_sweep(paths, sweep_id)
+    if any(m["key"] == member.key for m in info["members"]):
+        return info
+    d = sweep_dir(paths, sweep_id)
+    (d / "members" / f"{member.key}.yaml").write_text(member.spec.to_yaml())
+    info["members"].append({"key": member.key, "index": member.index, "values": member.values,
+                            "warm_start": member.warm_start, **fields})
+    update_sweep(paths, sweep_id, info)
+    return info
+
+
+def update_sweep(paths: FactoryPaths, sweep_id: str, info: dict[str, Any]) -> None:
+    """Replace the stored `sweep.json` of `sweep_id` with `info` (atomically)."""
+    path = sweep_dir(paths, sweep_id) / "sweep.json"
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(info, indent=2, sort_keys=True))
+    os.replace(tmp, path)
 
 
 def read_sweep(paths: FactoryPaths, sweep_id: str) -> dict[str, Any]:
@@ -202,6 +276,37 @@ def read_sweep(paths: FactoryPaths, sweep_id: str) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"no sweep {sweep_id!r} under {path.parent.parent}")
     return json.loads(path.read_text())
+
+
+CONTROL = "control.json"  # beside sweep.json: what an operator changed while the sweep runs (its own file: the
+# launcher rewrites sweep.json as it adds a tpe sweep's members, and neither writer may lose the other's change)
+
+
+def read_control(paths: FactoryPaths, sweep_id: str) -> dict[str, Any]:
+    """A sweep's live settings: `paused` (no member or trial starts; running ones go on) and `max_concurrent`
+    (None: the definition's)."""
+    path = sweep_dir(paths, sweep_id) / CONTROL
+    stored = json.loads(path.read_text()) if path.is_file() else {}
+    return {"paused": bool(stored.get("paused", False)), "max_concurrent": stored.get("max_concurrent")}
+
+
+def set_control(paths: FactoryPaths, sweep_id: str, paused: bool | None = None,
+                max_concurrent: int | None = None) -> dict[str, Any]:
+    """Pause or resume a running sweep, or raise or lower how many of its runs may be in flight; takes effect at
+    the launcher's next tick (runs already in flight are not stopped). Returns the live settings."""
+    read_sweep(paths, sweep_id)  # FileNotFoundError naming the sweep
+    if max_concurrent is not None and not 1 <= max_concurrent <= 64:
+        raise SweepError([f"max_concurrent: must be between 1 and 64, got {max_concurrent}"])
+    control = read_control(paths, sweep_id)
+    if paused is not None:
+        control["paused"] = paused
+    if max_concurrent is not None:
+        control["max_concurrent"] = max_concurrent
+    path = sweep_dir(paths, sweep_id) / CONTROL
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(control, sort_keys=True))
+    os.replace(tmp, path)
+    return control
 
 
 def sweep_id_of(member_key: str) -> str:

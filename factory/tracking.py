@@ -46,6 +46,15 @@ RunStatus = Literal["FINISHED", "FAILED", "KILLED"]
 DEFAULT_UI_URL = "http://127.0.0.1:5000"  # where `make ui` serves the MLflow UI
 
 
+# MLflow 3's UI opens in its GenAI view (traces, sessions) unless told otherwise: the page's `workflowType` query
+# parameter picks the view (it falls back to the browser's last choice, GenAI on a fresh browser), and an
+# experiment's `mlflow.experimentKind` tag says what kind of work it holds. Factory's runs are model training, so
+# links carry the one and experiments get the other (read from MLflow 3.17's UI bundle, mlflow/server/js).
+WORKFLOW_QUERY = "workflowType=machine_learning"
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"  # shown as "Machine learning" in the UI
+
+
 def ui_url() -> str:
     """The MLflow UI's address as a browser reaches it ($FACTORY_MLFLOW_UI, default 127.0.0.1:5000): links and
     inline pictures in the Dagster UI point there."""
@@ -160,8 +169,21 @@ class Tracker:
         return self.client.get_run(run_id)
 
     def run_url(self, run_id: str) -> str:
-        """The run's page in the MLflow UI (`ui_url()`)."""
-        return f"{ui_url()}/#/experiments/{self.client.get_run(run_id).info.experiment_id}/runs/{run_id}"
+        """The run's page in the MLflow UI (`ui_url()`), in its machine-learning (training) view."""
+        experiment_id = self.client.get_run(run_id).info.experiment_id
+        return f"{ui_url()}/#/experiments/{experiment_id}/runs/{run_id}?{WORKFLOW_QUERY}"
+
+    def sweep_url(self, parent_run_id: str, sweep_id: str) -> str:
+        """A sweep's members side by side in the MLflow UI: the runs page of the parent's experiment in its chart
+        view, filtered to the members (their `factory.sweep_id` tag) and sorted by name. MLflow folds nested runs
+        under their parent, collapsed, and charts only the rows shown; it has no tag or setting that opens them
+        expanded (it expands only parents of GenAI evaluation runs), but it lists runs flat when they are
+        filtered and sorted by anything other than start time, so every member is drawn."""
+        experiment_id = self.client.get_run(parent_run_id).info.experiment_id
+        query = urllib.parse.urlencode({"searchFilter": f"tags.`factory.sweep_id` = '{sweep_id}'",
+                                        "orderByKey": "tags.`mlflow.runName`", "orderByAsc": "true",
+                                        "compareRunsMode": "CHART"}, quote_via=urllib.parse.quote)
+        return f"{ui_url()}/#/experiments/{experiment_id}/runs?{WORKFLOW_QUERY}&{query}"
 
     @staticmethod
     def artifact_url(run_id: str, artifact_path: str) -> str:
@@ -184,7 +206,8 @@ class Tracker:
         if exp is None:
             location = (self.paths.mlflow_artifacts / _dir_name(name)).as_uri()
             try:
-                return self.client.create_experiment(name, artifact_location=location)
+                return self.client.create_experiment(name, artifact_location=location,
+                                                     tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
             except MlflowException:
                 # Another process created it between our lookup and create.
                 exp = self.client.get_experiment_by_name(name)
@@ -192,6 +215,8 @@ class Tracker:
                     raise
         if exp.lifecycle_stage == "deleted":
             self.client.restore_experiment(exp.experiment_id)
+        if EXPERIMENT_KIND_TAG not in exp.tags:  # made by an older Factory, or by hand: say it holds training
+            self.client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
         return exp.experiment_id
 
 

@@ -19,6 +19,7 @@ from jobs.evals import checkpoint_eval_job, eval_schedule, new_checkpoint_evals
 from jobs.preflight import preflight_job, preflight_schedule
 from jobs.sweeps import (
     sweep,
+    sweep_control,
     sweep_launcher,
     sweep_member_job,
     sweep_summarizer,
@@ -68,8 +69,8 @@ quickstart = define_asset_job(
 defs = Definitions(
     assets=ALL_ASSETS,
     asset_checks=ALL_CHECKS,
-    jobs=[quickstart, blend_job(DATA_ASSETS), sweep, sweep_warm_start_job, sweep_member_job, sweep_summary_job,
-          checkpoint_eval_job, preflight_job],
+    jobs=[quickstart, blend_job(DATA_ASSETS), sweep, sweep_control, sweep_warm_start_job, sweep_member_job,
+          sweep_summary_job, checkpoint_eval_job, preflight_job],
     sensors=[sweep_launcher, sweep_summarizer, new_checkpoint_evals, prompt_stats_sensor],
     schedules=[eval_schedule, preflight_schedule],
     resources=RESOURCES,

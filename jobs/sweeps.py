@@ -8,7 +8,9 @@ partitions of `sweep_warm_start`, one `sweeps` row each (queued) and an MLflow p
 
 `sweep_launcher` then starts what the limit allows (`factory.sweep.next_launches`): each shared SFT warm
 start first, once, and the members that need it after it, never more than `max_concurrent` of the sweep's
-runs in flight, whatever the instance's run queue says. Member runs carry their axis values as tags
+runs in flight, whatever the instance's run queue says. A tpe sweep (`mode: tpe`) has no members up front:
+the launcher asks its Optuna study for a trial whenever a slot is free, until `trials` were asked
+(jobs/_search.py, factory/sweep_search.py). Member runs carry their axis values as tags
 (`axis/algorithm.lr: 0.0003`). `sweep_summarizer` materializes the summary once every member has ended
 and the evals of their checkpoints are done (or have waited `FACTORY_SUMMARY_EVAL_WAIT_S`, default 600 s).
 """
@@ -52,22 +54,30 @@ from factory.sweep import (
     axis_tags,
     next_launches,
     plan_sweep,
+    read_control,
     read_sweep,
+    set_control,
     sweep_dir,
     write_sweep,
     write_warm_start_spec,
 )
+from factory.sweep_search import TRIAL_TAG
 from jobs._queue import EVAL_TAGS, IN_FLIGHT, in_flight, owed_evals
+from jobs._search import ask_trials
 from jobs.evals import checkpoint_eval_job
 from resources import FactoryHomeResource, LakeResource, MlflowResource
+from resources.study import sweep_study
 
 KIND_TAG = "factory/kind"
-sweep_warm_start_job = define_asset_job("sweep_warm_start_job", selection=[sweep_warm_start],
+# The warm start's run is retried too when its worker dies: the retry waits for the orphaned SFT (its lock) and reuses
+# its checkpoint, so the partition ends succeeded rather than failed beside a checkpoint that exists.
+sweep_warm_start_job = define_asset_job("sweep_warm_start_job", selection=[sweep_warm_start], tags=TRAINING_TAGS,
                                         description="A warm start shared by sweep members (queued by sweep_launcher).")
 sweep_member_job = define_asset_job("sweep_member_job", selection=[sweep_member_run], tags=TRAINING_TAGS,
                                     description="One sweep member's training run (queued by sweep_launcher).")
 sweep_summary_job = define_asset_job("sweep_summary_job", selection=[sweep_summary], tags=EVAL_TAGS,
                                      description="A finished sweep's summary (queued by sweep_summarizer).")
+ENDED = ("succeeded", "failed", "refused", "pruned")  # a member's `sweeps` status once it has ended
 DAEMON_STALE_S = 120.0  # a sensor daemon silent this long is not running (it heartbeats every ~30 s)
 SUMMARY_EVAL_WAIT_S = float(os.environ.get("FACTORY_SUMMARY_EVAL_WAIT_S", "600"))
 
@@ -90,12 +100,26 @@ class SweepConfig(Config):
     overrides: list[str] = Field(default_factory=list,
                                  description="path=value (YAML value) for every member, e.g. 'schedule.steps=50'")
     axes: dict[str, list[Any]] = Field(
-        description="spec field path -> the values to sweep, e.g. {'algorithm.lr': [1.0e-4, 3.0e-4], 'seed': [0, 1]} "
-                    "(the training seed is the axis `seed`)")
-    mode: Literal["grid", "random"] = Field("grid", description="grid: every combination; random: `samples` of them")
+        default_factory=dict,
+        description="grid/random: spec field path -> the values to sweep, e.g. {'algorithm.lr': [1.0e-4, 3.0e-4], "
+                    "'seed': [0, 1]} (the training seed is the axis `seed`)")
+    mode: Literal["grid", "random", "tpe"] = Field("grid", description="grid: every combination; random: `samples` "
+                                                   "of them; tpe: Optuna's TPE search over `space`, `trials` members")
     samples: int | None = Field(None, description="random mode: how many members (default: all)")
-    draw_seed: int = Field(0, description="random mode: which combinations are drawn (not the training seed)")
+    draw_seed: int = Field(0, description="random mode: which combinations are drawn; tpe: the sampler's seed (not "
+                           "the training seed)")
     max_concurrent: int = Field(2, description="runs of this sweep (members and shared warm starts) at once")
+    seeds: list[int] = Field(default_factory=list, description="repeat every point over these training seeds, e.g. "
+                             "[0, 1, 2]: the summary ranks points by their mean over seeds, with its interval")
+    space: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="tpe: spec field path -> {low, high} (with log: true, step, type: int) or {choices: [...]}, e.g. "
+                    "{'algorithm.lr': {'low': 1.0e-5, 'high': 1.0e-3, 'log': True}}")
+    trials: int | None = Field(None, description="tpe: how many trials (members) in all")
+    prune: Literal["median", "hyperband", "none"] = Field(
+        "none", description="tpe: stop a member at a periodic eval (schedule.eval_every) when it is worse than the "
+                            "finished trials (median, hyperband), or never (none)")
+    prune_startup_trials: int = Field(3, description="tpe, prune: median: completed trials before any pruning")
 
 
 @op(description="Validate every member, then record the sweep and queue its members (through the sensor).")
@@ -112,6 +136,10 @@ def plan_and_queue_sweep(context: OpExecutionContext, config: SweepConfig, home:
         raise Failure(description=message, metadata={"nothing_launched": True}, allow_retries=False) from None
     _require_launcher(context)
     paths = home.paths()
+    search = {"steps": plan.base.schedule.steps, "eval_every": plan.base.schedule.eval_every}
+    if plan.definition.mode == "tpe":  # the study is created now: a storage that cannot be reached fails the launch
+        sweep_study(context.instance, paths, {"sweep_id": plan.sweep_id, "definition": plan.definition.model_dump(
+            mode="json"), "search": search})
     tracker = mlflow.tracker()
     parent = tracker.start_run(experiment=config.name, run_name=plan.sweep_id,
                                params={"sweep": config.model_dump(mode="json")},
@@ -123,14 +151,17 @@ def plan_and_queue_sweep(context: OpExecutionContext, config: SweepConfig, home:
                                   for m in plan.members])
     for name, spec in plan.warm_starts().items():
         write_warm_start_spec(paths, name, spec)
-    context.instance.add_dynamic_partitions(warm_starts.name, list(plan.warm_starts()))
-    context.instance.add_dynamic_partitions(sweep_members.name, [m.key for m in plan.members])
+    if plan.members:  # a tpe sweep has none yet: the launcher adds each as its trial is asked
+        context.instance.add_dynamic_partitions(warm_starts.name, list(plan.warm_starts()))
+        context.instance.add_dynamic_partitions(sweep_members.name, [m.key for m in plan.members])
     context.instance.add_dynamic_partitions(sweeps.name, [plan.sweep_id])
     # Last: the stored plan is what the launcher sensor reacts to, so its partitions must exist by then.
-    write_sweep(plan, paths, extra={"mlflow_parent_run_id": parent})
+    write_sweep(plan, paths, extra={"mlflow_parent_run_id": parent, "search": search})
     context.add_output_metadata({"sweep_id": plan.sweep_id, "members": len(plan.members),
                                  "warm_starts": len(plan.warm_starts()), "max_concurrent": config.max_concurrent,
-                                 "mlflow_parent_run_id": parent, "members_table": MetadataValue.md(_members_md(plan))})
+                                 "mlflow_parent_run_id": parent, "members_table": MetadataValue.md(_members_md(plan)),
+                                 **({"trials": config.trials, "space": config.space, "prune": config.prune}
+                                    if config.mode == "tpe" else {})})
     context.log.info(f"sweep {plan.sweep_id}: {len(plan.members)} members and {len(plan.warm_starts())} warm "
                      f"start(s) queued, {config.max_concurrent} run(s) at a time")
     return {"sweep_id": plan.sweep_id, "members": [m.key for m in plan.members]}
@@ -173,6 +204,37 @@ def sweep():
     plan_and_queue_sweep()
 
 
+class SweepControlConfig(Config):
+    """Change a running sweep: pause it, resume it, or raise or lower its max_concurrent."""
+
+    sweep_id: str = Field(description="the sweep to change (its id, as the `sweep` run logged it)")
+    paused: bool | None = Field(None, description="true: no member or trial starts (runs in flight go on); "
+                                "false: resume; empty: unchanged")
+    max_concurrent: int | None = Field(None, description="runs of this sweep at once from now on; empty: unchanged")
+
+
+@op(description="Pause, resume or re-limit a sweep; the launcher applies it at its next tick.")
+def change_sweep(context: OpExecutionContext, config: SweepControlConfig, home: FactoryHomeResource) -> dict:
+    try:
+        control = set_control(home.paths(), config.sweep_id, paused=config.paused,
+                              max_concurrent=config.max_concurrent)
+    except SweepError as e:
+        raise Failure(description=e.one_line().replace("invalid sweep (nothing was launched)", "sweep unchanged"),
+                      allow_retries=False) from None
+    except FileNotFoundError as e:
+        raise Failure(description=f"sweep unchanged: {e}", allow_retries=False) from None
+    context.add_output_metadata({"sweep_id": config.sweep_id, **{k: str(v) for k, v in control.items()}})
+    context.log.info(f"sweep {config.sweep_id}: " + ("paused" if control["paused"] else "running") +
+                     (f", max_concurrent {control['max_concurrent']}" if control["max_concurrent"] else ""))
+    return control
+
+
+@job(description="Pause, resume, or raise or lower max_concurrent of a running sweep.", tags={KIND_TAG: "sweep"},
+     executor_def=in_process_executor)
+def sweep_control():
+    change_sweep()
+
+
 def _sweep_ids(home: FactoryHomeResource) -> list[str]:
     root = home.paths().root / "sweeps"
     return sorted(p.name for p in root.iterdir() if (p / "sweep.json").is_file()) if root.is_dir() else []
@@ -193,19 +255,26 @@ def _warm_state(context: SensorEvaluationContext, names: set[str]) -> dict[str, 
 @sensor(jobs=[sweep_warm_start_job, sweep_member_job], minimum_interval_seconds=1,
         default_status=DefaultSensorStatus.RUNNING,
         description="Starts each sweep's shared warm starts, then its members, at most max_concurrent runs at once.")
-def sweep_launcher(context: SensorEvaluationContext, home: FactoryHomeResource) -> SensorResult:
+def sweep_launcher(context: SensorEvaluationContext, home: FactoryHomeResource, lake: LakeResource) -> SensorResult:
     finished = set(json.loads(context.cursor)) if context.cursor else set()
     requests = []
     for sweep_id in _sweep_ids(home):
         if sweep_id in finished:
             continue
         info = read_sweep(home.paths(), sweep_id)
-        members = info["members"]
+        control = read_control(home.paths(), sweep_id)
+        if control["paused"]:  # nothing new starts; its runs in flight go on (`sweep_control` resumes it)
+            continue
+        limit = control["max_concurrent"] or info["definition"]["max_concurrent"]
         runs = context.instance.get_runs(RunsFilter(tags={SWEEP_TAG: sweep_id}))
         started = {r.tags[MEMBER_TAG] for r in runs if MEMBER_TAG in r.tags}
+        flying = sum(r.status in IN_FLIGHT for r in runs)
+        tpe = info["definition"].get("mode") == "tpe"
+        if tpe:  # members are asked from the study as slots free up (jobs/_search.py)
+            info = ask_trials(context, home.paths(), lake, info, started, flying, limit)
+        members = info["members"]
         launch = next_launches(members, started, _warm_state(context, {m["warm_start"] for m in members}),
-                               in_flight=sum(r.status in IN_FLIGHT for r in runs),
-                               max_concurrent=info["definition"]["max_concurrent"])
+                               in_flight=flying, max_concurrent=limit)
         requests += [RunRequest(job_name=sweep_warm_start_job.name, run_key=f"{sweep_id}-{ws}", partition_key=ws,
                                 tags={SWEEP_TAG: sweep_id, WARM_START_TAG: ws, KIND_TAG: "warm_start"})
                      for ws in launch.warm_starts]
@@ -213,10 +282,15 @@ def sweep_launcher(context: SensorEvaluationContext, home: FactoryHomeResource) 
         # run_key = member key: Dagster never launches the same key twice, even if state is lost.
         requests += [RunRequest(job_name=sweep_member_job.name, run_key=key, partition_key=key,
                                 tags={SWEEP_TAG: sweep_id, MEMBER_TAG: key, KIND_TAG: "sweep_member",
-                                      **axis_tags(by_key[key]["values"])}) for key in launch.members]
-        if launch.finished:
+                                      **axis_tags(by_key[key]["values"]), **_trial_tag(by_key[key])})
+                     for key in launch.members]
+        if launch.finished and (not tpe or info.get("search_done")):
             finished.add(sweep_id)
     return SensorResult(run_requests=requests, cursor=json.dumps(sorted(finished)))
+
+
+def _trial_tag(member: dict[str, Any]) -> dict[str, str]:
+    return {TRIAL_TAG: str(member["trial"])} if "trial" in member else {}
 
 
 @sensor(job=sweep_summary_job, minimum_interval_seconds=10, default_status=DefaultSensorStatus.RUNNING,
@@ -232,8 +306,10 @@ def sweep_summarizer(context: SensorEvaluationContext, home: FactoryHomeResource
     requests = []
     for sweep_id in pending:
         mine = [r for r in rows if r["sweep_id"] == sweep_id]
-        n = len(read_sweep(home.paths(), sweep_id)["members"])
-        if len(mine) != n or not all(r["status"] in ("succeeded", "failed", "refused") for r in mine):
+        info = read_sweep(home.paths(), sweep_id)
+        if info["definition"].get("mode") == "tpe" and not info.get("search_done"):
+            continue  # more trials to come
+        if len(mine) != len(info["members"]) or not all(r["status"] in ENDED for r in mine):
             continue
         # Not beside its members' evals (they share one limit), and after them: the summary plots them.
         if in_flight(context.instance, EVAL_TAGS):
@@ -249,5 +325,5 @@ def sweep_summarizer(context: SensorEvaluationContext, home: FactoryHomeResource
     return SensorResult(run_requests=requests, cursor=json.dumps(sorted(done)))
 
 
-__all__ = ["EXAMPLE_SWEEP", "SweepConfig", "sweep", "sweep_dir", "sweep_launcher", "sweep_member_job",
-           "sweep_summarizer", "sweep_summary_job", "sweep_warm_start_job"]
+__all__ = ["EXAMPLE_SWEEP", "SweepConfig", "SweepControlConfig", "sweep", "sweep_control", "sweep_dir",
+           "sweep_launcher", "sweep_member_job", "sweep_summarizer", "sweep_summary_job", "sweep_warm_start_job"]

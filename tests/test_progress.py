@@ -14,6 +14,17 @@ def test_eta_is_the_mean_step_time_times_the_steps_left():
     assert Progress("sft", 50, 50, 99.0).eta_s == 0.0
 
 
+def test_a_stage_that_may_stop_early_shows_its_eta_as_a_bound_and_says_why():
+    """SFT runs up to sft.steps but stops at stop_at_accuracy: the time to sft.steps is only an upper bound."""
+    p = Progress("sft", step=100, steps=2500, elapsed_s=30.0, stops_at_accuracy=0.25)
+    assert p.eta_s == 720.0
+    assert p.tags()["eta"] == "≤ 12m00s (stops early at accuracy 0.25)"
+    assert p.line() == "sft step 100/2500 eta ≤ 12m00s (stops early at accuracy 0.25)"
+    # before the first step nothing is known, and at the end nothing is left: no bound to qualify
+    assert Progress("sft", 0, 2500, 0.0, stops_at_accuracy=0.25).tags()["eta"] == "?"
+    assert Progress("sft", 2500, 2500, 99.0, stops_at_accuracy=0.25).tags()["eta"] == "0s"
+
+
 def test_durations_read_like_a_clock():
     assert [format_duration(s) for s in (None, 0, 42.4, 185, 3725)] == ["?", "0s", "42s", "3m05s", "1h02m"]
 

@@ -141,3 +141,16 @@ def test_blend_weights_and_curriculum_settings_are_sweep_axes():
     # a curriculum setting that cannot work names its axis and the member
     with pytest.raises(SweepError, match=r"axes.data.curriculum.kind = 'level'.*curriculum.levels"):
         plan_sweep(SweepDefinition(name="bad", base_spec=blend, axes={"data.curriculum.kind": ["online", "level"]}))
+
+
+def test_seeds_repeat_every_point_as_the_seed_axis():
+    plan = plan_sweep(SweepDefinition(base_spec=BASE, axes={"algorithm.lr": [1e-5, 3e-5]}, seeds=[0, 1, 2]))
+    assert [m.values for m in plan.members] == [{"algorithm.lr": lr, "seed": s} for lr in (1e-5, 3e-5)
+                                                 for s in (0, 1, 2)]
+    assert [m.spec.seed for m in plan.members] == [0, 1, 2, 0, 1, 2]
+    only = plan_sweep(SweepDefinition(base_spec=BASE, seeds=[3, 4]))  # seeds alone: the base point, twice
+    assert [m.values for m in only.members] == [{"seed": 3}, {"seed": 4}]
+    with pytest.raises(SweepError, match=r"seeds: the axis `seed` is given too \(axes.seed\)"):
+        plan_sweep(SweepDefinition(base_spec=BASE, axes={"seed": [0]}, seeds=[1]))
+    with pytest.raises(SweepError, match=r"seeds: each seed once, got \[1, 1\]"):
+        plan_sweep(SweepDefinition(base_spec=BASE, axes={"algorithm.lr": [1e-5]}, seeds=[1, 1]))

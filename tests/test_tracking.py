@@ -113,6 +113,45 @@ def test_nested_run_carries_the_parent_tag(tracker: Tracker):
     assert sorted(r.info.run_id for r in found) == sorted(kids)
 
 
+def test_links_open_the_training_view_and_experiments_say_they_hold_training(tracker: Tracker, monkeypatch):
+    """MLflow 3 opens in its GenAI view unless the link's `workflowType` says otherwise; experiments carry the
+    machine-learning kind, set on ones made before too, and a kind someone chose is kept."""
+    monkeypatch.setenv("FACTORY_MLFLOW_UI", "http://mlflow.example:5000/")
+    run_id = tracker.start_run("views", "r1")
+    exp_id = tracker.get_run(run_id).info.experiment_id
+    assert tracker.run_url(run_id) == (f"http://mlflow.example:5000/#/experiments/{exp_id}/runs/{run_id}"
+                                       "?workflowType=machine_learning")
+    assert tracker.client.get_experiment(exp_id).tags["mlflow.experimentKind"] == "custom_model_development"
+
+    older = tracker.client.create_experiment("made-before")  # as an older Factory made them: no kind
+    chosen = tracker.client.create_experiment("chosen", tags={"mlflow.experimentKind": "genai_development"})
+    tracker.start_run("made-before", "r2")
+    tracker.start_run("chosen", "r3")
+    assert tracker.client.get_experiment(older).tags["mlflow.experimentKind"] == "custom_model_development"
+    assert tracker.client.get_experiment(chosen).tags["mlflow.experimentKind"] == "genai_development"
+
+
+def test_a_sweeps_link_charts_its_members_flat(tracker: Tracker, monkeypatch):
+    """MLflow folds members under the parent, collapsed, and charts only shown rows: the sweep's link filters to
+    its members and sorts by name, which MLflow lists flat, in the chart view of the training workflow."""
+    import urllib.parse
+
+    monkeypatch.setenv("FACTORY_MLFLOW_UI", "http://127.0.0.1:5000")
+    parent = tracker.start_run("sweep-view", "sweep", tags={"factory.sweep_id": "s-1"})
+    exp_id = tracker.get_run(parent).info.experiment_id
+    url = tracker.sweep_url(parent, "s-1")
+    base, _, query = url.partition("?")
+    assert base == f"http://127.0.0.1:5000/#/experiments/{exp_id}/runs"
+    assert urllib.parse.parse_qs(query) == {
+        "workflowType": ["machine_learning"], "searchFilter": ["tags.`factory.sweep_id` = 's-1'"],
+        "orderByKey": ["tags.`mlflow.runName`"], "orderByAsc": ["true"], "compareRunsMode": ["CHART"]}
+    # the filter is one MLflow accepts, and it finds the members
+    kids = [tracker.start_run("sweep-view", f"m{i}", tags={"factory.sweep_id": "s-1"}, parent_run_id=parent)
+            for i in range(2)]
+    found = tracker.client.search_runs([exp_id], filter_string=urllib.parse.parse_qs(query)["searchFilter"][0])
+    assert set(kids) <= {r.info.run_id for r in found}
+
+
 # One process of the start-up race: open both stores on the fresh home and write an MLflow run and an Iceberg row.
 _SET_UP = """
 import datetime as dt

@@ -8,37 +8,11 @@ from typing import TypeVar
 
 from factory.cli.common import emit, error, home_from
 from factory.lake import Lake, QueryError, format_table, query
-from factory.lake.history import HistoryError, best_runs, compare_runs, format_comparison
+from factory.lake.history import HistoryError, best_runs, compare_runs, format_comparison, runs_listing
 from factory.runs.exit_codes import EXIT_BAD_INPUT, EXIT_OK
 from factory.runs.recovery import reconcile
 
 T = TypeVar("T")
-
-# The `runs` listing. "Final accuracy" is the mean over whole benchmarks (not their `bench/slice` rows)
-# of metric 'accuracy' at the run's last step, the greatest step the run recorded in `steps` or
-# `evals`; NULL when no accuracy eval ran at that step (a run still going, or one that failed
-# before its final eval).
-RUNS_SQL = """
-WITH last_step AS (
-    SELECT run_id, max(step) AS step
-    FROM (SELECT run_id, step FROM steps UNION ALL SELECT run_id, step FROM evals)
-    GROUP BY run_id
-),
-final_acc AS (
-    SELECT e.run_id, avg(e.value) AS accuracy, string_agg(DISTINCT e.benchmark, ',') AS benchmarks
-    FROM evals e JOIN last_step l ON e.run_id = l.run_id AND e.step = l.step
-    WHERE e.metric = 'accuracy' AND e.benchmark NOT LIKE '%/%'  -- whole benchmarks, not their slices
-    GROUP BY e.run_id
-)
-SELECT r.run_id, r.name, r.status, r.started_at, r.ended_at,
-       l.step AS final_step, a.accuracy AS final_accuracy, a.benchmarks, r.sweep_id,
-       r.attempts, r.restarts, round(r.goodput, 4) AS goodput
-FROM runs r
-LEFT JOIN last_step l ON r.run_id = l.run_id
-LEFT JOIN final_acc a ON r.run_id = a.run_id
-ORDER BY r.started_at DESC, r.run_id
-"""
-
 
 def _read_and_print(args: argparse.Namespace, read: Callable[[Lake], T], render: Callable[[T], str]) -> int:
     """Print `render(read(lake))`; a bad query, metric, benchmark or run name is a one-line error (exit 2)."""
@@ -58,11 +32,13 @@ def cmd_query(args: argparse.Namespace) -> int:
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
-    """List runs, newest first, with their final accuracy (a run whose process died shows `interrupted`)."""
+    """List runs, newest first, with their result (a run whose process died shows `interrupted`): the held-out
+    accuracy at the step of its latest held-out eval with its 95% interval and n, the other benchmarks beside it
+    (factory/lake/results.py)."""
     paths = home_from(args)
     with Lake.open(paths) as lake:
         reconcile(lake, paths.checkpoints)
-        result = query(RUNS_SQL, lake)
+        result = runs_listing(lake)
     emit(format_table(result, args.format))
     return EXIT_OK
 

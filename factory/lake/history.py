@@ -1,8 +1,11 @@
-"""Run history over the lake: rank runs by a final eval metric (`best`), and compare two runs
-(`compare`): spec fields that differ, final evals side by side, training-step aggregates.
+"""Run history over the lake: list runs with their result (`runs`), rank runs by a final eval metric (`best`),
+and compare two runs (`compare`): spec fields that differ, evals side by side, training-step aggregates.
 
 "Final" is per run and per (benchmark, metric): the value at the greatest step of that run that
-recorded that benchmark and metric. A run still training therefore ranks by its latest eval.
+recorded that benchmark and metric. A run still training therefore ranks by its latest eval; for
+accuracy on the held-out split that is the run's result as `lake/results.py` defines it. `compare`
+sets like beside like: two finished runs at their final evals, else at the greatest step both recorded.
+Accuracies carry their n and 95% Wilson interval; a difference of accuracies its Newcombe interval.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ from typing import Any
 import pyarrow as pa
 
 from factory.envs.eval_suites import HELD_OUT
-from factory.lake.query import Format, connect, format_table, json_value, run_sql
+from factory.intervals import Accuracy, verdict
+from factory.lake.query import Format, connect, format_table, json_value, query, run_sql
+from factory.lake.results import run_outcomes
 from factory.lake.writer import Lake
 
 
@@ -22,18 +27,83 @@ class HistoryError(ValueError):
     """Bad input to `best` / `compare`: an unknown metric, benchmark, sweep or run id. One line."""
 
 
+DIGITS = 3  # accuracies on hundreds of problems mean three decimals, not sixteen
+
+
+def ci95(value: float | None, n: int | None) -> str | None:
+    """`[0.725, 0.799]`: the 95% Wilson interval of an accuracy of n problems; None when `value` is not a count
+    out of n (pass@k is an average of estimates, not k of n right answers)."""
+    if value is None or not n:
+        return None
+    try:
+        ci = Accuracy(value, int(n)).interval()
+    except ValueError:
+        return None
+    return f"[{ci.low:.3f}, {ci.high:.3f}]"
+
+
+def is_accuracy(metric: str) -> bool:
+    """Whether `metric` is a share of right answers (k of n), which has a Wilson interval; pass@k is not."""
+    return metric.endswith("accuracy")
+
+
+def _round(v: float | None) -> float | None:
+    return None if v is None else round(v, DIGITS)
+
+
+# -- runs ------------------------------------------------------------------------------------------
+
+# The `runs` listing without its result: final_step is the greatest step the run recorded in `steps` or `evals`.
+_RUNS_SQL = """
+WITH last_step AS (
+    SELECT run_id, max(step) AS step
+    FROM (SELECT run_id, step FROM steps UNION ALL SELECT run_id, step FROM evals)
+    GROUP BY run_id
+)
+SELECT r.run_id, r.name, r.status, r.started_at, r.ended_at, l.step AS final_step, r.sweep_id,
+       r.attempts, r.restarts, round(r.goodput, 4) AS goodput
+FROM runs r
+LEFT JOIN last_step l ON r.run_id = l.run_id
+ORDER BY r.started_at DESC, r.run_id
+"""
+
+# The result columns `runs` adds after final_step (lake/results.py): the primary benchmark, the step of its
+# latest accuracy eval, that accuracy with its interval and n, and the other benchmarks evaluated at that step.
+_RESULT_COLUMNS = {"benchmark": pa.string(), "eval_step": pa.int64(), "accuracy": pa.float64(),
+                   "ci95": pa.string(), "n": pa.int64(), "other_benchmarks": pa.string()}
+
+
+def runs_listing(lake: Lake) -> pa.Table:
+    """Every run, newest first, with its result (`lake/results.py`): a run with no accuracy eval yet has nulls."""
+    base = query(_RUNS_SQL, lake)
+    outcomes = run_outcomes(lake)
+    results = [outcomes.get(run_id) for run_id in base.column("run_id").to_pylist()]
+    values: dict[str, list[Any]] = {
+        "benchmark": [o.primary.benchmark if o and o.primary else None for o in results],
+        "eval_step": [o.step if o else None for o in results],
+        "accuracy": [_round(o.accuracy) if o else None for o in results],
+        "ci95": [ci95(o.accuracy, o.n) if o else None for o in results],
+        "n": [o.n if o else None for o in results],
+        "other_benchmarks": [(o.others_text() or None) if o else None for o in results],
+    }
+    at = base.schema.get_field_index("final_step") + 1
+    for offset, (name, typ) in enumerate(_RESULT_COLUMNS.items()):
+        base = base.add_column(at + offset, pa.field(name, typ), pa.array(values[name], type=typ))
+    return base
+
+
 # -- best ------------------------------------------------------------------------------------------
 
 # The ranking. NaN values rank last in either direction: a diverged run is never "best".
 _BEST_SQL = """
 WITH final AS (
-    SELECT run_id, max(step) AS step, arg_max(value, step) AS value
+    SELECT run_id, max(step) AS step, arg_max(value, step) AS value, arg_max(n, step) AS n
     FROM evals WHERE metric = $metric AND benchmark = $benchmark
     GROUP BY run_id
 ), ranked AS (
     SELECT row_number() OVER (ORDER BY isnan(f.value), f.value {direction}, f.run_id) AS rank,
            f.run_id, r.name, r.sweep_id, r.status, r.seed,
-           $benchmark AS benchmark, $metric AS metric, f.step, f.value
+           $benchmark AS benchmark, $metric AS metric, f.step, f.value, f.n
     FROM final f LEFT JOIN runs r ON r.run_id = f.run_id
     WHERE $sweep IS NULL OR r.sweep_id = $sweep
 )
@@ -47,7 +117,8 @@ DEFAULT_BENCHMARK = HELD_OUT  # every run records its held-out split under this 
 def best_runs(lake: Lake, metric: str, benchmark: str | None = None, sweep_id: str | None = None,
               top: int = 10, lowest: bool = False) -> pa.Table:
     """The `top` runs by `metric` on `benchmark` at each run's final evaluated step, best first
-    (greatest value, or least with `lowest`), optionally only runs of sweep `sweep_id`.
+    (greatest value, or least with `lowest`), optionally only runs of sweep `sweep_id`. Values are
+    rounded to 3 decimals, with their n and, for an accuracy (k of n), the 95% interval `ci95`.
 
     `benchmark` None picks the one whole benchmark (a name without '/', not a `bench/slice`) that has
     `metric` among the runs considered; when there are several, the held-out split every run records
@@ -64,9 +135,15 @@ def best_runs(lake: Lake, metric: str, benchmark: str | None = None, sweep_id: s
         _check_metric(con, metric)
         benchmark = _pick_benchmark(con, metric, benchmark, sweep_id)
         sql = _BEST_SQL.format(direction="ASC" if lowest else "DESC")
-        return run_sql(con, sql, dict(metric=metric, benchmark=benchmark, sweep=sweep_id, top=top))
+        ranked = run_sql(con, sql, dict(metric=metric, benchmark=benchmark, sweep=sweep_id, top=top))
     finally:
         con.close()
+    values, ns = ranked.column("value").to_pylist(), ranked.column("n").to_pylist()
+    ranked = ranked.drop_columns(["value", "n"])
+    cis = [ci95(v, n) if is_accuracy(metric) else None for v, n in zip(values, ns, strict=True)]
+    return (ranked.append_column("value", pa.array([_round(v) for v in values], type=pa.float64()))
+            .append_column("ci95", pa.array(cis, type=pa.string()))
+            .append_column("n", pa.array(ns, type=pa.int64())))
 
 
 def _values(con: Any, sql: str, params: dict[str, Any] | None = None) -> list[Any]:
@@ -114,16 +191,60 @@ FROM runs WHERE run_id = $a OR run_id = $b
 """
 
 _EVALS_SQL = """
-WITH final AS (
-    SELECT run_id, benchmark, metric, max(step) AS step, arg_max(value, step) AS value
-    FROM evals WHERE run_id = $a OR run_id = $b
-    GROUP BY run_id, benchmark, metric
-), a AS (SELECT * FROM final WHERE run_id = $a), b AS (SELECT * FROM final WHERE run_id = $b)
-SELECT coalesce(a.benchmark, b.benchmark) AS benchmark, coalesce(a.metric, b.metric) AS metric,
-       a.step AS step_a, a.value AS a, b.step AS step_b, b.value AS b, b.value - a.value AS difference
-FROM a FULL OUTER JOIN b ON a.benchmark = b.benchmark AND a.metric = b.metric
-ORDER BY benchmark, metric
+SELECT run_id, benchmark, metric, step, value, n FROM evals WHERE run_id = $a OR run_id = $b
 """
+
+FINISHED = ("succeeded", "failed")  # a run that records no more evals: its latest eval is its final one
+
+
+def _eval_rows(rows: list[dict[str, Any]], run_a: str, run_b: str, done: bool) -> list[dict[str, Any]]:
+    """One row per (benchmark, metric) with A's and B's value set like beside like: when both runs are `done` and
+    both recorded it at their final evaluated step, each at that step (`at` = "final"); otherwise (a run still
+    training, or an eval of a final checkpoint not in yet) both at the greatest step both recorded (`at` =
+    "step N"), so a run's final value never stands beside the other's step-0 one. A (benchmark, metric) only one
+    run has, or with no step in common, shows each run's latest and no difference."""
+    last_a = max((r["step"] for r in rows if r["run_id"] == run_a), default=None)
+    last_b = max((r["step"] for r in rows if r["run_id"] == run_b), default=None)
+    by: dict[tuple[str, str], tuple[dict[int, dict], dict[int, dict]]] = {}
+    for r in rows:
+        sides = by.setdefault((r["benchmark"], r["metric"]), ({}, {}))
+        sides[0 if r["run_id"] == run_a else 1][r["step"]] = r
+        if run_a == run_b:  # a run compared with itself: the same rows on both sides
+            sides[1][r["step"]] = r
+    out = []
+    for (benchmark, metric), (sa, sb) in sorted(by.items()):
+        common = set(sa) & set(sb)
+        if sa and sb and done and max(sa) == last_a and max(sb) == last_b:
+            step_a, step_b, at = max(sa), max(sb), "final"
+        elif common:
+            step_a = step_b = max(common)
+            at = f"step {step_a}"
+        else:
+            step_a, step_b = max(sa, default=None), max(sb, default=None)
+            at = "A only" if not sb else "B only" if not sa else "no common step"
+        ra, rb = sa.get(step_a), sb.get(step_b)
+        out.append(_eval_row(benchmark, metric, at, step_a, ra, step_b, rb, comparable=at == "final" or bool(common)))
+    return out
+
+
+def _eval_row(benchmark: str, metric: str, at: str, step_a: int | None, ra: dict | None, step_b: int | None,
+              rb: dict | None, comparable: bool) -> dict[str, Any]:
+    a, b = (ra or {}).get("value"), (rb or {}).get("value")
+    n_a, n_b = (ra or {}).get("n"), (rb or {}).get("n")
+    acc = is_accuracy(metric)
+    row: dict[str, Any] = dict(benchmark=benchmark, metric=metric, at=at, step_a=step_a, a=_round(a),
+                               ci95_a=ci95(a, n_a) if acc else None, n_a=n_a, step_b=step_b, b=_round(b),
+                               ci95_b=ci95(b, n_b) if acc else None, n_b=n_b, difference=None,
+                               difference_ci95=None, verdict=None)
+    if not comparable or a is None or b is None:
+        return row
+    row["difference"] = _round(b - a)
+    if row["ci95_a"] and row["ci95_b"]:  # both accuracies (k of n): the difference has an interval
+        v = verdict("B", Accuracy(b, int(n_b)), "A", Accuracy(a, int(n_a)))
+        row["difference_ci95"] = f"[{v.interval.low:+.3f}, {v.interval.high:+.3f}]"
+        row["verdict"] = f"{v.winner} better" if v.winner else "no significant difference"
+    return row
+
 
 # Step aggregates, in the order they are shown: (name, SQL expression over one run's steps). `from_end`
 # is 1 for a run's last step, so "last 10" means its 10 greatest steps.
@@ -153,7 +274,8 @@ class Comparison:
     a: dict[str, Any]
     b: dict[str, Any]
     spec: list[dict[str, Any]]  # {path, a, b}; a key is left out where that run's spec lacks the path
-    evals: list[dict[str, Any]]  # {benchmark, metric, step_a, a, step_b, b, difference}
+    evals: list[dict[str, Any]]  # {benchmark, metric, at, step_a, a, ci95_a, n_a, step_b, b, ci95_b, n_b,
+    #                               difference, difference_ci95, verdict}: `_eval_rows`
     steps: list[dict[str, Any]]  # {aggregate, a, b, difference}
 
 
@@ -168,7 +290,8 @@ def compare_runs(lake: Lake, run_a: str, run_b: str) -> Comparison:
                                f"{', '.join(map(repr, unknown))}; `factory runs` lists them")
         a, b = dict(runs[run_a]), dict(runs[run_b])
         spec = spec_diff(a.pop("spec"), b.pop("spec"))
-        evals = run_sql(con, _EVALS_SQL, dict(a=run_a, b=run_b)).to_pylist()
+        done = a["status"] in FINISHED and b["status"] in FINISHED
+        evals = _eval_rows(run_sql(con, _EVALS_SQL, dict(a=run_a, b=run_b)).to_pylist(), run_a, run_b, done)
         steps = _step_rows(_step_aggregates(con, run_a), _step_aggregates(con, run_b))
     finally:
         con.close()
@@ -243,8 +366,8 @@ COMPARE_FORMATS: tuple[str, ...] = ("table", "json")
 # Column types of the table rendering: spec values are shown as text (they mix types); step
 # aggregates mix counts and means, so they are shown as floats.
 _SPEC_COLUMNS = {"path": pa.string(), "a": pa.string(), "b": pa.string()}
-_EVAL_COLUMNS = {"benchmark": pa.string(), "metric": pa.string(), "step_a": pa.int64(), "a": pa.float64(),
-                 "step_b": pa.int64(), "b": pa.float64(), "difference": pa.float64()}
+_EVAL_COLUMNS = {"benchmark": pa.string(), "metric": pa.string(), "at": pa.string(), "a": pa.string(),
+                 "b": pa.string(), "b - a": pa.string(), "verdict": pa.string()}
 _STEP_COLUMNS = {"aggregate": pa.string(), "a": pa.float64(), "b": pa.float64(), "difference": pa.float64()}
 
 
@@ -260,10 +383,24 @@ def format_comparison(c: Comparison, fmt: Format = "table") -> str:
     return "\n".join([
         _run_line("A", c.a), _run_line("B", c.b), "",
         f"spec fields that differ ({len(spec)})", _section(spec, _SPEC_COLUMNS), "",
-        "final evals (each at its run's last step with that benchmark and metric)",
-        _section(c.evals, _EVAL_COLUMNS), "",
+        "evals (both runs finished: each at its final step; else both at the greatest step both recorded)",
+        _section([_eval_text(r) for r in c.evals], _EVAL_COLUMNS), "",
         "steps", _section(c.steps, _STEP_COLUMNS),
     ])
+
+
+def _eval_text(r: dict[str, Any]) -> dict[str, Any]:
+    """An eval row as printed: `0.600 [0.462, 0.724] n=50` (an accuracy), the difference with its interval."""
+    def side(s: str) -> str | None:
+        v = r[s]
+        if v is None:
+            return None
+        text = f"{v:.3f} {r['ci95_' + s]} n={r['n_' + s]}" if r["ci95_" + s] else f"{v:.3f}"
+        return text if r["difference"] is not None else f"{text} (step {r['step_' + s]})"
+    diff = None if r["difference"] is None else f"{r['difference']:+.3f}" + (
+        f" {r['difference_ci95']}" if r["difference_ci95"] else "")
+    return dict(benchmark=r["benchmark"], metric=r["metric"], at=r["at"], a=side("a"), b=side("b"),
+                **{"b - a": diff}, verdict=r["verdict"])
 
 
 def _run_line(label: str, run: dict[str, Any]) -> str:

@@ -22,6 +22,7 @@ import pyarrow as pa
 
 from factory.lake.schemas import TABLES
 from factory.lake.writer import Lake
+from factory.numbers import shown
 from factory.text import clip
 
 Format = Literal["table", "csv", "json"]
@@ -94,7 +95,8 @@ def _one_line(e: Exception) -> str:
 
 def format_table(tbl: pa.Table, fmt: Format = "table") -> str:
     """Render `tbl`: 'table' aligned columns for a terminal, 'csv' with a header row, 'json' an array
-    of row objects. Timestamps are ISO-8601; in json, NaN/inf become null (JSON has no NaN)."""
+    of row objects. Timestamps are ISO-8601; in json, NaN/inf become null (JSON has no NaN). Only 'table'
+    rounds floats, each to what its column's name says it holds (`factory.numbers.shown`)."""
     if fmt == "table":
         return _as_text(tbl)
     if fmt == "csv":
@@ -147,11 +149,11 @@ def _as_csv(tbl: pa.Table) -> str:
     return buf.getvalue()
 
 
-def _text_value(v: Any) -> str:
+def _text_value(v: Any, column: str = "") -> str:
     if v is None:
         return ""
     if isinstance(v, float):
-        return f"{v:.6g}"
+        return shown(v, column)  # rounded to what the column's name says it is (factory/numbers.py)
     if isinstance(v, dt.datetime):
         # Seconds are enough to read; the tz suffix says it is UTC.
         return v.isoformat(sep=" ", timespec="seconds")
@@ -163,7 +165,7 @@ def _as_text(tbl: pa.Table) -> str:
     names = tbl.column_names
     numeric = [pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_decimal(t)
                for t in tbl.schema.types]
-    cells = [[_text_value(v) for v in row.values()] for row in tbl.to_pylist()]
+    cells = [[_text_value(v, name) for name, v in row.items()] for row in tbl.to_pylist()]
     widths = [max([len(n)] + [len(r[i]) for r in cells]) for i, n in enumerate(names)]
 
     def line(values: list[str]) -> str:

@@ -48,7 +48,7 @@ NAMESPACE = "factory"
 RUN_STATUSES = ("running", "resumed", "succeeded", "failed", "interrupted")
 # Why an attempt of a run ended early (the `interruptions` table).
 INTERRUPTION_CAUSES = ("killed", "signal", "hang", "crash", "crash_loop", "non_finite_loss", "failed_preflight",
-                       "supervisor_lost")
+                       "supervisor_lost", "pruned")  # pruned: a tpe sweep's pruner stopped it (factory/sweep_search.py)
 CHECKPOINT_KINDS = ("sft", "rl")
 
 
@@ -299,7 +299,8 @@ INTERRUPTIONS = _table("interruptions", ("run_id", "attempt"), [
     ("recorded_at", TS, REQ),
 ], partition=BY_RUN)
 
-SWEEP_STATUSES = ("queued", "running", "succeeded", "failed", "refused")  # refused: by the preflight gate
+# refused: by the preflight gate; pruned: stopped at a resume point by a tpe sweep's pruner (`reason` says why)
+SWEEP_STATUSES = ("queued", "running", "succeeded", "failed", "refused", "pruned")
 SWEEPS = _table("sweeps", ("sweep_id", "member"), [
     ("sweep_id", STR, REQ),
     ("member", STR, REQ),  # the member's partition key of the sweep-member asset
@@ -312,7 +313,7 @@ SWEEPS = _table("sweeps", ("sweep_id", "member"), [
     ("final_accuracy", DBL, OPT),
     ("created_at", TS, REQ),
     ("recorded_at", TS, REQ),
-    ("reason", STR, OPT),  # why it did not run (status refused: the preflight gate's one line)
+    ("reason", STR, OPT),  # why it did not run (refused: the preflight gate's one line) or was pruned
 ])
 
 TABLES: dict[str, TableDef] = {t.name: t for t in (RUNS, STEPS, CHECKPOINTS, EVALS, ROLLOUTS, NODE_HEALTH, SWEEPS,

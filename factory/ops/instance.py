@@ -10,6 +10,12 @@ sweep's `max_concurrent` members in flight and the eval sensor never more than t
 the instance's run queue says. The queue settings are a second line: a global cap on runs (a 2-core
 machine is overloaded long before Dagster's default of 10), and the eval limit where an operator sets
 it (`EVAL_QUEUE` tag), which the eval sensor reads back (`eval_limit_from`).
+
+Recovery of a run worker that died (kill -9, the OOM killer) needs three settings, the same as
+deploy/dagster.yaml's (a test keeps them equal): the run launcher that can check its workers
+(resources/run_launcher.py, named here by module: this layer does not import it), run monitoring, which
+marks such a run failed, and run retries, which re-execute it from the failed step for the jobs that ask
+(assets/_retries.py `TRAINING_TAGS`).
 """
 
 from __future__ import annotations
@@ -24,11 +30,20 @@ QUEUE_TAG = "factory/queue"  # runs that share a limit: evals and sweep summarie
 EVAL_QUEUE = "eval"
 DEFAULT_MAX_CONCURRENT_RUNS = 4
 DEFAULT_MAX_CONCURRENT_EVALS = 1
+# Dagster's default launcher plus a health check of its run workers, by pid (resources/run_launcher.py).
+RUN_LAUNCHER = {"module": "resources.run_launcher", "class": "WatchedRunLauncher"}
+# The daemon checks started runs' workers every few seconds (the check is a /proc read) and marks a run whose worker
+# is gone as failed; resuming a run in place is for launchers that support it (Kubernetes), a retry does it here.
+RUN_MONITORING = {"enabled": True, "poll_interval_seconds": 5, "max_resume_run_attempts": 0}
+# Only jobs that ask (dagster/max_retries) are retried; a step that failed on its own is left to its RetryPolicy.
+RUN_RETRIES = {"enabled": True, "max_retries": 0, "retry_on_asset_or_op_failure": False}
+RECOVERY_SETTINGS = {"run_launcher": RUN_LAUNCHER, "run_monitoring": RUN_MONITORING, "run_retries": RUN_RETRIES}
 
 
 def instance_settings(max_concurrent_runs: int = DEFAULT_MAX_CONCURRENT_RUNS,
                       max_concurrent_evals: int = DEFAULT_MAX_CONCURRENT_EVALS) -> dict[str, Any]:
-    """Factory's `dagster.yaml` as a mapping: no telemetry, a run queue with a global cap and an eval limit."""
+    """Factory's `dagster.yaml` as a mapping: no telemetry, a run queue with a global cap and an eval limit, and
+    the recovery settings (`RECOVERY_SETTINGS`)."""
     if max_concurrent_runs < 1 or max_concurrent_evals < 1:
         raise ValueError(f"max_concurrent_runs and max_concurrent_evals must be >= 1, got "
                          f"{max_concurrent_runs} and {max_concurrent_evals}")
@@ -40,6 +55,7 @@ def instance_settings(max_concurrent_runs: int = DEFAULT_MAX_CONCURRENT_RUNS,
         }},
         # A queued run starts within a second of a free slot (the default polls every 5 s).
         "run_queue": {"dequeue_interval_seconds": 1},
+        **{key: dict(value) for key, value in RECOVERY_SETTINGS.items()},
     }
 
 
@@ -89,6 +105,11 @@ def ensure_instance_yaml(dagster_home: str | Path, **kwargs: int) -> list[str]:
     if "run_coordinator" not in have and "dequeue_interval_seconds" not in (have.get("run_queue") or {}):
         have.setdefault("run_queue", {})["dequeue_interval_seconds"] = 1
         changes.append("run_queue.dequeue_interval_seconds: 1")
+    # A file that sets one of these keeps it as it is (an operator's own launcher, retries turned off on purpose).
+    for key, value in RECOVERY_SETTINGS.items():
+        if key not in have:
+            have[key] = dict(value)
+            changes.append(f"{key}: {_inline(value)}")
     if changes:
         _write(path, yaml.safe_dump(have, sort_keys=False))
     return [f"{path}: added {c}" for c in changes]
@@ -112,6 +133,10 @@ def eval_limit_from(tag_limits: list[dict[str, Any]] | None, default: int = DEFA
         if item.get("key") == QUEUE_TAG and item.get("value") == EVAL_QUEUE:
             return max(1, int(item["limit"]))
     return default
+
+
+def _inline(value: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {str(v).lower() if isinstance(v, bool) else v}" for k, v in value.items())
 
 
 def _write(path: Path, text: str) -> None:

@@ -5,10 +5,13 @@ end. What `factory run` runs."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 from factory.config import ExperimentSpec
+from factory.core.loop import RunInterrupted
 from factory.envs.spec_check import check_spec
 from factory.home import FactoryPaths
+from factory.lake.results import run_outcome
 from factory.lake.writer import Lake
 from factory.models.checkpoint import load_checkpoint
 from factory.runs.attempt import write_launch
@@ -26,14 +29,28 @@ from factory.runs.stages import (
     run_sft_control,
     train_sft_checkpoint,
 )
+from factory.sweep_search import TrialReporter
 from factory.tracking import Tracker
+
+
+@dataclass(frozen=True)
+class Pruned:
+    """A sweep member whose trial was pruned: its run stopped at a resume point (resumable) for `reason`."""
+    run_id: str
+    reason: str
 
 
 def run_sweep_member(spec: ExperimentSpec, paths: FactoryPaths, lake: Lake, tracker: Tracker, sweep_id: str,
                      member: str, axes: dict, sweep_name: str, mlflow_parent_run_id: str | None = None,
-                     log: Log = print, progress: ProgressCallback | None = None, run_id: str | None = None):
-    """One sweep member end to end (dataset, shared SFT warm start, RL run, evals), its `sweeps` row kept current."""
+                     log: Log = print, progress: ProgressCallback | None = None, run_id: str | None = None,
+                     trial: TrialReporter | None = None) -> RunResult | Pruned:
+    """One sweep member end to end (dataset, shared SFT warm start, RL run, evals), its `sweeps` row kept current.
+
+    A tpe sweep's member has its `trial`: its periodic evals are reported to it, and when its pruner says so the
+    run stops at a resume point, the trial is told it was pruned and the member's row says `pruned` with the
+    reason (returned as `Pruned`); a member that finishes tells the trial its final held-out accuracy."""
     created = now()
+    run_id = run_id or new_run_id(spec)
     row = dict(sweep_id=sweep_id, member=member, name=sweep_name, axes=json.dumps(axes, sort_keys=True),
                spec=spec.to_json(), mlflow_parent_run_id=mlflow_parent_run_id, created_at=created)
     lake.upsert("sweeps", [dict(row, status="running", recorded_at=now())])
@@ -42,12 +59,23 @@ def run_sweep_member(spec: ExperimentSpec, paths: FactoryPaths, lake: Lake, trac
         sft = cached_sft_checkpoint(spec, paths, splits, log=log, progress=progress)
         res = run_rl(spec, paths, sft.checkpoint.path, splits, lake, tracker, log=log, sweep_id=sweep_id,
                      run_id=run_id, mlflow_experiment=sweep_name, mlflow_parent_run_id=mlflow_parent_run_id,
-                     progress=progress)
+                     progress=progress, on_eval=trial.report if trial is not None else None)
+    except RunInterrupted:
+        if trial is None or trial.reason is None:
+            lake.upsert("sweeps", [dict(row, status="failed", recorded_at=now())])
+            raise
+        trial.pruned()
+        lake.upsert("sweeps", [dict(row, status="pruned", run_id=run_id, reason=trial.reason, recorded_at=now())])
+        log(f"sweep member {member}: pruned ({trial.reason}); run {run_id} can be resumed")
+        return Pruned(run_id, trial.reason)
     except BaseException:
         lake.upsert("sweeps", [dict(row, status="failed", recorded_at=now())])
         raise
-    lake.upsert("sweeps", [dict(row, status="succeeded", run_id=res.run_id, final_accuracy=res.final_accuracy,
-                                recorded_at=now())])
+    result = run_outcome(lake, res.run_id).accuracy  # the run's result, as lake/results.py defines it
+    final = res.final_accuracy if result is None else result
+    if trial is not None:
+        trial.complete(final)
+    lake.upsert("sweeps", [dict(row, status="succeeded", run_id=res.run_id, final_accuracy=final, recorded_at=now())])
     return res
 
 

@@ -23,6 +23,7 @@ import os
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +45,8 @@ from factory.infra.device import describe, run_device
 from factory.infra.disk import is_disk_full
 from factory.infra.faults import fault_point
 from factory.infra.supervisor import CircuitOpen
+from factory.intervals import accuracy_text
+from factory.lake.results import outcomes_from_evals
 from factory.lake.spool import SPOOL, LakeDown, Spool, SpooledLake
 from factory.lake.writer import Lake
 from factory.models import lora
@@ -87,6 +90,7 @@ from factory.source_spec import SourceError
 from factory.tracking import Tracker
 
 _now = recovery.now
+EvalHook = Callable[[int, float], str | None]  # (step, held-out accuracy) -> why to prune the run, or None
 
 
 @dataclass
@@ -110,15 +114,16 @@ def new_run_id(spec: ExperimentSpec) -> str:
 
 def _finished(lake: Lake, row: dict) -> RunResult:
     """The recorded result of a run that already succeeded."""
-    evals = {(r["step"], r["metric"]): r["value"] for r in
-             lake.read("evals", And(EqualTo("run_id", row["run_id"]), EqualTo("benchmark", HELD_OUT))).to_pylist()}
-    final = max(s for s, _ in evals)
+    rows = lake.read("evals", And(EqualTo("run_id", row["run_id"]), EqualTo("benchmark", HELD_OUT))).to_pylist()
+    evals = {(r["step"], r["metric"]): r["value"] for r in rows}
+    result = outcomes_from_evals(rows).get(row["run_id"])  # the run's result, as lake/results.py defines it
+    final = result.step if result is not None and result.step is not None else max(s for s, _ in evals)
     path = Path(row["final_checkpoint"])
     digest, size = dir_digest(path)
     k = next((m for s, m in evals if s == 0 and m.startswith("pass@")), None)
     return RunResult(row["run_id"], row["mlflow_run_id"], CheckpointInfo(path, digest, size), final,
                      evals.get((0, "accuracy"), 0.0), evals.get((0, k)) if k else None,
-                     evals.get((final, "accuracy"), 0.0), row.get("wall_s") or 0.0,
+                     result.accuracy if result is not None and result.primary else 0.0, row.get("wall_s") or 0.0,
                      attempt=int(row.get("attempts") or 1), goodput=row.get("goodput") or 1.0)
 
 
@@ -133,12 +138,15 @@ def finished_result(lake: Lake, run_id: str) -> RunResult:
 def run_rl(spec: ExperimentSpec, paths: FactoryPaths, init_checkpoint: str | Path, splits: Splits,
            lake: Lake, tracker: Tracker, log: Log = print, run_id: str | None = None,
            sweep_id: str | None = None, flush_every: int = 10, mlflow_experiment: str | None = None,
-           mlflow_parent_run_id: str | None = None, progress: ProgressCallback | None = None) -> RunResult:
+           mlflow_parent_run_id: str | None = None, progress: ProgressCallback | None = None,
+           on_eval: EvalHook | None = None) -> RunResult:
     """RL (the spec's algorithm) from `init_checkpoint`; records the run, every step, checkpoints and evals.
 
     With the `run_id` of a run that did not finish, continues it (see the module docstring). A sweep
     member passes its `sweep_id` and the sweep's MLflow parent run (nested under it, in the parent's
-    experiment `mlflow_experiment`)."""
+    experiment `mlflow_experiment`). `on_eval(step, accuracy)` is called after each periodic held-out eval;
+    a reason returned stops the run at a resume point as pruned (a tpe sweep's trial, factory/sweep_search.py):
+    `RunInterrupted` is raised and the interruption's cause is `pruned`."""
     set_threads(spec, log)
     run_id = run_id or new_run_id(spec)
     run_dir = paths.checkpoints / run_id
@@ -156,7 +164,7 @@ def run_rl(spec: ExperimentSpec, paths: FactoryPaths, init_checkpoint: str | Pat
             recovery.mark_dead(lake, prev, run_dir)
             prev = recovery.run_row(lake, run_id)
         run = Run(spec, paths, splits, lake, tracker, run_id, prev, init_checkpoint,
-                  RunOptions(sweep_id, mlflow_experiment, mlflow_parent_run_id, flush_every, log, progress))
+                  RunOptions(sweep_id, mlflow_experiment, mlflow_parent_run_id, flush_every, log, progress, on_eval))
         return run.execute()
 
 
@@ -169,6 +177,7 @@ class RunOptions:
     flush_every: int = 10  # steps between writes of step rows (and the `runs` row) to the lake
     log: Log = print
     progress: ProgressCallback | None = None
+    on_eval: EvalHook | None = None  # after each periodic eval: a reason stops the run as pruned
 
 
 class Run:
@@ -414,6 +423,16 @@ class Run:
         self.step_metrics.add(step, {"eval/accuracy": res.accuracy})  # with the step's: once a resume point has it
         self._evaluate_sources(step, None, deferred=True)
         beat(self.run_dir)
+        if self.options.on_eval is not None:
+            self._prune_if_told(step, res.accuracy)
+
+    def _prune_if_told(self, step: int, accuracy: float) -> None:
+        """Ask `on_eval` whether to go on; a reason makes the loop save a resume point after this step and stop."""
+        reason = self.options.on_eval(step, accuracy)
+        if reason and not self.ckpts.stopping():
+            self.log(f"run {self.run_id}: pruned ({reason}); stopping at a resume point after step {step}")
+            self.ckpts.signal_name = PRUNED
+            self.ckpts.stop.set()
 
     def _evaluate_sources(self, step: int, sha256: str | None, deferred: bool = False) -> None:
         """`deferred`: a periodic eval's MLflow points wait with the step's (`step_metrics`)."""
@@ -449,7 +468,7 @@ class Run:
         done = recovery.run_row(lake, self.run_id)
         tracker.log_metrics(mlflow_id, final_step, {"goodput": done["goodput"]})
         tracker.end_run(mlflow_id, "FINISHED")
-        self.log(f"run {self.run_id}: final held-out accuracy {final_eval.accuracy:.3f} "
+        self.log(f"run {self.run_id}: final held-out accuracy {accuracy_text(final_eval.accuracy, final_eval.n)} "
                  f"({time.perf_counter() - self._t0:.0f}s"
                  + (f", attempt {self.attempt}, goodput {done['goodput']:.3f}" if self.attempt > 1 else "") + ")")
         return RunResult(self.run_id, mlflow_id, info, final_step, self.start[0], self.start[1], final_eval.accuracy,
@@ -473,6 +492,7 @@ class Run:
 
 
 SUPERVISOR_LOST = "supervisor lost"  # RunCheckpoints.signal_name of an attempt stopped by its supervisor's death
+PRUNED = "pruned"  # RunCheckpoints.signal_name of an attempt stopped by its sweep's pruner (`on_eval`)
 
 
 def _classify(e: BaseException, ckpts: RunCheckpoints) -> tuple[str, str]:
@@ -483,6 +503,8 @@ def _classify(e: BaseException, ckpts: RunCheckpoints) -> tuple[str, str]:
         return "interrupted", "disk_full"
     if ckpts is not None and ckpts.signal_name == SUPERVISOR_LOST:
         return "interrupted", "supervisor_lost"
+    if ckpts is not None and ckpts.signal_name == PRUNED:
+        return "interrupted", "pruned"
     if isinstance(e, RunInterrupted | KeyboardInterrupt) or ckpts.stopping():
         return "interrupted", "signal"
     if isinstance(e, NonFiniteLoss):

@@ -37,6 +37,8 @@ from factory.home import FactoryPaths
 from factory.infra.device import describe, prepare, run_device
 from factory.infra.gpus import Gpus
 from factory.infra.placement import check_placement, enter, placements
+from factory.intervals import Accuracy, accuracy_text, verdict
+from factory.lake.results import outcomes_from_evals
 from factory.lake.writer import Lake
 from factory.models.build import build_model, policy_for
 from factory.models.checkpoint import CheckpointInfo, load_checkpoint, save_checkpoint
@@ -177,7 +179,8 @@ def train_sft_checkpoint(spec: ExperimentSpec, paths: FactoryPaths, splits: Spli
 
     def on_step(step: int, m: dict[str, float]) -> None:
         if progress is not None:
-            progress(Progress("sft", step + 1, sft.steps, time.perf_counter() - t0))
+            progress(Progress("sft", step + 1, sft.steps, time.perf_counter() - t0,
+                              stops_at_accuracy=sft.stop_at_accuracy))
         if (step + 1) % every == 0 or step + 1 == sft.steps:
             log(f"sft step {step + 1}/{sft.steps} loss={m['loss']:.4f}")
 
@@ -230,49 +233,86 @@ def run_sft_control(spec: ExperimentSpec, paths: FactoryPaths, splits: Splits, l
 
 
 def eval_summary(lake: Lake, run_id: str) -> dict:
-    """What a run's evals say: start (SFT) vs final (GRPO) accuracy, pass@k, the control, by level."""
+    """What a run's evals say: start (SFT, step 0) vs the run's result (`lake/results.py`: held-out accuracy at its
+    final evaluated step), pass@k, the control, by level, each accuracy with its n; and verdicts that name a winner
+    only when the 95% interval of the difference excludes 0 (`factory/intervals.py`)."""
     rows = lake.read("evals", EqualTo("run_id", run_id)).to_pylist()
     if not rows:
         raise LookupError(f"no evals recorded for run {run_id!r}")
-    final = max(r["step"] for r in rows)
-    get = {(r["step"], r["benchmark"], r["metric"]): r["value"] for r in rows}
-    out = {"run_id": run_id, "final_step": final, "n": rows[0]["n"],
-           "sft_accuracy": get.get((0, HELD_OUT, "accuracy")),
-           "grpo_accuracy": get.get((final, HELD_OUT, "accuracy")),
-           "control_accuracy": get.get((final, HELD_OUT, "sft_control_accuracy")), "levels": {}}
-    for (step, bench, metric), value in get.items():
+    outcome = outcomes_from_evals(rows).get(run_id)
+    final = outcome.step if outcome and outcome.step is not None else max(r["step"] for r in rows)
+    bench = outcome.primary.benchmark if outcome and outcome.primary else HELD_OUT
+    get = {(r["step"], r["benchmark"], r["metric"]): r for r in rows}
+    value = lambda key: get[key]["value"] if key in get else None  # noqa: E731
+    n_of = lambda key: get[key]["n"] if key in get else None  # noqa: E731
+    start, control = (0, bench, "accuracy"), (final, bench, "sft_control_accuracy")
+    out = {"run_id": run_id, "final_step": final, "benchmark": bench, "n": outcome.n if outcome else None,
+           "sft_accuracy": value(start), "sft_n": n_of(start),
+           "grpo_accuracy": outcome.accuracy if outcome else None,
+           "control_accuracy": value(control), "control_n": n_of(control),
+           "others": {name: {"accuracy": sc.value, "n": sc.n}
+                      for name, sc in (outcome.others if outcome else {}).items()},
+           "levels": {}}
+    for (step, b, metric), r in get.items():
         if step not in (0, final):  # periodic evals between them (schedule.eval_every) are not the final word
             continue
-        if bench == HELD_OUT and metric.startswith("pass@"):
-            out[("sft_" if step == 0 else "grpo_") + metric.replace("@", "_at_")] = value
-        if bench == HELD_OUT and metric.startswith("sft_control_pass@"):
-            out["control_" + metric.removeprefix("sft_control_").replace("@", "_at_")] = value
-        if bench.startswith(HELD_OUT + "/") and metric == "accuracy":
-            out["levels"].setdefault(bench.split("/", 1)[1], {})["sft" if step == 0 else "grpo"] = value
-    if out["sft_accuracy"] is not None and out["grpo_accuracy"] is not None:
+        if b == bench and metric.startswith("pass@"):
+            out[("sft_" if step == 0 else "grpo_") + metric.replace("@", "_at_")] = r["value"]
+        if b == bench and metric.startswith("sft_control_pass@"):
+            out["control_" + metric.removeprefix("sft_control_").replace("@", "_at_")] = r["value"]
+        if b.startswith(bench + "/") and metric == "accuracy":
+            level = out["levels"].setdefault(b.split("/", 1)[1], {})
+            level["sft" if step == 0 else "grpo"] = r["value"]
+            level["sft_n" if step == 0 else "grpo_n"] = r["n"]
+    grpo = _accuracy(out["grpo_accuracy"], out["n"])
+    # Step 0 and the final step score the same problems, so the independent-samples interval is conservative here.
+    if out["sft_accuracy"] is not None and grpo is not None:
         out["gain"] = out["grpo_accuracy"] - out["sft_accuracy"]
-    if out["control_accuracy"] is not None and out["grpo_accuracy"] is not None:
-        out["winner"] = "grpo" if out["grpo_accuracy"] > out["control_accuracy"] else "more sft"
+        sft = _accuracy(out["sft_accuracy"], out["sft_n"])
+        if sft is not None:
+            out["gain_verdict"] = verdict("grpo", grpo, "sft", sft).text()
+    ctl = _accuracy(out["control_accuracy"], out["control_n"])
+    if ctl is not None and grpo is not None:
+        v = verdict("grpo", grpo, "more sft", ctl)
+        out["winner"], out["verdict"] = v.winner, v.text()
     return out
 
 
+def _accuracy(value: float | None, n: int | None) -> Accuracy | None:
+    """`value` of n problems as an `Accuracy`; None when n is unknown or `value` is not a count out of n."""
+    if value is None or not n:
+        return None
+    try:
+        acc = Accuracy(value, int(n))
+        acc.interval()  # raises when value is not k of n
+    except ValueError:
+        return None
+    return acc
+
+
 def render_report(s: dict) -> str:
-    """Markdown table of an `eval_summary`."""
-    pct = lambda v: "—" if v is None else f"{100 * v:.1f}%"  # noqa: E731
-    lines = [f"### Run `{s['run_id']}` — held-out accuracy (n={s['n']})", "",
+    """Markdown table of an `eval_summary`: accuracies to 3 decimals with their 95% Wilson interval and n."""
+    acc = lambda v, n: "—" if v is None else accuracy_text(v, n)  # noqa: E731
+    dec = lambda v: "—" if v is None else f"{v:.3f}"  # noqa: E731
+    lines = [f"### Run `{s['run_id']}` — held-out accuracy ({s['benchmark']}, 95% Wilson intervals)", "",
              "| checkpoint | greedy accuracy | pass@8 (T=1) |", "|---|---|---|",
-             f"| SFT warm start (step 0) | {pct(s['sft_accuracy'])} | {pct(s.get('sft_pass_at_8'))} |",
-             f"| GRPO (step {s['final_step']}) | {pct(s['grpo_accuracy'])} | {pct(s.get('grpo_pass_at_8'))} |"]
+             f"| SFT warm start (step 0) | {acc(s['sft_accuracy'], s['sft_n'])} | {dec(s.get('sft_pass_at_8'))} |",
+             f"| GRPO (step {s['final_step']}) | {acc(s['grpo_accuracy'], s['n'])} | {dec(s.get('grpo_pass_at_8'))} |"]
     if s.get("control_accuracy") is not None:
-        lines.append(f"| control: same wall time of more SFT | {pct(s['control_accuracy'])} | "
-                     f"{pct(s.get('control_pass_at_8'))} |")
+        lines.append(f"| control: same wall time of more SFT | {acc(s['control_accuracy'], s['control_n'])} | "
+                     f"{dec(s.get('control_pass_at_8'))} |")
+    if s.get("others"):
+        lines += ["", f"Other benchmarks at step {s['final_step']}: "
+                  + "; ".join(f"{name} {acc(o['accuracy'], o['n'])}" for name, o in sorted(s["others"].items()))]
     if s["levels"]:
         lines += ["", "| level | SFT | GRPO |", "|---|---|---|"]
-        lines += [f"| {lvl} | {pct(v.get('sft'))} | {pct(v.get('grpo'))} |" for lvl, v in s["levels"].items()]
+        lines += [f"| {lvl} | {acc(v.get('sft'), v.get('sft_n'))} | {acc(v.get('grpo'), v.get('grpo_n'))} |"
+                  for lvl, v in s["levels"].items()]
     if "gain" in s:
-        lines += ["", f"GRPO gain over SFT: {100 * s['gain']:+.1f} points."]
-    if "winner" in s:
-        lines.append(f"Control (same extra wall time): {s['winner']} wins.")
+        lines += ["", f"GRPO over SFT: {s['gain_verdict']}." if "gain_verdict" in s
+                  else f"GRPO gain over SFT: {s['gain']:+.3f}."]
+    if "verdict" in s:
+        lines.append(f"Control (same extra wall time): {s['verdict']}.")
     return "\n".join(lines)
 
 

@@ -33,7 +33,7 @@ def history(factory_home: FactoryPaths) -> FactoryPaths:
             dict(base, run_id="r2", name="lr-3e-4", sweep_id="s1", seed=2, spec=SPEC_2),
             dict(base, run_id="r3", name="solo", seed=3, status="failed", spec=SPEC_3),
         ])
-        ev = dict(n=50, recorded_at=T0, benchmark="arith", metric="accuracy")
+        ev = dict(n=100, recorded_at=T0, benchmark="arith", metric="accuracy")
         lake.upsert("evals", [
             dict(ev, run_id="r1", step=0, value=0.1), dict(ev, run_id="r1", step=12, value=0.6),
             dict(ev, run_id="r1", step=12, metric="pass@4", value=0.8),
@@ -74,7 +74,7 @@ def test_best_ranks_by_the_final_eval(history, capsys):
         (1, "r2", 12, 0.75), (2, "r1", 12, 0.6), (3, "r3", 10, 0.4)]
     r2 = rows[0]
     assert r2 == dict(rank=1, run_id="r2", name="lr-3e-4", sweep_id="s1", status="succeeded", seed=2,
-                      benchmark="arith", metric="accuracy", step=12, value=0.75)
+                      benchmark="arith", metric="accuracy", step=12, value=0.75, ci95="[0.657, 0.825]", n=100)
 
 
 def test_best_lowest_top_and_sweep(history, capsys):
@@ -95,11 +95,12 @@ def test_best_table_and_csv(history, capsys):
     assert main(["best", "--metric", "accuracy"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["rank", "run_id", "name", "sweep_id", "status", "seed", "benchmark", "metric",
-                                "step", "value"]
+                                "step", "value", "ci95", "n"]
     assert lines[2].split()[:3] == ["1", "r2", "lr-3e-4"] and lines[-1] == "(3 rows)"
     assert main(["best", "--metric", "accuracy", "-f", "csv", "--top", "2"]) == 0
-    assert capsys.readouterr().out.splitlines()[1:] == ["1,r2,lr-3e-4,s1,succeeded,2,arith,accuracy,12,0.75",
-                                                         "2,r1,lr-1e-4,s1,succeeded,1,arith,accuracy,12,0.6"]
+    assert capsys.readouterr().out.splitlines()[1:] == [
+        '1,r2,lr-3e-4,s1,succeeded,2,arith,accuracy,12,0.75,"[0.657, 0.825]",100',
+        '2,r1,lr-1e-4,s1,succeeded,1,arith,accuracy,12,0.6,"[0.502, 0.691]",100']
 
 
 def test_best_unknown_metric_lists_the_metrics(history, capsys):
@@ -145,10 +146,13 @@ def test_compare_json_is_one_object_with_every_section(history, capsys):
     evals = {(e["benchmark"], e["metric"]): e for e in c["evals"]}
     assert list(evals) == [("arith", "accuracy"), ("arith", "pass@4"), ("arith/1", "accuracy")]
     acc = evals[("arith", "accuracy")]
-    assert (acc["step_a"], acc["a"], acc["step_b"], acc["b"]) == (12, 0.6, 12, 0.75)
-    assert acc["difference"] == pytest.approx(0.15)
-    assert evals[("arith/1", "accuracy")] == dict(benchmark="arith/1", metric="accuracy", step_a=12, a=0.9,
-                                                  step_b=None, b=None, difference=None)
+    assert (acc["at"], acc["step_a"], acc["a"], acc["step_b"], acc["b"]) == ("final", 12, 0.6, 12, 0.75)
+    assert (acc["ci95_a"], acc["n_a"], acc["ci95_b"], acc["n_b"]) == ("[0.502, 0.691]", 100, "[0.657, 0.825]", 100)
+    assert (acc["difference"], acc["difference_ci95"], acc["verdict"]) == (0.15, "[+0.020, +0.273]", "B better")
+    assert evals[("arith", "pass@4")]["ci95_a"] is None  # pass@k is not k of n: no interval, no verdict
+    assert evals[("arith/1", "accuracy")] == dict(
+        benchmark="arith/1", metric="accuracy", at="A only", step_a=12, a=0.9, ci95_a="[0.826, 0.945]", n_a=100,
+        step_b=None, b=None, ci95_b=None, n_b=None, difference=None, difference_ci95=None, verdict=None)
     steps = {s["aggregate"]: s for s in c["steps"]}
     assert (steps["steps"]["a"], steps["steps"]["b"], steps["steps"]["difference"]) == (12, 3, -9)
     assert steps["last_step"]["a"] == 11
@@ -168,8 +172,28 @@ def test_compare_table(history, capsys):
     assert "spec fields that differ (4)" in lines
     assert ["buffer.max_staleness", "(absent)", "2"] in [ln.split() for ln in lines]
     assert ["schedule.mode", "sync", "async"] in [ln.split() for ln in lines]
-    assert ["arith", "accuracy", "12", "0.6", "12", "0.75", "0.15"] in [ln.split() for ln in lines]
+    assert ["arith", "accuracy", "final", "0.600", "[0.502,", "0.691]", "n=100", "0.750", "[0.657,", "0.825]", "n=100",
+            "+0.150", "[+0.020,", "+0.273]", "B", "better"] in [ln.split() for ln in lines]
     assert ["steps", "12", "3", "-9"] in [ln.split() for ln in lines]
+
+
+def test_compare_sets_like_beside_like_while_a_run_still_trains(history, capsys):
+    """r4 is still training with evals at steps 0 and 6 only: its step-0 value is set beside r1's step-0 value,
+    never beside r1's final one (issue 24), and the output says which step."""
+    with Lake.open(history) as lake:
+        lake.upsert("runs", [dict(run_id="r4", name="late", seed=4, spec=SPEC_1, spec_fingerprint="f",
+                                  code_version="c", status="running", started_at=T0)])
+        lake.upsert("evals", [dict(run_id="r4", step=s, benchmark="arith", metric=m, value=v, n=100, recorded_at=T0)
+                              for s, m, v in [(0, "accuracy", 0.1), (6, "accuracy", 0.3), (0, "pass@4", 0.2)]])
+    evals = {(e["benchmark"], e["metric"]): e for e in run_json(["compare", "r1", "r4"], capsys)["evals"]}
+    acc = evals[("arith", "accuracy")]
+    assert (acc["at"], acc["step_a"], acc["a"], acc["step_b"], acc["b"], acc["difference"]) == (
+        "step 0", 0, 0.1, 0, 0.1, 0.0)
+    assert acc["verdict"] == "no significant difference"
+    assert (evals[("arith", "pass@4")]["at"], evals[("arith", "pass@4")]["difference"]) == ("no common step", None)
+    assert main(["compare", "r1", "r4"]) == 0
+    lines = [ln.split() for ln in capsys.readouterr().out.splitlines()]
+    assert ["arith", "pass@4", "no", "common", "step", "0.800", "(step", "12)", "0.200", "(step", "0)"] in lines
 
 
 def test_compare_a_run_without_steps_or_evals(history, capsys):

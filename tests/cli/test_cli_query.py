@@ -58,15 +58,17 @@ def test_bad_sql_exits_2_with_one_line_error(runs_recorded, capsys, sql):
 
 
 @pytest.mark.slow
-def test_runs_lists_final_accuracy_at_the_last_step(runs_recorded, capsys):
+def test_runs_lists_each_runs_result(runs_recorded, capsys):
     assert main(["runs", "--format", "json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [r["run_id"] for r in rows] == ["r2", "r1"]  # newest first
     r2, r1 = rows
-    assert r1["final_step"] == 3 and r1["final_accuracy"] == 0.7 and r1["status"] == "succeeded"
-    assert r1["ended_at"] == "2025-05-06T07:13:09+00:00"
-    # r2's only accuracy eval is at step 1 but it has trained to step 2: no final accuracy yet.
-    assert r2["final_step"] == 2 and r2["final_accuracy"] is None and r2["ended_at"] is None
+    assert r1["final_step"] == 3 and r1["status"] == "succeeded"
+    assert (r1["benchmark"], r1["eval_step"], r1["accuracy"], r1["ci95"], r1["n"]) == ("arith", 3, 0.7,
+                                                                                      "[0.562, 0.809]", 50)
+    assert r1["ended_at"] == "2025-05-06T07:13:09+00:00" and r1["other_benchmarks"] is None
+    # r2 has trained to step 2 but its latest accuracy eval is of step 1: its result so far, and the step it is of.
+    assert (r2["final_step"], r2["eval_step"], r2["accuracy"], r2["ended_at"]) == (2, 1, 0.3, None)
 
 
 def test_runs_on_an_empty_home_and_csv(factory_home, capsys):

@@ -10,14 +10,8 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 
-from factory.core.rollout.continuous import ContinuousEngine
-from factory.core.rollout.server import launch_server
-from factory.models.build import build_model
-from factory.models.tokenizer import build_tokenizer
-
-CONTEXT = 4096
+CONTEXT = 4096  # the `served` fixture's context length (tests/core/conftest.py)
 BIG = 3 * CONTEXT  # characters: more than the context in tokens, fewer than it could hold at 5 chars a token
 # Generous bounds that only turn a hang into a failure; nothing here measures how fast anything is.
 STUCK_S = 60.0
@@ -42,18 +36,6 @@ class HoldingTokenizer:
             self.entered.set()
             self.release.wait(STUCK_S)
         return self._tok(text, *args, **kwargs)
-
-
-@pytest.fixture(scope="module")
-def served():
-    torch.manual_seed(0)
-    torch.set_num_threads(1)
-    tok = build_tokenizer()
-    engine = ContinuousEngine(build_model("micro", tok, seed=0, max_positions=CONTEXT), tok, max_batch=2,
-                              name="micro")
-    with launch_server(engine) as handle:
-        srv = handle.app.state.rollout
-        yield handle, srv
 
 
 @pytest.fixture

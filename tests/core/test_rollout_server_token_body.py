@@ -12,29 +12,13 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 
 from factory.core.rollout.api_models import MAX_PROMPTS
 from factory.core.rollout.body_gate import MAX_OTHER_VALUES, max_values
-from factory.core.rollout.continuous import ContinuousEngine
-from factory.core.rollout.server import launch_server
 from factory.infra.http_guard import MAX_JSON_BYTES
-from factory.models.build import build_model
-from factory.models.tokenizer import build_tokenizer
 
-CONTEXT = 512
+CONTEXT = 512  # the `served` fixture's context length (tests/core/conftest.py)
 STUCK_S = 120.0  # only turns a hang into a failure; nothing here measures how fast anything is
-
-
-@pytest.fixture(scope="module")
-def served():
-    torch.manual_seed(0)
-    torch.set_num_threads(1)
-    tok = build_tokenizer()
-    engine = ContinuousEngine(build_model("micro", tok, seed=0, max_positions=CONTEXT), tok, max_batch=2,
-                              name="micro")
-    with launch_server(engine) as handle:
-        yield handle, handle.app.state.rollout
 
 
 @pytest.fixture

@@ -254,6 +254,16 @@ def test_runs_launch_as_kubernetes_jobs_with_factory_home_on_the_checkpoint_volu
     assert values["dagsterDaemon"]["enabled"] and values["dagsterDaemon"]["runCoordinator"]["enabled"]
 
 
+def test_a_dead_run_worker_is_noticed_and_its_run_retried() -> None:
+    # The chart writes these into the instance's dagster.yaml (its configmap-instance.yaml): run monitoring marks a
+    # run whose worker pod died as failed, run retries re-execute the jobs that ask (assets/_retries.py).
+    daemon = merged()["dagsterDaemon"]
+    assert daemon["enabled"]
+    assert daemon["runMonitoring"]["enabled"] and daemon["runMonitoring"]["maxResumeRunAttempts"] == 0
+    assert daemon["runRetries"]["enabled"] and daemon["runRetries"]["maxRetries"] == 0
+    assert ours()["dagsterDaemon"]["runRetries"]["enabled"]  # said here, not left to the chart's defaults
+
+
 def test_postgres_is_deployed_or_an_external_one_is_named() -> None:
     pg = merged()["postgresql"]
     assert pg["enabled"] is True or pg["postgresqlHost"], "the instance's storage needs a Postgres"

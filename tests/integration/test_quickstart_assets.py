@@ -82,7 +82,10 @@ def test_mlflow_run(materialized):
     from factory.home import factory_home
 
     tracker = Tracker(factory_home(home))
-    run = tracker.get_run(md["mlflow_run_id"].value.rpartition("/runs/")[2])  # the metadata is a link into MLflow
+    link = md["mlflow_run_id"].value  # a link into MLflow's training view of the run
+    run_id, _, view = link.rpartition("/runs/")[2].partition("?")
+    run = tracker.get_run(run_id)
+    assert view == "workflowType=machine_learning"
     assert run.info.status == "FINISHED"
     assert run.data.tags["factory.run_id"] == md["run_id"].value
     assert run.data.params["algorithm.group_size"] == "4"
@@ -98,6 +101,9 @@ def test_report_and_check(materialized):
     assert check.check_name == "grpo_beats_sft"
     gain = check.metadata["gain"].value
     assert check.passed == (gain > 0)
+    # figures shown as what they mean: accuracies and their difference to 3 decimals, not 0.020000000000000018
+    for value in (gain, *(report[k].value for k in ("sft_accuracy", "grpo_accuracy", "gain") if k in report)):
+        assert value == round(value, 3)
 
 
 @pytest.mark.slow

@@ -3,9 +3,8 @@ deploy/dagster.yaml's settings (resources/run_launcher.py's WatchedRunLauncher, 
 the quickstart job (its own tags) whose worker is a real process, the daemon's own monitoring step
 (`monitor_started_run`) and its own retry decision (`should_retry`).
 
-Not exercised here: the daemon process itself and launching the retry run, which needs a running code location
-server; the retry keeps the root run id, so grpo_run resumes the same factory run (tests/jobs/test_training_retries.py
-covers that resume for an op retry)."""
+The same with the settings `make ui` and `make demo` write (factory/ops/instance.py). Launching the retry run, and the
+factory run resuming in it, is tests/jobs/test_run_worker_kill.py (a real code server, run worker and training)."""
 
 from __future__ import annotations
 
@@ -22,6 +21,7 @@ from dagster._core.test_utils import create_run_for_test
 from dagster._daemon.auto_run_reexecution.auto_run_reexecution import should_retry
 from dagster._daemon.monitoring.run_monitoring import monitor_started_run
 
+from factory.ops.instance import RECOVERY_SETTINGS, instance_settings
 from jobs import defs
 from resources.run_launcher import WatchedRunLauncher
 
@@ -52,13 +52,23 @@ def _monitor(instance, run_id: str) -> DagsterRunStatus:
 
 
 def test_the_training_jobs_ask_for_run_retries_from_the_failed_step():
-    for job in ("quickstart", "sweep_member_job"):
+    for job in ("quickstart", "sweep_member_job", "sweep_warm_start_job"):
         tags = defs.resolve_job_def(job).tags
         assert tags["dagster/max_retries"] == "2" and tags["dagster/retry_strategy"] == "FROM_FAILURE", job
+        # whatever the instance says (the Helm chart cannot set it): a step's own failure is its RetryPolicy's
+        assert tags["dagster/retry_on_asset_or_op_failure"] == "false", job
 
 
-def test_a_killed_run_worker_fails_its_run_and_the_run_is_retried(worker):
-    with instance_for_test(overrides=yaml.safe_load(INSTANCE_YAML.read_text())) as instance:
+def test_make_ui_and_deploy_write_the_same_recovery_settings():
+    deployed = yaml.safe_load(INSTANCE_YAML.read_text())
+    assert {k: deployed[k] for k in RECOVERY_SETTINGS} == RECOVERY_SETTINGS == {
+        k: v for k, v in instance_settings().items() if k in RECOVERY_SETTINGS}
+
+
+@pytest.mark.parametrize("settings", ["deploy/dagster.yaml", "factory/ops/instance.py"])
+def test_a_killed_run_worker_fails_its_run_and_the_run_is_retried(worker, settings):
+    overrides = yaml.safe_load(INSTANCE_YAML.read_text()) if settings == "deploy/dagster.yaml" else instance_settings()
+    with instance_for_test(overrides=overrides) as instance:
         assert isinstance(instance.run_launcher, WatchedRunLauncher)
         assert instance.run_monitoring_enabled and instance.run_retries_enabled
         run = _started_run(instance, worker.pid)

@@ -22,6 +22,7 @@ from dagster._daemon.types import DaemonHeartbeat
 
 from assets.sweeps import sweep_members, sweeps, warm_starts
 from factory.lake import Lake
+from factory.reports import compare_sweep
 from factory.tracking import Tracker
 from jobs import defs
 from jobs.evals import new_checkpoint_evals
@@ -103,7 +104,8 @@ def test_the_launchpad_example_is_a_valid_sweep_with_real_axes():
     plan = plan_sweep(SweepDefinition(**{**EXAMPLE_SWEEP, "overrides": parse_overrides(EXAMPLE_SWEEP["overrides"])}))
     assert len(plan.members) == 2 and len(plan.warm_starts()) == 1
     assert sweep.run_config_schema.config_type.fields["ops"] is not None
-    assert "axes" not in _optional_op_fields()  # an empty config is flagged by the launchpad, not launched
+    # A grid sweep gives axes, a tpe sweep a space: neither is required by the config; plan_sweep names what is missing.
+    assert {"axes", "space", "trials"} <= _optional_op_fields()
 
 
 def _optional_op_fields() -> set[str]:
@@ -195,8 +197,10 @@ def test_one_warm_start_then_members_within_the_limit_then_evals_then_the_summar
     lake = Lake.open(factory_home)
     rows = {r["member"]: r for r in lake.read("sweeps").to_pylist()}
     accs = [rows[k]["final_accuracy"] for k in keys]
-    best = [k for k in keys if rows[k]["final_accuracy"] == max(accs)]
+    best = compare_sweep(lake, sweep_id).best  # the top member and those not significantly below it
+    assert best[0] in [k for k in keys if rows[k]["final_accuracy"] == max(accs)]
     assert md["best_member"].value == (best[0] if len(best) == 1 else f"tie: {', '.join(best)}")
+    assert " n=" in md["best_accuracy_ci95"].value  # `0.764 [0.725, 0.799] n=500`
     table = md["members_table"].value
     assert [r.data["member"] for r in table.records] == sorted(
         [k.rpartition("-")[2] for k in keys], key=lambda m: -rows[f"{sweep_id}-{m}"]["final_accuracy"])
@@ -205,6 +209,9 @@ def test_one_warm_start_then_members_within_the_limit_then_evals_then_the_summar
     links = md["links"].value
     assert all(f"(/runs/{run.run_id})" in links for _, run in seen)
     assert links.count("http://127.0.0.1:5000/#/experiments/") == 2 and links.count("`/") == 2
+    assert links.count("?workflowType=machine_learning") == 2  # MLflow's training view, not its GenAI one
+    charts = md["mlflow_members_charts"].value  # the members flat in MLflow's chart view (tracking.sweep_url)
+    assert "compareRunsMode=CHART" in charts and f"%27{sweep_id}%27" in charts
     names = ("members_on_heldout", "members_on_carry_chains", "accuracy_vs_algorithm.lr")
     for name in names:
         assert "/get-artifact?" in md[name].value and len(md[name].value) < 1000

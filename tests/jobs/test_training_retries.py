@@ -45,6 +45,13 @@ def test_a_crash_in_grpo_run_is_retried_and_resumes_the_same_run(tmp_path, monke
     (cut,) = lake.read("interruptions").to_pylist()
     assert cut["cause"] == "crash" and "fault injected at publish" in cut["detail"]
     assert cut["resumed_from_step"] in (2, 4)
+    # The run's page tells the crash in words (assets/_interruptions.py), not only with the first try's stack trace.
+    (obs,) = [e.event_specific_data.asset_observation for e in result.all_events
+              if e.event_type_value == "ASSET_OBSERVATION"
+              and "cause" in e.event_specific_data.asset_observation.metadata]
+    told = {k: v.value for k, v in obs.metadata.items()}
+    assert (told["cause"], told["resumed_from_step"]) == ("crash", cut["resumed_from_step"])
+    assert told["interrupted"].startswith(f"attempt 1 crashed at step {cut['last_step']}; resumed from step")
 
 
 @pytest.mark.slow

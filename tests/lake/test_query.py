@@ -86,8 +86,19 @@ def test_table_format_aligns_columns():
     assert footer == "(2 rows)"
     # Numbers are right-aligned: each value ends where the 'loss' column ends.
     loss_end = header.index("loss") + len("loss")
-    assert body[0][:loss_end].endswith("0.123457") and body[1][:loss_end].endswith("12.5")
+    assert body[0][:loss_end].endswith("0.1235") and body[1][:loss_end].endswith("12.5")
     assert len(body[0]) < 100 and body[0].endswith("…")  # long cells are cut
+
+
+def test_table_format_rounds_each_column_to_what_its_name_says():
+    """People read the table: accuracies to 3 decimals, seconds to 0.1 s (whole from 100 s), rates to 3 significant
+    figures, the rest to 4; csv and json, for programs, keep every digit."""
+    tbl = pa.table({"final_accuracy": [0.7790000000000001, 0.5], "wall_s": [93.4567, 1234.5],
+                    "tokens_per_s": [12345.6, 0.012345], "goodput": [0.98765, 1.0], "kl": [0.000123456, 3.0]})
+    header, _, first, second, _ = format_table(tbl, "table").splitlines()
+    assert first.split() == ["0.779", "93.5", "12300", "0.988", "0.0001235"]
+    assert second.split() == ["0.500", "1234", "0.0123", "1.000", "3"]
+    assert "0.7790000000000001" in format_table(tbl, "csv") and "12345.6" in format_table(tbl, "json")
 
 
 def test_unknown_format_is_rejected():

@@ -6,7 +6,6 @@ checkpoint is on the store, and a failed upload is reported, not lost."""
 from __future__ import annotations
 
 import os
-import socket
 import threading
 from collections.abc import Iterator
 
@@ -18,51 +17,7 @@ from factory.models.checkpoint_store import MANIFEST_NAME
 from factory.models.tokenizer import build_tokenizer
 from factory.models.uploads import BackgroundUploads, UploadFailed
 from factory.runs.rl_run import record_checkpoint
-
-
-class GatedProxy:
-    """A TCP proxy to `upstream` (host, port) that accepts connections at once but forwards nothing until `gate`
-    is set; `reached` is set when the first connection arrives."""
-
-    def __init__(self, upstream: tuple[str, int]):
-        self.upstream, self.gate, self.reached = upstream, threading.Event(), threading.Event()
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
-
-    def _serve(self, client: socket.socket) -> None:
-        self.reached.set()
-        self.gate.wait()
-        with client, socket.create_connection(self.upstream) as up:
-            t = threading.Thread(target=self._pump, args=(up, client), daemon=True)
-            t.start()
-            self._pump(client, up)
-            t.join()
-
-    @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(65536):
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            try:
-                dst.shutdown(socket.SHUT_WR)
-            except OSError:
-                pass
-
-    def close(self) -> None:
-        self.gate.set()
-        self.sock.close()
+from tests.tcp_proxy import TcpProxy
 
 
 @pytest.fixture(scope="module")
@@ -72,9 +27,9 @@ def micro():
 
 
 @pytest.fixture
-def slow_store(s3_server, monkeypatch) -> Iterator[GatedProxy]:
+def slow_store(s3_server, monkeypatch) -> Iterator[TcpProxy]:
     host, port = s3_server.endpoint.removeprefix("http://").split(":")
-    proxy = GatedProxy((host, int(port)))
+    proxy = TcpProxy((host, int(port)), gated=True)
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
     monkeypatch.setenv("FACTORY_CHECKPOINT_URI", f"s3://{s3_server.bucket}/team")
     yield proxy

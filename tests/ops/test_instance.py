@@ -6,8 +6,9 @@ import yaml
 from dagster import DagsterInstance
 from dagster._core.test_utils import environ
 
-from factory.ops.instance import EVAL_QUEUE, QUEUE_TAG, ensure_instance_yaml, instance_settings
+from factory.ops.instance import EVAL_QUEUE, QUEUE_TAG, RECOVERY_SETTINGS, ensure_instance_yaml, instance_settings
 from jobs._queue import eval_limit
+from resources.run_launcher import WatchedRunLauncher
 
 
 def _instance(home):
@@ -24,6 +25,11 @@ def test_a_fresh_home_gets_factorys_settings(tmp_path):
     with _instance(tmp_path) as inst:
         queue = inst.get_concurrency_config().run_queue_config
         assert queue.max_concurrent_runs == 3 and eval_limit(inst) == 2
+        # a run worker that dies is noticed, its run marked failed and retried (tests/jobs/test_run_worker_kill.py)
+        assert isinstance(inst.run_launcher, WatchedRunLauncher)
+        assert inst.run_monitoring_enabled and inst.run_monitoring_max_resume_run_attempts == 0
+        assert inst.run_retries_enabled and inst.run_retries_max_retries == 0
+        assert inst.run_retries_retry_on_asset_or_op_failure is False
 
 
 @pytest.mark.slow
@@ -34,6 +40,8 @@ def test_the_file_an_older_demo_wrote_gains_the_queue_and_keeps_its_settings(tmp
     assert any("eval run(s) at once" in c for c in changes)
     cfg = yaml.safe_load((tmp_path / "dagster.yaml").read_text())
     assert cfg["telemetry"] == {"enabled": True}  # the user's choice is kept
+    assert {k: cfg[k] for k in RECOVERY_SETTINGS} == RECOVERY_SETTINGS  # what the demo wrote before issue 24 lacked
+    assert "run_retries: enabled true, max_retries 0, retry_on_asset_or_op_failure false" in " ".join(changes)
     assert {"key": QUEUE_TAG, "value": EVAL_QUEUE, "limit": 1} in cfg["concurrency"]["runs"]["tag_concurrency_limits"]
     with _instance(tmp_path) as inst:
         assert eval_limit(inst) == 1
@@ -64,3 +72,14 @@ def test_a_broken_file_is_named_and_left_alone(tmp_path):
 def test_an_instance_without_factorys_queue_still_has_an_eval_limit():
     with DagsterInstance.ephemeral() as inst:
         assert eval_limit(inst) == 1
+
+
+def test_recovery_settings_a_file_sets_itself_are_kept(tmp_path):
+    # An operator who turned run retries off, with a launcher of their own, keeps both; monitoring is added.
+    own = {"run_retries": {"enabled": False}, "run_launcher": {"module": "dagster", "class": "DefaultRunLauncher"}}
+    (tmp_path / "dagster.yaml").write_text(yaml.safe_dump(own))
+    changes = ensure_instance_yaml(tmp_path)
+    cfg = yaml.safe_load((tmp_path / "dagster.yaml").read_text())
+    assert cfg["run_retries"] == own["run_retries"] and cfg["run_launcher"] == own["run_launcher"]
+    assert cfg["run_monitoring"] == RECOVERY_SETTINGS["run_monitoring"]
+    assert not [c for c in changes if "run_retries" in c or "run_launcher" in c]

@@ -1,0 +1,87 @@
+"""factory/intervals.py: Wilson and Newcombe intervals against Newcombe's (1998) published tables, the printed form
+of an accuracy, and the verdict between two accuracies."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from factory.intervals import Accuracy, accuracy_text, newcombe, successes, verdict, wilson
+
+
+# Newcombe (1998a), "Two-sided confidence intervals for the single proportion", Table I, method 3 (score, no
+# continuity correction), to the 4 decimals published.
+@pytest.mark.parametrize("k, n, low, high", [
+    (81, 263, 0.2553, 0.3662),
+    (15, 148, 0.0624, 0.1605),
+    (0, 20, 0.0, 0.1611),
+    (1, 29, 0.0061, 0.1718),
+])
+def test_wilson_matches_newcombe_1998_table(k, n, low, high):
+    ci = wilson(k, n)
+    assert (round(ci.low, 4), round(ci.high, 4)) == (low, high)
+
+
+# Newcombe (1998b), "Interval estimation for the difference between independent proportions", Table II,
+# method 10 (hybrid score, no continuity correction).
+@pytest.mark.parametrize("k1, n1, k2, n2, low, high", [
+    (56, 70, 48, 80, 0.0524, 0.3339),
+    (9, 10, 3, 10, 0.1705, 0.8090),
+    (5, 56, 0, 29, -0.0381, 0.1926),
+    (0, 10, 0, 10, -0.2775, 0.2775),
+])
+def test_newcombe_matches_newcombe_1998_table(k1, n1, k2, n2, low, high):
+    ci = newcombe(k1, n1, k2, n2)
+    assert (round(ci.low, 4), round(ci.high, 4)) == (low, high)
+
+
+def test_wilson_ends_are_exact_at_zero_and_n():
+    assert wilson(0, 7).low == 0.0 and wilson(7, 7).high == 1.0
+
+
+def test_an_accuracy_prints_with_its_interval_and_n():
+    assert Accuracy(0.764, 500).text() == "0.764 [0.725, 0.799] n=500"
+    assert accuracy_text(0.764, 500) == "0.764 [0.725, 0.799] n=500"
+    assert accuracy_text(None, 500) == "—" and accuracy_text(0.5, None) == "0.500"
+
+
+def test_no_significant_difference_inside_the_noise():
+    """The demo's case (issue 24): 76.4% vs 74.4% on the same 500 problems is not a win."""
+    v = verdict("grpo", Accuracy(0.764, 500), "more sft", Accuracy(0.744, 500))
+    assert v.winner is None
+    assert v.text() == ("no significant difference between grpo and more sft "
+                        "(diff +0.020 [-0.033, +0.073], n=500 each)")
+
+
+def test_a_wide_gap_wins_either_way_round():
+    v = verdict("grpo", Accuracy(0.764, 500), "more sft", Accuracy(0.600, 500))
+    assert v.winner == "grpo" and v.interval.low > 0
+    assert v.text().startswith("grpo wins (diff +0.164 [+0.")
+    w = verdict("a", Accuracy(0.2, 100), "b", Accuracy(0.5, 200))
+    assert w.winner == "b" and w.text().endswith("n=100 and 200)")
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: wilson(3, 0), "wilson: n must be a whole number of problems >= 1, got 0"),
+    (lambda: wilson(6, 5), "wilson: k must be a whole number of successes in [0, n=5], got 6"),
+    (lambda: successes(0.5, 0), "n: expected the number of problems evaluated (>= 1), got 0"),
+    (lambda: successes(1.5, 10), "accuracy: expected a share in [0, 1], got 1.5"),
+    (lambda: successes(0.123, 10), "accuracy 0.123 is not a count out of n=10"),
+])
+def test_bad_input_names_the_field(call, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        call()
+
+
+def test_mean_over_seeds_and_welch():
+    from factory.intervals import mean_interval, t975, welch
+
+    ci = mean_interval([0.70, 0.72, 0.71])  # 0.71 +- t(2) 4.303 * 0.01 / sqrt(3)
+    assert (round(ci.low, 4), round(ci.high, 4)) == (0.6852, 0.7348)
+    d = welch([0.70, 0.72, 0.71], [0.60, 0.61, 0.62])  # equal variances, 3 each: df = 4, t = 2.776
+    assert (round(d.low, 4), round(d.high, 4)) == (0.0773, 0.1227)
+    assert welch([0.5, 0.5], [0.4, 0.4]) is None  # no spread: no claim
+    assert (t975(2), t975(4.7), t975(45)) == (4.303, 2.776, 2.021)
+    with pytest.raises(ValueError, match="mean_interval: a mean over seeds needs at least 2 values, got 1"):
+        mean_interval([0.5])
