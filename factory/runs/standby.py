@@ -41,7 +41,10 @@ def serve(paths: FactoryPaths, run_id: str, attempt: Callable[[FactoryPaths, str
     """The standby's loop (see the module docstring). Returns in a forked child with `attempt`'s exit code, and
     in the standby itself with 0 once stdin closes."""
     report = int(os.environ.pop(REPORT_ENV))
-    _warm_up(paths)
+    try:
+        _warm_up(paths)
+    except Exception:  # noqa: BLE001 - e.g. the lake down: each attempt meets it, and handles it as it must
+        pass
     old = {s: signal.signal(s, signal.SIG_IGN) for s in _STOPS}
     for line in sys.stdin:
         words = line.split()
