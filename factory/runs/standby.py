@@ -71,17 +71,17 @@ def serve(paths: FactoryPaths, run_id: str, attempt: Callable[[FactoryPaths, str
 def _warm_up(paths: FactoryPaths) -> None:
     """What every attempt pays at its start and can inherit: the lake's catalog and MLflow's store, opened once
     (their module-level caches stay warm), then every database connection closed (none may cross a fork)."""
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
     from factory.lake.writer import Lake
     from factory.tracking import Tracker
 
-    Lake.open(paths).close()
-    Tracker(paths)
     try:
-        from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
-    except ImportError:
-        return
-    for engine in list(getattr(SqlAlchemyStore, "_engine_map", {}).values()):  # MLflow's engine cache, per URI
-        engine.dispose()
+        Lake.open(paths).close()
+        Tracker(paths)
+    finally:
+        for engine in list(getattr(SqlAlchemyStore, "_engine_map", {}).values()):  # MLflow's engine cache, per URI
+            engine.dispose()
 
 
 def _become_attempt(handlers: dict, attempt: str, standby: int) -> None:
