@@ -126,8 +126,11 @@ class Standby:
 
     def go(self, attempt: int) -> Forked:
         """Fork attempt `attempt` (once the standby is warm); its handle at once."""
-        self.proc.stdin.write(f"go {attempt}\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(f"go {attempt}\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass  # it died just now: the handle reads its end, an attempt killed, and the next one starts anew
         return Forked(self)
 
     def read(self, timeout: float) -> str | None:
