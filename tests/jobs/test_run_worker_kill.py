@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -35,6 +34,7 @@ from factory.lake import Lake
 from factory.ops.instance import ensure_instance_yaml
 from factory.runs.attempt import LOCK, AttemptLock, beat_step
 from resources.run_launcher import _process_start, worker_pid
+from tests.polling import wait_for as poll
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = str(ROOT / "examples" / "quickstart.yaml")
@@ -42,18 +42,13 @@ OVERRIDES = ["name=killrw", "model.preset=micro", "task.n_train=200", "task.n_ev
              "sft.stop_at_accuracy=null", "rollout.prompts_per_step=4", "algorithm.group_size=2", "schedule.steps=8",
              "schedule.eval_pass_k=2", "ops.resume_every=2", "trainer.threads=1", "ops.preflight=off"]
 LOG = logging.getLogger("test_run_worker_kill")
+
+
+def wait_for(what: str, ready):
+    return poll(what, ready, limit_s=600.0, every_s=0.1)  # a Dagster run on a loaded CI machine: minutes
+
+
 FINISHED = (DagsterRunStatus.SUCCESS, DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED)
-
-
-def _wait_for(what: str, ready, limit_s: float = 600.0):
-    """Poll `ready()` until it returns something truthy (a generous limit, only so a broken run cannot hang CI)."""
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        got = ready()
-        if got:
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _alive(pid: int) -> bool:
@@ -123,7 +118,7 @@ def test_a_killed_run_worker_is_failed_retried_and_its_factory_run_resumes(dagst
             _dequeue(wpc)
             run_dir = factory_home(home).checkpoints / f"killrw-{run.run_id[:8]}"
             # Past the first resume point (step 2): the worker dies while its step process trains step 3 or later.
-            _wait_for("step 3", lambda: _status(instance, run.run_id) == DagsterRunStatus.STARTED
+            wait_for("step 3", lambda: _status(instance, run.run_id) == DagsterRunStatus.STARTED
                       and (beat_step(run_dir) or 0) >= 3)
             worker, _ = worker_pid(instance, run.run_id)
             trainer = int((run_dir / LOCK).read_text())
@@ -131,7 +126,7 @@ def test_a_killed_run_worker_is_failed_retried_and_its_factory_run_resumes(dagst
             os.kill(worker, signal.SIGKILL)
 
             # The orphaned trainer notices at its next step, writes a resume point and exits (releasing its lock).
-            _wait_for("the orphaned trainer to stop", lambda: not AttemptLock.is_held(run_dir) and not _alive(trainer))
+            wait_for("the orphaned trainer to stop", lambda: not AttemptLock.is_held(run_dir) and not _alive(trainer))
             with Lake.open(factory_home(home)) as lake:
                 (row,) = lake.read("runs").to_pylist()
                 (cut,) = lake.read("interruptions").to_pylist()
@@ -142,7 +137,7 @@ def test_a_killed_run_worker_is_failed_retried_and_its_factory_run_resumes(dagst
 
             # Dagster marks the run failed (its code server sees the worker's exit; run monitoring would, else).
             list(execute_run_monitoring_iteration(wpc, LOG))
-            _wait_for("the run to be marked failed", lambda: _status(instance, run.run_id) == DagsterRunStatus.FAILURE)
+            wait_for("the run to be marked failed", lambda: _status(instance, run.run_id) == DagsterRunStatus.FAILURE)
             said = " ".join(e.dagster_event.message or "" for e in instance.all_logs(run.run_id) if e.dagster_event)
             # The code server's word: it started the worker and checks it every 0.5 s, long before the trainer stops,
             # so run monitoring finds the run failed already (its own check, WatchedRunLauncher's, is
@@ -160,7 +155,7 @@ def test_a_killed_run_worker_is_failed_retried_and_its_factory_run_resumes(dagst
             retry_id = instance.get_run_by_id(run.run_id).tags.get(AUTO_RETRY_RUN_ID_TAG)
             assert retry_id, [e.dagster_event.message for e in instance.all_logs(run.run_id) if e.dagster_event]
             _dequeue(wpc)
-            status = _wait_for("the retry to finish", lambda: _status(instance, retry_id) in FINISHED
+            status = wait_for("the retry to finish", lambda: _status(instance, retry_id) in FINISHED
                                and _status(instance, retry_id))
             retry = instance.get_run_by_id(retry_id)
             logs = instance.all_logs(retry_id)

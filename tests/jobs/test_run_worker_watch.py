@@ -13,13 +13,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from dagster import AssetExecutionContext, DagsterInstance, MaterializeResult, asset, materialize
 
 from assets._retries import run_worker_parent, wait_for_previous_attempt, watched_by_run_worker
 from factory.runs.attempt import SUPERVISOR_ENV
+from tests.polling import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -59,16 +59,6 @@ said = data.user_failure_data.description if data.user_failure_data else data.er
 WORKER = "import subprocess, sys; subprocess.run([sys.executable, '-c', sys.argv[1], sys.argv[2]])"
 
 
-def _wait_for(what: str, ready, limit_s: float = 300.0):
-    """Poll `ready()` until it returns something truthy (a generous limit, only so a broken run cannot hang CI)."""
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        got = ready()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
 
 def test_the_trainer_of_a_step_stops_when_its_run_worker_is_killed(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -77,13 +67,13 @@ def test_the_trainer_of_a_step_stops_when_its_run_worker_is_killed(tmp_path):
     worker = subprocess.Popen([sys.executable, "-c", WORKER, STEP, str(tmp_path)], cwd=ROOT, env=env,
                               start_new_session=True)
     try:
-        ready = json.loads(_wait_for("the step to train", lambda: (tmp_path / "ready").is_file()
+        ready = json.loads(wait_for("the step to train", lambda: (tmp_path / "ready").is_file()
                                      and (tmp_path / "ready").read_text()))
         assert ready == {"pid": worker.pid, "env": str(worker.pid), "lost": False}  # watched, its worker alive
         worker.send_signal(signal.SIGKILL)
         worker.wait()
         # The orphaned step notices, stops and fails without asking for a retry (nothing would act on it).
-        got = json.loads(_wait_for("the orphaned step to stop", lambda: (tmp_path / "result.json").is_file()
+        got = json.loads(wait_for("the orphaned step to stop", lambda: (tmp_path / "result.json").is_file()
                                    and (tmp_path / "result.json").read_text()))
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -128,7 +118,7 @@ def test_a_retry_waits_for_the_earlier_attempt_to_let_go_of_the_run(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(run_dir), str(held), str(go)], env=env)
     try:
-        _wait_for("the earlier attempt to hold the lock", held.exists)
+        wait_for("the earlier attempt to hold the lock", held.exists)
         said: list[str] = []
 
         def log(line: str) -> None:  # the retry says it waits, then the earlier attempt lets go
@@ -148,7 +138,7 @@ def test_a_retry_stops_waiting_for_an_attempt_that_never_lets_go(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(run_dir), str(held), str(go)], env=env)
     try:
-        _wait_for("the earlier attempt to hold the lock", held.exists)
+        wait_for("the earlier attempt to hold the lock", held.exists)
         assert not wait_for_previous_attempt(run_dir, timeout_s=0.2, log=lambda line: None, poll_s=0.01)
         assert holder.poll() is None  # still holding: the run's own refusal names the lock
     finally:

@@ -9,10 +9,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from factory.runs.standby import Standby
+from tests.polling import wait_for
 
 # The standby's command line: `serve` with an attempt that records what it sees, then behaves by attempt number.
 SCRIPT = """
@@ -41,13 +41,10 @@ def _standby(tmp_path: Path) -> Standby:
     return Standby([sys.executable, "-c", SCRIPT, str(tmp_path / "home"), str(tmp_path)], env)
 
 
-def _seen(tmp_path: Path, attempt: int, limit_s: float = 120.0) -> dict:
+def _seen(tmp_path: Path, attempt: int) -> dict:
     path = tmp_path / f"{attempt}.json"
-    deadline = time.monotonic() + limit_s  # only so a broken standby cannot hang the suite
-    while not path.exists() or not path.read_text():
-        assert time.monotonic() < deadline, f"attempt {attempt} never started"
-        time.sleep(0.02)
-    return json.loads(path.read_text())
+    return json.loads(wait_for(f"attempt {attempt} to start", lambda: path.exists() and path.read_text(), limit_s=120.0,
+                               every_s=0.02))
 
 
 def _gone(pid: int) -> bool:

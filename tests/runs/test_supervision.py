@@ -9,26 +9,16 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from factory.runs.attempt import AttemptLock
+from tests.polling import wait_for
 from tests.runs.test_rl_run import TINY, factory, only_run, rows
 
 COSTS = ("resumed_from_step", "steps_lost", "redo_s", "recover_s", "detect_s")
 
-
-def _wait_for(what: str, ready, limit_s: float = 240.0):
-    """Poll `ready()` until it returns something truthy (a generous limit, only so a broken run cannot hang CI)."""
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        got = ready()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _beat_at_least(home: Path, step: int) -> Path | None:
@@ -47,12 +37,12 @@ def test_an_attempt_whose_supervisor_is_killed_stops_at_a_resume_point_and_resum
     with open(tmp_path / "run.log", "w") as out:
         sup = subprocess.Popen([sys.executable, "-m", "factory.cli", "--home", str(home), "run",
                                 "examples/quickstart.yaml", *TINY], stdout=out, stderr=subprocess.STDOUT, env=env)
-        beat = _wait_for("step 3", lambda: sup.poll() is None and _beat_at_least(home, 3))
+        beat = wait_for("step 3", lambda: sup.poll() is None and _beat_at_least(home, 3))
         run_dir = beat.parent
         sup.send_signal(signal.SIGKILL)
         sup.wait()
         # The orphaned attempt notices at its next step, writes a resume point and exits (releasing its lock).
-        _wait_for("the orphaned attempt to stop", lambda: not AttemptLock.is_held(run_dir))
+        wait_for("the orphaned attempt to stop", lambda: not AttemptLock.is_held(run_dir))
     log = (tmp_path / "run.log").read_text()
     run = only_run(home)
     assert run["status"] == "interrupted", log

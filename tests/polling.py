@@ -1,0 +1,21 @@
+"""Bounded polling for tests that watch other processes: the limit exists only so a broken run cannot hang CI."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def wait_for(what: str, ready: Callable[[], T], limit_s: float = 300.0, every_s: float = 0.05) -> T:
+    """Poll `ready()` until it returns something truthy, and return that; AssertionError naming `what` after
+    `limit_s` seconds."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        got = ready()
+        if got:
+            return got
+        time.sleep(every_s)
+    raise AssertionError(f"timed out waiting for {what}")
