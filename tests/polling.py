@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -19,3 +20,12 @@ def wait_for(what: str, ready: Callable[[], T], limit_s: float = 300.0, every_s:
             return got
         time.sleep(every_s)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def process_gone(pid: int) -> bool:
+    """The process has exited (reaped, or a zombie waiting to be)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return True
+    return state == "Z"

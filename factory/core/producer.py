@@ -42,7 +42,7 @@ from factory.data.feed import PromptFeed
 from factory.envs.protocol import tokens_from_session
 from factory.envs.registry import load_environment
 from factory.envs.workers import Episode, Scored, make_environment
-from factory.infra import http_client
+from factory.infra import http_client, spare
 from factory.infra.device import host_copy, run_device
 from factory.infra.placement import enter, placements
 from factory.infra.supervisor import CONNECTION_ERRORS, ServiceProcess, ServiceUnavailable, retry
@@ -299,7 +299,8 @@ class ServerProducer(OverlappedProducer):
             "rollout-server", server_argv(self.spec, self._workdir / "initial", self.rows, version),
             log_path=self._workdir / "server.log", startup_timeout=self.timeout,
             breaker_restarts=self.spec.ops.breaker_restarts, breaker_window_s=self.spec.ops.breaker_window_s,
-            hang_timeout_s=self.spec.ops.hang_timeout_s, cpus=self.spec.rollout.cpus).start()
+            hang_timeout_s=self.spec.ops.hang_timeout_s, cpus=self.spec.rollout.cpus,
+            spare=spare.take()).start()  # a warm process where the attempt was forked warm (runs/standby.py)
         self._retired: list[httpx.Client] = []
         self._renew_client()
         if lora.attached(model):

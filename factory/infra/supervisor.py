@@ -38,6 +38,7 @@ import httpx
 import tenacity
 
 from factory.infra import http_client
+from factory.infra.spare import Spare, SpareProcess
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -118,7 +119,7 @@ class ServiceProcess:
                  startup_timeout: float = 60.0, max_restarts: int = 5, cwd: str | Path | None = None,
                  breaker_restarts: int = 3, breaker_window_s: float = 60.0,
                  clock: Callable[[], float] = time.monotonic, hang_timeout_s: float | None = None,
-                 heartbeat_s: float = 2.0, cpus: Iterable[int] | None = None):
+                 heartbeat_s: float = 2.0, cpus: Iterable[int] | None = None, spare: Spare | None = None):
         if breaker_restarts < 1 or not breaker_window_s > 0:
             raise ValueError(f"{name}: breaker_restarts must be >= 1 and breaker_window_s > 0, got "
                              f"{breaker_restarts} and {breaker_window_s}")
@@ -135,7 +136,8 @@ class ServiceProcess:
         self.breaker_restarts, self.breaker_window_s, self._clock = breaker_restarts, breaker_window_s, clock
         self._history: list[Restart] = []
         self._open: str | None = None  # the CircuitOpen message once the breaker tripped
-        self._proc: subprocess.Popen | None = None
+        self._proc: subprocess.Popen | SpareProcess | None = None
+        self._spare = spare  # a warm process (infra/spare.py) for the first start; restarts start cold
         self._lock = threading.Lock()
         self.hang_timeout_s, self.heartbeat_s = hang_timeout_s, heartbeat_s
         self.hangs = 0  # processes the watchdog killed for not answering
@@ -224,6 +226,10 @@ class ServiceProcess:
             os.sched_setaffinity(0, self.cpus)
 
     def _spawn(self) -> None:
+        spare, self._spare = self._spare, None
+        if spare is not None and self._spawn_warm(spare):
+            self._wait_healthy()
+            return
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115 - child owns it
         env = {**os.environ, **(self.env or {})}
         # A new session: a kill of the child's group never reaches us, and ours never reaches it twice. And the
@@ -233,6 +239,17 @@ class ServiceProcess:
         if out is not subprocess.DEVNULL:
             out.close()
         self._wait_healthy()
+
+    def _spawn_warm(self, spare: Spare) -> bool:
+        """Start the service in the warm spare: the same command, session, cores, environment and output as a cold
+        start; False (a cold start follows) when the spare cannot run it."""
+        try:
+            self._proc = spare.run(self.argv, env=self.env, cwd=self.cwd, log_path=self.log_path, cpus=self.cpus)
+        except (ValueError, ChildProcessError) as e:
+            log.warning("%s: starting cold: %s", self.name, e)
+            spare.close()
+            return False
+        return True
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.startup_timeout
@@ -343,6 +360,9 @@ class ServiceProcess:
         self._closed.set()
         with self._lock:
             self._terminate()
+            if self._spare is not None:  # never started
+                self._spare.close()
+                self._spare = None
 
     def __enter__(self) -> ServiceProcess:
         return self.start() if not self.alive() else self

@@ -9,7 +9,9 @@ Both sides live here:
   `exit PID RC` (RC as `subprocess` writes it: negative for a signal) on the report pipe named by
   `$FACTORY_STANDBY_FD`. It ignores SIGINT and SIGTERM (a Ctrl-C reaches the whole process group; the attempt
   handles it, and the standby must outlive it), and exits when stdin closes. A child dies with its standby
-  (PR_SET_PDEATHSIG): no attempt outlives the process that reports its exit.
+  (PR_SET_PDEATHSIG): no attempt outlives the process that reports its exit. An attempt of a run that starts a
+  rollout server (`rollout.engine: server`) forks, before anything else, a warm spare for it (infra/spare.py), so
+  the server starts warm too; a server restarted later in the attempt starts cold.
 - `Standby` is the supervisor's handle on that process, and `Forked` its handle on one forked attempt, with the
   part of `subprocess.Popen`'s face the supervisor uses (`pid`, `poll`, `wait`, `kill`, `send_signal`,
   `returncode`).
@@ -31,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from factory.home import FactoryPaths
+from factory.infra import spare
 
 REPORT_ENV = "FACTORY_STANDBY_FD"  # the write end of the report pipe, in the standby
 _PR_SET_PDEATHSIG = 1
@@ -41,8 +44,9 @@ def serve(paths: FactoryPaths, run_id: str, attempt: Callable[[FactoryPaths, str
     """The standby's loop (see the module docstring). Returns in a forked child with `attempt`'s exit code, and
     in the standby itself with 0 once stdin closes."""
     report = int(os.environ.pop(REPORT_ENV))
+    serves = False
     try:
-        _warm_up(paths)
+        serves = _warm_up(paths, run_id)
     except Exception:  # noqa: BLE001 - e.g. the lake down: each attempt meets it, and handles it as it must
         pass
     old = {s: signal.signal(s, signal.SIG_IGN) for s in _STOPS}
@@ -60,6 +64,8 @@ def serve(paths: FactoryPaths, run_id: str, attempt: Callable[[FactoryPaths, str
         if pid == 0:
             os.close(report)
             _become_attempt(old, words[1], standby)
+            if serves:  # its rollout server starts warm too: forked now, before the attempt runs anything
+                spare.install(spare.Spare.fork())
             return attempt(paths, run_id)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOPS)
         _say(report, f"pid {pid}")
@@ -68,20 +74,29 @@ def serve(paths: FactoryPaths, run_id: str, attempt: Callable[[FactoryPaths, str
     return 0
 
 
-def _warm_up(paths: FactoryPaths) -> None:
+def _warm_up(paths: FactoryPaths, run_id: str) -> bool:
     """What every attempt pays at its start and can inherit: the lake's catalog and MLflow's store, opened once
-    (their module-level caches stay warm), then every database connection closed (none may cross a fork)."""
+    (their module-level caches stay warm), then every database connection closed (none may cross a fork). Returns
+    whether the run's attempts start a rollout server (`rollout.engine: server`): each then gets a warm spare for it
+    (infra/spare.py; the server's own modules cost about 0.1 s once torch and the engine are imported)."""
     from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 
+    from factory.config import parse_spec
     from factory.lake.writer import Lake
+    from factory.runs.attempt import read_launch
+    from factory.runs.recovery import run_row, spec_of_run
     from factory.tracking import Tracker
 
     try:
-        Lake.open(paths).close()
+        with Lake.open(paths) as lake:
+            row = run_row(lake, run_id)
         Tracker(paths)
     finally:
         for engine in list(getattr(SqlAlchemyStore, "_engine_map", {}).values()):  # MLflow's engine cache, per URI
             engine.dispose()
+    launch = read_launch(paths.checkpoints / run_id)
+    spec = spec_of_run(row) if row else parse_spec(launch["spec"], source=f"run {run_id}") if launch else None
+    return spec is not None and spec.rollout.engine == "server"
 
 
 def _become_attempt(handlers: dict, attempt: str, standby: int) -> None:

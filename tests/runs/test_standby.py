@@ -12,21 +12,24 @@ import sys
 from pathlib import Path
 
 from factory.runs.standby import Standby
-from tests.polling import wait_for
+from tests.polling import process_gone, wait_for
 
 # The standby's command line: `serve` with an attempt that records what it sees, then behaves by attempt number.
 SCRIPT = """
 import json, os, sys, time
 from pathlib import Path
 from factory.home import FactoryPaths
+from factory.infra import spare
 from factory.runs.standby import serve
 
 out = Path(sys.argv[2])
 
 def attempt(paths, run_id):
     n = os.environ["FACTORY_ATTEMPT"]
+    warm = spare.take()
     (out / f"{n}.json").write_text(json.dumps({"pid": os.getpid(), "ppid": os.getppid(), "run_id": run_id,
-                                               "stdin": os.readlink("/proc/self/fd/0")}))
+                                               "stdin": os.readlink("/proc/self/fd/0"),
+                                               "spare": warm and warm.pid}))
     if n == "1":
         return 3
     while True:  # waits to be signalled
@@ -45,14 +48,6 @@ def _seen(tmp_path: Path, attempt: int) -> dict:
     path = tmp_path / f"{attempt}.json"
     return json.loads(wait_for(f"attempt {attempt} to start", lambda: path.exists() and path.read_text(), limit_s=120.0,
                                every_s=0.02))
-
-
-def _gone(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return True
-    return state == "Z"
 
 
 def test_one_standby_forks_each_attempt_and_reports_its_exit(tmp_path):
@@ -97,7 +92,7 @@ def test_an_attempt_dies_with_its_standby(tmp_path):
         pid = _seen(tmp_path, 2)["pid"]
         standby.proc.kill()
         assert attempt.wait(timeout=60) == -signal.SIGKILL
-        assert _gone(pid)
+        assert process_gone(pid)
     finally:
         standby.close()
 
@@ -130,3 +125,30 @@ def test_the_standby_runs_a_real_attempt_command(tmp_path):
     finally:
         standby.close()
     assert "no run 'no-such-run'" in err.read_text()
+
+
+def test_an_attempt_of_a_run_with_a_rollout_server_gets_a_warm_spare_for_it(tmp_path):
+    """`rollout.engine: server`: each forked attempt forks a spare (its own child) for the server's first start; a
+    run without a server gets none."""
+    from factory.config import parse_spec
+    from factory.runs.attempt import write_launch
+
+    spec = parse_spec({"name": "x", "schedule": {"mode": "async"}, "rollout": {"engine": "server"}}, source="test")
+    write_launch(tmp_path / "home" / "checkpoints" / "run-x", spec, "init")
+    standby = _standby(tmp_path)
+    try:
+        first = standby.go(1)
+        assert first.wait(timeout=300) == 3
+        seen = _seen(tmp_path, 1)
+        assert seen["spare"] and seen["spare"] != seen["pid"]
+        wait_for("the unused spare to end with its attempt", lambda: process_gone(seen["spare"]), limit_s=60.0)
+    finally:
+        standby.close()
+    (tmp_path / "1.json").unlink()
+    write_launch(tmp_path / "home" / "checkpoints" / "run-x", parse_spec({"name": "x"}, source="test"), "init")
+    standby = _standby(tmp_path)
+    try:
+        assert standby.go(1).wait(timeout=300) == 3
+        assert _seen(tmp_path, 1)["spare"] is None
+    finally:
+        standby.close()
