@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
@@ -25,6 +26,29 @@ def watch_lake(lake: SpooledLake, budget_s: float) -> str | None:
     if spool.down_since is None or lake.try_flush():
         return None
     return down_message(spool, budget_s) if spool.outage_s() > budget_s else None
+
+
+def when_lake_up(use: Callable[[], T], budget_s: float, *, beat: Callable[[], None], log: Callable[[str], None],
+                 every_s: float = 5.0, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> T:
+    """`use()`: an attempt's first reads of the lake. While the catalog is unreachable, try again every `every_s`
+    seconds for up to `budget_s` (ops.lake_outage_s), beating the heartbeat between tries (`beat`) so the supervisor
+    does not take the wait for a hang; past it, the catalog's error goes up (`stop_code` makes it the one-line stop).
+    A run killed during an outage thus waits for the lake instead of stopping at once. Says so once a minute."""
+    start, said = clock(), None
+    while True:
+        try:
+            return use()
+        except Exception as e:
+            waited = clock() - start
+            if not (is_catalog_error(e) or is_outage(e)) or waited >= budget_s:
+                raise
+            if said is None or waited - said >= 60.0:
+                log(f"lake unavailable ({type(e).__name__}): waited {waited:.0f} s of ops.lake_outage_s = "
+                    f"{budget_s:g}; trying again every {every_s:g} s")
+                said = waited
+        beat()
+        sleep(min(every_s, max(0.0, budget_s - (clock() - start))))
 
 
 def unless_down(read: Callable[[], T], fallback: T) -> T:

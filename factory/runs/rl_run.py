@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from pyiceberg.expressions import And, EqualTo
 
-from factory.config import ExperimentSpec, parse_spec
+from factory.config import ExperimentSpec, OpsSpec, parse_spec
 from factory.core.evaluate import evaluate
 from factory.core.loop import NonFiniteLoss, RunInterrupted, StepRecord, train_rl
 from factory.core.resume import TrainState, latest
@@ -69,7 +69,7 @@ from factory.runs.attempt import (
     supervisor_lost,
     work_start,
 )
-from factory.runs.degraded import stop_code, tolerating, unless_down, watch_lake
+from factory.runs.degraded import stop_code, tolerating, unless_down, watch_lake, when_lake_up
 from factory.runs.exit_codes import EXIT_NEEDS_FIX, EXIT_OK, EXIT_STOPPED, EXIT_SUPERVISOR_LOST
 from factory.runs.resume_points import RunCheckpoints
 from factory.runs.run_checkpoints import record_checkpoint
@@ -557,11 +557,22 @@ def attempt_main(paths: FactoryPaths, run_id: str) -> int:
         return code
 
 
+def _lake_and_row(paths: FactoryPaths, run_id: str) -> tuple[Lake, dict | None]:
+    lake = Lake.open(paths)
+    try:
+        return lake, recovery.run_row(lake, run_id)
+    except BaseException:
+        lake.close()
+        raise
+
+
 def _attempt(paths: FactoryPaths, run_id: str) -> int:
     run_dir = paths.checkpoints / run_id
     launch = read_launch(run_dir)
-    with Lake.open(paths) as lake:
-        row = recovery.run_row(lake, run_id)
+    budget = parse_spec(launch["spec"], source=f"run {run_id}").ops.lake_outage_s if launch else OpsSpec().lake_outage_s
+    lake, row = when_lake_up(lambda: _lake_and_row(paths, run_id), budget, beat=lambda: beat(run_dir),
+                             log=lambda m: print(f"factory: run {run_id}: {m}", file=sys.stderr, flush=True))
+    with lake:
         if row is None and not launch:
             print(f"factory: error: no run {run_id!r} in the lake and no {run_dir / LAUNCH}", file=sys.stderr)
             return EXIT_NEEDS_FIX

@@ -14,13 +14,14 @@ import torch
 
 from factory.config import parse_spec
 from factory.home import FactoryPaths
-from factory.lake.spool import SPOOL, LakeDown
+from factory.lake.spool import SPOOL, LakeDown, is_catalog_error
 from factory.lake.writer import Lake
 from factory.models.build import build_model
 from factory.models.checkpoint import save_checkpoint
 from factory.models.tokenizer import build_tokenizer
 from factory.problem import Problem, Splits
 from factory.progress import Progress
+from factory.runs.degraded import when_lake_up
 from factory.runs.rl_run import run_rl
 from factory.tracking import Tracker
 
@@ -138,3 +139,32 @@ def test_lake_outage_s_is_a_late_field_kept_out_of_dumps_and_fingerprints_at_its
     assert "lake_outage_s" not in json.loads(default.to_json())["ops"] and default.ops.lake_outage_s == 300
     assert spec(lake_outage_s=300).fingerprint() == default.fingerprint()
     assert spec(lake_outage_s=60).fingerprint() != default.fingerprint()
+
+
+def test_an_attempt_starting_in_an_outage_waits_for_the_lake(factory_home, lake):
+    """A run killed during an outage: its next attempt's first reads meet the catalog unreachable (a catalog server
+    refusing connections, as a stopped PostgreSQL does) and wait for it, beating the heartbeat, instead of stopping;
+    the catalog comes back once the wait was announced."""
+    down = {"uri": "postgresql+psycopg2://factory:factory@127.0.0.1:9/factory"}  # nothing listens on port 9
+    beats, said = [], []
+
+    def first_reads() -> int:
+        with Lake.open(factory_home, **down) as lk:
+            return len(lk.read("runs"))
+
+    def log(line: str) -> None:
+        said.append(line)
+        down.clear()  # the catalog is back
+
+    assert when_lake_up(first_reads, 60.0, beat=lambda: beats.append(1), log=log, every_s=0.05) == 0
+    assert len(said) == 1 and said[0].startswith("lake unavailable (OperationalError)")
+    assert "ops.lake_outage_s = 60" in said[0] and beats
+
+
+def test_an_attempt_starting_in_an_outage_stops_past_the_budget(factory_home):
+    now = [0.0]
+    uri = "postgresql+psycopg2://factory:factory@127.0.0.1:9/factory"
+    with pytest.raises(Exception) as e:
+        when_lake_up(lambda: Lake.open(factory_home, uri=uri), 12.0, beat=lambda: None, log=lambda _: None,
+                     every_s=5.0, clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))
+    assert is_catalog_error(e.value) and now[0] == 12.0  # tried at 0, 5, 10 and 12 s, then gave up
