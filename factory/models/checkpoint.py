@@ -40,6 +40,8 @@ from transformers.utils import logging as hf_logging
 
 from factory.digest import dir_digest
 from factory.home import file_lock
+from factory.infra.disk import DiskFull, is_disk_full
+from factory.infra.faults import fault_point
 from factory.infra.supervisor import retry
 from factory.models import lora
 from factory.models.checkpoint_store import checkpoint_store_uri, fetch_checkpoint, upload_checkpoint
@@ -78,6 +80,7 @@ def save_checkpoint(
         _remove_leftovers(path)
         new = Path(tempfile.mkdtemp(prefix=f".{path.name}.{VERSION_TAG}", dir=path.parent))
         try:
+            fault_point("checkpoint_save", new / "model.safetensors")  # tests: a full disk at this write
             # A LoRA model is saved merged: a plain HF directory that transformers (and SGLang) load directly.
             (lora.merged_copy(model) if lora.attached(model) else model).save_pretrained(new, safe_serialization=True)
             tokenizer.save_pretrained(new)
@@ -86,9 +89,12 @@ def save_checkpoint(
             digest, size = dir_digest(new)
             _fsync_tree(new)  # the link must never point at files a power cut could still lose
             _switch(path, new)
-        except BaseException:
+        except BaseException as e:
             if _version_of(path) != new:
                 shutil.rmtree(new, ignore_errors=True)
+            if isinstance(e, Exception) and is_disk_full(e) and not isinstance(e, DiskFull):
+                # safetensors says it in a SafetensorError that names no file: name the directory here
+                raise DiskFull(path.parent, e) from e
             raise
     return CheckpointInfo(path=path, sha256=digest, bytes=size)
 

@@ -75,6 +75,30 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path):
     assert _listing(tmp_path) == sorted(["ckpt", ".ckpt.lock", os.readlink(tmp_path / "ckpt")])
 
 
+def test_a_full_disk_at_a_save_names_the_directory_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    """safetensors reports ENOSPC as a SafetensorError naming no file; the save says "disk full: DIR" instead."""
+    from safetensors import SafetensorError
+
+    from factory.infra.disk import DiskFull
+
+    tok = build_tokenizer()
+    good = save_checkpoint(build_model("micro", tok), tok, tmp_path / "ckpt")
+
+    class Full:
+        def save_pretrained(self, *a, **k):
+            raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '
+                                  '"No space left on device" })')
+
+    with pytest.raises(DiskFull) as e:
+        save_checkpoint(Full(), tok, tmp_path / "ckpt")
+    assert str(e.value) == f"disk full: {tmp_path}"
+    monkeypatch.setenv("FACTORY_FAULT_ENOSPC", "checkpoint_save:1")  # the injected fault the CLI tests use
+    with pytest.raises(DiskFull, match="disk full: "):
+        save_checkpoint(build_model("micro", tok, seed=1), tok, tmp_path / "ckpt")
+    assert dir_digest(tmp_path / "ckpt")[0] == good.sha256
+    assert _listing(tmp_path) == sorted(["ckpt", ".ckpt.lock", os.readlink(tmp_path / "ckpt")])
+
+
 def test_load_checkpoint_rejects_non_checkpoint(tmp_path):
     with pytest.raises(FileNotFoundError, match="no config.json"):
         load_checkpoint(tmp_path)

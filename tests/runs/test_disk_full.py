@@ -54,3 +54,15 @@ def test_a_full_disk_at_a_checkpoint_in_process_is_one_line_and_exit_6_not_a_saf
     again = factory(home, "resume", run["run_id"], timeout=900)
     assert again.returncode == 0, again.stderr[-3000:]
     assert sorted(r["step"] for r in rows(home, "steps")) == list(range(1, 9))
+
+
+@pytest.mark.slow
+def test_a_full_disk_during_the_sft_warm_start_is_one_line_and_exit_6(tmp_path):
+    """Before any attempt: the SFT checkpoint's save meets ENOSPC (safetensors would say it in a SafetensorError);
+    `factory run` says which directory is full, exits 6, and prints no traceback."""
+    home = tmp_path / "home"
+    res = factory(home, "run", "examples/quickstart.yaml", *TINY, env={"FACTORY_FAULT_ENOSPC": "checkpoint_save:1"},
+                  timeout=900)
+    assert res.returncode == EXIT_DISK_FULL, res.stderr[-3000:] + res.stdout[-3000:]
+    assert f"factory: error: disk full: {home / 'checkpoints'} (free space" in res.stderr, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr
