@@ -22,6 +22,7 @@ from dagster import (
 
 from assets._interruptions import report_interruptions
 from assets._metadata import embedded, inline_picture, progress_tags, run_metadata
+from assets._pending import progress as eval_progress
 from assets._retries import (
     TRAINING_RETRY,
     factory_run_id,
@@ -168,8 +169,13 @@ def sweep_summary(context: AssetExecutionContext, lake: LakeResource, mlflow: Ml
             shots[name] = render(dpi=DPI)
     runs = _dagster_runs(context, [m.member for m in members])
     best = cmp.best
-    return MaterializeResult(metadata={
+    # The evals of the members' checkpoints not landed yet: the summarizer draws the summary again as they land;
+    # the data version is the set of evals done, so each version of the summary is one set.
+    evals = eval_progress(context.instance, lake.lake(), _member_runs(lake, sweep_id))
+    return MaterializeResult(data_version=DataVersion(evals.version), metadata={
         **head,
+        "pending_evals": evals.text(),  # `none`, or `2: <run_id>@<step> x heldout, ...`
+        "pending_evals_count": len(evals.pending),
         "best_member": (best[0] if len(best) == 1 else f"tie: {', '.join(best)}") if best else "",
         "best_accuracy": _fmt(members[0].accuracy) if best else None,
         "best_accuracy_ci95": members[0].accuracy_text() if best else "",  # `0.764 [0.725, 0.799] n=500`
@@ -185,6 +191,11 @@ def sweep_summary(context: AssetExecutionContext, lake: LakeResource, mlflow: Ml
             "mlflow_members_charts": MetadataValue.url(tracker.sweep_url(parent, sweep_id))} if parent else {}),
         "pictures": embedded(shots),
     })
+
+
+def _member_runs(lake: LakeResource, sweep_id: str) -> set[str]:
+    rows = lake.lake().read("sweeps", f"sweep_id = '{sweep_id}'").select(["run_id"]).to_pylist()
+    return {r["run_id"] for r in rows if r["run_id"]}
 
 
 def _parent_run(lake: LakeResource, sweep_id: str) -> str | None:
