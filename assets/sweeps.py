@@ -138,7 +138,9 @@ def _trial(context: AssetExecutionContext, paths, info: dict, key: str):
 def sweep_summary(context: AssetExecutionContext, lake: LakeResource, mlflow: MlflowResource) -> MaterializeResult:
     """A sweep's members compared: their curves and held-out accuracy by step overlaid, accuracy against each
     axis, and per member its axis values, accuracy, pass@k, reward, wall time and links to its Dagster run, MLflow
-    run and checkpoint; best first, a tie reported as a tie. Pictures are also stored on the MLflow parent run."""
+    run and checkpoint; best first, a tie reported as a tie. Pictures are also stored on the MLflow parent run.
+    Drawn as soon as every member has ended: `pending_evals` names the members' checkpoint evals not landed yet,
+    and the summarizer draws it again as they land (jobs/_summary.py)."""
     # heavy: matplotlib, mlflow, when the step runs
     from factory.plots import DPI, sweep_summary_png
     from factory.reports import compare_sweep, small, store
