@@ -217,3 +217,25 @@ def test_the_launcher_says_why_it_starts_nothing(instance, factory_home):
     third = tick(sweep_launcher, instance, second.cursor)
     assert [r.partition_key for r in third.run_requests] == keys[2:]
     assert reason(tick(sweep_launcher, instance, third.cursor)) == "no sweep has members left to start"
+
+
+def test_no_slot_is_held_for_a_summarizer_that_is_turned_off(factory_home, lake):
+    """With `sweep_summarizer` stopped (Automation, in a real instance's schedule storage) nothing would take the
+    held slot: the evals go on instead of waiting for it forever."""
+    from dagster import instance_for_test
+    from dagster._core.remote_origin import (
+        RegisteredCodeLocationOrigin,
+        RemoteInstigatorOrigin,
+        RemoteRepositoryOrigin,
+    )
+    from dagster._core.scheduler.instigation import InstigatorState, InstigatorStatus, InstigatorType
+
+    with instance_for_test() as instance:
+        sweep_id, keys = plan(instance, factory_home, lrs=(1e-3,))
+        members_at(lake, sweep_id, keys, ["succeeded"])
+        assert tick(new_checkpoint_evals, instance).run_requests == []  # held for the summary
+        origin = RemoteInstigatorOrigin(RemoteRepositoryOrigin(RegisteredCodeLocationOrigin("factory"),
+                                                               "__repository__"), "sweep_summarizer")
+        instance.add_instigator_state(InstigatorState(origin, InstigatorType.SENSOR, InstigatorStatus.STOPPED))
+        (ev,) = tick(new_checkpoint_evals, instance).run_requests
+        assert ev.tags["factory/checkpoint"] == checkpoint_key("run-0", 2)
