@@ -57,7 +57,13 @@ def summary_states(instance: DagsterInstance, paths: FactoryPaths, lake, eval_jo
     for r in instance.get_runs(RunsFilter(job_name=SUMMARY_JOB)):
         runs[r.tags.get(SWEEP_TAG, "")].append(r)
     rows = lake.read("sweeps").select(["sweep_id", "status", "run_id"]).to_pylist()
-    return [_state(instance, paths, lake, eval_job, s, [r for r in rows if r["sweep_id"] == s], runs[s]) for s in ids]
+    states = []
+    for s in ids:
+        try:
+            states.append(_state(instance, paths, lake, eval_job, s, [r for r in rows if r["sweep_id"] == s], runs[s]))
+        except (OSError, ValueError, KeyError) as e:  # one broken sweep directory holds back neither others nor evals
+            states.append(SummaryState(s, f"sweep {s}: its sweep.json cannot be read ({type(e).__name__}: {e})"))
+    return states
 
 
 def _state(instance: DagsterInstance, paths: FactoryPaths, lake, eval_job: str, sweep_id: str, rows: list[dict],

@@ -239,3 +239,18 @@ def test_no_slot_is_held_for_a_summarizer_that_is_turned_off(factory_home, lake)
         instance.add_instigator_state(InstigatorState(origin, InstigatorType.SENSOR, InstigatorStatus.STOPPED))
         (ev,) = tick(new_checkpoint_evals, instance).run_requests
         assert ev.tags["factory/checkpoint"] == checkpoint_key("run-0", 2)
+
+
+def test_a_sweep_that_cannot_be_read_holds_back_neither_other_sweeps_nor_evals(instance, factory_home, lake):
+    sweep_id, keys = plan(instance, factory_home, lrs=(1e-3,))
+    members_at(lake, sweep_id, keys, ["succeeded"])
+    broken = factory_home.root / "sweeps" / "t-broken"
+    broken.mkdir()
+    (broken / "sweep.json").write_text("{not json")
+    res = tick(sweep_summarizer, instance)
+    assert [r.partition_key for r in res.run_requests] == [sweep_id]
+    ended(instance, launched(instance, res.run_requests[0], "sweep_summary_job"))
+    assert "; sweep t-broken: its sweep.json cannot be read (JSONDecodeError: " in reason(
+        tick(sweep_summarizer, instance, res.cursor))
+    (ev,) = tick(new_checkpoint_evals, instance).run_requests
+    assert ev.tags["factory/checkpoint"] == checkpoint_key("run-0", 2)
