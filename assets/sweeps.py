@@ -22,6 +22,7 @@ from dagster import (
 
 from assets._interruptions import report_interruptions
 from assets._metadata import embedded, inline_picture, progress_tags, run_metadata
+from assets._pending import progress as eval_progress
 from assets._retries import (
     TRAINING_RETRY,
     factory_run_id,
@@ -137,7 +138,9 @@ def _trial(context: AssetExecutionContext, paths, info: dict, key: str):
 def sweep_summary(context: AssetExecutionContext, lake: LakeResource, mlflow: MlflowResource) -> MaterializeResult:
     """A sweep's members compared: their curves and held-out accuracy by step overlaid, accuracy against each
     axis, and per member its axis values, accuracy, pass@k, reward, wall time and links to its Dagster run, MLflow
-    run and checkpoint; best first, a tie reported as a tie. Pictures are also stored on the MLflow parent run."""
+    run and checkpoint; best first, a tie reported as a tie. Pictures are also stored on the MLflow parent run.
+    Drawn as soon as every member has ended: `pending_evals` names the members' checkpoint evals not landed yet,
+    and the summarizer draws it again as they land (jobs/_summary.py)."""
     # heavy: matplotlib, mlflow, when the step runs
     from factory.plots import DPI, sweep_summary_png
     from factory.reports import compare_sweep, small, store
@@ -168,8 +171,13 @@ def sweep_summary(context: AssetExecutionContext, lake: LakeResource, mlflow: Ml
             shots[name] = render(dpi=DPI)
     runs = _dagster_runs(context, [m.member for m in members])
     best = cmp.best
-    return MaterializeResult(metadata={
+    # The evals of the members' checkpoints not landed yet: the summarizer draws the summary again as they land;
+    # the data version is the set of evals done, so each version of the summary is one set.
+    evals = eval_progress(context.instance, lake.lake(), _member_runs(lake, sweep_id))
+    return MaterializeResult(data_version=DataVersion(evals.version), metadata={
         **head,
+        "pending_evals": evals.text(),  # `none`, or `2: <run_id>@<step> x heldout, ...`
+        "pending_evals_count": len(evals.pending),
         "best_member": (best[0] if len(best) == 1 else f"tie: {', '.join(best)}") if best else "",
         "best_accuracy": _fmt(members[0].accuracy) if best else None,
         "best_accuracy_ci95": members[0].accuracy_text() if best else "",  # `0.764 [0.725, 0.799] n=500`
@@ -185,6 +193,11 @@ def sweep_summary(context: AssetExecutionContext, lake: LakeResource, mlflow: Ml
             "mlflow_members_charts": MetadataValue.url(tracker.sweep_url(parent, sweep_id))} if parent else {}),
         "pictures": embedded(shots),
     })
+
+
+def _member_runs(lake: LakeResource, sweep_id: str) -> set[str]:
+    rows = lake.lake().read("sweeps", f"sweep_id = '{sweep_id}'").select(["run_id"]).to_pylist()
+    return {r["run_id"] for r in rows if r["run_id"]}
 
 
 def _parent_run(lake: LakeResource, sweep_id: str) -> str | None:

@@ -8,15 +8,13 @@ the eval limit. The limit is read from the instance's run queue (`factory.ops.in
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from datetime import datetime
 
-from dagster import AssetKey, DagsterInstance, DagsterRunStatus, MultiPartitionKey, RunsFilter
+from dagster import DagsterInstance, DagsterRunStatus, MultiPartitionKey, RunsFilter
 
-from factory.envs.eval_suites import applicable_benchmarks
+from assets import _pending as pending
 from factory.ops.instance import DEFAULT_MAX_CONCURRENT_EVALS, EVAL_QUEUE, QUEUE_TAG, eval_limit_from
-from factory.runs.checkpoint_eval import checkpoint_key
 
 IN_FLIGHT = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING,
              DagsterRunStatus.STARTED, DagsterRunStatus.CANCELING]
@@ -51,30 +49,14 @@ class OwedEval:
 def owed_evals(instance: DagsterInstance, lake, job_name: str, run_ids: set[str] | None = None) -> list[OwedEval]:
     """Every (recorded checkpoint, applicable benchmark) of `checkpoint_eval` not materialized yet, oldest
     checkpoint first; only of `run_ids` when given."""
-    rows = lake.read("checkpoints").select(["run_id", "step", "recorded_at"]).to_pylist()
-    if run_ids is not None:
-        rows = [r for r in rows if r["run_id"] in run_ids]
-    if not rows:
+    owed = pending.owed(instance, lake, run_ids)
+    if not owed:
         return []
-    tasks = _task_names(lake)
-    done = {str(k) for k in instance.get_materialized_partitions(AssetKey("checkpoint_eval"))}
     runs = instance.get_runs(RunsFilter(job_name=job_name))
     running = {r.tags.get(PARTITION_TAG) for r in runs if r.status in IN_FLIGHT}
     attempted = {r.tags.get(PARTITION_TAG) for r in runs}
-    out = []
-    for r in sorted(rows, key=lambda r: (r["recorded_at"], r["run_id"], r["step"])):
-        key = checkpoint_key(r["run_id"], r["step"])
-        for bench in applicable_benchmarks(tasks.get(r["run_id"], "arithmetic")):
-            pk = MultiPartitionKey({"checkpoint": key, "benchmark": bench})
-            if str(pk) not in done:
-                out.append(OwedEval(pk, key, r["recorded_at"], str(pk) in attempted, str(pk) in running))
-    return out
-
-
-def _task_names(lake) -> dict[str, str]:
-    """run_id -> task family, from each run's spec (a run of another family is not scored on arithmetic suites)."""
-    rows = lake.read("runs").select(["run_id", "spec"]).to_pylist()
-    return {r["run_id"]: json.loads(r["spec"]).get("task", {}).get("name", "arithmetic") for r in rows}
+    return [OwedEval(o.partition, o.checkpoint, o.recorded_at, str(o.partition) in attempted,
+                     str(o.partition) in running) for o in owed]
 
 
 __all__ = ["EVAL_TAGS", "IN_FLIGHT", "OwedEval", "eval_limit", "free_eval_slots", "in_flight", "owed_evals"]

@@ -11,12 +11,12 @@ start first, once, and the members that need it after it, never more than `max_c
 runs in flight, whatever the instance's run queue says. A tpe sweep (`mode: tpe`) has no members up front:
 the launcher asks its Optuna study for a trial whenever a slot is free, until `trials` were asked
 (jobs/_search.py, factory/sweep_search.py). Member runs carry their axis values as tags
-(`axis/algorithm.lr: 0.0003`). `sweep_summarizer` materializes the summary once every member has ended
-and the evals of their checkpoints are done (or have waited `FACTORY_SUMMARY_EVAL_WAIT_S`, default 600 s).
+(`axis/algorithm.lr: 0.0003`). `sweep_summarizer` materializes the summary once every member has ended, naming
+the evals of their checkpoints still pending, and again as they land (jobs/_summary.py). Every sensor here says
+why it skips a tick (shown on its ticks in the UI).
 """
 
 import json
-import os
 import time
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -62,8 +62,9 @@ from factory.sweep import (
     write_warm_start_spec,
 )
 from factory.sweep_search import TRIAL_TAG
-from jobs._queue import EVAL_TAGS, IN_FLIGHT, in_flight, owed_evals
+from jobs._queue import EVAL_TAGS, IN_FLIGHT, eval_limit, free_eval_slots, in_flight
 from jobs._search import ask_trials
+from jobs._summary import PENDING_TAG, VERSION_TAG, summary_states, sweep_ids
 from jobs.evals import checkpoint_eval_job
 from resources import FactoryHomeResource, LakeResource, MlflowResource
 from resources.study import sweep_study
@@ -77,9 +78,7 @@ sweep_member_job = define_asset_job("sweep_member_job", selection=[sweep_member_
                                     description="One sweep member's training run (queued by sweep_launcher).")
 sweep_summary_job = define_asset_job("sweep_summary_job", selection=[sweep_summary], tags=EVAL_TAGS,
                                      description="A finished sweep's summary (queued by sweep_summarizer).")
-ENDED = ("succeeded", "failed", "refused", "pruned")  # a member's `sweeps` status once it has ended
 DAEMON_STALE_S = 120.0  # a sensor daemon silent this long is not running (it heartbeats every ~30 s)
-SUMMARY_EVAL_WAIT_S = float(os.environ.get("FACTORY_SUMMARY_EVAL_WAIT_S", "600"))
 
 # What the launchpad opens with: a sweep that runs as it stands (two learning rates on the quickstart, 100
 # GRPO steps each with a held-out eval every 20, one member at a time; a few minutes on a laptop CPU).
@@ -236,8 +235,7 @@ def sweep_control():
 
 
 def _sweep_ids(home: FactoryHomeResource) -> list[str]:
-    root = home.paths().root / "sweeps"
-    return sorted(p.name for p in root.iterdir() if (p / "sweep.json").is_file()) if root.is_dir() else []
+    return sweep_ids(home.paths())
 
 
 def _warm_state(context: SensorEvaluationContext, names: set[str]) -> dict[str, str]:
@@ -257,13 +255,14 @@ def _warm_state(context: SensorEvaluationContext, names: set[str]) -> dict[str, 
         description="Starts each sweep's shared warm starts, then its members, at most max_concurrent runs at once.")
 def sweep_launcher(context: SensorEvaluationContext, home: FactoryHomeResource, lake: LakeResource) -> SensorResult:
     finished = set(json.loads(context.cursor)) if context.cursor else set()
-    requests = []
+    requests, waiting = [], []
     for sweep_id in _sweep_ids(home):
         if sweep_id in finished:
             continue
         info = read_sweep(home.paths(), sweep_id)
         control = read_control(home.paths(), sweep_id)
         if control["paused"]:  # nothing new starts; its runs in flight go on (`sweep_control` resumes it)
+            waiting.append(f"sweep {sweep_id} paused")
             continue
         limit = control["max_concurrent"] or info["definition"]["max_concurrent"]
         runs = context.instance.get_runs(RunsFilter(tags={SWEEP_TAG: sweep_id}))
@@ -273,8 +272,8 @@ def sweep_launcher(context: SensorEvaluationContext, home: FactoryHomeResource, 
         if tpe:  # members are asked from the study as slots free up (jobs/_search.py)
             info = ask_trials(context, home.paths(), lake, info, started, flying, limit)
         members = info["members"]
-        launch = next_launches(members, started, _warm_state(context, {m["warm_start"] for m in members}),
-                               in_flight=flying, max_concurrent=limit)
+        warm = _warm_state(context, {m["warm_start"] for m in members})
+        launch = next_launches(members, started, warm, in_flight=flying, max_concurrent=limit)
         requests += [RunRequest(job_name=sweep_warm_start_job.name, run_key=f"{sweep_id}-{ws}", partition_key=ws,
                                 tags={SWEEP_TAG: sweep_id, WARM_START_TAG: ws, KIND_TAG: "warm_start"})
                      for ws in launch.warm_starts]
@@ -286,7 +285,35 @@ def sweep_launcher(context: SensorEvaluationContext, home: FactoryHomeResource, 
                      for key in launch.members]
         if launch.finished and (not tpe or info.get("search_done")):
             finished.add(sweep_id)
-    return SensorResult(run_requests=requests, cursor=json.dumps(sorted(finished)))
+        elif not launch.warm_starts and not launch.members:
+            waiting.append(_why_waiting(sweep_id, info, started, warm, flying, limit))
+    return _result(context, requests, waiting, "no sweep has members left to start", cursor=sorted(finished))
+
+
+def _why_waiting(sweep_id: str, info: dict[str, Any], started: set[str], warm: dict[str, str], flying: int,
+                 limit: int) -> str:
+    """Why a sweep with members (or trials) left starts none this tick, in words."""
+    if flying >= limit:
+        return f"sweep {sweep_id}: max_concurrent {limit} reached: {flying} running"
+    blocked = sorted({m["warm_start"] for m in info["members"] if m["key"] not in started
+                      and warm.get(m["warm_start"]) == "running"})
+    if blocked:
+        return f"sweep {sweep_id}: waiting for warm start {', '.join(blocked)}"
+    defn = info["definition"]
+    if defn.get("mode") == "tpe":
+        return f"sweep {sweep_id}: {len(info['members'])} of {defn['trials']} trials asked, every one started"
+    return f"sweep {sweep_id}: {len(started)} of {len(info['members'])} members started, none can start now"
+
+
+def _result(context: SensorEvaluationContext, requests: list[RunRequest], reasons: list[str], idle: str,
+            cursor: list[str]) -> SensorResult:
+    """The tick's requests, or why there are none (shown on the sensor's tick in the UI). Dagster takes a skip
+    reason only from a tick that requests nothing, so the reasons of a tick that does request go to its log."""
+    if requests:
+        for reason in reasons:
+            context.log.info(reason)
+    return SensorResult(run_requests=requests, cursor=json.dumps(cursor),
+                        skip_reason=None if requests else "; ".join(reasons) or idle)
 
 
 def _trial_tag(member: dict[str, Any]) -> dict[str, str]:
@@ -294,35 +321,34 @@ def _trial_tag(member: dict[str, Any]) -> dict[str, str]:
 
 
 @sensor(job=sweep_summary_job, minimum_interval_seconds=10, default_status=DefaultSensorStatus.RUNNING,
-        description="Summarizes a sweep once every member has ended and its checkpoints' evals are done.")
+        description="Summarizes a sweep once every member has ended, naming the evals still pending, and again "
+                    "each time more of them land, until none is pending (within the eval limit).")
 def sweep_summarizer(context: SensorEvaluationContext, home: FactoryHomeResource,
                      lake: LakeResource) -> SensorResult:
-    done = set(json.loads(context.cursor)) if context.cursor else set()
-    pending = [s for s in _sweep_ids(home) if s not in done]
-    if not pending:
-        return SensorResult(run_requests=[], cursor=json.dumps(sorted(done)))
-    lk = lake.lake()
-    rows = lk.read("sweeps").select(["sweep_id", "status", "run_id", "recorded_at"]).to_pylist()
-    requests = []
-    for sweep_id in pending:
-        mine = [r for r in rows if r["sweep_id"] == sweep_id]
-        info = read_sweep(home.paths(), sweep_id)
-        if info["definition"].get("mode") == "tpe" and not info.get("search_done"):
-            continue  # more trials to come
-        if len(mine) != len(info["members"]) or not all(r["status"] in ENDED for r in mine):
-            continue
-        # Not beside its members' evals (they share one limit), and after them: the summary plots them.
-        if in_flight(context.instance, EVAL_TAGS):
-            continue
-        ended = max(r["recorded_at"] for r in mine)
-        waited = (datetime.now(UTC) - ended).total_seconds()
-        owed = owed_evals(context.instance, lk, checkpoint_eval_job.name, {r["run_id"] for r in mine if r["run_id"]})
-        if any(not e.attempted for e in owed) and waited < SUMMARY_EVAL_WAIT_S:
-            continue
-        requests.append(RunRequest(run_key=f"summary-{sweep_id}", partition_key=sweep_id,
-                                   tags={SWEEP_TAG: sweep_id, **EVAL_TAGS}))
-        done.add(sweep_id)
-    return SensorResult(run_requests=requests, cursor=json.dumps(sorted(done)))
+    finished = set(json.loads(context.cursor)) if context.cursor else set()
+    if not [s for s in _sweep_ids(home) if s not in finished]:
+        return _result(context, [], [], "every sweep is summarized with every eval", cursor=sorted(finished))
+    instance = context.instance
+    states = summary_states(instance, home.paths(), lake.lake(), checkpoint_eval_job.name, skip=finished)
+    free = free_eval_slots(instance)
+    requests, reasons = [], []
+    for st in sorted(states, key=lambda s: not s.ahead):  # the first and the complete summaries first
+        if st.final:
+            finished.add(st.sweep_id)
+        elif not st.due:
+            reasons.append(st.reason)
+        elif free <= 0:  # evals and summaries share the eval limit (jobs/_queue.py)
+            reasons.append(f"{st.reason}; it waits for an eval slot (eval limit {eval_limit(instance)} reached: "
+                           f"{in_flight(instance, EVAL_TAGS)} running)")
+        else:
+            free -= 1
+            prog = st.progress
+            requests.append(RunRequest(run_key=f"summary-{st.sweep_id}-{prog.version}", partition_key=st.sweep_id,
+                                       tags={SWEEP_TAG: st.sweep_id, **EVAL_TAGS, VERSION_TAG: prog.version,
+                                             PENDING_TAG: str(len(prog.pending))}))
+            if not prog.pending:
+                finished.add(st.sweep_id)
+    return _result(context, requests, reasons, "every sweep is summarized with every eval", cursor=sorted(finished))
 
 
 __all__ = ["EXAMPLE_SWEEP", "SweepConfig", "SweepControlConfig", "sweep", "sweep_control", "sweep_dir",

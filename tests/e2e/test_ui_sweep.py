@@ -8,8 +8,8 @@ MLflow UI, factory/ops/cockpit.py), and drives Debian's chromium with Playwright
 - a sweep with `max_concurrent: 1` over two learning rates (one shared SFT warm start) is launched with Launch Run;
 - asserted from the run storage: never two of the sweep's runs at once, the warm start trained by one run
   (one materialization) before any member started, member runs tagged with their axis values, never two
-  evals (or an eval and the summary) at once, the summary after every eval, the check of every evaluated
-  checkpoint shown as evaluated;
+  evals (or an eval and a summary) at once, the complete summary (no eval pending) after every eval, the check
+  of every evaluated checkpoint shown as evaluated;
 - the quickstart graph opens expanded; the sweep summary and a member's pictures are drawn in place (their
   images load from the MLflow UI). Screenshots of both go to test-artifacts/e2e/ on every run.
 
@@ -95,6 +95,18 @@ def _wait_for(url: str, job: str, n: int, timeout_s: float) -> list[dict]:
         time.sleep(1.0)  # polling the server, bounded by the deadline
 
 
+def _wait_for_complete_summary(url: str, timeout_s: float) -> list[dict]:
+    """The sweep's summary runs, once one drawn with no eval pending has succeeded (jobs/_summary.py)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        runs = _runs(url, "sweep_summary_job")
+        assert not [r for r in runs if r["status"] in ("FAILURE", "CANCELED")], runs
+        if any(r["status"] == "SUCCESS" and _tags(r).get("factory/evals_pending") == "0" for r in runs):
+            return runs
+        assert time.monotonic() < deadline, f"no complete summary in {timeout_s:.0f} s: {runs}"
+        time.sleep(1.0)  # polling the server, bounded by the deadline
+
+
 def _tags(run: dict) -> dict[str, str]:
     return {t["key"]: t["value"] for t in run["tags"]}
 
@@ -157,8 +169,8 @@ def test_a_sweep_from_the_launchpad_after_make_demo(after_demo):
             (plan,) = _wait_for(url, "sweep", 1, timeout_s=180)
             members = _wait_for(url, "sweep_member_job", 2, timeout_s=600)
             (warm,) = _wait_for(url, "sweep_warm_start_job", 1, timeout_s=60)
-            summary = _wait_for(url, "sweep_summary_job", 1, timeout_s=600)
-            evals = _wait_for(url, "checkpoint_eval_job", 6, timeout_s=60)  # the demo's checkpoint + 2 members'
+            evals = _wait_for(url, "checkpoint_eval_job", 6, timeout_s=600)  # the demo's checkpoint + 2 members'
+            summary = _wait_for_complete_summary(url, timeout_s=300)  # the first came as the members ended
 
             # 1. max_concurrent 1: the warm start, then one member after the other, never two at once.
             _never_overlap([warm, *members])
@@ -170,9 +182,10 @@ def test_a_sweep_from_the_launchpad_after_make_demo(after_demo):
             assert sorted(_tags(m)["axis/algorithm.lr"] for m in members) == ["0.001", "0.003"]
             # 12. progress reported on the run while it trained (its last report stays: the final step).
             assert all(_tags(m)["factory/progress"] == "grpo 2/2" and "factory/eta" in _tags(m) for m in members)
-            # 3. evals one at a time, the summary after them.
+            # 3. evals and summaries one at a time (the eval limit); the complete summary after every eval.
             _never_overlap([*evals, *summary])
-            assert summary[0]["startTime"] >= max(e["endTime"] for e in evals)
+            complete = [r for r in summary if _tags(r).get("factory/evals_pending") == "0"]
+            assert complete and complete[0]["startTime"] >= max(e["endTime"] for e in evals)
             # 4. the regression check shows its latest execution, not "Not evaluated".
             (check,) = gql(url, CHECK_QUERY)["assetNodes"][0]["assetChecksOrError"]["checks"]
             assert check["executionForLatestMaterialization"]["status"] in ("SUCCEEDED", "FAILED")

@@ -170,8 +170,15 @@ def test_one_warm_start_then_members_within_the_limit_then_evals_then_the_summar
         assert md["pictures"].value.count("data:image/png;base64,") == 2  # curves and evals, no MLflow UI needed
         assert md["axes"].value.startswith("algorithm.lr=")
 
-    # 3. The summary waits for the members' evals, which go one at a time (the eval limit).
-    assert tick(sweep_summarizer, instance).run_requests == []
+    # 3. The summary comes as soon as the members have ended, naming the evals still owed (their final checkpoints
+    # x 2 benchmarks); the evals then go one at a time (the eval limit), and the summary is drawn again once they
+    # have all landed, saying none is pending.
+    first = tick(sweep_summarizer, instance)
+    (early,) = first.run_requests
+    assert early.tags["factory/evals_pending"] == "4"
+    assert tick(new_checkpoint_evals, instance).run_requests == []  # the slot is held for the summary
+    early_md = execute(instance, early).asset_materializations_for_node("sweep_summary")[0].metadata
+    assert early_md["pending_evals"].value.startswith("4: ") and early_md["pending_evals_count"].value == 4
     evaluated = 0
     while True:
         res = tick(new_checkpoint_evals, instance)
@@ -182,18 +189,20 @@ def test_one_warm_start_then_members_within_the_limit_then_evals_then_the_summar
             instance.add_dynamic_partitions(add.partitions_def_name, add.partition_keys)
         busy = create_run_for_test(instance, job_name="checkpoint_eval_job", tags=res.run_requests[0].tags,
                                    status=DagsterRunStatus.STARTED)
-        assert tick(sweep_summarizer, instance).run_requests == []  # not beside an eval
+        assert tick(sweep_summarizer, instance, first.cursor).run_requests == []  # not beside an eval
         instance.delete_run(busy.run_id)
         execute(instance, res.run_requests[0])
         evaluated += 1
     assert evaluated == 4  # 2 final checkpoints x (held-out split, carry_chains)
 
-    # 4. The summary: members compared, with links, pictures and a tie reported as a tie.
-    summary = tick(sweep_summarizer, instance)
+    # 4. The complete summary: members compared, with links, pictures and a tie reported as a tie.
+    summary = tick(sweep_summarizer, instance, first.cursor)
     (req,) = summary.run_requests
     assert req.partition_key == sweep_id and req.tags["factory/queue"] == "eval"
+    assert req.tags["factory/evals_pending"] == "0"
     assert tick(sweep_summarizer, instance, summary.cursor).run_requests == []
     md = execute(instance, req).asset_materializations_for_node("sweep_summary")[0].metadata
+    assert md["pending_evals"].value == "none"
     lake = Lake.open(factory_home)
     rows = {r["member"]: r for r in lake.read("sweeps").to_pylist()}
     accs = [rows[k]["final_accuracy"] for k in keys]

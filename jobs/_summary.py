@@ -1,0 +1,120 @@
+"""When a sweep's summary is due, which version of it, and why not when it is not.
+
+A sweep is summarized as soon as every member has ended, whatever evals of its checkpoints are still owed (the
+summary says which: `pending_evals`), and again each time the set of its evals done changes, until a summary drawn
+with none pending. A version is that set (`assets/_pending.py` `EvalProgress.version`), carried by the summary run
+as a tag, so the instance itself records which versions were requested: nothing is lost with a sensor's cursor.
+
+The first summary and the complete one come before evals: `new_checkpoint_evals` leaves a slot of the eval limit
+for them (`held_slots`). A summary in between (some evals landed, some still owed) waits until none of the sweep's
+owed evals is left to start, so it never delays them.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from dagster import DagsterInstance, DagsterRun, RunsFilter
+from dagster._core.scheduler.instigation import InstigatorStatus, InstigatorType
+
+from assets._pending import EvalProgress, progress
+from factory.home import FactoryPaths
+from factory.sweep import SWEEP_TAG, read_sweep
+from jobs._queue import IN_FLIGHT, owed_evals
+
+SUMMARY_JOB = "sweep_summary_job"
+SUMMARIZER = "sweep_summarizer"
+VERSION_TAG = "factory/evals_done"  # the version a summary run draws: a digest of the sweep's evals done
+PENDING_TAG = "factory/evals_pending"  # how many of its evals were still owed when it was requested
+ENDED = ("succeeded", "failed", "refused", "pruned")  # a member's `sweeps` status once it has ended
+
+
+@dataclass(frozen=True)
+class SummaryState:
+    """One sweep's summary: whether one is due now (`due`), ahead of evals (`ahead`), and the reason in words."""
+
+    sweep_id: str
+    reason: str
+    due: bool = False
+    ahead: bool = False  # the first summary or the complete one: an eval slot is held for it
+    final: bool = False  # a summary with no eval pending was requested: nothing more to do for this sweep
+    progress: EvalProgress | None = None
+
+
+def sweep_ids(paths: FactoryPaths) -> list[str]:
+    root = paths.root / "sweeps"
+    return sorted(p.name for p in root.iterdir() if (p / "sweep.json").is_file()) if root.is_dir() else []
+
+
+def summary_states(instance: DagsterInstance, paths: FactoryPaths, lake, eval_job: str,
+                   skip: set[str] | frozenset[str] = frozenset()) -> list[SummaryState]:
+    """The summary state of every sweep under `paths` but those in `skip`; `lake` is a `factory.lake.Lake`."""
+    ids = [s for s in sweep_ids(paths) if s not in skip]
+    if not ids:
+        return []
+    runs: dict[str, list[DagsterRun]] = defaultdict(list)
+    for r in instance.get_runs(RunsFilter(job_name=SUMMARY_JOB)):
+        runs[r.tags.get(SWEEP_TAG, "")].append(r)
+    rows = lake.read("sweeps").select(["sweep_id", "status", "run_id"]).to_pylist()
+    states = []
+    for s in ids:
+        try:
+            states.append(_state(instance, paths, lake, eval_job, s, [r for r in rows if r["sweep_id"] == s], runs[s]))
+        except (OSError, ValueError, KeyError) as e:  # one broken sweep directory holds back neither others nor evals
+            states.append(SummaryState(s, f"sweep {s}: its sweep.json cannot be read ({type(e).__name__}: {e})"))
+    return states
+
+
+def _state(instance: DagsterInstance, paths: FactoryPaths, lake, eval_job: str, sweep_id: str, rows: list[dict],
+           runs: list[DagsterRun]) -> SummaryState:
+    # (a summary run without a version was requested before versions existed, once every eval was done or waited for)
+    if any(r.tags.get(PENDING_TAG) == "0" or VERSION_TAG not in r.tags for r in runs):
+        return SummaryState(sweep_id, f"sweep {sweep_id}: summarized with every eval", final=True)
+    info = read_sweep(paths, sweep_id)
+    defn = info["definition"]
+    if defn.get("mode") == "tpe" and not info.get("search_done"):
+        return SummaryState(sweep_id, f"sweep {sweep_id}: {len(info['members'])} of {defn['trials']} trials asked")
+    n = len(info["members"])
+    ended = sum(r["status"] in ENDED for r in rows)
+    if ended < n or len(rows) < n:
+        running = sum(r["status"] == "running" for r in rows)
+        what = ("still running" if running == n - ended else
+                f"not ended ({running} running, {n - ended - running} queued)")
+        return SummaryState(sweep_id, f"sweep {sweep_id}: {n - ended} of {n} members {what}")
+    prog = progress(instance, lake, {r["run_id"] for r in rows if r["run_id"]})
+    pending = f"{len(prog.pending)} eval(s) pending" if prog.pending else "no eval pending"
+    if any(r.tags.get(VERSION_TAG) == prog.version for r in runs):
+        return SummaryState(sweep_id, f"sweep {sweep_id}: summary up to date ({pending})", progress=prog)
+    if any(r.status in IN_FLIGHT for r in runs):
+        return SummaryState(sweep_id, f"sweep {sweep_id}: a summary is being drawn; the next one ({pending}) "
+                            "follows when it ends", progress=prog)
+    if not runs or not prog.pending:  # the first summary, or the complete one: ahead of any eval
+        return SummaryState(sweep_id, f"sweep {sweep_id}: summary due, {pending}", due=True, ahead=True,
+                            progress=prog)
+    unstarted = sum(not e.attempted for e in owed_evals(instance, lake, eval_job,
+                                                        {r["run_id"] for r in rows if r["run_id"]}))
+    if unstarted:
+        return SummaryState(sweep_id, f"sweep {sweep_id}: the summary is drawn again once its {unstarted} owed "
+                            f"eval(s) not started yet have started ({pending})", progress=prog)
+    return SummaryState(sweep_id, f"sweep {sweep_id}: summary due again, {pending}", due=True, progress=prog)
+
+
+def summarizer_stopped(instance: DagsterInstance) -> bool:
+    """Whether `sweep_summarizer` was turned off in this instance (then no slot is held for its summaries)."""
+    if instance.schedule_storage is None:  # an ephemeral instance: no sensor can be turned off in it
+        return False
+    states = instance.all_instigator_state(instigator_type=InstigatorType.SENSOR,
+                                           instigator_statuses={InstigatorStatus.STOPPED})
+    return any(s.name == SUMMARIZER for s in states)
+
+
+def held_slots(instance: DagsterInstance, paths: FactoryPaths, lake, eval_job: str) -> list[str]:
+    """The sweeps whose first or complete summary is due: evals leave them a slot of the eval limit."""
+    if summarizer_stopped(instance):
+        return []
+    return [s.sweep_id for s in summary_states(instance, paths, lake, eval_job) if s.due and s.ahead]
+
+
+__all__ = ["ENDED", "PENDING_TAG", "SUMMARY_JOB", "VERSION_TAG", "SummaryState", "held_slots", "summary_states",
+           "sweep_ids"]
