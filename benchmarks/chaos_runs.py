@@ -52,7 +52,10 @@ def proc_table() -> dict[int, tuple[int, str]]:
             fields = stat[stat.rindex(")") + 2:].split()
             if fields[0] == "Z":
                 continue
-            out[int(d.name)] = (int(fields[1]), (d / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            # a service started in a warm spare (factory/infra/spare.py) keeps its parent's command line and is
+            # named by its comm: shown here as `[comm] cmdline`
+            out[int(d.name)] = (int(fields[1]), f"[{(d / 'comm').read_text().strip()}] {cmd}")
         except (OSError, ValueError, IndexError):
             continue
     return out
@@ -139,8 +142,8 @@ class Run:
         pid = self.attempt_pid()
         if pid is None:
             return None
-        want = {"rollout-server": " serve ", "env-worker": " env-serve "}[kind]
-        found = [c for c, cmd in children(pid) if want in f" {cmd} "]
+        want = {"rollout-server": (" serve ", "[rollout-server]"), "env-worker": (" env-serve ", "[env-worker]")}[kind]
+        found = [c for c, cmd in children(pid) if any(w in f" {cmd} " for w in want)]
         return found[0] if found else None
 
     def at_point(self, point: str, pid: int, timeout: float = 60) -> bool:

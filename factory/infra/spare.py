@@ -32,7 +32,7 @@ import traceback
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-_PR_SET_PDEATHSIG = 1
+_PR_SET_PDEATHSIG, _PR_SET_NAME = 1, 15
 
 
 class Spare:
@@ -57,16 +57,18 @@ class Spare:
         return cls(pid, write)
 
     def run(self, argv: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | Path | None = None,
-            log_path: str | Path | None = None, cpus: Iterable[int] | None = None) -> SpareProcess:
+            log_path: str | Path | None = None, cpus: Iterable[int] | None = None,
+            title: str | None = None) -> SpareProcess:
         """Make the spare run `argv` (`[sys.executable, "-m", MODULE, *args]`); ValueError for any other form, or
-        when this spare was used or closed; ChildProcessError when it has died."""
+        when this spare was used or closed; ChildProcessError when it has died. Its command line (/proc/PID/cmdline)
+        stays its parent's, so `title` names it where process tools look (/proc/PID/comm, `ps -o comm`; 15 bytes)."""
         if self.used:
             raise ValueError("this spare has already run a command or was closed")
         if len(argv) < 3 or argv[0] != sys.executable or argv[1] != "-m":
             raise ValueError(f"a spare runs `{sys.executable} -m MODULE ...`, not {list(argv)}")
         self.used = True
         request = {"argv": list(argv), "env": env, "cwd": str(cwd) if cwd else None,
-                   "log": str(log_path) if log_path else None, "cpus": sorted(cpus) if cpus else None}
+                   "log": str(log_path) if log_path else None, "cpus": sorted(cpus) if cpus else None, "title": title}
         try:
             os.write(self._fd, json.dumps(request).encode() + b"\n")
         except BrokenPipeError:
@@ -174,6 +176,9 @@ def _spare_main(fd: int, parent: int, preload: list[str]) -> None:
 
 def _become(request: dict) -> int:
     os.setsid()
+    if request["title"]:
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, request["title"].encode()[:15])
     if request["cpus"]:
         os.sched_setaffinity(0, request["cpus"])
     null = os.open(os.devnull, os.O_RDONLY)

@@ -244,7 +244,8 @@ class ServiceProcess:
         """Start the service in the warm spare: the same command, session, cores, environment and output as a cold
         start; False (a cold start follows) when the spare cannot run it."""
         try:
-            self._proc = spare.run(self.argv, env=self.env, cwd=self.cwd, log_path=self.log_path, cpus=self.cpus)
+            self._proc = spare.run(self.argv, env=self.env, cwd=self.cwd, log_path=self.log_path, cpus=self.cpus,
+                                   title=self.name)
         except (ValueError, ChildProcessError) as e:
             log.warning("%s: starting cold: %s", self.name, e)
             spare.close()

@@ -107,3 +107,23 @@ def test_a_dead_unreaped_child_is_not_alive_and_a_live_one_is(waiting):
 def test_step_faults_counts_duplicated_and_missing_steps():
     assert cr.step_faults([1, 2, 2, 4, 4, 4], 5) == (3, 2)
     assert cr.step_faults([3, 1, 2], 3) == (0, 0)
+
+
+def test_a_service_started_in_a_warm_spare_is_found_by_its_name(tmp_path: Path):
+    """A rollout server started in a spare keeps the attempt's command line; the harness finds it by its comm."""
+    code = ("import sys; from factory.infra.spare import Spare; s = Spare.fork(); "
+            "p = s.run([sys.executable, '-m', 'http.server', '0', '--bind', '127.0.0.1'], title='rollout-server'); "
+            "print(p.pid, flush=True); "
+            "sys.stdin.read()")
+    attempt = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        server = int(attempt.stdout.readline())
+        d = tmp_path / "async" / "checkpoints" / "async-1"
+        d.mkdir(parents=True)
+        (d / "attempt.lock").write_text(str(attempt.pid))
+        run = cr.Run(tmp_path, "async", attempt)
+        assert cr.wait_for(lambda: run.service("rollout-server"), 60, every=0.01)
+        assert run.service("rollout-server") == server and run.service("env-worker") is None
+    finally:
+        attempt.stdin.close()
+        attempt.wait()

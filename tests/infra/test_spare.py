@@ -30,6 +30,7 @@ def test_the_first_start_runs_in_the_spare_and_a_restart_starts_cold(tmp_path):
     with flaky(tmp_path, spare) as svc:
         assert svc.pid == spare.pid
         assert os.getpgid(svc.pid) == svc.pid  # its own session, as start_new_session gives a cold start
+        assert Path(f"/proc/{svc.pid}/comm").read_text().strip() == "flaky"  # named where process tools look
         assert httpx.get(f"{svc.url}/echo?x=warm").text == "warm"
         svc.kill()
         assert svc.ensure_alive() is True
