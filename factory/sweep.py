@@ -38,6 +38,7 @@ from factory.home import FactoryPaths
 from factory.sweep_search import SearchParam, search_errors
 
 SWEEP_TAG, MEMBER_TAG, WARM_START_TAG = "factory/sweep_id", "factory/member", "factory/warm_start"
+LABEL_TAG = "factory/label"  # run tag: a member's axis values as people read them (`short_label`: lr=3e-4,seed=1)
 AXIS_TAG_PREFIX = "axis/"  # one run tag per axis: axis/algorithm.lr = 0.0003
 MAX_MEMBERS = 1024
 

@@ -12,15 +12,16 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-from dagster import AssetKey, DagsterInstance, DagsterRunStatus, build_sensor_context
+from dagster import AssetKey, AssetMaterialization, DagsterInstance, DagsterRunStatus, build_sensor_context
 from dagster._core.test_utils import create_run_for_test
 from dagster._daemon.types import DaemonHeartbeat
 from pyiceberg.expressions import EqualTo
 
 from factory.lake import Lake
-from factory.sweep import MEMBER_TAG, SWEEP_TAG
+from factory.sweep import LABEL_TAG, MEMBER_TAG, SWEEP_TAG, read_sweep
 from jobs import defs
 from jobs.sweep_live import sweep_live
+from jobs.sweeps import sweep_launcher
 
 BASE = str(Path(__file__).parents[2] / "examples" / "quickstart.yaml")
 TINY = ["model.preset=micro", "task.n_train=200", "task.n_eval=20", "sft.steps=10", "sft.stop_at_accuracy=null",
@@ -140,3 +141,15 @@ def test_a_running_sweep_is_observed_with_its_curves_and_statuses_only_when_some
     quiet = tick(instance, last.cursor)
     assert quiet.asset_events == [] and quiet.cursor == "{}"
     assert len(observations(instance, sweep_id)) == 3
+
+
+def test_member_runs_carry_their_axis_values_as_a_label_tag(instance, factory_home):
+    launched = defs.resolve_job_def("sweep").execute_in_process(run_config={"ops": {"plan_and_queue_sweep": {
+        "config": {"name": "tags", "base_spec": BASE, "overrides": TINY, "axes": {"algorithm.lr": [1e-3, 3e-4]},
+                   "seeds": [0]}}}}, instance=instance)
+    sweep_id = launched.output_for_node("plan_and_queue_sweep")["sweep_id"]
+    for ws in {m["warm_start"] for m in read_sweep(factory_home, sweep_id)["members"]}:  # the warm start is ready
+        instance.report_runless_asset_event(AssetMaterialization("sweep_warm_start", partition=ws))
+    with build_sensor_context(instance=instance, resources=defs.resources) as ctx:
+        requests = sweep_launcher(ctx).run_requests
+    assert sorted(r.tags[LABEL_TAG] for r in requests) == ["lr=1e-3,seed=0", "lr=3e-4,seed=0"]
