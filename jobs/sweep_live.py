@@ -66,12 +66,13 @@ def member_status(m: MemberLive, run: DagsterRun | None) -> tuple[str, str]:
         else:
             where = "starting"
         return ("resumed" if resumed else "training"), where + (f"; {crash}" if crash else "")
-    if m.status == "succeeded":
+    if m.status == "succeeded":  # its accuracy with the interval is in the table's `accuracy` column
         if m.outcome is not None:
-            return "done", m.outcome.text()
+            others = m.outcome.others_text()
+            return "done", f"{m.outcome.primary.benchmark} at step {m.outcome.step}" + (f"; {others}" if others else "")
         return "done", "no accuracy eval yet" if m.final_accuracy is None else f"accuracy {m.final_accuracy:.3f}"
     if m.status == "pruned":
-        return "pruned", (m.reason or "by the sweep's pruner") + (f" (at step {m.step})" if m.step is not None else "")
+        return "pruned", m.reason or "by the sweep's pruner"
     if m.status == "refused":
         return "refused", m.reason or "by the preflight gate"
     # failed: Dagster may retry it (a new attempt resumes the same run)
@@ -96,7 +97,7 @@ def observation(live: LiveSweep, runs: dict[str, DagsterRun], tracker: Tracker |
         counts[status] = counts.get(status, 0) + 1
         records.append(TableRecord({
             "member": m.short, "label": m.label, "status": status, "detail": detail,
-            "step": m.step if m.step is not None else 0, "eta": format_duration(m.eta_s) if status in (
+            "step": m.step, "eta": format_duration(m.eta_s) if status in (
                 "training", "resumed") else "", "accuracy": m.outcome.primary.text() if m.outcome else ""}))
     md: dict[str, Any] = {}
     png = live.picture(DPI)
@@ -108,7 +109,6 @@ def observation(live: LiveSweep, runs: dict[str, DagsterRun], tracker: Tracker |
     md.update({
         "status": ", ".join(f"{n} {s}" for s, n in counts.items()),
         "members_table": MetadataValue.table(records, schema=schema),
-        "newest_steps": MetadataValue.json({m.label: m.step for m in live.members}),
         **({"pictures": embedded({"members so far": png})} if png is not None else {}),
     })
     return AssetObservation(asset_key=AssetKey("sweep_summary"), partition=live.sweep_id, metadata=md)

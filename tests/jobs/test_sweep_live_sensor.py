@@ -108,7 +108,7 @@ def test_a_running_sweep_is_observed_with_its_curves_and_statuses_only_when_some
     assert rows["lr=3e-4"]["status"] == "resumed"
     # b has no Dagster run tags here: its step and ETA come from the lake (attempt 2: 10 s a step, 6 steps left)
     assert rows["lr=3e-4"]["detail"] == "step 4/10, ETA 1m00s; resumed from step 2 after attempt 1 was killed"
-    assert rows["lr=0.01"]["status"] == "queued"
+    assert (rows["lr=0.01"]["status"], rows["lr=0.01"]["step"]) == ("queued", None)
     assert rows["lr=1e-3"]["accuracy"] == "0.400 [0.358, 0.444] n=500"
     assert obs.metadata["status"].value == "1 training, 1 resumed, 1 queued"
     assert [w <= 1000 for w in png_widths(obs)] == [True]  # one picture, within the page
@@ -133,10 +133,10 @@ def test_a_running_sweep_is_observed_with_its_curves_and_statuses_only_when_some
     last = tick(instance, third.cursor)
     (obs,) = last.asset_events
     rows = table(obs)
-    assert (rows["lr=1e-3"]["status"], rows["lr=1e-3"]["detail"]) == (
-        "done", "arithmetic_heldout 0.500 [0.456, 0.544] n=500 at step 10")
+    assert (rows["lr=1e-3"]["status"], rows["lr=1e-3"]["detail"], rows["lr=1e-3"]["accuracy"]) == (
+        "done", "arithmetic_heldout at step 10", "0.500 [0.456, 0.544] n=500")
     assert (rows["lr=3e-4"]["status"], rows["lr=3e-4"]["detail"]) == (
-        "pruned", "below the median of finished trials at step 4 (at step 4)")
+        "pruned", "below the median of finished trials at step 4")
     assert rows["lr=0.01"]["status"] == "failed"
     quiet = tick(instance, last.cursor)
     assert quiet.asset_events == [] and quiet.cursor == "{}"
