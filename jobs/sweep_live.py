@@ -45,7 +45,8 @@ if TYPE_CHECKING:
 
 LIVE_PICTURE = "plots/live_curves.png"  # on the sweep's MLflow parent run; each observation re-renders it
 PROGRESS, ETA = "factory/progress", "factory/eta"  # a member run's progress tags (assets/_metadata.progress_tags)
-COLUMNS = ["member", "label", "status", "detail", "step", "eta", "accuracy"]
+# Narrow enough for the metadata table's value column (~590 px at a 1600 px window): the ETA is in `detail`.
+COLUMNS = ["member", "label", "status", "step", "accuracy", "detail"]
 
 
 def member_status(m: MemberLive, run: DagsterRun | None) -> tuple[str, str]:
@@ -96,9 +97,8 @@ def observation(live: LiveSweep, runs: dict[str, DagsterRun], tracker: Tracker |
         status, detail = member_status(m, runs.get(m.member))
         counts[status] = counts.get(status, 0) + 1
         records.append(TableRecord({
-            "member": m.short, "label": m.label, "status": status, "detail": detail,
-            "step": m.step, "eta": format_duration(m.eta_s) if status in (
-                "training", "resumed") else "", "accuracy": m.outcome.primary.text() if m.outcome else ""}))
+            "member": m.short, "label": m.label, "status": status, "step": m.step,
+            "accuracy": m.outcome.primary.text() if m.outcome else "", "detail": detail}))
     md: dict[str, Any] = {}
     png = live.picture(DPI)
     if png is not None and tracker is not None and parent:
