@@ -40,6 +40,7 @@ from factory.sweep import (
     read_sweep,
     read_warm_start_spec,
     refuse_member,
+    short_label,
     sweep_id_of,
 )
 from resources import FactoryHomeResource, LakeResource, MlflowResource
@@ -96,7 +97,7 @@ def sweep_member_run(context: AssetExecutionContext, home: FactoryHomeResource, 
         raise
     info = read_sweep(paths, sweep_id_of(key))
     lk, tracker = lake.lake(), mlflow.tracker()
-    context.log.info(f"sweep member {key}: {member_label(axes)}")
+    context.log.info(f"sweep member {key}: {short_label(axes)} ({member_label(axes)})")
     run_id = factory_run_id(context, spec.name)
     wait_for_previous_attempt(paths.checkpoints / run_id, spec.ops.hang_timeout_s, context.log.info)
     trial = _trial(context, paths, info, key)
@@ -107,14 +108,15 @@ def sweep_member_run(context: AssetExecutionContext, home: FactoryHomeResource, 
                                mlflow_parent_run_id=info.get("mlflow_parent_run_id"), log=context.log.info,
                                progress=progress_tags(context), run_id=run_id, trial=trial)
     if isinstance(res, Pruned):  # stopped at a resume point by the sweep's pruner: an outcome, not a failure
-        return MaterializeResult(metadata={"sweep_id": info["sweep_id"], "axes": member_label(axes),
+        return MaterializeResult(metadata={"label": short_label(axes), "sweep_id": info["sweep_id"],
+                                           "axes": member_label(axes),
                                            "status": "pruned", "reason": res.reason, "run_id": res.run_id,
                                            "trial": trial.trial_number()})
     report_interruptions(context, lk, res.run_id)
     head, tail = run_metadata(run_pictures(lk, tracker, res.run_id, res.mlflow_run_id), tracker, res.run_id,
                               res.mlflow_run_id)
     return MaterializeResult(metadata={
-        **head, "sweep_id": info["sweep_id"], "axes": member_label(axes),
+        "label": short_label(axes), **head, "sweep_id": info["sweep_id"], "axes": member_label(axes),
         "accuracy": res.final_accuracy, "start_accuracy": res.start_accuracy,
         "checkpoint": MetadataValue.path(str(res.checkpoint.path)), "steps": res.steps, "seconds": res.seconds,
         "attempts": res.attempt, "goodput": res.goodput,
@@ -222,9 +224,11 @@ def _fmt(v: float | None, digits: int = 3) -> float | None:
 
 def _members_table(members, axes: list[str], runs: dict[str, str]) -> MetadataValue:
 
-    cols = ["member", *axes, "status", "accuracy", "ci95_n", "pass_at_k", "reward", "wall_s", "steps", "dagster_run"]
+    cols = ["member", "label", *axes, "status", "accuracy", "ci95_n", "pass_at_k", "reward", "wall_s", "steps",
+            "dagster_run"]
     records = [TableRecord({
-        "member": m.member.rpartition("-")[2], **{a: format_value(m.axes.get(a)) for a in axes}, "status": m.status,
+        "member": m.member.rpartition("-")[2], "label": m.label, **{a: format_value(m.axes.get(a)) for a in axes},
+        "status": m.status,
         "accuracy": _fmt(m.accuracy), "ci95_n": m.accuracy_text().partition(" ")[2],
         "pass_at_k": _fmt(m.pass_at_k), "reward": _fmt(m.reward),
         "wall_s": _fmt(m.wall_s, 1), "steps": m.steps, "dagster_run": runs.get(m.member, "")[:8]})

@@ -31,8 +31,10 @@ WIDTH_IN, HEIGHT_IN, DPI = 6.4, 3.6, 100  # 640 x 360 px: readable in the Dagste
 # Pictures drawn inside the Dagster UI's metadata table: 480 x 270 px (a sweep overlay 600 x 360) fit its value
 # column beside the key and timestamp columns on a laptop screen; the same figure, every element scaled.
 INLINE_DPI = 75
-# The sweep overlay has two panels and a legend of up to a few dozen members: 800 x 480 px.
-SWEEP_WIDTH_IN, SWEEP_HEIGHT_IN = 8.0, 4.8
+# The sweep overlay has two panels and a legend of up to a few dozen members: 640 x 420 px, inline 480 x 315, as
+# wide as the other pictures: the value column of the Dagster UI's metadata table is narrower than 600 px on an
+# asset's overview at a 1600 px wide window (a 600 px picture was cut on the right there).
+SWEEP_WIDTH_IN, SWEEP_HEIGHT_IN = 6.4, 4.2
 # A numeric axis whose positive values span at least this ratio (two decades) is drawn on a log
 # scale: learning rates and KL coefficients are swept geometrically.
 LOG_SPAN = 100.0

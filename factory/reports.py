@@ -23,7 +23,7 @@ from factory.envs.eval_suites import HELD_OUT
 from factory.intervals import Accuracy, Interval, accuracy_text, mean_interval, verdict, welch
 from factory.lake.results import RunOutcome, outcomes_from_evals
 from factory.lake.writer import Lake
-from factory.sweep import member_label
+from factory.sweep import short_label
 from factory.tracking import Tracker
 
 CURVES, EVALS = "plots/curves.png", "plots/evals.png"
@@ -94,7 +94,7 @@ def _evals_png(evals: list[dict], title: str, benchmarks: list[str] | None = Non
 class MemberFigures:
     member: str
     axes: dict[str, Any]
-    label: str  # the member told apart by its axis values
+    label: str  # the member told apart by its axis values, `lr=3e-4,seed=1` (factory/sweep.py short_label)
     status: str
     run_id: str | None
     mlflow_run_id: str | None
@@ -117,7 +117,7 @@ class MemberFigures:
 class PointFigures:
     """One point of a sweep (its axis values other than `seed`) over the seeds it was trained with."""
 
-    label: str  # `algorithm.lr=0.0003`
+    label: str  # its axis values other than `seed`, `lr=3e-4`
     members: list[str]
     seeds: list[Any]
     accuracies: list[float]  # one per seed, in `seeds` order
@@ -188,7 +188,7 @@ def seed_points(done: list[MemberFigures]) -> tuple[list[PointFigures], str]:
         return [], ""
     groups: dict[str, list[MemberFigures]] = {}
     for m in done:
-        groups.setdefault(member_label({k: v for k, v in m.axes.items() if k != SEED}), []).append(m)
+        groups.setdefault(short_label({k: v for k, v in m.axes.items() if k != SEED}), []).append(m)
     points = []
     for label, ms in groups.items():
         ms = sorted(ms, key=lambda m: json.dumps(m.axes.get(SEED)))
@@ -234,7 +234,7 @@ def best_members(done: list[MemberFigures]) -> tuple[list[str], str]:
 
 
 def _name(m: MemberFigures) -> str:
-    """A member as a verdict names it: its short key and axis values (`m001 (algorithm.lr=0.0003)`)."""
+    """A member as a verdict names it: its short key and axis values (`m001 (lr=3e-4)`)."""
     short = m.member.rpartition("-")[2]
     return f"{short} ({m.label})" if m.label else short
 
@@ -267,7 +267,7 @@ def _figures(row: dict, steps: list[dict], evals: list[dict], run: dict | None,
     if run and run.get("ended_at") and run.get("started_at"):
         wall = (run["ended_at"] - run["started_at"]).total_seconds()
     return MemberFigures(
-        member=row["member"], axes=axes, label=member_label(axes), status=row["status"], run_id=row["run_id"],
+        member=row["member"], axes=axes, label=short_label(axes), status=row["status"], run_id=row["run_id"],
         mlflow_run_id=run.get("mlflow_run_id") if run else None,
         # The run's result from its evals (with n); a member with none yet shows its `sweeps` row's figure.
         accuracy=outcome.accuracy if outcome and outcome.primary else row["final_accuracy"],

@@ -38,6 +38,7 @@ from factory.home import FactoryPaths
 from factory.sweep_search import SearchParam, search_errors
 
 SWEEP_TAG, MEMBER_TAG, WARM_START_TAG = "factory/sweep_id", "factory/member", "factory/warm_start"
+LABEL_TAG = "factory/label"  # run tag: a member's axis values as people read them (`short_label`: lr=3e-4,seed=1)
 AXIS_TAG_PREFIX = "axis/"  # one run tag per axis: axis/algorithm.lr = 0.0003
 MAX_MEMBERS = 1024
 
@@ -340,6 +341,24 @@ def format_value(v: Any) -> str:
 def member_label(values: dict[str, Any]) -> str:
     """`algorithm.lr=0.0003 seed=0`: a member told apart by its axis values."""
     return " ".join(f"{k}={format_value(v)}" for k, v in values.items())
+
+
+def short_label(values: dict[str, Any]) -> str:
+    """`lr=3e-4,seed=1`: a member as a person reads it in a legend or a table; each axis named by its last path
+    segment (its whole path where two axes end the same), small and large floats in short exponent form."""
+    if not values:
+        return "(base)"
+    lasts = [k.rpartition(".")[2] for k in values]
+    names = [last if lasts.count(last) == 1 else k for k, last in zip(values, lasts, strict=True)]
+    return ",".join(f"{n}={_compact(v)}" for n, v in zip(names, values.values(), strict=True))
+
+
+def _compact(v: Any) -> str:
+    """An axis value in few characters: 3e-4 for 0.0003, 1e-5 for 1e-05 (else as `format_value`)."""
+    if isinstance(v, float) and v != 0.0 and (abs(v) < 1e-2 or abs(v) >= 1e5):
+        mantissa, _, exponent = f"{v:.6e}".partition("e")
+        return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
+    return format_value(v)
 
 
 def axis_tags(values: dict[str, Any]) -> dict[str, str]:

@@ -17,6 +17,7 @@ from factory.deploy.target import executor, profile_name
 from jobs.data import blend_job, prompt_stats_sensor
 from jobs.evals import checkpoint_eval_job, eval_schedule, new_checkpoint_evals
 from jobs.preflight import preflight_job, preflight_schedule
+from jobs.sweep_live import sweep_live
 from jobs.sweeps import (
     sweep,
     sweep_control,
@@ -71,7 +72,7 @@ defs = Definitions(
     asset_checks=ALL_CHECKS,
     jobs=[quickstart, blend_job(DATA_ASSETS), sweep, sweep_control, sweep_warm_start_job, sweep_member_job,
           sweep_summary_job, checkpoint_eval_job, preflight_job],
-    sensors=[sweep_launcher, sweep_summarizer, new_checkpoint_evals, prompt_stats_sensor],
+    sensors=[sweep_launcher, sweep_summarizer, sweep_live, new_checkpoint_evals, prompt_stats_sensor],
     schedules=[eval_schedule, preflight_schedule],
     resources=RESOURCES,
     executor=executor(),  # FACTORY_PROFILE=k8s: the k8s_job_executor (a pod per step); else Dagster's default

@@ -46,6 +46,7 @@ from assets._retries import TRAINING_TAGS
 from assets.sweeps import sweep_member_run, sweep_members, sweep_summary, sweep_warm_start, sweeps, warm_starts
 from factory.config import SpecError, parse_overrides
 from factory.sweep import (
+    LABEL_TAG,
     MEMBER_TAG,
     SWEEP_TAG,
     WARM_START_TAG,
@@ -57,6 +58,7 @@ from factory.sweep import (
     read_control,
     read_sweep,
     set_control,
+    short_label,
     sweep_dir,
     write_sweep,
     write_warm_start_spec,
@@ -281,6 +283,7 @@ def sweep_launcher(context: SensorEvaluationContext, home: FactoryHomeResource, 
         # run_key = member key: Dagster never launches the same key twice, even if state is lost.
         requests += [RunRequest(job_name=sweep_member_job.name, run_key=key, partition_key=key,
                                 tags={SWEEP_TAG: sweep_id, MEMBER_TAG: key, KIND_TAG: "sweep_member",
+                                      LABEL_TAG: short_label(by_key[key]["values"])[:63],  # lr=3e-4,seed=1
                                       **axis_tags(by_key[key]["values"]), **_trial_tag(by_key[key])})
                      for key in launch.members]
         if launch.finished and (not tpe or info.get("search_done")):

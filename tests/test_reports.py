@@ -28,15 +28,15 @@ def test_a_best_member_inside_the_noise_is_no_win(lake):
     assert [m.member for m in cmp.members] == ["s-m001", "s-m000", "s-m002"]
     assert cmp.members[0].accuracy_text() == "0.722 [0.681, 0.759] n=500"
     assert cmp.best == ["s-m001", "s-m000"]  # m002 is significantly worse; m000 is not
-    assert cmp.verdict == ("no significant difference between m001 (algorithm.lr=0.003) and m000 "
-                           "(algorithm.lr=0.001) (diff +0.020 [-0.036, +0.076], n=500 each)")
+    assert cmp.verdict == ("no significant difference between m001 (lr=3e-3) and m000 "
+                           "(lr=1e-3) (diff +0.020 [-0.036, +0.076], n=500 each)")
 
 
 def test_a_best_member_well_ahead_wins(lake):
     _sweep(lake, "w", [0.6, 0.8])
     cmp = compare_sweep(lake, "w")
     assert cmp.best == ["w-m001"]
-    assert cmp.verdict.startswith("m001 (algorithm.lr=0.003) wins (diff +0.200 [+0.")
+    assert cmp.verdict.startswith("m001 (lr=3e-3) wins (diff +0.200 [+0.")
 
 
 def test_members_known_only_by_their_sweeps_row_tie_on_equal_accuracy(lake):
@@ -61,18 +61,18 @@ def _seed_sweep(lake, sweep_id: str, by_lr: dict[float, list[float]], n: int = 5
 def test_a_seed_axis_ranks_points_by_their_mean_over_seeds(lake):
     _seed_sweep(lake, "k", {3e-3: [0.60, 0.61, 0.62], 1e-3: [0.70, 0.72, 0.71]})
     cmp = compare_sweep(lake, "k")
-    assert [p.label for p in cmp.points] == ["algorithm.lr=0.001", "algorithm.lr=0.003"]
+    assert [p.label for p in cmp.points] == ["lr=1e-3", "lr=3e-3"]
     top = cmp.points[0]
     assert (top.seeds, top.accuracies, top.n) == ([0, 1, 2], [0.70, 0.72, 0.71], 500)
     assert top.text() == "0.710 [0.685, 0.735] over 3 seeds, n=500 each"
-    assert cmp.point_verdict == "algorithm.lr=0.001 wins (mean diff +0.100 [+0.077, +0.123], 3 and 3 seeds)"
+    assert cmp.point_verdict == "lr=1e-3 wins (mean diff +0.100 [+0.077, +0.123], 3 and 3 seeds)"
 
 
 def test_points_whose_seeds_overlap_are_no_win(lake):
     _seed_sweep(lake, "o", {1e-3: [0.70, 0.74, 0.66], 3e-3: [0.69, 0.71, 0.67]})
     cmp = compare_sweep(lake, "o")
-    assert cmp.point_verdict.startswith("no significant difference between algorithm.lr=0.001 and "
-                                        "algorithm.lr=0.003 (mean diff +0.010 [-")
+    assert cmp.point_verdict.startswith("no significant difference between lr=1e-3 and "
+                                        "lr=3e-3 (mean diff +0.010 [-")
 
 
 def test_a_sweep_without_a_seed_axis_has_no_points(lake):

@@ -15,6 +15,7 @@ from factory.sweep import (
     read_member,
     read_sweep,
     read_warm_start_spec,
+    short_label,
     sweep_dir,
     sweep_id_of,
     write_sweep,
@@ -154,3 +155,14 @@ def test_seeds_repeat_every_point_as_the_seed_axis():
         plan_sweep(SweepDefinition(base_spec=BASE, axes={"seed": [0]}, seeds=[1]))
     with pytest.raises(SweepError, match=r"seeds: each seed once, got \[1, 1\]"):
         plan_sweep(SweepDefinition(base_spec=BASE, axes={"algorithm.lr": [1e-5]}, seeds=[1, 1]))
+
+
+def test_a_members_short_label_names_each_axis_by_its_last_segment_with_compact_values():
+    assert short_label({"algorithm.lr": 3e-4, "seed": 1}) == "lr=3e-4,seed=1"
+    assert short_label({"algorithm.lr": 0.001, "algorithm.kl_coef": 0.05, "rollout.temperature": 1.0}) == \
+        "lr=1e-3,kl_coef=0.05,temperature=1.0"
+    assert short_label({"algorithm.lr": 1e-5, "sft.stop_at_accuracy": None, "x.flag": True}) == \
+        "lr=1e-5,stop_at_accuracy=null,flag=true"
+    # two axes ending the same are told apart by their whole path
+    assert short_label({"sft.lr": 1e-4, "algorithm.lr": 2.5e-6, "seed": 0}) == "sft.lr=1e-4,algorithm.lr=2.5e-6,seed=0"
+    assert short_label({}) == "(base)"

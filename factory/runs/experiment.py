@@ -53,7 +53,8 @@ def run_sweep_member(spec: ExperimentSpec, paths: FactoryPaths, lake: Lake, trac
     run_id = run_id or new_run_id(spec)
     row = dict(sweep_id=sweep_id, member=member, name=sweep_name, axes=json.dumps(axes, sort_keys=True),
                spec=spec.to_json(), mlflow_parent_run_id=mlflow_parent_run_id, created_at=created)
-    lake.upsert("sweeps", [dict(row, status="running", recorded_at=now())])
+    # the run id from the start: the live sweep page (factory/sweep_live.py) finds its steps while it trains
+    lake.upsert("sweeps", [dict(row, status="running", run_id=run_id, recorded_at=now())])
     try:
         splits = load_dataset(build_dataset(spec, paths).path)
         sft = cached_sft_checkpoint(spec, paths, splits, log=log, progress=progress)

@@ -169,6 +169,7 @@ def test_one_warm_start_then_members_within_the_limit_then_evals_then_the_summar
         assert md["mlflow_run_id"].value.startswith("http://127.0.0.1:5000/#/experiments/")
         assert md["pictures"].value.count("data:image/png;base64,") == 2  # curves and evals, no MLflow UI needed
         assert md["axes"].value.startswith("algorithm.lr=")
+        assert md["label"].value.startswith("lr=") and tags["factory/label"] == md["label"].value  # axis values
 
     # 3. The summary comes as soon as the members have ended, naming the evals still owed (their final checkpoints
     # x 2 benchmarks); the evals then go one at a time (the eval limit), and the summary is drawn again once they

@@ -1,0 +1,137 @@
+"""Browser test: a running sweep's page in the cockpit of `make ui`, kept current by the daemon's `sweep_live` tick.
+
+A sweep of six members (three learning rates, two seeds) is launched with the `sweep` job and paused, so nothing
+trains; its members' state is written into the lake as the trainer writes it (one done, one training, one resumed
+after a kill, one pruned, one failed, one queued). Then the cockpit (dagster dev with its daemon, and the MLflow UI)
+starts, the daemon's tick records the observation, and chromium (Playwright) opens `sweep_summary` at the sweep's
+partition in a 1600 px window: the members' curves are drawn in place from the MLflow UI, every member's status
+is listed by its axis values, and the picture and the table fit the metadata table's value column (they were cut
+on the right). The screenshot goes to test-artifacts/e2e/live_sweep.png on every run.
+
+Skipped where chromium or playwright is missing, unless FACTORY_REQUIRE_BROWSER=1.
+"""
+
+import os
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from tests.polling import wait_for
+
+ROOT = Path(__file__).parents[2]
+CHROMIUM = "/usr/bin/chromium"
+ARTIFACTS = ROOT / "test-artifacts" / "e2e"
+TINY = ["model.preset=micro", "task.n_train=200", "task.n_eval=20", "sft.steps=10", "sft.stop_at_accuracy=null",
+        "rollout.prompts_per_step=4", "algorithm.group_size=4", "schedule.steps=40", "schedule.eval_pass_k=2"]
+# Each picture and table of the metadata table: its right edge, and the nearest right edge that cuts it (of an
+# ancestor that clips its overflow, or the window).
+FITS = """() => Array.from(document.querySelectorAll('td img, td table')).map(e => {
+  let clip = window.innerWidth;
+  for (let a = e.parentElement; a; a = a.parentElement) {
+    if (getComputedStyle(a).overflowX !== 'visible') clip = Math.min(clip, a.getBoundingClientRect().right);
+  }
+  return [e.tagName, Math.round(e.getBoundingClientRect().right), Math.round(clip)];
+})"""
+
+
+def _require_browser():
+    try:
+        import playwright  # noqa: F401
+    except ImportError:
+        missing = "the playwright package"
+    else:
+        missing = None if Path(CHROMIUM).exists() else CHROMIUM
+    if missing:
+        if os.environ.get("FACTORY_REQUIRE_BROWSER") == "1":
+            pytest.fail(f"browser test required but {missing} is not installed (.ci/run installs it)")
+        pytest.skip(f"{missing} is not installed")
+
+
+def _partly_trained_sweep(instance, paths) -> str:
+    """A paused sweep whose members' `sweeps`, `steps`, `evals` and `interruptions` rows say they are part way."""
+    from dagster._daemon.types import DaemonHeartbeat
+    from pyiceberg.expressions import EqualTo
+
+    from factory.lake import Lake
+    from factory.sweep import set_control
+    from jobs import defs
+
+    instance.add_daemon_heartbeat(DaemonHeartbeat(time.time(), "SENSOR", None, []))  # the sweep job asks for one
+    res = defs.resolve_job_def("sweep").execute_in_process(run_config={"ops": {"plan_and_queue_sweep": {"config": {
+        "name": "live", "base_spec": str(ROOT / "examples" / "quickstart.yaml"), "overrides": TINY,
+        "axes": {"algorithm.lr": [1e-3, 3e-4, 1e-2], "seed": [0, 1]}}}}}, instance=instance)
+    sweep_id = res.output_for_node("plan_and_queue_sweep")["sweep_id"]
+    set_control(paths, sweep_id, paused=True)  # nothing launches: the members' state is written below
+    t0 = datetime.now(UTC) - timedelta(minutes=5)
+    with Lake.open(paths) as lake:
+        def member(i: int, **fields) -> None:
+            (row,) = lake.read("sweeps", EqualTo("member", f"{sweep_id}-m00{i}")).to_pylist()
+            lake.upsert("sweeps", [dict(row, **fields, recorded_at=datetime.now(UTC))])
+
+        def steps(run: str, numbers, attempt: int = 1, base: float = 0.1) -> None:
+            lake.upsert("steps", [dict(run_id=run, step=s, weight_version=s, reward_mean=min(1.0, base + 0.015 * s),
+                                       attempt=attempt, recorded_at=t0 + timedelta(seconds=6 * s)) for s in numbers])
+
+        def held_out(run: str, step: int, value: float) -> None:
+            lake.upsert("evals", [dict(run_id=run, step=step, benchmark="arithmetic_heldout", metric="accuracy",
+                                       value=value, n=500, recorded_at=t0)])
+
+        member(0, status="succeeded", run_id="r0", final_accuracy=0.62)
+        steps("r0", range(1, 41), base=0.2)
+        for s, v in ((10, 0.41), (20, 0.5), (30, 0.58), (40, 0.62)):
+            held_out("r0", s, v)
+        member(1, status="running", run_id="r1")
+        steps("r1", range(1, 24), base=0.15)
+        held_out("r1", 10, 0.38)
+        member(2, status="running", run_id="r2")
+        steps("r2", range(1, 13))
+        steps("r2", range(11, 19), attempt=2)
+        lake.upsert("interruptions", [dict(run_id="r2", attempt=1, cause="killed", last_step=12, resumed_from_step=10,
+                                           steps_lost=2, recorded_at=t0)])
+        member(3, status="pruned", run_id="r3", reason="below the median of finished trials at step 10")
+        steps("r3", range(1, 11), base=0.02)
+        member(4, status="failed")
+    return sweep_id
+
+
+@pytest.mark.slow
+def test_a_running_sweeps_page_shows_its_members_curves_and_statuses_within_the_page(tmp_path, monkeypatch):
+    _require_browser()
+    from dagster import AssetKey, DagsterInstance
+    from playwright.sync_api import sync_playwright
+
+    from factory.home import factory_home
+    from factory.ops.cockpit import cockpit, ensure_instance_yaml
+
+    paths = factory_home(tmp_path / "factory-home")
+    ensure_instance_yaml(paths.dagster_home)  # the instance settings `make ui` uses
+    monkeypatch.setenv("FACTORY_HOME", str(paths.root))
+    monkeypatch.setenv("DAGSTER_HOME", str(paths.dagster_home))
+    with DagsterInstance.get() as instance:
+        sweep_id = _partly_trained_sweep(instance, paths)
+        with cockpit(paths.root) as (dagster, mlflow):
+            wait_for("the daemon's sweep_live observation", lambda: instance.fetch_observations(
+                AssetKey("sweep_summary"), limit=1).records, limit_s=300, every_s=1.0)
+            with sync_playwright() as p:
+                browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+                page = browser.new_page(viewport={"width": 1600, "height": 1600})
+                try:
+                    page.goto(f"{dagster.url}/assets/sweep_summary?partition={sweep_id}", timeout=120_000)
+                    page.get_by_text("members_table", exact=True).wait_for(timeout=120_000)
+                    page.wait_for_function(  # the curves, served by the MLflow UI
+                        "u => Array.from(document.images).some(i => i.src.startsWith(u) && i.complete && "
+                        "i.naturalWidth > 0)", arg=mlflow.url, timeout=60_000)
+                    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+                    page.screenshot(path=str(ARTIFACTS / "live_sweep.png"), full_page=True)
+                    for status in ("done", "training", "resumed", "pruned", "failed", "queued"):
+                        page.get_by_role("cell", name=status, exact=True).first.wait_for(timeout=10_000)
+                    page.get_by_text("lr=3e-4,seed=0", exact=True).wait_for(timeout=10_000)
+                    page.get_by_text("resumed from step 10 after attempt 1 was killed").wait_for(timeout=10_000)
+                    placed = page.evaluate(FITS)
+                    assert {tag for tag, _, _ in placed} == {"IMG", "TABLE"}, placed
+                    assert all(right <= clip for _, right, clip in placed), placed  # nothing cut on the right
+                finally:
+                    browser.close()
+
