@@ -27,7 +27,7 @@ from pyiceberg.expressions import EqualTo
 from assets._metadata import embedded, inline_picture
 from assets.sweeps import sweep_member_run
 from assets.training import grpo_run
-from factory.deploy.target import op_tags
+from factory.deploy.target import op_tags, profile_name
 from factory.envs.eval_suites import BENCHMARKS
 from factory.runs.checkpoint_eval import evaluate_recorded_checkpoint, parse_checkpoint_key, regression_check
 from resources import FactoryHomeResource, LakeResource, MlflowResource
@@ -62,6 +62,10 @@ class CheckpointEvalConfig(Config):
     regression_tolerance: float = Field(
         0.05, description="the no_regression check fails when accuracy drops by more than this (absolute) from "
         "the same run's previous evaluated checkpoint on the same benchmark")
+    eval_server: bool = Field(
+        True, description="evaluate through the home's eval server (factory/runs/eval_server.py; started on demand, "
+        "exits when idle): no torch import or model start-up in this run's process. Falls back to evaluating "
+        "in-process when the server cannot start or gives no answer. Off under FACTORY_PROFILE=k8s (a pod per step).")
 
 
 # The check is partitioned like the asset, so the UI judges each execution against its own partition's latest
@@ -91,7 +95,7 @@ def checkpoint_eval(context: AssetExecutionContext, config: CheckpointEvalConfig
         raise Failure(str(e)) from None
     lk, tracker = lake.lake(), mlflow.tracker()
     try:
-        res = evaluate_recorded_checkpoint(home.paths(), lk, run_id, step, key["benchmark"])
+        res = _evaluate(context, config, home.paths(), lk, run_id, step, key["benchmark"])
     except (LookupError, ValueError) as e:
         raise Failure(f"checkpoint {key['checkpoint']} on {key['benchmark']}: {e}") from None
     how = "reused the training run's own result for this checkpoint" if res.reused else "evaluated"
@@ -114,6 +118,19 @@ def checkpoint_eval(context: AssetExecutionContext, config: CheckpointEvalConfig
     reg = regression_check(lk, run_id, step, res.benchmark, res.accuracy, config.regression_tolerance)
     yield AssetCheckResult(check_name="no_regression", passed=reg.passed, metadata=_check_metadata(
         res, reg, config.regression_tolerance, picture))
+
+
+def _evaluate(context: AssetExecutionContext, config: CheckpointEvalConfig, paths, lk, run_id: str, step: int,
+              benchmark: str):
+    """The eval, by the home's eval server when it answers (this process stays torch-free), else in-process."""
+    from factory.runs.eval_server import EvalServerUnavailable, evaluate_remote
+
+    if config.eval_server and profile_name() != "k8s":
+        try:
+            return evaluate_remote(paths, run_id, step, benchmark)
+        except EvalServerUnavailable as e:
+            context.log.warning(f"evaluating in this process instead of the eval server: {e}")
+    return evaluate_recorded_checkpoint(paths, lk, run_id, step, benchmark)
 
 
 def _check_metadata(res, reg, tolerance: float, picture: bytes | None) -> dict:
