@@ -3,7 +3,7 @@ requests, 127.0.0.1 only, one server for concurrent starters, a crash mid-eval t
 and makes the `checkpoint_eval` asset evaluate in-process, a run worker that stays torch-free when the server
 answers, and no server left behind (each test stops its own; the module checks none remain).
 
-A real micro model trained here (2-digit additions, 400 SFT steps: accuracy well above zero, so agreement means
+A real micro model trained here (2-digit additions, 800 SFT steps: accuracy well above zero, so agreement means
 something), a real lake, real server processes, real Dagster materializations."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SPEC = {"seed": 0, "name": "evsrv", "model": {"preset": "micro"},
         "task": {"digits": [2], "operations": ["add"], "n_train": 1000, "n_eval": 60, "reverse_answer": True,
                  "reverse_operands": True},
-        "sft": {"steps": 400, "stop_at_accuracy": None, "lr": 3e-3},
+        "sft": {"steps": 800, "stop_at_accuracy": None, "lr": 3e-3},
         "algorithm": {"lr": 1e-7, "group_size": 2},
         "rollout": {"max_new_tokens": 3, "prompts_per_step": 2},
         "schedule": {"steps": 2, "checkpoint_every": 1, "eval_pass_k": 2}, "trainer": {"threads": 1}}
@@ -73,7 +73,7 @@ def trained(tmp_path_factory):
     spec = parse_spec(SPEC)
     splits = load_dataset(build_dataset(spec, home).path)
     sft = train_sft_checkpoint(spec, home, splits, log=lambda _: None)
-    assert sft.accuracy >= 0.2, sft.accuracy  # something for the two ways to agree on
+    assert sft.accuracy >= 0.3, sft.accuracy  # something for the two ways to agree on
     with Lake.open(home) as lake:
         run = run_rl(spec, home, sft.checkpoint.path, splits, lake, Tracker(home), log=lambda _: None)
     yield home, run.run_id
@@ -131,7 +131,7 @@ def test_the_server_gives_the_in_process_result(server):
     assert not any(r.reused for r in remote + local)
     assert remote == local  # accuracy, pass@k, n, digest: every field
     assert rows_remote == rows_local and len(rows_remote) >= 4  # accuracy and pass@2 of each step, at least
-    assert all(r.accuracy >= 0.2 and r.pass_at_k is not None for r in remote), remote
+    assert all(r.accuracy >= 0.3 and r.pass_at_k is not None for r in remote), remote
     # a third ask of the same checkpoint reuses the rows, as in-process does
     assert evaluate_remote(home, run_id, 1, "heldout", start=False).reused
 
