@@ -22,14 +22,13 @@ from dagster import (
     asset,
 )
 from pydantic import Field
-from pyiceberg.expressions import EqualTo
 
 from assets._metadata import embedded, inline_picture
 from assets.sweeps import sweep_member_run
 from assets.training import grpo_run
 from factory.deploy.target import op_tags, profile_name
 from factory.envs.eval_suites import BENCHMARKS
-from factory.runs.checkpoint_eval import evaluate_recorded_checkpoint, parse_checkpoint_key, regression_check
+from factory.runs.checkpoint_eval import evaluate_and_draw, parse_checkpoint_key, regression_check
 from resources import FactoryHomeResource, LakeResource, MlflowResource
 
 
@@ -86,28 +85,24 @@ def checkpoint_eval(context: AssetExecutionContext, config: CheckpointEvalConfig
                     lake: LakeResource, mlflow: MlflowResource):
     """One checkpoint recorded by a training run (`grpo_run`, a sweep member) scored on one benchmark (held-out
     split or a shipped suite); rows land in `evals`, and the run's held-out accuracy by step is redrawn."""
-    from factory.reports import EVALS, refresh_evals_picture, small  # heavy: mlflow, matplotlib, when the step runs
-
     key = context.partition_key.keys_by_dimension
     try:
         run_id, step = parse_checkpoint_key(key["checkpoint"])
     except ValueError as e:
         raise Failure(str(e)) from None
-    lk, tracker = lake.lake(), mlflow.tracker()
+    lk = lake.lake()
     try:
-        res = _evaluate(context, config, home.paths(), lk, run_id, step, key["benchmark"])
+        drawn = _evaluate(context, config, home.paths(), lk, mlflow, run_id, step, key["benchmark"])
     except (LookupError, ValueError) as e:
         raise Failure(f"checkpoint {key['checkpoint']} on {key['benchmark']}: {e}") from None
+    res, picture = drawn.result, drawn.picture
     how = "reused the training run's own result for this checkpoint" if res.reused else "evaluated"
     context.log.info(f"{run_id} step {step} on {res.benchmark}: accuracy {res.accuracy:.3f} (n={res.n}; {how})")
-    picture = refresh_evals_picture(lk, tracker, run_id, res.benchmark)
-    runs = lk.read("runs", EqualTo("run_id", run_id)).select(["mlflow_run_id"]).to_pylist()
-    mlflow_run_id = runs[0]["mlflow_run_id"] if runs else None
     metadata = {}
-    if mlflow_run_id:
+    if drawn.evals_url:
         metadata["evals"] = inline_picture(
             f"held-out accuracy by step of {run_id}, every benchmark (served by the MLflow UI; without it, open "
-            "`pictures`)", tracker.artifact_url(mlflow_run_id, small(EVALS)))
+            "`pictures`)", drawn.evals_url)
     # Step and n as text: numeric metadata is plotted across partitions, which would join unrelated runs.
     metadata |= {"run_id": run_id, "step": MetadataValue.text(str(step)), "benchmark": res.benchmark,
                  "accuracy": res.accuracy, "n": MetadataValue.text(str(res.n)), "reused": res.reused,
@@ -120,9 +115,10 @@ def checkpoint_eval(context: AssetExecutionContext, config: CheckpointEvalConfig
         res, reg, config.regression_tolerance, picture))
 
 
-def _evaluate(context: AssetExecutionContext, config: CheckpointEvalConfig, paths, lk, run_id: str, step: int,
-              benchmark: str):
-    """The eval, by the home's eval server when it answers (this process stays torch-free), else in-process."""
+def _evaluate(context: AssetExecutionContext, config: CheckpointEvalConfig, paths, lk, mlflow: MlflowResource,
+              run_id: str, step: int, benchmark: str):
+    """The eval and its picture, by the home's eval server when it answers (this process then imports neither torch
+    nor mlflow nor matplotlib), else in-process."""
     from factory.runs.eval_server import EvalServerUnavailable, evaluate_remote
 
     if config.eval_server and profile_name() != "k8s":
@@ -130,13 +126,13 @@ def _evaluate(context: AssetExecutionContext, config: CheckpointEvalConfig, path
             return evaluate_remote(paths, run_id, step, benchmark)
         except EvalServerUnavailable as e:
             context.log.warning(f"evaluating in this process instead of the eval server: {e}")
-    return evaluate_recorded_checkpoint(paths, lk, run_id, step, benchmark)
+    return evaluate_and_draw(paths, lk, mlflow.tracker(), run_id, step, benchmark)
 
 
 def _check_metadata(res, reg, tolerance: float, picture: bytes | None) -> dict:
     """What the check shows: every figure as text, so the UI does not plot them across runs and benchmarks
     (its plots join executions in wall-clock order), and the picture of this run and benchmark alone."""
-    from factory.plots import markdown_image  # heavy: matplotlib, when the check runs
+    from factory.text import markdown_image
 
     if reg.previous_step is None:
         compared = "nothing: the run's first evaluated checkpoint on this benchmark"

@@ -2,15 +2,17 @@
 pay a process start, the torch/transformers imports and the lake's opening per partition.
 
 `serve` (run as `factory eval-serve` or `python -m factory.runs.eval_server`) binds 127.0.0.1 and answers
-`POST /eval {"run_id", "step", "benchmark"}` with the record `evaluate_recorded_checkpoint` returns in-process
-(the same function, so the same digest check, reuse of recorded rows, rows written to `evals`, and generated code
-scored through the sandbox pool as every eval does); `GET /health` says who it is. Evals run one at a time; the
+`POST /eval {"run_id", "step", "benchmark"}` with what `evaluate_and_draw` returns in-process: the eval's record
+and the run's redrawn evals-by-step picture (the same function, so the same digest check, reuse of recorded rows,
+rows written to `evals`, picture stored on the MLflow run, and generated code scored through the sandbox pool as
+every eval does); `GET /health` says who it is. Evals run one at a time; the
 server exits after `idle_s` without a request.
 
-The client side (`evaluate_remote`, `live_server`, `start_server`) is torch-free: the `checkpoint_eval` asset's run
-worker imports only this module's top. A server is found through `<FACTORY_HOME>/run/eval-server.json` (its pid and
-port), checked alive by `GET /health` (pid and home must match: a reused pid or another home's server is not it),
-and started on demand as a detached process under a file lock, so two evals never start two servers.
+The client side (`evaluate_remote`, `live_server`, `start_server`) imports neither torch nor mlflow nor matplotlib:
+the `checkpoint_eval` asset's run worker imports only this module's top. A server is found through
+`<FACTORY_HOME>/run/eval-server.json` (its pid and port), checked alive by `GET /health` (pid and home must match:
+a reused pid or another home's server is not it), and started on demand as a detached process under a file lock,
+so two evals never start two servers.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Any
 
 from factory.home import FactoryPaths, factory_home, file_lock
 from factory.infra.faults import fault_point
-from factory.runs.checkpoint_eval import CheckpointEval
+from factory.runs.checkpoint_eval import CheckpointEval, DrawnEval
 
 HOST = "127.0.0.1"
 DEFAULT_IDLE_S = 600.0  # a demo's evals come every sensor tick (15 s); a quiet hour should not hold the memory
@@ -72,9 +74,11 @@ class _State:
 
     def __init__(self, paths: FactoryPaths) -> None:
         from factory.lake.writer import Lake
+        from factory.tracking import Tracker
 
         self.paths = paths
         self.lake = Lake.open(paths)
+        self.tracker = Tracker(paths)
         self.eval_lock = threading.Lock()
         self.last = time.monotonic()
         self.busy = 0
@@ -144,13 +148,16 @@ def _handler(state: _State) -> type[BaseHTTPRequestHandler]:
 def _evaluate(state: _State, req: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     """One eval, in turn with the others: 200 and the record, 404 for a checkpoint or run that is not recorded,
     422 for one that cannot be evaluated as asked (digest mismatch, unknown benchmark), 500 for anything else."""
-    from factory.runs.checkpoint_eval import evaluate_recorded_checkpoint
+    import base64
+
+    from factory.runs.checkpoint_eval import evaluate_and_draw
 
     with state.eval_lock:
         state.busy += 1
         try:
             fault_point("eval_server_eval")  # a test's crash of the server mid-eval (FACTORY_FAULT_KILL)
-            res = evaluate_recorded_checkpoint(state.paths, state.lake, req["run_id"], req["step"], req["benchmark"])
+            drawn = evaluate_and_draw(state.paths, state.lake, state.tracker, req["run_id"], req["step"],
+                                      req["benchmark"])
         except LookupError as e:
             return 404, {"error": str(e), "kind": "LookupError"}
         except ValueError as e:
@@ -161,7 +168,8 @@ def _evaluate(state: _State, req: dict[str, Any]) -> tuple[int, dict[str, Any]]:
             state.busy -= 1
             state.last = time.monotonic()
         state.served += 1
-        return 200, {"result": asdict(res)}
+        picture = None if drawn.picture is None else base64.b64encode(drawn.picture).decode("ascii")
+        return 200, {"result": asdict(drawn.result), "picture": picture, "evals_url": drawn.evals_url}
 
 
 class _Server(ThreadingHTTPServer):
@@ -181,6 +189,7 @@ def serve(paths: FactoryPaths, port: int = 0, idle_s: float = DEFAULT_IDLE_S) ->
     removed on the way out when it is still this process's."""
     import signal
 
+    import factory.reports  # noqa: F401 - heavy: mlflow, matplotlib
     import factory.runs.stages  # noqa: F401 - heavy: torch, transformers; paid once, before saying "ready"
 
     state = _State(paths)
@@ -302,8 +311,8 @@ def _tail(path: Path, n: int = 2000) -> str:
 
 
 def evaluate_remote(paths: FactoryPaths, run_id: str, step: int, benchmark: str, *, start: bool = True,
-                    eval_s: float = DEFAULT_EVAL_S) -> CheckpointEval:
-    """`evaluate_recorded_checkpoint` done by the home's eval server (started if `start` and none runs). The
+                    eval_s: float = DEFAULT_EVAL_S) -> DrawnEval:
+    """`evaluate_and_draw` done by the home's eval server (started if `start` and none runs). The
     server's verdicts on the request raise as in-process (LookupError, ValueError, same message);
     EvalServerUnavailable when no server answers with a verdict (none started, it crashed mid-eval, it failed):
     the caller evaluates in-process instead."""
@@ -319,7 +328,11 @@ def evaluate_remote(paths: FactoryPaths, run_id: str, step: int, benchmark: str,
         raise EvalServerUnavailable(f"the eval server (pid {info.pid}) gave no answer: {type(e).__name__}: {e}") \
             from None
     if status == 200:
-        return CheckpointEval(**body["result"])
+        import base64
+
+        picture = body.get("picture")
+        return DrawnEval(CheckpointEval(**body["result"]), None if picture is None else base64.b64decode(picture),
+                         body.get("evals_url"))
     error = body.get("error", "")
     if status == 404 and body.get("kind") == "LookupError":
         raise LookupError(error)

@@ -1,7 +1,7 @@
 """The eval server (factory/runs/eval_server.py): the same results as the in-process eval, clear 4xx answers to bad
 requests, 127.0.0.1 only, one server for concurrent starters, a crash mid-eval that ends the caller's wait at once
-and makes the `checkpoint_eval` asset evaluate in-process, a run worker that stays torch-free when the server
-answers, and no server left behind (each test stops its own; the module checks none remain).
+and makes the `checkpoint_eval` asset evaluate in-process, a run worker that imports no torch, mlflow or matplotlib
+when the server answers, and no server left behind (each test stops its own; the module checks none remain).
 
 A real micro model trained here (2-digit additions, 800 SFT steps: accuracy well above zero, so agreement means
 something), a real lake, real server processes, real Dagster materializations."""
@@ -120,7 +120,8 @@ def test_the_server_gives_the_in_process_result(server):
         for step in (1, 2):
             _forget(lake, run_id, step)
         # two evals in a row: whatever the first leaves in the server's process must not change the second
-        remote = [evaluate_remote(home, run_id, step, "heldout", start=False) for step in (1, 2)]
+        drawn = [evaluate_remote(home, run_id, step, "heldout", start=False) for step in (1, 2)]
+        remote = [d.result for d in drawn]
         rows_remote = sorted((r["step"], r["benchmark"], r["metric"], r["value"], r["n"])
                              for r in lake.read("evals", EqualTo("run_id", run_id)).to_pylist())
         for step in (1, 2):
@@ -133,7 +134,9 @@ def test_the_server_gives_the_in_process_result(server):
     assert rows_remote == rows_local and len(rows_remote) >= 4  # accuracy and pass@2 of each step, at least
     assert all(r.accuracy >= 0.3 and r.pass_at_k is not None for r in remote), remote
     # a third ask of the same checkpoint reuses the rows, as in-process does
-    assert evaluate_remote(home, run_id, 1, "heldout", start=False).reused
+    assert evaluate_remote(home, run_id, 1, "heldout", start=False).result.reused
+    # and the picture the asset shows comes back with it: a PNG, and the MLflow URL of the all-benchmarks one
+    assert all(d.picture.startswith(b"\x89PNG") and "get-artifact" in d.evals_url for d in drawn)
 
 
 def test_bad_requests_get_a_clear_4xx_and_the_server_keeps_serving(server):
@@ -157,7 +160,7 @@ def test_bad_requests_get_a_clear_4xx_and_the_server_keeps_serving(server):
     with pytest.raises(ValueError, match="unknown benchmark"):
         evaluate_remote(home, run_id, 1, "mmlu", start=False)
     assert live_server(home) == info
-    assert evaluate_remote(home, run_id, 2, "heldout", start=False).n == 60
+    assert evaluate_remote(home, run_id, 2, "heldout", start=False).result.n == 60
 
 
 def test_it_listens_on_loopback_only_and_concurrent_starts_share_it(server):
@@ -217,13 +220,14 @@ with DagsterInstance.ephemeral() as instance:
     instance.add_dynamic_partitions("checkpoints", [sys.argv[2]])
     result = materialize([checkpoint_eval], partition_key=str(key), resources=resources(home), instance=instance)
 (mat,) = result.asset_materializations_for_node("checkpoint_eval")
-print(json.dumps({"success": result.success, "torch": "torch" in sys.modules,
-                  "transformers": "transformers" in sys.modules, "accuracy": mat.metadata["accuracy"].value,
-                  "reused": mat.metadata["reused"].value}))
+print(json.dumps({"success": result.success, "heavy": [m for m in ("torch", "transformers", "mlflow", "matplotlib")
+                                                     if m in sys.modules],
+                  "accuracy": mat.metadata["accuracy"].value, "reused": mat.metadata["reused"].value,
+                  "pictures": "pictures" in mat.metadata and "evals" in mat.metadata}))
 """
 
 
-def test_the_asset_stays_torch_free_when_the_server_answers(server):
+def test_the_asset_imports_no_torch_mlflow_or_matplotlib_when_the_server_answers(server):
     home, run_id, info = server
     with Lake.open(home) as lake:
         _forget(lake, run_id, 1)
@@ -234,8 +238,7 @@ def test_the_asset_stays_torch_free_when_the_server_answers(server):
                          env={**os.environ, "PYTHONPATH": str(ROOT), "FACTORY_HOME": str(home.root)})
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.splitlines()[-1])
-    assert got == {"success": True, "torch": False, "transformers": False, "accuracy": expected.accuracy,
-                   "reused": False}
+    assert got == {"success": True, "heavy": [], "accuracy": expected.accuracy, "reused": False, "pictures": True}
     assert live_server(home) == info  # the asset used the running server instead of starting one
     assert _post(info.port, "/health", b"", method="GET")[1]["served"] >= 1
 
