@@ -1,6 +1,7 @@
 """Eval assets: the held-out report of a GRPO run against its SFT start and the more-SFT control, and
 periodic evals of every recorded checkpoint on every benchmark (partitioned checkpoint x benchmark)."""
 
+import os
 import warnings
 
 from dagster import (
@@ -20,6 +21,7 @@ from dagster import (
     PreviewWarning,
     StaticPartitionsDefinition,
     asset,
+    in_process_executor,
 )
 from pydantic import Field
 
@@ -55,6 +57,20 @@ def eval_report(context: AssetExecutionContext, run: dict, lake: LakeResource) -
 checkpoints = DynamicPartitionsDefinition(name="checkpoints")
 benchmarks = StaticPartitionsDefinition(list(BENCHMARKS))
 checkpoint_x_benchmark = MultiPartitionsDefinition({"checkpoint": checkpoints, "benchmark": benchmarks})
+
+
+def _eval_executor():
+    """The eval job's step runs in its run worker, not in a second process: the eval itself is the eval server's, so
+    a step process would only add a Python start and a second load of the code location to each eval (figures in
+    docs/results.md). FACTORY_EVAL_EXECUTOR=multiprocess restores Dagster's default (a process per step); under
+    k8s the code location's executor (a pod per step) stays."""
+    how = os.environ.get("FACTORY_EVAL_EXECUTOR", "in_process").strip().lower()
+    if how not in ("in_process", "multiprocess"):
+        raise ValueError(f"FACTORY_EVAL_EXECUTOR: expected in_process or multiprocess, got {how!r}")
+    return in_process_executor if how == "in_process" and profile_name() != "k8s" else None
+
+
+EVAL_EXECUTOR = _eval_executor()
 
 
 class CheckpointEvalConfig(Config):

@@ -183,14 +183,17 @@ def main() -> None:
     ensure_instance_yaml(dagster_home)
     rows: dict[str, list[dict]] = {"before": [], "after": []}
     try:
-        with DagsterInstance.get() as instance, create_test_daemon_workspace_context(
-                WorkspaceFileTarget(paths=[str(ROOT / "workspace.yaml")]), instance) as wpc:
-            instance.add_dynamic_partitions("checkpoints", [checkpoint_key(run_id, s) for s in steps])
-            for way, use_server in (("before", False), ("after", True)):
-                if way == "after":  # evaluate again for real: the rows "before" wrote would be reused
-                    with Lake.open(paths) as lake:
-                        lake.delete("evals", And(EqualTo("run_id", run_id),
-                                                 EqualTo("benchmark", recorded_name(args.benchmark))))
+        for way, use_server in (("before", False), ("after", True)):
+            # before: Dagster's default executor (a step process per run), as the code location had it; the code
+            # server, started per way, and its run workers read FACTORY_EVAL_EXECUTOR when they load it
+            os.environ["FACTORY_EVAL_EXECUTOR"] = "multiprocess" if way == "before" else "in_process"
+            if way == "after":  # evaluate again for real: the rows "before" wrote would be reused
+                with Lake.open(paths) as lake:
+                    lake.delete("evals", And(EqualTo("run_id", run_id),
+                                             EqualTo("benchmark", recorded_name(args.benchmark))))
+            with DagsterInstance.get() as instance, create_test_daemon_workspace_context(
+                    WorkspaceFileTarget(paths=[str(ROOT / "workspace.yaml")]), instance) as wpc:
+                instance.add_dynamic_partitions("checkpoints", [checkpoint_key(run_id, s) for s in steps])
                 for s in steps:
                     key = checkpoint_key(run_id, s)
                     partition = str(MultiPartitionKey({"checkpoint": key, "benchmark": args.benchmark}))

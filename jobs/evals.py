@@ -21,12 +21,13 @@ from dagster import (
     sensor,
 )
 
-from assets.evals import checkpoint_eval, checkpoints
+from assets.evals import EVAL_EXECUTOR, checkpoint_eval, checkpoints
 from jobs._queue import EVAL_TAGS, OwedEval, free_eval_slots, owed_evals
 from resources import LakeResource
 
 checkpoint_eval_job = define_asset_job("checkpoint_eval_job", selection=[checkpoint_eval], tags=EVAL_TAGS,
-                                       description="Evaluate one checkpoint on one benchmark.")
+                                       description="Evaluate one checkpoint on one benchmark.",
+                                       executor_def=EVAL_EXECUTOR)
 EVAL_CRON = os.environ.get("FACTORY_EVAL_CRON", "0 * * * *")
 
 

@@ -257,3 +257,17 @@ def test_eval_serve_refuses_bad_arguments(tmp_path):
         out = subprocess.run([sys.executable, "-m", "factory.cli", "eval-serve", *args], capture_output=True,
                              text=True, env=env, timeout=120)
         assert out.returncode != 0 and says in out.stderr, out.stderr
+
+
+def test_the_eval_job_runs_its_step_in_the_run_worker_unless_told(monkeypatch):
+    from dagster import in_process_executor
+
+    from assets.evals import _eval_executor
+
+    monkeypatch.delenv("FACTORY_EVAL_EXECUTOR", raising=False)
+    assert _eval_executor() is in_process_executor
+    monkeypatch.setenv("FACTORY_EVAL_EXECUTOR", "multiprocess")
+    assert _eval_executor() is None  # Dagster's default: a process per step
+    monkeypatch.setenv("FACTORY_EVAL_EXECUTOR", "threads")
+    with pytest.raises(ValueError, match="FACTORY_EVAL_EXECUTOR: expected in_process or multiprocess, got 'threads'"):
+        _eval_executor()
