@@ -30,7 +30,7 @@ from assets.sweeps import sweep_member_run
 from assets.training import grpo_run
 from factory.deploy.target import op_tags, profile_name
 from factory.envs.eval_suites import BENCHMARKS
-from factory.runs.checkpoint_eval import evaluate_and_draw, parse_checkpoint_key, regression_check
+from factory.runs.checkpoint_eval import evaluate_and_draw, parse_checkpoint_key
 from resources import FactoryHomeResource, LakeResource, MlflowResource
 
 
@@ -106,9 +106,8 @@ def checkpoint_eval(context: AssetExecutionContext, config: CheckpointEvalConfig
         run_id, step = parse_checkpoint_key(key["checkpoint"])
     except ValueError as e:
         raise Failure(str(e)) from None
-    lk = lake.lake()
     try:
-        drawn = _evaluate(context, config, home.paths(), lk, mlflow, run_id, step, key["benchmark"])
+        drawn = _evaluate(context, config, home.paths(), lake, mlflow, run_id, step, key["benchmark"])
     except (LookupError, ValueError) as e:
         raise Failure(f"checkpoint {key['checkpoint']} on {key['benchmark']}: {e}") from None
     res, picture = drawn.result, drawn.picture
@@ -126,23 +125,24 @@ def checkpoint_eval(context: AssetExecutionContext, config: CheckpointEvalConfig
     if picture is not None:
         metadata["pictures"] = embedded({f"{run_id} on {res.benchmark}": picture})
     yield MaterializeResult(metadata=metadata, data_version=DataVersion(f"{res.sha256[:16]}-{res.accuracy:.6f}"))
-    reg = regression_check(lk, run_id, step, res.benchmark, res.accuracy, config.regression_tolerance)
+    reg = drawn.regression
     yield AssetCheckResult(check_name="no_regression", passed=reg.passed, metadata=_check_metadata(
         res, reg, config.regression_tolerance, picture))
 
 
-def _evaluate(context: AssetExecutionContext, config: CheckpointEvalConfig, paths, lk, mlflow: MlflowResource,
-              run_id: str, step: int, benchmark: str):
-    """The eval and its picture, by the home's eval server when it answers (this process then imports neither torch
-    nor mlflow nor matplotlib), else in-process."""
+def _evaluate(context: AssetExecutionContext, config: CheckpointEvalConfig, paths, lake: LakeResource,
+              mlflow: MlflowResource, run_id: str, step: int, benchmark: str):
+    """The eval, its picture and the regression check, by the home's eval server when it answers (this process then
+    imports neither torch nor mlflow nor matplotlib, and opens no lake), else in-process."""
     from factory.runs.eval_server import EvalServerUnavailable, evaluate_remote
 
     if config.eval_server and profile_name() != "k8s":
         try:
-            return evaluate_remote(paths, run_id, step, benchmark)
+            return evaluate_remote(paths, run_id, step, benchmark, tolerance=config.regression_tolerance)
         except EvalServerUnavailable as e:
             context.log.warning(f"evaluating in this process instead of the eval server: {e}")
-    return evaluate_and_draw(paths, lk, mlflow.tracker(), run_id, step, benchmark)
+    return evaluate_and_draw(paths, lake.lake(), mlflow.tracker(), run_id, step, benchmark,
+                             config.regression_tolerance)
 
 
 def _check_metadata(res, reg, tolerance: float, picture: bytes | None) -> dict:

@@ -2,11 +2,11 @@
 pay a process start, the torch/transformers imports and the lake's opening per partition.
 
 `serve` (run as `factory eval-serve` or `python -m factory.runs.eval_server`) binds 127.0.0.1 and answers
-`POST /eval {"run_id", "step", "benchmark"}` with what `evaluate_and_draw` returns in-process: the eval's record
-and the run's redrawn evals-by-step picture (the same function, so the same digest check, reuse of recorded rows,
-rows written to `evals`, picture stored on the MLflow run, and generated code scored through the sandbox pool as
-every eval does); `GET /health` says who it is. Evals run one at a time; the
-server exits after `idle_s` without a request.
+`POST /eval {"run_id", "step", "benchmark", "tolerance"}` with what `evaluate_and_draw` returns in-process: the
+eval's record, the run's redrawn evals-by-step picture and the regression check (the same function, so the same
+digest check, reuse of recorded rows, rows written to `evals`, picture stored on the MLflow run, and generated
+code scored through the sandbox pool as every eval does); `GET /health` says who it is. Evals run one at a time;
+the server exits after `idle_s` without a request.
 
 The client side (`evaluate_remote`, `live_server`, `start_server`) imports neither torch nor mlflow nor matplotlib:
 the `checkpoint_eval` asset's run worker imports only this module's top. A server is found through
@@ -32,7 +32,7 @@ from typing import Any
 
 from factory.home import FactoryPaths, factory_home, file_lock
 from factory.infra.faults import fault_point
-from factory.runs.checkpoint_eval import CheckpointEval, DrawnEval
+from factory.runs.checkpoint_eval import CheckpointEval, DrawnEval, RegressionCheck
 
 HOST = "127.0.0.1"
 DEFAULT_IDLE_S = 600.0  # a demo's evals come every sensor tick (15 s); a quiet hour should not hold the memory
@@ -99,7 +99,11 @@ def _parse(body: bytes) -> dict[str, Any]:
             raise ValueError(f"{name}: expected {kind.__name__}, got {value!r}")
     if req["step"] < 0:
         raise ValueError(f"step: expected >= 0, got {req['step']}")
-    return {k: req[k] for k in FIELDS}
+    tolerance = req.get("tolerance")
+    if tolerance is not None and (isinstance(tolerance, bool) or not isinstance(tolerance, int | float)
+                                  or not 0 <= tolerance <= 1):
+        raise ValueError(f"tolerance: expected a number in [0, 1] or null, got {tolerance!r}")
+    return {**{k: req[k] for k in FIELDS}, "tolerance": tolerance}
 
 
 def _handler(state: _State) -> type[BaseHTTPRequestHandler]:
@@ -157,7 +161,7 @@ def _evaluate(state: _State, req: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         try:
             fault_point("eval_server_eval")  # a test's crash of the server mid-eval (FACTORY_FAULT_KILL)
             drawn = evaluate_and_draw(state.paths, state.lake, state.tracker, req["run_id"], req["step"],
-                                      req["benchmark"])
+                                      req["benchmark"], req["tolerance"])
         except LookupError as e:
             return 404, {"error": str(e), "kind": "LookupError"}
         except ValueError as e:
@@ -169,7 +173,8 @@ def _evaluate(state: _State, req: dict[str, Any]) -> tuple[int, dict[str, Any]]:
             state.last = time.monotonic()
         state.served += 1
         picture = None if drawn.picture is None else base64.b64encode(drawn.picture).decode("ascii")
-        return 200, {"result": asdict(drawn.result), "picture": picture, "evals_url": drawn.evals_url}
+        return 200, {"result": asdict(drawn.result), "picture": picture, "evals_url": drawn.evals_url,
+                     "regression": None if drawn.regression is None else asdict(drawn.regression)}
 
 
 class _Server(ThreadingHTTPServer):
@@ -310,8 +315,8 @@ def _tail(path: Path, n: int = 2000) -> str:
         return ""
 
 
-def evaluate_remote(paths: FactoryPaths, run_id: str, step: int, benchmark: str, *, start: bool = True,
-                    eval_s: float = DEFAULT_EVAL_S) -> DrawnEval:
+def evaluate_remote(paths: FactoryPaths, run_id: str, step: int, benchmark: str, *, tolerance: float | None = None,
+                    start: bool = True, eval_s: float = DEFAULT_EVAL_S) -> DrawnEval:
     """`evaluate_and_draw` done by the home's eval server (started if `start` and none runs). The
     server's verdicts on the request raise as in-process (LookupError, ValueError, same message);
     EvalServerUnavailable when no server answers with a verdict (none started, it crashed mid-eval, it failed):
@@ -322,17 +327,17 @@ def evaluate_remote(paths: FactoryPaths, run_id: str, step: int, benchmark: str,
             raise EvalServerUnavailable(f"no eval server runs for {paths.root}")
         info = start_server(paths)
     try:
-        status, body = _request(info, "POST", "/eval", {"run_id": run_id, "step": step, "benchmark": benchmark},
-                                timeout_s=eval_s)
+        status, body = _request(info, "POST", "/eval", {"run_id": run_id, "step": step, "benchmark": benchmark,
+                                                        "tolerance": tolerance}, timeout_s=eval_s)
     except (OSError, http.client.HTTPException) as e:
         raise EvalServerUnavailable(f"the eval server (pid {info.pid}) gave no answer: {type(e).__name__}: {e}") \
             from None
     if status == 200:
         import base64
 
-        picture = body.get("picture")
+        picture, reg = body.get("picture"), body.get("regression")
         return DrawnEval(CheckpointEval(**body["result"]), None if picture is None else base64.b64decode(picture),
-                         body.get("evals_url"))
+                         body.get("evals_url"), None if reg is None else RegressionCheck(**reg))
     error = body.get("error", "")
     if status == 404 and body.get("kind") == "LookupError":
         raise LookupError(error)

@@ -23,7 +23,7 @@ from pyiceberg.expressions import And, EqualTo
 from factory.config import parse_spec
 from factory.home import FactoryPaths, factory_home
 from factory.lake import Lake
-from factory.runs.checkpoint_eval import checkpoint_key, evaluate_recorded_checkpoint
+from factory.runs.checkpoint_eval import checkpoint_key, evaluate_and_draw, evaluate_recorded_checkpoint
 from factory.runs.eval_server import (
     EvalServerUnavailable,
     _alive,
@@ -120,17 +120,20 @@ def test_the_server_gives_the_in_process_result(server):
         for step in (1, 2):
             _forget(lake, run_id, step)
         # two evals in a row: whatever the first leaves in the server's process must not change the second
-        drawn = [evaluate_remote(home, run_id, step, "heldout", start=False) for step in (1, 2)]
+        drawn = [evaluate_remote(home, run_id, step, "heldout", tolerance=0.05, start=False) for step in (1, 2)]
         remote = [d.result for d in drawn]
         rows_remote = sorted((r["step"], r["benchmark"], r["metric"], r["value"], r["n"])
                              for r in lake.read("evals", EqualTo("run_id", run_id)).to_pylist())
         for step in (1, 2):
             _forget(lake, run_id, step)
-        local = [evaluate_recorded_checkpoint(home, lake, run_id, step, "heldout") for step in (1, 2)]
+        local_drawn = [evaluate_and_draw(home, lake, None, run_id, step, "heldout", 0.05) for step in (1, 2)]
+        local = [d.result for d in local_drawn]
         rows_local = sorted((r["step"], r["benchmark"], r["metric"], r["value"], r["n"])
                             for r in lake.read("evals", EqualTo("run_id", run_id)).to_pylist())
     assert not any(r.reused for r in remote + local)
     assert remote == local  # accuracy, pass@k, n, digest: every field
+    assert [d.regression for d in drawn] == [d.regression for d in local_drawn]
+    assert drawn[1].regression.previous_step == 1  # the check compared step 2 with step 1
     assert rows_remote == rows_local and len(rows_remote) >= 4  # accuracy and pass@2 of each step, at least
     assert all(r.accuracy >= 0.3 and r.pass_at_k is not None for r in remote), remote
     # a third ask of the same checkpoint reuses the rows, as in-process does
@@ -147,6 +150,8 @@ def test_bad_requests_get_a_clear_4xx_and_the_server_keeps_serving(server):
         (json.dumps({"run_id": run_id, "benchmark": "heldout"}).encode(), 400, "step: expected int, got None"),
         (json.dumps({"run_id": run_id, "step": "1", "benchmark": "heldout"}).encode(), 400, "step: expected int"),
         (json.dumps({"run_id": run_id, "step": -1, "benchmark": "heldout"}).encode(), 400, "step: expected >= 0"),
+        (json.dumps({"run_id": run_id, "step": 1, "benchmark": "heldout", "tolerance": "x"}).encode(), 400,
+         "tolerance: expected a number in [0, 1] or null, got 'x'"),
         (json.dumps({"run_id": run_id, "step": 1, "benchmark": "mmlu"}).encode(), 422, "unknown benchmark 'mmlu'"),
         (json.dumps({"run_id": run_id, "step": 99, "benchmark": "heldout"}).encode(), 404, "no checkpoint"),
     ]
