@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -202,6 +203,7 @@ def main() -> None:
                     rows[way].append(r)
     finally:
         stop_server(paths)
+        shutil.rmtree(tmp, ignore_errors=True)
     _report(rows, parts, args.n)
 
 
