@@ -26,7 +26,7 @@ def inline_picture(alt: str, url: str) -> MetadataValue:
 def embedded(pictures: dict[str, bytes]) -> MetadataValue:
     """Every picture inlined in one markdown value (data URIs): one click away ([Show Markdown]) with no
     MLflow UI running."""
-    from factory.plots import markdown_image  # heavy: matplotlib, when the step runs
+    from factory.text import markdown_image
 
     return MetadataValue.md("\n\n".join(f"**{name}**\n\n{markdown_image(png, name)}"
                                          for name, png in pictures.items()))

@@ -1,6 +1,7 @@
 """Eval assets: the held-out report of a GRPO run against its SFT start and the more-SFT control, and
 periodic evals of every recorded checkpoint on every benchmark (partitioned checkpoint x benchmark)."""
 
+import os
 import warnings
 
 from dagster import (
@@ -20,16 +21,16 @@ from dagster import (
     PreviewWarning,
     StaticPartitionsDefinition,
     asset,
+    in_process_executor,
 )
 from pydantic import Field
-from pyiceberg.expressions import EqualTo
 
 from assets._metadata import embedded, inline_picture
 from assets.sweeps import sweep_member_run
 from assets.training import grpo_run
-from factory.deploy.target import op_tags
+from factory.deploy.target import op_tags, profile_name
 from factory.envs.eval_suites import BENCHMARKS
-from factory.runs.checkpoint_eval import evaluate_recorded_checkpoint, parse_checkpoint_key, regression_check
+from factory.runs.checkpoint_eval import evaluate_and_draw, parse_checkpoint_key, regression_check
 from resources import FactoryHomeResource, LakeResource, MlflowResource
 
 
@@ -58,10 +59,28 @@ benchmarks = StaticPartitionsDefinition(list(BENCHMARKS))
 checkpoint_x_benchmark = MultiPartitionsDefinition({"checkpoint": checkpoints, "benchmark": benchmarks})
 
 
+def _eval_executor():
+    """The eval job's step runs in its run worker, not in a second process: the eval itself is the eval server's, so
+    a step process would only add a Python start and a second load of the code location to each eval (figures in
+    docs/results.md). FACTORY_EVAL_EXECUTOR=multiprocess restores Dagster's default (a process per step); under
+    k8s the code location's executor (a pod per step) stays."""
+    how = os.environ.get("FACTORY_EVAL_EXECUTOR", "in_process").strip().lower()
+    if how not in ("in_process", "multiprocess"):
+        raise ValueError(f"FACTORY_EVAL_EXECUTOR: expected in_process or multiprocess, got {how!r}")
+    return in_process_executor if how == "in_process" and profile_name() != "k8s" else None
+
+
+EVAL_EXECUTOR = _eval_executor()
+
+
 class CheckpointEvalConfig(Config):
     regression_tolerance: float = Field(
         0.05, description="the no_regression check fails when accuracy drops by more than this (absolute) from "
         "the same run's previous evaluated checkpoint on the same benchmark")
+    eval_server: bool = Field(
+        True, description="evaluate through the home's eval server (factory/runs/eval_server.py; started on demand, "
+        "exits when idle): no torch import or model start-up in this run's process. Falls back to evaluating "
+        "in-process when the server cannot start or gives no answer. Off under FACTORY_PROFILE=k8s (a pod per step).")
 
 
 # The check is partitioned like the asset, so the UI judges each execution against its own partition's latest
@@ -82,28 +101,23 @@ def checkpoint_eval(context: AssetExecutionContext, config: CheckpointEvalConfig
                     lake: LakeResource, mlflow: MlflowResource):
     """One checkpoint recorded by a training run (`grpo_run`, a sweep member) scored on one benchmark (held-out
     split or a shipped suite); rows land in `evals`, and the run's held-out accuracy by step is redrawn."""
-    from factory.reports import EVALS, refresh_evals_picture, small  # heavy: mlflow, matplotlib, when the step runs
-
     key = context.partition_key.keys_by_dimension
     try:
         run_id, step = parse_checkpoint_key(key["checkpoint"])
     except ValueError as e:
         raise Failure(str(e)) from None
-    lk, tracker = lake.lake(), mlflow.tracker()
     try:
-        res = evaluate_recorded_checkpoint(home.paths(), lk, run_id, step, key["benchmark"])
+        drawn = _evaluate(context, config, home.paths(), lake, mlflow, run_id, step, key["benchmark"])
     except (LookupError, ValueError) as e:
         raise Failure(f"checkpoint {key['checkpoint']} on {key['benchmark']}: {e}") from None
+    res, picture = drawn.result, drawn.picture
     how = "reused the training run's own result for this checkpoint" if res.reused else "evaluated"
     context.log.info(f"{run_id} step {step} on {res.benchmark}: accuracy {res.accuracy:.3f} (n={res.n}; {how})")
-    picture = refresh_evals_picture(lk, tracker, run_id, res.benchmark)
-    runs = lk.read("runs", EqualTo("run_id", run_id)).select(["mlflow_run_id"]).to_pylist()
-    mlflow_run_id = runs[0]["mlflow_run_id"] if runs else None
     metadata = {}
-    if mlflow_run_id:
+    if drawn.evals_url:
         metadata["evals"] = inline_picture(
             f"held-out accuracy by step of {run_id}, every benchmark (served by the MLflow UI; without it, open "
-            "`pictures`)", tracker.artifact_url(mlflow_run_id, small(EVALS)))
+            "`pictures`)", drawn.evals_url)
     # Step and n as text: numeric metadata is plotted across partitions, which would join unrelated runs.
     metadata |= {"run_id": run_id, "step": MetadataValue.text(str(step)), "benchmark": res.benchmark,
                  "accuracy": res.accuracy, "n": MetadataValue.text(str(res.n)), "reused": res.reused,
@@ -111,15 +125,32 @@ def checkpoint_eval(context: AssetExecutionContext, config: CheckpointEvalConfig
     if picture is not None:
         metadata["pictures"] = embedded({f"{run_id} on {res.benchmark}": picture})
     yield MaterializeResult(metadata=metadata, data_version=DataVersion(f"{res.sha256[:16]}-{res.accuracy:.6f}"))
-    reg = regression_check(lk, run_id, step, res.benchmark, res.accuracy, config.regression_tolerance)
+    reg = drawn.regression
+    if reg is None:  # a server started by an older version answers without it
+        reg = regression_check(lake.lake(), run_id, step, res.benchmark, res.accuracy, config.regression_tolerance)
     yield AssetCheckResult(check_name="no_regression", passed=reg.passed, metadata=_check_metadata(
         res, reg, config.regression_tolerance, picture))
+
+
+def _evaluate(context: AssetExecutionContext, config: CheckpointEvalConfig, paths, lake: LakeResource,
+              mlflow: MlflowResource, run_id: str, step: int, benchmark: str):
+    """The eval, its picture and the regression check, by the home's eval server when it answers (this process then
+    imports neither torch nor mlflow nor matplotlib, and opens no lake), else in-process."""
+    from factory.runs.eval_server import EvalServerUnavailable, evaluate_remote
+
+    if config.eval_server and profile_name() != "k8s":
+        try:
+            return evaluate_remote(paths, run_id, step, benchmark, tolerance=config.regression_tolerance)
+        except EvalServerUnavailable as e:
+            context.log.warning(f"evaluating in this process instead of the eval server: {e}")
+    return evaluate_and_draw(paths, lake.lake(), mlflow.tracker(), run_id, step, benchmark,
+                             config.regression_tolerance)
 
 
 def _check_metadata(res, reg, tolerance: float, picture: bytes | None) -> dict:
     """What the check shows: every figure as text, so the UI does not plot them across runs and benchmarks
     (its plots join executions in wall-clock order), and the picture of this run and benchmark alone."""
-    from factory.plots import markdown_image  # heavy: matplotlib, when the check runs
+    from factory.text import markdown_image
 
     if reg.previous_step is None:
         compared = "nothing: the run's first evaluated checkpoint on this benchmark"

@@ -16,7 +16,6 @@ renders in the UI and MLflow stores as-is.
 
 from __future__ import annotations
 
-import base64
 import io
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -26,7 +25,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+from factory.text import PNG_SIGNATURE, markdown_image  # light, for callers without matplotlib; re-exported
+
 WIDTH_IN, HEIGHT_IN, DPI = 6.4, 3.6, 100  # 640 x 360 px: readable in the Dagster sidebar, ~30 KB
 # Pictures drawn inside the Dagster UI's metadata table: 480 x 270 px (a sweep overlay 600 x 360) fit its value
 # column beside the key and timestamp columns on a laptop screen; the same figure, every element scaled.
@@ -394,15 +394,6 @@ def _one_run(rows: Iterable[Mapping[str, Any]], where: str) -> list[str]:
 
 
 # -- output ---------------------------------------------------------------------------------------
-
-
-def markdown_image(png: bytes, alt: str) -> str:
-    """A markdown image with the PNG inlined as a base64 data URI."""
-    if not png.startswith(PNG_SIGNATURE):
-        raise ValueError("markdown_image: the bytes are not a PNG")
-    # Brackets and newlines in the alt text would end the markdown image early.
-    safe_alt = " ".join(alt.replace("[", "(").replace("]", ")").split())
-    return f"![{safe_alt}](data:image/png;base64,{base64.b64encode(png).decode('ascii')})"
 
 
 def _figure() -> tuple[Figure, Any]:

@@ -25,13 +25,14 @@ from dagster import (
     sensor,
 )
 
-from assets.evals import checkpoint_eval, checkpoints
+from assets.evals import EVAL_EXECUTOR, checkpoint_eval, checkpoints
 from jobs._queue import EVAL_TAGS, OwedEval, eval_limit, free_eval_slots, in_flight, owed_evals
 from jobs._summary import held_slots
 from resources import FactoryHomeResource, LakeResource
 
 checkpoint_eval_job = define_asset_job("checkpoint_eval_job", selection=[checkpoint_eval], tags=EVAL_TAGS,
-                                       description="Evaluate one checkpoint on one benchmark.")
+                                       description="Evaluate one checkpoint on one benchmark.",
+                                       executor_def=EVAL_EXECUTOR)
 EVAL_CRON = os.environ.get("FACTORY_EVAL_CRON", "0 * * * *")
 
 

@@ -1,4 +1,5 @@
-"""`factory env-serve` and `sandbox-serve`: environment workers and a sandbox pool over HTTP until interrupted."""
+"""`factory env-serve`, `sandbox-serve` and `eval-serve`: environment workers, a sandbox pool and checkpoint evals
+over HTTP until interrupted."""
 
 from __future__ import annotations
 
@@ -34,4 +35,19 @@ def cmd_sandbox_serve(args: argparse.Namespace) -> int:
     except IsolationUnavailable as e:
         error(str(e))
         return EXIT_FAILED
+    return EXIT_OK
+
+
+def cmd_eval_serve(args: argparse.Namespace) -> int:
+    """Serve checkpoint evals of FACTORY_HOME over HTTP on 127.0.0.1 until idle or interrupted."""
+    if args.idle_s < 0:
+        error(f"--idle-s: must be >= 0, got {args.idle_s}")
+        return EXIT_BAD_INPUT
+    if not 0 <= args.port <= 65535:
+        error(f"--port: must be 0..65535, got {args.port}")
+        return EXIT_BAD_INPUT
+    from factory.home import factory_home
+    from factory.runs.eval_server import serve  # heavy on start: torch, transformers
+
+    serve(factory_home(), port=args.port, idle_s=args.idle_s)
     return EXIT_OK

@@ -98,7 +98,7 @@ def _lake_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def _serve_commands(sub: argparse._SubParsersAction) -> None:
-    """serve, env-serve, sandbox-serve: the HTTP services."""
+    """serve, env-serve, sandbox-serve, eval-serve: the HTTP services."""
     p = sub.add_parser("serve", help="serve a policy over the OpenAI API (rollout server mode)",
                        description="OpenAI-compatible rollout server with SGLang-style control endpoints.")
     src = p.add_mutually_exclusive_group(required=True)
@@ -140,6 +140,16 @@ def _serve_commands(sub: argparse._SubParsersAction) -> None:
                    help="bwrap: namespaces via bubblewrap (default); none: NOT isolated, for trusted code only")
     add_max_body(p)
     p.set_defaults(func="env_serve:cmd_sandbox_serve")
+
+    p = sub.add_parser("eval-serve", help="serve checkpoint evals over HTTP (the periodic evals' shared process)",
+                       description="Eval server: POST /eval {run_id, step, benchmark} evaluates a recorded checkpoint "
+                                   "as the checkpoint_eval asset does, without a process start per eval "
+                                   "(factory/runs/eval_server.py). The asset starts one on demand.")
+    p.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (default: 0, any free one; the port is "
+                                                       "written to FACTORY_HOME/run/eval-server.json)")
+    p.add_argument("--idle-s", type=float, default=600.0,
+                   help="exit after this many seconds without a request; 0: never (default: 600)")
+    p.set_defaults(func="env_serve:cmd_eval_serve")
 
 
 def _model_commands(sub: argparse._SubParsersAction) -> None:

@@ -24,6 +24,7 @@ from factory.objstore import is_remote
 
 if TYPE_CHECKING:
     from factory.lake.writer import Lake
+    from factory.tracking import Tracker
 
 _SEP = "@"
 
@@ -96,6 +97,32 @@ def evaluate_recorded_checkpoint(paths: FactoryPaths, lake: Lake, run_id: str, s
         r["benchmark"] = r["benchmark"].replace(HELD_OUT, name, 1)
     lake.upsert("evals", out)
     return CheckpointEval(run_id, step, name, result.accuracy, result.pass_at_k, result.n, ckpt["sha256"])
+
+
+@dataclass(frozen=True)
+class DrawnEval:
+    """A checkpoint's eval and what the `checkpoint_eval` asset shows with it: the run's evals-by-step picture of
+    this benchmark (PNG; None when nothing can be drawn) and the MLflow URL of the all-benchmarks picture."""
+    result: CheckpointEval
+    picture: bytes | None
+    evals_url: str | None
+    regression: RegressionCheck | None = None  # when a tolerance was given
+
+
+def evaluate_and_draw(paths: FactoryPaths, lake: Lake, tracker: Tracker | None, run_id: str, step: int,
+                      benchmark: str, tolerance: float | None = None) -> DrawnEval:
+    """`evaluate_recorded_checkpoint`, then the run's evals-by-step picture redrawn (and stored on its MLflow run)
+    and, with a `tolerance`, the regression check: the asset's work on the lake, MLflow and the model, in one place
+    for the eval server and the asset's in-process fallback."""
+    from factory.reports import EVALS, refresh_evals_picture, small  # heavy: mlflow, matplotlib
+
+    res = evaluate_recorded_checkpoint(paths, lake, run_id, step, benchmark)
+    picture = refresh_evals_picture(lake, tracker, run_id, res.benchmark)
+    runs = lake.read("runs", EqualTo("run_id", run_id)).select(["mlflow_run_id"]).to_pylist()
+    mlflow_run_id = runs[0]["mlflow_run_id"] if runs else None
+    url = tracker.artifact_url(mlflow_run_id, small(EVALS)) if tracker is not None and mlflow_run_id else None
+    reg = None if tolerance is None else regression_check(lake, run_id, step, res.benchmark, res.accuracy, tolerance)
+    return DrawnEval(res, picture, url, reg)
 
 
 def _recorded(lake: Lake, run_id: str, step: int, name: str, sha256: str) -> CheckpointEval | None:

@@ -69,8 +69,14 @@ def after_demo(tmp_path):
     demo = subprocess.run([sys.executable, "-m", "jobs.demo", *[a for o in TINY for a in ("--set", o)]], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=600)
     assert demo.returncode == 0, demo.stdout[-3000:] + demo.stderr[-3000:]
-    with cockpit(home) as (dagster, mlflow):
-        yield dagster.url, mlflow.url, dagster.log_path
+    try:
+        with cockpit(home) as (dagster, mlflow):
+            yield dagster.url, mlflow.url, dagster.log_path
+    finally:
+        from factory.home import factory_home
+        from factory.runs.eval_server import stop_server
+
+        stop_server(factory_home(home))  # the eval server the periodic evals started (it would idle on for minutes)
 
 
 def gql(url: str, query: str, variables: dict | None = None) -> dict:

@@ -26,6 +26,7 @@ from factory.models.build import build_model
 from factory.models.checkpoint import save_checkpoint
 from factory.models.tokenizer import build_tokenizer
 from factory.runs.checkpoint_eval import checkpoint_key, parse_checkpoint_key
+from factory.runs.eval_server import stop_server
 from factory.runs.rl_run import run_rl
 from factory.runs.stages import build_dataset, load_dataset, train_sft_checkpoint
 from factory.tracking import Tracker
@@ -63,7 +64,8 @@ def recorded(tmp_path_factory):
     bad = save_checkpoint(build_model("micro", tok, seed=1), tok, home.checkpoints / run.run_id / "step-000003")
     lake.upsert("checkpoints", [dict(run_id=run.run_id, step=3, kind="rl", uri=str(bad.path), bytes=bad.bytes,
                                      sha256=bad.sha256, recorded_at=datetime.now(UTC))])
-    return home, run.run_id
+    yield home, run.run_id
+    assert stop_server(home) is not None  # the materializations below evaluated through the home's eval server
 
 
 def test_checkpoint_keys_round_trip():
