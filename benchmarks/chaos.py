@@ -88,6 +88,8 @@ def strike(run: Run, target: str, moment: str, rng: random.Random, killed: list[
         return {"target": target, "moment": moment, "killed": False, "why": "no live attempt"}
     time.sleep(rng.uniform(2.0, 8.0))  # a random moment
     trainer = run.attempt_pid()
+    if target != "trainer":  # a service the attempt is still starting (after a restart, say) is waited for
+        wait_for(lambda: run.service(target) is not None or run.proc.poll() is not None, 60)
     pid = trainer if target == "trainer" else run.service(target)
     if pid is None or trainer is None:
         return {"target": target, "moment": moment, "killed": False, "why": f"no {target} process"}
