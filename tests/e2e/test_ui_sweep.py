@@ -10,8 +10,9 @@ MLflow UI, factory/ops/cockpit.py), and drives Debian's chromium with Playwright
   (one materialization) before any member started, member runs tagged with their axis values, never two
   evals (or an eval and the summary) at once, the summary after every eval, the check of every evaluated
   checkpoint shown as evaluated;
-- the quickstart graph opens expanded; the sweep summary and a member's pictures are drawn in place (their
-  images load from the MLflow UI). Screenshots of both go to test-artifacts/e2e/ on every run.
+- the quickstart graph opens expanded; the sweep summary and a member's pictures, its metric panel among them, are
+  drawn in place (their images load from the MLflow UI). Screenshots of them go to test-artifacts/e2e/ on every
+  run (`member_metric_panel.png`: the panel as the member's page draws it).
 
 Skipped where chromium or playwright is missing, unless FACTORY_REQUIRE_BROWSER=1 (CI sets it: there, a
 missing browser is a failure).
@@ -195,8 +196,13 @@ def test_a_sweep_from_the_launchpad_after_make_demo(after_demo):
             assert all(w in (480, 600) for w in widths), widths  # the inline sizes (plots.INLINE_DPI)
             page.screenshot(path=str(ARTIFACTS / "sweep_summary.png"), full_page=True)
             page.goto(f"{url}/assets/sweep_member_run", timeout=60_000)
-            assert _images_loaded(page, mlflow_url, 2)  # curves and held-out accuracy by step
+            assert _images_loaded(page, mlflow_url, 3)  # curves, held-out accuracy by step, the metric panel
             page.screenshot(path=str(ARTIFACTS / "member_evals_by_step.png"), full_page=True)
+            # 13. every metric drawn: the member's metric panel (factory/metric_panel.py) loaded in place.
+            panel = page.locator("img[src*='plots%2Fmetrics.small.png']").first
+            panel.scroll_into_view_if_needed()
+            assert panel.evaluate("i => i.complete && i.naturalWidth") == 750  # 1000 px at plots.INLINE_DPI
+            panel.screenshot(path=str(ARTIFACTS / "member_metric_panel.png"))
         except BaseException:
             ARTIFACTS.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(ARTIFACTS / "failure.png"), full_page=True)
