@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from factory.plots import DPI, _by_step, _one_run, _png
 
@@ -97,6 +98,8 @@ def _metric_panel_figure(steps: list[dict], title: str = "") -> Figure:
         ax.set_title(name, fontsize=9)
         ax.grid(True, alpha=0.3)
         ax.tick_params(labelsize=7)
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=6, integer=True))  # steps are whole numbers
+        ax.yaxis.set_major_locator(MaxNLocator(nbins=5))  # a few ticks: a small plot's trend, not its digits
         if not data.recorded:
             ax.text(0.5, 0.5, NOT_RECORDED, ha="center", va="center", transform=ax.transAxes, fontsize=10,
                     alpha=0.6)
