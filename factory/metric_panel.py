@@ -20,9 +20,13 @@ from matplotlib.ticker import MaxNLocator
 
 from factory.plots import DPI, _by_step, _one_run, _png
 
-# 3 x 3 cells at 10 x 7.2 in: 1000 x 720 px at plots.DPI (a page about 1000 px wide shows it whole), 750 x 540 at
-# plots.INLINE_DPI inside the Dagster UI's metadata table.
+# 3 x 3 cells at 10 x 7.2 in: 1000 x 720 px at plots.DPI (a page about 1000 px wide shows it whole: MLflow, the
+# embedded copy).
 PANEL_WIDTH_IN, PANEL_HEIGHT_IN, COLUMNS = 10.0, 7.2, 3
+# The copy drawn inside the Dagster UI's metadata table, whose value column is about 600 px wide on an asset page
+# beside its sidebar (a 1600 px window; the full panel scaled down to 750 px was cut off on the right there):
+# 576 x 480 px, the same cells on a smaller canvas, so its text stays readable rather than scaled down.
+INLINE_WIDTH_IN, INLINE_HEIGHT_IN, INLINE_DPI = 7.2, 6.0, 80
 NOT_RECORDED = "not recorded"
 
 
@@ -78,18 +82,22 @@ def panel_data(steps: list[dict]) -> list[CellData]:
     return cells
 
 
-def metric_panel_png(steps: list[dict], title: str = "", dpi: int = DPI) -> bytes:
-    """The panel of one run's `steps` rows as a PNG (PANEL_WIDTH_IN x PANEL_HEIGHT_IN inches at `dpi`).
+def metric_panel_png(steps: list[dict], title: str = "", dpi: int = DPI, inline: bool = False) -> bytes:
+    """The panel of one run's `steps` rows as a PNG: PANEL_WIDTH_IN x PANEL_HEIGHT_IN inches at `dpi`, or with
+    `inline` the copy drawn inside the Dagster UI (INLINE_WIDTH_IN x INLINE_HEIGHT_IN at INLINE_DPI; `dpi` unused).
     ValueError when there are no rows at all (a run that has not trained a step has no panel yet) or the rows
     name more than one run."""
+    if inline:
+        return _png(_metric_panel_figure(steps, title, (INLINE_WIDTH_IN, INLINE_HEIGHT_IN)), INLINE_DPI)
     return _png(_metric_panel_figure(steps, title), dpi)
 
 
-def _metric_panel_figure(steps: list[dict], title: str = "") -> Figure:
+def _metric_panel_figure(steps: list[dict], title: str = "",
+                         size_in: tuple[float, float] = (PANEL_WIDTH_IN, PANEL_HEIGHT_IN)) -> Figure:
     if not steps:
         raise ValueError("metric_panel_png: no steps rows: the run has not recorded a step yet")
     cells = panel_data(steps)
-    fig = Figure(figsize=(PANEL_WIDTH_IN, PANEL_HEIGHT_IN), dpi=DPI, layout="constrained")
+    fig = Figure(figsize=size_in, dpi=DPI, layout="constrained")
     FigureCanvasAgg(fig)  # never a GUI backend
     rows = math.ceil(len(cells) / COLUMNS)
     axes = fig.subplots(rows, COLUMNS, sharex=True, squeeze=False).ravel()
@@ -104,19 +112,29 @@ def _metric_panel_figure(steps: list[dict], title: str = "") -> Figure:
             ax.text(0.5, 0.5, NOT_RECORDED, ha="center", va="center", transform=ax.transAxes, fontsize=10,
                     alpha=0.6)
             continue
-        for i, (label, (xs, ys)) in enumerate(data.series.items()):
+        series = dict(data.series)
+        if len(series) == 2 and len({_series_key(xy) for xy in series.values()}) == 1:
+            # binary rewards: reward mean and accuracy are the same numbers; one line that says so, not one
+            # hidden under the other
+            series = {" = ".join(series): next(iter(series.values()))}
+        for i, (label, (xs, ys)) in enumerate(series.items()):
             ax.plot(xs, ys, color=f"C{i}", linewidth=1.1, marker="o" if len(xs) < 20 else None, markersize=2.5,
                     label=label)
         if data.cell.unit_frame and all(0.0 <= y <= 1.0 for _, ys in data.series.values() for y in ys):
             ax.set_ylim(-0.03, 1.03)
         if len(data.series) > 1:
-            ax.legend(fontsize=7, loc="best", frameon=False)
+            ax.legend(fontsize=7, loc="best", frameon=False)  # also for one line standing for two
     for ax in axes[len(cells):]:
         ax.set_visible(False)
     for ax in axes[-COLUMNS:]:
         ax.set_xlabel("step", fontsize=8)
     fig.suptitle(title or "metrics by step", fontsize=10)
     return fig
+
+
+def _series_key(xy: tuple[list[float], list[float]]) -> tuple:
+    """A series as a hashable value, to tell equal series apart from different ones."""
+    return tuple(xy[0]), tuple(xy[1])
 
 
 __all__ = ["CELLS", "NOT_RECORDED", "Cell", "CellData", "metric_panel_png", "panel_data"]

@@ -37,12 +37,13 @@ def small(artifact_path: str) -> str:
     return artifact_path.removesuffix(".png") + ".small.png"
 
 
-def store(tracker: Tracker, run_id: str, artifact_path: str, render: Render) -> bytes:
-    """Store a picture on an MLflow run at full size and at the size drawn inside the Dagster UI (`small`);
-    return the full-size PNG."""
+def store(tracker: Tracker, run_id: str, artifact_path: str, render: Render,
+          inline: Callable[[], bytes] | None = None) -> bytes:
+    """Store a picture on an MLflow run at full size and at the size drawn inside the Dagster UI (`small`: `render`
+    at plots.INLINE_DPI, or `inline` for a picture with a layout of its own there); return the full-size PNG."""
     full = render(plots.DPI)
     tracker.log_png(run_id, artifact_path, full)
-    tracker.log_png(run_id, small(artifact_path), render(plots.INLINE_DPI))
+    tracker.log_png(run_id, small(artifact_path), inline() if inline else render(plots.INLINE_DPI))
     return full
 
 
@@ -63,7 +64,8 @@ def run_pictures(lake: Lake, tracker: Tracker | None, run_id: str, mlflow_run_id
     if tracker is not None and mlflow_run_id:
         return RunPictures(store(tracker, mlflow_run_id, CURVES, curves),
                            store(tracker, mlflow_run_id, EVALS, by_step) if by_step else None,
-                           store(tracker, mlflow_run_id, METRICS, panel) if panel else None)
+                           store(tracker, mlflow_run_id, METRICS, panel, functools.partial(panel, inline=True))
+                           if panel else None)
     return RunPictures(curves(plots.DPI), by_step(plots.DPI) if by_step else None,
                        panel(plots.DPI) if panel else None)
 

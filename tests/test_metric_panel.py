@@ -18,7 +18,7 @@ from factory.core.rollout.base import Completion
 from factory.envs import tasks
 from factory.envs.workers import Episode, LocalEnvironment
 from factory.metric_panel import CELLS, NOT_RECORDED, _metric_panel_figure, metric_panel_png, panel_data
-from factory.plots import DPI, INLINE_DPI
+from factory.plots import DPI
 from factory.runs.step_rows import StepLog
 
 RUN = "panel-run"
@@ -82,6 +82,9 @@ def test_a_metric_the_run_did_not_record_says_so(trained):
     fig = _metric_panel_figure(old, "old run")
     drawn = {ax.get_title(): [t.get_text() for t in ax.texts] for ax in fig.axes if ax.get_visible()}
     assert len(drawn) == len(CELLS)
+    # reward and accuracy are the same numbers with binary rewards: one line that says so
+    (reward,) = [ax for ax in fig.axes if ax.get_title() == "reward / accuracy (train)"]
+    assert [ln.get_label() for ln in reward.get_lines()] == ["reward mean = accuracy"]
     assert drawn["KL to reference"] == [NOT_RECORDED] and drawn["response length (tokens)"] == [NOT_RECORDED]
     assert drawn["loss (1 non-finite left out)"] == [] and drawn["entropy"] == []
 
@@ -94,7 +97,8 @@ def _png_size(png: bytes) -> tuple[int, int]:
 def test_the_panel_fits_a_page_1000_px_wide_and_its_bytes_depend_only_on_the_rows(trained):
     png = metric_panel_png(trained, "panel-run")
     assert _png_size(png) == (1000, 720)
-    assert _png_size(metric_panel_png(trained, dpi=INLINE_DPI)) == (750, 540)  # drawn inside the Dagster UI
+    # drawn inside the Dagster UI, whose metadata value column is about 600 px wide beside an asset page's sidebar
+    assert _png_size(metric_panel_png(trained, inline=True)) == (576, 480)
     shuffled = list(trained)
     random.Random(0).shuffle(shuffled)
     assert metric_panel_png(shuffled, "panel-run", dpi=DPI) == png

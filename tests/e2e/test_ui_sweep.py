@@ -44,6 +44,12 @@ RUNS_QUERY = """query($job: String!) { runsOrError(filter: {pipelineName: $job})
   ... on Runs { results { runId status startTime endTime tags { key value } } } } }"""
 CHECK_QUERY = """{ assetNodes(assetKeys: [{path: ["checkpoint_eval"]}]) { assetChecksOrError { ... on AssetChecks {
   checks { name executionForLatestMaterialization { status } } } } } }"""
+# The boxes around an element that clip its overflow and end left of its right edge (empty: drawn whole).
+CLIPPED_BY = """e => { const right = e.getBoundingClientRect().right, out = [];
+  for (let a = e.parentElement; a; a = a.parentElement) {
+    if (getComputedStyle(a).overflowX !== 'visible' && right > a.getBoundingClientRect().right + 1)
+      out.push(a.tagName + '.' + a.className); }
+  return out; }"""
 MATERIALIZATIONS = """query($key: [String!]!) { assetOrError(assetKey: {path: $key}) { ... on Asset {
   assetMaterializations(limit: 50) { runId partition } } } }"""
 
@@ -201,7 +207,10 @@ def test_a_sweep_from_the_launchpad_after_make_demo(after_demo):
             # 13. every metric drawn: the member's metric panel (factory/metric_panel.py) loaded in place.
             panel = page.locator("img[src*='plots%2Fmetrics.small.png']").first
             panel.scroll_into_view_if_needed()
-            assert panel.evaluate("i => i.complete && i.naturalWidth") == 750  # 1000 px at plots.INLINE_DPI
+            assert panel.evaluate("i => i.complete && i.naturalWidth") == 576  # metric_panel's inline copy
+            # drawn whole: no box around it that clips its overflow ends left of its right edge (a 750 px copy was
+            # cut off on the right by the metadata table)
+            assert panel.evaluate(CLIPPED_BY) == [], "the metric panel is cut off on the right"
             panel.screenshot(path=str(ARTIFACTS / "member_metric_panel.png"))
         except BaseException:
             ARTIFACTS.mkdir(parents=True, exist_ok=True)
