@@ -2,13 +2,27 @@
 the run's interruptions (the lake's `interruptions` table), a warning in the run's log and an `AssetObservation`
 of the asset with the cause in words, the step the attempt reached, the step the next one resumed from, the steps
 trained again and the seconds lost, so the run's page shows "killed at step 17, resumed from step 10" where it
-would otherwise show only the stack trace of the run that died."""
+would otherwise show only the stack trace of the run that died.
+
+A run whose worker was killed outright shows Dagster's own account: its code server reports "Run execution process
+... was terminated by signal 9 (SIGKILL). This usually indicates that the process was killed by the operating system
+due to running out of memory..." (`dagster._utils.get_run_crash_explanation`, which adds that hint to every
+SIGKILL). That event cannot be replaced; the retry that resumes the run adds Factory's own account beside it on the
+failed run (`tell_the_failed_run`): the cause the lake recorded, the step reached and resumed from, and the retry."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from dagster import AssetExecutionContext, AssetObservation, MetadataValue
+from dagster import (
+    AssetExecutionContext,
+    AssetObservation,
+    DagsterEventType,
+    DagsterInstance,
+    DagsterRun,
+    MetadataValue,
+)
+from dagster._core.events import EngineEventData
 from pyiceberg.expressions import EqualTo
 
 if TYPE_CHECKING:
@@ -77,4 +91,31 @@ def report_interruptions(context: AssetExecutionContext, lake: Lake, run_id: str
         context.log.warning(f"run {run_id}: {describe(row)}")
         context.log_event(AssetObservation(asset_key=context.asset_key, partition=partition,
                                            metadata=observation_metadata(run_id, row)))
+    if rows and context.run.parent_run_id:
+        tell_the_failed_run(context.instance, context.run, run_id, rows[-1])
     return len(rows)
+
+
+DAGSTER_OOM_HINT = "running out of memory"  # in Dagster's account of any run worker killed by SIGKILL
+FACTORY_ACCOUNT = "Factory: "  # how Factory's own account on a failed run starts
+
+
+def tell_the_failed_run(instance: DagsterInstance, retry: DagsterRun, run_id: str, row: dict[str, Any]) -> bool:
+    """On the run that `retry` re-executes (its parent, which failed): an engine event with Factory's account of
+    the interruption `row` (the newest of factory run `run_id`: the attempt the parent was running) and of the
+    retry that resumed it, beside Dagster's own (which, for a SIGKILLed worker, guesses "out of memory"). Once per
+    parent: False when it already has one, or is not a failed run of this instance."""
+    parent = instance.get_run_by_id(retry.parent_run_id) if retry.parent_run_id else None
+    if parent is None or not parent.is_failure:
+        return False
+    logged = instance.all_logs(parent.run_id, of_type=DagsterEventType.ENGINE_EVENT)
+    events = [e.dagster_event.message or "" for e in logged if e.dagster_event]
+    if any(m.startswith(FACTORY_ACCOUNT) for m in events):
+        return False
+    guess = (" Dagster's out-of-memory hint above is the one it gives every run worker killed by SIGKILL: the "
+             "run worker died; what the training run did is this." if any(DAGSTER_OOM_HINT in m for m in events)
+             else "")
+    message = f"{FACTORY_ACCOUNT}run {run_id}: {describe(row)}, by Dagster run {retry.run_id}.{guess}"
+    instance.report_engine_event(message, parent, EngineEventData(metadata={
+        **observation_metadata(run_id, row), "retry_run_id": MetadataValue.dagster_run(retry.run_id)}))
+    return True

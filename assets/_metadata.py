@@ -36,7 +36,7 @@ def run_metadata(pics: RunPictures, tracker: Tracker, run_id: str, mlflow_run_id
                  ) -> tuple[dict[str, Any], dict[str, Any]]:
     """A training run's pictures (drawn in place when the MLflow UI runs, as `make ui` starts it) and its MLflow
     link, to go first; and the pictures embedded (one click away, no MLflow UI needed), to go last."""
-    from factory.reports import CURVES, EVALS, small  # heavy: mlflow, matplotlib, when the step runs
+    from factory.reports import CURVES, EVALS, METRICS, small  # heavy: mlflow, matplotlib, when the step runs
 
     where = "served by the MLflow UI; without it, open `pictures`"
     md: dict[str, Any] = {
@@ -45,10 +45,15 @@ def run_metadata(pics: RunPictures, tracker: Tracker, run_id: str, mlflow_run_id
         # The same URL shows the latest version: periodic evals re-render it as they land.
         "evals": inline_picture(f"held-out accuracy by step of {run_id}, kept current by periodic evals ({where})",
                                 tracker.artifact_url(mlflow_run_id, small(EVALS))),
+        # loss, KL, entropy, gradient norm, clip fraction, staleness, response length, tokens/s, reward/accuracy
+        **({"metrics": inline_picture(f"metric panel by step of {run_id} ({where})",
+                                      tracker.artifact_url(mlflow_run_id, small(METRICS)))}
+           if pics.metrics is not None else {}),
         "run_id": run_id,
         "mlflow_run_id": MetadataValue.url(tracker.run_url(mlflow_run_id)),  # a link; the id ends it
     }
-    shots = {"curves": pics.curves, **({"evals": pics.evals} if pics.evals is not None else {})}
+    shots = {"curves": pics.curves, **({"evals": pics.evals} if pics.evals is not None else {}),
+             **({"metrics": pics.metrics} if pics.metrics is not None else {})}
     return md, {"pictures": embedded(shots)}
 
 

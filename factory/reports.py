@@ -1,9 +1,10 @@
 """What the cockpit shows of runs and sweeps: pictures rendered from the lake and stored on MLflow runs, and
 the per-member figures a sweep is compared by.
 
-Pictures are stored as artifacts of the run's MLflow run (`plots/curves.png`, `plots/evals.png`, a sweep's
-on its parent run), so a Dagster asset can show them inline as a short markdown image whose source is the
-MLflow UI (`Tracker.artifact_url`), and they stay current: a periodic eval re-renders `plots/evals.png`.
+Pictures are stored as artifacts of the run's MLflow run (`plots/curves.png`, `plots/evals.png`,
+`plots/metrics.png`, a sweep's on its parent run), so a Dagster asset can show them inline as a short markdown
+image whose source is the MLflow UI (`Tracker.artifact_url`), and they stay current: a periodic eval re-renders
+`plots/evals.png`.
 The PNG bytes are returned too, for an embedded copy that needs no MLflow UI.
 """
 
@@ -18,7 +19,7 @@ from typing import Any
 
 from pyiceberg.expressions import EqualTo, In
 
-from factory import plots
+from factory import metric_panel, plots
 from factory.envs.eval_suites import HELD_OUT
 from factory.intervals import Accuracy, Interval, accuracy_text, mean_interval, verdict, welch
 from factory.lake.results import RunOutcome, outcomes_from_evals
@@ -26,7 +27,7 @@ from factory.lake.writer import Lake
 from factory.sweep import short_label
 from factory.tracking import Tracker
 
-CURVES, EVALS = "plots/curves.png", "plots/evals.png"
+CURVES, EVALS, METRICS = "plots/curves.png", "plots/evals.png", "plots/metrics.png"
 Render = Callable[[int], bytes]  # a picture at a given dpi
 LAST_STEPS = 10  # a member's reward is its mean reward_mean over its last steps (one step is noisy)
 
@@ -36,12 +37,13 @@ def small(artifact_path: str) -> str:
     return artifact_path.removesuffix(".png") + ".small.png"
 
 
-def store(tracker: Tracker, run_id: str, artifact_path: str, render: Render) -> bytes:
-    """Store a picture on an MLflow run at full size and at the size drawn inside the Dagster UI (`small`);
-    return the full-size PNG."""
+def store(tracker: Tracker, run_id: str, artifact_path: str, render: Render,
+          inline: Callable[[], bytes] | None = None) -> bytes:
+    """Store a picture on an MLflow run at full size and at the size drawn inside the Dagster UI (`small`: `render`
+    at plots.INLINE_DPI, or `inline` for a picture with a layout of its own there); return the full-size PNG."""
     full = render(plots.DPI)
     tracker.log_png(run_id, artifact_path, full)
-    tracker.log_png(run_id, small(artifact_path), render(plots.INLINE_DPI))
+    tracker.log_png(run_id, small(artifact_path), inline() if inline else render(plots.INLINE_DPI))
     return full
 
 
@@ -49,18 +51,23 @@ def store(tracker: Tracker, run_id: str, artifact_path: str, render: Render) -> 
 class RunPictures:
     curves: bytes  # reward and accuracy by step, with held-out evals
     evals: bytes | None  # held-out accuracy by step per benchmark (None: no evals yet)
+    metrics: bytes | None = None  # the metric panel: every metric of `steps` by step (None: no step recorded)
 
 
 def run_pictures(lake: Lake, tracker: Tracker | None, run_id: str, mlflow_run_id: str | None = None) -> RunPictures:
-    """Render a run's curves and its evals by step from the lake; store both on its MLflow run."""
+    """Render a run's curves, its evals by step and its metric panel from the lake; store them on its MLflow run."""
     steps = lake.read("steps", EqualTo("run_id", run_id)).to_pylist()
     evals = lake.read("evals", EqualTo("run_id", run_id)).to_pylist()
     curves = functools.partial(plots.run_curves_png, steps, evals, run_id)
     by_step = _evals_png(evals, run_id)
+    panel = functools.partial(metric_panel.metric_panel_png, steps, f"metrics by step: {run_id}") if steps else None
     if tracker is not None and mlflow_run_id:
         return RunPictures(store(tracker, mlflow_run_id, CURVES, curves),
-                           store(tracker, mlflow_run_id, EVALS, by_step) if by_step else None)
-    return RunPictures(curves(plots.DPI), by_step(plots.DPI) if by_step else None)
+                           store(tracker, mlflow_run_id, EVALS, by_step) if by_step else None,
+                           store(tracker, mlflow_run_id, METRICS, panel, functools.partial(panel, inline=True))
+                           if panel else None)
+    return RunPictures(curves(plots.DPI), by_step(plots.DPI) if by_step else None,
+                       panel(plots.DPI) if panel else None)
 
 
 def refresh_evals_picture(lake: Lake, tracker: Tracker | None, run_id: str, benchmark: str | None = None

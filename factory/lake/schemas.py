@@ -185,6 +185,8 @@ STEPS = _table("steps", ("run_id", "step"), [
     ("useful_token_share", DBL, OPT),
     # Added with reward integrity: completions of the step that tripped each reward-hack detector, and any.
     *[(m, DBL, OPT) for m in ("hacks_early_exit", "hacks_marker", "hacks_touched_tests", "hacks_any")],
+    # Added with the run's metric panel: generated tokens per completion, averaged over the step's completions.
+    ("response_tokens_mean", DBL, OPT),
 ], partition=BY_RUN)
 
 CHECKPOINTS = _table("checkpoints", ("run_id", "step"), [

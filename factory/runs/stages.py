@@ -294,13 +294,16 @@ def render_report(s: dict) -> str:
     """Markdown table of an `eval_summary`: accuracies to 3 decimals with their 95% Wilson interval and n."""
     acc = lambda v, n: "—" if v is None else accuracy_text(v, n)  # noqa: E731
     dec = lambda v: "—" if v is None else f"{v:.3f}"  # noqa: E731
+    # pass@k as the spec's schedule.eval_pass_k measured it (8 unless set otherwise)
+    k = min((int(key.rpartition("_at_")[2]) for key in s if isinstance(key, str) and "_pass_at_" in key), default=8)
     lines = [f"### Run `{s['run_id']}` — held-out accuracy ({s['benchmark']}, 95% Wilson intervals)", "",
-             "| checkpoint | greedy accuracy | pass@8 (T=1) |", "|---|---|---|",
-             f"| SFT warm start (step 0) | {acc(s['sft_accuracy'], s['sft_n'])} | {dec(s.get('sft_pass_at_8'))} |",
-             f"| GRPO (step {s['final_step']}) | {acc(s['grpo_accuracy'], s['n'])} | {dec(s.get('grpo_pass_at_8'))} |"]
+             f"| checkpoint | greedy accuracy | pass@{k} (T=1) |", "|---|---|---|",
+             f"| SFT warm start (step 0) | {acc(s['sft_accuracy'], s['sft_n'])} | {dec(s.get(f'sft_pass_at_{k}'))} |",
+             f"| GRPO (step {s['final_step']}) | {acc(s['grpo_accuracy'], s['n'])} | "
+             f"{dec(s.get(f'grpo_pass_at_{k}'))} |"]
     if s.get("control_accuracy") is not None:
         lines.append(f"| control: same wall time of more SFT | {acc(s['control_accuracy'], s['control_n'])} | "
-                     f"{dec(s.get('control_pass_at_8'))} |")
+                     f"{dec(s.get(f'control_pass_at_{k}'))} |")
     if s.get("others"):
         lines += ["", f"Other benchmarks at step {s['final_step']}: "
                   + "; ".join(f"{name} {acc(o['accuracy'], o['n'])}" for name, o in sorted(s["others"].items()))]

@@ -10,8 +10,9 @@ MLflow UI, factory/ops/cockpit.py), and drives Debian's chromium with Playwright
   (one materialization) before any member started, member runs tagged with their axis values, never two
   evals (or an eval and a summary) at once, the complete summary (no eval pending) after every eval, the check
   of every evaluated checkpoint shown as evaluated;
-- the quickstart graph opens expanded; the sweep summary and a member's pictures are drawn in place (their
-  images load from the MLflow UI). Screenshots of both go to test-artifacts/e2e/ on every run.
+- the quickstart graph opens expanded; the sweep summary and a member's pictures, its metric panel among them, are
+  drawn in place (their images load from the MLflow UI). Screenshots of them go to test-artifacts/e2e/ on every
+  run (`member_metric_panel.png`: the panel as the member's page draws it).
 
 Skipped where chromium or playwright is missing, unless FACTORY_REQUIRE_BROWSER=1 (CI sets it: there, a
 missing browser is a failure).
@@ -43,6 +44,12 @@ RUNS_QUERY = """query($job: String!) { runsOrError(filter: {pipelineName: $job})
   ... on Runs { results { runId status startTime endTime tags { key value } } } } }"""
 CHECK_QUERY = """{ assetNodes(assetKeys: [{path: ["checkpoint_eval"]}]) { assetChecksOrError { ... on AssetChecks {
   checks { name executionForLatestMaterialization { status } } } } } }"""
+# The boxes around an element that clip its overflow and end left of its right edge (empty: drawn whole).
+CLIPPED_BY = """e => { const right = e.getBoundingClientRect().right, out = [];
+  for (let a = e.parentElement; a; a = a.parentElement) {
+    if (getComputedStyle(a).overflowX !== 'visible' && right > a.getBoundingClientRect().right + 1)
+      out.push(a.tagName + '.' + a.className); }
+  return out; }"""
 MATERIALIZATIONS = """query($key: [String!]!) { assetOrError(assetKey: {path: $key}) { ... on Asset {
   assetMaterializations(limit: 50) { runId partition } } } }"""
 
@@ -214,8 +221,16 @@ def test_a_sweep_from_the_launchpad_after_make_demo(after_demo):
             assert all(w == 480 for w in widths), widths  # the inline size (plots.INLINE_DPI): within the column
             page.screenshot(path=str(ARTIFACTS / "sweep_summary.png"), full_page=True)
             page.goto(f"{url}/assets/sweep_member_run", timeout=60_000)
-            assert _images_loaded(page, mlflow_url, 2)  # curves and held-out accuracy by step
+            assert _images_loaded(page, mlflow_url, 3)  # curves, held-out accuracy by step, the metric panel
             page.screenshot(path=str(ARTIFACTS / "member_evals_by_step.png"), full_page=True)
+            # 13. every metric drawn: the member's metric panel (factory/metric_panel.py) loaded in place.
+            panel = page.locator("img[src*='plots%2Fmetrics.small.png']").first
+            panel.scroll_into_view_if_needed()
+            assert panel.evaluate("i => i.complete && i.naturalWidth") == 576  # metric_panel's inline copy
+            # drawn whole: no box around it that clips its overflow ends left of its right edge (a 750 px copy was
+            # cut off on the right by the metadata table)
+            assert panel.evaluate(CLIPPED_BY) == [], "the metric panel is cut off on the right"
+            panel.screenshot(path=str(ARTIFACTS / "member_metric_panel.png"))
         except BaseException:
             ARTIFACTS.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(ARTIFACTS / "failure.png"), full_page=True)

@@ -46,8 +46,8 @@ def test_iceberg_records(materialized):
     md = result.asset_materializations_for_node("grpo_run")[0].metadata
     run_id = md["run_id"].value
     # the pictures: drawn in place (a short image link the MLflow UI serves), and embedded one click away
-    assert len(md["curves"].value) < 1000 and len(md["evals"].value) < 1000
-    assert md["pictures"].value.count("data:image/png;base64,") == 2
+    assert len(md["curves"].value) < 1000 and len(md["evals"].value) < 1000 and len(md["metrics"].value) < 1000
+    assert md["pictures"].value.count("data:image/png;base64,") == 3  # curves, evals, the metric panel
     from factory.home import factory_home
 
     lake = Lake.open(factory_home(home))

@@ -5,9 +5,17 @@ step resumed from, and, in a real materialization, a warning in the run's log an
 
 import logging
 
-from dagster import AssetExecutionContext, DagsterEventType, DagsterInstance, MaterializeResult, asset, materialize
+from dagster import (
+    AssetExecutionContext,
+    DagsterEventType,
+    DagsterInstance,
+    DagsterRunStatus,
+    MaterializeResult,
+    asset,
+    materialize,
+)
 
-from assets._interruptions import describe, interruptions, report_interruptions
+from assets._interruptions import describe, interruptions, report_interruptions, tell_the_failed_run
 from factory.runs import recovery
 
 
@@ -57,3 +65,39 @@ def test_a_materialization_logs_and_observes_each_interruption(lake):
     assert md["interrupted"].startswith("attempt 1 crashed at step 17") and "fault injected" in md["detail"]
     warnings = [e.user_message for e in logs if e.level == logging.WARNING]
     assert any("run r1: attempt 1 crashed at step 17; resumed from step 10" in w for w in warnings)
+
+
+def test_a_run_whose_worker_was_killed_gets_factorys_account_beside_dagsters_oom_guess(lake):
+    """Issue 24: a killed run worker's run showed only Dagster's "out of memory" hint. The code server's own event
+    (the real `get_run_crash_explanation` text for a SIGKILL) stays; the retry that resumed the factory run adds
+    Factory's account to the failed run, once."""
+    from dagster._core.test_utils import create_run_for_test
+    from dagster._utils import get_run_crash_explanation
+
+    recovery.record_interruption(lake, "r1", 1, "supervisor_lost", "the run worker (pid 7) is gone", last_step=4)
+    failed = recovery.stamp(interruptions(lake, "r1")[0]["failed_at"])
+    recovery.close_open_interruptions(lake, "r1", 2, resumed_from=4, saved_at=failed, started_at=failed + 20,
+                                      work=(1, failed - 60))
+    (row,) = interruptions(lake, "r1")
+    with DagsterInstance.ephemeral() as instance:
+        parent = create_run_for_test(instance, job_name="quickstart", status=DagsterRunStatus.FAILURE)
+        instance.report_engine_event(get_run_crash_explanation(f"Run execution process for {parent.run_id}", -9),
+                                     parent)
+        retry = create_run_for_test(instance, job_name="quickstart", parent_run_id=parent.run_id,
+                                    root_run_id=parent.run_id)
+        assert tell_the_failed_run(instance, retry, "r1", row)
+        assert not tell_the_failed_run(instance, retry, "r1", row)  # once per failed run
+        done = create_run_for_test(instance, job_name="quickstart", status=DagsterRunStatus.SUCCESS)
+        assert not tell_the_failed_run(instance, create_run_for_test(
+            instance, job_name="quickstart", parent_run_id=done.run_id, root_run_id=done.run_id), "r1", row)
+        events = [e.dagster_event for e in instance.all_logs(parent.run_id, of_type=DagsterEventType.ENGINE_EVENT)]
+    dagsters, factorys = events
+    assert "running out of memory" in dagsters.message  # Dagster's guess for any SIGKILL, left as it is
+    assert factorys.message == (
+        f"Factory: run r1: attempt 1 stopped at step 4 (its supervisor died: the Dagster run worker or `factory run`);"
+        f" resumed from step 4 (0 steps trained again, 20 s lost), by Dagster run {retry.run_id}. Dagster's "
+        "out-of-memory hint above is the one it gives every run worker killed by SIGKILL: the run worker died; what "
+        "the training run did is this.")
+    md = {k: v.value for k, v in factorys.engine_event_data.metadata.items()}
+    assert (md["cause"], md["stopped_at_step"], md["resumed_from_step"], md["retry_run_id"]) == (
+        "supervisor_lost", 4, 4, retry.run_id)

@@ -159,6 +159,8 @@ def test_a_killed_run_worker_is_failed_retried_and_its_factory_run_resumes(dagst
                                and _status(instance, retry_id))
             retry = instance.get_run_by_id(retry_id)
             logs = instance.all_logs(retry_id)
+            engine = instance.all_logs(run.run_id, of_type=DagsterEventType.ENGINE_EVENT)  # of the run that died
+            accounts = [m for m in (e.dagster_event.message or "" for e in engine) if m.startswith("Factory: ")]
             assert status == DagsterRunStatus.SUCCESS, [e.dagster_event.message for e in logs if e.dagster_event]
     assert retry.root_run_id == run.run_id and retry.tags["dagster/retry_number"] == "1"
 
@@ -183,5 +185,9 @@ def test_a_killed_run_worker_is_failed_retried_and_its_factory_run_resumes(dagst
     assert (md["cause"], md["stopped_at_step"], md["resumed_from_step"], md["steps_lost"]) == (
         "supervisor_lost", stopped_at, stopped_at, 0)
     assert f"resumed from step {stopped_at}" in md["interrupted"] and "run worker" in md["interrupted"]
+    # and the run that died says it too, beside Dagster's out-of-memory guess for every SIGKILL (issue 24)
+    assert accounts == [f"Factory: run {row['run_id']}: {md['interrupted']}, by Dagster run {retry_id}. Dagster's "
+                        "out-of-memory hint above is the one it gives every run worker killed by SIGKILL: the run "
+                        "worker died; what the training run did is this."]
     warnings = [e.user_message for e in logs if e.level == logging.WARNING]
     assert any(f"resumed from step {stopped_at}" in w for w in warnings), warnings

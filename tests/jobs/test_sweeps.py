@@ -167,7 +167,8 @@ def test_one_warm_start_then_members_within_the_limit_then_evals_then_the_summar
         assert "/get-artifact?path=plots%2Fcurves.small.png&run_uuid=" in md["curves"].value
         assert len(md["curves"].value) < 1000  # short enough for the UI to draw in place
         assert md["mlflow_run_id"].value.startswith("http://127.0.0.1:5000/#/experiments/")
-        assert md["pictures"].value.count("data:image/png;base64,") == 2  # curves and evals, no MLflow UI needed
+        assert md["pictures"].value.count("data:image/png;base64,") == 3  # curves, evals, metric panel: no MLflow UI
+        assert "/get-artifact?path=plots%2Fmetrics.small.png&run_uuid=" in md["metrics"].value
         assert md["axes"].value.startswith("algorithm.lr=")
         assert md["label"].value.startswith("lr=") and tags["factory/label"] == md["label"].value  # axis values
 
@@ -235,7 +236,7 @@ def test_one_warm_start_then_members_within_the_limit_then_evals_then_the_summar
                                   filter_string=f"tags.mlflow.parentRunId = '{parent}'")
     assert len(children) == 2
     assert {a.path for c in children for a in client.list_artifacts(c.info.run_id, "plots")} == {
-        "plots/curves.png", "plots/evals.png", "plots/curves.small.png", "plots/evals.small.png"}
+        f"plots/{n}{size}.png" for n in ("curves", "evals", "metrics") for size in ("", ".small")}
 
 
 @pytest.mark.slow

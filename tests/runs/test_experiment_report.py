@@ -44,3 +44,12 @@ def test_a_wide_gap_wins(lake):
     assert "Control (same extra wall time): grpo wins (diff +0.164 [+0.107, +0.220], n=500 each)." in report
     assert "| control: same wall time of more SFT | 0.600 [0.556, 0.642] n=500 | — |" in report
     assert "GRPO over SFT: grpo wins (diff +0.064 [+0.009, +0.118], n=500 each)." in report
+
+
+def test_pass_at_k_is_shown_for_the_k_the_run_measured(lake):
+    """The tiny demo (schedule.eval_pass_k=2) printed a "pass@8" column of dashes beside its pass@2 rows."""
+    for step, acc in ((0, 0.5), (2, 0.6)):
+        lake.upsert("evals", eval_rows("k2", step, EvalResult(acc, acc + 0.1, 2, 20, {}), None))
+    report = render_report(eval_summary(lake, "k2"))
+    assert "| checkpoint | greedy accuracy | pass@2 (T=1) |" in report
+    assert "| GRPO (step 2) | 0.600 [0.387, 0.781] n=20 | 0.700 |" in report
