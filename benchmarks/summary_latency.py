@@ -1,17 +1,21 @@
 """Minutes from a sweep's last member ending to its summary: the summarizer and eval sensors before and after
 "the summary arrives within a minute, late evals update it".
 
-Simulates the tail of a sweep without training, on a temp Dagster instance (ephemeral: the eval limit is 1) and a
-temp lake: --members members end --end-gap-s apart (the last at t = 0), each recording --checkpoints checkpoints
-(--ckpt-gap-s apart, the last as it ends), every checkpoint owing an eval per benchmark (held-out split and
-carry_chains). The sensors are the real ones; they are ticked as the daemon ticks them, every --tick-s seconds of
-simulated time (new_checkpoint_evals, then sweep_summarizer, each with its own cursor), and what they request is
-"launched" as a run record the way the daemon would (a run key once); an eval run ends after a duration drawn
-uniformly from --eval-s (the issue's 52-182 s, mostly process start-up), lands as a materialization of its
-partition, and a summary run ends after --summary-s. The old policy is the sensors as they were at --before (git
-show of jobs/sweeps.py, jobs/evals.py and jobs/_queue.py), its 600 s wait read from the simulated clock.
+Simulates the tail of a sweep without training, on a temp Dagster instance (ephemeral: the eval limit and the
+summary limit are 1) and a temp lake: --members members end --end-gap-s apart (the last at t = 0), each recording
+--checkpoints checkpoints (--ckpt-gap-s apart, the last as it ends), every checkpoint owing an eval per benchmark
+(held-out split and carry_chains). The sensors are the real ones; they are ticked as the daemon ticks them, every
+--tick-s seconds of simulated time (new_checkpoint_evals, then sweep_summarizer, each with its own cursor), and what
+they request is "launched" as a run record the way the daemon would (a run key once); an eval run ends after a
+duration drawn uniformly from --eval-s (the issue's 52-182 s, mostly process start-up), lands as a materialization
+of its partition, and a summary run ends after --summary-s. Three policies: "before", the sensors as they were at
+--before (the summary waited for every eval; its 600 s wait read from the simulated clock); "shared", as they were
+at --shared (summaries in the eval queue, the first and complete ones ahead of evals); "after", the current ones
+(summaries in a queue of their own). Old sensors are `git show`s of jobs/_queue.py, jobs/_summary.py, jobs/evals.py
+and jobs/sweeps.py at the commit. The run records carry the tags the sensors request, so a summary of "after" takes
+no eval slot.
 
-What it measures: the sensors' policy (who gets the eval slot when, how long the summary waits), with the run
+What it measures: the sensors' policy (who gets a slot when, how long the summary waits), with the run
 durations as given. Not measured: how long an eval or a summary really takes, the daemon's own tick jitter (real
 ticks every ~30 s at the sensors' minimum intervals), run start-up in a queued run coordinator.
 
@@ -60,7 +64,8 @@ from factory.sweep import SweepDefinition, plan_sweep, write_sweep  # noqa: E402
 from resources import FactoryHomeResource, LakeResource, MlflowResource  # noqa: E402
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)  # simulated t = 0: the last member ends
-BEFORE = "d9118b3"  # main before this change
+BEFORE = "d9118b3"  # main before "the summary arrives as the members end" (the summary waited for every eval)
+SHARED = "17c1ecd"  # main while summaries shared the eval limit with checkpoint evals (a slot held for them)
 
 
 class SimClock:
@@ -73,24 +78,31 @@ class SimClock:
         return T0 + timedelta(seconds=cls.now_s)
 
 
-def load_before(ref: str) -> tuple[ModuleType, ModuleType]:
-    """The old sensors: jobs/_queue.py, jobs/evals.py and jobs/sweeps.py as of `ref`, loaded beside the new ones."""
+def load_at(ref: str, prefix: str) -> tuple[ModuleType, ModuleType]:
+    """The sensors as of `ref`: jobs/_queue.py, jobs/_summary.py (where it exists), jobs/evals.py and jobs/sweeps.py,
+    loaded beside the current ones as modules `<prefix>_queue`, ... (importing each other, not the current ones)."""
     mods = {}
-    for name in ("_queue", "evals", "sweeps"):
+    names = [n for n in ("_queue", "_summary", "evals", "sweeps") if _exists(ref, f"jobs/{n}.py")]
+    for name in names:
         src = subprocess.run(["git", "-C", str(ROOT), "show", f"{ref}:jobs/{name}.py"], check=True,
                              capture_output=True, text=True).stdout
-        src = src.replace("from jobs._queue import", "from before_queue import").replace(
-            "from jobs.evals import", "from before_evals import")
+        for dep in names:
+            src = src.replace(f"from jobs.{dep} import", f"from {prefix}_{dep.lstrip('_')} import")
         if name == "sweeps":  # only its sensors: the `sweep` jobs' config classes cannot be defined twice
             cut = src.index("class SweepConfig(Config):"), src.index("def _sweep_ids(")
             src = src[:cut[0]] + src[cut[1]:]
-        spec = importlib.util.spec_from_loader(f"before_{name.lstrip('_')}", loader=None)
+        spec = importlib.util.spec_from_loader(f"{prefix}_{name.lstrip('_')}", loader=None)
         mod = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = mod
         exec(compile(src, f"{ref}:jobs/{name}.py", "exec"), mod.__dict__)  # noqa: S102 (our own file at a commit)
         mods[name] = mod
     mods["sweeps"].datetime = SimClock
     return mods["evals"].new_checkpoint_evals, mods["sweeps"].sweep_summarizer
+
+
+def _exists(ref: str, path: str) -> bool:
+    return subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", f"{ref}:{path}"], capture_output=True,
+                          check=False).returncode == 0
 
 
 def load_after() -> tuple:
@@ -223,16 +235,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--horizon-s", type=float, default=3600.0)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--before", default=BEFORE, help="the commit whose sensors are the old policy")
+    ap.add_argument("--shared", default=SHARED, help="the commit whose sensors are the shared-limit policy (summaries "
+                    "in the eval queue, a slot held for them); '' leaves it out")
     args = ap.parse_args(argv)
     wall = time.perf_counter()
-    policies = {"before": load_before(args.before), "after": load_after()}
+    policies = {"before": load_at(args.before, "before"),
+                **({"shared": load_at(args.shared, "shared")} if args.shared else {}), "after": load_after()}
     results: dict[str, list[Outcome]] = {p: [] for p in policies}
     for seed in range(args.seeds):
         for name, sensors in policies.items():
             results[name].append(simulate(name, sensors, args, seed))
     print(f"\n{args.members} members ending {args.end_gap_s:.0f} s apart, {args.checkpoints} checkpoint(s) each x 2 "
           f"benchmarks; evals {args.eval_s[0]:.0f}-{args.eval_s[1]:.0f} s, summary {args.summary_s:.0f} s, eval "
-          f"limit 1, ticks every {args.tick_s:.0f} s; minutes after the last member's end")
+          f"limit 1 (after: summary limit 1 beside it), ticks every {args.tick_s:.0f} s; minutes after the last "
+          "member's end")
     print(f"{'policy':>8} {'seed':>5} {'first summary':>14} {'pending in it':>14} {'complete summary':>17} "
           f"{'summaries':>10} {'ticks':>6}")
     for name, outs in results.items():
@@ -254,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         }
     print(json.dumps({**summary, "members": args.members, "checkpoints": args.checkpoints,
                       "eval_s": list(args.eval_s), "summary_s": args.summary_s, "tick_s": args.tick_s,
-                      "seeds": args.seeds, "before_ref": args.before, "wall_s": round(time.perf_counter() - wall, 1)}))
+                      "seeds": args.seeds, "before_ref": args.before,
+                      "shared_ref": args.shared, "wall_s": round(time.perf_counter() - wall, 1)}))
     return 0
 
 

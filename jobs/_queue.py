@@ -1,9 +1,12 @@
-"""What the sensors ask the Dagster instance before they launch: runs in flight, the eval limit, evals still owed.
+"""What the sensors ask the Dagster instance before they launch: runs in flight, the eval and summary limits, evals
+still owed.
 
 Limits are enforced here, by the sensors, so they hold on any instance (whatever its run queue says):
-a sweep never has more than `max_concurrent` runs in flight and evals plus sweep summaries never more than
-the eval limit. The limit is read from the instance's run queue (`factory.ops.instance`, tag
-`factory/queue: eval`), so an operator sets it in one place, `dagster.yaml`.
+a sweep never has more than `max_concurrent` runs in flight, evals never more than the eval limit, and sweep
+summaries never more than the summary limit (1). Evals and summaries are separate queues: a summary is light (lake
+reads, matplotlib, MLflow artifacts; no model), so it does not wait behind a model eval, and evals never wait for
+it. The limits are read from the instance's run queue (`factory.ops.instance`, tags `factory/queue: eval` and
+`factory/queue: summary`), so an operator sets them in one place, `dagster.yaml`.
 """
 
 from __future__ import annotations
@@ -14,11 +17,19 @@ from datetime import datetime
 from dagster import DagsterInstance, DagsterRunStatus, MultiPartitionKey, RunsFilter
 
 from assets import _pending as pending
-from factory.ops.instance import DEFAULT_MAX_CONCURRENT_EVALS, EVAL_QUEUE, QUEUE_TAG, eval_limit_from
+from factory.ops.instance import (
+    DEFAULT_MAX_CONCURRENT_EVALS,
+    EVAL_QUEUE,
+    MAX_CONCURRENT_SUMMARIES,
+    QUEUE_TAG,
+    SUMMARY_QUEUE,
+    queue_limit_from,
+)
 
 IN_FLIGHT = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING,
              DagsterRunStatus.STARTED, DagsterRunStatus.CANCELING]
 EVAL_TAGS = {QUEUE_TAG: EVAL_QUEUE}
+SUMMARY_TAGS = {QUEUE_TAG: SUMMARY_QUEUE}
 PARTITION_TAG = "dagster/partition"
 
 
@@ -27,14 +38,27 @@ def in_flight(instance: DagsterInstance, tags: dict[str, str]) -> int:
     return instance.get_runs_count(RunsFilter(tags=tags, statuses=IN_FLIGHT))
 
 
+def _queue_limit(instance: DagsterInstance, queue: str, default: int) -> int:
+    config = instance.get_concurrency_config().run_queue_config
+    return queue_limit_from(config.tag_concurrency_limits if config else None, queue, default)
+
+
 def eval_limit(instance: DagsterInstance) -> int:
-    """Evals (and sweep summaries) at once: the instance's run-queue limit for `factory/queue: eval`, else 1."""
-    queue = instance.get_concurrency_config().run_queue_config
-    return eval_limit_from(queue.tag_concurrency_limits if queue else None, DEFAULT_MAX_CONCURRENT_EVALS)
+    """Evals at once: the instance's run-queue limit for `factory/queue: eval`, else 1."""
+    return _queue_limit(instance, EVAL_QUEUE, DEFAULT_MAX_CONCURRENT_EVALS)
 
 
 def free_eval_slots(instance: DagsterInstance) -> int:
     return max(0, eval_limit(instance) - in_flight(instance, EVAL_TAGS))
+
+
+def summary_limit(instance: DagsterInstance) -> int:
+    """Sweep summaries at once: the instance's run-queue limit for `factory/queue: summary`, else 1."""
+    return _queue_limit(instance, SUMMARY_QUEUE, MAX_CONCURRENT_SUMMARIES)
+
+
+def free_summary_slots(instance: DagsterInstance) -> int:
+    return max(0, summary_limit(instance) - in_flight(instance, SUMMARY_TAGS))
 
 
 @dataclass(frozen=True)
@@ -59,4 +83,5 @@ def owed_evals(instance: DagsterInstance, lake, job_name: str, run_ids: set[str]
                      str(o.partition) in running) for o in owed]
 
 
-__all__ = ["EVAL_TAGS", "IN_FLIGHT", "OwedEval", "eval_limit", "free_eval_slots", "in_flight", "owed_evals"]
+__all__ = ["EVAL_TAGS", "IN_FLIGHT", "SUMMARY_TAGS", "OwedEval", "eval_limit", "free_eval_slots", "free_summary_slots",
+           "in_flight", "owed_evals", "summary_limit"]

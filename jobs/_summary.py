@@ -5,9 +5,10 @@ summary says which: `pending_evals`), and again each time the set of its evals d
 with none pending. A version is that set (`assets/_pending.py` `EvalProgress.version`), carried by the summary run
 as a tag, so the instance itself records which versions were requested: nothing is lost with a sensor's cursor.
 
-The first summary and the complete one come before evals: `new_checkpoint_evals` leaves a slot of the eval limit
-for them (`held_slots`). A summary in between (some evals landed, some still owed) waits until none of the sweep's
-owed evals is left to start, so it never delays them.
+Summaries have a queue of their own (`factory/queue: summary`, one at a time; jobs/_queue.py), so the first one
+does not wait for a model eval that is running, and evals never wait for a summary. Where several sweeps are due,
+their first and complete summaries go before summaries in between (some evals landed, some still owed); a summary in
+between also waits until none of the sweep's owed evals is left to start, so it is not redrawn after every eval.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from dagster import DagsterInstance, DagsterRun, RunsFilter
-from dagster._core.scheduler.instigation import InstigatorStatus, InstigatorType
 
 from assets._pending import EvalProgress, progress
 from factory.home import FactoryPaths
@@ -24,7 +24,6 @@ from factory.sweep import SWEEP_TAG, read_sweep
 from jobs._queue import IN_FLIGHT, owed_evals
 
 SUMMARY_JOB = "sweep_summary_job"
-SUMMARIZER = "sweep_summarizer"
 VERSION_TAG = "factory/evals_done"  # the version a summary run draws: a digest of the sweep's evals done
 PENDING_TAG = "factory/evals_pending"  # how many of its evals were still owed when it was requested
 ENDED = ("succeeded", "failed", "refused", "pruned")  # a member's `sweeps` status once it has ended
@@ -37,7 +36,7 @@ class SummaryState:
     sweep_id: str
     reason: str
     due: bool = False
-    ahead: bool = False  # the first summary or the complete one: an eval slot is held for it
+    ahead: bool = False  # the first summary or the complete one: it goes before summaries in between
     final: bool = False  # a summary with no eval pending was requested: nothing more to do for this sweep
     progress: EvalProgress | None = None
 
@@ -89,7 +88,7 @@ def _state(instance: DagsterInstance, paths: FactoryPaths, lake, eval_job: str, 
     if any(r.status in IN_FLIGHT for r in runs):
         return SummaryState(sweep_id, f"sweep {sweep_id}: a summary is being drawn; the next one ({pending}) "
                             "follows when it ends", progress=prog)
-    if not runs or not prog.pending:  # the first summary, or the complete one: ahead of any eval
+    if not runs or not prog.pending:  # the first summary, or the complete one: ahead of those in between
         return SummaryState(sweep_id, f"sweep {sweep_id}: summary due, {pending}", due=True, ahead=True,
                             progress=prog)
     unstarted = sum(not e.attempted for e in owed_evals(instance, lake, eval_job,
@@ -100,21 +99,4 @@ def _state(instance: DagsterInstance, paths: FactoryPaths, lake, eval_job: str, 
     return SummaryState(sweep_id, f"sweep {sweep_id}: summary due again, {pending}", due=True, progress=prog)
 
 
-def summarizer_stopped(instance: DagsterInstance) -> bool:
-    """Whether `sweep_summarizer` was turned off in this instance (then no slot is held for its summaries)."""
-    if instance.schedule_storage is None:  # an ephemeral instance: no sensor can be turned off in it
-        return False
-    states = instance.all_instigator_state(instigator_type=InstigatorType.SENSOR,
-                                           instigator_statuses={InstigatorStatus.STOPPED})
-    return any(s.name == SUMMARIZER for s in states)
-
-
-def held_slots(instance: DagsterInstance, paths: FactoryPaths, lake, eval_job: str) -> list[str]:
-    """The sweeps whose first or complete summary is due: evals leave them a slot of the eval limit."""
-    if summarizer_stopped(instance):
-        return []
-    return [s.sweep_id for s in summary_states(instance, paths, lake, eval_job) if s.due and s.ahead]
-
-
-__all__ = ["ENDED", "PENDING_TAG", "SUMMARY_JOB", "VERSION_TAG", "SummaryState", "held_slots", "summary_states",
-           "sweep_ids"]
+__all__ = ["ENDED", "PENDING_TAG", "SUMMARY_JOB", "VERSION_TAG", "SummaryState", "summary_states", "sweep_ids"]

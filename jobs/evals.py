@@ -3,8 +3,8 @@
 Both read the `checkpoints` table and request runs of `checkpoint_eval` (checkpoint x benchmark) that are
 still owed, oldest checkpoint first, never more than the eval limit in flight (`jobs/_queue.py`: the
 instance's `factory/queue: eval` limit, default 1): catch-up work after a start or a sweep is spread over
-later ticks instead of starting at once. A sweep's first summary and its complete one go before evals: a slot
-is left for them (jobs/_summary.py). The sensor launches each partition once; the schedule (cron from
+later ticks instead of starting at once. Sweep summaries have a queue of their own (`factory/queue: summary`): evals
+never wait for them, nor they for evals. The sensor launches each partition once; the schedule (cron from
 $FACTORY_EVAL_CRON, default hourly) retries those whose run failed or was canceled. Both say why when they start
 nothing.
 """
@@ -27,8 +27,7 @@ from dagster import (
 
 from assets.evals import EVAL_EXECUTOR, checkpoint_eval, checkpoints
 from jobs._queue import EVAL_TAGS, OwedEval, eval_limit, free_eval_slots, in_flight, owed_evals
-from jobs._summary import held_slots
-from resources import FactoryHomeResource, LakeResource
+from resources import LakeResource
 
 checkpoint_eval_job = define_asset_job("checkpoint_eval_job", selection=[checkpoint_eval], tags=EVAL_TAGS,
                                        description="Evaluate one checkpoint on one benchmark.",
@@ -42,10 +41,8 @@ def _request(e: OwedEval, run_key: str | None) -> RunRequest:
 
 
 @sensor(job=checkpoint_eval_job, minimum_interval_seconds=15, default_status=DefaultSensorStatus.RUNNING,
-        description="Evaluates each checkpoint on every benchmark once it is recorded, within the eval limit "
-                    "(a sweep's first and complete summaries go first).")
-def new_checkpoint_evals(context: SensorEvaluationContext, home: FactoryHomeResource,
-                         lake: LakeResource) -> SensorResult:
+        description="Evaluates each checkpoint on every benchmark once it is recorded, within the eval limit.")
+def new_checkpoint_evals(context: SensorEvaluationContext, lake: LakeResource) -> SensorResult:
     lk = lake.lake()
     instance = context.instance
     owed = owed_evals(instance, lk, checkpoint_eval_job.name)
@@ -53,15 +50,14 @@ def new_checkpoint_evals(context: SensorEvaluationContext, home: FactoryHomeReso
     add = list(dict.fromkeys(e.checkpoint for e in owed if e.checkpoint not in known))
     partitions = [checkpoints.build_add_request(add)] if add else []
     fresh = [e for e in owed if not e.attempted]
-    held = held_slots(instance, home.paths(), lk, checkpoint_eval_job.name) if fresh else []
-    todo = fresh[:max(0, free_eval_slots(instance) - len(held))]
+    todo = fresh[:free_eval_slots(instance)]
     if todo:
         return SensorResult(run_requests=[_request(e, f"eval-{e.partition}") for e in todo],
                             dynamic_partitions_requests=partitions)
-    return SensorResult(dynamic_partitions_requests=partitions, skip_reason=_why_none(instance, owed, fresh, held))
+    return SensorResult(dynamic_partitions_requests=partitions, skip_reason=_why_none(instance, owed, fresh))
 
 
-def _why_none(instance: DagsterInstance, owed: list[OwedEval], fresh: list[OwedEval], held: list[str]) -> str:
+def _why_none(instance: DagsterInstance, owed: list[OwedEval], fresh: list[OwedEval]) -> str:
     """Why no eval starts this tick, in words (shown on the sensor's tick in the UI)."""
     if not owed:
         return "no checkpoint owes an eval"
@@ -70,16 +66,12 @@ def _why_none(instance: DagsterInstance, owed: list[OwedEval], fresh: list[OwedE
         return (f"{len(owed)} eval(s) owed, every one launched ({len(owed) - failed} running, {failed} failed or "
                 f"canceled: eval_schedule retries those, cron {EVAL_CRON!r})")
     running, limit = in_flight(instance, EVAL_TAGS), eval_limit(instance)
-    if held:
-        return (f"eval limit {limit}: {running} running and {len(held)} slot(s) held for the summary of sweep "
-                f"{', '.join(held)} (it goes first); {len(fresh)} eval(s) wait")
     return f"eval limit {limit} reached: {running} running; {len(fresh)} eval(s) wait"
 
 
 @schedule(job=checkpoint_eval_job, cron_schedule=EVAL_CRON, default_status=DefaultScheduleStatus.RUNNING,
           description="Retries evals whose run failed (cron: $FACTORY_EVAL_CRON), within the eval limit.")
-def eval_schedule(context: ScheduleEvaluationContext, home: FactoryHomeResource,
-                  lake: LakeResource) -> list[RunRequest] | SkipReason:
+def eval_schedule(context: ScheduleEvaluationContext, lake: LakeResource) -> list[RunRequest] | SkipReason:
     lk = lake.lake()
     owed = owed_evals(context.instance, lk, checkpoint_eval_job.name)
     known = set(context.instance.get_dynamic_partitions(checkpoints.name))
@@ -87,9 +79,8 @@ def eval_schedule(context: ScheduleEvaluationContext, home: FactoryHomeResource,
     if missing:  # schedules cannot return partition requests; register them directly
         context.instance.add_dynamic_partitions(checkpoints.name, missing)
     retry = [e for e in owed if not e.running]
-    held = held_slots(context.instance, home.paths(), lk, checkpoint_eval_job.name) if retry else []
-    todo = retry[:max(0, free_eval_slots(context.instance) - len(held))]
+    todo = retry[:free_eval_slots(context.instance)]
     if todo:
         return [_request(e, None) for e in todo]
-    return SkipReason(_why_none(context.instance, owed, retry, held) if retry else
+    return SkipReason(_why_none(context.instance, owed, retry) if retry else
                       "no eval to retry" if not owed else f"{len(owed)} eval(s) owed, all running")

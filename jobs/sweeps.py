@@ -64,7 +64,7 @@ from factory.sweep import (
     write_warm_start_spec,
 )
 from factory.sweep_search import TRIAL_TAG
-from jobs._queue import EVAL_TAGS, IN_FLIGHT, eval_limit, free_eval_slots, in_flight
+from jobs._queue import IN_FLIGHT, SUMMARY_TAGS, free_summary_slots, in_flight, summary_limit
 from jobs._search import ask_trials
 from jobs._summary import PENDING_TAG, VERSION_TAG, summary_states, sweep_ids
 from jobs.evals import checkpoint_eval_job
@@ -78,7 +78,7 @@ sweep_warm_start_job = define_asset_job("sweep_warm_start_job", selection=[sweep
                                         description="A warm start shared by sweep members (queued by sweep_launcher).")
 sweep_member_job = define_asset_job("sweep_member_job", selection=[sweep_member_run], tags=TRAINING_TAGS,
                                     description="One sweep member's training run (queued by sweep_launcher).")
-sweep_summary_job = define_asset_job("sweep_summary_job", selection=[sweep_summary], tags=EVAL_TAGS,
+sweep_summary_job = define_asset_job("sweep_summary_job", selection=[sweep_summary], tags=SUMMARY_TAGS,
                                      description="A finished sweep's summary (queued by sweep_summarizer).")
 DAEMON_STALE_S = 120.0  # a sensor daemon silent this long is not running (it heartbeats every ~30 s)
 
@@ -325,7 +325,7 @@ def _trial_tag(member: dict[str, Any]) -> dict[str, str]:
 
 @sensor(job=sweep_summary_job, minimum_interval_seconds=10, default_status=DefaultSensorStatus.RUNNING,
         description="Summarizes a sweep once every member has ended, naming the evals still pending, and again "
-                    "each time more of them land, until none is pending (within the eval limit).")
+                    "each time more of them land, until none is pending (one summary at a time, whatever evals run).")
 def sweep_summarizer(context: SensorEvaluationContext, home: FactoryHomeResource,
                      lake: LakeResource) -> SensorResult:
     finished = set(json.loads(context.cursor)) if context.cursor else set()
@@ -333,21 +333,22 @@ def sweep_summarizer(context: SensorEvaluationContext, home: FactoryHomeResource
         return _result(context, [], [], "every sweep is summarized with every eval", cursor=sorted(finished))
     instance = context.instance
     states = summary_states(instance, home.paths(), lake.lake(), checkpoint_eval_job.name, skip=finished)
-    free = free_eval_slots(instance)
+    free = free_summary_slots(instance)  # summaries have their own queue: a running eval does not hold them back
     requests, reasons = [], []
     for st in sorted(states, key=lambda s: not s.ahead):  # the first and the complete summaries first
         if st.final:
             finished.add(st.sweep_id)
         elif not st.due:
             reasons.append(st.reason)
-        elif free <= 0:  # evals and summaries share the eval limit (jobs/_queue.py)
-            reasons.append(f"{st.reason}; it waits for an eval slot (eval limit {eval_limit(instance)} reached: "
-                           f"{in_flight(instance, EVAL_TAGS)} running)")
+        elif free <= 0:  # never two summaries at once (the summary limit, jobs/_queue.py)
+            now = f", 1 requested now for sweep {requests[-1].partition_key}" if requests else ""
+            reasons.append(f"{st.reason}; it waits: a summary is being drawn (summary limit {summary_limit(instance)}:"
+                           f" {in_flight(instance, SUMMARY_TAGS)} running{now})")
         else:
             free -= 1
             prog = st.progress
             requests.append(RunRequest(run_key=f"summary-{st.sweep_id}-{prog.version}", partition_key=st.sweep_id,
-                                       tags={SWEEP_TAG: st.sweep_id, **EVAL_TAGS, VERSION_TAG: prog.version,
+                                       tags={SWEEP_TAG: st.sweep_id, **SUMMARY_TAGS, VERSION_TAG: prog.version,
                                              PENDING_TAG: str(len(prog.pending))}))
             if not prog.pending:
                 finished.add(st.sweep_id)

@@ -8,8 +8,9 @@ the browser tests start from what `make demo` leaves behind.
 The limits do not depend on these settings being present: the sweep launcher never has more than a
 sweep's `max_concurrent` members in flight and the eval sensor never more than the eval limit, whatever
 the instance's run queue says. The queue settings are a second line: a global cap on runs (a 2-core
-machine is overloaded long before Dagster's default of 10), and the eval limit where an operator sets
-it (`EVAL_QUEUE` tag), which the eval sensor reads back (`eval_limit_from`).
+machine is overloaded long before Dagster's default of 10), the eval limit where an operator sets it
+(`EVAL_QUEUE` tag), which the eval sensor reads back (`eval_limit_from`), and the summary limit (`SUMMARY_QUEUE`
+tag, 1: a sweep summary is light, so it has a queue of its own rather than waiting behind a model eval).
 
 Recovery of a run worker that died (kill -9, the OOM killer) needs three settings, the same as
 deploy/dagster.yaml's (a test keeps them equal): the run launcher that can check its workers
@@ -26,10 +27,12 @@ from typing import Any
 
 import yaml
 
-QUEUE_TAG = "factory/queue"  # runs that share a limit: evals and sweep summaries carry value "eval"
+QUEUE_TAG = "factory/queue"  # runs that share a limit: checkpoint evals carry value "eval", sweep summaries "summary"
 EVAL_QUEUE = "eval"
+SUMMARY_QUEUE = "summary"
 DEFAULT_MAX_CONCURRENT_RUNS = 4
 DEFAULT_MAX_CONCURRENT_EVALS = 1
+MAX_CONCURRENT_SUMMARIES = 1  # never two summaries at once: each draws every member's pictures and MLflow artifacts
 # Dagster's default launcher plus a health check of its run workers, by pid (resources/run_launcher.py).
 RUN_LAUNCHER = {"module": "resources.run_launcher", "class": "WatchedRunLauncher"}
 # The daemon checks started runs' workers every few seconds (the check is a /proc read) and marks a run whose worker
@@ -42,8 +45,8 @@ RECOVERY_SETTINGS = {"run_launcher": RUN_LAUNCHER, "run_monitoring": RUN_MONITOR
 
 def instance_settings(max_concurrent_runs: int = DEFAULT_MAX_CONCURRENT_RUNS,
                       max_concurrent_evals: int = DEFAULT_MAX_CONCURRENT_EVALS) -> dict[str, Any]:
-    """Factory's `dagster.yaml` as a mapping: no telemetry, a run queue with a global cap and an eval limit, and
-    the recovery settings (`RECOVERY_SETTINGS`)."""
+    """Factory's `dagster.yaml` as a mapping: no telemetry, a run queue with a global cap, an eval limit and a
+    summary limit, and the recovery settings (`RECOVERY_SETTINGS`)."""
     if max_concurrent_runs < 1 or max_concurrent_evals < 1:
         raise ValueError(f"max_concurrent_runs and max_concurrent_evals must be >= 1, got "
                          f"{max_concurrent_runs} and {max_concurrent_evals}")
@@ -51,7 +54,8 @@ def instance_settings(max_concurrent_runs: int = DEFAULT_MAX_CONCURRENT_RUNS,
         "telemetry": {"enabled": False},
         "concurrency": {"runs": {
             "max_concurrent_runs": max_concurrent_runs,
-            "tag_concurrency_limits": [_eval_limit(max_concurrent_evals)],
+            "tag_concurrency_limits": [_queue_limit(EVAL_QUEUE, max_concurrent_evals),
+                                       _queue_limit(SUMMARY_QUEUE, MAX_CONCURRENT_SUMMARIES)],
         }},
         # A queued run starts within a second of a free slot (the default polls every 5 s).
         "run_queue": {"dequeue_interval_seconds": 1},
@@ -59,8 +63,8 @@ def instance_settings(max_concurrent_runs: int = DEFAULT_MAX_CONCURRENT_RUNS,
     }
 
 
-def _eval_limit(n: int) -> dict[str, Any]:
-    return {"key": QUEUE_TAG, "value": EVAL_QUEUE, "limit": n}
+def _queue_limit(queue: str, n: int) -> dict[str, Any]:
+    return {"key": QUEUE_TAG, "value": queue, "limit": n}
 
 
 def instance_yaml(**kwargs: int) -> str:
@@ -99,9 +103,12 @@ def ensure_instance_yaml(dagster_home: str | Path, **kwargs: int) -> list[str]:
             changes.append(f"concurrency.runs.max_concurrent_runs: {runs['max_concurrent_runs']}")
         limits = runs.setdefault("tag_concurrency_limits", []) or []
         runs["tag_concurrency_limits"] = limits
-    if not any(isinstance(x, dict) and x.get("key") == QUEUE_TAG for x in limits):
-        limits.append(want["concurrency"]["runs"]["tag_concurrency_limits"][0])
-        changes.append(f"run queue: at most {limits[-1]['limit']} eval run(s) at once ({QUEUE_TAG}={EVAL_QUEUE})")
+    # A file written before summaries had their own queue has the eval limit only: it gains the summary limit.
+    for limit in want["concurrency"]["runs"]["tag_concurrency_limits"]:
+        if not _limits_queue(limits, limit["value"]):
+            limits.append(limit)
+            changes.append(f"run queue: at most {limit['limit']} {limit['value']} run(s) at once "
+                           f"({QUEUE_TAG}={limit['value']})")
     if "run_coordinator" not in have and "dequeue_interval_seconds" not in (have.get("run_queue") or {}):
         have.setdefault("run_queue", {})["dequeue_interval_seconds"] = 1
         changes.append("run_queue.dequeue_interval_seconds: 1")
@@ -127,12 +134,29 @@ def _legacy_queue(cfg: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
-def eval_limit_from(tag_limits: list[dict[str, Any]] | None, default: int = DEFAULT_MAX_CONCURRENT_EVALS) -> int:
-    """The eval limit set in an instance's run-queue tag limits, else `default`."""
+def _limits_queue(limits: list[Any], queue: str) -> bool:
+    """Whether `limits` already limit runs tagged `factory/queue: <queue>`: by that value, or by the tag whatever
+    its value (no value: every queue together; `applyLimitPerUniqueValue`: each queue)."""
+    for x in limits:
+        if isinstance(x, dict) and x.get("key") == QUEUE_TAG:
+            value = x.get("value")
+            if value is None or value == queue or isinstance(value, dict):
+                return True
+    return False
+
+
+def queue_limit_from(tag_limits: list[dict[str, Any]] | None, queue: str, default: int) -> int:
+    """The limit on runs tagged `factory/queue: <queue>` set in an instance's run-queue tag limits, else
+    `default`."""
     for item in tag_limits or []:
-        if item.get("key") == QUEUE_TAG and item.get("value") == EVAL_QUEUE:
+        if item.get("key") == QUEUE_TAG and item.get("value") == queue:
             return max(1, int(item["limit"]))
     return default
+
+
+def eval_limit_from(tag_limits: list[dict[str, Any]] | None, default: int = DEFAULT_MAX_CONCURRENT_EVALS) -> int:
+    """The eval limit set in an instance's run-queue tag limits, else `default`."""
+    return queue_limit_from(tag_limits, EVAL_QUEUE, default)
 
 
 def _inline(value: dict[str, Any]) -> str:

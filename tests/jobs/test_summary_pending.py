@@ -29,7 +29,7 @@ from factory.config import parse_overrides
 from factory.runs.checkpoint_eval import checkpoint_key
 from factory.sweep import SweepDefinition, plan_sweep, set_control, write_sweep
 from jobs import defs
-from jobs._queue import EVAL_TAGS, in_flight
+from jobs._queue import EVAL_TAGS, SUMMARY_TAGS, in_flight
 from jobs.evals import new_checkpoint_evals
 from jobs.sweeps import sweep_launcher, sweep_summarizer
 
@@ -64,15 +64,16 @@ def plan(instance, factory_home, lrs=(1e-3, 3e-3, 1e-2), max_concurrent=2) -> tu
     return p.sweep_id, [m.key for m in p.members]
 
 
-def members_at(lake, sweep_id: str, keys: list[str], statuses: list[str]) -> None:
-    """The members' `sweeps` rows; one that ended has recorded its final checkpoint (step 2) first."""
+def members_at(lake, sweep_id: str, keys: list[str], statuses: list[str], runs: str = "run") -> None:
+    """The members' `sweeps` rows (their runs `<runs>-<i>`); one that ended has recorded its final checkpoint (step
+    2) first."""
     for i, (key, status) in enumerate(zip(keys, statuses, strict=True)):
         ended = status not in ("queued", "running")
         if ended:
-            lake.upsert("checkpoints", [dict(run_id=f"run-{i}", step=2, kind="rl", uri=f"/ckpt/{i}", bytes=1,
+            lake.upsert("checkpoints", [dict(run_id=f"{runs}-{i}", step=2, kind="rl", uri=f"/ckpt/{i}", bytes=1,
                                              sha256="0" * 64, recorded_at=T0 + timedelta(seconds=i))])
         lake.upsert("sweeps", [dict(sweep_id=sweep_id, member=key, name="t", axes=json.dumps({"i": i}), spec="{}",
-                                    status=status, run_id=f"run-{i}" if status != "queued" else None,
+                                    status=status, run_id=f"{runs}-{i}" if status != "queued" else None,
                                     final_accuracy=0.5 + 0.01 * i if status == "succeeded" else None,
                                     created_at=T0, recorded_at=T0 + timedelta(seconds=i))])
 
@@ -101,50 +102,69 @@ def test_the_summary_comes_when_members_end_then_again_as_late_evals_land(instan
     members_at(lake, sweep_id, keys, ["succeeded", "succeeded", "running"])
     assert reason(tick(sweep_summarizer, instance)) == f"sweep {sweep_id}: 1 of 3 members still running"
 
-    # The last member ends with 6 evals owed (3 final checkpoints x 2 benchmarks): the evals leave the only slot
-    # (eval limit 1) to the summary, which comes at once, saying what is pending.
-    members_at(lake, sweep_id, keys, ["succeeded", "succeeded", "failed"])
+    # An eval of an ended member's checkpoint is running (the eval limit, 1, is reached) when the last member ends.
     evals = tick(new_checkpoint_evals, instance)
-    assert evals.run_requests == []
-    assert reason(evals) == (f"eval limit 1: 0 running and 1 slot(s) held for the summary of sweep {sweep_id} "
-                             "(it goes first); 6 eval(s) wait")
     for add in evals.dynamic_partitions_requests:
         instance.add_dynamic_partitions(add.partitions_def_name, add.partition_keys)
+    (ev,) = evals.run_requests
+    busy = launched(instance, ev, "checkpoint_eval_job")
+    members_at(lake, sweep_id, keys, ["succeeded", "succeeded", "failed"])
+    evals = tick(new_checkpoint_evals, instance)
+    assert evals.run_requests == [] and reason(evals) == "eval limit 1 reached: 1 running; 5 eval(s) wait"
+    for add in evals.dynamic_partitions_requests:
+        instance.add_dynamic_partitions(add.partitions_def_name, add.partition_keys)
+
+    # The first summary is requested on the first tick after the last member ends, beside the running eval: it has
+    # a queue of its own, and names the 6 evals not landed (3 final checkpoints x 2 benchmarks).
     first = tick(sweep_summarizer, instance)
     (req,) = first.run_requests
     assert req.partition_key == sweep_id and req.tags["factory/evals_pending"] == "6"
-    assert req.tags["factory/queue"] == "eval"  # a summary counts against the eval limit
+    assert req.tags["factory/queue"] == "summary" and in_flight(instance, EVAL_TAGS) == 1
     summary = launched(instance, req, "sweep_summary_job")
     assert reason(tick(sweep_summarizer, instance, first.cursor)) == (
         f"sweep {sweep_id}: summary up to date (6 eval(s) pending)")
-    assert reason(tick(new_checkpoint_evals, instance)) == "eval limit 1 reached: 1 running; 6 eval(s) wait"
+
+    # The eval ends and lands; the next one starts while the summary is being drawn: evals do not wait for it.
+    ended(instance, busy)
+    eval_lands(instance, str(ev.partition_key))
+    (ev,) = tick(new_checkpoint_evals, instance).run_requests
+    assert in_flight(instance, SUMMARY_TAGS) == 1
+    run = launched(instance, ev, "checkpoint_eval_job")
+    assert reason(tick(sweep_summarizer, instance, first.cursor)) == (
+        f"sweep {sweep_id}: a summary is being drawn; the next one (5 eval(s) pending) follows when it ends")
     ended(instance, summary)
 
-    # The evals run one at a time; a summary between them would only delay them, so none is drawn until every
-    # owed eval has started; then the one that is due waits for the slot, and the complete one comes last.
-    requests = [req]
+    # The evals go on one at a time; a summary in between is drawn only once every owed eval has started (not
+    # after each eval), then beside the last eval; the complete one once every eval has landed.
     owed = [str(MultiPartitionKey({"checkpoint": checkpoint_key(f"run-{i}", 2), "benchmark": b}))
             for i in range(3) for b in BENCH]
-    for n in range(6):
-        (ev,) = tick(new_checkpoint_evals, instance).run_requests
-        assert str(ev.partition_key) in owed
-        run = launched(instance, ev, "checkpoint_eval_job")
-        assert in_flight(instance, EVAL_TAGS) == 1  # never more than the limit
+    seen, between, between_req = [], None, None
+    for n in range(5):
+        assert str(ev.partition_key) in owed and in_flight(instance, EVAL_TAGS) == 1  # never more than the limit
+        seen.append(str(ev.partition_key))
         res = tick(sweep_summarizer, instance, first.cursor)
-        requests += res.run_requests
-        assert res.run_requests == []
-        expected = (f"sweep {sweep_id}: summary up to date (6 eval(s) pending)" if n == 0 else
-                    f"sweep {sweep_id}: the summary is drawn again once its {5 - n} owed eval(s) not started yet "
-                    f"have started ({6 - n} eval(s) pending)" if n < 5 else
-                    f"sweep {sweep_id}: summary due again, 1 eval(s) pending; it waits for an eval slot (eval limit 1 "
-                    "reached: 1 running)")
-        assert reason(res) == expected
+        if n < 4:
+            assert res.run_requests == []
+            assert reason(res) == (f"sweep {sweep_id}: the summary is drawn again once its {4 - n} owed eval(s) not "
+                                   f"started yet have started ({5 - n} eval(s) pending)")
+        else:
+            (between_req,) = res.run_requests
+            assert between_req.tags["factory/evals_pending"] == "1" and in_flight(instance, EVAL_TAGS) == 1
+            between = launched(instance, between_req, "sweep_summary_job")
         ended(instance, run)
         eval_lands(instance, str(ev.partition_key))
+        if n < 4:
+            (ev,) = tick(new_checkpoint_evals, instance).run_requests
+            run = launched(instance, ev, "checkpoint_eval_job")
+    assert len(set(seen)) == 5
     assert reason(tick(new_checkpoint_evals, instance)) == "no checkpoint owes an eval"
+    # Never two summaries in flight: the complete one follows the one in between.
+    assert reason(tick(sweep_summarizer, instance, first.cursor)) == (
+        f"sweep {sweep_id}: a summary is being drawn; the next one (no eval pending) follows when it ends")
+    ended(instance, between)
     final = tick(sweep_summarizer, instance, first.cursor)
     (last,) = final.run_requests
-    assert last.tags["factory/evals_pending"] == "0" and last.run_key != req.run_key
+    assert last.tags["factory/evals_pending"] == "0" and last.run_key not in (req.run_key, between_req.run_key)
     assert json.loads(final.cursor) == [sweep_id]  # complete: nothing more to do for this sweep
     ended(instance, launched(instance, last, "sweep_summary_job"))
     assert reason(tick(sweep_summarizer, instance, final.cursor)) == "every sweep is summarized with every eval"
@@ -219,26 +239,42 @@ def test_the_launcher_says_why_it_starts_nothing(instance, factory_home):
     assert reason(tick(sweep_launcher, instance, third.cursor)) == "no sweep has members left to start"
 
 
-def test_no_slot_is_held_for_a_summarizer_that_is_turned_off(factory_home, lake):
-    """With `sweep_summarizer` stopped (Automation, in a real instance's schedule storage) nothing would take the
-    held slot: the evals go on instead of waiting for it forever."""
-    from dagster import instance_for_test
-    from dagster._core.remote_origin import (
-        RegisteredCodeLocationOrigin,
-        RemoteInstigatorOrigin,
-        RemoteRepositoryOrigin,
-    )
-    from dagster._core.scheduler.instigation import InstigatorState, InstigatorStatus, InstigatorType
+def test_never_two_summaries_at_once_whatever_evals_run(instance, factory_home, lake):
+    """Two sweeps end together: one summary is drawn, the other waits for it, saying so; an eval running changes
+    neither."""
+    a, keys_a = plan(instance, factory_home, lrs=(1e-3,))
+    b, keys_b = plan(instance, factory_home, lrs=(3e-3,))
+    members_at(lake, a, keys_a, ["succeeded"], runs="a")
+    members_at(lake, b, keys_b, ["succeeded"], runs="b")
+    evals = tick(new_checkpoint_evals, instance)
+    for add in evals.dynamic_partitions_requests:
+        instance.add_dynamic_partitions(add.partitions_def_name, add.partition_keys)
+    (ev,) = evals.run_requests  # the summaries due hold no eval slot
+    launched(instance, ev, "checkpoint_eval_job")
+    first = tick(sweep_summarizer, instance)
+    (req,) = first.run_requests
+    one, other = sorted([a, b])
+    assert req.partition_key == one
+    summary = launched(instance, req, "sweep_summary_job")
+    assert reason(tick(sweep_summarizer, instance, first.cursor)) == (
+        f"sweep {other}: summary due, 2 eval(s) pending; it waits: a summary is being drawn (summary limit 1: 1 "
+        f"running); sweep {one}: summary up to date (2 eval(s) pending)")
+    ended(instance, summary)
+    (nxt,) = tick(sweep_summarizer, instance, first.cursor).run_requests
+    assert nxt.partition_key == other and in_flight(instance, EVAL_TAGS) == 1
 
-    with instance_for_test() as instance:
-        sweep_id, keys = plan(instance, factory_home, lrs=(1e-3,))
-        members_at(lake, sweep_id, keys, ["succeeded"])
-        assert tick(new_checkpoint_evals, instance).run_requests == []  # held for the summary
-        origin = RemoteInstigatorOrigin(RemoteRepositoryOrigin(RegisteredCodeLocationOrigin("factory"),
-                                                               "__repository__"), "sweep_summarizer")
-        instance.add_instigator_state(InstigatorState(origin, InstigatorType.SENSOR, InstigatorStatus.STOPPED))
-        (ev,) = tick(new_checkpoint_evals, instance).run_requests
-        assert ev.tags["factory/checkpoint"] == checkpoint_key("run-0", 2)
+
+def test_evals_are_not_held_back_by_a_due_summary(instance, factory_home, lake):
+    """A sweep has ended and its summary is due, not requested yet: its evals start anyway (a summary has its own
+    queue, so no eval slot is kept for it)."""
+    sweep_id, keys = plan(instance, factory_home, lrs=(1e-3,))
+    members_at(lake, sweep_id, keys, ["succeeded"])
+    instance.add_dynamic_partitions(checkpoints.name, [checkpoint_key("run-0", 2)])
+    (ev,) = tick(new_checkpoint_evals, instance).run_requests
+    assert ev.tags["factory/checkpoint"] == checkpoint_key("run-0", 2)
+    launched(instance, ev, "checkpoint_eval_job")
+    (req,) = tick(sweep_summarizer, instance).run_requests
+    assert req.tags["factory/evals_pending"] == "2"
 
 
 def test_a_sweep_that_cannot_be_read_holds_back_neither_other_sweeps_nor_evals(instance, factory_home, lake):

@@ -173,12 +173,12 @@ def test_one_warm_start_then_members_within_the_limit_then_evals_then_the_summar
         assert md["label"].value.startswith("lr=") and tags["factory/label"] == md["label"].value  # axis values
 
     # 3. The summary comes as soon as the members have ended, naming the evals still owed (their final checkpoints
-    # x 2 benchmarks); the evals then go one at a time (the eval limit), and the summary is drawn again once they
-    # have all landed, saying none is pending.
+    # x 2 benchmarks); the evals then go one at a time (the eval limit), not held back by the summary (its own queue),
+    # and the summary is drawn again once every eval has started and once they have all landed, saying none is pending.
     first = tick(sweep_summarizer, instance)
     (early,) = first.run_requests
     assert early.tags["factory/evals_pending"] == "4"
-    assert tick(new_checkpoint_evals, instance).run_requests == []  # the slot is held for the summary
+    assert len(tick(new_checkpoint_evals, instance).run_requests) == 1  # no eval slot is held for the summary
     early_md = execute(instance, early).asset_materializations_for_node("sweep_summary")[0].metadata
     assert early_md["pending_evals"].value.startswith("4: ") and early_md["pending_evals_count"].value == 4
     evaluated = 0
@@ -189,9 +189,13 @@ def test_one_warm_start_then_members_within_the_limit_then_evals_then_the_summar
         assert len(res.run_requests) == 1  # never more than the limit at once
         for add in res.dynamic_partitions_requests:
             instance.add_dynamic_partitions(add.partitions_def_name, add.partition_keys)
-        busy = create_run_for_test(instance, job_name="checkpoint_eval_job", tags=res.run_requests[0].tags,
-                                   status=DagsterRunStatus.STARTED)
-        assert tick(sweep_summarizer, instance, first.cursor).run_requests == []  # not beside an eval
+        busy = create_run_for_test(instance, job_name="checkpoint_eval_job", status=DagsterRunStatus.STARTED,
+                                   tags={**res.run_requests[0].tags,
+                                         "dagster/partition": str(res.run_requests[0].partition_key)})
+        between = tick(sweep_summarizer, instance, first.cursor).run_requests  # beside the last eval, not before
+        assert [r.tags["factory/evals_pending"] for r in between] == (["1"] if evaluated == 3 else [])
+        for r in between:
+            execute(instance, r)
         instance.delete_run(busy.run_id)
         execute(instance, res.run_requests[0])
         evaluated += 1
@@ -200,7 +204,7 @@ def test_one_warm_start_then_members_within_the_limit_then_evals_then_the_summar
     # 4. The complete summary: members compared, with links, pictures and a tie reported as a tie.
     summary = tick(sweep_summarizer, instance, first.cursor)
     (req,) = summary.run_requests
-    assert req.partition_key == sweep_id and req.tags["factory/queue"] == "eval"
+    assert req.partition_key == sweep_id and req.tags["factory/queue"] == "summary"
     assert req.tags["factory/evals_pending"] == "0"
     assert tick(sweep_summarizer, instance, summary.cursor).run_requests == []
     md = execute(instance, req).asset_materializations_for_node("sweep_summary")[0].metadata
