@@ -36,6 +36,7 @@ from factory.sweep import (
     MEMBER_TAG,
     format_value,
     member_label,
+    member_short,
     read_member,
     read_sweep,
     read_warm_start_spec,
@@ -227,7 +228,7 @@ def _members_table(members, axes: list[str], runs: dict[str, str]) -> MetadataVa
     cols = ["member", "label", *axes, "status", "accuracy", "ci95_n", "pass_at_k", "reward", "wall_s", "steps",
             "dagster_run"]
     records = [TableRecord({
-        "member": m.member.rpartition("-")[2], "label": m.label, **{a: format_value(m.axes.get(a)) for a in axes},
+        "member": member_short(m.member), "label": m.label, **{a: format_value(m.axes.get(a)) for a in axes},
         "status": m.status,
         "accuracy": _fmt(m.accuracy), "ci95_n": m.accuracy_text().partition(" ")[2],
         "pass_at_k": _fmt(m.pass_at_k), "reward": _fmt(m.reward),

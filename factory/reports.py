@@ -24,7 +24,7 @@ from factory.envs.eval_suites import HELD_OUT
 from factory.intervals import Accuracy, Interval, accuracy_text, mean_interval, verdict, welch
 from factory.lake.results import RunOutcome, outcomes_from_evals
 from factory.lake.writer import Lake
-from factory.sweep import short_label
+from factory.sweep import member_short, short_label
 from factory.tracking import Tracker
 
 CURVES, EVALS, METRICS = "plots/curves.png", "plots/evals.png", "plots/metrics.png"
@@ -242,7 +242,7 @@ def best_members(done: list[MemberFigures]) -> tuple[list[str], str]:
 
 def _name(m: MemberFigures) -> str:
     """A member as a verdict names it: its short key and axis values (`m001 (lr=3e-4)`)."""
-    short = m.member.rpartition("-")[2]
+    short = member_short(m.member)
     return f"{short} ({m.label})" if m.label else short
 
 

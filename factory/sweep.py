@@ -18,6 +18,7 @@ launches them (jobs/sweeps.py); `axis_tags` and `member_label` say which member 
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import os
@@ -85,7 +86,7 @@ class SweepDefinition(BaseModel):
 
 @dataclass(frozen=True)
 class Member:
-    key: str  # partition key of the sweep-member asset: <sweep_id>-m<index>
+    key: str  # partition key of the sweep-member asset: <sweep_id>-m<index>-<label> (`member_key`)
     index: int
     values: dict[str, Any]  # this member's value on every axis
     spec: ExperimentSpec
@@ -199,7 +200,7 @@ def plan_sweep(defn: SweepDefinition, sweep_id: str | None = None) -> SweepPlan:
         except SpecError as e:  # a combination that is invalid only together (a cross-field rule)
             errors += [f"axes {values}: {line}" for line in e.errors]
             continue
-        members.append(Member(key=f"{sweep_id}-m{i:03d}", index=i, values=values, spec=spec,
+        members.append(Member(key=member_key(sweep_id, i, values), index=i, values=values, spec=spec,
                               warm_start=f"sft-{spec.warm_start_fingerprint()}"))
     if errors:
         raise SweepError(errors)
@@ -245,7 +246,7 @@ def trial_member(paths: FactoryPaths, sweep_id: str, number: int, params: dict[s
                                                  f"{number:03d}"}))
     except SpecError as e:
         raise SweepError([f"trial {number} {params}: {line}" for line in e.errors]) from None
-    return Member(key=f"{sweep_id}-m{number:03d}", index=number, values=params, spec=spec,
+    return Member(key=member_key(sweep_id, number, params), index=number, values=params, spec=spec,
                   warm_start=f"sft-{spec.warm_start_fingerprint()}")
 
 
@@ -310,12 +311,60 @@ def set_control(paths: FactoryPaths, sweep_id: str, paused: bool | None = None,
     return control
 
 
+KEY_LABEL_MAX = 60  # characters of a member key's label; a longer one is cut and ends in a hash of the whole
+_KEY_UNSAFE = re.compile(r"[^A-Za-z0-9=._+-]+")
+# <sweep_id>-m<index>-<label>: the sweep id holds no '=' and the label's first '=' ends its first axis name, so the
+# index is the last -m<digits>- before the key's first '=' (a value may hold '-m123' or '=' of its own).
+_NEW_KEY = re.compile(r"([^=]+)-m(\d+)-([^=]*=.*)")
+_OLD_KEY = re.compile(r"([^=]+)-m(\d+)")  # <sweep_id>-m<index>: sweeps planned before labels, and no-axis members
+
+
+def key_label(values: dict[str, Any]) -> str:
+    """`lr=3e-4_seed=1`: `short_label` made safe for a Dagster partition key and a file name ('' for no axes).
+    ',' becomes '_' because Dagster's partition-selection box splits what is typed at commas; every character other
+    than letters, digits and `=._+-` (a '/', a space, a bracket, unicode) becomes '_', and '...' (Dagster's range
+    delimiter, forbidden in partition keys) too. Past `KEY_LABEL_MAX` characters it is cut and ends in a hash of
+    the whole label."""
+    if not values:
+        return ""
+    full = short_label(values)
+    label = re.sub(r"\.{3,}", "_", _KEY_UNSAFE.sub("_", full))
+    if len(label) <= KEY_LABEL_MAX:
+        return label
+    digest = hashlib.sha1(full.encode()).hexdigest()[:8]
+    head = label[:KEY_LABEL_MAX - len(digest) - 1]
+    if "=" not in head:  # an absurdly long first axis name: the label must still hold an '=' to be read back
+        head = head[:-1] + "="
+    return f"{head}_{digest}"
+
+
+def member_key(sweep_id: str, index: int, values: dict[str, Any]) -> str:
+    """A member's partition key: `<sweep_id>-m<index>-<key_label>` (`...-m003-lr=3e-4_seed=1`), or
+    `<sweep_id>-m<index>` for a member without axes. It is also the member's run key, spec file name and
+    `sweeps` row key; `sweep_id_of` reads it back (and reads the older `<sweep_id>-m<index>` keys too)."""
+    if "=" in sweep_id:
+        raise ValueError(f"sweep_id: must not contain '=' (a member key's label starts at its first '='), "
+                         f"got {sweep_id!r}")
+    label = key_label(values)
+    return f"{sweep_id}-m{index:03d}-{label}" if label else f"{sweep_id}-m{index:03d}"
+
+
+def _parse_key(member_key: str) -> re.Match[str]:
+    found = _NEW_KEY.fullmatch(member_key) if "=" in member_key else _OLD_KEY.fullmatch(member_key)
+    if found is None:
+        raise ValueError(f"not a sweep member key: {member_key!r} (expected <sweep_id>-m<index> or "
+                         "<sweep_id>-m<index>-<label with '='>)")
+    return found
+
+
 def sweep_id_of(member_key: str) -> str:
-    """The sweep a member partition key belongs to (`<sweep_id>-m<index>`)."""
-    sweep_id, sep, index = member_key.rpartition("-m")
-    if not sep or not index.isdigit():
-        raise ValueError(f"not a sweep member key: {member_key!r} (expected <sweep_id>-m<index>)")
-    return sweep_id
+    """The sweep a member partition key belongs to (`<sweep_id>-m<index>[-<label>]`)."""
+    return _parse_key(member_key).group(1)
+
+
+def member_short(member_key: str) -> str:
+    """A member key's index part (`m001`): how a sweep's tables and verdicts name a member beside its label."""
+    return f"m{_parse_key(member_key).group(2)}"
 
 
 def read_member(paths: FactoryPaths, member_key: str) -> tuple[ExperimentSpec, dict[str, Any]]:

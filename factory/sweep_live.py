@@ -19,7 +19,7 @@ from pyiceberg.expressions import And, EqualTo, In
 from factory import plots
 from factory.lake.results import METRIC, RunOutcome, outcomes_from_evals
 from factory.lake.writer import Lake
-from factory.sweep import short_label
+from factory.sweep import member_short, short_label
 
 ENDED = ("succeeded", "failed", "refused", "pruned")  # a member's `sweeps` status after which it trains no more
 STEP_COLUMNS = ["run_id", "step", "reward_mean", "recorded_at", "attempt"]
@@ -47,7 +47,7 @@ class MemberLive:
     @property
     def short(self) -> str:
         """The key's index part (`m001`), as the summary's tables show it."""
-        return self.member.rpartition("-")[2]
+        return member_short(self.member)
 
     def fingerprint(self) -> list[Any]:
         """What a new observation is owed for: a new status, a newer step, a new eval or interruption."""

@@ -221,9 +221,10 @@ class AskedTrial:
 
 
 def ask(study: optuna.Study, space: dict[str, SearchParam], member_of: Any) -> AskedTrial:
-    """A new trial of `study` over `space`; `member_of(number)` names its member, stored on the trial."""
+    """A new trial of `study` over `space`; `member_of(number, params)` names its member (its key carries the
+    trial's values), stored on the trial."""
     trial = study.ask(distributions(space))
-    trial.set_user_attr("member", member_of(trial.number))
+    trial.set_user_attr("member", member_of(trial.number, dict(trial.params)))
     return AskedTrial(trial.number, trial._trial_id, dict(trial.params))
 
 

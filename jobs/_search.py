@@ -21,6 +21,7 @@ from factory.sweep import (
     SweepDefinition,
     SweepError,
     add_member,
+    member_key,
     trial_member,
     update_sweep,
     write_warm_start_spec,
@@ -47,7 +48,7 @@ def ask_trials(context: SensorEvaluationContext, paths: FactoryPaths, lake: Lake
     asked = len(study.get_trials(deepcopy=False))
     space = SweepDefinition(**defn).space
     for _ in range(min(room, defn["trials"] - asked)):
-        trial = ask(study, space, member_of=lambda n: f"{sweep_id}-m{n:03d}")
+        trial = ask(study, space, member_of=lambda n, params: member_key(sweep_id, n, params))
         try:
             member = trial_member(paths, sweep_id, trial.number, trial.params)
         except SweepError as e:  # parameters valid alone, not together: the trial fails, the next one is asked

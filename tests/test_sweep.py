@@ -1,15 +1,20 @@
 """Sweep planning: expansion, validation that names the axis, the stored plan."""
 
+import re
 from pathlib import Path
 
 import pytest
 
 from factory.sweep import (
+    KEY_LABEL_MAX,
     SweepDefinition,
     SweepError,
     axis_tags,
     format_value,
+    key_label,
+    member_key,
     member_label,
+    member_short,
     next_launches,
     plan_sweep,
     read_member,
@@ -18,6 +23,7 @@ from factory.sweep import (
     short_label,
     sweep_dir,
     sweep_id_of,
+    trial_member,
     write_sweep,
     write_warm_start_spec,
 )
@@ -30,7 +36,7 @@ def test_grid_expands_every_combination_with_names_and_shared_warm_starts():
     plan = plan_sweep(SweepDefinition(name="LR sweep", base_spec=BASE, max_concurrent=3, axes=axes))
     assert len(plan.members) == 8
     assert plan.sweep_id.startswith("lr-sweep-")
-    assert [m.key for m in plan.members] == [f"{plan.sweep_id}-m{i:03d}" for i in range(8)]
+    assert [m.key.partition("-lr=")[0] for m in plan.members] == [f"{plan.sweep_id}-m{i:03d}" for i in range(8)]
     assert {(m.spec.algorithm.lr, m.spec.algorithm.group_size, m.spec.seed) for m in plan.members} == {
         (lr, g, s) for lr in (1e-5, 3e-5) for g in (4, 8) for s in (0, 1)}
     assert all(m.spec.name == f"lr-sweep-m{m.index:03d}" for m in plan.members)
@@ -166,3 +172,73 @@ def test_a_members_short_label_names_each_axis_by_its_last_segment_with_compact_
     # two axes ending the same are told apart by their whole path
     assert short_label({"sft.lr": 1e-4, "algorithm.lr": 2.5e-6, "seed": 0}) == "sft.lr=1e-4,algorithm.lr=2.5e-6,seed=0"
     assert short_label({}) == "(base)"
+
+
+def test_member_keys_carry_a_readable_label_made_safe_for_dagster_and_file_names():
+    plan = plan_sweep(SweepDefinition(name="LR sweep", base_spec=BASE, axes={"algorithm.lr": [3e-4, 1e-5]},
+                                      seeds=[0, 1]), sweep_id="lr-sweep-20261127-080000-abc123")
+    assert [m.key for m in plan.members] == [
+        "lr-sweep-20261127-080000-abc123-m000-lr=3e-4_seed=0", "lr-sweep-20261127-080000-abc123-m001-lr=3e-4_seed=1",
+        "lr-sweep-20261127-080000-abc123-m002-lr=1e-5_seed=0", "lr-sweep-20261127-080000-abc123-m003-lr=1e-5_seed=1"]
+    assert member_key("s", 7, {}) == "s-m007"  # a member with no axes: no label
+    # ',' (the separator of a typed partition selection), '/', spaces, brackets, unicode and '...' (Dagster's
+    # range delimiter) never reach a key
+    assert key_label({"task.name": "a/b c", "model.layers": [2, 3], "x.tag": "ünï…", "y.r": "1...5"}) == \
+        "name=a_b_c_layers=_2_3_tag=_n_r=1_5"
+    assert key_label({}) == ""
+
+
+def test_a_long_label_is_cut_with_a_hash_of_the_whole_label_so_keys_differ():
+    a = key_label({"task.prompt": "x" * 100 + "a"})
+    b = key_label({"task.prompt": "x" * 100 + "b"})
+    assert len(a) == len(b) == KEY_LABEL_MAX and a != b and a.startswith("prompt=xxxx")
+    assert re.fullmatch(r"prompt=x+_[0-9a-f]{8}", a)
+    key = member_key("s", 3, {"task.prompt": "x" * 100 + "a"})
+    assert sweep_id_of(key) == "s" and member_short(key) == "m003"
+
+
+@pytest.mark.parametrize("key,sweep_id,short", [
+    ("lr-sweep-20261127-080000-abc123-m000", "lr-sweep-20261127-080000-abc123", "m000"),  # the old form
+    ("s-m012", "s", "m012"),
+    ("exp-m1-20261127-080000-abc123-m004", "exp-m1-20261127-080000-abc123", "m004"),  # '-m1' in the sweep id
+    ("lr-sweep-20261127-080000-abc123-m002-lr=1e-5_seed=0", "lr-sweep-20261127-080000-abc123", "m002"),
+    ("exp-m1-20261127-080000-abc123-m004-lr=3e-4", "exp-m1-20261127-080000-abc123", "m004"),
+    ("s-m001-name=run-m123", "s", "m001"),  # a '-m123' inside a value
+    ("s-m001-name=x-m5-y=z", "s", "m001"),  # ... followed by something that looks like another label
+    ("s-m001-my-set=0.5", "s", "m001"),  # a '-' in the first axis name (a blend's dataset name)
+    ("s-m1000-seed=3", "s", "m1000"),
+])
+def test_sweep_id_of_reads_old_and_new_member_keys(key, sweep_id, short):
+    assert sweep_id_of(key) == sweep_id and member_short(key) == short
+
+
+@pytest.mark.parametrize("values", [
+    {"task.name": "run-m123"}, {"task.name": "a/b"}, {"task.prompt": "long " * 40}, {"task.name": "ünïcødé"},
+    {"data.mix.my-set": 0.5, "seed": 1}, {"algorithm.lr": 3e-4, "task.name": "x-m5-y=z"},
+])
+def test_every_new_key_parses_back_to_its_sweep_and_index(values):
+    for sweep_id in ("lr-sweep-20261127-080000-abc123", "exp-m1-20261127-080000-abc123", "s"):
+        key = member_key(sweep_id, 42, values)
+        assert sweep_id_of(key) == sweep_id and member_short(key) == "m042", key
+        assert re.fullmatch(r"[A-Za-z0-9=._+-]+", key) and "..." not in key and "," not in key, key
+
+
+@pytest.mark.parametrize("key", ["run-123", "s-mx", "s-m", "-m001", "s-m001-noequals", "s-m001-"])
+def test_a_key_that_is_not_a_member_key_is_refused_by_name(key):
+    with pytest.raises(ValueError, match="not a sweep member key"):
+        sweep_id_of(key)
+
+
+def test_a_sweep_id_with_an_equals_sign_is_refused():
+    with pytest.raises(ValueError, match="sweep_id: .*'='"):
+        member_key("a=b", 0, {"seed": 1})
+
+
+def test_a_tpe_trials_member_key_carries_its_params(factory_home):
+    defn = SweepDefinition(name="search", base_spec=BASE, mode="tpe", trials=2,
+                           space={"algorithm.lr": {"low": 1e-5, "high": 1e-3, "log": True}})
+    plan = plan_sweep(defn, sweep_id="search-20261127-080000-abc123")
+    write_sweep(plan, factory_home)
+    member = trial_member(factory_home, plan.sweep_id, 1, {"algorithm.lr": 2.5e-4})
+    assert member.key == "search-20261127-080000-abc123-m001-lr=2.5e-4"
+    assert sweep_id_of(member.key) == plan.sweep_id

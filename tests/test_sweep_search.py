@@ -7,7 +7,7 @@ import optuna
 import pytest
 from pydantic import ValidationError
 
-from factory.sweep import SweepDefinition, SweepError, plan_sweep
+from factory.sweep import SweepDefinition, SweepError, member_key, plan_sweep
 from factory.sweep_search import (
     TrialReporter,
     ask,
@@ -87,12 +87,15 @@ def test_studies_live_in_a_sqlite_file_under_factory_home_without_an_instance_po
     url = study_storage_url(factory_home, None)
     assert url == f"sqlite:///{factory_home.root / 'optuna' / 'studies.db'}" == f"sqlite:///{studies_db(factory_home)}"
     study = open_study(open_storage(url), "sweep-a", {"prune": "median"}, base_steps=8, eval_every=2)
-    first = ask(study, {"algorithm.lr": tpe().space["algorithm.lr"]}, member_of=lambda n: f"sweep-a-m{n:03d}")
+    first = ask(study, {"algorithm.lr": tpe().space["algorithm.lr"]},
+                member_of=lambda n, params: member_key("sweep-a", n, params))
     assert studies_db(factory_home).is_file()
     # A restart (a new process, a new storage object) continues the same study, found by the sweep id.
     again = optuna.load_study(study_name="sweep-a", storage=open_storage(url))
     (trial,) = again.get_trials()
-    assert (trial.number, trial.params, trial.user_attrs["member"]) == (first.number, first.params, "sweep-a-m000")
+    assert (trial.number, trial.params, trial.user_attrs["member"]) == (first.number, first.params,
+                                                                           member_key("sweep-a", 0, first.params))
+    assert trial.user_attrs["member"].startswith("sweep-a-m000-lr=")  # the key carries the trial's values
     # The pruner is not stored with the study: every opener builds the one the definition names.
     assert isinstance(open_study(open_storage(url), "sweep-a", {"prune": "none"}, 8, 2).pruner,
                       optuna.pruners.NopPruner)
@@ -133,7 +136,7 @@ def test_successive_asks_differ_and_a_sweep_replays_the_same_trials(factory_home
         out = []
         for _ in range(3):  # each ask in a freshly opened study, as successive launcher ticks do
             study = open_study(open_storage(url), "s", {"draw_seed": 5}, 8, 2)
-            out.append(ask(study, space, member_of=str).params["algorithm.lr"])
+            out.append(ask(study, space, member_of=lambda n, params: str(n)).params["algorithm.lr"])
         return out
 
     a, b = three(study_storage_url(factory_home, None)), three(f"sqlite:///{tmp_path / 'other.db'}")
@@ -152,12 +155,12 @@ def test_the_median_pruner_prunes_a_trial_below_the_completed_ones_and_says_why(
                        {"prune": "median", "prune_startup_trials": 2}, 8, 2)
     _completed(study, 0.9, {2: 0.8, 4: 0.9})
     space = {"algorithm.lr": tpe().space["algorithm.lr"]}
-    early = TrialReporter(study, ask(study, space, str).trial_id, "median")
+    early = TrialReporter(study, ask(study, space, lambda n, params: str(n)).trial_id, "median")
     assert early.report(2, 0.1) is None  # one completed trial: fewer than prune_startup_trials
     _completed(study, 0.95, {2: 0.9, 4: 0.95})
-    good = TrialReporter(study, ask(study, space, str).trial_id, "median")
+    good = TrialReporter(study, ask(study, space, lambda n, params: str(n)).trial_id, "median")
     assert good.report(2, 0.86) is None
-    bad = TrialReporter(study, ask(study, space, str).trial_id, "median")
+    bad = TrialReporter(study, ask(study, space, lambda n, params: str(n)).trial_id, "median")
     reason = bad.report(2, 0.5)
     assert reason == ("median pruner at step 2: held-out accuracy 0.500, below the median 0.850 of 2 completed "
                       "trial(s) at that step")
@@ -175,11 +178,11 @@ def test_the_hyperband_pruner_stops_a_trial_far_below_the_finished_ones(factory_
     study = open_study(open_storage(study_storage_url(factory_home, None)), "hb", {"prune": "hyperband"}, 8, 2)
     space = {"algorithm.lr": tpe().space["algorithm.lr"]}
     for _ in range(12):  # finished trials at 0.9 at every eval, spread over Hyperband's brackets
-        done = TrialReporter(study, ask(study, space, str).trial_id, "hyperband")
+        done = TrialReporter(study, ask(study, space, lambda n, params: str(n)).trial_id, "hyperband")
         assert [done.report(step, 0.9) for step in (2, 4, 6)] == [None, None, None]
         done.complete(0.9)
     for _ in range(4):  # in whichever bracket a trial falls, a rung by step 6 stops it
-        bad = TrialReporter(study, ask(study, space, str).trial_id, "hyperband")
+        bad = TrialReporter(study, ask(study, space, lambda n, params: str(n)).trial_id, "hyperband")
         reasons = [bad.report(step, 0.0) for step in (2, 4, 6)]
         assert "hyperband pruner at step 6: held-out accuracy 0.000" in reasons or reasons[0] is not None
         assert all(r is None or r.startswith("hyperband pruner at step ") for r in reasons)

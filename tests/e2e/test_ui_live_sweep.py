@@ -55,7 +55,7 @@ def _partly_trained_sweep(instance, paths) -> str:
     from pyiceberg.expressions import EqualTo
 
     from factory.lake import Lake
-    from factory.sweep import set_control
+    from factory.sweep import read_sweep, set_control
     from jobs import defs
 
     instance.add_daemon_heartbeat(DaemonHeartbeat(time.time(), "SENSOR", None, []))  # the sweep job asks for one
@@ -67,7 +67,8 @@ def _partly_trained_sweep(instance, paths) -> str:
     t0 = datetime.now(UTC) - timedelta(minutes=5)
     with Lake.open(paths) as lake:
         def member(i: int, **fields) -> None:
-            (row,) = lake.read("sweeps", EqualTo("member", f"{sweep_id}-m00{i}")).to_pylist()
+            key = read_sweep(paths, sweep_id)["members"][i]["key"]  # <sweep_id>-m00<i>-lr=..._seed=...
+            (row,) = lake.read("sweeps", EqualTo("member", key)).to_pylist()
             lake.upsert("sweeps", [dict(row, **fields, recorded_at=datetime.now(UTC))])
 
         def steps(run: str, numbers, attempt: int = 1, base: float = 0.1) -> None:

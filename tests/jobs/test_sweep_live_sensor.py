@@ -84,7 +84,8 @@ def test_a_running_sweep_is_observed_with_its_curves_and_statuses_only_when_some
         "config": {"name": "live", "base_spec": BASE, "overrides": TINY,
                    "axes": {"algorithm.lr": [1e-3, 3e-4, 1e-2]}}}}}, instance=instance)
     sweep_id = launched.output_for_node("plan_and_queue_sweep")["sweep_id"]
-    a, b, c = (f"{sweep_id}-m00{i}" for i in range(3))
+    a, b, c = (m["key"] for m in read_sweep(factory_home, sweep_id)["members"])
+    assert (a, b, c) == (f"{sweep_id}-m000-lr=1e-3", f"{sweep_id}-m001-lr=3e-4", f"{sweep_id}-m002-lr=0.01")
     lake = Lake.open(factory_home)
     # a trains (steps 1-4, an eval at step 2); b was killed at step 3 and resumed from step 2; c waits for a slot
     member(lake, a, status="running", run_id="run-a")

@@ -15,7 +15,7 @@ from dagster._daemon.types import DaemonHeartbeat
 
 from assets.sweeps import sweep_members, sweeps, warm_starts
 from factory.lake import Lake
-from factory.sweep import read_member, read_sweep
+from factory.sweep import member_key, read_member, read_sweep
 from factory.sweep_search import TRIAL_TAG, open_storage, study_storage_url
 from jobs import defs
 from jobs.sweeps import sweep, sweep_launcher, sweep_summarizer
@@ -85,7 +85,8 @@ def test_trials_are_asked_as_slots_free_up_until_the_budget_is_spent(instance, f
     (ws_req,) = first.run_requests
     study = optuna.load_study(study_name=sweep_id, storage=storage)
     assert len(study.get_trials()) == 2
-    keys = [f"{sweep_id}-m000", f"{sweep_id}-m001"]
+    keys = [member_key(sweep_id, t.number, t.params) for t in study.get_trials()]  # <sweep_id>-m000-lr=...
+    assert [k.partition("=")[0] for k in keys] == [f"{sweep_id}-m000-lr", f"{sweep_id}-m001-lr"]
     assert instance.get_dynamic_partitions(sweep_members.name) == keys
     assert instance.get_dynamic_partitions(warm_starts.name) == [ws_req.partition_key]
     rows = {r["member"]: r for r in Lake.open(factory_home).read("sweeps").to_pylist()}
@@ -113,8 +114,9 @@ def test_trials_are_asked_as_slots_free_up_until_the_budget_is_spent(instance, f
         instance.delete_run(run.run_id)
         create_run_for_test(instance, job_name="sweep_member_job", tags=req.tags, status=DagsterRunStatus.SUCCESS)
     third = tick(instance, second.cursor)
-    assert [r.partition_key for r in third.run_requests] == [f"{sweep_id}-m002"]
-    assert len(optuna.load_study(study_name=sweep_id, storage=storage).get_trials()) == 3
+    trials = optuna.load_study(study_name=sweep_id, storage=storage).get_trials()
+    assert [r.partition_key for r in third.run_requests] == [member_key(sweep_id, 2, trials[2].params)]
+    assert len(trials) == 3 and trials[2].user_attrs["member"] == third.run_requests[0].partition_key
     assert read_sweep(factory_home, sweep_id)["search_done"] is True
     assert json.loads(third.cursor) == [sweep_id]
     # The summary waits for the members' rows to end (queued here), pruned counting as ended.
@@ -147,7 +149,7 @@ def test_a_member_run_through_dagster_is_pruned_and_the_sweep_is_summarized(inst
     execute(instance, ws)
     second = tick(instance, first.cursor)
     (member,) = second.run_requests
-    assert member.partition_key == f"{sweep_id}-m002" and member.tags[TRIAL_TAG] == "2"
+    assert member.partition_key.startswith(f"{sweep_id}-m002-lr=") and member.tags[TRIAL_TAG] == "2"
     run = execute(instance, member)
     md = run.asset_materializations_for_node("sweep_member_run")[0].metadata
     assert md["status"].value == "pruned" and md["trial"].value == 2

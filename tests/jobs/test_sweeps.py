@@ -23,6 +23,7 @@ from dagster._daemon.types import DaemonHeartbeat
 from assets.sweeps import sweep_members, sweeps, warm_starts
 from factory.lake import Lake
 from factory.reports import compare_sweep
+from factory.sweep import member_short, short_label
 from factory.tracking import Tracker
 from jobs import defs
 from jobs.evals import new_checkpoint_evals
@@ -121,6 +122,7 @@ def test_one_warm_start_then_members_within_the_limit_then_evals_then_the_summar
     assert result.success
     out = result.output_for_node("plan_and_queue_sweep")
     sweep_id, keys = out["sweep_id"], out["members"]
+    assert keys == [f"{sweep_id}-m000-lr=1e-3", f"{sweep_id}-m001-lr=3e-3"]  # readable keys
     (ws,) = instance.get_dynamic_partitions(warm_starts.name)
     assert instance.get_dynamic_partitions(sweep_members.name) == keys
     assert instance.get_dynamic_partitions(sweeps.name) == [sweep_id]
@@ -217,8 +219,10 @@ def test_one_warm_start_then_members_within_the_limit_then_evals_then_the_summar
     assert md["best_member"].value == (best[0] if len(best) == 1 else f"tie: {', '.join(best)}")
     assert " n=" in md["best_accuracy_ci95"].value  # `0.764 [0.725, 0.799] n=500`
     table = md["members_table"].value
-    assert [r.data["member"] for r in table.records] == sorted(
-        [k.rpartition("-")[2] for k in keys], key=lambda m: -rows[f"{sweep_id}-{m}"]["final_accuracy"])
+    # the table names a member by its key's index part, its label beside it
+    assert [(r.data["member"], r.data["label"]) for r in table.records] == [
+        (member_short(k), short_label(json.loads(rows[k]["axes"])))
+        for k in sorted(keys, key=lambda k: -rows[k]["final_accuracy"])]
     assert all(r.data["pass_at_k"] is not None and r.data["wall_s"] > 0 and r.data["reward"] is not None
                for r in table.records)
     links = md["links"].value

@@ -35,7 +35,7 @@ def test_a_member_below_the_completed_trials_is_pruned_at_a_resume_point(factory
     for lr in (2e-4, 5e-4):
         study.add_trial(optuna.trial.create_trial(params={"algorithm.lr": lr}, distributions=dist, value=1.0,
                                                   intermediate_values={2: 1.0, 4: 1.0, 6: 1.0}))
-    asked = ask(study, defn.space, member_of=lambda n: f"prune-m{n:03d}")
+    asked = ask(study, defn.space, member_of=lambda n, params: f"prune-m{n:03d}")
     assert asked.number == 2
     spec = check_spec(apply_overrides(load_spec(BASE), {**TINY, **asked.params}))
     trial = TrialReporter(study, asked.trial_id, "median")
