@@ -164,10 +164,11 @@ def _mean_var(values: list[float], what: str) -> tuple[float, float]:
 
 def mean_interval(values: list[float]) -> Interval:
     """The 95% t interval of the mean of `values` (one accuracy per seed): what another seed's run would average
-    to, seed-to-seed variation and eval noise both included."""
+    to, seed-to-seed variation and eval noise both included. Clipped to [0, 1], where an accuracy lies (with 3
+    seeds far apart the t interval reaches past either end)."""
     m, var = _mean_var(values, "mean_interval")
     half = t975(len(values) - 1) * math.sqrt(var / len(values))
-    return Interval(m - half, m + half)
+    return Interval(max(0.0, m - half), min(1.0, m + half))
 
 
 def welch(a: list[float], b: list[float]) -> Interval | None:

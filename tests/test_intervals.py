@@ -82,6 +82,8 @@ def test_mean_over_seeds_and_welch():
     d = welch([0.70, 0.72, 0.71], [0.60, 0.61, 0.62])  # equal variances, 3 each: df = 4, t = 2.776
     assert (round(d.low, 4), round(d.high, 4)) == (0.0773, 0.1227)
     assert welch([0.5, 0.5], [0.4, 0.4]) is None  # no spread: no claim
+    wide = mean_interval([0.360, 0.556, 0.004])  # a real 3-seed point: the t interval is [-0.389, 1.002]
+    assert (wide.low, round(wide.high, 4)) == (0.0, 1.0)
     assert (t975(2), t975(4.7), t975(45)) == (4.303, 2.776, 2.021)
     with pytest.raises(ValueError, match="mean_interval: a mean over seeds needs at least 2 values, got 1"):
         mean_interval([0.5])
