@@ -87,9 +87,13 @@ def _warm_up(paths: FactoryPaths, run_id: str) -> bool:
     from factory.runs.recovery import run_row, spec_of_run
     from factory.tracking import Tracker
 
+    row = None
     try:
-        with Lake.open(paths) as lake:
-            row = run_row(lake, run_id)
+        try:
+            with Lake.open(paths) as lake:
+                row = run_row(lake, run_id)
+        except Exception:  # noqa: BLE001 - the lake down: each attempt meets it and waits for it (runs/degraded.py)
+            pass
         Tracker(paths)
     finally:
         for engine in list(getattr(SqlAlchemyStore, "_engine_map", {}).values()):  # MLflow's engine cache, per URI
