@@ -252,6 +252,6 @@ def _links_md(members, runs: dict[str, str], tracker) -> str:
     for m in members:
         dagster = f"[{runs[m.member][:8]}](/runs/{runs[m.member]})" if m.member in runs else ""
         mlflow = f"[{m.mlflow_run_id[:8]}]({tracker.run_url(m.mlflow_run_id)})" if m.mlflow_run_id else ""
-        lines.append(f"| {m.member.rpartition('-')[2]} | {m.label} | {dagster} | {mlflow} | "
+        lines.append(f"| {member_short(m.member)} | {m.label} | {dagster} | {mlflow} | "
                      f"{'`' + m.checkpoint + '`' if m.checkpoint else ''} |")
     return "\n".join(lines)

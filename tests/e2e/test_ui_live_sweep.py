@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.browser import dismiss_newsletter
 from tests.polling import wait_for
 
 ROOT = Path(__file__).parents[2]
@@ -121,6 +122,7 @@ def test_a_running_sweeps_page_shows_its_members_curves_and_statuses_within_the_
                 try:
                     page.goto(f"{dagster.url}/assets/sweep_summary?partition={sweep_id}", timeout=120_000)
                     page.get_by_text("members_table", exact=True).wait_for(timeout=120_000)
+                    dismiss_newsletter(page)  # it would cover the curves in the screenshot
                     page.wait_for_function(  # the curves, served by the MLflow UI
                         "u => Array.from(document.images).some(i => i.src.startsWith(u) && i.complete && "
                         "i.naturalWidth > 0)", arg=mlflow.url, timeout=60_000)

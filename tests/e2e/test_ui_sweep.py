@@ -30,6 +30,7 @@ import httpx
 import pytest
 
 from factory.ops.cockpit import cockpit, cockpit_urls
+from tests.e2e.browser import dismiss_newsletter
 
 ROOT = Path(__file__).parents[2]
 CHROMIUM = "/usr/bin/chromium"
@@ -131,19 +132,6 @@ def _never_overlap(runs: list[dict]) -> None:
         assert a["endTime"] <= b["startTime"], f"runs overlapped: {a} and {b}"
 
 
-def _dismiss_newsletter(page) -> None:
-    """The UI opens a first-visit newsletter dialog a few seconds after load, over the launchpad."""
-    from playwright.sync_api import TimeoutError as PlaywrightTimeout
-
-    skip = page.get_by_role("button", name="Skip")
-    try:
-        skip.wait_for(state="visible", timeout=20_000)
-    except PlaywrightTimeout:
-        return  # this version or this visit shows none
-    skip.click()
-    skip.wait_for(state="hidden", timeout=10_000)
-
-
 def _images_loaded(page, mlflow_url: str, n: int) -> list[int]:
     """Widths of the page's images served by the MLflow UI, once `n` of them have loaded (bounded wait)."""
     page.wait_for_function(
@@ -166,7 +154,7 @@ def test_a_sweep_from_the_launchpad_after_make_demo(after_demo):
         try:
             page.goto(cockpit_urls(url)["sweep_launchpad"], timeout=120_000)
             page.wait_for_selector(".CodeMirror", timeout=120_000)
-            _dismiss_newsletter(page)
+            dismiss_newsletter(page)
             # The launchpad opens with a sweep that would run as it stands.
             prefilled = page.evaluate("() => document.querySelector('.CodeMirror').CodeMirror.getValue()")
             assert "axes:" in prefilled and "algorithm.lr:" in prefilled, prefilled
