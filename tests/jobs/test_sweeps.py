@@ -226,6 +226,7 @@ def test_one_warm_start_then_members_within_the_limit_then_evals_then_the_summar
     assert all(r.data["pass_at_k"] is not None and r.data["wall_s"] > 0 and r.data["reward"] is not None
                for r in table.records)
     links = md["links"].value
+    assert all(f"\n| {member_short(k)} | " in links for k in keys)  # the member's m<index>, not a piece of its key
     assert all(f"(/runs/{run.run_id})" in links for _, run in seen)
     assert links.count("http://127.0.0.1:5000/#/experiments/") == 2 and links.count("`/") == 2
     assert links.count("?workflowType=machine_learning") == 2  # MLflow's training view, not its GenAI one
