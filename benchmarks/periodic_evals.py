@@ -83,34 +83,14 @@ def _train(home: Path, steps: int) -> str:
 
 def _launch(instance, wpc, partition: str, checkpoint: str, use_server: bool) -> str:
     """Create and submit one run of checkpoint_eval_job for `partition`, as the sensor's RunRequest would."""
-    from dagster import AssetKey
-    from dagster._core.definitions.selector import JobSubsetSelector
-    from dagster._core.storage.dagster_run import DagsterRunStatus
-
     from assets.evals import checkpoint_x_benchmark
+    from benchmarks.dagster_submit import submit_as_the_ui
     from jobs._queue import EVAL_TAGS
 
-    ctx = wpc.create_request_context()
-    location = ctx.get_code_location("factory")
-    (repo,) = location.get_repositories().values()
-    job = location.get_job(JobSubsetSelector(location_name="factory", repository_name=repo.name,
-                                             job_name="checkpoint_eval_job", op_selection=None,
-                                             asset_selection=[AssetKey("checkpoint_eval")]))
     run_config = {"ops": {"checkpoint_eval": {"config": {"eval_server": use_server}}}}
-    plan = location.get_execution_plan(job, run_config, step_keys_to_execute=None, known_state=None,
-                                       instance=instance)
-    tags = {**job.tags, **EVAL_TAGS, "factory/checkpoint": checkpoint,
+    tags = {**EVAL_TAGS, "factory/checkpoint": checkpoint,
             **checkpoint_x_benchmark.get_tags_for_partition_key(partition)}
-    run = instance.create_run(
-        job_name="checkpoint_eval_job", run_id=None, run_config=run_config, status=DagsterRunStatus.NOT_STARTED,
-        tags=tags, root_run_id=None, parent_run_id=None, step_keys_to_execute=None,
-        execution_plan_snapshot=plan.execution_plan_snapshot, job_snapshot=job.job_snapshot,
-        parent_job_snapshot=job.parent_job_snapshot, asset_selection=job.asset_selection,
-        asset_check_selection=job.asset_check_selection, resolved_op_selection=None, op_selection=None,
-        remote_job_origin=job.get_remote_origin(), job_code_origin=job.get_python_origin(),
-        asset_graph=ctx.asset_graph)
-    instance.submit_run(run.run_id, ctx)
-    return run.run_id
+    return submit_as_the_ui(instance, wpc, "checkpoint_eval_job", "checkpoint_eval", run_config, tags).run_id
 
 
 def _run_one(instance, wpc, partition: str, checkpoint: str, use_server: bool) -> dict:

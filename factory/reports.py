@@ -38,10 +38,11 @@ def small(artifact_path: str) -> str:
 
 
 def store(tracker: Tracker, run_id: str, artifact_path: str, render: Render,
-          inline: Callable[[], bytes] | None = None) -> bytes:
+          inline: Callable[[], bytes] | None = None, full: bytes | None = None) -> bytes:
     """Store a picture on an MLflow run at full size and at the size drawn inside the Dagster UI (`small`: `render`
-    at plots.INLINE_DPI, or `inline` for a picture with a layout of its own there); return the full-size PNG."""
-    full = render(plots.DPI)
+    at plots.INLINE_DPI, or `inline` for a picture with a layout of its own there); return the full-size PNG
+    (`full` when the caller has rendered it already)."""
+    full = full if full is not None else render(plots.DPI)
     tracker.log_png(run_id, artifact_path, full)
     tracker.log_png(run_id, small(artifact_path), inline() if inline else render(plots.INLINE_DPI))
     return full

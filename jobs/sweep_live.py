@@ -102,7 +102,7 @@ def observation(live: LiveSweep, runs: dict[str, DagsterRun], tracker: Tracker |
     md: dict[str, Any] = {}
     png = live.picture(DPI)
     if png is not None and tracker is not None and parent:
-        png = store(tracker, parent, LIVE_PICTURE, live.picture)
+        store(tracker, parent, LIVE_PICTURE, live.picture, full=png)  # rendered once at full size
         md["curves"] = inline_picture(f"members of {live.sweep_id} so far (served by the MLflow UI; without it, open "
                                       "`pictures`)", tracker.artifact_url(parent, small(LIVE_PICTURE)))
     schema = TableSchema([TableColumn(c, "int" if c == "step" else "string") for c in COLUMNS])

@@ -62,6 +62,14 @@ def test_a_run_reads_its_step_and_live_attempt_from_its_run_directory(tmp_path: 
     assert run.reached(8)  # the run ended: the caller checks which
 
 
+def _async_run(tmp_path: Path, attempt: subprocess.Popen) -> cr.Run:
+    """A `Run` named async whose live attempt (its run directory's lock) is `attempt`."""
+    d = tmp_path / "async" / "checkpoints" / "async-1"
+    d.mkdir(parents=True)
+    (d / "attempt.lock").write_text(str(attempt.pid))
+    return cr.Run(tmp_path, "async", attempt)
+
+
 def test_a_run_finds_its_attempts_services_among_live_children(tmp_path: Path):
     code = ("import subprocess, sys; w = subprocess.Popen([sys.executable, '-c', sys.argv[1], 'env-serve'], "
             "stdin=subprocess.PIPE); print(w.pid, flush=True); sys.stdin.read(); w.stdin.close(); w.wait()")
@@ -69,10 +77,7 @@ def test_a_run_finds_its_attempts_services_among_live_children(tmp_path: Path):
                                text=True)
     try:
         worker = int(attempt.stdout.readline())
-        d = tmp_path / "async" / "checkpoints" / "async-1"
-        d.mkdir(parents=True)
-        (d / "attempt.lock").write_text(str(attempt.pid))
-        run = cr.Run(tmp_path, "async", attempt)
+        run = _async_run(tmp_path, attempt)
         (child, cmd), = cr.children(attempt.pid)
         assert child == worker and " env-serve " in cmd
         assert run.service("env-worker") == worker and run.service("rollout-server") is None
@@ -118,10 +123,7 @@ def test_a_service_started_in_a_warm_spare_is_found_by_its_name(tmp_path: Path):
     attempt = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         server = int(attempt.stdout.readline())
-        d = tmp_path / "async" / "checkpoints" / "async-1"
-        d.mkdir(parents=True)
-        (d / "attempt.lock").write_text(str(attempt.pid))
-        run = cr.Run(tmp_path, "async", attempt)
+        run = _async_run(tmp_path, attempt)
         assert cr.wait_for(lambda: run.service("rollout-server"), 60, every=0.01)
         assert run.service("rollout-server") == server and run.service("env-worker") is None
     finally:

@@ -1,4 +1,27 @@
-"""What the browser tests share: getting Dagster's first-visit dialog out of the way."""
+"""What the browser tests share: where chromium is, where screenshots go, skipping (or failing, under
+FACTORY_REQUIRE_BROWSER=1) without a browser, and getting Dagster's first-visit dialog out of the way."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+CHROMIUM = "/usr/bin/chromium"
+ARTIFACTS = Path(__file__).parents[2] / "test-artifacts" / "e2e"
+
+
+def require_browser() -> None:
+    """Skip without playwright or chromium; fail instead where FACTORY_REQUIRE_BROWSER=1 (CI installs both)."""
+    try:
+        import playwright  # noqa: F401
+    except ImportError:
+        missing = "the playwright package"
+    else:
+        missing = None if Path(CHROMIUM).exists() else CHROMIUM
+    if missing:
+        if os.environ.get("FACTORY_REQUIRE_BROWSER") == "1":
+            pytest.fail(f"browser test required but {missing} is not installed (.ci/run installs it)")
+        pytest.skip(f"{missing} is not installed")
 
 
 def dismiss_newsletter(page) -> None:

@@ -11,19 +11,16 @@ on the right). The screenshot goes to test-artifacts/e2e/live_sweep.png on every
 Skipped where chromium or playwright is missing, unless FACTORY_REQUIRE_BROWSER=1.
 """
 
-import os
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.browser import dismiss_newsletter
+from tests.e2e.browser import ARTIFACTS, CHROMIUM, dismiss_newsletter, require_browser
 from tests.polling import wait_for
 
 ROOT = Path(__file__).parents[2]
-CHROMIUM = "/usr/bin/chromium"
-ARTIFACTS = ROOT / "test-artifacts" / "e2e"
 TINY = ["model.preset=micro", "task.n_train=200", "task.n_eval=20", "sft.steps=10", "sft.stop_at_accuracy=null",
         "rollout.prompts_per_step=4", "algorithm.group_size=4", "schedule.steps=40", "schedule.eval_pass_k=2"]
 # Each picture and table of the metadata table: its right edge, and the nearest right edge that cuts it (of an
@@ -35,19 +32,6 @@ FITS = """() => Array.from(document.querySelectorAll('td img, td table')).map(e 
   }
   return [e.tagName, Math.round(e.getBoundingClientRect().right), Math.round(clip)];
 })"""
-
-
-def _require_browser():
-    try:
-        import playwright  # noqa: F401
-    except ImportError:
-        missing = "the playwright package"
-    else:
-        missing = None if Path(CHROMIUM).exists() else CHROMIUM
-    if missing:
-        if os.environ.get("FACTORY_REQUIRE_BROWSER") == "1":
-            pytest.fail(f"browser test required but {missing} is not installed (.ci/run installs it)")
-        pytest.skip(f"{missing} is not installed")
 
 
 def _partly_trained_sweep(instance, paths) -> str:
@@ -100,7 +84,7 @@ def _partly_trained_sweep(instance, paths) -> str:
 
 @pytest.mark.slow
 def test_a_running_sweeps_page_shows_its_members_curves_and_statuses_within_the_page(tmp_path, monkeypatch):
-    _require_browser()
+    require_browser()
     from dagster import AssetKey, DagsterInstance
     from playwright.sync_api import sync_playwright
 

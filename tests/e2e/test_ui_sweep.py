@@ -30,11 +30,9 @@ import httpx
 import pytest
 
 from factory.ops.cockpit import cockpit, cockpit_urls
-from tests.e2e.browser import dismiss_newsletter
+from tests.e2e.browser import ARTIFACTS, CHROMIUM, dismiss_newsletter, require_browser
 
 ROOT = Path(__file__).parents[2]
-CHROMIUM = "/usr/bin/chromium"
-ARTIFACTS = ROOT / "test-artifacts" / "e2e"
 TINY = ["model.preset=micro", "task.n_train=200", "task.n_eval=20", "sft.steps=10", "sft.stop_at_accuracy=null",
         "rollout.prompts_per_step=4", "algorithm.group_size=4", "schedule.steps=2", "schedule.eval_pass_k=2"]
 SWEEP_YAML = "\n".join([
@@ -56,23 +54,10 @@ MATERIALIZATIONS = """query($key: [String!]!) { assetOrError(assetKey: {path: $k
   assetMaterializations(limit: 50) { runId partition timestamp } } } }"""
 
 
-def _require_browser():
-    try:
-        import playwright  # noqa: F401
-    except ImportError:
-        missing = "the playwright package"
-    else:
-        missing = None if Path(CHROMIUM).exists() else CHROMIUM
-    if missing:
-        if os.environ.get("FACTORY_REQUIRE_BROWSER") == "1":
-            pytest.fail(f"browser test required but {missing} is not installed (.ci/run installs it)")
-        pytest.skip(f"{missing} is not installed")
-
-
 @pytest.fixture
 def after_demo(tmp_path):
     """`make demo`'s state (its entry point, tiny settings) and `make ui`'s cockpit on it."""
-    _require_browser()
+    require_browser()
     home = tmp_path / "factory-home"
     env = dict(os.environ, FACTORY_HOME=str(home), DAGSTER_HOME=str(home / "dagster"))
     demo = subprocess.run([sys.executable, "-m", "jobs.demo", *[a for o in TINY for a in ("--set", o)]], cwd=ROOT,

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 from dagster import AssetKey, DagsterEventType, DagsterInstance, DagsterRunStatus, materialize
-from dagster._core.definitions.selector import JobSubsetSelector
 from dagster._core.storage.tags import AUTO_RETRY_RUN_ID_TAG
 from dagster._core.test_utils import create_test_daemon_workspace_context
 from dagster._core.workspace.load_target import WorkspaceFileTarget
@@ -29,6 +28,7 @@ from dagster._daemon.auto_run_reexecution.auto_run_reexecution import consume_ne
 from dagster._daemon.monitoring.run_monitoring import execute_run_monitoring_iteration
 from dagster._daemon.run_coordinator.queued_run_coordinator_daemon import QueuedRunCoordinatorDaemon
 
+from benchmarks.dagster_submit import submit_as_the_ui
 from factory.home import factory_home
 from factory.lake import Lake
 from factory.ops.instance import ensure_instance_yaml
@@ -58,24 +58,8 @@ def _alive(pid: int) -> bool:
 def _launch_grpo_run(instance: DagsterInstance, wpc):
     """A run of the quickstart job with only `grpo_run` selected, created as the launchpad would and submitted to
     the run queue."""
-    ctx = wpc.create_request_context()
-    location = ctx.get_code_location("factory")
-    (repo,) = location.get_repositories().values()
-    job = location.get_job(JobSubsetSelector(location_name="factory", repository_name=repo.name, job_name="quickstart",
-                                             op_selection=None, asset_selection=[AssetKey("grpo_run")]))
     run_config = {"resources": {"spec": {"config": {"path": SPEC, "overrides": OVERRIDES}}}}
-    plan = location.get_execution_plan(job, run_config, step_keys_to_execute=None, known_state=None,
-                                       instance=instance)
-    run = instance.create_run(
-        job_name="quickstart", run_id=None, run_config=run_config, status=DagsterRunStatus.NOT_STARTED,
-        tags=dict(job.tags), root_run_id=None, parent_run_id=None, step_keys_to_execute=None,
-        execution_plan_snapshot=plan.execution_plan_snapshot, job_snapshot=job.job_snapshot,
-        parent_job_snapshot=job.parent_job_snapshot, asset_selection=job.asset_selection,
-        asset_check_selection=job.asset_check_selection, resolved_op_selection=None, op_selection=None,
-        remote_job_origin=job.get_remote_origin(), job_code_origin=job.get_python_origin(),
-        asset_graph=ctx.asset_graph)
-    instance.submit_run(run.run_id, ctx)
-    return run
+    return submit_as_the_ui(instance, wpc, "quickstart", "grpo_run", run_config)
 
 
 def _dequeue(wpc) -> None:
