@@ -215,9 +215,9 @@ class ServiceProcess:
                 if silent > self.hang_timeout_s and self.alive():
                     log.error("%s (pid %s) has not answered %s for %.0f s (hang_timeout_s=%g): killing it as hung",
                               self.name, self.pid, self.health_url, silent, self.hang_timeout_s)
-                    self.hangs += 1
                     with contextlib.suppress(ProcessLookupError, subprocess.TimeoutExpired):
                         self.kill()
+                    self.hangs += 1  # after the kill: a reader who sees the count sees the process gone
                     self._last_ok = time.monotonic()
 
     def _preexec(self) -> None:
