@@ -184,6 +184,8 @@ class ServiceProcess:
         kill from outside, not its own failure) is started again within the restart budget, as a later death
         would be; one that exits with an error code fails the start at once."""
         with self._lock:
+            if self.alive():  # started already (a `with` around a started service): one process, not two
+                return self
             while True:
                 try:
                     self._first_spawn()

@@ -33,6 +33,19 @@ def test_start_kill_restart_same_port(tmp_path):
     assert not svc.alive()
 
 
+def test_starting_a_started_service_keeps_its_one_process(tmp_path):
+    import os
+
+    svc = service(tmp_path).start()
+    first_pid = svc.pid
+    with svc:
+        svc.start()  # as SGLangServers' `with` did: before, a second process replaced the first, left unowned
+        assert svc.pid == first_pid and svc.restarts == 0
+    assert not svc.alive()
+    with pytest.raises(ProcessLookupError):
+        os.kill(first_pid, 0)
+
+
 def test_call_interrupted_by_a_crash_is_retried_once_on_the_restarted_service(tmp_path):
     marker = tmp_path / "marker"
     with service(tmp_path) as svc:
