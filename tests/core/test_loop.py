@@ -64,7 +64,10 @@ def test_resuming_at_a_step_numbers_records_from_there(model_and_tok):
 ])
 def test_overlapped_modes_learn_within_their_staleness(model_and_tok, mode, buffer):
     model, tok = model_and_tok
-    s = spec().model_copy(update={
+    # Which weights generate which group depends on thread timing here, so runs differ. At lr 0.01 one run in ten
+    # of one_step_off collapsed to reward 0 on a loaded 2-core machine; at 0.005, 14 of 14 (and 5 of 5 of each
+    # async case) ended 0.58 or more above the first step.
+    s = spec(lr=0.005).model_copy(update={
         "schedule": spec().schedule.model_copy(update={"mode": mode, "wait_timeout_s": 120}),
         "buffer": spec().buffer.model_copy(update=buffer),
     })
