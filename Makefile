@@ -27,12 +27,18 @@ demo: $(STAMP)
 	@mkdir -p $(DAGSTER_HOME)
 	$(BIN)/python -m jobs.demo
 
+# pytest-xdist workers, each given whole modules (--dist loadfile: a module's fixtures are made once), the longest
+# first (tests/conftest.py orders them by tests/module_seconds.json). Three on a 2-core machine: many tests wait on
+# subprocesses and servers, and a third worker keeps both cores busy then. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 3
+PYTEST  := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(PYTEST)
 
 # Every package, without the tests marked slow (pyproject.toml's markers; tests/test_tiers.py keeps every package in).
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 ui: $(STAMP)
 	@# the Dagster UI (with Factory's instance settings, factory/ops/instance.py) and the MLflow UI beside it
