@@ -28,10 +28,11 @@ demo: $(STAMP)
 	$(BIN)/python -m jobs.demo
 
 # pytest-xdist workers, each given whole modules (--dist loadfile: a module's fixtures are made once), the longest
-# first (tests/conftest.py orders them by tests/module_seconds.json). Three on a 2-core machine: many tests wait on
-# subprocesses and servers, and a third worker keeps both cores busy then. TEST_WORKERS=0: one process.
+# first (tests/conftest.py orders them by tests/module_seconds.json; --no-loadscope-reorder keeps that order instead
+# of xdist's most-tests-first). Three on a 2-core machine: many tests wait on subprocesses and servers, and a third
+# worker keeps both cores busy then. TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 3
-PYTEST  := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+PYTEST  := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: $(STAMP)
 	$(PYTEST)
