@@ -22,6 +22,7 @@ closes its database connections (MLflow's SQLAlchemy pools) before it forks; eac
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import select
@@ -88,12 +89,10 @@ def _warm_up(paths: FactoryPaths, run_id: str) -> bool:
     from factory.tracking import Tracker
 
     row = None
+    with contextlib.suppress(Exception):  # the lake down: each attempt meets it and waits for it (runs/degraded.py)
+        with Lake.open(paths) as lake:
+            row = run_row(lake, run_id)
     try:
-        try:
-            with Lake.open(paths) as lake:
-                row = run_row(lake, run_id)
-        except Exception:  # noqa: BLE001 - the lake down: each attempt meets it and waits for it (runs/degraded.py)
-            pass
         Tracker(paths)
     finally:
         for engine in list(getattr(SqlAlchemyStore, "_engine_map", {}).values()):  # MLflow's engine cache, per URI
