@@ -5,6 +5,11 @@ launched yet) and fewer than `trials` trials asked gets new trials; each becomes
 added, `sweeps` row queued) that the launcher then starts like a grid sweep's member. Asking is idempotent across
 ticks: a member is stored before its run is requested, and the run key is the member key, so a tick that dies
 between the two leaves a member the next tick launches, never a second run.
+
+TPE learns only from results, so a trial is asked only once every started member whose runs have all ended (none
+queued, running or awaiting Dagster's retry) has its result in the study. A member that died without telling it (its
+run failed for good, e.g. its retries spent) has its trial told here: its result from its `sweeps` row when it has
+one, else FAIL.
 """
 
 from __future__ import annotations
@@ -32,19 +37,21 @@ from resources.study import sweep_study
 
 
 def ask_trials(context: SensorEvaluationContext, paths: FactoryPaths, lake: LakeResource, info: dict[str, Any],
-               started: set[str], in_flight: int, limit: int) -> dict[str, Any]:
-    """New trials for the tpe sweep `info` as far as its limit (`limit` runs in flight) allows; returns the sweep as
-    stored after them (`search_done` set once every trial was asked)."""
+               started: set[str], holding: set[str], limit: int) -> dict[str, Any]:
+    """New trials for the tpe sweep `info` as far as its limit (`limit` members or warm starts holding a slot; those
+    holding one now are `holding`) allows; returns the sweep as stored after them (`search_done` set once every
+    trial was asked)."""
     import optuna
 
     defn, sweep_id = info["definition"], info["sweep_id"]
     if info.get("search_done"):
         return info
     waiting = sum(m["key"] not in started for m in info["members"])
-    room = limit - in_flight - waiting
+    room = limit - len(holding) - waiting
     if room <= 0:
         return info
     study = sweep_study(context.instance, paths, info)
+    _settle(context, lake, study, info, started - holding)
     asked = len(study.get_trials(deepcopy=False))
     space = SweepDefinition(**defn).space
     for _ in range(min(room, defn["trials"] - asked)):
@@ -71,3 +78,31 @@ def ask_trials(context: SensorEvaluationContext, paths: FactoryPaths, lake: Lake
         update_sweep(paths, sweep_id, info)
     return info
 
+
+
+def _settle(context: SensorEvaluationContext, lake: LakeResource, study: Any, info: dict[str, Any],
+            ended: set[str]) -> None:
+    """Tell the study the result of each trial still running whose member is in `ended` (started, and none of its
+    runs queued, running or awaiting a retry): what its `sweeps` row says, else FAIL."""
+    import optuna
+
+    running = {t.number for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))}
+    stale = [m for m in info["members"] if m.get("trial") in running and m["key"] in ended]
+    if not stale:
+        return
+    with lake.lake() as lk:
+        rows = {r["member"]: r for r in lk.read("sweeps", f"sweep_id = '{info['sweep_id']}'").select(
+            ["member", "status", "final_accuracy"]).to_pylist()}
+    for m in stale:
+        row = rows.get(m["key"], {})
+        if row.get("status") == "succeeded" and row.get("final_accuracy") is not None:
+            study.tell(m["trial"], row["final_accuracy"])
+            told = f"its result {row['final_accuracy']:.3f}"
+        elif row.get("status") == "pruned":
+            study.tell(m["trial"], state=optuna.trial.TrialState.PRUNED)
+            told = "PRUNED"
+        else:
+            study.tell(m["trial"], state=optuna.trial.TrialState.FAIL)
+            told = "FAIL"
+        context.log.warning(f"sweep {info['sweep_id']}: trial {m['trial']} ({m['key']}): its runs ended without "
+                            f"telling the study (member {row.get('status', 'without a row')}); told it {told}")

@@ -64,7 +64,7 @@ from factory.sweep import (
     write_warm_start_spec,
 )
 from factory.sweep_search import TRIAL_TAG
-from jobs._queue import IN_FLIGHT, SUMMARY_TAGS, free_summary_slots, in_flight, summary_limit
+from jobs._queue import SUMMARY_TAGS, awaiting_retry, free_summary_slots, holds_slot, in_flight, summary_limit
 from jobs._search import ask_trials
 from jobs._summary import PENDING_TAG, VERSION_TAG, summary_states, sweep_ids
 from jobs.evals import checkpoint_eval_job
@@ -248,8 +248,23 @@ def _warm_state(context: SensorEvaluationContext, names: set[str]) -> dict[str, 
             state[name] = "ready"
             continue
         last = context.instance.get_runs(RunsFilter(tags={WARM_START_TAG: name}), limit=1)
-        state[name] = "none" if not last else "running" if last[0].status in IN_FLIGHT else "failed"
+        state[name] = "none" if not last else "running" if holds_slot(context.instance, last[0]) else "failed"
     return state
+
+
+def _holding(context: SensorEvaluationContext, runs: list) -> tuple[set[str], set[str]]:
+    """The sweep's members and warm starts that hold a slot (a run queued, running, or failed and awaiting its
+    automatic retry: jobs/_queue.py), each counted once (a run awaiting its retry and that retry are one), and those
+    of them awaiting a retry."""
+    holding, retrying = set(), set()
+    for r in runs:
+        key = r.tags.get(MEMBER_TAG) or r.tags.get(WARM_START_TAG) or r.run_id
+        if awaiting_retry(context.instance, r):
+            retrying.add(key)
+            holding.add(key)
+        elif holds_slot(context.instance, r):
+            holding.add(key)
+    return holding, retrying
 
 
 @sensor(jobs=[sweep_warm_start_job, sweep_member_job], minimum_interval_seconds=1,
@@ -269,10 +284,11 @@ def sweep_launcher(context: SensorEvaluationContext, home: FactoryHomeResource, 
         limit = control["max_concurrent"] or info["definition"]["max_concurrent"]
         runs = context.instance.get_runs(RunsFilter(tags={SWEEP_TAG: sweep_id}))
         started = {r.tags[MEMBER_TAG] for r in runs if MEMBER_TAG in r.tags}
-        flying = sum(r.status in IN_FLIGHT for r in runs)
+        holding, retrying = _holding(context, runs)
+        flying = len(holding)
         tpe = info["definition"].get("mode") == "tpe"
         if tpe:  # members are asked from the study as slots free up (jobs/_search.py)
-            info = ask_trials(context, home.paths(), lake, info, started, flying, limit)
+            info = ask_trials(context, home.paths(), lake, info, started, holding, limit)
         members = info["members"]
         warm = _warm_state(context, {m["warm_start"] for m in members})
         launch = next_launches(members, started, warm, in_flight=flying, max_concurrent=limit)
@@ -289,15 +305,17 @@ def sweep_launcher(context: SensorEvaluationContext, home: FactoryHomeResource, 
         if launch.finished and (not tpe or info.get("search_done")):
             finished.add(sweep_id)
         elif not launch.warm_starts and not launch.members:
-            waiting.append(_why_waiting(sweep_id, info, started, warm, flying, limit))
+            waiting.append(_why_waiting(sweep_id, info, started, warm, flying, limit, retrying))
     return _result(context, requests, waiting, "no sweep has members left to start", cursor=sorted(finished))
 
 
 def _why_waiting(sweep_id: str, info: dict[str, Any], started: set[str], warm: dict[str, str], flying: int,
-                 limit: int) -> str:
+                 limit: int, retrying: set[str]) -> str:
     """Why a sweep with members (or trials) left starts none this tick, in words."""
     if flying >= limit:
-        return f"sweep {sweep_id}: max_concurrent {limit} reached: {flying} running"
+        again = (f" ({len(retrying)} failed, awaiting Dagster's retry: {', '.join(sorted(retrying))})"
+                 if retrying else "")
+        return f"sweep {sweep_id}: max_concurrent {limit} reached: {flying} running{again}"
     blocked = sorted({m["warm_start"] for m in info["members"] if m["key"] not in started
                       and warm.get(m["warm_start"]) == "running"})
     if blocked:
