@@ -32,12 +32,12 @@ from factory.sweep import (
     write_warm_start_spec,
 )
 from factory.sweep_search import ask
-from resources import LakeResource
+from resources import LakeResource, MlflowResource
 from resources.study import sweep_study
 
 
-def ask_trials(context: SensorEvaluationContext, paths: FactoryPaths, lake: LakeResource, info: dict[str, Any],
-               started: set[str], holding: set[str], limit: int) -> dict[str, Any]:
+def ask_trials(context: SensorEvaluationContext, paths: FactoryPaths, lake: LakeResource, mlflow: MlflowResource,
+               info: dict[str, Any], started: set[str], holding: set[str], limit: int) -> dict[str, Any]:
     """New trials for the tpe sweep `info` as far as its limit (`limit` members or warm starts holding a slot; those
     holding one now are `holding`) allows; returns the sweep as stored after them (`search_done` set once every
     trial was asked)."""
@@ -54,6 +54,7 @@ def ask_trials(context: SensorEvaluationContext, paths: FactoryPaths, lake: Lake
     _settle(context, lake, study, info, started - holding)
     asked = len(study.get_trials(deepcopy=False))
     space = SweepDefinition(**defn).space
+    before = len(info["members"])
     for _ in range(min(room, defn["trials"] - asked)):
         trial = ask(study, space, member_of=lambda n, params: member_key(sweep_id, n, params))
         try:
@@ -73,6 +74,8 @@ def ask_trials(context: SensorEvaluationContext, paths: FactoryPaths, lake: Lake
                                       created_at=now, recorded_at=now)])
         info = add_member(paths, sweep_id, member, trial=trial.number, trial_id=trial.trial_id)
         context.log.info(f"sweep {sweep_id}: trial {trial.number} -> {member.key} {trial.params}")
+    if len(info["members"]) > before and info.get("mlflow_parent_run_id"):  # the parent counts its members
+        mlflow.tracker().set_tags(info["mlflow_parent_run_id"], {"factory.members": len(info["members"])})
     if len(study.get_trials(deepcopy=False)) >= defn["trials"]:
         info = dict(info, search_done=True)
         update_sweep(paths, sweep_id, info)

@@ -136,6 +136,8 @@ def plan_and_queue_sweep(context: OpExecutionContext, config: SweepConfig, home:
         message = "invalid sweep (nothing was launched): " + "; ".join(str(e).splitlines())
         raise Failure(description=message, metadata={"nothing_launched": True}, allow_retries=False) from None
     _require_launcher(context)
+    for warning in plan.warnings:  # launched anyway: valid settings, but likely not what was meant
+        context.log.warning(f"sweep {plan.sweep_id}: {warning}")
     paths = home.paths()
     search = {"steps": plan.base.schedule.steps, "eval_every": plan.base.schedule.eval_every}
     if plan.definition.mode == "tpe":  # the study is created now: a storage that cannot be reached fails the launch
@@ -144,7 +146,9 @@ def plan_and_queue_sweep(context: OpExecutionContext, config: SweepConfig, home:
     tracker = mlflow.tracker()
     parent = tracker.start_run(experiment=config.name, run_name=plan.sweep_id,
                                params={"sweep": config.model_dump(mode="json")},
-                               tags={"factory.sweep_id": plan.sweep_id, "factory.members": len(plan.members)})
+                               tags={"factory.sweep_id": plan.sweep_id, "factory.members": len(plan.members),
+                                     # a tpe sweep's members are its trials, counted as the launcher asks them
+                                     **({"factory.trials": config.trials} if config.mode == "tpe" else {})})
     now = datetime.now(UTC)
     lake.lake().upsert("sweeps", [dict(sweep_id=plan.sweep_id, member=m.key, name=config.name,
                                        axes=json.dumps(m.values, sort_keys=True), spec=m.spec.to_json(),
@@ -161,6 +165,8 @@ def plan_and_queue_sweep(context: OpExecutionContext, config: SweepConfig, home:
     context.add_output_metadata({"sweep_id": plan.sweep_id, "members": len(plan.members),
                                  "warm_starts": len(plan.warm_starts()), "max_concurrent": config.max_concurrent,
                                  "mlflow_parent_run_id": parent, "members_table": MetadataValue.md(_members_md(plan)),
+                                 **({"warnings": MetadataValue.md("\n".join(f"- {w}" for w in plan.warnings))}
+                                    if plan.warnings else {}),
                                  **({"trials": config.trials, "space": config.space, "prune": config.prune}
                                     if config.mode == "tpe" else {})})
     context.log.info(f"sweep {plan.sweep_id}: {len(plan.members)} members and {len(plan.warm_starts())} warm "
@@ -270,7 +276,8 @@ def _holding(context: SensorEvaluationContext, runs: list) -> tuple[set[str], se
 @sensor(jobs=[sweep_warm_start_job, sweep_member_job], minimum_interval_seconds=1,
         default_status=DefaultSensorStatus.RUNNING,
         description="Starts each sweep's shared warm starts, then its members, at most max_concurrent runs at once.")
-def sweep_launcher(context: SensorEvaluationContext, home: FactoryHomeResource, lake: LakeResource) -> SensorResult:
+def sweep_launcher(context: SensorEvaluationContext, home: FactoryHomeResource, lake: LakeResource,
+                   mlflow: MlflowResource) -> SensorResult:
     finished = set(json.loads(context.cursor)) if context.cursor else set()
     requests, waiting = [], []
     for sweep_id in _sweep_ids(home):
@@ -288,7 +295,7 @@ def sweep_launcher(context: SensorEvaluationContext, home: FactoryHomeResource, 
         flying = len(holding)
         tpe = info["definition"].get("mode") == "tpe"
         if tpe:  # members are asked from the study as slots free up (jobs/_search.py)
-            info = ask_trials(context, home.paths(), lake, info, started, holding, limit)
+            info = ask_trials(context, home.paths(), lake, mlflow, info, started, holding, limit)
         members = info["members"]
         warm = _warm_state(context, {m["warm_start"] for m in members})
         launch = next_launches(members, started, warm, in_flight=flying, max_concurrent=limit)

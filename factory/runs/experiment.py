@@ -4,6 +4,7 @@ end. What `factory run` runs."""
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 
@@ -60,10 +61,11 @@ def run_sweep_member(spec: ExperimentSpec, paths: FactoryPaths, lake: Lake, trac
         sft = cached_sft_checkpoint(spec, paths, splits, log=log, progress=progress)
         res = run_rl(spec, paths, sft.checkpoint.path, splits, lake, tracker, log=log, sweep_id=sweep_id,
                      run_id=run_id, mlflow_experiment=sweep_name, mlflow_parent_run_id=mlflow_parent_run_id,
-                     progress=progress, on_eval=trial.report if trial is not None else None)
+                     progress=progress,  # a periodic eval is of the whole held-out split: its n
+                     on_eval=functools.partial(trial.report, n=len(splits.eval)) if trial is not None else None)
     except RunInterrupted:
-        if trial is None or trial.reason is None:
-            lake.upsert("sweeps", [dict(row, status="failed", recorded_at=now())])
+        if trial is None or trial.reason is None:  # stopped at a resume point (its run `interrupted`): resumable
+            lake.upsert("sweeps", [dict(row, status="interrupted", recorded_at=now())])
             raise
         trial.pruned()
         lake.upsert("sweeps", [dict(row, status="pruned", run_id=run_id, reason=trial.reason, recorded_at=now())])
