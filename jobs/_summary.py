@@ -81,12 +81,13 @@ def _state(instance: DagsterInstance, paths: FactoryPaths, lake, eval_job: str, 
     if defn.get("mode") == "tpe" and not info.get("search_done"):
         return SummaryState(sweep_id, f"sweep {sweep_id}: {len(info['members'])} of {defn['trials']} trials asked")
     n = len(info["members"])
-    ended = sum(r["status"] in ENDED or (r["status"] == "interrupted" and not _resuming(instance, r["member"]))
-                for r in rows)
+    resuming = sum(r["status"] == "interrupted" and _resuming(instance, r["member"]) for r in rows)
+    ended = sum(r["status"] in ENDED or r["status"] == "interrupted" for r in rows) - resuming
     if ended < n or len(rows) < n:
         running = sum(r["status"] == "running" for r in rows)
+        again = f", {resuming} interrupted, which Dagster's retry resumes" if resuming else ""
         what = ("still running" if running == n - ended else
-                f"not ended ({running} running, {n - ended - running} queued)")
+                f"not ended ({running} running, {n - ended - running - resuming} queued{again})")
         return SummaryState(sweep_id, f"sweep {sweep_id}: {n - ended} of {n} members {what}")
     prog = progress(instance, lake, {r["run_id"] for r in rows if r["run_id"]})
     pending = f"{len(prog.pending)} eval(s) pending" if prog.pending else "no eval pending"

@@ -25,6 +25,7 @@ from assets.sweeps import sweep_members, sweeps, warm_starts
 from factory.config import parse_overrides
 from factory.lake import Lake
 from factory.sweep import SweepDefinition, plan_sweep, read_sweep, write_sweep
+from factory.tracking import Tracker
 from jobs import defs
 from jobs._queue import awaiting_retry, holds_slot
 from jobs.sweeps import sweep_launcher
@@ -51,8 +52,9 @@ def sensor_result(result):
     return result
 
 
-def plan_tpe(instance, factory_home, trials: int = 3) -> str:
-    """A tpe sweep stored as the `sweep` job stores it: no members yet, its study created."""
+def plan_tpe(instance, factory_home, trials: int = 3, parent: str | None = None) -> str:
+    """A tpe sweep stored as the `sweep` job stores it: no members yet, its study created (and its MLflow parent
+    run `parent`)."""
     defn = SweepDefinition(name="kill", base_spec=BASE, overrides=parse_overrides(["schedule.steps=2"]), mode="tpe",
                            space=SPACE, trials=trials, max_concurrent=1)
     plan = plan_sweep(defn)
@@ -60,7 +62,7 @@ def plan_tpe(instance, factory_home, trials: int = 3) -> str:
     sweep_study(instance, factory_home, {"sweep_id": plan.sweep_id, "definition": defn.model_dump(mode="json"),
                                          "search": search})
     instance.add_dynamic_partitions(sweeps.name, [plan.sweep_id])
-    write_sweep(plan, factory_home, extra={"search": search})
+    write_sweep(plan, factory_home, extra={"search": search, "mlflow_parent_run_id": parent})
     return plan.sweep_id
 
 
@@ -70,9 +72,9 @@ def start(instance, request, **kw):
                                status=DagsterRunStatus.STARTED, **kw)
 
 
-def first_member(instance, factory_home):
+def first_member(instance, factory_home, parent: str | None = None):
     """The sweep's first trial started, its warm start done: (sweep_id, its run, the request, the cursor)."""
-    sweep_id = plan_tpe(instance, factory_home)
+    sweep_id = plan_tpe(instance, factory_home, parent=parent)
     first = tick(instance)
     (ws,) = first.run_requests
     instance.report_runless_asset_event(AssetMaterialization("sweep_warm_start", partition=ws.partition_key))
@@ -132,7 +134,10 @@ def test_a_failed_run_before_its_will_retry_tag_is_written_already_holds_its_slo
 
 
 def test_a_member_whose_retries_are_spent_has_its_trial_failed_before_the_next_is_asked(instance, factory_home):
-    sweep_id, run, member, cursor = first_member(instance, factory_home)
+    tracker = Tracker(factory_home)
+    parent = tracker.start_run("kill", "tpe", tags={"factory.members": 0, "factory.trials": 3})
+    sweep_id, run, member, cursor = first_member(instance, factory_home, parent=parent)
+    assert tracker.get_run(parent).data.tags["factory.members"] == "1"  # the parent counts trials as they are asked
     instance.delete_run(run.run_id)
     spent = create_run_for_test(instance, job_name=member.job_name, status=DagsterRunStatus.FAILURE,
                                 tags={**TRAINING_TAGS, **member.tags, WILL_RETRY_TAG: "false"})
@@ -145,4 +150,5 @@ def test_a_member_whose_retries_are_spent_has_its_trial_failed_before_the_next_i
     states = [t.state for t in trials(instance, factory_home, sweep_id)]
     assert states == [optuna.trial.TrialState.FAIL, optuna.trial.TrialState.RUNNING]
     assert instance.get_dynamic_partitions(sweep_members.name)[0] == member.partition_key
+    assert tracker.get_run(parent).data.tags["factory.members"] == "2"
     assert len(instance.get_dynamic_partitions(warm_starts.name)) == 1
