@@ -178,7 +178,7 @@ def sweep_summary(context: AssetExecutionContext, lake: LakeResource, mlflow: Ml
             shots[name] = render(dpi=DPI)
     runs = _dagster_runs(context, [m.member for m in members])
     best, top = cmp.best, cmp.top
-    counts = {s: sum(m.status == s for m in members) for s in ("succeeded", "failed", "pruned")}
+    counts = {s: sum(m.status == s for m in members) for s in ("succeeded", "failed", "pruned", "interrupted")}
     if parent:  # every member has ended (the summarizer's rule): so has the sweep's MLflow parent run
         tracker.set_tags(parent, {"factory.members": len(members), **{f"factory.{s}": n for s, n in counts.items()}})
         tracker.end_run(parent, "FINISHED")

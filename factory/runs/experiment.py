@@ -72,7 +72,7 @@ def run_sweep_member(spec: ExperimentSpec, paths: FactoryPaths, lake: Lake, trac
         log(f"sweep member {member}: pruned ({trial.reason}); run {run_id} can be resumed")
         return Pruned(run_id, trial.reason)
     except BaseException:
-        lake.upsert("sweeps", [dict(row, status="failed", recorded_at=now())])
+        lake.upsert("sweeps", [dict(row, status=_stopped_as(lake, run_id), recorded_at=now())])
         raise
     result = run_outcome(lake, res.run_id).accuracy  # the run's result, as lake/results.py defines it
     final = res.final_accuracy if result is None else result
@@ -80,6 +80,16 @@ def run_sweep_member(spec: ExperimentSpec, paths: FactoryPaths, lake: Lake, trac
         trial.complete(final)
     lake.upsert("sweeps", [dict(row, status="succeeded", run_id=res.run_id, final_accuracy=final, recorded_at=now())])
     return res
+
+
+def _stopped_as(lake: Lake, run_id: str) -> str:
+    """A member's `sweeps` status after its run raised: its run's own (`interrupted`: a crash at a resume point, which
+    a retry resumes; `failed`: stopped for good), else `failed` (it broke before its run was recorded)."""
+    try:
+        found = run_row(lake, run_id)
+    except Exception:  # the lake is down too: what we know is that it stopped
+        return "failed"
+    return found["status"] if found and found["status"] in ("interrupted", "failed") else "failed"
 
 
 def run_experiment(spec: ExperimentSpec, paths: FactoryPaths, control: bool = False, log: Log = print,
