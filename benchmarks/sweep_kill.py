@@ -205,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     for key, st in out["statuses"].items():
         print(f"  {key}: {st}")
     print(f"MLflow parent: {out['parent']}")
+    for note in out["spared"]:
+        print(f"not pruned: {note}")
     for what, seen in out["over_limit"].items():
         print(f"above the limit ({what}, s from the kill): {'; '.join(seen)}")
     print(json.dumps(out))
@@ -269,6 +271,9 @@ def collect(instance, paths, sweep_id: str, victim, killed_at: float, home: Path
                                     "dagster": [f"{r.status.value}/{r.tags.get(STATUS_TAG, '-')}" for r in
                                                 sorted(dagster, key=lambda r: r.tags.get("dagster/retry_number", "0"))],
                                     "reason": row.get("reason")}
+    # what the pruner said and did not act on (the difference inside the noise), from the member runs' logs
+    spared = sorted({e.user_message for r in runs if MEMBER_TAG in r.tags for e in instance.all_logs(r.run_id)
+                     if "inside the noise" in (e.user_message or "")})
     parent_id = next((r["mlflow_parent_run_id"] for r in rows.values() if r["mlflow_parent_run_id"]), None)
     parent = tracker.get_run(parent_id) if parent_id else None
     return {
@@ -281,6 +286,7 @@ def collect(instance, paths, sweep_id: str, victim, killed_at: float, home: Path
         "ranked_by": md.get("ranked_by"), "verdict": md.get("verdict"),
         "best_best": [f"{r['run_id']} {r['value']} {r['ci95']}" for r in best],
         "summary_order": summary_order, "best_order": best_order, "agree": agree, "statuses": statuses,
+        "spared": spared,
         "parent": (f"{parent.info.status}, members {parent.data.tags.get('factory.members')}" if parent else None),
     }
 
