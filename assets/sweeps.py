@@ -34,6 +34,7 @@ from assets.preflight import require_healthy_node
 from factory.deploy.target import op_tags
 from factory.sweep import (
     MEMBER_TAG,
+    STATUS_TAG,
     format_value,
     member_label,
     member_short,
@@ -109,10 +110,12 @@ def sweep_member_run(context: AssetExecutionContext, home: FactoryHomeResource, 
                                mlflow_parent_run_id=info.get("mlflow_parent_run_id"), log=context.log.info,
                                progress=progress_tags(context), run_id=run_id, trial=trial)
     if isinstance(res, Pruned):  # stopped at a resume point by the sweep's pruner: an outcome, not a failure
+        context.instance.add_run_tags(context.run_id, {STATUS_TAG: "pruned"})
         return MaterializeResult(metadata={"label": short_label(axes), "sweep_id": info["sweep_id"],
                                            "axes": member_label(axes),
                                            "status": "pruned", "reason": res.reason, "run_id": res.run_id,
                                            "trial": trial.trial_number()})
+    context.instance.add_run_tags(context.run_id, {STATUS_TAG: "succeeded"})
     report_interruptions(context, lk, res.run_id)
     head, tail = run_metadata(run_pictures(lk, tracker, res.run_id, res.mlflow_run_id), tracker, res.run_id,
                               res.mlflow_run_id)
@@ -133,7 +136,8 @@ def _trial(context: AssetExecutionContext, paths, info: dict, key: str):
     from resources.study import sweep_study
 
     entry = next(m for m in info["members"] if m["key"] == key)
-    return TrialReporter(sweep_study(context.instance, paths, info), entry["trial_id"], info["definition"]["prune"])
+    return TrialReporter(sweep_study(context.instance, paths, info), entry["trial_id"], info["definition"]["prune"],
+                         log=context.log.warning)  # a member the pruner spared as inside the noise says so
 
 
 @asset(group_name="sweeps", code_version="2", partitions_def=sweeps, kinds={"iceberg", "mlflow"},
@@ -158,8 +162,8 @@ def sweep_summary(context: AssetExecutionContext, lake: LakeResource, mlflow: Ml
     members = cmp.members
     axes = list(dict.fromkeys(a for m in members for a in m.axes))
     pictures = dict(cmp.pictures)
-    scored = [{**m.axes, "final_accuracy": m.accuracy} for m in members]
-    if any(m.accuracy is not None for m in members):  # else nothing to draw against the axes
+    scored = [{**m.axes, "final_accuracy": m.accuracy} for m in members if m.rank is not None]  # final results
+    if scored:  # else nothing to draw against the axes
         for axis in axes:
             others = [a for a in axes if a != axis and a != "seed"] or None
             pictures[f"accuracy_vs_{axis}"] = functools.partial(
@@ -173,7 +177,11 @@ def sweep_summary(context: AssetExecutionContext, lake: LakeResource, mlflow: Ml
         else:
             shots[name] = render(dpi=DPI)
     runs = _dagster_runs(context, [m.member for m in members])
-    best = cmp.best
+    best, top = cmp.best, cmp.top
+    counts = {s: sum(m.status == s for m in members) for s in ("succeeded", "failed", "pruned", "interrupted")}
+    if parent:  # every member has ended (the summarizer's rule): so has the sweep's MLflow parent run
+        tracker.set_tags(parent, {"factory.members": len(members), **{f"factory.{s}": n for s, n in counts.items()}})
+        tracker.end_run(parent, "FINISHED")
     # The evals of the members' checkpoints not landed yet: the summarizer draws the summary again as they land;
     # the data version is the set of evals done, so each version of the summary is one set.
     evals = eval_progress(context.instance, lake.lake(), _member_runs(lake, sweep_id))
@@ -182,16 +190,15 @@ def sweep_summary(context: AssetExecutionContext, lake: LakeResource, mlflow: Ml
         "pending_evals": evals.text(),  # `none`, or `2: <run_id>@<step> x heldout, ...`
         "pending_evals_count": len(evals.pending),
         "best_member": (best[0] if len(best) == 1 else f"tie: {', '.join(best)}") if best else "",
-        "best_accuracy": _fmt(members[0].accuracy) if best else None,
-        "best_accuracy_ci95": members[0].accuracy_text() if best else "",  # `0.764 [0.725, 0.799] n=500`
+        "best_accuracy": _fmt(top.accuracy) if top else None,  # the best-ranked member's, whatever ranks below it
+        "best_accuracy_ci95": top.accuracy_text() if top else "",  # `0.764 [0.725, 0.799] n=500`
         "verdict": cmp.verdict,  # the top member against the runner-up: a win only outside the noise
+        "ranked_by": cmp.ranked_by,  # final results only: which, at which step, and who is left out
         **({"points_over_seeds": MetadataValue.md(_points_md(cmp.points)), "point_verdict": cmp.point_verdict}
            if cmp.points else {}),  # a `seed` axis: points ranked by their mean over seeds
         "members_table": _members_table(members, axes, runs),
         "links": MetadataValue.md(_links_md(members, runs, tracker)),
-        "members": len(members), "succeeded": sum(m.status == "succeeded" for m in members),
-        "failed": sum(m.status == "failed" for m in members),
-        "pruned": sum(m.status == "pruned" for m in members),
+        "members": len(members), **counts,
         **({"mlflow_parent_run_id": MetadataValue.url(tracker.run_url(parent)),
             "mlflow_members_charts": MetadataValue.url(tracker.sweep_url(parent, sweep_id))} if parent else {}),
         "pictures": embedded(shots),
@@ -225,16 +232,18 @@ def _fmt(v: float | None, digits: int = 3) -> float | None:
 
 def _members_table(members, axes: list[str], runs: dict[str, str]) -> MetadataValue:
 
-    cols = ["member", "label", *axes, "status", "accuracy", "ci95_n", "pass_at_k", "reward", "wall_s", "steps",
-            "dagster_run"]
+    cols = ["rank", "member", "label", *axes, "status", "accuracy", "ci95_n", "pass_at_k", "reward", "wall_s",
+            "steps", "dagster_run"]
     records = [TableRecord({
-        "member": member_short(m.member), "label": m.label, **{a: format_value(m.axes.get(a)) for a in axes},
+        "rank": m.rank, "member": member_short(m.member), "label": m.label,
+        **{a: format_value(m.axes.get(a)) for a in axes},
         "status": m.status,
         "accuracy": _fmt(m.accuracy), "ci95_n": m.accuracy_text().partition(" ")[2],
         "pass_at_k": _fmt(m.pass_at_k), "reward": _fmt(m.reward),
         "wall_s": _fmt(m.wall_s, 1), "steps": m.steps, "dagster_run": runs.get(m.member, "")[:8]})
         for m in members]
-    types = {"accuracy": "float", "pass_at_k": "float", "reward": "float", "wall_s": "float", "steps": "int"}
+    types = {"rank": "int", "accuracy": "float", "pass_at_k": "float", "reward": "float", "wall_s": "float",
+             "steps": "int"}
     return MetadataValue.table(records, schema=TableSchema([TableColumn(c, types.get(c, "string")) for c in cols]))
 
 

@@ -10,6 +10,7 @@ The PNG bytes are returned too, for an embedded copy that needs no MLflow UI.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -115,6 +116,9 @@ class MemberFigures:
     wall_s: float | None  # the training run's wall time (GRPO, from `runs`)
     checkpoint: str | None
     others: str = ""  # the other benchmarks at the same step, `carry_chains 0.794 [0.732, 0.845] n=200`
+    eval_step: int | None = None  # the step `accuracy` was measured at (None: only the `sweeps` row's figure)
+    benchmark: str | None = None  # the benchmark `accuracy` is on (the run's held-out split)
+    rank: int | None = None  # 1 for the best final result; None: not ranked (no final result: pruned, failed, ...)
 
     def accuracy_text(self) -> str:
         """`0.764 [0.725, 0.799] n=500`."""
@@ -143,7 +147,7 @@ class PointFigures:
 @dataclass(frozen=True)
 class SweepComparison:
     sweep_id: str
-    members: list[MemberFigures]  # best first (by accuracy; unfinished last)
+    members: list[MemberFigures]  # the ranked ones best first (`rank` 1, 2, ...), then the others by member key
     # The top member and every finished member not significantly below it (95% interval of the difference includes
     # 0), or, without n, every member sharing the top accuracy: one name is a win, several a tie.
     best: list[str] = field(default_factory=list)
@@ -153,10 +157,19 @@ class SweepComparison:
     # and the top point against the runner-up (`seed_points`).
     points: list[PointFigures] = field(default_factory=list)
     point_verdict: str = ""
+    ranked_by: str = ""  # what the ranking compares, and which members it leaves out (`ranked_by`)
+
+    @property
+    def top(self) -> MemberFigures | None:
+        """The best-ranked member (rank 1), None when no member has a final result."""
+        return self.members[0] if self.members and self.members[0].rank == 1 else None
 
 
 def compare_sweep(lake: Lake, sweep_id: str) -> SweepComparison:
-    """Every member of a sweep with its figures from the lake, best first, and the overlay pictures."""
+    """Every member of a sweep with its figures from the lake and the overlay pictures. Only final results are
+    ranked (succeeded members, each at its final evaluated step, as `factory best` ranks runs): a pruned or failed
+    member's accuracy is from an earlier step (a pruned one's from the eval that pruned it), so it is listed after
+    them, unranked, and `ranked_by` says so."""
     rows = lake.read("sweeps", EqualTo("sweep_id", sweep_id)).to_pylist()
     if not rows:
         raise LookupError(f"sweep {sweep_id}: no rows in the `sweeps` table")
@@ -167,9 +180,16 @@ def compare_sweep(lake: Lake, sweep_id: str) -> SweepComparison:
     outcomes = outcomes_from_evals(r for rs in evals.values() for r in rs)
     members = [_figures(r, steps.get(r["run_id"], []), evals.get(r["run_id"], []), runs.get(r["run_id"]),
                         outcomes.get(r["run_id"])) for r in sorted(rows, key=lambda r: r["member"])]
-    members.sort(key=lambda m: (m.accuracy is None, -(m.accuracy or 0.0), m.member))
-    done = [m for m in members if m.status == "succeeded" and m.accuracy is not None]
+    done = sorted((m for m in members if m.status == "succeeded" and m.accuracy is not None),
+                  key=lambda m: (-m.accuracy, m.member))
+    done = [dataclasses.replace(m, rank=i) for i, m in enumerate(done, 1)]
+    ranked = {m.member for m in done}
+    members = done + [m for m in members if m.member not in ranked]
     best, text = best_members(done)
+    if len(done) == 1:
+        text = f"{_name(done[0])} is the only member with a final result: nothing to compare it with"
+    elif not done:
+        text = "no member has a final result (none succeeded): nothing is ranked"
     overlay = [{"label": m.label, "steps": steps.get(m.run_id, []), "evals": evals.get(m.run_id, [])}
                for m in sorted(members, key=lambda m: m.member) if m.run_id]
     pictures: dict[str, Render] = {}
@@ -182,7 +202,28 @@ def compare_sweep(lake: Lake, sweep_id: str) -> SweepComparison:
         short = "heldout" if bench == HELD_OUT else bench
         pictures[f"members_on_{short}"] = functools.partial(_overlay, overlay, title, bench)
     points, point_text = seed_points(done)
-    return SweepComparison(sweep_id, members, best, pictures, text, points, point_text)
+    return SweepComparison(sweep_id, members, best, pictures, text, points, point_text, ranked_by(members))
+
+
+def ranked_by(members: list[MemberFigures]) -> str:
+    """What a sweep's ranking compares, in words: `final held-out accuracy (arithmetic_heldout) of the 3 succeeded
+    members, each at its final evaluated step (40); not ranked (no final result): m002 pruned at step 20`."""
+    done = [m for m in members if m.rank is not None]
+    rest = [m for m in members if m.rank is None]
+    if done:
+        benches = sorted({m.benchmark for m in done if m.benchmark})
+        steps = sorted({m.eval_step for m in done if m.eval_step is not None})
+        on = f" ({', '.join(benches)})" if benches else ""
+        at = f" ({', '.join(map(str, steps))})" if steps else ""
+        text = (f"final held-out accuracy{on} of the {len(done)} succeeded member{'s' if len(done) != 1 else ''}, "
+                f"each at its final evaluated step{at}")
+    else:
+        text = "nothing ranked: no member succeeded with an accuracy eval"
+    if rest:
+        text += "; not ranked (no final result): " + ", ".join(
+            f"{member_short(m.member)} {m.status}" + (f" at step {m.eval_step}" if m.eval_step is not None else "")
+            for m in rest)
+    return text
 
 
 SEED = "seed"  # the axis a sweep repeats its points over; the summary aggregates it
@@ -286,4 +327,6 @@ def _figures(row: dict, steps: list[dict], evals: list[dict], run: dict | None,
         reward=sum(s["reward_mean"] for s in last) / len(last) if last else None,
         steps=max((s["step"] for s in steps), default=0), wall_s=wall,
         checkpoint=run.get("final_checkpoint") if run else None,
+        eval_step=outcome.step if outcome and outcome.primary else None,
+        benchmark=outcome.primary.benchmark if outcome and outcome.primary else None,
     )

@@ -26,7 +26,7 @@ import random
 import re
 import shutil
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
@@ -36,9 +36,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from factory.config import ExperimentSpec, SpecError, apply_overrides, load_spec, parse_spec
 from factory.envs.spec_check import check_spec
 from factory.home import FactoryPaths
-from factory.sweep_search import SearchParam, search_errors
+from factory.sweep_search import SearchParam, prune_warnings, search_errors
 
 SWEEP_TAG, MEMBER_TAG, WARM_START_TAG = "factory/sweep_id", "factory/member", "factory/warm_start"
+# run tag: how a member's run ended, in the `sweeps` table's words (succeeded, pruned): Dagster's own status says
+# SUCCESS for both, since a pruned member ended as meant (docs/ui.md, "One status vocabulary")
+STATUS_TAG = "factory/status"
 LABEL_TAG = "factory/label"  # run tag: a member's axis values as people read them (`short_label`: lr=3e-4,seed=1)
 AXIS_TAG_PREFIX = "axis/"  # one run tag per axis: axis/algorithm.lr = 0.0003
 MAX_MEMBERS = 1024
@@ -99,6 +102,7 @@ class SweepPlan:
     definition: SweepDefinition
     base: ExperimentSpec
     members: list[Member]
+    warnings: list[str] = field(default_factory=list)  # valid, but likely not what was meant (one line each)
 
     def warm_starts(self) -> dict[str, ExperimentSpec]:
         """Each distinct warm start of the sweep with the spec of its first member (all agree on what it needs)."""
@@ -166,7 +170,7 @@ def plan_sweep(defn: SweepDefinition, sweep_id: str | None = None) -> SweepPlan:
                           "`space` (put `seed` in it to vary the training seed)")
         if errors:
             raise SweepError(errors)
-        return SweepPlan(sweep_id or new_sweep_id(defn.name), defn, base, [])
+        return SweepPlan(sweep_id or new_sweep_id(defn.name), defn, base, [], prune_warnings(defn, base))
     errors = [f"axes.{name}: empty axis (give at least one value)" for name, v in defn.axes.items() if not v]
     if not defn.axes and not defn.seeds:
         errors.append("axes: no axes (give at least one field path with a list of values)")

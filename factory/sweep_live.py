@@ -33,7 +33,7 @@ class MemberLive:
 
     member: str  # its partition key of `sweep_member_run`
     label: str  # its axis values, `lr=3e-4,seed=1`
-    status: str  # its `sweeps` row's: queued, running, succeeded, failed, refused, pruned
+    status: str  # its `sweeps` row's: queued, running, succeeded, failed, refused, pruned, interrupted
     run_id: str | None
     step: int | None  # the newest step in `steps` (None: none yet)
     steps: int | None  # the steps its spec plans (schedule.steps)

@@ -5,9 +5,12 @@ A tpe sweep has no member list up front. Its launcher asks the study for a trial
 slot (fewer than `max_concurrent` runs in flight) and fewer than `trials` were asked; each trial becomes a
 normal sweep member (`<sweep_id>-m<trial number>`, its spec the base spec with the trial's parameters applied).
 The member run reports its held-out accuracy at each periodic eval (`schedule.eval_every`) as the trial's
-intermediate value; when the sweep's pruner says the trial is worse than the finished ones at that step, the run
-stops at a resume point (it stays resumable) and the trial is told it was pruned. A member that finishes tells
-the study its final held-out accuracy (the objective, maximized).
+intermediate value; when the sweep's pruner says the trial is worse than the finished ones at that step, and the
+difference is outside the noise of the two evals (Newcombe's 95% interval of the member's accuracy minus the
+pruner's reference excludes 0; `TrialReporter.report`), the run stops at a resume point (it stays resumable) and the
+trial is told it was pruned; inside the noise the member goes on, and its log says so. A member that finishes tells
+the study its final held-out accuracy (the objective, maximized). `prune_warnings` names settings under which most
+differences the pruner sees are inside the noise.
 
 Storage: the study lives in the database the Dagster instance uses, so it is backed up and shared with it: the
 instance's Postgres when it is on Postgres (in a schema of its own, `optuna`, because Optuna and Dagster both
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -30,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from factory.config import ExperimentSpec, SpecError, apply_overrides
 from factory.envs.spec_check import check_spec
 from factory.home import FactoryPaths
+from factory.intervals import Z95, newcombe
 
 if TYPE_CHECKING:
     import optuna
@@ -121,6 +126,38 @@ def search_errors(defn: Any, base: ExperimentSpec | None) -> list[str]:
         errors.append(f"prune: {defn.prune} stops members on their periodic evals, and the base spec has none: set "
                       f"schedule.eval_every (in the base spec or overrides), or prune: none")
     return errors
+
+
+# A periodic eval whose difference from the pruner's reference must exceed this (at accuracies near 0.5) to be outside
+# the noise makes pruning act seldom, and only far below: `prune_warnings` says so.
+NOISY_DIFF = 0.10
+MIN_STARTUP_TRIALS = 2  # the median of fewer completed trials is one trial's own eval, noise included
+
+
+def diff_half_width(n: int, p: float = 0.5) -> float:
+    """The half-width of the 95% interval of a difference of two accuracies near `p`, each on n problems."""
+    return Z95 * math.sqrt(2 * p * (1 - p) / n)
+
+
+def prune_warnings(defn: Any, base: ExperimentSpec) -> list[str]:
+    """Settings of a tpe sweep (`defn`, its base spec `base`) under which the pruner sees differences mostly inside
+    the noise of its evals, one line each naming the setting; empty without pruning."""
+    if defn.mode != "tpe" or defn.prune == "none" or not base.schedule.eval_every:
+        return []
+    out = []
+    n = base.task.n_eval
+    half = diff_half_width(n)
+    if half > NOISY_DIFF:
+        better = math.ceil(2 * 0.25 * (Z95 / 0.07) ** 2)
+        out.append(f"task.n_eval: each periodic eval the {defn.prune} pruner decides on has n={n} held-out problems: "
+                   f"near 0.5 two accuracies must differ by more than {half:.3f} to be told apart (95%), and a member "
+                   f"inside that is not pruned, so pruning will act seldom and only far below; n_eval={better} "
+                   "gives 0.070")
+    if defn.prune == "median" and defn.prune_startup_trials < MIN_STARTUP_TRIALS:
+        out.append(f"prune_startup_trials: {defn.prune_startup_trials}: the median of fewer than "
+                   f"{MIN_STARTUP_TRIALS} completed trials is one trial's own eval, noise and all; give "
+                   f"{MIN_STARTUP_TRIALS} or more")
+    return out
 
 
 def _param_errors(name: str, p: SearchParam, base: ExperimentSpec) -> list[str]:
@@ -229,16 +266,18 @@ def ask(study: optuna.Study, space: dict[str, SearchParam], member_of: Any) -> A
 
 
 class TrialReporter:
-    """A member run's side of its trial: `report(step, accuracy)` after each periodic eval returns why the member
+    """A member run's side of its trial: `report(step, accuracy, n)` after each periodic eval returns why the member
     is pruned (or None to go on); `complete(accuracy)` and `pruned()` finish the trial once. A trial that is
-    already finished (a retried member) is left as it is."""
+    already finished (a retried member) is left as it is. `log` gets a line whenever the pruner would have stopped
+    the member on a difference inside the noise."""
 
-    def __init__(self, study: optuna.Study, trial_id: int, prune: str):
+    def __init__(self, study: optuna.Study, trial_id: int, prune: str, log: Callable[[str], None] | None = None):
         import optuna
 
-        self.study, self.trial_id, self.prune = study, trial_id, prune
+        self.study, self.trial_id, self.prune, self.log = study, trial_id, prune, log
         self.trial = optuna.trial.Trial(study, trial_id)
         self.reason: str | None = None  # set when `report` decided to prune
+        self.spared: list[str] = []  # each time the pruner said stop but the difference was inside the noise
 
     def _frozen(self) -> optuna.trial.FrozenTrial:
         # The trial's current record (another process may have finished it); Optuna's Study has no public way
@@ -250,26 +289,51 @@ class TrialReporter:
 
         return self._frozen().state == optuna.trial.TrialState.RUNNING
 
-    def report(self, step: int, accuracy: float) -> str | None:
+    def report(self, step: int, accuracy: float, n: int | None = None) -> str | None:
+        """Report the held-out `accuracy` measured on `n` problems at `step`; the reason to prune, or None. The
+        pruner's word is followed only when the accuracy is below its reference (the median of the completed trials
+        at that step; for hyperband, of the other trials there) by more than the noise: Newcombe's 95% interval of
+        the difference, the reference taken as one accuracy on as many problems, excludes 0."""
         if not self.running():
             return None
         if step not in self._frozen().intermediate_values:  # a resumed attempt reports a step once
             self.trial.report(accuracy, step)
         if self.prune == "none" or not self.trial.should_prune():
             return None
-        self.reason = self._why(step, accuracy)
-        return self.reason
+        reference = self._reference(step)
+        base = f"{self.prune} pruner at step {step}: held-out accuracy {accuracy:.3f}"
+        if reference is None:
+            self.reason = base
+            return self.reason
+        value, count, what = reference
+        below = f"{base}, below the median {value:.3f} of {count} {what} at that step"
+        if not n:
+            self.reason = f"{below} (n unknown: not checked against the noise)"
+            return self.reason
+        ci = newcombe(round(accuracy * n), n, round(value * n), n)
+        diff = f"diff {accuracy - value:+.3f} [{ci.low:+.3f}, {ci.high:+.3f}], n={n} each"
+        if ci.high < 0:
+            self.reason = f"{below} ({diff}: outside the noise)"
+            return self.reason
+        note = f"{below}, but inside the noise ({diff}): not pruned"
+        self.spared.append(note)
+        if self.log is not None:
+            self.log(note)
+        return None
 
-    def _why(self, step: int, accuracy: float) -> str:
+    def _reference(self, step: int) -> tuple[float, int, str] | None:
+        """(value, how many trials, which) the pruner compared this trial with at `step`: the median of the
+        completed trials' values there (median); of every other trial's (hyperband, which ranks within a rung)."""
         import optuna
 
-        done = self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-        at_step = [t.intermediate_values[step] for t in done if step in t.intermediate_values]
-        base = f"{self.prune} pruner at step {step}: held-out accuracy {accuracy:.3f}"
-        if self.prune == "median" and at_step:
-            return f"{base}, below the median {statistics.median(at_step):.3f} of {len(at_step)} completed " \
-                   f"trial(s) at that step"
-        return base
+        if self.prune == "median":
+            trials, what = self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)), \
+                "completed trial(s)"
+        else:
+            trials, what = [t for t in self.study.get_trials(deepcopy=False) if t._trial_id != self.trial_id], \
+                "other trial(s)"
+        at_step = [t.intermediate_values[step] for t in trials if step in t.intermediate_values]
+        return (statistics.median(at_step), len(at_step), what) if at_step else None
 
     def complete(self, accuracy: float) -> None:
         if self.running():

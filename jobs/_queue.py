@@ -7,6 +7,11 @@ summaries never more than the summary limit (1). Evals and summaries are separat
 reads, matplotlib, MLflow artifacts; no model), so it does not wait behind a model eval, and evals never wait for
 it. The limits are read from the instance's run queue (`factory.ops.instance`, tags `factory/queue: eval` and
 `factory/queue: summary`), so an operator sets them in one place, `dagster.yaml`.
+
+A run that failed and that Dagster's run retries will re-execute (a killed run worker: `dagster/will_retry`, or the
+instance's retry policy while that tag is not written yet) still holds its slot until its retry exists or its
+retries are spent (`holds_slot`): else a slot freed for the seconds between the failure and the retry's creation
+would start another run beside the retry.
 """
 
 from __future__ import annotations
@@ -14,7 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from dagster import DagsterInstance, DagsterRunStatus, MultiPartitionKey, RunsFilter
+from dagster import DagsterInstance, DagsterRun, DagsterRunStatus, MultiPartitionKey, RunsFilter
+from dagster._core.events import RunFailureReason
+from dagster._core.execution.retries import auto_reexecution_should_retry_run
+from dagster._core.storage.tags import AUTO_RETRY_RUN_ID_TAG, RUN_FAILURE_REASON_TAG, WILL_RETRY_TAG
+from dagster._utils.tags import get_boolean_tag_value
 
 from assets import _pending as pending
 from factory.ops.instance import (
@@ -36,6 +45,28 @@ PARTITION_TAG = "dagster/partition"
 def in_flight(instance: DagsterInstance, tags: dict[str, str]) -> int:
     """How many runs with these tags are queued or running."""
     return instance.get_runs_count(RunsFilter(tags=tags, statuses=IN_FLIGHT))
+
+
+def awaiting_retry(instance: DagsterInstance, run: DagsterRun) -> bool:
+    """Whether `run` failed and Dagster's run retries will re-execute it, and that retry does not exist yet."""
+    if run.status != DagsterRunStatus.FAILURE or run.tags.get(AUTO_RETRY_RUN_ID_TAG):
+        return False
+    will = run.tags.get(WILL_RETRY_TAG)
+    if will is not None:
+        return get_boolean_tag_value(will, default_value=False)
+    if not instance.run_retries_enabled:
+        return False
+    # The failure is stored before its `dagster/will_retry` tag: decide as the instance is about to.
+    reason = run.tags.get(RUN_FAILURE_REASON_TAG)
+    try:
+        return auto_reexecution_should_retry_run(instance, run, RunFailureReason(reason) if reason else None)
+    except ValueError:  # an unknown failure reason: Dagster reads it as UNKNOWN
+        return auto_reexecution_should_retry_run(instance, run, RunFailureReason.UNKNOWN)
+
+
+def holds_slot(instance: DagsterInstance, run: DagsterRun) -> bool:
+    """Queued, running, or failed and awaiting its automatic retry (`awaiting_retry`)."""
+    return run.status in IN_FLIGHT or awaiting_retry(instance, run)
 
 
 def _queue_limit(instance: DagsterInstance, queue: str, default: int) -> int:
@@ -83,5 +114,5 @@ def owed_evals(instance: DagsterInstance, lake, job_name: str, run_ids: set[str]
                      str(o.partition) in running) for o in owed]
 
 
-__all__ = ["EVAL_TAGS", "IN_FLIGHT", "SUMMARY_TAGS", "OwedEval", "eval_limit", "free_eval_slots", "free_summary_slots",
-           "in_flight", "owed_evals", "summary_limit"]
+__all__ = ["EVAL_TAGS", "IN_FLIGHT", "SUMMARY_TAGS", "OwedEval", "awaiting_retry", "eval_limit", "free_eval_slots",
+           "free_summary_slots", "holds_slot", "in_flight", "owed_evals", "summary_limit"]

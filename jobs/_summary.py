@@ -20,8 +20,8 @@ from dagster import DagsterInstance, DagsterRun, RunsFilter
 
 from assets._pending import EvalProgress, progress
 from factory.home import FactoryPaths
-from factory.sweep import SWEEP_TAG, read_sweep
-from jobs._queue import IN_FLIGHT, owed_evals
+from factory.sweep import MEMBER_TAG, SWEEP_TAG, read_sweep
+from jobs._queue import IN_FLIGHT, holds_slot, owed_evals
 
 SUMMARY_JOB = "sweep_summary_job"
 VERSION_TAG = "factory/evals_done"  # the version a summary run draws: a digest of the sweep's evals done
@@ -55,7 +55,7 @@ def summary_states(instance: DagsterInstance, paths: FactoryPaths, lake, eval_jo
     runs: dict[str, list[DagsterRun]] = defaultdict(list)
     for r in instance.get_runs(RunsFilter(job_name=SUMMARY_JOB)):
         runs[r.tags.get(SWEEP_TAG, "")].append(r)
-    rows = lake.read("sweeps").select(["sweep_id", "status", "run_id"]).to_pylist()
+    rows = lake.read("sweeps").select(["sweep_id", "member", "status", "run_id"]).to_pylist()
     states = []
     for s in ids:
         try:
@@ -63,6 +63,12 @@ def summary_states(instance: DagsterInstance, paths: FactoryPaths, lake, eval_jo
         except (OSError, ValueError, KeyError) as e:  # one broken sweep directory holds back neither others nor evals
             states.append(SummaryState(s, f"sweep {s}: its sweep.json cannot be read ({type(e).__name__}: {e})"))
     return states
+
+
+def _resuming(instance: DagsterInstance, member: str) -> bool:
+    """Whether an interrupted member (its run worker killed: stopped at a resume point) has a Dagster run queued,
+    running or awaiting its automatic retry, which resumes it; if not, it has ended interrupted."""
+    return any(holds_slot(instance, r) for r in instance.get_runs(RunsFilter(tags={MEMBER_TAG: member})))
 
 
 def _state(instance: DagsterInstance, paths: FactoryPaths, lake, eval_job: str, sweep_id: str, rows: list[dict],
@@ -75,11 +81,13 @@ def _state(instance: DagsterInstance, paths: FactoryPaths, lake, eval_job: str, 
     if defn.get("mode") == "tpe" and not info.get("search_done"):
         return SummaryState(sweep_id, f"sweep {sweep_id}: {len(info['members'])} of {defn['trials']} trials asked")
     n = len(info["members"])
-    ended = sum(r["status"] in ENDED for r in rows)
+    resuming = sum(r["status"] == "interrupted" and _resuming(instance, r["member"]) for r in rows)
+    ended = sum(r["status"] in ENDED or r["status"] == "interrupted" for r in rows) - resuming
     if ended < n or len(rows) < n:
         running = sum(r["status"] == "running" for r in rows)
+        again = f", {resuming} interrupted, which Dagster's retry resumes" if resuming else ""
         what = ("still running" if running == n - ended else
-                f"not ended ({running} running, {n - ended - running} queued)")
+                f"not ended ({running} running, {n - ended - running - resuming} queued{again})")
         return SummaryState(sweep_id, f"sweep {sweep_id}: {n - ended} of {n} members {what}")
     prog = progress(instance, lake, {r["run_id"] for r in rows if r["run_id"]})
     pending = f"{len(prog.pending)} eval(s) pending" if prog.pending else "no eval pending"

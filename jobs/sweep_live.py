@@ -55,7 +55,7 @@ def member_status(m: MemberLive, run: DagsterRun | None) -> tuple[str, str]:
     resumed = [r for r in m.interruptions if r.get("resumed_from_step") is not None]
     crash = "; ".join(f"resumed from step {r['resumed_from_step']} after attempt {r['attempt']} "
                       f"{CAUSES.get(r['cause'], (r['cause'], None))[0]}" for r in resumed)
-    flying = run is not None and run.status in IN_FLIGHT
+    flying = run is not None and (run.status in IN_FLIGHT or run.is_complete_and_waiting_to_retry)
     if m.status == "queued":
         return "queued", "its run is starting" if flying else "waiting for a free slot or its warm start"
     if m.status == "running":
@@ -76,13 +76,13 @@ def member_status(m: MemberLive, run: DagsterRun | None) -> tuple[str, str]:
         return "pruned", m.reason or "by the sweep's pruner"
     if m.status == "refused":
         return "refused", m.reason or "by the preflight gate"
-    # failed: Dagster may retry it (a new attempt resumes the same run)
+    # failed, or interrupted (stopped at a resume point): Dagster may retry it (a new attempt resumes the same run)
     retry = "; Dagster is retrying it" if flying else ""
     last = m.interruptions[-1] if m.interruptions else None
     why = (f"attempt {last['attempt']} {CAUSES.get(last['cause'], (last['cause'], None))[0]}"
            + (f" at step {last['last_step']}" if last.get("last_step") is not None else "")) if last else \
         "see its Dagster run"
-    return "failed", why + retry
+    return ("interrupted" if m.status == "interrupted" else "failed"), why + retry
 
 
 def observation(live: LiveSweep, runs: dict[str, DagsterRun], tracker: Tracker | None,

@@ -64,7 +64,7 @@ from factory.sweep import (
     write_warm_start_spec,
 )
 from factory.sweep_search import TRIAL_TAG
-from jobs._queue import IN_FLIGHT, SUMMARY_TAGS, free_summary_slots, in_flight, summary_limit
+from jobs._queue import SUMMARY_TAGS, awaiting_retry, free_summary_slots, holds_slot, in_flight, summary_limit
 from jobs._search import ask_trials
 from jobs._summary import PENDING_TAG, VERSION_TAG, summary_states, sweep_ids
 from jobs.evals import checkpoint_eval_job
@@ -136,6 +136,8 @@ def plan_and_queue_sweep(context: OpExecutionContext, config: SweepConfig, home:
         message = "invalid sweep (nothing was launched): " + "; ".join(str(e).splitlines())
         raise Failure(description=message, metadata={"nothing_launched": True}, allow_retries=False) from None
     _require_launcher(context)
+    for warning in plan.warnings:  # launched anyway: valid settings, but likely not what was meant
+        context.log.warning(f"sweep {plan.sweep_id}: {warning}")
     paths = home.paths()
     search = {"steps": plan.base.schedule.steps, "eval_every": plan.base.schedule.eval_every}
     if plan.definition.mode == "tpe":  # the study is created now: a storage that cannot be reached fails the launch
@@ -144,7 +146,9 @@ def plan_and_queue_sweep(context: OpExecutionContext, config: SweepConfig, home:
     tracker = mlflow.tracker()
     parent = tracker.start_run(experiment=config.name, run_name=plan.sweep_id,
                                params={"sweep": config.model_dump(mode="json")},
-                               tags={"factory.sweep_id": plan.sweep_id, "factory.members": len(plan.members)})
+                               tags={"factory.sweep_id": plan.sweep_id, "factory.members": len(plan.members),
+                                     # a tpe sweep's members are its trials, counted as the launcher asks them
+                                     **({"factory.trials": config.trials} if config.mode == "tpe" else {})})
     now = datetime.now(UTC)
     lake.lake().upsert("sweeps", [dict(sweep_id=plan.sweep_id, member=m.key, name=config.name,
                                        axes=json.dumps(m.values, sort_keys=True), spec=m.spec.to_json(),
@@ -161,6 +165,8 @@ def plan_and_queue_sweep(context: OpExecutionContext, config: SweepConfig, home:
     context.add_output_metadata({"sweep_id": plan.sweep_id, "members": len(plan.members),
                                  "warm_starts": len(plan.warm_starts()), "max_concurrent": config.max_concurrent,
                                  "mlflow_parent_run_id": parent, "members_table": MetadataValue.md(_members_md(plan)),
+                                 **({"warnings": MetadataValue.md("\n".join(f"- {w}" for w in plan.warnings))}
+                                    if plan.warnings else {}),
                                  **({"trials": config.trials, "space": config.space, "prune": config.prune}
                                     if config.mode == "tpe" else {})})
     context.log.info(f"sweep {plan.sweep_id}: {len(plan.members)} members and {len(plan.warm_starts())} warm "
@@ -248,14 +254,30 @@ def _warm_state(context: SensorEvaluationContext, names: set[str]) -> dict[str, 
             state[name] = "ready"
             continue
         last = context.instance.get_runs(RunsFilter(tags={WARM_START_TAG: name}), limit=1)
-        state[name] = "none" if not last else "running" if last[0].status in IN_FLIGHT else "failed"
+        state[name] = "none" if not last else "running" if holds_slot(context.instance, last[0]) else "failed"
     return state
+
+
+def _holding(context: SensorEvaluationContext, runs: list) -> tuple[set[str], set[str]]:
+    """The sweep's members and warm starts that hold a slot (a run queued, running, or failed and awaiting its
+    automatic retry: jobs/_queue.py), each counted once (a run awaiting its retry and that retry are one), and those
+    of them awaiting a retry."""
+    holding, retrying = set(), set()
+    for r in runs:
+        key = r.tags.get(MEMBER_TAG) or r.tags.get(WARM_START_TAG) or r.run_id
+        if awaiting_retry(context.instance, r):
+            retrying.add(key)
+            holding.add(key)
+        elif holds_slot(context.instance, r):
+            holding.add(key)
+    return holding, retrying
 
 
 @sensor(jobs=[sweep_warm_start_job, sweep_member_job], minimum_interval_seconds=1,
         default_status=DefaultSensorStatus.RUNNING,
         description="Starts each sweep's shared warm starts, then its members, at most max_concurrent runs at once.")
-def sweep_launcher(context: SensorEvaluationContext, home: FactoryHomeResource, lake: LakeResource) -> SensorResult:
+def sweep_launcher(context: SensorEvaluationContext, home: FactoryHomeResource, lake: LakeResource,
+                   mlflow: MlflowResource) -> SensorResult:
     finished = set(json.loads(context.cursor)) if context.cursor else set()
     requests, waiting = [], []
     for sweep_id in _sweep_ids(home):
@@ -269,10 +291,11 @@ def sweep_launcher(context: SensorEvaluationContext, home: FactoryHomeResource, 
         limit = control["max_concurrent"] or info["definition"]["max_concurrent"]
         runs = context.instance.get_runs(RunsFilter(tags={SWEEP_TAG: sweep_id}))
         started = {r.tags[MEMBER_TAG] for r in runs if MEMBER_TAG in r.tags}
-        flying = sum(r.status in IN_FLIGHT for r in runs)
+        holding, retrying = _holding(context, runs)
+        flying = len(holding)
         tpe = info["definition"].get("mode") == "tpe"
         if tpe:  # members are asked from the study as slots free up (jobs/_search.py)
-            info = ask_trials(context, home.paths(), lake, info, started, flying, limit)
+            info = ask_trials(context, home.paths(), lake, mlflow, info, started, holding, limit)
         members = info["members"]
         warm = _warm_state(context, {m["warm_start"] for m in members})
         launch = next_launches(members, started, warm, in_flight=flying, max_concurrent=limit)
@@ -289,15 +312,17 @@ def sweep_launcher(context: SensorEvaluationContext, home: FactoryHomeResource, 
         if launch.finished and (not tpe or info.get("search_done")):
             finished.add(sweep_id)
         elif not launch.warm_starts and not launch.members:
-            waiting.append(_why_waiting(sweep_id, info, started, warm, flying, limit))
+            waiting.append(_why_waiting(sweep_id, info, started, warm, flying, limit, retrying))
     return _result(context, requests, waiting, "no sweep has members left to start", cursor=sorted(finished))
 
 
 def _why_waiting(sweep_id: str, info: dict[str, Any], started: set[str], warm: dict[str, str], flying: int,
-                 limit: int) -> str:
+                 limit: int, retrying: set[str]) -> str:
     """Why a sweep with members (or trials) left starts none this tick, in words."""
     if flying >= limit:
-        return f"sweep {sweep_id}: max_concurrent {limit} reached: {flying} running"
+        again = (f" ({len(retrying)} failed, awaiting Dagster's retry: {', '.join(sorted(retrying))})"
+                 if retrying else "")
+        return f"sweep {sweep_id}: max_concurrent {limit} reached: {flying} running{again}"
     blocked = sorted({m["warm_start"] for m in info["members"] if m["key"] not in started
                       and warm.get(m["warm_start"]) == "running"})
     if blocked:

@@ -159,11 +159,11 @@ def test_the_median_pruner_prunes_a_trial_below_the_completed_ones_and_says_why(
     assert early.report(2, 0.1) is None  # one completed trial: fewer than prune_startup_trials
     _completed(study, 0.95, {2: 0.9, 4: 0.95})
     good = TrialReporter(study, ask(study, space, lambda n, params: str(n)).trial_id, "median")
-    assert good.report(2, 0.86) is None
+    assert good.report(2, 0.86, n=100) is None
     bad = TrialReporter(study, ask(study, space, lambda n, params: str(n)).trial_id, "median")
-    reason = bad.report(2, 0.5)
+    reason = bad.report(2, 0.5, n=100)
     assert reason == ("median pruner at step 2: held-out accuracy 0.500, below the median 0.850 of 2 completed "
-                      "trial(s) at that step")
+                      "trial(s) at that step (diff -0.350 [-0.462, -0.223], n=100 each: outside the noise)")
     bad.pruned()
     good.complete(0.97)
     states = {t.number: t.state for t in study.get_trials()}
@@ -179,10 +179,42 @@ def test_the_hyperband_pruner_stops_a_trial_far_below_the_finished_ones(factory_
     space = {"algorithm.lr": tpe().space["algorithm.lr"]}
     for _ in range(12):  # finished trials at 0.9 at every eval, spread over Hyperband's brackets
         done = TrialReporter(study, ask(study, space, lambda n, params: str(n)).trial_id, "hyperband")
-        assert [done.report(step, 0.9) for step in (2, 4, 6)] == [None, None, None]
+        assert [done.report(step, 0.9, n=100) for step in (2, 4, 6)] == [None, None, None]
         done.complete(0.9)
     for _ in range(4):  # in whichever bracket a trial falls, a rung by step 6 stops it
         bad = TrialReporter(study, ask(study, space, lambda n, params: str(n)).trial_id, "hyperband")
-        reasons = [bad.report(step, 0.0) for step in (2, 4, 6)]
-        assert "hyperband pruner at step 6: held-out accuracy 0.000" in reasons or reasons[0] is not None
-        assert all(r is None or r.startswith("hyperband pruner at step ") for r in reasons)
+        reasons = [r for r in (bad.report(step, 0.0, n=100) for step in (2, 4, 6)) if r]
+        assert reasons and all(r.startswith("hyperband pruner at step ") and r.endswith("outside the noise)")
+                               for r in reasons), reasons
+
+
+def test_a_member_below_the_median_inside_the_noise_is_not_pruned_and_says_so(factory_home):
+    """Issue 32: pruned at 0.674 against a median of 0.680 (n=500), a difference of -0.006 [-0.064, +0.052]."""
+    study = open_study(open_storage(study_storage_url(factory_home, None)), "noise",
+                       {"prune": "median", "prune_startup_trials": 2}, 8, 2)
+    _completed(study, 0.7, {2: 0.68, 4: 0.7})
+    _completed(study, 0.7, {2: 0.68, 4: 0.7})
+    space = {"algorithm.lr": tpe().space["algorithm.lr"]}
+    said: list[str] = []
+    member = TrialReporter(study, ask(study, space, lambda n, params: str(n)).trial_id, "median", log=said.append)
+    assert member.report(2, 0.674, n=500) is None  # the pruner says stop: below the median, but inside the noise
+    assert said == member.spared == ["median pruner at step 2: held-out accuracy 0.674, below the median 0.680 of 2 "
+                                     "completed trial(s) at that step, but inside the noise (diff -0.006 [-0.064, "
+                                     "+0.052], n=500 each): not pruned"]
+    assert member.running() and member.reason is None
+    # far below at the next eval: outside the noise, pruned, and the reason gives the interval
+    assert member.report(4, 0.5, n=500).endswith("(diff -0.200 [-0.258, -0.140], n=500 each: outside the noise)")
+
+
+def test_settings_that_make_pruning_act_inside_the_noise_are_warned_about():
+    noisy = plan_sweep(tpe(prune="median", prune_startup_trials=1,
+                           overrides={"schedule.eval_every": 2, "task.n_eval": 50}), sweep_id="w")
+    assert noisy.warnings == [
+        "task.n_eval: each periodic eval the median pruner decides on has n=50 held-out problems: near 0.5 two "
+        "accuracies must differ by more than 0.196 to be told apart (95%), and a member inside that is not pruned, "
+        "so pruning will act seldom and only far below; n_eval=392 gives 0.070",
+        "prune_startup_trials: 1: the median of fewer than 2 completed trials is one trial's own eval, noise and "
+        "all; give 2 or more"]
+    assert plan_sweep(tpe(prune="median", overrides={"schedule.eval_every": 2, "task.n_eval": 500}),
+                      sweep_id="q").warnings == []
+    assert plan_sweep(tpe(overrides={"task.n_eval": 50}), sweep_id="n").warnings == []  # no pruning: nothing to warn

@@ -44,11 +44,12 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
 
 def cmd_best(args: argparse.Namespace) -> int:
-    """Rank runs by a metric at their final evaluated step."""
+    """Rank runs by a metric: final results (succeeded runs at their final evaluated step), or every run at --step;
+    a table says under it which, and which runs were left out (csv and json: the column `at`)."""
     return _read_and_print(
         args, lambda lake: best_runs(lake, args.metric, benchmark=args.benchmark, sweep_id=args.sweep, top=args.top,
-                                     lowest=args.lowest),
-        lambda r: format_table(r, args.format))
+                                     lowest=args.lowest, step=args.step),
+        lambda r: format_table(r.table, args.format) + (f"\n{r.note()}" if args.format == "table" else ""))
 
 
 def cmd_compare(args: argparse.Namespace) -> int:

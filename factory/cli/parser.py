@@ -76,15 +76,20 @@ def _lake_commands(sub: argparse._SubParsersAction) -> None:
     add_format(p)
     p.set_defaults(func="lake:cmd_runs")
 
-    p = sub.add_parser("best", help="rank runs by an eval metric at their final evaluated step",
-                       description="Ranks runs by METRIC (table `evals`) at each run's greatest step that "
-                                   "recorded it on the benchmark, best first.")
+    p = sub.add_parser("best", help="rank runs by an eval metric: final results, or every run at one step",
+                       description="Ranks runs by METRIC (table `evals`) on the benchmark, best first: final results "
+                                   "only (runs that succeeded, each at its greatest step that recorded it), or with "
+                                   "--step N every run's value at step N. A pruned, failed or running run's latest "
+                                   "value is from an earlier step, so it is not ranked with final results; the "
+                                   "table says what was ranked and which runs were left out.")
     p.add_argument("--metric", required=True, help="eval metric, e.g. accuracy or pass@8")
     p.add_argument("--benchmark", help="benchmark (default: the one whole benchmark, i.e. without '/', "
                                        "that has the metric; required when there are several)")
     p.add_argument("--sweep", metavar="SWEEP_ID", help="only runs of this sweep")
     p.add_argument("--top", type=int, default=10, metavar="N", help="how many runs (default: 10)")
     p.add_argument("--lowest", action="store_true", help="lowest value first (for losses, error rates)")
+    p.add_argument("--step", type=int, metavar="N", help="rank every run that recorded the metric at step N "
+                                                          "(default: final results of succeeded runs)")
     add_format(p)
     p.set_defaults(func="lake:cmd_best")
 

@@ -2,8 +2,10 @@
 and compare two runs (`compare`): spec fields that differ, evals side by side, training-step aggregates.
 
 "Final" is per run and per (benchmark, metric): the value at the greatest step of that run that
-recorded that benchmark and metric. A run still training therefore ranks by its latest eval; for
-accuracy on the held-out split that is the run's result as `lake/results.py` defines it. `compare`
+recorded that benchmark and metric. `best` ranks like beside like: final results only (runs that
+succeeded, each at its final evaluated step; a pruned, failed or still-training run's latest eval is from an
+earlier step, e.g. a pruned member's pass@k is its step-0 one), or, with `step`, every run that recorded the
+metric at that one step; it says which, and which runs it left out. `compare`
 sets like beside like: two finished runs at their final evals, else at the greatest step both recorded.
 Accuracies carry their n and 95% Wilson interval; a difference of accuracies its Newcombe interval.
 """
@@ -94,31 +96,68 @@ def runs_listing(lake: Lake) -> pa.Table:
 
 # -- best ------------------------------------------------------------------------------------------
 
-# The ranking. NaN values rank last in either direction: a diverged run is never "best".
-_BEST_SQL = """
+# Each run's value of the metric: at its final evaluated step, or at step $step when given.
+_FINAL_SQL = """
 WITH final AS (
     SELECT run_id, max(step) AS step, arg_max(value, step) AS value, arg_max(n, step) AS n
-    FROM evals WHERE metric = $metric AND benchmark = $benchmark
+    FROM evals WHERE metric = $metric AND benchmark = $benchmark AND ($step IS NULL OR step = $step)
     GROUP BY run_id
-), ranked AS (
-    SELECT row_number() OVER (ORDER BY isnan(f.value), f.value {direction}, f.run_id) AS rank,
-           f.run_id, r.name, r.sweep_id, r.status, r.seed,
-           $benchmark AS benchmark, $metric AS metric, f.step, f.value, f.n
-    FROM final f LEFT JOIN runs r ON r.run_id = f.run_id
-    WHERE $sweep IS NULL OR r.sweep_id = $sweep
+)
+SELECT f.*, r.name, r.sweep_id, r.status, r.seed, ($step IS NOT NULL OR r.status = 'succeeded') AS ranked
+FROM final f LEFT JOIN runs r ON r.run_id = f.run_id
+WHERE $sweep IS NULL OR r.sweep_id = $sweep
+"""
+# The ranking. NaN values rank last in either direction: a diverged run is never "best".
+_BEST_SQL = """
+WITH final AS ({final}), ranked AS (
+    SELECT row_number() OVER (ORDER BY isnan(value), value {direction}, run_id) AS rank,
+           run_id, name, sweep_id, status, seed, $benchmark AS benchmark, $metric AS metric, $at AS at, step, value, n
+    FROM final WHERE ranked
 )
 SELECT * FROM ranked WHERE rank <= $top ORDER BY rank
 """
+_LEFT_OUT_SQL = """
+SELECT f.run_id, coalesce(r.status, 'no runs row') AS status, f.step
+FROM (SELECT run_id, max(step) AS step FROM evals WHERE metric = $metric AND benchmark = $benchmark GROUP BY run_id) f
+LEFT JOIN runs r ON r.run_id = f.run_id
+WHERE ($sweep IS NULL OR r.sweep_id = $sweep) AND f.run_id NOT IN (SELECT run_id FROM ({final}) WHERE ranked)
+ORDER BY f.run_id
+"""
+
+
+@dataclass(frozen=True)
+class Ranking:
+    """`best`'s answer: the ranked runs (`table`), what they were ranked on (`at`: "final" or "step N") and the runs
+    that recorded the metric but were not ranked (`left_out`: run_id, status, their latest step)."""
+
+    table: pa.Table
+    at: str
+    left_out: list[dict[str, Any]]
+
+    def note(self) -> str:
+        """What was ranked, in words, and what was left out (printed under the table)."""
+        what = ("final results: runs that succeeded, each at its final evaluated step" if self.at == "final" else
+                f"every run that recorded it at {self.at}")
+        text = f"ranked: {what}"
+        if self.left_out:
+            by: dict[str, list[str]] = {}
+            for r in self.left_out:
+                by.setdefault(r["status"], []).append(f"{r['run_id']} (step {r['step']})")
+            text += "; not ranked: " + "; ".join(f"{len(v)} {k}: {', '.join(v)}" for k, v in sorted(by.items()))
+            if self.at == "final":
+                text += "; --step N ranks every run at step N"
+        return text
 
 
 DEFAULT_BENCHMARK = HELD_OUT  # every run records its held-out split under this name
 
 
 def best_runs(lake: Lake, metric: str, benchmark: str | None = None, sweep_id: str | None = None,
-              top: int = 10, lowest: bool = False) -> pa.Table:
-    """The `top` runs by `metric` on `benchmark` at each run's final evaluated step, best first
-    (greatest value, or least with `lowest`), optionally only runs of sweep `sweep_id`. Values are
-    rounded to 3 decimals, with their n and, for an accuracy (k of n), the 95% interval `ci95`.
+              top: int = 10, lowest: bool = False, step: int | None = None) -> Ranking:
+    """The `top` runs by `metric` on `benchmark`, best first (greatest value, or least with `lowest`), optionally
+    only runs of sweep `sweep_id`: final results (runs that succeeded, each at its final evaluated step), or with
+    `step` every run's value at that step. Values are rounded to 3 decimals, with their n and, for an accuracy (k of
+    n), the 95% interval `ci95`; column `at` says "final" or "step N", and the answer names the runs left out.
 
     `benchmark` None picks the one whole benchmark (a name without '/', not a `bench/slice`) that has
     `metric` among the runs considered; when there are several, the held-out split every run records
@@ -128,22 +167,28 @@ def best_runs(lake: Lake, metric: str, benchmark: str | None = None, sweep_id: s
     """
     if top < 1:
         raise HistoryError(f"--top: must be >= 1, got {top}")
+    if step is not None and step < 0:
+        raise HistoryError(f"--step: must be >= 0, got {step}")
+    at = "final" if step is None else f"step {step}"
     con = connect(lake, ["evals", "runs"])
     try:
         if sweep_id is not None:
             _check_sweep(con, sweep_id)
         _check_metric(con, metric)
         benchmark = _pick_benchmark(con, metric, benchmark, sweep_id)
-        sql = _BEST_SQL.format(direction="ASC" if lowest else "DESC")
-        ranked = run_sql(con, sql, dict(metric=metric, benchmark=benchmark, sweep=sweep_id, top=top))
+        params = dict(metric=metric, benchmark=benchmark, sweep=sweep_id, step=step)
+        sql = _BEST_SQL.format(final=_FINAL_SQL, direction="ASC" if lowest else "DESC")
+        ranked = run_sql(con, sql, dict(params, top=top, at=at))
+        left_out = run_sql(con, _LEFT_OUT_SQL.format(final=_FINAL_SQL), params).to_pylist()
     finally:
         con.close()
     values, ns = ranked.column("value").to_pylist(), ranked.column("n").to_pylist()
     ranked = ranked.drop_columns(["value", "n"])
     cis = [ci95(v, n) if is_accuracy(metric) else None for v, n in zip(values, ns, strict=True)]
-    return (ranked.append_column("value", pa.array([_round(v) for v in values], type=pa.float64()))
-            .append_column("ci95", pa.array(cis, type=pa.string()))
-            .append_column("n", pa.array(ns, type=pa.int64())))
+    table = (ranked.append_column("value", pa.array([_round(v) for v in values], type=pa.float64()))
+             .append_column("ci95", pa.array(cis, type=pa.string()))
+             .append_column("n", pa.array(ns, type=pa.int64())))
+    return Ranking(table, at, left_out)
 
 
 def _values(con: Any, sql: str, params: dict[str, Any] | None = None) -> list[Any]:

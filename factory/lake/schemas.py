@@ -44,8 +44,10 @@ from pyiceberg.types import (
 NAMESPACE = "factory"
 
 # running: first attempt alive; resumed: a later attempt alive; interrupted: stopped by a signal, a hang or a
-# crash with a resume point on disk (resumable); failed: stopped for good (or its process is gone).
-RUN_STATUSES = ("running", "resumed", "succeeded", "failed", "interrupted")
+# crash with a resume point on disk (resumable); failed: stopped for good (or its process is gone); pruned: a tpe
+# sweep's pruner stopped it at a resume point (an outcome, as in the `sweeps` table and on the MLflow run's
+# `factory.status`; resumable too).
+RUN_STATUSES = ("running", "resumed", "succeeded", "failed", "interrupted", "pruned")
 # Why an attempt of a run ended early (the `interruptions` table).
 INTERRUPTION_CAUSES = ("killed", "signal", "hang", "crash", "crash_loop", "non_finite_loss", "failed_preflight",
                        "supervisor_lost", "pruned")  # pruned: a tpe sweep's pruner stopped it (factory/sweep_search.py)
@@ -301,8 +303,9 @@ INTERRUPTIONS = _table("interruptions", ("run_id", "attempt"), [
     ("recorded_at", TS, REQ),
 ], partition=BY_RUN)
 
-# refused: by the preflight gate; pruned: stopped at a resume point by a tpe sweep's pruner (`reason` says why)
-SWEEP_STATUSES = ("queued", "running", "succeeded", "failed", "refused", "pruned")
+# refused: by the preflight gate; pruned: stopped at a resume point by a tpe sweep's pruner (`reason` says why);
+# interrupted: stopped at a resume point (its run worker died): Dagster's run retry resumes it
+SWEEP_STATUSES = ("queued", "running", "succeeded", "failed", "refused", "pruned", "interrupted")
 SWEEPS = _table("sweeps", ("sweep_id", "member"), [
     ("sweep_id", STR, REQ),
     ("member", STR, REQ),  # the member's partition key of the sweep-member asset

@@ -4,6 +4,7 @@ end. What `factory run` runs."""
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 
@@ -60,17 +61,18 @@ def run_sweep_member(spec: ExperimentSpec, paths: FactoryPaths, lake: Lake, trac
         sft = cached_sft_checkpoint(spec, paths, splits, log=log, progress=progress)
         res = run_rl(spec, paths, sft.checkpoint.path, splits, lake, tracker, log=log, sweep_id=sweep_id,
                      run_id=run_id, mlflow_experiment=sweep_name, mlflow_parent_run_id=mlflow_parent_run_id,
-                     progress=progress, on_eval=trial.report if trial is not None else None)
+                     progress=progress,  # a periodic eval is of the whole held-out split: its n
+                     on_eval=functools.partial(trial.report, n=len(splits.eval)) if trial is not None else None)
     except RunInterrupted:
-        if trial is None or trial.reason is None:
-            lake.upsert("sweeps", [dict(row, status="failed", recorded_at=now())])
+        if trial is None or trial.reason is None:  # stopped at a resume point (its run `interrupted`): resumable
+            lake.upsert("sweeps", [dict(row, status="interrupted", recorded_at=now())])
             raise
         trial.pruned()
         lake.upsert("sweeps", [dict(row, status="pruned", run_id=run_id, reason=trial.reason, recorded_at=now())])
         log(f"sweep member {member}: pruned ({trial.reason}); run {run_id} can be resumed")
         return Pruned(run_id, trial.reason)
     except BaseException:
-        lake.upsert("sweeps", [dict(row, status="failed", recorded_at=now())])
+        lake.upsert("sweeps", [dict(row, status=_stopped_as(lake, run_id), recorded_at=now())])
         raise
     result = run_outcome(lake, res.run_id).accuracy  # the run's result, as lake/results.py defines it
     final = res.final_accuracy if result is None else result
@@ -78,6 +80,16 @@ def run_sweep_member(spec: ExperimentSpec, paths: FactoryPaths, lake: Lake, trac
         trial.complete(final)
     lake.upsert("sweeps", [dict(row, status="succeeded", run_id=res.run_id, final_accuracy=final, recorded_at=now())])
     return res
+
+
+def _stopped_as(lake: Lake, run_id: str) -> str:
+    """A member's `sweeps` status after its run raised: its run's own (`interrupted`: a crash at a resume point, which
+    a retry resumes; `failed`: stopped for good), else `failed` (it broke before its run was recorded)."""
+    try:
+        found = run_row(lake, run_id)
+    except Exception:  # the lake is down too: what we know is that it stopped
+        return "failed"
+    return found["status"] if found and found["status"] in ("interrupted", "failed") else "failed"
 
 
 def run_experiment(spec: ExperimentSpec, paths: FactoryPaths, control: bool = False, log: Log = print,

@@ -290,7 +290,7 @@ class Run:
         self.mlflow_id = self.base_row["mlflow_run_id"]
         device = describe(self.device)
         self.log(f"run {run_id}: device {device}")
-        self.tracker.set_tags(self.mlflow_id, {"factory.device": device})
+        self.tracker.set_tags(self.mlflow_id, {"factory.device": device, "factory.status": self.live_status})
         self.base_row.update(attempts=self.attempt, restarts=self.attempt - 1, host=recovery.host(), pid=os.getpid(),
                              device=device)
 
@@ -458,7 +458,7 @@ class Run:
         beat(self.run_dir)
         tracker.log_metrics(mlflow_id, final_step, {"eval/accuracy": final_eval.accuracy,
                                                     f"eval/pass_at_{final_eval.k}": final_eval.pass_at_k})
-        tracker.set_tags(mlflow_id, {"factory.checkpoint": str(info.path)})
+        tracker.set_tags(mlflow_id, {"factory.checkpoint": str(info.path), "factory.status": "succeeded"})
         if self.uploads is not None:  # the end of the run waits for its uploads (the final eval ran meanwhile)
             self.uploads.close()
         self._record_run("succeeded", final_checkpoint=str(info.path), ended_at=_now())
@@ -485,9 +485,11 @@ class Run:
         recovery.record_interruption(self.lake, self.run_id, self.attempt, cause, detail, last)
         self._record_run(status, ended_at=_now(), error=f"attempt {self.attempt}: {cause}: {detail}"[:4000],
                          interruptions=int(self.base_row.get("interruptions") or 0) + 1)
-        self.tracker.end_run(self.mlflow_id, "FAILED" if status == "failed" else "KILLED")
+        # MLflow has no word for pruned: the run ended as meant (FINISHED), and `factory.status` says how
+        self.tracker.set_tags(self.mlflow_id, {"factory.status": status})
+        self.tracker.end_run(self.mlflow_id, {"failed": "FAILED", "pruned": "FINISHED"}.get(status, "KILLED"))
         self.log(f"run {self.run_id}: attempt {self.attempt} stopped ({cause}); "
-                 + (f"resume it with: factory resume {self.run_id}" if status == "interrupted"
+                 + (f"resume it with: factory resume {self.run_id}" if status in ("interrupted", "pruned")
                     else f"failed: {detail}"))
 
 
@@ -503,8 +505,8 @@ def _classify(e: BaseException, ckpts: RunCheckpoints) -> tuple[str, str]:
         return "interrupted", "disk_full"
     if ckpts is not None and ckpts.signal_name == SUPERVISOR_LOST:
         return "interrupted", "supervisor_lost"
-    if ckpts is not None and ckpts.signal_name == PRUNED:
-        return "interrupted", "pruned"
+    if ckpts is not None and ckpts.signal_name == PRUNED:  # an outcome, not a fault: the run's status says it
+        return "pruned", "pruned"
     if isinstance(e, RunInterrupted | KeyboardInterrupt) or ckpts.stopping():
         return "interrupted", "signal"
     if isinstance(e, NonFiniteLoss):

@@ -24,8 +24,8 @@ SPEC_3 = {**SPEC_1, "seed": 3}
 
 @pytest.fixture
 def history(factory_home: FactoryPaths) -> FactoryPaths:
-    """r1, r2 in sweep s1, r3 alone. Final arith accuracy: r2 0.75 > r1 0.6 > r3 0.4, though r3
-    reached 0.9 at an earlier step (ranking is by the final eval, not the best one)."""
+    """r1, r2 in sweep s1, r3 alone. Final arith accuracy: r2 0.75 > r1 0.6; r3 failed at step 10 (0.4, though it
+    reached 0.9 at step 5): it has no final result, so `best` ranks it only at a common step (`--step`)."""
     with Lake.open(factory_home) as lake:
         base = dict(spec_fingerprint="f", code_version="c", status="succeeded", started_at=T0)
         lake.upsert("runs", [
@@ -70,15 +70,49 @@ def run_error(argv: list[str], capsys) -> str:
 
 def test_best_ranks_by_the_final_eval(history, capsys):
     rows = run_json(["best", "--metric", "accuracy"], capsys)
-    assert [(r["rank"], r["run_id"], r["step"], r["value"]) for r in rows] == [
-        (1, "r2", 12, 0.75), (2, "r1", 12, 0.6), (3, "r3", 10, 0.4)]
+    assert [(r["rank"], r["run_id"], r["step"], r["value"]) for r in rows] == [(1, "r2", 12, 0.75), (2, "r1", 12, 0.6)]
     r2 = rows[0]
     assert r2 == dict(rank=1, run_id="r2", name="lr-3e-4", sweep_id="s1", status="succeeded", seed=2,
-                      benchmark="arith", metric="accuracy", step=12, value=0.75, ci95="[0.657, 0.825]", n=100)
+                      benchmark="arith", metric="accuracy", at="final", step=12, value=0.75, ci95="[0.657, 0.825]",
+                      n=100)
+
+
+def _pruned_member(history) -> None:
+    """p1 of sweep s1, pruned at step 6: its accuracy then beats r1's final one, and its pass@4 is its step-0 one."""
+    with Lake.open(history) as lake:
+        lake.upsert("runs", [dict(spec_fingerprint="f", code_version="c", status="pruned", started_at=T0, run_id="p1",
+                                  name="lr-1e-3", sweep_id="s1", seed=4, spec=SPEC_1)])
+        ev = dict(n=100, recorded_at=T0, benchmark="arith", run_id="p1")
+        lake.upsert("evals", [dict(ev, step=0, metric="accuracy", value=0.1), dict(ev, step=0, metric="pass@4",
+                                                                                  value=0.95),
+                              dict(ev, step=6, metric="accuracy", value=0.7)])
+
+
+def test_best_ranks_final_results_only_and_says_which_it_left_out(history, capsys):
+    """Issue 32: a pruned member ranked by its step-0 pass@8 (the SFT start), and a member pruned at an earlier step
+    above a finished one."""
+    _pruned_member(history)
+    assert [r["run_id"] for r in run_json(["best", "--metric", "pass@4"], capsys)] == ["r2", "r1"]
+    rows = run_json(["best", "--metric", "accuracy", "--sweep", "s1"], capsys)
+    assert [(r["run_id"], r["at"], r["step"]) for r in rows] == [("r2", "final", 12), ("r1", "final", 12)]
+    assert main(["best", "--metric", "accuracy"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == ("ranked: final results: runs that succeeded, each at its final evaluated step; not ranked: "
+                       "1 failed: r3 (step 10); 1 pruned: p1 (step 6); --step N ranks every run at step N")
+    # like beside like at one step: every run that recorded it there, whatever its status
+    at0 = run_json(["best", "--metric", "pass@4", "--step", "0"], capsys)
+    assert [(r["run_id"], r["at"], r["status"]) for r in at0] == [("p1", "step 0", "pruned")]
+    at12 = run_json(["best", "--metric", "accuracy", "--step", "12"], capsys)
+    assert [r["run_id"] for r in at12] == ["r2", "r1"]
+    assert main(["best", "--metric", "accuracy", "--step", "12"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == ("ranked: every run that recorded it at step 12; not ranked: "
+                                                        "1 failed: r3 (step 10); 1 pruned: p1 (step 6)")
 
 
 def test_best_lowest_top_and_sweep(history, capsys):
-    assert [r["run_id"] for r in run_json(["best", "--metric", "accuracy", "--lowest"], capsys)] == ["r3", "r1", "r2"]
+    assert [r["run_id"] for r in run_json(["best", "--metric", "accuracy", "--lowest"], capsys)] == ["r1", "r2"]
+    assert [r["run_id"] for r in run_json(["best", "--metric", "accuracy", "--lowest", "--step", "10"],
+                                          capsys)] == ["r3"]
     assert [r["run_id"] for r in run_json(["best", "--metric", "accuracy", "--top", "1"], capsys)] == ["r2"]
     assert [r["run_id"] for r in run_json(["best", "--metric", "accuracy", "--sweep", "s1"], capsys)] == ["r2", "r1"]
     rows = run_json(["best", "--metric", "accuracy", "--sweep", "s1", "--lowest", "--top", "1"], capsys)
@@ -95,12 +129,13 @@ def test_best_table_and_csv(history, capsys):
     assert main(["best", "--metric", "accuracy"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["rank", "run_id", "name", "sweep_id", "status", "seed", "benchmark", "metric",
-                                "step", "value", "ci95", "n"]
-    assert lines[2].split()[:3] == ["1", "r2", "lr-3e-4"] and lines[-1] == "(3 rows)"
+                                "at", "step", "value", "ci95", "n"]
+    assert lines[2].split()[:3] == ["1", "r2", "lr-3e-4"] and lines[-2] == "(2 rows)"
+    assert lines[-1].startswith("ranked: final results")
     assert main(["best", "--metric", "accuracy", "-f", "csv", "--top", "2"]) == 0
     assert capsys.readouterr().out.splitlines()[1:] == [
-        '1,r2,lr-3e-4,s1,succeeded,2,arith,accuracy,12,0.75,"[0.657, 0.825]",100',
-        '2,r1,lr-1e-4,s1,succeeded,1,arith,accuracy,12,0.6,"[0.502, 0.691]",100']
+        '1,r2,lr-3e-4,s1,succeeded,2,arith,accuracy,final,12,0.75,"[0.657, 0.825]",100',
+        '2,r1,lr-1e-4,s1,succeeded,1,arith,accuracy,final,12,0.6,"[0.502, 0.691]",100']
 
 
 def test_best_unknown_metric_lists_the_metrics(history, capsys):
@@ -122,7 +157,9 @@ def test_best_asks_for_a_benchmark_when_several_whole_ones_have_the_metric(histo
                                    recorded_at=T0)])
     err = run_error(["best", "--metric", "accuracy"], capsys)
     assert "recorded on several benchmarks; pass --benchmark, one of: arith, gsm" in err
-    assert [r["run_id"] for r in run_json(["best", "--metric", "accuracy", "--benchmark", "gsm"], capsys)] == ["r3"]
+    assert run_json(["best", "--metric", "accuracy", "--benchmark", "gsm"], capsys) == []  # r3 failed: no final
+    assert [r["run_id"] for r in run_json(["best", "--metric", "accuracy", "--benchmark", "gsm", "--step", "10"],
+                                          capsys)] == ["r3"]
     # Within sweep s1 only arith has accuracy, so no choice is needed there.
     assert [r["run_id"] for r in run_json(["best", "--metric", "accuracy", "--sweep", "s1"], capsys)] == ["r2", "r1"]
 

@@ -21,13 +21,14 @@ from dagster import (
     build_sensor_context,
     materialize,
 )
+from dagster._core.storage.tags import WILL_RETRY_TAG
 from dagster._core.test_utils import create_run_for_test
 
 from assets.evals import checkpoints
 from assets.sweeps import sweep_members, sweep_summary, sweeps, warm_starts
 from factory.config import parse_overrides
 from factory.runs.checkpoint_eval import checkpoint_key
-from factory.sweep import SweepDefinition, plan_sweep, set_control, write_sweep
+from factory.sweep import MEMBER_TAG, SWEEP_TAG, SweepDefinition, plan_sweep, set_control, write_sweep
 from jobs import defs
 from jobs._queue import EVAL_TAGS, SUMMARY_TAGS, in_flight
 from jobs.evals import new_checkpoint_evals
@@ -290,3 +291,18 @@ def test_a_sweep_that_cannot_be_read_holds_back_neither_other_sweeps_nor_evals(i
         tick(sweep_summarizer, instance, res.cursor))
     (ev,) = tick(new_checkpoint_evals, instance).run_requests
     assert ev.tags["factory/checkpoint"] == checkpoint_key("run-0", 2)
+
+
+def test_an_interrupted_member_ends_the_sweep_only_once_no_retry_will_resume_it(instance, factory_home, lake):
+    """Issue 32: a member whose run worker was killed is `interrupted` (stopped at a resume point), not failed: the
+    summary waits while Dagster's retry will resume it, and comes once its retries are spent."""
+    sweep_id, keys = plan(instance, factory_home, lrs=(1e-3, 3e-3))
+    members_at(lake, sweep_id, keys, ["succeeded", "interrupted"])
+    killed = create_run_for_test(instance, job_name="sweep_member_job", status=DagsterRunStatus.FAILURE,
+                                 tags={SWEEP_TAG: sweep_id, MEMBER_TAG: keys[1], WILL_RETRY_TAG: "true"})
+    assert reason(tick(sweep_summarizer, instance)) == (
+        f"sweep {sweep_id}: 1 of 2 members not ended (0 running, 0 queued, 1 interrupted, which Dagster's retry "
+        "resumes)")
+    instance.add_run_tags(killed.run_id, {WILL_RETRY_TAG: "false"})  # its retries are spent: it ended interrupted
+    (request,) = tick(sweep_summarizer, instance).run_requests
+    assert request.partition_key == sweep_id

@@ -154,3 +154,23 @@ def test_member_runs_carry_their_axis_values_as_a_label_tag(instance, factory_ho
     with build_sensor_context(instance=instance, resources=defs.resources) as ctx:
         requests = sweep_launcher(ctx).run_requests
     assert sorted(r.tags[LABEL_TAG] for r in requests) == ["lr=1e-3,seed=0", "lr=3e-4,seed=0"]
+
+
+def test_a_member_interrupted_by_a_killed_run_worker_says_dagster_retries_it():
+    """Issue 32: between the kill and the retry's creation the member's latest run is failed, awaiting its retry."""
+    from dagster import DagsterRun
+    from dagster._core.storage.tags import WILL_RETRY_TAG
+
+    from factory.sweep_live import MemberLive
+    from jobs.sweep_live import member_status
+
+    m = MemberLive(member="s-m000", label="lr=1e-3", status="interrupted", run_id="r", step=3, steps=10, eta_s=None,
+                   reason=None, interruptions=[dict(attempt=1, cause="supervisor_lost", last_step=3)])
+    waiting = DagsterRun(job_name="sweep_member_job", run_id="x", status=DagsterRunStatus.FAILURE,
+                         tags={WILL_RETRY_TAG: "true"})
+    status, detail = member_status(m, waiting)
+    assert status == "interrupted" and detail.startswith("attempt 1 ") and detail.endswith(
+        " at step 3; Dagster is retrying it")
+    spent = DagsterRun(job_name="sweep_member_job", run_id="x", status=DagsterRunStatus.FAILURE,
+                       tags={WILL_RETRY_TAG: "false"})
+    assert member_status(m, spent)[1] == detail.removesuffix("; Dagster is retrying it")

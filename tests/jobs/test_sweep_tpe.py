@@ -153,6 +153,9 @@ def test_a_member_run_through_dagster_is_pruned_and_the_sweep_is_summarized(inst
     run = execute(instance, member)
     md = run.asset_materializations_for_node("sweep_member_run")[0].metadata
     assert md["status"].value == "pruned" and md["trial"].value == 2
+    # Dagster says SUCCESS (the member ended as meant); the run's `factory/status` tag says how, as everywhere else
+    dagster_run = instance.get_run_by_id(run.run_id)
+    assert (dagster_run.status.value, dagster_run.tags["factory/status"]) == ("SUCCESS", "pruned")
     assert md["reason"].value.startswith("median pruner at step 1: held-out accuracy ")
     (row,) = Lake.open(factory_home).read("sweeps").to_pylist()
     assert (row["status"], row["reason"]) == ("pruned", md["reason"].value)

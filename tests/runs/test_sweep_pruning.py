@@ -45,7 +45,8 @@ def test_a_member_below_the_completed_trials_is_pruned_at_a_resume_point(factory
 
     assert isinstance(res, Pruned) and res.run_id == "prune-m002-run"
     assert res.reason.startswith("median pruner at step 2: held-out accuracy ")
-    assert res.reason.endswith("below the median 1.000 of 2 completed trial(s) at that step")
+    assert "below the median 1.000 of 2 completed trial(s) at that step (diff -" in res.reason
+    assert res.reason.endswith("n=16 each: outside the noise)")
     (row,) = lake.read("sweeps").to_pylist()
     assert (row["member"], row["status"], row["reason"], row["run_id"]) == ("prune-m002", "pruned", res.reason,
                                                                             "prune-m002-run")
@@ -56,9 +57,36 @@ def test_a_member_below_the_completed_trials_is_pruned_at_a_resume_point(factory
     assert frozen.state == optuna.trial.TrialState.PRUNED
     assert frozen.intermediate_values == {2: evals[2]}
     # The run stopped right after step 2, at a resume point of step 2: resumable, not failed.
+    # Its status is `pruned` everywhere (issue 32): the run's row, and its MLflow run (ended as meant: FINISHED)
     (run,) = lake.read("runs").to_pylist()
     (cut,) = lake.read("interruptions").to_pylist()
-    assert (run["status"], cut["cause"], cut["last_step"]) == ("interrupted", "pruned", 2)
+    assert (run["status"], cut["cause"], cut["last_step"]) == ("pruned", "pruned", 2)
+    mlflow_run = Tracker(factory_home).get_run(run["mlflow_run_id"])
+    assert (mlflow_run.info.status, mlflow_run.data.tags["factory.status"]) == ("FINISHED", "pruned")
     assert max(r["step"] for r in lake.read("steps").to_pylist()) == 2
     resume = factory_home.checkpoints / "prune-m002-run" / "resume"
     assert sorted(p.name for p in resume.iterdir())[-1] == "step-000002"
+
+
+@pytest.mark.slow
+def test_a_member_whose_run_worker_died_is_interrupted_like_its_run_not_failed(factory_home, lake, monkeypatch):
+    """Issue 32: a member stopped at a resume point because its Dagster run worker died (the retry resumes it) said
+    `failed` in `sweeps` while its run said `interrupted`. Here the trainer's supervisor (the run worker) is gone from
+    its second GRPO step on: it stops at a resume point after that step, as a killed worker's orphan does (~25 s)."""
+    from factory.core.loop import RunInterrupted
+    from factory.runs.attempt import SUPERVISOR_ENV
+
+    monkeypatch.delenv(SUPERVISOR_ENV, raising=False)
+
+    def progress(p) -> None:
+        if p.phase == "grpo" and p.step >= 1:  # a pid that is neither this process's parent nor grandparent
+            monkeypatch.setenv(SUPERVISOR_ENV, "999999999")
+
+    spec = check_spec(apply_overrides(load_spec(BASE), {**TINY, "name": "killed-m000"}))
+    with pytest.raises(RunInterrupted):
+        run_sweep_member(spec, factory_home, lake, Tracker(factory_home), "killed", "killed-m000", {}, sweep_name="k",
+                         run_id="killed-m000-run", progress=progress)
+    (row,) = lake.read("sweeps").to_pylist()
+    (run,) = lake.read("runs").to_pylist()
+    (cut,) = lake.read("interruptions").to_pylist()
+    assert (row["status"], run["status"], cut["cause"]) == ("interrupted", "interrupted", "supervisor_lost")
