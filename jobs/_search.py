@@ -82,7 +82,6 @@ def ask_trials(context: SensorEvaluationContext, paths: FactoryPaths, lake: Lake
     return info
 
 
-
 def _settle(context: SensorEvaluationContext, lake: LakeResource, study: Any, info: dict[str, Any],
             ended: set[str]) -> None:
     """Tell the study the result of each trial still running whose member is in `ended` (started, and none of its
