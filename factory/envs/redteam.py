@@ -183,10 +183,15 @@ CASES: list[Case] = [
         f"assert [p for p in wrote if not p.startswith({tempfile.gettempdir() + '/'!r})], 'no write outside'\n"),
         _no_host_files),
     Case("kill its parent", lambda h: (
-        "import os, time\n"
-        "os.kill(os.getppid(), 9)\n"
+        # Its parent is the worker, or the init of its own pid namespace (which ignores it): success only if the
+        # parent is gone.
+        "import os, sys, time\n"
+        "parent = os.getppid()\n"
+        "os.kill(parent, 9)\n"
         "time.sleep(0.5)\n"
-        "print('parent killed')\n")),
+        "alive = os.getppid() == parent\n"
+        "print('parent survived' if alive else 'parent killed')\n"
+        "sys.exit(1 if alive else 0)\n")),
     Case("kill -9 -1", lambda h: (
         "import subprocess\n"
         "subprocess.run(['sh', '-c', 'kill -9 -1'])\n"

@@ -46,8 +46,9 @@ from typing import Any, Literal
 
 import tenacity
 
-from factory.envs import sandbox_worker
+from factory.envs import sandbox_confine, sandbox_worker
 from factory.envs.sandbox_isolation import (
+    REF_PROC,
     IsolationUnavailable,
     _bwrap_prefix,
     _Cgroup,
@@ -74,6 +75,9 @@ PRELOAD = ("collections", "functools", "itertools", "math", "re", "json", "strin
 # Between failed starts of a worker: 0.1 s, doubling, at most 5 s.
 SPAWN_WAIT = tenacity.wait_exponential(multiplier=0.1, max=5.0)
 _REPLY_GRACE_S = 10.0  # the host waits wall_s + this for a reply before it declares the worker hung
+# A worker whose cgroup holds this much more memory after an execution than after its start is replaced: something
+# the execution made outlives it (page cache of the files it read stays charged too, hence the margin).
+_LEFTOVER_MEMORY_MB = 64
 
 
 _WARNED_UNISOLATED = False
@@ -94,9 +98,10 @@ def _warn_unisolated(own_uid: bool, stdlib_unreadable: bool) -> None:
 
 
 
-def _worker_source() -> str:
-    """The worker's program: sandbox_worker.py's text, run with `python -I -S -c` (it imports only the stdlib)."""
-    with open(sandbox_worker.__file__, encoding="utf-8") as f:
+def _module_source(module: Any) -> str:
+    """A worker module's text: the worker runs sandbox_worker.py's with `python -I -S -c` and gets
+    sandbox_confine.py's as an argument (both import only the stdlib)."""
+    with open(module.__file__, encoding="utf-8") as f:
         return f.read()
 
 
@@ -117,6 +122,11 @@ class _Stats:
         self.lock = threading.Lock()
         self.cold_starts = self.failures = self.recycled = self.executions = self.busy = 0
         self.cold_start_s: list[float] = []
+        # Executions that left something behind, by kind (sandbox_confine.leftovers, and the worker's checks), and
+        # the workers replaced because what was left could reach a later execution.
+        self.leftovers = self.recycled_for_leftovers = 0
+        self.leftover_kinds: dict[str, int] = {}
+        self.per_execution: set[str] = set()  # what each started worker gives an execution of its own
 
 
 def _reason(r: dict[str, Any], limits: SandboxLimits, oom_killed: bool) -> str:
@@ -158,6 +168,10 @@ class Sandbox:
         self._stats, self._cgroup, self._log_path = stats, cgroup, log_path
         self._cgroup_limits: SandboxLimits | None = None
         self._proc: subprocess.Popen | None = None
+        self.fresh = False  # each execution in namespaces of its own (the worker says so when it starts)
+        self.why_not_fresh: str | None = None
+        self.dirty: list[str] = []  # what the last execution left where a later one could reach it
+        self._memory_start: int | None = None  # the cgroup's memory once the worker is ready
 
     @property
     def pid(self) -> int | None:
@@ -188,6 +202,9 @@ class Sandbox:
         if msg is None or msg.get("op") != "ready":
             self.kill()
             raise RuntimeError(f"sandbox worker did not start (exit code {self._proc.wait()}){self._log_tail()}")
+        self.fresh, self.why_not_fresh = bool(msg.get("fresh")), msg.get("why_not_fresh")
+        if self._cgroup is not None:
+            self._memory_start = self._cgroup.memory_bytes()
         return time.perf_counter() - t0
 
     def _log_tail(self) -> str:
@@ -265,9 +282,28 @@ class Sandbox:
             self.fault = r["fault"]
         oom = self._cgroup is not None and self._cgroup.oom_kills() > oom_before
         reason = _reason(r, limits, oom)
+        leftovers = self._leftovers(r)
         return ExecResult(ok=reason == "", exit_code=r["exit_code"], stdout=r["stdout"], stderr=r["stderr"],
                           timed_out=r["timed_out"], killed_by=r["signal"], truncated=r["truncated"], reason=reason,
-                          wall_s=float(r["wall_s"]))
+                          wall_s=float(r["wall_s"]), leftovers=leftovers)
+
+    def _leftovers(self, r: dict[str, Any]) -> dict[str, int]:
+        """What the execution left (the worker's report, and memory still charged to the cgroup); marks this
+        worker dirty when a later execution could reach any of it, and counts it all in the pool's stats."""
+        leftovers = {str(k): int(v) for k, v in (r.get("leftovers") or {}).items()}
+        self.dirty = [str(k) for k in r.get("dirty") or []]
+        if self._memory_start is not None:
+            grown = (self._cgroup.memory_bytes() or 0) - self._memory_start
+            if grown > _LEFTOVER_MEMORY_MB << 20:
+                leftovers["memory_mb"] = grown >> 20
+                self.dirty.append("memory_mb")
+        if leftovers:
+            with self._stats.lock:
+                self._stats.leftovers += 1
+                for kind in leftovers:
+                    if not kind.endswith("_bytes"):
+                        self._stats.leftover_kinds[kind] = self._stats.leftover_kinds.get(kind, 0) + 1
+        return leftovers
 
     def _set_cgroup_limits(self, limits: SandboxLimits) -> None:
         try:
@@ -340,7 +376,7 @@ class SandboxPool:
             if exe is None:
                 raise IsolationUnavailable(f"bubblewrap not found ({bwrap!r} is not an executable on PATH or a "
                                            f"path to one): install the bubblewrap package, or use isolation='none'")
-            self._prefix = _bwrap_prefix(exe, self._layout, self._root, self._tmp_mb, not self.allow_userns)
+            self._prefix = _bwrap_prefix(exe, self._layout, self._root, self._tmp_mb)
             _probe_bwrap(self._prefix, self._layout.executable)
         else:
             self._prefix = []
@@ -357,7 +393,9 @@ class SandboxPool:
         self._serial = 0
         self._last_error = ""
         self._tmpdir: str | None = None
-        self._source = _worker_source()
+        self._source, self._confine_source = _module_source(sandbox_worker), _module_source(sandbox_confine)
+        self._fresh = True  # ask workers for namespaces of its own for every execution (tests turn it off)
+        self._warned_not_fresh = False
         # Workers are spawned from these long-lived threads only: bwrap --die-with-parent ties a worker to
         # the thread that forked it, so a short-lived caller thread would take its workers with it.
         # Placement: a worker inherits the cores of the thread that forks it.
@@ -418,8 +456,10 @@ class SandboxPool:
         sandboxed = self.isolation == "bwrap"
         cfg = {"scratch": "/tmp" if sandboxed else scratch, "wipe": ["/tmp", "/dev/shm"] if sandboxed else [scratch],
                "drop_uid": drop_uid, "pidns": sandboxed, "preload": list(self.preload),
-               "deny_userns": not self.allow_userns}
-        return [*self._prefix, self._layout.executable, "-I", "-S", "-c", self._source, json.dumps(cfg)]
+               "deny_userns": not self.allow_userns, "fresh": self._fresh, "tmp_mb": self._tmp_mb,
+               "ref_proc": REF_PROC if sandboxed and self._root else None}
+        return [*self._prefix, self._layout.executable, "-I", "-S", "-c", self._source, json.dumps(cfg),
+                self._confine_source]
 
     def _make_sandbox(self) -> Sandbox:
         """A new, not yet started worker (its scratch dir, cgroup and command line)."""
@@ -459,6 +499,7 @@ class SandboxPool:
                 self._stats.cold_starts += 1
                 self._stats.cold_start_s.append(seconds)
                 del self._stats.cold_start_s[:-1000]
+                self._stats.per_execution.add(self._per_execution(sb))
             with self._lock:
                 if self._closed.is_set():
                     closed = True
@@ -478,7 +519,19 @@ class SandboxPool:
         except Exception:  # noqa: BLE001 - the last of `attempts` failed starts, already counted and logged
             return False
 
-    def _retire(self, sb: Sandbox, fault: bool) -> None:
+    def _per_execution(self, sb: Sandbox) -> str:
+        """What an execution on sb has to itself: namespaces, a whole worker, or (unisolated, without namespaces
+        of its own) neither."""
+        if sb.fresh:
+            return "namespaces"
+        if not self._warned_not_fresh:
+            self._warned_not_fresh = True
+            log.warning("sandbox: executions cannot have namespaces of their own here (%s): %s", sb.why_not_fresh,
+                        "each gets a worker of its own (slower)" if self.isolation == "bwrap" else
+                        "with isolation='none' they share the host's IPC, keyrings and counters")
+        return "worker" if self.isolation == "bwrap" else "shared"
+
+    def _retire(self, sb: Sandbox, fault: bool, leftovers: bool = False) -> None:
         """Take sb out of service and start a replacement in the background."""
         with self._lock:
             known = sb in self._live
@@ -486,9 +539,13 @@ class SandboxPool:
         with self._stats.lock:
             self._stats.recycled += 1
             self._stats.failures += int(fault)
+            self._stats.recycled_for_leftovers += int(leftovers)
         if fault:
             log.warning("sandbox worker %s recycled after a fault: %s%s", sb.name, sb.fault or "marked unhealthy",
                         sb._log_tail())
+        elif leftovers:
+            log.warning("sandbox worker %s recycled: an execution left %s where a later one could reach it", sb.name,
+                        ", ".join(sb.dirty))
         sb.kill()
         if known and not self._closed.is_set():
             with contextlib.suppress(RuntimeError):  # the spawner shut down: the pool is closing
@@ -531,8 +588,10 @@ class SandboxPool:
             return
         if sb.fault is not None or not sb.alive():
             self._retire(sb, fault=True)
-        elif sb.uses >= self.recycle_after:
-            self._retire(sb, fault=False)
+        elif sb.dirty:
+            self._retire(sb, fault=False, leftovers=True)
+        elif sb.uses >= self.recycle_after or (sb.uses and not sb.fresh and self.isolation == "bwrap"):
+            self._retire(sb, fault=False)  # without namespaces per execution, a worker serves one
         else:
             self._idle.put(sb)
 
@@ -575,8 +634,11 @@ class SandboxPool:
 
     def metrics(self) -> dict[str, Any]:
         """warm (idle, ready), busy (lent out), cold_starts (workers started, replacements included),
-        failures (worker faults and failed starts), recycled (workers retired: after recycle_after uses or
-        a fault), executions, plus the isolation, the memory limit mechanism and cold start times."""
+        failures (worker faults and failed starts), recycled (workers retired: after recycle_after uses, a
+        fault, or leftovers), executions, plus the isolation, the memory limit mechanism and cold start times;
+        per_execution (what each execution has to itself: "namespaces", a "worker", or, unisolated without
+        namespaces, "shared"), leftovers (executions that left anything), leftover_kinds (their count by kind)
+        and recycled_for_leftovers (workers replaced because a later execution could have reached it)."""
         with self._stats.lock:
             s = self._stats
             cold = sorted(s.cold_start_s)
@@ -584,5 +646,7 @@ class SandboxPool:
                     "failures": s.failures, "recycled": s.recycled, "executions": s.executions,
                     "isolation": self.isolation, "memory_limit": self.memory_limit,
                     "code_uid": "own random uid" if self._drop_uid else "worker's uid",
-                    "cold_start_p50_ms": round(cold[len(cold) // 2] * 1000, 2) if cold else None}
+                    "cold_start_p50_ms": round(cold[len(cold) // 2] * 1000, 2) if cold else None,
+                    "per_execution": "/".join(sorted(s.per_execution)) or None, "leftovers": s.leftovers,
+                    "leftover_kinds": dict(s.leftover_kinds), "recycled_for_leftovers": s.recycled_for_leftovers}
 

@@ -44,8 +44,14 @@ import threading
 import time
 import traceback
 import types
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn
+
+try:
+    from factory.envs import sandbox_confine as confine
+except ImportError:  # the worker (`python -I -S -c`, no factory package): the pool passes the module's text
+    confine = types.ModuleType("sandbox_confine")
+    exec(compile(sys.argv[2], "sandbox_confine.py", "exec"), confine.__dict__)  # noqa: S102 - our own module
 
 _HEADER = struct.Struct(">I")
 _MAX_MESSAGE = 256 << 20  # a request or reply larger than this is a protocol error
@@ -55,37 +61,7 @@ _PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_SET_NO_NEW_PRIVS = 1, 4, 38
 
 _KILL_WAIT_S = 2.0  # a SIGKILLed process not gone after this is "a child it could not kill": recycle
 _DRAIN_S = 1.0  # after the code's process exits, how long its pipes may stay open (held by leftovers)
-
-# seccomp (linux/seccomp.h, linux/filter.h, linux/audit.h): a classic BPF program that fails unshare(2) and
-# clone(2) with CLONE_NEWUSER (EPERM), and clone3(2) (ENOSYS: its flags are in memory a filter cannot read;
-# glibc then falls back to clone). Other architectures' and x32 system calls are refused (EPERM).
-_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 22, 2
-_CLONE_NEWUSER = 0x10000000
-# machine -> (AUDIT_ARCH_*, __NR_unshare, __NR_clone, __NR_clone3)
-_SYSCALLS = {"x86_64": (0xC000003E, 272, 56, 435), "aarch64": (0xC00000B7, 97, 220, 435)}
-
-
-def _deny_userns_filter(machine: str) -> bytes | None:
-    """The BPF program (struct sock_filter[]) for this machine; None where the numbers are not known."""
-    if machine not in _SYSCALLS:
-        return None
-    arch, unshare, clone, clone3 = _SYSCALLS[machine]
-    allow, eperm, enosys = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
-    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, JGE, JSET, BPF_RET|K
-    prog = [(ld, 0, 0, 4),                # arch
-            (jeq, 0, 9, arch),            # other ABI -> deny (11)
-            (ld, 0, 0, 0),                # nr
-            (jge, 7, 0, 0x40000000),      # x32 -> deny (11)
-            (jeq, 7, 0, clone3),          # -> enosys (12)
-            (jeq, 2, 0, unshare),         # -> check flags (8)
-            (jeq, 1, 0, clone),           # -> check flags (8)
-            (ret, 0, 0, allow),
-            (ld, 0, 0, 16),               # args[0], low 32 bits (little-endian)
-            (jset, 1, 0, _CLONE_NEWUSER),  # -> deny (11)
-            (ret, 0, 0, allow),
-            (ret, 0, 0, eperm),
-            (ret, 0, 0, enosys)]
-    return b"".join(struct.pack("=HBBI", *ins) for ins in prog)
+_CONFINE_FAILED = 125  # the exit status of an execution whose namespaces could not be made
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -194,12 +170,6 @@ def _recv_body(fd: int) -> tuple[str, bytes, dict[str, str]] | None:
     return body[_BODY.size:a].decode("utf-8", "surrogateescape"), body[a:b], files
 
 
-class _SockFprog(ctypes.Structure):
-    """struct sock_fprog: the program prctl(PR_SET_SECCOMP) takes."""
-
-    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
-
-
 def _recv_result(fd: int, deadline: float | None = None) -> dict[str, Any] | None:
     """A reply with its raw stdout and stderr after it, decoded into "stdout" and "stderr" (host side)."""
     msg = _recv(fd, deadline)
@@ -217,24 +187,29 @@ def _recv_result(fd: int, deadline: float | None = None) -> dict[str, Any] | Non
 
 
 class _Worker:
-    """The fork server. cfg: scratch (where run dirs go), wipe (dirs emptied after each run), drop_uid
-    (uid the code runs as, when the worker is root), pidns (alone in a pid namespace), preload, deny_userns."""
+    """The fork server. cfg: scratch (where run dirs go without fresh namespaces), wipe (dirs emptied after each run),
+    drop_uid (uid the code runs as, when the worker is root), pidns (bwrap's: alone in pid and network namespaces),
+    preload, deny_userns, fresh (each execution in namespaces of its own, `sandbox_confine`), ref_proc (where to
+    mount the /proc they need, when bwrap's is covered), tmp_mb (size of each execution's /tmp and /dev/shm)."""
 
     def __init__(self, cfg: dict[str, Any]):
         self.scratch: str = cfg["scratch"]
         self.wipe: list[str] = cfg["wipe"]
         self.uid: int | None = cfg.get("drop_uid")
         self.pidns: bool = cfg["pidns"]
+        self.tmp_bytes = int(cfg.get("tmp_mb", 64)) << 20
+        self.hide = [cfg["ref_proc"]] if cfg.get("ref_proc") else []
         self.runs = 0
         self.libc = ctypes.CDLL(None, use_errno=True)
-        self.seccomp: Any = None  # a pointer to the seccomp program, made once
-        if cfg.get("deny_userns", True):
-            prog = _deny_userns_filter(os.uname().machine)
-            if prog is None:
-                raise SystemExit(f"cannot deny user namespaces on {os.uname().machine}: no seccomp filter for it "
-                                 f"(allow_userns=True runs without one)")
-            self._filter = ctypes.create_string_buffer(prog, len(prog))
-            self.seccomp = ctypes.pointer(_SockFprog(len(prog) // 8, ctypes.addressof(self._filter)))
+        # The code's process installs this filter: no keyrings; no user namespaces unless allowed.
+        prog = confine.seccomp_program(os.uname().machine, cfg.get("deny_userns", True))
+        if prog is None and cfg.get("deny_userns", True):
+            raise SystemExit(f"cannot deny user namespaces on {os.uname().machine}: no seccomp filter for it "
+                             f"(allow_userns=True runs without one)")
+        self.seccomp = confine.Seccomp(prog) if prog is not None else None
+        why_not = None
+        if self.hide:  # first thing, and only here, the worker holds CAP_SYS_ADMIN: it gives it up now
+            why_not = confine.mount_reference_proc(self.hide[0])
         # The code's output lands here and only here (see the module docstring); grown, never shrunk.
         self.out_buf, self.err_buf = bytearray(), bytearray()
         # Non-dumpable: the code (same uid in user-namespace mode) can neither ptrace us nor open our pipes
@@ -259,9 +234,16 @@ class _Worker:
         if self.uid is not None:
             for d in self.wipe:
                 os.chmod(d, 0o1777)  # the code's uid creates its run dir here; sticky: nobody else's files
+        # Namespaces of its own for every execution, where the kernel lets us make them (one empty execution
+        # through them tells); else the pool gives every execution a fresh worker.
+        self.fresh = False
+        if cfg.get("fresh"):
+            why_not = why_not or self._probe_confinement()
+            self.fresh = why_not is None
+        self.why_not_fresh = why_not if cfg.get("fresh") else "not asked for"
 
     def serve(self) -> None:
-        _send(1, {"op": "ready", "pid": os.getpid()})
+        _send(1, {"op": "ready", "pid": os.getpid(), "fresh": self.fresh, "why_not_fresh": self.why_not_fresh})
         while True:
             req = _recv(0)
             if req is None:
@@ -279,17 +261,21 @@ class _Worker:
     def execute(self, lim: dict[str, Any]) -> None:
         """One execution: fork the child (it reads the body frame), supervise it, reply, clean up."""
         self.runs += 1
-        run_dir = os.path.join(self.scratch, f"run-{self.runs}")
+        # In namespaces of its own the run dir is in a /tmp nobody else sees: one name for all, so that not even
+        # the number of executions before it shows.
+        run_dir = "/tmp/run" if self.fresh else os.path.join(self.scratch, f"run-{self.runs}")
         cap = int(lim["output_bytes"])
         if len(self.out_buf) < cap + 1:  # one byte more than the cap: a full buffer means "truncated"
             self.out_buf, self.err_buf = bytearray(cap + 1), bytearray(cap + 1)
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         took_r, took_w = os.pipe()  # the child writes one byte once it has read the whole body
+        rep_r, rep_w = os.pipe()  # the execution's init reports the code's status and its leftovers here
         os.set_blocking(took_r, False)
+        os.set_blocking(rep_r, False)
         t0 = time.monotonic()
         pid = os.fork()
-        if pid == 0:  # the code's process: never returns
+        if pid == 0:  # the execution's process: never returns
             try:
                 os.close(took_r)
                 body = _recv_body(0)
@@ -297,18 +283,18 @@ class _Worker:
                     os._exit(126)
                 os.write(took_w, b"1")
                 os.close(took_w)
-                self._child(*body, lim, run_dir, out_w, err_w, (out_r, err_r))
+                self._child(*body, lim, run_dir, out_w, err_w, rep_w, (out_r, err_r, rep_r))
             except BaseException:  # noqa: BLE001 - report setup failures as the code's stderr
-                with contextlib.suppress(Exception):
-                    os.write(2, ("sandbox setup failed: " + traceback.format_exc()).encode())
+                _report_setup_failure()
             finally:
                 os._exit(126)
-        for fd in (out_w, err_w, took_w):
+        for fd in (out_w, err_w, took_w, rep_w):
             os.close(fd)
         try:
-            res, n_out, n_err, took = self._supervise(pid, out_r, err_r, took_r, cap, lim, t0)
+            res, n_out, n_err, took = self._supervise(pid, out_r, err_r, took_r, rep_r, cap, lim, t0)
         finally:
             os.close(took_r)
+            os.close(rep_r)
         if not took:
             res["fault"] = res["fault"] or "the execution did not read its whole request"
         res["op"] = "result"
@@ -327,11 +313,11 @@ class _Worker:
         if not took:
             os._exit(0)  # the rest of the body is still in the pipe: the stream is out of step
 
-    def _supervise(self, pid: int, out_r: int, err_r: int, took_r: int, cap: int, lim: dict[str, Any],
+    def _supervise(self, pid: int, out_r: int, err_r: int, took_r: int, rep_r: int, cap: int, lim: dict[str, Any],
                    t0: float) -> tuple[dict[str, Any], int, int, bool]:
-        """Watch the code until it exits (and its pipes close) or a limit; kill, reap and wipe after it.
-        Returns the reply (without the output), the bytes of stdout and stderr in the buffers, and whether
-        the child took its whole request."""
+        """Watch the execution until it exits (and its pipes close) or a limit; kill, reap and wipe after it, and
+        look for what it left. Returns the reply (without the output), the bytes of stdout and stderr in the
+        buffers, and whether the child took its whole request."""
         bufs = {out_r: memoryview(self.out_buf), err_r: memoryview(self.err_buf)}
         filled = {out_r: 0, err_r: 0}
         open_fds = {out_r, err_r}
@@ -394,10 +380,23 @@ class _Worker:
                 os.close(fd)
         if fault is None and self.pidns and not self._namespace_empty(_KILL_WAIT_S):
             fault = "processes survived the kill"
+        report = _read_report(rep_r) if self.fresh else None
+        if report is not None:
+            status = report["status"]  # the code's own (ours is its init's)
+        elif self.fresh and status is not None and os.WIFEXITED(status) and \
+                os.WEXITSTATUS(status) == _CONFINE_FAILED:
+            fault = fault or "could not make the execution's namespaces (its stderr says why)"
+        # What it left where only it could reach (removed with its namespaces), and where later executions on this
+        # worker could (the pool then replaces the worker).
+        leftovers = dict(report["leftovers"]) if report is not None else {}
+        dirty = {}
         try:
-            self._wipe_all()
+            if (files := self._wipe_all()) and self.fresh:
+                dirty["files"] = files
         except Exception as e:  # noqa: BLE001 - a tree the code made unremovable: recycle the worker
             fault = fault or f"could not wipe the run's files: {type(e).__name__}: {e}"
+        if self.pidns and (sockets := confine.tcp_sockets()):
+            dirty["tcp_sockets"] = sockets
         exit_code = sig = None
         if status is not None:
             if os.WIFSIGNALED(status):
@@ -408,10 +407,13 @@ class _Worker:
         memory_error = exit_code not in (None, 0) and self.err_buf.find(b"MemoryError", max(0, n_err - 2048),
                                                                          n_err) >= 0
         return ({"exit_code": exit_code, "signal": sig, "timed_out": timed_out, "truncated": truncated,
-                 "memory_error": memory_error, "wall_s": wall, "fault": fault}, n_out, n_err, took)
+                 "memory_error": memory_error, "wall_s": wall, "fault": fault, "leftovers": {**leftovers, **dirty},
+                 "dirty": sorted(dirty)}, n_out, n_err, took)
 
     def _child(self, code: str, stdin: bytes, files: dict[str, str], lim: dict[str, Any], run_dir: str,
-               out_w: int, err_w: int, inherited: tuple[int, ...]) -> None:
+               out_w: int, err_w: int, rep_w: int, inherited: tuple[int, ...]) -> NoReturn:
+        """The execution's first process: its own session, its output pipes, the code's uid; then the code runs
+        here, or (fresh) in a pid namespace of its own under an init, and this process passes on how that ended."""
         os.setsid()  # own session and process group: the worker kills the group
         for fd in inherited:
             os.close(fd)
@@ -419,19 +421,69 @@ class _Worker:
         os.dup2(err_w, 2)
         os.close(out_w)
         os.close(err_w)
+        self._lower()
+        if not self.fresh:
+            os.close(rep_w)
+            self._run_code(code, stdin, files, lim, run_dir)
+        self._confined(lambda: self._run_code(code, stdin, files, lim, run_dir), rep_w)
+
+    def _lower(self) -> None:
+        """The code's uid (as root), and what no execution may change back: it dies with the worker, gains no
+        privileges by exec, and is the one the OOM killer takes."""
         if self.uid is not None:
             os.setgroups([])
             os.setresgid(self.uid, self.uid, self.uid)
             os.setresuid(self.uid, self.uid, self.uid)  # all capabilities go with uid 0
         self.libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # dies with its worker (after setuid: it resets it)
         self.libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)  # no setuid binary or file capability raises it
-        self.libc.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)  # its own /proc entries stay usable to the code
-        if self.seccomp is not None and self.libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, self.seccomp,
-                                                        0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "could not install the seccomp filter that denies user namespaces")
+        self.libc.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)  # its own /proc entries stay usable (and writable: uid_map)
         # Files through os.open/os.write: a text file object costs this fresh child ~0.15 ms of faults.
         with contextlib.suppress(OSError):  # under a memory cgroup, the OOM killer takes the code, not us
             _write_file("/proc/self/oom_score_adj", "1000", os.O_WRONLY)
+
+    def _confined(self, run: Callable[[], NoReturn], rep_w: int) -> NoReturn:
+        """Namespaces of the execution's own (sandbox_confine): their init forks `run`, the code's process, and
+        reports on rep_w; this process exits as the init did (the worker reads the code's status in the report)."""
+        try:
+            confine.enter_namespaces()
+            init = os.fork()
+        except BaseException:  # noqa: BLE001 - no namespaces: the worker recycles itself
+            _report_setup_failure("sandbox: could not make the execution's namespaces: ")
+            os._exit(_CONFINE_FAILED)
+        if init == 0:
+            try:
+                self.libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+                confine.mount_execution_fs(self.tmp_bytes, self.hide)
+                code_pid = os.fork()
+                if code_pid == 0:
+                    try:
+                        os.close(rep_w)
+                        run()
+                    except BaseException:  # noqa: BLE001
+                        _report_setup_failure()
+                    finally:
+                        os._exit(126)
+                confine.become_init(code_pid, rep_w)
+            except BaseException:  # noqa: BLE001
+                _report_setup_failure("sandbox: could not set up the execution's namespaces: ")
+            finally:
+                os._exit(_CONFINE_FAILED)
+        for fd in (0, 1, 2, rep_w):
+            os.close(fd)
+        status = os.waitpid(init, 0)[1]
+        if os.WIFSIGNALED(status):  # e.g. the OOM killer's SIGKILL: die of the same
+            self.libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)  # and dump no core
+            signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+            os.kill(os.getpid(), os.WTERMSIG(status))
+        os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else _CONFINE_FAILED)
+
+    def _run_code(self, code: str, stdin: bytes, files: dict[str, str], lim: dict[str, Any], run_dir: str) -> NoReturn:
+        """The code's process: no capabilities, the seccomp filter, a fresh run dir with its files, stdin, rlimits;
+        then the code, as `__main__`."""
+        if self.fresh:
+            confine.drop_capabilities()  # it owns its user namespace: it had them all there
+        if self.seccomp is not None:
+            self.seccomp.install()
         os.mkdir(run_dir, 0o700)
         for name, text in files.items():
             path = os.path.join(run_dir, name)
@@ -455,6 +507,36 @@ class _Worker:
         resource.setrlimit(resource.RLIMIT_FSIZE, (int(lim["file_size_mb"]) * mb,) * 2)
         resource.setrlimit(resource.RLIMIT_NOFILE, (int(lim["open_files"]),) * 2)
         _run_as_main(code, run_dir, self.stdio)
+
+    def _probe_confinement(self) -> str | None:
+        """Why executions cannot have namespaces of their own here (None: they can): one empty execution."""
+        rep_r, rep_w = os.pipe()
+        err_r, err_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                null = os.open(os.devnull, os.O_RDWR)
+                for fd, to in ((null, 0), (null, 1), (err_w, 2)):
+                    os.dup2(fd, to)
+                for fd in (null, err_w, rep_r, err_r):
+                    os.close(fd)
+                os.setsid()
+                self._lower()
+                self._confined(lambda: os._exit(0), rep_w)
+            finally:
+                os._exit(_CONFINE_FAILED)
+        os.close(rep_w)
+        os.close(err_w)
+        status = os.waitpid(pid, 0)[1]
+        try:
+            report = json.loads(os.read(rep_r, 8192) or b"null")
+            err = os.read(err_r, 4096).decode("utf-8", "replace").strip().splitlines()
+        finally:
+            os.close(rep_r)
+            os.close(err_r)
+        if status == 0 and report and report.get("status") == 0:
+            return None
+        return (err[-1] if err else f"exit status {status}")[:300]
 
     # -- cleanup -----------------------------------------------------------------------------------------
 
@@ -502,11 +584,32 @@ class _Worker:
                 return False
             time.sleep(0.001)  # killed processes are being torn down and reaped by pid 1; no event for it
 
-    def _wipe_all(self) -> None:
+    def _wipe_all(self) -> int:
+        """Empty the wipe dirs; how many entries were in them."""
+        n = 0
         with self._as_code_uid():
             for root in self.wipe:
                 for name in os.listdir(root):
                     _remove_tree(os.path.join(root, name))
+                    n += 1
+        return n
+
+
+def _report_setup_failure(prefix: str = "sandbox setup failed: ") -> None:
+    """The current exception's traceback on stderr (the code's, once the child has its pipes)."""
+    with contextlib.suppress(Exception):
+        os.write(2, (prefix + traceback.format_exc()).encode())
+
+
+def _read_report(fd: int) -> dict[str, Any] | None:
+    """The execution's init's report ({"status", "leftovers"}), None if there is none (the init was killed)."""
+    try:
+        report = json.loads(os.read(fd, 8192) or b"null")
+    except (BlockingIOError, ValueError):
+        return None
+    if isinstance(report, dict) and isinstance(report.get("status"), int) and isinstance(report.get("leftovers"), dict):
+        return report
+    return None
 
 
 def _write_file(path: str, text: str, flags: int = os.O_WRONLY | os.O_CREAT | os.O_TRUNC) -> None:
