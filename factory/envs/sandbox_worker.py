@@ -1,11 +1,15 @@
-"""The sandbox worker's program: a fork server that runs one execution at a time, and the framing it speaks.
+"""The sandbox worker's program: a fork server that runs one execution at a time.
 
-The pool (`sandbox.py`) runs this whole file with `python -I -S -c`, inside bubblewrap when isolated
-(`sandbox_isolation.py`), so it imports only the standard library. Per execution the worker forks a child
-that reads the request itself, drops privileges, denies itself user namespaces (a seccomp filter), sets
-rlimits, makes a fresh private directory, runs the code with `exec()` as `__main__` and exits. The worker
-reads the child's stdout and stderr (capped at `output_bytes`, the code killed past it), kills it at the
-wall timeout, then kills whatever it left behind and wipes its files.
+The pool (`sandbox.py`) runs this file inside bubblewrap when isolated (`sandbox_isolation.py`) with
+`python -I -S -c`, giving it the text of the two modules it imports (`sandbox_frames`, the framing it speaks with
+the host; `sandbox_confine`, each execution's namespaces), so all three import only the standard library. Per
+execution the worker forks a child that reads the request itself, drops privileges and enters namespaces of the
+execution's own (a user namespace owning new IPC, mount and pid namespaces: a fresh /proc, /tmp, /dev/shm and
+/dev/mqueue, and an init that outlives the code), under which the code's process drops every capability, installs
+a seccomp filter (no keyrings, no further user namespaces), sets rlimits, makes its run directory, runs the code
+with `exec()` as `__main__` and exits. The worker reads its stdout and stderr (capped at `output_bytes`, the code
+killed past it), kills it at the wall timeout, then kills whatever it left behind, wipes its files and checks
+what it left where a later execution could reach it (the pool then replaces the worker).
 
 Why one execution never sees another's code, inputs, files or outputs: every child is a fork of this
 process, so whatever this process's heap ever held, every later execution could read (/proc/self/mem).
@@ -13,16 +17,11 @@ So it never holds them. The request comes in two frames: a control frame the wor
 limits only) and a body frame (code, stdin, files) that only the child reads from the pipe, with raw
 os.read, and that dies with it. The child's stdout and stderr go from its pipes into two buffers made
 once (`os.readv`, no intermediate bytes objects), from there to the host's pipe (`os.write` of a
-memoryview) and are then overwritten with zeros, before the next fork. The run's files are wiped; its
-processes are killed. Nothing of an execution is left in memory or on disk that a later fork inherits.
+memoryview) and are then overwritten with zeros, before the next fork. Its processes are killed; its IPC
+objects, files and the counters it could advance (pids, inode numbers, IPC ids) were its namespaces' and end
+with them. Nothing of an execution is left in memory, on disk or in the kernel that a later one could read.
 
-Host and worker talk over the worker's stdin/stdout: 4-byte big-endian length, then UTF-8 JSON
-(`_send`/`_recv`, used on both sides). Requests: {"op": "ping"} -> {"op": "pong"}; {"op": "exec",
-"limits"} followed by a body frame (`_body_frame`: code, stdin, files) -> {"op": "result", "exit_code", "signal",
-"timed_out", "truncated", "stdout_bytes", "stderr_bytes", "memory_error", "wall_s", "fault"} followed by
-that many raw bytes of stdout, then of stderr (`_recv_result` reads it all). The first message is
-{"op": "ready"}. A worker whose child did not take the whole body exits after its reply: the stream
-would be out of step.
+A worker whose child did not take the whole body exits after its reply: the stream would be out of step.
 """
 
 from __future__ import annotations
@@ -38,7 +37,6 @@ import os
 import resource
 import select
 import signal
-import struct
 import sys
 import threading
 import time
@@ -47,14 +45,8 @@ import types
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
-try:
-    from factory.envs import sandbox_confine as confine
-except ImportError:  # the worker (`python -I -S -c`, no factory package): the pool passes the module's text
-    confine = types.ModuleType("sandbox_confine")
-    exec(compile(sys.argv[2], "sandbox_confine.py", "exec"), confine.__dict__)  # noqa: S102 - our own module
-
-_HEADER = struct.Struct(">I")
-_MAX_MESSAGE = 256 << 20  # a request or reply larger than this is a protocol error
+from factory.envs import sandbox_confine as confine
+from factory.envs.sandbox_frames import _HEADER, _recv, _recv_body, _send, _write_all, _writev_all
 
 # prctl(2) options (linux/prctl.h); ctypes because the stdlib has no prctl.
 _PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_SET_NO_NEW_PRIVS = 1, 4, 38
@@ -62,59 +54,6 @@ _PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_SET_NO_NEW_PRIVS = 1, 4, 38
 _KILL_WAIT_S = 2.0  # a SIGKILLed process not gone after this is "a child it could not kill": recycle
 _DRAIN_S = 1.0  # after the code's process exits, how long its pipes may stay open (held by leftovers)
 _CONFINE_FAILED = 125  # the exit status of an execution whose namespaces could not be made
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
-
-
-def _writev_all(fd: int, parts: list[bytes | memoryview]) -> None:
-    views = [memoryview(p) for p in parts if len(p)]
-    while views:
-        n = os.writev(fd, views)
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if views:
-            views[0] = views[0][n:]
-
-
-def _send(fd: int, msg: dict[str, Any]) -> None:
-    body = json.dumps(msg).encode()
-    _write_all(fd, _HEADER.pack(len(body)) + body)
-
-
-def _read_exact(fd: int, n: int, deadline: float | None) -> bytes | None:
-    """n bytes from fd; None on EOF; TimeoutError past the deadline (None: wait forever)."""
-    buf = bytearray()
-    while len(buf) < n:
-        if deadline is not None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
-                raise TimeoutError("no reply from the sandbox worker")
-        chunk = os.read(fd, min(n - len(buf), 1 << 20))
-        if not chunk:
-            return None
-        buf += chunk
-    return bytes(buf)
-
-
-def _recv(fd: int, deadline: float | None = None) -> dict[str, Any] | None:
-    header = _read_exact(fd, _HEADER.size, deadline)
-    if header is None:
-        return None
-    (n,) = _HEADER.unpack(header)
-    if n > _MAX_MESSAGE:
-        raise ValueError(f"message of {n} bytes is over the {_MAX_MESSAGE} byte limit")
-    body = _read_exact(fd, n, deadline)
-    if body is None:
-        return None
-    msg = json.loads(body)
-    if not isinstance(msg, dict):
-        raise ValueError("message is not a JSON object")
-    return msg
 
 
 # Compiled once by the fork server before it forks anything: typical code for the compiler to warm up on.
@@ -136,54 +75,6 @@ class T:
 assert f(3) == "3", "message"
 print(f(15), sys.stdin.read(), [*sys.argv, T.x], end="")
 '''
-
-
-_BODY = struct.Struct(">III")  # a body frame: the lengths of the code, stdin and files parts, then the parts
-
-
-def _body_frame(code: str, stdin: str, files: dict[str, str]) -> bytes:
-    """The framed body of an exec request (host side): code and stdin as UTF-8 (surrogateescape keeps raw
-    bytes), files as JSON when there are any. Not JSON as a whole: parsing it in each fresh child would cost
-    it ~0.3 ms of copy-on-write faults."""
-    parts = [code.encode("utf-8", "surrogateescape"), stdin.encode("utf-8", "surrogateescape"),
-             json.dumps(files).encode() if files else b""]
-    body = _BODY.pack(*map(len, parts)) + b"".join(parts)
-    return _HEADER.pack(len(body)) + body
-
-
-def _recv_body(fd: int) -> tuple[str, bytes, dict[str, str]] | None:
-    """Read one body frame (the child, from the host's pipe): code, stdin bytes, files; None on EOF."""
-    header = _read_exact(fd, _HEADER.size, None)
-    if header is None:
-        return None
-    (n,) = _HEADER.unpack(header)
-    if not _BODY.size <= n <= _MAX_MESSAGE:
-        raise ValueError(f"body frame of {n} bytes")
-    body = _read_exact(fd, n, None)
-    if body is None:
-        return None
-    lens = _BODY.unpack_from(body)
-    if _BODY.size + sum(lens) != n:
-        raise ValueError("body frame parts do not add up")
-    a, b = _BODY.size + lens[0], _BODY.size + lens[0] + lens[1]
-    files = json.loads(body[b:]) if lens[2] else {}
-    return body[_BODY.size:a].decode("utf-8", "surrogateescape"), body[a:b], files
-
-
-def _recv_result(fd: int, deadline: float | None = None) -> dict[str, Any] | None:
-    """A reply with its raw stdout and stderr after it, decoded into "stdout" and "stderr" (host side)."""
-    msg = _recv(fd, deadline)
-    if msg is None or msg.get("op") != "result":
-        return msg
-    sizes = [msg.pop("stdout_bytes"), msg.pop("stderr_bytes")]
-    if not all(isinstance(n, int) and 0 <= n <= _MAX_MESSAGE for n in sizes):
-        raise ValueError(f"bad output sizes {sizes!r} in a reply")
-    raw = _read_exact(fd, sum(sizes), deadline) if sum(sizes) else b""
-    if raw is None:
-        return None
-    msg["stdout"] = raw[:sizes[0]].decode("utf-8", "replace")
-    msg["stderr"] = raw[sizes[0]:].decode("utf-8", "replace")
-    return msg
 
 
 class _Worker:
