@@ -1,10 +1,11 @@
 """The sandbox pool: the only place generated code runs. It owns warm, isolated workers and their limits.
 
-A `SandboxPool` keeps `size` warm workers. Each worker is a long-lived Python process (a fork server,
-`sandbox_worker.py`) started inside bubblewrap (`sandbox_isolation.py`), with a few modules preloaded; it
-runs one execution at a time under `SandboxLimits` and reports an `ExecResult`. A worker is recycled after
-`recycle_after` runs or any fault (it died, hung, broke the protocol, could not kill or clean up after
-the code) and replaced in the background; `acquire()` pings the worker it lends.
+A `SandboxPool` keeps `size` warm workers (`Sandbox`, sandbox_handle.py). Each worker is a long-lived Python
+process (a fork server, `sandbox_worker.py`) started inside bubblewrap (`sandbox_isolation.py`), with a few modules
+preloaded; it runs one execution at a time under `SandboxLimits` and reports an `ExecResult`. A worker is
+recycled after `recycle_after` runs, any fault (it died, hung, broke the protocol, could not kill or clean up
+after the code) or an execution that left something a later one could reach, and replaced in the background;
+`acquire()` pings the worker it lends.
 
 Memory: RLIMIT_AS per process always, and a per-worker cgroup where this process may create one;
 `metrics()["memory_limit"]` says which applies.
@@ -12,13 +13,16 @@ Memory: RLIMIT_AS per process always, and a per-worker cgroup where this process
 `isolation="none"` runs workers as plain processes (rlimits, timeouts and, as root, the uid switch still
 apply) and logs a WARNING once: untrusted code is then not isolated from the host.
 
-Between executions (see sandbox_worker.py for how): under bwrap no execution can read another's code,
-inputs, files or outputs, on the same worker (nothing of one is left in the fork server's memory or on
-disk for the next) or on another (own pid, mount and ipc namespaces, own /tmp). With isolation="none" the
-first still holds (the same worker program), as do the exit statuses and the denial of user namespaces;
-what does not: concurrent executions on different workers share the host's filesystem and /proc, so
-unless the pool runs as root (then each worker's code has a uid of its own and a 0700 run directory) one
-can read another's run directory and, same uid, its process's memory.
+Between executions (see sandbox_worker.py and sandbox_confine.py for how): no execution can read another's
+code, inputs, files or outputs, on the same worker (nothing of one is left in the fork server's memory) or on
+another; and none finds state an earlier one left: each runs in user, IPC, mount and pid namespaces of its own
+(fresh /proc, /tmp, /dev/shm, SysV IPC and POSIX message queues, no keyrings), what it leaves there goes with
+them (counted in `ExecResult.leftovers`), and what it leaves where a later one could reach it gets the worker
+replaced (`metrics()`: leftovers, leftover_kinds, recycled_for_leftovers). Where the kernel refuses those
+namespaces, each execution gets a worker of its own (`metrics()["per_execution"]`: "worker"). With
+isolation="none" executions share the host's filesystem outside /tmp, and without those namespaces also the
+host's IPC, keyrings and /proc: unless the pool runs as root (then each worker's code has a uid of its own and a
+0700 run directory) one can read another's run directory and, same uid, its process's memory.
 """
 
 from __future__ import annotations
@@ -260,6 +264,8 @@ class SandboxPool:
         cgroup = self._cgroups.create(name) if self._cgroups is not None else None
         # A fresh uid per worker, far above the host's users' range: RLIMIT_NPROC counts per uid.
         drop_uid = random.randrange(1 << 20, 1 << 30) if self._drop_uid else None
+        if drop_uid is not None:
+            os.chown(scratch, drop_uid, drop_uid)  # the fork server runs as that uid when it can (sandbox_confine)
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": scratch, "LANG": "C.UTF-8"}
         return Sandbox(self._worker_argv(scratch, drop_uid), env, scratch, self.limits, self._stats, cgroup,
                        os.path.join(self._tmpdir, f"w{name}.log"), name)

@@ -1,26 +1,29 @@
-"""Confining one execution of the sandbox worker: namespaces of its own, no capabilities, a seccomp filter, and
-the check of what it left behind.
+"""Confining the executions of a sandbox worker: namespaces, no capabilities, a seccomp filter, and the check of
+what each execution left behind.
 
 A worker serves many executions, so whatever kernel state one execution can create in the worker's namespaces
 (SysV shared memory, message queues and semaphores, POSIX message queues, files in /tmp and /dev/shm, the pid
 and inode counters it advances, keys in the kernel keyrings) a later execution on it could read back: an RL
-policy would use that to learn its tests' answers (issue 32). So every execution gets its own:
+policy would use that to learn its tests' answers (issue 32). So:
 
-- user namespace (its uid and gid mapped to themselves), which owns
-- an IPC namespace (SysV IPC and POSIX message queues start empty, their ids from 0),
-- a mount namespace with a fresh /proc, /tmp, /dev/shm and /dev/mqueue (files and inode numbers start afresh;
-  /proc shows only the execution's own processes, so the pids an earlier one used cannot be seen),
-- a pid namespace whose init (`become_init`) is not the code: it reaps, and once the code's process exits it
-  kills whatever the code left running, removes what it left in IPC, counts it (`leftovers`), reports to the
-  worker and exits, and the namespaces go with it.
+- the fork server is pid 1 of a pid namespace of its own, in a user namespace of its own (made once, at start:
+  `enter_user_and_pid_namespaces`, `start_fork_server`). Each execution is its child there; after each, it kills
+  and reaps everything left and sets the namespace's last pid back (`end_execution`), so every execution's
+  processes are numbered from 2 again. As init it ignores the code's signals; the code cannot read it either
+  (its /proc/1 is covered, `begin_execution`), so nothing an earlier execution made it do shows.
+- each execution gets new IPC and mount namespaces (`begin_execution`): SysV IPC and POSIX message queues start
+  empty with ids from 0, /tmp, /dev/shm and /dev/mqueue are fresh mounts (files and inode numbers start afresh).
+  After it, the fork server is still in them: it counts what was left (`leftovers`), removes it at once (the
+  kernel frees a dead IPC namespace later, from a work queue) and returns to its own mount namespace, which
+  frees the execution's.
+- the code's process drops every capability (`drop_capabilities`) and installs a seccomp filter
+  (`seccomp_program`) that denies the kernel keyrings (add_key, request_key, keyctl: they are not namespaced;
+  Docker's default profile denies them too) and, unless the pool allows them, further user namespaces.
 
-The code's own process (pid 2) then drops every capability (`drop_capabilities`) and installs a seccomp filter
-(`seccomp_program`) that denies the kernel keyrings (add_key, request_key, keyctl: they are not namespaced; Docker's
-default profile denies them too) and, unless the pool allows them, further user namespaces.
-
-Mounting a fresh /proc needs a /proc in the worker's mount namespace that nothing covers. bubblewrap covers parts
-of the /proc it mounts when it runs as root, so there the worker mounts one of its own at start
-(`mount_reference_proc`, the one moment the worker holds CAP_SYS_ADMIN) and each execution hides it.
+Mounting a /proc in a user namespace needs a /proc in the mount namespace that nothing covers. bubblewrap covers
+parts of the /proc it mounts when it runs as root, so there the worker mounts one of its own first
+(`mount_reference_proc`, the one moment the worker holds CAP_SYS_ADMIN outside namespaces of its own) and the
+fork server hides it.
 
 This module is the worker's (it imports only the standard library; the pool sends its text to the worker); the
 host imports it for `seccomp_program` and the tests.
@@ -30,9 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
 import os
-import signal
 import struct
 
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID = 0x00020000, 0x08000000, 0x10000000, 0x20000000
@@ -48,6 +49,18 @@ def _ok(ret: int, what: str) -> None:
     if ret != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _read(path: str) -> bytes:
+    """A small file's bytes (os.read: a text file object costs a fresh fork ~100 page faults)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        chunks = []
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def _write(path: str, text: str) -> None:
@@ -79,8 +92,8 @@ def _capset(keep: int) -> None:
 
 def _capabilities() -> int:
     """This process's effective capabilities (a bit mask)."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1], 16) for line in f if line.startswith("CapEff:"))
+    status = _read("/proc/self/status")
+    return int(status[status.index(b"CapEff:") + 7:].split(None, 1)[0], 16)
 
 
 def mount_reference_proc(path: str) -> str | None:
@@ -100,100 +113,84 @@ def mount_reference_proc(path: str) -> str | None:
     return why
 
 
-def enter_namespaces() -> None:
-    """Make this process the owner of new user, IPC and mount namespaces, with the next process it forks the init
-    of a new pid namespace; its uid and gid map to themselves (so files it makes belong to it as before)."""
+def enter_user_and_pid_namespaces() -> None:
+    """Own a new user namespace (our uid and gid mapped to themselves, so files we make belong to us as before)
+    and make the next process we fork the init of a new pid namespace in it: the fork server."""
     uid, gid = os.getuid(), os.getgid()
-    _ok(_libc.unshare(CLONE_NEWUSER | CLONE_NEWIPC | CLONE_NEWNS | CLONE_NEWPID), "unshare")
+    _ok(_libc.unshare(CLONE_NEWUSER | CLONE_NEWPID), "unshare")
     _write("/proc/self/uid_map", f"{uid} {uid} 1")
     _write("/proc/self/setgroups", "deny")
     _write("/proc/self/gid_map", f"{gid} {gid} 1")
 
 
-def mount_execution_fs(tmp_bytes: int, hide: list[str]) -> None:
-    """In the new pid namespace's init: a /proc of this pid namespace, empty size-bounded /tmp and /dev/shm, the
-    IPC namespace's message queues on /dev/mqueue (where that directory exists) and an empty read-only tmpfs
-    over each path in `hide` (the worker's reference /proc)."""
+def start_fork_server(hide: list[str]) -> int:
+    """In the fork server (pid 1 of its pid namespace): a mount namespace of its own with a /proc of that pid
+    namespace and an empty read-only tmpfs over each path in `hide` (the reference /proc). Returns a descriptor of
+    that mount namespace, which every execution's starts as a copy of."""
+    _ok(_libc.unshare(CLONE_NEWNS), "unshare")
     _mount("proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
+    for d in hide:
+        _mount("tmpfs", d, "tmpfs", _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "size=4k,mode=0")
+    return os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+
+
+def begin_execution(base_mnt: int, tmp_bytes: int) -> None:
+    """Before forking an execution: new IPC and mount namespaces (a copy of the fork server's) with empty
+    size-bounded /tmp and /dev/shm, the new IPC namespace's message queues on /dev/mqueue (where that directory
+    exists) and an empty tmpfs over /proc/1, the fork server's entry."""
+    _ok(_libc.setns(base_mnt, CLONE_NEWNS), "setns")
+    _ok(_libc.unshare(CLONE_NEWIPC | CLONE_NEWNS), "unshare")
     for d in ("/tmp", "/dev/shm"):
         _mount("tmpfs", d, "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={tmp_bytes},mode=1777")
     if os.path.isdir("/dev/mqueue"):
         _mount("mqueue", "/dev/mqueue", "mqueue", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
-    for d in hide:
-        _mount("tmpfs", d, "tmpfs", _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "size=4k,mode=0")
+    _mount("tmpfs", "/proc/1", "tmpfs", _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "size=4k,mode=0")
+
+
+def end_execution(base_mnt: int) -> dict[str, int]:
+    """Once the execution's processes are all gone: what it left in IPC (`leftovers`, removed now), then back to the
+    fork server's mount namespace (the execution's, and its /tmp, go) and the pid namespace's next pid set back
+    to 2. Returns the leftovers."""
+    left = leftovers(remove=True)
+    _ok(_libc.setns(base_mnt, CLONE_NEWNS), "setns")
+    _write("/proc/sys/kernel/ns_last_pid", "1")
+    return left
 
 
 def drop_capabilities() -> None:
     """No capability left, in any set (the code's process, in the user namespace it owns)."""
-    with open("/proc/sys/kernel/cap_last_cap") as f:
-        last = int(f.read())
-    for cap in range(last + 1):
+    for cap in range(int(_read("/proc/sys/kernel/cap_last_cap")) + 1):
         _libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0)
     _capset(0)
     if _capabilities():
         raise OSError("capabilities left after dropping them all")
 
 
-def become_init(code_pid: int, report_fd: int) -> None:
-    """Pid 1 of the execution's pid namespace, until the code's process exits: reap everything; then kill what is
-    left, remove what it left in IPC, write {"status": the code's wait status, "leftovers": {...}} to report_fd
-    (`leftovers`, and "processes": how many were still running) and exit (the namespaces end with us)."""
-    _libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)  # the code (same uid) can neither ptrace us nor open our fds
-    for fd in (0, 1, 2):
-        os.close(fd)  # the worker's pipes end when the code's processes are done with them
-    status = None
-    while status is None:
-        try:
-            pid, st = os.waitpid(-1, 0)
-        except ChildProcessError:
-            break
-        if pid == code_pid:
-            status = st
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(-1, signal.SIGKILL)  # as init, every other process of the namespace
-    killed = 0
-    with contextlib.suppress(ChildProcessError):
-        while True:
-            os.waitpid(-1, 0)
-            killed += 1
-    left = leftovers(remove=True)
-    if killed:
-        left["processes"] = killed
-    report = json.dumps({"status": status, "leftovers": left}).encode()
-    os.write(report_fd, report[:4096])
-    os._exit(0)
-
-
-def _sysvipc(kind: str) -> list[list[str]]:
-    with open(f"/proc/sysvipc/{kind}") as f:
-        return [line.split() for line in f.readlines()[1:]]
+def _sysvipc(kind: str) -> list[list[bytes]]:
+    return [line.split() for line in _read(f"/proc/sysvipc/{kind}").splitlines()[1:]]
 
 
 def leftovers(remove: bool = False) -> dict[str, int]:
-    """What is in this IPC namespace and in the keyrings of our uid (ours: only what the execution left), by kind,
-    kinds with none left out: sysv_shm (segments) and sysv_shm_bytes, sysv_msg, sysv_sem, posix_mqueue, keys.
-    remove: also remove the IPC objects now, so their memory is free when the execution ends (the kernel frees a
-    dead IPC namespace later, from a work queue)."""
+    """What is in this IPC namespace (an execution's: only what it left), by kind, kinds with none left out:
+    sysv_shm (segments) and sysv_shm_bytes, sysv_msg, sysv_sem, posix_mqueue. remove: also remove it all now.
+    (Keys need no check: the seccomp filter denies every call that makes one.)"""
     found: dict[str, int] = {}
-    shm = _sysvipc("shm")
+    shm, msg, sem = _sysvipc("shm"), _sysvipc("msg"), _sysvipc("sem")
     if shm:
         found["sysv_shm"], found["sysv_shm_bytes"] = len(shm), sum(int(row[3]) for row in shm)
-    for kind, rows in (("sysv_msg", _sysvipc("msg")), ("sysv_sem", _sysvipc("sem"))):
-        if rows:
-            found[kind] = len(rows)
+    if msg:
+        found["sysv_msg"] = len(msg)
+    if sem:
+        found["sysv_sem"] = len(sem)
     queues = os.listdir("/dev/mqueue") if os.path.ismount("/dev/mqueue") else []
     if queues:
         found["posix_mqueue"] = len(queues)
-    with contextlib.suppress(OSError), open("/proc/keys") as f:
-        uid = os.getuid()
-        if keys := sum(1 for line in f if line.split()[5:6] == [str(uid)]):
-            found["keys"] = keys
     if remove:
         for row in shm:
             _libc.shmctl(int(row[1]), _IPC_RMID, None)
-        for row in _sysvipc("msg"):
+        for row in msg:
             _libc.msgctl(int(row[1]), _IPC_RMID, None)
-        for row in _sysvipc("sem"):
+        for row in sem:
             _libc.semctl(int(row[1]), 0, _IPC_RMID)
         for name in queues:
             with contextlib.suppress(OSError):
@@ -202,11 +199,16 @@ def leftovers(remove: bool = False) -> dict[str, int]:
 
 
 def tcp_sockets() -> int:
-    """TCP sockets in this network namespace (TIME_WAIT and the like outlive their processes)."""
+    """TCP sockets in this network namespace, in use or in TIME_WAIT (which outlives its process): the per-namespace
+    counters of /proc/net/sockstat{,6} (/proc/net/tcp would walk the host's whole connection table)."""
     n = 0
-    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError), open(name) as f:
-            n += len(f.readlines()) - 1
+    for name in ("/proc/net/sockstat", "/proc/net/sockstat6"):
+        with contextlib.suppress(OSError):
+            for line in _read(name).splitlines():
+                if line.startswith((b"TCP:", b"TCP6:")):
+                    fields = line.split()[1:]
+                    counts = dict(zip(fields[::2], fields[1::2], strict=False))
+                    n += int(counts.get(b"inuse", 0)) + int(counts.get(b"tw", 0))
     return n
 
 

@@ -33,6 +33,7 @@ import gc
 import importlib
 import json
 import math
+import mmap
 import os
 import resource
 import select
@@ -42,7 +43,7 @@ import threading
 import time
 import traceback
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, NoReturn
 
 from factory.envs import sandbox_confine as confine
@@ -53,7 +54,6 @@ _PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_SET_NO_NEW_PRIVS = 1, 4, 38
 
 _KILL_WAIT_S = 2.0  # a SIGKILLed process not gone after this is "a child it could not kill": recycle
 _DRAIN_S = 1.0  # after the code's process exits, how long its pipes may stay open (held by leftovers)
-_CONFINE_FAILED = 125  # the exit status of an execution whose namespaces could not be made
 
 
 # Compiled once by the fork server before it forks anything: typical code for the compiler to warm up on.
@@ -83,13 +83,12 @@ class _Worker:
     preload, deny_userns, fresh (each execution in namespaces of its own, `sandbox_confine`), ref_proc (where to
     mount the /proc they need, when bwrap's is covered), tmp_mb (size of each execution's /tmp and /dev/shm)."""
 
-    def __init__(self, cfg: dict[str, Any]):
+    def __init__(self, cfg: dict[str, Any], why_not_fresh: str | None):
+        """why_not_fresh: None when `_start` made this process the fork server of namespaces of its own."""
         self.scratch: str = cfg["scratch"]
         self.wipe: list[str] = cfg["wipe"]
-        self.uid: int | None = cfg.get("drop_uid")
         self.pidns: bool = cfg["pidns"]
         self.tmp_bytes = int(cfg.get("tmp_mb", 64)) << 20
-        self.hide = [cfg["ref_proc"]] if cfg.get("ref_proc") else []
         self.runs = 0
         self.libc = ctypes.CDLL(None, use_errno=True)
         # The code's process installs this filter: no keyrings; no user namespaces unless allowed.
@@ -98,11 +97,17 @@ class _Worker:
             raise SystemExit(f"cannot deny user namespaces on {os.uname().machine}: no seccomp filter for it "
                              f"(allow_userns=True runs without one)")
         self.seccomp = confine.Seccomp(prog) if prog is not None else None
-        why_not = None
-        if self.hide:  # first thing, and only here, the worker holds CAP_SYS_ADMIN: it gives it up now
-            why_not = confine.mount_reference_proc(self.hide[0])
+        self.base_mnt = None
+        if why_not_fresh is None:
+            try:
+                self.base_mnt = confine.start_fork_server([cfg["ref_proc"]] if cfg.get("ref_proc") else [])
+            except OSError as e:
+                why_not_fresh = str(e)
+        # As the fork server of namespaces of its own the worker already is the code's uid (`_start`).
+        self.uid: int | None = None if self.base_mnt is not None else cfg.get("drop_uid")
+        self.pid1 = os.getpid() == 1  # init of the pid namespace its executions run in: kill(-1) spares it
         # The code's output lands here and only here (see the module docstring); grown, never shrunk.
-        self.out_buf, self.err_buf = bytearray(), bytearray()
+        self.out_buf, self.err_buf = _buffer(1), _buffer(1)
         # Non-dumpable: the code (same uid in user-namespace mode) can neither ptrace us nor open our pipes
         # through /proc/<pid>/fd to forge a reply.
         self.libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
@@ -127,11 +132,10 @@ class _Worker:
                 os.chmod(d, 0o1777)  # the code's uid creates its run dir here; sticky: nobody else's files
         # Namespaces of its own for every execution, where the kernel lets us make them (one empty execution
         # through them tells); else the pool gives every execution a fresh worker.
-        self.fresh = False
-        if cfg.get("fresh"):
-            why_not = why_not or self._probe_confinement()
-            self.fresh = why_not is None
-        self.why_not_fresh = why_not if cfg.get("fresh") else "not asked for"
+        self.fresh = self.base_mnt is not None
+        if self.fresh and (why_not_fresh := self._probe_confinement()) is not None:
+            self.fresh = False
+        self.why_not_fresh = why_not_fresh
 
     def serve(self) -> None:
         _send(1, {"op": "ready", "pid": os.getpid(), "fresh": self.fresh, "why_not_fresh": self.why_not_fresh})
@@ -157,37 +161,43 @@ class _Worker:
         run_dir = "/tmp/run" if self.fresh else os.path.join(self.scratch, f"run-{self.runs}")
         cap = int(lim["output_bytes"])
         if len(self.out_buf) < cap + 1:  # one byte more than the cap: a full buffer means "truncated"
-            self.out_buf, self.err_buf = bytearray(cap + 1), bytearray(cap + 1)
+            self.out_buf, self.err_buf = _buffer(cap + 1), _buffer(cap + 1)
+        if self.fresh:
+            try:
+                confine.begin_execution(self.base_mnt, self.tmp_bytes)
+            except OSError as e:  # the request stays unread in the pipe: reply, then exit (out of step)
+                self._reply({"exit_code": None, "signal": None, "timed_out": False, "truncated": False,
+                             "memory_error": False, "wall_s": 0.0, "leftovers": {}, "dirty": [],
+                             "fault": f"could not make the execution's namespaces: {e}"}, 0, 0)
+                os._exit(0)
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         took_r, took_w = os.pipe()  # the child writes one byte once it has read the whole body
-        rep_r, rep_w = os.pipe()  # the execution's init reports the code's status and its leftovers here
         os.set_blocking(took_r, False)
-        os.set_blocking(rep_r, False)
         t0 = time.monotonic()
         pid = os.fork()
-        if pid == 0:  # the execution's process: never returns
+        if pid == 0:  # the code's process: never returns
             try:
                 os.close(took_r)
-                body = _recv_body(0)
-                if body is None:
-                    os._exit(126)
-                os.write(took_w, b"1")
-                os.close(took_w)
-                self._child(*body, lim, run_dir, out_w, err_w, rep_w, (out_r, err_r, rep_r))
+                self._child(lim, run_dir, out_w, err_w, took_w, (out_r, err_r))
             except BaseException:  # noqa: BLE001 - report setup failures as the code's stderr
                 _report_setup_failure()
             finally:
                 os._exit(126)
-        for fd in (out_w, err_w, took_w, rep_w):
+        for fd in (out_w, err_w, took_w):
             os.close(fd)
         try:
-            res, n_out, n_err, took = self._supervise(pid, out_r, err_r, took_r, rep_r, cap, lim, t0)
+            res, n_out, n_err, took = self._supervise(pid, out_r, err_r, took_r, cap, lim, t0)
         finally:
             os.close(took_r)
-            os.close(rep_r)
         if not took:
             res["fault"] = res["fault"] or "the execution did not read its whole request"
+        self._reply(res, n_out, n_err)
+        if not took:
+            os._exit(0)  # the rest of the body is still in the pipe: the stream is out of step
+
+    def _reply(self, res: dict[str, Any], n_out: int, n_err: int) -> None:
+        """The result, then the code's output from the buffers, which are zeroed afterwards."""
         res["op"] = "result"
         res["stdout_bytes"], res["stderr_bytes"] = n_out, n_err
         try:
@@ -196,15 +206,12 @@ class _Worker:
             _writev_all(1, [_HEADER.pack(len(body)) + body, memoryview(self.out_buf)[:n_out],
                             memoryview(self.err_buf)[:n_err]])
         finally:
-            # Zeros over what the code wrote (and the byte past the cap that told of truncation), before the
-            # next fork inherits this heap.
+            # Zeros over what the code wrote (and the byte past the cap that told of truncation).
             for buf, n in ((self.out_buf, n_out), (self.err_buf, n_err)):
                 k = min(n + 1, len(buf))
                 buf[:k] = bytes(k)
-        if not took:
-            os._exit(0)  # the rest of the body is still in the pipe: the stream is out of step
 
-    def _supervise(self, pid: int, out_r: int, err_r: int, took_r: int, rep_r: int, cap: int, lim: dict[str, Any],
+    def _supervise(self, pid: int, out_r: int, err_r: int, took_r: int, cap: int, lim: dict[str, Any],
                    t0: float) -> tuple[dict[str, Any], int, int, bool]:
         """Watch the execution until it exits (and its pipes close) or a limit; kill, reap and wipe after it, and
         look for what it left. Returns the reply (without the output), the bytes of stdout and stderr in the
@@ -222,6 +229,7 @@ class _Worker:
         drain_end = None
         exited = timed_out = truncated = swept = False
         wall = None
+        running = 0  # the code's other processes still there when it exited
         try:
             while open_fds or not exited:
                 now = time.monotonic()
@@ -248,6 +256,7 @@ class _Worker:
                 if pidfd in ready and not exited:
                     poller.unregister(pidfd)
                     exited, wall = True, time.monotonic() - t0
+                    running = self._others(pid)
                     # The code is done: kill what it left behind, which also closes the pipes it holds.
                     self._sweep(pid)
                     swept, drain_end = True, time.monotonic() + _DRAIN_S
@@ -269,17 +278,18 @@ class _Worker:
         finally:
             for fd in (out_r, err_r, pidfd):
                 os.close(fd)
-        if fault is None and self.pidns and not self._namespace_empty(_KILL_WAIT_S):
+        if fault is None and (self.pidns or self.pid1) and not self._namespace_empty(_KILL_WAIT_S):
             fault = "processes survived the kill"
-        report = _read_report(rep_r) if self.fresh else None
-        if report is not None:
-            status = report["status"]  # the code's own (ours is its init's)
-        elif self.fresh and status is not None and os.WIFEXITED(status) and \
-                os.WEXITSTATUS(status) == _CONFINE_FAILED:
-            fault = fault or "could not make the execution's namespaces (its stderr says why)"
         # What it left where only it could reach (removed with its namespaces), and where later executions on this
         # worker could (the pool then replaces the worker).
-        leftovers = dict(report["leftovers"]) if report is not None else {}
+        leftovers: dict[str, int] = {}
+        if self.fresh:
+            try:
+                leftovers = confine.end_execution(self.base_mnt)
+            except OSError as e:
+                fault = fault or f"could not clean up after the execution: {e}"
+        if running:
+            leftovers["processes"] = running
         dirty = {}
         try:
             if (files := self._wipe_all()) and self.fresh:
@@ -301,10 +311,10 @@ class _Worker:
                  "memory_error": memory_error, "wall_s": wall, "fault": fault, "leftovers": {**leftovers, **dirty},
                  "dirty": sorted(dirty)}, n_out, n_err, took)
 
-    def _child(self, code: str, stdin: bytes, files: dict[str, str], lim: dict[str, Any], run_dir: str,
-               out_w: int, err_w: int, rep_w: int, inherited: tuple[int, ...]) -> NoReturn:
-        """The execution's first process: its own session, its output pipes, the code's uid; then the code runs
-        here, or (fresh) in a pid namespace of its own under an init, and this process passes on how that ended."""
+    def _child(self, lim: dict[str, Any], run_dir: str, out_w: int, err_w: int, took_w: int,
+               inherited: tuple[int, ...]) -> NoReturn:
+        """The code's process: its own session, its output pipes, the code's uid (as root, without namespaces of its
+        own), limits it cannot lift; then it reads its request and runs it."""
         os.setsid()  # own session and process group: the worker kills the group
         for fd in inherited:
             os.close(fd)
@@ -312,61 +322,22 @@ class _Worker:
         os.dup2(err_w, 2)
         os.close(out_w)
         os.close(err_w)
-        self._lower()
-        if not self.fresh:
-            os.close(rep_w)
-            self._run_code(code, stdin, files, lim, run_dir)
-        self._confined(lambda: self._run_code(code, stdin, files, lim, run_dir), rep_w)
-
-    def _lower(self) -> None:
-        """The code's uid (as root), and what no execution may change back: it dies with the worker, gains no
-        privileges by exec, and is the one the OOM killer takes."""
         if self.uid is not None:
             os.setgroups([])
             os.setresgid(self.uid, self.uid, self.uid)
             os.setresuid(self.uid, self.uid, self.uid)  # all capabilities go with uid 0
         self.libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # dies with its worker (after setuid: it resets it)
         self.libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)  # no setuid binary or file capability raises it
-        self.libc.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)  # its own /proc entries stay usable (and writable: uid_map)
+        self.libc.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)  # its own /proc entries stay usable to the code
         # Files through os.open/os.write: a text file object costs this fresh child ~0.15 ms of faults.
         with contextlib.suppress(OSError):  # under a memory cgroup, the OOM killer takes the code, not us
             _write_file("/proc/self/oom_score_adj", "1000", os.O_WRONLY)
-
-    def _confined(self, run: Callable[[], NoReturn], rep_w: int) -> NoReturn:
-        """Namespaces of the execution's own (sandbox_confine): their init forks `run`, the code's process, and
-        reports on rep_w; this process exits as the init did (the worker reads the code's status in the report)."""
-        try:
-            confine.enter_namespaces()
-            init = os.fork()
-        except BaseException:  # noqa: BLE001 - no namespaces: the worker recycles itself
-            _report_setup_failure("sandbox: could not make the execution's namespaces: ")
-            os._exit(_CONFINE_FAILED)
-        if init == 0:
-            try:
-                self.libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-                confine.mount_execution_fs(self.tmp_bytes, self.hide)
-                code_pid = os.fork()
-                if code_pid == 0:
-                    try:
-                        os.close(rep_w)
-                        run()
-                    except BaseException:  # noqa: BLE001
-                        _report_setup_failure()
-                    finally:
-                        os._exit(126)
-                confine.become_init(code_pid, rep_w)
-            except BaseException:  # noqa: BLE001
-                _report_setup_failure("sandbox: could not set up the execution's namespaces: ")
-            finally:
-                os._exit(_CONFINE_FAILED)
-        for fd in (0, 1, 2, rep_w):
-            os.close(fd)
-        status = os.waitpid(init, 0)[1]
-        if os.WIFSIGNALED(status):  # e.g. the OOM killer's SIGKILL: die of the same
-            self.libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)  # and dump no core
-            signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
-            os.kill(os.getpid(), os.WTERMSIG(status))
-        os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else _CONFINE_FAILED)
+        body = _recv_body(0)  # read here, in the code's own process: no other ever holds the request
+        if body is None:
+            os._exit(126)
+        os.write(took_w, b"1")
+        os.close(took_w)
+        self._run_code(*body, lim, run_dir)
 
     def _run_code(self, code: str, stdin: bytes, files: dict[str, str], lim: dict[str, Any], run_dir: str) -> NoReturn:
         """The code's process: no capabilities, the seccomp filter, a fresh run dir with its files, stdin, rlimits;
@@ -401,33 +372,19 @@ class _Worker:
 
     def _probe_confinement(self) -> str | None:
         """Why executions cannot have namespaces of their own here (None: they can): one empty execution."""
-        rep_r, rep_w = os.pipe()
-        err_r, err_w = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            try:
-                null = os.open(os.devnull, os.O_RDWR)
-                for fd, to in ((null, 0), (null, 1), (err_w, 2)):
-                    os.dup2(fd, to)
-                for fd in (null, err_w, rep_r, err_r):
-                    os.close(fd)
-                os.setsid()
-                self._lower()
-                self._confined(lambda: os._exit(0), rep_w)
-            finally:
-                os._exit(_CONFINE_FAILED)
-        os.close(rep_w)
-        os.close(err_w)
-        status = os.waitpid(pid, 0)[1]
         try:
-            report = json.loads(os.read(rep_r, 8192) or b"null")
-            err = os.read(err_r, 4096).decode("utf-8", "replace").strip().splitlines()
-        finally:
-            os.close(rep_r)
-            os.close(err_r)
-        if status == 0 and report and report.get("status") == 0:
-            return None
-        return (err[-1] if err else f"exit status {status}")[:300]
+            confine.begin_execution(self.base_mnt, self.tmp_bytes)
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    confine.drop_capabilities()
+                finally:
+                    os._exit(0)
+            status = os.waitpid(pid, 0)[1]
+            confine.end_execution(self.base_mnt)
+        except OSError as e:
+            return str(e)
+        return None if status == 0 else f"an empty execution ended with status {status}"
 
     # -- cleanup -----------------------------------------------------------------------------------------
 
@@ -448,12 +405,12 @@ class _Worker:
         with self._as_code_uid():
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)
-            if self.pidns:
+            if self.pidns or self.pid1:
                 # kill(-1) reaches every process of ours in the namespace but ourselves and pid 1 (bwrap's
-                # init): also the ones that left the group with setsid.
+                # init, or we are it): also the ones that left the group with setsid.
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(-1, signal.SIGKILL)
-        if not self.pidns and self.uid is not None:
+        if not (self.pidns or self.pid1) and self.uid is not None:
             # Not in a pid namespace: kill(-1) must come from a process whose real uid is the code's, or
             # it would reach every root process on the host. A helper that is wholly that uid does it.
             helper = os.fork()
@@ -466,14 +423,24 @@ class _Worker:
                     os._exit(0)
             os.waitpid(helper, 0)
 
+    def _others(self, pid: int) -> int:
+        """Processes of the execution other than its first (pid) in our pid namespace: as its init, only ours."""
+        if not self.pid1:
+            return 0
+        return sum(1 for p in os.listdir("/proc") if p.isdigit() and int(p) not in (1, pid))
+
     def _namespace_empty(self, timeout: float) -> bool:
         me, end = os.getpid(), time.monotonic() + timeout
         while True:
+            if self.pid1:  # as init, the processes the code orphaned are ours to reap
+                with contextlib.suppress(ChildProcessError):
+                    while os.waitpid(-1, os.WNOHANG)[0]:
+                        pass
             if not [p for p in os.listdir("/proc") if p.isdigit() and int(p) not in (1, me)]:
                 return True
             if time.monotonic() >= end:
                 return False
-            time.sleep(0.001)  # killed processes are being torn down and reaped by pid 1; no event for it
+            time.sleep(0.001)  # killed processes are being torn down (and reaped by pid 1); no event for it
 
     def _wipe_all(self) -> int:
         """Empty the wipe dirs; how many entries were in them."""
@@ -486,21 +453,17 @@ class _Worker:
         return n
 
 
+def _buffer(n: int) -> mmap.mmap:
+    """n zero bytes that no fork of ours copies: no child ever maps any output, and each fork is cheaper."""
+    buf = mmap.mmap(-1, n)
+    buf.madvise(mmap.MADV_DONTFORK)
+    return buf
+
+
 def _report_setup_failure(prefix: str = "sandbox setup failed: ") -> None:
     """The current exception's traceback on stderr (the code's, once the child has its pipes)."""
     with contextlib.suppress(Exception):
         os.write(2, (prefix + traceback.format_exc()).encode())
-
-
-def _read_report(fd: int) -> dict[str, Any] | None:
-    """The execution's init's report ({"status", "leftovers"}), None if there is none (the init was killed)."""
-    try:
-        report = json.loads(os.read(fd, 8192) or b"null")
-    except (BlockingIOError, ValueError):
-        return None
-    if isinstance(report, dict) and isinstance(report.get("status"), int) and isinstance(report.get("leftovers"), dict):
-        return report
-    return None
 
 
 def _write_file(path: str, text: str, flags: int = os.O_WRONLY | os.O_CREAT | os.O_TRUNC) -> None:
@@ -571,11 +534,60 @@ def _exit_status(e: SystemExit) -> int:
     return 1
 
 
+def _start(cfg: dict[str, Any]) -> str | None:
+    """Make this process the fork server of namespaces of its own (sandbox_confine): returns None in it, or, where
+    the kernel refuses, why not (in this process, which then serves as before). As root, first the reference
+    /proc and the code's uid: this process forks one that owns the new user and pid namespaces, whose child is
+    the fork server (pid 1 there); the two before it only wait, and end with it."""
+    why = confine.mount_reference_proc(cfg["ref_proc"]) if cfg.get("ref_proc") else None
+    if not cfg.get("fresh") or why is not None:
+        return why or "not asked for"
+    libc = ctypes.CDLL(None, use_errno=True)
+    r, w = os.pipe()
+    owner = os.fork()
+    if owner == 0:
+        try:
+            os.close(r)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            if (uid := cfg.get("drop_uid")) is not None:
+                os.setgroups([])
+                os.setresgid(uid, uid, uid)
+                os.setresuid(uid, uid, uid)  # all capabilities go with uid 0
+            libc.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)  # the uid change made us non-dumpable: our /proc is root's
+            confine.enter_user_and_pid_namespaces()
+            libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
+            if os.fork() == 0:
+                os.close(w)
+                libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # ends with the namespaces' owner
+                return None  # the fork server
+            os.write(w, b"ok")
+        except BaseException as e:  # noqa: BLE001 - the outer process serves instead
+            with contextlib.suppress(OSError):
+                os.write(w, f"{type(e).__name__}: {e}".encode()[:500])
+            os._exit(0)
+        _wait_and_exit(w)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        said = f.read()
+    if said != b"ok":
+        os.waitpid(owner, 0)
+        return said.decode("utf-8", "replace") or "the namespaces' owner died"
+    _wait_and_exit(-1)
+
+
+def _wait_and_exit(fd: int) -> NoReturn:
+    """Leave the host's pipes to the fork server, wait for our child and exit as it did."""
+    for f in (0, 1, fd):
+        with contextlib.suppress(OSError):
+            os.close(f)
+    status = os.wait()[1]
+    os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
+
+
 def _worker_main(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C on the host's terminal is the host's business
-    _Worker(json.loads(argv[0])).serve()
-
-
+    cfg = json.loads(argv[0])
+    _Worker(cfg, _start(cfg)).serve()
 
 
 if __name__ == "__main__":  # the pool runs this file's text with `python -c`, the config in argv[1]

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import platform
+import uuid
 
 import pytest
 
@@ -68,7 +69,9 @@ def test_memory_left_charged_gets_the_worker_replaced(require_sandbox, monkeypat
     with SandboxPool(size=1) as pool:
         if pool.memory_limit == "rlimit_as":
             pytest.skip("no cgroup here: nothing to read the memory left charged from")
-        r = pool.run("import os\nfor i in range(100_000):\n    try:\n        os.stat(f'/usr/lib/.nx-{i}')\n"
+        # Names no run has looked up before: the host's dentry cache keeps those of earlier runs (charged to them).
+        tag = uuid.uuid4().hex
+        r = pool.run(f"import os\nfor i in range(100_000):\n    try:\n        os.stat(f'/usr/lib/.nx-{tag}-{{i}}')\n"
                      "    except OSError:\n        pass\n", limits=SandboxLimits(cpu_s=60, wall_s=120))
         m = pool.metrics()
     assert r.ok and r.leftovers.get("memory_mb", 0) > 4, r
