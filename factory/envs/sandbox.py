@@ -15,10 +15,11 @@ apply) and logs a WARNING once: untrusted code is then not isolated from the hos
 
 Between executions (see sandbox_worker.py and sandbox_confine.py for how): no execution can read another's
 code, inputs, files or outputs, on the same worker (nothing of one is left in the fork server's memory) or on
-another; and none finds state an earlier one left: each runs in user, IPC, mount and pid namespaces of its own
-(fresh /proc, /tmp, /dev/shm, SysV IPC and POSIX message queues, no keyrings), what it leaves there goes with
-them (counted in `ExecResult.leftovers`), and what it leaves where a later one could reach it gets the worker
-replaced (`metrics()`: leftovers, leftover_kinds, recycled_for_leftovers). Where the kernel refuses those
+another; and none finds state an earlier one left: each runs in IPC and mount namespaces of its own (fresh
+/tmp, /dev/shm, SysV IPC and POSIX message queues; no keyrings) under a fork server that is pid 1 of its pid
+namespace and resets it after each (sandbox_confine.py), what it leaves there goes with them (counted in
+`ExecResult.leftovers`), and what it leaves where a later one could reach it gets the worker replaced
+(`metrics()`: leftovers, leftover_kinds, recycled_for_leftovers). Where the kernel refuses those
 namespaces, each execution gets a worker of its own (`metrics()["per_execution"]`: "worker"). With
 isolation="none" executions share the host's filesystem outside /tmp, and without those namespaces also the
 host's IPC, keyrings and /proc: unless the pool runs as root (then each worker's code has a uid of its own and a

@@ -4,21 +4,21 @@ Isolation (`isolation="bwrap"`): new mount, pid, net, ipc and uts namespaces; a 
 read-only /usr (+ the /bin, /lib* links), a few /etc files and the interpreter's installation; private
 size-bounded tmpfs /tmp and /dev/shm (the only writable places); fresh /proc and minimal /dev; a
 scrubbed environment (PATH, HOME=/tmp, LANG). The repo, FACTORY_HOME, /root and the host's loopback
-are not reachable. Inside it every execution gets namespaces of its own (sandbox_confine.py), which start with a
-user namespace: so no --disable-userns here; the code's process installs a seccomp filter that fails
-unshare/clone with CLONE_NEWUSER (and the keyring calls), in every mode, unless the pool was made with
-allow_userns=True. The code sees the standard library only (`python -I -S`, the interpreter behind `python`,
-e.g. a venv's base), and only its own processes (its pid namespace and /proc). How the code is kept from the
-worker depends on who runs the pool:
+are not reachable. Inside it the worker makes a user namespace of its own (sandbox_confine.py): so no
+--disable-userns here; the code's process installs a seccomp filter that fails unshare/clone with CLONE_NEWUSER
+(and the keyring calls), in every mode, unless the pool was made with allow_userns=True. The code sees the
+standard library only (`python -I -S`, the interpreter behind `python`, e.g. a venv's base), and only its own
+processes. How the code is kept from the worker depends on who runs the pool:
 
 - as root, bwrap runs privileged (no user namespace) with only CAP_SETUID/CAP_SETGID kept (and CAP_SYS_ADMIN
-  until the worker has mounted the reference /proc its executions need, REF_PROC: bwrap covers parts of the one
-  it mounts as root, and a user namespace may mount a /proc only where one is fully visible); each child
-  switches to a random unprivileged uid of its own. RLIMIT_NPROC then binds (the kernel does not apply
-  it to uid 0, even inside a user namespace), and the code can neither signal the worker
-  nor open its pipes through /proc.
-- otherwise bwrap makes a user namespace; the child keeps the worker's uid, but in a pid namespace of its own
-  it cannot name the worker, and the worker is non-dumpable, so its pipes stay out of reach.
+  until the worker has mounted the reference /proc its namespaces need, REF_PROC: bwrap covers parts of the one
+  it mounts as root, and a user namespace may mount a /proc only where one is fully visible); the worker then
+  switches to a random unprivileged uid of its own, the code's, before it makes its namespaces (or, where it
+  cannot make them, each child switches). RLIMIT_NPROC then binds (the kernel does not apply it to uid 0, even
+  inside a user namespace).
+- otherwise bwrap makes a user namespace; the code keeps the worker's uid.
+Either way the fork server is pid 1 of the code's pid namespace: the code's signals do not reach it, its /proc
+entry is covered, and it is non-dumpable, so its pipes stay out of reach.
 
 Memory: RLIMIT_AS per process always; where this process may create cgroups (v2 with the memory
 controller delegated, or v1 memory/pids hierarchies) each worker also gets its own cgroup with a

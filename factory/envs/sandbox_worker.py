@@ -2,24 +2,26 @@
 
 The pool (`sandbox.py`) runs this file inside bubblewrap when isolated (`sandbox_isolation.py`) with
 `python -I -S -c`, giving it the text of the two modules it imports (`sandbox_frames`, the framing it speaks with
-the host; `sandbox_confine`, each execution's namespaces), so all three import only the standard library. Per
-execution the worker forks a child that reads the request itself, drops privileges and enters namespaces of the
-execution's own (a user namespace owning new IPC, mount and pid namespaces: a fresh /proc, /tmp, /dev/shm and
-/dev/mqueue, and an init that outlives the code), under which the code's process drops every capability, installs
-a seccomp filter (no keyrings, no further user namespaces), sets rlimits, makes its run directory, runs the code
-with `exec()` as `__main__` and exits. The worker reads its stdout and stderr (capped at `output_bytes`, the code
-killed past it), kills it at the wall timeout, then kills whatever it left behind, wipes its files and checks
-what it left where a later execution could reach it (the pool then replaces the worker).
+the host; `sandbox_confine`, the executions' namespaces), so all three import only the standard library. At start
+(`_start`) the worker makes itself, where the kernel lets it, the fork server of namespaces of its own: pid 1 of
+a pid namespace in a user namespace it owns, as the code's uid (see sandbox_confine.py; elsewhere it serves as
+it is and the pool gives every execution a fresh worker). Per execution it enters new IPC and mount namespaces
+(fresh /tmp, /dev/shm, /dev/mqueue; its own /proc entry covered) and forks the code's process, which reads the
+request itself, drops every capability, installs a seccomp filter (no keyrings, no further user namespaces), sets
+rlimits, makes its run directory, runs the code with `exec()` as `__main__` and exits. The worker reads its stdout
+and stderr (capped at `output_bytes`, the code killed past it), kills it at the wall timeout, then kills whatever
+it left behind, counts and removes what it left in IPC, and checks what it left where a later execution could
+reach it (the pool then replaces the worker).
 
 Why one execution never sees another's code, inputs, files or outputs: every child is a fork of this
 process, so whatever this process's heap ever held, every later execution could read (/proc/self/mem).
 So it never holds them. The request comes in two frames: a control frame the worker reads (the op and the
 limits only) and a body frame (code, stdin, files) that only the child reads from the pipe, with raw
-os.read, and that dies with it. The child's stdout and stderr go from its pipes into two buffers made
-once (`os.readv`, no intermediate bytes objects), from there to the host's pipe (`os.write` of a
-memoryview) and are then overwritten with zeros, before the next fork. Its processes are killed; its IPC
-objects, files and the counters it could advance (pids, inode numbers, IPC ids) were its namespaces' and end
-with them. Nothing of an execution is left in memory, on disk or in the kernel that a later one could read.
+os.read, and that dies with it. The child's stdout and stderr go from its pipes into two buffers that no fork
+maps (`os.readv`, no intermediate bytes objects), from there to the host's pipe (`os.write` of a memoryview)
+and are then overwritten with zeros. Its processes are killed; its IPC objects and files were its namespaces'
+and go with them, and the counters it could advance (pids, inode numbers, IPC ids) start afresh for the next.
+Nothing of an execution is left in memory, on disk or in the kernel that a later one could read.
 
 A worker whose child did not take the whole body exits after its reply: the stream would be out of step.
 """
