@@ -17,7 +17,8 @@ The breaker is widened for these runs (ops.breaker_restarts = 50): here the cras
 Then the dependency and supervision faults (`benchmarks/chaos_faults.py`), each one real supervised run of the
 tiny model struck once: a catalog outage mid-run (the SQLite catalog's write lock held, shorter than
 ops.lake_outage_s), ENOSPC at a resume-point write, SIGKILL of the supervising `factory run`, SIGKILL of one rank
-of a 2-rank data-parallel run; and the red-team reward hacks (`envs/reward_hacks.py`).
+of a 2-rank data-parallel run; and the red-team reward hacks (`envs/reward_hacks.py`) and what one execution
+leaves for a later one (`envs/redteam_carryover.py`).
 Every run here is a `benchmarks/chaos_runs.py` `Run` (its run directory, heartbeat, attempt and lake rows).
 
 Prints a table, then one JSON line with kills, survived, bit_identical_sync, duplicate_steps, missing_steps,
@@ -31,7 +32,8 @@ duplicate_prompts, skipped_prompts, resume_s_p50, goodput, save_stall_ms_p50 (an
   of the run was left running (/proc); then `factory resume` finished it, every step once;
 - rank_kill_survived: the group was restarted after rank 1's SIGKILL and the run finished `succeeded`, every
   step once;
-- reward_hacks_scored_zero: every red-team reward hack scored 0 and the honest control 1.
+- reward_hacks_scored_zero: every red-team reward hack scored 0 and the honest control 1, and nothing one
+  execution left reached a later one (the carry-over cases, `envs/redteam_carryover.py`).
 `faults` holds what each fault run saw (and `why`, the first check that failed). `--only` runs some parts.
 
     .venv/bin/python benchmarks/chaos.py

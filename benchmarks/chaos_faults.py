@@ -13,7 +13,9 @@ model on its own FACTORY_HOME, struck once, then checked from the lake, the run 
 - `rank_kill`: a 2-rank data-parallel run (trainer.world_size=2, gloo): SIGKILL of rank 1 once a resume point
   exists; the supervisor must restart the group and the run finish `succeeded` with every step once.
 - `reward_hacks`: the red-team reward hacks (`envs/reward_hacks.py`, as `python -m factory.envs.redteam` runs
-  them): every hack must score 0 and the honest control 1.
+  them): every hack must score 0 and the honest control 1; and what one execution can leave for a later one
+  (`envs/redteam_carryover.py`: secrets in every namespace, the HumanEval/0 answer table on pools of one and four,
+  300 MB left in shared memory): every case contained.
 
 Each returns a dict with `ok` (whether the fault was survived as specified) and what it saw; `why` names the first
 check that failed.
@@ -185,7 +187,10 @@ def rank_kill(work: Path, spec: Path, base: list[str], steps: int) -> dict:
 def reward_hacks(work: Path, isolation: str = "bwrap") -> dict:
     """The red-team reward hacks in their own process (as `python -m factory.envs.redteam` runs them)."""
     code = ("import json; from factory.envs.redteam import run_reward_hack_cases, print_reward_hacks; "
-            f"print(json.dumps(print_reward_hacks(*run_reward_hack_cases({isolation!r}, 2))))")
+            "from factory.envs.redteam_carryover import print_carryover, run_carryover; "
+            f"summary = print_reward_hacks(*run_reward_hack_cases({isolation!r}, 2)); "
+            f"carried, summary['carryover'] = run_carryover({isolation!r}); print_carryover(carried); "
+            "print(json.dumps(summary))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=LIMIT_S)
     (work / "reward-hacks.log").write_text(out.stdout + out.stderr)
     res: dict = {"fault": "reward_hacks", "rc": out.returncode, "isolation": isolation}
@@ -194,6 +199,9 @@ def reward_hacks(work: Path, isolation: str = "bwrap") -> dict:
     except (ValueError, IndexError):
         return _verdict(res, [(False, f"no summary line (rc {out.returncode}); see {work}/reward-hacks.log")])
     res.update(summary)
+    carry = summary["carryover"]
     return _verdict(res, [(summary["cases"] > 0 and summary["scored_zero"] == summary["cases"],
                            f"{summary['cases'] - summary['scored_zero']} of {summary['cases']} hacks scored > 0"),
-                          (summary["honest_control"] is True, "the honest control did not score 1")])
+                          (summary["honest_control"] is True, "the honest control did not score 1"),
+                          (carry["cases"] > 0 and carry["contained"] == carry["cases"],
+                           f"{carry['cases'] - carry['contained']} of {carry['cases']} carry-over cases escaped")])

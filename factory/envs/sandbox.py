@@ -1,10 +1,11 @@
 """The sandbox pool: the only place generated code runs. It owns warm, isolated workers and their limits.
 
-A `SandboxPool` keeps `size` warm workers. Each worker is a long-lived Python process (a fork server,
-`sandbox_worker.py`) started inside bubblewrap (`sandbox_isolation.py`), with a few modules preloaded; it
-runs one execution at a time under `SandboxLimits` and reports an `ExecResult`. A worker is recycled after
-`recycle_after` runs or any fault (it died, hung, broke the protocol, could not kill or clean up after
-the code) and replaced in the background; `acquire()` pings the worker it lends.
+A `SandboxPool` keeps `size` warm workers (`Sandbox`, sandbox_handle.py). Each worker is a long-lived Python
+process (a fork server, `sandbox_worker.py`) started inside bubblewrap (`sandbox_isolation.py`), with a few modules
+preloaded; it runs one execution at a time under `SandboxLimits` and reports an `ExecResult`. A worker is
+recycled after `recycle_after` runs, any fault (it died, hung, broke the protocol, could not kill or clean up
+after the code) or an execution that left something a later one could reach, and replaced in the background;
+`acquire()` pings the worker it lends.
 
 Memory: RLIMIT_AS per process always, and a per-worker cgroup where this process may create one;
 `metrics()["memory_limit"]` says which applies.
@@ -12,29 +13,29 @@ Memory: RLIMIT_AS per process always, and a per-worker cgroup where this process
 `isolation="none"` runs workers as plain processes (rlimits, timeouts and, as root, the uid switch still
 apply) and logs a WARNING once: untrusted code is then not isolated from the host.
 
-Between executions (see sandbox_worker.py for how): under bwrap no execution can read another's code,
-inputs, files or outputs, on the same worker (nothing of one is left in the fork server's memory or on
-disk for the next) or on another (own pid, mount and ipc namespaces, own /tmp). With isolation="none" the
-first still holds (the same worker program), as do the exit statuses and the denial of user namespaces;
-what does not: concurrent executions on different workers share the host's filesystem and /proc, so
-unless the pool runs as root (then each worker's code has a uid of its own and a 0700 run directory) one
-can read another's run directory and, same uid, its process's memory.
+Between executions (see sandbox_worker.py and sandbox_confine.py for how): no execution can read another's
+code, inputs, files or outputs, on the same worker (nothing of one is left in the fork server's memory) or on
+another; and none finds state an earlier one left: each runs in IPC and mount namespaces of its own (fresh
+/tmp, /dev/shm, SysV IPC and POSIX message queues; no keyrings) under a fork server that is pid 1 of its pid
+namespace and resets it after each (sandbox_confine.py), what it leaves there goes with them (counted in
+`ExecResult.leftovers`), and what it leaves where a later one could reach it gets the worker replaced
+(`metrics()`: leftovers, leftover_kinds, recycled_for_leftovers). Where the kernel refuses those
+namespaces, each execution gets a worker of its own (`metrics()["per_execution"]`: "worker"). With
+isolation="none" executions share the host's filesystem outside /tmp, and without those namespaces also the
+host's IPC, keyrings and /proc: unless the pool runs as root (then each worker's code has a uid of its own and a
+0700 run directory) one can read another's run directory and, same uid, its process's memory.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import json
 import logging
 import os
 import queue
 import random
-import shlex
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -46,18 +47,18 @@ from typing import Any, Literal
 
 import tenacity
 
-from factory.envs import sandbox_worker
+from factory.envs import sandbox_confine, sandbox_frames, sandbox_worker
+from factory.envs.sandbox_handle import Sandbox, _Stats
 from factory.envs.sandbox_isolation import (
+    REF_PROC,
     IsolationUnavailable,
     _bwrap_prefix,
-    _Cgroup,
     _Cgroups,
     _probe_bwrap,
     _python_layout,
     _world_readable,
 )
 from factory.envs.sandbox_types import LIMIT_MAX, ExecResult, SandboxLimits, SandboxRequestError, _check_request
-from factory.envs.sandbox_worker import _HEADER, _body_frame, _recv, _recv_result, _send, _write_all
 from factory.infra.supervisor import retry
 
 # The worker program, the isolation helpers and the data types live in their own modules; these names are
@@ -73,7 +74,6 @@ PRELOAD = ("collections", "functools", "itertools", "math", "re", "json", "strin
 
 # Between failed starts of a worker: 0.1 s, doubling, at most 5 s.
 SPAWN_WAIT = tenacity.wait_exponential(multiplier=0.1, max=5.0)
-_REPLY_GRACE_S = 10.0  # the host waits wall_s + this for a reply before it declares the worker hung
 
 
 _WARNED_UNISOLATED = False
@@ -94,10 +94,31 @@ def _warn_unisolated(own_uid: bool, stdlib_unreadable: bool) -> None:
 
 
 
-def _worker_source() -> str:
-    """The worker's program: sandbox_worker.py's text, run with `python -I -S -c` (it imports only the stdlib)."""
-    with open(sandbox_worker.__file__, encoding="utf-8") as f:
-        return f.read()
+# The worker's program, run with `python -I -S -c`: the modules it imports (standard library only, and one another)
+# installed under their own names from the arguments after its config, then sandbox_worker.py's text (the last
+# argument) run as __main__.
+_WORKER_MODULES = (sandbox_frames, sandbox_confine)
+_BOOT = f"""
+import sys, types
+for name in ("factory", "factory.envs"):
+    sys.modules[name] = types.ModuleType(name)
+    sys.modules[name].__path__ = []
+for name, text in zip({[m.__name__ for m in _WORKER_MODULES]!r}, sys.argv[2:]):
+    module = sys.modules[name] = types.ModuleType(name)
+    module.__file__ = name.rsplit(".", 1)[1] + ".py"
+    exec(compile(text, module.__file__, "exec"), module.__dict__)
+    setattr(sys.modules["factory.envs"], name.rsplit(".", 1)[1], module)
+exec(compile(sys.argv[-1], "sandbox_worker.py", "exec"), {{"__name__": "__main__"}})
+"""
+
+
+def _worker_sources() -> list[str]:
+    """The texts of the worker's modules, in _BOOT's order, sandbox_worker.py's last."""
+    out = []
+    for module in (*_WORKER_MODULES, sandbox_worker):
+        with open(module.__file__, encoding="utf-8") as f:
+            out.append(f.read())
+    return out
 
 
 _TMP_PREFIX = "factory-sandbox-"
@@ -110,196 +131,6 @@ def _remove_stale_tmpdirs() -> None:
             pid = entry.name[len(_TMP_PREFIX):].split("-", 1)[0]
             if entry.name.startswith(_TMP_PREFIX) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
                 shutil.rmtree(entry.path, ignore_errors=True)
-
-
-class _Stats:
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.cold_starts = self.failures = self.recycled = self.executions = self.busy = 0
-        self.cold_start_s: list[float] = []
-
-
-def _reason(r: dict[str, Any], limits: SandboxLimits, oom_killed: bool) -> str:
-    if r.get("fault") and r["exit_code"] is None and r["signal"] is None:
-        return f"sandbox fault: {r['fault']}"
-    if r["timed_out"]:
-        return f"timeout after {limits.wall_s} s"
-    if r["truncated"]:
-        return f"output over {limits.output_bytes} bytes"
-    if oom_killed or r.get("memory_error"):
-        return f"memory limit ({limits.memory_mb} MB)"
-    sig = r["signal"]
-    if sig == "SIGXCPU":
-        return f"CPU time limit ({limits.cpu_s} s)"
-    if sig == "SIGXFSZ":
-        return f"file size limit ({limits.file_size_mb} MB)"
-    if sig is not None:
-        return f"killed by {sig}"
-    if r["exit_code"] != 0:
-        return f"exit code {r['exit_code']}"
-    return ""
-
-
-def _failed(reason: str, wall_s: float = 0.0) -> ExecResult:
-    return ExecResult(ok=False, exit_code=None, stdout="", stderr="", timed_out=False, killed_by=None,
-                      truncated=False, reason=reason, wall_s=wall_s)
-
-
-class Sandbox:
-    """One warm worker. Use it from one thread at a time (the pool hands it to one holder)."""
-
-    def __init__(self, argv: list[str], env: dict[str, str], cwd: str | None, limits: SandboxLimits,
-                 stats: _Stats, cgroup: _Cgroup | None = None, log_path: str | None = None, name: str = ""):
-        self.name = name
-        self.limits = limits
-        self.uses = 0
-        self.fault: str | None = None  # why this worker must be recycled, once something went wrong
-        self._argv, self._env, self._cwd = argv, env, cwd
-        self._stats, self._cgroup, self._log_path = stats, cgroup, log_path
-        self._cgroup_limits: SandboxLimits | None = None
-        self._proc: subprocess.Popen | None = None
-
-    @property
-    def pid(self) -> int | None:
-        """The worker's outermost process (bwrap's, under isolation='bwrap')."""
-        return self._proc.pid if self._proc else None
-
-    def start(self, timeout: float = 30.0) -> float:
-        """Start the worker and wait until it answers; seconds it took."""
-        t0 = time.perf_counter()
-        argv = self._argv
-        if self._cgroup is not None:
-            self._set_cgroup_limits(self.limits)
-            # Join the cgroups before bwrap starts, so every process of the sandbox is born in them.
-            joins = " && ".join(f"echo $$ > {shlex.quote(p)}" for p in self._cgroup.procs_files)
-            argv = ["/bin/sh", "-c", f'{joins} && exec "$@"', "sh", *argv]
-        stderr = open(self._log_path, "ab") if self._log_path else subprocess.DEVNULL  # noqa: SIM115
-        try:
-            self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
-                                          env=self._env, cwd=self._cwd, start_new_session=True)
-        finally:
-            if stderr is not subprocess.DEVNULL:
-                stderr.close()
-        try:
-            msg = _recv(self._proc.stdout.fileno(), time.monotonic() + timeout)
-        except (TimeoutError, ValueError, OSError) as e:
-            self.kill()
-            raise RuntimeError(f"sandbox worker did not start: {e}{self._log_tail()}") from e
-        if msg is None or msg.get("op") != "ready":
-            self.kill()
-            raise RuntimeError(f"sandbox worker did not start (exit code {self._proc.wait()}){self._log_tail()}")
-        return time.perf_counter() - t0
-
-    def _log_tail(self) -> str:
-        if not self._log_path:
-            return ""
-        try:
-            with open(self._log_path, "rb") as f:
-                f.seek(max(0, os.path.getsize(self._log_path) - 2000))
-                tail = f.read().decode("utf-8", "replace").strip()
-        except OSError:
-            return ""
-        return f"; worker stderr: {tail}" if tail else ""
-
-    def alive(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None and self.fault is None
-
-    def ping(self, timeout: float = 5.0) -> bool:
-        """True if the worker answers; a worker that does not is marked faulty."""
-        if not self.alive():
-            return False
-        try:
-            _send(self._proc.stdin.fileno(), {"op": "ping"})
-            msg = _recv(self._proc.stdout.fileno(), time.monotonic() + timeout)
-        except (OSError, TimeoutError, ValueError) as e:
-            self.fault = f"ping failed: {type(e).__name__}: {e}"
-            return False
-        if msg is None or msg.get("op") != "pong":
-            self.fault = "ping: worker gone" if msg is None else f"ping: unexpected reply {msg.get('op')!r}"
-            return False
-        return True
-
-    def exec(self, code: str, stdin: str = "", files: dict[str, str] | None = None,
-             limits: SandboxLimits | None = None) -> ExecResult:
-        """Run code once. Never raises for anything the code does; a worker fault gives ok=False and
-        marks this sandbox for recycling. SandboxRequestError (a ValueError) for the caller's mistakes: bad `files`
-        names, text that is not Unicode."""
-        _check_request(code, stdin, files)
-        limits = limits or self.limits
-        if not self.alive():
-            self.fault = self.fault or "worker not running"
-            return _failed(f"sandbox fault: {self.fault}")
-        self.uses += 1
-        with self._stats.lock:
-            self._stats.executions += 1
-        oom_before = 0
-        if self._cgroup is not None:
-            if limits != self._cgroup_limits:
-                self._set_cgroup_limits(limits)
-            oom_before = self._cgroup.oom_kills()
-        # Two frames: the worker reads the first, only the execution's own process the second (sandbox_worker.py).
-        control = json.dumps({"op": "exec", "limits": dataclasses.asdict(limits)}).encode()
-        frames = _HEADER.pack(len(control)) + control + _body_frame(code, stdin, files or {})
-        t0 = time.monotonic()
-        try:
-            _write_all(self._proc.stdin.fileno(), frames)
-            r = _recv_result(self._proc.stdout.fileno(), t0 + limits.wall_s + _REPLY_GRACE_S)
-        except TimeoutError:
-            self.fault = "worker hung (no reply past the wall timeout)"
-            self.kill()
-            return _failed(f"sandbox fault: {self.fault}", time.monotonic() - t0)
-        except (OSError, ValueError) as e:
-            self.fault = f"protocol error: {type(e).__name__}: {e}"
-            self.kill()
-            return _failed(f"sandbox fault: {self.fault}", time.monotonic() - t0)
-        if r is None:
-            # The worker died under the code (e.g. it killed its parent): recycle, score the run 0.
-            self.fault = "worker died during the run"
-            self.kill()
-            return _failed("sandbox worker died during the run (the code may have killed it)", time.monotonic() - t0)
-        if r.get("op") != "result":
-            self.fault = f"unexpected reply {r.get('op')!r}"
-            self.kill()
-            return _failed(f"sandbox fault: {self.fault}", time.monotonic() - t0)
-        if r.get("fault"):
-            self.fault = r["fault"]
-        oom = self._cgroup is not None and self._cgroup.oom_kills() > oom_before
-        reason = _reason(r, limits, oom)
-        return ExecResult(ok=reason == "", exit_code=r["exit_code"], stdout=r["stdout"], stderr=r["stderr"],
-                          timed_out=r["timed_out"], killed_by=r["signal"], truncated=r["truncated"], reason=reason,
-                          wall_s=float(r["wall_s"]))
-
-    def _set_cgroup_limits(self, limits: SandboxLimits) -> None:
-        try:
-            self._cgroup.set_limits(limits)
-            self._cgroup_limits = limits
-        except OSError as e:
-            log.warning("sandbox %s: could not set cgroup limits (%s); RLIMIT_AS still applies", self.name, e)
-
-    def kill(self) -> None:
-        """Stop the worker now (its namespace and everything in it go with bwrap)."""
-        if self._proc is None:
-            return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self._proc.pid, signal.SIGKILL)
-        with contextlib.suppress(ProcessLookupError):
-            self._proc.kill()
-        for f in (self._proc.stdin, self._proc.stdout):
-            with contextlib.suppress(OSError):
-                f.close()
-
-    def reap(self) -> None:
-        """Wait for the killed worker and remove its cgroup (slow-ish; the pool does it in the background)."""
-        if self._proc is not None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self._proc.wait(timeout=10)
-        if self._cgroup is not None:
-            self._cgroup.remove()
-        if self._cwd:
-            shutil.rmtree(self._cwd, ignore_errors=True)
-        if self._log_path:
-            with contextlib.suppress(OSError):
-                os.unlink(self._log_path)
 
 
 def _pin(cpus: frozenset[int] | None) -> None:
@@ -340,7 +171,7 @@ class SandboxPool:
             if exe is None:
                 raise IsolationUnavailable(f"bubblewrap not found ({bwrap!r} is not an executable on PATH or a "
                                            f"path to one): install the bubblewrap package, or use isolation='none'")
-            self._prefix = _bwrap_prefix(exe, self._layout, self._root, self._tmp_mb, not self.allow_userns)
+            self._prefix = _bwrap_prefix(exe, self._layout, self._root, self._tmp_mb)
             _probe_bwrap(self._prefix, self._layout.executable)
         else:
             self._prefix = []
@@ -357,7 +188,9 @@ class SandboxPool:
         self._serial = 0
         self._last_error = ""
         self._tmpdir: str | None = None
-        self._source = _worker_source()
+        self._sources = _worker_sources()
+        self._fresh = True  # ask workers for namespaces of its own for every execution (tests turn it off)
+        self._warned_not_fresh = False
         # Workers are spawned from these long-lived threads only: bwrap --die-with-parent ties a worker to
         # the thread that forked it, so a short-lived caller thread would take its workers with it.
         # Placement: a worker inherits the cores of the thread that forks it.
@@ -418,8 +251,9 @@ class SandboxPool:
         sandboxed = self.isolation == "bwrap"
         cfg = {"scratch": "/tmp" if sandboxed else scratch, "wipe": ["/tmp", "/dev/shm"] if sandboxed else [scratch],
                "drop_uid": drop_uid, "pidns": sandboxed, "preload": list(self.preload),
-               "deny_userns": not self.allow_userns}
-        return [*self._prefix, self._layout.executable, "-I", "-S", "-c", self._source, json.dumps(cfg)]
+               "deny_userns": not self.allow_userns, "fresh": self._fresh, "tmp_mb": self._tmp_mb,
+               "ref_proc": REF_PROC if sandboxed and self._root else None}
+        return [*self._prefix, self._layout.executable, "-I", "-S", "-c", _BOOT, json.dumps(cfg), *self._sources]
 
     def _make_sandbox(self) -> Sandbox:
         """A new, not yet started worker (its scratch dir, cgroup and command line)."""
@@ -431,6 +265,8 @@ class SandboxPool:
         cgroup = self._cgroups.create(name) if self._cgroups is not None else None
         # A fresh uid per worker, far above the host's users' range: RLIMIT_NPROC counts per uid.
         drop_uid = random.randrange(1 << 20, 1 << 30) if self._drop_uid else None
+        if drop_uid is not None:
+            os.chown(scratch, drop_uid, drop_uid)  # the fork server runs as that uid when it can (sandbox_confine)
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": scratch, "LANG": "C.UTF-8"}
         return Sandbox(self._worker_argv(scratch, drop_uid), env, scratch, self.limits, self._stats, cgroup,
                        os.path.join(self._tmpdir, f"w{name}.log"), name)
@@ -459,6 +295,7 @@ class SandboxPool:
                 self._stats.cold_starts += 1
                 self._stats.cold_start_s.append(seconds)
                 del self._stats.cold_start_s[:-1000]
+                self._stats.per_execution.add(self._per_execution(sb))
             with self._lock:
                 if self._closed.is_set():
                     closed = True
@@ -478,7 +315,19 @@ class SandboxPool:
         except Exception:  # noqa: BLE001 - the last of `attempts` failed starts, already counted and logged
             return False
 
-    def _retire(self, sb: Sandbox, fault: bool) -> None:
+    def _per_execution(self, sb: Sandbox) -> str:
+        """What an execution on sb has to itself: namespaces, a whole worker, or (unisolated, without namespaces
+        of its own) neither."""
+        if sb.fresh:
+            return "namespaces"
+        if not self._warned_not_fresh:
+            self._warned_not_fresh = True
+            log.warning("sandbox: executions cannot have namespaces of their own here (%s): %s", sb.why_not_fresh,
+                        "each gets a worker of its own (slower)" if self.isolation == "bwrap" else
+                        "with isolation='none' they share the host's IPC, keyrings and counters")
+        return "worker" if self.isolation == "bwrap" else "shared"
+
+    def _retire(self, sb: Sandbox, fault: bool, leftovers: bool = False) -> None:
         """Take sb out of service and start a replacement in the background."""
         with self._lock:
             known = sb in self._live
@@ -486,9 +335,13 @@ class SandboxPool:
         with self._stats.lock:
             self._stats.recycled += 1
             self._stats.failures += int(fault)
+            self._stats.recycled_for_leftovers += int(leftovers)
         if fault:
             log.warning("sandbox worker %s recycled after a fault: %s%s", sb.name, sb.fault or "marked unhealthy",
                         sb._log_tail())
+        elif leftovers:
+            log.warning("sandbox worker %s recycled: an execution left %s where a later one could reach it", sb.name,
+                        ", ".join(sb.dirty))
         sb.kill()
         if known and not self._closed.is_set():
             with contextlib.suppress(RuntimeError):  # the spawner shut down: the pool is closing
@@ -531,8 +384,10 @@ class SandboxPool:
             return
         if sb.fault is not None or not sb.alive():
             self._retire(sb, fault=True)
-        elif sb.uses >= self.recycle_after:
-            self._retire(sb, fault=False)
+        elif sb.dirty:
+            self._retire(sb, fault=False, leftovers=True)
+        elif sb.uses >= self.recycle_after or (sb.uses and not sb.fresh and self.isolation == "bwrap"):
+            self._retire(sb, fault=False)  # without namespaces per execution, a worker serves one
         else:
             self._idle.put(sb)
 
@@ -575,8 +430,11 @@ class SandboxPool:
 
     def metrics(self) -> dict[str, Any]:
         """warm (idle, ready), busy (lent out), cold_starts (workers started, replacements included),
-        failures (worker faults and failed starts), recycled (workers retired: after recycle_after uses or
-        a fault), executions, plus the isolation, the memory limit mechanism and cold start times."""
+        failures (worker faults and failed starts), recycled (workers retired: after recycle_after uses, a
+        fault, or leftovers), executions, plus the isolation, the memory limit mechanism and cold start times;
+        per_execution (what each execution has to itself: "namespaces", a "worker", or, unisolated without
+        namespaces, "shared"), leftovers (executions that left anything), leftover_kinds (their count by kind)
+        and recycled_for_leftovers (workers replaced because a later execution could have reached it)."""
         with self._stats.lock:
             s = self._stats
             cold = sorted(s.cold_start_s)
@@ -584,5 +442,7 @@ class SandboxPool:
                     "failures": s.failures, "recycled": s.recycled, "executions": s.executions,
                     "isolation": self.isolation, "memory_limit": self.memory_limit,
                     "code_uid": "own random uid" if self._drop_uid else "worker's uid",
-                    "cold_start_p50_ms": round(cold[len(cold) // 2] * 1000, 2) if cold else None}
+                    "cold_start_p50_ms": round(cold[len(cold) // 2] * 1000, 2) if cold else None,
+                    "per_execution": "/".join(sorted(s.per_execution)) or None, "leftovers": s.leftovers,
+                    "leftover_kinds": dict(s.leftover_kinds), "recycled_for_leftovers": s.recycled_for_leftovers}
 

@@ -4,18 +4,21 @@ Isolation (`isolation="bwrap"`): new mount, pid, net, ipc and uts namespaces; a 
 read-only /usr (+ the /bin, /lib* links), a few /etc files and the interpreter's installation; private
 size-bounded tmpfs /tmp and /dev/shm (the only writable places); fresh /proc and minimal /dev; a
 scrubbed environment (PATH, HOME=/tmp, LANG). The repo, FACTORY_HOME, /root and the host's loopback
-are not reachable. User namespaces: the code's process installs a seccomp filter (sandbox_worker.py) that
-fails unshare/clone with CLONE_NEWUSER, in every mode, unless the pool was made with allow_userns=True; in
-bwrap's own user namespace `--disable-userns` (bubblewrap >= 0.8) forbids them as well. The code sees
-the standard library only (`python -I -S`, the interpreter behind `python`, e.g. a venv's base). How the
-code is kept from the worker depends on who runs the pool:
+are not reachable. Inside it the worker makes a user namespace of its own (sandbox_confine.py): so no
+--disable-userns here; the code's process installs a seccomp filter that fails unshare/clone with CLONE_NEWUSER
+(and the keyring calls), in every mode, unless the pool was made with allow_userns=True. The code sees the
+standard library only (`python -I -S`, the interpreter behind `python`, e.g. a venv's base), and only its own
+processes. How the code is kept from the worker depends on who runs the pool:
 
-- as root, bwrap runs privileged (no user namespace) with only CAP_SETUID/CAP_SETGID kept; each child
-  switches to a random unprivileged uid of its own. RLIMIT_NPROC then binds (the kernel does not apply
-  it to uid 0, even inside a user namespace), and the code can neither signal the worker
-  nor open its pipes through /proc.
-- otherwise bwrap makes a user namespace; the child keeps the worker's uid, so code that kills its
-  worker gets the worker recycled (the worker is non-dumpable, so its pipes stay out of reach).
+- as root, bwrap runs privileged (no user namespace) with only CAP_SETUID/CAP_SETGID kept (and CAP_SYS_ADMIN
+  until the worker has mounted the reference /proc its namespaces need, REF_PROC: bwrap covers parts of the one
+  it mounts as root, and a user namespace may mount a /proc only where one is fully visible); the worker then
+  switches to a random unprivileged uid of its own, the code's, before it makes its namespaces (or, where it
+  cannot make them, each child switches). RLIMIT_NPROC then binds (the kernel does not apply it to uid 0, even
+  inside a user namespace).
+- otherwise bwrap makes a user namespace; the code keeps the worker's uid.
+Either way the fork server is pid 1 of the code's pid namespace: the code's signals do not reach it, its /proc
+entry is covered, and it is non-dumpable, so its pipes stay out of reach.
 
 Memory: RLIMIT_AS per process always; where this process may create cgroups (v2 with the memory
 controller delegated, or v1 memory/pids hierarchies) each worker also gets its own cgroup with a
@@ -41,6 +44,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _CGROUP_OVERHEAD_MB = 64  # the worker and bwrap themselves, on top of the code's memory limit
+# As root, bwrap covers parts of the /proc it mounts, and no user namespace may then mount a /proc of its own:
+# the worker mounts an uncovered one here at start, for its executions' namespaces (sandbox_confine).
+REF_PROC = "/.sandbox-proc"
 _CGROUP_PREFIX = "factory-sandbox-"
 _PROBES: dict[tuple, str | None] = {}  # (bwrap argv prefix) -> None if it works, else why not
 _probe_lock = threading.Lock()
@@ -77,29 +83,19 @@ def _python_layout(python: str) -> _PythonLayout:
 
 
 
-def _bwrap_supports(bwrap: str, option: str) -> bool:
-    """Whether this bubblewrap lists option in its --help (--disable-userns came with 0.8.0)."""
-    try:
-        p = subprocess.run([bwrap, "--help"], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return option in p.stdout + p.stderr
-
-
-def _bwrap_prefix(bwrap: str, layout: _PythonLayout, privileged: bool, tmp_mb: int,
-                  deny_userns: bool = True) -> list[str]:
+def _bwrap_prefix(bwrap: str, layout: _PythonLayout, privileged: bool, tmp_mb: int) -> list[str]:
     """bubblewrap's arguments up to the command. privileged: we are root, so no user namespace (see the
-    module docstring) and only the capabilities the worker needs to switch the code to its own uid.
-    deny_userns: in a user namespace of bwrap's own, forbid nested ones too (where bwrap can; the worker's
-    seccomp filter denies them in every mode)."""
+    module docstring) and only the capabilities the worker needs to switch the code to its own uid (and, until it
+    has mounted REF_PROC, CAP_SYS_ADMIN). No --disable-userns: each execution's namespaces start with a user
+    namespace of their own; the code's seccomp filter denies it any further one."""
     a = [bwrap]
     if privileged:
+        # CAP_SYS_ADMIN only for the worker to mount the reference /proc at start (REF_PROC); it drops it then.
         a += ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
-              "--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+              "--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SYS_ADMIN",
+              "--dir", REF_PROC]
     else:
         a += ["--unshare-all", "--unshare-user"]
-        if deny_userns and _bwrap_supports(bwrap, "--disable-userns"):
-            a += ["--disable-userns"]
     a += ["--die-with-parent", "--new-session", "--ro-bind", "/usr", "/usr"]
     for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
         if os.path.islink(top):
@@ -120,7 +116,7 @@ def _bwrap_prefix(bwrap: str, layout: _PythonLayout, privileged: bool, tmp_mb: i
         a += ["--ro-bind", p, p]
     size = str(tmp_mb << 20)
     a += ["--perms", "1777", "--size", size, "--tmpfs", "/tmp", "--proc", "/proc", "--dev", "/dev",
-          "--perms", "1777", "--size", size, "--tmpfs", "/dev/shm",
+          "--perms", "1777", "--size", size, "--tmpfs", "/dev/shm", "--dir", "/dev/mqueue",
           # Only /tmp and /dev/shm stay writable (and are wiped after each run); in a user namespace the code
           # would otherwise own the sandbox's root and /dev, and could leave files there for the next run.
           "--remount-ro", "/dev", "--remount-ro", "/",
@@ -170,6 +166,15 @@ class _Cgroup:
             _write(os.path.join(self.dirs["memory"], "memory.limit_in_bytes"), memory)
         if "pids" in self.dirs:
             _write(os.path.join(self.dirs["pids"], "pids.max"), pids)
+
+    def memory_bytes(self) -> int | None:
+        """Memory charged to the cgroup now (None where it cannot be read)."""
+        name = "memory.current" if self.kind == "cgroup-v2" else "memory.usage_in_bytes"
+        try:
+            with open(os.path.join(self.dirs["memory"], name)) as f:
+                return int(f.read())
+        except (OSError, ValueError):
+            return None
 
     def oom_kills(self) -> int:
         name = "memory.events" if self.kind == "cgroup-v2" else "memory.oom_control"

@@ -69,13 +69,16 @@ class ExecResult:
     truncated: bool  # stdout or stderr went over output_bytes (the code was then killed)
     reason: str  # "" when ok, else a short human reason
     wall_s: float
+    # What the execution left behind, by kind (count; sysv_shm_bytes, memory_mb), all of it removed or its worker
+    # replaced before the next execution: see sandbox_confine.leftovers and SandboxPool.metrics.
+    leftovers: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ExecResult:
-        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls)})
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d or f.name != "leftovers"})
 
 
 def _check_request(code: str, stdin: str, files: dict[str, str] | None) -> None:

@@ -1,28 +1,29 @@
-"""The sandbox worker's program: a fork server that runs one execution at a time, and the framing it speaks.
+"""The sandbox worker's program: a fork server that runs one execution at a time.
 
-The pool (`sandbox.py`) runs this whole file with `python -I -S -c`, inside bubblewrap when isolated
-(`sandbox_isolation.py`), so it imports only the standard library. Per execution the worker forks a child
-that reads the request itself, drops privileges, denies itself user namespaces (a seccomp filter), sets
-rlimits, makes a fresh private directory, runs the code with `exec()` as `__main__` and exits. The worker
-reads the child's stdout and stderr (capped at `output_bytes`, the code killed past it), kills it at the
-wall timeout, then kills whatever it left behind and wipes its files.
+The pool (`sandbox.py`) runs this file inside bubblewrap when isolated (`sandbox_isolation.py`) with
+`python -I -S -c`, giving it the text of the two modules it imports (`sandbox_frames`, the framing it speaks with
+the host; `sandbox_confine`, the executions' namespaces), so all three import only the standard library. At start
+(`_start`) the worker makes itself, where the kernel lets it, the fork server of namespaces of its own: pid 1 of
+a pid namespace in a user namespace it owns, as the code's uid (see sandbox_confine.py; elsewhere it serves as
+it is and the pool gives every execution a fresh worker). Per execution it enters new IPC and mount namespaces
+(fresh /tmp, /dev/shm, /dev/mqueue; its own /proc entry covered) and forks the code's process, which reads the
+request itself, drops every capability, installs a seccomp filter (no keyrings, no further user namespaces), sets
+rlimits, makes its run directory, runs the code with `exec()` as `__main__` and exits. The worker reads its stdout
+and stderr (capped at `output_bytes`, the code killed past it), kills it at the wall timeout, then kills whatever
+it left behind, counts and removes what it left in IPC, and checks what it left where a later execution could
+reach it (the pool then replaces the worker).
 
 Why one execution never sees another's code, inputs, files or outputs: every child is a fork of this
 process, so whatever this process's heap ever held, every later execution could read (/proc/self/mem).
 So it never holds them. The request comes in two frames: a control frame the worker reads (the op and the
 limits only) and a body frame (code, stdin, files) that only the child reads from the pipe, with raw
-os.read, and that dies with it. The child's stdout and stderr go from its pipes into two buffers made
-once (`os.readv`, no intermediate bytes objects), from there to the host's pipe (`os.write` of a
-memoryview) and are then overwritten with zeros, before the next fork. The run's files are wiped; its
-processes are killed. Nothing of an execution is left in memory or on disk that a later fork inherits.
+os.read, and that dies with it. The child's stdout and stderr go from its pipes into two buffers that no fork
+maps (`os.readv`, no intermediate bytes objects), from there to the host's pipe (`os.write` of a memoryview)
+and are then overwritten with zeros. Its processes are killed; its IPC objects and files were its namespaces'
+and go with them, and the counters it could advance (pids, inode numbers, IPC ids) start afresh for the next.
+Nothing of an execution is left in memory, on disk or in the kernel that a later one could read.
 
-Host and worker talk over the worker's stdin/stdout: 4-byte big-endian length, then UTF-8 JSON
-(`_send`/`_recv`, used on both sides). Requests: {"op": "ping"} -> {"op": "pong"}; {"op": "exec",
-"limits"} followed by a body frame (`_body_frame`: code, stdin, files) -> {"op": "result", "exit_code", "signal",
-"timed_out", "truncated", "stdout_bytes", "stderr_bytes", "memory_error", "wall_s", "fault"} followed by
-that many raw bytes of stdout, then of stderr (`_recv_result` reads it all). The first message is
-{"op": "ready"}. A worker whose child did not take the whole body exits after its reply: the stream
-would be out of step.
+A worker whose child did not take the whole body exits after its reply: the stream would be out of step.
 """
 
 from __future__ import annotations
@@ -34,111 +35,27 @@ import gc
 import importlib
 import json
 import math
+import mmap
 import os
 import resource
 import select
 import signal
-import struct
 import sys
 import threading
 import time
 import traceback
 import types
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
-_HEADER = struct.Struct(">I")
-_MAX_MESSAGE = 256 << 20  # a request or reply larger than this is a protocol error
+from factory.envs import sandbox_confine as confine
+from factory.envs.sandbox_frames import _HEADER, _recv, _recv_body, _send, _write_all, _writev_all
 
 # prctl(2) options (linux/prctl.h); ctypes because the stdlib has no prctl.
 _PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_SET_NO_NEW_PRIVS = 1, 4, 38
 
 _KILL_WAIT_S = 2.0  # a SIGKILLed process not gone after this is "a child it could not kill": recycle
 _DRAIN_S = 1.0  # after the code's process exits, how long its pipes may stay open (held by leftovers)
-
-# seccomp (linux/seccomp.h, linux/filter.h, linux/audit.h): a classic BPF program that fails unshare(2) and
-# clone(2) with CLONE_NEWUSER (EPERM), and clone3(2) (ENOSYS: its flags are in memory a filter cannot read;
-# glibc then falls back to clone). Other architectures' and x32 system calls are refused (EPERM).
-_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 22, 2
-_CLONE_NEWUSER = 0x10000000
-# machine -> (AUDIT_ARCH_*, __NR_unshare, __NR_clone, __NR_clone3)
-_SYSCALLS = {"x86_64": (0xC000003E, 272, 56, 435), "aarch64": (0xC00000B7, 97, 220, 435)}
-
-
-def _deny_userns_filter(machine: str) -> bytes | None:
-    """The BPF program (struct sock_filter[]) for this machine; None where the numbers are not known."""
-    if machine not in _SYSCALLS:
-        return None
-    arch, unshare, clone, clone3 = _SYSCALLS[machine]
-    allow, eperm, enosys = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
-    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, JGE, JSET, BPF_RET|K
-    prog = [(ld, 0, 0, 4),                # arch
-            (jeq, 0, 9, arch),            # other ABI -> deny (11)
-            (ld, 0, 0, 0),                # nr
-            (jge, 7, 0, 0x40000000),      # x32 -> deny (11)
-            (jeq, 7, 0, clone3),          # -> enosys (12)
-            (jeq, 2, 0, unshare),         # -> check flags (8)
-            (jeq, 1, 0, clone),           # -> check flags (8)
-            (ret, 0, 0, allow),
-            (ld, 0, 0, 16),               # args[0], low 32 bits (little-endian)
-            (jset, 1, 0, _CLONE_NEWUSER),  # -> deny (11)
-            (ret, 0, 0, allow),
-            (ret, 0, 0, eperm),
-            (ret, 0, 0, enosys)]
-    return b"".join(struct.pack("=HBBI", *ins) for ins in prog)
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
-
-
-def _writev_all(fd: int, parts: list[bytes | memoryview]) -> None:
-    views = [memoryview(p) for p in parts if len(p)]
-    while views:
-        n = os.writev(fd, views)
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if views:
-            views[0] = views[0][n:]
-
-
-def _send(fd: int, msg: dict[str, Any]) -> None:
-    body = json.dumps(msg).encode()
-    _write_all(fd, _HEADER.pack(len(body)) + body)
-
-
-def _read_exact(fd: int, n: int, deadline: float | None) -> bytes | None:
-    """n bytes from fd; None on EOF; TimeoutError past the deadline (None: wait forever)."""
-    buf = bytearray()
-    while len(buf) < n:
-        if deadline is not None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
-                raise TimeoutError("no reply from the sandbox worker")
-        chunk = os.read(fd, min(n - len(buf), 1 << 20))
-        if not chunk:
-            return None
-        buf += chunk
-    return bytes(buf)
-
-
-def _recv(fd: int, deadline: float | None = None) -> dict[str, Any] | None:
-    header = _read_exact(fd, _HEADER.size, deadline)
-    if header is None:
-        return None
-    (n,) = _HEADER.unpack(header)
-    if n > _MAX_MESSAGE:
-        raise ValueError(f"message of {n} bytes is over the {_MAX_MESSAGE} byte limit")
-    body = _read_exact(fd, n, deadline)
-    if body is None:
-        return None
-    msg = json.loads(body)
-    if not isinstance(msg, dict):
-        raise ValueError("message is not a JSON object")
-    return msg
 
 
 # Compiled once by the fork server before it forks anything: typical code for the compiler to warm up on.
@@ -162,81 +79,37 @@ print(f(15), sys.stdin.read(), [*sys.argv, T.x], end="")
 '''
 
 
-_BODY = struct.Struct(">III")  # a body frame: the lengths of the code, stdin and files parts, then the parts
-
-
-def _body_frame(code: str, stdin: str, files: dict[str, str]) -> bytes:
-    """The framed body of an exec request (host side): code and stdin as UTF-8 (surrogateescape keeps raw
-    bytes), files as JSON when there are any. Not JSON as a whole: parsing it in each fresh child would cost
-    it ~0.3 ms of copy-on-write faults."""
-    parts = [code.encode("utf-8", "surrogateescape"), stdin.encode("utf-8", "surrogateescape"),
-             json.dumps(files).encode() if files else b""]
-    body = _BODY.pack(*map(len, parts)) + b"".join(parts)
-    return _HEADER.pack(len(body)) + body
-
-
-def _recv_body(fd: int) -> tuple[str, bytes, dict[str, str]] | None:
-    """Read one body frame (the child, from the host's pipe): code, stdin bytes, files; None on EOF."""
-    header = _read_exact(fd, _HEADER.size, None)
-    if header is None:
-        return None
-    (n,) = _HEADER.unpack(header)
-    if not _BODY.size <= n <= _MAX_MESSAGE:
-        raise ValueError(f"body frame of {n} bytes")
-    body = _read_exact(fd, n, None)
-    if body is None:
-        return None
-    lens = _BODY.unpack_from(body)
-    if _BODY.size + sum(lens) != n:
-        raise ValueError("body frame parts do not add up")
-    a, b = _BODY.size + lens[0], _BODY.size + lens[0] + lens[1]
-    files = json.loads(body[b:]) if lens[2] else {}
-    return body[_BODY.size:a].decode("utf-8", "surrogateescape"), body[a:b], files
-
-
-class _SockFprog(ctypes.Structure):
-    """struct sock_fprog: the program prctl(PR_SET_SECCOMP) takes."""
-
-    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
-
-
-def _recv_result(fd: int, deadline: float | None = None) -> dict[str, Any] | None:
-    """A reply with its raw stdout and stderr after it, decoded into "stdout" and "stderr" (host side)."""
-    msg = _recv(fd, deadline)
-    if msg is None or msg.get("op") != "result":
-        return msg
-    sizes = [msg.pop("stdout_bytes"), msg.pop("stderr_bytes")]
-    if not all(isinstance(n, int) and 0 <= n <= _MAX_MESSAGE for n in sizes):
-        raise ValueError(f"bad output sizes {sizes!r} in a reply")
-    raw = _read_exact(fd, sum(sizes), deadline) if sum(sizes) else b""
-    if raw is None:
-        return None
-    msg["stdout"] = raw[:sizes[0]].decode("utf-8", "replace")
-    msg["stderr"] = raw[sizes[0]:].decode("utf-8", "replace")
-    return msg
-
-
 class _Worker:
-    """The fork server. cfg: scratch (where run dirs go), wipe (dirs emptied after each run), drop_uid
-    (uid the code runs as, when the worker is root), pidns (alone in a pid namespace), preload, deny_userns."""
+    """The fork server. cfg: scratch (where run dirs go without fresh namespaces), wipe (dirs emptied after each run),
+    drop_uid (uid the code runs as, when the worker is root), pidns (bwrap's: alone in pid and network namespaces),
+    preload, deny_userns, fresh (each execution in namespaces of its own, `sandbox_confine`), ref_proc (where to
+    mount the /proc they need, when bwrap's is covered), tmp_mb (size of each execution's /tmp and /dev/shm)."""
 
-    def __init__(self, cfg: dict[str, Any]):
+    def __init__(self, cfg: dict[str, Any], why_not_fresh: str | None):
+        """why_not_fresh: None when `_start` made this process the fork server of namespaces of its own."""
         self.scratch: str = cfg["scratch"]
         self.wipe: list[str] = cfg["wipe"]
-        self.uid: int | None = cfg.get("drop_uid")
         self.pidns: bool = cfg["pidns"]
+        self.tmp_bytes = int(cfg.get("tmp_mb", 64)) << 20
         self.runs = 0
         self.libc = ctypes.CDLL(None, use_errno=True)
-        self.seccomp: Any = None  # a pointer to the seccomp program, made once
-        if cfg.get("deny_userns", True):
-            prog = _deny_userns_filter(os.uname().machine)
-            if prog is None:
-                raise SystemExit(f"cannot deny user namespaces on {os.uname().machine}: no seccomp filter for it "
-                                 f"(allow_userns=True runs without one)")
-            self._filter = ctypes.create_string_buffer(prog, len(prog))
-            self.seccomp = ctypes.pointer(_SockFprog(len(prog) // 8, ctypes.addressof(self._filter)))
+        # The code's process installs this filter: no keyrings; no user namespaces unless allowed.
+        prog = confine.seccomp_program(os.uname().machine, cfg.get("deny_userns", True))
+        if prog is None and cfg.get("deny_userns", True):
+            raise SystemExit(f"cannot deny user namespaces on {os.uname().machine}: no seccomp filter for it "
+                             f"(allow_userns=True runs without one)")
+        self.seccomp = confine.Seccomp(prog) if prog is not None else None
+        self.base_mnt = None
+        if why_not_fresh is None:
+            try:
+                self.base_mnt = confine.start_fork_server([cfg["ref_proc"]] if cfg.get("ref_proc") else [])
+            except OSError as e:
+                why_not_fresh = str(e)
+        # As the fork server of namespaces of its own the worker already is the code's uid (`_start`).
+        self.uid: int | None = None if self.base_mnt is not None else cfg.get("drop_uid")
+        self.pid1 = os.getpid() == 1  # init of the pid namespace its executions run in: kill(-1) spares it
         # The code's output lands here and only here (see the module docstring); grown, never shrunk.
-        self.out_buf, self.err_buf = bytearray(), bytearray()
+        self.out_buf, self.err_buf = _buffer(1), _buffer(1)
         # Non-dumpable: the code (same uid in user-namespace mode) can neither ptrace us nor open our pipes
         # through /proc/<pid>/fd to forge a reply.
         self.libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
@@ -259,9 +132,15 @@ class _Worker:
         if self.uid is not None:
             for d in self.wipe:
                 os.chmod(d, 0o1777)  # the code's uid creates its run dir here; sticky: nobody else's files
+        # Namespaces of its own for every execution, where the kernel lets us make them (one empty execution
+        # through them tells); else the pool gives every execution a fresh worker.
+        self.fresh = self.base_mnt is not None
+        if self.fresh and (why_not_fresh := self._probe_confinement()) is not None:
+            self.fresh = False
+        self.why_not_fresh = why_not_fresh
 
     def serve(self) -> None:
-        _send(1, {"op": "ready", "pid": os.getpid()})
+        _send(1, {"op": "ready", "pid": os.getpid(), "fresh": self.fresh, "why_not_fresh": self.why_not_fresh})
         while True:
             req = _recv(0)
             if req is None:
@@ -279,10 +158,20 @@ class _Worker:
     def execute(self, lim: dict[str, Any]) -> None:
         """One execution: fork the child (it reads the body frame), supervise it, reply, clean up."""
         self.runs += 1
-        run_dir = os.path.join(self.scratch, f"run-{self.runs}")
+        # In namespaces of its own the run dir is in a /tmp nobody else sees: one name for all, so that not even
+        # the number of executions before it shows.
+        run_dir = "/tmp/run" if self.fresh else os.path.join(self.scratch, f"run-{self.runs}")
         cap = int(lim["output_bytes"])
         if len(self.out_buf) < cap + 1:  # one byte more than the cap: a full buffer means "truncated"
-            self.out_buf, self.err_buf = bytearray(cap + 1), bytearray(cap + 1)
+            self.out_buf, self.err_buf = _buffer(cap + 1), _buffer(cap + 1)
+        if self.fresh:
+            try:
+                confine.begin_execution(self.base_mnt, self.tmp_bytes)
+            except OSError as e:  # the request stays unread in the pipe: reply, then exit (out of step)
+                self._reply({"exit_code": None, "signal": None, "timed_out": False, "truncated": False,
+                             "memory_error": False, "wall_s": 0.0, "leftovers": {}, "dirty": [],
+                             "fault": f"could not make the execution's namespaces: {e}"}, 0, 0)
+                os._exit(0)
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         took_r, took_w = os.pipe()  # the child writes one byte once it has read the whole body
@@ -292,15 +181,9 @@ class _Worker:
         if pid == 0:  # the code's process: never returns
             try:
                 os.close(took_r)
-                body = _recv_body(0)
-                if body is None:
-                    os._exit(126)
-                os.write(took_w, b"1")
-                os.close(took_w)
-                self._child(*body, lim, run_dir, out_w, err_w, (out_r, err_r))
+                self._child(lim, run_dir, out_w, err_w, took_w, (out_r, err_r))
             except BaseException:  # noqa: BLE001 - report setup failures as the code's stderr
-                with contextlib.suppress(Exception):
-                    os.write(2, ("sandbox setup failed: " + traceback.format_exc()).encode())
+                _report_setup_failure()
             finally:
                 os._exit(126)
         for fd in (out_w, err_w, took_w):
@@ -311,6 +194,12 @@ class _Worker:
             os.close(took_r)
         if not took:
             res["fault"] = res["fault"] or "the execution did not read its whole request"
+        self._reply(res, n_out, n_err)
+        if not took:
+            os._exit(0)  # the rest of the body is still in the pipe: the stream is out of step
+
+    def _reply(self, res: dict[str, Any], n_out: int, n_err: int) -> None:
+        """The result, then the code's output from the buffers, which are zeroed afterwards."""
         res["op"] = "result"
         res["stdout_bytes"], res["stderr_bytes"] = n_out, n_err
         try:
@@ -319,19 +208,16 @@ class _Worker:
             _writev_all(1, [_HEADER.pack(len(body)) + body, memoryview(self.out_buf)[:n_out],
                             memoryview(self.err_buf)[:n_err]])
         finally:
-            # Zeros over what the code wrote (and the byte past the cap that told of truncation), before the
-            # next fork inherits this heap.
+            # Zeros over what the code wrote (and the byte past the cap that told of truncation).
             for buf, n in ((self.out_buf, n_out), (self.err_buf, n_err)):
                 k = min(n + 1, len(buf))
                 buf[:k] = bytes(k)
-        if not took:
-            os._exit(0)  # the rest of the body is still in the pipe: the stream is out of step
 
     def _supervise(self, pid: int, out_r: int, err_r: int, took_r: int, cap: int, lim: dict[str, Any],
                    t0: float) -> tuple[dict[str, Any], int, int, bool]:
-        """Watch the code until it exits (and its pipes close) or a limit; kill, reap and wipe after it.
-        Returns the reply (without the output), the bytes of stdout and stderr in the buffers, and whether
-        the child took its whole request."""
+        """Watch the execution until it exits (and its pipes close) or a limit; kill, reap and wipe after it, and
+        look for what it left. Returns the reply (without the output), the bytes of stdout and stderr in the
+        buffers, and whether the child took its whole request."""
         bufs = {out_r: memoryview(self.out_buf), err_r: memoryview(self.err_buf)}
         filled = {out_r: 0, err_r: 0}
         open_fds = {out_r, err_r}
@@ -345,6 +231,7 @@ class _Worker:
         drain_end = None
         exited = timed_out = truncated = swept = False
         wall = None
+        running = 0  # the code's other processes still there when it exited
         try:
             while open_fds or not exited:
                 now = time.monotonic()
@@ -371,6 +258,7 @@ class _Worker:
                 if pidfd in ready and not exited:
                     poller.unregister(pidfd)
                     exited, wall = True, time.monotonic() - t0
+                    running = self._others(pid)
                     # The code is done: kill what it left behind, which also closes the pipes it holds.
                     self._sweep(pid)
                     swept, drain_end = True, time.monotonic() + _DRAIN_S
@@ -392,12 +280,26 @@ class _Worker:
         finally:
             for fd in (out_r, err_r, pidfd):
                 os.close(fd)
-        if fault is None and self.pidns and not self._namespace_empty(_KILL_WAIT_S):
+        if fault is None and (self.pidns or self.pid1) and not self._namespace_empty(_KILL_WAIT_S):
             fault = "processes survived the kill"
+        # What it left where only it could reach (removed with its namespaces), and where later executions on this
+        # worker could (the pool then replaces the worker).
+        leftovers: dict[str, int] = {}
+        if self.fresh:
+            try:
+                leftovers = confine.end_execution(self.base_mnt)
+            except OSError as e:
+                fault = fault or f"could not clean up after the execution: {e}"
+        if running:
+            leftovers["processes"] = running
+        dirty = {}
         try:
-            self._wipe_all()
+            if (files := self._wipe_all()) and self.fresh:
+                dirty["files"] = files
         except Exception as e:  # noqa: BLE001 - a tree the code made unremovable: recycle the worker
             fault = fault or f"could not wipe the run's files: {type(e).__name__}: {e}"
+        if self.pidns and (sockets := confine.tcp_sockets()):
+            dirty["tcp_sockets"] = sockets
         exit_code = sig = None
         if status is not None:
             if os.WIFSIGNALED(status):
@@ -408,10 +310,13 @@ class _Worker:
         memory_error = exit_code not in (None, 0) and self.err_buf.find(b"MemoryError", max(0, n_err - 2048),
                                                                          n_err) >= 0
         return ({"exit_code": exit_code, "signal": sig, "timed_out": timed_out, "truncated": truncated,
-                 "memory_error": memory_error, "wall_s": wall, "fault": fault}, n_out, n_err, took)
+                 "memory_error": memory_error, "wall_s": wall, "fault": fault, "leftovers": {**leftovers, **dirty},
+                 "dirty": sorted(dirty)}, n_out, n_err, took)
 
-    def _child(self, code: str, stdin: bytes, files: dict[str, str], lim: dict[str, Any], run_dir: str,
-               out_w: int, err_w: int, inherited: tuple[int, ...]) -> None:
+    def _child(self, lim: dict[str, Any], run_dir: str, out_w: int, err_w: int, took_w: int,
+               inherited: tuple[int, ...]) -> NoReturn:
+        """The code's process: its own session, its output pipes, the code's uid (as root, without namespaces of its
+        own), limits it cannot lift; then it reads its request and runs it."""
         os.setsid()  # own session and process group: the worker kills the group
         for fd in inherited:
             os.close(fd)
@@ -426,12 +331,23 @@ class _Worker:
         self.libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # dies with its worker (after setuid: it resets it)
         self.libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)  # no setuid binary or file capability raises it
         self.libc.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)  # its own /proc entries stay usable to the code
-        if self.seccomp is not None and self.libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, self.seccomp,
-                                                        0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "could not install the seccomp filter that denies user namespaces")
         # Files through os.open/os.write: a text file object costs this fresh child ~0.15 ms of faults.
         with contextlib.suppress(OSError):  # under a memory cgroup, the OOM killer takes the code, not us
             _write_file("/proc/self/oom_score_adj", "1000", os.O_WRONLY)
+        body = _recv_body(0)  # read here, in the code's own process: no other ever holds the request
+        if body is None:
+            os._exit(126)
+        os.write(took_w, b"1")
+        os.close(took_w)
+        self._run_code(*body, lim, run_dir)
+
+    def _run_code(self, code: str, stdin: bytes, files: dict[str, str], lim: dict[str, Any], run_dir: str) -> NoReturn:
+        """The code's process: no capabilities, the seccomp filter, a fresh run dir with its files, stdin, rlimits;
+        then the code, as `__main__`."""
+        if self.fresh:
+            confine.drop_capabilities()  # it owns its user namespace: it had them all there
+        if self.seccomp is not None:
+            self.seccomp.install()
         os.mkdir(run_dir, 0o700)
         for name, text in files.items():
             path = os.path.join(run_dir, name)
@@ -456,6 +372,22 @@ class _Worker:
         resource.setrlimit(resource.RLIMIT_NOFILE, (int(lim["open_files"]),) * 2)
         _run_as_main(code, run_dir, self.stdio)
 
+    def _probe_confinement(self) -> str | None:
+        """Why executions cannot have namespaces of their own here (None: they can): one empty execution."""
+        try:
+            confine.begin_execution(self.base_mnt, self.tmp_bytes)
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    confine.drop_capabilities()
+                finally:
+                    os._exit(0)
+            status = os.waitpid(pid, 0)[1]
+            confine.end_execution(self.base_mnt)
+        except OSError as e:
+            return str(e)
+        return None if status == 0 else f"an empty execution ended with status {status}"
+
     # -- cleanup -----------------------------------------------------------------------------------------
 
     @contextlib.contextmanager
@@ -475,12 +407,12 @@ class _Worker:
         with self._as_code_uid():
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)
-            if self.pidns:
+            if self.pidns or self.pid1:
                 # kill(-1) reaches every process of ours in the namespace but ourselves and pid 1 (bwrap's
-                # init): also the ones that left the group with setsid.
+                # init, or we are it): also the ones that left the group with setsid.
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(-1, signal.SIGKILL)
-        if not self.pidns and self.uid is not None:
+        if not (self.pidns or self.pid1) and self.uid is not None:
             # Not in a pid namespace: kill(-1) must come from a process whose real uid is the code's, or
             # it would reach every root process on the host. A helper that is wholly that uid does it.
             helper = os.fork()
@@ -493,20 +425,47 @@ class _Worker:
                     os._exit(0)
             os.waitpid(helper, 0)
 
+    def _others(self, pid: int) -> int:
+        """Processes of the execution other than its first (pid) in our pid namespace: as its init, only ours."""
+        if not self.pid1:
+            return 0
+        return sum(1 for p in os.listdir("/proc") if p.isdigit() and int(p) not in (1, pid))
+
     def _namespace_empty(self, timeout: float) -> bool:
         me, end = os.getpid(), time.monotonic() + timeout
         while True:
+            if self.pid1:  # as init, the processes the code orphaned are ours to reap
+                with contextlib.suppress(ChildProcessError):
+                    while os.waitpid(-1, os.WNOHANG)[0]:
+                        pass
             if not [p for p in os.listdir("/proc") if p.isdigit() and int(p) not in (1, me)]:
                 return True
             if time.monotonic() >= end:
                 return False
-            time.sleep(0.001)  # killed processes are being torn down and reaped by pid 1; no event for it
+            time.sleep(0.001)  # killed processes are being torn down (and reaped by pid 1); no event for it
 
-    def _wipe_all(self) -> None:
+    def _wipe_all(self) -> int:
+        """Empty the wipe dirs; how many entries were in them."""
+        n = 0
         with self._as_code_uid():
             for root in self.wipe:
                 for name in os.listdir(root):
                     _remove_tree(os.path.join(root, name))
+                    n += 1
+        return n
+
+
+def _buffer(n: int) -> mmap.mmap:
+    """n zero bytes that no fork of ours copies: no child ever maps any output, and each fork is cheaper."""
+    buf = mmap.mmap(-1, n)
+    buf.madvise(mmap.MADV_DONTFORK)
+    return buf
+
+
+def _report_setup_failure(prefix: str = "sandbox setup failed: ") -> None:
+    """The current exception's traceback on stderr (the code's, once the child has its pipes)."""
+    with contextlib.suppress(Exception):
+        os.write(2, (prefix + traceback.format_exc()).encode())
 
 
 def _write_file(path: str, text: str, flags: int = os.O_WRONLY | os.O_CREAT | os.O_TRUNC) -> None:
@@ -577,11 +536,60 @@ def _exit_status(e: SystemExit) -> int:
     return 1
 
 
+def _start(cfg: dict[str, Any]) -> str | None:
+    """Make this process the fork server of namespaces of its own (sandbox_confine): returns None in it, or, where
+    the kernel refuses, why not (in this process, which then serves as before). As root, first the reference
+    /proc and the code's uid: this process forks one that owns the new user and pid namespaces, whose child is
+    the fork server (pid 1 there); the two before it only wait, and end with it."""
+    why = confine.mount_reference_proc(cfg["ref_proc"]) if cfg.get("ref_proc") else None
+    if not cfg.get("fresh") or why is not None:
+        return why or "not asked for"
+    libc = ctypes.CDLL(None, use_errno=True)
+    r, w = os.pipe()
+    owner = os.fork()
+    if owner == 0:
+        try:
+            os.close(r)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            if (uid := cfg.get("drop_uid")) is not None:
+                os.setgroups([])
+                os.setresgid(uid, uid, uid)
+                os.setresuid(uid, uid, uid)  # all capabilities go with uid 0
+            libc.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)  # the uid change made us non-dumpable: our /proc is root's
+            confine.enter_user_and_pid_namespaces()
+            libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
+            if os.fork() == 0:
+                os.close(w)
+                libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # ends with the namespaces' owner
+                return None  # the fork server
+            os.write(w, b"ok")
+        except BaseException as e:  # noqa: BLE001 - the outer process serves instead
+            with contextlib.suppress(OSError):
+                os.write(w, f"{type(e).__name__}: {e}".encode()[:500])
+            os._exit(0)
+        _wait_and_exit(w)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        said = f.read()
+    if said != b"ok":
+        os.waitpid(owner, 0)
+        return said.decode("utf-8", "replace") or "the namespaces' owner died"
+    _wait_and_exit(-1)
+
+
+def _wait_and_exit(fd: int) -> NoReturn:
+    """Leave the host's pipes to the fork server, wait for our child and exit as it did."""
+    for f in (0, 1, fd):
+        with contextlib.suppress(OSError):
+            os.close(f)
+    status = os.wait()[1]
+    os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
+
+
 def _worker_main(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C on the host's terminal is the host's business
-    _Worker(json.loads(argv[0])).serve()
-
-
+    cfg = json.loads(argv[0])
+    _Worker(cfg, _start(cfg)).serve()
 
 
 if __name__ == "__main__":  # the pool runs this file's text with `python -c`, the config in argv[1]

@@ -88,7 +88,8 @@ def test_each_run_gets_a_fresh_directory(pool):
                          "print(json.dumps([os.getcwd(), sorted(os.listdir('.')), os.path.exists('/tmp/also.txt')]))")
     assert first.ok and second.ok
     cwd, listing, tmp_left = json.loads(second.stdout)
-    assert cwd != first.stdout.strip() and listing == ["main.py"] and tmp_left is False
+    # The same name (in a /tmp of each execution's own: not even the count of executions before it shows), empty.
+    assert cwd == first.stdout.strip() and listing == ["main.py"] and tmp_left is False
 
 
 def test_acquire_and_release(pool):
