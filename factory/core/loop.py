@@ -205,7 +205,7 @@ def train_rl(
             groups, filtered = _informative_batch(producer, step, spec)
             t_wait = time.perf_counter() - t0
             samples = [s for grp in groups for s in grp.samples]
-            rewards = torch.tensor([s.reward for s in samples])
+            rewards = reward_tensor(samples)
             # 2. Group-normalized advantages; pack tokens exactly as sampled (no re-tokenization).
             adv = algorithms.compute_advantages(spec.algorithm, rewards, g,
                                                 torch.tensor([sum(s.loss_mask()) for s in samples]),
@@ -356,6 +356,12 @@ def _record(spec: ExperimentSpec, step: int, groups: list, rewards: torch.Tensor
         nonfinite=metrics.get("nonfinite", 0.0),
         **hack_counts([s.meta.get("hacks", ()) for grp in groups for s in grp.samples]),
     )
+
+
+def reward_tensor(samples: list) -> torch.Tensor:
+    """The samples' rewards in their own precision: Python floats are float64, and so are the advantages computed
+    from them (`algorithms.group_advantages`); torch's default float32 would round them first."""
+    return torch.tensor([s.reward for s in samples], dtype=torch.float64)
 
 
 def hack_counts(flags: list) -> dict[str, float]:

@@ -7,6 +7,7 @@ is <eos>: rewards are mixed from the start, and the policy has one clear thing t
 import os
 
 import pytest
+import torch
 
 from factory.config import parse_spec
 from factory.core.loop import train_rl
@@ -159,3 +160,13 @@ def test_environment_worker_killed_mid_run_is_restarted_and_no_group_is_lost_or_
     assert all(r.rejected == 0 for r in records)
     first, last = records[0].reward_mean, sum(r.reward_mean for r in records[-3:]) / 3
     assert last > first, (first, last)  # rewards from the worker process still teach
+
+
+def test_rewards_keep_their_float64_precision():
+    from types import SimpleNamespace
+
+    from factory.core.loop import reward_tensor
+
+    third = 1.0 / 3  # a Python float: float32 would round it (0.3333333432674408)
+    rewards = reward_tensor([SimpleNamespace(reward=third), SimpleNamespace(reward=1.0)])
+    assert rewards.dtype == torch.float64 and rewards[0].item() == third
