@@ -201,7 +201,8 @@ def _finish(policy_term: Tensor, logprobs: Tensor, mask: Tensor, agg: Aggregatio
         per_token = per_token + kl_coef * kl
     loss = aggregate(per_token, mask, agg, max_len)
     with torch.no_grad():
-        metrics["kl"] = masked_mean(kl, mask).item() if kl is not None else 0.0
+        if kl is not None:  # not computed (kl_coef 0, no reference): no metric, never a 0 that reads as measured
+            metrics["kl"] = masked_mean(kl, mask).item()
         if is_weights is not None:
             metrics["is_weight_mean"] = masked_mean(is_weights.float(), mask).item()
     return loss, metrics

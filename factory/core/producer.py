@@ -41,6 +41,7 @@ from factory.core.weights import encode_delta, encode_full
 from factory.data.feed import PromptFeed
 from factory.envs.protocol import tokens_from_session
 from factory.envs.registry import load_environment
+from factory.envs.tasks import runs_hack_detectors
 from factory.envs.workers import Episode, Scored, make_environment
 from factory.infra import http_client, spare
 from factory.infra.device import host_copy, run_device
@@ -69,9 +70,11 @@ def scorer(spec: ExperimentSpec, problem: Problem | None = None) -> str:
     return (problem.meta.get("verifier") if problem is not None else None) or spec.task.name
 
 
-def make_group(problem: Problem, k: int, completions: list[Completion], scored: Scored) -> Group:
+def make_group(problem: Problem, k: int, completions: list[Completion], scored: Scored,
+               scorer_name: str | None = None) -> Group:
     """A buffer group of the completions and the environment's rewards for them (with the reason where the
-    environment failed to judge one and scored it 0)."""
+    environment failed to judge one and scored it 0). `scorer_name`: what scored them (None: the task's verifier);
+    the group's `hack_checked` says whether the reward-hack detectors looked at them."""
     samples = [Sample.from_completion(c, r) for c, r in zip(completions, scored.rewards, strict=True)]
     for sample, reason in zip(samples, scored.reasons, strict=True):
         if reason is not None:
@@ -80,7 +83,8 @@ def make_group(problem: Problem, k: int, completions: list[Completion], scored: 
         if hacks:
             sample.meta["hacks"] = list(hacks)
     return Group(samples, uid=f"draw-{k}", meta={"prompt_id": problem.id, "prompt": problem.prompt, "draw": k,
-                                                 "latency_s": scored.latency_s, "source": problem.meta.get("source")})
+                                                 "latency_s": scored.latency_s, "source": problem.meta.get("source"),
+                                                 "hack_checked": runs_hack_detectors(problem, scorer_name)})
 
 
 def _params(spec: ExperimentSpec, seed: int, n: int = 1) -> SamplingParams:
@@ -120,7 +124,8 @@ class SyncProducer:
                                  for (k, p), comps in zip(draws, groups, strict=True)])
         if scored is None:
             raise ProducerFailed("the environment was closed while a batch was being scored")
-        batch = [make_group(p, k, comps, sc) for (k, p), comps, sc in zip(draws, groups, scored, strict=True)]
+        batch = [make_group(p, k, comps, sc, scorer(self.spec, p))
+                 for (k, p), comps, sc in zip(draws, groups, scored, strict=True)]
         self.feed.trained(batch)
         return batch
 
@@ -218,7 +223,7 @@ class OverlappedProducer:
         completions = self._sample(ids, _params(self.spec, self.spec.seed * 1_000_003 + k, n=g))
         slot.generated_at(min(Sample.from_completion(c, 0.0).oldest_version for c in completions))
         scored = self.env.score([episode(problem, k, completions, scorer(self.spec, problem))])
-        return None if scored is None else make_group(problem, k, completions, scored[0])
+        return None if scored is None else make_group(problem, k, completions, scored[0], scorer(self.spec, problem))
 
     def next_batch(self, step: int) -> list[Group]:
         try:
@@ -419,7 +424,8 @@ class ServerProducer(OverlappedProducer):
                           {"text": str(res.info.get("answer", "")), "reason": res.reason, "turns": t.turns},
                           mask=t.mask) for t, res in zip(tokens, results, strict=True)]
         return Group(samples, uid=f"draw-{k}", meta={"prompt_id": problem.id, "prompt": problem.prompt, "draw": k,
-                                                     "latency_s": 0.0, "source": problem.meta.get("source")})
+                                                     "latency_s": 0.0, "source": problem.meta.get("source"),
+                                                     "hack_checked": False})  # episodes have no hack detectors
 
     def _end_sessions(self, sids: list[str]) -> None:
         for sid in sids:

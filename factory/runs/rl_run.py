@@ -99,9 +99,9 @@ class RunResult:
     mlflow_run_id: str
     checkpoint: CheckpointInfo
     steps: int
-    start_accuracy: float
+    start_accuracy: float | None  # None: not recorded (never a 0 that reads as measured)
     start_pass_at_k: float | None
-    final_accuracy: float
+    final_accuracy: float | None
     seconds: float  # wall time of the run over all its attempts
     records: list[StepRecord] = field(repr=False, default_factory=list)  # this attempt's steps
     attempt: int = 1
@@ -122,8 +122,8 @@ def _finished(lake: Lake, row: dict) -> RunResult:
     digest, size = dir_digest(path)
     k = next((m for s, m in evals if s == 0 and m.startswith("pass@")), None)
     return RunResult(row["run_id"], row["mlflow_run_id"], CheckpointInfo(path, digest, size), final,
-                     evals.get((0, "accuracy"), 0.0), evals.get((0, k)) if k else None,
-                     result.accuracy if result is not None and result.primary else 0.0, row.get("wall_s") or 0.0,
+                     evals.get((0, "accuracy")), evals.get((0, k)) if k else None,
+                     result.accuracy if result is not None and result.primary else None, row.get("wall_s") or 0.0,
                      attempt=int(row.get("attempts") or 1), goodput=row.get("goodput") or 1.0)
 
 

@@ -50,6 +50,15 @@ def test_kl_to_reference_is_zero_then_positive(model_and_tok):
     assert records[0].kl < 1e-6 < records[-1].kl
 
 
+def test_metrics_not_measured_are_none_not_zero(model_and_tok):
+    # kl_coef 0: no KL is computed; grpo: no dynamic-sampling filter; add problems: no reward-hack detector
+    model, tok = model_and_tok
+    records = train_rl(spec().model_copy(update={"schedule": spec().schedule.model_copy(update={"steps": 2})}),
+                       model, tok, PROBLEMS)
+    assert [(r.kl, r.filtered, r.hacks_any) for r in records] == [(None, None, None)] * 2
+    assert all(r.loss is not None and r.nonfinite == 0.0 for r in records)
+
+
 def test_resuming_at_a_step_numbers_records_from_there(model_and_tok):
     model, tok = model_and_tok
     s = spec().model_copy(update={"schedule": spec().schedule.model_copy(update={"steps": 12})})
