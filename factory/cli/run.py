@@ -24,6 +24,7 @@ from factory.lake.spool import SPOOL, LakeDown, Spool, is_catalog_error
 from factory.models.build import policy_for
 from factory.ops.preflight.gate import PreflightFailed, gate
 from factory.runs import recovery, standby
+from factory.runs.degraded import read_when_up
 from factory.runs.exit_codes import (
     EXIT_BAD_INPUT,
     EXIT_DEPENDENCY_DOWN,
@@ -33,12 +34,11 @@ from factory.runs.exit_codes import (
     EXIT_OK,
     EXIT_STOPPED,
 )
-from factory.runs.experiment import RunFailed, run_experiment
+from factory.runs.experiment import RunFailed, report_when_up, run_experiment
 from factory.runs.pipes import RunInputs, run_under_pipes
 from factory.runs.rank_group import attempt_spec, is_group, run_group_attempt
 from factory.runs.restarts import supervise
 from factory.runs.rl_run import attempt_main
-from factory.runs.stages import eval_summary, render_report
 from factory.source_spec import SourceError
 
 RANK_TIMEOUT_S = 6 * 3600.0  # followers wait in a collective while rank 0 builds the dataset and trains SFT
@@ -145,11 +145,12 @@ def _resume_run(paths: FactoryPaths, run_id: str) -> int:
                                          str(e), recovery.last_step(lake, run_id))
             error(str(e))
             return EXIT_FAILED
-    rc = supervise(paths, run_id, recovery.spec_of_run(row))
+    spec = recovery.spec_of_run(row)
+    rc = supervise(paths, run_id, spec)
     if rc != EXIT_OK:
         return rc
-    with Lake.open(paths) as lake:
-        print(render_report(eval_summary(lake, run_id)))
+    with read_when_up(lambda: Lake.open(paths), spec.ops.lake_outage_s, print) as lake:
+        print(report_when_up(lake, run_id, spec.ops.lake_outage_s)["report"])
     return EXIT_OK
 
 
