@@ -11,6 +11,7 @@ import sys
 import torch.distributed as dist
 
 from factory.cli.common import check_model, error, home_from, load
+from factory.cli.spec import machine_problem
 from factory.config import ExperimentSpec
 from factory.core.loop import NonFiniteLoss, RunInterrupted
 from factory.core.trainer.distributed import init_ranks
@@ -61,7 +62,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if err is not None:
         print(str(err), file=sys.stderr)
         return EXIT_BAD_INPUT
-    if (problem := check_model(spec, args)[1]) is not None:  # before any process starts or restarts
+    if (problem := check_model(spec, args)[1] or machine_problem(spec)[0]) is not None:  # before any process starts
         error(problem)
         return EXIT_BAD_INPUT
     if spec.trainer.world_size > 1 and (args.in_process or "RANK" in os.environ):

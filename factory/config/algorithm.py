@@ -7,6 +7,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
+from factory.config.bounds import MAX_GROUP_SIZE
 from factory.config.section import LR_HELP, _Section
 
 
@@ -44,7 +45,7 @@ class AlgorithmSpec(_Section):
     _LATE_FIELDS: ClassVar[tuple[str, ...]] = ("dual_clip",)
 
     name: Literal["grpo", "dr_grpo", "dapo", "cispo", "gspo"] = "grpo"
-    group_size: int = Field(8, ge=2)
+    group_size: int = Field(8, ge=2, le=MAX_GROUP_SIZE, description="completions sampled per prompt")
     lr: float = Field(3e-4, gt=0, le=1e30, description=LR_HELP)
     clip_eps: float = Field(0.2, gt=0, lt=1)
     clip_eps_low: float | None = Field(None, gt=0, lt=1, description="lower clip: ratio >= 1 - clip_eps_low")

@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from factory.config.bounds import MAX_HELD_OUT
 from factory.config.section import _Section
 from factory.source_spec import Seed, SourceError, parse_source_spec
 
@@ -63,7 +64,7 @@ class DataSpec(_Section):
     seed: Seed | None = Field(None, description="the blend's shuffle seed; unset: the spec's seed")
     curriculum: CurriculumSpec = Field(default_factory=CurriculumSpec)
     filter: PromptFilterSpec | None = Field(None, description="offline: skip prompts by their recorded pass rate")
-    held_out: int = Field(100, ge=0, description="held-out problems per generated source: arithmetic, "
+    held_out: int = Field(100, ge=0, le=MAX_HELD_OUT, description="held-out problems per generated source: arithmetic, "
                           "reasoning_gym, humaneval (0: none)")
 
     @field_validator("sources")

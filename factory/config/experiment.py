@@ -10,6 +10,7 @@ import yaml
 from pydantic import Field, model_validator
 
 from factory.config.algorithm import AlgorithmSpec
+from factory.config.bounds import MAX_STEP_SAMPLES
 from factory.config.data_spec import DataSpec
 from factory.config.section import _Section
 from factory.config.sections import (
@@ -81,6 +82,11 @@ class ExperimentSpec(_Section):
             raise ValueError("trainer.lora: not wired to rollout.engine sglang yet (it would load each version's "
                              "adapter through SGLang's /load_lora_adapter); use engine embedded or server")
         batch = self.rollout.prompts_per_step * self.algorithm.group_size
+        if batch > MAX_STEP_SAMPLES:
+            raise ValueError(
+                f"rollout.prompts_per_step * algorithm.group_size: a step's samples must be <= {MAX_STEP_SAMPLES} "
+                f"(a step's batch is held whole; factory/config/bounds.py), got {self.rollout.prompts_per_step} * "
+                f"{self.algorithm.group_size} = {batch}")
         if batch % self.trainer.minibatches:
             raise ValueError(
                 f"trainer.minibatches: must divide rollout.prompts_per_step * algorithm.group_size "

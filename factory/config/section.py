@@ -5,11 +5,14 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, SerializerFunctionWrapHandler, model_serializer
+from pydantic import ConfigDict, SerializerFunctionWrapHandler, model_serializer
+
+from factory.source_spec import NoBoolNumbers
 
 
-class _Section(BaseModel):
-    # No inf/NaN anywhere: an infinite learning rate or timeout validates against gt=0 but wrecks the run.
+class _Section(NoBoolNumbers):
+    # No inf/NaN anywhere: an infinite learning rate or timeout validates against gt=0 but wrecks the run. No
+    # true/false for a number (NoBoolNumbers).
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     # Fields added after specs were first fingerprinted: left out of dumps while they hold their default, so an

@@ -7,6 +7,17 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
+from factory.config.bounds import (
+    MAX_ENV_PROCESSES,
+    MAX_HELD_OUT,
+    MAX_IN_FLIGHT,
+    MAX_NEW_TOKENS,
+    MAX_PASS_K,
+    MAX_PROMPTS_PER_STEP,
+    MAX_SFT_BATCH,
+    MAX_STEP_SAMPLES,
+    MAX_TASK_PROBLEMS,
+)
 from factory.config.errors import _clip
 from factory.config.section import LR_HELP, _Section
 from factory.presets import PRESETS
@@ -67,8 +78,8 @@ class TaskSpec(_Section):
     digits: list[int] = Field(default_factory=lambda: [2, 3], min_length=1)
     reverse_answer: bool = True
     reverse_operands: bool = False
-    n_train: int = Field(20000, ge=MIN_N_TRAIN)
-    n_eval: int = Field(500, ge=8)
+    n_train: int = Field(20000, ge=MIN_N_TRAIN, le=MAX_TASK_PROBLEMS)
+    n_eval: int = Field(500, ge=8, le=MAX_HELD_OUT)
     simulated_latency_s: float = Field(
         0.0, ge=0, description="unit of a heavy-tailed simulated verifier latency per episode (40% 1x, 50% 3x, "
         "10% 20x; see envs/latency.py); 0 disables it")
@@ -101,7 +112,7 @@ class SFTSpec(_Section):
     """Supervised warm start that teaches the answer format."""
 
     steps: int = Field(300, ge=0, description="maximum number of steps")
-    batch_size: int = Field(64, ge=1)
+    batch_size: int = Field(64, ge=1, le=MAX_SFT_BATCH)
     lr: float = Field(3e-3, gt=0, le=1e30, description=LR_HELP)
     stop_at_accuracy: float | None = Field(
         None, gt=0, le=1,
@@ -127,7 +138,8 @@ class BufferSpec(_Section):
 
     policy: Literal["reject", "bound", "importance"] = "bound"
     max_staleness: int = Field(1, ge=0)
-    depth: int | None = Field(None, ge=1, description="capacity in prompt groups (buffered + reserved)")
+    depth: int | None = Field(None, ge=1, le=MAX_IN_FLIGHT,
+                              description="capacity in prompt groups (buffered + reserved)")
     correct_stale: bool = Field(
         False, description="also apply the truncated IS correction (decoupled PPO) to stale groups under "
         "'reject' and 'bound'; 'importance' always does")
@@ -169,16 +181,18 @@ class RolloutSpec(_Section):
         "embedded", description="overlapped modes: the continuous engine in-process, a supervised rollout "
         "server process reached over HTTP, or SGLang servers (rollout.sglang; GPU nodes) (sync always samples "
         "in-process)")
-    prompts_per_step: int = Field(32, ge=1)
+    prompts_per_step: int = Field(32, ge=1, le=MAX_PROMPTS_PER_STEP)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    max_new_tokens: int = Field(8, ge=1)
+    max_new_tokens: int = Field(8, ge=1, le=MAX_NEW_TOKENS)
     concurrency: int | None = Field(
-        None, ge=1, description="prompt groups in flight at once (one_step_off/async); default: the buffer's depth")
+        None, ge=1, le=MAX_IN_FLIGHT,
+        description="prompt groups in flight at once (one_step_off/async); default: the buffer's depth")
     environment: Literal["in_process", "service"] = Field(
         "in_process", description="where episodes are scored: threads of the trainer's process, or supervised "
         "environment-worker processes over HTTP on 127.0.0.1 (`factory env-serve`)")
-    env_processes: int = Field(1, ge=1, description="environment-worker processes when environment is 'service'")
+    env_processes: int = Field(1, ge=1, le=MAX_ENV_PROCESSES,
+                               description="environment-worker processes when environment is 'service'")
     update_mode: Literal["in_flight", "finish_old"] = Field(
         "in_flight", description="what running requests do at a weight update: continue on the new weights, "
         "or finish on the old ones first")
@@ -248,7 +262,7 @@ class TrainerSpec(_Section):
     backend: Literal["torch", "megatron"] = Field(
         "torch", description="torch (one process, or DDP/FSDP2 ranks under torchrun) or megatron (Megatron-core "
         "GPTModel built from the HF config; GPU only)")
-    minibatches: int = Field(1, ge=1)
+    minibatches: int = Field(1, ge=1, le=MAX_STEP_SAMPLES)
     grad_clip: float = Field(1.0, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     threads: int = Field(0, ge=0, description="torch CPU threads per trainer process; 0 keeps torch's default")
@@ -305,8 +319,9 @@ class ScheduleSpec(_Section):
     steps: int = Field(60, ge=1)
     eval_every: int = Field(0, ge=0, description="held-out eval every N steps; 0: only start and end")
     checkpoint_every: int = Field(0, ge=0, description="checkpoint every N steps; 0: only the final one")
-    eval_pass_k: int = Field(8, ge=1)
-    log_rollouts: int = Field(2, ge=0, description="prompt groups per step kept in the `rollouts` table")
+    eval_pass_k: int = Field(8, ge=1, le=MAX_PASS_K)
+    log_rollouts: int = Field(2, ge=0, le=MAX_PROMPTS_PER_STEP,
+                              description="prompt groups per step kept in the `rollouts` table")
 
 
 class OpsSpec(_Section):

@@ -52,6 +52,7 @@ from factory.models.build import policy_positions
 from factory.models.checkpoint import remove_checkpoint, save_checkpoint
 from factory.models.prompting import prompt_ids
 from factory.problem import Problem
+from factory.source_spec import SourceError
 
 
 class ProducerFailed(RuntimeError):
@@ -232,7 +233,7 @@ class OverlappedProducer:
         except (BufferClosed, BufferTimeout) as e:
             if self._errors:
                 first = self._errors[0]
-                if isinstance(first, ServiceUnavailable):  # e.g. a tripped circuit breaker: say which service
+                if isinstance(first, ServiceUnavailable | SourceError):  # say which service, or which file and line
                     raise first from e
                 raise ProducerFailed(f"a rollout producer failed: {first!r}") from first
             raise e

@@ -70,7 +70,7 @@ from factory.runs.attempt import (
     work_start,
 )
 from factory.runs.degraded import stop_code, tolerating, unless_down, watch_lake, when_lake_up
-from factory.runs.exit_codes import EXIT_NEEDS_FIX, EXIT_OK, EXIT_STOPPED, EXIT_SUPERVISOR_LOST
+from factory.runs.exit_codes import EXIT_BAD_INPUT, EXIT_NEEDS_FIX, EXIT_OK, EXIT_STOPPED, EXIT_SUPERVISOR_LOST
 from factory.runs.resume_points import RunCheckpoints
 from factory.runs.run_checkpoints import record_checkpoint
 from factory.runs.run_evals import SOURCE_BENCHMARK, source_evals, start_eval
@@ -588,7 +588,7 @@ def _attempt(paths: FactoryPaths, run_id: str) -> int:
             fault_point("attempt_exit")  # chaos tests: the work between the recorded result and the exit
         except (RunInterrupted, KeyboardInterrupt):
             return EXIT_SUPERVISOR_LOST if supervisor_lost() else EXIT_STOPPED
-        except (NonFiniteLoss, CircuitOpen, SourceError) as e:  # a data file gone bad: restarting cannot help
+        except (NonFiniteLoss, CircuitOpen, SourceError) as e:  # restarting cannot help
             print(f"factory: error: run {run_id} stopped: {' '.join(str(e).split())}", file=sys.stderr)
-            return EXIT_NEEDS_FIX
+            return EXIT_BAD_INPUT if isinstance(e, SourceError) else EXIT_NEEDS_FIX  # a data file gone bad: input
     return EXIT_OK
