@@ -466,13 +466,14 @@ def _prompt_ids(tok: PreTrainedTokenizerFast, problem: Problem, spec: Experiment
                 limit: int | None) -> list[int]:
     """The prompt's tokens; a prompt too long for the model's `limit` positions (a file source's row) or that the
     tokenizer cannot read is an error naming it."""
+    # SourceErrors: a row of the data the run cannot use, which a restart would meet again (bad input, exit 2)
     try:
         ids = prompt_ids(tok, problem.prompt)
     except Exception as e:  # a character tokenizer meets a character it does not have
-        raise ValueError(f"prompt {problem.id!r} of source {problem.meta.get('source')!r} cannot be tokenized by the "
-                         f"model's tokenizer (task {spec.task.name}'s alphabet): {e}") from None
+        raise SourceError(f"prompt {problem.id!r} of source {problem.meta.get('source')!r} cannot be tokenized by the "
+                          f"model's tokenizer (task {spec.task.name}'s alphabet): {e}") from None
     if limit is not None and len(ids) + spec.rollout.max_new_tokens > limit:
-        raise ValueError(f"prompt {problem.id!r} of source {problem.meta.get('source')!r} has {len(ids)} tokens: with "
-                         f"rollout.max_new_tokens = {spec.rollout.max_new_tokens} it does not fit the model's {limit} "
-                         f"positions (raise model.max_positions, or filter the source)")
+        raise SourceError(f"prompt {problem.id!r} of source {problem.meta.get('source')!r} has {len(ids)} tokens: "
+                          f"with rollout.max_new_tokens = {spec.rollout.max_new_tokens} it does not fit the model's "
+                          f"{limit} positions (raise model.max_positions, or filter the source)")
     return ids

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from factory.config import FILE_SOURCE_KINDS, ExperimentSpec
+from factory.presets import PRESETS
 from factory.source_spec import SourceError, parse_source_spec
 
 
@@ -27,23 +28,38 @@ def _one_line(text: str) -> str:
 
 
 def check_sources(spec: ExperimentSpec, base_dir: str | Path | None = None) -> None:
-    """SourceError (one line, naming the source and its file) for the first file source of `spec.data` that opening
-    would refuse. Relative paths are under `base_dir` (default: the working directory)."""
+    """SourceError (one line, naming the source, its file and the line) for the first file source of `spec.data`
+    that opening or reading would refuse. Relative paths are under `base_dir` (default: the working directory)."""
     if spec.data is None:
         return
+    fit = prompt_fit(spec)
     for i, raw in enumerate(spec.data.sources):
         if raw.get("kind") not in FILE_SOURCE_KINDS:
             continue
         try:
-            check_file_source(raw, base_dir)
+            check_file_source(raw, base_dir, fit)
         except SourceError as e:
             raise SourceError(f"data.sources.{i}.path: {_one_line(str(e))}") from None
         except (OSError, ValueError) as e:  # e.g. unreadable: say which source
             raise SourceError(f"data.sources.{i}.path: source {raw.get('name')!r}: {_one_line(str(e))}") from None
 
 
-def check_file_source(raw: dict[str, Any], base_dir: str | Path | None = None) -> None:
-    """SourceError if the file source `raw` cannot be opened or any of its rows read."""
+def prompt_fit(spec: ExperimentSpec) -> tuple[int, str] | None:
+    """(the most characters a prompt may have, why) for a preset model, whose character tokenizer gives one token per
+    character after `<bos>` (models/tokenizer.py), so a row's prompt is measured without a tokenizer; None for a
+    `model.path` model (its tokenizer is known when it loads; the run refuses a prompt that does not fit then)."""
+    if spec.model.path is not None:
+        return None
+    positions = spec.model.max_positions or PRESETS[spec.model.preset].max_positions
+    new = spec.rollout.max_new_tokens
+    return positions - new - 1, (f"with <bos> and rollout.max_new_tokens = {new} it must fit the model's {positions} "
+                                 f"positions (model.max_positions); filter the source or raise model.max_positions")
+
+
+def check_file_source(raw: dict[str, Any], base_dir: str | Path | None = None,
+                      fit: tuple[int, str] | None = None) -> None:
+    """SourceError if the file source `raw` cannot be opened or any of its rows read, or (with `fit`: the most
+    characters a prompt may have, and why) a row's prompt is too long for the model."""
     from factory.data.sources.files import HFDiskSource, JsonlSource, ParquetSource, check_regular
 
     s = parse_source_spec(raw)
@@ -66,7 +82,15 @@ def check_file_source(raw: dict[str, Any], base_dir: str | Path | None = None) -
     else:
         src = HFDiskSource(s.name, path, s.verifier, s.columns, split=s.split, block_rows=s.block_rows)
     for block in range(-(-len(src) // s.block_rows)):
-        src.read_block(block)
+        problems = src.read_block(block)
+        if fit is None:
+            continue
+        for j, p in enumerate(problems):
+            if len(p.prompt) > fit[0]:
+                row = block * s.block_rows + j
+                where = f"line {src.line_of(row)}" if isinstance(src, JsonlSource) else f"row {row}"
+                raise SourceError(f"source {s.name!r}: {where} of {str(path)!r}: its prompt has {len(p.prompt)} "
+                                  f"characters, at most {fit[0]} fit: {fit[1]}")
 
 
 def _has_parquet_magic(path: Path) -> bool:

@@ -145,3 +145,19 @@ def test_a_fifo_among_parquet_shards_and_a_device_are_refused(tmp_path):
             check_sources(jsonl_spec(path.parent, "parquet"))
     with pytest.raises(SourceError, match=r"'/dev/zero' is a character device, not a regular file"):
         check_sources(jsonl_spec(Path("/dev/zero")))
+
+
+def test_a_prompt_too_long_for_a_preset_model_is_refused_naming_its_line(tmp_path):
+    """A preset's character tokenizer gives one token per character after <bos>: a row whose prompt cannot fit the
+    model's positions (64 for tiny, 8 of them for the completion) is found before the run, not by the run's
+    tokenizer (which took 2 minutes on a 16 MiB prompt before refusing it)."""
+    lines = rows(40)
+    lines[20] = json.dumps({"id": "q20", "prompt": "1+" * 50 + "1=", "answer": "51"})  # line 21: 102 characters
+    path = tmp_path / "long.jsonl"
+    path.write_text("\n\n" + "\n".join(lines) + "\n")  # two blank lines first: line 23 of the file
+    with pytest.raises(SourceError) as e:
+        check_sources(jsonl_spec(path))
+    assert f"line 23 of '{path}': its prompt has 102 characters, at most 55 fit" in str(e.value)
+    model_path = parse_spec({"model": {"path": str(tmp_path)}, "data": {"sources": [
+        {"name": "j", "kind": "jsonl", "path": str(path), "verifier": "arithmetic"}]}})
+    check_sources(model_path)  # a model.path model's tokenizer decides when it loads

@@ -143,6 +143,14 @@ class JsonlSource(_FileSource):
                     got += 1
                     yield number, line
 
+    def line_of(self, row: int) -> int:
+        """The file's line number (1-based, blank lines counted) of row `row` (0-based)."""
+        block, within = divmod(row, self.block_rows)
+        for i, (number, _) in enumerate(self._lines(block, within + 1)):
+            if i == within:
+                return number
+        raise IndexError(f"source {self.name!r}: row {row} out of range (0..{self._n - 1})")
+
     def _row(self, line: bytes, number: int) -> dict:
         try:
             obj = json.loads(line)
