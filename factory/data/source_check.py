@@ -15,6 +15,7 @@ to the working directory of the process that opens the source, as `open_sources`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -66,13 +67,22 @@ def check_file_source(raw: dict[str, Any], base_dir: str | Path | None = None,
     path = Path(s.path)
     if base_dir is not None and not path.is_absolute():
         path = Path(base_dir) / path
+
+    def fits(problems: list, where: Callable[[int], str]) -> None:
+        for j, p in enumerate(problems if fit is not None else ()):
+            if len(p.prompt) > fit[0]:
+                raise SourceError(f"source {s.name!r}: {where(j)} of {str(path)!r}: its prompt has {len(p.prompt)} "
+                                  f"characters, at most {fit[0]} fit: {fit[1]}")
+
     if not path.exists():
         raise SourceError(f"source {s.name!r}: {str(path)!r} does not exist (a {s.kind} "
                           f"{'directory' if s.kind == 'hf_disk' else 'file or directory'} was expected)")
+    if s.kind == "jsonl":  # opening it reads every row; `fits` sees each block as it goes
+        JsonlSource(s.name, path, s.verifier, s.columns, block_rows=s.block_rows,
+                    on_block=lambda problems, lines: fits(problems, lambda j: f"line {lines[j]}"))
+        return
     src: Any
-    if s.kind == "jsonl":
-        src = JsonlSource(s.name, path, s.verifier, s.columns, block_rows=s.block_rows)
-    elif s.kind == "parquet":
+    if s.kind == "parquet":
         if not path.is_dir():
             check_regular(s.name, path, "kind: parquet expects a .parquet file or a directory of them")
             if not _has_parquet_magic(path):
@@ -82,15 +92,8 @@ def check_file_source(raw: dict[str, Any], base_dir: str | Path | None = None,
     else:
         src = HFDiskSource(s.name, path, s.verifier, s.columns, split=s.split, block_rows=s.block_rows)
     for block in range(-(-len(src) // s.block_rows)):
-        problems = src.read_block(block)
-        if fit is None:
-            continue
-        for j, p in enumerate(problems):
-            if len(p.prompt) > fit[0]:
-                row = block * s.block_rows + j
-                where = f"line {src.line_of(row)}" if isinstance(src, JsonlSource) else f"row {row}"
-                raise SourceError(f"source {s.name!r}: {where} of {str(path)!r}: its prompt has {len(p.prompt)} "
-                                  f"characters, at most {fit[0]} fit: {fit[1]}")
+        first = block * s.block_rows
+        fits(src.read_block(block), lambda j, first=first: f"row {first + j}")
 
 
 def _has_parquet_magic(path: Path) -> bool:

@@ -13,7 +13,7 @@ import bisect
 import hashlib
 import json
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -99,11 +99,12 @@ class _FileSource:
 
 class JsonlSource(_FileSource):
     """One JSON object per line (blank lines skipped); keys are the columns. Opening it reads every line once,
-    bounded (a line past MAX_LINE_BYTES is refused, never held), hashing the file and checking each row: a JSON
-    object with the mapped columns. Errors name the file's line (1-based, blank lines counted)."""
+    bounded (a line past MAX_LINE_BYTES is refused, never held), hashing the file and reading each row as a problem
+    (a JSON object with the mapped columns), one block in memory at a time; `on_block(problems, lines)` (if given)
+    sees each block's problems and their line numbers. Errors name the file's line (1-based, blank lines counted)."""
 
     def __init__(self, name: str, path: str | Path, verifier: str, columns: ColumnMap | dict | None = None,
-                 block_rows: int = 1024):
+                 block_rows: int = 1024, on_block: Callable[[list[Problem], list[int]], None] | None = None):
         super().__init__(name, path, verifier, columns, block_rows, "JSONL file")
         if self.path.is_dir():
             raise SourceError(f"source {name!r}: {str(self.path)!r} is a directory; kind: jsonl expects one file")
@@ -111,6 +112,7 @@ class JsonlSource(_FileSource):
         self._offsets: list[int] = []  # byte offset of each block's first row
         self._first_lines: list[int] = []  # and its line number
         h = hashlib.sha256()
+        block: list[tuple[int, dict]] = []
         with open(self.path, "rb") as f:
             for number, pos, line in numbered_lines(f, name, self.path):
                 h.update(line)
@@ -119,13 +121,25 @@ class JsonlSource(_FileSource):
                 row = self._row(line, number)
                 if self._n == 0:
                     self.columns = self.columns.resolve(name, f"{str(self.path)!r} (line {number})", list(row))
-                self._check_columns(row, number)
+                    self._wanted = self.columns.wanted()
                 if self._n % block_rows == 0:
                     self._offsets.append(pos)
                     self._first_lines.append(number)
+                block.append((number, row))
                 self._n += 1
+                if len(block) == block_rows:
+                    self._block_done(block, self._n - len(block), on_block)
+                    block = []
+        if block:
+            self._block_done(block, self._n - len(block), on_block)
         self._version = h.hexdigest()[:16]
         self._empty_check()
+
+    def _block_done(self, block: list[tuple[int, dict]], start: int,
+                    on_block: Callable[[list[Problem], list[int]], None] | None) -> None:
+        problems = self._problems(block, start)
+        if on_block is not None:
+            on_block(problems, [number for number, _ in block])
 
     def version(self) -> str:
         assert self._version is not None
@@ -143,14 +157,6 @@ class JsonlSource(_FileSource):
                     got += 1
                     yield number, line
 
-    def line_of(self, row: int) -> int:
-        """The file's line number (1-based, blank lines counted) of row `row` (0-based)."""
-        block, within = divmod(row, self.block_rows)
-        for i, (number, _) in enumerate(self._lines(block, within + 1)):
-            if i == within:
-                return number
-        raise IndexError(f"source {self.name!r}: row {row} out of range (0..{self._n - 1})")
-
     def _row(self, line: bytes, number: int) -> dict:
         try:
             obj = json.loads(line)
@@ -162,21 +168,20 @@ class JsonlSource(_FileSource):
                               f"{type(obj).__name__})")
         return obj
 
-    def _check_columns(self, row: dict, number: int) -> None:
-        missing = [c for c in self.columns.wanted() if c not in row]
-        if missing:
-            raise SourceError(f"source {self.name!r}: line {number} of {str(self.path)!r} has no column "
-                              f"{', '.join(map(repr, missing))}")
+    def _problems(self, block: list[tuple[int, dict]], start: int) -> list[Problem]:
+        """The rows (with their line numbers) of the block starting at row `start` as problems."""
+        for number, row in block:
+            missing = [c for c in self._wanted if c not in row]
+            if missing:
+                raise SourceError(f"source {self.name!r}: line {number} of {str(self.path)!r} has no column "
+                                  f"{', '.join(map(repr, missing))}")
+        cols = {c: [r[c] for _, r in block] for c in self._wanted}
+        return problems_from_columns(cols, len(block), self.columns, self.name, self.verifier, start)
 
     def read_block(self, block: int) -> list[Problem]:
         start, end = self._block_range(block)
-        records = []
-        for number, line in self._lines(block, end - start):  # checked when opened; the file may have changed
-            records.append(row := self._row(line, number))
-            self._check_columns(row, number)
-        cm = self.columns
-        cols = {c: [r[c] for r in records] for c in cm.wanted()}
-        return problems_from_columns(cols, len(records), cm, self.name, self.verifier, start)
+        # checked when opened; the file may have changed since
+        return self._problems([(n, self._row(line, n)) for n, line in self._lines(block, end - start)], start)
 
 
 class ParquetSource(_FileSource):
