@@ -115,11 +115,14 @@ def rl_run_metadata(scalars: dict, lk, tracker) -> dict:
 
 @asset_check(asset=grpo_run, description="Held-out accuracy after GRPO is above the SFT checkpoint's")
 def grpo_beats_sft(grpo_run: dict) -> AssetCheckResult:  # named as the asset: its materialization in this run
-    gain = grpo_run["accuracy"] - grpo_run["start_accuracy"]
+    start, final = grpo_run["start_accuracy"], grpo_run["accuracy"]
+    if start is None or final is None:  # an accuracy the lake does not hold: no gain to judge, not a gain of 0
+        return AssetCheckResult(passed=False, description="not recorded: the run's start or final held-out accuracy "
+                                "is missing from the lake")
+    gain = final - start
     # Shown to 3 decimals, as accuracies are (a difference of two floats reads 0.020000000000000018).
-    return AssetCheckResult(passed=gain > 0, metadata={"sft_accuracy": round(grpo_run["start_accuracy"], 3),
-                                                       "grpo_accuracy": round(grpo_run["accuracy"], 3),
-                                                       "gain": round(gain, 3)})
+    return AssetCheckResult(passed=gain > 0, metadata={"sft_accuracy": round(start, 3),
+                                                       "grpo_accuracy": round(final, 3), "gain": round(gain, 3)})
 
 
 @asset(group_name="training", code_version="1", ins={"sft": SFT, "run": RUN, "dataset": DATASET},

@@ -20,14 +20,58 @@ source is opened (factory/data/sources/).
 
 from __future__ import annotations
 
+import types
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 
 class SourceError(ValueError):
     """A source that cannot be read as asked; the message names the source (and the file or column)."""
+
+
+BOOL_FOR_NUMBER = "expected a number, got a boolean (true/false)"
+
+
+def bool_for_number(annotation: Any, value: Any) -> bool:
+    """Whether `value` holds a YAML `true`/`false` where `annotation` wants a number (an int or a float, alone, in a
+    list or as a mapping's value): pydantic takes them as 1 and 0, so `seed: true` was seed 1."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Annotated:
+        return bool_for_number(args[0], value)
+    if origin in (Union, types.UnionType):
+        kinds = [a for a in args if a is not type(None)]
+        return any(bool_for_number(a, value) for a in kinds) if len(kinds) == 1 else (
+            isinstance(value, bool) and all(a in (int, float) for a in kinds))
+    if isinstance(value, bool):
+        return annotation in (int, float)
+    if origin is list and isinstance(value, list) and args:
+        return any(bool_for_number(args[0], v) for v in value)
+    if origin is dict and isinstance(value, dict) and len(args) == 2:
+        return any(bool_for_number(args[1], v) for v in value.values())
+    return False
+
+
+class NoBoolNumbers(BaseModel):
+    """A model none of whose numeric fields takes `true`/`false` (`bool_for_number`); the error is the field's."""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, v: Any, info: ValidationInfo) -> Any:
+        field = cls.model_fields.get(info.field_name or "")
+        if field is not None and bool_for_number(field.annotation, v):
+            raise ValueError(BOOL_FOR_NUMBER)
+        return v
 
 
 class ColumnMap(BaseModel):
@@ -71,6 +115,17 @@ _NAME = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$", description="the sourc
 
 class _Spec(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, data: Any) -> Any:
+        # a model validator: a field validator on every field would also sit on `kind`, the union's discriminator
+        if isinstance(data, dict):
+            for name, value in data.items():
+                field = cls.model_fields.get(name)
+                if field is not None and bool_for_number(field.annotation, value):
+                    raise ValueError(f"{name}: {BOOL_FOR_NUMBER}")
+        return data
 
     name: str = _NAME
     block_rows: int = Field(1024, ge=1, description="rows per block: the unit of reading and of block shuffling")
@@ -147,6 +202,11 @@ SourceSpec = Annotated[
 _ADAPTER: TypeAdapter[Any] = TypeAdapter(SourceSpec)
 
 
+def _message(err: Any) -> str:
+    # our own validators' words, without pydantic's "Value error, " before them
+    return str(err["ctx"]["error"]) if err["type"] == "value_error" and "error" in err.get("ctx", {}) else err["msg"]
+
+
 def parse_source_spec(spec: dict[str, Any] | BaseModel) -> Any:
     """The typed spec of a source dict; SourceError naming the source and the bad field."""
     if isinstance(spec, BaseModel):
@@ -155,5 +215,5 @@ def parse_source_spec(spec: dict[str, Any] | BaseModel) -> Any:
         return _ADAPTER.validate_python(spec)
     except ValidationError as e:
         name = spec.get("name", "?") if isinstance(spec, dict) else "?"
-        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'spec'}: {err['msg']}" for err in e.errors())
+        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'spec'}: {_message(err)}" for err in e.errors())
         raise SourceError(f"source {name!r}: {problems}") from e

@@ -89,10 +89,13 @@ def test_buffer_depth_bound_is_checked_against_the_batch():
 def test_max_new_tokens_must_fit_the_models_positions_after_the_longest_prompt():
     # Default task: arithmetic up to 3 digits, "123+456=" after <bos>: 9 tokens; the tiny preset has 64 positions.
     assert parse_spec({"rollout": {"max_new_tokens": 55}}).rollout.max_new_tokens == 55
-    (err,) = errors_of({"rollout": {"max_new_tokens": 2_000_000_000}})
+    (err,) = errors_of({"rollout": {"max_new_tokens": 100_000}})
     assert err == ("rollout.max_new_tokens: must be <= 55 so that the longest prompt (9 tokens, task arithmetic) "
                    "plus the completion fit the model's 64 positions (model.max_positions, unset: preset tiny's), "
-                   "got 2000000000")
+                   "got 100000")
+    # past its sane maximum (factory/config/bounds.py) the schema says so first, whatever the model
+    assert errors_of({"rollout": {"max_new_tokens": 2_000_000_000}}) == [
+        "rollout.max_new_tokens: must be <= 131072, got 2000000000"]
     assert errors_of({"rollout": {"max_new_tokens": 56}})[0].startswith("rollout.max_new_tokens: must be <= 55 ")
     assert parse_spec({"model": {"max_positions": 256}, "rollout": {"max_new_tokens": 247}})
     (err,) = errors_of({"model": {"max_positions": 256}, "rollout": {"max_new_tokens": 248}})

@@ -109,3 +109,43 @@ def test_rows_of_two_runs_or_none_are_refused(trained):
         panel_data([*trained, {**trained[0], "run_id": "other"}])
     with pytest.raises(ValueError, match="no steps rows"):
         metric_panel_png([])
+
+
+def test_metrics_not_measured_are_not_recorded_anywhere(lake, tmp_path):
+    """A run with `kl_coef: 0` computes no KL, an arithmetic task runs no reward-hack detector and GRPO filters no
+    group: the loss reports no `kl`, and the step's record holds None for each (not a 0 that reads as measured), so
+    the lake's `steps` row holds NULL, MLflow gets no point, and the panel's KL cell says "not recorded"."""
+    from factory.core.algorithms import make_loss
+    from factory.core.batch import pack
+    from factory.home import factory_home
+    from factory.runs.step_metrics import StepMetrics
+    from factory.tracking import Tracker
+
+    batch = pack([[1, 2]], [[3, 4]], 0, {"old_logprobs": [[-0.5, -0.5]]}, {"advantages": [1.0]})
+    batch.per_token["ref_logprobs"] = torch.full_like(batch.per_token["old_logprobs"], -0.7)
+    logp = batch.per_token["old_logprobs"]
+    _, off = make_loss(SPEC.algorithm)(logp, batch)  # kl_coef 0: the reference is not used
+    _, on = make_loss(SPEC.algorithm.model_copy(update={"kl_coef": 0.1}))(logp, batch)
+    assert "kl" not in off and on["kl"] > 0
+    problem = tasks.make_task_splits(TaskSpec(name="arithmetic", n_train=16, n_eval=8), 0).train[0]
+    texts = [problem.answer, problem.answer + "9"]
+    (scored,) = LocalEnvironment(None).score([Episode("e0", problem, texts)])
+    comps = [Completion([1, 2], [3, 4], [-0.5, -0.5], t, "stop", 0) for t in texts]
+    record = _record(SPEC, 0, [make_group(problem, 0, comps, scored)], torch.tensor(scored.rewards),
+                     {**off, "loss": 0.5, "entropy": 2.0, "grad_norm": 1.0}, 0.0, 2.0, 0.5, {})
+    assert record.kl is None and record.filtered is None
+    assert (record.hacks_any, record.hacks_marker, record.hacks_early_exit, record.hacks_touched_tests) == (None,) * 4
+    log = StepLog(RUN, attempt=1)
+    log.add(record)
+    log.flush(lake)
+    (row,) = lake.read("steps").to_pylist()
+    assert row["kl"] is None and row["hacks_any"] is None and row["loss"] == 0.5
+    tracker = Tracker(factory_home(tmp_path / "mlflow-home"))
+    mlflow_id = tracker.start_run("not-recorded", RUN)
+    metrics = StepMetrics(tracker, mlflow_id)
+    metrics.add(record.step, {k: v for k, v in record.to_dict().items() if k != "step"})
+    metrics.flush()
+    logged = tracker.client.get_run(mlflow_id).data.metrics
+    assert "loss" in logged and "kl" not in logged and "hacks_any" not in logged and "filtered" not in logged
+    (kl_cell,) = [c for c in panel_data([row]) if c.cell.title == "KL to reference"]
+    assert not kl_cell.recorded

@@ -95,3 +95,20 @@ def test_a_gated_proxy_holds_the_connection_until_the_gate_opens(echo):
 def test_a_negative_delay_is_refused_naming_the_field():
     with pytest.raises(ValueError, match=r"delay_s must be >= 0 seconds, got -1"):
         TcpProxy(("127.0.0.1", 9), delay_s=-1)
+
+
+def test_down_cuts_open_connections_and_closes_new_ones_until_up(echo):
+    proxy = TcpProxy(echo.addr)
+    try:
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=STUCK_S) as c:
+            c.sendall(b"ping")
+            assert c.recv(4) == b"ping"  # forwarded: the connection is open through the proxy
+            assert proxy.down() == 1
+            assert c.recv(4) == b""  # cut: the stream ends, as a stopped server ends it
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=STUCK_S) as c:
+            assert c.recv(4) == b""  # while down a new connection is closed before a byte passes
+        assert proxy.refused == 1 and echo.accepted == 1  # and none reached the upstream
+        proxy.up()
+        assert _exchange(proxy.port, b"back") == b"back" and echo.accepted == 2
+    finally:
+        proxy.close()

@@ -11,6 +11,7 @@ import sys
 import torch.distributed as dist
 
 from factory.cli.common import check_model, error, home_from, load
+from factory.cli.spec import machine_problem
 from factory.config import ExperimentSpec
 from factory.core.loop import NonFiniteLoss, RunInterrupted
 from factory.core.trainer.distributed import init_ranks
@@ -24,6 +25,7 @@ from factory.lake.spool import SPOOL, LakeDown, Spool, is_catalog_error
 from factory.models.build import policy_for
 from factory.ops.preflight.gate import PreflightFailed, gate
 from factory.runs import recovery, standby
+from factory.runs.degraded import read_when_up
 from factory.runs.exit_codes import (
     EXIT_BAD_INPUT,
     EXIT_DEPENDENCY_DOWN,
@@ -33,12 +35,11 @@ from factory.runs.exit_codes import (
     EXIT_OK,
     EXIT_STOPPED,
 )
-from factory.runs.experiment import RunFailed, run_experiment
+from factory.runs.experiment import RunFailed, report_when_up, run_experiment
 from factory.runs.pipes import RunInputs, run_under_pipes
 from factory.runs.rank_group import attempt_spec, is_group, run_group_attempt
 from factory.runs.restarts import supervise
 from factory.runs.rl_run import attempt_main
-from factory.runs.stages import eval_summary, render_report
 from factory.source_spec import SourceError
 
 RANK_TIMEOUT_S = 6 * 3600.0  # followers wait in a collective while rank 0 builds the dataset and trains SFT
@@ -61,7 +62,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if err is not None:
         print(str(err), file=sys.stderr)
         return EXIT_BAD_INPUT
-    if (problem := check_model(spec, args)[1]) is not None:  # before any process starts or restarts
+    if (problem := check_model(spec, args)[1] or machine_problem(spec)[0]) is not None:  # before any process starts
         error(problem)
         return EXIT_BAD_INPUT
     if spec.trainer.world_size > 1 and (args.in_process or "RANK" in os.environ):
@@ -145,11 +146,12 @@ def _resume_run(paths: FactoryPaths, run_id: str) -> int:
                                          str(e), recovery.last_step(lake, run_id))
             error(str(e))
             return EXIT_FAILED
-    rc = supervise(paths, run_id, recovery.spec_of_run(row))
+    spec = recovery.spec_of_run(row)
+    rc = supervise(paths, run_id, spec)
     if rc != EXIT_OK:
         return rc
-    with Lake.open(paths) as lake:
-        print(render_report(eval_summary(lake, run_id)))
+    with read_when_up(lambda: Lake.open(paths), spec.ops.lake_outage_s, print) as lake:
+        print(report_when_up(lake, run_id, spec.ops.lake_outage_s)["report"])
     return EXIT_OK
 
 

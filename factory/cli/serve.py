@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
@@ -15,6 +16,7 @@ from factory.model_source import model_source
 from factory.models.build import build_model
 from factory.models.resolve import resolve_model_path
 from factory.models.tokenizer import build_tokenizer
+from factory.objstore import is_remote
 from factory.runs.exit_codes import EXIT_BAD_INPUT, EXIT_OK
 
 
@@ -29,7 +31,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
             # A .gguf file or a cached hub id names a directory the way model.path does (models/resolve.py); a
             # directory or an object-store URI is load_checkpoint's to read.
             path = args.checkpoint
-            if model_source(path).kind != "dir":
+            source = model_source(path)
+            if source.kind == "dir" and not is_remote(path) and not Path(path).expanduser().is_dir():
+                # said now, not after load_checkpoint's retries for a checkpoint being replaced
+                error(f"--checkpoint: {path} is not a directory (expected an HF-format checkpoint directory, a "
+                      f".gguf file, a cached hub id org/name or an s3:// / gs:// URI)")
+                return EXIT_BAD_INPUT
+            if source.kind != "dir":
                 path = resolve_model_path(path, home_from(args), log=lambda m: print(m, file=sys.stderr))
             engine = engine_from_checkpoint(path, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
                                             version=args.weight_version, device=device, precision=args.precision)

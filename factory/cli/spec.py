@@ -7,17 +7,20 @@ import sys
 
 from factory.cli.common import check_model, error, load
 from factory.config import ExperimentSpec
+from factory.infra.memory import memory_problem
 from factory.infra.placement import check_placement
 from factory.runs.exit_codes import EXIT_BAD_INPUT, EXIT_OK
 
 
 def machine_problem(spec: ExperimentSpec) -> tuple[str | None, list[str]]:
-    """(the error, []) if this machine cannot hold the spec's cores or GPUs (counted without torch), else (None,
-    placement notes): what the run's start would refuse, said before it starts."""
+    """(the error, []) if this machine cannot hold the spec's cores or GPUs (counted without torch) or one step of it
+    in memory (factory/infra/memory.py), else (None, placement notes): what the run's start would refuse or die of,
+    said before it starts."""
     try:
-        return None, check_placement(spec)
+        notes = check_placement(spec)
     except ValueError as e:
         return str(e), []
+    return memory_problem(spec), notes
 
 
 def cmd_validate(args: argparse.Namespace) -> int:

@@ -64,24 +64,32 @@ def group_advantages(rewards: Tensor, group_size: int, scale: bool = True, eps: 
     """GRPO advantages: reward minus its group's mean, divided by the group's std when `scale`.
 
     `rewards` is [N * group_size], groups contiguous. A group whose rewards are all equal gets
-    zero advantage (no NaN), so it contributes no gradient.
+    zero advantage (no NaN), so it contributes no gradient. Computed in the rewards' own precision
+    (`reward_dtype`): float64 rewards give float64 advantages, as verl's estimator gives on them; a cast
+    to float32 first was 1e-7 off it.
     """
     _check_groups(rewards, group_size)
-    r = rewards.view(-1, group_size).float()
+    r = rewards.view(-1, group_size).to(reward_dtype(rewards))
     adv = r - r.mean(dim=1, keepdim=True)
     if scale:
         adv = adv / (r.std(dim=1, keepdim=True) + eps)
     return adv.reshape(-1)
 
 
-def overlong_reward(lengths: Tensor, max_len: int, cache_len: int) -> Tensor:
-    """DAPO's soft overlong punishment (its eq. 13), a penalty in [-1, 0] per response length.
+def reward_dtype(rewards: Tensor) -> torch.dtype:
+    """The precision advantages of `rewards` are computed in: their own floating dtype; integer (or bool) rewards,
+    exact as they are, in float64."""
+    return rewards.dtype if rewards.is_floating_point() else torch.float64
+
+
+def overlong_reward(lengths: Tensor, max_len: int, cache_len: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """DAPO's soft overlong punishment (its eq. 13), a penalty in [-1, 0] per response length, in `dtype`.
 
     0 up to `max_len - cache_len` tokens, then falling linearly to -1 at `max_len`, and -1 beyond.
     """
     if not 0 < cache_len < max_len:
         raise ValueError(f"need 0 < cache_len < max_len, got cache_len={cache_len}, max_len={max_len}")
-    lengths = lengths.float()
+    lengths = lengths.to(dtype)
     soft = max_len - cache_len
     penalty = (soft - lengths) / cache_len
     return torch.where(lengths <= soft, torch.zeros_like(lengths), penalty.clamp(min=-1.0))
@@ -111,7 +119,8 @@ def compute_advantages(spec: AlgorithmSpec, rewards: Tensor, group_size: int, le
     if overlong is not None:
         if lengths is None:
             raise ValueError(f"algorithm {spec.name!r} shapes overlong rewards: pass the completion lengths")
-        rewards = rewards.float() + spec.overlong_penalty * overlong_reward(lengths, *overlong)
+        dtype = reward_dtype(rewards)
+        rewards = rewards.to(dtype) + spec.overlong_penalty * overlong_reward(lengths, *overlong, dtype=dtype)
     return group_advantages(rewards, group_size, scale=spec.scales_rewards())
 
 
@@ -192,7 +201,8 @@ def _finish(policy_term: Tensor, logprobs: Tensor, mask: Tensor, agg: Aggregatio
         per_token = per_token + kl_coef * kl
     loss = aggregate(per_token, mask, agg, max_len)
     with torch.no_grad():
-        metrics["kl"] = masked_mean(kl, mask).item() if kl is not None else 0.0
+        if kl is not None:  # not computed (kl_coef 0, no reference): no metric, never a 0 that reads as measured
+            metrics["kl"] = masked_mean(kl, mask).item()
         if is_weights is not None:
             metrics["is_weight_mean"] = masked_mean(is_weights.float(), mask).item()
     return loss, metrics

@@ -369,7 +369,7 @@ class RolloutBuffer:
         with self._cond:
             return len(self._queue)
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self) -> dict[str, float | None]:
         """depth, reserved, counters (cumulative groups), staleness of the last batch and overall, waits."""
         with self._cond:
             last = self._last_staleness
@@ -382,10 +382,11 @@ class RolloutBuffer:
                 "bound_violations": float(self._violations),
                 "corrected": float(self._corrected),
                 "consumed": float(self._consumed),
-                "staleness_mean": sum(last) / len(last) if last else 0.0,
-                "staleness_max": float(max(last)) if last else 0.0,
-                "staleness_mean_all": sum(k * v for k, v in self._hist.items()) / total if total else 0.0,
-                "staleness_max_all": float(max(self._hist)) if self._hist else 0.0,
+                # None before any batch: no staleness was measured (0 would read as perfectly fresh)
+                "staleness_mean": sum(last) / len(last) if last else None,
+                "staleness_max": float(max(last)) if last else None,
+                "staleness_mean_all": sum(k * v for k, v in self._hist.items()) / total if total else None,
+                "staleness_max_all": float(max(self._hist)) if self._hist else None,
                 "put_wait_s": self._put_wait_s,
                 "get_wait_s": self._get_wait_s,
                 "straggler_waits": float(self._straggler_waits),

@@ -41,6 +41,7 @@ from factory.core.weights import encode_delta, encode_full
 from factory.data.feed import PromptFeed
 from factory.envs.protocol import tokens_from_session
 from factory.envs.registry import load_environment
+from factory.envs.tasks import runs_hack_detectors
 from factory.envs.workers import Episode, Scored, make_environment
 from factory.infra import http_client, spare
 from factory.infra.device import host_copy, run_device
@@ -51,6 +52,7 @@ from factory.models.build import policy_positions
 from factory.models.checkpoint import remove_checkpoint, save_checkpoint
 from factory.models.prompting import prompt_ids
 from factory.problem import Problem
+from factory.source_spec import SourceError
 
 
 class ProducerFailed(RuntimeError):
@@ -69,9 +71,11 @@ def scorer(spec: ExperimentSpec, problem: Problem | None = None) -> str:
     return (problem.meta.get("verifier") if problem is not None else None) or spec.task.name
 
 
-def make_group(problem: Problem, k: int, completions: list[Completion], scored: Scored) -> Group:
+def make_group(problem: Problem, k: int, completions: list[Completion], scored: Scored,
+               scorer_name: str | None = None) -> Group:
     """A buffer group of the completions and the environment's rewards for them (with the reason where the
-    environment failed to judge one and scored it 0)."""
+    environment failed to judge one and scored it 0). `scorer_name`: what scored them (None: the task's verifier);
+    the group's `hack_checked` says whether the reward-hack detectors looked at them."""
     samples = [Sample.from_completion(c, r) for c, r in zip(completions, scored.rewards, strict=True)]
     for sample, reason in zip(samples, scored.reasons, strict=True):
         if reason is not None:
@@ -80,7 +84,8 @@ def make_group(problem: Problem, k: int, completions: list[Completion], scored: 
         if hacks:
             sample.meta["hacks"] = list(hacks)
     return Group(samples, uid=f"draw-{k}", meta={"prompt_id": problem.id, "prompt": problem.prompt, "draw": k,
-                                                 "latency_s": scored.latency_s, "source": problem.meta.get("source")})
+                                                 "latency_s": scored.latency_s, "source": problem.meta.get("source"),
+                                                 "hack_checked": runs_hack_detectors(problem, scorer_name)})
 
 
 def _params(spec: ExperimentSpec, seed: int, n: int = 1) -> SamplingParams:
@@ -120,7 +125,8 @@ class SyncProducer:
                                  for (k, p), comps in zip(draws, groups, strict=True)])
         if scored is None:
             raise ProducerFailed("the environment was closed while a batch was being scored")
-        batch = [make_group(p, k, comps, sc) for (k, p), comps, sc in zip(draws, groups, scored, strict=True)]
+        batch = [make_group(p, k, comps, sc, scorer(self.spec, p))
+                 for (k, p), comps, sc in zip(draws, groups, scored, strict=True)]
         self.feed.trained(batch)
         return batch
 
@@ -218,7 +224,7 @@ class OverlappedProducer:
         completions = self._sample(ids, _params(self.spec, self.spec.seed * 1_000_003 + k, n=g))
         slot.generated_at(min(Sample.from_completion(c, 0.0).oldest_version for c in completions))
         scored = self.env.score([episode(problem, k, completions, scorer(self.spec, problem))])
-        return None if scored is None else make_group(problem, k, completions, scored[0])
+        return None if scored is None else make_group(problem, k, completions, scored[0], scorer(self.spec, problem))
 
     def next_batch(self, step: int) -> list[Group]:
         try:
@@ -227,7 +233,7 @@ class OverlappedProducer:
         except (BufferClosed, BufferTimeout) as e:
             if self._errors:
                 first = self._errors[0]
-                if isinstance(first, ServiceUnavailable):  # e.g. a tripped circuit breaker: say which service
+                if isinstance(first, ServiceUnavailable | SourceError):  # say which service, or which file and line
                     raise first from e
                 raise ProducerFailed(f"a rollout producer failed: {first!r}") from first
             raise e
@@ -419,7 +425,8 @@ class ServerProducer(OverlappedProducer):
                           {"text": str(res.info.get("answer", "")), "reason": res.reason, "turns": t.turns},
                           mask=t.mask) for t, res in zip(tokens, results, strict=True)]
         return Group(samples, uid=f"draw-{k}", meta={"prompt_id": problem.id, "prompt": problem.prompt, "draw": k,
-                                                     "latency_s": 0.0, "source": problem.meta.get("source")})
+                                                     "latency_s": 0.0, "source": problem.meta.get("source"),
+                                                     "hack_checked": False})  # episodes have no hack detectors
 
     def _end_sessions(self, sids: list[str]) -> None:
         for sid in sids:
@@ -459,13 +466,14 @@ def _prompt_ids(tok: PreTrainedTokenizerFast, problem: Problem, spec: Experiment
                 limit: int | None) -> list[int]:
     """The prompt's tokens; a prompt too long for the model's `limit` positions (a file source's row) or that the
     tokenizer cannot read is an error naming it."""
+    # SourceErrors: a row of the data the run cannot use, which a restart would meet again (bad input, exit 2)
     try:
         ids = prompt_ids(tok, problem.prompt)
     except Exception as e:  # a character tokenizer meets a character it does not have
-        raise ValueError(f"prompt {problem.id!r} of source {problem.meta.get('source')!r} cannot be tokenized by the "
-                         f"model's tokenizer (task {spec.task.name}'s alphabet): {e}") from None
+        raise SourceError(f"prompt {problem.id!r} of source {problem.meta.get('source')!r} cannot be tokenized by the "
+                          f"model's tokenizer (task {spec.task.name}'s alphabet): {e}") from None
     if limit is not None and len(ids) + spec.rollout.max_new_tokens > limit:
-        raise ValueError(f"prompt {problem.id!r} of source {problem.meta.get('source')!r} has {len(ids)} tokens: with "
-                         f"rollout.max_new_tokens = {spec.rollout.max_new_tokens} it does not fit the model's {limit} "
-                         f"positions (raise model.max_positions, or filter the source)")
+        raise SourceError(f"prompt {problem.id!r} of source {problem.meta.get('source')!r} has {len(ids)} tokens: "
+                          f"with rollout.max_new_tokens = {spec.rollout.max_new_tokens} it does not fit the model's "
+                          f"{limit} positions (raise model.max_positions, or filter the source)")
     return ids

@@ -383,7 +383,7 @@ class Blender:
                 "sources": {n: {
                     "target_share": self._quota.w[i],
                     "stream_target_share": stream_target[i] / total if total else self._quota.w[i],
-                    "realized_share": self._taken[i] / total if total else 0.0,
+                    "realized_share": self._taken[i] / total if total else None,  # nothing drawn yet
                     "quota_error": errors[i],
                     "taken": self._taken[i], "done": self._done[i], "in_flight": in_flight[i],
                     "epoch": self._cursors[i].epoch, "position": self._cursors[i].pos,

@@ -49,7 +49,7 @@ from factory.envs.protocol import (
     score_all,
 )
 from factory.envs.registry import load_environment
-from factory.envs.tasks import verify_detail
+from factory.envs.tasks import TASK_VERIFIERS, verify_detail
 from factory.infra.http_guard import MAX_JSON_BYTES, RequestError, guard
 from factory.problem import Problem
 from factory.text import clip
@@ -63,8 +63,7 @@ def _task_verifier(problem: dict[str, Any], completion: str) -> RewardResult:
 
 
 # The task families' verifiers (envs/tasks.py); code rewards run in this process's sandbox pool.
-SCORERS: dict[str, Scorer] = {name: _task_verifier for name in ("arithmetic", "word_problems", "code",
-                                                                 "reasoning_gym", "math_verify", "humaneval")}
+SCORERS: dict[str, Scorer] = dict.fromkeys(TASK_VERIFIERS, _task_verifier)
 
 
 MAX_EPISODE_TIMEOUT_S = 86400.0

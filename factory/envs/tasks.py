@@ -217,6 +217,17 @@ def _bounded(reward: float) -> float:
     return min(1.0, max(0.0, reward)) if math.isfinite(reward) else 0.0
 
 
+# The names that score with the task families' verifiers (`verify_detail`), whichever family a problem is of.
+TASK_VERIFIERS = ("arithmetic", "word_problems", "code", "reasoning_gym", "math_verify", "humaneval")
+HACK_DETECTING_OPS = frozenset({"code", "humaneval"})  # the verifiers that run reward-hack detectors
+
+
+def runs_hack_detectors(problem: Problem, scorer: str | None = None) -> bool:
+    """Whether scoring `problem` with `scorer` (None: the task's verifier) runs the reward-hack detectors: only the
+    code verifiers have them, so a step of other problems has no hack count at all (not a count of 0)."""
+    return problem.op in HACK_DETECTING_OPS and (scorer is None or scorer in TASK_VERIFIERS)
+
+
 def verify_detail(completion: str, problem: Problem) -> tuple[float, frozenset[str]]:
     """`verify`'s reward and the hack detectors (`code_harness.HACK_FLAGS`) the completion tripped: a signal for
     the step's metrics, never part of the reward; only code verifiers have detectors (empty for the others)."""

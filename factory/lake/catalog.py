@@ -6,6 +6,10 @@ FACTORY_CATALOG_TOKEN or FACTORY_CATALOG_CREDENTIAL passed on). FACTORY_WAREHOUS
 `gs://...`) puts a SQL catalog's warehouse, the tables' data and metadata files, on an object store, reached with
 pyarrow's FileIO and the AWS_* settings (factory/objstore.py); a REST catalog's server decides where its tables live.
 
+A SqlCatalog's pooled connections are checked before each use (SQLAlchemy's pool_pre_ping, which pyiceberg's
+SqlCatalog takes as its `pool_pre_ping` property): after a catalog server restarts, every pooled connection is
+dead, and without the check the first read after it fails (an OperationalError) although the server is back.
+
 Opening a fresh SQLite catalog and creating its namespace and tables are serialized across processes with
 an flock beside catalog.db: pyiceberg's create_namespace reports a lost race as an IntegrityError, not
 NamespaceAlreadyExistsError, and a create_table that loses leaves an orphan metadata file."""
@@ -89,15 +93,16 @@ def open_catalog(paths: FactoryPaths | None = None, uri: str | None = None, **pr
         warehouse, io_props = check_uri(warehouse_uri, WAREHOUSE_URI_ENV), iceberg_io_properties()
     else:
         warehouse, io_props = paths.warehouse.as_uri(), {}
+    props = {"warehouse": warehouse, "pool_pre_ping": "true", **io_props}
     with _setup_lock(uri):
         if default:
             _use_wal(paths.catalog_db)
         try:
-            return SqlCatalog(CATALOG_NAME, uri=uri, warehouse=warehouse, **io_props)
+            return SqlCatalog(CATALOG_NAME, uri=uri, **props)
         except OperationalError:
             # A process of an older Factory (no lock) created the catalog's own SQL tables at the same
             # time; by now they exist, so a second open succeeds.
-            return SqlCatalog(CATALOG_NAME, uri=uri, warehouse=warehouse, **io_props)
+            return SqlCatalog(CATALOG_NAME, uri=uri, **props)
 
 
 def _setup_lock(uri: str | None) -> contextlib.AbstractContextManager[object]:

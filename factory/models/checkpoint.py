@@ -108,6 +108,8 @@ def load_checkpoint(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokeni
         model.config._name_or_path = model.name_or_path = tokenizer.name_or_path = str(path)
         return model, tokenizer
     path = Path(path)
+    if not path.exists():  # nothing to wait for: a save replaces the link, it never removes it
+        raise FileNotFoundError(f"no checkpoint at {path} (no such file or directory)")
 
     def load_version() -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
         version = path.resolve()

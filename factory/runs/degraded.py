@@ -51,6 +51,14 @@ def when_lake_up(use: Callable[[], T], budget_s: float, *, beat: Callable[[], No
         sleep(min(every_s, max(0.0, budget_s - (clock() - start))))
 
 
+def read_when_up(read: Callable[[], T], budget_s: float, log: Callable[[str], None], *,
+                 sleep: Callable[[float], None] = time.sleep) -> T:
+    """`read()` of what a finished run left in the lake (its row, its evals for the report), by a process that holds
+    no heartbeat (`factory run`, `factory resume` after their attempts): waited out like an attempt's first reads
+    (`when_lake_up`) while the catalog is unreachable, for up to `budget_s` (ops.lake_outage_s)."""
+    return when_lake_up(read, budget_s, beat=lambda: None, log=log, sleep=sleep)
+
+
 def unless_down(read: Callable[[], T], fallback: T) -> T:
     """`read()` from the lake, or `fallback` while the lake is down."""
     try:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import functools
 import json
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from factory.config import ExperimentSpec
@@ -16,6 +18,7 @@ from factory.lake.results import run_outcome
 from factory.lake.writer import Lake
 from factory.models.checkpoint import load_checkpoint
 from factory.runs.attempt import write_launch
+from factory.runs.degraded import read_when_up
 from factory.runs.recovery import now, run_row
 from factory.runs.restarts import supervise
 from factory.runs.rl_run import RunResult, finished_result, new_run_id, run_rl
@@ -98,7 +101,9 @@ def run_experiment(spec: ExperimentSpec, paths: FactoryPaths, control: bool = Fa
 
     `supervised`: the RL run's attempts run in child processes that are restarted (resuming) when one
     dies or hangs (`runs/restarts.py`); a run that does not succeed raises `RunFailed` with its exit code.
-    A spec built in Python gets the task checks a loaded one got (`check_spec`: task size, prompt length)."""
+    A spec built in Python gets the task checks a loaded one got (`check_spec`: task size, prompt length).
+    The lake reads after the run (its row, the evals of the report) wait out a catalog outage of up to
+    ops.lake_outage_s, as the run's own reads do: a run that rode through a catalog restart still reports."""
     check_spec(spec)
     ds = build_dataset(spec, paths)
     splits = load_dataset(ds.path)
@@ -111,7 +116,7 @@ def run_experiment(spec: ExperimentSpec, paths: FactoryPaths, control: bool = Fa
         rc = supervise(paths, run_id, spec, log=log)
         if rc != 0:
             raise RunFailed(run_id, rc)
-        seconds = run_row(lake, run_id)["wall_s"]
+        seconds = read_when_up(lambda: run_row(lake, run_id)["wall_s"], spec.ops.lake_outage_s, log)
     else:
         run = run_rl(spec, paths, sft.checkpoint.path, splits, lake, tracker, log=log)
         run_id, seconds = run.run_id, run.seconds
@@ -119,7 +124,14 @@ def run_experiment(spec: ExperimentSpec, paths: FactoryPaths, control: bool = Fa
         model, tok = load_checkpoint(sft.checkpoint.path)
         run_sft_control(spec, paths, splits, lake, run_id, spec.schedule.steps, model, tok, seconds=seconds,
                         sft_seconds_per_step=sft.seconds / max(1, sft.steps), log=log)
-    summary = eval_summary(lake, run_id)
+    return report_when_up(lake, run_id, spec.ops.lake_outage_s, log)
+
+
+def report_when_up(lake: Lake, run_id: str, budget_s: float, log: Log = print, *,
+                   sleep: Callable[[float], None] = time.sleep) -> dict:
+    """The eval summary of finished run `run_id` with its rendered `report`, read once the lake answers (an outage
+    of up to `budget_s` is waited out; `sleep` is the wait between tries)."""
+    summary = read_when_up(lambda: eval_summary(lake, run_id), budget_s, log, sleep=sleep)
     summary["report"] = render_report(summary)
     return summary
 

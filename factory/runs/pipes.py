@@ -96,7 +96,8 @@ def run_under_pipes(spec: ExperimentSpec, paths: FactoryPaths, fallback: RunInpu
             return EXIT_BAD_INPUT
         res, code = _train_or_exit(spec, paths, fallback, print, lambda m: print(m, file=sys.stderr))
         if res is not None:
-            print(f"run {res.run_id}: accuracy {res.start_accuracy:.3f} -> {res.final_accuracy:.3f}", flush=True)
+            said = ["not recorded" if a is None else f"{a:.3f}" for a in (res.start_accuracy, res.final_accuracy)]
+            print(f"run {res.run_id}: accuracy {said[0]} -> {said[1]}", flush=True)
         return code
     with open_dagster_pipes() as pipes:
         try:

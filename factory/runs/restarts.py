@@ -10,6 +10,8 @@ follows:
 - `EXIT_STOPPED`: it stopped on request (SIGTERM/SIGINT, forwarded by this parent too): no restart;
 - `EXIT_NEEDS_FIX`: it stopped for good until something is fixed (non-finite losses, a circuit breaker
   that tripped on a crash-looping service): no restart; `factory resume RUN_ID` once fixed;
+- `EXIT_BAD_INPUT`: a data source's row it cannot read (the attempt named the source, file and line): no restart,
+  and that exit code is returned;
 - `EXIT_DEPENDENCY_DOWN`, `EXIT_DISK_FULL`: the lake stayed down past `ops.lake_outage_s`, or a disk is full: the
   attempt stopped at a resume point and said why; restarting would meet the same wall, so no restart is spent and
   that exit code is returned; `factory resume RUN_ID` once the lake is back or space is freed;
@@ -45,6 +47,7 @@ from factory.lake.writer import Lake
 from factory.runs import recovery
 from factory.runs.attempt import SUPERVISOR_ENV, clear_finished, finished, last_beat
 from factory.runs.exit_codes import (
+    EXIT_BAD_INPUT,
     EXIT_DEPENDENCY_DOWN,
     EXIT_DISK_FULL,
     EXIT_FAILED,
@@ -151,6 +154,10 @@ def supervise(paths: FactoryPaths, run_id: str, spec: ExperimentSpec, log=print,
                 return EXIT_STOPPED
             if rc == EXIT_NEEDS_FIX:
                 return EXIT_FAILED
+            if rc == EXIT_BAD_INPUT:  # a data file gone bad (its line said on stderr): the same input fails again
+                log(f"run {run_id}: stopped on bad input (see the line above); no restart spent; once fixed: "
+                    f"factory resume {run_id}")
+                return EXIT_BAD_INPUT
             if rc in (EXIT_DEPENDENCY_DOWN, EXIT_DISK_FULL):
                 what = "the lake stayed unavailable" if rc == EXIT_DEPENDENCY_DOWN else "a disk is full"
                 log(f"run {run_id}: stopped at a resume point because {what} (see the line above); no restart "

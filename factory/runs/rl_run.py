@@ -70,7 +70,7 @@ from factory.runs.attempt import (
     work_start,
 )
 from factory.runs.degraded import stop_code, tolerating, unless_down, watch_lake, when_lake_up
-from factory.runs.exit_codes import EXIT_NEEDS_FIX, EXIT_OK, EXIT_STOPPED, EXIT_SUPERVISOR_LOST
+from factory.runs.exit_codes import EXIT_BAD_INPUT, EXIT_NEEDS_FIX, EXIT_OK, EXIT_STOPPED, EXIT_SUPERVISOR_LOST
 from factory.runs.resume_points import RunCheckpoints
 from factory.runs.run_checkpoints import record_checkpoint
 from factory.runs.run_evals import SOURCE_BENCHMARK, source_evals, start_eval
@@ -99,9 +99,9 @@ class RunResult:
     mlflow_run_id: str
     checkpoint: CheckpointInfo
     steps: int
-    start_accuracy: float
+    start_accuracy: float | None  # None: not recorded (never a 0 that reads as measured)
     start_pass_at_k: float | None
-    final_accuracy: float
+    final_accuracy: float | None
     seconds: float  # wall time of the run over all its attempts
     records: list[StepRecord] = field(repr=False, default_factory=list)  # this attempt's steps
     attempt: int = 1
@@ -122,8 +122,8 @@ def _finished(lake: Lake, row: dict) -> RunResult:
     digest, size = dir_digest(path)
     k = next((m for s, m in evals if s == 0 and m.startswith("pass@")), None)
     return RunResult(row["run_id"], row["mlflow_run_id"], CheckpointInfo(path, digest, size), final,
-                     evals.get((0, "accuracy"), 0.0), evals.get((0, k)) if k else None,
-                     result.accuracy if result is not None and result.primary else 0.0, row.get("wall_s") or 0.0,
+                     evals.get((0, "accuracy")), evals.get((0, k)) if k else None,
+                     result.accuracy if result is not None and result.primary else None, row.get("wall_s") or 0.0,
                      attempt=int(row.get("attempts") or 1), goodput=row.get("goodput") or 1.0)
 
 
@@ -590,7 +590,7 @@ def _attempt(paths: FactoryPaths, run_id: str) -> int:
             fault_point("attempt_exit")  # chaos tests: the work between the recorded result and the exit
         except (RunInterrupted, KeyboardInterrupt):
             return EXIT_SUPERVISOR_LOST if supervisor_lost() else EXIT_STOPPED
-        except (NonFiniteLoss, CircuitOpen, SourceError) as e:  # a data file gone bad: restarting cannot help
+        except (NonFiniteLoss, CircuitOpen, SourceError) as e:  # restarting cannot help
             print(f"factory: error: run {run_id} stopped: {' '.join(str(e).split())}", file=sys.stderr)
-            return EXIT_NEEDS_FIX
+            return EXIT_BAD_INPUT if isinstance(e, SourceError) else EXIT_NEEDS_FIX  # a data file gone bad: input
     return EXIT_OK

@@ -57,3 +57,16 @@ def test_a_gpu_this_machine_lacks_is_one_error_line(served, capsys):
     assert "--device" in err and "no CUDA device" in err and "engine" not in served
     assert main(["serve", "--preset", "micro", "--device", "tpu"]) == 2
     assert "expected auto, cpu, cuda or cuda:N" in capsys.readouterr().err
+
+
+def test_a_checkpoint_that_does_not_exist_is_one_line_naming_the_flag(served, tmp_path, capsys):
+    """It used to retry for 20 s and end in a traceback saying the checkpoint "was replaced 5 times"."""
+    from factory.models.checkpoint import load_checkpoint
+
+    missing = tmp_path / "no" / "such" / "dir"
+    assert main(["serve", "--checkpoint", str(missing)]) == 2
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    assert line.startswith(f"factory: error: --checkpoint: {missing} is not a directory")
+    assert "engine" not in served  # nothing was served
+    with pytest.raises(FileNotFoundError, match=f"no checkpoint at {missing}"):  # at once, not after retries
+        load_checkpoint(missing)

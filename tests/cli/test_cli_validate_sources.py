@@ -3,6 +3,7 @@ and exit 2, before any work starts; a relative `path:` is relative to the spec f
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -111,7 +112,7 @@ spec = parse_spec({"model": {"preset": "micro"}, "ops": {"preflight": "off"},
                    "sft": {"steps": 2, "batch_size": 8, "check_every": 1}, "algorithm": {"group_size": 2},
                    "rollout": {"prompts_per_step": 2, "max_new_tokens": 4}, "schedule": {"steps": 1, "eval_pass_k": 1},
                    "data": {"sources": [{"name": "a", "kind": "arithmetic", "op": "add", "digits": 2, "n": 100},
-                                        {"name": "f", "kind": "parquet", "path": sys.argv[1],
+                                        {"name": "f", "kind": sys.argv[2], "path": sys.argv[1],
                                          "verifier": "arithmetic"}]}})
 sys.exit(_run_spec(spec, argparse.Namespace(home=None, control=False, in_process=True)))
 """
@@ -120,24 +121,45 @@ sys.exit(_run_spec(spec, argparse.Namespace(home=None, control=False, in_process
 def test_in_process_run_gives_one_line_for_a_source_gone_after_the_check(tmp_path):
     """A file that vanished after the spec was checked (what `load` would have refused): one line, exit 2."""
     env = {**os.environ, "FACTORY_HOME": str(tmp_path / "home"), "PYTHONPATH": str(Path(__file__).parents[2])}
-    r = subprocess.run([sys.executable, "-c", RUN_IN_PROCESS, str(tmp_path / "gone.parquet")], capture_output=True,
-                       text=True, cwd=tmp_path, env=env, timeout=900, check=False)
+    r = subprocess.run([sys.executable, "-c", RUN_IN_PROCESS, str(tmp_path / "gone.parquet"), "parquet"],
+                       capture_output=True, text=True, cwd=tmp_path, env=env, timeout=900, check=False)
     assert r.returncode == 2, (r.returncode, r.stderr[-3000:])
     assert "Traceback" not in r.stderr, r.stderr[-3000:]
     (line,) = [x for x in r.stderr.splitlines() if x.startswith("factory: error:")]
     assert "source 'f'" in line and "does not exist" in line, line
 
 
-def test_supervised_attempt_stops_on_a_source_gone_after_the_check(tmp_path):
-    """Supervised: an attempt whose data file is gone says so in one line and is not restarted (restarting cannot
-    bring the file back)."""
+def test_supervised_attempt_stops_on_a_bad_row_it_meets_naming_source_file_and_line(tmp_path):
+    """Supervised: a row the run meets that the spec's check did not see (a spec built in Python is not checked; a
+    file may change after the check) stops the run with one line naming the source, the file and the line, exit 2
+    (bad input), and no restart (restarting cannot mend the file)."""
     script = RUN_IN_PROCESS.replace('"ops": {"preflight": "off"}', '"ops": {"preflight": "off", "max_restarts": 2}') \
         .replace("in_process=True", "in_process=False")
+    rows = [json.dumps({"id": f"q{i}", "prompt": f"{i % 10}+{i % 7}=", "answer": str(i % 10 + i % 7)})
+            for i in range(100)]
+    rows[50] = '{"id": "q50", "prompt": broken'
+    data = tmp_path / "bad51.jsonl"
+    data.write_text("\n".join(rows) + "\n")
     env = {**os.environ, "FACTORY_HOME": str(tmp_path / "home"), "PYTHONPATH": str(Path(__file__).parents[2])}
-    r = subprocess.run([sys.executable, "-c", script, str(tmp_path / "gone.parquet")], capture_output=True,
+    r = subprocess.run([sys.executable, "-c", script, str(data), "jsonl"], capture_output=True,
                        text=True, cwd=tmp_path, env=env, timeout=900, check=False)
-    assert r.returncode != 0
+    assert r.returncode == 2, (r.returncode, r.stderr[-3000:])
     assert "Traceback" not in r.stderr, r.stderr[-3000:]
     assert "restart 1 of" not in r.stdout + r.stderr, (r.stdout[-2000:], r.stderr[-2000:])
     lines = [x for x in r.stderr.splitlines() if "source 'f'" in x]
-    assert lines and all("does not exist" in x for x in lines), r.stderr[-3000:]
+    assert lines and all(f"line 51 of '{data}' is not JSON" in x for x in lines), r.stderr[-3000:]
+
+
+def test_validate_and_run_refuse_a_row_broken_far_into_the_file(tmp_path):
+    """Every line is checked before anything runs (the run used to train SFT and start RL before meeting it)."""
+    rows = [json.dumps({"id": f"q{i}", "prompt": f"{i % 10}+{i % 7}=", "answer": str(i % 10 + i % 7)})
+            for i in range(100)]
+    rows[50] = '{"id": "q50", "prompt": broken'
+    data = tmp_path / "bad51.jsonl"
+    data.write_text("\n".join(rows) + "\n")
+    spec = write_spec(tmp_path / "s", {"kind": "jsonl", "path": str(data)})
+    home = tmp_path / "home"
+    for cmd in ("validate", "run"):
+        r = factory(cmd, str(spec), cwd=tmp_path, home=home)
+        _refused(r, f"line 51 of '{data}' is not JSON")
+    assert not home.exists() or not [p for p in home.rglob("*") if p.is_file()]  # nothing written

@@ -260,3 +260,54 @@ def test_dual_clip_is_a_late_field_off_by_default():
 def test_dual_clip_errors_name_the_field(algorithm, match):
     with pytest.raises(SpecError, match=match):
         parse_spec({"algorithm": algorithm})
+
+
+# ---------------------------------------------------------------- GRPO advantages, verl's estimator in float64
+
+
+def verl_grpo_advantages(scores: torch.Tensor, index: list[int], norm_by_std: bool = True,
+                         epsilon: float = 1e-6) -> torch.Tensor:
+    """verl's `compute_grpo_outcome_advantage` (core_algos.py at the commit above), per sequence: each score minus its
+    group's mean, divided by the group's std (torch.std, unbiased) + epsilon; a group of one gets mean 0, std 1."""
+    scores = scores.clone()
+    groups: dict[int, list[torch.Tensor]] = {}
+    for i, idx in enumerate(index):
+        groups.setdefault(idx, []).append(scores[i])
+    mean, std = {}, {}
+    for idx, members in groups.items():
+        if len(members) == 1:
+            mean[idx], std[idx] = torch.tensor(0.0), torch.tensor(1.0)
+        else:
+            stacked = torch.stack(members)
+            mean[idx], std[idx] = torch.mean(stacked), torch.std(stacked)
+    for i, idx in enumerate(index):
+        scores[i] = (scores[i] - mean[idx]) / (std[idx] + epsilon) if norm_by_std else scores[i] - mean[idx]
+    return scores
+
+
+@pytest.mark.parametrize("scale", [True, False])
+def test_group_advantages_of_float64_rewards_equal_verls_in_float64(scale):
+    from factory.core.algorithms import group_advantages
+
+    g = torch.Generator().manual_seed(0)
+    # fractional rewards (a code reward is tests passed / tests): not exact in float32
+    rewards = torch.randint(0, 7, (6 * 8,), generator=g).double() / 7 + 1e-9 * torch.rand(48, generator=g).double()
+    ours = group_advantages(rewards, 8, scale=scale)
+    want = verl_grpo_advantages(rewards, [i // 8 for i in range(48)], norm_by_std=scale)
+    assert ours.dtype == torch.float64
+    assert (ours - want).abs().max().item() <= 1e-12  # float32 arithmetic was 1e-7 off
+    # float32 rewards keep float32 advantages (the rewards' precision), integer rewards get float64 (exact)
+    assert group_advantages(rewards.float(), 8).dtype == torch.float32
+    assert group_advantages(torch.tensor([1, 0, 0, 1]), 2).dtype == torch.float64
+
+
+def test_dapo_overlong_shaping_keeps_the_rewards_precision():
+    from factory.core.algorithms import compute_advantages, overlong_reward
+
+    spec = AlgorithmSpec(name="dapo", group_size=4)
+    rewards = torch.tensor([1.0, 0.0, 1.0 / 3, 2.0 / 3], dtype=torch.float64)
+    lengths = torch.tensor([4, 7, 8, 2])
+    adv = compute_advantages(spec, rewards, 4, lengths, max_new_tokens=8)
+    shaped = rewards + overlong_reward(lengths, 8, 1, dtype=torch.float64)  # L_max 8, L_cache max(1, 8 // 5)
+    assert adv.dtype == torch.float64
+    assert (adv - verl_grpo_advantages(shaped, [0, 0, 0, 0])).abs().max().item() <= 1e-12

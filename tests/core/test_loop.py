@@ -7,6 +7,7 @@ is <eos>: rewards are mixed from the start, and the policy has one clear thing t
 import os
 
 import pytest
+import torch
 
 from factory.config import parse_spec
 from factory.core.loop import train_rl
@@ -47,6 +48,15 @@ def test_kl_to_reference_is_zero_then_positive(model_and_tok):
     records = train_rl(spec(kl_coef=0.1).model_copy(update={"schedule": spec().schedule.model_copy(
         update={"steps": 4})}), model, tok, PROBLEMS)
     assert records[0].kl < 1e-6 < records[-1].kl
+
+
+def test_metrics_not_measured_are_none_not_zero(model_and_tok):
+    # kl_coef 0: no KL is computed; grpo: no dynamic-sampling filter; add problems: no reward-hack detector
+    model, tok = model_and_tok
+    records = train_rl(spec().model_copy(update={"schedule": spec().schedule.model_copy(update={"steps": 2})}),
+                       model, tok, PROBLEMS)
+    assert [(r.kl, r.filtered, r.hacks_any) for r in records] == [(None, None, None)] * 2
+    assert all(r.loss is not None and r.nonfinite == 0.0 for r in records)
 
 
 def test_resuming_at_a_step_numbers_records_from_there(model_and_tok):
@@ -159,3 +169,13 @@ def test_environment_worker_killed_mid_run_is_restarted_and_no_group_is_lost_or_
     assert all(r.rejected == 0 for r in records)
     first, last = records[0].reward_mean, sum(r.reward_mean for r in records[-3:]) / 3
     assert last > first, (first, last)  # rewards from the worker process still teach
+
+
+def test_rewards_keep_their_float64_precision():
+    from types import SimpleNamespace
+
+    from factory.core.loop import reward_tensor
+
+    third = 1.0 / 3  # a Python float: float32 would round it (0.3333333432674408)
+    rewards = reward_tensor([SimpleNamespace(reward=third), SimpleNamespace(reward=1.0)])
+    assert rewards.dtype == torch.float64 and rewards[0].item() == third

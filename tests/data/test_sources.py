@@ -187,9 +187,14 @@ def test_jsonl_errors_name_the_source_and_file(tmp_path):
     with pytest.raises(SourceError, match=r"source 'j': .*p.jsonl.* has no column 'prompt'; its columns are "
                                           r"'question', 'answer'"):
         JsonlSource("j", path, "arithmetic")
-    path.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": \n')
+    # every line is checked when the source is opened; errors name the file's line (blank lines counted)
+    path.write_text('{"prompt": "a", "answer": "1"}\n\n{"prompt": \n')
+    with pytest.raises(SourceError, match=r"source 'j': line 3 of .*p.jsonl.* is not JSON"):
+        JsonlSource("j", path, "arithmetic", block_rows=1)
+    path.write_text('{"prompt": "a", "answer": "1"}\n\n{"prompt": "b", "answer": "2"}\n')
     src = JsonlSource("j", path, "arithmetic", block_rows=1)
-    with pytest.raises(SourceError, match=r"source 'j': row 1 of .*p.jsonl.* is not JSON"):
+    path.write_text('{"prompt": "a", "answer": "1"}\n\n{"prompt": "b" "answer": "2"}\n')  # changed after opening
+    with pytest.raises(SourceError, match=r"source 'j': line 3 of .*p.jsonl.* is not JSON"):
         src.read_block(1)
     with pytest.raises(IndexError, match="source 'j': block 2 out of range"):
         src.read_block(2)

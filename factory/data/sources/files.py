@@ -12,8 +12,10 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
-from collections.abc import Iterator
+import stat
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -33,6 +35,38 @@ def _sha256_files(paths: list[Path]) -> str:
             while chunk := f.read(_HASH_CHUNK):
                 h.update(chunk)
     return h.hexdigest()[:16]
+
+
+MAX_LINE_BYTES = 16 << 20  # a JSONL line longer than this is not a prompt row (a binary file read as JSONL; a 200 MB
+# row reached the tokenizer, which aborted the process)
+
+_NOT_REGULAR = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+                (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def check_regular(name: str, path: Path, expected: str) -> None:
+    """SourceError unless `path` is a regular file: a FIFO, a device or a socket would block the read or never end
+    it. Told by stat, without opening it."""
+    try:
+        mode = path.stat().st_mode
+    except OSError as e:
+        raise SourceError(f"source {name!r}: {str(path)!r} cannot be read: {e.strerror or e}") from None
+    if not stat.S_ISREG(mode):
+        kind = next((what for test, what in _NOT_REGULAR if test(mode)), "not a regular file")
+        raise SourceError(f"source {name!r}: {str(path)!r} is {kind}, not a regular file; {expected}")
+
+
+def numbered_lines(f: BinaryIO, name: str, path: Path, number: int = 0) -> Iterator[tuple[int, int, bytes]]:
+    """(line number, byte offset, line) of each line of `f` from where it is (its line `number + 1`), reading at
+    most MAX_LINE_BYTES + 1 bytes at a time: a longer line is a SourceError naming it, never held whole."""
+    pos = f.tell()
+    while line := f.readline(MAX_LINE_BYTES + 1):
+        number += 1
+        if len(line) > MAX_LINE_BYTES:
+            raise SourceError(f"source {name!r}: line {number} of {str(path)!r} is longer than "
+                              f"{MAX_LINE_BYTES >> 20} MiB: not a JSONL file of prompt rows")
+        yield number, pos, line
+        pos += len(line)
 
 
 class _FileSource:
@@ -64,66 +98,90 @@ class _FileSource:
 
 
 class JsonlSource(_FileSource):
-    """One JSON object per line (blank lines skipped); keys are the columns."""
+    """One JSON object per line (blank lines skipped); keys are the columns. Opening it reads every line once,
+    bounded (a line past MAX_LINE_BYTES is refused, never held), hashing the file and reading each row as a problem
+    (a JSON object with the mapped columns), one block in memory at a time; `on_block(problems, lines)` (if given)
+    sees each block's problems and their line numbers. Errors name the file's line (1-based, blank lines counted)."""
 
     def __init__(self, name: str, path: str | Path, verifier: str, columns: ColumnMap | dict | None = None,
-                 block_rows: int = 1024):
+                 block_rows: int = 1024, on_block: Callable[[list[Problem], list[int]], None] | None = None):
         super().__init__(name, path, verifier, columns, block_rows, "JSONL file")
-        self._offsets: list[int] = []  # byte offset of each block's first line
+        if self.path.is_dir():
+            raise SourceError(f"source {name!r}: {str(self.path)!r} is a directory; kind: jsonl expects one file")
+        check_regular(name, self.path, "kind: jsonl expects a file of JSON lines")
+        self._offsets: list[int] = []  # byte offset of each block's first row
+        self._first_lines: list[int] = []  # and its line number
         h = hashlib.sha256()
+        block: list[tuple[int, dict]] = []
         with open(self.path, "rb") as f:
-            pos = 0
-            for line in f:
+            for number, pos, line in numbered_lines(f, name, self.path):
                 h.update(line)
-                if line.strip():
-                    if self._n % block_rows == 0:
-                        self._offsets.append(pos)
-                    self._n += 1
-                pos += len(line)
+                if not line.strip():
+                    continue
+                row = self._row(line, number)
+                if self._n == 0:
+                    self.columns = self.columns.resolve(name, f"{str(self.path)!r} (line {number})", list(row))
+                    self._wanted = self.columns.wanted()
+                if self._n % block_rows == 0:
+                    self._offsets.append(pos)
+                    self._first_lines.append(number)
+                block.append((number, row))
+                self._n += 1
+                if len(block) == block_rows:
+                    self._block_done(block, self._n - len(block), on_block)
+                    block = []
+        if block:
+            self._block_done(block, self._n - len(block), on_block)
         self._version = h.hexdigest()[:16]
         self._empty_check()
-        first = self._parse(self._lines(0, 1), 0)[0]
-        self.columns = self.columns.resolve(name, f"{str(self.path)!r} (line 1)", list(first))
+
+    def _block_done(self, block: list[tuple[int, dict]], start: int,
+                    on_block: Callable[[list[Problem], list[int]], None] | None) -> None:
+        problems = self._problems(block, start)
+        if on_block is not None:
+            on_block(problems, [number for number, _ in block])
 
     def version(self) -> str:
         assert self._version is not None
         return self._version
 
-    def _lines(self, block: int, count: int) -> Iterator[bytes]:
+    def _lines(self, block: int, count: int) -> Iterator[tuple[int, bytes]]:
+        """(line number, line) of the block's `count` rows."""
         with open(self.path, "rb") as f:
             f.seek(self._offsets[block])
             got = 0
-            for line in f:
+            for number, _, line in numbered_lines(f, self.name, self.path, self._first_lines[block] - 1):
                 if got == count:
                     return
                 if line.strip():
                     got += 1
-                    yield line
+                    yield number, line
 
-    def _parse(self, lines: Iterator[bytes], first_row: int) -> list[dict]:
-        out = []
-        for i, line in enumerate(lines):
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise SourceError(f"source {self.name!r}: row {first_row + i} of {str(self.path)!r} is not JSON: "
-                                  f"{e}") from e
-            if not isinstance(obj, dict):
-                raise SourceError(f"source {self.name!r}: row {first_row + i} of {str(self.path)!r} is not a JSON "
-                                  f"object (got {type(obj).__name__})")
-            out.append(obj)
-        return out
+    def _row(self, line: bytes, number: int) -> dict:
+        try:
+            obj = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise SourceError(f"source {self.name!r}: line {number} of {str(self.path)!r} is not JSON ({e}); kind: "
+                              f"jsonl expects one JSON object per line") from None
+        if not isinstance(obj, dict):
+            raise SourceError(f"source {self.name!r}: line {number} of {str(self.path)!r} is not a JSON object (got "
+                              f"{type(obj).__name__})")
+        return obj
+
+    def _problems(self, block: list[tuple[int, dict]], start: int) -> list[Problem]:
+        """The rows (with their line numbers) of the block starting at row `start` as problems."""
+        for number, row in block:
+            missing = [c for c in self._wanted if c not in row]
+            if missing:
+                raise SourceError(f"source {self.name!r}: line {number} of {str(self.path)!r} has no column "
+                                  f"{', '.join(map(repr, missing))}")
+        cols = {c: [r[c] for _, r in block] for c in self._wanted}
+        return problems_from_columns(cols, len(block), self.columns, self.name, self.verifier, start)
 
     def read_block(self, block: int) -> list[Problem]:
         start, end = self._block_range(block)
-        records = self._parse(self._lines(block, end - start), start)
-        cm = self.columns
-        missing = [(start + i, c) for i, r in enumerate(records) for c in cm.wanted() if c not in r]
-        if missing:
-            row, col = missing[0]
-            raise SourceError(f"source {self.name!r}: row {row} of {str(self.path)!r} has no column {col!r}")
-        cols = {c: [r[c] for r in records] for c in cm.wanted()}
-        return problems_from_columns(cols, len(records), cm, self.name, self.verifier, start)
+        # checked when opened; the file may have changed since
+        return self._problems([(n, self._row(line, n)) for n, line in self._lines(block, end - start)], start)
 
 
 class ParquetSource(_FileSource):
@@ -136,6 +194,8 @@ class ParquetSource(_FileSource):
         self._files = sorted(self.path.rglob("*.parquet")) if self.path.is_dir() else [self.path]
         if not self._files:
             raise SourceError(f"source {name!r}: directory {str(self.path)!r} holds no .parquet file")
+        for file in self._files:
+            check_regular(name, file, "kind: parquet expects a .parquet file or a directory of them")
         self._groups: list[tuple[int, int]] = []  # (file, row group) in source order
         self._group_starts = [0]
         for f, file in enumerate(self._files):
@@ -192,7 +252,12 @@ class HFDiskSource(_FileSource):
                  split: str | None = None, block_rows: int = 1024):
         super().__init__(name, path, verifier, columns, block_rows, "dataset directory")
         root = self.path
+        if not root.is_dir():
+            check_regular(name, root, "kind: hf_disk expects a directory written by datasets' save_to_disk")
+            raise SourceError(f"source {name!r}: {str(root)!r} is a file; kind: hf_disk expects a directory written "
+                              "by datasets' save_to_disk")
         if (root / "dataset_dict.json").exists():
+            check_regular(name, root / "dataset_dict.json", "a dataset's json files are regular files")
             splits = json.loads((root / "dataset_dict.json").read_text()).get("splits", [])
             if split not in splits:
                 raise SourceError(f"source {name!r}: {str(root)!r} is a DatasetDict; set split to one of "
@@ -202,6 +267,8 @@ class HFDiskSource(_FileSource):
             raise SourceError(f"source {name!r}: {str(root)!r} is a single dataset (no dataset_dict.json); "
                               f"remove split={split!r}")
         state_file = root / "state.json"
+        if state_file.exists():
+            check_regular(name, state_file, "a dataset's json files are regular files")
         if not state_file.exists():
             raise SourceError(f"source {name!r}: {str(root)!r} has no state.json: not a directory written by "
                               "datasets' save_to_disk")
@@ -210,6 +277,7 @@ class HFDiskSource(_FileSource):
         for f in self._files:
             if not f.exists():
                 raise SourceError(f"source {name!r}: data file {str(f)!r} listed in state.json does not exist")
+            check_regular(name, f, "a dataset's data files are Arrow files")
         if state.get("_indices_data_files"):
             raise SourceError(f"source {name!r}: {str(root)!r} holds an indices mapping; flatten_indices() before "
                               "save_to_disk")

@@ -1,0 +1,53 @@
+"""Experiment specs: pydantic models, YAML in and out, and error messages that name the field.
+
+An `ExperimentSpec` is the whole description of a run. Everything that trains (the CLI, the
+Dagster assets, a notebook) takes one; nothing else carries hyperparameters.
+
+This package checks what the schema alone can tell. What only the task families know (how many distinct
+problems a task has, how long its longest prompt is) is checked by `factory.envs.spec_check.check_spec`,
+which the loaders (the CLI, the Dagster spec resource, sweeps, the deploy target) call after `load_spec` /
+`parse_spec` / `apply_overrides`; whether the machine can hold a spec's step is `factory.infra.memory`'s check.
+
+Modules, by concern: `yaml_io` (the YAML loader), `errors` (SpecError and how errors are worded), `bounds` (the
+sane maxima of sizes), `section` (what every section shares), `sections`, `algorithm`, `data_spec` (the section
+schemas), `experiment` (ExperimentSpec), `loading` (parse, load, overrides). Every name is importable from
+`factory.config` itself.
+"""
+
+from factory.config.algorithm import AlgorithmSpec
+from factory.config.data_spec import CurriculumSpec, DataSpec, PromptFilterSpec
+from factory.config.errors import SpecError, spec_error
+from factory.config.experiment import ExperimentSpec
+from factory.config.loading import (
+    FILE_SOURCE_KINDS,
+    anchor_source_paths,
+    apply_overrides,
+    load_spec,
+    parse_overrides,
+    parse_spec,
+)
+from factory.config.section import LR_HELP
+from factory.config.sections import (
+    MIN_N_TRAIN,
+    MULTI_TURN_BUILTINS,
+    BufferSpec,
+    LoraSpec,
+    ModelSpec,
+    Operation,
+    OpsSpec,
+    RolloutSpec,
+    ScheduleSpec,
+    SFTSpec,
+    SGLangSpec,
+    TaskSpec,
+    TrainerSpec,
+)
+from factory.config.yaml_io import MAX_YAML_NODES, DuplicateKeyError, YAMLBombError, load_yaml
+
+__all__ = [
+    "FILE_SOURCE_KINDS", "LR_HELP", "MAX_YAML_NODES", "MIN_N_TRAIN", "MULTI_TURN_BUILTINS", "AlgorithmSpec",
+    "BufferSpec", "CurriculumSpec", "DataSpec", "DuplicateKeyError", "ExperimentSpec", "LoraSpec", "ModelSpec",
+    "Operation", "OpsSpec", "PromptFilterSpec", "RolloutSpec", "SFTSpec", "SGLangSpec", "ScheduleSpec", "SpecError",
+    "TaskSpec", "TrainerSpec", "YAMLBombError", "anchor_source_paths", "apply_overrides", "load_spec", "load_yaml",
+    "parse_overrides", "parse_spec", "spec_error",
+]

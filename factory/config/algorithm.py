@@ -1,0 +1,143 @@
+"""The `algorithm` section: which RL objective (GRPO, Dr.GRPO, DAPO, CISPO, GSPO) and its settings, each left unset
+taking that algorithm's published default."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field, ValidationInfo, field_validator
+
+from factory.config.bounds import MAX_GROUP_SIZE
+from factory.config.section import LR_HELP, _Section
+
+
+class AlgorithmSpec(_Section):
+    """The RL objective: advantages and policy loss. `name` picks the algorithm; fields left unset
+    (None) take that algorithm's published default (see `DEFAULTS`), so `name: dapo` alone is DAPO.
+
+    `clip_eps` is the symmetric clip of GRPO and Dr.GRPO and DAPO's lower clip; `clip_eps_low` /
+    `clip_eps_high` override either side for any algorithm (CISPO has no lower bound by default;
+    GSPO's are sequence-level and tiny). `is_cap` truncates the importance weights the rollout buffer
+    attaches to stale samples in its `importance` policy.
+    """
+
+    # Per-algorithm defaults for the fields left unset (None). Each entry follows its paper:
+    # - grpo: symmetric clip `clip_eps`, per-sequence token mean, std-scaled advantages (DeepSeekMath).
+    # - dr_grpo: no std scaling, token sums divided by a constant max length (Liu et al. 2025, "Understanding
+    #   R1-Zero-Like Training").
+    # - dapo: clip-higher 0.2/0.28, token-level mean over the batch, overlong shaping, dynamic sampling
+    #   (Yu et al. 2025).
+    # - cispo: clipped IS weight with no lower bound, upper 1 + 0.28, token-level mean (MiniMax-M1, 2025).
+    # - gspo: sequence-level ratio clipped to [1 - 3e-4, 1 + 4e-4], per-sequence mean (Zheng et al. 2025).
+    DEFAULTS: ClassVar[dict[str, dict[str, Any]]] = {
+        "grpo": {"clip_eps_low": "clip_eps", "clip_eps_high": "clip_eps", "loss_agg": "seq_mean_token_mean",
+                 "scale_rewards": True, "dynamic_sampling": False, "overlong": False},
+        "dr_grpo": {"clip_eps_low": "clip_eps", "clip_eps_high": "clip_eps", "loss_agg": "seq_mean_token_sum_norm",
+                    "scale_rewards": False, "dynamic_sampling": False, "overlong": False},
+        "dapo": {"clip_eps_low": "clip_eps", "clip_eps_high": 0.28, "loss_agg": "token_mean",
+                 "scale_rewards": True, "dynamic_sampling": True, "overlong": True},
+        "cispo": {"clip_eps_low": None, "clip_eps_high": 0.28, "loss_agg": "token_mean",
+                  "scale_rewards": True, "dynamic_sampling": False, "overlong": False},
+        "gspo": {"clip_eps_low": 3e-4, "clip_eps_high": 4e-4, "loss_agg": "seq_mean_token_mean",
+                 "scale_rewards": True, "dynamic_sampling": False, "overlong": False},
+    }
+
+    _LATE_FIELDS: ClassVar[tuple[str, ...]] = ("dual_clip",)
+
+    name: Literal["grpo", "dr_grpo", "dapo", "cispo", "gspo"] = "grpo"
+    group_size: int = Field(8, ge=2, le=MAX_GROUP_SIZE, description="completions sampled per prompt")
+    lr: float = Field(3e-4, gt=0, le=1e30, description=LR_HELP)
+    clip_eps: float = Field(0.2, gt=0, lt=1)
+    clip_eps_low: float | None = Field(None, gt=0, lt=1, description="lower clip: ratio >= 1 - clip_eps_low")
+    clip_eps_high: float | None = Field(None, gt=0, description="upper clip: ratio <= 1 + clip_eps_high")
+    kl_coef: float = Field(0.0, ge=0)
+    scale_rewards: bool | None = Field(None, description="divide advantages by the group's reward std")
+    loss_agg: Literal["seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"] | None = Field(
+        None, description="seq_mean_token_mean: mean per sequence then over sequences; token_mean: over all "
+                          "tokens of the batch; seq_mean_token_sum_norm: token sum / a constant max length",
+    )
+    max_len_norm: int | None = Field(
+        None, ge=1, description="Dr.GRPO's constant divisor; unset: the rollout's max_new_tokens",
+    )
+    overlong_max_len: int | None = Field(
+        None, ge=1, description="DAPO's L_max for overlong shaping; unset: the rollout's max_new_tokens",
+    )
+    overlong_buffer: int | None = Field(
+        None, ge=0, description="DAPO's L_cache: lengths past overlong_max_len - overlong_buffer are penalized "
+                                "linearly; 0 turns shaping off; unset: dapo uses a fifth of overlong_max_len "
+                                "(the paper's 4096 of 20480), others 0",
+    )
+    overlong_penalty: float = Field(1.0, ge=0, description="scale of the overlong penalty (reaches -this)")
+    dynamic_sampling: bool | None = Field(
+        None, description="drop groups whose rewards are all equal and refill the batch (DAPO)",
+    )
+    is_cap: float = Field(2.0, ge=1, description="truncation of importance weights on stale samples")
+    dual_clip: float | None = Field(
+        None, gt=1, description="dual-clip PPO's c (Ye et al. 2020; verl's clip_ratio_c, 3.0 there): a token with "
+        "negative advantage loses at most -A * c, and past it passes no gradient; grpo, dr_grpo and dapo only; "
+        "unset: off")
+
+    @field_validator("scale_rewards")
+    @classmethod
+    def _dr_grpo_unscaled(cls, v: bool | None, info: ValidationInfo) -> bool | None:
+        if v and info.data.get("name") == "dr_grpo":
+            raise ValueError("dr_grpo does not divide advantages by the reward std (that is its point); "
+                             "leave it unset or set false")
+        return v
+
+    @field_validator("overlong_buffer")
+    @classmethod
+    def _buffer_fits(cls, v: int | None, info: ValidationInfo) -> int | None:
+        max_len = info.data.get("overlong_max_len")
+        if v is not None and max_len is not None and v >= max_len:
+            raise ValueError(f"must be < overlong_max_len = {max_len}, got {v}")
+        return v
+
+    @field_validator("dual_clip")
+    @classmethod
+    def _dual_clip_ppo_only(cls, v: float | None, info: ValidationInfo) -> float | None:
+        name = info.data.get("name")
+        if v is not None and name in ("cispo", "gspo"):
+            raise ValueError(f"the dual clip bounds the PPO-clip losses (grpo, dr_grpo, dapo), not {name}; "
+                             "leave it unset")
+        return v
+
+    def _default(self, key: str) -> Any:
+        return self.DEFAULTS[self.name][key]
+
+    def clip_bounds(self) -> tuple[float | None, float]:
+        """(eps_low, eps_high): the ratio is kept in [1 - eps_low, 1 + eps_high]; eps_low None: no lower bound."""
+        def side(value: float | None, key: str) -> float | None:
+            if value is not None:
+                return value
+            d = self._default(key)
+            return self.clip_eps if d == "clip_eps" else d
+        high = side(self.clip_eps_high, "clip_eps_high")
+        assert high is not None  # every algorithm has an upper clip
+        return side(self.clip_eps_low, "clip_eps_low"), high
+
+    def aggregation(self) -> str:
+        return self.loss_agg or self._default("loss_agg")
+
+    def scales_rewards(self) -> bool:
+        return self._default("scale_rewards") if self.scale_rewards is None else self.scale_rewards
+
+    def uses_dynamic_sampling(self) -> bool:
+        return self._default("dynamic_sampling") if self.dynamic_sampling is None else self.dynamic_sampling
+
+    def overlong(self, max_new_tokens: int | None = None) -> tuple[int, int] | None:
+        """(L_max, L_cache) of DAPO's soft overlong punishment, or None when shaping is off.
+
+        L_max is `overlong_max_len`, else the rollout's `max_new_tokens`; L_cache is `overlong_buffer`,
+        else (dapo) a fifth of L_max, the paper's 4096 of 20480.
+        """
+        if self.overlong_buffer == 0 or (self.overlong_buffer is None and not self._default("overlong")):
+            return None
+        max_len = self.overlong_max_len or max_new_tokens
+        if max_len is None:
+            raise ValueError("algorithm.overlong_max_len: overlong shaping needs a max length "
+                             "(set it, or pass the rollout's max_new_tokens)")
+        buffer = self.overlong_buffer if self.overlong_buffer is not None else max(1, max_len // 5)
+        if buffer >= max_len:
+            raise ValueError(f"algorithm.overlong_buffer: must be < the max length {max_len}, got {buffer}")
+        return max_len, buffer
