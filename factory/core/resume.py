@@ -45,6 +45,7 @@ from factory.digest import manifest as tree_manifest
 from factory.infra.device import host_copy
 from factory.infra.disk import DiskFull, is_disk_full
 from factory.infra.faults import fault_point
+from factory.infra.liveness import pulse
 from factory.progress import Log
 
 FORMAT = 1  # of state.json; the manifest is factory/digest.py's
@@ -160,6 +161,7 @@ def write(state: TrainState, root: Path, keep: int) -> Path:
                 f.flush()
                 os.fsync(f.fileno())
             fault_point("resume_write", tmp / name)  # a kill here leaves a torn temp dir, never a resume point
+            pulse()
         manifest = tree_manifest(hash_blobs(files), step=state.step)
         with open(tmp / MANIFEST, "w") as f:
             json.dump(manifest, f, indent=1)

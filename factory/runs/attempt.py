@@ -4,8 +4,9 @@ A run directory (`checkpoints/<run_id>/`) holds, besides checkpoints:
 - `attempt.lock`: held (flock) by the live attempt for its whole life. The kernel releases it when the
   process dies however it dies (kill -9 included), so any reader on the host can tell a live run from a
   dead one that still says `running` in the lake, without trusting pids (which get reused).
-- `heartbeat`: touched by the trainer's own loop at every step and sub-step. A supervisor reads its age
-  to tell a hung attempt from a slow one (a thread beating on its own would hide a hung loop).
+- `heartbeat`: touched by the trainer's own loop at every step, and from inside the work of every long phase
+  (a decode step, a verified eval answer, a file written: `infra/liveness.py`). A supervisor reads its age to
+  tell a hung attempt from a slow one (a thread beating on its own would hide a hung loop).
 - `resume/`: the resume points (`core/resume.py`), taken when `runs/resume_points.py` says.
 - `launch.json`: what the first attempt of a supervised run needs before the run has a `runs` row.
 - `finished`: the pid of an attempt that recorded its result and has only its exit left; the supervisor's hang

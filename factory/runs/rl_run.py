@@ -9,7 +9,8 @@ writes them again, so `steps` holds one row per step with no hole, each tagged w
 the interruption is recorded (`runs/recovery.py`) with what it cost. A run that already succeeded is not trained
 again: its recorded result is returned.
 
-While an attempt lives it holds the run's lock and beats its heartbeat (`runs/attempt.py`); SIGTERM or
+While an attempt lives it holds the run's lock and beats its heartbeat (`runs/attempt.py`): after every step, and from
+inside every long phase (evals, checkpoint writes, loading a model: `infra/liveness.py`); SIGTERM or
 SIGINT make it save a resume point after the current step and stop as `interrupted`; so does a supervised attempt
 whose supervisor died (cause `supervisor_lost`). `attempt_main` is one attempt in a child process of the restarts
 supervisor (`runs/restarts.py`).
@@ -41,6 +42,7 @@ from factory.data.stats import read_prompt_stats
 from factory.digest import dir_digest
 from factory.envs.eval_suites import HELD_OUT
 from factory.home import FactoryPaths
+from factory.infra import liveness
 from factory.infra.device import describe, run_device
 from factory.infra.disk import is_disk_full
 from factory.infra.faults import fault_point
@@ -150,7 +152,8 @@ def run_rl(spec: ExperimentSpec, paths: FactoryPaths, init_checkpoint: str | Pat
     set_threads(spec, log)
     run_id = run_id or new_run_id(spec)
     run_dir = paths.checkpoints / run_id
-    with AttemptLock(run_dir):
+    # The long phases (evals, checkpoint writes, loading the model) beat from inside their work (infra/liveness.py).
+    with AttemptLock(run_dir), liveness.beating(lambda: beat(run_dir)):
         # What an earlier attempt spooled during a lake outage goes in first: the run's row and steps it recorded.
         Spool(run_dir / SPOOL).flush(lake)
         prev = recovery.run_row(lake, run_id)
