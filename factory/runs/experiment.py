@@ -17,7 +17,8 @@ from factory.models.checkpoint import load_checkpoint
 from factory.runs.attempt import write_launch
 from factory.runs.recovery import now, run_row
 from factory.runs.restarts import supervise
-from factory.runs.rl_run import RunResult, finished_result, new_run_id, run_rl
+from factory.runs.rl_run import new_run_id, run_rl
+from factory.runs.run_result import RunResult, finished_result
 from factory.runs.stages import (
     Log,
     ProgressCallback,

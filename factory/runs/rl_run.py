@@ -25,7 +25,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,20 +39,17 @@ from factory.core.rollout.embedded import EmbeddedEngine
 from factory.data.feed import make_feed
 from factory.data.from_spec import blend_version, held_out_sets
 from factory.data.stats import read_prompt_stats
-from factory.digest import dir_digest
-from factory.envs.eval_suites import HELD_OUT
+from factory.envs.eval_suites import HELD_OUT, SOURCE_BENCHMARK
 from factory.home import FactoryPaths
 from factory.infra import liveness
 from factory.infra.device import describe, run_device
 from factory.infra.disk import is_disk_full
 from factory.infra.faults import fault_point
 from factory.infra.supervisor import CircuitOpen
-from factory.intervals import accuracy_text
-from factory.lake.results import outcomes_from_evals
 from factory.lake.spool import SPOOL, LakeDown, Spool, SpooledLake
 from factory.lake.writer import Lake
 from factory.models import lora
-from factory.models.checkpoint import CheckpointInfo, load_checkpoint
+from factory.models.checkpoint import load_checkpoint
 from factory.models.checkpoint_store import checkpoint_store_uri
 from factory.models.uploads import BackgroundUploads
 from factory.problem import Splits
@@ -75,7 +72,8 @@ from factory.runs.degraded import stop_code, tolerating, unless_down, watch_lake
 from factory.runs.exit_codes import EXIT_NEEDS_FIX, EXIT_OK, EXIT_STOPPED, EXIT_SUPERVISOR_LOST
 from factory.runs.resume_points import RunCheckpoints
 from factory.runs.run_checkpoints import record_checkpoint
-from factory.runs.run_evals import SOURCE_BENCHMARK, source_evals, start_eval
+from factory.runs.run_evals import source_evals, start_eval
+from factory.runs.run_result import RunResult, headline, recorded_result, tell_mlflow
 from factory.runs.stages import (
     Log,
     ProgressCallback,
@@ -95,46 +93,8 @@ _now = recovery.now
 EvalHook = Callable[[int, float], str | None]  # (step, held-out accuracy) -> why to prune the run, or None
 
 
-@dataclass
-class RunResult:
-    run_id: str
-    mlflow_run_id: str
-    checkpoint: CheckpointInfo
-    steps: int
-    start_accuracy: float
-    start_pass_at_k: float | None
-    final_accuracy: float
-    seconds: float  # wall time of the run over all its attempts
-    records: list[StepRecord] = field(repr=False, default_factory=list)  # this attempt's steps
-    attempt: int = 1
-    goodput: float = 1.0
-
-
 def new_run_id(spec: ExperimentSpec) -> str:
     return f"{spec.name}-{_now():%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"
-
-
-def _finished(lake: Lake, row: dict) -> RunResult:
-    """The recorded result of a run that already succeeded."""
-    rows = lake.read("evals", And(EqualTo("run_id", row["run_id"]), EqualTo("benchmark", HELD_OUT))).to_pylist()
-    evals = {(r["step"], r["metric"]): r["value"] for r in rows}
-    result = outcomes_from_evals(rows).get(row["run_id"])  # the run's result, as lake/results.py defines it
-    final = result.step if result is not None and result.step is not None else max(s for s, _ in evals)
-    path = Path(row["final_checkpoint"])
-    digest, size = dir_digest(path)
-    k = next((m for s, m in evals if s == 0 and m.startswith("pass@")), None)
-    return RunResult(row["run_id"], row["mlflow_run_id"], CheckpointInfo(path, digest, size), final,
-                     evals.get((0, "accuracy"), 0.0), evals.get((0, k)) if k else None,
-                     result.accuracy if result is not None and result.primary else 0.0, row.get("wall_s") or 0.0,
-                     attempt=int(row.get("attempts") or 1), goodput=row.get("goodput") or 1.0)
-
-
-def finished_result(lake: Lake, run_id: str) -> RunResult:
-    """The recorded result of run `run_id`, which succeeded (e.g. under a supervisor, in other processes)."""
-    row = recovery.run_row(lake, run_id)
-    if row is None or row["status"] != "succeeded":
-        raise ValueError(f"run {run_id}: no succeeded run recorded (status: {row and row['status']})")
-    return _finished(lake, row)
 
 
 def run_rl(spec: ExperimentSpec, paths: FactoryPaths, init_checkpoint: str | Path, splits: Splits,
@@ -159,7 +119,7 @@ def run_rl(spec: ExperimentSpec, paths: FactoryPaths, init_checkpoint: str | Pat
         prev = recovery.run_row(lake, run_id)
         if prev is not None and prev["status"] == "succeeded":
             log(f"run {run_id} already succeeded; nothing to do")
-            return _finished(lake, prev)
+            return recorded_result(lake, prev)
         if prev is not None and prev["spec_fingerprint"] != spec.fingerprint():
             raise ValueError(f"run {run_id} was started with spec {prev['spec_fingerprint']}, not this one "
                              f"({spec.fingerprint()}): resume it with its own spec (factory resume {run_id})")
@@ -469,13 +429,16 @@ class Run:
         self.lake.drain(spec.ops.lake_outage_s, sleep=lambda s: (time.sleep(s), beat(self.run_dir)))
         announce_finished(self.run_dir)  # the result is recorded: a supervisor's hang watchdog stands down
         done = recovery.run_row(lake, self.run_id)
+        h = headline(lake, self.run_id)  # the run's own task's held-out set, with its baseline (lake/results.py)
+        tell_mlflow(tracker, mlflow_id, h)
         tracker.log_metrics(mlflow_id, final_step, {"goodput": done["goodput"]})
         tracker.end_run(mlflow_id, "FINISHED")
-        self.log(f"run {self.run_id}: final held-out accuracy {accuracy_text(final_eval.accuracy, final_eval.n)} "
-                 f"({time.perf_counter() - self._t0:.0f}s"
+        self.log(f"run {self.run_id}: result {h.outcome.text()} ({time.perf_counter() - self._t0:.0f}s"
                  + (f", attempt {self.attempt}, goodput {done['goodput']:.3f}" if self.attempt > 1 else "") + ")")
-        return RunResult(self.run_id, mlflow_id, info, final_step, self.start[0], self.start[1], final_eval.accuracy,
-                         done["wall_s"], self.records, attempt=self.attempt, goodput=done["goodput"])
+        o = h.outcome
+        return RunResult(self.run_id, mlflow_id, info, final_step, o.start.value if o.start else self.start[0],
+                         h.start_pass_at_k, o.accuracy if o.primary else final_eval.accuracy, done["wall_s"],
+                         self.records, attempt=self.attempt, goodput=done["goodput"], benchmark=h.benchmark or HELD_OUT)
 
     def fail(self, e: BaseException) -> None:
         """Record why this attempt stopped: an interruption row, the run's status, the MLflow run's end."""

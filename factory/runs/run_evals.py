@@ -8,7 +8,7 @@ from pyiceberg.expressions import And, EqualTo
 from factory.config import ExperimentSpec
 from factory.core.evaluate import evaluate, sampled_pass_at_k
 from factory.core.rollout.embedded import EmbeddedEngine
-from factory.envs.eval_suites import HELD_OUT
+from factory.envs.eval_suites import HELD_OUT, SOURCE_BENCHMARK
 from factory.lake.writer import Lake
 from factory.problem import Splits
 from factory.runs.recovery import now as _now
@@ -34,7 +34,6 @@ def start_eval(spec: ExperimentSpec, lake: Lake, tracker: Tracker, run_id: str, 
     return res.accuracy, res.pass_at_k
 
 
-SOURCE_BENCHMARK = "source:"  # evals.benchmark of a blend source's held-out set: "source:<name>"
 
 
 def source_evals(spec: ExperimentSpec, held: dict, model, tok, lake: Lake, tracker: Tracker, run_id: str,
