@@ -73,7 +73,7 @@ from factory.runs.exit_codes import EXIT_NEEDS_FIX, EXIT_OK, EXIT_STOPPED, EXIT_
 from factory.runs.resume_points import RunCheckpoints
 from factory.runs.run_checkpoints import record_checkpoint
 from factory.runs.run_evals import source_evals, start_eval
-from factory.runs.run_result import RunResult, headline, recorded_result, tell_mlflow
+from factory.runs.run_result import RunResult, headline, headline_accuracy, recorded_result, tell_mlflow
 from factory.runs.stages import (
     Log,
     ProgressCallback,
@@ -90,7 +90,7 @@ from factory.source_spec import SourceError
 from factory.tracking import Tracker
 
 _now = recovery.now
-EvalHook = Callable[[int, float], str | None]  # (step, held-out accuracy) -> why to prune the run, or None
+EvalHook = Callable[[int, float], str | None]  # (step, headline accuracy) -> why to prune the run, or None
 
 
 def new_run_id(spec: ExperimentSpec) -> str:
@@ -384,10 +384,10 @@ class Run:
                        self.spec.rollout.max_new_tokens)
         self.lake.upsert("evals", eval_rows(self.run_id, step, res, None))
         self.step_metrics.add(step, {"eval/accuracy": res.accuracy})  # with the step's: once a resume point has it
-        self._evaluate_sources(step, None, deferred=True)
+        by_source = self._evaluate_sources(step, None, deferred=True)
         beat(self.run_dir)
-        if self.options.on_eval is not None:
-            self._prune_if_told(step, res.accuracy)
+        if self.options.on_eval is not None:  # told the run's headline: its own task's held-out set
+            self._prune_if_told(step, headline_accuracy(res.accuracy, by_source))
 
     def _prune_if_told(self, step: int, accuracy: float) -> None:
         """Ask `on_eval` whether to go on; a reason makes the loop save a resume point after this step and stop."""
@@ -397,9 +397,10 @@ class Run:
             self.ckpts.signal_name = PRUNED
             self.ckpts.stop.set()
 
-    def _evaluate_sources(self, step: int, sha256: str | None, deferred: bool = False) -> None:
-        """`deferred`: a periodic eval's MLflow points wait with the step's (`step_metrics`)."""
-        source_evals(self.spec, self.held, self.model, self.tok, self.lake, self.tracker, self.run_id,
+    def _evaluate_sources(self, step: int, sha256: str | None, deferred: bool = False) -> dict[str, float]:
+        """Source -> held-out accuracy; `deferred`: a periodic eval's MLflow points wait with the step's
+        (`step_metrics`)."""
+        return source_evals(self.spec, self.held, self.model, self.tok, self.lake, self.tracker, self.run_id,
                       self.mlflow_id, step, sha256, self.step_metrics if deferred else None)
 
     # ------------------------------------------------------------ finish, fail

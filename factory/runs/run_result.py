@@ -17,8 +17,8 @@ from pyiceberg.expressions import EqualTo
 
 from factory.core.loop import StepRecord
 from factory.digest import dir_digest
-from factory.envs.eval_suites import HELD_OUT
-from factory.lake.results import METRIC, RunOutcome, outcomes_from_evals
+from factory.envs.eval_suites import HELD_OUT, SOURCE_BENCHMARK
+from factory.lake.results import METRIC, RunOutcome, outcomes_from_evals, primary_benchmark
 from factory.lake.writer import Lake
 from factory.models.checkpoint import CheckpointInfo
 from factory.runs import recovery
@@ -60,6 +60,13 @@ def headline(lake: Lake, run_id: str) -> Headline:
     curve = dict(sorted((r["step"], r["value"]) for r in rows if r["benchmark"] == bench and r["metric"] == METRIC))
     k = [r["value"] for r in rows if r["step"] == 0 and r["benchmark"] == bench and r["metric"].startswith("pass@")]
     return Headline(outcome, curve, k[0] if k else None)
+
+
+def headline_accuracy(task_accuracy: float, by_source: dict[str, float]) -> float:
+    """The headline among one eval's accuracies (the task's held-out split's, and each blend source's by name), by
+    `lake/results.py`'s rule: the one source's when there is one source, else the task's."""
+    own = primary_benchmark([HELD_OUT, *(SOURCE_BENCHMARK + name for name in by_source)])
+    return by_source[own.removeprefix(SOURCE_BENCHMARK)] if own.startswith(SOURCE_BENCHMARK) else task_accuracy
 
 
 def tell_mlflow(tracker: Tracker, mlflow_id: str, h: Headline) -> None:

@@ -11,7 +11,7 @@ import json
 from mlflow.tracking import MlflowClient
 
 from factory.cli import main
-from factory.runs.run_result import finished_result, headline, tell_mlflow
+from factory.runs.run_result import finished_result, headline, headline_accuracy, tell_mlflow
 from factory.runs.stages import eval_summary, render_report
 from factory.tracking import Tracker
 
@@ -87,3 +87,10 @@ def test_the_headline_reaches_mlflow_with_its_baseline(lake, factory_home):
     assert client.get_run(mlflow_id).data.tags["factory.headline_benchmark"] == "source:chain_sum"
     points = sorted((m.step, m.value) for m in client.get_metric_history(mlflow_id, "headline/accuracy"))
     assert points == [(0, 0.46), (2, 0.5), (4, 0.58)]
+
+
+def test_a_periodic_eval_tells_a_sweeps_pruner_the_headline():
+    # What `on_eval` (a tpe sweep's pruner) is told after a periodic eval: the run's own task's held-out accuracy.
+    assert headline_accuracy(0.0, {"chain_sum": 0.5}) == 0.5  # the SmolLM2 example: chain_sum, not arithmetic
+    assert headline_accuracy(0.3, {"add2": 0.1, "add3": 0.2}) == 0.3  # a blend of several: the task's split
+    assert headline_accuracy(0.3, {}) == 0.3  # no data section
