@@ -45,7 +45,7 @@ from factory.digest import manifest as tree_manifest
 from factory.infra.device import host_copy
 from factory.infra.disk import DiskFull, is_disk_full
 from factory.infra.faults import fault_point
-from factory.infra.liveness import pulse
+from factory.infra.liveness import covered, pulse
 from factory.progress import Log
 
 FORMAT = 1  # of state.json; the manifest is factory/digest.py's
@@ -214,6 +214,7 @@ def verify(path: Path) -> str | None:
         data = f.read_bytes()
         if len(data) != want["bytes"] or _sha256(data) != want["sha256"]:
             return f"{name} does not match its sha256 in the manifest (torn or corrupted)"
+        pulse()  # a large resume point takes seconds to verify (infra/liveness.py)
     return None
 
 
@@ -235,7 +236,8 @@ def latest(root: Path, log: Log) -> tuple[TrainState, Path] | None:
     for path in reversed(points(root)):
         problem = verify(path)
         if problem is None:
-            return load(path), path
+            with covered():  # torch.load of a large optimizer state: one long call (infra/liveness.py)
+                return load(path), path
         log(f"resume point {path.name} skipped: {problem}")
     return None
 

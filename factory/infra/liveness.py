@@ -2,8 +2,11 @@
 
 A watchdog tells a hung attempt from a slow one by its heartbeat's age, so the beats must come from the work
 itself: a thread beating on its own would keep a hung attempt alive forever. The inner loops of long phases call
-`pulse()`: a decode step of the embedded engine, a verified eval answer, an SFT step. An attempt routes the pulses
-of its process to its heartbeat with `beating(beat)`; outside it a pulse reads one global and returns.
+`pulse()`: a decode step of the embedded engine, a verified eval answer, an SFT step, a file written. A model that
+trains pulses layer by layer (`pulse_from_layers`: after each block's forward, and its backward through a gradient
+hook), so one forward and backward of a large batch on a loaded machine is alive while it computes, and a
+collective that never returns is not. An attempt routes the pulses of its process to its heartbeat with
+`beating(beat)`; outside it a pulse reads one global and returns.
 
 A phase that is one long call with no loop of ours inside (`save_pretrained` of a large checkpoint, reading a GGUF
 file, loading a model) runs `covered(limit_s)`: a thread pulses for it while the call runs, for at most `limit_s`
@@ -18,6 +21,8 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator
+
+import torch
 
 EVERY_S = 1.0  # at most one beat a second, however often the work pulses (a beat is a file's mtime)
 COVER_LIMIT_S = 900.0  # how long `covered` vouches for one call by default
@@ -78,3 +83,27 @@ def covered(limit_s: float = COVER_LIMIT_S, every_s: float = EVERY_S) -> Iterato
     finally:
         done.set()
         thread.join()
+
+
+def pulse_from_layers(model: torch.nn.Module) -> None:
+    """Pulse as each block of `model` finishes its forward and, when it trains, its backward (a hook on the block's
+    output gradient, which leaves the gradient as it is). The blocks are the model's longest `ModuleList` (a
+    decoder's layers). Once per model: a second call adds nothing."""
+    if getattr(model, "_liveness_hooked", False):
+        return
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    if lists:
+        for block in max(lists, key=len):
+            block.register_forward_hook(_block_done)
+    model._liveness_hooked = True
+
+
+def _block_done(module: torch.nn.Module, args: object, output: object) -> None:
+    pulse()
+    out = output[0] if isinstance(output, tuple | list) and output else output
+    if isinstance(out, torch.Tensor) and out.requires_grad:
+        out.register_hook(_gradient_done)
+
+
+def _gradient_done(grad: torch.Tensor) -> None:
+    pulse()  # returns None: the gradient is unchanged

@@ -22,6 +22,7 @@ Until then `OrphanGuard` kills it if it also stops beating for `ops.hang_timeout
 
 from __future__ import annotations
 
+import faulthandler
 import fcntl
 import json
 import os
@@ -42,6 +43,13 @@ LAUNCH = "launch.json"
 FINISHED = "finished"
 WORK = "work.json"
 SUPERVISOR_ENV = "FACTORY_SUPERVISOR_PID"  # set by the supervisor (`runs/restarts.py`) for its attempts
+STACKS_SIGNAL = signal.SIGUSR1  # an attempt prints its threads' stacks on stderr (asked before a hang kill)
+
+
+def print_stacks_on_signal() -> None:
+    """From now on `STACKS_SIGNAL` makes this process print every thread's Python stack on stderr and go on: a
+    supervisor about to kill it as hung says where it was (faulthandler, which needs no working interpreter)."""
+    faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
 
 
 def resume_dir(run_dir: Path) -> Path:

@@ -62,6 +62,7 @@ from factory.runs.attempt import (
     OrphanGuard,
     announce_finished,
     beat,
+    print_stacks_on_signal,
     read_launch,
     record_work_start,
     resume_dir,
@@ -515,6 +516,7 @@ def attempt_main(paths: FactoryPaths, run_id: str) -> int:
     """One attempt of `run_id` in this process (the child side of `runs/restarts.py`): train until done, stopped
     or dead; returns the exit code the supervisor reads. A lake that stayed down and a full disk end it with one
     line on stderr and their own exit codes (`EXIT_DEPENDENCY_DOWN`, `EXIT_DISK_FULL`), which spend no restart."""
+    print_stacks_on_signal()  # a hang kill's log says where the attempt was
     try:
         return _attempt(paths, run_id)
     except Exception as e:

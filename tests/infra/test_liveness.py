@@ -7,6 +7,8 @@ from __future__ import annotations
 import threading
 import time
 
+import torch
+
 from factory.config import SFTSpec, TaskSpec
 from factory.core.evaluate import evaluate
 from factory.core.rollout.embedded import EmbeddedEngine
@@ -58,4 +60,33 @@ def test_evals_and_sft_pulse_from_inside():
         run_sft(model, tok, problems, SFTSpec(steps=3, batch_size=4, stop_at_accuracy=None), seed=0)
     # an eval: a pulse per decode step of the greedy and the sampled pass, and per verified answer (8 + 2 x 8)
     assert beats.count("eval") >= 8 + 16 + 2
-    assert beats.count("sft") == 3
+    # SFT: a pulse per step, and per block forward and backward (its trainer's hooks)
+    assert beats.count("sft") == 3 * (1 + 2 * len(model.model.layers))
+
+
+def test_a_trainer_step_pulses_block_by_block_forward_and_backward():
+    # One forward and backward is one long call on a loaded machine: its blocks pulse as they finish, forward (a hook
+    # per block) and backward (a hook on each block's output gradient), and the gradients are what they were.
+    from factory.core.algorithms import sft_loss
+    from factory.core.batch import pack
+    from factory.core.trainer.torch_trainer import TorchTrainer
+    from factory.models.prompting import answer_ids, prompt_ids
+
+    tok = build_tokenizer()
+    model = build_model("micro", tok, seed=0)
+    plain = build_model("micro", tok, seed=0)
+    layers = len(model.model.layers)
+    problems = make_task_splits(TaskSpec(n_train=200, n_eval=8), 0).eval
+    batch = pack([prompt_ids(tok, p.prompt) for p in problems], [answer_ids(tok, p.answer) for p in problems],
+                 tok.pad_token_id)
+    beats: list[int] = []
+    trainer = TorchTrainer(model, lr=0.0)  # lr 0: the step leaves the weights as they were
+    liveness.pulse_from_layers(model)  # a second time adds no hooks
+    with liveness.beating(lambda: beats.append(1), every_s=0.0):
+        trainer.step(batch, lambda logp, b: sft_loss(logp, b.loss_mask))
+    assert len(beats) == 2 * layers  # each block's forward and its backward: no more (hooks added once)
+    ref = TorchTrainer(plain, lr=0.0)
+    plain.train()
+    ref.step(batch, lambda logp, b: sft_loss(logp, b.loss_mask))
+    for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad) if p.grad is not None else q.grad is None, name
