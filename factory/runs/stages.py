@@ -302,16 +302,18 @@ def render_report(s: dict) -> str:
     """Markdown table of an `eval_summary`: accuracies to 3 decimals with their 95% Wilson interval and n."""
     acc = lambda v, n: "—" if v is None else accuracy_text(v, n)  # noqa: E731
     dec = lambda v: "—" if v is None else f"{v:.3f}"  # noqa: E731
-    # pass@k as the spec's schedule.eval_pass_k measured it (8 unless set otherwise)
-    k = min((int(key.rpartition("_at_")[2]) for key in s if isinstance(key, str) and "_pass_at_" in key), default=8)
+    # pass@k as the spec's schedule.eval_pass_k measured it; no column when the benchmark has none (a blend source's)
+    ks = [int(key.rpartition("_at_")[2]) for key in s if isinstance(key, str) and "_pass_at_" in key]
+    k = min(ks, default=None)
+    cell = (lambda who: "") if k is None else (lambda who: f" {dec(s.get(f'{who}_pass_at_{k}'))} |")  # noqa: E731
     lines = [f"### Run `{s['run_id']}` — held-out accuracy ({s['benchmark']}, 95% Wilson intervals)", "",
-             f"| checkpoint | greedy accuracy | pass@{k} (T=1) |", "|---|---|---|",
-             f"| SFT warm start (step 0) | {acc(s['sft_accuracy'], s['sft_n'])} | {dec(s.get(f'sft_pass_at_{k}'))} |",
-             f"| GRPO (step {s['final_step']}) | {acc(s['grpo_accuracy'], s['n'])} | "
-             f"{dec(s.get(f'grpo_pass_at_{k}'))} |"]
+             "| checkpoint | greedy accuracy |" + ("" if k is None else f" pass@{k} (T=1) |"),
+             "|---|---|" + ("" if k is None else "---|"),
+             f"| SFT warm start (step 0) | {acc(s['sft_accuracy'], s['sft_n'])} |" + cell("sft"),
+             f"| GRPO (step {s['final_step']}) | {acc(s['grpo_accuracy'], s['n'])} |" + cell("grpo")]
     if s.get("control_accuracy") is not None:
-        lines.append(f"| control: same wall time of more SFT | {acc(s['control_accuracy'], s['control_n'])} | "
-                     f"{dec(s.get(f'control_pass_at_{k}'))} |")
+        lines.append(f"| control: same wall time of more SFT | {acc(s['control_accuracy'], s['control_n'])} |"
+                     + cell("control"))
     if s.get("others"):
         lines += ["", f"Other benchmarks, step 0 → step {s['final_step']}: "
                   + "; ".join(f"{name} {acc(o.get('start_accuracy'), o.get('start_n'))} → {acc(o['accuracy'], o['n'])}"
