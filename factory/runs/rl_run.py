@@ -282,6 +282,10 @@ class Run:
         if self.held and lake.read("evals", And(And(EqualTo("run_id", run_id), EqualTo("step", 0)), EqualTo(
                 "benchmark", SOURCE_BENCHMARK + next(iter(self.held))))).num_rows == 0:
             self._evaluate_sources(0, None)
+            start = headline(lake, run_id).outcome
+            if start.primary is not None and start.primary.benchmark != HELD_OUT:  # a source's: say its baseline
+                self.log(f"run {run_id}: start {start.primary.benchmark} accuracy {start.primary.text()} "
+                         f"(the run's headline: its own task's held-out set)")
         self.feed = make_feed(spec, self.splits.train,
                               stats=_offline_stats(spec, lake, self.tracker, self.mlflow_id, self.log))
         self.tracker.set_tags(self.mlflow_id, {"factory.blend_version": blend_version(spec, self.feed.blender.sources)})

@@ -30,7 +30,7 @@ def start_eval(spec: ExperimentSpec, lake: Lake, tracker: Tracker, run_id: str, 
                    k=spec.schedule.eval_pass_k, temperature=1.0, seed=spec.seed)
     lake.upsert("evals", eval_rows(run_id, 0, res, None))
     tracker.log_metrics(mlflow_id, 0, {"eval/accuracy": res.accuracy, f"eval/pass_at_{res.k}": res.pass_at_k})
-    log(f"run {run_id}: start held-out accuracy {res.accuracy:.3f}, pass@{res.k} {res.pass_at_k:.3f}")
+    log(f"run {run_id}: start {HELD_OUT} accuracy {res.accuracy:.3f}, pass@{res.k} {res.pass_at_k:.3f}")
     return res.accuracy, res.pass_at_k
 
 

@@ -81,6 +81,7 @@ def test_a_trainer_step_pulses_block_by_block_forward_and_backward():
                  tok.pad_token_id)
     beats: list[int] = []
     trainer = TorchTrainer(model, lr=0.0)  # lr 0: the step leaves the weights as they were
+    assert all(len(block._forward_hooks) == 1 for block in model.model.layers)  # the trainer hooked its blocks
     liveness.pulse_from_layers(model)  # a second time adds no hooks
     with liveness.beating(lambda: beats.append(1), every_s=0.0):
         trainer.step(batch, lambda logp, b: sft_loss(logp, b.loss_mask))
