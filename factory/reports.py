@@ -309,7 +309,8 @@ def _figures(row: dict, steps: list[dict], evals: list[dict], run: dict | None,
              outcome: RunOutcome | None) -> MemberFigures:
     axes = json.loads(row["axes"])
     last = sorted((s for s in steps if s.get("reward_mean") is not None), key=lambda s: s["step"])[-LAST_STEPS:]
-    held = [e for e in evals if e["benchmark"] == HELD_OUT]
+    own = outcome.primary.benchmark if outcome and outcome.primary else HELD_OUT  # the run's own held-out set
+    held = [e for e in evals if e["benchmark"] == own]
     final = max((e["step"] for e in held), default=None)
     pass_rows = [e for e in held if e["step"] == final and e["metric"].startswith("pass@")]
     wall = None

@@ -69,3 +69,16 @@ def test_named_repository_paths_exist(page: Path) -> None:
 def test_the_readme_links_every_docs_page() -> None:
     linked = {(ROOT / t.partition("#")[0]).resolve() for t in LINK.findall(README.read_text())}
     assert [p.name for p in PAGES[1:] if p.resolve() not in linked] == []
+
+
+INTERPRETER_PATH = re.compile(r"(?:\.venv/lib/|site-packages/|lib/python3\.\d+/)")
+
+
+def test_no_example_or_page_names_a_file_inside_one_interpreters_install() -> None:
+    # `.venv/lib/python3.11/site-packages/...` works for one Python in one venv run from one directory: examples and
+    # pages name shipped files by their package (`pkg:<package>/<path>`, factory/model_source.py) instead.
+    pages = [*PAGES, *sorted((ROOT / "examples").glob("*.yaml"))]
+    found = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in pages
+             for i, line in enumerate(p.read_text().splitlines(), 1)
+             if INTERPRETER_PATH.search(line)]
+    assert found == []

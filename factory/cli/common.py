@@ -57,7 +57,7 @@ def check_model(spec: ExperimentSpec, args: argparse.Namespace) -> tuple[str | N
     converted and no weights are read (models/resolve.py). (None, None) for a preset model."""
     if spec.model.path is None:
         return None, None
-    from factory.model_source import HubCacheError
+    from factory.model_source import ModelPathError
     from factory.models.gguf import GGUFError
     from factory.models.hf import ModelDirError
     from factory.models.resolve import check_model_path
@@ -67,5 +67,5 @@ def check_model(spec: ExperimentSpec, args: argparse.Namespace) -> tuple[str | N
                         .expanduser().resolve())
     try:
         return check_model_path(spec.model.path, home), None
-    except (ModelDirError, GGUFError, HubCacheError) as e:
+    except (ModelDirError, GGUFError, ModelPathError) as e:
         return None, str(e)

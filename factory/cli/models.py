@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from factory.cli.common import error, home_from
-from factory.model_source import HubCacheError, model_source
+from factory.model_source import ModelPathError, model_source
 from factory.models.bpe import build_bpe_model_dir
 from factory.models.gguf import GGUFError
 from factory.models.hf import ModelDirError, load_tokenizer_dir
@@ -38,11 +38,11 @@ FORMS = {"dir": "model directory", "gguf": "GGUF file", "hub": "Hugging Face Hub
 def cmd_models_import(args: argparse.Namespace) -> int:
     """Resolve SRC as `model.path` would (converting a .gguf file now, once), check its tokenizer loads, and print
     the directory; either SRC or the directory then works as `--set model.path=`."""
-    src = model_source(args.src)
     try:
+        src = model_source(args.src)
         out = resolve_model_path(args.src, home_from(args))
         load_tokenizer_dir(out)  # a tokenizer without eos would only be refused when a run starts
-    except (ModelDirError, GGUFError, HubCacheError) as e:
+    except (ModelDirError, GGUFError, ModelPathError) as e:
         error(str(e))
         return EXIT_BAD_INPUT
     print(f"{FORMS[src.kind]} {args.src}: {out}")

@@ -36,7 +36,8 @@ class ModelSpec(_Section):
         None, min_length=1, description="the model to start from, with its tokenizer (used for every prompt; "
         "replaces the preset): a local Hugging Face causal-LM directory (config.json, weights, tokenizer files), a "
         ".gguf file (converted once under FACTORY_HOME), or a Hugging Face Hub id org/name[@revision] found in the "
-        "local HF cache (HF_HUB_CACHE; nothing is downloaded); an existing directory wins over a hub id")
+        "local HF cache (HF_HUB_CACHE; nothing is downloaded); an existing directory wins over a hub id; "
+        "pkg:<package>/<path> names a file an installed Python package ships")
     trust_remote_code: bool = Field(
         False, description="let transformers run Python code shipped in model.path (custom architectures); off: "
         "only architectures transformers itself implements load")

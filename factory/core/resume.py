@@ -45,6 +45,7 @@ from factory.digest import manifest as tree_manifest
 from factory.infra.device import host_copy
 from factory.infra.disk import DiskFull, is_disk_full
 from factory.infra.faults import fault_point
+from factory.infra.liveness import covered, pulse
 from factory.progress import Log
 
 FORMAT = 1  # of state.json; the manifest is factory/digest.py's
@@ -160,6 +161,7 @@ def write(state: TrainState, root: Path, keep: int) -> Path:
                 f.flush()
                 os.fsync(f.fileno())
             fault_point("resume_write", tmp / name)  # a kill here leaves a torn temp dir, never a resume point
+            pulse()
         manifest = tree_manifest(hash_blobs(files), step=state.step)
         with open(tmp / MANIFEST, "w") as f:
             json.dump(manifest, f, indent=1)
@@ -212,6 +214,7 @@ def verify(path: Path) -> str | None:
         data = f.read_bytes()
         if len(data) != want["bytes"] or _sha256(data) != want["sha256"]:
             return f"{name} does not match its sha256 in the manifest (torn or corrupted)"
+        pulse()  # a large resume point takes seconds to verify (infra/liveness.py)
     return None
 
 
@@ -233,7 +236,8 @@ def latest(root: Path, log: Log) -> tuple[TrainState, Path] | None:
     for path in reversed(points(root)):
         problem = verify(path)
         if problem is None:
-            return load(path), path
+            with covered():  # torch.load of a large optimizer state: one long call (infra/liveness.py)
+                return load(path), path
         log(f"resume point {path.name} skipped: {problem}")
     return None
 

@@ -19,6 +19,7 @@ from factory.core.batch import pack
 from factory.core.evaluate import evaluate
 from factory.core.rollout.embedded import EmbeddedEngine
 from factory.core.trainer.torch_trainer import TorchTrainer
+from factory.infra.liveness import pulse
 from factory.models.prompting import answer_ids, prompt_ids
 from factory.problem import Problem
 
@@ -45,6 +46,7 @@ def run_sft(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, train: l
         metrics = trainer.step(batch, lambda logp, b: sft_loss(logp, b.loss_mask))
         metrics["steps"] = float(step + 1)
         sched.step()
+        pulse()  # SFT inside a watched attempt is alive while it steps (infra/liveness.py)
         if spec.stop_at_accuracy is not None and (step + 1) % spec.check_every == 0:
             acc = evaluate(EmbeddedEngine(model, tokenizer), tokenizer, check, max_new_tokens).accuracy
             metrics["train_accuracy"] = acc

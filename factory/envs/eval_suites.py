@@ -33,7 +33,8 @@ from factory.config import TaskSpec
 from factory.envs.arithmetic import OPS, _problem
 from factory.problem import Problem, Splits
 
-HELD_OUT = "arithmetic_heldout"  # how `evals.benchmark` names a run's own held-out split
+HELD_OUT = "arithmetic_heldout"  # how `evals.benchmark` names the task's held-out split
+SOURCE_BENCHMARK = "source:"  # evals.benchmark of a blend source's held-out set: "source:<name>"
 
 BENCHMARKS: dict[str, str] = {
     "heldout": "the run's held-out eval split (make_splits(task, seed).eval)",

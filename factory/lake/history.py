@@ -21,7 +21,7 @@ import pyarrow as pa
 from factory.envs.eval_suites import HELD_OUT
 from factory.intervals import Accuracy, verdict
 from factory.lake.query import Format, connect, format_table, json_value, query, run_sql
-from factory.lake.results import run_outcomes
+from factory.lake.results import primary_benchmark, run_outcomes
 from factory.lake.writer import Lake
 
 
@@ -70,9 +70,11 @@ ORDER BY r.started_at DESC, r.run_id
 """
 
 # The result columns `runs` adds after final_step (lake/results.py): the primary benchmark, the step of its
-# latest accuracy eval, that accuracy with its interval and n, and the other benchmarks evaluated at that step.
+# latest accuracy eval, that accuracy with its interval and n, its baseline (the same benchmark at step 0) with its
+# interval, and the other benchmarks evaluated at that step.
 _RESULT_COLUMNS = {"benchmark": pa.string(), "eval_step": pa.int64(), "accuracy": pa.float64(),
-                   "ci95": pa.string(), "n": pa.int64(), "other_benchmarks": pa.string()}
+                   "ci95": pa.string(), "n": pa.int64(), "start_accuracy": pa.float64(), "start_ci95": pa.string(),
+                   "other_benchmarks": pa.string()}
 
 
 def runs_listing(lake: Lake) -> pa.Table:
@@ -86,6 +88,8 @@ def runs_listing(lake: Lake) -> pa.Table:
         "accuracy": [_round(o.accuracy) if o else None for o in results],
         "ci95": [ci95(o.accuracy, o.n) if o else None for o in results],
         "n": [o.n if o else None for o in results],
+        "start_accuracy": [_round(o.start.value) if o and o.start else None for o in results],
+        "start_ci95": [ci95(o.start.value, o.start.n) if o and o.start else None for o in results],
         "other_benchmarks": [(o.others_text() or None) if o else None for o in results],
     }
     at = base.schema.get_field_index("final_step") + 1
@@ -149,7 +153,7 @@ class Ranking:
         return text
 
 
-DEFAULT_BENCHMARK = HELD_OUT  # every run records its held-out split under this name
+DEFAULT_BENCHMARK = HELD_OUT  # every run records the task's held-out split under this name
 
 
 def best_runs(lake: Lake, metric: str, benchmark: str | None = None, sweep_id: str | None = None,
@@ -160,9 +164,10 @@ def best_runs(lake: Lake, metric: str, benchmark: str | None = None, sweep_id: s
     n), the 95% interval `ci95`; column `at` says "final" or "step N", and the answer names the runs left out.
 
     `benchmark` None picks the one whole benchmark (a name without '/', not a `bench/slice`) that has
-    `metric` among the runs considered; when there are several, the held-out split every run records
-    (`arithmetic_heldout`), else HistoryError asks for one rather than averaging them: runs evaluated
-    on different benchmark sets would be ranked on different things.
+    `metric` among the runs considered; when there are several, the runs' own held-out set when they all have the
+    same one (`lake/results.py`: e.g. `source:chain_sum` for runs of the SmolLM2 example), else the task's held-out
+    split every run records (`arithmetic_heldout`), else HistoryError asks for one rather than averaging them: runs
+    evaluated on different benchmark sets would be ranked on different things.
     HistoryError (naming what exists) for an unknown metric, benchmark or sweep, or top < 1.
     """
     if top < 1:
@@ -219,6 +224,9 @@ def _pick_benchmark(con: Any, metric: str, benchmark: str | None, sweep_id: str 
     whole = [b for b in have if "/" not in b]
     if len(whole) == 1:
         return whole[0]
+    own = _own_benchmarks(con, sweep_id)
+    if len(own) == 1 and own[0] in whole:  # every run considered has the same own held-out set
+        return own[0]
     if DEFAULT_BENCHMARK in whole:  # every run records its own held-out split: the common ground
         return DEFAULT_BENCHMARK
     if not whole:
@@ -226,6 +234,17 @@ def _pick_benchmark(con: Any, metric: str, benchmark: str | None, sweep_id: str 
                            f"pass --benchmark, one of: {', '.join(have) or 'none'}")
     raise HistoryError(f"--benchmark: {metric!r} was recorded on several benchmarks; pass --benchmark, "
                        f"one of: {', '.join(whole)}")
+
+
+def _own_benchmarks(con: Any, sweep_id: str | None) -> list[str]:
+    """The primary benchmarks (`lake/results.py`) of the runs considered, each once ("" for a run without one)."""
+    sql = """SELECT DISTINCT e.run_id, e.benchmark FROM evals e LEFT JOIN runs r ON r.run_id = e.run_id
+             WHERE e.metric = 'accuracy' AND ($s IS NULL OR r.sweep_id = $s)"""
+    pairs = run_sql(con, sql, dict(s=sweep_id)).to_pylist()
+    by_run: dict[str, list[str]] = {}
+    for p in pairs:
+        by_run.setdefault(p["run_id"], []).append(p["benchmark"])
+    return sorted({primary_benchmark(names) or "" for names in by_run.values()})
 
 
 # -- compare ---------------------------------------------------------------------------------------

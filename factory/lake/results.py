@@ -1,8 +1,12 @@
-"""A run's result, defined once: the primary benchmark's accuracy at the run's final evaluated step, with the other
-whole benchmarks evaluated at that same step beside it by name, each with its n (and so its 95% interval).
+"""A run's result, defined once: the primary benchmark's accuracy at the run's final evaluated step, with its
+baseline (the same benchmark at step 0, the start RL trained from) and the other whole benchmarks evaluated at that
+same step beside it by name, each with its n (and so its 95% interval).
 
-The primary benchmark is the run's own held-out split (`arithmetic_heldout`, which every run records); a run that
-recorded accuracy on one whole benchmark only (no held-out split) has that one. The final evaluated step is the
+The primary benchmark is the held-out set of the run's own task, the problems its GRPO prompts come from: a run
+whose prompts come from one blend source with a held-out set (`data.sources`, e.g. the SmolLM2 example's
+reasoning-gym `chain_sum`) is read on that set (`source:<name>`); any other run on the task's held-out split
+(`arithmetic_heldout`, which every run records: the task's split, or the common ground of a blend of several
+sources); a run that recorded accuracy on one whole benchmark only has that one. The final evaluated step is the
 greatest step with an accuracy eval on the primary benchmark: a finished run's final eval, a run still training's
 latest. Slices (`bench/slice`) and other metrics (pass@k, the control's `sft_control_*`) are not a run's result.
 Benchmarks are never averaged together: after a periodic carry_chains eval of the last checkpoint a run's result
@@ -18,7 +22,7 @@ from dataclasses import dataclass, field
 
 from pyiceberg.expressions import And, EqualTo, In
 
-from factory.envs.eval_suites import HELD_OUT
+from factory.envs.eval_suites import HELD_OUT, SOURCE_BENCHMARK
 from factory.intervals import Accuracy, accuracy_text
 from factory.lake.writer import Lake
 
@@ -45,12 +49,14 @@ class Score:
 
 @dataclass(frozen=True)
 class RunOutcome:
-    """A run's result: `primary` at `step`, and `others` (whole benchmarks evaluated at the same step) by name."""
+    """A run's result: `primary` at `step`, its baseline `start` (the primary benchmark at step 0, when recorded),
+    and `others` (whole benchmarks evaluated at the same step) by name."""
 
     run_id: str
     step: int | None
     primary: Score | None
     others: dict[str, Score] = field(default_factory=dict)
+    start: Score | None = None
 
     @property
     def accuracy(self) -> float | None:
@@ -65,17 +71,23 @@ class RunOutcome:
         return "; ".join(f"{name} {s.text()}" for name, s in sorted(self.others.items()))
 
     def text(self) -> str:
-        """`arithmetic_heldout 0.764 [0.725, 0.799] n=500 at step 60 (carry_chains 0.794 [...] n=200)`."""
+        """`arithmetic_heldout 0.764 [0.725, 0.799] n=500 at step 60, from 0.744 [0.704, 0.780] n=500 at step 0
+        (carry_chains 0.794 [...] n=200)`."""
         if self.primary is None:
             return "no accuracy eval yet"
+        start = f", from {self.start.text()} at step 0" if self.start is not None and self.step else ""
         rest = f" ({self.others_text()})" if self.others else ""
-        return f"{self.primary.benchmark} {self.primary.text()} at step {self.step}{rest}"
+        return f"{self.primary.benchmark} {self.primary.text()} at step {self.step}{start}{rest}"
 
 
 def primary_benchmark(benchmarks: Iterable[str]) -> str | None:
-    """The benchmark a run's result is read on, among the whole benchmarks it recorded accuracy on: the held-out
-    split; else the only one; else None (several, none of them the held-out split: no result rather than a guess)."""
+    """The benchmark a run's result is read on, among the whole benchmarks it recorded accuracy on (the module
+    docstring): the one blend source's held-out set when it recorded exactly one (`source:<name>`); else the task's
+    held-out split; else the only one; else None (several, none of them those: no result rather than a guess)."""
     names = {b for b in benchmarks if "/" not in b}
+    sources = [b for b in names if b.startswith(SOURCE_BENCHMARK)]
+    if len(sources) == 1:
+        return sources[0]
     if PRIMARY in names:
         return PRIMARY
     return next(iter(names)) if len(names) == 1 else None
@@ -97,7 +109,9 @@ def _outcome(run_id: str, evals: list[dict]) -> RunOutcome:
     step = max(r["step"] for r in evals if r["benchmark"] == primary)
     at = {r["benchmark"]: Score(r["benchmark"], r["value"], r.get("n")) for r in evals if r["step"] == step}
     main = at.pop(primary)
-    return RunOutcome(run_id, step, main, at)
+    start = next((Score(primary, r["value"], r.get("n")) for r in evals
+                  if r["step"] == 0 and r["benchmark"] == primary), None)
+    return RunOutcome(run_id, step, main, at, start)
 
 
 def run_outcomes(lake: Lake, run_ids: Iterable[str] | None = None) -> dict[str, RunOutcome]:

@@ -42,6 +42,7 @@ from factory.digest import dir_digest
 from factory.home import file_lock
 from factory.infra.disk import DiskFull, is_disk_full
 from factory.infra.faults import fault_point
+from factory.infra.liveness import covered
 from factory.infra.supervisor import retry
 from factory.models import lora
 from factory.models.checkpoint_store import checkpoint_store_uri, fetch_checkpoint, upload_checkpoint
@@ -81,13 +82,15 @@ def save_checkpoint(
         new = Path(tempfile.mkdtemp(prefix=f".{path.name}.{VERSION_TAG}", dir=path.parent))
         try:
             fault_point("checkpoint_save", new / "model.safetensors")  # tests: a full disk at this write
-            # A LoRA model is saved merged: a plain HF directory that transformers (and SGLang) load directly.
-            (lora.merged_copy(model) if lora.attached(model) else model).save_pretrained(new, safe_serialization=True)
-            tokenizer.save_pretrained(new)
-            if meta is not None:
-                (new / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True))
-            digest, size = dir_digest(new)
-            _fsync_tree(new)  # the link must never point at files a power cut could still lose
+            with covered():  # one long write of a large model: no loop of ours inside (infra/liveness.py)
+                # A LoRA model is saved merged: a plain HF directory that transformers (and SGLang) load directly.
+                (lora.merged_copy(model) if lora.attached(model) else model).save_pretrained(
+                    new, safe_serialization=True)
+                tokenizer.save_pretrained(new)
+                if meta is not None:
+                    (new / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True))
+                digest, size = dir_digest(new)
+                _fsync_tree(new)  # the link must never point at files a power cut could still lose
             _switch(path, new)
         except BaseException as e:
             if _version_of(path) != new:
@@ -119,8 +122,9 @@ def load_checkpoint(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokeni
                 try:
                     if not (version / "config.json").is_file():
                         raise FileNotFoundError(f"not a checkpoint directory (no config.json): {path}")
-                    loaded = (AutoModelForCausalLM.from_pretrained(version),
-                              PreTrainedTokenizerFast.from_pretrained(version))
+                    with covered():  # one long read of a large model (infra/liveness.py)
+                        loaded = (AutoModelForCausalLM.from_pretrained(version),
+                                  PreTrainedTokenizerFast.from_pretrained(version))
                 except Exception:
                     if path.resolve() == version:
                         raise  # not a save replacing it under us: a real error

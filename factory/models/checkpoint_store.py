@@ -33,6 +33,7 @@ import pyarrow.fs as pafs
 from factory.digest import dir_digest, hash_files, manifest_entries, tree_files
 from factory.digest import manifest as tree_manifest
 from factory.home import factory_home
+from factory.infra.liveness import pulse
 from factory.objstore import check_uri, filesystem, is_remote
 
 CHECKPOINT_URI_ENV = "FACTORY_CHECKPOINT_URI"
@@ -68,7 +69,9 @@ def upload_checkpoint(root: Path, base_uri: str, name: str, digest: str | None =
         return uri  # already published: same digest, same files
     for f, e in zip(files, tree.files, strict=True):
         with f.open("rb") as src, fs.open_output_stream(f"{base}/{e['path']}") as dst:
-            shutil.copyfileobj(src, dst, _CHUNK)
+            while chunk := src.read(_CHUNK):
+                dst.write(chunk)
+                pulse()  # a run that waits for its uploads is alive while bytes move (infra/liveness.py)
     with fs.open_output_stream(f"{base}/{MANIFEST_NAME}") as out:  # the marker: written after every file
         out.write(json.dumps(tree_manifest(tree), indent=2).encode())
     return uri

@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 from factory.home import FactoryPaths
+from factory.infra.liveness import covered
 
 GGUF_MAGIC = b"GGUF"
 MARKER = "factory-gguf.json"  # written last: a directory with it is complete
@@ -66,8 +67,6 @@ def convert_gguf(path: str | Path, home: FactoryPaths, log=print) -> Path:
         return out
     try:  # optional: the `real` extra (gguf, accelerate) is only needed to read GGUF files
         import gguf  # noqa: F401
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as e:
         raise GGUFError(f"model.path: reading {src} needs the packages gguf and accelerate "
                         f"(pip install 'factory[real]'): {e}") from e
@@ -75,20 +74,10 @@ def convert_gguf(path: str | Path, home: FactoryPaths, log=print) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        try:
-            tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
-            quantized = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
-        except Exception as e:  # transformers raises many kinds (unsupported architecture, bad tensors)
-            raise GGUFError(f"model.path: cannot read the GGUF file {src}: {e}") from e
-        config = quantized.config
-        for attr in ("quantization_config", "_pre_quantization_dtype"):
-            if hasattr(config, attr):
-                delattr(config, attr)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.load_state_dict(quantized.state_dict(), strict=True)
-        del quantized
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
+        with covered():  # dequantizing and writing: long calls with no loop of ours inside (infra/liveness.py)
+            model, tok = _dequantized(src)
+            model.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
         (tmp / MARKER).write_text(json.dumps({"source": str(src), "sha256": digest,
                                               "architecture": type(model).__name__}, indent=2) + "\n")
         try:
@@ -99,3 +88,22 @@ def convert_gguf(path: str | Path, home: FactoryPaths, log=print) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _dequantized(src: Path):
+    """(fp32 model, tokenizer) read from the GGUF file `src`, as a plain model that saves normally."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+        quantized = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
+    except Exception as e:  # transformers raises many kinds (unsupported architecture, bad tensors)
+        raise GGUFError(f"model.path: cannot read the GGUF file {src}: {e}") from e
+    config = quantized.config
+    for attr in ("quantization_config", "_pre_quantization_dtype"):
+        if hasattr(config, attr):
+            delattr(config, attr)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(quantized.state_dict(), strict=True)
+    return model, tok

@@ -4,8 +4,9 @@ A run directory (`checkpoints/<run_id>/`) holds, besides checkpoints:
 - `attempt.lock`: held (flock) by the live attempt for its whole life. The kernel releases it when the
   process dies however it dies (kill -9 included), so any reader on the host can tell a live run from a
   dead one that still says `running` in the lake, without trusting pids (which get reused).
-- `heartbeat`: touched by the trainer's own loop at every step and sub-step. A supervisor reads its age
-  to tell a hung attempt from a slow one (a thread beating on its own would hide a hung loop).
+- `heartbeat`: touched by the trainer's own loop at every step, and from inside the work of every long phase
+  (a decode step, a verified eval answer, a file written: `infra/liveness.py`). A supervisor reads its age to
+  tell a hung attempt from a slow one (a thread beating on its own would hide a hung loop).
 - `resume/`: the resume points (`core/resume.py`), taken when `runs/resume_points.py` says.
 - `launch.json`: what the first attempt of a supervised run needs before the run has a `runs` row.
 - `finished`: the pid of an attempt that recorded its result and has only its exit left; the supervisor's hang
@@ -21,6 +22,7 @@ Until then `OrphanGuard` kills it if it also stops beating for `ops.hang_timeout
 
 from __future__ import annotations
 
+import faulthandler
 import fcntl
 import json
 import os
@@ -41,6 +43,13 @@ LAUNCH = "launch.json"
 FINISHED = "finished"
 WORK = "work.json"
 SUPERVISOR_ENV = "FACTORY_SUPERVISOR_PID"  # set by the supervisor (`runs/restarts.py`) for its attempts
+STACKS_SIGNAL = signal.SIGUSR1  # an attempt prints its threads' stacks on stderr (asked before a hang kill)
+
+
+def print_stacks_on_signal() -> None:
+    """From now on `STACKS_SIGNAL` makes this process print every thread's Python stack on stderr and go on: a
+    supervisor about to kill it as hung says where it was (faulthandler, which needs no working interpreter)."""
+    faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
 
 
 def resume_dir(run_dir: Path) -> Path:

@@ -4,7 +4,6 @@ end. What `factory run` runs."""
 
 from __future__ import annotations
 
-import functools
 import json
 import time
 from collections.abc import Callable
@@ -21,7 +20,8 @@ from factory.runs.attempt import write_launch
 from factory.runs.degraded import read_when_up
 from factory.runs.recovery import now, run_row
 from factory.runs.restarts import supervise
-from factory.runs.rl_run import RunResult, finished_result, new_run_id, run_rl
+from factory.runs.rl_run import new_run_id, run_rl
+from factory.runs.run_result import RunResult, finished_result
 from factory.runs.stages import (
     Log,
     ProgressCallback,
@@ -65,7 +65,7 @@ def run_sweep_member(spec: ExperimentSpec, paths: FactoryPaths, lake: Lake, trac
         res = run_rl(spec, paths, sft.checkpoint.path, splits, lake, tracker, log=log, sweep_id=sweep_id,
                      run_id=run_id, mlflow_experiment=sweep_name, mlflow_parent_run_id=mlflow_parent_run_id,
                      progress=progress,  # a periodic eval is of the whole held-out split: its n
-                     on_eval=functools.partial(trial.report, n=len(splits.eval)) if trial is not None else None)
+                     on_eval=trial.report if trial is not None else None)
     except RunInterrupted:
         if trial is None or trial.reason is None:  # stopped at a resume point (its run `interrupted`): resumable
             lake.upsert("sweeps", [dict(row, status="interrupted", recorded_at=now())])

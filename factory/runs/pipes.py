@@ -30,7 +30,8 @@ from factory.lake import Lake
 from factory.ops.preflight.gate import PreflightFailed, gate
 from factory.progress import Log, Throttle
 from factory.runs.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_NEEDS_FIX, EXIT_OK
-from factory.runs.rl_run import RunResult, run_rl
+from factory.runs.rl_run import run_rl
+from factory.runs.run_result import RunResult
 from factory.runs.stages import load_dataset
 from factory.tracking import Tracker
 
@@ -56,7 +57,8 @@ class RunInputs:
 def run_scalars(res: RunResult) -> dict[str, Any]:
     """A finished run's metadata other than pictures and links, in the order the asset shows it."""
     return {"run_id": res.run_id, "mlflow_run_id": res.mlflow_run_id, "checkpoint": str(res.checkpoint.path),
-            "sha256": res.checkpoint.sha256, "steps": res.steps, "start_accuracy": res.start_accuracy,
+            "sha256": res.checkpoint.sha256, "steps": res.steps, "benchmark": res.benchmark,
+            "start_accuracy": res.start_accuracy,
             "start_pass_at_k": res.start_pass_at_k, "accuracy": res.final_accuracy, "seconds": res.seconds,
             "attempts": res.attempt, "goodput": res.goodput}
 
@@ -97,7 +99,7 @@ def run_under_pipes(spec: ExperimentSpec, paths: FactoryPaths, fallback: RunInpu
         res, code = _train_or_exit(spec, paths, fallback, print, lambda m: print(m, file=sys.stderr))
         if res is not None:
             said = ["not recorded" if a is None else f"{a:.3f}" for a in (res.start_accuracy, res.final_accuracy)]
-            print(f"run {res.run_id}: accuracy {said[0]} -> {said[1]}", flush=True)
+            print(f"run {res.run_id}: {res.benchmark} accuracy {said[0]} -> {said[1]}", flush=True)
         return code
     with open_dagster_pipes() as pipes:
         try:

@@ -4,7 +4,8 @@ this parent starts the next one when an attempt dies, hangs or crashes, up to `o
 Like torchrun's elastic agent, but for one run and with exact resume: the parent holds no training state.
 It watches two things: the child's exit, and the age of the run's heartbeat (`runs/attempt.py`), which the
 training loop itself touches. An attempt silent for longer than `ops.hang_timeout_s` is killed (SIGKILL)
-and recorded as a hang; PyTorch's own watchdog would wait 10 minutes. How an attempt ended decides what
+and recorded as a hang, after it printed every thread's stack into the run's log (`STACKS_SIGNAL`: where it
+hung); PyTorch's own watchdog would wait 10 minutes. How an attempt ended decides what
 follows:
 - exit 0: the run succeeded;
 - `EXIT_STOPPED`: it stopped on request (SIGTERM/SIGINT, forwarded by this parent too): no restart;
@@ -31,6 +32,7 @@ and one that dies after that announcement, with its run recorded as succeeded, c
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -45,7 +47,7 @@ from factory.infra.disk import is_disk_full
 from factory.lake.spool import is_outage
 from factory.lake.writer import Lake
 from factory.runs import recovery
-from factory.runs.attempt import SUPERVISOR_ENV, clear_finished, finished, last_beat
+from factory.runs.attempt import STACKS_SIGNAL, SUPERVISOR_ENV, clear_finished, finished, last_beat
 from factory.runs.exit_codes import (
     EXIT_BAD_INPUT,
     EXIT_DEPENDENCY_DOWN,
@@ -60,6 +62,7 @@ from factory.runs.standby import Forked, Standby
 
 POLL_S = 0.2
 STARTUP_GRACE_S = 120.0  # an attempt's start (imports, loading the model and lake) before it first beats
+STACKS_WAIT_S = 2.0  # how long a hung attempt gets to print its stacks before the kill
 
 
 class _Attempts:
@@ -90,6 +93,16 @@ class _Attempts:
                 self.standby.close()
             self.standby = Standby(self.argv, self.env)
         return self.standby.go(attempt)
+
+    def show_stacks(self, child: subprocess.Popen | Forked) -> None:
+        """Ask a single-process attempt about to be killed as hung to print its threads' stacks (its stderr is the
+        run's), and give it STACKS_WAIT_S to do it; a group's ranks are not asked."""
+        if self.group or child.pid is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            child.send_signal(STACKS_SIGNAL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.wait(timeout=STACKS_WAIT_S)  # faulthandler writes from the signal handler: no exit to wait for
 
     def kill(self, child: subprocess.Popen | Forked) -> None:
         """Kill an attempt: a group's whole process session (torchrun and every rank), or the one process."""
@@ -145,6 +158,7 @@ def supervise(paths: FactoryPaths, run_id: str, spec: ExperimentSpec, log=print,
                 age = time.time() - max(beat, started)
                 if age > limit and not stop:
                     hung = age
+                    children.show_stacks(child)
                     children.kill(child)
             rc = children.exit_code(child, run_dir, restarts + 1)
             if rc == EXIT_OK or _finished_anyway(paths, run_id, run_dir, child.pid, rc, log):

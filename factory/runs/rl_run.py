@@ -9,7 +9,8 @@ writes them again, so `steps` holds one row per step with no hole, each tagged w
 the interruption is recorded (`runs/recovery.py`) with what it cost. A run that already succeeded is not trained
 again: its recorded result is returned.
 
-While an attempt lives it holds the run's lock and beats its heartbeat (`runs/attempt.py`); SIGTERM or
+While an attempt lives it holds the run's lock and beats its heartbeat (`runs/attempt.py`): after every step, and from
+inside every long phase (evals, checkpoint writes, loading a model: `infra/liveness.py`); SIGTERM or
 SIGINT make it save a resume point after the current step and stop as `interrupted`; so does a supervised attempt
 whose supervisor died (cause `supervisor_lost`). `attempt_main` is one attempt in a child process of the restarts
 supervisor (`runs/restarts.py`).
@@ -24,7 +25,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -38,19 +39,17 @@ from factory.core.rollout.embedded import EmbeddedEngine
 from factory.data.feed import make_feed
 from factory.data.from_spec import blend_version, held_out_sets
 from factory.data.stats import read_prompt_stats
-from factory.digest import dir_digest
-from factory.envs.eval_suites import HELD_OUT
+from factory.envs.eval_suites import HELD_OUT, SOURCE_BENCHMARK
 from factory.home import FactoryPaths
+from factory.infra import liveness
 from factory.infra.device import describe, run_device
 from factory.infra.disk import is_disk_full
 from factory.infra.faults import fault_point
 from factory.infra.supervisor import CircuitOpen
-from factory.intervals import accuracy_text
-from factory.lake.results import outcomes_from_evals
 from factory.lake.spool import SPOOL, LakeDown, Spool, SpooledLake
 from factory.lake.writer import Lake
 from factory.models import lora
-from factory.models.checkpoint import CheckpointInfo, load_checkpoint
+from factory.models.checkpoint import load_checkpoint
 from factory.models.checkpoint_store import checkpoint_store_uri
 from factory.models.uploads import BackgroundUploads
 from factory.problem import Splits
@@ -63,6 +62,7 @@ from factory.runs.attempt import (
     OrphanGuard,
     announce_finished,
     beat,
+    print_stacks_on_signal,
     read_launch,
     record_work_start,
     resume_dir,
@@ -73,7 +73,8 @@ from factory.runs.degraded import stop_code, tolerating, unless_down, watch_lake
 from factory.runs.exit_codes import EXIT_BAD_INPUT, EXIT_NEEDS_FIX, EXIT_OK, EXIT_STOPPED, EXIT_SUPERVISOR_LOST
 from factory.runs.resume_points import RunCheckpoints
 from factory.runs.run_checkpoints import record_checkpoint
-from factory.runs.run_evals import SOURCE_BENCHMARK, source_evals, start_eval
+from factory.runs.run_evals import source_evals, start_eval
+from factory.runs.run_result import RunResult, headline, headline_source, recorded_result, tell_mlflow
 from factory.runs.stages import (
     Log,
     ProgressCallback,
@@ -90,49 +91,12 @@ from factory.source_spec import SourceError
 from factory.tracking import Tracker
 
 _now = recovery.now
-EvalHook = Callable[[int, float], str | None]  # (step, held-out accuracy) -> why to prune the run, or None
-
-
-@dataclass
-class RunResult:
-    run_id: str
-    mlflow_run_id: str
-    checkpoint: CheckpointInfo
-    steps: int
-    start_accuracy: float | None  # None: not recorded (never a 0 that reads as measured)
-    start_pass_at_k: float | None
-    final_accuracy: float | None
-    seconds: float  # wall time of the run over all its attempts
-    records: list[StepRecord] = field(repr=False, default_factory=list)  # this attempt's steps
-    attempt: int = 1
-    goodput: float = 1.0
+# (step, headline accuracy, its n) -> why to prune the run, or None
+EvalHook = Callable[[int, float, int], str | None]
 
 
 def new_run_id(spec: ExperimentSpec) -> str:
     return f"{spec.name}-{_now():%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"
-
-
-def _finished(lake: Lake, row: dict) -> RunResult:
-    """The recorded result of a run that already succeeded."""
-    rows = lake.read("evals", And(EqualTo("run_id", row["run_id"]), EqualTo("benchmark", HELD_OUT))).to_pylist()
-    evals = {(r["step"], r["metric"]): r["value"] for r in rows}
-    result = outcomes_from_evals(rows).get(row["run_id"])  # the run's result, as lake/results.py defines it
-    final = result.step if result is not None and result.step is not None else max(s for s, _ in evals)
-    path = Path(row["final_checkpoint"])
-    digest, size = dir_digest(path)
-    k = next((m for s, m in evals if s == 0 and m.startswith("pass@")), None)
-    return RunResult(row["run_id"], row["mlflow_run_id"], CheckpointInfo(path, digest, size), final,
-                     evals.get((0, "accuracy")), evals.get((0, k)) if k else None,
-                     result.accuracy if result is not None and result.primary else None, row.get("wall_s") or 0.0,
-                     attempt=int(row.get("attempts") or 1), goodput=row.get("goodput") or 1.0)
-
-
-def finished_result(lake: Lake, run_id: str) -> RunResult:
-    """The recorded result of run `run_id`, which succeeded (e.g. under a supervisor, in other processes)."""
-    row = recovery.run_row(lake, run_id)
-    if row is None or row["status"] != "succeeded":
-        raise ValueError(f"run {run_id}: no succeeded run recorded (status: {row and row['status']})")
-    return _finished(lake, row)
 
 
 def run_rl(spec: ExperimentSpec, paths: FactoryPaths, init_checkpoint: str | Path, splits: Splits,
@@ -144,19 +108,20 @@ def run_rl(spec: ExperimentSpec, paths: FactoryPaths, init_checkpoint: str | Pat
 
     With the `run_id` of a run that did not finish, continues it (see the module docstring). A sweep
     member passes its `sweep_id` and the sweep's MLflow parent run (nested under it, in the parent's
-    experiment `mlflow_experiment`). `on_eval(step, accuracy)` is called after each periodic held-out eval;
+    experiment `mlflow_experiment`). `on_eval(step, accuracy, n)` is called after each periodic held-out eval;
     a reason returned stops the run at a resume point as pruned (a tpe sweep's trial, factory/sweep_search.py):
     `RunInterrupted` is raised and the interruption's cause is `pruned`."""
     set_threads(spec, log)
     run_id = run_id or new_run_id(spec)
     run_dir = paths.checkpoints / run_id
-    with AttemptLock(run_dir):
+    # The long phases (evals, checkpoint writes, loading the model) beat from inside their work (infra/liveness.py).
+    with AttemptLock(run_dir), liveness.beating(lambda: beat(run_dir)):
         # What an earlier attempt spooled during a lake outage goes in first: the run's row and steps it recorded.
         Spool(run_dir / SPOOL).flush(lake)
         prev = recovery.run_row(lake, run_id)
         if prev is not None and prev["status"] == "succeeded":
             log(f"run {run_id} already succeeded; nothing to do")
-            return _finished(lake, prev)
+            return recorded_result(lake, prev)
         if prev is not None and prev["spec_fingerprint"] != spec.fingerprint():
             raise ValueError(f"run {run_id} was started with spec {prev['spec_fingerprint']}, not this one "
                              f"({spec.fingerprint()}): resume it with its own spec (factory resume {run_id})")
@@ -318,6 +283,10 @@ class Run:
         if self.held and lake.read("evals", And(And(EqualTo("run_id", run_id), EqualTo("step", 0)), EqualTo(
                 "benchmark", SOURCE_BENCHMARK + next(iter(self.held))))).num_rows == 0:
             self._evaluate_sources(0, None)
+            start = headline(lake, run_id).outcome
+            if start.primary is not None and start.primary.benchmark != HELD_OUT:  # a source's: say its baseline
+                self.log(f"run {run_id}: start {start.primary.benchmark} accuracy {start.primary.text()} "
+                         f"(the run's headline: its own task's held-out set)")
         self.feed = make_feed(spec, self.splits.train,
                               stats=_offline_stats(spec, lake, self.tracker, self.mlflow_id, self.log))
         self.tracker.set_tags(self.mlflow_id, {"factory.blend_version": blend_version(spec, self.feed.blender.sources)})
@@ -421,22 +390,25 @@ class Run:
                        self.spec.rollout.max_new_tokens)
         self.lake.upsert("evals", eval_rows(self.run_id, step, res, None))
         self.step_metrics.add(step, {"eval/accuracy": res.accuracy})  # with the step's: once a resume point has it
-        self._evaluate_sources(step, None, deferred=True)
+        by_source = self._evaluate_sources(step, None, deferred=True)
         beat(self.run_dir)
-        if self.options.on_eval is not None:
-            self._prune_if_told(step, res.accuracy)
+        if self.options.on_eval is not None:  # told the run's headline: its own task's held-out set, and its n
+            own = headline_source(list(by_source))
+            told = (res.accuracy, res.n) if own is None else (by_source[own], len(self.held[own]))
+            self._prune_if_told(step, *told)
 
-    def _prune_if_told(self, step: int, accuracy: float) -> None:
+    def _prune_if_told(self, step: int, accuracy: float, n: int) -> None:
         """Ask `on_eval` whether to go on; a reason makes the loop save a resume point after this step and stop."""
-        reason = self.options.on_eval(step, accuracy)
+        reason = self.options.on_eval(step, accuracy, n)
         if reason and not self.ckpts.stopping():
             self.log(f"run {self.run_id}: pruned ({reason}); stopping at a resume point after step {step}")
             self.ckpts.signal_name = PRUNED
             self.ckpts.stop.set()
 
-    def _evaluate_sources(self, step: int, sha256: str | None, deferred: bool = False) -> None:
-        """`deferred`: a periodic eval's MLflow points wait with the step's (`step_metrics`)."""
-        source_evals(self.spec, self.held, self.model, self.tok, self.lake, self.tracker, self.run_id,
+    def _evaluate_sources(self, step: int, sha256: str | None, deferred: bool = False) -> dict[str, float]:
+        """Source -> held-out accuracy; `deferred`: a periodic eval's MLflow points wait with the step's
+        (`step_metrics`)."""
+        return source_evals(self.spec, self.held, self.model, self.tok, self.lake, self.tracker, self.run_id,
                       self.mlflow_id, step, sha256, self.step_metrics if deferred else None)
 
     # ------------------------------------------------------------ finish, fail
@@ -466,13 +438,16 @@ class Run:
         self.lake.drain(spec.ops.lake_outage_s, sleep=lambda s: (time.sleep(s), beat(self.run_dir)))
         announce_finished(self.run_dir)  # the result is recorded: a supervisor's hang watchdog stands down
         done = recovery.run_row(lake, self.run_id)
+        h = headline(lake, self.run_id)  # the run's own task's held-out set, with its baseline (lake/results.py)
+        tell_mlflow(tracker, mlflow_id, h)
         tracker.log_metrics(mlflow_id, final_step, {"goodput": done["goodput"]})
         tracker.end_run(mlflow_id, "FINISHED")
-        self.log(f"run {self.run_id}: final held-out accuracy {accuracy_text(final_eval.accuracy, final_eval.n)} "
-                 f"({time.perf_counter() - self._t0:.0f}s"
+        self.log(f"run {self.run_id}: result {h.outcome.text()} ({time.perf_counter() - self._t0:.0f}s"
                  + (f", attempt {self.attempt}, goodput {done['goodput']:.3f}" if self.attempt > 1 else "") + ")")
-        return RunResult(self.run_id, mlflow_id, info, final_step, self.start[0], self.start[1], final_eval.accuracy,
-                         done["wall_s"], self.records, attempt=self.attempt, goodput=done["goodput"])
+        o = h.outcome
+        return RunResult(self.run_id, mlflow_id, info, final_step, o.start.value if o.start else self.start[0],
+                         h.start_pass_at_k, o.accuracy if o.primary else final_eval.accuracy, done["wall_s"],
+                         self.records, attempt=self.attempt, goodput=done["goodput"], benchmark=h.benchmark or HELD_OUT)
 
     def fail(self, e: BaseException) -> None:
         """Record why this attempt stopped: an interruption row, the run's status, the MLflow run's end."""
@@ -550,6 +525,7 @@ def attempt_main(paths: FactoryPaths, run_id: str) -> int:
     """One attempt of `run_id` in this process (the child side of `runs/restarts.py`): train until done, stopped
     or dead; returns the exit code the supervisor reads. A lake that stayed down and a full disk end it with one
     line on stderr and their own exit codes (`EXIT_DEPENDENCY_DOWN`, `EXIT_DISK_FULL`), which spend no restart."""
+    print_stacks_on_signal()  # a hang kill's log says where the attempt was
     try:
         return _attempt(paths, run_id)
     except Exception as e:

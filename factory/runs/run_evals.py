@@ -8,7 +8,7 @@ from pyiceberg.expressions import And, EqualTo
 from factory.config import ExperimentSpec
 from factory.core.evaluate import evaluate, sampled_pass_at_k
 from factory.core.rollout.embedded import EmbeddedEngine
-from factory.envs.eval_suites import HELD_OUT
+from factory.envs.eval_suites import HELD_OUT, SOURCE_BENCHMARK
 from factory.lake.writer import Lake
 from factory.problem import Splits
 from factory.runs.recovery import now as _now
@@ -30,23 +30,24 @@ def start_eval(spec: ExperimentSpec, lake: Lake, tracker: Tracker, run_id: str, 
                    k=spec.schedule.eval_pass_k, temperature=1.0, seed=spec.seed)
     lake.upsert("evals", eval_rows(run_id, 0, res, None))
     tracker.log_metrics(mlflow_id, 0, {"eval/accuracy": res.accuracy, f"eval/pass_at_{res.k}": res.pass_at_k})
-    log(f"run {run_id}: start held-out accuracy {res.accuracy:.3f}, pass@{res.k} {res.pass_at_k:.3f}")
+    log(f"run {run_id}: start {HELD_OUT} accuracy {res.accuracy:.3f}, pass@{res.k} {res.pass_at_k:.3f}")
     return res.accuracy, res.pass_at_k
 
 
-SOURCE_BENCHMARK = "source:"  # evals.benchmark of a blend source's held-out set: "source:<name>"
 
 
 def source_evals(spec: ExperimentSpec, held: dict, model, tok, lake: Lake, tracker: Tracker, run_id: str,
-                 mlflow_id: str, step: int, sha256: str | None, deferred: StepMetrics | None = None) -> None:
-    """Greedy held-out accuracy per blend source (`data.held_out` problems of each generated source); for a
-    HumanEval source also the unbiased pass@1 and pass@k from k = schedule.eval_pass_k samples a problem."""
-    rows, metrics = [], {}
+                 mlflow_id: str, step: int, sha256: str | None,
+                 deferred: StepMetrics | None = None) -> dict[str, float]:
+    """Greedy held-out accuracy per blend source (`data.held_out` problems of each generated source), returned by
+    source name; for a HumanEval source also the unbiased pass@1 and pass@k from k = schedule.eval_pass_k samples a
+    problem."""
+    rows, metrics, accuracy = [], {}, {}
     for name, problems in held.items():
         res = evaluate(EmbeddedEngine(model, tok), tok, problems, spec.rollout.max_new_tokens)
         rows.append(dict(run_id=run_id, step=step, benchmark=SOURCE_BENCHMARK + name, metric="accuracy",
                          value=res.accuracy, n=res.n, checkpoint_sha256=sha256, recorded_at=_now()))
-        metrics[f"eval/source/{name}"] = res.accuracy
+        metrics[f"eval/source/{name}"] = accuracy[name] = res.accuracy
         if all(p.op == "humaneval" for p in problems):
             k = spec.schedule.eval_pass_k
             passes = sampled_pass_at_k(EmbeddedEngine(model, tok), tok, problems, spec.rollout.max_new_tokens, n=k,
@@ -61,3 +62,4 @@ def source_evals(spec: ExperimentSpec, held: dict, model, tok, lake: Lake, track
             deferred.add(step, metrics)
         else:
             tracker.log_metrics(mlflow_id, step, metrics)
+    return accuracy

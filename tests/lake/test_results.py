@@ -52,8 +52,9 @@ def test_the_result_is_the_primary_benchmark_at_the_final_step_with_the_others_b
     assert (o.step, o.accuracy, o.n) == (60, 0.764, 500)
     assert o.others == {"carry_chains": Score("carry_chains", 0.795, 200)}
     assert o.primary.text() == "0.764 [0.725, 0.799] n=500"
-    assert o.text() == ("arithmetic_heldout 0.764 [0.725, 0.799] n=500 at step 60 "
-                        "(carry_chains 0.795 [0.734, 0.845] n=200)")
+    assert o.start == Score(HELD, 0.744, 500)  # the baseline: the same benchmark at step 0
+    assert o.text() == ("arithmetic_heldout 0.764 [0.725, 0.799] n=500 at step 60, from 0.744 [0.704, 0.780] n=500 "
+                        "at step 0 (carry_chains 0.795 [0.734, 0.845] n=200)")
 
 
 def test_a_run_still_training_has_its_latest_primary_eval_and_only_what_was_evaluated_with_it():
@@ -65,6 +66,9 @@ def test_a_run_still_training_has_its_latest_primary_eval_and_only_what_was_eval
 
 def test_the_primary_benchmark():
     assert primary_benchmark([HELD, "carry_chains", f"{HELD}/x"]) == HELD
+    # a run on one blend source: that source's held-out set (its own task); on several, the task's split
+    assert primary_benchmark([HELD, "source:chain_sum", "carry_chains"]) == "source:chain_sum"
+    assert primary_benchmark([HELD, "source:add2", "source:add3"]) == HELD
     assert primary_benchmark(["arith", "arith/1"]) == "arith"  # the only whole benchmark a run recorded
     assert primary_benchmark(["a", "b"]) is None  # several, none the held-out split: no guess
 
@@ -96,4 +100,5 @@ def test_runs_best_summary_and_report_agree_on_the_result(quickstart, capsys):
     assert (member.accuracy, member.n, member.accuracy_text()) == (0.764, 500, "0.764 [0.725, 0.799] n=500")
     assert member.others == row["other_benchmarks"]
     assert (summary["grpo_accuracy"], summary["n"], summary["final_step"]) == (0.764, 500, 60)
-    assert summary["others"] == {"carry_chains": {"accuracy": 0.795, "n": 200}}
+    assert summary["others"] == {"carry_chains": {"accuracy": 0.795, "n": 200, "start_accuracy": None,
+                                                  "start_n": None}}  # not evaluated at step 0

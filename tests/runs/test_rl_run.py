@@ -83,6 +83,8 @@ def test_a_hung_attempt_is_killed_and_resumed(tmp_path):
                   env={"FACTORY_FAULT_HANG": "publish:4", "FACTORY_FAULT_ATTEMPT": "1"})
     assert res.returncode == 0, res.stderr + res.stdout
     assert "hung for" in res.stdout
+    # before the kill the hung attempt printed where it was: every thread's stack, the main one in the fault point
+    assert "most recent call first" in res.stderr and "in fault_point" in res.stderr, res.stderr
     (cut,) = rows(tmp_path, "interruptions")
     assert cut["cause"] == "hang" and "ops.hang_timeout_s = 3" in cut["detail"]
     assert 3 <= cut["detect_s"] < 60  # noticed after the timeout, long before PyTorch's 10-minute watchdog

@@ -21,6 +21,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from factory.core.rollout.base import Completion, SamplingParams
 from factory.infra.device import autocast, model_device
+from factory.infra.liveness import pulse
 from factory.models.compat import cache_kwargs, returned_cache
 
 
@@ -99,6 +100,7 @@ class EmbeddedEngine:
                 out = self.model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos,
                                  use_cache=True, **cache_kwargs(self.model, cache))
             cache = returned_cache(self.model, out)
+            pulse()  # a long eval or rollout is alive while it decodes (infra/liveness.py)
             tok, lp = _sample(out.logits[:, -1, :], params, gen)
             tok = torch.where(done, torch.full_like(tok, self.pad_id), tok)
             tokens[:, t] = tok

@@ -61,6 +61,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 from factory.core.batch import TrainBatch
 from factory.core.trainer.torch_trainer import LossFn, batch_to, over_minibatches, token_logprobs
 from factory.infra.device import host_copy, model_device
+from factory.infra.liveness import pulse_from_layers
 from factory.models.checkpoint import save_checkpoint
 
 Strategy = Literal["fsdp", "ddp"]
@@ -146,6 +147,7 @@ class DistributedTrainer:
         self.strategy = strategy if self.world_size > 1 else "single"
         model.to(self.device)
         self.model = model  # the HF model (sharded in place under fsdp)
+        pulse_from_layers(model)  # a long forward and backward beats block by block (infra/liveness.py)
         bf16 = precision == "bf16"
         self._autocast = bf16 and self.strategy != "fsdp"
         self._net: torch.nn.Module = model  # what the training forward goes through

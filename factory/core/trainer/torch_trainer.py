@@ -27,6 +27,7 @@ from transformers import PreTrainedModel
 from factory.core.batch import TrainBatch
 from factory.core.trainer.logprobs import token_logprobs as chunked_token_logprobs
 from factory.infra.device import autocast, model_device
+from factory.infra.liveness import pulse_from_layers
 
 LossFn = Callable[[Tensor, TrainBatch], tuple[Tensor, dict[str, float]]]
 
@@ -79,6 +80,7 @@ class TorchTrainer:
         if precision not in ("fp32", "bf16"):
             raise ValueError(f"trainer.precision: expected 'fp32' or 'bf16', got {precision!r}")
         self.model = model
+        pulse_from_layers(model)  # a long forward and backward beats block by block (infra/liveness.py)
         self.precision = precision
         self.temperature = temperature
         self.grad_clip = grad_clip
