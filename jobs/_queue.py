@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from dagster import DagsterInstance, DagsterRunStatus, MultiPartitionKey, RunsFilter
+from dagster import DagsterInstance, DagsterRunStatus, RunsFilter
 
 from assets import _pending as pending
 from factory.ops.instance import (
@@ -63,7 +63,7 @@ def free_summary_slots(instance: DagsterInstance) -> int:
 
 @dataclass(frozen=True)
 class OwedEval:
-    partition: MultiPartitionKey  # checkpoint x benchmark
+    partition: str  # <benchmark>|<run_id>@<step>: a partition of checkpoint_eval
     checkpoint: str  # <run_id>@<step>
     recorded_at: datetime
     attempted: bool  # a run was launched for it before (it failed or was canceled); retried by the schedule
@@ -79,8 +79,8 @@ def owed_evals(instance: DagsterInstance, lake, job_name: str, run_ids: set[str]
     runs = instance.get_runs(RunsFilter(job_name=job_name))
     running = {r.tags.get(PARTITION_TAG) for r in runs if r.status in IN_FLIGHT}
     attempted = {r.tags.get(PARTITION_TAG) for r in runs}
-    return [OwedEval(o.partition, o.checkpoint, o.recorded_at, str(o.partition) in attempted,
-                     str(o.partition) in running) for o in owed]
+    return [OwedEval(o.partition, o.checkpoint, o.recorded_at, o.partition in attempted, o.partition in running)
+            for o in owed]
 
 
 __all__ = ["EVAL_TAGS", "IN_FLIGHT", "SUMMARY_TAGS", "OwedEval", "eval_limit", "free_eval_slots", "free_summary_slots",
