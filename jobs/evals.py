@@ -28,6 +28,7 @@ from dagster import (
 from assets import _pending as pending
 from assets.evals import EVAL_EXECUTOR, checkpoint_eval, checkpoint_evals
 from jobs._queue import EVAL_TAGS, OwedEval, eval_limit, free_eval_slots, in_flight, owed_evals
+from jobs._ticks import described
 from resources import LakeResource
 
 checkpoint_eval_job = define_asset_job("checkpoint_eval_job", selection=[checkpoint_eval], tags=EVAL_TAGS,
@@ -42,7 +43,8 @@ def _request(e: OwedEval, run_key: str | None) -> RunRequest:
 
 
 @sensor(job=checkpoint_eval_job, minimum_interval_seconds=15, default_status=DefaultSensorStatus.RUNNING,
-        description="Evaluates each checkpoint on every benchmark once it is recorded, within the eval limit.")
+        description=described("Evaluates each checkpoint on the benchmarks of its task once it is recorded, within "
+                              "the eval limit."))
 def new_checkpoint_evals(context: SensorEvaluationContext, lake: LakeResource) -> SensorResult:
     lk = lake.lake()
     instance = context.instance
@@ -77,7 +79,7 @@ def _why_none(instance: DagsterInstance, owed: list[OwedEval], fresh: list[OwedE
 
 
 @schedule(job=checkpoint_eval_job, cron_schedule=EVAL_CRON, default_status=DefaultScheduleStatus.RUNNING,
-          description="Retries evals whose run failed (cron: $FACTORY_EVAL_CRON), within the eval limit.")
+          description=described("Retries evals whose run failed (cron: $FACTORY_EVAL_CRON), within the eval limit."))
 def eval_schedule(context: ScheduleEvaluationContext, lake: LakeResource) -> list[RunRequest] | SkipReason:
     lk = lake.lake()
     owed = owed_evals(context.instance, lk, checkpoint_eval_job.name)

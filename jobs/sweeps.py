@@ -66,6 +66,7 @@ from factory.sweep import (
 from factory.sweep_search import TRIAL_TAG
 from jobs._queue import IN_FLIGHT, SUMMARY_TAGS, free_summary_slots, in_flight, summary_limit
 from jobs._search import ask_trials
+from jobs._ticks import described
 from jobs._summary import PENDING_TAG, VERSION_TAG, summary_states, sweep_ids
 from jobs.evals import checkpoint_eval_job
 from resources import FactoryHomeResource, LakeResource, MlflowResource
@@ -254,7 +255,8 @@ def _warm_state(context: SensorEvaluationContext, names: set[str]) -> dict[str, 
 
 @sensor(jobs=[sweep_warm_start_job, sweep_member_job], minimum_interval_seconds=1,
         default_status=DefaultSensorStatus.RUNNING,
-        description="Starts each sweep's shared warm starts, then its members, at most max_concurrent runs at once.")
+        description=described("Starts each sweep's shared warm starts, then its members, at most max_concurrent runs "
+                              "at once."))
 def sweep_launcher(context: SensorEvaluationContext, home: FactoryHomeResource, lake: LakeResource) -> SensorResult:
     finished = set(json.loads(context.cursor)) if context.cursor else set()
     requests, waiting = [], []
@@ -324,8 +326,9 @@ def _trial_tag(member: dict[str, Any]) -> dict[str, str]:
 
 
 @sensor(job=sweep_summary_job, minimum_interval_seconds=10, default_status=DefaultSensorStatus.RUNNING,
-        description="Summarizes a sweep once every member has ended, naming the evals still pending, and again "
-                    "each time more of them land, until none is pending (one summary at a time, whatever evals run).")
+        description=described("Summarizes a sweep once every member has ended, naming the evals still pending, and "
+                              "again each time more of them land, until none is pending (one summary at a time, "
+                              "whatever evals run)."))
 def sweep_summarizer(context: SensorEvaluationContext, home: FactoryHomeResource,
                      lake: LakeResource) -> SensorResult:
     finished = set(json.loads(context.cursor)) if context.cursor else set()
