@@ -32,9 +32,9 @@ from assets._retries import (
 )
 from assets.preflight import require_healthy_node
 from factory.deploy.target import op_tags
+from factory.intervals import share_text
 from factory.sweep import (
     MEMBER_TAG,
-    format_value,
     member_label,
     member_short,
     read_member,
@@ -162,7 +162,7 @@ def sweep_summary(context: AssetExecutionContext, lake: LakeResource, mlflow: Ml
     if any(m.accuracy is not None for m in members):  # else nothing to draw against the axes
         for axis in axes:
             others = [a for a in axes if a != axis and a != "seed"] or None
-            pictures[f"accuracy_vs_{axis}"] = functools.partial(
+            pictures[f"accuracy_vs_{_axis_name(axis, axes)}"] = functools.partial(
                 sweep_summary_png, scored, axis, group_by=others, title=f"{sweep_id}: accuracy vs {axis}")
     head, shots = {}, {}
     for name, render in pictures.items():
@@ -192,10 +192,20 @@ def sweep_summary(context: AssetExecutionContext, lake: LakeResource, mlflow: Ml
         "members": len(members), "succeeded": sum(m.status == "succeeded" for m in members),
         "failed": sum(m.status == "failed" for m in members),
         "pruned": sum(m.status == "pruned" for m in members),
-        **({"mlflow_parent_run_id": MetadataValue.url(tracker.run_url(parent)),
-            "mlflow_members_charts": MetadataValue.url(tracker.sweep_url(parent, sweep_id))} if parent else {}),
+        # links with short text: a long URL does not wrap, and widened the value column past the page
+        **({"mlflow_parent_run_id": MetadataValue.md(f"[{parent}]({tracker.run_url(parent)})"),
+            "mlflow_members_charts": MetadataValue.md(f"[the members side by side]({tracker.sweep_url(parent, sweep_id)})")}
+           if parent else {}),
         "pictures": embedded(shots),
     })
+
+
+def _axis_name(axis: str, axes: list[str]) -> str:
+    """An axis as a metadata key names it: its last path segment (`lr`), unless another axis ends the same. A long key
+    widens the key column, and the pictures in the value column were cut on the right (`accuracy_vs_algorithm.
+    group_size`)."""
+    last = axis.rpartition(".")[2]
+    return last if [a.rpartition(".")[2] for a in axes].count(last) == 1 else axis
 
 
 def _member_runs(lake: LakeResource, sweep_id: str) -> set[str]:
@@ -224,17 +234,21 @@ def _fmt(v: float | None, digits: int = 3) -> float | None:
 
 
 def _members_table(members, axes: list[str], runs: dict[str, str]) -> MetadataValue:
-
-    cols = ["member", "label", *axes, "status", "accuracy", "ci95_n", "pass_at_k", "reward", "wall_s", "steps",
-            "dagster_run"]
+    """One row per member, narrow enough for the value column at 1600 px (status, accuracy and the intervals were
+    off to the right): a member by its short key and label (axis values once, wrapping between them), how far it
+    got, and each figure as text with its interval and n, which wraps. Its Dagster run is in `links`."""
+    ks = {m.k for m in members if m.pass_at_k is not None}
+    passes = f"pass@{ks.pop()}" if len(ks) == 1 else "pass@k"
+    cols = ["member", "status", "accuracy", passes, "reward", "wall_s"]
     records = [TableRecord({
-        "member": member_short(m.member), "label": m.label, **{a: format_value(m.axes.get(a)) for a in axes},
-        "status": m.status,
-        "accuracy": _fmt(m.accuracy), "ci95_n": m.accuracy_text().partition(" ")[2],
-        "pass_at_k": _fmt(m.pass_at_k), "reward": _fmt(m.reward),
-        "wall_s": _fmt(m.wall_s, 1), "steps": m.steps, "dagster_run": runs.get(m.member, "")[:8]})
+        "member": f"{member_short(m.member)} {m.label.replace(',', ', ')}",
+        "status": f"{m.status}, {m.steps} steps",
+        "accuracy": m.accuracy_text() if m.accuracy is not None else "",  # `0.764 [0.725, 0.799] n=500`
+        passes: ("" if m.pass_at_k is None else  # the k in the cell when members measured different ones
+                 ("" if passes != "pass@k" else f"@{m.k} ") + share_text(m.pass_at_k, m.n)),
+        "reward": _fmt(m.reward), "wall_s": _fmt(m.wall_s, 0)})
         for m in members]
-    types = {"accuracy": "float", "pass_at_k": "float", "reward": "float", "wall_s": "float", "steps": "int"}
+    types = {"reward": "float", "wall_s": "float"}
     return MetadataValue.table(records, schema=TableSchema([TableColumn(c, types.get(c, "string")) for c in cols]))
 
 
@@ -248,10 +262,12 @@ def _points_md(points) -> str:
 
 
 def _links_md(members, runs: dict[str, str], tracker) -> str:
-    lines = ["| member | axes | Dagster run | MLflow run | checkpoint |", "|---|---|---|---|---|"]
+    # members by their short key alone (`members_table` has their labels): a label does not wrap, and widened the
+    # value column past the page
+    lines = ["| member | Dagster run | MLflow run | checkpoint |", "|---|---|---|---|"]
     for m in members:
         dagster = f"[{runs[m.member][:8]}](/runs/{runs[m.member]})" if m.member in runs else ""
         mlflow = f"[{m.mlflow_run_id[:8]}]({tracker.run_url(m.mlflow_run_id)})" if m.mlflow_run_id else ""
-        lines.append(f"| {member_short(m.member)} | {m.label} | {dagster} | {mlflow} | "
+        lines.append(f"| {member_short(m.member)} | {dagster} | {mlflow} | "
                      f"{'`' + m.checkpoint + '`' if m.checkpoint else ''} |")
     return "\n".join(lines)
