@@ -98,7 +98,8 @@ def observation(live: LiveSweep, runs: dict[str, DagsterRun], tracker: Tracker |
         status, detail = member_status(m, runs.get(m.member))
         counts[status] = counts.get(status, 0) + 1
         records.append(TableRecord({
-            "member": m.short, "label": m.label, "status": status, "step": m.step,
+            # the label wraps between its axes: unbroken, a long one pushed `detail` past the page
+            "member": m.short, "label": m.label.replace(",", ", "), "status": status, "step": m.step,
             "accuracy": m.outcome.primary.text() if m.outcome else "", "detail": detail}))
     md: dict[str, Any] = {}
     png = live.picture(DPI)

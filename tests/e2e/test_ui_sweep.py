@@ -196,7 +196,7 @@ def test_a_sweep_from_the_launchpad_after_make_demo(after_demo):
             sweep_id = _tags(members[0])["factory/sweep_id"]
             page.goto(f"{url}/assets/sweep_summary?partition={sweep_id}", timeout=60_000)
             widths = _images_loaded(page, mlflow_url, 3)  # overlays per benchmark + accuracy vs lr
-            assert all(w == 480 for w in widths), widths  # the inline size (plots.INLINE_DPI): within the column
+            assert all(w == 448 for w in widths), widths  # the inline size (plots.INLINE_DPI): within the column
             page.screenshot(path=str(ARTIFACTS / "sweep_summary.png"), full_page=True)
             page.goto(f"{url}/assets/sweep_member_run", timeout=60_000)
             assert _images_loaded(page, mlflow_url, 3)  # curves, held-out accuracy by step, the metric panel
