@@ -33,6 +33,7 @@ from assets._retries import (
 from assets.preflight import require_healthy_node
 from factory.deploy.target import op_tags
 from factory.intervals import share_text
+from factory.progress import format_duration
 from factory.sweep import (
     MEMBER_TAG,
     member_label,
@@ -234,21 +235,22 @@ def _fmt(v: float | None, digits: int = 3) -> float | None:
 
 
 def _members_table(members, axes: list[str], runs: dict[str, str]) -> MetadataValue:
-    """One row per member, narrow enough for the value column at 1600 px (status, accuracy and the intervals were
-    off to the right): a member by its short key and label (axis values once, wrapping between them), how far it
-    got, and each figure as text with its interval and n, which wraps. Its Dagster run is in `links`."""
+    """One row per member, narrow enough for the value column at 1600 px, a browser's scrollbars included (status,
+    accuracy and the intervals were off to the right): a member by its short key and label (axis values once,
+    wrapping between them), how far it got and in what wall time, and each figure as text with its interval and n,
+    which wraps. Its Dagster run is in `links`."""
     ks = {m.k for m in members if m.pass_at_k is not None}
     passes = f"pass@{ks.pop()}" if len(ks) == 1 else "pass@k"
-    cols = ["member", "status", "accuracy", passes, "reward", "wall_s"]
+    cols = ["member", "status", "accuracy", passes, "reward"]
     records = [TableRecord({
         "member": f"{member_short(m.member)} {m.label.replace(',', ', ')}",
-        "status": f"{m.status}, {m.steps} steps",
+        "status": f"{m.status}, {m.steps} steps" + (f", {format_duration(m.wall_s)}" if m.wall_s else ""),
         "accuracy": m.accuracy_text() if m.accuracy is not None else "",  # `0.764 [0.725, 0.799] n=500`
         passes: ("" if m.pass_at_k is None else  # the k in the cell when members measured different ones
                  ("" if passes != "pass@k" else f"@{m.k} ") + share_text(m.pass_at_k, m.n)),
-        "reward": _fmt(m.reward), "wall_s": _fmt(m.wall_s, 0)})
+        "reward": _fmt(m.reward)})
         for m in members]
-    types = {"reward": "float", "wall_s": "float"}
+    types = {"reward": "float"}
     return MetadataValue.table(records, schema=TableSchema([TableColumn(c, types.get(c, "string")) for c in cols]))
 
 

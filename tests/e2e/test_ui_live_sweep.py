@@ -109,7 +109,9 @@ def test_a_running_sweeps_page_shows_its_members_curves_and_statuses_within_the_
             wait_for("the daemon's sweep_live observation", lambda: instance.fetch_observations(
                 AssetKey("sweep_summary"), limit=1).records, limit_s=300, every_s=1.0)
             with sync_playwright() as p:
-                browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+                # with the scrollbars a desktop browser draws (Playwright hides them by default): 15 px less room
+                browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"],
+                                            ignore_default_args=["--hide-scrollbars"])
                 page = browser.new_page(viewport={"width": 1600, "height": 1600})
                 try:
                     page.goto(f"{dagster.url}/assets/sweep_summary?partition={sweep_id}", timeout=120_000)

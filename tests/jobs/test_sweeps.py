@@ -222,13 +222,13 @@ def test_one_warm_start_then_members_within_the_limit_then_evals_then_the_summar
     table = md["members_table"].value
     # the table names a member by its key's index part, its label beside it (wrapping between axes), and gives how
     # far it got and each figure with its interval and n, in few columns (the value column of a 1600 px page)
-    assert [c.name for c in table.schema.columns] == ["member", "status", "accuracy", "pass@2", "reward", "wall_s"]
+    assert [c.name for c in table.schema.columns] == ["member", "status", "accuracy", "pass@2", "reward"]
     assert [r.data["member"] for r in table.records] == [
         f"{member_short(k)} {short_label(json.loads(rows[k]['axes'])).replace(',', ', ')}"
         for k in sorted(keys, key=lambda k: -rows[k]["final_accuracy"])]
-    assert all(r.data["status"] == "succeeded, 2 steps" and r.data["accuracy"].endswith(" n=20")
+    assert all(re.fullmatch(r"succeeded, 2 steps, \d+s", r.data["status"]) and r.data["accuracy"].endswith(" n=20")
                and re.fullmatch(r"\d\.\d{3} \[\d\.\d{3}, \d\.\d{3}\] n=20", r.data["pass@2"])
-               and r.data["wall_s"] > 0 and r.data["reward"] is not None for r in table.records)
+               and r.data["reward"] is not None for r in table.records)
     links = md["links"].value
     assert all(f"\n| {member_short(k)} | " in links for k in keys)  # the member's m<index>, not a piece of its key
     assert all(f"(/runs/{run.run_id})" in links for _, run in seen)
