@@ -195,8 +195,8 @@ def sweep_summary(context: AssetExecutionContext, lake: LakeResource, mlflow: Ml
         "pruned": sum(m.status == "pruned" for m in members),
         # links with short text: a long URL does not wrap, and widened the value column past the page
         **({"mlflow_parent_run_id": MetadataValue.md(f"[{parent}]({tracker.run_url(parent)})"),
-            "mlflow_members_charts": MetadataValue.md(f"[the members side by side]({tracker.sweep_url(parent, sweep_id)})")}
-           if parent else {}),
+            "mlflow_members_charts": MetadataValue.md(
+                f"[the members side by side]({tracker.sweep_url(parent, sweep_id)})")} if parent else {}),
         "pictures": embedded(shots),
     })
 

@@ -3,10 +3,10 @@
 Both read the `checkpoints` table, register a partition of `checkpoint_eval` per checkpoint and benchmark of its
 task (`<benchmark>|<run_id>@<step>`), and request runs of those still owed, oldest checkpoint first, never more
 than the eval limit in flight (`jobs/_queue.py`: the instance's `factory/queue: eval` limit, default 1): catch-up
-work after a start or a sweep is spread over later ticks instead of starting at once. Sweep summaries have a queue of their own (`factory/queue: summary`): evals
-never wait for them, nor they for evals. The sensor launches each partition once; the schedule (cron from
-$FACTORY_EVAL_CRON, default hourly) retries those whose run failed or was canceled. Both say why when they start
-nothing.
+work after a start or a sweep is spread over later ticks instead of starting at once. Sweep summaries have a queue
+of their own (`factory/queue: summary`): evals never wait for them, nor they for evals. The sensor launches each
+partition once; the schedule (cron from $FACTORY_EVAL_CRON, default hourly) retries those whose run failed or was
+canceled. Both say why when they start nothing.
 """
 
 import os

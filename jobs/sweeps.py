@@ -66,8 +66,8 @@ from factory.sweep import (
 from factory.sweep_search import TRIAL_TAG
 from jobs._queue import IN_FLIGHT, SUMMARY_TAGS, free_summary_slots, in_flight, summary_limit
 from jobs._search import ask_trials
-from jobs._ticks import described
 from jobs._summary import PENDING_TAG, VERSION_TAG, summary_states, sweep_ids
+from jobs._ticks import described
 from jobs.evals import checkpoint_eval_job
 from resources import FactoryHomeResource, LakeResource, MlflowResource
 from resources.study import sweep_study

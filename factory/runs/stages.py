@@ -297,7 +297,8 @@ def render_report(s: dict) -> str:
     k = min((int(key.rpartition("_at_")[2]) for key in s if isinstance(key, str) and "_pass_at_" in key), default=8)
     lines = [f"### Run `{s['run_id']}` — held-out accuracy ({s['benchmark']}, 95% Wilson intervals)", "",
              f"| checkpoint | greedy accuracy | pass@{k} (T=1) |", "|---|---|---|",
-             f"| SFT warm start (step 0) | {acc(s['sft_accuracy'], s['sft_n'])} | {dec(s.get(f'sft_pass_at_{k}'), s['sft_n'])} |",
+             f"| SFT warm start (step 0) | {acc(s['sft_accuracy'], s['sft_n'])} | "
+             f"{dec(s.get(f'sft_pass_at_{k}'), s['sft_n'])} |",
              f"| GRPO (step {s['final_step']}) | {acc(s['grpo_accuracy'], s['n'])} | "
              f"{dec(s.get(f'grpo_pass_at_{k}'), s['n'])} |"]
     if s.get("control_accuracy") is not None:

@@ -37,7 +37,8 @@ def test_an_attempt_killed_past_its_resume_point_leaves_one_point_per_step(track
     assert first.pending() == [5] and _raw_steps(tracker, run_id, "batch/reward_mean") == [1, 2, 3, 4]
     second = StepMetrics(tracker, run_id, resumed_from=saved[-1])
     _train(second, range(5, 9), save_every=2, saved=saved)
-    assert _raw_steps(tracker, run_id, "batch/reward_mean") == _raw_steps(tracker, run_id, "batch/loss") == list(range(1, 9))
+    assert _raw_steps(tracker, run_id, "batch/reward_mean") == _raw_steps(tracker, run_id, "batch/loss") == [
+        *range(1, 9)]
 
 
 def test_a_kill_during_a_resume_write_does_not_log_the_redone_steps_twice(tracker):
@@ -48,7 +49,8 @@ def test_a_kill_during_a_resume_write_does_not_log_the_redone_steps_twice(tracke
     second = StepMetrics(tracker, run_id, resumed_from=4)  # the newest complete point
     _train(second, range(5, 9), save_every=2, saved=saved)
     assert second.logged == 2  # 7 and 8; 5 and 6 were already there
-    assert _raw_steps(tracker, run_id, "batch/reward_mean") == _raw_steps(tracker, run_id, "batch/loss") == list(range(1, 9))
+    assert _raw_steps(tracker, run_id, "batch/reward_mean") == _raw_steps(tracker, run_id, "batch/loss") == [
+        *range(1, 9)]
 
 
 def test_metrics_of_one_step_added_twice_are_one_batch_and_drop_forgets(tracker):
