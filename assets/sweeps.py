@@ -2,6 +2,7 @@
 member (a dynamic partition), and each sweep's summary comparing its members."""
 
 import functools
+from pathlib import Path
 
 from dagster import (
     AllPartitionMapping,
@@ -189,7 +190,7 @@ def sweep_summary(context: AssetExecutionContext, lake: LakeResource, mlflow: Ml
         **({"points_over_seeds": MetadataValue.md(_points_md(cmp.points)), "point_verdict": cmp.point_verdict}
            if cmp.points else {}),  # a `seed` axis: points ranked by their mean over seeds
         "members_table": _members_table(members, axes, runs),
-        "links": MetadataValue.md(_links_md(members, runs, tracker)),
+        "links": MetadataValue.md(_links_md(members, runs, tracker, lake.home.paths().root)),
         "members": len(members), "succeeded": sum(m.status == "succeeded" for m in members),
         "failed": sum(m.status == "failed" for m in members),
         "pruned": sum(m.status == "pruned" for m in members),
@@ -254,6 +255,12 @@ def _members_table(members, axes: list[str], runs: dict[str, str]) -> MetadataVa
     return MetadataValue.table(records, schema=TableSchema([TableColumn(c, types.get(c, "string")) for c in cols]))
 
 
+def _under(path: str, home) -> str:
+    """`path` relative to the home's root when it lies under it (an object store's URI, or elsewhere: as it is)."""
+    p = Path(path)
+    return str(p.relative_to(home)) if p.is_absolute() and p.is_relative_to(home) else path
+
+
 def _points_md(points) -> str:
     """The sweep's points ranked by their mean accuracy over seeds, each with its interval and per-seed values."""
     lines = ["| point | mean accuracy over seeds [95% CI] | per seed |", "|---|---|---|"]
@@ -263,13 +270,14 @@ def _points_md(points) -> str:
     return "\n".join(lines)
 
 
-def _links_md(members, runs: dict[str, str], tracker) -> str:
-    # members by their short key alone (`members_table` has their labels): a label does not wrap, and widened the
-    # value column past the page
-    lines = ["| member | Dagster run | MLflow run | checkpoint |", "|---|---|---|---|"]
+def _links_md(members, runs: dict[str, str], tracker, home) -> str:
+    # Members by their short key alone (`members_table` has their labels), checkpoints by their path under
+    # FACTORY_HOME (`checkpoints/<run_id>/final`; the member's page has the whole path): a label or a home's path
+    # does not wrap, and widened the value column past the page.
+    lines = ["| member | Dagster run | MLflow run | checkpoint (under FACTORY_HOME) |", "|---|---|---|---|"]
     for m in members:
         dagster = f"[{runs[m.member][:8]}](/runs/{runs[m.member]})" if m.member in runs else ""
         mlflow = f"[{m.mlflow_run_id[:8]}]({tracker.run_url(m.mlflow_run_id)})" if m.mlflow_run_id else ""
         lines.append(f"| {member_short(m.member)} | {dagster} | {mlflow} | "
-                     f"{'`' + m.checkpoint + '`' if m.checkpoint else ''} |")
+                     f"{'`' + _under(m.checkpoint, home) + '`' if m.checkpoint else ''} |")
     return "\n".join(lines)

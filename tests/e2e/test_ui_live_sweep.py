@@ -73,6 +73,10 @@ def _partly_trained_sweep(instance, paths) -> str:
                                        value=value, n=500, recorded_at=t0)])
 
         member(0, status="succeeded", run_id="r0", final_accuracy=0.62)
+        # its `runs` row: the summary links its checkpoint, a path under this test's long tmp directory
+        lake.upsert("runs", [dict(run_id="r0", name="live", spec="{}", spec_fingerprint="f", code_version="c",
+                                  status="succeeded", seed=0, started_at=t0, ended_at=t0 + timedelta(minutes=4),
+                                  final_checkpoint=str(paths.checkpoints / "r0" / "final"))])
         steps("r0", range(1, 41), base=0.2)
         for s, v in ((10, 0.41), (20, 0.5), (30, 0.58), (40, 0.62)):
             held_out("r0", s, v)
@@ -160,7 +164,7 @@ def _at_1600x1000(page, instance, url: str, mlflow_url: str, sweep_id: str) -> l
     # The summary, materialized: its members table and overlay pictures within the value column, nothing sideways.
     assert materialize([sweep_summary], partition_key=sweep_id, instance=instance, resources=defs.resources).success
     page.goto(f"{url}/assets/sweep_summary?partition={sweep_id}", timeout=120_000)
-    page.get_by_text("pending_evals", exact=True).wait_for(timeout=120_000)  # the materialization's metadata
+    page.get_by_role("cell", name="pending_evals", exact=True).wait_for(timeout=120_000)  # the summary's metadata
     page.wait_for_function("([u, n]) => Array.from(document.images).filter(i => i.src.startsWith(u) && i.complete && "
                            "i.naturalWidth > 0).length >= n", arg=[mlflow_url, 3], timeout=60_000)
     page.get_by_text("members_on_heldout", exact=True).scroll_into_view_if_needed()
@@ -173,7 +177,7 @@ def _at_1600x1000(page, instance, url: str, mlflow_url: str, sweep_id: str) -> l
     page.get_by_text("members_table", exact=True).scroll_into_view_if_needed()
     page.screenshot(path=str(ARTIFACTS / "summary_members.png"))
     # m000's accuracy with its interval and n, and how far the pruned m003 got: in the table and within view
-    for text in ("0.620 [0.577, 0.661] n=500", "pruned, 10 steps"):
+    for text in ("0.620 [0.577, 0.661] n=500", "succeeded, 40 steps, 4m00s", "pruned, 10 steps"):
         cell = page.get_by_role("cell", name=text, exact=True)
         box = cell.first.bounding_box() if cell.count() else None
         clip = cell.first.evaluate(CLIP) if box else None
@@ -200,14 +204,19 @@ def _at_1600x1000(page, instance, url: str, mlflow_url: str, sweep_id: str) -> l
 
     # A sensor's ticks: the page says where a skip reason is, and hovering a tick's tag shows it.
     page.goto(f"{url}/locations/factory/sensors/sweep_launcher", timeout=60_000)
-    tick = page.get_by_role("row").filter(has_text="View logs").first  # the newest tick of the list
-    tick.wait_for(timeout=60_000)
+    ticks = page.get_by_role("row").filter(has_text="View logs")
+    ticks.nth(2).wait_for(timeout=60_000)
     if not page.get_by_text("hover its '0 runs requested' tag", exact=False).count():
         problems.append("sensor page: its description does not say where a tick's skip reason is")
-    tick.get_by_text("0 runs requested", exact=True).first.hover()  # its status tag
-    try:
-        page.get_by_text(f"sweep {sweep_id} paused", exact=True).wait_for(timeout=10_000)
-    except Exception:  # noqa: BLE001 - reported with the others
+    reason = page.get_by_text(f"sweep {sweep_id} paused", exact=True)
+    for _ in range(3):  # the live list is redrawn every few seconds, which can take a tooltip away
+        ticks.nth(1).get_by_text("0 runs requested", exact=True).first.hover()  # a finished tick's status tag
+        try:
+            reason.wait_for(timeout=5_000)
+            break
+        except Exception:  # noqa: BLE001 - tried again, then reported with the others
+            page.mouse.move(0, 0)
+    else:
         problems.append("sensor page: hovering a skipped tick's tag shows no reason")
     page.screenshot(path=str(ARTIFACTS / "sensor_ticks.png"))
     return problems
