@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.browser import ARTIFACTS, CHROMIUM, dismiss_newsletter, require_browser
+from tests.e2e.browser import ARTIFACTS, CHROMIUM, SCROLLED, dismiss_newsletter, require_browser
 from tests.polling import wait_for
 
 ROOT = Path(__file__).parents[2]
@@ -140,15 +140,6 @@ def test_a_running_sweeps_page_shows_its_members_curves_and_statuses_within_the_
                     assert problems == [], "\n".join(problems)
                 finally:
                     browser.close()
-
-
-# The metadata table's boxes that scroll sideways: their content is wider than what they show.
-SCROLLED = """() => Array.from(document.querySelectorAll('td img, td table')).flatMap(e => {
-  const out = [];
-  for (let a = e.parentElement; a; a = a.parentElement)
-    if (getComputedStyle(a).overflowX !== 'visible' && a.scrollWidth > a.clientWidth + 1)
-      out.push(a.className.slice(0, 40) + ': ' + a.scrollWidth + ' > ' + a.clientWidth);
-  return out; })"""
 
 
 def _at_1600x1000(page, instance, url: str, mlflow_url: str, sweep_id: str) -> list[str]:
