@@ -1,6 +1,6 @@
-"""Which periodic evals (checkpoint x benchmark of `checkpoint_eval`) recorded checkpoints still owe, and which
-are done: read by the eval sensors (what to launch, jobs/_queue.py), the summarizer (when to summarize again) and
-the sweep summary (what it says is pending).
+"""Which periodic evals (partitions of `checkpoint_eval`: a recorded checkpoint on a benchmark of its task) recorded
+checkpoints still owe, and which are done: read by the eval sensors (what to launch and which partitions to add,
+jobs/_queue.py), the summarizer (when to summarize again) and the sweep summary (what it says is pending).
 
 `EvalProgress.version` names the set of evals done for a group of runs: a summary drawn from that set is that
 version of the summary, so the summarizer materializes it again exactly when the set changes.
@@ -14,17 +14,17 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from dagster import AssetKey, DagsterInstance, MultiPartitionKey
+from dagster import AssetKey, DagsterInstance
 
 from factory.envs.eval_suites import applicable_benchmarks
-from factory.runs.checkpoint_eval import checkpoint_key
+from factory.runs.checkpoint_eval import checkpoint_key, eval_key, parse_eval_key
 
 CHECKPOINT_EVAL = AssetKey("checkpoint_eval")
 
 
 @dataclass(frozen=True)
 class Owed:
-    partition: MultiPartitionKey  # checkpoint x benchmark
+    partition: str  # <benchmark>|<run_id>@<step> (runs/checkpoint_eval.py eval_key)
     checkpoint: str  # <run_id>@<step>
     recorded_at: datetime
 
@@ -50,10 +50,16 @@ class EvalProgress:
         return f"{len(self.pending)}: {shown}{more}"
 
 
-def label(partition: MultiPartitionKey) -> str:
+def label(partition: str) -> str:
     """`<run_id>@<step> x <benchmark>`: how an eval is named to people."""
-    keys = partition.keys_by_dimension
-    return f"{keys['checkpoint']} x {keys['benchmark']}"
+    checkpoint, benchmark = parse_eval_key(partition)
+    return f"{checkpoint} x {benchmark}"
+
+
+def keys(lake: Any) -> list[str]:
+    """Every partition of `checkpoint_eval` the recorded checkpoints have (each on the benchmarks of its run's
+    task), oldest checkpoint first: what the eval sensors register."""
+    return [o.partition for o in _owed_or_done(lake, None)]
 
 
 def owed(instance: DagsterInstance, lake: Any, run_ids: set[str] | None = None) -> list[Owed]:
@@ -69,23 +75,26 @@ def progress(instance: DagsterInstance, lake: Any, run_ids: set[str]) -> EvalPro
 
 
 def _split(instance: DagsterInstance, lake: Any, run_ids: set[str] | None) -> tuple[list[str], list[Owed]]:
+    evals = _owed_or_done(lake, run_ids)
+    if not evals:
+        return [], []
+    materialized = {str(k) for k in instance.get_materialized_partitions(CHECKPOINT_EVAL)}
+    done = [label(o.partition) for o in evals if o.partition in materialized]
+    return done, [o for o in evals if o.partition not in materialized]
+
+
+def _owed_or_done(lake: Any, run_ids: set[str] | None) -> list[Owed]:
+    """Every eval the recorded checkpoints (of `run_ids`, when given) have, oldest checkpoint first."""
     rows = lake.read("checkpoints").select(["run_id", "step", "recorded_at"]).to_pylist()
     if run_ids is not None:
         rows = [r for r in rows if r["run_id"] in run_ids]
     if not rows:
-        return [], []
+        return []
     tasks = _task_names(lake)
-    materialized = {str(k) for k in instance.get_materialized_partitions(CHECKPOINT_EVAL)}
-    done, pending = [], []
-    for r in sorted(rows, key=lambda r: (r["recorded_at"], r["run_id"], r["step"])):
-        key = checkpoint_key(r["run_id"], r["step"])
-        for bench in applicable_benchmarks(tasks.get(r["run_id"], "arithmetic")):
-            pk = MultiPartitionKey({"checkpoint": key, "benchmark": bench})
-            if str(pk) in materialized:
-                done.append(label(pk))
-            else:
-                pending.append(Owed(pk, key, r["recorded_at"]))
-    return done, pending
+    return [Owed(eval_key(ckpt, bench), ckpt, r["recorded_at"])
+            for r in sorted(rows, key=lambda r: (r["recorded_at"], r["run_id"], r["step"]))
+            for ckpt in [checkpoint_key(r["run_id"], r["step"])]
+            for bench in applicable_benchmarks(tasks.get(r["run_id"], "arithmetic"))]
 
 
 def _task_names(lake: Any) -> dict[str, str]:
@@ -94,4 +103,4 @@ def _task_names(lake: Any) -> dict[str, str]:
     return {r["run_id"]: json.loads(r["spec"]).get("task", {}).get("name", "arithmetic") for r in rows}
 
 
-__all__ = ["EvalProgress", "Owed", "label", "owed", "progress"]
+__all__ = ["EvalProgress", "Owed", "keys", "label", "owed", "progress"]

@@ -1,5 +1,5 @@
 """Eval assets: the held-out report of a GRPO run against its SFT start and the more-SFT control, and
-periodic evals of every recorded checkpoint on every benchmark (partitioned checkpoint x benchmark)."""
+periodic evals of every recorded checkpoint on each benchmark of its task (a partition per checkpoint's benchmark)."""
 
 import os
 import warnings
@@ -17,9 +17,7 @@ from dagster import (
     Failure,
     MaterializeResult,
     MetadataValue,
-    MultiPartitionsDefinition,
     PreviewWarning,
-    StaticPartitionsDefinition,
     asset,
     in_process_executor,
 )
@@ -29,8 +27,7 @@ from assets._metadata import embedded, inline_picture
 from assets.sweeps import sweep_member_run
 from assets.training import grpo_run
 from factory.deploy.target import op_tags, profile_name
-from factory.envs.eval_suites import BENCHMARKS
-from factory.runs.checkpoint_eval import evaluate_and_draw, parse_checkpoint_key, regression_check
+from factory.runs.checkpoint_eval import evaluate_and_draw, parse_checkpoint_key, parse_eval_key, regression_check
 from resources import FactoryHomeResource, LakeResource, MlflowResource
 
 
@@ -56,9 +53,12 @@ def eval_report(context: AssetExecutionContext, run: dict, lake: LakeResource) -
 
 # ---------------------------------------------------------------- periodic evals of checkpoints
 
-checkpoints = DynamicPartitionsDefinition(name="checkpoints")
-benchmarks = StaticPartitionsDefinition(list(BENCHMARKS))
-checkpoint_x_benchmark = MultiPartitionsDefinition({"checkpoint": checkpoints, "benchmark": benchmarks})
+# One partition per eval a recorded checkpoint is owed: `<benchmark>|<run_id>@<step>` (runs/checkpoint_eval.py
+# eval_key), added by the eval sensors with only the benchmarks of the checkpoint's task (envs/eval_suites.py
+# applicable_benchmarks). The cross product of every checkpoint and every benchmark it replaced showed partitions
+# that could never materialize ("Missing (4)": humaneval of arithmetic checkpoints). A humaneval eval is asked for
+# by adding its key (`humaneval|<run_id>@<step>`) in the launch dialog.
+checkpoint_evals = DynamicPartitionsDefinition(name="checkpoint_evals")
 
 
 def _eval_executor():
@@ -91,27 +91,27 @@ class CheckpointEvalConfig(Config):
 # behavior is tested (tests/jobs/test_evals.py), so the warning is silenced here rather than printed on every load.
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", PreviewWarning)
-    NO_REGRESSION = AssetCheckSpec("no_regression", asset="checkpoint_eval", partitions_def=checkpoint_x_benchmark,
+    NO_REGRESSION = AssetCheckSpec("no_regression", asset="checkpoint_eval", partitions_def=checkpoint_evals,
                                    description="accuracy did not drop beyond the tolerance since the same run's "
                                                "previous evaluated checkpoint on the same benchmark")
 
 
-@asset(group_name="evals", code_version="2", partitions_def=checkpoint_x_benchmark, kinds={"pytorch", "iceberg"},
+@asset(group_name="evals", code_version="2", partitions_def=checkpoint_evals, kinds={"pytorch", "iceberg"},
        deps=[grpo_run, AssetDep(sweep_member_run, partition_mapping=AllPartitionMapping())],
        check_specs=[NO_REGRESSION], op_tags=op_tags("checkpoint_eval"))
 def checkpoint_eval(context: AssetExecutionContext, config: CheckpointEvalConfig, home: FactoryHomeResource,
                     lake: LakeResource, mlflow: MlflowResource):
     """One checkpoint recorded by a training run (`grpo_run`, a sweep member) scored on one benchmark (held-out
     split or a shipped suite); rows land in `evals`, and the run's held-out accuracy by step is redrawn."""
-    key = context.partition_key.keys_by_dimension
     try:
-        run_id, step = parse_checkpoint_key(key["checkpoint"])
+        checkpoint, benchmark = parse_eval_key(context.partition_key)
+        run_id, step = parse_checkpoint_key(checkpoint)
     except ValueError as e:
         raise Failure(str(e)) from None
     try:
-        drawn = _evaluate(context, config, home.paths(), lake, mlflow, run_id, step, key["benchmark"])
+        drawn = _evaluate(context, config, home.paths(), lake, mlflow, run_id, step, benchmark)
     except (LookupError, ValueError) as e:
-        raise Failure(f"checkpoint {key['checkpoint']} on {key['benchmark']}: {e}") from None
+        raise Failure(f"checkpoint {checkpoint} on {benchmark}: {e}") from None
     res, picture = drawn.result, drawn.picture
     how = "reused the training run's own result for this checkpoint" if res.reused else "evaluated"
     context.log.info(f"{run_id} step {step} on {res.benchmark}: accuracy {res.accuracy:.3f} (n={res.n}; {how})")

@@ -2,6 +2,7 @@
 member (a dynamic partition), and each sweep's summary comparing its members."""
 
 import functools
+from pathlib import Path
 
 from dagster import (
     AllPartitionMapping,
@@ -32,10 +33,11 @@ from assets._retries import (
 )
 from assets.preflight import require_healthy_node
 from factory.deploy.target import op_tags
+from factory.intervals import share_text
+from factory.progress import format_duration
 from factory.sweep import (
     MEMBER_TAG,
     STATUS_TAG,
-    format_value,
     member_label,
     member_short,
     read_member,
@@ -166,7 +168,7 @@ def sweep_summary(context: AssetExecutionContext, lake: LakeResource, mlflow: Ml
     if scored:  # else nothing to draw against the axes
         for axis in axes:
             others = [a for a in axes if a != axis and a != "seed"] or None
-            pictures[f"accuracy_vs_{axis}"] = functools.partial(
+            pictures[f"accuracy_vs_{_axis_name(axis, axes)}"] = functools.partial(
                 sweep_summary_png, scored, axis, group_by=others, title=f"{sweep_id}: accuracy vs {axis}")
     head, shots = {}, {}
     for name, render in pictures.items():
@@ -197,12 +199,22 @@ def sweep_summary(context: AssetExecutionContext, lake: LakeResource, mlflow: Ml
         **({"points_over_seeds": MetadataValue.md(_points_md(cmp.points)), "point_verdict": cmp.point_verdict}
            if cmp.points else {}),  # a `seed` axis: points ranked by their mean over seeds
         "members_table": _members_table(members, axes, runs),
-        "links": MetadataValue.md(_links_md(members, runs, tracker)),
+        "links": MetadataValue.md(_links_md(members, runs, tracker, lake.home.paths().root)),
         "members": len(members), **counts,
-        **({"mlflow_parent_run_id": MetadataValue.url(tracker.run_url(parent)),
-            "mlflow_members_charts": MetadataValue.url(tracker.sweep_url(parent, sweep_id))} if parent else {}),
+        # links with short text: a long URL does not wrap, and widened the value column past the page
+        **({"mlflow_parent_run_id": MetadataValue.md(f"[{parent}]({tracker.run_url(parent)})"),
+            "mlflow_members_charts": MetadataValue.md(
+                f"[the members side by side]({tracker.sweep_url(parent, sweep_id)})")} if parent else {}),
         "pictures": embedded(shots),
     })
+
+
+def _axis_name(axis: str, axes: list[str]) -> str:
+    """An axis as a metadata key names it: its last path segment (`lr`), unless another axis ends the same. A long key
+    widens the key column, and the pictures in the value column were cut on the right (`accuracy_vs_algorithm.
+    group_size`)."""
+    last = axis.rpartition(".")[2]
+    return last if [a.rpartition(".")[2] for a in axes].count(last) == 1 else axis
 
 
 def _member_runs(lake: LakeResource, sweep_id: str) -> set[str]:
@@ -231,20 +243,29 @@ def _fmt(v: float | None, digits: int = 3) -> float | None:
 
 
 def _members_table(members, axes: list[str], runs: dict[str, str]) -> MetadataValue:
-
-    cols = ["rank", "member", "label", *axes, "status", "accuracy", "ci95_n", "pass_at_k", "reward", "wall_s",
-            "steps", "dagster_run"]
+    """One row per member (ranked ones by `rank`; `ranked_by` says how), narrow enough for the value column at
+    1600 px, a browser's scrollbars included (status, accuracy and the intervals were off to the right): a member by
+    its short key and label (axis values once, wrapping between them), how far it got and in what wall time, and
+    each figure as text with its interval and n, which wraps. Its Dagster run is in `links`."""
+    ks = {m.k for m in members if m.pass_at_k is not None}
+    passes = f"pass@{ks.pop()}" if len(ks) == 1 else "pass@k"
+    cols = ["rank", "member", "status", "accuracy", passes, "reward"]
     records = [TableRecord({
-        "rank": m.rank, "member": member_short(m.member), "label": m.label,
-        **{a: format_value(m.axes.get(a)) for a in axes},
-        "status": m.status,
-        "accuracy": _fmt(m.accuracy), "ci95_n": m.accuracy_text().partition(" ")[2],
-        "pass_at_k": _fmt(m.pass_at_k), "reward": _fmt(m.reward),
-        "wall_s": _fmt(m.wall_s, 1), "steps": m.steps, "dagster_run": runs.get(m.member, "")[:8]})
+        "rank": m.rank, "member": f"{member_short(m.member)} {m.label.replace(',', ', ')}",
+        "status": f"{m.status}, {m.steps} steps" + (f", {format_duration(m.wall_s)}" if m.wall_s else ""),
+        "accuracy": m.accuracy_text() if m.accuracy is not None else "",  # `0.764 [0.725, 0.799] n=500`
+        passes: ("" if m.pass_at_k is None else  # the k in the cell when members measured different ones
+                 ("" if passes != "pass@k" else f"@{m.k} ") + share_text(m.pass_at_k, m.n)),
+        "reward": _fmt(m.reward)})
         for m in members]
-    types = {"rank": "int", "accuracy": "float", "pass_at_k": "float", "reward": "float", "wall_s": "float",
-             "steps": "int"}
+    types = {"rank": "int", "reward": "float"}
     return MetadataValue.table(records, schema=TableSchema([TableColumn(c, types.get(c, "string")) for c in cols]))
+
+
+def _under(path: str, home) -> str:
+    """`path` relative to the home's root when it lies under it (an object store's URI, or elsewhere: as it is)."""
+    p = Path(path)
+    return str(p.relative_to(home)) if p.is_absolute() and p.is_relative_to(home) else path
 
 
 def _points_md(points) -> str:
@@ -256,11 +277,14 @@ def _points_md(points) -> str:
     return "\n".join(lines)
 
 
-def _links_md(members, runs: dict[str, str], tracker) -> str:
-    lines = ["| member | axes | Dagster run | MLflow run | checkpoint |", "|---|---|---|---|---|"]
+def _links_md(members, runs: dict[str, str], tracker, home) -> str:
+    # Members by their short key alone (`members_table` has their labels), checkpoints by their path under
+    # FACTORY_HOME (`checkpoints/<run_id>/final`; the member's page has the whole path): a label or a home's path
+    # does not wrap, and widened the value column past the page.
+    lines = ["| member | Dagster run | MLflow run | checkpoint (under FACTORY_HOME) |", "|---|---|---|---|"]
     for m in members:
         dagster = f"[{runs[m.member][:8]}](/runs/{runs[m.member]})" if m.member in runs else ""
         mlflow = f"[{m.mlflow_run_id[:8]}]({tracker.run_url(m.mlflow_run_id)})" if m.mlflow_run_id else ""
-        lines.append(f"| {member_short(m.member)} | {m.label} | {dagster} | {mlflow} | "
-                     f"{'`' + m.checkpoint + '`' if m.checkpoint else ''} |")
+        lines.append(f"| {member_short(m.member)} | {dagster} | {mlflow} | "
+                     f"{'`' + _under(m.checkpoint, home) + '`' if m.checkpoint else ''} |")
     return "\n".join(lines)

@@ -83,13 +83,12 @@ def _train(home: Path, steps: int) -> str:
 
 def _launch(instance, wpc, partition: str, checkpoint: str, use_server: bool) -> str:
     """Create and submit one run of checkpoint_eval_job for `partition`, as the sensor's RunRequest would."""
-    from assets.evals import checkpoint_x_benchmark
+    from assets.evals import checkpoint_evals
     from benchmarks.dagster_submit import submit_as_the_ui
     from jobs._queue import EVAL_TAGS
 
     run_config = {"ops": {"checkpoint_eval": {"config": {"eval_server": use_server}}}}
-    tags = {**EVAL_TAGS, "factory/checkpoint": checkpoint,
-            **checkpoint_x_benchmark.get_tags_for_partition_key(partition)}
+    tags = {**EVAL_TAGS, "factory/checkpoint": checkpoint, **checkpoint_evals.get_tags_for_partition_key(partition)}
     return submit_as_the_ui(instance, wpc, "checkpoint_eval_job", "checkpoint_eval", run_config, tags).run_id
 
 
@@ -142,7 +141,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    from dagster import DagsterInstance, MultiPartitionKey
+    from dagster import DagsterInstance
     from dagster._core.test_utils import create_test_daemon_workspace_context
     from dagster._core.workspace.load_target import WorkspaceFileTarget
     from pyiceberg.expressions import And, EqualTo
@@ -150,7 +149,7 @@ def main() -> None:
     from factory.home import factory_home
     from factory.lake import Lake
     from factory.ops.instance import ensure_instance_yaml
-    from factory.runs.checkpoint_eval import checkpoint_key, recorded_name
+    from factory.runs.checkpoint_eval import checkpoint_key, eval_key, recorded_name
     from factory.runs.eval_server import stop_server
 
     t = time.time()
@@ -174,10 +173,11 @@ def main() -> None:
                                              EqualTo("benchmark", recorded_name(args.benchmark))))
             with DagsterInstance.get() as instance, create_test_daemon_workspace_context(
                     WorkspaceFileTarget(paths=[str(ROOT / "workspace.yaml")]), instance) as wpc:
-                instance.add_dynamic_partitions("checkpoints", [checkpoint_key(run_id, s) for s in steps])
+                instance.add_dynamic_partitions("checkpoint_evals", [eval_key(checkpoint_key(run_id, s), args.benchmark)
+                                                                     for s in steps])
                 for s in steps:
                     key = checkpoint_key(run_id, s)
-                    partition = str(MultiPartitionKey({"checkpoint": key, "benchmark": args.benchmark}))
+                    partition = eval_key(key, args.benchmark)
                     r = _run_one(instance, wpc, partition, key, use_server)
                     print(f"{way:6s} {partition}: {r['seconds']:.1f} s", file=sys.stderr)
                     rows[way].append(r)

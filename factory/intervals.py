@@ -1,6 +1,7 @@
 """Intervals for accuracies: the Wilson score interval of a proportion (k of n) and Newcombe's hybrid score
 interval for the difference of two independent proportions, the text Factory prints them as
-(`0.764 [0.725, 0.799] n=500`), and the verdict between two accuracies ("wins" only when the interval of the
+(`0.764 [0.725, 0.799] n=500`; pass@k, a mean of per-problem values, gets the same score interval, which is
+conservative for it: `share_interval`), and the verdict between two accuracies ("wins" only when the interval of the
 difference excludes 0).
 
 Pure Python (math only), so any layer may import it. Both intervals are those of Newcombe (1998): the Wilson
@@ -36,22 +37,56 @@ def _check_counts(k: int, n: int, what: str) -> None:
 def wilson(k: int, n: int, z: float = Z95) -> Interval:
     """The Wilson score interval of the proportion k/n (95% by default), without continuity correction."""
     _check_counts(k, n, "wilson")
-    p = k / n
+    return _score(k / n, n, z)
+
+
+def _score(p: float, n: int, z: float) -> Interval:
     centre = p + z * z / (2 * n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
     denom = 1 + z * z / n
-    # Exact ends at 0 and n: the formula gives them up to rounding (-1e-17 is not a proportion).
-    low = 0.0 if k == 0 else (centre - half) / denom
-    high = 1.0 if k == n else (centre + half) / denom
+    # Exact ends at 0 and 1: the formula gives them up to rounding (-1e-17 is not a proportion).
+    low = 0.0 if p == 0 else (centre - half) / denom
+    high = 1.0 if p == 1 else (centre + half) / denom
     return Interval(low, high)
+
+
+def share_interval(p: float, n: int, z: float = Z95) -> Interval:
+    """Wilson's score interval around a mean `p` of n values in [0, 1] (95%): for a share k/n of right answers it is
+    `wilson(k, n)`; for a mean of per-problem estimates (pass@k, unbiased from n samples a problem) it is
+    conservative, since a mean of values in [0, 1] varies at most as much as a proportion with the same mean
+    (variance <= p(1-p)/n). How pass@k is given an interval, whichever way it was measured."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"share_interval: n must be a whole number of problems >= 1, got {n!r}")
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"share_interval: p must be a share in [0, 1], got {p!r}")
+    return _score(p, n, z)
+
+
+def share_text(value: float | None, n: int | None) -> str:
+    """A pass@k (or any mean of per-problem values in [0, 1]) as Factory prints it: `0.812 [0.775, 0.844] n=500`
+    (`share_interval`); the value alone without n; '—' without a value."""
+    if value is None:
+        return "—"
+    if not n:
+        return f"{value:.3f}"
+    ci = share_interval(value, int(n))
+    return f"{value:.3f} [{ci.low:.3f}, {ci.high:.3f}] n={n}"
 
 
 def newcombe(k1: int, n1: int, k2: int, n2: int, z: float = Z95) -> Interval:
     """Newcombe's hybrid score interval for p1 - p2 = k1/n1 - k2/n2 of two independent proportions (95%)."""
     _check_counts(k1, n1, "newcombe (first proportion)")
     _check_counts(k2, n2, "newcombe (second proportion)")
-    p1, p2 = k1 / n1, k2 / n2
-    w1, w2 = wilson(k1, n1, z), wilson(k2, n2, z)
+    return _hybrid(k1 / n1, wilson(k1, n1, z), k2 / n2, wilson(k2, n2, z))
+
+
+def share_difference(p1: float, n1: int, p2: float, n2: int, z: float = Z95) -> Interval:
+    """Newcombe's hybrid interval for p1 - p2 built from the two `share_interval`s (95%): `newcombe` for shares
+    k/n, conservative for means of per-problem values such as pass@k."""
+    return _hybrid(p1, share_interval(p1, n1, z), p2, share_interval(p2, n2, z))
+
+
+def _hybrid(p1: float, w1: Interval, p2: float, w2: Interval) -> Interval:
     d = p1 - p2
     return Interval(d - math.sqrt((p1 - w1.low) ** 2 + (w2.high - p2) ** 2),
                     d + math.sqrt((w1.high - p1) ** 2 + (p2 - w2.low) ** 2))

@@ -28,12 +28,13 @@ from matplotlib.lines import Line2D
 from factory.text import PNG_SIGNATURE, markdown_image  # light, for callers without matplotlib; re-exported
 
 WIDTH_IN, HEIGHT_IN, DPI = 6.4, 3.6, 100  # 640 x 360 px: readable in the Dagster sidebar, ~30 KB
-# Pictures drawn inside the Dagster UI's metadata table: 480 x 270 px (a sweep overlay 600 x 360) fit its value
-# column beside the key and timestamp columns on a laptop screen; the same figure, every element scaled.
-INLINE_DPI = 75
-# The sweep overlay has two panels and a legend of up to a few dozen members: 640 x 420 px, inline 480 x 315, as
-# wide as the other pictures: the value column of the Dagster UI's metadata table is narrower than 600 px on an
-# asset's overview at a 1600 px wide window (a 600 px picture was cut on the right there).
+# Pictures drawn inside the Dagster UI's metadata table: 448 x 252 px fit its value column beside the key and
+# timestamp columns; the same figure, every element scaled. At a 1600 px window that column is about 500 px when the
+# longest key has ~22 characters, less with longer keys or a browser's scrollbars (480 px pictures of a sweep summary
+# were cut on the right: issue 32); 448 px leave room for keys up to ~29 characters.
+INLINE_DPI = 70
+# The sweep overlay has two panels and a legend of up to a few dozen members: 640 x 420 px, inline 448 x 294, as
+# wide as the other pictures (a 600 px copy was cut on the right).
 SWEEP_WIDTH_IN, SWEEP_HEIGHT_IN = 6.4, 4.2
 # A numeric axis whose positive values span at least this ratio (two decades) is drawn on a log
 # scale: learning rates and KL coefficients are swept geometrically.

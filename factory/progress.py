@@ -70,6 +70,16 @@ class Progress:
         return out
 
 
+STEP_LINES = 10  # lines a stage narrates of its steps, however many it runs (a progress callback sees every step)
+
+
+def narrates(step: int, steps: int, lines: int = STEP_LINES) -> bool:
+    """Whether step `step` of `steps` gets a line in the run's narration: the first, every `steps // lines`-th and
+    the last. A 200-step run then prints 11 step lines, not 200; the run's tags, the `steps` table and MLflow have
+    every step."""
+    return step == 1 or step >= steps or step % max(1, steps // lines) == 0
+
+
 def format_duration(seconds: float | None) -> str:
     """`1h02m`, `3m05s`, `42s`; `?` when unknown."""
     if seconds is None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from dagster import DagsterInstance, DagsterRun, DagsterRunStatus, MultiPartitionKey, RunsFilter
+from dagster import DagsterInstance, DagsterRun, DagsterRunStatus, RunsFilter
 from dagster._core.events import RunFailureReason
 from dagster._core.execution.retries import auto_reexecution_should_retry_run
 from dagster._core.storage.tags import AUTO_RETRY_RUN_ID_TAG, RUN_FAILURE_REASON_TAG, WILL_RETRY_TAG
@@ -94,7 +94,7 @@ def free_summary_slots(instance: DagsterInstance) -> int:
 
 @dataclass(frozen=True)
 class OwedEval:
-    partition: MultiPartitionKey  # checkpoint x benchmark
+    partition: str  # <benchmark>|<run_id>@<step>: a partition of checkpoint_eval
     checkpoint: str  # <run_id>@<step>
     recorded_at: datetime
     attempted: bool  # a run was launched for it before (it failed or was canceled); retried by the schedule
@@ -110,8 +110,8 @@ def owed_evals(instance: DagsterInstance, lake, job_name: str, run_ids: set[str]
     runs = instance.get_runs(RunsFilter(job_name=job_name))
     running = {r.tags.get(PARTITION_TAG) for r in runs if r.status in IN_FLIGHT}
     attempted = {r.tags.get(PARTITION_TAG) for r in runs}
-    return [OwedEval(o.partition, o.checkpoint, o.recorded_at, str(o.partition) in attempted,
-                     str(o.partition) in running) for o in owed]
+    return [OwedEval(o.partition, o.checkpoint, o.recorded_at, o.partition in attempted, o.partition in running)
+            for o in owed]
 
 
 __all__ = ["EVAL_TAGS", "IN_FLIGHT", "SUMMARY_TAGS", "OwedEval", "awaiting_retry", "eval_limit", "free_eval_slots",

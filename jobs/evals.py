@@ -1,12 +1,12 @@
 """Periodic evals: a sensor that evaluates every checkpoint as it lands, and a schedule that retries.
 
-Both read the `checkpoints` table and request runs of `checkpoint_eval` (checkpoint x benchmark) that are
-still owed, oldest checkpoint first, never more than the eval limit in flight (`jobs/_queue.py`: the
-instance's `factory/queue: eval` limit, default 1): catch-up work after a start or a sweep is spread over
-later ticks instead of starting at once. Sweep summaries have a queue of their own (`factory/queue: summary`): evals
-never wait for them, nor they for evals. The sensor launches each partition once; the schedule (cron from
-$FACTORY_EVAL_CRON, default hourly) retries those whose run failed or was canceled. Both say why when they start
-nothing.
+Both read the `checkpoints` table, register a partition of `checkpoint_eval` per checkpoint and benchmark of its
+task (`<benchmark>|<run_id>@<step>`), and request runs of those still owed, oldest checkpoint first, never more
+than the eval limit in flight (`jobs/_queue.py`: the instance's `factory/queue: eval` limit, default 1): catch-up
+work after a start or a sweep is spread over later ticks instead of starting at once. Sweep summaries have a queue
+of their own (`factory/queue: summary`): evals never wait for them, nor they for evals. The sensor launches each
+partition once; the schedule (cron from $FACTORY_EVAL_CRON, default hourly) retries those whose run failed or was
+canceled. Both say why when they start nothing.
 """
 
 import os
@@ -25,8 +25,10 @@ from dagster import (
     sensor,
 )
 
-from assets.evals import EVAL_EXECUTOR, checkpoint_eval, checkpoints
+from assets import _pending as pending
+from assets.evals import EVAL_EXECUTOR, checkpoint_eval, checkpoint_evals
 from jobs._queue import EVAL_TAGS, OwedEval, eval_limit, free_eval_slots, in_flight, owed_evals
+from jobs._ticks import described
 from resources import LakeResource
 
 checkpoint_eval_job = define_asset_job("checkpoint_eval_job", selection=[checkpoint_eval], tags=EVAL_TAGS,
@@ -41,20 +43,27 @@ def _request(e: OwedEval, run_key: str | None) -> RunRequest:
 
 
 @sensor(job=checkpoint_eval_job, minimum_interval_seconds=15, default_status=DefaultSensorStatus.RUNNING,
-        description="Evaluates each checkpoint on every benchmark once it is recorded, within the eval limit.")
+        description=described("Evaluates each checkpoint on the benchmarks of its task once it is recorded, within "
+                              "the eval limit."))
 def new_checkpoint_evals(context: SensorEvaluationContext, lake: LakeResource) -> SensorResult:
     lk = lake.lake()
     instance = context.instance
     owed = owed_evals(instance, lk, checkpoint_eval_job.name)
-    known = set(instance.get_dynamic_partitions(checkpoints.name))
-    add = list(dict.fromkeys(e.checkpoint for e in owed if e.checkpoint not in known))
-    partitions = [checkpoints.build_add_request(add)] if add else []
+    add = _unregistered(instance, lk)
+    partitions = [checkpoint_evals.build_add_request(add)] if add else []
     fresh = [e for e in owed if not e.attempted]
     todo = fresh[:free_eval_slots(instance)]
     if todo:
         return SensorResult(run_requests=[_request(e, f"eval-{e.partition}") for e in todo],
                             dynamic_partitions_requests=partitions)
     return SensorResult(dynamic_partitions_requests=partitions, skip_reason=_why_none(instance, owed, fresh))
+
+
+def _unregistered(instance: DagsterInstance, lake) -> list[str]:
+    """The evals of recorded checkpoints (each on the benchmarks of its task) not yet partitions of checkpoint_eval,
+    done ones included: those materialized before the partitions were per checkpoint's benchmark get theirs too."""
+    known = set(instance.get_dynamic_partitions(checkpoint_evals.name))
+    return [k for k in pending.keys(lake) if k not in known]
 
 
 def _why_none(instance: DagsterInstance, owed: list[OwedEval], fresh: list[OwedEval]) -> str:
@@ -70,14 +79,13 @@ def _why_none(instance: DagsterInstance, owed: list[OwedEval], fresh: list[OwedE
 
 
 @schedule(job=checkpoint_eval_job, cron_schedule=EVAL_CRON, default_status=DefaultScheduleStatus.RUNNING,
-          description="Retries evals whose run failed (cron: $FACTORY_EVAL_CRON), within the eval limit.")
+          description=described("Retries evals whose run failed (cron: $FACTORY_EVAL_CRON), within the eval limit."))
 def eval_schedule(context: ScheduleEvaluationContext, lake: LakeResource) -> list[RunRequest] | SkipReason:
     lk = lake.lake()
     owed = owed_evals(context.instance, lk, checkpoint_eval_job.name)
-    known = set(context.instance.get_dynamic_partitions(checkpoints.name))
-    missing = list(dict.fromkeys(e.checkpoint for e in owed if e.checkpoint not in known))
+    missing = _unregistered(context.instance, lk)
     if missing:  # schedules cannot return partition requests; register them directly
-        context.instance.add_dynamic_partitions(checkpoints.name, missing)
+        context.instance.add_dynamic_partitions(checkpoint_evals.name, missing)
     retry = [e for e in owed if not e.running]
     todo = retry[:free_eval_slots(context.instance)]
     if todo:

@@ -15,6 +15,7 @@ from dagster import (
 )
 
 from assets.preflight import node_health
+from jobs._ticks import described
 
 preflight_job = define_asset_job("preflight", selection=[node_health],
                                  description="Preflight node tests of this node; results in the node_health table.")
@@ -23,7 +24,8 @@ _GOING = [DagsterRunStatus.STARTING, DagsterRunStatus.STARTED, DagsterRunStatus.
 
 
 @schedule(job=preflight_job, cron_schedule=PREFLIGHT_CRON, default_status=DefaultScheduleStatus.RUNNING,
-          description="Quick preflight of this node (cron: $FACTORY_PREFLIGHT_CRON), skipped while runs are going.")
+          description=described("Quick preflight of this node (cron: $FACTORY_PREFLIGHT_CRON), skipped while runs are "
+                                "going."))
 def preflight_schedule(context: ScheduleEvaluationContext) -> RunRequest | SkipReason:
     if os.environ.get("FACTORY_PREFLIGHT", "").strip().lower() == "off":
         return SkipReason("FACTORY_PREFLIGHT=off")

@@ -37,6 +37,7 @@ from assets._metadata import embedded, inline_picture
 from factory.progress import format_duration
 from factory.sweep import MEMBER_TAG, SWEEP_TAG
 from jobs._queue import IN_FLIGHT
+from jobs._ticks import described
 from resources import LakeResource, MlflowResource
 
 if TYPE_CHECKING:
@@ -97,7 +98,8 @@ def observation(live: LiveSweep, runs: dict[str, DagsterRun], tracker: Tracker |
         status, detail = member_status(m, runs.get(m.member))
         counts[status] = counts.get(status, 0) + 1
         records.append(TableRecord({
-            "member": m.short, "label": m.label, "status": status, "step": m.step,
+            # the label wraps between its axes: unbroken, a long one pushed `detail` past the page
+            "member": m.short, "label": m.label.replace(",", ", "), "status": status, "step": m.step,
             "accuracy": m.outcome.primary.text() if m.outcome else "", "detail": detail}))
     md: dict[str, Any] = {}
     png = live.picture(DPI)
@@ -124,8 +126,8 @@ def _latest_runs(context: SensorEvaluationContext, sweep_id: str) -> dict[str, D
 
 
 @sensor(minimum_interval_seconds=30, default_status=DefaultSensorStatus.RUNNING,
-        description="While a sweep runs, records its members' curves overlaid and their statuses on its "
-                    "sweep_summary partition, whenever a status, step, eval or interruption is new.")
+        description=described("While a sweep runs, records its members' curves overlaid and their statuses on its "
+                              "sweep_summary partition, whenever a status, step, eval or interruption is new."))
 def sweep_live(context: SensorEvaluationContext, lake: LakeResource, mlflow: MlflowResource) -> SensorResult:
     from factory.sweep_live import live_sweeps, sweep_rows, unfinished  # heavy: matplotlib, pyiceberg
 
@@ -151,8 +153,12 @@ def sweep_live(context: SensorEvaluationContext, lake: LakeResource, mlflow: Mlf
             seen.pop(sweep_id, None)
         else:
             seen[sweep_id] = state
-    skip = f"nothing new since the last observation of {', '.join(same)}" if not events else None
-    return SensorResult(asset_events=events, skip_reason=skip, cursor=json.dumps(seen, sort_keys=True))
+    # A tick that records a page starts no run either: it says so (without a reason its tick read "0 runs requested"
+    # and nothing else).
+    recorded = [e.partition for e in events]
+    skip = "; ".join(([f"recorded the page of {', '.join(recorded)}"] if recorded else [])
+                     + ([f"nothing new since the last observation of {', '.join(same)}"] if same else []))
+    return SensorResult(asset_events=events, skip_reason=skip or None, cursor=json.dumps(seen, sort_keys=True))
 
 
 __all__ = ["member_status", "observation", "sweep_live"]

@@ -67,6 +67,7 @@ from factory.sweep_search import TRIAL_TAG
 from jobs._queue import SUMMARY_TAGS, awaiting_retry, free_summary_slots, holds_slot, in_flight, summary_limit
 from jobs._search import ask_trials
 from jobs._summary import PENDING_TAG, VERSION_TAG, summary_states, sweep_ids
+from jobs._ticks import described
 from jobs.evals import checkpoint_eval_job
 from resources import FactoryHomeResource, LakeResource, MlflowResource
 from resources.study import sweep_study
@@ -275,7 +276,8 @@ def _holding(context: SensorEvaluationContext, runs: list) -> tuple[set[str], se
 
 @sensor(jobs=[sweep_warm_start_job, sweep_member_job], minimum_interval_seconds=1,
         default_status=DefaultSensorStatus.RUNNING,
-        description="Starts each sweep's shared warm starts, then its members, at most max_concurrent runs at once.")
+        description=described("Starts each sweep's shared warm starts, then its members, at most max_concurrent runs "
+                              "at once."))
 def sweep_launcher(context: SensorEvaluationContext, home: FactoryHomeResource, lake: LakeResource,
                    mlflow: MlflowResource) -> SensorResult:
     finished = set(json.loads(context.cursor)) if context.cursor else set()
@@ -349,8 +351,9 @@ def _trial_tag(member: dict[str, Any]) -> dict[str, str]:
 
 
 @sensor(job=sweep_summary_job, minimum_interval_seconds=10, default_status=DefaultSensorStatus.RUNNING,
-        description="Summarizes a sweep once every member has ended, naming the evals still pending, and again "
-                    "each time more of them land, until none is pending (one summary at a time, whatever evals run).")
+        description=described("Summarizes a sweep once every member has ended, naming the evals still pending, and "
+                              "again each time more of them land, until none is pending (one summary at a time, "
+                              "whatever evals run)."))
 def sweep_summarizer(context: SensorEvaluationContext, home: FactoryHomeResource,
                      lake: LakeResource) -> SensorResult:
     finished = set(json.loads(context.cursor)) if context.cursor else set()

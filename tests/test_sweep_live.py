@@ -15,9 +15,10 @@ from factory.sweep_live import live_sweeps, sweep_rows, unfinished
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 PAGE_PX = 1000  # the widest a picture may be: shown alone (an event's page, [Show Markdown])
-# The widest an inline picture may be: the value column of the Dagster UI's metadata table on an asset's overview is
-# about 590 px wide in a 1600 px window (measured in chromium, Dagster 1.13); 600 px pictures were cut there.
-INLINE_PX = 480
+# The widest an inline picture may be: the value column of the Dagster UI's metadata table on a sweep summary's
+# overview is about 500 px wide in a 1600 px window (measured in chromium, Dagster 1.13) and narrower with longer
+# keys; 600 px pictures were cut there, and 480 px ones with a long axis name (issue 32).
+INLINE_PX = 448
 
 
 def width(png: bytes) -> int:

@@ -7,7 +7,8 @@ succeeded, each at its final evaluated step; a pruned, failed or still-training 
 earlier step, e.g. a pruned member's pass@k is its step-0 one), or, with `step`, every run that recorded the
 metric at that one step; it says which, and which runs it left out. `compare`
 sets like beside like: two finished runs at their final evals, else at the greatest step both recorded.
-Accuracies carry their n and 95% Wilson interval; a difference of accuracies its Newcombe interval.
+Accuracies carry their n and 95% Wilson interval, pass@k the same score interval (conservative for a mean of
+per-problem estimates); a difference of either its Newcombe interval.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 import pyarrow as pa
 
 from factory.envs.eval_suites import HELD_OUT
-from factory.intervals import Accuracy, verdict
+from factory.intervals import Accuracy, share_difference, share_interval, verdict
 from factory.lake.query import Format, connect, format_table, json_value, query, run_sql
 from factory.lake.results import primary_benchmark, run_outcomes
 from factory.lake.writer import Lake
@@ -32,21 +33,27 @@ class HistoryError(ValueError):
 DIGITS = 3  # accuracies on hundreds of problems mean three decimals, not sixteen
 
 
-def ci95(value: float | None, n: int | None) -> str | None:
-    """`[0.725, 0.799]`: the 95% Wilson interval of an accuracy of n problems; None when `value` is not a count
-    out of n (pass@k is an average of estimates, not k of n right answers)."""
-    if value is None or not n:
+def ci95(value: float | None, n: int | None, metric: str = "accuracy") -> str | None:
+    """`[0.725, 0.799]`: the 95% interval of `metric` measured on n problems: Wilson's for an accuracy (None when
+    `value` is not a count out of n), the same score interval around a pass@k (`share_interval`: an average of
+    per-problem estimates, which varies no more than a proportion); None for other metrics or without n."""
+    if value is None or not n or not has_interval(metric):
         return None
     try:
-        ci = Accuracy(value, int(n)).interval()
+        ci = Accuracy(value, int(n)).interval() if is_accuracy(metric) else share_interval(value, int(n))
     except ValueError:
         return None
     return f"[{ci.low:.3f}, {ci.high:.3f}]"
 
 
 def is_accuracy(metric: str) -> bool:
-    """Whether `metric` is a share of right answers (k of n), which has a Wilson interval; pass@k is not."""
+    """Whether `metric` is a share of right answers (k of n), which has a Wilson interval."""
     return metric.endswith("accuracy")
+
+
+def has_interval(metric: str) -> bool:
+    """Whether `metric` is shown with a 95% interval: an accuracy, or a pass@k."""
+    return is_accuracy(metric) or metric.startswith("pass@")
 
 
 def _round(v: float | None) -> float | None:
@@ -189,7 +196,7 @@ def best_runs(lake: Lake, metric: str, benchmark: str | None = None, sweep_id: s
         con.close()
     values, ns = ranked.column("value").to_pylist(), ranked.column("n").to_pylist()
     ranked = ranked.drop_columns(["value", "n"])
-    cis = [ci95(v, n) if is_accuracy(metric) else None for v, n in zip(values, ns, strict=True)]
+    cis = [ci95(v, n, metric) for v, n in zip(values, ns, strict=True)]
     table = (ranked.append_column("value", pa.array([_round(v) for v in values], type=pa.float64()))
              .append_column("ci95", pa.array(cis, type=pa.string()))
              .append_column("n", pa.array(ns, type=pa.int64())))
@@ -295,18 +302,21 @@ def _eval_row(benchmark: str, metric: str, at: str, step_a: int | None, ra: dict
               rb: dict | None, comparable: bool) -> dict[str, Any]:
     a, b = (ra or {}).get("value"), (rb or {}).get("value")
     n_a, n_b = (ra or {}).get("n"), (rb or {}).get("n")
-    acc = is_accuracy(metric)
     row: dict[str, Any] = dict(benchmark=benchmark, metric=metric, at=at, step_a=step_a, a=_round(a),
-                               ci95_a=ci95(a, n_a) if acc else None, n_a=n_a, step_b=step_b, b=_round(b),
-                               ci95_b=ci95(b, n_b) if acc else None, n_b=n_b, difference=None,
+                               ci95_a=ci95(a, n_a, metric), n_a=n_a, step_b=step_b, b=_round(b),
+                               ci95_b=ci95(b, n_b, metric), n_b=n_b, difference=None,
                                difference_ci95=None, verdict=None)
     if not comparable or a is None or b is None:
         return row
     row["difference"] = _round(b - a)
-    if row["ci95_a"] and row["ci95_b"]:  # both accuracies (k of n): the difference has an interval
-        v = verdict("B", Accuracy(b, int(n_b)), "A", Accuracy(a, int(n_a)))
-        row["difference_ci95"] = f"[{v.interval.low:+.3f}, {v.interval.high:+.3f}]"
-        row["verdict"] = f"{v.winner} better" if v.winner else "no significant difference"
+    if row["ci95_a"] and row["ci95_b"]:  # both with intervals: so has the difference (Newcombe's)
+        if is_accuracy(metric):
+            ci = verdict("B", Accuracy(b, int(n_b)), "A", Accuracy(a, int(n_a))).interval
+        else:  # pass@k
+            ci = share_difference(b, int(n_b), a, int(n_a))
+        row["difference_ci95"] = f"[{ci.low:+.3f}, {ci.high:+.3f}]"
+        row["verdict"] = ("B better" if ci.low > 0 else "A better") if ci.excludes_zero() \
+            else "no significant difference"
     return row
 
 

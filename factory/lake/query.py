@@ -52,6 +52,11 @@ def query(sql: str, lake: Lake, params: Sequence[Any] | Mapping[str, Any] | None
     con = connect(lake, referenced_tables(sql))
     try:
         return run_sql(con, sql, params)
+    except QueryError as e:
+        # DuckDB's own suggestion names its catalog's tables (`sqlite_temp_master`), never the lake's: list those.
+        if isinstance(e.__cause__, duckdb.CatalogException) and "Table with name" in str(e):
+            raise QueryError(f"{e} The lake's tables: {', '.join(TABLES)}") from e.__cause__
+        raise
     finally:
         con.close()
 

@@ -24,8 +24,11 @@ from factory.ops.instance import ensure_instance_yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCATION = "factory"  # workspace.yaml's location_name
-GROUPS = ("datasets", "training", "evals", "sweeps")  # the asset groups (assets/)
-QUICKSTART_GROUPS = ("datasets", "training", "evals")
+# The asset groups (assets/: every asset's group_name) and those of the quickstart job's assets; a group left out
+# is drawn folded (tests/ops/test_cockpit.py checks both against the Definitions).
+GROUPS = ("data", "datasets", "training", "evals", "sweeps", "ops")
+QUICKSTART_GROUPS = ("data", "datasets", "training", "evals")
+QUICKSTART_QUERY = 'job:"quickstart"'  # the quickstart job's assets, in Dagster's asset selection syntax
 
 
 def _expanded(groups: tuple[str, ...]) -> str:
@@ -34,13 +37,19 @@ def _expanded(groups: tuple[str, ...]) -> str:
     return quote(",".join(f"global@global:{g}" for g in groups), safe="")
 
 
+def _lineage(query: str) -> str:
+    # The global lineage view's path carries its asset selection after a `~` (Dagster 1.13's explorerPathToString).
+    return f"/asset-groups~{quote(query, safe='')}/" if query else "/asset-groups"
+
+
 def cockpit_urls(dagster_url: str = "http://127.0.0.1:3000") -> dict[str, str]:
     """Where to look: the quickstart's asset graph opened out, every asset's lineage opened out, the sweep
-    launchpad, the runs."""
+    launchpad, the runs. The quickstart's graph is the lineage view filtered to the job's assets, not the job's own
+    page: that page always draws the job's Info panel beside the graph, over a third of a 1600 px window."""
     base = dagster_url.rstrip("/")
     return {
-        "quickstart": f"{base}/locations/{LOCATION}/jobs/quickstart?expanded={_expanded(QUICKSTART_GROUPS)}",
-        "lineage": f"{base}/asset-groups?expanded={_expanded(GROUPS)}",
+        "quickstart": f"{base}{_lineage(QUICKSTART_QUERY)}?expanded={_expanded(QUICKSTART_GROUPS)}",
+        "lineage": f"{base}{_lineage('')}?expanded={_expanded(GROUPS)}",
         "sweep_launchpad": f"{base}/locations/{LOCATION}/jobs/sweep/playground",
         "runs": f"{base}/runs",
     }

@@ -1,6 +1,7 @@
 """Evaluating recorded checkpoints on named benchmarks, and the regression rule between checkpoints of a run.
 
-A checkpoint is named by its run and step (`checkpoint_key`), as recorded in the `checkpoints` table;
+A checkpoint is named by its run and step (`checkpoint_key`), as recorded in the `checkpoints` table, and its eval
+on a benchmark by `eval_key` (the `checkpoint_eval` asset's partition);
 the run's spec (from `runs`) says how to prompt it and which held-out split is its own. Results land
 in `evals` keyed (run_id, step, benchmark, metric), so evaluating the same checkpoint again
 replaces its rows instead of adding to them. A training run already scores its final checkpoint on its
@@ -41,6 +42,25 @@ def parse_checkpoint_key(key: str) -> tuple[str, int]:
     return run_id, int(step)
 
 
+_BENCH_SEP = "|"
+
+
+def eval_key(checkpoint: str, benchmark: str) -> str:
+    """Partition key of one checkpoint's eval on one benchmark: `<benchmark>|<run_id>@<step>` (the string form of the
+    checkpoint x benchmark multi-partition key it replaced, so what was materialized under that one still counts)."""
+    return f"{benchmark}{_BENCH_SEP}{checkpoint}"
+
+
+def parse_eval_key(key: str) -> tuple[str, str]:
+    """(checkpoint key, benchmark) of an `eval_key`; ValueError naming the key for anything else."""
+    benchmark, sep, checkpoint = key.partition(_BENCH_SEP)
+    if not sep or benchmark not in BENCHMARKS:
+        raise ValueError(f"not an eval key: {key!r} (expected <benchmark>|<run_id>@<step>, benchmark one of "
+                         f"{', '.join(BENCHMARKS)})")
+    parse_checkpoint_key(checkpoint)
+    return checkpoint, benchmark
+
+
 def recorded_name(benchmark: str) -> str:
     """The `evals.benchmark` value of a benchmark (the held-out split keeps the name runs record it by)."""
     if benchmark not in BENCHMARKS:
@@ -58,6 +78,7 @@ class CheckpointEval:
     n: int
     sha256: str
     reused: bool = False  # read back from rows the training run recorded for this checkpoint
+    k: int | None = None  # the k of pass_at_k
 
 
 def evaluate_recorded_checkpoint(paths: FactoryPaths, lake: Lake, run_id: str, step: int,
@@ -96,7 +117,8 @@ def evaluate_recorded_checkpoint(paths: FactoryPaths, lake: Lake, run_id: str, s
     for r in out:  # eval_rows names the held-out split; re-label for other benchmarks
         r["benchmark"] = r["benchmark"].replace(HELD_OUT, name, 1)
     lake.upsert("evals", out)
-    return CheckpointEval(run_id, step, name, result.accuracy, result.pass_at_k, result.n, ckpt["sha256"])
+    return CheckpointEval(run_id, step, name, result.accuracy, result.pass_at_k, result.n, ckpt["sha256"],
+                          k=result.k or None)
 
 
 @dataclass(frozen=True)
@@ -120,9 +142,22 @@ def evaluate_and_draw(paths: FactoryPaths, lake: Lake, tracker: Tracker | None, 
     picture = refresh_evals_picture(lake, tracker, run_id, res.benchmark)
     runs = lake.read("runs", EqualTo("run_id", run_id)).select(["mlflow_run_id"]).to_pylist()
     mlflow_run_id = runs[0]["mlflow_run_id"] if runs else None
+    if tracker is not None and mlflow_run_id and not res.reused:  # a reused result is on the run's curves already
+        tracker.log_metrics(mlflow_run_id, step, mlflow_metrics(res))
     url = tracker.artifact_url(mlflow_run_id, small(EVALS)) if tracker is not None and mlflow_run_id else None
     reg = None if tolerance is None else regression_check(lake, run_id, step, res.benchmark, res.accuracy, tolerance)
     return DrawnEval(res, picture, url, reg)
+
+
+def mlflow_metrics(res: CheckpointEval) -> dict[str, float | None]:
+    """A checkpoint's eval as points of its run's MLflow curves at its step, named as the run names its own: the
+    held-out split `eval/accuracy` and `eval/pass_at_<k>`, another benchmark `eval/<benchmark>` and
+    `eval/<benchmark>/pass_at_<k>` (as a blend source's `eval/source/<name>`)."""
+    base = "eval" if res.benchmark == HELD_OUT else f"eval/{res.benchmark}"
+    out: dict[str, float | None] = {"eval/accuracy" if res.benchmark == HELD_OUT else base: res.accuracy}
+    if res.pass_at_k is not None and res.k:
+        out[f"{base}/pass_at_{res.k}"] = res.pass_at_k
+    return out
 
 
 def _recorded(lake: Lake, run_id: str, step: int, name: str, sha256: str) -> CheckpointEval | None:
@@ -134,7 +169,7 @@ def _recorded(lake: Lake, run_id: str, step: int, name: str, sha256: str) -> Che
         return None
     passes = [r for r in rows if r["metric"].startswith("pass@")]
     return CheckpointEval(run_id, step, name, acc["value"], passes[0]["value"] if passes else None, acc["n"], sha256,
-                          reused=True)
+                          reused=True, k=int(passes[0]["metric"].removeprefix("pass@")) if passes else None)
 
 
 def _path(uri: str, paths: FactoryPaths) -> Path:

@@ -53,7 +53,7 @@ from factory.models.checkpoint import load_checkpoint
 from factory.models.checkpoint_store import checkpoint_store_uri
 from factory.models.uploads import BackgroundUploads
 from factory.problem import Splits
-from factory.progress import Progress, format_duration
+from factory.progress import Progress, format_duration, narrates
 from factory.runs import recovery
 from factory.runs.attempt import (
     LAUNCH,
@@ -334,10 +334,12 @@ class Run:
             self._record_run(self.live_status)
         self._watch_lake(r.step)
         sched = self.spec.schedule
-        if sched.eval_every and r.step % sched.eval_every == 0 and r.step < sched.steps:
-            self._periodic_eval(r.step)
+        saved = None  # the checkpoint first: an eval at the same step is then its result (checkpoint_eval reuses it)
         if sched.checkpoint_every and r.step % sched.checkpoint_every == 0 and r.step < sched.steps:
-            record_checkpoint(self.model, self.tok, self.paths, self.lake, self.run_id, r.step, uploads=self.uploads)
+            saved = record_checkpoint(self.model, self.tok, self.paths, self.lake, self.run_id, r.step,
+                                      uploads=self.uploads).sha256
+        if sched.eval_every and r.step % sched.eval_every == 0 and r.step < sched.steps:
+            self._periodic_eval(r.step, saved)
 
     def _watch_lake(self, step: int) -> None:
         """During a lake outage: try it again now and then; past ops.lake_outage_s ask the loop to stop at a
@@ -381,16 +383,19 @@ class Run:
                      r.reward_mean, r.accuracy, r.hacks_any)
         if self.options.progress is not None:
             self.options.progress(p)
+        if not narrates(r.step, steps):
+            return
         hacks = f" hacks={r.hacks_any:g}" if r.hacks_any else ""  # completions that tripped a hack detector
         self.log(f"step {r.step}/{steps} reward={r.reward_mean:.3f} acc={r.accuracy:.3f} "
                  f"entropy={r.entropy:.3f} tok/s={r.tokens_per_s:.0f}{hacks} eta={format_duration(p.eta_s)}")
 
-    def _periodic_eval(self, step: int) -> None:
+    def _periodic_eval(self, step: int, sha256: str | None) -> None:
+        """Held-out accuracy at `step`; its rows name the checkpoint of the same weights (`sha256`) if one was saved."""
         res = evaluate(EmbeddedEngine(self.model, self.tok), self.tok, self.splits.eval,
                        self.spec.rollout.max_new_tokens)
-        self.lake.upsert("evals", eval_rows(self.run_id, step, res, None))
+        self.lake.upsert("evals", eval_rows(self.run_id, step, res, sha256))
         self.step_metrics.add(step, {"eval/accuracy": res.accuracy})  # with the step's: once a resume point has it
-        by_source = self._evaluate_sources(step, None, deferred=True)
+        by_source = self._evaluate_sources(step, sha256, deferred=True)
         beat(self.run_dir)
         if self.options.on_eval is not None:  # told the run's headline: its own task's held-out set, and its n
             own = headline_source(list(by_source))

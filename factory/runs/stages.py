@@ -38,7 +38,7 @@ from factory.home import FactoryPaths
 from factory.infra.device import describe, prepare, run_device
 from factory.infra.gpus import Gpus
 from factory.infra.placement import check_placement, enter, placements
-from factory.intervals import Accuracy, accuracy_text, verdict
+from factory.intervals import Accuracy, accuracy_text, share_text, verdict
 from factory.lake.results import outcomes_from_evals
 from factory.lake.writer import Lake
 from factory.models.build import build_model, policy_for
@@ -46,7 +46,7 @@ from factory.models.checkpoint import CheckpointInfo, load_checkpoint, save_chec
 from factory.models.resolve import model_provenance, resolve_model_path
 from factory.models.tokenizer import tokenizer_for
 from factory.problem import Problem, Splits
-from factory.progress import Log, Progress
+from factory.progress import Log, Progress, narrates
 
 ProgressCallback = Callable[[Progress], None]  # told each step's progress (stage, step, ETA)
 
@@ -176,13 +176,12 @@ def train_sft_checkpoint(spec: ExperimentSpec, paths: FactoryPaths, splits: Spli
     # An explicit step count (the control) means exactly that many steps: no early stop.
     sft = spec.sft if steps is None else spec.sft.model_copy(update={"steps": steps, "stop_at_accuracy": None})
     t0 = time.perf_counter()
-    every = max(1, sft.steps // 10)
 
     def on_step(step: int, m: dict[str, float]) -> None:
         if progress is not None:
             progress(Progress("sft", step + 1, sft.steps, time.perf_counter() - t0,
                               stops_at_accuracy=sft.stop_at_accuracy))
-        if (step + 1) % every == 0 or step + 1 == sft.steps:
+        if narrates(step + 1, sft.steps):
             log(f"sft step {step + 1}/{sft.steps} loss={m['loss']:.4f}")
 
     labeled = splits.train[:sft.examples] if sft.examples else splits.train  # the demonstrations SFT may see
@@ -299,21 +298,21 @@ def _accuracy(value: float | None, n: int | None) -> Accuracy | None:
 
 
 def render_report(s: dict) -> str:
-    """Markdown table of an `eval_summary`: accuracies to 3 decimals with their 95% Wilson interval and n."""
+    """Markdown table of an `eval_summary`: accuracies and pass@k to 3 decimals with their 95% interval and n."""
     acc = lambda v, n: "—" if v is None else accuracy_text(v, n)  # noqa: E731
-    dec = lambda v: "—" if v is None else f"{v:.3f}"  # noqa: E731
+    dec = share_text  # pass@k of the same n problems, with its interval (factory/intervals.py)
     # pass@k as the spec's schedule.eval_pass_k measured it; no column when the benchmark has none (a blend source's)
     ks = [int(key.rpartition("_at_")[2]) for key in s if isinstance(key, str) and "_pass_at_" in key]
     k = min(ks, default=None)
-    cell = (lambda who: "") if k is None else (lambda who: f" {dec(s.get(f'{who}_pass_at_{k}'))} |")  # noqa: E731
+    cell = (lambda who, n: "") if k is None else (lambda who, n: f" {dec(s.get(f'{who}_pass_at_{k}'), n)} |")  # noqa: E731
     lines = [f"### Run `{s['run_id']}` — held-out accuracy ({s['benchmark']}, 95% Wilson intervals)", "",
              "| checkpoint | greedy accuracy |" + ("" if k is None else f" pass@{k} (T=1) |"),
              "|---|---|" + ("" if k is None else "---|"),
-             f"| SFT warm start (step 0) | {acc(s['sft_accuracy'], s['sft_n'])} |" + cell("sft"),
-             f"| GRPO (step {s['final_step']}) | {acc(s['grpo_accuracy'], s['n'])} |" + cell("grpo")]
+             f"| SFT warm start (step 0) | {acc(s['sft_accuracy'], s['sft_n'])} |" + cell("sft", s["sft_n"]),
+             f"| GRPO (step {s['final_step']}) | {acc(s['grpo_accuracy'], s['n'])} |" + cell("grpo", s["n"])]
     if s.get("control_accuracy") is not None:
         lines.append(f"| control: same wall time of more SFT | {acc(s['control_accuracy'], s['control_n'])} |"
-                     + cell("control"))
+                     + cell("control", s["control_n"]))
     if s.get("others"):
         lines += ["", f"Other benchmarks, step 0 → step {s['final_step']}: "
                   + "; ".join(f"{name} {acc(o.get('start_accuracy'), o.get('start_n'))} → {acc(o['accuracy'], o['n'])}"

@@ -1,4 +1,5 @@
-"""A run's per-step MLflow metrics, logged once per step however many attempts trained it.
+"""A run's per-step MLflow metrics, logged once per step however many attempts trained it, under names that put
+loss and reward first in MLflow's charts (`mlflow_name`).
 
 An attempt that dies has trained (and would have logged) steps past its last resume point; the next attempt trains
 them again, and MLflow, which cannot delete a metric point, would then show two points for those steps. So a step's
@@ -19,7 +20,21 @@ from collections.abc import Mapping
 
 from factory.tracking import Tracker
 
-SENTINEL = "reward_mean"  # in every step's record: which steps a metric history already holds
+# MLflow's UI draws a run's charts in sections, one per name prefix (`data/skipped` in `data`), sorted by name, with
+# the names without a prefix last ("Model metrics", mlflow/server/js: extractChartSectionName); a run's first section
+# was then `data`, counters that are zero in most runs, and loss and reward came last. The curves read first are
+# logged under `batch/` (their values on the step's batch), which sorts before every other section Factory logs
+# (`curriculum/`, `data/`, `eval/`); the rest keep their names.
+FIRST_SECTION = "batch"
+FIRST = ("reward_mean", "reward_std", "accuracy", "loss", "kl", "entropy")
+
+
+def mlflow_name(key: str) -> str:
+    """A step metric's name in MLflow: `batch/<key>` for the curves read first (FIRST), else `key`."""
+    return f"{FIRST_SECTION}/{key}" if key in FIRST else key
+
+
+SENTINEL = mlflow_name("reward_mean")  # in every step's record: which steps a metric history already holds
 
 
 class StepMetrics:
@@ -53,7 +68,7 @@ class StepMetrics:
         for step in sorted(held):
             if step in self._have:  # logged by a dead attempt before its unfinished resume point
                 continue
-            self.tracker.log_metrics(self.mlflow_id, step, held[step])
+            self.tracker.log_metrics(self.mlflow_id, step, {mlflow_name(k): v for k, v in held[step].items()})
             n += 1
         self.logged += n
         return n

@@ -122,7 +122,8 @@ def test_best_lowest_top_and_sweep(history, capsys):
 def test_best_on_a_slice_and_another_metric(history, capsys):
     assert [(r["run_id"], r["value"]) for r in run_json(
         ["best", "--metric", "accuracy", "--benchmark", "arith/1"], capsys)] == [("r1", 0.9)]
-    assert [r["run_id"] for r in run_json(["best", "--metric", "pass@4"], capsys)] == ["r2", "r1"]
+    assert [(r["run_id"], r["ci95"], r["n"]) for r in run_json(["best", "--metric", "pass@4"], capsys)] == [
+        ("r2", "[0.767, 0.907]", 100), ("r1", "[0.711, 0.867]", 100)]  # pass@k with its 95% interval and n
 
 
 def test_best_table_and_csv(history, capsys):
@@ -186,7 +187,12 @@ def test_compare_json_is_one_object_with_every_section(history, capsys):
     assert (acc["at"], acc["step_a"], acc["a"], acc["step_b"], acc["b"]) == ("final", 12, 0.6, 12, 0.75)
     assert (acc["ci95_a"], acc["n_a"], acc["ci95_b"], acc["n_b"]) == ("[0.502, 0.691]", 100, "[0.657, 0.825]", 100)
     assert (acc["difference"], acc["difference_ci95"], acc["verdict"]) == (0.15, "[+0.020, +0.273]", "B better")
-    assert evals[("arith", "pass@4")]["ci95_a"] is None  # pass@k is not k of n: no interval, no verdict
+    # pass@k has its interval too (the score interval around a mean of per-problem values), and so has the difference
+    passes = evals[("arith", "pass@4")]
+    assert (passes["ci95_a"], passes["n_a"], passes["ci95_b"], passes["n_b"]) == (
+        "[0.711, 0.867]", 100, "[0.767, 0.907]", 100)
+    assert (passes["difference"], passes["difference_ci95"], passes["verdict"]) == (
+        0.05, "[-0.056, +0.156]", "no significant difference")
     assert evals[("arith/1", "accuracy")] == dict(
         benchmark="arith/1", metric="accuracy", at="A only", step_a=12, a=0.9, ci95_a="[0.826, 0.945]", n_a=100,
         step_b=None, b=None, ci95_b=None, n_b=None, difference=None, difference_ci95=None, verdict=None)
@@ -230,7 +236,8 @@ def test_compare_sets_like_beside_like_while_a_run_still_trains(history, capsys)
     assert (evals[("arith", "pass@4")]["at"], evals[("arith", "pass@4")]["difference"]) == ("no common step", None)
     assert main(["compare", "r1", "r4"]) == 0
     lines = [ln.split() for ln in capsys.readouterr().out.splitlines()]
-    assert ["arith", "pass@4", "no", "common", "step", "0.800", "(step", "12)", "0.200", "(step", "0)"] in lines
+    assert ["arith", "pass@4", "no", "common", "step", "0.800", "[0.711,", "0.867]", "n=100", "(step", "12)", "0.200",
+            "[0.133,", "0.289]", "n=100", "(step", "0)"] in lines
 
 
 def test_compare_a_run_without_steps_or_evals(history, capsys):

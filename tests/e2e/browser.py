@@ -1,5 +1,6 @@
 """What the browser tests share: where chromium is, where screenshots go, skipping (or failing, under
-FACTORY_REQUIRE_BROWSER=1) without a browser, and getting Dagster's first-visit dialog out of the way."""
+FACTORY_REQUIRE_BROWSER=1) without a browser, getting Dagster's first-visit dialog out of the way, and finding what
+a page shows only by scrolling sideways."""
 
 import os
 from pathlib import Path
@@ -35,3 +36,13 @@ def dismiss_newsletter(page) -> None:
         return  # this version or this visit shows none
     skip.click()
     skip.wait_for(state="hidden", timeout=10_000)
+
+
+# The boxes around the metadata table's pictures and tables that scroll sideways (their content is wider than what
+# they show: what is past the edge is out of view), as `class: scrollWidth > clientWidth`.
+SCROLLED = """() => Array.from(document.querySelectorAll('td img, td table')).flatMap(e => {
+  const out = [];
+  for (let a = e.parentElement; a; a = a.parentElement)
+    if (getComputedStyle(a).overflowX !== 'visible' && a.scrollWidth > a.clientWidth + 1)
+      out.push(a.className.slice(0, 40) + ': ' + a.scrollWidth + ' > ' + a.clientWidth);
+  return [...new Set(out)]; })"""

@@ -89,7 +89,7 @@ def test_mlflow_run(materialized):
     assert run.info.status == "FINISHED"
     assert run.data.tags["factory.run_id"] == md["run_id"].value
     assert run.data.params["algorithm.group_size"] == "4"
-    assert [s for s, _ in tracker.metric_history(run.info.run_id, "reward_mean")] == [1, 2, 3]
+    assert [s for s, _ in tracker.metric_history(run.info.run_id, "batch/reward_mean")] == [1, 2, 3]
 
 
 @pytest.mark.slow

@@ -10,7 +10,6 @@ from dagster import (
     AssetCheckKey,
     AssetKey,
     DagsterRunStatus,
-    MultiPartitionKey,
     build_schedule_context,
     build_sensor_context,
     instance_for_test,
@@ -19,13 +18,13 @@ from dagster import (
 from dagster._core.loader import LoadingContextForTest
 from dagster._core.test_utils import create_run_for_test
 
-from assets.evals import checkpoint_eval, checkpoints
+from assets.evals import checkpoint_eval, checkpoint_evals
 from factory.config import parse_spec
 from factory.lake import Lake
 from factory.models.build import build_model
 from factory.models.checkpoint import save_checkpoint
 from factory.models.tokenizer import build_tokenizer
-from factory.runs.checkpoint_eval import checkpoint_key, parse_checkpoint_key
+from factory.runs.checkpoint_eval import checkpoint_key, eval_key, parse_checkpoint_key, parse_eval_key
 from factory.runs.eval_server import stop_server
 from factory.runs.rl_run import run_rl
 from factory.runs.stages import build_dataset, load_dataset, train_sft_checkpoint
@@ -40,7 +39,7 @@ SPEC = {"seed": 0, "name": "evals", "model": {"preset": "micro"},
         "sft": {"steps": 600, "stop_at_accuracy": None, "lr": 3e-3},
         "algorithm": {"lr": 1e-7, "group_size": 4},  # RL that barely moves: consecutive checkpoints agree
         "rollout": {"max_new_tokens": 4, "prompts_per_step": 4},
-        "schedule": {"steps": 2, "checkpoint_every": 1, "eval_pass_k": 2}}
+        "schedule": {"steps": 2, "checkpoint_every": 1, "eval_every": 1, "eval_pass_k": 2}}
 
 
 def resources(home) -> dict:
@@ -72,6 +71,14 @@ def test_checkpoint_keys_round_trip():
     assert parse_checkpoint_key(checkpoint_key("a-b@c-1", 12)) == ("a-b@c-1", 12)
     with pytest.raises(ValueError, match="not a checkpoint key"):
         parse_checkpoint_key("run-without-step")
+    # an eval's key is the string of the checkpoint x benchmark key it replaced: materializations before still count
+    from dagster import MultiPartitionKey
+
+    assert eval_key("a-b@c-1@12", "carry_chains") == str(
+        MultiPartitionKey({"checkpoint": "a-b@c-1@12", "benchmark": "carry_chains"}))
+    assert parse_eval_key(eval_key("a-b@c-1@12", "heldout")) == ("a-b@c-1@12", "heldout")
+    with pytest.raises(ValueError, match="not an eval key"):
+        parse_eval_key("mmlu|a@1")
 
 
 def _sensor(instance, home):
@@ -85,18 +92,21 @@ def test_the_sensor_spreads_evals_within_the_limit(recorded):
     keys = [checkpoint_key(run_id, s) for s in (1, 2, 3)]
     with instance_for_test() as instance:
         first = _sensor(instance, home)
-        assert first.dynamic_partitions_requests[0].partition_keys == keys  # every checkpoint registered at once
+        # every checkpoint's evals registered at once, each only on its task's benchmarks (no humaneval partition of
+        # an arithmetic checkpoint, which could never materialize)...
+        assert first.dynamic_partitions_requests[0].partition_keys == [
+            eval_key(k, b) for k in keys for b in ("heldout", "carry_chains")]
         (req,) = first.run_requests  # ...but one eval at a time (the default limit): the oldest checkpoint first
-        assert req.partition_key == MultiPartitionKey({"checkpoint": keys[0], "benchmark": "heldout"})
+        assert req.partition_key == eval_key(keys[0], "heldout")
         assert req.tags["factory/queue"] == "eval"
-        instance.add_dynamic_partitions(checkpoints.name, keys)
+        instance.add_dynamic_partitions(checkpoint_evals.name, first.dynamic_partitions_requests[0].partition_keys)
+        assert _sensor(instance, home).dynamic_partitions_requests == []  # registered once
         busy = create_run_for_test(instance, job_name="checkpoint_eval_job", status=DagsterRunStatus.STARTED,
                                    tags={**req.tags, "dagster/partition": str(req.partition_key)})
         assert _sensor(instance, home).run_requests == []  # the slot is taken
         instance.report_run_canceled(busy)
         nxt = _sensor(instance, home).run_requests  # the canceled one is not relaunched by the sensor...
-        assert [str(r.partition_key) for r in nxt] == [str(MultiPartitionKey({"checkpoint": keys[0],
-                                                                                "benchmark": "carry_chains"}))]
+        assert [r.partition_key for r in nxt] == [eval_key(keys[0], "carry_chains")]
         with build_schedule_context(instance=instance, resources=resources(home)) as ctx:
             retry = eval_schedule(ctx)  # ...the schedule retries it
         assert [str(r.partition_key) for r in retry] == [str(req.partition_key)]
@@ -113,10 +123,11 @@ def test_regression_check_per_checkpoint_and_benchmark(recorded):
     home, run_id = recorded
     keys = [checkpoint_key(run_id, s) for s in (1, 2, 3)]
     with instance_for_test() as instance:
-        instance.add_dynamic_partitions(checkpoints.name, keys)
+        instance.add_dynamic_partitions(checkpoint_evals.name, [eval_key(k, b) for k in keys
+                                                                for b in ("heldout", "carry_chains")])
         checks = {}
         for k in keys:
-            pk = MultiPartitionKey({"checkpoint": k, "benchmark": "heldout"})
+            pk = eval_key(k, "heldout")
             r = materialize([checkpoint_eval], partition_key=pk, instance=instance, resources=resources(home),
                             run_config={"ops": {"checkpoint_eval": {"config": {"regression_tolerance": 0.05}}}})
             assert r.success  # a failed check does not fail the run; it is recorded on the asset
@@ -141,8 +152,7 @@ def test_regression_check_per_checkpoint_and_benchmark(recorded):
         # whichever partition materialized last and showed "Not evaluated").
         key = AssetCheckKey(AssetKey("checkpoint_eval"), "no_regression")
         history = instance.event_log_storage.get_asset_check_execution_history(key, limit=10)
-        assert sorted(r.partition for r in history) == sorted(
-            str(MultiPartitionKey({"checkpoint": k, "benchmark": "heldout"})) for k in keys)
+        assert sorted(r.partition for r in history) == sorted(eval_key(k, "heldout") for k in keys)
         ctx = LoadingContextForTest(instance)
         assert all(asyncio.run(r.targets_latest_materialization(ctx)) for r in history)
 
@@ -153,10 +163,16 @@ def test_regression_check_per_checkpoint_and_benchmark(recorded):
 
         # the sensor: only what is still owed (the other benchmark), one at a time
         (todo,) = _sensor(instance, home).run_requests
-        assert todo.partition_key == MultiPartitionKey({"checkpoint": keys[0], "benchmark": "carry_chains"})
+        assert todo.partition_key == eval_key(keys[0], "carry_chains")
         assert materialize([checkpoint_eval], partition_key=todo.partition_key, instance=instance,
                            resources=resources(home)).success
-        assert any(r["benchmark"] == "carry_chains" for r in lake.read("evals").to_pylist())
+        (carry,) = [r for r in lake.read("evals").to_pylist() if r["benchmark"] == "carry_chains"
+                    and r["metric"] == "accuracy"]
+        # ...and on the run's MLflow curves beside its held-out evals (carry_chains never reached MLflow)
+        (mlflow_run_id,) = [r["mlflow_run_id"] for r in lake.read("runs").to_pylist() if r["run_id"] == run_id]
+        tracker = Tracker(home)
+        assert tracker.metric_history(mlflow_run_id, "eval/carry_chains") == [(1, carry["value"])]
+        assert [s for s, _ in tracker.metric_history(mlflow_run_id, "eval/carry_chains/pass_at_2")] == [1]
         with build_schedule_context(instance=instance, resources=resources(home)) as ctx:
             assert len(eval_schedule(ctx)) == 1  # one slot
 
@@ -173,6 +189,22 @@ def test_the_final_checkpoint_reuses_the_runs_own_held_out_result(recorded):
                     and r["benchmark"] == "arithmetic_heldout" and r["metric"] == "accuracy"]
     assert res.reused and [res.accuracy] == recorded_acc
     assert not evaluate_recorded_checkpoint(home, lake, run_id, final, "carry_chains").reused  # no row to reuse
+
+
+@pytest.mark.slow
+def test_a_mid_run_checkpoint_reuses_the_held_out_eval_the_run_made_at_its_step(recorded):
+    """Step 1 is both a checkpoint and a periodic eval (eval_every 1): the run measured those weights on held-out
+    already, so the checkpoint's eval reads that result instead of evaluating them again."""
+    home, run_id = recorded
+    from factory.runs.checkpoint_eval import evaluate_recorded_checkpoint
+
+    lake = Lake.open(home)
+    (ckpt,) = [r for r in lake.read("checkpoints").to_pylist() if r["run_id"] == run_id and r["step"] == 1]
+    (periodic,) = [r for r in lake.read("evals").to_pylist() if r["run_id"] == run_id and r["step"] == 1
+                   and r["benchmark"] == "arithmetic_heldout" and r["metric"] == "accuracy"]
+    assert periodic["checkpoint_sha256"] == ckpt["sha256"]  # the periodic eval names the checkpoint it measured
+    res = evaluate_recorded_checkpoint(home, lake, run_id, 1, "heldout")
+    assert res.reused and res.accuracy == periodic["value"] and res.n == periodic["n"]
 
 
 def test_lineage_connects_training_to_evals_and_members_to_the_summary():

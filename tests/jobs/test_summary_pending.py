@@ -17,17 +17,16 @@ from dagster import (
     AssetMaterialization,
     DagsterInstance,
     DagsterRunStatus,
-    MultiPartitionKey,
     build_sensor_context,
     materialize,
 )
 from dagster._core.storage.tags import WILL_RETRY_TAG
 from dagster._core.test_utils import create_run_for_test
 
-from assets.evals import checkpoints
+from assets.evals import checkpoint_evals
 from assets.sweeps import sweep_members, sweep_summary, sweeps, warm_starts
 from factory.config import parse_overrides
-from factory.runs.checkpoint_eval import checkpoint_key
+from factory.runs.checkpoint_eval import checkpoint_key, eval_key
 from factory.sweep import MEMBER_TAG, SWEEP_TAG, SweepDefinition, plan_sweep, set_control, write_sweep
 from jobs import defs
 from jobs._queue import EVAL_TAGS, SUMMARY_TAGS, in_flight
@@ -137,8 +136,7 @@ def test_the_summary_comes_when_members_end_then_again_as_late_evals_land(instan
 
     # The evals go on one at a time; a summary in between is drawn only once every owed eval has started (not
     # after each eval), then beside the last eval; the complete one once every eval has landed.
-    owed = [str(MultiPartitionKey({"checkpoint": checkpoint_key(f"run-{i}", 2), "benchmark": b}))
-            for i in range(3) for b in BENCH]
+    owed = [eval_key(checkpoint_key(f"run-{i}", 2), b) for i in range(3) for b in BENCH]
     seen, between, between_req = [], None, None
     for n in range(5):
         assert str(ev.partition_key) in owed and in_flight(instance, EVAL_TAGS) == 1  # never more than the limit
@@ -179,7 +177,7 @@ def test_a_summary_in_between_comes_when_every_owed_eval_has_started(instance, f
     members_at(lake, sweep_id, keys, ["succeeded"])
     first = tick(sweep_summarizer, instance)
     ended(instance, launched(instance, first.run_requests[0], "sweep_summary_job"))
-    instance.add_dynamic_partitions(checkpoints.name, [checkpoint_key("run-0", 2)])
+    instance.add_dynamic_partitions(checkpoint_evals.name, [eval_key(checkpoint_key("run-0", 2), b) for b in BENCH])
     (failing,) = tick(new_checkpoint_evals, instance).run_requests
     run = launched(instance, failing, "checkpoint_eval_job")
     instance.delete_run(run.run_id)
@@ -197,8 +195,8 @@ def test_a_summary_in_between_comes_when_every_owed_eval_has_started(instance, f
 def test_the_summary_says_which_evals_are_pending_and_its_version_is_the_evals_done(instance, factory_home, lake):
     sweep_id, keys = plan(instance, factory_home, lrs=(1e-3, 3e-3))
     members_at(lake, sweep_id, keys, ["succeeded", "succeeded"])
-    instance.add_dynamic_partitions(checkpoints.name, [checkpoint_key(f"run-{i}", 2) for i in range(2)])
-    eval_lands(instance, str(MultiPartitionKey({"checkpoint": "run-0@2", "benchmark": "heldout"})))
+    instance.add_dynamic_partitions(checkpoint_evals.name, [eval_key(f"run-{i}@2", b) for i in range(2) for b in BENCH])
+    eval_lands(instance, eval_key("run-0@2", "heldout"))
 
     def summarize():
         result = materialize([sweep_summary], partition_key=sweep_id, instance=instance, resources=defs.resources)
@@ -210,7 +208,7 @@ def test_the_summary_says_which_evals_are_pending_and_its_version_is_the_evals_d
     assert md["pending_evals_count"].value == 3
     for i in range(2):
         for b in BENCH:
-            eval_lands(instance, str(MultiPartitionKey({"checkpoint": f"run-{i}@2", "benchmark": b})))
+            eval_lands(instance, eval_key(f"run-{i}@2", b))
     md2, version2 = summarize()
     assert md2["pending_evals"].value == "none" and version2 != version
     assert summarize()[1] == version2  # the same evals done, the same version
@@ -270,7 +268,7 @@ def test_evals_are_not_held_back_by_a_due_summary(instance, factory_home, lake):
     queue, so no eval slot is kept for it)."""
     sweep_id, keys = plan(instance, factory_home, lrs=(1e-3,))
     members_at(lake, sweep_id, keys, ["succeeded"])
-    instance.add_dynamic_partitions(checkpoints.name, [checkpoint_key("run-0", 2)])
+    instance.add_dynamic_partitions(checkpoint_evals.name, [eval_key(checkpoint_key("run-0", 2), b) for b in BENCH])
     (ev,) = tick(new_checkpoint_evals, instance).run_requests
     assert ev.tags["factory/checkpoint"] == checkpoint_key("run-0", 2)
     launched(instance, ev, "checkpoint_eval_job")
@@ -306,3 +304,20 @@ def test_an_interrupted_member_ends_the_sweep_only_once_no_retry_will_resume_it(
     instance.add_run_tags(killed.run_id, {WILL_RETRY_TAG: "false"})  # its retries are spent: it ended interrupted
     (request,) = tick(sweep_summarizer, instance).run_requests
     assert request.partition_key == sweep_id
+
+
+def test_checkpoint_eval_has_only_the_partitions_a_checkpoint_can_materialize(instance, factory_home, lake):
+    """An arithmetic run's checkpoint is scored on its held-out split and carry_chains, a code run's on its held-out
+    split alone: once the sensor has registered them, the asset has those partitions and no other (the checkpoint x
+    benchmark cross product showed humaneval of arithmetic checkpoints as "Missing (4)", never to materialize)."""
+    from assets.evals import checkpoint_eval
+
+    base = dict(name="t", spec_fingerprint="f", code_version="c", status="succeeded", seed=0, started_at=T0)
+    lake.upsert("runs", [dict(base, run_id=run, spec=json.dumps({"task": {"name": task}}))
+                         for run, task in (("arith", "arithmetic"), ("code", "code"))])
+    lake.upsert("checkpoints", [dict(run_id=run, step=2, kind="rl", uri=f"/ckpt/{run}", bytes=1, sha256="0" * 64,
+                                     recorded_at=T0 + timedelta(seconds=i)) for i, run in enumerate(("arith", "code"))])
+    for req in tick(new_checkpoint_evals, instance).dynamic_partitions_requests:
+        instance.add_dynamic_partitions(req.partitions_def_name, list(req.partition_keys))
+    keys = checkpoint_eval.partitions_def.get_partition_keys(dynamic_partitions_store=instance)
+    assert sorted(keys) == ["carry_chains|arith@2", "heldout|arith@2", "heldout|code@2"]

@@ -103,6 +103,8 @@ def test_a_running_sweep_is_observed_with_its_curves_and_statuses_only_when_some
     first = tick(instance)
     (obs,) = first.asset_events
     assert obs.asset_key == AssetKey("sweep_summary") and obs.partition == sweep_id
+    # the tick starts no run, so it says what it did (without a reason it read "0 runs requested" and nothing else)
+    assert first.skip_reason.skip_message == f"recorded the page of {sweep_id}"
     rows = table(obs)
     assert list(rows) == ["lr=1e-3", "lr=3e-4", "lr=0.01"]  # members by their axis values
     assert rows["lr=1e-3"]["status"] == "training" and rows["lr=1e-3"]["detail"] == "grpo 5/10, ETA 50s"

@@ -7,6 +7,7 @@ test utility `create_run_for_test` (a run record in STARTED state), which is all
 """
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -219,20 +220,24 @@ def test_one_warm_start_then_members_within_the_limit_then_evals_then_the_summar
     assert md["best_member"].value == (best[0] if len(best) == 1 else f"tie: {', '.join(best)}")
     assert " n=" in md["best_accuracy_ci95"].value  # `0.764 [0.725, 0.799] n=500`
     table = md["members_table"].value
-    # the table names a member by its key's index part, its label beside it
-    assert [(r.data["member"], r.data["label"]) for r in table.records] == [
-        (member_short(k), short_label(json.loads(rows[k]["axes"])))
+    # the table names a member by its key's index part, its label beside it (wrapping between axes), and gives how
+    # far it got and each figure with its interval and n, in few columns (the value column of a 1600 px page)
+    assert [c.name for c in table.schema.columns] == ["member", "status", "accuracy", "pass@2", "reward"]
+    assert [r.data["member"] for r in table.records] == [
+        f"{member_short(k)} {short_label(json.loads(rows[k]['axes'])).replace(',', ', ')}"
         for k in sorted(keys, key=lambda k: -rows[k]["final_accuracy"])]
-    assert all(r.data["pass_at_k"] is not None and r.data["wall_s"] > 0 and r.data["reward"] is not None
-               for r in table.records)
+    assert all(re.fullmatch(r"succeeded, 2 steps, \d+s", r.data["status"]) and r.data["accuracy"].endswith(" n=20")
+               and re.fullmatch(r"\d\.\d{3} \[\d\.\d{3}, \d\.\d{3}\] n=20", r.data["pass@2"])
+               and r.data["reward"] is not None for r in table.records)
     links = md["links"].value
     assert all(f"\n| {member_short(k)} | " in links for k in keys)  # the member's m<index>, not a piece of its key
     assert all(f"(/runs/{run.run_id})" in links for _, run in seen)
-    assert links.count("http://127.0.0.1:5000/#/experiments/") == 2 and links.count("`/") == 2
+    # checkpoints by their path under FACTORY_HOME (a home's path does not wrap in the value column)
+    assert links.count("http://127.0.0.1:5000/#/experiments/") == 2 and links.count("`checkpoints/") == 2
     assert links.count("?workflowType=machine_learning") == 2  # MLflow's training view, not its GenAI one
     charts = md["mlflow_members_charts"].value  # the members flat in MLflow's chart view (tracking.sweep_url)
     assert "compareRunsMode=CHART" in charts and f"%27{sweep_id}%27" in charts
-    names = ("members_on_heldout", "members_on_carry_chains", "accuracy_vs_algorithm.lr")
+    names = ("members_on_heldout", "members_on_carry_chains", "accuracy_vs_lr")  # an axis by its last name
     for name in names:
         assert "/get-artifact?" in md[name].value and len(md[name].value) < 1000
         assert f"**{name}**" in md["pictures"].value

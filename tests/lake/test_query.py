@@ -55,6 +55,18 @@ def test_bad_sql_and_unknown_table_raise_query_error(filled: Lake):
         query("SELECT no_such_column FROM steps", filled)
 
 
+def test_an_unknown_table_is_named_with_the_lakes_tables():
+    from factory.lake.schemas import TABLES
+
+    # no lake table is named, so none is scanned: no lake is needed to get the error
+    with pytest.raises(QueryError) as e:
+        query("SELECT * FROM stepz", None)
+    msg = str(e.value)
+    assert "stepz does not exist" in msg and "\n" not in msg
+    assert msg.endswith("The lake's tables: " + ", ".join(TABLES)) and "steps" in TABLES
+    assert "sqlite_temp_master" not in msg  # DuckDB's suggestion, a table of its own catalog
+
+
 def test_csv_round_trip(filled: Lake):
     tbl = query('SELECT run_id, step, loss, kl, recorded_at FROM steps ORDER BY run_id, step', filled)
     rows = list(csv.DictReader(io.StringIO(format_table(tbl, "csv"))))

@@ -17,13 +17,13 @@ import threading
 from pathlib import Path
 
 import pytest
-from dagster import DagsterInstance, MultiPartitionKey, materialize
+from dagster import DagsterInstance, materialize
 from pyiceberg.expressions import And, EqualTo
 
 from factory.config import parse_spec
 from factory.home import FactoryPaths, factory_home
 from factory.lake import Lake
-from factory.runs.checkpoint_eval import checkpoint_key, evaluate_and_draw, evaluate_recorded_checkpoint
+from factory.runs.checkpoint_eval import checkpoint_key, eval_key, evaluate_and_draw, evaluate_recorded_checkpoint
 from factory.runs.eval_server import (
     EvalServerUnavailable,
     _alive,
@@ -197,8 +197,8 @@ def test_a_crash_mid_eval_ends_the_wait_and_the_asset_evaluates_in_process(train
     with Lake.open(home) as lake:
         _forget(lake, run_id, 1)
     with DagsterInstance.ephemeral() as instance:
-        instance.add_dynamic_partitions("checkpoints", [checkpoint_key(run_id, 1)])
-        key = MultiPartitionKey({"checkpoint": checkpoint_key(run_id, 1), "benchmark": "heldout"})
+        key = eval_key(checkpoint_key(run_id, 1), "heldout")
+        instance.add_dynamic_partitions("checkpoint_evals", [key])
         result = materialize([checkpoint_eval], partition_key=str(key), resources=_resources(home),
                              instance=instance)
         assert result.success
@@ -213,16 +213,17 @@ def test_a_crash_mid_eval_ends_the_wait_and_the_asset_evaluates_in_process(train
 
 ASSET_IN_A_FRESH_PROCESS = """
 import json, sys
-from dagster import DagsterInstance, MultiPartitionKey, materialize
+from dagster import DagsterInstance, materialize
 from assets.evals import checkpoint_eval
+from factory.runs.checkpoint_eval import eval_key
 from factory.home import factory_home
 from resources import FactoryHomeResource, LakeResource, MlflowResource
 h = FactoryHomeResource(root=sys.argv[1])
 resources = lambda _: {"home": h, "lake": LakeResource(home=h), "mlflow": MlflowResource(home=h)}
 home = factory_home(sys.argv[1])
-key = MultiPartitionKey({"checkpoint": sys.argv[2], "benchmark": "heldout"})
+key = eval_key(sys.argv[2], "heldout")
 with DagsterInstance.ephemeral() as instance:
-    instance.add_dynamic_partitions("checkpoints", [sys.argv[2]])
+    instance.add_dynamic_partitions("checkpoint_evals", [key])
     result = materialize([checkpoint_eval], partition_key=str(key), resources=resources(home), instance=instance)
 (mat,) = result.asset_materializations_for_node("checkpoint_eval")
 print(json.dumps({"success": result.success, "heavy": [m for m in ("torch", "transformers", "mlflow", "matplotlib")

@@ -18,7 +18,7 @@ def test_periodic_evals_do_not_stand_in_for_the_final_one(lake):
     assert s["grpo_pass_at_8"] == 0.69
     report = render_report(s)
     assert "| add2 | 0.500 [0.404, 0.596] n=100 | 0.590 [0.492, 0.681] n=100 |" in report
-    assert "| GRPO (step 40) | 0.590 [0.521, 0.656] n=200 | 0.690 |" in report
+    assert "| GRPO (step 40) | 0.590 [0.521, 0.656] n=200 | 0.690 [0.623, 0.750] n=200 |" in report  # pass@k too
 
 
 def _run_with_control(lake, grpo: float, control: float, n: int = 500) -> dict:
@@ -53,4 +53,4 @@ def test_pass_at_k_is_shown_for_the_k_the_run_measured(lake):
         lake.upsert("evals", eval_rows("k2", step, EvalResult(acc, acc + 0.1, 2, 20, {}), None))
     report = render_report(eval_summary(lake, "k2"))
     assert "| checkpoint | greedy accuracy | pass@2 (T=1) |" in report
-    assert "| GRPO (step 2) | 0.600 [0.387, 0.781] n=20 | 0.700 |" in report
+    assert "| GRPO (step 2) | 0.600 [0.387, 0.781] n=20 | 0.700 [0.481, 0.855] n=20 |" in report

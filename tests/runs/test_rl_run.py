@@ -153,7 +153,7 @@ def test_factory_runs_shows_a_killed_run_as_interrupted_and_resume_completes_it(
     from factory.tracking import Tracker
 
     client = Tracker(FactoryPaths(tmp_path)).client
-    for key in ("reward_mean", "loss"):
+    for key in ("batch/reward_mean", "batch/loss"):
         assert sorted(m.step for m in client.get_metric_history(run["mlflow_run_id"], key)) == list(range(1, 9)), key
 
 

@@ -34,21 +34,23 @@ def test_an_attempt_killed_past_its_resume_point_leaves_one_point_per_step(track
     run_id = tracker.start_run("step-metrics", "killed")
     first, saved = StepMetrics(tracker, run_id), []
     _train(first, range(1, 6), save_every=2, saved=saved)  # dies after step 5: its resume point is step 4
-    assert first.pending() == [5] and _raw_steps(tracker, run_id, "reward_mean") == [1, 2, 3, 4]
+    assert first.pending() == [5] and _raw_steps(tracker, run_id, "batch/reward_mean") == [1, 2, 3, 4]
     second = StepMetrics(tracker, run_id, resumed_from=saved[-1])
     _train(second, range(5, 9), save_every=2, saved=saved)
-    assert _raw_steps(tracker, run_id, "reward_mean") == _raw_steps(tracker, run_id, "loss") == list(range(1, 9))
+    assert _raw_steps(tracker, run_id, "batch/reward_mean") == _raw_steps(tracker, run_id, "batch/loss") == [
+        *range(1, 9)]
 
 
 def test_a_kill_during_a_resume_write_does_not_log_the_redone_steps_twice(tracker):
     run_id = tracker.start_run("step-metrics", "torn")
     first, saved = StepMetrics(tracker, run_id), []
     _train(first, range(1, 7), save_every=2, saved=saved)  # step 6's point was flushed, then its write torn
-    assert _raw_steps(tracker, run_id, "reward_mean") == list(range(1, 7))
+    assert _raw_steps(tracker, run_id, "batch/reward_mean") == list(range(1, 7))
     second = StepMetrics(tracker, run_id, resumed_from=4)  # the newest complete point
     _train(second, range(5, 9), save_every=2, saved=saved)
     assert second.logged == 2  # 7 and 8; 5 and 6 were already there
-    assert _raw_steps(tracker, run_id, "reward_mean") == _raw_steps(tracker, run_id, "loss") == list(range(1, 9))
+    assert _raw_steps(tracker, run_id, "batch/reward_mean") == _raw_steps(tracker, run_id, "batch/loss") == [
+        *range(1, 9)]
 
 
 def test_metrics_of_one_step_added_twice_are_one_batch_and_drop_forgets(tracker):
@@ -62,4 +64,35 @@ def test_metrics_of_one_step_added_twice_are_one_batch_and_drop_forgets(tracker)
     m.add(2, {"eval/accuracy": 0.25})
     assert m.flush() == 1
     assert tracker.metric_history(run_id, "eval/accuracy") == [(2, 0.25)]
-    assert _raw_steps(tracker, run_id, "reward_mean") == [2]
+    assert _raw_steps(tracker, run_id, "batch/reward_mean") == [2]
+
+
+def _sections(keys: list[str]) -> list[str]:
+    """MLflow 3.17 UI's chart sections of a run, in the order drawn (mlflow/server/js, extractChartSectionName and
+    the section sort): a key's section is its name up to the last '/'; named sections sorted, then the unprefixed
+    ones ("Model metrics"), then `system/` ("System metrics")."""
+    names = {k.rpartition("/")[0] or "Model metrics" for k in keys}
+    names = {"System metrics" if n == "system" else n for n in names}
+    return sorted(n for n in names if n not in ("Model metrics", "System metrics")) + [
+        n for n in ("Model metrics", "System metrics") if n in names]
+
+
+def test_reward_and_loss_are_the_first_charts_a_runs_mlflow_page_draws(tracker):
+    """The run page drew `data` (counters at 0 in most runs) first and the unprefixed loss and reward last."""
+    from dataclasses import MISSING, fields
+
+    from factory.core.loop import StepRecord  # heavy: torch
+
+    run_id = tracker.start_run("step-metrics", "sections")
+    required = [f.name for f in fields(StepRecord) if f.default is MISSING and f.default_factory is MISSING]
+    record = StepRecord(**dict.fromkeys(required, 0.5), hacks_any=0.0, env_errors=0.0)
+    m = StepMetrics(tracker, run_id)
+    # what Run.step adds: the record's scalars, the feed's and curriculum's counters, a periodic eval
+    m.add(1, {**{k: v for k, v in record.to_dict().items() if k != "step"}, "data/skipped": 0.0, "data/forced": 0.0,
+              "curriculum/level": 1.0, "eval/accuracy": 0.25})
+    m.flush()
+    keys = sorted(tracker.get_run(run_id).data.metrics)
+    first = _sections(keys)[0]
+    assert first == "batch", _sections(keys)
+    assert {"batch/reward_mean", "batch/loss", "batch/accuracy"} <= {k for k in keys if k.startswith("batch/")}
+    assert {"data/skipped", "grad_norm", "eval/accuracy"} <= set(keys)  # the others keep their names
