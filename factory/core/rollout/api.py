@@ -5,10 +5,11 @@ sessions) and the logic of the OpenAI and control routes; `server.py` declares t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import secrets
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from fastapi import Request
@@ -28,11 +29,22 @@ from factory.core.rollout.chat import ChatTemplate, _encode, _message_text, _sam
 from factory.core.rollout.continuous import UPDATE_MODES, ContinuousEngine
 from factory.core.rollout.logprobs import TokenBytes, token_pieces
 from factory.core.rollout.prompt_gate import PromptGate
+from factory.core.rollout.sequences import mix_seed
 from factory.core.rollout.sessions import SessionStore, Turn
-from factory.core.rollout.tools import CALL_CLOSE, ToolPlan, check_response_format, forced_call, plan_tools
+from factory.core.rollout.tools import (
+    CALL_CLOSE,
+    INVALID_OUTPUT,
+    ToolPlan,
+    check_response_format,
+    forced_call,
+    name_choices,
+    plan_tools,
+)
 from factory.core.rollout.update_decoder import UpdateDecoder
+from factory.text import clip
 
 SESSION_HEADER = "x-session-id"
+POLICY_NAME = "policy"  # the model name Factory's environments call the policy by: every server answers to it
 
 # Turns a weight-update request body, the served weights (a copy) and their version into the new state dict and
 # the version the payload names (None: the request's ?version=, else the current version + 1).
@@ -55,8 +67,11 @@ class RolloutServer:
     """The state behind the HTTP routes: the engine, the chat template, the sessions."""
 
     def __init__(self, engine: ContinuousEngine, model_path: str | None = None,
-                 delta_decoder: DeltaDecoder | None = None, max_sessions: int = 10_000):
+                 delta_decoder: DeltaDecoder | None = None, max_sessions: int = 10_000,
+                 model_names: Sequence[str] | None = None):
         self.engine = engine
+        # what a request's `model` may be: the served names (default: the engine's), and POLICY_NAME
+        self.model_names = list(dict.fromkeys([*(model_names or [engine.name]), POLICY_NAME]))
         self.tokenizer = engine.tokenizer
         self.model_path = model_path
         self.delta_decoder = delta_decoder or UpdateDecoder()  # full weights, or LoRA adapters
@@ -76,6 +91,16 @@ class RolloutServer:
         self.gate.close()
 
     # -- helpers
+    def check_model(self, name: str | None) -> str:
+        """The name to answer with: `name` if this server serves it (a request may leave it out), else the 404
+        OpenAI answers (`model_not_found`)."""
+        if name is None:
+            return self.model_names[0]
+        if name not in self.model_names:
+            raise APIError(404, f"The model `{clip(name)}` does not exist: this server serves "
+                                f"{', '.join(self.model_names)}", "model", code="model_not_found")
+        return name
+
     def _session_id(self, request: Request, body: _SamplingRequest) -> str | None:
         header = request.headers.get(SESSION_HEADER)
         if header and body.session_id and header != body.session_id:
@@ -114,15 +139,20 @@ class RolloutServer:
     async def _run(self, prompts: list[list[int]], params: SamplingParams, prompt_field: str = "prompt",
                    max_tokens_field: str = "max_tokens") -> list[Completion]:
         """All n samples of every prompt, submitted together so that they batch; choice order is prompt-major."""
+        # Distinct sample indexes keep seeded samples of different prompts independent.
+        samples = [(p, i * params.n + j) for i, p in enumerate(prompts) for j in range(params.n)]
+        return await self._run_samples(samples, params, prompt_field, max_tokens_field)
+
+    async def _run_samples(self, samples: list[tuple[list[int], int]], params: SamplingParams,
+                           prompt_field: str = "prompt", max_tokens_field: str = "max_tokens") -> list[Completion]:
+        """One completion per (prompt, sample index), in that order, submitted together so that they batch."""
         try:
-            for p in prompts:  # all checked before any is queued
-                self.engine.check(p, params)
+            for p in dict.fromkeys(tuple(p) for p, _ in samples):  # all checked before any is queued
+                self.engine.check(list(p), params)
         except ValueError as e:
             field = _engine_field(str(e), prompt_field, max_tokens_field)
             raise APIError(400, f"{field}: {e}" if field else str(e), field) from e
-        # Distinct sample indexes keep seeded samples of different prompts independent.
-        futures = [self.engine.submit(p, params, sample_index=i * params.n + j)
-                   for i, p in enumerate(prompts) for j in range(params.n)]
+        futures = [self.engine.submit(p, params, sample_index=i) for p, i in samples]
         try:
             return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
         except asyncio.CancelledError:
@@ -146,6 +176,7 @@ class RolloutServer:
 
     # -- /v1/completions
     async def completions(self, request: Request, body: CompletionRequest) -> dict:
+        model = self.check_model(body.model)
         if body.echo:
             raise APIError(400, "echo=true is not supported", "echo")
         if body.best_of not in (None, 1, body.n):
@@ -175,7 +206,7 @@ class RolloutServer:
         self._record(sid, [Turn("completions", i, c.prompt_ids, c.token_ids, c.logprobs, c.token_versions,
                                 c.weight_version, c.finish_reason, c.text) for i, c in enumerate(comps)])
         return {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
-                "model": self.engine.name, "choices": choices, "usage": self._usage(prompts, comps),
+                "model": model, "choices": choices, "usage": self._usage(prompts, comps),
                 "session_id": sid}
 
     def _completion_prompts(self, prompt: str | list) -> list[list[int]]:
@@ -199,6 +230,7 @@ class RolloutServer:
 
     # -- /v1/chat/completions
     async def chat(self, request: Request, body: ChatRequest) -> dict:
+        model = self.check_model(body.model)
         if not body.messages:
             raise APIError(400, "messages must not be empty", "messages")
         k = body.top_logprobs
@@ -216,16 +248,24 @@ class RolloutServer:
         prompt, continues = await self.gate.run(chars, self._chat_prompt, messages, turns, plan)
         given = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = getattr(body, given)
-        if max_tokens is None:  # as many as fit the context
-            max_tokens = max(1, self.engine.max_seq_len - len(prompt))
-        params = self._params(body, max_tokens, k or 0, given, extra_stop=plan.stop)
-        comps = await self._run([prompt], params, "messages", given)
+        params = self._params(body, 1 if max_tokens is None else max_tokens, k or 0, given, extra_stop=plan.stop)
+        plans = [plan] * params.n
+        if plan.choose:  # "required" with several tools: the model picks each sample's function first
+            plans = [plan.with_name(name) for name in await self._choose_names(prompt, params, plan)]
+            prompts = {p.name: (await self.gate.run(chars, self._chat_prompt, messages, turns, p))[0] for p in plans}
+            samples = [(prompts[p.name], j) for j, p in enumerate(plans)]
+        else:
+            samples = [(prompt, j) for j in range(params.n)]
+        if max_tokens is None:  # as many as fit the context and the KV budget
+            most = min(self.engine.max_new_tokens(len(p)) for p, _ in samples)
+            params = dataclasses.replace(params, max_new_tokens=max(1, most))
+        comps = await self._run_samples(samples, params, "messages", given)
         choices, replies = [], []
-        for i, c in enumerate(comps):
-            message, finish = self._reply(c, plan)
+        for i, (c, p) in enumerate(zip(comps, plans, strict=True)):
+            message, finish = self._reply(c, p, i)
             try:
                 replies.append(_message_text(message, 0))
-            except APIError:  # a forced call whose arguments are not a JSON object: the session keeps its text
+            except APIError:  # a call cut by max_tokens, its arguments unfinished: the session keeps its text
                 replies.append({"role": "assistant", "content": c.text})
             choices.append({"index": i, "message": message, "finish_reason": finish,
                             "logprobs": self._chat_logprobs(c) if body.logprobs else None, **self._extension(c)})
@@ -233,19 +273,41 @@ class RolloutServer:
                                 c.finish_reason, c.text, messages, continues, reply=r)
                            for i, (c, r) in enumerate(zip(comps, replies, strict=True))])
         return {"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion", "created": int(time.time()),
-                "model": self.engine.name, "choices": choices, "usage": self._usage([prompt], comps),
+                "model": model, "choices": choices, "usage": self._usage([comps[0].prompt_ids], comps),
                 "session_id": sid}
 
-    def _reply(self, c: Completion, plan: ToolPlan) -> tuple[dict[str, Any], str]:
-        """The assistant message of a completion and its finish_reason, tool calls taken out as `plan` says."""
+    async def _choose_names(self, prompt: list[int], params: SamplingParams, plan: ToolPlan) -> list[str]:
+        """The function each of the n samples calls: the model's choice among `plan.names`, sampled (greedy at
+        temperature 0) with its completion constrained to one of them (`tools.name_choices`). Seeded requests draw
+        it from their own stream, apart from the call's."""
+        choices = name_choices(self.tokenizer, plan.names)
+        step = dataclasses.replace(params, max_new_tokens=max(map(len, choices)), choices=choices, stop=(),
+                                   stop_token_ids=(), ignore_eos=True, top_logprobs=0,
+                                   seed=None if params.seed is None else mix_seed(params.seed, 1 << 32))
+        comps = await self._run([prompt], step, "messages", "max_tokens")
+        by_ids = dict(zip(choices, plan.names, strict=True))
+        names = [by_ids.get(tuple(c.token_ids)) for c in comps]
+        if None in names:  # the context ended inside a name
+            raise APIError(400, f"messages: the prompt leaves no room in this model's context of "
+                                f"{self.engine.max_seq_len} tokens for a tool call", "messages")
+        return names  # type: ignore[return-value]
+
+    def _reply(self, c: Completion, plan: ToolPlan, index: int = 0) -> tuple[dict[str, Any], str]:
+        """The assistant message of a completion and its finish_reason, tool calls taken out as `plan` says. A
+        forced call that ended with arguments that are not a JSON object is OpenAI's 500 `model_error`."""
         message: dict[str, Any] = {"role": "assistant", "content": c.text}
         if plan.forced:  # the prompt started the call: the reply is that call, however it ended
-            call = forced_call(plan.prefill, c.text, f"call_{secrets.token_hex(8)}")
-            return ({"role": "assistant", "content": None, "tool_calls": [call]},
-                    "tool_calls" if c.finish_reason == "stop" else c.finish_reason)
+            call, ok = forced_call(plan, c.text, f"call_{secrets.token_hex(8)}")
+            if not ok and c.finish_reason == "stop":
+                raise APIError(500, f"{INVALID_OUTPUT} (choice {index}: the call to {plan.name} ended with arguments "
+                                    f"that are not a JSON object: {clip(call['function']['arguments'])!r})",
+                               kind="model_error")
+            if not ok:  # cut by max_tokens: the session keeps the text; the client sees finish_reason "length"
+                return {"role": "assistant", "content": None, "tool_calls": [call]}, c.finish_reason
+            return {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
         if plan.parse:
             closed = c.meta.get("stop_reason") == CALL_CLOSE  # parallel_tool_calls=false stopped at the first call
-            content, calls = parse_tool_calls(c.text + (CALL_CLOSE if closed else ""))
+            content, calls = parse_tool_calls(c.text + (CALL_CLOSE if closed else ""), plan.names)
             if calls:
                 return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
         return message, c.finish_reason

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -80,6 +80,7 @@ from factory.core.weights import WeightUpdate, apply_update
 from factory.infra.device import host_copy
 from factory.infra.faults import fault_point
 from factory.infra.http_guard import MAX_JSON_BYTES, guard
+from factory.infra.http_protocol import HEADER_TIMEOUT_S, guarded_http
 from factory.text import clip
 
 # The request handling, request models, chat template, sessions and checkpoint loading live in their own modules;
@@ -102,10 +103,11 @@ def weight_update_decoder(payload: bytes, current: Mapping[str, Tensor],
 
 def create_app(engine: ContinuousEngine, model_path: str | None = None, delta_decoder: DeltaDecoder | None = None,
                max_sessions: int = 10_000, max_body_bytes: int = MAX_JSON_BYTES,
-               max_update_bytes: int = MAX_UPDATE_BYTES) -> FastAPI:
+               max_update_bytes: int = MAX_UPDATE_BYTES, model_names: Sequence[str] | None = None) -> FastAPI:
     """The FastAPI app serving `engine` (which must be driven by its background thread: `engine.start()`).
-    Bodies over `max_body_bytes` (`max_update_bytes` for a weight update) are refused with a 413."""
-    srv = RolloutServer(engine, model_path, delta_decoder, max_sessions)
+    Bodies over `max_body_bytes` (`max_update_bytes` for a weight update) are refused with a 413. A request's
+    `model` must be one of `model_names` (default: the engine's name) or `policy`, else a 404."""
+    srv = RolloutServer(engine, model_path, delta_decoder, max_sessions, model_names)
     app = FastAPI(title="factory rollout server", docs_url=None, redoc_url=None)
     app.state.rollout = srv
     # A token-id body that no acceptable request could be is refused from its bytes, before the loop decodes and
@@ -113,12 +115,19 @@ def create_app(engine: ContinuousEngine, model_path: str | None = None, delta_de
     app.add_middleware(CompletionBodyGate, max_seq_len=engine.max_seq_len)
     # 400 for a malformed body, as OpenAI answers it (the openai client raises BadRequestError).
     guard(app, validation_status=400, render=openai_render, max_body_bytes=max_body_bytes,
-          body_limits={"/update_weights_from_delta": max_update_bytes})
+          body_limits={"/update_weights_from_delta": max_update_bytes}, raw_paths=("/update_weights_from_delta",))
+
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": srv.created, "owned_by": "factory",
+                "max_model_len": engine.max_seq_len}
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": engine.name, "object": "model", "created": srv.created,
-                                            "owned_by": "factory", "max_model_len": engine.max_seq_len}]}
+        return {"object": "list", "data": [model_card(name) for name in srv.model_names]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict:
+        return model_card(srv.check_model(model))
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest) -> dict:
@@ -262,14 +271,15 @@ class ServerHandle:
 def launch_server(engine: ContinuousEngine, host: str = "127.0.0.1", port: int = 0, model_path: str | None = None,
                   delta_decoder: DeltaDecoder | None = None, startup_timeout: float = 30.0,
                   log_level: str = "warning", max_body_bytes: int = MAX_JSON_BYTES,
-                  max_update_bytes: int = MAX_UPDATE_BYTES) -> ServerHandle:
+                  max_update_bytes: int = MAX_UPDATE_BYTES, model_names: Sequence[str] | None = None,
+                  header_timeout_s: float = HEADER_TIMEOUT_S) -> ServerHandle:
     """Serve `engine` from a background thread (port 0: any free port); starts the engine's thread if needed."""
     stop_engine = engine._thread is None or not engine._thread.is_alive()
     engine.start()
     app = create_app(engine, model_path=model_path, delta_decoder=delta_decoder, max_body_bytes=max_body_bytes,
-                     max_update_bytes=max_update_bytes)
+                     max_update_bytes=max_update_bytes, model_names=model_names)
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off",
-                                    access_log=False))
+                                    access_log=False, http=guarded_http(header_timeout_s)))
     thread = threading.Thread(target=server.run, name="rollout-server", daemon=True)
     thread.start()
     if not server.ready.wait(startup_timeout) or not server.started:
@@ -284,12 +294,14 @@ def launch_server(engine: ContinuousEngine, host: str = "127.0.0.1", port: int =
 
 def serve(engine: ContinuousEngine, host: str = "127.0.0.1", port: int = 8000, model_path: str | None = None,
           delta_decoder: DeltaDecoder | None = None, log_level: str = "info", max_body_bytes: int = MAX_JSON_BYTES,
-          max_update_bytes: int = MAX_UPDATE_BYTES) -> None:
+          max_update_bytes: int = MAX_UPDATE_BYTES, model_names: Sequence[str] | None = None,
+          header_timeout_s: float = HEADER_TIMEOUT_S) -> None:
     """Serve `engine` in the foreground until interrupted (the `factory serve` command)."""
     engine.start()
     try:
         app = create_app(engine, model_path=model_path, delta_decoder=delta_decoder, max_body_bytes=max_body_bytes,
-                         max_update_bytes=max_update_bytes)
-        uvicorn.run(app, host=host, port=port, log_level=log_level, lifespan="off")
+                         max_update_bytes=max_update_bytes, model_names=model_names)
+        uvicorn.run(app, host=host, port=port, log_level=log_level, lifespan="off",
+                    http=guarded_http(header_timeout_s))
     finally:
         engine.stop()
