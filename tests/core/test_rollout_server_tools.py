@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import openai
 import pytest
 import torch
@@ -189,3 +190,34 @@ def test_a_turn_cut_by_a_stop_string_is_closed_by_the_template_when_the_session_
     new_turn = tok("<|im_start|>user\nAnd in Rome?<|im_end|>\n<|im_start|>assistant\n",
                    add_special_tokens=False).input_ids
     assert second.prompt_token_ids == first.prompt_token_ids + first.token_ids + closing + new_turn
+
+
+def test_required_among_two_tools_never_invents_a_name(server):
+    """Sampled at temperature 1 from a random model, which left to itself writes any name: every call of six
+    requests (two samples each) is to one of the two tools, and the prompt shows that the call was started with it."""
+    tok = server.engine.tokenizer
+    seen = set()
+    for seed in range(6):
+        r, _ = strict_chat(server, messages=QUESTION, tools=[WEATHER, CLOCK], tool_choice="required", n=2,
+                           max_tokens=6, temperature=1.0, seed=seed)
+        for c in r.choices:
+            (call,) = c.message.tool_calls
+            assert call.function.name in ("get_weather", "get_time"), call.function.name
+            assert tok.decode(c.prompt_token_ids).endswith(f'{{"name": "{call.function.name}", "arguments": ')
+            seen.add(call.function.name)
+    assert seen == {"get_weather", "get_time"}  # a choice, not a fixed pick
+
+
+def test_a_finished_call_whose_arguments_are_not_json_is_openais_model_error(server):
+    """A call that ended (here: every token is a stop token, so it ends after one) with arguments that are not a
+    JSON object is never passed on: the openai client gets the 500 `model_error` OpenAI answers with."""
+    tok = server.engine.tokenizer
+    stops = [t for t in range(len(tok)) if not tok.decode([t]).strip().startswith("{")]
+    for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+        with pytest.raises(openai.InternalServerError) as e:
+            client(server).chat.completions.create(
+                model="qwen-tools", messages=QUESTION, tools=[WEATHER, CLOCK], tool_choice=choice, max_tokens=4,
+                temperature=0, extra_body={"stop_token_ids": stops})
+        assert e.value.body["type"] == "model_error" and "The model produced invalid content" in e.value.message
+        assert "not a JSON object" in e.value.message
+    assert httpx.get(server.url + "/health").status_code == 200
