@@ -87,18 +87,24 @@ def test_budget_arithmetic():
 
 
 def test_the_slot_cache_stays_within_its_allowance():
-    """Unbounded, the cache keeps all its slots and doubles its columns; bounded, it keeps fewer spare rows, then
-    fewer spare columns, compacting first, and never holds more than the allowance."""
+    """Unbounded, the cache doubles its rows (up to its slots) and its columns (up to the context); bounded, it
+    keeps fewer spare rows, then fewer spare columns, compacting first, and never holds more than the allowance."""
     def prefill(n: int, width: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         k = torch.arange(n * width, dtype=torch.float32).reshape(n, 1, width, 1)
         return [(k, k.clone())]
 
-    free = SlotKVCache(slots=8, initial_capacity=4)
+    free = SlotKVCache(slots=8, initial_capacity=4, max_columns=10)
     free.insert(prefill(2, 6), torch.tensor([0, 1]), [6, 5])
-    assert (free.rows, free.capacity) == (8, 7)  # all slots, the prompt's columns + the write column
+    assert (free.rows, free.capacity) == (2, 7)  # the rows running, the prompt's columns + the write column
+    free.insert(prefill(1, 6), torch.tensor([0]), [6])
+    assert (free.rows, free.capacity) == (4, 7)  # rows doubled
+    for _ in range(3):
+        free.reserve_decode()
+        free.width += 1
+    assert free.capacity == 10  # doubled, but never past max_columns
     tight = SlotKVCache(slots=8, initial_capacity=4)
     tight.insert(prefill(2, 6), torch.tensor([0, 1]), [6, 5], allow=30)
-    assert (tight.rows, tight.capacity) == (4, 7) and tight.rows * tight.capacity <= 30
+    assert (tight.rows, tight.capacity) == (2, 7) and tight.rows * tight.capacity <= 30
     for _ in range(5):  # decode steps: the columns grow within the allowance
         tight.reserve_decode(allow=30)
         tight.width += 1

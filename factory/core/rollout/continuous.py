@@ -115,7 +115,7 @@ class ContinuousEngine:
         self._version = weight_version
         self._additive_mask = attn == "eager"  # eager attention adds its mask; sdpa takes booleans
         self._kv_capacity = kv_capacity  # initial KV columns; the cache doubles as needed
-        self._cache = SlotKVCache(max_batch, kv_capacity)
+        self._cache = self._new_cache()
         device = self.device
         kv_dtype = torch.bfloat16 if precision == "bf16" and device.type == "cuda" else model.dtype
         if kv_budget is not None and kv_budget <= 0:
@@ -138,6 +138,10 @@ class ContinuousEngine:
         self._stopping = False
         self._seeds = random.Random()
         self.stats = EngineStats()
+
+    def _new_cache(self) -> SlotKVCache:
+        # No row ever needs more columns than the context and the write column.
+        return SlotKVCache(self.max_batch, self._kv_capacity, max_columns=self.max_seq_len + 1)
 
     # ------------------------------------------------------------------ public state
     @property
@@ -345,7 +349,7 @@ class ContinuousEngine:
                     except InvalidStateError:  # cancelled meanwhile
                         pass
             self._rows = []
-            self._cache = SlotKVCache(self.max_batch, self._kv_capacity)
+            self._cache = self._new_cache()
             self._cond.notify_all()
 
     # ------------------------------------------------------------------ the scheduler

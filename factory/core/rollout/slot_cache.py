@@ -1,6 +1,6 @@
 """The continuous engine's KV cache: per layer one buffer of slots (rows) x columns that sequences join and leave.
 
-KV layout: per layer one buffer [slots, kv_heads, capacity, head_dim]. Running sequences are rows 0..n-1 (a
+KV layout: per layer one buffer [rows, kv_heads, capacity, head_dim]. Running sequences are rows 0..n-1 (a
 finished row is replaced by the last one, so rows stay dense and every step works on views, no gather). All rows
 share one write column `width`: each step writes every row's new K/V at column `width`, and a sequence's valid
 columns are [start, width) — a new sequence is placed right-aligned, ending at `width`, and a boolean mask hides
@@ -14,10 +14,11 @@ only `update` and `get_seq_length` of the `transformers.Cache` interface are use
 Device: the buffers live where the prefill's K/V were computed (the model's device); the bookkeeping (each row's
 start column, the width) is plain Python on the host, so compaction and retirement never wait for the device.
 
-Memory: the buffers are allocated when the first rows arrive, `slots` rows by the columns needed, and grow by
-doubling their columns, unless that would pass `allow` (in slot-columns: one token of one row in every layer; the
-engine's KV budget, `kv_budget.py`): then with fewer spare rows, then fewer spare columns, down to what the
-running rows need (compacted first). Only a binding budget changes the layout the unbounded growth gives.
+Memory: the buffers are allocated when the first rows arrive and grow by doubling, their rows up to `slots` and
+their columns up to `max_columns` (the engine's context + the write column), unless that would pass `allow` (in
+slot-columns: one token of one row in every layer; the engine's KV budget, `kv_budget.py`): then with fewer spare
+rows, then fewer spare columns, down to what the running rows need (compacted first). Spare rows never change a
+sequence's numbers: every step works on the first n rows, whose strides do not depend on how many follow.
 """
 
 from __future__ import annotations
@@ -36,10 +37,11 @@ class SlotKVCache:
     `allow` arguments bound the allocation in slot-columns (see the module docstring).
     """
 
-    def __init__(self, slots: int, initial_capacity: int = 64):
+    def __init__(self, slots: int, initial_capacity: int = 64, max_columns: int | None = None):
         self.slots = slots
         self.initial_capacity = initial_capacity
-        self.keys: list[Tensor] = []  # per layer [slots, kv_heads, capacity, head_dim]
+        self.max_columns = max_columns  # no row ever needs more (None: no bound)
+        self.keys: list[Tensor] = []  # per layer [rows, kv_heads, capacity, head_dim]
         self.values: list[Tensor] = []
         self.start = [0] * slots  # first valid column of each row (host-side: read without a device sync)
         self.n = 0  # running rows: 0..n-1
@@ -115,13 +117,15 @@ class SlotKVCache:
 
     def _shape(self, rows: int, cols: int, allow: int) -> tuple[int, int]:
         """The buffer shape that holds `rows` x `cols` within `allow` slot-columns: the current one when it holds
-        them and fits; else all `slots` rows and doubled columns, with fewer spare rows, then fewer spare columns,
-        where that would not fit."""
+        them and fits; else doubled rows (at most `slots`) and doubled columns (at most `max_columns`), with fewer
+        spare rows, then fewer spare columns, where that would not fit."""
         have_rows, have_cols = self.rows, self.capacity
         if have_rows >= rows and have_cols >= cols and have_rows * have_cols <= allow:
             return have_rows, have_cols
-        new_rows = have_rows if have_rows >= rows else self.slots
+        new_rows = have_rows if have_rows >= rows else min(self.slots, max(2 * have_rows, rows))
         new_cols = have_cols if have_cols >= cols else max(2 * have_cols, cols)
+        if self.max_columns is not None:
+            new_cols = max(cols, min(new_cols, self.max_columns))
         if new_rows * new_cols > allow:
             new_rows = max(rows, min(new_rows, allow // new_cols))
             if new_rows * new_cols > allow:
