@@ -195,9 +195,10 @@ def main() -> None:
             idle = status_kb(server.proc.pid)
             case = concurrency_case(server, n, args.prompt_tokens, args.max_tokens)
             peak = server.stop()
-            case.update(idle_rss_mib=round(idle.get("VmRSS", 0) / 1024), peak_rss_mib=round(peak.get("VmHWM", 0) / 1024),
-                        log_tail=(Path(tmp) / f"serve-{n}.log").read_text(errors="replace")[-300:]
-                        if not case["alive"] or case["statuses"].get("200", 0) != n else "")
+            failed = not case["alive"] or case["statuses"].get("200", 0) != n
+            log = (Path(tmp) / f"serve-{n}.log").read_text(errors="replace")
+            case.update(idle_rss_mib=round(idle.get("VmRSS", 0) / 1024),
+                        peak_rss_mib=round(peak.get("VmHWM", 0) / 1024), log_tail=log[-300:] if failed else "")
             results["cases"].append(case)
         if args.small_budget_mb:
             server = Server(ckpt, cap, Path(tmp) / "serve-small.log", args.threads,

@@ -57,3 +57,13 @@ def test_a_gpu_this_machine_lacks_is_one_error_line(served, capsys):
     assert "--device" in err and "no CUDA device" in err and "engine" not in served
     assert main(["serve", "--preset", "micro", "--device", "tpu"]) == 2
     assert "expected auto, cpu, cuda or cuda:N" in capsys.readouterr().err
+
+
+def test_kv_budget_and_served_model_names(served, capsys):
+    assert main(["serve", "--preset", "micro", "--threads", "1", "--kv-budget-mb", "64", "--served-model-name", "a",
+                 "--served-model-name", "org/b"]) == 0
+    assert served["engine"].kv.total_bytes == 64 << 20 and served["model_names"] == ["a", "org/b"]
+    err = capsys.readouterr().err
+    assert "model names: a, org/b, policy" in err and "KV cache budget 64 MiB" in err
+    assert main(["serve", "--preset", "micro", "--kv-budget-mb", "0"]) == 2
+    assert "--kv-budget-mb: want a number of MiB >= 1, got 0" in capsys.readouterr().err

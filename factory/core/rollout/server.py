@@ -5,9 +5,16 @@ errors in `api_models.py`, the chat template and tool calls in `chat.py` and `to
 `sessions.py`, checkpoint loading in `served.py`; sampling and the KV budget are the engine's.
 Endpoints:
 
-- OpenAI: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (no streaming). The `openai`
-  client works unchanged; `model` may be any name. A completions request has at most `MAX_PROMPTS` (64) prompts;
-  a body holding more values than that allows is refused before it is parsed (`body_gate.py`).
+- OpenAI: `GET /v1/models`, `GET /v1/models/{model}`, `POST /v1/completions`, `POST /v1/chat/completions` (no
+  streaming). The `openai` client works unchanged. `model` is one of the served names (`model_names`, default the
+  engine's) or `policy` (what Factory's environments send), or left out; any other is OpenAI's 404
+  `model_not_found`. A completions request has at most `MAX_PROMPTS` (64) prompts; a body holding more values
+  than that allows is refused before it is parsed (`body_gate.py`). A request the engine's KV budget could never
+  hold is a 400 naming the budget; others wait for room in it (`kv_budget.py`). A chat request without
+  max_tokens gets as many as fit the context and the budget.
+- Transport: request headers must be complete within `header_timeout_s` (10 s) of a connection opening or of
+  its last response, else the connection is closed (`factory/infra/http_protocol.py`); a JSON body that is not
+  UTF-8 or is nested deeper than 128 levels is a 400 naming the byte (`factory/infra/json_body.py`).
 - Control, named as SGLang names them: `GET /health`, `GET /get_model_info`, `GET /get_server_info`,
   `POST /update_weights_from_disk` {"model_path", "version"?, "mode"?}, `POST /pause_generation`
   {"mode"?: "drain" | "in_place", "wait"?}, `POST /continue_generation`, `POST /flush_cache`; and (SGLang has no
@@ -30,7 +37,9 @@ Tool calls: when a chat request offers `tools`, they are shown through the model
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks in a reply (Hermes style) come back as OpenAI
 `tool_calls` (finish_reason "tool_calls"); an assistant message with `tool_calls` sent back renders through the
 template, and still continues the turn's exact ids in a session. `tool_choice`, `parallel_tool_calls` and
-`response_format` follow `tools.py` (honoured, or refused with a 400 naming the field).
+`response_format` follow `tools.py` (honoured, or refused with a 400 naming the field): a required or forced
+call names one of `tools`, and one that ended with arguments that are not a JSON object is OpenAI's 500
+`model_error`.
 Log-probs (`logprobs.py`): the listed tokens join up to exactly the returned `text` (completions) or the generated
 text (chat: the `content`, unless tool calls were taken out of it); eos, pad and stop-string tokens are not listed,
 and `bytes` are each token's true bytes. The extension `token_ids`/`token_logprobs` keep every sampled token.
