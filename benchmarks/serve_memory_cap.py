@@ -157,6 +157,10 @@ def concurrency_case(server: Server, n: int, prompt_tokens: int, max_tokens: int
     done.set()
     prober.join(60)
     alive = server.proc.poll() is None
+    try:
+        after = httpx.get(server.url + "/get_server_info", timeout=30).json()
+    except httpx.HTTPError:
+        after = {}
     statuses: dict[str, int] = {}
     for status, _ in answers:
         statuses[str(status)] = statuses.get(str(status), 0) + 1
@@ -164,7 +168,8 @@ def concurrency_case(server: Server, n: int, prompt_tokens: int, max_tokens: int
     return {"n": n, "statuses": statuses, "errors": sorted({e for s, e in answers if s != 200})[:3],
             "alive": alive, "wall_s": round(wall, 1), "kv_budget_mib": round(info_at_start.get("kv_budget_bytes", 0) /
                                                                                 (1 << 20), 1),
-            "kv_peak_mib": round(kv_peak[0] / (1 << 20), 1), "health_n": len(lat),
+            "kv_peak_mib": round(kv_peak[0] / (1 << 20), 1), "max_running": after.get("max_running"),
+            "waited_for_kv": after.get("waited_for_kv"), "health_n": len(lat),
             "health_failed": len(lat) - len(ok),
             "health_p50_ms": round(1000 * statistics.median(ok), 1) if ok else None,
             "health_p99_ms": round(1000 * percentile(ok, 0.99), 1) if ok else None,
@@ -210,12 +215,14 @@ def main() -> None:
                                      else None, "then_health": httpx.get(server.url + "/health").status_code}
             server.stop()
     print(f"{'N':>3} {'200s':>5} {'other':>6} {'alive':>5} {'wall s':>7} {'idle RSS':>9} {'peak RSS':>9} "
-          f"{'KV budget':>10} {'KV peak':>8} {'health n':>8} {'p50 ms':>7} {'p99 ms':>7} {'max ms':>7}")
+          f"{'KV budget':>10} {'KV peak':>8} {'ran':>4} {'waits':>6} {'health n':>8} {'p50 ms':>7} {'p99 ms':>7} "
+          f"{'max ms':>7}")
     for c in results["cases"]:
         other = sum(v for k, v in c["statuses"].items() if k != "200")
         print(f"{c['n']:>3} {c['statuses'].get('200', 0):>5} {other:>6} {c['alive']!s:>5} {c['wall_s']:>7} "
               f"{c['idle_rss_mib']:>5} MiB {c['peak_rss_mib']:>5} MiB {c['kv_budget_mib']:>6} MiB "
-              f"{c['kv_peak_mib']:>4} MiB {c['health_n']:>8} {c['health_p50_ms']!s:>7} {c['health_p99_ms']!s:>7} "
+              f"{c['kv_peak_mib']:>4} MiB {c['max_running']!s:>4} {c['waited_for_kv']!s:>6} {c['health_n']:>8} "
+              f"{c['health_p50_ms']!s:>7} {c['health_p99_ms']!s:>7} "
               f"{c['health_max_ms']!s:>7}")
         if c["errors"]:
             print(f"    errors: {c['errors']}")

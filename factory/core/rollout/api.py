@@ -302,9 +302,9 @@ class RolloutServer:
                 raise APIError(500, f"{INVALID_OUTPUT} (choice {index}: the call to {plan.name} ended with arguments "
                                     f"that are not a JSON object: {clip(call['function']['arguments'])!r})",
                                kind="model_error")
-            if not ok:  # cut by max_tokens: the session keeps the text; the client sees finish_reason "length"
-                return {"role": "assistant", "content": None, "tool_calls": [call]}, c.finish_reason
-            return {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
+            # cut by max_tokens (its arguments whole or not): the client sees finish_reason "length"
+            return ({"role": "assistant", "content": None, "tool_calls": [call]},
+                    "tool_calls" if c.finish_reason == "stop" else c.finish_reason)
         if plan.parse:
             closed = c.meta.get("stop_reason") == CALL_CLOSE  # parallel_tool_calls=false stopped at the first call
             content, calls = parse_tool_calls(c.text + (CALL_CLOSE if closed else ""), plan.names)
