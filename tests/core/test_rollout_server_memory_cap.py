@@ -33,7 +33,7 @@ runpy.run_module("factory.cli", run_name="__main__")
 """
 
 
-@pytest.mark.slow  # a `factory serve` process and four 4000-token prefills: about 30 s on two loaded cores
+@pytest.mark.slow  # a `factory serve` process and four 4000-token prefills: 44 s measured, two cores at load 13
 def test_long_prompts_side_by_side_under_a_memory_cap(tmp_path):
     tok = build_tokenizer()
     # 4 layers x 4 KV heads x 16 x (K, V) x fp32: 2 KiB per token, cheap to run (hidden 64)

@@ -53,7 +53,7 @@ def _error_response(status: int, message: str, param: str | None = None,
 class _SamplingRequest(BaseModel):
     model_config = _OPEN
 
-    model: str | None = None  # any name: the environments call the policy "policy"
+    model: str | None = None  # a served name or "policy" (`RolloutServer.check_model`); may be left out
     n: int = 1
     temperature: float | None = None
     top_p: float | None = None
