@@ -122,6 +122,13 @@ def _serve_commands(sub: argparse._SubParsersAction) -> None:
                                                     "the CPU; default), cpu, cuda or cuda:N")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                    help="bf16: decode under bf16 autocast on a GPU (fp32 weights kept); the CPU always decodes fp32")
+    p.add_argument("--kv-budget-mb", type=int, metavar="MIB",
+                   help="MiB the KV cache may hold; requests wait for room in it, one that can never fit gets a 400 "
+                        "(default: half the memory free at start: the GPU's, or the host's within its cgroup and "
+                        "rlimits)")
+    p.add_argument("--served-model-name", action="append", metavar="NAME",
+                   help="a name requests may give as `model` (repeatable; default: the checkpoint directory's name "
+                        "or the preset); `policy`, the name Factory's environments use, is always accepted")
     add_max_body(p)
     add_max_body(p, "--max-update-mb", 16384, "a weight update (POST /update_weights_from_delta)")
     p.set_defaults(func="serve:cmd_serve")

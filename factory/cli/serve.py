@@ -9,7 +9,9 @@ from pathlib import Path
 import torch
 
 from factory.cli.common import error, home_from
+from factory.core.rollout.api import POLICY_NAME
 from factory.core.rollout.continuous import ContinuousEngine
+from factory.core.rollout.kv_budget import mib
 from factory.core.rollout.server import engine_from_checkpoint, serve
 from factory.infra.device import describe, prepare, resolve_device
 from factory.model_source import model_source
@@ -24,6 +26,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Serve a checkpoint (or a freshly built preset model) over the OpenAI API until interrupted."""
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.kv_budget_mb is not None and args.kv_budget_mb < 1:
+        error(f"--kv-budget-mb: want a number of MiB >= 1, got {args.kv_budget_mb}")
+        return EXIT_BAD_INPUT
+    budget = None if args.kv_budget_mb is None else args.kv_budget_mb << 20
     try:
         device = resolve_device(args.device, field="--device")
         prepare(device)
@@ -40,17 +46,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
             if source.kind != "dir":
                 path = resolve_model_path(path, home_from(args), log=lambda m: print(m, file=sys.stderr))
             engine = engine_from_checkpoint(path, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
-                                            version=args.weight_version, device=device, precision=args.precision)
+                                            version=args.weight_version, device=device, precision=args.precision,
+                                            kv_budget=budget)
         else:
             tok = build_tokenizer()
             engine = ContinuousEngine(build_model(args.preset, tok, seed=args.seed).to(device), tok,
                                       args.weight_version, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
-                                      name=args.preset, precision=args.precision)
+                                      name=args.preset, precision=args.precision, kv_budget=budget)
     except (FileNotFoundError, ValueError, OSError) as e:
         error(str(e))
         return EXIT_BAD_INPUT
-    print(f"factory: serving {engine.name} (weight version {engine.weight_version}) on {describe(device)} at "
-          f"http://{args.host}:{args.port}", file=sys.stderr)
+    names = args.served_model_name or [engine.name]
+    shown = ", ".join(dict.fromkeys([*names, POLICY_NAME]))
+    print(f"factory: serving {engine.name} (weight version {engine.weight_version}; model names: {shown}) on "
+          f"{describe(device)} at http://{args.host}:{args.port}; KV cache budget {mib(engine.kv.total_bytes)} "
+          f"({engine.kv.columns:,} tokens of {engine.kv.per_token:,} bytes)", file=sys.stderr)
     serve(engine, host=args.host, port=args.port, model_path=args.checkpoint, max_body_bytes=args.max_body_mb,
-          max_update_bytes=args.max_update_mb)
+          max_update_bytes=args.max_update_mb, model_names=names)
     return EXIT_OK

@@ -176,7 +176,7 @@ class SGLangSpec(_Section):
 class RolloutSpec(_Section):
     """How completions are sampled."""
 
-    _LATE_FIELDS: ClassVar[tuple[str, ...]] = ("sglang", "threads", "cpus", "env_cpus", "devices")
+    _LATE_FIELDS: ClassVar[tuple[str, ...]] = ("sglang", "threads", "cpus", "env_cpus", "devices", "kv_budget_mb")
 
     engine: Literal["embedded", "server", "sglang"] = Field(
         "embedded", description="overlapped modes: the continuous engine in-process, a supervised rollout "
@@ -209,6 +209,9 @@ class RolloutSpec(_Section):
         None, min_length=1, description="placement: the GPU ids the rollout engine gets (SGLang: server i uses "
         "devices[i*tp_size:(i+1)*tp_size]); unset: SGLang's own choice from GPU 0")
     sglang: SGLangSpec | None = Field(None, description="the SGLang servers when rollout.engine is 'sglang'")
+    kv_budget_mb: int | None = Field(
+        None, ge=1, description="MiB the continuous engine's KV cache may hold (in-process, or the rollout server "
+        "process); requests wait for room in it; unset: half the memory free when the engine starts")
 
     @model_validator(mode="after")
     def _sglang_settings(self) -> RolloutSpec:

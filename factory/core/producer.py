@@ -189,8 +189,10 @@ class OverlappedProducer:
             base = lora.base_state(model)
             self._merger = lora.AdapterMerger({f"{m}.weight": base[f"{m}.weight"] for m in lora.lora_layers(model)})
         # The copy stays on the trainer model's device, and the engine computes there.
+        budget = self.spec.rollout.kv_budget_mb
         self.engine = ContinuousEngine(lora.merged_copy(model).eval(), self.tok, weight_version=version,
-                                       max_batch=self.rows, precision=self.spec.trainer.precision)
+                                       max_batch=self.rows, precision=self.spec.trainer.precision,
+                                       kv_budget=None if budget is None else budget << 20)
         self.engine.start(functools.partial(enter, placements(self.spec)["rollout"]))
 
     def _produce(self) -> None:
@@ -448,9 +450,10 @@ class ServerProducer(OverlappedProducer):
 def server_argv(spec: ExperimentSpec, checkpoint: Path, rows: int, version: int) -> list[str]:
     """The `factory serve` command of a run's rollout server (`{port}` filled in by the supervisor): it serves
     `checkpoint` on the run's device, in the trainer's precision."""
+    budget = [] if spec.rollout.kv_budget_mb is None else ["--kv-budget-mb", str(spec.rollout.kv_budget_mb)]
     return [sys.executable, "-m", "factory.cli", "serve", "--checkpoint", str(checkpoint), "--port", "{port}",
             "--threads", str(spec.rollout.threads or 1), "--max-batch", str(rows), "--weight-version", str(version),
-            "--device", str(run_device(spec)), "--precision", spec.trainer.precision]
+            "--device", str(run_device(spec)), "--precision", spec.trainer.precision, *budget]
 
 
 def _published_state(model: PreTrainedModel) -> dict:

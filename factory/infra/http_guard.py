@@ -8,14 +8,16 @@ server-side bug with a short 500, and go on serving:
   limit (it is never buffered whole). FastAPI's own `max_body_size` is not used: it answers a declared oversize
   with a plain-text body, whatever the app's error shape;
 - validation errors (malformed JSON, wrong types, out-of-range or non-finite numbers) get `validation_status`
-  naming the first error's field path (`messages.1.tool_calls.0.function`) and what was wrong;
+  naming the first error's field path (`messages.1.tool_calls.0.function`) and what was wrong; a JSON body that is
+  not UTF-8 or is nested too deep gets it before it is parsed, naming the byte (`json_body.py`; `raw_paths`
+  take bytes and are not checked);
 - `RequestError` and Starlette's `HTTPException` (unknown route, wrong method) get their own status;
 - any other exception gets a 500 "internal error: <type>: <message>", logged with its traceback; the response is
   a normal one, so the client's keep-alive connection stays usable.
 
 Every error body is {"error": {"message": str, "type": str, "field": str | None}} (a service's `render` may add
-keys: the rollout server adds OpenAI's `param` and `code`). A value echoed in a message is clipped to 100
-characters, and a message to 500.
+keys: the rollout server adds OpenAI's `param` and `code`; a `RequestError` with a `code` sets `error.code`). A
+value echoed in a message is clipped to 100 characters, and a message to 500.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -32,6 +34,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from factory.infra.json_body import JSONBodyCheck
 from factory.text import clip
 
 log = logging.getLogger(__name__)
@@ -46,9 +49,10 @@ Render = Callable[[int, str, str | None, str], dict[str, Any]]
 class RequestError(Exception):
     """A request the service refuses: its status (4xx), a message for the caller and the field at fault."""
 
-    def __init__(self, status: int, message: str, field: str | None = None, kind: str = "invalid_request_error"):
+    def __init__(self, status: int, message: str, field: str | None = None, kind: str = "invalid_request_error",
+                 code: str | None = None):
         super().__init__(message)
-        self.status, self.message, self.field, self.kind = status, message, field, kind
+        self.status, self.message, self.field, self.kind, self.code = status, message, field, kind, code
 
 
 def default_render(status: int, message: str, field: str | None, kind: str) -> dict[str, Any]:
@@ -107,18 +111,22 @@ def _show(value: object) -> str:
 
 
 def error_response(status: int, message: str, field: str | None = None, kind: str | None = None,
-                   render: Render = default_render) -> JSONResponse:
+                   render: Render = default_render, code: str | None = None) -> JSONResponse:
     kind = kind or ("internal_error" if status >= 500 else "invalid_request_error")
-    return JSONResponse(render(status, clip(message, MAX_MESSAGE), field, kind), status_code=status)
+    body = render(status, clip(message, MAX_MESSAGE), field, kind)
+    if code is not None and isinstance(body.get("error"), dict):
+        body["error"]["code"] = code
+    return JSONResponse(body, status_code=status)
 
 
 def guard(app: FastAPI, *, validation_status: int = 422, render: Render = default_render,
-          max_body_bytes: int = MAX_JSON_BYTES, body_limits: Mapping[str, int] | None = None) -> FastAPI:
+          max_body_bytes: int = MAX_JSON_BYTES, body_limits: Mapping[str, int] | None = None,
+          raw_paths: Collection[str] = ()) -> FastAPI:
     """Install the error handlers and the body and crash guards on `app` (before it serves); returns it."""
 
     @app.exception_handler(RequestError)
     async def _request_error(_: Request, e: RequestError) -> JSONResponse:
-        return error_response(e.status, e.message, e.field, e.kind, render)
+        return error_response(e.status, e.message, e.field, e.kind, render, e.code)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
@@ -134,6 +142,10 @@ def guard(app: FastAPI, *, validation_status: int = 422, render: Render = defaul
             message = f"{message}: {request.method} {clip(request.url.path)}"
         return error_response(e.status_code, message, getattr(e, "field", None), None, render)
 
+    def refuse(message: str) -> JSONResponse:
+        return error_response(validation_status, message, "body", None, render)
+
+    app.add_middleware(JSONBodyCheck, refuse=refuse, raw_paths=raw_paths)  # inside the body limit
     # Added last = outermost: a crash anywhere inside (body limit included) becomes a 500 response.
     app.add_middleware(BodyLimit, default=max_body_bytes, per_path=dict(body_limits or {}), render=render)
     app.add_middleware(CatchAll, render=render)

@@ -70,3 +70,13 @@ def test_a_checkpoint_that_does_not_exist_is_one_line_naming_the_flag(served, tm
     assert "engine" not in served  # nothing was served
     with pytest.raises(FileNotFoundError, match=f"no checkpoint at {missing}"):  # at once, not after retries
         load_checkpoint(missing)
+
+
+def test_kv_budget_and_served_model_names(served, capsys):
+    assert main(["serve", "--preset", "micro", "--threads", "1", "--kv-budget-mb", "64", "--served-model-name", "a",
+                 "--served-model-name", "org/b"]) == 0
+    assert served["engine"].kv.total_bytes == 64 << 20 and served["model_names"] == ["a", "org/b"]
+    err = capsys.readouterr().err
+    assert "model names: a, org/b, policy" in err and "KV cache budget 64 MiB" in err
+    assert main(["serve", "--preset", "micro", "--kv-budget-mb", "0"]) == 2
+    assert "--kv-budget-mb: want a number of MiB >= 1, got 0" in capsys.readouterr().err

@@ -64,3 +64,15 @@ def test_the_rollout_server_process_runs_on_the_runs_device_in_its_precision():
     auto = server_argv(parse_spec({"trainer": {"precision": "bf16"}}), Path("/ckpt"), rows=8, version=0)
     assert auto[auto.index("--device") + 1] == str(run_device(parse_spec({})))  # auto resolved once, by the run
     assert auto[auto.index("--precision") + 1] == "bf16"
+
+
+def test_the_specs_kv_budget_reaches_the_rollout_server_and_the_in_process_engine():
+    from factory.cli.parser import build_parser
+    from factory.core.producer import server_argv
+
+    spec = parse_spec({"rollout": {"engine": "server", "kv_budget_mb": 96}})
+    args = build_parser().parse_args([a.replace("{port}", "0") for a in server_argv(spec, Path("/c"), 8, 0)[3:]])
+    assert args.kv_budget_mb == 96
+    assert build_parser().parse_args([a.replace("{port}", "0") for a in server_argv(
+        parse_spec({}), Path("/c"), 8, 0)[3:]]).kv_budget_mb is None  # unset: the server sizes it from the machine
+    assert "kv_budget_mb" not in parse_spec({}).model_dump()["rollout"]  # a late field: old fingerprints stay

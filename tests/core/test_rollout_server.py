@@ -44,7 +44,7 @@ def test_health_models_and_model_info(server):
     assert server.url.startswith("http://127.0.0.1:")
     assert httpx.get(server.url + "/health").status_code == 200
     models = client(server).models.list()
-    assert [m.id for m in models.data] == ["micro"]
+    assert [m.id for m in models.data] == ["micro", "policy"]  # its name, and the one environments use
     info = httpx.get(server.url + "/get_model_info").json()
     assert info["weight_version"] == 0 and info["config"]["model_type"] == "qwen2" and info["max_seq_len"] == 64
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import openai
 import pytest
 import torch
@@ -41,7 +42,7 @@ def client(handle) -> openai.OpenAI:
 
 def strict_chat(handle, **kwargs) -> tuple[ChatCompletion, dict]:
     """The typed response and its raw JSON, which must validate against openai's model with strict=True."""
-    raw = client(handle).chat.completions.with_raw_response.create(model="m", **kwargs)
+    raw = client(handle).chat.completions.with_raw_response.create(model="qwen-tools", **kwargs)
     data = raw.http_response.json()
     ChatCompletion.model_validate(data, strict=True)
     return raw.parse(), data
@@ -83,15 +84,17 @@ def test_tool_answers_pass_the_openai_clients_strict_models(server, tool_choice,
         if tool_choice == "none":
             assert c.message.tool_calls is None and isinstance(c.message.content, str)
         if tool_choice not in ("auto", "none"):  # the reply is exactly one call, started by the prompt
-            assert prompt.endswith('<|im_start|>assistant\n<tool_call>\n{"name": ' + (
-                '"get_weather", "arguments": ' if isinstance(tool_choice, dict) else '"'))
             (call,) = c.message.tool_calls
+            # required: the model picked one of the tools (never an invented name) and the prompt wrote it
+            assert call.function.name in (("get_weather",) if isinstance(tool_choice, dict) else
+                                          ("get_weather", "get_time"))
+            assert prompt.endswith(f'<|im_start|>assistant\n<tool_call>\n{{"name": "{call.function.name}", '
+                                   '"arguments": ')
             assert c.finish_reason in ("tool_calls", "length") and c.message.content is None
             assert call.type == "function" and isinstance(call.function.arguments, str)
-            if isinstance(tool_choice, dict):
-                assert call.function.name == "get_weather"
-            if c.finish_reason == "tool_calls":
+            if c.finish_reason == "tool_calls":  # a finished call's arguments are a JSON object
                 assert c.stop_reason in (CALL_CLOSE, tok.eos_token_id)
+                assert isinstance(json.loads(call.function.arguments), dict)
         if parallel is False:
             assert len(c.message.tool_calls or []) <= 1
         assert_logprobs_join_up(tok, c, 3)
@@ -105,7 +108,7 @@ def test_chat_logprobs_join_up_to_the_content_and_completions_to_the_text(server
     for c in r.choices:
         assert generated_text(tok, c) == c.message.content
         assert_logprobs_join_up(tok, c, 5)
-    raw = client(server).completions.with_raw_response.create(model="m", prompt="Café 中", max_tokens=12, n=4,
+    raw = client(server).completions.with_raw_response.create(model="qwen-tools", prompt="Café 中", max_tokens=12, n=4,
                                                               temperature=1.0, seed=3, logprobs=4)
     data = raw.http_response.json()
     OpenAICompletion.model_validate(data, strict=True)
@@ -117,7 +120,7 @@ def test_chat_logprobs_join_up_to_the_content_and_completions_to_the_text(server
 
 
 def test_a_stop_string_cut_mid_token_lists_only_the_text_part(server):
-    base = dict(model="m", prompt="Weather in Paris", max_tokens=24, temperature=1.0, seed=1, logprobs=0,
+    base = dict(model="qwen-tools", prompt="Weather in Paris", max_tokens=24, temperature=1.0, seed=1, logprobs=0,
                 extra_body={"ignore_eos": True})
     full = client(server).completions.create(**base).choices[0]
     pieces = full.logprobs.tokens
@@ -137,16 +140,17 @@ def test_a_stop_string_cut_mid_token_lists_only_the_text_part(server):
 def test_refusals_reach_the_openai_client_naming_the_field(server):
     c = client(server)
     with pytest.raises(openai.BadRequestError) as e:
-        c.chat.completions.create(model="m", messages=QUESTION, tools=[WEATHER],
+        c.chat.completions.create(model="qwen-tools", messages=QUESTION, tools=[WEATHER],
                                   tool_choice={"type": "function", "function": {"name": "send_mail"}})
     assert e.value.body["param"] == "tool_choice.function.name" and "send_mail" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError) as e:
-        c.chat.completions.create(model="m", messages=QUESTION, response_format={"type": "json_object"})
+        c.chat.completions.create(model="qwen-tools", messages=QUESTION, response_format={"type": "json_object"})
     assert e.value.body["param"] == "response_format"
     with pytest.raises(openai.BadRequestError) as e:
-        c.completions.create(model="m", prompt="x", extra_body={"response_format": {"type": "json_schema"}})
+        c.completions.create(model="qwen-tools", prompt="x", extra_body={"response_format": {"type": "json_schema"}})
     assert e.value.body["param"] == "response_format"
-    ok = c.chat.completions.create(model="m", messages=QUESTION, response_format={"type": "text"}, max_tokens=2)
+    ok = c.chat.completions.create(model="qwen-tools", messages=QUESTION, response_format={"type": "text"},
+                                   max_tokens=2)
     assert ok.choices[0].message.role == "assistant"
 
 
@@ -155,24 +159,26 @@ def test_a_forced_call_sent_back_renders_through_the_template(server):
     tok = server.engine.tokenizer
     c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60,
                       default_headers={"x-session-id": "tools-qwen"})
-    first = c.chat.completions.create(model="m", messages=QUESTION, tools=[CLOCK], tool_choice="required",
+    first = c.chat.completions.create(model="qwen-tools", messages=QUESTION, tools=[CLOCK], tool_choice="required",
                                       max_tokens=8, temperature=0)
     (call,) = first.choices[0].message.tool_calls
     assert call.function.name == "get_time"
-    call.function.arguments = "{}"  # the environment's reading of whatever the random model wrote
+    call.function.arguments = '{"tz": "UTC"}'  # the environment's reading of whatever the random model wrote
     messages = [*QUESTION, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                 {"role": "tool", "tool_call_id": call.id, "content": "12:00"}]
-    second = c.chat.completions.create(model="m", messages=messages, tools=[CLOCK], max_tokens=2, temperature=0)
+    second = c.chat.completions.create(model="qwen-tools", messages=messages, tools=[CLOCK], max_tokens=2,
+                                       temperature=0)
     prompt = tok.decode(second.choices[0].prompt_token_ids)
     assert "<tool_response>\n12:00\n</tool_response>" in prompt and json.dumps(CLOCK) in prompt
-    assert '<|im_start|>assistant\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call><|im_end|>' in prompt
+    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>'
+            '<|im_end|>') in prompt
 
 
 def test_a_turn_cut_by_a_stop_string_is_closed_by_the_template_when_the_session_goes_on(server):
     tok = server.engine.tokenizer
     c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60,
                       default_headers={"x-session-id": "stop-closing"})
-    sampling = dict(model="m", max_tokens=12, temperature=1.0, seed=2, extra_body={"ignore_eos": True})
+    sampling = dict(model="qwen-tools", max_tokens=12, temperature=1.0, seed=2, extra_body={"ignore_eos": True})
     probe = c.chat.completions.create(messages=QUESTION, **sampling).choices[0].message.content
     stop = probe[len(probe) // 2:][:2]  # a string the same seeded sample reaches part-way
     first = c.chat.completions.create(messages=QUESTION, stop=[stop], **sampling).choices[0]
@@ -184,3 +190,34 @@ def test_a_turn_cut_by_a_stop_string_is_closed_by_the_template_when_the_session_
     new_turn = tok("<|im_start|>user\nAnd in Rome?<|im_end|>\n<|im_start|>assistant\n",
                    add_special_tokens=False).input_ids
     assert second.prompt_token_ids == first.prompt_token_ids + first.token_ids + closing + new_turn
+
+
+def test_required_among_two_tools_never_invents_a_name(server):
+    """Sampled at temperature 1 from a random model, which left to itself writes any name: every call of six
+    requests (two samples each) is to one of the two tools, and the prompt shows that the call was started with it."""
+    tok = server.engine.tokenizer
+    seen = set()
+    for seed in range(6):
+        r, _ = strict_chat(server, messages=QUESTION, tools=[WEATHER, CLOCK], tool_choice="required", n=2,
+                           max_tokens=6, temperature=1.0, seed=seed)
+        for c in r.choices:
+            (call,) = c.message.tool_calls
+            assert call.function.name in ("get_weather", "get_time"), call.function.name
+            assert tok.decode(c.prompt_token_ids).endswith(f'{{"name": "{call.function.name}", "arguments": ')
+            seen.add(call.function.name)
+    assert seen == {"get_weather", "get_time"}  # a choice, not a fixed pick
+
+
+def test_a_finished_call_whose_arguments_are_not_json_is_openais_model_error(server):
+    """A call that ended (here: every token is a stop token, so it ends after one) with arguments that are not a
+    JSON object is never passed on: the openai client gets the 500 `model_error` OpenAI answers with."""
+    tok = server.engine.tokenizer
+    stops = [t for t in range(len(tok)) if not tok.decode([t]).strip().startswith("{")]
+    for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+        with pytest.raises(openai.InternalServerError) as e:
+            client(server).chat.completions.create(
+                model="qwen-tools", messages=QUESTION, tools=[WEATHER, CLOCK], tool_choice=choice, max_tokens=4,
+                temperature=0, extra_body={"stop_token_ids": stops})
+        assert e.value.body["type"] == "model_error" and "The model produced invalid content" in e.value.message
+        assert "not a JSON object" in e.value.message
+    assert httpx.get(server.url + "/health").status_code == 200

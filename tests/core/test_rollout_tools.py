@@ -7,8 +7,15 @@ import json
 import pytest
 
 from factory.core.rollout.api_models import APIError
-from factory.core.rollout.chat import ChatTemplate, _message_text
-from factory.core.rollout.tools import CALL_CLOSE, check_response_format, forced_call, plan_tools
+from factory.core.rollout.chat import ChatTemplate, _message_text, parse_tool_calls
+from factory.core.rollout.tools import (
+    CALL_CLOSE,
+    NAME_PREFILL,
+    check_response_format,
+    forced_call,
+    name_choices,
+    plan_tools,
+)
 from factory.models.bpe import build_bpe_tokenizer
 from tests.core.qwen_template import CLOCK, WEATHER, load_qwen_tokenizer
 
@@ -73,6 +80,7 @@ def test_tool_choice_plans():
     assert lone.forced and lone.prefill == '<tool_call>\n{"name": "get_weather", "arguments": '
     several = plan_tools([WEATHER, CLOCK], "required", True)
     assert several.forced and several.prefill == '<tool_call>\n{"name": "' and several.stop == (CALL_CLOSE,)
+    assert several.choose and several.name is None  # the model picks the function first
 
 
 @pytest.mark.parametrize(("tools", "choice", "param", "needle"), [
@@ -84,6 +92,8 @@ def test_tool_choice_plans():
     ([WEATHER], {"type": "function"}, "tool_choice", "must be"),
     ([{"type": "retrieval"}], None, "tools.0.type", "must be \"function\""),
     ([{"type": "function", "function": {}}], None, "tools.0.function.name", "non-empty string"),
+    ([{"type": "function", "function": {"name": "the weather"}}], None, "tools.0.function.name",
+     "letters, digits, underscores or dashes"),
     ([WEATHER, WEATHER], None, "tools.1.function.name", "given twice"),
     ([{"type": "function", "function": {"name": "f", "strict": True}}], None, "tools.0.function.strict",
      "not supported"),
@@ -109,16 +119,39 @@ def test_response_format():
 
 
 def test_forced_calls_are_read_however_the_reply_ended():
-    forced = '<tool_call>\n{"name": "get_weather", "arguments": '
-    call = forced_call(forced, '{"city": "Paris"}}\n', "call_x")
-    assert call == {"id": "call_x", "type": "function",
-                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
-    # cut at max_tokens, or not JSON: the arguments as the model wrote them
-    assert forced_call(forced, '{"city": "Pa', "c")["function"] == {"name": "get_weather", "arguments": '{"city": "Pa'}
-    assert forced_call(forced, "sunny}", "c")["function"]["arguments"] == "sunny"
-    assert forced_call(forced, '{"city": "Paris"}}\n</tool', "c")["function"]["arguments"] == '{"city": "Paris"}'
-    named = forced_call('<tool_call>\n{"name": "', 'get_time", "arguments": {}}\n', "c")["function"]
-    assert named == {"name": "get_time", "arguments": "{}"}
+    forced = plan_tools([WEATHER, CLOCK], {"type": "function", "function": {"name": "get_weather"}}, None)
+    assert forced.prefill == '<tool_call>\n{"name": "get_weather", "arguments": '
+    call, ok = forced_call(forced, '{"city": "Paris"}}\n', "call_x")
+    assert ok and call == {"id": "call_x", "type": "function",
+                           "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    assert forced_call(forced, '{"city": "Paris"}}\n</tool', "c")[0]["function"]["arguments"] == '{"city": "Paris"}'
+    # cut at max_tokens, or not JSON: the arguments as the model wrote them, and not ok
+    assert forced_call(forced, '{"city": "Pa', "c") == ({"id": "c", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Pa'}}, False)
+    assert forced_call(forced, "sunny}", "c")[0]["function"]["arguments"] == "sunny"
+    assert not forced_call(forced, "[1, 2]}", "c")[1]  # JSON, but not an object
+    # whatever the reply writes, the function is the one the prompt named (a duplicate "name" key included)
+    call, ok = forced_call(forced, '{}, "name": "Paris"}', "c")
+    assert call["function"]["name"] == "get_weather" and not ok
+
+
+def test_a_required_call_among_several_tools_chooses_a_declared_name(tmp_path):
+    tok = load_qwen_tokenizer(tmp_path)
+    several = plan_tools([WEATHER, CLOCK], "required", None)
+    assert several.choose and several.prefill == NAME_PREFILL and several.names == ("get_weather", "get_time")
+    choices = name_choices(tok, several.names)
+    assert [tok.decode(c) for c in choices] == ['get_weather"', 'get_time"']
+    assert not any(a[: len(b)] == b for a in choices for b in choices if a != b)  # none is a prefix of another
+    chosen = several.with_name("get_time")
+    assert not chosen.choose and chosen.prefill == '<tool_call>\n{"name": "get_time", "arguments": '
+    with pytest.raises(ValueError, match="not among the tools"):
+        several.with_name("Paris")
+
+
+def test_auto_calls_to_undeclared_functions_stay_text():
+    text = '<tool_call>{"name": "the weather in Paris", "arguments": {}}</tool_call>'
+    assert parse_tool_calls(text, ("get_weather",)) == (text, [])
+    assert parse_tool_calls(text)[1][0]["function"]["name"] == "the weather in Paris"  # no names: any is taken
 
 
 def test_smollm2s_chatml_template_gets_the_tools_block_and_its_tokens_have_distinct_bytes(smollm2_dir):

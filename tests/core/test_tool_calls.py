@@ -50,7 +50,7 @@ def test_tool_calls_reach_the_openai_client_and_the_session_keeps_exact_tokens(t
     client = openai.OpenAI(base_url=tool_caller.url + "/v1", api_key="x", max_retries=0, timeout=60,
                            default_headers={"x-session-id": "tools-1"})
     messages = [{"role": "user", "content": "Q1?"}]
-    first = client.chat.completions.create(model="m", messages=messages, tools=TOOLS, temperature=0,
+    first = client.chat.completions.create(model="tool-caller", messages=messages, tools=TOOLS, temperature=0,
                                            max_tokens=len(CALL) + 2)
     choice = first.choices[0]
     assert choice.finish_reason == "tool_calls", choice.message.content
@@ -58,12 +58,13 @@ def test_tool_calls_reach_the_openai_client_and_the_session_keeps_exact_tokens(t
     assert call.function.name == "python" and json.loads(call.function.arguments) == {"code": "print(6*7)"}
     # Without tools offered, the same text stays text.
     other = openai.OpenAI(base_url=tool_caller.url + "/v1", api_key="x", max_retries=0, timeout=60)
-    plain = other.chat.completions.create(model="m", messages=messages, temperature=0, max_tokens=len(CALL) + 2)
+    plain = other.chat.completions.create(model="tool-caller", messages=messages, temperature=0,
+                                          max_tokens=len(CALL) + 2)
     assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content == CALL
     # The environment answers the call and asks again, sending the reply back as the client returned it.
     messages += [choice.message.model_dump(exclude_none=True),
                  {"role": "tool", "tool_call_id": call.id, "content": "42"}]
-    client.chat.completions.create(model="m", messages=messages, tools=TOOLS, temperature=0, max_tokens=4)
+    client.chat.completions.create(model="tool-caller", messages=messages, tools=TOOLS, temperature=0, max_tokens=4)
     session = client.get("/../sessions/tools-1", cast_to=object)
     assert [t["continues_turn"] for t in session["turns"]] == [None, 0]  # the second turn extends the first's ids
     ep = tokens_from_session(session)
@@ -111,13 +112,13 @@ def test_parallel_tool_calls_false_stops_at_the_first_call_and_the_session_close
     client = openai.OpenAI(base_url=tool_caller.url + "/v1", api_key="x", max_retries=0, timeout=60,
                            default_headers={"x-session-id": "tools-2"})
     messages = [{"role": "user", "content": "Q2?"}]
-    first = client.chat.completions.create(model="m", messages=messages, tools=TOOLS, temperature=0,
+    first = client.chat.completions.create(model="tool-caller", messages=messages, tools=TOOLS, temperature=0,
                                            max_tokens=len(CALL) + 8, parallel_tool_calls=False).choices[0]
     assert first.finish_reason == "tool_calls" and first.stop_reason == "</tool_call>"
     assert len(first.message.tool_calls) == 1 and tok.eos_token_id not in first.token_ids
     messages += [first.message.model_dump(exclude_none=True),
                  {"role": "tool", "tool_call_id": first.message.tool_calls[0].id, "content": "42"}]
-    second = client.chat.completions.create(model="m", messages=messages, tools=TOOLS, temperature=0,
+    second = client.chat.completions.create(model="tool-caller", messages=messages, tools=TOOLS, temperature=0,
                                             max_tokens=2).choices[0]
     assert second.prompt_token_ids == (first.prompt_token_ids + first.token_ids + [tok.eos_token_id]
                                        + tok("42", add_special_tokens=False).input_ids)

@@ -49,7 +49,7 @@ def test_the_rollout_server_serves_a_path_model_with_its_template(bpe_model_dir)
     assert uses_chat_template(tok)
     with launch_server(engine) as handle:
         c = openai.OpenAI(base_url=handle.url + "/v1", api_key="x", max_retries=0, timeout=30)
-        r = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "12+34="}], max_tokens=4,
+        r = c.chat.completions.create(model="policy", messages=[{"role": "user", "content": "12+34="}], max_tokens=4,
                                       seed=1)
         (choice,) = r.choices
         assert choice.prompt_token_ids == prompt_ids(tok, "12+34=")

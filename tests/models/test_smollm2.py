@@ -113,7 +113,7 @@ def test_the_rollout_server_chat_endpoint_on_smollm2(smol):
     model, tok = smol
     with launch_server(ContinuousEngine(model, tok, max_batch=2)) as handle:
         c = openai.OpenAI(base_url=handle.url + "/v1", api_key="x", max_retries=0, timeout=120)
-        r = c.chat.completions.create(model="m", messages=[{"role": "user", "content": PROBLEM.prompt}],
+        r = c.chat.completions.create(model="policy", messages=[{"role": "user", "content": PROBLEM.prompt}],
                                       max_tokens=2, seed=1)
     (choice,) = r.choices
     assert choice.prompt_token_ids == chat_ids(tok, PROBLEM.prompt)

@@ -27,10 +27,12 @@ _OPEN = ConfigDict(extra="allow", allow_inf_nan=False)
 
 
 class APIError(RequestError):
-    """A refused request in OpenAI's terms: `param` is the field at fault."""
+    """A refused request in OpenAI's terms: `param` is the field at fault, `code` OpenAI's error code (e.g.
+    `model_not_found`)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
-        super().__init__(status, message, param, kind)
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 code: str | None = None):
+        super().__init__(status, message, param, kind, code)
 
     @property
     def param(self) -> str | None:
@@ -51,7 +53,7 @@ def _error_response(status: int, message: str, param: str | None = None,
 class _SamplingRequest(BaseModel):
     model_config = _OPEN
 
-    model: str | None = None  # any name: the environments call the policy "policy"
+    model: str | None = None  # a served name or "policy" (`RolloutServer.check_model`); may be left out
     n: int = 1
     temperature: float | None = None
     top_p: float | None = None

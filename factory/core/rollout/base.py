@@ -19,6 +19,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # extra stop tokens besides EOS (kept in token_ids, like EOS)
     ignore_eos: bool = False  # do not stop on EOS (fixed-length sampling)
     top_logprobs: int = 0  # also report the k most likely tokens at each step
+    # Constrained decoding (the continuous engine): the completion is exactly one of these token sequences; each
+    # step samples among the tokens that continue one of them (logprobs are of that renormalized distribution).
+    choices: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass

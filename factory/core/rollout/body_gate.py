@@ -26,6 +26,7 @@ from __future__ import annotations
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from factory.core.rollout.api_models import MAX_PROMPTS, _error_response
+from factory.infra.json_body import raising, replay
 
 MAX_OTHER_VALUES = 1 << 16  # values (keys included) a request may hold outside its prompt
 MAX_STRINGS = MAX_PROMPTS + MAX_OTHER_VALUES
@@ -93,7 +94,7 @@ class CompletionBodyGate:
                 if not msg.get("more_body", False):
                     break
         except Exception as e:  # the body limit's 413: raised again where the app's error handlers answer it
-            await self.app(scope, _raising(e), send)
+            await self.app(scope, raising(e), send)
             return
         body = b"".join(chunks)
         del chunks
@@ -102,26 +103,4 @@ class CompletionBodyGate:
             if problem is not None:
                 await _error_response(400, problem, "prompt")(scope, receive, send)
                 return
-        await self.app(scope, _replay(body, ended, receive), send)
-
-
-def _replay(body: bytes, ended: Message | None, receive: Receive) -> Receive:
-    """A receive that gives the buffered body as one message (then `ended`, if the client left), then defers to
-    `receive` (which reports the client's disconnect)."""
-    queue: list[Message] = [{"type": "http.request", "body": body, "more_body": ended is not None}]
-    if ended is not None:
-        queue.append(ended)
-
-    async def replayed() -> Message:
-        if queue:
-            return queue.pop(0)
-        return await receive()
-
-    return replayed
-
-
-def _raising(error: Exception) -> Receive:
-    async def receive() -> Message:
-        raise error
-
-    return receive
+        await self.app(scope, replay(body, ended, receive), send)

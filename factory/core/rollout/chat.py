@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from factory.core.rollout.api_models import APIError
@@ -92,9 +92,10 @@ def _tool_call_text(call: dict[str, Any]) -> str:
     return f"<tool_call>{json.dumps({'name': call['name'], 'arguments': call['arguments']})}</tool_call>"
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+def parse_tool_calls(text: str, names: Collection[str] | None = None) -> tuple[str | None, list[dict[str, Any]]]:
     """Tool calls written as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in a reply: the text
-    around them and the calls in OpenAI's shape. A block that is not such JSON stays text."""
+    around them and the calls in OpenAI's shape. A block that is not such JSON, or (given `names`, the declared
+    functions) that calls another function, stays text."""
     calls, kept, pos = [], [], 0
     for m in TOOL_CALL.finditer(text):
         try:
@@ -108,6 +109,8 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
             except ValueError:
                 args = None
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(args, dict):
+            continue
+        if names is not None and obj["name"] not in names:
             continue
         kept.append(text[pos:m.start()])
         pos = m.end()

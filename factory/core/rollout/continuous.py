@@ -16,11 +16,18 @@ transformers 5.2x: models/compat.py). Sliding-window layers are exact because se
 (`factory.architectures.attention_window`); recurrent or hybrid models are refused (`architecture_problem`).
 
 New requests are prefilled together in one left-padded forward (identical prompts — the n samples of a GRPO
-group — once), then copied into free rows; their first token is sampled from the prefill logits.
+group — once; at most `max_prefill_tokens` padded prompt tokens per forward, which bounds its activations), then
+copied into free rows; their first token is sampled from the prefill logits.
 
-Sampling is per request: each has its own `torch.Generator`, so a seeded request gives the same tokens whatever
-else shares the batch. Logprobs are those of the temperature-scaled distribution before top-p truncation — what
-`factory.core.trainer.torch_trainer.token_logprobs` computes at that temperature (greedy: temperature 1).
+Memory (`kv_budget.py`): the KV cache lives inside a budget in bytes (`kv_budget`; default: half the memory free
+when the engine is built). A request joins when, with it, every running sequence can grow to its final length
+(prompt + max_new_tokens) inside the budget, together with its prefill's K/V; until then it waits, in arrival order.
+One that could not fit even alone is refused by `check`, naming the setting.
+
+Sampling is per request (`sampler.py`): each has its own `torch.Generator`, so a seeded request gives the same
+tokens whatever else shares the batch. Logprobs are those of the temperature-scaled distribution before top-p
+truncation — what `factory.core.trainer.torch_trainer.token_logprobs` computes at that temperature (greedy:
+temperature 1). `SamplingParams.choices` constrains a completion to one of a few token sequences.
 
 Weight updates (`update_weights`) are applied between decode steps. mode="in_flight": applied at once; running
 sequences keep their KV (computed by the old weights, as PipelineRL does) and their later tokens carry the new
@@ -45,7 +52,6 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -53,8 +59,11 @@ from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from factory.architectures import architecture_problem, attention_window
+from factory.core.rollout import sampler
 from factory.core.rollout.base import Completion, SamplingParams
 from factory.core.rollout.embedded import decode_autocast
+from factory.core.rollout.kv_budget import KVBudget, default_kv_budget, kv_bytes_per_token, mib
+from factory.core.rollout.sequences import EngineStats, PendingUpdate, Sequence, load_state_dict_into, mix_seed
 from factory.core.rollout.slot_cache import SlotKVCache
 from factory.infra.device import model_device
 from factory.models.compat import cache_kwargs
@@ -67,75 +76,25 @@ UPDATE_MODES: tuple[str, ...] = ("finish_old", "in_flight")
 PAUSE_MODES: tuple[str, ...] = ("drain", "in_place")
 
 
-def _mix_seed(seed: int, index: int) -> int:
-    """A distinct, well-spread generator seed for sample `index` of a request seeded with `seed`."""
-    return (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9 + 1) % (1 << 63)
-
-
-@dataclass
-class _Request:
-    prompt_ids: list[int]
-    params: SamplingParams
-    future: Future
-    generator: torch.Generator
-    submitted_at: float
-    admitted_at: float = 0.0
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    top: list[list[tuple[int, float]]] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    max_batch: int = 0  # the most rows that ran together while this request ran
-
-    @property
-    def next_position(self) -> int:
-        """Position of the last sampled token, which the next decode step feeds."""
-        return len(self.prompt_ids) + len(self.tokens) - 1
-
-
-@dataclass
-class _Update:
-    state_dict: Mapping[str, Tensor]
-    version: int
-    mode: str
-    future: Future
-
-
-@dataclass
-class EngineStats:
-    steps: int = 0  # decode steps
-    prefills: int = 0  # prefill forwards
-    generated_tokens: int = 0
-    prefill_tokens: int = 0  # prompt tokens run through prefill (after de-duplication)
-    completed: int = 0
-    max_running: int = 0
-
-
-def load_state_dict_into(model: PreTrainedModel, state_dict: Mapping[str, Tensor]) -> None:
-    """Load `state_dict` into `model`; a missing tied output embedding is fine, any other mismatch is an error."""
-    try:
-        missing, unexpected = model.load_state_dict(dict(state_dict), strict=False)
-    except RuntimeError as e:  # shape mismatches
-        raise ValueError(f"state dict does not fit the model: {e}") from e
-    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
-    missing = [k for k in missing if k not in tied]
-    if missing or unexpected:
-        raise ValueError(f"state dict does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+DEFAULT_PREFILL_TOKENS = 8192  # padded prompt tokens in one prefill forward (at least one whole prompt)
+__all__ = ["PAUSE_MODES", "UPDATE_MODES", "ContinuousEngine", "EngineStats", "SlotKVCache", "load_state_dict_into"]
 
 
 class ContinuousEngine:
     """Continuous-batching sampler over a transformers causal LM (a `RolloutEngine`).
 
-    `max_batch` rows decode together; waiting requests join whenever rows are free. `max_seq_len` (default: the
-    model's `max_position_embeddings`; never past its sliding window) bounds prompt + completion; `kv_capacity` is
-    the KV buffer's initial width in columns (it doubles when needed). Drive it with `start()` (a background
-    thread) or, single-threaded, through `generate` / `step`.
+    `max_batch` rows decode together; waiting requests join whenever rows are free and the KV budget has room.
+    `max_seq_len` (default: the model's `max_position_embeddings`; never past its sliding window) bounds prompt +
+    completion; `kv_capacity` is the KV buffer's initial width in columns (it doubles when needed); `kv_budget`
+    bounds the KV cache in bytes (default: from the machine, `kv_budget.default_kv_budget`); `max_prefill_tokens`
+    bounds one prefill forward (padded prompt tokens; never below `max_seq_len`). Drive it with `start()` (a
+    background thread) or, single-threaded, through `generate` / `step`.
     """
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, weight_version: int = 0,
                  max_batch: int = 64, max_seq_len: int | None = None, name: str = "factory-policy",
-                 kv_capacity: int = 64, precision: str = "fp32"):
+                 kv_capacity: int = 64, precision: str = "fp32", kv_budget: int | None = None,
+                 max_prefill_tokens: int = DEFAULT_PREFILL_TOKENS):
         problem = architecture_problem(model.config)
         if problem is not None:
             raise ValueError(problem)
@@ -156,10 +115,22 @@ class ContinuousEngine:
         self._version = weight_version
         self._additive_mask = attn == "eager"  # eager attention adds its mask; sdpa takes booleans
         self._kv_capacity = kv_capacity  # initial KV columns; the cache doubles as needed
-        self._cache = SlotKVCache(max_batch, kv_capacity)
-        self._rows: list[_Request] = []  # row i of the cache runs self._rows[i]
-        self._queue: deque[_Request] = deque()
-        self._updates: deque[_Update] = deque()
+        self._cache = self._new_cache()
+        device = self.device
+        kv_dtype = torch.bfloat16 if precision == "bf16" and device.type == "cuda" else model.dtype
+        if kv_budget is not None and kv_budget <= 0:
+            raise ValueError(f"kv_budget must be a positive number of bytes, got {kv_budget}")
+        self.kv = KVBudget(kv_budget if kv_budget is not None else default_kv_budget(device),
+                           kv_bytes_per_token(model.config, kv_dtype))
+        self._kv_measured = False  # per_token is the config's estimate until the first prefill's K/V are seen
+        self.max_prefill_tokens = max(int(max_prefill_tokens), self.max_seq_len)
+        if self.kv.problem(self.max_seq_len - 1, self.max_seq_len) is not None:
+            log.warning("the KV cache budget (%s) cannot hold one request of the full context (%d tokens, about %s "
+                        "with its prefill): the longest requests will be refused", mib(self.kv.total_bytes),
+                        self.max_seq_len, mib(2 * self.max_seq_len * self.kv.per_token))
+        self._rows: list[Sequence] = []  # row i of the cache runs self._rows[i]
+        self._queue: deque[Sequence] = deque()
+        self._updates: deque[PendingUpdate] = deque()
         self._paused: str | None = None  # None, "drain" (no admissions) or "in_place" (no admissions, no decoding)
         self._cond = threading.Condition()
         self._step_lock = threading.Lock()  # held while the cache or the model is in use
@@ -167,6 +138,10 @@ class ContinuousEngine:
         self._stopping = False
         self._seeds = random.Random()
         self.stats = EngineStats()
+
+    def _new_cache(self) -> SlotKVCache:
+        # No row ever needs more columns than the context and the write column.
+        return SlotKVCache(self.max_batch, self._kv_capacity, max_columns=self.max_seq_len + 1)
 
     # ------------------------------------------------------------------ public state
     @property
@@ -202,7 +177,15 @@ class ContinuousEngine:
         return {"weight_version": self._version, "running": self.running, "queued": self.queued,
                 "paused": self._paused, "pending_updates": len(self._updates), "max_batch": self.max_batch,
                 "max_seq_len": self.max_seq_len, "kv_width": self._cache.width, "kv_capacity": self._cache.capacity,
-                "device": str(self.device), **vars(self.stats)}
+                "kv_rows": self._cache.rows, "kv_allocated_bytes": self._cache.allocated_bytes,
+                "kv_budget_bytes": self.kv.total_bytes, "kv_token_bytes": self.kv.per_token,
+                "max_prefill_tokens": self.max_prefill_tokens, "device": str(self.device), **vars(self.stats)}
+
+    def max_new_tokens(self, prompt_len: int) -> int:
+        """The most completion tokens a prompt of `prompt_len` tokens can have: within the context and, running
+        alone, the KV budget (at least 0)."""
+        alone = self.kv.columns - prompt_len - 1  # its row's final columns + its prefill (KVBudget.problem)
+        return max(0, min(self.max_seq_len, alone) - prompt_len)
 
     # ------------------------------------------------------------------ requests
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -217,8 +200,13 @@ class ContinuousEngine:
             raise ValueError(f"this model's maximum context length is {self.max_seq_len} tokens; the request needs "
                              f"{len(prompt_ids) + params.max_new_tokens} ({len(prompt_ids)} in the prompt, "
                              f"{params.max_new_tokens} for the completion)")
+        problem = self.kv.problem(len(prompt_ids), min(len(prompt_ids) + params.max_new_tokens, self.max_seq_len))
+        if problem is not None:
+            raise ValueError(problem)
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if any(not c or any(not 0 <= t < vocab for t in c) for c in params.choices):
+            raise ValueError(f"choices must be non-empty sequences of token ids in [0, {vocab})")
         if not params.greedy and params.temperature <= 0:
             raise ValueError(f"temperature must be > 0 when sampling, got {params.temperature}")
         if not 0 < params.top_p <= 1:
@@ -232,8 +220,8 @@ class ContinuousEngine:
         future stays pending until the result is set) drops the request at the next step."""
         self.check(prompt_ids, params)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        gen = torch.Generator(device=self.device).manual_seed(_mix_seed(seed, sample_index))
-        req = _Request(list(prompt_ids), params, Future(), gen, time.perf_counter())
+        gen = torch.Generator(device=self.device).manual_seed(mix_seed(seed, sample_index))
+        req = Sequence(list(prompt_ids), params, Future(), gen, time.perf_counter())
         with self._cond:
             self._queue.append(req)
             self._cond.notify_all()
@@ -258,7 +246,7 @@ class ContinuousEngine:
         """Swap in new weights between decode steps; returns a Future resolved with `version` once applied."""
         if mode not in UPDATE_MODES:
             raise ValueError(f"mode must be one of {', '.join(UPDATE_MODES)}, got {mode!r}")
-        upd = _Update(state_dict, int(version), mode, Future())
+        upd = PendingUpdate(state_dict, int(version), mode, Future())
         with self._cond:
             self._updates.append(upd)
             self._cond.notify_all()
@@ -327,7 +315,8 @@ class ContinuousEngine:
         if self._updates and (self._updates[0].mode == "in_flight" or not self._rows):
             return True
         decoding = bool(self._rows) and self._paused != "in_place"
-        admitting = bool(self._queue) and self._admitting() and len(self._rows) < self.max_batch
+        admitting = bool(self._queue) and self._admitting() and len(self._rows) < self.max_batch \
+            and self._head_fits()
         return decoding or admitting
 
     def _admitting(self) -> bool:
@@ -350,7 +339,7 @@ class ContinuousEngine:
             except Exception:  # step() already failed the affected requests; the server goes on
                 log.exception("rollout engine step failed")
 
-    def _fail(self, requests: list[_Request], err: Exception) -> None:
+    def _fail(self, requests: list[Sequence], err: Exception) -> None:
         """Fail `requests` and every running row, and start over with an empty cache (caller holds _step_lock)."""
         with self._cond:
             for req in [*requests, *self._rows]:
@@ -360,7 +349,7 @@ class ContinuousEngine:
                     except InvalidStateError:  # cancelled meanwhile
                         pass
             self._rows = []
-            self._cache = SlotKVCache(self.max_batch, self._kv_capacity)
+            self._cache = self._new_cache()
             self._cond.notify_all()
 
     # ------------------------------------------------------------------ the scheduler
@@ -372,12 +361,7 @@ class ContinuousEngine:
         with self._step_lock:
             did = self._apply_updates()
             with self._cond:
-                admit: list[_Request] = []
-                if self._admitting():
-                    while self._queue and len(self._rows) + len(admit) < self.max_batch:
-                        req = self._queue.popleft()
-                        if not req.future.cancelled():
-                            admit.append(req)
+                admit = self._take_admissions() if self._admitting() else []
             try:
                 if admit:
                     self._prefill(admit)
@@ -395,6 +379,46 @@ class ContinuousEngine:
         with self._cond:
             self._cond.notify_all()
         return did
+
+    # -- admission: free rows, the KV budget, the prefill's size
+    def _plan_columns(self) -> int:
+        """KV columns the running rows may grow to (their longest final length, and the write column)."""
+        return max((r.final_length(self.max_seq_len) for r in self._rows), default=0) + 1
+
+    def _head_fits(self) -> bool:
+        """Whether the first live queued request could join now (caller holds _cond)."""
+        head = next((r for r in self._queue if not r.future.cancelled()), None)
+        if head is None:
+            return False
+        cols = max(self._plan_columns(), head.final_length(self.max_seq_len) + 1)
+        return self.kv.fits(len(self._rows) + 1, cols, len(head.prompt_ids))
+
+    def _take_admissions(self) -> list[Sequence]:
+        """Pop the queued requests that join now, in arrival order: while rows are free, the running and admitted
+        sequences at their final lengths fit the KV budget with the prefill's K/V, and the prefill stays within
+        `max_prefill_tokens`. The first that does not fit waits, and so does everything behind it (no request
+        overtakes a long one forever). Caller holds _cond."""
+        admit: list[Sequence] = []
+        cols, unique, longest = self._plan_columns(), set(), 0
+        while self._queue and len(self._rows) + len(admit) < self.max_batch:
+            req = self._queue[0]
+            if req.future.cancelled():
+                self._queue.popleft()
+                continue
+            key = tuple(req.prompt_ids)
+            u, p = len(unique | {key}), max(longest, len(key))
+            c = max(cols, req.final_length(self.max_seq_len) + 1)
+            if admit and u * p > self.max_prefill_tokens:
+                break
+            if not self.kv.fits(len(self._rows) + len(admit) + 1, c, u * p):
+                if not admit:
+                    self.stats.waited_for_kv += 1
+                break
+            self._queue.popleft()
+            admit.append(req)
+            unique.add(key)
+            cols, longest = c, p
+        return admit
 
     def _apply_updates(self) -> bool:
         applied = False
@@ -420,7 +444,7 @@ class ContinuousEngine:
         return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed,
                                                                                           torch.finfo(dtype).min)
 
-    def _prefill(self, admit: list[_Request]) -> None:
+    def _prefill(self, admit: list[Sequence]) -> None:
         """Run the new prompts (each distinct prompt once), add their rows, sample their first token."""
         unique: dict[tuple[int, ...], int] = {}
         src = [unique.setdefault(tuple(r.prompt_ids), len(unique)) for r in admit]
@@ -439,7 +463,9 @@ class ContinuousEngine:
         allowed = allowed | torch.eye(p, dtype=torch.bool, device=device)[None]
         # Copied before the forward is queued, so that the copies do not wait for it.
         src_t = torch.tensor(src, device=device)
-        knobs = self._knobs(admit)
+        knobs = sampler.knobs(admit, device)
+        room = self.kv.columns - len(prompts) * p  # what the cache may hold while the prefill's K/V exist
+        self._cache.fit(room)
         self._cache.begin_prefill()
         try:
             with decode_autocast(device, self.precision):
@@ -450,7 +476,10 @@ class ContinuousEngine:
             kv = self._cache.end_prefill()
         self.stats.prefills += 1
         self.stats.prefill_tokens += sum(len(q) for q in prompts)
-        self._cache.insert(kv, src_t, [len(r.prompt_ids) for r in admit])
+        if not self._kv_measured:
+            self._measure_kv(kv)
+            room = self.kv.columns - len(prompts) * p
+        self._cache.insert(kv, src_t, [len(r.prompt_ids) for r in admit], allow=room)
         now = time.perf_counter()
         for r in admit:
             r.admitted_at = now
@@ -458,16 +487,25 @@ class ContinuousEngine:
         first = len(self._rows) - len(admit)
         self._sample(out.logits[:, -1, :].index_select(0, src_t), self._rows[first:], knobs)
 
+    def _measure_kv(self, kv: list[tuple[Tensor, Tensor]]) -> None:
+        """Replace the config's estimate of a token's K/V bytes by what the model produced."""
+        real = sum(t.shape[1] * t.shape[3] * t.element_size() for pair in kv for t in pair)
+        if real != self.kv.per_token:
+            log.warning("a cached token takes %d bytes of K/V, not the %d the model config gives; the KV budget "
+                        "now counts %d", real, self.kv.per_token, real)
+            self.kv.per_token = real
+        self._kv_measured = True
+
     def _decode(self) -> None:
         cache = self._cache
-        cache.reserve_decode()
+        cache.reserve_decode(self.kv.columns)
         rows = self._rows
         device = self.device
         # The step's host-to-device copies, both made before the forward is queued (so neither waits for it): the
         # last tokens, their positions and the rows' first valid columns; the rows' sampling knobs.
         step = torch.tensor([[r.tokens[-1] for r in rows], [r.next_position for r in rows], cache.start[: len(rows)]],
                             dtype=torch.long, device=device)
-        knobs = self._knobs(rows)
+        knobs = sampler.knobs(rows, device)
         mask = self._mask(cache.decode_mask(step[2]))
         with decode_autocast(device, self.precision):
             out = self.model(input_ids=step[0, :, None], position_ids=step[1, :, None], attention_mask=mask,
@@ -476,41 +514,11 @@ class ContinuousEngine:
         self.stats.steps += 1
         self._sample(out.logits[:, -1, :], rows, knobs)
 
-    def _knobs(self, rows: list[_Request]) -> Tensor:
-        """[3, rows] float32 (as torch.tensor makes Python floats) on the device, in one copy: each row's
-        temperature (1 for greedy), top-p and greedy flag."""
-        return torch.tensor([[1.0 if r.params.greedy else r.params.temperature for r in rows],
-                             [r.params.top_p for r in rows], [float(r.params.greedy) for r in rows]],
-                            device=self.device)
-
-    def _sample(self, logits: Tensor, rows: list[_Request], knobs: Tensor) -> None:
-        """Pick each row's next token with its own parameters (`knobs`, from `_knobs(rows)`) and generator; record
-        it and its logprob."""
+    def _sample(self, logits: Tensor, rows: list[Sequence], knobs: Tensor) -> None:
+        """Sample each row's next token (`sampler.sample`), record it with its logprob, and check for stops."""
         b = len(rows)
-        device = self.device
-        temps, top_p, greedy = knobs[0, :, None], knobs[1], knobs[2] > 0
-        logp = torch.log_softmax(logits.float() / temps, dim=-1)
-        probs = logp.exp()
-        if any(r.params.top_p < 1 for r in rows):
-            sorted_p, idx = probs.sort(dim=-1, descending=True)
-            keep = (sorted_p.cumsum(-1) - sorted_p < top_p[:, None]) | (top_p[:, None] >= 1)  # top token always kept
-            probs = torch.zeros_like(probs).scatter(-1, idx, torch.where(keep, sorted_p, torch.zeros_like(sorted_p)))
-        # Inverse-CDF sampling with one uniform per row from that row's generator (on the device, so nothing
-        # waits): batched, yet per-request seeded.
-        u = torch.cat([torch.rand(1, generator=r.generator, device=device) for r in rows])
-        cdf = probs.cumsum(-1)
-        sampled = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)
-        sampled = sampled.clamp(max=probs.shape[-1] - 1)
-        tok = torch.where(greedy, logp.argmax(-1), sampled)
-        tok_logp = logp.gather(-1, tok[:, None]).squeeze(-1)
+        host = sampler.sample(logits, rows, knobs, self.device)
         k = max(r.params.top_logprobs for r in rows)
-        # The step's one device-to-host copy, as float64 (exact for token ids and float32 logprobs): per row the
-        # token, its logprob, then k alternative ids and k logprobs.
-        cols = [tok[:, None].double(), tok_logp[:, None].double()]
-        if k:
-            top = logp.topk(k, dim=-1)
-            cols += [top.indices.double(), top.values.double()]
-        host = torch.cat(cols, dim=1).tolist()
         version = self._version
         for i, r in enumerate(rows):
             row = host[i]
@@ -521,24 +529,9 @@ class ContinuousEngine:
             if r.params.top_logprobs:
                 kk = r.params.top_logprobs
                 r.top.append([(int(t), lp) for t, lp in zip(row[2 : 2 + kk], row[2 + k : 2 + k + kk], strict=True)])
-            self._check_stop(r)
+            r.check_stop(self.eos_id, self.max_seq_len, self.tokenizer)
         self.stats.generated_tokens += b
         self.stats.max_running = max(self.stats.max_running, b)
-
-    def _check_stop(self, r: _Request) -> None:
-        t, p = r.tokens[-1], r.params
-        if t == self.eos_id and not p.ignore_eos or t in p.stop_token_ids:
-            r.finish_reason, r.stop_reason = "stop", t
-        elif p.stop and (hit := self._find_stop(r)) is not None:
-            r.finish_reason, r.stop_reason = "stop", hit[1]
-        elif len(r.tokens) >= p.max_new_tokens or len(r.prompt_ids) + len(r.tokens) >= self.max_seq_len:
-            r.finish_reason = "length"
-
-    def _find_stop(self, r: _Request) -> tuple[int, str] | None:
-        """Earliest (char offset, stop string) in the decoded completion, if any."""
-        text = self.tokenizer.decode(r.tokens, skip_special_tokens=True)
-        hits = [(i, s) for s in r.params.stop if (i := text.find(s)) >= 0]
-        return min(hits) if hits else None
 
     def _retire(self) -> None:
         """Remove finished and cancelled rows; resolve their futures."""
@@ -556,20 +549,7 @@ class ContinuousEngine:
         self._cache.compact(min_gain=max(16, self._cache.width // 4))
         for req in reversed(finished):
             try:
-                req.future.set_result(self._completion(req))
+                req.future.set_result(req.completion(self.tokenizer))
             except InvalidStateError:  # cancelled since the check above
                 continue
             self.stats.completed += 1
-
-    def _completion(self, r: _Request) -> Completion:
-        text = self.tokenizer.decode(r.tokens, skip_special_tokens=True)
-        if isinstance(r.stop_reason, str):
-            text = text[: text.find(r.stop_reason)]
-        now = time.perf_counter()
-        return Completion(
-            prompt_ids=r.prompt_ids, token_ids=r.tokens, logprobs=r.logprobs, text=text,
-            finish_reason=r.finish_reason, weight_version=min(r.versions), token_versions=r.versions,
-            top_logprobs=r.top if r.params.top_logprobs else None,
-            meta={"stop_reason": r.stop_reason, "max_batch": r.max_batch,
-                  "queue_s": r.admitted_at - r.submitted_at, "latency_s": now - r.submitted_at},
-        )

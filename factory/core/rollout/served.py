@@ -34,11 +34,12 @@ def load_weights_dir(path: str | Path) -> dict[str, Tensor]:
 
 def engine_from_checkpoint(path: str | Path, max_batch: int = 64, max_seq_len: int | None = None,
                            version: int = 0, device: torch.device | None = None,
-                           precision: str = "fp32") -> ContinuousEngine:
+                           precision: str = "fp32", kv_budget: int | None = None) -> ContinuousEngine:
     """A continuous engine over the checkpoint at `path`, its model placed on `device` (default: where the
-    checkpoint loads, the CPU); `precision` "bf16" decodes under bf16 autocast on a GPU."""
+    checkpoint loads, the CPU); `precision` "bf16" decodes under bf16 autocast on a GPU; `kv_budget`: bytes of KV
+    cache (default: from the machine, once the weights are loaded)."""
     model, tokenizer = load_checkpoint(path)
     if device is not None:
         model.to(device)
     return ContinuousEngine(model, tokenizer, weight_version=version, max_batch=max_batch,
-                            max_seq_len=max_seq_len, name=Path(path).name, precision=precision)
+                            max_seq_len=max_seq_len, name=Path(path).name, precision=precision, kv_budget=kv_budget)

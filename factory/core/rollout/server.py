@@ -1,13 +1,20 @@
 """The rollout server: an OpenAI-compatible HTTP API (FastAPI + uvicorn) over a `ContinuousEngine`.
 
-Owns the HTTP surface, the routes' logic and the launcher; the request bodies and errors are in `api_models.py`,
-the chat template and tool calls in `chat.py`, the session records in `sessions.py`, checkpoint loading in
-`served.py`; sampling is the engine's.
+Owns the HTTP surface (the routes) and the launcher; the routes' logic is in `api.py`, the request bodies and
+errors in `api_models.py`, the chat template and tool calls in `chat.py` and `tools.py`, the session records in
+`sessions.py`, checkpoint loading in `served.py`; sampling and the KV budget are the engine's.
 Endpoints:
 
-- OpenAI: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (no streaming). The `openai`
-  client works unchanged; `model` may be any name. A completions request has at most `MAX_PROMPTS` (64) prompts;
-  a body holding more values than that allows is refused before it is parsed (`body_gate.py`).
+- OpenAI: `GET /v1/models`, `GET /v1/models/{model}`, `POST /v1/completions`, `POST /v1/chat/completions` (no
+  streaming). The `openai` client works unchanged. `model` is one of the served names (`model_names`, default the
+  engine's) or `policy` (what Factory's environments send), or left out; any other is OpenAI's 404
+  `model_not_found`. A completions request has at most `MAX_PROMPTS` (64) prompts; a body holding more values
+  than that allows is refused before it is parsed (`body_gate.py`). A request the engine's KV budget could never
+  hold is a 400 naming the budget; others wait for room in it (`kv_budget.py`). A chat request without
+  max_tokens gets as many as fit the context and the budget.
+- Transport: request headers must be complete within `header_timeout_s` (10 s) of a connection opening or of
+  its last response, else the connection is closed (`factory/infra/http_protocol.py`); a JSON body that is not
+  UTF-8 or is nested deeper than 128 levels is a 400 naming the byte (`factory/infra/json_body.py`).
 - Control, named as SGLang names them: `GET /health`, `GET /get_model_info`, `GET /get_server_info`,
   `POST /update_weights_from_disk` {"model_path", "version"?, "mode"?}, `POST /pause_generation`
   {"mode"?: "drain" | "in_place", "wait"?}, `POST /continue_generation`, `POST /flush_cache`; and (SGLang has no
@@ -30,7 +37,9 @@ Tool calls: when a chat request offers `tools`, they are shown through the model
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks in a reply (Hermes style) come back as OpenAI
 `tool_calls` (finish_reason "tool_calls"); an assistant message with `tool_calls` sent back renders through the
 template, and still continues the turn's exact ids in a session. `tool_choice`, `parallel_tool_calls` and
-`response_format` follow `tools.py` (honoured, or refused with a 400 naming the field).
+`response_format` follow `tools.py` (honoured, or refused with a 400 naming the field): a required or forced
+call names one of `tools`, and one that ended with arguments that are not a JSON object is OpenAI's 500
+`model_error`.
 Log-probs (`logprobs.py`): the listed tokens join up to exactly the returned `text` (completions) or the generated
 text (chat: the `content`, unless tool calls were taken out of it); eos, pad and stop-string tokens are not listed,
 and `bytes` are each token's true bytes. The extension `token_ids`/`token_logprobs` keep every sampled token.
@@ -48,23 +57,20 @@ the built-in template's eos) before the new messages, as the template renders a 
 from __future__ import annotations
 
 import asyncio
-import json
-import secrets
 import threading
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated
 
 import uvicorn
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse
 from torch import Tensor
 
+from factory.core.rollout.api import SESSION_HEADER, DeltaDecoder, RolloutServer
 from factory.core.rollout.api_models import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     MAX_N,
-    MAX_PROMPTS,
     MAX_VERSION,
     APIError,
     ChatRequest,
@@ -72,45 +78,28 @@ from factory.core.rollout.api_models import (
     PauseRequest,
     UpdateFromDiskRequest,
     _error_response,
-    _SamplingRequest,
     openai_render,
 )
-from factory.core.rollout.base import Completion, SamplingParams
 from factory.core.rollout.body_gate import CompletionBodyGate
-from factory.core.rollout.chat import (
-    TOOL_CALL,
-    ChatTemplate,
-    _encode,
-    _message_text,
-    _same_reply,
-    parse_tool_calls,
-)
-from factory.core.rollout.continuous import PAUSE_MODES, UPDATE_MODES, ContinuousEngine
-from factory.core.rollout.logprobs import TokenBytes, token_pieces
-from factory.core.rollout.prompt_gate import PromptGate
+from factory.core.rollout.chat import TOOL_CALL, ChatTemplate, parse_tool_calls
+from factory.core.rollout.continuous import PAUSE_MODES, ContinuousEngine
 from factory.core.rollout.served import engine_from_checkpoint, load_weights_dir
 from factory.core.rollout.sessions import SessionStore, Turn
-from factory.core.rollout.tools import CALL_CLOSE, ToolPlan, check_response_format, forced_call, plan_tools
-from factory.core.rollout.update_decoder import UpdateDecoder
 from factory.core.weights import WeightUpdate, apply_update
 from factory.infra.device import host_copy
 from factory.infra.faults import fault_point
 from factory.infra.http_guard import MAX_JSON_BYTES, guard
+from factory.infra.http_protocol import HEADER_TIMEOUT_S, guarded_http
 from factory.text import clip
 
-# The request models, chat template, sessions and checkpoint loading live in their own modules; their public names
-# are importable from here too.
+# The request handling, request models, chat template, sessions and checkpoint loading live in their own modules;
+# their public names are importable from here too.
 __all__ = ["DEFAULT_COMPLETION_MAX_TOKENS", "MAX_N", "SESSION_HEADER", "TOOL_CALL", "APIError", "ChatRequest",
            "ChatTemplate", "CompletionRequest", "DeltaDecoder", "PauseRequest", "RolloutServer", "ServerHandle",
            "SessionStore", "Turn", "UpdateFromDiskRequest", "create_app", "engine_from_checkpoint", "launch_server",
            "load_weights_dir", "parse_tool_calls", "serve", "weight_update_decoder"]
 
-SESSION_HEADER = "x-session-id"
 MAX_UPDATE_BYTES = 16 << 30  # a full weight update of a ~8B bf16 model; the JSON endpoints take MAX_JSON_BYTES
-
-# Turns a weight-update request body, the served weights (a copy) and their version into the new state dict and
-# the version the payload names (None: the request's ?version=, else the current version + 1).
-DeltaDecoder = Callable[[bytes, Mapping[str, Tensor], int], tuple[Mapping[str, Tensor], int | None]]
 
 
 def weight_update_decoder(payload: bytes, current: Mapping[str, Tensor],
@@ -121,288 +110,13 @@ def weight_update_decoder(payload: bytes, current: Mapping[str, Tensor],
     return apply_update(dict(current), update, current_version), update.version
 
 
-def _engine_field(message: str, prompt_field: str, max_tokens_field: str) -> str | None:
-    """The request field an engine refusal (`ContinuousEngine.check`) is about."""
-    if "context length" in message or "max_tokens" in message:
-        return max_tokens_field
-    if "prompt" in message:
-        return prompt_field
-    for name in ("temperature", "top_p", "top_logprobs"):
-        if name in message:
-            return name
-    return None
-
-
-# ---------------------------------------------------------------------------------------------- the app
-class RolloutServer:
-    """The state behind the HTTP routes: the engine, the chat template, the sessions."""
-
-    def __init__(self, engine: ContinuousEngine, model_path: str | None = None,
-                 delta_decoder: DeltaDecoder | None = None, max_sessions: int = 10_000):
-        self.engine = engine
-        self.tokenizer = engine.tokenizer
-        self.model_path = model_path
-        self.delta_decoder = delta_decoder or UpdateDecoder()  # full weights, or LoRA adapters
-        self.template = ChatTemplate(engine.tokenizer)
-        self.token_bytes = TokenBytes(engine.tokenizer)
-        self.sessions = SessionStore(max_sessions)
-        self.gate = PromptGate(engine.tokenizer, engine.max_seq_len)  # length bound first, large prompts off-loop
-        self.created = int(time.time())
-        self._update_lock = asyncio.Lock()  # one weight update at a time, in arrival order
-
-    @property
-    def max_prompt_chars(self) -> int | None:
-        """The most characters a prompt may have (None: no character bound; see `prompt_gate.py`)."""
-        return self.gate.max_prompt_chars
-
-    def close(self) -> None:
-        self.gate.close()
-
-    # -- helpers
-    def _session_id(self, request: Request, body: _SamplingRequest) -> str | None:
-        header = request.headers.get(SESSION_HEADER)
-        if header and body.session_id and header != body.session_id:
-            raise APIError(400, f"session id differs between the {SESSION_HEADER} header and the body", "session_id")
-        return body.session_id or header or None
-
-    def _params(self, body: _SamplingRequest, max_tokens: int, top_logprobs: int,
-                max_tokens_field: str = "max_tokens", extra_stop: tuple[str, ...] = ()) -> SamplingParams:
-        if body.stream:
-            raise APIError(400, "stream=true is not supported by this server", "stream")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(body, name) not in (None, 0, 0.0):
-                raise APIError(400, f"{name} is not supported", name)
-        if body.logit_bias:
-            raise APIError(400, "logit_bias is not supported", "logit_bias")
-        if not 1 <= body.n <= MAX_N:
-            raise APIError(400, f"n must be in [1, {MAX_N}], got {body.n}", "n")
-        if max_tokens < 1:
-            raise APIError(400, f"{max_tokens_field} must be at least 1, got {max_tokens}", max_tokens_field)
-        temperature = 1.0 if body.temperature is None else body.temperature
-        if temperature < 0:
-            raise APIError(400, f"temperature must be >= 0, got {temperature}", "temperature")
-        top_p = 1.0 if body.top_p is None else body.top_p
-        if not 0 < top_p <= 1:
-            raise APIError(400, f"top_p must be in (0, 1], got {top_p}", "top_p")
-        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        if any(not s for s in stop):
-            raise APIError(400, "stop strings must be non-empty", "stop")
-        stop += [s for s in extra_stop if s not in stop]
-        return SamplingParams(
-            n=body.n, temperature=temperature if temperature > 0 else 1.0, top_p=top_p,
-            max_new_tokens=max_tokens, greedy=temperature == 0, seed=body.seed, stop=tuple(stop),
-            stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos, top_logprobs=top_logprobs,
-        )
-
-    async def _run(self, prompts: list[list[int]], params: SamplingParams, prompt_field: str = "prompt",
-                   max_tokens_field: str = "max_tokens") -> list[Completion]:
-        """All n samples of every prompt, submitted together so that they batch; choice order is prompt-major."""
-        try:
-            for p in prompts:  # all checked before any is queued
-                self.engine.check(p, params)
-        except ValueError as e:
-            field = _engine_field(str(e), prompt_field, max_tokens_field)
-            raise APIError(400, f"{field}: {e}" if field else str(e), field) from e
-        # Distinct sample indexes keep seeded samples of different prompts independent.
-        futures = [self.engine.submit(p, params, sample_index=i * params.n + j)
-                   for i, p in enumerate(prompts) for j in range(params.n)]
-        try:
-            return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
-        except asyncio.CancelledError:
-            for f in futures:  # the client went away: free the rows
-                f.cancel()
-            raise
-
-    def _extension(self, c: Completion) -> dict:
-        return {"prompt_token_ids": c.prompt_ids, "token_ids": c.token_ids, "token_logprobs": c.logprobs,
-                "token_versions": c.token_versions, "weight_version": c.weight_version,
-                "stop_reason": c.meta.get("stop_reason")}
-
-    def _usage(self, prompts: list[list[int]], comps: list[Completion]) -> dict:
-        p = sum(len(x) for x in prompts)
-        c = sum(len(x.token_ids) for x in comps)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
-    def _record(self, sid: str | None, turns: list[Turn]) -> None:
-        if sid is not None:
-            self.sessions.add(sid, turns)
-
-    # -- /v1/completions
-    async def completions(self, request: Request, body: CompletionRequest) -> dict:
-        if body.echo:
-            raise APIError(400, "echo=true is not supported", "echo")
-        if body.best_of not in (None, 1, body.n):
-            raise APIError(400, "best_of is not supported", "best_of")
-        if body.suffix:
-            raise APIError(400, "suffix is not supported", "suffix")
-        check_response_format((body.model_extra or {}).get("response_format"))  # not OpenAI's here: never ignored
-        k = body.logprobs
-        if k is not None and not 0 <= k <= 20:
-            raise APIError(400, f"logprobs must be in [0, 20], got {k}", "logprobs")
-        if isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int) \
-                and len(body.prompt) > MAX_PROMPTS:
-            raise APIError(400, f"prompt: at most {MAX_PROMPTS} prompts per request, got {len(body.prompt)}", "prompt")
-        sid = self._session_id(request, body)
-        texts = [body.prompt] if isinstance(body.prompt, str) else [p for p in body.prompt if isinstance(p, str)]
-        for text in texts:  # before any tokenizing: a prompt that cannot fit costs nothing
-            self.gate.check(len(text), "prompt")
-        prompts = await self.gate.run(sum(map(len, texts)), self._completion_prompts, body.prompt)
-        params = self._params(body, DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens,
-                              k or 0)
-        comps = await self._run(prompts, params)
-        choices = []
-        for i, c in enumerate(comps):
-            choices.append({"index": i, "text": c.text, "finish_reason": c.finish_reason,
-                            "logprobs": None if k is None else self._completion_logprobs(c, k),
-                            **self._extension(c)})
-        self._record(sid, [Turn("completions", i, c.prompt_ids, c.token_ids, c.logprobs, c.token_versions,
-                                c.weight_version, c.finish_reason, c.text) for i, c in enumerate(comps)])
-        return {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
-                "model": self.engine.name, "choices": choices, "usage": self._usage(prompts, comps),
-                "session_id": sid}
-
-    def _completion_prompts(self, prompt: str | list) -> list[list[int]]:
-        if isinstance(prompt, str):
-            return [_encode(self.tokenizer, prompt)]
-        if not prompt:
-            raise APIError(400, "prompt is empty", "prompt")
-        if all(isinstance(p, str) for p in prompt):
-            return [_encode(self.tokenizer, p) for p in prompt]
-        if all(isinstance(p, int) for p in prompt):
-            return [list(prompt)]
-        return [list(p) for p in prompt]
-
-    def _completion_logprobs(self, c: Completion, k: int) -> dict:
-        pieces = token_pieces(self.token_bytes, c.token_ids, c.text)
-        top = None
-        if k and c.top_logprobs is not None:
-            top = [{self.token_bytes.name(t): lp for t, lp in c.top_logprobs[i]} for i in pieces.index]
-        return {"tokens": pieces.text, "token_logprobs": [c.logprobs[i] for i in pieces.index],
-                "top_logprobs": top, "text_offset": pieces.offset}
-
-    # -- /v1/chat/completions
-    async def chat(self, request: Request, body: ChatRequest) -> dict:
-        if not body.messages:
-            raise APIError(400, "messages must not be empty", "messages")
-        k = body.top_logprobs
-        if k is not None and not 0 <= k <= 20:
-            raise APIError(400, f"top_logprobs must be in [0, 20], got {k}", "top_logprobs")
-        if k and not body.logprobs:
-            raise APIError(400, "top_logprobs requires logprobs=true", "top_logprobs")
-        check_response_format(body.response_format)
-        plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
-        sid = self._session_id(request, body)
-        messages = [_message_text(m.model_dump(), i) for i, m in enumerate(body.messages)]
-        chars = sum(len(m["content"]) for m in messages)
-        self.gate.check(chars, "messages")  # the template only adds to the contents
-        turns = list(self.sessions.get(sid) or []) if sid is not None else []  # read here: sessions are the loop's
-        prompt, continues = await self.gate.run(chars, self._chat_prompt, messages, turns, plan)
-        given = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        max_tokens = getattr(body, given)
-        if max_tokens is None:  # as many as fit the context
-            max_tokens = max(1, self.engine.max_seq_len - len(prompt))
-        params = self._params(body, max_tokens, k or 0, given, extra_stop=plan.stop)
-        comps = await self._run([prompt], params, "messages", given)
-        choices, replies = [], []
-        for i, c in enumerate(comps):
-            message, finish = self._reply(c, plan)
-            try:
-                replies.append(_message_text(message, 0))
-            except APIError:  # a forced call whose arguments are not a JSON object: the session keeps its text
-                replies.append({"role": "assistant", "content": c.text})
-            choices.append({"index": i, "message": message, "finish_reason": finish,
-                            "logprobs": self._chat_logprobs(c) if body.logprobs else None, **self._extension(c)})
-        self._record(sid, [Turn("chat", i, c.prompt_ids, c.token_ids, c.logprobs, c.token_versions, c.weight_version,
-                                c.finish_reason, c.text, messages, continues, reply=r)
-                           for i, (c, r) in enumerate(zip(comps, replies, strict=True))])
-        return {"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion", "created": int(time.time()),
-                "model": self.engine.name, "choices": choices, "usage": self._usage([prompt], comps),
-                "session_id": sid}
-
-    def _reply(self, c: Completion, plan: ToolPlan) -> tuple[dict[str, Any], str]:
-        """The assistant message of a completion and its finish_reason, tool calls taken out as `plan` says."""
-        message: dict[str, Any] = {"role": "assistant", "content": c.text}
-        if plan.forced:  # the prompt started the call: the reply is that call, however it ended
-            call = forced_call(plan.prefill, c.text, f"call_{secrets.token_hex(8)}")
-            return ({"role": "assistant", "content": None, "tool_calls": [call]},
-                    "tool_calls" if c.finish_reason == "stop" else c.finish_reason)
-        if plan.parse:
-            closed = c.meta.get("stop_reason") == CALL_CLOSE  # parallel_tool_calls=false stopped at the first call
-            content, calls = parse_tool_calls(c.text + (CALL_CLOSE if closed else ""))
-            if calls:
-                return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
-        return message, c.finish_reason
-
-    def _chat_prompt(self, messages: list[dict[str, str]], turns: list[Turn],
-                     plan: ToolPlan) -> tuple[list[int], int | None]:
-        """Prompt ids for `messages`; in a session (its `turns`), continue the exact ids of the turn these messages
-        extend. Runs on a worker thread for a large prompt: it reads only its arguments and the template."""
-        full = self.template.render(messages, generation_prompt=True, tools=plan.tools, prefill=plan.prefill)
-        for idx in range(len(turns) - 1, -1, -1):
-            t = turns[idx]
-            j = len(t.messages or [])
-            reply = t.reply or {"role": "assistant", "content": t.text}
-            if (t.endpoint == "chat" and len(messages) > j and messages[:j] == t.messages
-                    and _same_reply(messages[j], reply, t.text)):
-                head = self.template.render(messages[: j + 1], generation_prompt=False, tools=plan.tools)
-                if full[: len(head)] == head:  # the template renders the conversation prefix-stably
-                    # A turn cut by a stop string (e.g. `</tool_call>`) has no end-of-turn token: it gets the
-                    # template's closing, as the rendered reply has it. (eos and stop tokens close a turn; a turn cut
-                    # by max_tokens is continued as it stands.)
-                    cut = t.finish_reason == "stop" and bool(t.completion_ids) \
-                        and not self.token_bytes.is_special(t.completion_ids[-1])
-                    closing = self.template.closing if cut else []
-                    return t.prompt_ids + t.completion_ids + closing + full[len(head):], idx
-        return full, None
-
-    def _chat_logprobs(self, c: Completion) -> dict:
-        pieces = token_pieces(self.token_bytes, c.token_ids, c.text)
-        content = []
-        for i, s, b in zip(pieces.index, pieces.text, pieces.bytes, strict=True):
-            alts = c.top_logprobs[i] if c.top_logprobs is not None else []
-            content.append({"token": s, "logprob": c.logprobs[i], "bytes": list(b),
-                            "top_logprobs": [{"token": self.token_bytes.name(at), "logprob": alp,
-                                              "bytes": list(self.token_bytes(at) or self.token_bytes.name(at).encode())}
-                                             for at, alp in alts]})
-        return {"content": content, "refusal": None}
-
-    # -- control
-    def model_info(self) -> dict:
-        cfg = json.loads(self.engine.model.config.to_json_string())
-        return {"model_path": self.model_path, "tokenizer_path": self.model_path, "is_generation": True,
-                "served_model_name": self.engine.name, "weight_version": self.engine.weight_version,
-                "max_seq_len": self.engine.max_seq_len, "config": cfg}
-
-    async def update(self, state_fn: Callable[[], tuple[Mapping[str, Tensor], int | None]], version: int | None,
-                     mode: str) -> dict:
-        if mode not in UPDATE_MODES:
-            raise APIError(400, f"mode must be one of {', '.join(UPDATE_MODES)}, got {mode!r}", "mode")
-        if mode == "finish_old" and self.engine.paused == "in_place" and self.engine.running:
-            raise APIError(400, "running requests cannot finish on the old weights while generation is paused in "
-                                "place: continue_generation first, or use mode=in_flight", "mode")
-        async with self._update_lock:
-            try:
-                state, carried = await asyncio.to_thread(state_fn)
-            except (FileNotFoundError, ValueError, KeyError) as e:
-                raise APIError(400, f"cannot load the weights: {e}") from e
-            if carried is not None and version is not None and int(carried) != int(version):
-                raise APIError(400, f"the update is version {carried} but the request says {version}", "version")
-            version = carried if carried is not None else version
-            new_version = self.engine.weight_version + 1 if version is None else int(version)
-            try:
-                applied = await asyncio.wrap_future(self.engine.update_weights(state, new_version, mode))
-            except ValueError as e:
-                raise APIError(400, f"cannot load the weights: {e}") from e
-        return {"success": True, "message": f"weights updated to version {applied} ({mode})",
-                "weight_version": applied, "num_paused_requests": 0}
-
-
 def create_app(engine: ContinuousEngine, model_path: str | None = None, delta_decoder: DeltaDecoder | None = None,
                max_sessions: int = 10_000, max_body_bytes: int = MAX_JSON_BYTES,
-               max_update_bytes: int = MAX_UPDATE_BYTES) -> FastAPI:
+               max_update_bytes: int = MAX_UPDATE_BYTES, model_names: Sequence[str] | None = None) -> FastAPI:
     """The FastAPI app serving `engine` (which must be driven by its background thread: `engine.start()`).
-    Bodies over `max_body_bytes` (`max_update_bytes` for a weight update) are refused with a 413."""
-    srv = RolloutServer(engine, model_path, delta_decoder, max_sessions)
+    Bodies over `max_body_bytes` (`max_update_bytes` for a weight update) are refused with a 413. A request's
+    `model` must be one of `model_names` (default: the engine's name) or `policy`, else a 404."""
+    srv = RolloutServer(engine, model_path, delta_decoder, max_sessions, model_names)
     app = FastAPI(title="factory rollout server", docs_url=None, redoc_url=None)
     app.state.rollout = srv
     # A token-id body that no acceptable request could be is refused from its bytes, before the loop decodes and
@@ -410,12 +124,19 @@ def create_app(engine: ContinuousEngine, model_path: str | None = None, delta_de
     app.add_middleware(CompletionBodyGate, max_seq_len=engine.max_seq_len)
     # 400 for a malformed body, as OpenAI answers it (the openai client raises BadRequestError).
     guard(app, validation_status=400, render=openai_render, max_body_bytes=max_body_bytes,
-          body_limits={"/update_weights_from_delta": max_update_bytes})
+          body_limits={"/update_weights_from_delta": max_update_bytes}, raw_paths=("/update_weights_from_delta",))
+
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": srv.created, "owned_by": "factory",
+                "max_model_len": engine.max_seq_len}
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": engine.name, "object": "model", "created": srv.created,
-                                            "owned_by": "factory", "max_model_len": engine.max_seq_len}]}
+        return {"object": "list", "data": [model_card(name) for name in srv.model_names]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict:
+        return model_card(srv.check_model(model))
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest) -> dict:
@@ -559,14 +280,15 @@ class ServerHandle:
 def launch_server(engine: ContinuousEngine, host: str = "127.0.0.1", port: int = 0, model_path: str | None = None,
                   delta_decoder: DeltaDecoder | None = None, startup_timeout: float = 30.0,
                   log_level: str = "warning", max_body_bytes: int = MAX_JSON_BYTES,
-                  max_update_bytes: int = MAX_UPDATE_BYTES) -> ServerHandle:
+                  max_update_bytes: int = MAX_UPDATE_BYTES, model_names: Sequence[str] | None = None,
+                  header_timeout_s: float = HEADER_TIMEOUT_S) -> ServerHandle:
     """Serve `engine` from a background thread (port 0: any free port); starts the engine's thread if needed."""
     stop_engine = engine._thread is None or not engine._thread.is_alive()
     engine.start()
     app = create_app(engine, model_path=model_path, delta_decoder=delta_decoder, max_body_bytes=max_body_bytes,
-                     max_update_bytes=max_update_bytes)
+                     max_update_bytes=max_update_bytes, model_names=model_names)
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off",
-                                    access_log=False))
+                                    access_log=False, http=guarded_http(header_timeout_s)))
     thread = threading.Thread(target=server.run, name="rollout-server", daemon=True)
     thread.start()
     if not server.ready.wait(startup_timeout) or not server.started:
@@ -581,12 +303,14 @@ def launch_server(engine: ContinuousEngine, host: str = "127.0.0.1", port: int =
 
 def serve(engine: ContinuousEngine, host: str = "127.0.0.1", port: int = 8000, model_path: str | None = None,
           delta_decoder: DeltaDecoder | None = None, log_level: str = "info", max_body_bytes: int = MAX_JSON_BYTES,
-          max_update_bytes: int = MAX_UPDATE_BYTES) -> None:
+          max_update_bytes: int = MAX_UPDATE_BYTES, model_names: Sequence[str] | None = None,
+          header_timeout_s: float = HEADER_TIMEOUT_S) -> None:
     """Serve `engine` in the foreground until interrupted (the `factory serve` command)."""
     engine.start()
     try:
         app = create_app(engine, model_path=model_path, delta_decoder=delta_decoder, max_body_bytes=max_body_bytes,
-                         max_update_bytes=max_update_bytes)
-        uvicorn.run(app, host=host, port=port, log_level=log_level, lifespan="off")
+                         max_update_bytes=max_update_bytes, model_names=model_names)
+        uvicorn.run(app, host=host, port=port, log_level=log_level, lifespan="off",
+                    http=guarded_http(header_timeout_s))
     finally:
         engine.stop()

@@ -1,6 +1,6 @@
 """The continuous engine's KV cache: per layer one buffer of slots (rows) x columns that sequences join and leave.
 
-KV layout: per layer one buffer [slots, kv_heads, capacity, head_dim]. Running sequences are rows 0..n-1 (a
+KV layout: per layer one buffer [rows, kv_heads, capacity, head_dim]. Running sequences are rows 0..n-1 (a
 finished row is replaced by the last one, so rows stay dense and every step works on views, no gather). All rows
 share one write column `width`: each step writes every row's new K/V at column `width`, and a sequence's valid
 columns are [start, width) — a new sequence is placed right-aligned, ending at `width`, and a boolean mask hides
@@ -13,6 +13,12 @@ only `update` and `get_seq_length` of the `transformers.Cache` interface are use
 
 Device: the buffers live where the prefill's K/V were computed (the model's device); the bookkeeping (each row's
 start column, the width) is plain Python on the host, so compaction and retirement never wait for the device.
+
+Memory: the buffers are allocated when the first rows arrive and grow by doubling, their rows up to `slots` and
+their columns up to `max_columns` (the engine's context + the write column), unless that would pass `allow` (in
+slot-columns: one token of one row in every layer; the engine's KV budget, `kv_budget.py`): then with fewer spare
+rows, then fewer spare columns, down to what the running rows need (compacted first). Spare rows never change a
+sequence's numbers: every step works on the first n rows, whose strides do not depend on how many follow.
 """
 
 from __future__ import annotations
@@ -20,18 +26,22 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+UNBOUNDED = 1 << 62  # `allow` when no budget applies
+
 
 class SlotKVCache:
     """K/V buffers for the running rows, shaped for the transformers attention modules.
 
     It is passed to the model as `cache` (transformers calls `update(k, v, layer_idx)` in every attention layer).
     In capture mode (`begin_prefill`) it only records the new K/V, for a prefill that runs on its own batch.
+    `allow` arguments bound the allocation in slot-columns (see the module docstring).
     """
 
-    def __init__(self, slots: int, initial_capacity: int = 64):
+    def __init__(self, slots: int, initial_capacity: int = 64, max_columns: int | None = None):
         self.slots = slots
         self.initial_capacity = initial_capacity
-        self.keys: list[Tensor] = []  # per layer [slots, kv_heads, capacity, head_dim]
+        self.max_columns = max_columns  # no row ever needs more (None: no bound)
+        self.keys: list[Tensor] = []  # per layer [rows, kv_heads, capacity, head_dim]
         self.values: list[Tensor] = []
         self.start = [0] * slots  # first valid column of each row (host-side: read without a device sync)
         self.n = 0  # running rows: 0..n-1
@@ -41,6 +51,20 @@ class SlotKVCache:
     @property
     def capacity(self) -> int:
         return self.keys[0].shape[2] if self.keys else 0
+
+    @property
+    def rows(self) -> int:
+        """Rows allocated, running and spare."""
+        return self.keys[0].shape[0] if self.keys else 0
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one slot-column across every layer (0 before the first allocation)."""
+        return sum(b.shape[1] * b.shape[3] * b.element_size() for bufs in (self.keys, self.values) for b in bufs)
+
+    @property
+    def allocated_bytes(self) -> int:
+        return self.rows * self.capacity * self.token_bytes
 
     # -- the part of the transformers Cache interface the attention layers use
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args,
@@ -78,14 +102,48 @@ class SlotKVCache:
         cols = torch.arange(self.width + 1, device=start.device)
         return (cols[None, :] >= start[:, None])[:, None, None, :]
 
-    def _resize(self, capacity: int) -> None:
-        """Reallocate every buffer with `capacity` columns, keeping the running rows' columns."""
-        w = self.width
+    def _reallocate(self, rows: int, capacity: int) -> None:
+        """Reallocate every buffer as `rows` x `capacity`, keeping the running rows' columns (one layer's old and
+        new buffers exist at once, never all of them)."""
+        w, n = self.width, self.n
+        if rows < n or capacity < w:
+            raise RuntimeError(f"a {rows} x {capacity} KV buffer cannot hold {n} rows of {w} columns")
         for buffers in (self.keys, self.values):
             for i, old in enumerate(buffers):
-                new = old.new_zeros(old.shape[0], old.shape[1], capacity, old.shape[3])
-                new[: self.n, :, :w] = old[: self.n, :, :w]
+                new = old.new_zeros(rows, old.shape[1], capacity, old.shape[3])
+                new[:n, :, :w] = old[:n, :, :w]
                 buffers[i] = new
+                del old
+
+    def _shape(self, rows: int, cols: int, allow: int) -> tuple[int, int]:
+        """The buffer shape that holds `rows` x `cols` within `allow` slot-columns: the current one when it holds
+        them and fits; else doubled rows (at most `slots`) and doubled columns (at most `max_columns`), with fewer
+        spare rows, then fewer spare columns, where that would not fit."""
+        have_rows, have_cols = self.rows, self.capacity
+        if have_rows >= rows and have_cols >= cols and have_rows * have_cols <= allow:
+            return have_rows, have_cols
+        new_rows = have_rows if have_rows >= rows else min(self.slots, max(2 * have_rows, rows))
+        new_cols = have_cols if have_cols >= cols else max(2 * have_cols, cols)
+        if self.max_columns is not None:
+            new_cols = max(cols, min(new_cols, self.max_columns))
+        if new_rows * new_cols > allow:
+            new_rows = max(rows, min(new_rows, allow // new_cols))
+            if new_rows * new_cols > allow:
+                new_cols = max(cols, allow // max(1, new_rows))
+        if new_rows * new_cols > allow:  # the engine admitted more than its budget holds: a bug, not an OOM
+            raise RuntimeError(f"{rows} KV rows of {cols} columns do not fit in {allow} slot-columns")
+        return new_rows, new_cols
+
+    def fit(self, allow: int) -> None:
+        """Shrink the buffers to within `allow` slot-columns (compacting first), e.g. to make room for a prefill's
+        K/V; none at all when no row runs."""
+        if not self.keys or self.rows * self.capacity <= allow:
+            return
+        if self.n == 0:
+            self.release()
+            return
+        self.compact()
+        self._reallocate(*self._shape(self.n, self.width + 1, allow))
 
     def _shift(self, by: int) -> None:
         """Move the running rows' columns right (by > 0) or left (by < 0)."""
@@ -107,31 +165,40 @@ class SlotKVCache:
         if dead >= min_gain:
             self._shift(-dead)
 
-    def reserve_decode(self) -> None:
+    def reserve_decode(self, allow: int = UNBOUNDED) -> None:
         """Make room for one more column."""
         if self.width + 1 <= self.capacity:
             return
         self.compact()
         if self.width + 1 > self.capacity:
-            self._resize(max(2 * self.capacity, self.width + 1))
+            self._reallocate(*self._shape(self.n, self.width + 1, allow))
 
-    def insert(self, kv: list[tuple[Tensor, Tensor]], src: Tensor, lengths: list[int]) -> None:
+    def insert(self, kv: list[tuple[Tensor, Tensor]], src: Tensor, lengths: list[int],
+               allow: int = UNBOUNDED) -> None:
         """Append rows n.. from a prefill's K/V: row j takes prefill row `src[j]` (left-padded to width P), of
         which the last `lengths[j]` columns are its prompt."""
         k_count = len(lengths)
         if self.n + k_count > self.slots:
             raise RuntimeError(f"{self.n} + {k_count} rows exceed {self.slots} slots")
         p = kv[0][0].shape[2]
-        if not self.keys:
-            cap = max(self.initial_capacity, p + 1)
-            for k, v in kv:
-                self.keys.append(k.new_zeros(self.slots, k.shape[1], cap, k.shape[3]))
-                self.values.append(v.new_zeros(self.slots, v.shape[1], cap, v.shape[3]))
         if self.n == 0:
             self.width = 0
-        if self.width < p:  # the new prompts need p columns left of the write column
-            if p + 1 > self.capacity:
-                self._resize(max(2 * self.capacity, p + 1))
+
+        def cols() -> int:  # the new prompts need p columns left of the write column
+            return p + 1 if self.width < p else self.width
+
+        if not self.keys:
+            want = max(self.initial_capacity, cols())
+            rows, cap = self._shape(k_count, want if k_count * want <= allow else cols(), allow)
+            for k, v in kv:
+                self.keys.append(k.new_zeros(rows, k.shape[1], cap, k.shape[3]))
+                self.values.append(v.new_zeros(rows, v.shape[1], cap, v.shape[3]))
+        elif (shape := self._shape(self.n + k_count, cols(), allow)) != (self.rows, self.capacity):
+            if shape[1] < self.width:  # only a binding budget narrows the buffer: drop the dead columns first
+                self.compact()
+                shape = self._shape(self.n + k_count, cols(), allow)
+            self._reallocate(*shape)
+        if self.width < p:
             self._shift(p - self.width)
         w, n = self.width, self.n
         for layer, (k, v) in enumerate(kv):
