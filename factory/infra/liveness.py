@@ -21,8 +21,10 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch only where a model is hooked: `factory validate` and other light commands never load it
+    import torch
 
 EVERY_S = 1.0  # at most one beat a second, however often the work pulses (a beat is a file's mtime)
 COVER_LIMIT_S = 900.0  # how long `covered` vouches for one call by default
@@ -89,6 +91,8 @@ def pulse_from_layers(model: torch.nn.Module) -> None:
     """Pulse as each block of `model` finishes its forward and, when it trains, its backward (a hook on the block's
     output gradient, which leaves the gradient as it is). The blocks are the model's longest `ModuleList` (a
     decoder's layers). Once per model: a second call adds nothing."""
+    import torch
+
     if getattr(model, "_liveness_hooked", False):
         return
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
@@ -101,7 +105,7 @@ def pulse_from_layers(model: torch.nn.Module) -> None:
 def _block_done(module: torch.nn.Module, args: object, output: object) -> None:
     pulse()
     out = output[0] if isinstance(output, tuple | list) and output else output
-    if isinstance(out, torch.Tensor) and out.requires_grad:
+    if getattr(out, "requires_grad", False):  # a tensor in the autograd graph
         out.register_hook(_gradient_done)
 
 

@@ -136,13 +136,27 @@ def on_fake_gpu(monkeypatch):
 # ------------------------------------------------------------------------------------------------ CPU: unchanged
 def test_cpu_tokens_and_logprobs_equal_those_recorded_on_main():
     """Greedy, sampled and top-p completions of both engines (sdpa and eager attention, requests joining while
-    others decode) are exactly those main's engines gave before they knew about devices."""
+    others decode) are those main's engines gave before they knew about devices: the same tokens, logprobs to 1e-5."""
     torch.set_num_threads(1)
     golden = json.loads(GOLDEN.read_text())
     now = json.loads(json.dumps(all_cases()))  # tuples to lists, as recorded
     assert now.keys() == golden.keys()
     for name in golden:
-        assert now[name] == golden[name], name
+        assert _tokens_exact_floats_close(now[name], golden[name]), name
+
+
+def _tokens_exact_floats_close(now: object, golden: object) -> bool:
+    """Tokens, lengths and finish reasons equal; float32 logprobs within 1e-5, because another CPU's BLAS kernels
+    (the CI machine's against the recording one's) sum in another order and move the last bits."""
+    if isinstance(golden, float):
+        return isinstance(now, float) and now == pytest.approx(golden, rel=1e-5, abs=1e-5)
+    if isinstance(golden, dict):
+        return isinstance(now, dict) and now.keys() == golden.keys() and all(
+            _tokens_exact_floats_close(now[k], golden[k]) for k in golden)
+    if isinstance(golden, list):
+        return isinstance(now, list) and len(now) == len(golden) and all(
+            _tokens_exact_floats_close(a, b) for a, b in zip(now, golden, strict=True))
+    return now == golden
 
 
 def test_model_device_and_cpu_autocast_stays_fp32():

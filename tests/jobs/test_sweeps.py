@@ -220,9 +220,10 @@ def test_one_warm_start_then_members_within_the_limit_then_evals_then_the_summar
     assert md["best_member"].value == (best[0] if len(best) == 1 else f"tie: {', '.join(best)}")
     assert " n=" in md["best_accuracy_ci95"].value  # `0.764 [0.725, 0.799] n=500`
     table = md["members_table"].value
-    # the table names a member by its key's index part, its label beside it (wrapping between axes), and gives how
-    # far it got and each figure with its interval and n, in few columns (the value column of a 1600 px page)
-    assert [c.name for c in table.schema.columns] == ["member", "status", "accuracy", "pass@2", "reward"]
+    # the table ranks final results, names a member by its key's index part, its label beside it (wrapping between
+    # axes), and gives how far it got and each figure with its interval and n, in few columns (a 1600 px page's)
+    assert [c.name for c in table.schema.columns] == ["rank", "member", "status", "accuracy", "pass@2", "reward"]
+    assert [r.data["rank"] for r in table.records] == list(range(1, len(keys) + 1))  # all succeeded: all ranked
     assert [r.data["member"] for r in table.records] == [
         f"{member_short(k)} {short_label(json.loads(rows[k]['axes'])).replace(',', ', ')}"
         for k in sorted(keys, key=lambda k: -rows[k]["final_accuracy"])]

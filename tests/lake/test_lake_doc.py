@@ -70,8 +70,8 @@ def doc_home(tmp_path, monkeypatch) -> Path:
         for run, acc in ((IDS["RUN_A"], 0.8), (IDS["RUN_B"], 0.9)):
             lake.upsert("steps", [dict(run_id=run, step=s, weight_version=s, reward_mean=0.5, kl=0.01,
                                        tokens_per_s=100.0, recorded_at=T0) for s in range(0, 120, 10)])
-            lake.upsert("evals", [dict(run_id=run, step=110, benchmark="arithmetic_heldout", metric="accuracy",
-                                       value=acc, n=500, recorded_at=T0)])
+            lake.upsert("evals", [dict(run_id=run, step=step, benchmark="arithmetic_heldout", metric="accuracy",
+                                       value=acc - 0.1 * (step < 110), n=500, recorded_at=T0) for step in (20, 110)])
     return tmp_path
 
 

@@ -1,5 +1,6 @@
 """Reward functions that fail inside a real run (tests/ops/test_isolation_runs.py), loaded by import path."""
 
+import sys
 import threading
 
 _never = threading.Event()
@@ -17,8 +18,9 @@ def flaky_reward(prompt: str, completion: str, **meta) -> float:
 
 
 def overflowing_reward(prompt: str, completion: str, **meta) -> float:
-    """Finite in Python, infinite in a float32 tensor: the advantages (and the loss) become NaN."""
-    return 1e300 if completion == "" else -1e300
+    """Finite in Python, but a group's sum of them overflows even in float64 (the advantages' precision, that of
+    the rewards): the advantages (and the loss) become NaN."""
+    return sys.float_info.max if completion == "" else -sys.float_info.max
 
 
 def plain_reward(prompt: str, completion: str, **meta) -> float:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import select
 import subprocess
 import sys
 import threading
@@ -97,6 +98,18 @@ def _resources(home: FactoryPaths) -> dict:
 
     h = FactoryHomeResource(root=str(home.root))
     return {"home": h, "lake": LakeResource(home=h), "mlflow": MlflowResource(home=h)}
+
+
+def _exits_within(pid: int, timeout_s: float) -> bool:
+    """Whether process `pid` exits within `timeout_s`: its pidfd turns readable when it does (no polling)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([fd], [], [], timeout_s)[0])
+    finally:
+        os.close(fd)
 
 
 def _forget(lake: Lake, run_id: str, step: int) -> None:
@@ -192,7 +205,8 @@ def test_a_crash_mid_eval_ends_the_wait_and_the_asset_evaluates_in_process(train
     info = start_server(home)
     with pytest.raises(EvalServerUnavailable, match=f"pid {info.pid}.* gave no answer"):
         evaluate_remote(home, run_id, 1, "carry_chains", start=False)
-    assert not _alive(info.pid)
+    # its sockets close before it is a zombie: on a loaded machine the client can hear the close first
+    assert _exits_within(info.pid, 60.0) and not _alive(info.pid)
     # The asset: the server it starts dies the same way; the eval is done in the run's own process instead.
     with Lake.open(home) as lake:
         _forget(lake, run_id, 1)
