@@ -44,7 +44,8 @@ def _draws(temperature: float, top_p: float, top_k: int, seed: int = 7) -> np.nd
 
 
 @pytest.mark.parametrize(("temperature", "top_p", "top_k"), [
-    (1.0, 1.0, 0), (0.6, 1.0, 0), (1.5, 1.0, 0), (1.0, 0.8, 0), (1.0, 1.0, 3), (0.8, 0.9, 5), (1.0, 0.5, 0)])
+    (1.0, 1.0, 0), (0.6, 1.0, 0), (1.5, 1.0, 0), (1.0, 0.8, 0), (1.0, 1.0, 3), (0.8, 0.9, 5), (1.0, 0.5, 0),
+    (1.0, 0.7, 3)])
 def test_frequencies_match_the_tempered_truncated_softmax(temperature, top_p, top_k):
     counts = _draws(temperature, top_p, top_k)
     q = _expected(LOGITS, temperature, top_p, top_k)
@@ -59,6 +60,15 @@ def test_a_wrong_distribution_fails_the_same_bound():
     """The test above can fail: the draws at temperature 0.6 against the temperature-1 distribution."""
     counts, q = _draws(0.6, 1.0, 0), _expected(LOGITS, 1.0, 1.0, 0)
     assert np.sum((counts - DRAWS * q) ** 2 / (DRAWS * q)) > chi2.ppf(0.999, len(LOGITS) - 1)
+
+
+def test_a_vanishing_top_p_keeps_the_most_likely_token():
+    """Never an empty support (all -inf draws argmax to token 0): top-p 0 degenerates to the argmax."""
+    rows, vocab = 32, 64
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(2))
+    out = sample(logits, knobs([1.0] * rows, [0.0] * (rows // 2) + [1e-9] * (rows // 2), [0] * rows,
+                               [False] * rows, list(range(rows)), [0] * rows))
+    assert torch.equal(out.tokens, logits.argmax(-1))
 
 
 def _step_logits(generator: torch.Generator, rows: int, vocab: int) -> torch.Tensor:
