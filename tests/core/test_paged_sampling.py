@@ -117,6 +117,12 @@ def test_greedy_is_the_argmax_and_logprobs_are_the_trainers():
         top = torch.log_softmax(logits[i] / at, -1).topk(3)
         assert torch.equal(out.top_ids[i], top.indices)
         torch.testing.assert_close(out.top_logprobs[i], top.values, atol=1e-5, rtol=0)
+    half = logits.bfloat16()  # the serving dtype on a GPU: computed in float32, as the trainer does
+    out = sample(half, k)
+    for i in range(rows):
+        trainer, _ = logprobs_from_logits(half[i : i + 1, None, :], out.tokens[i : i + 1, None],
+                                          temperature=1.0 if greedy[i] else temps[i])
+        torch.testing.assert_close(out.logprobs[i], trainer[0, 0], atol=1e-5, rtol=0)
 
 
 def test_allowed_tokens_renormalize_the_draw_and_the_logprobs():
