@@ -17,8 +17,8 @@ Wellons' lowbias32 finalizer. Per row, two 32-bit keys come from (seed low, seed
 of the mix; per vocabulary id a hash of the id; per element two more rounds of the mix
 (`mix(mix(hash(id) ^ k1) ^ k2)`), turned into a uniform in (0, 1) with 32 bits at its low end. Sampling is an
 exponential race (Gumbel-max): the token is the argmax of `log q - log E` with `E = -log1p(-u)` exponential and
-`q` the truncated distribution, unnormalized. The uniform is capped below 1 at 1 - 2^-24 (float32), so E < 16.7: a
-draw whose exponential would exceed that (probability e^-16.7 = 6e-8 per element) is cut there.
+`q` the truncated distribution, unnormalized. The uniform is capped below 1 at 1 - 2^-24 (float32), so
+E <= 16.64: a draw whose exponential would exceed that (probability e^-16.64 = 6e-8 per element) is cut there.
 
 Top-k and top-p take one stable sort of each row (O(V log V)), a softmax and a cumulative sum over the sorted
 values, and a scatter of the kept flags back to vocabulary order: no data-dependent shape. It runs only when the
