@@ -1,0 +1,1 @@
+"""The paged rollout engine (issue 33), split by concern."""
