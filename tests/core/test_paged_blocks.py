@@ -73,3 +73,29 @@ def test_budget_rounds_down_to_whole_pages_and_misuse_raises():
         mgr.append("a")
     with pytest.raises(KeyError, match="no sequence"):
         mgr.free("b")
+
+
+def test_the_prefix_cache_reuses_a_freed_prompts_pages_until_they_are_handed_out_or_the_weights_change():
+    mgr = BlockManager(KVBudget(6 * 4 * PER_TOKEN, PER_TOKEN), page_size=4, prefix_cache=True)
+    turn1 = list(range(10))  # pages [0..3] [4..7] [8, 9]
+    first = mgr.admit("t1", 10, 12, token_ids=turn1)
+    assert mgr.cached_tokens("t1") == 0
+    mgr.append("t1", 10)
+    mgr.append("t1", 11)  # the third page is full now: it names the prefix 0..11
+    mgr.free("t1")
+    turn2 = [*range(12), 20, 21, 22]  # the next turn: the conversation so far, then more
+    assert mgr.can_admit(15, 16, token_ids=turn2)
+    second = mgr.admit("t2", 15, 16, token_ids=turn2)
+    assert second[:3] == first and mgr.cached_tokens("t2") == 12 and mgr.used_pages == 4
+    assert mgr.admit("t3", 15, 16, token_ids=turn2)[:3] == first  # a live page: shared, no page taken
+    assert mgr.refcount(first[0]) == 2 and mgr.used_pages == 5
+    mgr.free("t2")
+    mgr.free("t3")
+    mgr.flush_prefix_cache()  # new weights: the old K/V are another policy's
+    mgr.admit("t4", 15, 16, token_ids=turn2)
+    assert mgr.cached_tokens("t4") == 0
+    # the page of a prompt's last token is computed even when cached, for its logits
+    mgr = BlockManager(KVBudget(6 * 4 * PER_TOKEN, PER_TOKEN), page_size=4, prefix_cache=True)
+    mgr.admit("a", 8, 8, token_ids=list(range(8)))
+    mgr.admit("b", 8, 8, token_ids=list(range(8)))
+    assert mgr.cached_tokens("b") == 4 and mgr.used_pages == 3

@@ -4,6 +4,8 @@ write only the scratch page; block tables keep their storage while they change."
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 import torch
 from hypothesis import strategies as st
@@ -28,11 +30,17 @@ class PageMachine(BlockMachine):
         super().__init__()
         self.store: PageStore | None = None
         self.expected: dict[int, torch.Tensor] = {}  # seq -> [layers, 2, tokens, heads, dim]
-        self.gen = torch.Generator().manual_seed(0)
+        self.noise = torch.Generator().manual_seed(0)  # the padded rows' K/V
         self.stale: set[int] = set()  # sequences whose model K/V differ from the store until the next write
 
     def _kv(self, n: int) -> torch.Tensor:
-        return torch.randn(LAYERS, 2, n, HEADS, DIM, generator=self.gen)
+        return torch.randn(LAYERS, 2, n, HEADS, DIM, generator=self.noise)
+
+    def _kv_of(self, ids: list[int]) -> torch.Tensor:
+        """[layers, 2, 1, heads, dim]: what a model computes at the last of `ids` under the current weights (a
+        function of the prefix and the weights' generation, so a prefix-cache hit must read exactly this)."""
+        key = hashlib.blake2b(repr((self.gen, ids)).encode(), digest_size=8).digest()
+        return torch.randn(LAYERS, 2, 1, HEADS, DIM, generator=torch.Generator().manual_seed(int.from_bytes(key)))
 
     def _write(self, slots: list[int], kv: torch.Tensor, size: int | None = None) -> None:
         if size is not None:  # padded rows carry K/V too: garbage that must land in the scratch page only
@@ -45,8 +53,9 @@ class PageMachine(BlockMachine):
         self.store = PageStore(LAYERS, self.mgr.num_pages, self.mgr.page_size, HEADS, DIM, torch.float32, "cpu")
 
     def admitted(self, seq: int) -> None:
-        kv = self._kv(self.tokens[seq])
-        self._write(self.mgr.slots(seq, 0, self.tokens[seq]), kv)
+        ids, cached = self.ids[seq], self.mgr.cached_tokens(seq)
+        kv = torch.cat([self._kv_of(ids[: j + 1]) for j in range(len(ids))], dim=2)
+        self._write(self.mgr.slots(seq, cached, len(ids)), kv[:, :, cached:])  # the prefill skips cached pages
         self.expected[seq] = kv
 
     def forked(self, parent: int, child: int, copy: tuple[int, int] | None) -> None:
@@ -55,22 +64,19 @@ class PageMachine(BlockMachine):
         self.expected[child] = self.expected[parent].clone()
 
     def appended(self, seq: int, slot: int) -> None:
-        kv = self._kv(1)
+        kv = self._kv_of(self.ids[seq])
         self._write([slot], kv)
         self.expected[seq] = torch.cat([self.expected[seq], kv], dim=2)
 
     def freed(self, seq: int) -> None:
         del self.expected[seq]
 
-    @precondition(lambda self: self.tokens)
-    @rule(pad=st.integers(0, 5))
-    def decode_step(self, pad: int) -> None:
-        growing = [s for s in sorted(self.tokens) if self.tokens[s] < self.final[s]]
-        slots = []
-        for s in growing:
-            slots.append(self.mgr.append(s))
-            self.tokens[s] += 1
-        kv = self._kv(len(growing))
+    @precondition(lambda self: self.ids)
+    @rule(pad=st.integers(0, 5), token=st.integers(0, 2))
+    def decode_step(self, pad: int, token: int) -> None:
+        growing = [s for s in sorted(self.ids) if self.tokens(s) < self.final[s]]
+        slots = [self._append(s, (token + s) % 3) for s in growing]
+        kv = torch.cat([self._kv_of(self.ids[s]) for s in growing], dim=2) if growing else self._kv(0)
         self._write(slots, kv, size=len(growing) + pad)
         for j, s in enumerate(growing):
             self.expected[s] = torch.cat([self.expected[s], kv[:, :, j : j + 1]], dim=2)
@@ -82,7 +88,7 @@ class PageMachine(BlockMachine):
     def check_gathers(self) -> None:
         for s, want in self.expected.items():
             for layer in range(LAYERS):
-                k, v = self.store.gather(layer, self.mgr.block_table(s), self.tokens[s])
+                k, v = self.store.gather(layer, self.mgr.block_table(s), self.tokens(s))
                 assert torch.equal(k, want[layer, 0]) and torch.equal(v, want[layer, 1]), (s, layer)
 
     @precondition(lambda self: self.expected)

@@ -12,6 +12,12 @@ the number of block tables that hold it; a page whose count falls to 0 returns t
   the append path relies on: a shared page is full, so nothing ever writes into it.
 - append: one more position; a fresh page only when the last is full (never a copy of an existing page).
 - free: every page's refcount drops by one.
+- prefix cache (`prefix_cache=True`, `prefix.py`): an admission given its prompt's token ids takes, instead of
+  fresh pages, the cached pages that hold its prompt's leading full pages (live ones by refcount, freed ones back
+  off the free list), all but the page of its last prompt token, which the prefill must compute for its logits;
+  `cached_tokens` says how many positions the prefill skips. The prefill must write an admitted sequence's pages
+  in the step it is admitted (they are findable from then on); `flush_prefix_cache` after every weight update.
+  Freed pages keep their K/V until handed out again, oldest freed first.
 
 Budget: `num_pages` pages in all (`from_budget`: the bytes budget of `kv_budget.KVBudget` over the bytes of a
 page). Admission keeps every admitted sequence able to grow to its final length (prompt + max_tokens, within the
@@ -29,9 +35,12 @@ passes its own `page_size`; nothing here depends on the value.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from factory.core.rollout.kv_budget import KVBudget, never_fits
+from factory.core.rollout.paged.prefix import PrefixCache, chain
 
 PAGE_SIZE = 16
 
@@ -44,6 +53,10 @@ class SeqBlocks:
     pages: list[int] = field(default_factory=list)
     tokens: int = 0
     final: int = 0
+    cached: int = 0  # leading prompt positions found in the prefix cache
+    generation: int = -1  # the prefix cache's generation it registers pages in (-1: none)
+    digests: list[bytes] = field(default_factory=list)  # its full pages' prefix digests (prefix cache only)
+    tail: list[int] = field(default_factory=list)  # the token ids in its partial last page (prefix cache only)
 
 
 class BlockManager:
@@ -53,14 +66,16 @@ class BlockManager:
     check with `can_admit`, an append past the final length) raises: it is a scheduler bug, not a user error.
     """
 
-    def __init__(self, budget: KVBudget, page_size: int = PAGE_SIZE):
+    def __init__(self, budget: KVBudget, page_size: int = PAGE_SIZE, prefix_cache: bool = False):
         if page_size < 1:
             raise ValueError(f"page_size must be at least 1, got {page_size}")
         self.budget = budget
         self.page_size = page_size
         self.num_pages = budget.total_bytes // max(1, budget.per_token * page_size)
-        self._free = list(range(self.num_pages - 1, -1, -1))  # a stack: page 0 is taken first
+        # oldest freed first, so the prefix cache loses its least recently used pages first
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(self.num_pages))
         self._refs = [0] * self.num_pages
+        self.prefix = PrefixCache(self.num_pages) if prefix_cache else None
         self._seqs: dict[object, SeqBlocks] = {}
         self.reserved = 0  # pages the live sequences may still take to reach their final lengths
 
@@ -86,7 +101,7 @@ class BlockManager:
         return self._refs[page]
 
     def free_list(self) -> list[int]:
-        """The free pages (a copy)."""
+        """The free pages, oldest freed first (a copy)."""
         return list(self._free)
 
     def __contains__(self, seq_id: object) -> bool:
@@ -101,6 +116,10 @@ class BlockManager:
 
     def tokens(self, seq_id: object) -> int:
         return self._seq(seq_id).tokens
+
+    def cached_tokens(self, seq_id: object) -> int:
+        """Leading prompt positions whose K/V the sequence found in the prefix cache: its prefill starts there."""
+        return self._seq(seq_id).cached
 
     def slot(self, seq_id: object, position: int) -> int:
         """Where position `position` of the sequence lives in the page store: page * page_size + offset."""
@@ -123,9 +142,14 @@ class BlockManager:
         whole = self.pages_for(max(final_length, prompt_tokens))
         return whole + (samples - 1) * (whole - prompt_tokens // self.page_size)
 
-    def can_admit(self, prompt_tokens: int, final_length: int, samples: int = 1) -> bool:
-        """Whether such a group can join now with every live sequence still able to reach its final length."""
-        return self.committed + self.need(prompt_tokens, final_length, samples) <= self.num_pages
+    def can_admit(self, prompt_tokens: int, final_length: int, samples: int = 1,
+                  token_ids: Sequence[int] | None = None) -> bool:
+        """Whether such a group can join now with every live sequence still able to reach its final length
+        (`token_ids`: its prompt, whose pages live sequences already hold cost nothing)."""
+        need = self.need(prompt_tokens, final_length, samples)
+        if token_ids is not None:
+            need -= sum(self._refs[page] > 0 for page in self._hits(token_ids)[0])
+        return self.committed + need <= self.num_pages
 
     def problem(self, prompt_tokens: int, final_length: int, samples: int = 1) -> str | None:
         """Why such a group could never run inside the budget even into an empty cache, or None."""
@@ -139,18 +163,33 @@ class BlockManager:
                           f"a token", self.budget.total_bytes)
 
     # -- changes
-    def admit(self, seq_id: object, prompt_tokens: int, final_length: int) -> list[int]:
-        """Give a new sequence the pages of its `prompt_tokens` positions; it may grow to `final_length`. Returns
-        its block table."""
+    def admit(self, seq_id: object, prompt_tokens: int, final_length: int,
+              token_ids: Sequence[int] | None = None) -> list[int]:
+        """Give a new sequence the pages of its `prompt_tokens` positions; it may grow to `final_length`. With the
+        prefix cache, `token_ids` (the prompt) finds its cached pages and registers its new ones. Returns its block
+        table."""
         if seq_id in self._seqs:
             raise KeyError(f"sequence {seq_id!r} is already admitted")
         if not 1 <= prompt_tokens <= final_length:
             raise ValueError(f"need 1 <= prompt_tokens <= final_length, got {prompt_tokens} and {final_length}")
-        if not self.can_admit(prompt_tokens, final_length):
+        if token_ids is not None and len(token_ids) != prompt_tokens:
+            raise ValueError(f"token_ids has {len(token_ids)} ids for a prompt of {prompt_tokens} tokens")
+        if not self.can_admit(prompt_tokens, final_length, token_ids=token_ids):
             raise RuntimeError(f"sequence {seq_id!r} does not fit: {self.committed} of {self.num_pages} pages are "
                                f"committed and it needs {self.need(prompt_tokens, final_length)} (check can_admit)")
+        hits, digests = self._hits(token_ids) if token_ids is not None else ([], [])
+        for page in hits:
+            if self._refs[page] == 0:
+                del self._free[page]
+            self._refs[page] += 1
         now = self.pages_for(prompt_tokens)
-        s = SeqBlocks([self._take() for _ in range(now)], prompt_tokens, final_length)
+        s = SeqBlocks(hits + [self._take() for _ in range(now - len(hits))], prompt_tokens, final_length,
+                      cached=len(hits) * self.page_size)
+        if self.prefix is not None and token_ids is not None:
+            s.generation, s.digests = self.prefix.generation, digests
+            for page, digest in zip(s.pages, digests, strict=False):
+                self.prefix.register(page, digest)
+            s.tail = list(token_ids[len(digests) * self.page_size:])
         self._seqs[seq_id] = s
         self.reserved += self.pages_for(final_length) - now
         return s.pages
@@ -177,12 +216,13 @@ class BlockManager:
         if full < len(p.pages):
             copy = (p.pages[full], self._take())
             pages.append(copy[1])
-        self._seqs[child] = SeqBlocks(pages, p.tokens, final)
+        self._seqs[child] = SeqBlocks(pages, p.tokens, final, p.cached, p.generation, p.digests[:full], list(p.tail))
         self.reserved += need - (len(pages) - full)
         return copy
 
-    def append(self, seq_id: object) -> int:
-        """One more position for the sequence (its new token's K/V): returns the slot to write it to."""
+    def append(self, seq_id: object, token_id: int | None = None) -> int:
+        """One more position for the sequence (its new token's K/V; `token_id`, the token fed at it, lets the
+        prefix cache find the page once full): returns the slot to write it to."""
         s = self._seq(seq_id)
         if s.tokens >= s.final:
             raise RuntimeError(f"sequence {seq_id!r} already holds its final length of {s.final} positions")
@@ -194,7 +234,21 @@ class BlockManager:
         if self._refs[page] != 1:  # never reached while fork copies partial pages: the invariant's last guard
             raise RuntimeError(f"sequence {seq_id!r} would write into page {page}, shared by {self._refs[page]}")
         s.tokens += 1
+        if self.prefix is not None and s.generation == self.prefix.generation:
+            if token_id is None:
+                s.generation = -1  # its pages from here on are unnamed
+            else:
+                s.tail.append(token_id)
+                if len(s.tail) == self.page_size:
+                    s.digests.append(chain(s.digests[-1] if s.digests else b"", s.tail))
+                    self.prefix.register(page, s.digests[-1])
+                    s.tail = []
         return page * self.page_size + offset
+
+    def flush_prefix_cache(self) -> None:
+        """Forget every cached page (call it when the weights change: cached K/V are the old policy's)."""
+        if self.prefix is not None:
+            self.prefix.flush()
 
     def free(self, seq_id: object) -> None:
         """Drop the sequence: its pages' refcounts fall by one, those at 0 return to the free list."""
@@ -205,12 +259,27 @@ class BlockManager:
         for page in reversed(s.pages):
             self._refs[page] -= 1
             if self._refs[page] == 0:
-                self._free.append(page)
+                self._free[page] = None
 
     def _take(self) -> int:
-        page = self._free.pop()  # admission reserved it: the free list is never empty here
+        page, _ = self._free.popitem(last=False)  # admission reserved it: the free list is never empty here
+        if self.prefix is not None:
+            self.prefix.evict(page)
         self._refs[page] = 1
         return page
+
+    def _hits(self, token_ids: Sequence[int]) -> tuple[list[int], list[bytes]]:
+        """The cached pages holding the prompt's leading full pages, up to the page of its last token, which is
+        always computed; and the digests of all its full pages."""
+        p, digests, hits = self.page_size, [], []
+        if self.prefix is None:
+            return hits, digests
+        for i in range(len(token_ids) // p):
+            digests.append(chain(digests[-1] if digests else b"", token_ids[i * p:(i + 1) * p]))
+            found = self.prefix.lookup(digests[-1]) if len(hits) == i and (i + 1) * p < len(token_ids) else None
+            if found is not None:
+                hits.append(found)
+        return hits, digests
 
     def _seq(self, seq_id: object) -> SeqBlocks:
         try:
