@@ -40,6 +40,7 @@ class BlockMachine(RuleBasedStateMachine):
         self.family: dict[int, int] = {}
         self.content: dict[int, tuple[int, tuple[int, ...]]] = {}
         self.ever_shared: set[int] = set()
+        self.history: list[list[int]] = []  # the token ids of the last sequences freed or admitted
         self.gen = 0  # weight updates so far (prefix cache flushes)
         self.next_id = 0
 
@@ -108,7 +109,18 @@ class BlockMachine(RuleBasedStateMachine):
           tail=st.lists(st.integers(0, 2), max_size=8),
           new=st.integers(0, 40), samples=st.integers(1, 4))
     def admit_group(self, base: int, shared: int, tail: list[int], new: int, samples: int) -> None:
-        ids = (BASES[base][:shared] + tail) or [0]
+        self._admit((BASES[base][:shared] + tail) or [0], new, samples)
+
+    @precondition(lambda self: self.history)
+    @rule(i=st.integers(0, 1000), cut=st.integers(0, 3), tail=st.lists(st.integers(0, 2), max_size=5),
+          new=st.integers(0, 20))
+    def next_turn(self, i: int, cut: int, tail: list[int], new: int) -> None:
+        """A multi-turn episode's next request: a live or finished sequence's tokens (maybe less a few), then
+        more: the prefix cache's case, pages filled by appends and freed pages included."""
+        ids = self.history[i % len(self.history)]
+        self._admit((ids[: len(ids) - cut] + tail) or [0], new, 1)
+
+    def _admit(self, ids: list[int], new: int, samples: int) -> None:
         prompt, p = len(ids), self.mgr.page_size
         final = prompt + new
         oracle = samples * ceil_div(final, p) - (samples - 1) * (prompt // p)  # the group at its final lengths
@@ -122,6 +134,7 @@ class BlockMachine(RuleBasedStateMachine):
         free_before = set(self.mgr.free_list())
         self.mgr.admit(seq, prompt, final, token_ids=ids)
         self.ids[seq], self.final[seq], self.family[seq] = list(ids), final, seq
+        self.history = [*self.history[-7:], self.ids[seq]]  # the list itself: it sees the appends
         table, cached = self.mgr.block_table(seq), self.mgr.cached_tokens(seq)
         assert len(table) == ceil_div(prompt, p) and cached % p == 0 and cached < prompt
         assert cached == 0 or self.mgr.prefix is not None
@@ -185,6 +198,7 @@ class BlockMachine(RuleBasedStateMachine):
     def free(self, i: int) -> None:
         seq = self._pick(i)
         self.mgr.free(seq)
+        self.history = [*self.history[-7:], self.ids[seq]]
         for d in (self.ids, self.final, self.family):
             del d[seq]
         held = {page for s in self.ids for page in self.mgr.block_table(s)}

@@ -99,3 +99,21 @@ def test_the_prefix_cache_reuses_a_freed_prompts_pages_until_they_are_handed_out
     mgr.admit("a", 8, 8, token_ids=list(range(8)))
     mgr.admit("b", 8, 8, token_ids=list(range(8)))
     assert mgr.cached_tokens("b") == 4 and mgr.used_pages == 3
+
+
+def test_a_page_handed_out_again_or_filled_under_old_weights_is_never_found():
+    mgr = BlockManager(KVBudget(3 * 2 * PER_TOKEN, PER_TOKEN), page_size=2, prefix_cache=True)
+    mgr.admit("a", 3, 3, token_ids=[1, 2, 3])  # page 0 names the prefix [1, 2]
+    mgr.free("a")
+    mgr.admit("b", 6, 6, token_ids=[5] * 6)  # every page, page 0 last: it holds b's K/V now
+    mgr.free("b")
+    mgr.admit("c", 3, 3, token_ids=[1, 2, 3])
+    assert mgr.cached_tokens("c") == 0
+    mgr = BlockManager(KVBudget(7 * 2 * PER_TOKEN, PER_TOKEN), page_size=2, prefix_cache=True)
+    mgr.admit("old", 3, 6, token_ids=[1, 2, 3])
+    mgr.flush_prefix_cache()
+    mgr.append("old", 4)  # fills [3, 4] with the old weights' K/V
+    mgr.admit("new", 3, 3, token_ids=[1, 2, 7])  # the new weights' [1, 2]
+    assert not mgr.can_admit(5, 5) and mgr.can_admit(5, 5, token_ids=[1, 2, 3, 4, 5])  # "new"'s live page is free
+    mgr.admit("next", 5, 5, token_ids=[1, 2, 3, 4, 5])
+    assert mgr.cached_tokens("next") == 2  # [1, 2] from "new", not [3, 4] from "old"
