@@ -19,16 +19,16 @@ the number of block tables that hold it; a page whose count falls to 0 returns t
   in the step it is admitted (they are findable from then on); `flush_prefix_cache` after every weight update.
   Freed pages keep their K/V until handed out again, oldest freed first.
 
-Budget: `num_pages` pages in all (`from_budget`: the bytes budget of `kv_budget.KVBudget` over the bytes of a
-page). Admission keeps every admitted sequence able to grow to its final length (prompt + max_tokens, within the
-context): the pages in use plus the pages the running sequences may still take (`reserved`) never pass
+Budget: `num_pages` pages in all: the bytes of the `kv_budget.KVBudget` it is built with over the bytes of a
+page, rounded down. Admission keeps every admitted sequence able to grow to its final length (prompt + max_tokens,
+within the context): the pages in use plus the pages the running sequences may still take (`reserved`) never pass
 `num_pages`, so a running sequence never waits for a page. A request that cannot fit even into an empty cache gets
 `problem`'s message, which names the setting (`kv_budget.never_fits`).
 
 Page size: 16 tokens by default (vLLM's default; nano-vllm takes 256 because flash-attn's paged kernel wants
 multiples of 256). A sequence wastes at most page_size - 1 positions at its tail, and each sample of a group copies
-at most page_size - 1 prompt positions at fork; at 256, a GRPO group of 8 on 300-token prompts would copy up to
-8 x 44 positions and leave up to 255 unused per sequence. The cost of small pages, longer block tables, is a few
+at most page_size - 1 prompt positions at fork; at 256, a GRPO group of 8 on 300-token prompts would copy 7 x 44
+positions and leave up to 255 unused per sequence. The cost of small pages, longer block tables, is a few
 int32s per sequence. A kernel that needs larger pages (FlexAttention's block mask column size, flash-attn's 256)
 passes its own `page_size`; nothing here depends on the value.
 """
