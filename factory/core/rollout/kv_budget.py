@@ -33,14 +33,19 @@ SETTING = "--kv-budget-mb (factory serve) / rollout.kv_budget_mb"
 MIB = 1 << 20
 
 
-def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
-    """Bytes of K and V that one token of one sequence holds across every layer of a model with `config`, cached in
-    `dtype` (an estimate from the config; the cache measures its real buffers once it has them)."""
+def kv_shape(config: Any) -> tuple[int, int, int]:
+    """(layers, kv_heads, head_dim) of the K/V a model with `config` caches per token."""
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-    layers = int(cfg.num_hidden_layers)
     heads = int(cfg.num_attention_heads)
     kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    return int(cfg.num_hidden_layers), kv_heads, head_dim
+
+
+def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
+    """Bytes of K and V that one token of one sequence holds across every layer of a model with `config`, cached in
+    `dtype` (an estimate from the config; the cache measures its real buffers once it has them)."""
+    layers, kv_heads, head_dim = kv_shape(config)
     return layers * kv_heads * head_dim * 2 * torch.empty((), dtype=dtype).element_size()
 
 
@@ -145,7 +150,12 @@ class KVBudget:
         need = final_length + 1 + prompt_tokens  # its row at full length, and its prefill while copied in
         if self.fits(1, final_length + 1, prompt_tokens):
             return None
-        return (f"the request needs {mib(need * self.per_token)} of KV cache ({prompt_tokens} prompt tokens, up to "
-                f"{final_length} positions with the completion, {self.per_token:,} bytes each, and its prefill); "
-                f"the KV cache budget is {mib(self.total_bytes)} ({SETTING}): lower max_tokens or the prompt, or "
-                f"raise the budget")
+        return never_fits(need * self.per_token, f"{prompt_tokens} prompt tokens, up to {final_length} positions "
+                          f"with the completion, {self.per_token:,} bytes each, and its prefill", self.total_bytes)
+
+
+def never_fits(need_bytes: int, detail: str, total_bytes: int) -> str:
+    """The message for a request that needs `need_bytes` of KV cache (`detail` says of what) and can never run inside
+    a budget of `total_bytes`, naming the setting: one wording for every engine's cache."""
+    return (f"the request needs {mib(need_bytes)} of KV cache ({detail}); the KV cache budget is {mib(total_bytes)} "
+            f"({SETTING}): lower max_tokens or the prompt, or raise the budget")
