@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from factory.core.rollout.kv_budget import KVBudget, kv_bytes_per_token
 from factory.core.rollout.paged.blocks import BlockManager
@@ -181,7 +181,6 @@ def test_supports_names_why_a_model_is_off_the_path(arch, overrides, says):
 
 
 def test_supports_rejects_other_architectures():
-    from transformers import GPT2Config
     torch.manual_seed(0)
     gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
     assert "model_type 'gpt2'" in supports(gpt2)
@@ -207,6 +206,8 @@ def test_prefill_from_prefix_cache_reads_the_cached_pages():
 def test_prefill_names_mismatched_inputs():
     model = tiny("llama")
     runner = PagedRunner(model, PageStore.for_model(model.config, 4, PAGE, torch.float32, "cpu"))
+    with pytest.raises(ValueError, match="prefill got 0 prompts"):
+        runner.prefill([], [])
     with pytest.raises(ValueError, match="2 prompts, 1 block tables"):
         runner.prefill([[1, 2], [3]], [[0]])
     with pytest.raises(ValueError, match="prompt 0: start 0 of 5 tokens in 1 pages"):

@@ -77,7 +77,7 @@ class PagedRunner:
         """Compute positions [starts[i], len(prompts[i])) of each prompt (`starts`: positions already in its pages,
         the prefix cache's `cached_tokens`; default 0), write their K/V into the pages of `tables[i]` (its block
         table), and return each prompt's last-token logits, [len(prompts), vocab]."""
-        if len(prompts) != len(tables) or (starts is not None and len(starts) != len(prompts)):
+        if not prompts or len(prompts) != len(tables) or (starts is not None and len(starts) != len(prompts)):
             raise ValueError(f"prefill got {len(prompts)} prompts, {len(tables)} block tables and "
                              f"{'no' if starts is None else len(starts)} starts")
         starts = [0] * len(prompts) if starts is None else list(starts)
@@ -93,11 +93,10 @@ class PagedRunner:
         table = torch.full((len(tables), width), self.store.scratch, dtype=torch.int64)
         for i, t in enumerate(tables):
             table[i, : len(t)] = torch.as_tensor(t, dtype=torch.int64)
-        dev = self.store.device
-        as_t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=dev)  # noqa: E731
-        last = torch.cumsum(as_t([len(p) - s for p, s in zip(prompts, starts, strict=True)]), 0) - 1
-        hidden = self._forward(as_t(ids), as_t(pos), as_t(row), as_t(col), table.to(dev),
-                               max(len(p) - s for p, s in zip(prompts, starts, strict=True)))
+        new = [len(p) - s for p, s in zip(prompts, starts, strict=True)]
+        packed = torch.tensor([ids, pos, row, col], dtype=torch.int64).to(self.store.device)
+        hidden = self._forward(*packed, table.to(self.store.device), max(new))
+        last = torch.tensor(new, device=self.store.device).cumsum(0) - 1
         return self._logits(hidden[last])
 
     @torch.no_grad()
@@ -119,15 +118,13 @@ class PagedRunner:
         qpos = pos.new_zeros(table.shape[0], span)
         qpos[row, col] = pos
         keys = torch.arange(table.shape[1] * ps, device=pos.device)
-        mask = (keys[None, None, None, :] <= qpos[:, None, :, None])  # [B, 1, span, W * page_size]
+        mask = keys[None, None, None, :] <= qpos[:, None, :, None]  # [B, 1, span, W * page_size]
         h = self.inner.embed_tokens(ids[None])  # [1, T, hidden]
         cos, sin = self.inner.rotary_emb(h, pos[None])
         for i, layer in enumerate(self.layers):
-            residual = h
             x = layer.input_layernorm(h)
-            h = residual + self._attention(i, layer.self_attn, x, cos, sin, slots, row, col, table, mask, span)
-            residual = h
-            h = residual + layer.mlp(layer.post_attention_layernorm(h))
+            h = h + self._attention(i, layer.self_attn, x, cos, sin, slots, row, col, table, mask, span)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
         return h[0]
 
     def _attention(self, i: int, attn: Any, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, row: Tensor,
