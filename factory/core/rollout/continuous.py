@@ -63,7 +63,14 @@ from factory.core.rollout import sampler
 from factory.core.rollout.base import Completion, SamplingParams
 from factory.core.rollout.embedded import decode_autocast
 from factory.core.rollout.kv_budget import KVBudget, default_kv_budget, kv_bytes_per_token, mib
-from factory.core.rollout.sequences import EngineStats, PendingUpdate, Sequence, load_state_dict_into, mix_seed
+from factory.core.rollout.sequences import (
+    EngineStats,
+    PendingUpdate,
+    Sequence,
+    check_request,
+    load_state_dict_into,
+    mix_seed,
+)
 from factory.core.rollout.slot_cache import SlotKVCache
 from factory.infra.device import model_device
 from factory.models.compat import cache_kwargs
@@ -190,29 +197,9 @@ class ContinuousEngine:
     # ------------------------------------------------------------------ requests
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError, with a message for the caller, if this request cannot run."""
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.model.config.vocab_size
-        if params.max_new_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {params.max_new_tokens}")
-        # the length first: it costs nothing, the id scan costs a pass over a prompt that may be millions long
-        if len(prompt_ids) + params.max_new_tokens > self.max_seq_len:
-            raise ValueError(f"this model's maximum context length is {self.max_seq_len} tokens; the request needs "
-                             f"{len(prompt_ids) + params.max_new_tokens} ({len(prompt_ids)} in the prompt, "
-                             f"{params.max_new_tokens} for the completion)")
-        problem = self.kv.problem(len(prompt_ids), min(len(prompt_ids) + params.max_new_tokens, self.max_seq_len))
-        if problem is not None:
-            raise ValueError(problem)
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if any(not c or any(not 0 <= t < vocab for t in c) for c in params.choices):
-            raise ValueError(f"choices must be non-empty sequences of token ids in [0, {vocab})")
-        if not params.greedy and params.temperature <= 0:
-            raise ValueError(f"temperature must be > 0 when sampling, got {params.temperature}")
-        if not 0 < params.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
-        if params.top_logprobs < 0 or params.top_logprobs > vocab:
-            raise ValueError(f"top_logprobs must be in [0, {vocab}], got {params.top_logprobs}")
+        final = min(len(prompt_ids) + params.max_new_tokens, self.max_seq_len)
+        check_request(self.model.config.vocab_size, self.max_seq_len, prompt_ids, params,
+                      lambda: self.kv.problem(len(prompt_ids), final))
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, sample_index: int = 0) -> Future:
         """Queue one completion of `prompt_ids` (params.n is ignored here; callers submit n times with distinct

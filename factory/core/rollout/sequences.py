@@ -4,7 +4,7 @@ engine's counters, and the stop rules that end a sequence."""
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -18,6 +18,33 @@ from factory.core.rollout.base import Completion, SamplingParams
 def mix_seed(seed: int, index: int) -> int:
     """A distinct, well-spread generator seed for sample `index` of a request seeded with `seed`."""
     return (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9 + 1) % (1 << 63)
+
+
+def check_request(vocab: int, max_seq_len: int, prompt_ids: list[int], params: SamplingParams,
+                  kv_problem: Callable[[], str | None] = lambda: None) -> None:
+    """Raise ValueError, with a message for the caller, if a request cannot run on an engine of `max_seq_len`
+    positions over `vocab` tokens; `kv_problem` says why its KV cache could never hold it (or None)."""
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
+    if params.max_new_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {params.max_new_tokens}")
+    # the length first: it costs nothing, the id scan costs a pass over a prompt that may be millions long
+    if len(prompt_ids) + params.max_new_tokens > max_seq_len:
+        raise ValueError(f"this model's maximum context length is {max_seq_len} tokens; the request needs "
+                         f"{len(prompt_ids) + params.max_new_tokens} ({len(prompt_ids)} in the prompt, "
+                         f"{params.max_new_tokens} for the completion)")
+    if (problem := kv_problem()) is not None:
+        raise ValueError(problem)
+    if any(not 0 <= t < vocab for t in prompt_ids):
+        raise ValueError(f"prompt token ids must be in [0, {vocab})")
+    if any(not c or any(not 0 <= t < vocab for t in c) for c in params.choices):
+        raise ValueError(f"choices must be non-empty sequences of token ids in [0, {vocab})")
+    if not params.greedy and params.temperature <= 0:
+        raise ValueError(f"temperature must be > 0 when sampling, got {params.temperature}")
+    if not 0 < params.top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
+    if params.top_logprobs < 0 or params.top_logprobs > vocab:
+        raise ValueError(f"top_logprobs must be in [0, {vocab}], got {params.top_logprobs}")
 
 
 @dataclass

@@ -1,0 +1,146 @@
+"""The paged engine's scheduler: the waiting queue, admission inside the page budget, GRPO forks, decode rows and
+retirement, in plain Python (the engine runs the model and the sampler on what it decides).
+
+A request is a group: the `SamplingParams.n` samples of one prompt. It waits in arrival order; the head joins when
+`BlockManager.can_admit` says the whole group can grow to its final length (prompt + max_new_tokens, within the
+context) next to every running sequence, and there are n free decode rows; until then it and everything behind it
+waits, so a large request is not starved by small ones. Admission takes at most `max_prefill_tokens` packed prompt
+tokens per prefill (at least one group).
+
+A group is prefilled once (its first sample, the parent); its other samples fork the parent right after the
+prefill (`BlockManager.fork`: they share the prompt's full pages and copy its partial last one), so the prompt's
+K/V are computed and stored once per group. Each sample then draws its own first token from the parent's
+prefill logits and decodes on its own row.
+
+Rows: sequence i of the decode batch sits at a fixed row of the block tables (`BlockTables`) from admission to
+retirement; a decode step runs the rows [0, bucket), bucket the smallest power of two above the highest live row
+(capped at `max_rows`), so shapes come from a handful of sizes (the CUDA graphs to capture later), not one per
+batch. Rows without a sequence feed token 0 at position 0 over the scratch page.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from factory.core.rollout.paged.blocks import BlockManager
+from factory.core.rollout.paged.pages import BlockTables
+from factory.core.rollout.sequences import Sequence
+
+
+@dataclass(eq=False)
+class PagedSequence(Sequence):
+    """One sample being generated (see `sequences.Sequence`), with its sampler seed and its decode row."""
+
+    seed: int = 0  # `sequences.mix_seed(request seed, sample index)`: the sampler's counter-based noise key
+    row: int = -1
+    # identity, not value: the block manager keys its tables by sequence (Sequence's dataclass __eq__ unhashes it)
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
+
+@dataclass(eq=False)
+class Group:
+    """The samples of one prompt, admitted and prefilled together (`samples[0]` is prefilled, the rest fork it)."""
+
+    samples: list[PagedSequence] = field(default_factory=list)
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.samples[0].prompt_ids
+
+
+class Scheduler:
+    """Who waits, who runs at which row, and their pages (`blocks`), for up to `max_rows` running sequences of at
+    most `max_seq_len` positions."""
+
+    def __init__(self, blocks: BlockManager, tables: BlockTables, max_seq_len: int, max_prefill_tokens: int,
+                 prefix_cache: bool = False):
+        self.blocks, self.tables = blocks, tables
+        self.max_rows = tables.shape[0]
+        self.max_seq_len = max_seq_len
+        self.max_prefill_tokens = max_prefill_tokens
+        self.prefix_cache = prefix_cache
+        self.waiting: deque[Group] = deque()
+        self.rows: list[PagedSequence | None] = [None] * self.max_rows
+        self.waited_for_kv = 0  # admissions the budget (not the rows) held back
+
+    @property
+    def running(self) -> list[PagedSequence]:
+        return [s for s in self.rows if s is not None]
+
+    def has_work(self) -> bool:
+        return bool(self.waiting) or any(s is not None for s in self.rows)
+
+    def add(self, group: Group) -> None:
+        self.waiting.append(group)
+
+    # -- admission
+    def admit(self) -> list[Group]:
+        """Admit waiting groups from the head while they fit; each parent gets its prompt's pages and a row (the
+        caller prefills them, then calls `fork`)."""
+        out: list[Group] = []
+        free_rows = self.rows.count(None)
+        tokens = 0
+        while self.waiting:
+            g = self.waiting[0]
+            n, prompt = len(g.samples), g.prompt
+            final = g.samples[0].final_length(self.max_seq_len)
+            if out and tokens + len(prompt) > self.max_prefill_tokens:
+                break
+            ids = prompt if self.prefix_cache else None
+            if n > free_rows:
+                break
+            if not self.blocks.can_admit(len(prompt), final, n, token_ids=ids):
+                self.waited_for_kv += 1
+                break
+            self.waiting.popleft()
+            parent = g.samples[0]
+            self.blocks.admit(parent, len(prompt), final, token_ids=ids)
+            self._place(parent)
+            free_rows -= n
+            tokens += len(prompt) - self.blocks.cached_tokens(parent)
+            out.append(g)
+        return out
+
+    def fork(self, group: Group) -> list[tuple[int, int]]:
+        """Fork the group's other samples from its prefilled parent; returns the page copies to run."""
+        copies = []
+        parent = group.samples[0]
+        for child in group.samples[1:]:
+            if (copy := self.blocks.fork(parent, child)) is not None:
+                copies.append(copy)
+            self._place(child)
+        return copies
+
+    def _place(self, seq: PagedSequence) -> None:
+        seq.row = self.rows.index(None)
+        self.rows[seq.row] = seq
+        self.tables.set(seq.row, self.blocks.block_table(seq))
+
+    # -- decode
+    def bucket(self) -> int:
+        """Rows the next decode step runs: the smallest power of two past the highest live row, at most max_rows."""
+        top = max((i for i, s in enumerate(self.rows) if s is not None), default=0) + 1
+        return min(1 << (top - 1).bit_length(), self.max_rows)
+
+    def append(self, seq: PagedSequence) -> int:
+        """The position the sequence's last token is fed at (its K/V go to a page the block table now holds)."""
+        position = self.blocks.tokens(seq)
+        before = len(self.blocks.block_table(seq))
+        self.blocks.append(seq, seq.tokens[-1] if self.prefix_cache else None)
+        pages = self.blocks.block_table(seq)
+        if len(pages) != before:
+            self.tables.put(seq.row, len(pages) - 1, pages[-1])
+        return position
+
+    # -- retirement
+    def retire(self, seq: PagedSequence) -> None:
+        """Free a finished sequence's pages and row."""
+        self.blocks.free(seq)
+        self.tables.clear(seq.row)
+        self.rows[seq.row] = None
+        seq.row = -1
+
+    def flush_prefix_cache(self) -> None:
+        self.blocks.flush_prefix_cache()

@@ -1,0 +1,124 @@
+"""The paged engine against transformers and the trainer: tiny random-init models (seed 0, fp32, initializer_range
+0.2 so tokens depend on the context) must generate what `generate` does, with the trainer's logprobs, whatever the
+batching, the budget or the weights."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models
+from transformers import AutoModelForCausalLM, GPT2Config, PreTrainedTokenizerFast
+
+from factory.core.batch import pack
+from factory.core.rollout.base import SamplingParams
+from factory.core.rollout.continuous import ContinuousEngine
+from factory.core.rollout.kv_budget import kv_bytes_per_token
+from factory.core.rollout.paged.engine import PagedEngine, make_engine
+from factory.core.trainer.torch_trainer import token_logprobs
+from tests.core.test_paged_runner import PAGE, generate, prompts, tiny
+
+EOS = 127
+
+
+@pytest.fixture(scope="module")
+def tok() -> PreTrainedTokenizerFast:
+    vocab = {f"t{i}": i for i in range(128)}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")),
+                                   eos_token=f"t{EOS}", pad_token="t0")
+
+
+def engine(model, tok, pages: int = 64, **kw) -> PagedEngine:
+    per = kv_bytes_per_token(model.config, torch.float32)
+    return PagedEngine(model, tok, page_size=PAGE, kv_budget=pages * PAGE * per, **kw)
+
+
+def until_eos(tokens: list[int]) -> list[int]:
+    return tokens[: tokens.index(EOS) + 1] if EOS in tokens else tokens
+
+
+def trainer_logprobs(model, comps, temperature: float) -> torch.Tensor:
+    batch = pack([c.prompt_ids for c in comps], [c.token_ids for c in comps], 0, {"old": [c.logprobs for c in comps]})
+    with torch.no_grad():
+        logp, _ = token_logprobs(model, batch, temperature=temperature)
+    return (logp - batch.per_token["old"]).abs()[batch.loss_mask]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_greedy_matches_generate_and_trainer_logprobs(arch, tok):
+    model = tiny(arch)
+    ps = prompts(3, 9, 17, 6)
+    out = engine(model, tok, max_batch=4).generate(ps, SamplingParams(greedy=True, max_new_tokens=12))
+    comps = [g[0] for g in out]
+    for p, c in zip(ps, comps, strict=True):
+        assert c.token_ids == until_eos(generate(model, p, 12))
+        assert c.finish_reason == ("stop" if c.token_ids[-1] == EOS else "length")
+        assert c.token_versions == [0] * len(c.token_ids)
+    assert trainer_logprobs(model, comps, 1.0).max().item() < 1e-5
+
+
+def test_seeded_samples_same_alone_and_batched(tok):
+    model = tiny("qwen3")
+    p, *others = prompts(10, 5, 13)
+    params = SamplingParams(n=4, temperature=0.9, top_p=0.8, max_new_tokens=10, seed=3)
+    alone = engine(model, tok).generate([p], params)[0]
+    batched = engine(model, tok, max_batch=12).generate([p, *others], params)
+    assert [c.token_ids for c in alone] == [c.token_ids for c in batched[0]]
+    assert len({tuple(c.token_ids) for c in alone}) > 1  # the forks sample on their own
+    comps = [c for g in batched for c in g]
+    assert trainer_logprobs(model, comps, 0.9).max().item() < 1e-5
+
+
+def test_more_requests_than_the_budget_wait_and_match_one_at_a_time(tok):
+    model = tiny("llama")
+    ps = prompts(5, 9, 14, 7, 11)
+    params = SamplingParams(n=2, greedy=True, max_new_tokens=8)
+    # 16 pages of 4; a group of two samples needs 7 to 9 of them: at most two groups run at once
+    small = engine(model, tok, pages=16)
+    together = small.generate(ps, params)
+    assert small.stats.waited_for_kv > 0 and small.stats.max_running == 4
+    assert small.scheduler.blocks.used_pages == 0 and not small.scheduler.has_work()
+    one = engine(model, tok, pages=16)
+    for p, group in zip(ps, together, strict=True):
+        want = until_eos(generate(model, p, 8))
+        assert [c.token_ids for c in one.generate([p], params)[0]] == [c.token_ids for c in group] == [want] * 2
+
+
+def test_load_weights_changes_outputs_and_version(tok):
+    model, fresh = tiny("qwen2"), tiny("qwen2")
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.normal_(0, 0.2)
+    ps = prompts(9, 13)  # full pages: the prefix cache holds them across calls
+    eng = engine(model, tok)
+    params = SamplingParams(greedy=True, max_new_tokens=8)
+    before = [g[0].token_ids for g in eng.generate(ps, params)]
+    want = [until_eos(generate(fresh, p, 8)) for p in ps]
+    assert before != want
+    eng.load_weights(fresh.state_dict(), 7)
+    after = eng.generate(ps, params)
+    assert [g[0].token_ids for g in after] == want
+    assert eng.weight_version == 7 and all(g[0].weight_version == 7 for g in after)
+
+
+def test_make_engine_falls_back_with_a_log_line(tok, caplog):
+    assert isinstance(make_engine(tiny("llama"), tok, page_size=PAGE, kv_budget=1 << 20), PagedEngine)
+    torch.manual_seed(0)
+    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=128))
+    with caplog.at_level(logging.INFO, logger="factory.core.rollout.paged.engine"):
+        eng = make_engine(gpt2, tok, page_size=PAGE, kv_budget=1 << 20)
+    assert isinstance(eng, ContinuousEngine)
+    lines = [r.getMessage() for r in caplog.records if r.name == "factory.core.rollout.paged.engine"]
+    assert len(lines) == 1 and "model_type 'gpt2'" in lines[0]
+
+
+def test_check_names_what_cannot_run(tok):
+    eng = engine(tiny("llama"), tok, pages=4, max_batch=2)
+    with pytest.raises(ValueError, match="KV cache budget"):
+        eng.check(prompts(10)[0], SamplingParams(max_new_tokens=10))
+    with pytest.raises(ValueError, match="max_batch of 2"):
+        eng.check(prompts(3)[0], SamplingParams(n=3))
+    with pytest.raises(ValueError, match="choices"):
+        eng.check(prompts(3)[0], SamplingParams(choices=((1, 2),)))
