@@ -15,9 +15,11 @@ from factory.core.batch import pack
 from factory.core.rollout.base import SamplingParams
 from factory.core.rollout.continuous import ContinuousEngine
 from factory.core.rollout.kv_budget import kv_bytes_per_token
+from factory.core.rollout.paged import sampling
 from factory.core.rollout.paged.engine import PagedEngine, make_engine
+from factory.core.rollout.sequences import mix_seed
 from factory.core.trainer.torch_trainer import token_logprobs
-from tests.core.test_paged_runner import PAGE, generate, prompts, tiny
+from tests.core.test_paged_runner import PAGE, generate, hf_logits, prompts, tiny
 
 EOS = 127
 
@@ -68,6 +70,11 @@ def test_seeded_samples_same_alone_and_batched(tok):
     assert len({tuple(c.token_ids) for c in alone}) > 1  # the forks sample on their own
     comps = [c for g in batched for c in g]
     assert trainer_logprobs(model, comps, 0.9).max().item() < 1e-5
+    # the contract: sample j draws with seed mix_seed(seed, j) and counter = tokens so far, from the model's logits
+    for j, c in enumerate(alone):
+        for t, token in enumerate(c.token_ids):
+            k = sampling.knobs([0.9], [0.8], [0], [False], [mix_seed(3, j)], [t])
+            assert int(sampling.sample(hf_logits(model, p + c.token_ids[:t])[None], k).tokens[0]) == token
 
 
 def test_more_requests_than_the_budget_wait_and_match_one_at_a_time(tok):
