@@ -211,7 +211,8 @@ class PagedEngine:
         self.stats.waited_for_kv = self.scheduler.waited_for_kv
 
 
-def make_engine(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, **kw: Any) -> PagedEngine | ContinuousEngine:
+def make_engine(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast,
+                **kw: Any) -> PagedEngine | ContinuousEngine:
     """A `PagedEngine` where the paged runner supports `model`, else a `ContinuousEngine` (one log line says why);
     `kw` are either engine's arguments (the paged-only ones are dropped for the fallback)."""
     if (why := supports(model)) is None:
