@@ -180,7 +180,7 @@ class PagedEngine:
         for s in live:
             tokens[s.row], positions[s.row] = s.tokens[-1], sched.append(s)
         step = torch.tensor([tokens, positions], dtype=torch.int64).to(self.device)
-        table = sched.tables.sync()[:b]
+        table = sched.tables.sync()[:b, : sched.width()]
         with decode_autocast(self.device, self.precision):
             logits = self.runner.decode(step[0], step[1], table)
         self.stats.steps += 1

@@ -14,8 +14,9 @@ prefill logits and decodes on its own row.
 
 Rows: sequence i of the decode batch sits at a fixed row of the block tables (`BlockTables`) from admission to
 retirement; a decode step runs the rows [0, bucket), bucket the smallest power of two above the highest live row
-(capped at `max_rows`), so shapes come from a handful of sizes (the CUDA graphs to capture later), not one per
-batch. Rows without a sequence feed token 0 at position 0 over the scratch page.
+(capped at `max_rows`), and the block-table columns [0, width), width the smallest power of two holding the longest
+live sequence's pages, so shapes come from a handful of sizes (the CUDA graphs to capture later), not one per
+batch, and a step reads no more keys than twice the longest sequence's. Rows without a sequence feed token 0 at position 0 over the scratch page.
 """
 
 from __future__ import annotations
@@ -123,6 +124,12 @@ class Scheduler:
         """Rows the next decode step runs: the smallest power of two past the highest live row, at most max_rows."""
         top = max((i for i, s in enumerate(self.rows) if s is not None), default=0) + 1
         return min(1 << (top - 1).bit_length(), self.max_rows)
+
+    def width(self) -> int:
+        """Block-table columns the next decode step reads: the smallest power of two holding the longest live
+        sequence's pages, at most the table's width (attention gathers every column it is given)."""
+        pages = max((len(self.blocks.block_table(s)) for s in self.rows if s is not None), default=1)
+        return min(1 << (pages - 1).bit_length(), self.tables.shape[1])
 
     def append(self, seq: PagedSequence) -> int:
         """The position the sequence's last token is fed at (its K/V go to a page the block table now holds)."""
