@@ -19,7 +19,7 @@ from factory.core.rollout.paged import sampling
 from factory.core.rollout.paged.engine import PagedEngine, make_engine
 from factory.core.rollout.sequences import mix_seed
 from factory.core.trainer.torch_trainer import token_logprobs
-from tests.core.test_paged_runner import PAGE, generate, hf_logits, prompts, tiny
+from tests.core.paged_models import PAGE, generate, hf_logits, prompts, tiny
 
 EOS = 127
 

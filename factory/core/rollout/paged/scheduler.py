@@ -16,7 +16,8 @@ Rows: sequence i of the decode batch sits at a fixed row of the block tables (`B
 retirement; a decode step runs the rows [0, bucket), bucket the smallest power of two above the highest live row
 (capped at `max_rows`), and the block-table columns [0, width), width the smallest power of two holding the longest
 live sequence's pages, so shapes come from a handful of sizes (the CUDA graphs to capture later), not one per
-batch, and a step reads no more keys than twice the longest sequence's. Rows without a sequence feed token 0 at position 0 over the scratch page.
+batch, and a step reads no more keys than twice the longest sequence's. Rows without a sequence feed token 0 at
+position 0 over the scratch page.
 """
 
 from __future__ import annotations
