@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import select
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,3 +31,16 @@ def process_gone(pid: int) -> bool:
     except OSError:
         return True
     return state == "Z"
+
+
+def exits_within(pid: int, timeout_s: float) -> bool:
+    """Whether process `pid` has exited or exits within `timeout_s`: its pidfd turns readable when it does (no
+    polling)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([fd], [], [], timeout_s)[0])
+    finally:
+        os.close(fd)

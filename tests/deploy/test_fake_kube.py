@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import select
 import sys
 import textwrap
 import time
@@ -22,6 +21,7 @@ from kubernetes.client import ApiException
 
 from tests.deploy.fake_kube import FakeKube
 from tests.deploy.fake_kubelet import Machine, expand, map_paths
+from tests.polling import exits_within
 
 NS = "default"
 KILLED = (128 + 15, 128 + 9)  # SIGTERM, or SIGKILL after the grace period
@@ -320,17 +320,6 @@ def test_a_non_indexed_job_runs_its_completions_one_at_a_time(fake_kube: FakeKub
     assert all(p.metadata.annotations is None for p in pods) and {r.output() for r in fake_kube.runs} == {"None\n"}
 
 
-def exits_within(pid: int, timeout: float) -> bool:
-    """Whether process pid has exited (or exits within timeout s): a pidfd turns readable when it does."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return True
-    try:
-        return bool(select.select([fd], [], [], timeout)[0])
-    finally:
-        os.close(fd)
-
 
 def test_what_a_container_leaves_running_dies_with_it(fake_kube: FakeKube, apis) -> None:
     _, _, batch = apis
@@ -338,7 +327,7 @@ def test_what_a_container_leaves_running_dies_with_it(fake_kube: FakeKube, apis)
               "print(subprocess.Popen(sleeper).pid, flush=True)")
     batch.create_namespaced_job(NS, job("leaves", [sys.executable, "-c", script]))
     assert fake_kube.wait_job("leaves")["status"]["succeeded"] == 1  # not 60 s: the child held the log pipe
-    assert exits_within(int(fake_kube.runs[0].output()), timeout=10)  # it would sleep 60 s
+    assert exits_within(int(fake_kube.runs[0].output()), 10)  # it would sleep 60 s
 
 
 def test_followed_logs_stream_lines_as_the_process_writes_them(fake_kube: FakeKube, apis, tmp_path: Path) -> None:

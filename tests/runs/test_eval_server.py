@@ -11,7 +11,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import select
 import subprocess
 import sys
 import threading
@@ -34,7 +33,7 @@ from factory.runs.eval_server import (
     start_server,
     stop_server,
 )
-from tests.polling import wait_for
+from tests.polling import exits_within, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = {"seed": 0, "name": "evsrv", "model": {"preset": "micro"},
@@ -99,17 +98,6 @@ def _resources(home: FactoryPaths) -> dict:
     h = FactoryHomeResource(root=str(home.root))
     return {"home": h, "lake": LakeResource(home=h), "mlflow": MlflowResource(home=h)}
 
-
-def _exits_within(pid: int, timeout_s: float) -> bool:
-    """Whether process `pid` exits within `timeout_s`: its pidfd turns readable when it does (no polling)."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return True
-    try:
-        return bool(select.select([fd], [], [], timeout_s)[0])
-    finally:
-        os.close(fd)
 
 
 def _forget(lake: Lake, run_id: str, step: int) -> None:
@@ -206,7 +194,7 @@ def test_a_crash_mid_eval_ends_the_wait_and_the_asset_evaluates_in_process(train
     with pytest.raises(EvalServerUnavailable, match=f"pid {info.pid}.* gave no answer"):
         evaluate_remote(home, run_id, 1, "carry_chains", start=False)
     # its sockets close before it is a zombie: on a loaded machine the client can hear the close first
-    assert _exits_within(info.pid, 60.0) and not _alive(info.pid)
+    assert exits_within(info.pid, 60.0) and not _alive(info.pid)
     # The asset: the server it starts dies the same way; the eval is done in the run's own process instead.
     with Lake.open(home) as lake:
         _forget(lake, run_id, 1)
