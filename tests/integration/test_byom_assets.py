@@ -45,7 +45,7 @@ def test_heldout_accuracy_rises_with_the_path_model(materialized):
 
     run_id = result.asset_materializations_for_node("grpo_run")[0].metadata["run_id"].value
     lake = Lake.open(factory_home(home))
-    evals = query(f"SELECT step, value FROM evals WHERE run_id = '{run_id}' AND metric = 'accuracy' "
+    evals = query(f"SELECT step, value, n FROM evals WHERE run_id = '{run_id}' AND metric = 'accuracy' "
                   f"AND benchmark = 'arithmetic_heldout' ORDER BY step", lake).to_pylist()
     steps = [e["step"] for e in evals]
     assert steps[0] == 0 and steps[-1] == 40
@@ -53,8 +53,7 @@ def test_heldout_accuracy_rises_with_the_path_model(materialized):
     assert start > 0.05  # SFT taught the ChatML answer format through the model's own tokenizer
     assert end > start, evals
     # and outside the noise: the 95% Wilson intervals of the two n=200 evals do not overlap
-    (n,) = {e["n"] for e in query(f"SELECT n FROM evals WHERE run_id = '{run_id}' AND metric = 'accuracy' "
-                                  f"AND benchmark = 'arithmetic_heldout'", lake).to_pylist()}
+    (n,) = {e["n"] for e in evals}
     assert share_interval(end, n).low > share_interval(start, n).high, (evals, n)
     (check,) = result.get_asset_check_evaluations()
     assert check.check_name == "grpo_beats_sft" and check.passed
