@@ -145,3 +145,33 @@ def test_prefix_cache_reuses_pages_within_and_across_calls(tok):
     assert eng.stats.prefill_tokens - computed == 2 + 1 + 2 + 4
     for p, g1, g2 in zip(ps, first, second, strict=True):
         assert g1[0].token_ids == g2[0].token_ids == until_eos(generate(model, p, 6))
+
+
+def test_ignore_eos_runs_past_eos_to_max_new_tokens_in_both_engines():
+    model = tiny("qwen2")
+    p = prompts(9)[0]
+    want = generate(model, p, 12)
+    eos = want[2]  # a tokenizer whose EOS the model emits third
+    vocab = {f"t{i}": i for i in range(128)}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")),
+                                  eos_token=f"t{eos}", pad_token="t0")
+    for eng in (engine(model, tok), ContinuousEngine(model, tok, max_batch=2)):
+        stopped = eng.generate([p], SamplingParams(greedy=True, max_new_tokens=12))[0][0]
+        assert stopped.token_ids == want[:3] and stopped.finish_reason == "stop", type(eng).__name__
+        full = eng.generate([p], SamplingParams(greedy=True, max_new_tokens=12, ignore_eos=True))[0][0]
+        assert full.token_ids == want and full.finish_reason == "length", type(eng).__name__
+
+
+def test_one_sampling_params_per_prompt_run_together(tok):
+    model = tiny("llama")
+    ps = prompts(5, 9, 14)
+    lengths = [3, 11, 6]
+    eng = engine(model, tok)
+    out = eng.generate(ps, [SamplingParams(greedy=True, max_new_tokens=m, ignore_eos=True) for m in lengths])
+    assert [g[0].token_ids for g in out] == [generate(model, p, m) for p, m in zip(ps, lengths, strict=True)]
+    assert eng.stats.max_running == 3  # one batch, not one call per request
+    seeded = [SamplingParams(n=2, temperature=0.8, max_new_tokens=5, seed=4)] * 3
+    assert ([[c.token_ids for c in g] for g in eng.generate(ps, seeded)]
+            == [[c.token_ids for c in g] for g in eng.generate(ps, seeded[0])])  # a list of one params is that params
+    with pytest.raises(ValueError, match=r"params: expected one SamplingParams or one per prompt \(3\), got 2"):
+        eng.generate(ps, seeded[:2])

@@ -12,6 +12,10 @@ The K/V live in one page store allocated at construction: the KV budget (`kv_bud
 the full context can use. `make_engine` builds this engine where the runner supports the model and a
 `ContinuousEngine` otherwise.
 
+Weights are held in the serving dtype (`serving.py`): bf16 for `precision="bf16"` on CUDA (the page store too),
+the model's own dtype otherwise; no autocast. A model given in another dtype is served from a copy that follows it
+when `weight_version` is set (the caller may share it with a trainer); updates copy into the parameters in place.
+
 What `ContinuousEngine` has and this version does not (yet): the background thread and `submit` / futures (the
 HTTP server's path), `update_weights` with "in_flight" mode and `pause`, and constrained decoding
 (`SamplingParams.choices`, refused by `check`). `load_weights` applies between `generate` calls.
@@ -22,6 +26,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -30,13 +35,13 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from factory.core.rollout.base import Completion, SamplingParams
 from factory.core.rollout.continuous import DEFAULT_PREFILL_TOKENS, ContinuousEngine
-from factory.core.rollout.embedded import decode_autocast
 from factory.core.rollout.kv_budget import KVBudget, default_kv_budget, kv_bytes_per_token
 from factory.core.rollout.paged import sampling
 from factory.core.rollout.paged.blocks import PAGE_SIZE, BlockManager
 from factory.core.rollout.paged.pages import BlockTables, PageStore
 from factory.core.rollout.paged.runner import PagedRunner, supports
 from factory.core.rollout.paged.scheduler import Group, PagedSequence, Scheduler
+from factory.core.rollout.paged.serving import copy_weights, in_dtype, model_dtype, serving_copy, serving_dtype
 from factory.core.rollout.sequences import EngineStats, check_request, load_state_dict_into, mix_seed
 from factory.infra.device import model_device
 
@@ -61,15 +66,18 @@ class PagedEngine:
             raise ValueError(f"kv_budget must be a positive number of bytes, got {kv_budget}")
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
-        self.model, self.tokenizer, self.name = model.eval(), tokenizer, name
+        device = model_device(model)
+        dtype = serving_dtype(device, precision, model_dtype(model))
+        # the caller's model may be the trainer's: never cast it, serve a copy in the serving dtype that follows it
+        self.source = None if in_dtype(model, dtype) else model
+        self.model = (model if self.source is None else serving_copy(model, dtype)).eval()
+        self.tokenizer, self.name = tokenizer, name
         self.precision = precision
         self.max_batch = max_batch
         self.max_seq_len = int(max_seq_len or model.config.max_position_embeddings)
         self.max_prefill_tokens = max(int(max_prefill_tokens), self.max_seq_len)
         self.eos_id = tokenizer.eos_token_id
         self._version = weight_version
-        device = model_device(model)
-        dtype = torch.bfloat16 if precision == "bf16" and device.type == "cuda" else model.dtype
         per_token = kv_bytes_per_token(model.config, dtype)
         budget = kv_budget if kv_budget is not None else default_kv_budget(device)
         pages_per_seq = -(-self.max_seq_len // page_size)
@@ -80,7 +88,7 @@ class PagedEngine:
             raise ValueError(f"kv_budget of {budget} bytes holds no page of {page_size} tokens ({per_token} bytes "
                              f"a token)")
         self.store = PageStore.for_model(model.config, blocks.num_pages, page_size, dtype, device)
-        self.runner = PagedRunner(model, self.store)
+        self.runner = PagedRunner(self.model, self.store)
         tables = BlockTables(max_batch, pages_per_seq, self.store.scratch, device)
         self.scheduler = Scheduler(blocks, tables, self.max_seq_len, self.max_prefill_tokens, prefix_cache)
         self._seeds = random.Random()
@@ -93,9 +101,14 @@ class PagedEngine:
 
     @weight_version.setter
     def weight_version(self, version: int) -> None:
-        # the caller changed the model's weights itself (it shares the trainer's model): cached K/V are stale
+        # the caller changed the model's weights itself (it shares the trainer's model): a serving copy follows it
+        if self.source is not None:
+            copy_weights(self.model, self.source)
+        self._new_weights(version)
+
+    def _new_weights(self, version: int) -> None:
         self._version = version
-        self.scheduler.flush_prefix_cache()
+        self.scheduler.flush_prefix_cache()  # cached K/V are the old weights'
 
     @property
     def device(self) -> torch.device:
@@ -115,14 +128,21 @@ class PagedEngine:
                       lambda: self.scheduler.blocks.problem(len(prompt_ids), final, max(1, params.n)))
 
     # -- the RolloutEngine calls
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
-        """For each prompt, `params.n` completions; sample j of prompt i draws from seed (params.seed, i * n + j)."""
-        for p in prompts:
-            self.check(p, params)
-        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+    def generate(self, prompts: list[list[int]],
+                 params: SamplingParams | Sequence[SamplingParams]) -> list[list[Completion]]:
+        """For each prompt, `params.n` completions; sample j of prompt i draws from seed (params.seed, i * n + j).
+        `params` may also be one `SamplingParams` per prompt (their own lengths, say), all run together."""
+        each = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(each) != len(prompts):
+            raise ValueError(f"params: expected one SamplingParams or one per prompt ({len(prompts)}), got "
+                             f"{len(each)}")
+        for p, ps in zip(prompts, each, strict=True):
+            self.check(p, ps)
+        drawn = self._seeds.getrandbits(63)  # for requests without a seed
         now = time.perf_counter()
-        groups = [Group([PagedSequence(list(p), params, Future(), None, now, seed=mix_seed(seed, i * params.n + j))
-                         for j in range(params.n)]) for i, p in enumerate(prompts)]
+        groups = [Group([PagedSequence(list(p), ps, Future(), None, now,
+                                       seed=mix_seed(drawn if ps.seed is None else ps.seed, i * ps.n + j))
+                         for j in range(ps.n)]) for i, (p, ps) in enumerate(zip(prompts, each, strict=True))]
         for g in groups:
             self.scheduler.add(g)
         while self.scheduler.has_work():
@@ -130,12 +150,12 @@ class PagedEngine:
         return [[s.completion(self.tokenizer) for s in g.samples] for g in groups]
 
     def load_weights(self, state_dict: dict, version: int) -> None:
-        """Replace the policy weights (between `generate` calls: nothing is running then); later completions carry
-        `version`."""
+        """Replace the policy weights (between `generate` calls: nothing is running then), copied into the served
+        parameters in place (converted to their dtype); later completions carry `version`."""
         if self.scheduler.has_work():
             raise RuntimeError("load_weights while sequences run: the paged engine applies updates between calls")
         load_state_dict_into(self.model, state_dict)
-        self.weight_version = int(version)
+        self._new_weights(int(version))
 
     # -- one scheduler step
     def step(self) -> None:
@@ -156,9 +176,8 @@ class PagedEngine:
     def _prefill(self, groups: list[Group]) -> None:
         sched, blocks = self.scheduler, self.scheduler.blocks
         parents = [g.samples[0] for g in groups]
-        with decode_autocast(self.device, self.precision):
-            logits = self.runner.prefill([p.prompt_ids for p in parents], [blocks.block_table(p) for p in parents],
-                                         [blocks.cached_tokens(p) for p in parents])
+        logits = self.runner.prefill([p.prompt_ids for p in parents], [blocks.block_table(p) for p in parents],
+                                     [blocks.cached_tokens(p) for p in parents])
         self.stats.prefills += 1
         self.stats.prefill_tokens += sum(len(p.prompt_ids) - blocks.cached_tokens(p) for p in parents)
         copies = [c for g in groups for c in sched.fork(g)]
@@ -181,8 +200,7 @@ class PagedEngine:
             tokens[s.row], positions[s.row] = s.tokens[-1], sched.append(s)
         step = torch.tensor([tokens, positions], dtype=torch.int64).to(self.device)
         table = sched.tables.sync()[:b, : sched.width()]
-        with decode_autocast(self.device, self.precision):
-            logits = self.runner.decode(step[0], step[1], table)
+        logits = self.runner.decode(step[0], step[1], table)
         self.stats.steps += 1
         self._sample(logits.index_select(0, torch.tensor([s.row for s in live], device=logits.device)), live)
 
