@@ -12,9 +12,10 @@ Parts (each guarded: a part that fails records its error under its key and the o
 - trainer: tokens/s and MFU (6 x params x tokens/s / `--peak-tflops`) of the torch trainer (`DistributedTrainer`
   in one process, bf16 autocast over fp32 weights) on the Qwen2-0.5B shape, random tokens, every position a target
   (trainer_throughput.py's batches and loss); the Megatron trainer too where megatron-core imports.
-- engine: generated tokens/s of the continuous engine vs transformers `generate` (left-padded batches) on the same
-  device, model (the Qwen2-0.5B shape over a character vocabulary) and prompts, with per-request lengths drawn
-  from a log-normal (rollout_engine.py's workload).
+- engine (`engine_check.py`): the paged engine (bf16 weights on CUDA) on nano-vllm's benchmark workload (256
+  sequences, prompt and output lengths uniform in 100-1024, the Qwen2-0.5B shape with its 151,936-token
+  vocabulary): tokens/s, the ratio to transformers `generate` on the same prompts (a subset), the ratio to the
+  decode roofline, peak memory, the engine's stats; `--profile` writes the top kernels of 50 decode steps.
 - publish: seconds to publish one step's weights of the 0.5B shape after a real AdamW step, in bf16 (what the
   servers serve): full (device -> pinned host, `encode_full`, bytes) and the lossless delta against the previous
   version (`encode_delta`, bytes), with sizes and a bit-exact check of the delta applied to the previous version.
@@ -57,7 +58,8 @@ STOOD_IN = lakeless.install()  # before Factory's imports: the lake's duckdb whe
 
 import torch  # noqa: E402
 from common import H100_BF16_DENSE_TFLOPS, n_params, random_model  # noqa: E402
-from rollout_engine import ALPHABET, left_padded, run_continuous, useful, workload  # noqa: E402
+from engine_check import add_arguments as engine_arguments  # noqa: E402
+from engine_check import part_engine  # noqa: E402
 from trainer_throughput import _cpu_stand_ins, nll, random_batch  # noqa: E402
 
 from factory.config import apply_overrides, load_spec, parse_spec  # noqa: E402
@@ -183,52 +185,6 @@ def part_megatron_trainer(a: argparse.Namespace, dev: torch.device, shared: dict
             **throughput(micro * seq, times, params, a, dev)}
 
 
-# ------------------------------------------------------------------ (c) continuous engine vs generate
-
-
-def run_generate(model, tok, prompts: list[list[int]], limits: list[int], batch: int) -> int:
-    """rollout_engine.run_generate with the batch on the model's device."""
-    device = next(model.parameters()).device
-    total = 0
-    for s in range(0, len(prompts), batch):
-        chunk, lim = prompts[s: s + batch], limits[s: s + batch]
-        ids, attn = left_padded(chunk, tok.pad_token_id)
-        width = ids.shape[1]
-        out = model.generate(ids.to(device), attention_mask=attn.to(device), do_sample=True, temperature=1.0,
-                             top_p=1.0, top_k=0, max_new_tokens=max(lim), eos_token_id=tok.eos_token_id,
-                             pad_token_id=tok.pad_token_id)
-        total += sum(useful(row[width:].tolist(), m, tok.eos_token_id) for row, m in zip(out, lim, strict=True))
-    return total
-
-
-def part_engine(a: argparse.Namespace, dev: torch.device) -> dict:
-    from factory.models.tokenizer import build_tokenizer
-
-    tok = build_tokenizer(ALPHABET)
-    shape = "micro" if a.smoke else "qwen2-0.5b"
-    model = random_model(shape, seed=0, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
-                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id).to(dev)
-    n, batch, median, cap = (8, 4, 8.0, 16) if a.smoke else (a.requests, 32, 64.0, 256)
-    texts, limits = workload(n, median, 0.8, cap, seed=0)
-    prompts = [tok(t).input_ids for t in texts]
-    out: dict = {"shape": shape, "requests": n, "batch": batch, "dtype": str(next(model.parameters()).dtype)}
-    with torch.no_grad():
-        run_continuous(model, tok, prompts[:2], [2, 2], 2)  # first-call costs (allocator, kernels) paid once
-        run_generate(model, tok, prompts[:2], [2, 2], 2)
-        torch.manual_seed(0)
-        sync(dev)
-        t0 = time.perf_counter()
-        tokens = run_generate(model, tok, prompts, limits, batch)
-        sync(dev)
-        out["generate_tokens_per_s"] = tokens / (time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        tokens, _ = run_continuous(model, tok, prompts, limits, batch)
-        sync(dev)
-        out["engine_tokens_per_s"] = tokens / (time.perf_counter() - t0)
-    out["engine_vs_generate"] = out["engine_tokens_per_s"] / out["generate_tokens_per_s"]
-    return out
-
-
 # ------------------------------------------------------------------ (d) publishing one step's weights
 
 
@@ -330,10 +286,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=16, help="trainer rows per optimizer step (4 per forward)")
     ap.add_argument("--seq", type=int, default=1024, help="trainer tokens per row")
     ap.add_argument("--steps", type=int, default=8, help="timed trainer steps (after 2)")
-    ap.add_argument("--requests", type=int, default=64, help="engine part: requests")
     ap.add_argument("--peak-tflops", type=float, default=H100_BF16_DENSE_TFLOPS,
                     help="peak bf16 FLOP/s per GPU in TFLOP/s for MFU (989: H100/H200 SXM dense)")
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON here (after every part)")
+    engine_arguments(ap)
     a = ap.parse_args(argv)
     a.grpo_steps = a.grpo_steps or (2 if a.smoke else 100)
     parts = [p.strip() for p in a.parts.split(",") if p.strip()]
@@ -350,8 +306,15 @@ def main(argv: list[str] | None = None) -> int:
     counted = count_gpus()  # `factory validate`'s torch-free count, beside torch's: they must agree on a GPU machine
     result["gpu_count"] = {"torch": torch.cuda.device_count(), "factory": counted.count, "source": counted.source}
     shared: dict = {}
+
+    def partial(name: str, figures: dict) -> None:  # what a long part has measured so far, in case the call is cut
+        result[name] = {**figures, "partial": True}
+        if a.out:
+            a.out.write_text(json.dumps(clean(result)) + "\n")
+
     runners = {"trainer": lambda: part_trainer(a, dev, shared), "publish": lambda: part_publish(a, dev, shared),
-               "engine": lambda: part_engine(a, dev), "logprobs": lambda: part_logprobs(a, dev, shared),
+               "engine": lambda: part_engine(a, dev, lambda d: partial("engine", d)),
+               "logprobs": lambda: part_logprobs(a, dev, shared),
                "megatron_trainer": lambda: part_megatron_trainer(a, dev, shared),
                "grpo": lambda: part_grpo(a, dev)}
     t_all = time.perf_counter()
@@ -396,9 +359,14 @@ def print_table(r: dict) -> None:
             ("torch trainer tokens/s, MFU", f"{get('trainer', 'tokens_per_s', '{:,.0f}')}, {get('trainer', 'mfu')}"),
             ("megatron trainer tokens/s, MFU", f"{get('megatron_trainer', 'tokens_per_s', '{:,.0f}')}, "
                                                f"{get('megatron_trainer', 'mfu')}"),
-            ("engine | generate tokens/s", f"{get('engine', 'engine_tokens_per_s', '{:,.0f}')} | "
-                                           f"{get('engine', 'generate_tokens_per_s', '{:,.0f}')} "
-                                           f"(x{get('engine', 'engine_vs_generate')})"),
+            ("paged engine tokens/s (nano-vllm)", f"{get('engine', 'engine_tokens_per_s', '{:,.0f}')}, "
+                                                  f"x{get('engine', 'vs_roofline')} of the decode roofline "
+                                                  f"({get('engine', 'roofline_tokens_per_s', '{:,.0f}')}), peak "
+                                                  f"{get('engine', 'peak_mem_gib')} GiB"),
+            ("engine | generate tokens/s (subset)", f"{get('engine', 'engine_subset_tokens_per_s', '{:,.0f}')} | "
+                                                    f"{get('engine', 'generate_tokens_per_s', '{:,.0f}')} "
+                                                    f"(x{get('engine', 'engine_vs_generate')}, "
+                                                    f"{get('engine', 'generate_seqs')} seqs)"),
             ("publish s: full | delta", f"{get('publish', 'full_s')} | {get('publish', 'delta_s')} "
                                         f"(bit-exact {get('publish', 'bit_exact')})"),
             ("torch vs megatron logprobs max|diff|", get("logprobs", "max_abs_diff"))]

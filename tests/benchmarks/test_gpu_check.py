@@ -27,8 +27,8 @@ def load_check():
 @pytest.mark.slow
 def test_smoke_runs_every_part_and_prints_one_json_line(tmp_path):
     out = tmp_path / "check.json"
-    proc = subprocess.run([sys.executable, str(CHECK), "--smoke", "--out", str(out)], capture_output=True, text=True,
-                          timeout=600, cwd=ROOT)
+    proc = subprocess.run([sys.executable, str(CHECK), "--smoke", "--profile", "--out", str(out)], capture_output=True,
+                          text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = proc.stdout.strip().splitlines()[-1]
     r = json.loads(line)
@@ -42,7 +42,9 @@ def test_smoke_runs_every_part_and_prints_one_json_line(tmp_path):
     assert {"sft_accuracy", "device_accuracy", "cpu_accuracy", "same_band", "band_abs"} <= set(g)
     assert r["trainer"]["tokens_per_s"] > 0 and r["trainer"]["mfu"] is None  # MFU only on a GPU
     assert r["megatron_trainer"]["tokens_per_s"] > 0
-    assert r["engine"]["engine_tokens_per_s"] > 0 and r["engine"]["generate_tokens_per_s"] > 0
+    e = r["engine"]
+    assert e["engine_tokens_per_s"] > 0 and e["generate_tokens_per_s"] > 0 and e["all_full_length"] is True
+    assert (tmp_path / "engine_profile.txt").is_file() and e["profile_decode_steps"] == 5
     p = r["publish"]
     assert p["bit_exact"] is True and p["dtype"] == "bf16" and 0 < p["delta_mb"] < p["full_mb"]
     assert r["logprobs"]["precision"] == "fp32" and r["logprobs"]["max_abs_diff"] < 1e-4  # fp32 on the CPU
@@ -88,3 +90,41 @@ def test_lakeless_stands_in_only_for_absent_libraries(monkeypatch):
     sys.modules.pop("factory_kit_absent_lib", None)
     sys.modules.pop("factory_kit_absent_lib.io", None)
     sys.modules.pop("factory_kit_absent_lib.io.pyarrow", None)
+
+
+def test_the_engine_part_runs_the_workload_to_full_length_and_profiles(tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    check = load_check()
+    out = tmp_path / "c.json"
+    assert check.main(["--smoke", "--parts", "engine", "--profile", "--out", str(out)]) == 0
+    e = json.loads(out.read_text())["engine"]
+    assert not {"error", "partial"} & set(e), e
+    assert e["seqs"] == 8 and e["generated_tokens"] == e["generated_target"] and e["all_full_length"] is True
+    assert e["engine_stats"]["completed"] == 8 and e["engine_stats"]["prefill_tokens"] == e["prompt_tokens"]
+    assert e["generate_seqs"] == 4 and e["engine_vs_generate"] > 0 and 0 < e["vs_roofline"]
+    assert e["weights_dtype"] == "torch.float32" and e["served_from_copy"] is False  # bf16 only on CUDA
+    text = (tmp_path / "engine_profile.txt").read_text()
+    assert e["profile_decode_steps"] == 5 and "5 decode steps" in text and "aten::" in text
+
+
+def test_nano_vllm_workload_and_the_decode_roofline():
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
+    try:
+        import engine_check
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks" / "gpu"))
+    prompts, lengths = engine_check.workload(256, 100, 1024, 10000)
+    assert (prompts, lengths) == engine_check.workload(256, 100, 1024, 10000)  # seeded
+    assert len(prompts) == len(lengths) == 256
+    assert all(100 <= len(p) <= 1024 and 0 <= min(p) and max(p) <= 10000 for p in prompts)
+    assert all(100 <= m <= 1024 for m in lengths)
+    # two sequences: 1 decode step with both live (lengths 3+1, 5+1), then 1 with the second (5+2): 4 + 6 + 7 keys
+    roof = engine_check.decode_roofline([3, 5], [2, 3], weight_bytes=100, kv_per_token=10, bandwidth=1.0)
+    assert roof["roofline_steps"] == 2 and roof["roofline_s"] == (100 + 10 * (4 + 6)) + (100 + 10 * 7)
+    assert roof["roofline_tokens_per_s"] == 5 / roof["roofline_s"]
+    with pytest.raises(ValueError, match=r"--engine-kw: PagedEngine takes no \['warp'\]"):
+        engine_check.engine_keywords({"warp": 1}, torch.device("cpu"))
