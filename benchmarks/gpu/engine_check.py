@@ -35,19 +35,25 @@ import dataclasses
 import inspect
 import json
 import random
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-from common import random_model
-from rollout_engine import left_padded
-from tokenizers import Tokenizer, models
-from transformers import PreTrainedTokenizerFast
+HERE = Path(__file__).resolve().parent
+for _p in (HERE.parents[1], HERE.parent, HERE):  # the repository, benchmarks/ and this folder, as check.py has them
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 
-from factory.core.rollout.base import SamplingParams
-from factory.core.rollout.kv_budget import kv_bytes_per_token
-from factory.core.rollout.paged.engine import PagedEngine
+import torch  # noqa: E402
+from common import random_model  # noqa: E402
+from rollout_engine import left_padded  # noqa: E402
+from tokenizers import Tokenizer, models  # noqa: E402
+from transformers import PreTrainedTokenizerFast  # noqa: E402
+
+from factory.core.rollout.base import SamplingParams  # noqa: E402
+from factory.core.rollout.kv_budget import kv_bytes_per_token  # noqa: E402
+from factory.core.rollout.paged.engine import PagedEngine  # noqa: E402
 
 # seconds each phase may take on one H200 at worst: 435 in all, inside the part's 480 (8 minutes)
 BUDGET_S = {"build": 45, "warmup": 60, "workload": 150, "generate": 90, "engine_subset": 45, "profile": 45}
