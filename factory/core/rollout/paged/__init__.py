@@ -4,7 +4,8 @@ Split by concern as nano-vllm splits its engine, one module each: the KV block m
 refcounts and each sequence's block table, admission against the budget, pure Python), the page store
 (`pages.py`: the preallocated K/V pages on the device, slot-mapped writes, block tables as a fixed-shape tensor),
 the on-device sampler (`sampling.py`: counter-based seeded noise, top-k / top-p, no host sync), the model runner
-(`runner.py`: a Llama-family model's own modules with attention over the page store), the scheduler
+(`runner.py`: a Llama-family model's own modules with attention over the page store), the weights in the
+serving dtype (`serving.py`: bf16 on CUDA, a copy that follows a model shared with a trainer), the scheduler
 (`scheduler.py`: queue, admission, GRPO forks, rows) and the engine (`engine.py`: `PagedEngine` behind the
 `RolloutEngine` API, `make_engine`). Nothing here is wired into the loop or the server yet; `continuous.py` is
 today's engine (docs/engine.md).
