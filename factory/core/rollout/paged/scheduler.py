@@ -36,6 +36,7 @@ class PagedSequence(Sequence):
 
     seed: int = 0  # `sequences.mix_seed(request seed, sample index)`: the sampler's counter-based noise key
     row: int = -1
+    inflight: int = 0  # tokens sampled on the device that the host has not read yet (the engine's overlap)
     # identity, not value: the block manager keys its tables by sequence (Sequence's dataclass __eq__ unhashes it)
     __eq__ = object.__eq__
     __hash__ = object.__hash__
@@ -133,10 +134,12 @@ class Scheduler:
         return min(1 << (pages - 1).bit_length(), self.tables.shape[1])
 
     def append(self, seq: PagedSequence) -> int:
-        """The position the sequence's last token is fed at (its K/V go to a page the block table now holds)."""
+        """The position the sequence's last token is fed at (its K/V go to a page the block table now holds).
+        A token still on the device (`inflight`) is fed unnamed: the prefix cache stops naming the sequence's
+        pages from there."""
         position = self.blocks.tokens(seq)
         before = len(self.blocks.block_table(seq))
-        self.blocks.append(seq, seq.tokens[-1] if self.prefix_cache else None)
+        self.blocks.append(seq, seq.tokens[-1] if self.prefix_cache and not seq.inflight else None)
         pages = self.blocks.block_table(seq)
         if len(pages) != before:
             self.tables.put(seq.row, len(pages) - 1, pages[-1])
