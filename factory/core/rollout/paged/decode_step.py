@@ -95,7 +95,7 @@ class DecodeStep:
         self.cuda_graphs = cuda_graphs and cuda
         self._graphs: dict[StepKey, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
-        self._forward: Callable[[StepKey], Tensor] = self.forward
+        self._compiled: Callable[[StepKey], Tensor] | None = None
         self.graphs_captured = 0
         self.capture_seconds = 0.0
 
@@ -112,7 +112,7 @@ class DecodeStep:
         """Run the step through `torch.compile(fullgraph=True, dynamic=False)` with `backend` instead of eager
         or CUDA graphs (the CPU's capture-readiness check uses "aot_eager")."""
         self.cuda_graphs = False
-        self._forward = torch.compile(self.forward, backend=backend, fullgraph=True, dynamic=False)
+        self._compiled = torch.compile(self.forward, backend=backend, fullgraph=True, dynamic=False)
 
     # -- the step
     def forward(self, key: StepKey) -> Tensor:
@@ -148,7 +148,7 @@ class DecodeStep:
             self._copied = torch.cuda.Event()
             self._copied.record()
         if graph is None:
-            return self._forward(key)
+            return (self._compiled or self.forward)(key)
         graph[0].replay()
         return graph[1]
 

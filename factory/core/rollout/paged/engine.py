@@ -201,7 +201,7 @@ class PagedEngine:
                                          [blocks.cached_tokens(p) for p in parents])
         self.stats.prefills += 1
         self.stats.prefill_tokens += sum(len(p.prompt_ids) - blocks.cached_tokens(p) for p in parents)
-        copies = [c for g in groups for c in sched.fork(g)]
+        copies = [c for g in groups for c in g.copies]
         if copies:
             self.store.copy_pages([c[0] for c in copies], [c[1] for c in copies])
         sched.tables.sync()  # new rows' tables; decode steps carry their own new pages (`decode_step.RowInput`)
