@@ -59,7 +59,8 @@ def test_overlap_gives_the_same_completions_stops_and_pages(params, tok):
     if params is SAMPLED:  # the stops happened, at different lengths
         reasons = [c.finish_reason for g in got for c in g]
         assert reasons.count("stop") >= 3 and reasons.count("length") >= 1
-        assert all(c.token_ids[-1] in (*params.stop_token_ids, EOS) for g in got for c in g if c.finish_reason == "stop")
+        stops = (*params.stop_token_ids, EOS)
+        assert all(c.token_ids[-1] in stops for g in got for c in g if c.finish_reason == "stop")
         assert all(len(c.top_logprobs) == len(c.token_ids) and len(c.top_logprobs[0]) == 3 for g in got for c in g)
     else:
         for p, g in zip(ps, got, strict=True):

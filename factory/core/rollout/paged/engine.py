@@ -45,7 +45,8 @@ from factory.infra.device import model_device
 
 log = logging.getLogger(__name__)
 
-PAGED_ONLY = ("page_size", "prefix_cache", "cuda_graphs", "overlap")  # `make_engine` keywords a ContinuousEngine does not take
+# `make_engine` keywords a ContinuousEngine does not take
+PAGED_ONLY = ("page_size", "prefix_cache", "cuda_graphs", "overlap")
 
 
 @dataclass
