@@ -165,14 +165,18 @@ class DecodeStep:
         # idle rows with neutral knobs: warm-up runs write only the scratch page and leave next_tokens as they are
         self._staging[: key.rows] = torch.from_numpy(encode([], key.rows))
         self.inputs[: key.rows].copy_(self._staging[: key.rows])
+        # under bf16 autocast (fp32 master weights) the casts must be kernels in the graph, not cached tensors freed
+        # when the autocast context exits (torch's CUDA-graph notes: cache_enabled=False)
+        cast = torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), enabled=torch.is_autocast_enabled("cuda"),
+                              cache_enabled=False)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), cast:
             for _ in range(2):
                 self.forward(key)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self._pool), cast:
             out = self.forward(key)
         torch.cuda.synchronize()
         self._graphs[key] = (graph, out)

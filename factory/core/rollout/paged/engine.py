@@ -62,6 +62,7 @@ class _Launched:
     how many running sequences) and the copy of its results."""
 
     seqs: list[PagedSequence]
+    rows: list[int]  # each sequence's row in the results
     fetch: Fetch
     top: int  # top-logprob columns in the results
     version: int
@@ -219,7 +220,7 @@ class PagedEngine:
         out = sampling.sample(logits.index_select(0, rows), knobs, truncate=any(p.top_p < 1 for p in ps),
                               top_logprobs=k)
         self.decode_step.set_tokens(torch.tensor([s.row for s in samples], device=self.device), out.tokens)
-        return self._launch(samples, pack(out), k)
+        return self._launch(samples, list(range(len(samples))), pack(out), k)
 
     def _decode(self, ready: list[PagedSequence]) -> _Launched:
         sched, ps = self.scheduler, self.scheduler.blocks.page_size
@@ -238,20 +239,20 @@ class PagedEngine:
         self.stats.steps += 1
         self.stats.graphs_captured = self.decode_step.graphs_captured
         self.stats.capture_seconds = self.decode_step.capture_seconds
-        return self._launch(ready, packed.index_select(0, torch.tensor([s.row for s in ready], device=self.device)),
-                            key.top_logprobs)
+        return self._launch(ready, [s.row for s in ready], packed, key.top_logprobs)
 
-    def _launch(self, seqs: list[PagedSequence], packed: torch.Tensor, top: int) -> _Launched:
-        """Start the one pinned copy of a step's results; its sequences count one token more in flight."""
+    def _launch(self, seqs: list[PagedSequence], rows: list[int], packed: torch.Tensor, top: int) -> _Launched:
+        """Start the one pinned copy of a step's results (every row: selecting rows on the device would cost a copy
+        of their indices); its sequences count one token more in flight."""
         for s in seqs:
             s.inflight += 1
-        return _Launched(seqs, self._copies.start(packed), top, self._version, len(self.scheduler.running))
+        return _Launched(seqs, rows, self._copies.start(packed), top, self._version, len(self.scheduler.running))
 
     def _read(self, step: _Launched) -> None:
         """Record a step's tokens with their logprobs, check their stops (a sequence that finished in the step before
         drops its extra token), and retire what finished."""
-        k = step.top
-        for s, row in zip(step.seqs, step.fetch.rows(), strict=True):
+        k, results = step.top, step.fetch.rows()
+        for s, row in zip(step.seqs, (results[r] for r in step.rows), strict=True):
             s.inflight -= 1
             if s.finish_reason is not None:
                 continue
