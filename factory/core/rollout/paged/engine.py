@@ -12,6 +12,16 @@ The K/V live in one page store allocated at construction: the KV budget (`kv_bud
 the full context can use. `make_engine` builds this engine where the runner supports the model and a
 `ContinuousEngine` otherwise.
 
+Decode steps run through `decode_step.DecodeStep` (static buffers, one CUDA graph per bucket on CUDA with
+`cuda_graphs`, eager on the CPU): one host-to-device copy of the step's inputs, one pinned non-blocking copy of its
+results with an event (`host_copy.py`). With `overlap` (default on CUDA) step t+1 is launched before step t's
+results are read, as sglang's overlap scheduler does: its input tokens are step t's samples, still on the device
+(`DecodeStep.next_tokens`); positions and sampler counters are counts the host knows; a length limit is known at
+once, a stop token one step late: the step after it still feeds it (its K/V land at a position inside the
+sequence's admitted final length, in its own pages) and its sample is dropped. With overlap the prefix cache does
+not name a sequence's completion pages (the token fed is on the device when its page is named); prompt pages are
+named as before.
+
 What `ContinuousEngine` has and this version does not (yet): the background thread and `submit` / futures (the
 HTTP server's path), `update_weights` with "in_flight" mode and `pause`, and constrained decoding
 (`SamplingParams.choices`, refused by `check`). `load_weights` applies between `generate` calls.
