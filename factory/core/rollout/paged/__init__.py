@@ -5,8 +5,8 @@ refcounts and each sequence's block table, admission against the budget, pure Py
 (`pages.py`: the preallocated K/V pages on the device, slot-mapped writes, block tables as a fixed-shape tensor),
 the on-device sampler (`sampling.py`: counter-based seeded noise, top-k / top-p, no host sync), the model runner
 (`runner.py`: a Llama-family model's own modules with attention over the page store), the scheduler
-(`scheduler.py`: queue, admission, GRPO forks, rows), the decode step (`decode_step.py`: runner + sampler over static
-buffers, a CUDA graph per bucket), the pinned result copy (`host_copy.py`) and the engine (`engine.py`: `PagedEngine` behind the
-`RolloutEngine` API, `make_engine`). Nothing here is wired into the loop or the server yet; `continuous.py` is
+(`scheduler.py`: queue, admission, GRPO forks, rows), the decode step (`decode_step.py`: runner + sampler over
+static buffers, a CUDA graph per bucket), the pinned result copy (`host_copy.py`) and the engine (`engine.py`:
+`PagedEngine` behind the `RolloutEngine` API, `make_engine`). Nothing here is wired into the loop or the server yet; `continuous.py` is
 today's engine (docs/engine.md).
 """
