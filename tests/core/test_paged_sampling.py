@@ -9,11 +9,10 @@ import pytest
 import torch
 from scipy.stats import chi2
 from torch._dynamo.utils import counters
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from factory.core.rollout.paged.sampling import Knobs, knobs, noise_bits, sample, uniforms
 from factory.core.trainer.logprobs import logprobs_from_logits
+from tests.core.host_sync import NoHostCopy, NoHostSync
 
 # Logits over 8 tokens whose softmax (and every truncation below) keeps clear of the top-p boundaries.
 LOGITS = [2.0, 1.2, 0.9, 0.3, 0.0, -0.5, -1.0, -2.0]
@@ -193,28 +192,6 @@ def test_same_seed_and_counter_give_the_same_token_other_seeds_other_streams():
     assert len(set(a)) >= steps - 2
 
 
-class _NoHostSync(TorchDispatchMode):
-    """Raises on any op that reads a device value on the host."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default):
-            raise AssertionError(f"host sync: {func}")
-        return func(*args, **(kwargs or {}))
-
-
-class _NoHostCopy(TorchFunctionMode):
-    """Raises on the Tensor methods that copy values to the host without an aten op (`tolist`, `numpy`) and on
-    those that read one (`item`, `bool`, `int`, `float`)."""
-
-    BANNED = {torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.item, torch.Tensor.__bool__,
-              torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__}
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in self.BANNED:
-            raise AssertionError(f"host sync: {func.__name__}")
-        return func(*args, **(kwargs or {}))
-
-
 def _some_knobs(rows: int, step: int) -> Knobs:
     g = torch.Generator().manual_seed(step)
     r = torch.rand(rows, generator=g)
@@ -224,11 +201,11 @@ def _some_knobs(rows: int, step: int) -> Knobs:
 
 def test_sampling_makes_no_host_sync():
     logits = torch.randn(8, 300)
-    with _NoHostSync(), _NoHostCopy():
+    with NoHostSync(), NoHostCopy():
         sample(logits, _some_knobs(8, 0), top_logprobs=2)
         sample(logits, _some_knobs(8, 1), truncate=False, allowed=logits > 0)
     for sync in (lambda: logits.sum().item(), lambda: logits.tolist(), lambda: bool(logits.sum() > 0)):
-        with pytest.raises(AssertionError, match="host sync"), _NoHostSync(), _NoHostCopy():
+        with pytest.raises(AssertionError, match="host sync"), NoHostSync(), NoHostCopy():
             sync()  # the guards catch what they are there for
 
 

@@ -6,7 +6,8 @@ refcounts and each sequence's block table, admission against the budget, pure Py
 the on-device sampler (`sampling.py`: counter-based seeded noise, top-k / top-p, no host sync), the model runner
 (`runner.py`: a Llama-family model's own modules with attention over the page store), the weights in the
 serving dtype (`serving.py`: bf16 on CUDA, a copy that follows a model shared with a trainer), the scheduler
-(`scheduler.py`: queue, admission, GRPO forks, rows) and the engine (`engine.py`: `PagedEngine` behind the
-`RolloutEngine` API, `make_engine`). Nothing here is wired into the loop or the server yet; `continuous.py` is
-today's engine (docs/engine.md).
+(`scheduler.py`: queue, admission, GRPO forks, rows), the decode step (`decode_step.py`: runner + sampler over
+static buffers, a CUDA graph per bucket), the pinned result copy (`host_copy.py`) and the engine (`engine.py`:
+`PagedEngine` behind the `RolloutEngine` API, `make_engine`). Nothing here is wired into the loop or the server
+yet; `continuous.py` is today's engine (docs/engine.md).
 """

@@ -16,6 +16,16 @@ Weights are held in the serving dtype (`serving.py`): bf16 for `precision="bf16"
 the model's own dtype otherwise; no autocast. A model given in another dtype is served from a copy that follows it
 when `weight_version` is set (the caller may share it with a trainer); updates copy into the parameters in place.
 
+Decode steps run through `decode_step.DecodeStep` (static buffers, one CUDA graph per bucket on CUDA with
+`cuda_graphs`, eager on the CPU): one host-to-device copy of the step's inputs, one pinned non-blocking copy of its
+results with an event (`host_copy.py`). With `overlap` (default on CUDA) step t+1 is launched before step t's
+results are read, as sglang's overlap scheduler does: its input tokens are step t's samples, still on the device
+(`DecodeStep.next_tokens`); positions and sampler counters are counts the host knows; a length limit is known at
+once, a stop token one step late: the step after it still feeds it (its K/V land at a position inside the
+sequence's admitted final length, in its own pages) and its sample is dropped. With overlap the prefix cache does
+not name a sequence's completion pages (the token fed is on the device when its page is named); prompt pages are
+named as before.
+
 What `ContinuousEngine` has and this version does not (yet): the background thread and `submit` / futures (the
 HTTP server's path), `update_weights` with "in_flight" mode and `pause`, and constrained decoding
 (`SamplingParams.choices`, refused by `check`). `load_weights` applies between `generate` calls.
@@ -28,6 +38,7 @@ import random
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,6 +49,8 @@ from factory.core.rollout.continuous import DEFAULT_PREFILL_TOKENS, ContinuousEn
 from factory.core.rollout.kv_budget import KVBudget, default_kv_budget, kv_bytes_per_token
 from factory.core.rollout.paged import sampling
 from factory.core.rollout.paged.blocks import PAGE_SIZE, BlockManager
+from factory.core.rollout.paged.decode_step import DecodeStep, RowInput, pack, top_columns
+from factory.core.rollout.paged.host_copy import Fetch, HostCopy
 from factory.core.rollout.paged.pages import BlockTables, PageStore
 from factory.core.rollout.paged.runner import PagedRunner, supports
 from factory.core.rollout.paged.scheduler import Group, PagedSequence, Scheduler
@@ -47,19 +60,42 @@ from factory.infra.device import model_device
 
 log = logging.getLogger(__name__)
 
-PAGED_ONLY = ("page_size", "prefix_cache")  # `make_engine` keywords a ContinuousEngine does not take
+# `make_engine` keywords a ContinuousEngine does not take
+PAGED_ONLY = ("page_size", "prefix_cache", "cuda_graphs", "overlap")
+
+
+@dataclass
+class PagedStats(EngineStats):
+    graphs_captured: int = 0  # decode-step CUDA graphs captured (one per bucket met)
+    capture_seconds: float = 0.0  # time spent warming up and capturing them
+    overlapped: int = 0  # steps launched before the previous step's results were read
+
+
+@dataclass
+class _Launched:
+    """A step on the device whose results the host has not read: who sampled in it (at which version, next to
+    how many running sequences) and the copy of its results."""
+
+    seqs: list[PagedSequence]
+    rows: list[int]  # each sequence's row in the results
+    fetch: Fetch
+    top: int  # top-logprob columns in the results
+    version: int
+    running: int
 
 
 class PagedEngine:
     """A `RolloutEngine` on the paged runner. Arguments as `ContinuousEngine`'s (`max_batch` running sequences,
     `max_seq_len`, `kv_budget` bytes, `max_prefill_tokens` packed prompt tokens per prefill, `precision`), plus
-    `page_size` and `prefix_cache` (reuse the pages of earlier prompts' leading full pages)."""
+    `page_size` and `prefix_cache` (reuse the pages of earlier prompts' leading full pages), `cuda_graphs`
+    (capture the decode step per bucket; CUDA only) and `overlap` (schedule step t+1 before reading step t's
+    results; default: on CUDA)."""
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, weight_version: int = 0,
                  max_batch: int = 64, max_seq_len: int | None = None, name: str = "factory-policy",
                  precision: str = "fp32", kv_budget: int | None = None,
                  max_prefill_tokens: int = DEFAULT_PREFILL_TOKENS, page_size: int = PAGE_SIZE,
-                 prefix_cache: bool = True):
+                 prefix_cache: bool = True, cuda_graphs: bool = True, overlap: bool | None = None):
         if (why := supports(model)) is not None:
             raise ValueError(f"the paged engine cannot run this model: {why}")
         if kv_budget is not None and kv_budget <= 0:
@@ -91,8 +127,12 @@ class PagedEngine:
         self.runner = PagedRunner(self.model, self.store)
         tables = BlockTables(max_batch, pages_per_seq, self.store.scratch, device)
         self.scheduler = Scheduler(blocks, tables, self.max_seq_len, self.max_prefill_tokens, prefix_cache)
+        self.decode_step = DecodeStep(self.runner, tables.table, max_batch, cuda_graphs)
+        self.overlap = device.type == "cuda" if overlap is None else overlap
+        self._copies = HostCopy(device)
+        self._launched: _Launched | None = None
         self._seeds = random.Random()
-        self.stats = EngineStats()
+        self.stats = PagedStats()
 
     # -- public state
     @property
@@ -145,88 +185,119 @@ class PagedEngine:
                          for j in range(ps.n)]) for i, (p, ps) in enumerate(zip(prompts, each, strict=True))]
         for g in groups:
             self.scheduler.add(g)
-        while self.scheduler.has_work():
+        while self.scheduler.has_work() or self._launched is not None:
             self.step()
         return [[s.completion(self.tokenizer) for s in g.samples] for g in groups]
 
     def load_weights(self, state_dict: dict, version: int) -> None:
         """Replace the policy weights (between `generate` calls: nothing is running then), copied into the served
         parameters in place (converted to their dtype); later completions carry `version`."""
-        if self.scheduler.has_work():
+        if self.scheduler.has_work() or self._launched is not None:
             raise RuntimeError("load_weights while sequences run: the paged engine applies updates between calls")
         load_state_dict_into(self.model, state_dict)
         self._new_weights(int(version))
 
     # -- one scheduler step
     def step(self) -> None:
-        """Admit and prefill what fits, else run one decode step; retire what finished."""
+        """Admit and prefill what fits, else run one decode step; read the results of the step before it (with
+        `overlap`) or of this one, and retire what finished."""
         admitted = self.scheduler.admit()
+        launched = None
         if admitted:
-            self._prefill(admitted)
-        elif self.scheduler.running:
-            self._decode()
-        else:
+            launched = self._prefill(admitted)
+        elif ready := [s for s in self.scheduler.running if self._can_feed(s)]:
+            launched = self._decode(ready)
+        elif self._launched is None:
             raise RuntimeError("the paged engine cannot make progress: nothing runs and the head request does not "
                                "fit (check() should have refused it)")
-        for s in self.scheduler.running:
-            if s.finish_reason is not None:
-                self.scheduler.retire(s)
-                self.stats.completed += 1
+        if self.overlap:
+            self.stats.overlapped += launched is not None and self._launched is not None
+            previous, self._launched = self._launched, launched
+            if previous is not None:
+                self._read(previous)
+        elif launched is not None:
+            self._read(launched)
 
-    def _prefill(self, groups: list[Group]) -> None:
+    def _can_feed(self, s: PagedSequence) -> bool:
+        """Whether a running sequence takes a decode step: it has not finished, counting the tokens still on the
+        device (with overlap a stop token is seen one step late; a length limit is known at once)."""
+        n = len(s.tokens) + s.inflight
+        return (s.finish_reason is None and n < s.params.max_new_tokens
+                and len(s.prompt_ids) + n < self.max_seq_len)
+
+    def _prefill(self, groups: list[Group]) -> _Launched:
         sched, blocks = self.scheduler, self.scheduler.blocks
         parents = [g.samples[0] for g in groups]
         logits = self.runner.prefill([p.prompt_ids for p in parents], [blocks.block_table(p) for p in parents],
                                      [blocks.cached_tokens(p) for p in parents])
         self.stats.prefills += 1
         self.stats.prefill_tokens += sum(len(p.prompt_ids) - blocks.cached_tokens(p) for p in parents)
-        copies = [c for g in groups for c in sched.fork(g)]
+        copies = [c for g in groups for c in g.copies]
         if copies:
             self.store.copy_pages([c[0] for c in copies], [c[1] for c in copies])
+        sched.tables.sync()  # new rows' tables; decode steps carry their own new pages (`decode_step.RowInput`)
         now = time.perf_counter()
         samples = [s for g in groups for s in g.samples]
         for s in samples:
             s.admitted_at = now
         # every sample of a group draws its first token from its parent's prefill logits
         rows = torch.tensor([i for i, g in enumerate(groups) for _ in g.samples], device=logits.device)
-        self._sample(logits.index_select(0, rows), samples)
-
-    def _decode(self) -> None:
-        sched = self.scheduler
-        b = sched.bucket()
-        live = [s for s in sched.rows[:b] if s is not None]
-        tokens, positions = [0] * b, [0] * b
-        for s in live:
-            tokens[s.row], positions[s.row] = s.tokens[-1], sched.append(s)
-        step = torch.tensor([tokens, positions], dtype=torch.int64).to(self.device)
-        table = sched.tables.sync()[:b, : sched.width()]
-        logits = self.runner.decode(step[0], step[1], table)
-        self.stats.steps += 1
-        self._sample(logits.index_select(0, torch.tensor([s.row for s in live], device=logits.device)), live)
-
-    def _sample(self, logits: torch.Tensor, seqs: list[PagedSequence]) -> None:
-        """Sample each sequence's next token on the device, record it with its logprob (one copy to the host), and
-        check its stops."""
-        ps = [s.params for s in seqs]
+        ps = [s.params for s in samples]
         knobs = sampling.knobs([p.temperature for p in ps], [p.top_p for p in ps], [0] * len(ps),
-                               [p.greedy for p in ps], [s.seed for s in seqs], [len(s.tokens) for s in seqs],
-                               self.device)
-        k = max(p.top_logprobs for p in ps)
-        out = sampling.sample(logits, knobs, truncate=any(p.top_p < 1 for p in ps), top_logprobs=k)
-        host = torch.cat([out.tokens[:, None].double(), out.logprobs[:, None].double(), out.top_ids.double(),
-                          out.top_logprobs.double()], dim=1).tolist()
-        b = len(self.scheduler.running)
-        for s, row in zip(seqs, host, strict=True):
+                               [p.greedy for p in ps], [s.seed for s in samples], [0] * len(samples), self.device)
+        k = top_columns(max(p.top_logprobs for p in ps))
+        out = sampling.sample(logits.index_select(0, rows), knobs, truncate=any(p.top_p < 1 for p in ps),
+                              top_logprobs=k)
+        self.decode_step.set_tokens(torch.tensor([s.row for s in samples], device=self.device), out.tokens)
+        return self._launch(samples, list(range(len(samples))), pack(out), k)
+
+    def _decode(self, ready: list[PagedSequence]) -> _Launched:
+        sched, ps = self.scheduler, self.scheduler.blocks.page_size
+        inputs = []
+        for s in ready:
+            position = sched.append(s)
+            new = position % ps == 0  # its position opened a page: the step puts it into the device table
+            p = s.params
+            inputs.append(RowInput(s.row, position, len(s.tokens) + s.inflight, s.seed, 0, p.greedy, p.temperature,
+                                   p.top_p, position // ps if new else -1,
+                                   sched.blocks.block_table(s)[position // ps] if new else -1))
+        key = self.decode_step.key(sched.bucket(), sched.width(), any(s.params.top_p < 1 for s in ready),
+                                   max(s.params.top_logprobs for s in ready))
+        packed = self.decode_step.run(key, inputs)
+        self.stats.steps += 1
+        self.stats.graphs_captured = self.decode_step.graphs_captured
+        self.stats.capture_seconds = self.decode_step.capture_seconds
+        return self._launch(ready, [s.row for s in ready], packed, key.top_logprobs)
+
+    def _launch(self, seqs: list[PagedSequence], rows: list[int], packed: torch.Tensor, top: int) -> _Launched:
+        """Start the one pinned copy of a step's results (every row: selecting rows on the device would cost a copy
+        of their indices); its sequences count one token more in flight."""
+        for s in seqs:
+            s.inflight += 1
+        return _Launched(seqs, rows, self._copies.start(packed), top, self._version, len(self.scheduler.running))
+
+    def _read(self, step: _Launched) -> None:
+        """Record a step's tokens with their logprobs, check their stops (a sequence that finished in the step before
+        drops its extra token), and retire what finished."""
+        k, results = step.top, step.fetch.rows()
+        for s, row in zip(step.seqs, (results[r] for r in step.rows), strict=True):
+            s.inflight -= 1
+            if s.finish_reason is not None:
+                continue
             s.tokens.append(int(row[0]))
             s.logprobs.append(row[1])
-            s.versions.append(self._version)
-            s.max_batch = max(s.max_batch, b)
+            s.versions.append(step.version)
+            s.max_batch = max(s.max_batch, step.running)
             if kk := s.params.top_logprobs:
                 s.top.append([(int(t), lp) for t, lp in zip(row[2:2 + kk], row[2 + k:2 + k + kk], strict=True)])
             s.check_stop(self.eos_id, self.max_seq_len, self.tokenizer)
-        self.stats.generated_tokens += len(seqs)
-        self.stats.max_running = max(self.stats.max_running, b)
+            self.stats.generated_tokens += 1
+        self.stats.max_running = max(self.stats.max_running, step.running)
         self.stats.waited_for_kv = self.scheduler.waited_for_kv
+        for s in self.scheduler.running:
+            if s.finish_reason is not None:
+                self.scheduler.retire(s)
+                self.stats.completed += 1
 
 
 def make_engine(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast,

@@ -7,9 +7,10 @@ context) next to every running sequence, and there are n free decode rows; until
 waits, so a large request is not starved by small ones. Admission takes at most `max_prefill_tokens` packed prompt
 tokens per prefill (at least one group).
 
-A group is prefilled once (its first sample, the parent); its other samples fork the parent right after the
-prefill (`BlockManager.fork`: they share the prompt's full pages and copy its partial last one), so the prompt's
-K/V are computed and stored once per group. Each sample then draws its own first token from the parent's
+A group is prefilled once (its first sample, the parent); its other samples fork the parent at its admission
+(`BlockManager.fork`: they share the prompt's full pages and get a copy of its partial last one, which the engine
+runs right after the prefill: `Group.copies`), so the prompt's K/V are computed and stored once per group, and the
+next group's admission sees every page the group may take. Each sample then draws its own first token from the parent's
 prefill logits and decodes on its own row.
 
 Rows: sequence i of the decode batch sits at a fixed row of the block tables (`BlockTables`) from admission to
@@ -36,6 +37,7 @@ class PagedSequence(Sequence):
 
     seed: int = 0  # `sequences.mix_seed(request seed, sample index)`: the sampler's counter-based noise key
     row: int = -1
+    inflight: int = 0  # tokens sampled on the device that the host has not read yet (the engine's overlap)
     # identity, not value: the block manager keys its tables by sequence (Sequence's dataclass __eq__ unhashes it)
     __eq__ = object.__eq__
     __hash__ = object.__hash__
@@ -46,6 +48,7 @@ class Group:
     """The samples of one prompt, admitted and prefilled together (`samples[0]` is prefilled, the rest fork it)."""
 
     samples: list[PagedSequence] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination) pages to copy after prefill
 
     @property
     def prompt(self) -> list[int]:
@@ -79,8 +82,8 @@ class Scheduler:
 
     # -- admission
     def admit(self) -> list[Group]:
-        """Admit waiting groups from the head while they fit; each parent gets its prompt's pages and a row (the
-        caller prefills them, then calls `fork`)."""
+        """Admit waiting groups from the head while they fit; each parent gets its prompt's pages and a row, its
+        other samples fork it and get rows (the caller prefills the parents, then runs each group's `copies`)."""
         out: list[Group] = []
         free_rows = self.rows.count(None)
         tokens = 0
@@ -100,13 +103,14 @@ class Scheduler:
             parent = g.samples[0]
             self.blocks.admit(parent, len(prompt), final, token_ids=ids)
             self._place(parent)
+            g.copies = self._fork(g)
             free_rows -= n
             tokens += len(prompt) - self.blocks.cached_tokens(parent)
             out.append(g)
         return out
 
-    def fork(self, group: Group) -> list[tuple[int, int]]:
-        """Fork the group's other samples from its prefilled parent; returns the page copies to run."""
+    def _fork(self, group: Group) -> list[tuple[int, int]]:
+        """Fork the group's other samples from its parent; returns the page copies to run once it is prefilled."""
         copies = []
         parent = group.samples[0]
         for child in group.samples[1:]:
@@ -133,10 +137,12 @@ class Scheduler:
         return min(1 << (pages - 1).bit_length(), self.tables.shape[1])
 
     def append(self, seq: PagedSequence) -> int:
-        """The position the sequence's last token is fed at (its K/V go to a page the block table now holds)."""
+        """The position the sequence's last token is fed at (its K/V go to a page the block table now holds).
+        A token still on the device (`inflight`) is fed unnamed: the prefix cache stops naming the sequence's
+        pages from there."""
         position = self.blocks.tokens(seq)
         before = len(self.blocks.block_table(seq))
-        self.blocks.append(seq, seq.tokens[-1] if self.prefix_cache else None)
+        self.blocks.append(seq, seq.tokens[-1] if self.prefix_cache and not seq.inflight else None)
         pages = self.blocks.block_table(seq)
         if len(pages) != before:
             self.tables.put(seq.row, len(pages) - 1, pages[-1])
