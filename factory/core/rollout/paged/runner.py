@@ -180,16 +180,22 @@ class PagedRunner:
         """Queries over their rows' pages up to their own positions: the Triton kernel (`attention.paged_attention`,
         no mask, reads only real lengths) or the gather reference (every column of `table`, one mask per step)."""
         b = table.shape[0]
+
+        def pad(q: Tensor) -> Tensor:  # packed [T, heads, dim] -> [B, span, heads, dim]
+            if span == 1:  # decode, or one new token a row: token t is row t's, a view
+                return q[:, None]
+            padded = q.new_zeros(b, span, *q.shape[1:])
+            padded[row, col] = q
+            return padded
+
         if self.attention == "paged":
             qpos = pos.new_full((b, span), -1)  # padding queries read nothing
             qpos[row, col] = pos
 
             def paged(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-                padded = q.new_zeros(b, span, *q.shape[1:])
-                padded[row, col] = q
-                out = paged_kernel.paged_attention(padded, self.store.keys(i), self.store.values(i), table, qpos,
-                                                self.scaling)
-                return out[row, col]
+                out = paged_kernel.paged_attention(pad(q), self.store.keys(i), self.store.values(i), table, qpos,
+                                                   self.scaling)
+                return out[:, 0] if span == 1 else out[row, col]
 
             return paged
         # query positions padded to [B, span]; padding sits at position 0, so no row is fully masked
@@ -199,13 +205,11 @@ class PagedRunner:
         mask = keys[None, None, None, :] <= qpos[:, None, :, None]  # [B, 1, span, W * page_size], once per step
 
         def gathered(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            padded = q.new_zeros(b, span, *q.shape[1:])
-            padded[row, col] = q
             keys = self.store.keys(i)[table].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [B, kv_heads, W*ps, dim]
             values = self.store.values(i)[table].flatten(1, 2).transpose(1, 2).to(q.dtype)
-            out = F.scaled_dot_product_attention(padded.transpose(1, 2), keys, values, attn_mask=mask,
+            out = F.scaled_dot_product_attention(pad(q).transpose(1, 2), keys, values, attn_mask=mask,
                                                  scale=self.scaling, enable_gqa=True)  # [B, heads, span, dim]
-            return out.transpose(1, 2)[row, col]
+            return out[:, :, 0] if span == 1 else out.transpose(1, 2)[row, col]
 
         return gathered
 
