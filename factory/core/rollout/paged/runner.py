@@ -3,17 +3,20 @@
 The runner calls the model's embedding, decoder norms, q/k/v/o projections (Qwen3's q_norm / k_norm), rotary
 embedding, MLP, final norm and lm_head, and does attention itself: each step's new K/V go into the page store
 through the slot mapping (slot = block_table[pos // page_size] * page_size + pos % page_size, computed on the
-device), then every query attends over its sequence's K/V gathered by block table with
-`torch.nn.functional.scaled_dot_product_attention` (`enable_gqa=True`: the KV heads are never repeated).
+device), then every query attends over its sequence's K/V (GQA: the KV heads are never repeated).
 
 Prefill is packed: the batch's new tokens are one row of T tokens through every linear layer, norm and MLP (no
-padding); only attention pads them into [B, longest, heads, head_dim] queries against [B, W * page_size] gathered
-keys. Decode is the same path with one query per row, at fixed shapes: B rows and the block tables' W columns
-(rows past the live ones feed token 0 at position 0 with a table of the scratch page, so their write lands there).
-The attention mask (key position <= query position) is built once per step and shared by every layer.
+padding); only attention pads them into [B, longest, heads, head_dim] queries. Decode is the same path with one
+query per row, at fixed shapes: B rows and the block tables' W columns (rows past the live ones feed token 0 at
+position 0 with a table of the scratch page, so their write lands there).
 
-This is the reference path (gathering pages per layer costs a copy of each sequence's K/V); a paged kernel
-replaces `_attend` later. `supports(model)` names why a model cannot take it, for the engine's fallback.
+Attention, per step (`attention`): a prefill with nothing cached attends over its own new tokens with SDPA
+`is_causal` (no mask, no page read; the flash kernel on CUDA in bf16). Otherwise, on CUDA (triton installed) the
+Triton kernel `attention.paged_attention` reads each query's positions <= its own through the block table: no mask,
+no gather (`reads_real_lengths`). Elsewhere the reference path gathers each row's pages per layer and masks keys
+past each query's position with one boolean mask built per step and shared by every layer.
+
+`supports(model)` names why a model cannot take it, for the engine's fallback.
 """
 
 from __future__ import annotations
