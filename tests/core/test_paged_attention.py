@@ -20,7 +20,7 @@ from factory.core.rollout.paged.runner import PagedRunner
 from tests.core.paged_models import PAGE, tiny
 
 ROOT = Path(__file__).resolve().parents[2]
-needs_triton = pytest.mark.skipif(not attention.available(), reason="triton is not installed (pyproject extra: kernels)")
+needs_triton = pytest.mark.skipif(not attention.available(), reason="triton is not installed (extra: kernels)")
 
 
 @needs_triton
