@@ -18,7 +18,7 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml
 	@echo "installing into $(VENV) (log: $(VENV)/install.log)"
 	@$(BIN)/pip install $(TORCH) > $(VENV)/install.log 2>&1 || (cat $(VENV)/install.log; exit 1)
-	@$(BIN)/pip install -e ".[dev,megatron,real]" >> $(VENV)/install.log 2>&1 || (cat $(VENV)/install.log; exit 1)
+	@$(BIN)/pip install -e ".[dev,megatron,real,kernels]" >> $(VENV)/install.log 2>&1 || (cat $(VENV)/install.log; exit 1)
 	@touch $(STAMP)
 
 install: $(STAMP)

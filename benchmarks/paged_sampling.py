@@ -1,7 +1,7 @@
 """CPU time of one sampling step: today's continuous-engine sampler (`factory.core.rollout.sampler`, a generator
 per row, inverse CDF, `.tolist()`) vs the paged engine's on-device sampler (`factory.core.rollout.paged.sampling`,
-counter-based noise, Gumbel race) eager and, with `--inductor`, compiled by inductor (its compile takes minutes on
-a small CPU; the compile time is printed apart).
+one counter-based uniform a row, inverse CDF) eager and, with `--inductor`, compiled by inductor (its compile
+takes minutes on a small CPU; the compile time is printed apart).
 
 Workload: `--rows` rows of float32 logits over `--vocab` tokens (default 64 x 49,152, SmolLM2's vocabulary), each
 row at temperature 0.8, with no top-p (1.0) and with top-p 0.9; the two samplers run in alternation, `--repeats`

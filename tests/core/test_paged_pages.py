@@ -5,6 +5,7 @@ write only the scratch page; block tables keep their storage while they change."
 from __future__ import annotations
 
 import hashlib
+import os
 
 import pytest
 import torch
@@ -138,3 +139,23 @@ def test_block_tables_change_in_place_padded_with_the_scratch_page():
     assert tables.sync()[0].tolist() == [8] * 4 and tables.table.data_ptr() == ptr
     with pytest.raises(ValueError, match="exceed the block table's 4 columns"):
         tables.set(2, [0] * 5)
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="resident memory is read from Linux's /proc")
+def test_a_cpu_store_reads_zero_and_costs_no_memory_until_written():
+    """The store is allocated up front at the full budget; on the CPU only the pages sequences reach take memory
+    (torch.zeros made all 256 MiB resident at construction), and every page reads 0 until written."""
+    before = _resident_bytes()
+    store = PageStore(2, 2047, 16, 8, 64, torch.float32, "cpu")  # 2 layers x 2048 pages of 64 KiB: 256 MiB
+    assert store.nbytes == 256 * 2**20 and store.kv.is_contiguous()
+    assert _resident_bytes() - before < 32 * 2**20
+    store.write(1, store.slot_mapping([16 * 5 + 2]), torch.ones(1, 8, 64), torch.full((1, 8, 64), 2.0))
+    k, v = store.gather(1, [5, store.scratch], 32)
+    assert float(k[2].min()) == 1.0 and float(v[2].max()) == 2.0
+    assert int((k != 0).sum()) == 8 * 64 and int((v != 0).sum()) == 8 * 64  # the rest reads 0, not garbage
+    assert _resident_bytes() - before < 32 * 2**20

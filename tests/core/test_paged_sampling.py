@@ -10,7 +10,7 @@ import torch
 from scipy.stats import chi2
 from torch._dynamo.utils import counters
 
-from factory.core.rollout.paged.sampling import Knobs, knobs, noise_bits, sample, uniforms
+from factory.core.rollout.paged.sampling import Knobs, _inverse_cdf, knobs, noise_bits, row_uniform, sample, uniforms
 from factory.core.trainer.logprobs import logprobs_from_logits
 from tests.core.host_sync import NoHostCopy, NoHostSync
 
@@ -122,6 +122,37 @@ def test_greedy_is_the_argmax_and_logprobs_are_the_trainers():
         trainer, _ = logprobs_from_logits(half[i : i + 1, None, :], out.tokens[i : i + 1, None],
                                           temperature=1.0 if greedy[i] else temps[i])
         torch.testing.assert_close(out.logprobs[i], trainer[0, 0], atol=1e-5, rtol=0)
+
+
+def test_the_draw_is_the_inverse_cdf_of_one_uniform_per_row():
+    """One counter-based uniform per row (not a noise word per vocabulary entry): the token is where u times the
+    row's total falls in its cumulative distribution, in vocabulary order, or in sorted order once truncated."""
+    rows, vocab = 64, 3000
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(4)) * 2
+    seeds, ctrs = list(range(100, 100 + rows)), [7 * i for i in range(rows)]
+    u = row_uniform(torch.tensor(seeds), torch.tensor(ctrs)).double().numpy()
+    assert torch.equal(row_uniform(torch.tensor(seeds), torch.tensor(ctrs)),
+                       uniforms(torch.tensor(seeds), torch.tensor(ctrs), vocab)[:, 0])
+    p = torch.softmax(logits.double(), -1).numpy()
+    out = sample(logits, knobs([1.0] * rows, [1.0] * rows, [0] * rows, [False] * rows, seeds, ctrs), truncate=False)
+    want = [int(np.searchsorted(np.cumsum(p[i]), u[i] * p[i].sum())) for i in range(rows)]
+    assert out.tokens.tolist() == want
+    top_k = 50  # truncated: the same search over the 50 most likely, in descending order
+    out = sample(logits, knobs([1.0] * rows, [1.0] * rows, [top_k] * rows, [False] * rows, seeds, ctrs))
+    order = np.argsort(-p, axis=-1, kind="stable")[:, :top_k]
+    kept = np.take_along_axis(p, order, -1)
+    want = [int(order[i, np.searchsorted(np.cumsum(kept[i]), u[i] * kept[i].sum())]) for i in range(rows)]
+    assert out.tokens.tolist() == want
+
+
+def test_the_inverse_cdf_never_takes_a_zero_probability_token():
+    """Not even where u * total rounds up to the total (u at its cap) with zero-probability entries at the end,
+    nor where u is tiny and the first entry has probability 0."""
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0, 0.0]] * 3)
+    u = torch.tensor([2.0**-33, 0.5, 1.0 - 2.0**-24])
+    assert _inverse_cdf(probs, u).tolist() == [1, 1, 3]
+    odd = torch.tensor([[0.0, 0.3, 0.0, 0.7 + 2.0**-23, 0.0]])  # a total whose product with the cap rounds up
+    assert _inverse_cdf(odd, torch.tensor([1.0 - 2.0**-24])).tolist() == [3]
 
 
 def test_allowed_tokens_renormalize_the_draw_and_the_logprobs():

@@ -16,9 +16,9 @@ are exact), which `host_copy.py` brings back in one pinned copy.
 
 Graph key (`StepKey`): rows (a power of two, the scheduler's bucket), block-table columns, whether top-k/top-p run
 (`truncate`) and top-logprob columns (rounded up to a power of two). The width is in the key because attention is a
-gather of the table's pages (`runner._attend`): a narrow table reads fewer keys. A runner whose attention reads only
-each row's real length says so with `length_bounded = True`; then every graph takes the full width, and there is
-one graph per (rows, truncate, k).
+gather of the table's pages (`runner._attend`): a narrow table reads fewer keys. A runner whose attention reads
+only each row's real length says so (`PagedRunner.reads_real_lengths`, the Triton kernel); then every graph takes
+the full width, and there is one graph per (rows, truncate, k).
 
 Why torch.cuda.CUDAGraph and not torch.compile(mode="reduce-overhead"): the buffers above are already static and
 shared by every bucket (reduce-overhead's cudagraph trees copy inputs into their own buffers and forbid reading a
@@ -102,7 +102,7 @@ class DecodeStep:
     @property
     def length_bounded(self) -> bool:
         """Whether the runner's attention reads only each row's real length (then the full width costs nothing)."""
-        return bool(getattr(self.runner, "length_bounded", False))
+        return bool(self.runner.reads_real_lengths)
 
     def key(self, rows: int, width: int, truncate: bool, top_logprobs: int) -> StepKey:
         full = self.tables.shape[1]
