@@ -12,15 +12,19 @@ The K/V live in one page store allocated at construction: the KV budget (`kv_bud
 the full context can use. `make_engine` builds this engine where the runner supports the model and a
 `ContinuousEngine` otherwise.
 
-What `ContinuousEngine` has and this version does not (yet): the background thread and `submit` / futures (the
-HTTP server's path), `update_weights` with "in_flight" mode and `pause`, and constrained decoding
-(`SamplingParams.choices`, refused by `check`). `load_weights` applies between `generate` calls.
+The control surface is `ContinuousEngine`'s, shared through `engine_control.EngineControl`: `submit` / futures
+(cancelling one drops it at the next step), the background thread (`start` / `stop`), `update_weights` in both
+modes (copied into the model's parameter tensors between steps; the prefix cache is flushed, running sequences keep
+their pages), `load_weights`, `pause` / `resume`, `wait_until`, `flush_cache` (forgets the prefix cache), `info()`
+(with the page figures). Samples submitted one by one join a waiting group of the same prompt
+(`Scheduler.enqueue`), so the n samples of a request share its prompt's pages. Constrained decoding
+(`SamplingParams.choices`) masks each row's allowed tokens on the device (`sampler.allowed_tokens`, built on the
+host) with `sampler.py`'s contract, logprobs over the renormalized distribution.
 """
 
 from __future__ import annotations
 
 import logging
-import random
 import time
 from concurrent.futures import Future
 from typing import Any
@@ -28,24 +32,27 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-from factory.core.rollout.base import Completion, SamplingParams
+from factory.core.rollout import sampler
+from factory.core.rollout.base import SamplingParams
 from factory.core.rollout.continuous import DEFAULT_PREFILL_TOKENS, ContinuousEngine
 from factory.core.rollout.embedded import decode_autocast
+from factory.core.rollout.engine_control import EngineControl
 from factory.core.rollout.kv_budget import KVBudget, default_kv_budget, kv_bytes_per_token
 from factory.core.rollout.paged import sampling
 from factory.core.rollout.paged.blocks import PAGE_SIZE, BlockManager
 from factory.core.rollout.paged.pages import BlockTables, PageStore
 from factory.core.rollout.paged.runner import PagedRunner, supports
 from factory.core.rollout.paged.scheduler import Group, PagedSequence, Scheduler
-from factory.core.rollout.sequences import EngineStats, check_request, load_state_dict_into, mix_seed
+from factory.core.rollout.sequences import Sequence, check_request
 from factory.infra.device import model_device
 
 log = logging.getLogger(__name__)
 
 PAGED_ONLY = ("page_size", "prefix_cache")  # `make_engine` keywords a ContinuousEngine does not take
+CONTINUOUS_ONLY = ("kv_capacity",)  # and the other way round
 
 
-class PagedEngine:
+class PagedEngine(EngineControl):
     """A `RolloutEngine` on the paged runner. Arguments as `ContinuousEngine`'s (`max_batch` running sequences,
     `max_seq_len`, `kv_budget` bytes, `max_prefill_tokens` packed prompt tokens per prefill, `precision`), plus
     `page_size` and `prefix_cache` (reuse the pages of earlier prompts' leading full pages)."""
@@ -75,7 +82,8 @@ class PagedEngine:
         pages_per_seq = -(-self.max_seq_len // page_size)
         # no more pages than max_batch full-context sequences can hold: the store is allocated up front
         budget = min(budget, max_batch * pages_per_seq * page_size * per_token)
-        blocks = BlockManager(KVBudget(budget, per_token), page_size, prefix_cache=prefix_cache)
+        self.kv = KVBudget(budget, per_token)
+        blocks = BlockManager(self.kv, page_size, prefix_cache=prefix_cache)
         if blocks.num_pages < 1:
             raise ValueError(f"kv_budget of {budget} bytes holds no page of {page_size} tokens ({per_token} bytes "
                              f"a token)")
@@ -83,8 +91,7 @@ class PagedEngine:
         self.runner = PagedRunner(model, self.store)
         tables = BlockTables(max_batch, pages_per_seq, self.store.scratch, device)
         self.scheduler = Scheduler(blocks, tables, self.max_seq_len, self.max_prefill_tokens, prefix_cache)
-        self._seeds = random.Random()
-        self.stats = EngineStats()
+        self._init_control()
 
     # -- public state
     @property
@@ -101,57 +108,84 @@ class PagedEngine:
     def device(self) -> torch.device:
         return self.store.device
 
-    def encode(self, prompts: list[str]) -> list[list[int]]:
-        return [self.tokenizer(p).input_ids for p in prompts]
+    @property
+    def running(self) -> int:
+        return self.scheduler.live
+
+    @property
+    def queued(self) -> int:
+        return self.scheduler.queued
+
+    def info(self) -> dict:
+        blocks = self.scheduler.blocks
+        return {**self._control_info(), "engine": "paged", "page_size": blocks.page_size,
+                "pages_total": blocks.num_pages, "pages_free": blocks.free_pages, "pages_used": blocks.used_pages,
+                "pages_committed": blocks.committed, "prefix_cache_pages": len(blocks.prefix or ()),
+                "kv_allocated_bytes": self.store.nbytes, "kv_budget_bytes": self.kv.total_bytes,
+                "kv_token_bytes": self.kv.per_token, "max_prefill_tokens": self.max_prefill_tokens,
+                **vars(self.stats)}
+
+    def max_new_tokens(self, prompt_len: int) -> int:
+        """The most completion tokens a prompt of `prompt_len` tokens can have: within the context and, running
+        alone, the pages (at least 0)."""
+        blocks = self.scheduler.blocks
+        return max(0, min(self.max_seq_len, blocks.num_pages * blocks.page_size) - prompt_len)
 
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError, with a message for the caller, if this request cannot run."""
-        if params.choices:
-            raise ValueError("choices (constrained decoding) are not supported by the paged engine yet")
         if params.n > self.max_batch:
             raise ValueError(f"n={params.n} samples do not fit the engine's max_batch of {self.max_batch} rows")
         final = min(len(prompt_ids) + params.max_new_tokens, self.max_seq_len)
         check_request(self.model.config.vocab_size, self.max_seq_len, prompt_ids, params,
                       lambda: self.scheduler.blocks.problem(len(prompt_ids), final, max(1, params.n)))
 
-    # -- the RolloutEngine calls
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
-        """For each prompt, `params.n` completions; sample j of prompt i draws from seed (params.seed, i * n + j)."""
-        for p in prompts:
-            self.check(p, params)
-        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        now = time.perf_counter()
-        groups = [Group([PagedSequence(list(p), params, Future(), None, now, seed=mix_seed(seed, i * params.n + j))
-                         for j in range(params.n)]) for i, p in enumerate(prompts)]
-        for g in groups:
-            self.scheduler.add(g)
-        while self.scheduler.has_work():
-            self.step()
-        return [[s.completion(self.tokenizer) for s in g.samples] for g in groups]
+    def flush_cache(self) -> bool:
+        """Forget the prefix cache if nothing is running or queued (the pages themselves stay allocated: the store
+        is fixed); return whether it did."""
+        with self._step_lock, self._cond:
+            if self.scheduler.has_work():
+                return False
+            self.scheduler.flush_prefix_cache()
+            return True
 
-    def load_weights(self, state_dict: dict, version: int) -> None:
-        """Replace the policy weights (between `generate` calls: nothing is running then); later completions carry
-        `version`."""
-        if self.scheduler.has_work():
-            raise RuntimeError("load_weights while sequences run: the paged engine applies updates between calls")
-        load_state_dict_into(self.model, state_dict)
-        self.weight_version = int(version)
+    # -- the control hooks (engine_control.py)
+    def _request(self, prompt_ids: list[int], params: SamplingParams, seed: int, now: float) -> PagedSequence:
+        return PagedSequence(prompt_ids, params, Future(), None, now, seed=seed)
 
-    # -- one scheduler step
-    def step(self) -> None:
-        """Admit and prefill what fits, else run one decode step; retire what finished."""
-        admitted = self.scheduler.admit()
-        if admitted:
-            self._prefill(admitted)
-        elif self.scheduler.running:
-            self._decode()
-        else:
-            raise RuntimeError("the paged engine cannot make progress: nothing runs and the head request does not "
-                               "fit (check() should have refused it)")
+    def _enqueue(self, req: Sequence) -> None:
+        self.scheduler.enqueue(req)  # type: ignore[arg-type]
+
+    def _drain_queue(self) -> list[Sequence]:
+        return list(self.scheduler.drain())
+
+    def _head_fits(self) -> bool:
+        return self.scheduler.head_fits()
+
+    def _take_admissions(self) -> list[Group]:
+        return self.scheduler.admit()
+
+    def _admitted_requests(self, admitted: list[Group]) -> list[Sequence]:
+        return [s for g in admitted for s in g.samples]
+
+    def _running_requests(self) -> list[Sequence]:
+        return list(self.scheduler.running)
+
+    def _reset(self) -> None:
+        self.scheduler.reset()
+
+    def _load(self, state_dict) -> None:
+        super()._load(state_dict)  # copied into the parameters in place: captured steps keep reading them
+        self.scheduler.flush_prefix_cache()  # cached pages hold the old weights' K/V
+
+    def _retire(self) -> None:
+        finished = []
         for s in self.scheduler.running:
-            if s.finish_reason is not None:
+            if s.finish_reason is not None or s.future.cancelled():
                 self.scheduler.retire(s)
-                self.stats.completed += 1
+                if not s.future.cancelled():
+                    finished.append(s)
+        self._resolve(finished)
+        self.stats.waited_for_kv = self.scheduler.waited_for_kv
 
     def _prefill(self, groups: list[Group]) -> None:
         sched, blocks = self.scheduler, self.scheduler.blocks
@@ -194,10 +228,11 @@ class PagedEngine:
                                [p.greedy for p in ps], [s.seed for s in seqs], [len(s.tokens) for s in seqs],
                                self.device)
         k = max(p.top_logprobs for p in ps)
-        out = sampling.sample(logits, knobs, truncate=any(p.top_p < 1 for p in ps), top_logprobs=k)
+        out = sampling.sample(logits, knobs, truncate=any(p.top_p < 1 for p in ps), top_logprobs=k,
+                              allowed=self._allowed(seqs, logits.shape[-1]))
         host = torch.cat([out.tokens[:, None].double(), out.logprobs[:, None].double(), out.top_ids.double(),
                           out.top_logprobs.double()], dim=1).tolist()
-        b = len(self.scheduler.running)
+        b = self.scheduler.live
         for s, row in zip(seqs, host, strict=True):
             s.tokens.append(int(row[0]))
             s.logprobs.append(row[1])
@@ -208,14 +243,28 @@ class PagedEngine:
             s.check_stop(self.eos_id, self.max_seq_len, self.tokenizer)
         self.stats.generated_tokens += len(seqs)
         self.stats.max_running = max(self.stats.max_running, b)
-        self.stats.waited_for_kv = self.scheduler.waited_for_kv
+
+    def _allowed(self, seqs: list[PagedSequence], vocab: int) -> torch.Tensor | None:
+        """[rows, vocab] bool: each row's tokens that continue one of its choices (built on the host, one copy),
+        or None when no row is constrained."""
+        if not any(s.params.choices for s in seqs):
+            return None
+        return sampler.choice_mask(sampler.allowed_tokens(seqs), vocab, self.device)
 
 
-def make_engine(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast,
+ENGINES = ("auto", "paged", "continuous")
+
+
+def make_engine(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, engine: str = "auto",
                 **kw: Any) -> PagedEngine | ContinuousEngine:
-    """A `PagedEngine` where the paged runner supports `model`, else a `ContinuousEngine` (one log line says why);
-    `kw` are either engine's arguments (the paged-only ones are dropped for the fallback)."""
-    if (why := supports(model)) is None:
-        return PagedEngine(model, tokenizer, **kw)
-    log.info("rollout engine: ContinuousEngine, not the paged engine: %s", why)
+    """The engine `engine` names: "auto" (default) a `PagedEngine` where the paged runner supports `model`, else a
+    `ContinuousEngine` (one log line says why); "paged" (a ValueError naming why if it cannot run the model) or
+    "continuous". `kw` are either engine's arguments (the other engine's own ones are dropped)."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    why = supports(model)
+    if engine == "paged" or (engine == "auto" and why is None):
+        return PagedEngine(model, tokenizer, **{k: v for k, v in kw.items() if k not in CONTINUOUS_ONLY})
+    if engine == "auto":
+        log.info("rollout engine: ContinuousEngine, not the paged engine: %s", why)
     return ContinuousEngine(model, tokenizer, **{k: v for k, v in kw.items() if k not in PAGED_ONLY})
