@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from factory.core.rollout.base import Completion, SamplingParams
+from factory.core.rollout.kv_budget import KVBudget
 from factory.core.rollout.sequences import EngineStats, PendingUpdate, Sequence, load_state_dict_into, mix_seed
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class EngineControl:
     name: str
     max_batch: int
     max_seq_len: int
+    kv: KVBudget  # the KV cache's budget in bytes
     _version: int
 
     def _init_control(self) -> None:
