@@ -191,14 +191,14 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(tok):
 
 
 def test_info_reports_pages_and_max_new_tokens_the_budget(tok):
-    eng = paged(tiny("llama"), tok, pages=16, max_batch=2)
+    eng = paged(tiny("llama"), tok, pages=17, max_batch=2)  # 16 pages and the scratch page
     a = eng.submit(prompts(9)[0], SamplingParams(greedy=True, max_new_tokens=7))  # 16 positions: 4 pages
     eng.step()
     info = eng.info()
     assert info["engine"] == "paged" and info["page_size"] == PAGE and info["pages_total"] == 16
     assert info["pages_used"] == 3 and info["pages_committed"] == 4 and info["pages_free"] == 13
     assert info["running"] == 1 and info["kv_budget_bytes"] == eng.kv.total_bytes
-    assert info["kv_allocated_bytes"] == eng.store.nbytes
+    assert info["kv_allocated_bytes"] == eng.store.nbytes == info["kv_budget_bytes"]  # the scratch page inside
     assert eng.max_new_tokens(10) == 16 * PAGE - 10
     while not a.done():
         eng.step()

@@ -83,7 +83,9 @@ class PagedEngine(EngineControl):
         # no more pages than max_batch full-context sequences can hold: the store is allocated up front
         budget = min(budget, max_batch * pages_per_seq * page_size * per_token)
         self.kv = KVBudget(budget, per_token)
-        blocks = BlockManager(self.kv, page_size, prefix_cache=prefix_cache)
+        # the store holds one page more than the block manager hands out (the scratch page): inside the budget too
+        blocks = BlockManager(KVBudget(budget - page_size * per_token, per_token), page_size,
+                              prefix_cache=prefix_cache)
         if blocks.num_pages < 1:
             raise ValueError(f"kv_budget of {budget} bytes holds no page of {page_size} tokens ({per_token} bytes "
                              f"a token)")
@@ -188,14 +190,14 @@ class PagedEngine(EngineControl):
         self.stats.waited_for_kv = self.scheduler.waited_for_kv
 
     def _prefill(self, groups: list[Group]) -> None:
-        sched, blocks = self.scheduler, self.scheduler.blocks
+        blocks = self.scheduler.blocks
         parents = [g.samples[0] for g in groups]
         with decode_autocast(self.device, self.precision):
             logits = self.runner.prefill([p.prompt_ids for p in parents], [blocks.block_table(p) for p in parents],
                                          [blocks.cached_tokens(p) for p in parents])
         self.stats.prefills += 1
         self.stats.prefill_tokens += sum(len(p.prompt_ids) - blocks.cached_tokens(p) for p in parents)
-        copies = [c for g in groups for c in sched.fork(g)]
+        copies = [c for g in groups for c in g.copies]  # the forks' partial pages, now that the parents hold them
         if copies:
             self.store.copy_pages([c[0] for c in copies], [c[1] for c in copies])
         now = time.perf_counter()

@@ -10,9 +10,10 @@ context) next to every running sequence, and there are n free decode rows; until
 waits, so a large request is not starved by small ones. Admission takes at most `max_prefill_tokens` packed prompt
 tokens per prefill (at least one group).
 
-A group is prefilled once (its first sample, the parent); its other samples fork the parent right after the
-prefill (`BlockManager.fork`: they share the prompt's full pages and copy its partial last one), so the prompt's
-K/V are computed and stored once per group. Each sample then draws its own first token from the parent's
+A group is prefilled once (its first sample, the parent); its other samples fork the parent at admission
+(`BlockManager.fork`: they share the prompt's full pages and get a fresh page for its partial last one, copied
+once the prefill has written it), so the prompt's K/V are computed and stored once per group, and the next
+group's admission counts the forks' pages. Each sample then draws its own first token from the parent's
 prefill logits and decodes on its own row.
 
 Rows: sequence i of the decode batch sits at a fixed row of the block tables (`BlockTables`) from admission to
@@ -49,6 +50,7 @@ class Group:
     """The samples of one prompt, admitted and prefilled together (`samples[0]` is prefilled, the rest fork it)."""
 
     samples: list[PagedSequence] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # page copies its forks need once it is prefilled
 
     @property
     def prompt(self) -> list[int]:
@@ -139,8 +141,9 @@ class Scheduler:
 
     # -- admission
     def admit(self) -> list[Group]:
-        """Admit waiting groups from the head while they fit; each parent gets its prompt's pages and a row (the
-        caller prefills them, then calls `fork`)."""
+        """Admit waiting groups from the head while they fit; each parent gets its prompt's pages and a row, its
+        other samples fork it at once (rows, shared pages); the caller prefills the parents, then runs each group's
+        `copies` (the partial last pages the forks copy)."""
         out: list[Group] = []
         self.prune()
         free_rows = self.rows.count(None)
@@ -163,6 +166,9 @@ class Scheduler:
             parent = g.samples[0]
             self.blocks.admit(parent, len(prompt), final, token_ids=ids)
             self._place(parent)
+            # the other samples fork now, so the next group's admission sees their pages committed; the page
+            # copies run once the parent is prefilled (`copies`)
+            g.copies = self.fork(g)
             free_rows -= n
             tokens += len(prompt) - self.blocks.cached_tokens(parent)
             out.append(g)
