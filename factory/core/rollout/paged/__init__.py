@@ -6,6 +6,7 @@ refcounts and each sequence's block table, admission against the budget, pure Py
 the on-device sampler (`sampling.py`: counter-based seeded noise, top-k / top-p, no host sync), the model runner
 (`runner.py`: a Llama-family model's own modules with attention over the page store), the scheduler
 (`scheduler.py`: queue, admission, GRPO forks, rows) and the engine (`engine.py`: `PagedEngine` behind the
-`RolloutEngine` API, `make_engine`). Nothing here is wired into the loop or the server yet; `continuous.py` is
-today's engine (docs/engine.md).
+`RolloutEngine` API and the control surface of `engine_control.py`, `make_engine`). `factory serve` and the
+overlapped producers build it through `make_engine`; `continuous.py` serves the models it cannot run
+(docs/engine.md).
 """
