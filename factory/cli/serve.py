@@ -10,8 +10,8 @@ import torch
 
 from factory.cli.common import error, home_from
 from factory.core.rollout.api import POLICY_NAME
-from factory.core.rollout.continuous import ContinuousEngine
 from factory.core.rollout.kv_budget import mib
+from factory.core.rollout.paged.engine import make_engine
 from factory.core.rollout.server import engine_from_checkpoint, serve
 from factory.infra.device import describe, prepare, resolve_device
 from factory.model_source import model_source
@@ -47,20 +47,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 path = resolve_model_path(path, home_from(args), log=lambda m: print(m, file=sys.stderr))
             engine = engine_from_checkpoint(path, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
                                             version=args.weight_version, device=device, precision=args.precision,
-                                            kv_budget=budget)
+                                            kv_budget=budget, engine=args.engine)
         else:
             tok = build_tokenizer()
-            engine = ContinuousEngine(build_model(args.preset, tok, seed=args.seed).to(device), tok,
-                                      args.weight_version, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
-                                      name=args.preset, precision=args.precision, kv_budget=budget)
+            engine = make_engine(build_model(args.preset, tok, seed=args.seed).to(device), tok, args.engine,
+                                 weight_version=args.weight_version, max_batch=args.max_batch,
+                                 max_seq_len=args.max_seq_len, name=args.preset, precision=args.precision,
+                                 kv_budget=budget)
     except (FileNotFoundError, ValueError, OSError) as e:
         error(str(e))
         return EXIT_BAD_INPUT
     names = args.served_model_name or [engine.name]
     shown = ", ".join(dict.fromkeys([*names, POLICY_NAME]))
     print(f"factory: serving {engine.name} (weight version {engine.weight_version}; model names: {shown}) on "
-          f"{describe(device)} at http://{args.host}:{args.port}; KV cache budget {mib(engine.kv.total_bytes)} "
-          f"({engine.kv.columns:,} tokens of {engine.kv.per_token:,} bytes)", file=sys.stderr)
+          f"{describe(device)} at http://{args.host}:{args.port} with the {engine.info()['engine']} engine; KV cache "
+          f"budget {mib(engine.kv.total_bytes)} ({engine.kv.columns:,} tokens of {engine.kv.per_token:,} bytes)",
+          file=sys.stderr)
     serve(engine, host=args.host, port=args.port, model_path=args.checkpoint, max_body_bytes=args.max_body_mb,
           max_update_bytes=args.max_update_mb, model_names=names)
     return EXIT_OK

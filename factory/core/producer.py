@@ -4,10 +4,10 @@
   episode of it runs in the environment at once, and the batch is ready when its slowest episode is.
   The engine shares the trainer's model object, so publishing a version is bumping a number.
 - `OverlappedProducer` (modes `one_step_off`, `async`): producer threads keep prompt groups in
-  flight on a continuous-batching engine that holds its own copy of the weights, and put scored
-  groups into the rollout buffer; the trainer takes batches from the buffer. `one_step_off` is the
-  buffer's `bound` policy at staleness 1 (generation of batch N+1 overlaps training of batch N);
-  `async` uses the spec's buffer (depth, staleness policy) and has no batch barrier at all.
+  flight on an embedded engine (the paged one, or the continuous one for models it cannot run) that holds its
+  own copy of the weights, and put scored groups into the rollout buffer; the trainer takes batches from the
+  buffer. `one_step_off` is the buffer's `bound` policy at staleness 1 (generation of batch N+1 overlaps
+  training of batch N); `async` uses the spec's buffer (depth, staleness policy) and has no batch barrier at all.
 
 Both draw prompts from one deterministic prompt feed (`data/feed.py`: the blend of the spec's sources and
 its curriculum) and score episodes through one environment
@@ -35,8 +35,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 from factory.config import BufferSpec, ExperimentSpec
 from factory.core.buffer import BufferClosed, BufferTimeout, Group, Reservation, RolloutBuffer, Sample
 from factory.core.rollout.base import Completion, SamplingParams
-from factory.core.rollout.continuous import ContinuousEngine
 from factory.core.rollout.embedded import EmbeddedEngine
+from factory.core.rollout.paged.engine import make_engine
 from factory.core.weights import encode_delta, encode_full
 from factory.data.feed import PromptFeed
 from factory.envs.protocol import tokens_from_session
@@ -188,11 +188,12 @@ class OverlappedProducer:
         if lora.attached(model):
             base = lora.base_state(model)
             self._merger = lora.AdapterMerger({f"{m}.weight": base[f"{m}.weight"] for m in lora.lora_layers(model)})
-        # The copy stays on the trainer model's device, and the engine computes there.
+        # The copy stays on the trainer model's device, and the engine computes there: the paged engine where it
+        # runs the model, else the continuous one (make_engine logs why).
         budget = self.spec.rollout.kv_budget_mb
-        self.engine = ContinuousEngine(lora.merged_copy(model).eval(), self.tok, weight_version=version,
-                                       max_batch=self.rows, precision=self.spec.trainer.precision,
-                                       kv_budget=None if budget is None else budget << 20)
+        self.engine = make_engine(lora.merged_copy(model).eval(), self.tok, weight_version=version,
+                                  max_batch=self.rows, precision=self.spec.trainer.precision,
+                                  kv_budget=None if budget is None else budget << 20)
         self.engine.start(functools.partial(enter, placements(self.spec)["rollout"]))
 
     def _produce(self) -> None:
@@ -260,7 +261,7 @@ class OverlappedProducer:
 
     def _sample(self, prompt_ids: list[int], params: SamplingParams) -> list[Completion]:
         """`params.n` completions of one prompt (sample j seeded by (params.seed, j))."""
-        futures = [self.engine.submit(prompt_ids, params, sample_index=j) for j in range(params.n)]
+        futures = self.engine.submit_many([(prompt_ids, j) for j in range(params.n)], params)  # one group: shared K/V
         return [f.result(timeout=self.timeout) for f in futures]
 
     def probe(self, prompt_ids: list[int], n: int) -> list[Completion]:

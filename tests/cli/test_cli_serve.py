@@ -74,9 +74,13 @@ def test_a_checkpoint_that_does_not_exist_is_one_line_naming_the_flag(served, tm
 
 def test_kv_budget_and_served_model_names(served, capsys):
     assert main(["serve", "--preset", "micro", "--threads", "1", "--kv-budget-mb", "64", "--served-model-name", "a",
-                 "--served-model-name", "org/b"]) == 0
+                 "--served-model-name", "org/b", "--engine", "continuous"]) == 0
     assert served["engine"].kv.total_bytes == 64 << 20 and served["model_names"] == ["a", "org/b"]
     err = capsys.readouterr().err
-    assert "model names: a, org/b, policy" in err and "KV cache budget 64 MiB" in err
+    assert "model names: a, org/b, policy" in err and "KV cache budget 64 MiB" in err and "continuous engine" in err
+    # the default engine for a Qwen2 model is the paged one; its store holds no more than 64 rows of the full
+    # context (64 positions of 512 bytes each)
+    assert main(["serve", "--preset", "micro", "--threads", "1", "--kv-budget-mb", "64"]) == 0
+    assert served["engine"].kv.total_bytes == 64 * 64 * 512 and "paged engine" in capsys.readouterr().err
     assert main(["serve", "--preset", "micro", "--kv-budget-mb", "0"]) == 2
     assert "--kv-budget-mb: want a number of MiB >= 1, got 0" in capsys.readouterr().err

@@ -75,7 +75,8 @@ def test_a_stop_seen_one_step_late_writes_inside_its_reservation(tok):
     greedy = until_eos(generate(model, p, 6))
     # stop on the 4th greedy token (a page boundary: prompt 8 + 4 fed positions), the 6th is the length limit
     params = SamplingParams(greedy=True, max_new_tokens=6, stop_token_ids=[greedy[3]])
-    eng = engine(model, tok, pages=4, max_batch=1, overlap=True)  # exactly the pages of 8 + 6 positions
+    # exactly the pages of 8 + 6 positions, and the scratch page (inside the budget too)
+    eng = engine(model, tok, pages=5, max_batch=1, overlap=True)
     out = eng.generate([p], params)[0][0]
     assert out.token_ids == greedy[: greedy.index(greedy[3]) + 1] and out.finish_reason == "stop"
     assert eng.stats.steps == len(out.token_ids)  # one decode step past the stop token's, whose sample is dropped
@@ -85,9 +86,9 @@ def test_a_stop_seen_one_step_late_writes_inside_its_reservation(tok):
 def _trace_keys(eng) -> list:
     keys, run = [], eng.decode_step.run
 
-    def traced(key, rows):
+    def traced(key, rows, *rest):
         keys.append(key)
-        return run(key, rows)
+        return run(key, rows, *rest)
 
     eng.decode_step.run = traced
     return keys

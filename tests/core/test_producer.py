@@ -76,3 +76,37 @@ def test_the_specs_kv_budget_reaches_the_rollout_server_and_the_in_process_engin
     assert build_parser().parse_args([a.replace("{port}", "0") for a in server_argv(
         parse_spec({}), Path("/c"), 8, 0)[3:]]).kv_budget_mb is None  # unset: the server sizes it from the machine
     assert "kv_budget_mb" not in parse_spec({}).model_dump()["rollout"]  # a late field: old fingerprints stay
+
+
+def test_the_overlapped_producer_rolls_out_on_the_paged_engine_and_takes_published_weights():
+    import torch
+
+    from factory.core.producer import OverlappedProducer
+    from factory.core.rollout.paged.engine import PagedEngine
+    from factory.data.feed import feed_of
+    from factory.models.build import build_model
+    from factory.models.tokenizer import build_tokenizer
+
+    tok = build_tokenizer()
+    model = build_model("micro", tok, seed=0)
+    problems = [Problem(id=f"p{i}", prompt=f"{i}+{i}=", answer="", op="add", digits=1) for i in range(4)]
+    spec = parse_spec({"seed": 0, "model": {"preset": "micro"}, "algorithm": {"group_size": 4},
+                       "rollout": {"prompts_per_step": 2, "max_new_tokens": 3}, "trainer": {"threads": 1},
+                       "schedule": {"mode": "one_step_off", "steps": 2, "wait_timeout_s": 60}})
+    producer = OverlappedProducer(spec, model, tok, feed_of(problems, 0), 0)
+    try:
+        assert isinstance(producer.engine, PagedEngine)  # micro is a Qwen2: the paged engine runs it
+        batch = producer.next_batch(1)
+        assert len(batch) == 2 and all(len(g.samples) == 4 for g in batch)
+        assert all(1 <= len(s.token_ids) <= 3 and s.versions == [0] for g in batch for s in g.samples)
+        params = {n: p.data_ptr() for n, p in producer.engine.model.named_parameters()}
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0.5)
+        producer.publish(model, 1)  # copied into the engine's own parameter tensors
+        assert producer.engine.weight_version == 1
+        assert {n: p.data_ptr() for n, p in producer.engine.model.named_parameters()} == params
+        probe = producer.probe(tok("1+1=").input_ids, 2)
+        assert [c.token_versions[0] for c in probe] == [1, 1]
+    finally:
+        producer.close()

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from factory.core.rollout.base import SamplingParams
-from factory.core.rollout.continuous import ContinuousEngine
+from factory.core.rollout.engine_control import EngineControl
+from factory.core.rollout.paged.engine import make_engine as build_engine
 from factory.core.rollout.server import launch_server
 from factory.models.build import build_model
 from factory.models.checkpoint import save_checkpoint
@@ -24,14 +25,17 @@ from factory.models.tokenizer import build_tokenizer
 PROMPTS = ["1+2=", "123+456=", "99*9=", "7", "5555+5555=", "1-1=", "2*3*4*5=", "31-4*1="]
 
 
-def make_engine(seed: int = 0, max_batch: int = 16) -> ContinuousEngine:
+ENGINES = ["continuous", "paged"]  # a few tests run over both engines (`server` takes the engine as its param)
+
+
+def make_engine(seed: int = 0, max_batch: int = 16, engine: str = "continuous") -> EngineControl:
     tok = build_tokenizer()
-    return ContinuousEngine(build_model("micro", tok, seed=seed), tok, max_batch=max_batch, name="micro")
+    return build_engine(build_model("micro", tok, seed=seed), tok, engine, max_batch=max_batch, name="micro")
 
 
 @pytest.fixture
-def server():
-    with launch_server(make_engine()) as handle:
+def server(request):
+    with launch_server(make_engine(engine=getattr(request, "param", "continuous"))) as handle:
         yield handle
 
 
@@ -49,6 +53,7 @@ def test_health_models_and_model_info(server):
     assert info["weight_version"] == 0 and info["config"]["model_type"] == "qwen2" and info["max_seq_len"] == 64
 
 
+@pytest.mark.parametrize("server", ENGINES, indirect=True)
 def test_completions_return_exact_tokens_and_openai_logprobs(server):
     tok = server.engine.tokenizer
     r = client(server).completions.create(model="micro", prompt=PROMPTS[:2], max_tokens=6, n=2, logprobs=2,
@@ -88,6 +93,7 @@ def test_chat_completions_with_logprobs(server):
     assert tok.decode(c.token_ids, skip_special_tokens=True) == c.message.content
 
 
+@pytest.mark.parametrize("server", ENGINES, indirect=True)
 def test_async_clients_are_batched_together(server):
     eng = server.engine
 
@@ -112,6 +118,7 @@ def test_async_clients_are_batched_together(server):
     assert eng.stats.prefills == prefills + 1 and eng.stats.max_running == 8  # one admission, one batch
 
 
+@pytest.mark.parametrize("server", ENGINES, indirect=True)
 def test_update_weights_from_disk_changes_version_and_outputs(server, tmp_path):
     tok = server.engine.tokenizer
     ckpt = tmp_path / "ckpt"
@@ -129,11 +136,12 @@ def test_update_weights_from_disk_changes_version_and_outputs(server, tmp_path):
     assert bad.status_code == 400 and "not a directory" in bad.json()["message"]
 
 
-def test_update_weights_from_delta_with_the_weights_codec():
+@pytest.mark.parametrize("engine", ENGINES)
+def test_update_weights_from_delta_with_the_weights_codec(engine):
     weights = pytest.importorskip("factory.core.weights")
     tok = build_tokenizer()
     base, target = build_model("micro", tok, seed=0).state_dict(), build_model("micro", tok, seed=5).state_dict()
-    eng = make_engine(seed=0)
+    eng = make_engine(seed=0, engine=engine)
     with launch_server(eng) as handle:
         delta = weights.encode_delta(base, target, version=1, base_version=0).to_bytes()
         r = httpx.post(handle.url + "/update_weights_from_delta", content=bytes(delta), timeout=30)
@@ -191,6 +199,7 @@ def test_session_records_turns_and_continues_exact_ids(server):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("server", ENGINES, indirect=True)
 def test_pause_wait_continue_and_flush(server):
     r = httpx.post(server.url + "/pause_generation", json={"mode": "drain", "wait": True, "timeout": 10})
     assert r.status_code == 200 and r.json()["drained"] is True
@@ -228,6 +237,7 @@ def test_bad_completion_requests_are_400_with_a_clear_message(server, kwargs, ne
     assert e.value.status_code == 400 and needle in e.value.message
 
 
+@pytest.mark.parametrize("server", ENGINES, indirect=True)
 def test_bad_chat_requests_and_bodies(server):
     c = client(server)
     with pytest.raises(openai.BadRequestError, match="role"):

@@ -26,7 +26,7 @@ from factory.core.rollout.api_models import (
 )
 from factory.core.rollout.base import Completion, SamplingParams
 from factory.core.rollout.chat import ChatTemplate, _encode, _message_text, _same_reply, parse_tool_calls
-from factory.core.rollout.continuous import UPDATE_MODES, ContinuousEngine
+from factory.core.rollout.engine_control import UPDATE_MODES, EngineControl
 from factory.core.rollout.logprobs import TokenBytes, token_pieces
 from factory.core.rollout.prompt_gate import PromptGate
 from factory.core.rollout.sequences import mix_seed
@@ -52,7 +52,7 @@ DeltaDecoder = Callable[[bytes, Mapping[str, Tensor], int], tuple[Mapping[str, T
 
 
 def _engine_field(message: str, prompt_field: str, max_tokens_field: str) -> str | None:
-    """The request field an engine refusal (`ContinuousEngine.check`) is about."""
+    """The request field an engine refusal (`EngineControl.check`) is about."""
     if "context length" in message or "max_tokens" in message:
         return max_tokens_field
     if "prompt" in message:
@@ -66,7 +66,7 @@ def _engine_field(message: str, prompt_field: str, max_tokens_field: str) -> str
 class RolloutServer:
     """The state behind the HTTP routes: the engine, the chat template, the sessions."""
 
-    def __init__(self, engine: ContinuousEngine, model_path: str | None = None,
+    def __init__(self, engine: EngineControl, model_path: str | None = None,
                  delta_decoder: DeltaDecoder | None = None, max_sessions: int = 10_000,
                  model_names: Sequence[str] | None = None):
         self.engine = engine
@@ -152,7 +152,7 @@ class RolloutServer:
         except ValueError as e:
             field = _engine_field(str(e), prompt_field, max_tokens_field)
             raise APIError(400, f"{field}: {e}" if field else str(e), field) from e
-        futures = [self.engine.submit(p, params, sample_index=i) for p, i in samples]
+        futures = self.engine.submit_many(samples, params)  # queued at once: a prompt's samples share its K/V
         try:
             return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
         except asyncio.CancelledError:

@@ -45,14 +45,9 @@ its fp32 weights; on the CPU it is always fp32, so CPU tokens do not depend on i
 from __future__ import annotations
 
 import logging
-import random
-import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
-from concurrent.futures import Future, InvalidStateError
-from concurrent.futures import wait as wait_futures
-from typing import Literal
+from concurrent.futures import Future
 
 import torch
 from torch import Tensor
@@ -60,34 +55,23 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from factory.architectures import architecture_problem, attention_window
 from factory.core.rollout import sampler
-from factory.core.rollout.base import Completion, SamplingParams
+from factory.core.rollout.base import SamplingParams
 from factory.core.rollout.embedded import decode_autocast
+from factory.core.rollout.engine_control import PAUSE_MODES, UPDATE_MODES, EngineControl, PauseMode, UpdateMode
 from factory.core.rollout.kv_budget import KVBudget, default_kv_budget, kv_bytes_per_token, mib
-from factory.core.rollout.sequences import (
-    EngineStats,
-    PendingUpdate,
-    Sequence,
-    check_request,
-    load_state_dict_into,
-    mix_seed,
-)
+from factory.core.rollout.sequences import EngineStats, Sequence, check_request, load_state_dict_into
 from factory.core.rollout.slot_cache import SlotKVCache
 from factory.infra.device import model_device
 from factory.models.compat import cache_kwargs
 
 log = logging.getLogger(__name__)
 
-UpdateMode = Literal["finish_old", "in_flight"]
-PauseMode = Literal["drain", "in_place"]
-UPDATE_MODES: tuple[str, ...] = ("finish_old", "in_flight")
-PAUSE_MODES: tuple[str, ...] = ("drain", "in_place")
-
-
 DEFAULT_PREFILL_TOKENS = 8192  # padded prompt tokens in one prefill forward (at least one whole prompt)
-__all__ = ["PAUSE_MODES", "UPDATE_MODES", "ContinuousEngine", "EngineStats", "SlotKVCache", "load_state_dict_into"]
+__all__ = ["PAUSE_MODES", "UPDATE_MODES", "ContinuousEngine", "EngineStats", "PauseMode", "SlotKVCache", "UpdateMode",
+           "load_state_dict_into"]
 
 
-class ContinuousEngine:
+class ContinuousEngine(EngineControl):
     """Continuous-batching sampler over a transformers causal LM (a `RolloutEngine`).
 
     `max_batch` rows decode together; waiting requests join whenever rows are free and the KV budget has room.
@@ -137,29 +121,13 @@ class ContinuousEngine:
                         self.max_seq_len, mib(2 * self.max_seq_len * self.kv.per_token))
         self._rows: list[Sequence] = []  # row i of the cache runs self._rows[i]
         self._queue: deque[Sequence] = deque()
-        self._updates: deque[PendingUpdate] = deque()
-        self._paused: str | None = None  # None, "drain" (no admissions) or "in_place" (no admissions, no decoding)
-        self._cond = threading.Condition()
-        self._step_lock = threading.Lock()  # held while the cache or the model is in use
-        self._thread: threading.Thread | None = None
-        self._stopping = False
-        self._seeds = random.Random()
-        self.stats = EngineStats()
+        self._init_control()
 
     def _new_cache(self) -> SlotKVCache:
         # No row ever needs more columns than the context and the write column.
         return SlotKVCache(self.max_batch, self._kv_capacity, max_columns=self.max_seq_len + 1)
 
     # ------------------------------------------------------------------ public state
-    @property
-    def weight_version(self) -> int:
-        return self._version
-
-    @weight_version.setter
-    def weight_version(self, version: int) -> None:
-        # In-process publication: the caller changed the model's weights itself (e.g. it shares the trainer's model).
-        self._version = version
-
     @property
     def device(self) -> torch.device:
         """Where the engine computes: its model's device."""
@@ -173,20 +141,12 @@ class ContinuousEngine:
     def queued(self) -> int:
         return len(self._queue)
 
-    @property
-    def paused(self) -> str | None:
-        return self._paused
-
-    def encode(self, prompts: list[str]) -> list[list[int]]:
-        return [self.tokenizer(p).input_ids for p in prompts]
-
     def info(self) -> dict:
-        return {"weight_version": self._version, "running": self.running, "queued": self.queued,
-                "paused": self._paused, "pending_updates": len(self._updates), "max_batch": self.max_batch,
-                "max_seq_len": self.max_seq_len, "kv_width": self._cache.width, "kv_capacity": self._cache.capacity,
-                "kv_rows": self._cache.rows, "kv_allocated_bytes": self._cache.allocated_bytes,
-                "kv_budget_bytes": self.kv.total_bytes, "kv_token_bytes": self.kv.per_token,
-                "max_prefill_tokens": self.max_prefill_tokens, "device": str(self.device), **vars(self.stats)}
+        return {**self._control_info(), "engine": "continuous", "kv_width": self._cache.width,
+                "kv_capacity": self._cache.capacity, "kv_rows": self._cache.rows,
+                "kv_allocated_bytes": self._cache.allocated_bytes, "kv_budget_bytes": self.kv.total_bytes,
+                "kv_token_bytes": self.kv.per_token, "max_prefill_tokens": self.max_prefill_tokens,
+                **vars(self.stats)}
 
     def max_new_tokens(self, prompt_len: int) -> int:
         """The most completion tokens a prompt of `prompt_len` tokens can have: within the context and, running
@@ -201,70 +161,24 @@ class ContinuousEngine:
         check_request(self.model.config.vocab_size, self.max_seq_len, prompt_ids, params,
                       lambda: self.kv.problem(len(prompt_ids), final))
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, sample_index: int = 0) -> Future:
-        """Queue one completion of `prompt_ids` (params.n is ignored here; callers submit n times with distinct
-        `sample_index`). Returns a Future of a `Completion`; cancelling the future (queued or running; the
-        future stays pending until the result is set) drops the request at the next step."""
-        self.check(prompt_ids, params)
-        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        gen = torch.Generator(device=self.device).manual_seed(mix_seed(seed, sample_index))
-        req = Sequence(list(prompt_ids), params, Future(), gen, time.perf_counter())
-        with self._cond:
-            self._queue.append(req)
-            self._cond.notify_all()
-        return req.future
+    # ------------------------------------------------------------------ the control hooks (engine_control.py)
+    def _request(self, prompt_ids: list[int], params: SamplingParams, seed: int, now: float) -> Sequence:
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        return Sequence(prompt_ids, params, Future(), gen, now)
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
-        """For each prompt, `params.n` completions (the `RolloutEngine` call). Sample j of prompt i draws from
-        seed (params.seed, i * n + j), so results do not depend on how requests were batched."""
-        futures = [[self.submit(p, params, sample_index=i * params.n + j) for j in range(params.n)]
-                   for i, p in enumerate(prompts)]
-        flat = [f for group in futures for f in group]
-        if self._thread is not None and self._thread.is_alive():
-            wait_futures(flat)
-        else:
-            while not all(f.done() for f in flat):
-                if not self.step():
-                    raise RuntimeError("the engine cannot make progress (paused, or a weight update is waiting)")
-        return [[f.result() for f in group] for group in futures]
+    def _enqueue(self, req: Sequence) -> None:
+        self._queue.append(req)
 
-    # ------------------------------------------------------------------ control
-    def update_weights(self, state_dict: Mapping[str, Tensor], version: int, mode: UpdateMode = "finish_old") -> Future:
-        """Swap in new weights between decode steps; returns a Future resolved with `version` once applied."""
-        if mode not in UPDATE_MODES:
-            raise ValueError(f"mode must be one of {', '.join(UPDATE_MODES)}, got {mode!r}")
-        upd = PendingUpdate(state_dict, int(version), mode, Future())
-        with self._cond:
-            self._updates.append(upd)
-            self._cond.notify_all()
-        return upd.future
+    def _drain_queue(self) -> list[Sequence]:
+        queued, self._queue = list(self._queue), deque()
+        return queued
 
-    def load_weights(self, state_dict: dict, version: int) -> None:
-        """The `RolloutEngine` call: apply now if idle, else after running sequences finish on the old weights."""
-        fut = self.update_weights(state_dict, version, "finish_old")
-        if self._thread is None or not self._thread.is_alive():
-            while not fut.done():
-                if not self.step():
-                    raise RuntimeError("the engine cannot apply the update (paused in place with running sequences)")
-        fut.result()
+    def _running_requests(self) -> list[Sequence]:
+        return list(self._rows)
 
-    def pause(self, mode: PauseMode = "drain") -> None:
-        """Stop admitting requests; "in_place" also stops decoding (running sequences keep their rows and KV)."""
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
-        with self._cond:
-            self._paused = mode
-            self._cond.notify_all()
-
-    def resume(self) -> None:
-        with self._cond:
-            self._paused = None
-            self._cond.notify_all()
-
-    def wait_until(self, predicate: Callable[[], bool], timeout: float) -> bool:
-        """Block until `predicate()` holds (checked after every scheduler step) or `timeout` seconds pass."""
-        with self._cond:
-            return self._cond.wait_for(predicate, timeout)
+    def _reset(self) -> None:
+        self._rows = []
+        self._cache = self._new_cache()
 
     def flush_cache(self) -> bool:
         """Free the KV buffers if nothing is running or queued; return whether it did."""
@@ -274,99 +188,6 @@ class ContinuousEngine:
             self._cache.release()
             return True
 
-    # ------------------------------------------------------------------ the background thread
-    def start(self, thread_init: Callable[[], None] | None = None) -> ContinuousEngine:
-        """Start the decoding thread; `thread_init` runs first in it (placement: its cores and torch threads)."""
-        if self._thread is None or not self._thread.is_alive():
-            self._stopping = False
-            self._thread = threading.Thread(target=self._run, args=(thread_init,), name="continuous-engine",
-                                            daemon=True)
-            self._thread.start()
-        return self
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """Stop the background thread; requests still queued or running fail (nothing would finish them)."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
-        with self._step_lock:
-            with self._cond:
-                queued, self._queue = list(self._queue), deque()
-            if queued or self._rows:
-                self._fail(queued, RuntimeError("the rollout engine stopped"))
-
-    def _has_work(self) -> bool:
-        if self._updates and (self._updates[0].mode == "in_flight" or not self._rows):
-            return True
-        decoding = bool(self._rows) and self._paused != "in_place"
-        admitting = bool(self._queue) and self._admitting() and len(self._rows) < self.max_batch \
-            and self._head_fits()
-        return decoding or admitting
-
-    def _admitting(self) -> bool:
-        # A pending finish_old update holds new requests back until the old weights have drained.
-        return self._paused is None and not self._updates
-
-    def _run(self, thread_init: Callable[[], None] | None = None) -> None:
-        if thread_init is not None:
-            thread_init()
-        device = self.device
-        if device.type == "cuda":  # the current CUDA device is per thread: this thread's is the model's
-            torch.cuda.set_device(device)
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._stopping or self._has_work())
-                if self._stopping:
-                    return
-            try:
-                self.step()
-            except Exception:  # step() already failed the affected requests; the server goes on
-                log.exception("rollout engine step failed")
-
-    def _fail(self, requests: list[Sequence], err: Exception) -> None:
-        """Fail `requests` and every running row, and start over with an empty cache (caller holds _step_lock)."""
-        with self._cond:
-            for req in [*requests, *self._rows]:
-                if not req.future.done():
-                    try:
-                        req.future.set_exception(err)
-                    except InvalidStateError:  # cancelled meanwhile
-                        pass
-            self._rows = []
-            self._cache = self._new_cache()
-            self._cond.notify_all()
-
-    # ------------------------------------------------------------------ the scheduler
-    @torch.no_grad()
-    def step(self) -> bool:
-        """One scheduler iteration: due weight updates, admissions, one decode step, retirements.
-        Returns whether anything happened. Do not call it while the background thread runs. If the model
-        raises, the requests it was running fail with that error, and so does this call."""
-        with self._step_lock:
-            did = self._apply_updates()
-            with self._cond:
-                admit = self._take_admissions() if self._admitting() else []
-            try:
-                if admit:
-                    self._prefill(admit)
-                    self._retire()  # a first token may already end a request
-                    did = True
-                if self._rows and self._paused != "in_place":
-                    self._decode()
-                    did = True
-                self._retire()
-            except Exception as e:
-                self._fail(admit, e)
-                raise
-            if did and not self._rows:
-                self._apply_updates()  # a finish_old update may be due now that the last row left
-        with self._cond:
-            self._cond.notify_all()
-        return did
-
     # -- admission: free rows, the KV budget, the prefill's size
     def _plan_columns(self) -> int:
         """KV columns the running rows may grow to (their longest final length, and the write column)."""
@@ -374,6 +195,8 @@ class ContinuousEngine:
 
     def _head_fits(self) -> bool:
         """Whether the first live queued request could join now (caller holds _cond)."""
+        if len(self._rows) >= self.max_batch:
+            return False
         head = next((r for r in self._queue if not r.future.cancelled()), None)
         if head is None:
             return False
@@ -406,23 +229,6 @@ class ContinuousEngine:
             unique.add(key)
             cols, longest = c, p
         return admit
-
-    def _apply_updates(self) -> bool:
-        applied = False
-        while True:
-            with self._cond:
-                if not self._updates or (self._updates[0].mode == "finish_old" and self._rows):
-                    return applied
-                upd = self._updates.popleft()
-            try:
-                load_state_dict_into(self.model, upd.state_dict)
-                self.model.eval()
-            except Exception as e:
-                upd.future.set_exception(e)
-            else:
-                self._version = upd.version
-                upd.future.set_result(upd.version)
-            applied = True
 
     def _mask(self, allowed: Tensor) -> Tensor:
         if not self._additive_mask:
@@ -534,9 +340,4 @@ class ContinuousEngine:
             if not req.future.cancelled():
                 finished.append(req)
         self._cache.compact(min_gain=max(16, self._cache.width // 4))
-        for req in reversed(finished):
-            try:
-                req.future.set_result(req.completion(self.tokenizer))
-            except InvalidStateError:  # cancelled since the check above
-                continue
-            self.stats.completed += 1
+        self._resolve(finished[::-1])

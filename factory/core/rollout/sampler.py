@@ -35,7 +35,7 @@ def allowed_tokens(rows: list[Sequence]) -> list[list[int] | None]:
     return out
 
 
-def _choice_mask(allowed: list[list[int] | None], vocab: int, device: torch.device) -> Tensor:
+def choice_mask(allowed: list[list[int] | None], vocab: int, device: torch.device) -> Tensor:
     """[rows, vocab] bool, True where a row may sample: one copy of the (row, token) pairs to the device."""
     free = [i for i, a in enumerate(allowed) if a is None]
     pairs = [(i, t) for i, a in enumerate(allowed) if a is not None for t in a]
@@ -55,7 +55,7 @@ def sample(logits: Tensor, rows: list[Sequence], row_knobs: Tensor, device: torc
     temps, top_p, greedy = row_knobs[0, :, None], row_knobs[1], row_knobs[2] > 0
     scaled = logits.float() / temps
     if any(r.params.choices for r in rows):
-        scaled = scaled.masked_fill(~_choice_mask(allowed_tokens(rows), scaled.shape[-1], device), float("-inf"))
+        scaled = scaled.masked_fill(~choice_mask(allowed_tokens(rows), scaled.shape[-1], device), float("-inf"))
     logp = torch.log_softmax(scaled, dim=-1)
     probs = logp.exp()
     if any(r.params.top_p < 1 for r in rows):

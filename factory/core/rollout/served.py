@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import load_file
 from torch import Tensor
 
-from factory.core.rollout.continuous import ContinuousEngine
+from factory.core.rollout.engine_control import EngineControl
+from factory.core.rollout.paged.engine import make_engine
 from factory.models.checkpoint import load_checkpoint
 
 
@@ -34,12 +35,14 @@ def load_weights_dir(path: str | Path) -> dict[str, Tensor]:
 
 def engine_from_checkpoint(path: str | Path, max_batch: int = 64, max_seq_len: int | None = None,
                            version: int = 0, device: torch.device | None = None,
-                           precision: str = "fp32", kv_budget: int | None = None) -> ContinuousEngine:
-    """A continuous engine over the checkpoint at `path`, its model placed on `device` (default: where the
-    checkpoint loads, the CPU); `precision` "bf16" decodes under bf16 autocast on a GPU; `kv_budget`: bytes of KV
-    cache (default: from the machine, once the weights are loaded)."""
+                           precision: str = "fp32", kv_budget: int | None = None,
+                           engine: str = "auto") -> EngineControl:
+    """An engine over the checkpoint at `path` (`engine`: as `paged.engine.make_engine` takes it, the paged engine
+    where it runs the model), its model placed on `device` (default: where the checkpoint loads, the CPU);
+    `precision` "bf16" decodes in bf16 on a GPU; `kv_budget`: bytes of KV cache (default: from the machine, once
+    the weights are loaded)."""
     model, tokenizer = load_checkpoint(path)
     if device is not None:
         model.to(device)
-    return ContinuousEngine(model, tokenizer, weight_version=version, max_batch=max_batch,
-                            max_seq_len=max_seq_len, name=Path(path).name, precision=precision, kv_budget=kv_budget)
+    return make_engine(model, tokenizer, engine, weight_version=version, max_batch=max_batch,
+                       max_seq_len=max_seq_len, name=Path(path).name, precision=precision, kv_budget=kv_budget)

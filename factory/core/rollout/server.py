@@ -1,4 +1,5 @@
-"""The rollout server: an OpenAI-compatible HTTP API (FastAPI + uvicorn) over a `ContinuousEngine`.
+"""The rollout server: an OpenAI-compatible HTTP API (FastAPI + uvicorn) over an embedded engine (`EngineControl`:
+the paged engine, or `ContinuousEngine` for models it does not run; `served.py` and `factory serve --engine` pick).
 
 Owns the HTTP surface (the routes) and the launcher; the routes' logic is in `api.py`, the request bodies and
 errors in `api_models.py`, the chat template and tool calls in `chat.py` and `tools.py`, the session records in
@@ -21,7 +22,7 @@ Endpoints:
   such endpoint) `POST /update_weights_from_delta`: the body is a serialized `factory.core.weights.WeightUpdate`
   (`to_bytes()`; full or delta against the served version), `?mode=`; 409 when the delta's base version is not
   the served one (send a full update). Update modes: "finish_old" (default; running requests end on the old
-  weights) or "in_flight" (they continue on the new ones; see `continuous.py`).
+  weights) or "in_flight" (they continue on the new ones; see `engine_control.py`).
 - Sessions: `GET /sessions/{id}`, `DELETE /sessions/{id}`.
 
 Extension fields on every choice (the exact tokens, so the trainer never re-tokenizes):
@@ -82,7 +83,7 @@ from factory.core.rollout.api_models import (
 )
 from factory.core.rollout.body_gate import CompletionBodyGate
 from factory.core.rollout.chat import TOOL_CALL, ChatTemplate, parse_tool_calls
-from factory.core.rollout.continuous import PAUSE_MODES, ContinuousEngine
+from factory.core.rollout.engine_control import PAUSE_MODES, EngineControl
 from factory.core.rollout.served import engine_from_checkpoint, load_weights_dir
 from factory.core.rollout.sessions import SessionStore, Turn
 from factory.core.weights import WeightUpdate, apply_update
@@ -110,7 +111,7 @@ def weight_update_decoder(payload: bytes, current: Mapping[str, Tensor],
     return apply_update(dict(current), update, current_version), update.version
 
 
-def create_app(engine: ContinuousEngine, model_path: str | None = None, delta_decoder: DeltaDecoder | None = None,
+def create_app(engine: EngineControl, model_path: str | None = None, delta_decoder: DeltaDecoder | None = None,
                max_sessions: int = 10_000, max_body_bytes: int = MAX_JSON_BYTES,
                max_update_bytes: int = MAX_UPDATE_BYTES, model_names: Sequence[str] | None = None) -> FastAPI:
     """The FastAPI app serving `engine` (which must be driven by its background thread: `engine.start()`).
@@ -253,7 +254,7 @@ class ServerHandle:
 
     host: str
     port: int
-    engine: ContinuousEngine
+    engine: EngineControl
     app: FastAPI
     _server: _Server
     _thread: threading.Thread
@@ -277,13 +278,13 @@ class ServerHandle:
         self.stop()
 
 
-def launch_server(engine: ContinuousEngine, host: str = "127.0.0.1", port: int = 0, model_path: str | None = None,
+def launch_server(engine: EngineControl, host: str = "127.0.0.1", port: int = 0, model_path: str | None = None,
                   delta_decoder: DeltaDecoder | None = None, startup_timeout: float = 30.0,
                   log_level: str = "warning", max_body_bytes: int = MAX_JSON_BYTES,
                   max_update_bytes: int = MAX_UPDATE_BYTES, model_names: Sequence[str] | None = None,
                   header_timeout_s: float = HEADER_TIMEOUT_S) -> ServerHandle:
     """Serve `engine` from a background thread (port 0: any free port); starts the engine's thread if needed."""
-    stop_engine = engine._thread is None or not engine._thread.is_alive()
+    stop_engine = not engine.started
     engine.start()
     app = create_app(engine, model_path=model_path, delta_decoder=delta_decoder, max_body_bytes=max_body_bytes,
                      max_update_bytes=max_update_bytes, model_names=model_names)
@@ -301,7 +302,7 @@ def launch_server(engine: ContinuousEngine, host: str = "127.0.0.1", port: int =
     return ServerHandle(host, bound, engine, app, server, thread, stop_engine)
 
 
-def serve(engine: ContinuousEngine, host: str = "127.0.0.1", port: int = 8000, model_path: str | None = None,
+def serve(engine: EngineControl, host: str = "127.0.0.1", port: int = 8000, model_path: str | None = None,
           delta_decoder: DeltaDecoder | None = None, log_level: str = "info", max_body_bytes: int = MAX_JSON_BYTES,
           max_update_bytes: int = MAX_UPDATE_BYTES, model_names: Sequence[str] | None = None,
           header_timeout_s: float = HEADER_TIMEOUT_S) -> None:

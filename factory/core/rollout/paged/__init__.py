@@ -8,6 +8,7 @@ the on-device sampler (`sampling.py`: counter-based seeded noise, top-k / top-p,
 serving dtype (`serving.py`: bf16 on CUDA, a copy that follows a model shared with a trainer), the scheduler
 (`scheduler.py`: queue, admission, GRPO forks, rows), the decode step (`decode_step.py`: runner + sampler over
 static buffers, a CUDA graph per bucket), the pinned result copy (`host_copy.py`) and the engine (`engine.py`:
-`PagedEngine` behind the `RolloutEngine` API, `make_engine`). Nothing here is wired into the loop or the server
-yet; `continuous.py` is today's engine (docs/engine.md).
+`PagedEngine` behind the `RolloutEngine` API and the control surface of `engine_control.py`, `make_engine`).
+`factory serve` and the overlapped producers build it through `make_engine`; `continuous.py` serves the models it
+cannot run (docs/engine.md).
 """

@@ -115,9 +115,10 @@ class DecodeStep:
         self._compiled = torch.compile(self.forward, backend=backend, fullgraph=True, dynamic=False)
 
     # -- the step
-    def forward(self, key: StepKey) -> Tensor:
+    def forward(self, key: StepKey, allowed: Tensor | None = None) -> Tensor:
         """The step over the static buffers (what is captured): returns the packed [rows, 2 + 2k] float64 results.
-        No host sync, no data-dependent shape."""
+        No host sync, no data-dependent shape. `allowed` [rows, vocab] bool: constrained decoding's mask (run
+        eagerly, never captured: it changes every step)."""
         b, w = key.rows, key.width
         inp = self.inputs[:b]
         live = inp[:, LIVE] > 0
@@ -132,21 +133,24 @@ class DecodeStep:
         logits = self.runner.decode(tokens, positions, view)
         knobs = sampling.Knobs(_float(inp[:, TEMPERATURE]), _float(inp[:, TOP_P]), inp[:, TOP_K],
                                inp[:, GREEDY] > 0, inp[:, SEED], inp[:, COUNTER])
-        out = sampling.sample(logits, knobs, truncate=key.truncate, top_logprobs=key.top_logprobs)
+        out = sampling.sample(logits, knobs, truncate=key.truncate, top_logprobs=key.top_logprobs, allowed=allowed)
         self.next_tokens[:b].copy_(torch.where(live, out.tokens, self.next_tokens[:b]))
         return pack(out)
 
-    def run(self, key: StepKey, rows: list[RowInput]) -> Tensor:
+    def run(self, key: StepKey, rows: list[RowInput], allowed: Tensor | None = None) -> Tensor:
         """One decode step of `rows` (the live ones; every other row of the bucket idles): their inputs in one
         host-to-device copy, then the step (a graph replay on CUDA). Returns the packed results on the device;
-        valid until the next `run` (a graph's output is its pool's memory)."""
-        graph = self._graph(key) if self.cuda_graphs else None
+        valid until the next `run` (a graph's output is its pool's memory). A step with an `allowed` mask (see
+        `forward`) runs eagerly."""
+        graph = self._graph(key) if self.cuda_graphs and allowed is None else None
         self._settle()
         self._staging[: key.rows] = torch.from_numpy(encode(rows, key.rows))
         self.inputs[: key.rows].copy_(self._staging[: key.rows], non_blocking=True)
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()
+        if allowed is not None:
+            return self.forward(key, allowed)
         if graph is None:
             return (self._compiled or self.forward)(key)
         graph[0].replay()

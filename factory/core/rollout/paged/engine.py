@@ -1,20 +1,31 @@
-"""The paged rollout engine (issue 33, first version): the `RolloutEngine` API over a paged KV cache.
+"""The paged rollout engine (issue 33): the `RolloutEngine` API over a paged KV cache.
 
 `PagedEngine` ties the pieces together: the scheduler (`scheduler.py`: queue, admission in the page budget, GRPO
 forks, rows), the block manager and page store (`blocks.py`, `pages.py`), the model runner (`runner.py`: packed
-prefill, decode at bucketed fixed shapes) and the on-device sampler (`sampling.py`). Sample j of prompt i is keyed
-by seed `sequences.mix_seed(params.seed, i * n + j)` (what `ContinuousEngine` seeds its generator with) and counter
-= tokens it has so far, so a seeded sample gives the same tokens alone or in any batch. Logprobs are today's
-contract: the temperature-scaled distribution before top-p truncation (greedy: temperature 1).
+prefill, decode at bucketed fixed shapes), the decode step (`decode_step.py`) and the on-device sampler
+(`sampling.py`). Sample j of prompt i is keyed by seed `sequences.mix_seed(params.seed, i * n + j)` (what
+`ContinuousEngine` seeds its generator with) and counter = tokens it has so far, so a seeded sample gives the same
+tokens alone or in any batch. Logprobs are today's contract: the temperature-scaled distribution before top-p
+truncation (greedy: temperature 1).
 
 The K/V live in one page store allocated at construction: the KV budget (`kv_budget`, default as
-`ContinuousEngine`'s: half the memory free on the device) in pages, but never more than `max_batch` sequences of
-the full context can use. `make_engine` builds this engine where the runner supports the model and a
-`ContinuousEngine` otherwise.
+`ContinuousEngine`'s: half the memory free on the device) in pages (the scratch page included), but never more
+than `max_batch` sequences of the full context can use. `make_engine` builds this engine where the runner supports
+the model and a `ContinuousEngine` otherwise.
 
 Weights are held in the serving dtype (`serving.py`): bf16 for `precision="bf16"` on CUDA (the page store too),
 the model's own dtype otherwise; no autocast. A model given in another dtype is served from a copy that follows it
 when `weight_version` is set (the caller may share it with a trainer); updates copy into the parameters in place.
+
+The control surface is `ContinuousEngine`'s, shared through `engine_control.EngineControl`: `submit` / futures
+(cancelling one drops it at the next step), the background thread (`start` / `stop`), `update_weights` in both
+modes (copied into the model's parameter tensors between steps; the prefix cache is flushed, running sequences keep
+their pages), `load_weights`, `pause` / `resume`, `wait_until`, `flush_cache` (forgets the prefix cache), `info()`
+(with the page figures). Samples submitted one by one join a waiting group of the same prompt
+(`Scheduler.enqueue`), so the n samples of a request share its prompt's pages. Constrained decoding
+(`SamplingParams.choices`) masks each row's allowed tokens on the device (`sampler.allowed_tokens`, built on the
+host) with `sampler.py`'s contract, logprobs over the renormalized distribution; a step with a constrained row
+runs eagerly, after the step before it has been read (its mask needs the row's last token on the host).
 
 Decode steps run through `decode_step.DecodeStep` (static buffers, one CUDA graph per bucket on CUDA with
 `cuda_graphs`, eager on the CPU): one host-to-device copy of the step's inputs, one pinned non-blocking copy of its
@@ -24,19 +35,13 @@ results are read, as sglang's overlap scheduler does: its input tokens are step 
 once, a stop token one step late: the step after it still feeds it (its K/V land at a position inside the
 sequence's admitted final length, in its own pages) and its sample is dropped. With overlap the prefix cache does
 not name a sequence's completion pages (the token fed is on the device when its page is named); prompt pages are
-named as before.
-
-What `ContinuousEngine` has and this version does not (yet): the background thread and `submit` / futures (the
-HTTP server's path), `update_weights` with "in_flight" mode and `pause`, and constrained decoding
-(`SamplingParams.choices`, refused by `check`). `load_weights` applies between `generate` calls.
+named as before. Each token carries the weight version its step was launched with.
 """
 
 from __future__ import annotations
 
 import logging
-import random
 import time
-from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -44,8 +49,10 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-from factory.core.rollout.base import Completion, SamplingParams
+from factory.core.rollout import sampler
+from factory.core.rollout.base import SamplingParams
 from factory.core.rollout.continuous import DEFAULT_PREFILL_TOKENS, ContinuousEngine
+from factory.core.rollout.engine_control import EngineControl
 from factory.core.rollout.kv_budget import KVBudget, default_kv_budget, kv_bytes_per_token
 from factory.core.rollout.paged import sampling
 from factory.core.rollout.paged.blocks import PAGE_SIZE, BlockManager
@@ -55,13 +62,14 @@ from factory.core.rollout.paged.pages import BlockTables, PageStore
 from factory.core.rollout.paged.runner import PagedRunner, supports
 from factory.core.rollout.paged.scheduler import Group, PagedSequence, Scheduler
 from factory.core.rollout.paged.serving import copy_weights, in_dtype, model_dtype, serving_copy, serving_dtype
-from factory.core.rollout.sequences import EngineStats, check_request, load_state_dict_into, mix_seed
+from factory.core.rollout.sequences import EngineStats, Sequence, check_request
 from factory.infra.device import model_device
 
 log = logging.getLogger(__name__)
 
-# `make_engine` keywords a ContinuousEngine does not take
+# `make_engine` keywords a ContinuousEngine does not take, and the other way round
 PAGED_ONLY = ("page_size", "prefix_cache", "cuda_graphs", "overlap")
+CONTINUOUS_ONLY = ("kv_capacity",)
 
 
 @dataclass
@@ -84,7 +92,20 @@ class _Launched:
     running: int
 
 
-class PagedEngine:
+@dataclass
+class _Launched:
+    """A step on the device whose results the host has not read: who sampled in it (at which version, next to
+    how many running sequences) and the copy of its results."""
+
+    seqs: list[PagedSequence]
+    rows: list[int]  # each sequence's row in the results
+    fetch: Fetch
+    top: int  # top-logprob columns in the results
+    version: int
+    running: int
+
+
+class PagedEngine(EngineControl):
     """A `RolloutEngine` on the paged runner. Arguments as `ContinuousEngine`'s (`max_batch` running sequences,
     `max_seq_len`, `kv_budget` bytes, `max_prefill_tokens` packed prompt tokens per prefill, `precision`), plus
     `page_size` and `prefix_cache` (reuse the pages of earlier prompts' leading full pages), `cuda_graphs`
@@ -119,7 +140,10 @@ class PagedEngine:
         pages_per_seq = -(-self.max_seq_len // page_size)
         # no more pages than max_batch full-context sequences can hold: the store is allocated up front
         budget = min(budget, max_batch * pages_per_seq * page_size * per_token)
-        blocks = BlockManager(KVBudget(budget, per_token), page_size, prefix_cache=prefix_cache)
+        self.kv = KVBudget(budget, per_token)
+        # the store holds one page more than the block manager hands out (the scratch page): inside the budget too
+        blocks = BlockManager(KVBudget(budget - page_size * per_token, per_token), page_size,
+                              prefix_cache=prefix_cache)
         if blocks.num_pages < 1:
             raise ValueError(f"kv_budget of {budget} bytes holds no page of {page_size} tokens ({per_token} bytes "
                              f"a token)")
@@ -130,8 +154,8 @@ class PagedEngine:
         self.decode_step = DecodeStep(self.runner, tables.table, max_batch, cuda_graphs)
         self.overlap = device.type == "cuda" if overlap is None else overlap
         self._copies = HostCopy(device)
-        self._launched: _Launched | None = None
-        self._seeds = random.Random()
+        self._launched: _Launched | None = None  # with overlap: the step on the device whose results are unread
+        self._init_control()
         self.stats = PagedStats()
 
     # -- public state
@@ -144,9 +168,6 @@ class PagedEngine:
         # the caller changed the model's weights itself (it shares the trainer's model): a serving copy follows it
         if self.source is not None:
             copy_weights(self.model, self.source)
-        self._new_weights(version)
-
-    def _new_weights(self, version: int) -> None:
         self._version = version
         self.scheduler.flush_prefix_cache()  # cached K/V are the old weights'
 
@@ -154,85 +175,95 @@ class PagedEngine:
     def device(self) -> torch.device:
         return self.store.device
 
-    def encode(self, prompts: list[str]) -> list[list[int]]:
-        return [self.tokenizer(p).input_ids for p in prompts]
+    @property
+    def running(self) -> int:
+        return self.scheduler.live
+
+    @property
+    def queued(self) -> int:
+        return self.scheduler.queued
+
+    def info(self) -> dict:
+        blocks = self.scheduler.blocks
+        return {**self._control_info(), "engine": "paged", "page_size": blocks.page_size,
+                "pages_total": blocks.num_pages, "pages_free": blocks.free_pages, "pages_used": blocks.used_pages,
+                "pages_committed": blocks.committed, "prefix_cache_pages": len(blocks.prefix or ()),
+                "kv_allocated_bytes": self.store.nbytes, "kv_budget_bytes": self.kv.total_bytes,
+                "kv_token_bytes": self.kv.per_token, "max_prefill_tokens": self.max_prefill_tokens,
+                **vars(self.stats)}
+
+    def max_new_tokens(self, prompt_len: int) -> int:
+        """The most completion tokens a prompt of `prompt_len` tokens can have: within the context and, running
+        alone, the pages (at least 0)."""
+        blocks = self.scheduler.blocks
+        return max(0, min(self.max_seq_len, blocks.num_pages * blocks.page_size) - prompt_len)
 
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError, with a message for the caller, if this request cannot run."""
-        if params.choices:
-            raise ValueError("choices (constrained decoding) are not supported by the paged engine yet")
         if params.n > self.max_batch:
             raise ValueError(f"n={params.n} samples do not fit the engine's max_batch of {self.max_batch} rows")
         final = min(len(prompt_ids) + params.max_new_tokens, self.max_seq_len)
         check_request(self.model.config.vocab_size, self.max_seq_len, prompt_ids, params,
                       lambda: self.scheduler.blocks.problem(len(prompt_ids), final, max(1, params.n)))
 
-    # -- the RolloutEngine calls
-    def generate(self, prompts: list[list[int]],
-                 params: SamplingParams | Sequence[SamplingParams]) -> list[list[Completion]]:
-        """For each prompt, `params.n` completions; sample j of prompt i draws from seed (params.seed, i * n + j).
-        `params` may also be one `SamplingParams` per prompt (their own lengths, say), all run together."""
-        each = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        if len(each) != len(prompts):
-            raise ValueError(f"params: expected one SamplingParams or one per prompt ({len(prompts)}), got "
-                             f"{len(each)}")
-        for p, ps in zip(prompts, each, strict=True):
-            self.check(p, ps)
-        drawn = self._seeds.getrandbits(63)  # for requests without a seed
-        now = time.perf_counter()
-        groups = [Group([PagedSequence(list(p), ps, Future(), None, now,
-                                       seed=mix_seed(drawn if ps.seed is None else ps.seed, i * ps.n + j))
-                         for j in range(ps.n)]) for i, (p, ps) in enumerate(zip(prompts, each, strict=True))]
-        for g in groups:
-            self.scheduler.add(g)
-        while self.scheduler.has_work() or self._launched is not None:
-            self.step()
-        return [[s.completion(self.tokenizer) for s in g.samples] for g in groups]
+    def flush_cache(self) -> bool:
+        """Forget the prefix cache if nothing is running or queued (the pages themselves stay allocated: the store
+        is fixed); return whether it did."""
+        with self._step_lock, self._cond:
+            if self.scheduler.has_work():
+                return False
+            self.scheduler.flush_prefix_cache()
+            return True
 
-    def load_weights(self, state_dict: dict, version: int) -> None:
-        """Replace the policy weights (between `generate` calls: nothing is running then), copied into the served
-        parameters in place (converted to their dtype); later completions carry `version`."""
-        if self.scheduler.has_work() or self._launched is not None:
-            raise RuntimeError("load_weights while sequences run: the paged engine applies updates between calls")
-        load_state_dict_into(self.model, state_dict)
-        self._new_weights(int(version))
+    # -- the control hooks (engine_control.py)
+    def _request(self, prompt_ids: list[int], params: SamplingParams, seed: int, now: float) -> PagedSequence:
+        return PagedSequence(prompt_ids, params, Future(), None, now, seed=seed)
 
-    # -- one scheduler step
-    def step(self) -> None:
-        """Admit and prefill what fits, else run one decode step; read the results of the step before it (with
-        `overlap`) or of this one, and retire what finished."""
-        admitted = self.scheduler.admit()
-        launched = None
-        if admitted:
-            launched = self._prefill(admitted)
-        elif ready := [s for s in self.scheduler.running if self._can_feed(s)]:
-            launched = self._decode(ready)
-        elif self._launched is None:
-            raise RuntimeError("the paged engine cannot make progress: nothing runs and the head request does not "
-                               "fit (check() should have refused it)")
-        if self.overlap:
-            self.stats.overlapped += launched is not None and self._launched is not None
-            previous, self._launched = self._launched, launched
-            if previous is not None:
-                self._read(previous)
-        elif launched is not None:
-            self._read(launched)
+    def _enqueue(self, req: Sequence) -> None:
+        self.scheduler.enqueue(req)  # type: ignore[arg-type]
 
-    def _can_feed(self, s: PagedSequence) -> bool:
-        """Whether a running sequence takes a decode step: it has not finished, counting the tokens still on the
-        device (with overlap a stop token is seen one step late; a length limit is known at once)."""
-        n = len(s.tokens) + s.inflight
-        return (s.finish_reason is None and n < s.params.max_new_tokens
-                and len(s.prompt_ids) + n < self.max_seq_len)
+    def _drain_queue(self) -> list[Sequence]:
+        return list(self.scheduler.drain())
 
-    def _prefill(self, groups: list[Group]) -> _Launched:
+    def _head_fits(self) -> bool:
+        return self.scheduler.head_fits()
+
+    def _take_admissions(self) -> list[Group]:
+        return self.scheduler.admit()
+
+    def _admitted_requests(self, admitted: list[Group]) -> list[Sequence]:
+        return [s for g in admitted for s in g.samples]
+
+    def _running_requests(self) -> list[Sequence]:
+        return list(self.scheduler.running)
+
+    def _reset(self) -> None:
+        self.scheduler.reset()
+        self._launched = None  # its sequences are gone; its results are never read
+
+    def _load(self, state_dict) -> None:
+        super()._load(state_dict)  # copied into the parameters in place: captured steps keep reading them
+        self.scheduler.flush_prefix_cache()  # cached pages hold the old weights' K/V
+
+    def _retire(self) -> None:
+        self.stats.waited_for_kv = self.scheduler.waited_for_kv
+        finished = []
+        for s in self.scheduler.running:
+            if s.finish_reason is not None or s.future.cancelled():
+                self.scheduler.retire(s)
+                if not s.future.cancelled():
+                    finished.append(s)
+        self._resolve(finished)
+
+    # -- prefill and decode: launch a step, read its results (with overlap: the step before's)
+    def _prefill(self, groups: list[Group]) -> None:
         sched, blocks = self.scheduler, self.scheduler.blocks
         parents = [g.samples[0] for g in groups]
         logits = self.runner.prefill([p.prompt_ids for p in parents], [blocks.block_table(p) for p in parents],
                                      [blocks.cached_tokens(p) for p in parents])
         self.stats.prefills += 1
         self.stats.prefill_tokens += sum(len(p.prompt_ids) - blocks.cached_tokens(p) for p in parents)
-        copies = [c for g in groups for c in g.copies]
+        copies = [c for g in groups for c in g.copies]  # the forks' partial pages, now that the parents hold them
         if copies:
             self.store.copy_pages([c[0] for c in copies], [c[1] for c in copies])
         sched.tables.sync()  # new rows' tables; decode steps carry their own new pages (`decode_step.RowInput`)
@@ -247,11 +278,25 @@ class PagedEngine:
                                [p.greedy for p in ps], [s.seed for s in samples], [0] * len(samples), self.device)
         k = top_columns(max(p.top_logprobs for p in ps))
         out = sampling.sample(logits.index_select(0, rows), knobs, truncate=any(p.top_p < 1 for p in ps),
-                              top_logprobs=k)
+                              top_logprobs=k, allowed=self._allowed(samples, logits.shape[-1]))
         self.decode_step.set_tokens(torch.tensor([s.row for s in samples], device=self.device), out.tokens)
-        return self._launch(samples, list(range(len(samples))), pack(out), k)
+        self._advance(self._launch(samples, list(range(len(samples))), pack(out), k))
 
-    def _decode(self, ready: list[PagedSequence]) -> _Launched:
+    def _decode(self) -> None:
+        ready = [s for s in self.scheduler.running if self._can_feed(s)]
+        if any(s.params.choices for s in ready) and self._launched is not None:
+            self._advance(None)  # a constrained row's mask needs its last token on the host: read the step first
+            ready = [s for s in self.scheduler.running if self._can_feed(s)]
+        self._advance(self._launch_decode(ready) if ready else None)
+
+    def _can_feed(self, s: PagedSequence) -> bool:
+        """Whether a running sequence takes a decode step: it has not finished, counting the tokens still on the
+        device (with overlap a stop token is seen one step late; a length limit is known at once)."""
+        n = len(s.tokens) + s.inflight
+        return (s.finish_reason is None and not s.future.cancelled() and n < s.params.max_new_tokens
+                and len(s.prompt_ids) + n < self.max_seq_len)
+
+    def _launch_decode(self, ready: list[PagedSequence]) -> _Launched:
         sched, ps = self.scheduler, self.scheduler.blocks.page_size
         inputs = []
         for s in ready:
@@ -263,7 +308,11 @@ class PagedEngine:
                                    sched.blocks.block_table(s)[position // ps] if new else -1))
         key = self.decode_step.key(sched.bucket(), sched.width(), any(s.params.top_p < 1 for s in ready),
                                    max(s.params.top_logprobs for s in ready))
-        packed = self.decode_step.run(key, inputs)
+        allowed = None
+        if any(s.params.choices for s in ready):  # rows of the bucket, True where a row may sample
+            allowed = torch.ones(key.rows, self.model.config.vocab_size, dtype=torch.bool, device=self.device)
+            allowed[[s.row for s in ready]] = self._allowed(ready, allowed.shape[1])
+        packed = self.decode_step.run(key, inputs, allowed)
         self.stats.steps += 1
         self.stats.graphs_captured = self.decode_step.graphs_captured
         self.stats.capture_seconds = self.decode_step.capture_seconds
@@ -274,11 +323,22 @@ class PagedEngine:
         of their indices); its sequences count one token more in flight."""
         for s in seqs:
             s.inflight += 1
-        return _Launched(seqs, rows, self._copies.start(packed), top, self._version, len(self.scheduler.running))
+        return _Launched(seqs, rows, self._copies.start(packed), top, self._version, self.scheduler.live)
+
+    def _advance(self, launched: _Launched | None) -> None:
+        """With overlap, keep `launched` on the device and read the step before it; without, read it now."""
+        if not self.overlap:
+            if launched is not None:
+                self._read(launched)
+            return
+        self.stats.overlapped += launched is not None and self._launched is not None
+        previous, self._launched = self._launched, launched
+        if previous is not None:
+            self._read(previous)
 
     def _read(self, step: _Launched) -> None:
-        """Record a step's tokens with their logprobs, check their stops (a sequence that finished in the step before
-        drops its extra token), and retire what finished."""
+        """Record a step's tokens with their logprobs and check their stops (a sequence that finished in the step
+        before drops its extra token); `_retire` then frees what finished."""
         k, results = step.top, step.fetch.rows()
         for s, row in zip(step.seqs, (results[r] for r in step.rows), strict=True):
             s.inflight -= 1
@@ -293,18 +353,28 @@ class PagedEngine:
             s.check_stop(self.eos_id, self.max_seq_len, self.tokenizer)
             self.stats.generated_tokens += 1
         self.stats.max_running = max(self.stats.max_running, step.running)
-        self.stats.waited_for_kv = self.scheduler.waited_for_kv
-        for s in self.scheduler.running:
-            if s.finish_reason is not None:
-                self.scheduler.retire(s)
-                self.stats.completed += 1
+
+    def _allowed(self, seqs: list[PagedSequence], vocab: int) -> torch.Tensor | None:
+        """[rows, vocab] bool: each row's tokens that continue one of its choices (built on the host, one copy),
+        or None when no row is constrained."""
+        if not any(s.params.choices for s in seqs):
+            return None
+        return sampler.choice_mask(sampler.allowed_tokens(seqs), vocab, self.device)
 
 
-def make_engine(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast,
+ENGINES = ("auto", "paged", "continuous")
+
+
+def make_engine(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, engine: str = "auto",
                 **kw: Any) -> PagedEngine | ContinuousEngine:
-    """A `PagedEngine` where the paged runner supports `model`, else a `ContinuousEngine` (one log line says why);
-    `kw` are either engine's arguments (the paged-only ones are dropped for the fallback)."""
-    if (why := supports(model)) is None:
-        return PagedEngine(model, tokenizer, **kw)
-    log.info("rollout engine: ContinuousEngine, not the paged engine: %s", why)
+    """The engine `engine` names: "auto" (default) a `PagedEngine` where the paged runner supports `model`, else a
+    `ContinuousEngine` (one log line says why); "paged" (a ValueError naming why if it cannot run the model) or
+    "continuous". `kw` are either engine's arguments (the other engine's own ones are dropped)."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    why = supports(model)
+    if engine == "paged" or (engine == "auto" and why is None):
+        return PagedEngine(model, tokenizer, **{k: v for k, v in kw.items() if k not in CONTINUOUS_ONLY})
+    if engine == "auto":
+        log.info("rollout engine: ContinuousEngine, not the paged engine: %s", why)
     return ContinuousEngine(model, tokenizer, **{k: v for k, v in kw.items() if k not in PAGED_ONLY})

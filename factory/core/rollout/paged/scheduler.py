@@ -1,7 +1,10 @@
 """The paged engine's scheduler: the waiting queue, admission inside the page budget, GRPO forks, decode rows and
 retirement, in plain Python (the engine runs the model and the sampler on what it decides).
 
-A request is a group: the `SamplingParams.n` samples of one prompt. It waits in arrival order; the head joins when
+A request is a group: the samples of one prompt. Samples arrive one by one (`enqueue`: the server and `generate`
+submit each of a prompt's n samples separately) and join a waiting group of the same prompt and final length, so
+identical prompts queued before an admission are prefilled once and forked; a group grows only while it could
+still run alone (`max_rows` rows, the page budget). A group waits in arrival order; the head joins when
 `BlockManager.can_admit` says the whole group can grow to its final length (prompt + max_new_tokens, within the
 context) next to every running sequence, and there are n free decode rows; until then it and everything behind it
 waits, so a large request is not starved by small ones. Admission takes at most `max_prefill_tokens` packed prompt
@@ -67,7 +70,10 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.prefix_cache = prefix_cache
         self.waiting: deque[Group] = deque()
+        self._open: dict[tuple[tuple[int, ...], int], Group] = {}  # waiting groups by (prompt, final length)
         self.rows: list[PagedSequence | None] = [None] * self.max_rows
+        self.live = 0  # sequences on rows
+        self.queued = 0  # samples in the waiting groups
         self.waited_for_kv = 0  # admissions the budget (not the rows) held back
 
     @property
@@ -75,16 +81,71 @@ class Scheduler:
         return [s for s in self.rows if s is not None]
 
     def has_work(self) -> bool:
-        return bool(self.waiting) or any(s is not None for s in self.rows)
+        return bool(self.waiting) or self.live > 0
 
     def add(self, group: Group) -> None:
         self.waiting.append(group)
+        self.queued += len(group.samples)
+
+    def enqueue(self, seq: PagedSequence) -> None:
+        """Queue one sample: into the waiting group of its prompt and final length if that group could still run
+        alone with it, else as a new group at the tail."""
+        final = seq.final_length(self.max_seq_len)
+        key = (tuple(seq.prompt_ids), final)
+        g = self._open.get(key)
+        if g is not None and len(g.samples) < self.max_rows \
+                and self.blocks.need(len(seq.prompt_ids), final, len(g.samples) + 1) <= self.blocks.num_pages:
+            g.samples.append(seq)
+            self.queued += 1
+            return
+        g = Group([seq])
+        self._open[key] = g
+        self.add(g)
+
+    def prune(self) -> None:
+        """Drop the cancelled samples of the waiting groups (and the groups left empty)."""
+        for g in list(self.waiting):
+            live = [s for s in g.samples if not s.future.cancelled()]
+            if len(live) != len(g.samples):
+                self.queued -= len(g.samples) - len(live)
+                g.samples = live
+                if not live:
+                    self.waiting.remove(g)
+                    self._forget(g)
+
+    def drain(self) -> list[PagedSequence]:
+        """Remove every waiting sample; returns them."""
+        out = [s for g in self.waiting for s in g.samples]
+        self.waiting.clear()
+        self._open.clear()
+        self.queued = 0
+        return out
+
+    def head_fits(self) -> bool:
+        """Whether the head group could be admitted now (cancelled samples pruned first)."""
+        self.prune()
+        if not self.waiting:
+            return False
+        g = self.waiting[0]
+        ids = g.prompt if self.prefix_cache else None
+        return len(g.samples) <= self.rows.count(None) and self.blocks.can_admit(
+            len(g.prompt), g.samples[0].final_length(self.max_seq_len), len(g.samples), token_ids=ids)
+
+    def _forget(self, g: Group) -> None:
+        key = (tuple(g.prompt), g.samples[0].final_length(self.max_seq_len)) if g.samples else None
+        if key is not None and self._open.get(key) is g:
+            del self._open[key]
+        else:  # emptied by prune: find it by identity
+            for k, v in list(self._open.items()):
+                if v is g:
+                    del self._open[k]
 
     # -- admission
     def admit(self) -> list[Group]:
         """Admit waiting groups from the head while they fit; each parent gets its prompt's pages and a row, its
         other samples fork it and get rows (the caller prefills the parents, then runs each group's `copies`)."""
         out: list[Group] = []
+        self.prune()
         free_rows = self.rows.count(None)
         tokens = 0
         while self.waiting:
@@ -100,6 +161,8 @@ class Scheduler:
                 self.waited_for_kv += 1
                 break
             self.waiting.popleft()
+            self._forget(g)
+            self.queued -= n
             parent = g.samples[0]
             self.blocks.admit(parent, len(prompt), final, token_ids=ids)
             self._place(parent)
@@ -122,6 +185,7 @@ class Scheduler:
     def _place(self, seq: PagedSequence) -> None:
         seq.row = self.rows.index(None)
         self.rows[seq.row] = seq
+        self.live += 1
         self.tables.set(seq.row, self.blocks.block_table(seq))
 
     # -- decode
@@ -154,7 +218,20 @@ class Scheduler:
         self.blocks.free(seq)
         self.tables.clear(seq.row)
         self.rows[seq.row] = None
+        self.live -= 1
         seq.row = -1
+
+    def reset(self) -> None:
+        """Free every running sequence (a failed step: their pages may hold half-written K/V, so the prefix cache
+        forgets every page too)."""
+        for s in self.running:
+            if s in self.blocks:
+                self.blocks.free(s)
+            self.tables.clear(s.row)
+            self.rows[s.row] = None
+            s.row = -1
+        self.live = 0
+        self.blocks.flush_prefix_cache()
 
     def flush_prefix_cache(self) -> None:
         self.blocks.flush_prefix_cache()
