@@ -40,10 +40,11 @@ def other_weights(arch: str) -> dict:
     return fresh.state_dict()
 
 
-def test_thread_submit_groups_separate_samples_and_cancel_drops(tok):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_thread_submit_groups_separate_samples_and_cancel_drops(tok, overlap):
     model = tiny("llama")
     p, q = prompts(9, 6)
-    eng = paged(model, tok, max_batch=8).start()
+    eng = paged(model, tok, max_batch=8, overlap=overlap).start()
     try:
         eng.pause("drain")
         params = SamplingParams(temperature=1.0, max_new_tokens=10, ignore_eos=True, seed=4)
@@ -92,11 +93,12 @@ def staggered(eng, prompt: list[int], update: dict, mode: str):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_in_flight_update_matches_continuous_engine_and_keeps_parameter_tensors(arch, tok):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_in_flight_update_matches_continuous_engine_and_keeps_parameter_tensors(arch, tok, overlap):
     new = other_weights(arch)
     model = tiny(arch)
     ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
-    pa, pb = staggered(paged(model, tok), prompts(9)[0], new, "in_flight")
+    pa, pb = staggered(paged(model, tok, overlap=overlap), prompts(9)[0], new, "in_flight")
     ca, cb = staggered(ContinuousEngine(tiny(arch), tok), prompts(9)[0], new, "in_flight")
     assert pa.token_versions == ca.token_versions == [0, 0, 0] + [1] * 9  # later tokens carry the new version
     assert pa.weight_version == 0 and pb.token_versions == [1] * 12
@@ -108,9 +110,10 @@ def test_in_flight_update_matches_continuous_engine_and_keeps_parameter_tensors(
     assert all(torch.equal(p, new[n]) for n, p in model.named_parameters())
 
 
-def test_finish_old_update_drains_first_and_flushes_the_prefix_cache(tok):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_finish_old_update_drains_first_and_flushes_the_prefix_cache(tok, overlap):
     new = other_weights("llama")
-    eng = paged(tiny("llama"), tok)
+    eng = paged(tiny("llama"), tok, overlap=overlap)
     prompt = prompts(9)[0]  # two full pages: the second request would find them in the prefix cache
     a, b = staggered(eng, prompt, new, "finish_old")
     assert a.token_versions == [0] * 12 and b.token_versions == [1] * 12
@@ -142,18 +145,19 @@ def test_pause_in_place_freezes_and_drain_holds_admissions(tok):
     assert a.result().token_ids == generate(model, p, 12) and b.result().token_ids == generate(model, q, 12)
 
 
-def test_choices_greedy_and_logprobs_equal_continuous_engine(tok):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_choices_greedy_and_logprobs_equal_continuous_engine(tok, overlap):
     p, q = prompts(6, 11)
     choices = ((5, 9, 14), (5, 9, 30, 2), (77,), (5, 60))
     params = SamplingParams(greedy=True, max_new_tokens=6, choices=choices)
     sampled = SamplingParams(n=4, temperature=1.3, max_new_tokens=6, choices=choices, seed=2)
-    out = paged(tiny("qwen2"), tok).generate([p, q], params)
+    out = paged(tiny("qwen2"), tok, overlap=overlap).generate([p, q], params)
     want = ContinuousEngine(tiny("qwen2"), tok).generate([p, q], params)
     for (c,), (w,) in zip(out, want, strict=True):
         assert tuple(c.token_ids) in choices and c.token_ids == w.token_ids and c.finish_reason == "stop"
         assert max(abs(x - y) for x, y in zip(c.logprobs, w.logprobs, strict=True)) < 1e-5
     # sampled: every completion is a choice; a choice's first token's logprob is over the allowed tokens only
-    eng = paged(tiny("qwen2"), tok)
+    eng = paged(tiny("qwen2"), tok, overlap=overlap)
     comps = eng.generate([p], sampled)[0]
     assert all(tuple(c.token_ids) in choices for c in comps)
     with torch.no_grad():
@@ -164,10 +168,11 @@ def test_choices_greedy_and_logprobs_equal_continuous_engine(tok):
         assert c.logprobs[0] == pytest.approx(renorm[allowed.tolist().index(c.token_ids[0])].item(), abs=1e-5)
 
 
-def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(tok):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(tok, overlap):
     model = tiny("llama")
     p = prompts(9)[0]
-    eng = paged(model, tok)
+    eng = paged(model, tok, overlap=overlap)
     decode, calls = eng.runner.decode, []
 
     def flaky(*args, **kwargs):  # the third decode step raises
