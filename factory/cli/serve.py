@@ -53,7 +53,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             engine = make_engine(build_model(args.preset, tok, seed=args.seed).to(device), tok, args.engine,
                                  weight_version=args.weight_version, max_batch=args.max_batch,
                                  max_seq_len=args.max_seq_len, name=args.preset, precision=args.precision,
-                                 kv_budget=budget)
+                                 kv_budget=budget, owns_model=True)
     except (FileNotFoundError, ValueError, OSError) as e:
         error(str(e))
         return EXIT_BAD_INPUT

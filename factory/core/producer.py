@@ -193,7 +193,8 @@ class OverlappedProducer:
         budget = self.spec.rollout.kv_budget_mb
         self.engine = make_engine(lora.merged_copy(model).eval(), self.tok, weight_version=version,
                                   max_batch=self.rows, precision=self.spec.trainer.precision,
-                                  kv_budget=None if budget is None else budget << 20)
+                                  kv_budget=None if budget is None else budget << 20,
+                                  owns_model=True)  # the merged copy is the engine's own
         self.engine.start(functools.partial(enter, placements(self.spec)["rollout"]))
 
     def _produce(self) -> None:

@@ -128,3 +128,15 @@ def test_copy_weights_names_a_mismatch():
         a.model.norm.weight.add_(1.0)
     copy_weights(c, a)
     assert torch.equal(c.model.norm.weight, a.model.norm.weight)
+
+
+def test_a_model_handed_over_is_cast_in_place_not_copied(monkeypatch, tok):
+    """`owns_model=True` (factory serve, the producer's merged copy): the engine casts the model's parameters to the
+    serving dtype itself and keeps no second copy."""
+    monkeypatch.setattr(paged_engine, "serving_dtype", lambda device, precision, dtype: torch.bfloat16)
+    model = tiny("llama")
+    params = {n: id(p) for n, p in model.named_parameters()}
+    eng = engine(model, tok, torch.bfloat16, owns_model=True)
+    assert eng.model is model and eng.source is None
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert {n: id(p) for n, p in model.named_parameters()} == params  # the same Parameter objects

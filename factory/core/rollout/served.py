@@ -45,4 +45,5 @@ def engine_from_checkpoint(path: str | Path, max_batch: int = 64, max_seq_len: i
     if device is not None:
         model.to(device)
     return make_engine(model, tokenizer, engine, weight_version=version, max_batch=max_batch,
-                       max_seq_len=max_seq_len, name=Path(path).name, precision=precision, kv_budget=kv_budget)
+                       max_seq_len=max_seq_len, name=Path(path).name, precision=precision, kv_budget=kv_budget,
+                       owns_model=True)

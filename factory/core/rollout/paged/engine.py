@@ -61,14 +61,21 @@ from factory.core.rollout.paged.host_copy import Fetch, HostCopy
 from factory.core.rollout.paged.pages import BlockTables, PageStore
 from factory.core.rollout.paged.runner import PagedRunner, supports
 from factory.core.rollout.paged.scheduler import Group, PagedSequence, Scheduler
-from factory.core.rollout.paged.serving import copy_weights, in_dtype, model_dtype, serving_copy, serving_dtype
+from factory.core.rollout.paged.serving import (
+    cast_parameters,
+    copy_weights,
+    in_dtype,
+    model_dtype,
+    serving_copy,
+    serving_dtype,
+)
 from factory.core.rollout.sequences import EngineStats, Sequence, check_request
 from factory.infra.device import model_device
 
 log = logging.getLogger(__name__)
 
 # `make_engine` keywords a ContinuousEngine does not take, and the other way round
-PAGED_ONLY = ("page_size", "prefix_cache", "cuda_graphs", "overlap")
+PAGED_ONLY = ("page_size", "prefix_cache", "cuda_graphs", "overlap", "owns_model")
 CONTINUOUS_ONLY = ("kv_capacity",)
 
 
@@ -109,14 +116,16 @@ class PagedEngine(EngineControl):
     """A `RolloutEngine` on the paged runner. Arguments as `ContinuousEngine`'s (`max_batch` running sequences,
     `max_seq_len`, `kv_budget` bytes, `max_prefill_tokens` packed prompt tokens per prefill, `precision`), plus
     `page_size` and `prefix_cache` (reuse the pages of earlier prompts' leading full pages), `cuda_graphs`
-    (capture the decode step per bucket; CUDA only) and `overlap` (schedule step t+1 before reading step t's
-    results; default: on CUDA)."""
+    (capture the decode step per bucket; CUDA only), `overlap` (schedule step t+1 before reading step t's
+    results; default: on CUDA) and `owns_model` (the caller hands the model over: its parameters are cast to the
+    serving dtype in place, no copy kept)."""
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, weight_version: int = 0,
                  max_batch: int = 64, max_seq_len: int | None = None, name: str = "factory-policy",
                  precision: str = "fp32", kv_budget: int | None = None,
                  max_prefill_tokens: int = DEFAULT_PREFILL_TOKENS, page_size: int = PAGE_SIZE,
-                 prefix_cache: bool = True, cuda_graphs: bool = True, overlap: bool | None = None):
+                 prefix_cache: bool = True, cuda_graphs: bool = True, overlap: bool | None = None,
+                 owns_model: bool = False):
         if (why := supports(model)) is not None:
             raise ValueError(f"the paged engine cannot run this model: {why}")
         if kv_budget is not None and kv_budget <= 0:
@@ -125,7 +134,10 @@ class PagedEngine(EngineControl):
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         device = model_device(model)
         dtype = serving_dtype(device, precision, model_dtype(model))
-        # the caller's model may be the trainer's: never cast it, serve a copy in the serving dtype that follows it
+        # the caller's model may be the trainer's: never cast it (unless handed over), serve a copy in the serving
+        # dtype that follows it
+        if owns_model:
+            cast_parameters(model, dtype)
         self.source = None if in_dtype(model, dtype) else model
         self.model = (model if self.source is None else serving_copy(model, dtype)).eval()
         self.tokenizer, self.name = tokenizer, name
