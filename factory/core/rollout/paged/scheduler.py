@@ -189,16 +189,18 @@ class Scheduler:
         self.tables.set(seq.row, self.blocks.block_table(seq))
 
     # -- decode
-    def bucket(self) -> int:
-        """Rows the next decode step runs: the smallest power of two past the highest live row, at most max_rows."""
+    def bucket(self, exact: bool = False) -> int:
+        """Rows the next decode step runs: the smallest power of two past the highest live row, at most max_rows
+        (`exact`: the rows up to the highest live one, for a step that is neither captured nor compiled)."""
         top = max((i for i, s in enumerate(self.rows) if s is not None), default=0) + 1
-        return min(1 << (top - 1).bit_length(), self.max_rows)
+        return top if exact else min(1 << (top - 1).bit_length(), self.max_rows)
 
-    def width(self) -> int:
+    def width(self, exact: bool = False) -> int:
         """Block-table columns the next decode step reads: the smallest power of two holding the longest live
-        sequence's pages, at most the table's width (attention gathers every column it is given)."""
+        sequence's pages, at most the table's width (attention gathers every column it is given; `exact`: that
+        sequence's pages)."""
         pages = max((len(self.blocks.block_table(s)) for s in self.rows if s is not None), default=1)
-        return min(1 << (pages - 1).bit_length(), self.tables.shape[1])
+        return pages if exact else min(1 << (pages - 1).bit_length(), self.tables.shape[1])
 
     def append(self, seq: PagedSequence) -> int:
         """The position the sequence's last token is fed at (its K/V go to a page the block table now holds).
