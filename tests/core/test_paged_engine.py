@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, PreTrainedTokenizerFa
 from factory.core.batch import pack
 from factory.core.rollout.base import SamplingParams
 from factory.core.rollout.continuous import ContinuousEngine
-from factory.core.rollout.kv_budget import kv_bytes_per_token
+from factory.core.rollout.kv_budget import kv_bytes_per_token, mib
 from factory.core.rollout.paged import sampling
 from factory.core.rollout.paged.engine import PagedEngine, make_engine
 from factory.core.rollout.sequences import mix_seed
@@ -123,8 +123,11 @@ def test_make_engine_falls_back_with_a_log_line(tok, caplog):
 
 def test_check_names_what_cannot_run(tok):
     eng = engine(tiny("llama"), tok, pages=4, max_batch=2)
-    with pytest.raises(ValueError, match="KV cache budget"):
+    with pytest.raises(ValueError, match="KV cache budget") as refused:
         eng.check(prompts(10)[0], SamplingParams(max_new_tokens=10))
+    assert mib(eng.kv.total_bytes) in str(refused.value)  # the whole budget the user set, scratch page included
+    blocks = eng.scheduler.blocks
+    assert blocks.budget.total_bytes == eng.kv.total_bytes and blocks.num_pages == 3  # 4 pages, one the scratch
     with pytest.raises(ValueError, match="max_batch of 2"):
         eng.check(prompts(3)[0], SamplingParams(n=3))
 

@@ -66,12 +66,15 @@ class BlockManager:
     check with `can_admit`, an append past the final length) raises: it is a scheduler bug, not a user error.
     """
 
-    def __init__(self, budget: KVBudget, page_size: int = PAGE_SIZE, prefix_cache: bool = False):
+    def __init__(self, budget: KVBudget, page_size: int = PAGE_SIZE, prefix_cache: bool = False,
+                 set_aside: int = 0):
+        """`set_aside`: pages of the budget kept for something else (the page store's scratch page), not handed
+        out; messages still name the whole budget."""
         if page_size < 1:
             raise ValueError(f"page_size must be at least 1, got {page_size}")
         self.budget = budget
         self.page_size = page_size
-        self.num_pages = budget.total_bytes // max(1, budget.per_token * page_size)
+        self.num_pages = max(0, budget.total_bytes // max(1, budget.per_token * page_size) - set_aside)
         # oldest freed first, so the prefix cache loses its least recently used pages first
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(self.num_pages))
         self._refs = [0] * self.num_pages

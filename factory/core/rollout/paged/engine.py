@@ -154,8 +154,7 @@ class PagedEngine(EngineControl):
         budget = min(budget, max_batch * pages_per_seq * page_size * per_token)
         self.kv = KVBudget(budget, per_token)
         # the store holds one page more than the block manager hands out (the scratch page): inside the budget too
-        blocks = BlockManager(KVBudget(budget - page_size * per_token, per_token), page_size,
-                              prefix_cache=prefix_cache)
+        blocks = BlockManager(self.kv, page_size, prefix_cache=prefix_cache, set_aside=1)
         if blocks.num_pages < 1:
             raise ValueError(f"kv_budget of {budget} bytes holds no page of {page_size} tokens ({per_token} bytes "
                              f"a token)")
