@@ -36,6 +36,9 @@ def engine(model, tok, pages: int = 64, **kw) -> PagedEngine:
     return PagedEngine(model, tok, page_size=PAGE, kv_budget=pages * PAGE * per, **kw)
 
 
+ARCHS = ["llama", "qwen2", "qwen3", "mistral"]  # every architecture of the paged path
+
+
 def until_eos(tokens: list[int]) -> list[int]:
     return tokens[: tokens.index(EOS) + 1] if EOS in tokens else tokens
 
@@ -47,11 +50,12 @@ def trainer_logprobs(model, comps, temperature: float) -> torch.Tensor:
     return (logp - batch.per_token["old"]).abs()[batch.loss_mask]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_greedy_matches_generate_and_trainer_logprobs(arch, tok):
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_matches_generate_and_trainer_logprobs(arch, overlap, tok):
     model = tiny(arch)
     ps = prompts(3, 9, 17, 6)
-    out = engine(model, tok, max_batch=4).generate(ps, SamplingParams(greedy=True, max_new_tokens=12))
+    out = engine(model, tok, max_batch=4, overlap=overlap).generate(ps, SamplingParams(greedy=True, max_new_tokens=12))
     comps = [g[0] for g in out]
     for p, c in zip(ps, comps, strict=True):
         assert c.token_ids == until_eos(generate(model, p, 12))
@@ -60,8 +64,9 @@ def test_greedy_matches_generate_and_trainer_logprobs(arch, tok):
     assert trainer_logprobs(model, comps, 1.0).max().item() < 1e-5
 
 
-def test_seeded_samples_same_alone_and_batched(tok):
-    model = tiny("qwen3")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_seeded_samples_same_alone_and_batched(arch, tok):
+    model = tiny(arch)
     p, *others = prompts(10, 5, 13)
     params = SamplingParams(n=4, temperature=0.9, top_p=0.8, max_new_tokens=10, seed=3)
     alone = engine(model, tok).generate([p], params)[0]
