@@ -79,7 +79,7 @@ def test_an_async_run_puts_trainer_engine_and_scoring_on_their_cores(restore_mai
     assert len(records) == 2
     placed = entered()
     assert placed["MainThread"] == ("trainer", frozenset({a}), 1)
-    assert placed["continuous-engine"] == ("rollout", frozenset({b}), 1)
+    assert placed["rollout-engine"] == ("rollout", frozenset({b}), 1)
     producers = [v for k, v in placed.items() if k.startswith("producer-")]
     assert producers and all(v[:2] == ("environment", frozenset({b})) for v in producers)
 

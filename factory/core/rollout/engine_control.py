@@ -267,7 +267,7 @@ class EngineControl:
         if not self.started:
             self._stopping = False
             self._thread = threading.Thread(target=self._run, args=(thread_init,),
-                                            name=f"{type(self).__name__}-thread", daemon=True)
+                                            name="rollout-engine", daemon=True)
             self._thread.start()
         return self
 
