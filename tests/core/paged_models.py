@@ -1,10 +1,21 @@
-"""Tiny random-init models of the paged runner's architectures (seed 0, fp32) and their references, shared by the
-paged runner's and the paged engine's tests."""
+"""Tiny random-init models of the paged runner's architectures (seed 0, fp32), their references, a word-level
+tokenizer over their 128 ids and a paged engine sized in pages, shared by the paged runner's and engine's tests."""
 
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from tokenizers import Tokenizer, models
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+from factory.core.rollout.kv_budget import kv_bytes_per_token
+from factory.core.rollout.paged.engine import PagedEngine
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256)
@@ -16,6 +27,7 @@ CONFIGS = {
 }
 PAGE = 4  # small pages, so prompts and completions cross page boundaries often
 ATOL = 1e-5
+EOS = 127
 
 
 def tiny(arch: str, **overrides):
@@ -45,3 +57,30 @@ def generate(model, prompt: list[int], n: int) -> list[int]:
 @torch.no_grad()
 def hf_logits(model, ids: list[int]) -> torch.Tensor:
     return model(torch.tensor([ids])).logits[0, -1].float()
+
+
+def perturbed(arch: str):
+    """`tiny(arch)` with other weights (seed 1): a policy update's target."""
+    model = tiny(arch)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    return model
+
+
+def word_tokenizer() -> PreTrainedTokenizerFast:
+    """One word per id (`t0` .. `t127`), EOS `t127`, pad `t0`."""
+    vocab = {f"t{i}": i for i in range(128)}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")),
+                                   eos_token=f"t{EOS}", pad_token="t0")
+
+
+def paged_engine(model, tok, pages: int = 64, dtype: torch.dtype = torch.float32, **kw) -> PagedEngine:
+    """A `PagedEngine` of `PAGE`-token pages whose KV budget is `pages` pages (the scratch page among them)."""
+    return PagedEngine(model, tok, page_size=PAGE, kv_budget=pages * PAGE * kv_bytes_per_token(model.config, dtype),
+                       **kw)
+
+
+def until_eos(tokens: list[int]) -> list[int]:
+    return tokens[: tokens.index(EOS) + 1] if EOS in tokens else tokens

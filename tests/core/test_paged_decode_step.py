@@ -13,9 +13,12 @@ from torch._dynamo.utils import counters
 from factory.core.rollout.base import SamplingParams
 from factory.core.rollout.paged.decode_step import RowInput, encode, top_columns
 from tests.core.host_sync import NoHostCopy, NoHostSync
-from tests.core.paged_models import generate, prompts, tiny
-from tests.core.test_paged_engine import EOS, engine, until_eos
-from tests.core.test_paged_engine import tok as tok  # noqa: F401  (the fixture)
+from tests.core.paged_models import EOS, generate, paged_engine, perturbed, prompts, tiny, until_eos, word_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return word_tokenizer()
 
 # seeded, hot and truncated: sequences stop at different steps on stop tokens, so rows join and leave
 SAMPLED = SamplingParams(n=2, temperature=1.3, top_p=0.9, max_new_tokens=14, seed=11, stop_token_ids=[5, 17, 40, 99],
@@ -45,9 +48,9 @@ def test_overlap_gives_the_same_completions_stops_and_pages(params, tok):
     model = tiny("qwen3")
     ps = prompts(5, 9, 14, 7, 11, 6, 3, 12)
     # 16 pages of 4 and 4 rows: groups wait for rows and pages, and join as others leave
-    plain = engine(model, tok, pages=16, max_batch=4, overlap=False)
+    plain = paged_engine(model, tok, pages=16, max_batch=4, overlap=False)
     want = plain.generate(ps, params)
-    eng = engine(model, tok, pages=16, max_batch=4, overlap=True)
+    eng = paged_engine(model, tok, pages=16, max_batch=4, overlap=True)
     got = eng.generate(ps, params)
     assert _as_records(got) == _as_records(want)
     _assert_logprobs_close(got, want)
@@ -76,7 +79,7 @@ def test_a_stop_seen_one_step_late_writes_inside_its_reservation(tok):
     # stop on the 4th greedy token (a page boundary: prompt 8 + 4 fed positions), the 6th is the length limit
     params = SamplingParams(greedy=True, max_new_tokens=6, stop_token_ids=[greedy[3]])
     # exactly the pages of 8 + 6 positions, and the scratch page (inside the budget too)
-    eng = engine(model, tok, pages=5, max_batch=1, overlap=True)
+    eng = paged_engine(model, tok, pages=5, max_batch=1, overlap=True)
     out = eng.generate([p], params)[0][0]
     assert out.token_ids == greedy[: greedy.index(greedy[3]) + 1] and out.finish_reason == "stop"
     assert eng.stats.steps == len(out.token_ids)  # one decode step past the stop token's, whose sample is dropped
@@ -96,18 +99,14 @@ def _trace_keys(eng) -> list:
 
 def test_the_compiled_step_has_one_graph_per_bucket_and_no_recompile_over_50_steps(tok):
     """Also: an in-place weight update reaches the compiled step (weights are read by address, not baked in)."""
-    model, fresh = tiny("qwen2"), tiny("qwen2")
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for p in fresh.parameters():
-            p.normal_(0, 0.2)
+    model, fresh = tiny("qwen2"), perturbed("qwen2")
     ps = prompts(5, 9, 14, 7, 11, 6, 3, 12, 4, 10)
     calls = [(ps[:1], GREEDY), (ps, SAMPLED), (ps[3:5], GREEDY)]  # 1, 2 and 4 rows; with and without top-p
-    eager = engine(model, tok, pages=32, max_batch=4)
+    eager = paged_engine(model, tok, pages=32, max_batch=4)
     want = [eager.generate(p, params) for p, params in calls]
     torch._dynamo.reset()
     counters.clear()
-    eng = engine(model, tok, pages=32, max_batch=4, overlap=True)
+    eng = paged_engine(model, tok, pages=32, max_batch=4, overlap=True)
     eng.decode_step.compile("aot_eager")  # functionalized by AOT autograd, as Inductor and capture trace it
     keys = _trace_keys(eng)
     with torch._dynamo.config.patch(recompile_limit=64):
@@ -136,7 +135,7 @@ def test_the_compiled_step_has_one_graph_per_bucket_and_no_recompile_over_50_ste
 
 
 def test_nothing_in_a_step_reads_the_device_on_the_host(tok, monkeypatch):
-    eng = engine(tiny("llama"), tok, pages=32, max_batch=4, overlap=True)
+    eng = paged_engine(tiny("llama"), tok, pages=32, max_batch=4, overlap=True)
     forward, steps = eng.decode_step.forward, []
 
     def guarded(key):

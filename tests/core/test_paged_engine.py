@@ -14,33 +14,33 @@ from transformers import AutoModelForCausalLM, GPT2Config, PreTrainedTokenizerFa
 from factory.core.batch import pack
 from factory.core.rollout.base import SamplingParams
 from factory.core.rollout.continuous import ContinuousEngine
-from factory.core.rollout.kv_budget import kv_bytes_per_token, mib
+from factory.core.rollout.kv_budget import mib
 from factory.core.rollout.paged import sampling
 from factory.core.rollout.paged.engine import PagedEngine, make_engine
 from factory.core.rollout.sequences import mix_seed
 from factory.core.trainer.torch_trainer import token_logprobs
-from tests.core.paged_models import PAGE, generate, hf_logits, prompts, tiny
-
-EOS = 127
+from tests.core.paged_models import (
+    EOS,
+    PAGE,
+    generate,
+    hf_logits,
+    paged_engine,
+    perturbed,
+    prompts,
+    tiny,
+    until_eos,
+    word_tokenizer,
+)
 
 
 @pytest.fixture(scope="module")
 def tok() -> PreTrainedTokenizerFast:
-    vocab = {f"t{i}": i for i in range(128)}
-    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")),
-                                   eos_token=f"t{EOS}", pad_token="t0")
+    return word_tokenizer()
 
-
-def engine(model, tok, pages: int = 64, **kw) -> PagedEngine:
-    per = kv_bytes_per_token(model.config, torch.float32)
-    return PagedEngine(model, tok, page_size=PAGE, kv_budget=pages * PAGE * per, **kw)
 
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]  # every architecture of the paged path
 
-
-def until_eos(tokens: list[int]) -> list[int]:
-    return tokens[: tokens.index(EOS) + 1] if EOS in tokens else tokens
 
 
 def trainer_logprobs(model, comps, temperature: float) -> torch.Tensor:
@@ -55,7 +55,8 @@ def trainer_logprobs(model, comps, temperature: float) -> torch.Tensor:
 def test_greedy_matches_generate_and_trainer_logprobs(arch, overlap, tok):
     model = tiny(arch)
     ps = prompts(3, 9, 17, 6)
-    out = engine(model, tok, max_batch=4, overlap=overlap).generate(ps, SamplingParams(greedy=True, max_new_tokens=12))
+    eng = paged_engine(model, tok, max_batch=4, overlap=overlap)
+    out = eng.generate(ps, SamplingParams(greedy=True, max_new_tokens=12))
     comps = [g[0] for g in out]
     for p, c in zip(ps, comps, strict=True):
         assert c.token_ids == until_eos(generate(model, p, 12))
@@ -69,8 +70,8 @@ def test_seeded_samples_same_alone_and_batched(arch, tok):
     model = tiny(arch)
     p, *others = prompts(10, 5, 13)
     params = SamplingParams(n=4, temperature=0.9, top_p=0.8, max_new_tokens=10, seed=3)
-    alone = engine(model, tok).generate([p], params)[0]
-    batched = engine(model, tok, max_batch=12).generate([p, *others], params)
+    alone = paged_engine(model, tok).generate([p], params)[0]
+    batched = paged_engine(model, tok, max_batch=12).generate([p, *others], params)
     assert [c.token_ids for c in alone] == [c.token_ids for c in batched[0]]
     assert len({tuple(c.token_ids) for c in alone}) > 1  # the forks sample on their own
     comps = [c for g in batched for c in g]
@@ -87,24 +88,20 @@ def test_more_requests_than_the_budget_wait_and_match_one_at_a_time(tok):
     ps = prompts(5, 9, 14, 7, 11)
     params = SamplingParams(n=2, greedy=True, max_new_tokens=8)
     # 16 pages of 4; a group of two samples needs 7 to 9 of them: at most two groups run at once
-    small = engine(model, tok, pages=16)
+    small = paged_engine(model, tok, pages=16)
     together = small.generate(ps, params)
     assert small.stats.waited_for_kv > 0 and small.stats.max_running == 4
     assert small.scheduler.blocks.used_pages == 0 and not small.scheduler.has_work()
-    one = engine(model, tok, pages=16)
+    one = paged_engine(model, tok, pages=16)
     for p, group in zip(ps, together, strict=True):
         want = until_eos(generate(model, p, 8))
         assert [c.token_ids for c in one.generate([p], params)[0]] == [c.token_ids for c in group] == [want] * 2
 
 
 def test_load_weights_changes_outputs_and_version(tok):
-    model, fresh = tiny("qwen2"), tiny("qwen2")
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for p in fresh.parameters():
-            p.normal_(0, 0.2)
+    model, fresh = tiny("qwen2"), perturbed("qwen2")
     ps = prompts(9, 13)  # full pages: the prefix cache holds them across calls
-    eng = engine(model, tok)
+    eng = paged_engine(model, tok)
     params = SamplingParams(greedy=True, max_new_tokens=8)
     before = [g[0].token_ids for g in eng.generate(ps, params)]
     want = [until_eos(generate(fresh, p, 8)) for p in ps]
@@ -127,7 +124,7 @@ def test_make_engine_falls_back_with_a_log_line(tok, caplog):
 
 
 def test_check_names_what_cannot_run(tok):
-    eng = engine(tiny("llama"), tok, pages=4, max_batch=2)
+    eng = paged_engine(tiny("llama"), tok, pages=4, max_batch=2)
     with pytest.raises(ValueError, match="KV cache budget") as refused:
         eng.check(prompts(10)[0], SamplingParams(max_new_tokens=10))
     assert mib(eng.kv.total_bytes) in str(refused.value)  # the whole budget the user set, scratch page included
@@ -141,7 +138,7 @@ def test_prefix_cache_reuses_pages_within_and_across_calls(tok):
     model = tiny("llama")
     a, b = prompts(10, 13)
     ps = [a, b, a, b[:9] + a[:3]]  # a twice in one prefill; b's first two pages again under another tail
-    eng = engine(model, tok)
+    eng = paged_engine(model, tok)
     params = SamplingParams(greedy=True, max_new_tokens=6)
     first = eng.generate(ps, params)
     computed = eng.stats.prefill_tokens
@@ -162,7 +159,7 @@ def test_ignore_eos_runs_past_eos_to_max_new_tokens_in_both_engines():
     vocab = {f"t{i}": i for i in range(128)}
     tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")),
                                   eos_token=f"t{eos}", pad_token="t0")
-    for eng in (engine(model, tok), ContinuousEngine(model, tok, max_batch=2)):
+    for eng in (paged_engine(model, tok), ContinuousEngine(model, tok, max_batch=2)):
         stopped = eng.generate([p], SamplingParams(greedy=True, max_new_tokens=12))[0][0]
         assert stopped.token_ids == want[:3] and stopped.finish_reason == "stop", type(eng).__name__
         full = eng.generate([p], SamplingParams(greedy=True, max_new_tokens=12, ignore_eos=True))[0][0]
@@ -173,7 +170,7 @@ def test_one_sampling_params_per_prompt_run_together(tok):
     model = tiny("llama")
     ps = prompts(5, 9, 14)
     lengths = [3, 11, 6]
-    eng = engine(model, tok)
+    eng = paged_engine(model, tok)
     out = eng.generate(ps, [SamplingParams(greedy=True, max_new_tokens=m, ignore_eos=True) for m in lengths])
     assert [g[0].token_ids for g in out] == [generate(model, p, m) for p, m in zip(ps, lengths, strict=True)]
     assert eng.stats.max_running == 3  # one batch, not one call per request

@@ -6,45 +6,30 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models
 from transformers import PreTrainedTokenizerFast
 
 from factory.core.rollout.base import SamplingParams
 from factory.core.rollout.continuous import ContinuousEngine
-from factory.core.rollout.kv_budget import kv_bytes_per_token
-from factory.core.rollout.paged.engine import PagedEngine
-from tests.core.paged_models import PAGE, generate, prompts, tiny
+from tests.core.paged_models import PAGE, generate, paged_engine, perturbed, prompts, tiny, word_tokenizer
 
-EOS = 127
 GREEDY = SamplingParams(greedy=True, max_new_tokens=12, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def tok() -> PreTrainedTokenizerFast:
-    vocab = {f"t{i}": i for i in range(128)}
-    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")),
-                                   eos_token=f"t{EOS}", pad_token="t0")
+    return word_tokenizer()
 
-
-def paged(model, tok, pages: int = 64, **kw) -> PagedEngine:
-    per = kv_bytes_per_token(model.config, torch.float32)
-    return PagedEngine(model, tok, page_size=PAGE, kv_budget=pages * PAGE * per, **kw)
 
 
 def other_weights(arch: str) -> dict:
-    fresh = tiny(arch)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for p in fresh.parameters():
-            p.normal_(0, 0.2)
-    return fresh.state_dict()
+    return perturbed(arch).state_dict()
 
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_thread_submit_groups_separate_samples_and_cancel_drops(tok, overlap):
     model = tiny("llama")
     p, q = prompts(9, 6)
-    eng = paged(model, tok, max_batch=8, overlap=overlap).start()
+    eng = paged_engine(model, tok, max_batch=8, overlap=overlap).start()
     try:
         eng.pause("drain")
         params = SamplingParams(temperature=1.0, max_new_tokens=10, ignore_eos=True, seed=4)
@@ -64,14 +49,14 @@ def test_thread_submit_groups_separate_samples_and_cancel_drops(tok, overlap):
     assert len({tuple(c.token_ids) for c in results[:3]}) == 3
     assert results[3].token_ids == generate(model, q, 12)
     # seeded samples are those generate() gives (sample j: seed mix_seed(4, j)), alone and without the thread
-    again = paged(model, tok).generate([p], SamplingParams(n=3, temperature=1.0, max_new_tokens=10,
+    again = paged_engine(model, tok).generate([p], SamplingParams(n=3, temperature=1.0, max_new_tokens=10,
                                                            ignore_eos=True, seed=4))[0]
     assert [c.token_ids for c in again] == [c.token_ids for c in results[:3]]
     assert eng.scheduler.blocks.used_pages == 0 and eng.queued == 0 and eng.running == 0
 
 
 def test_stop_fails_what_is_queued(tok):
-    eng = paged(tiny("llama"), tok).start()
+    eng = paged_engine(tiny("llama"), tok).start()
     eng.pause("drain")
     orphan = eng.submit(prompts(5)[0], SamplingParams(max_new_tokens=3))
     eng.stop()
@@ -98,7 +83,7 @@ def test_in_flight_update_matches_continuous_engine_and_keeps_parameter_tensors(
     new = other_weights(arch)
     model = tiny(arch)
     ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
-    pa, pb = staggered(paged(model, tok, overlap=overlap), prompts(9)[0], new, "in_flight")
+    pa, pb = staggered(paged_engine(model, tok, overlap=overlap), prompts(9)[0], new, "in_flight")
     ca, cb = staggered(ContinuousEngine(tiny(arch), tok), prompts(9)[0], new, "in_flight")
     assert pa.token_versions == ca.token_versions == [0, 0, 0] + [1] * 9  # later tokens carry the new version
     assert pa.weight_version == 0 and pb.token_versions == [1] * 12
@@ -113,7 +98,7 @@ def test_in_flight_update_matches_continuous_engine_and_keeps_parameter_tensors(
 @pytest.mark.parametrize("overlap", [False, True])
 def test_finish_old_update_drains_first_and_flushes_the_prefix_cache(tok, overlap):
     new = other_weights("llama")
-    eng = paged(tiny("llama"), tok, overlap=overlap)
+    eng = paged_engine(tiny("llama"), tok, overlap=overlap)
     prompt = prompts(9)[0]  # two full pages: the second request would find them in the prefix cache
     a, b = staggered(eng, prompt, new, "finish_old")
     assert a.token_versions == [0] * 12 and b.token_versions == [1] * 12
@@ -127,7 +112,7 @@ def test_finish_old_update_drains_first_and_flushes_the_prefix_cache(tok, overla
 def test_pause_in_place_freezes_and_drain_holds_admissions(tok):
     model = tiny("llama")
     p, q = prompts(7, 5)
-    eng = paged(model, tok)
+    eng = paged_engine(model, tok)
     a = eng.submit(p, GREEDY)
     eng.step()
     eng.pause("in_place")
@@ -151,13 +136,13 @@ def test_choices_greedy_and_logprobs_equal_continuous_engine(tok, overlap):
     choices = ((5, 9, 14), (5, 9, 30, 2), (77,), (5, 60))
     params = SamplingParams(greedy=True, max_new_tokens=6, choices=choices)
     sampled = SamplingParams(n=4, temperature=1.3, max_new_tokens=6, choices=choices, seed=2)
-    out = paged(tiny("qwen2"), tok, overlap=overlap).generate([p, q], params)
+    out = paged_engine(tiny("qwen2"), tok, overlap=overlap).generate([p, q], params)
     want = ContinuousEngine(tiny("qwen2"), tok).generate([p, q], params)
     for (c,), (w,) in zip(out, want, strict=True):
         assert tuple(c.token_ids) in choices and c.token_ids == w.token_ids and c.finish_reason == "stop"
         assert max(abs(x - y) for x, y in zip(c.logprobs, w.logprobs, strict=True)) < 1e-5
     # sampled: every completion is a choice; a choice's first token's logprob is over the allowed tokens only
-    eng = paged(tiny("qwen2"), tok, overlap=overlap)
+    eng = paged_engine(tiny("qwen2"), tok, overlap=overlap)
     comps = eng.generate([p], sampled)[0]
     assert all(tuple(c.token_ids) in choices for c in comps)
     with torch.no_grad():
@@ -172,7 +157,7 @@ def test_choices_greedy_and_logprobs_equal_continuous_engine(tok, overlap):
 def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(tok, overlap):
     model = tiny("llama")
     p = prompts(9)[0]
-    eng = paged(model, tok, overlap=overlap)
+    eng = paged_engine(model, tok, overlap=overlap)
     decode, calls = eng.runner.decode, []
 
     def flaky(*args, **kwargs):  # the third decode step raises
@@ -196,7 +181,7 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(tok, overlap):
 
 
 def test_info_reports_pages_and_max_new_tokens_the_budget(tok):
-    eng = paged(tiny("llama"), tok, pages=17, max_batch=2)  # 16 pages and the scratch page
+    eng = paged_engine(tiny("llama"), tok, pages=17, max_batch=2)  # 16 pages and the scratch page
     a = eng.submit(prompts(9)[0], SamplingParams(greedy=True, max_new_tokens=7))  # 16 positions: 4 pages
     eng.step()
     info = eng.info()

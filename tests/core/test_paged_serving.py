@@ -8,15 +8,13 @@ import copy
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models
 from transformers import PreTrainedTokenizerFast
 
 from factory.core.rollout.base import SamplingParams
-from factory.core.rollout.kv_budget import kv_bytes_per_token
-from factory.core.rollout.paged import engine as paged_engine
+from factory.core.rollout.paged import engine as engine_module
 from factory.core.rollout.paged.engine import PagedEngine
 from factory.core.rollout.paged.serving import cast_parameters, copy_weights, serving_copy, serving_dtype
-from tests.core.paged_models import PAGE, prompts, tiny
+from tests.core.paged_models import paged_engine, prompts, tiny, word_tokenizer
 
 BF16 = torch.bfloat16
 # bf16 keeps 8 bits of mantissa: the engine's packed, paged attention and transformers' own forward round in other
@@ -27,14 +25,11 @@ BF16_LOGPROB_TOL = 0.05
 
 @pytest.fixture(scope="module")
 def tok() -> PreTrainedTokenizerFast:
-    vocab = {f"t{i}": i for i in range(128)}
-    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")),
-                                   eos_token="t127", pad_token="t0")
+    return word_tokenizer()
 
 
 def engine(model, tok, dtype=torch.float32, pages: int = 64, **kw) -> PagedEngine:
-    return PagedEngine(model, tok, page_size=PAGE, kv_budget=pages * PAGE * kv_bytes_per_token(model.config, dtype),
-                       **kw)
+    return paged_engine(model, tok, pages, dtype, **kw)
 
 
 @torch.no_grad()
@@ -97,7 +92,7 @@ def test_fp32_updates_copy_into_bf16_parameters_in_place(tok):
 
 def test_a_model_in_another_dtype_is_served_from_a_copy_that_follows_it(tok, monkeypatch):
     # the CUDA decision (bf16 for precision bf16) on the CPU: what is tested is what the engine does with it
-    monkeypatch.setattr(paged_engine, "serving_dtype", lambda device, precision, model_dtype: BF16)
+    monkeypatch.setattr(engine_module, "serving_dtype", lambda device, precision, model_dtype: BF16)
     trainer_model = tiny("qwen2")
     eng = engine(trainer_model, tok, BF16, precision="bf16")
     assert eng.source is trainer_model and eng.model is not trainer_model and eng.store.kv.dtype == BF16
@@ -133,7 +128,7 @@ def test_copy_weights_names_a_mismatch():
 def test_a_model_handed_over_is_cast_in_place_not_copied(monkeypatch, tok):
     """`owns_model=True` (factory serve, the producer's merged copy): the engine casts the model's parameters to the
     serving dtype itself and keeps no second copy."""
-    monkeypatch.setattr(paged_engine, "serving_dtype", lambda device, precision, dtype: torch.bfloat16)
+    monkeypatch.setattr(engine_module, "serving_dtype", lambda device, precision, dtype: torch.bfloat16)
     model = tiny("llama")
     params = {n: id(p) for n, p in model.named_parameters()}
     eng = engine(model, tok, torch.bfloat16, owns_model=True)

@@ -99,19 +99,6 @@ class _Launched:
     running: int
 
 
-@dataclass
-class _Launched:
-    """A step on the device whose results the host has not read: who sampled in it (at which version, next to
-    how many running sequences) and the copy of its results."""
-
-    seqs: list[PagedSequence]
-    rows: list[int]  # each sequence's row in the results
-    fetch: Fetch
-    top: int  # top-logprob columns in the results
-    version: int
-    running: int
-
-
 class PagedEngine(EngineControl):
     """A `RolloutEngine` on the paged runner. Arguments as `ContinuousEngine`'s (`max_batch` running sequences,
     `max_seq_len`, `kv_budget` bytes, `max_prefill_tokens` packed prompt tokens per prefill, `precision`), plus
