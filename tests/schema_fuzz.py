@@ -8,6 +8,8 @@ lazy-fixture loader reaches into pytest internals that pytest 9 removed.
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +22,27 @@ try:
     from schemathesis.generation.modes import GenerationMode
 except ImportError:  # a dev extra; the fuzz tests skip without it
     schemathesis = None
+
+
+def _import_all_now() -> None:
+    """Import every module of schemathesis and hypothesis while the test process has one thread. Schemathesis
+    imports many lazily during a fuzz run, and pytest's assertion rewriting parses a plugin's modules on import;
+    on CPython 3.11.7 a parse racing a server thread's parse raises "AST constructor recursion depth mismatch"
+    (gh-106905, fixed in 3.11.8)."""
+    import hypothesis
+
+    for package in (schemathesis, hypothesis):
+        for module in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+            if module.name.startswith("hypothesis.extra."):  # optional integrations (numpy, django, ...)
+                continue
+            try:
+                importlib.import_module(module.name)
+            except ImportError:  # a module for an optional dependency not installed
+                pass
+
+
+if schemathesis is not None:
+    _import_all_now()
 
 
 def fuzz_service(base_url: str, max_examples: int = 25, prepare: Callable[[Any], None] | None = None,
