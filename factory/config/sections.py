@@ -22,6 +22,9 @@ from factory.config.errors import _clip
 from factory.config.section import LR_HELP, _Section
 from factory.presets import PRESETS
 
+# A trainer speed-up switch: "auto" turns it on where the trainer computes on CUDA, so the CPU path stays exact.
+Toggle = Literal["auto", "on", "off"]
+
 
 class ModelSpec(_Section):
     """Which policy to start from: a preset built from a config, or `path`, a model with its own tokenizer: a
@@ -261,7 +264,7 @@ class TrainerSpec(_Section):
 
     _LATE_FIELDS: ClassVar[tuple[str, ...]] = (
         "world_size", "strategy", "grad_accum", "precision", "tensor_parallel", "pipeline_parallel", "devices",
-        "cpus", "lora", "activation_checkpointing")
+        "cpus", "lora", "activation_checkpointing", "packing", "fused_head", "compile", "fused_optimizer")
 
     backend: Literal["torch", "megatron"] = Field(
         "torch", description="torch (one process, or DDP/FSDP2 ranks under torchrun) or megatron (Megatron-core "
@@ -290,6 +293,19 @@ class TrainerSpec(_Section):
     activation_checkpointing: bool = Field(
         False, description="recompute each decoder layer's activations in backward instead of keeping them (less "
         "memory, about a third more compute); torch backend only")
+    packing: Toggle = Field(
+        "auto", description="pack a batch's rows into one row (position ids restart per sample, a document mask) so "
+        "no FLOP goes to padding; auto: on where the trainer computes on CUDA (on the CPU the padded path keeps its "
+        "numbers bit for bit)")
+    fused_head: Toggle = Field(
+        "auto", description="the log-prob + entropy head as one fused op over chunks of tokens (no float32 copy of "
+        "the logits kept for backward); auto: on CUDA")
+    compile: Toggle = Field(
+        "auto", description="torch.compile each decoder layer (fixed length buckets: no recompile per batch); "
+        "auto: on CUDA")
+    fused_optimizer: Toggle = Field(
+        "auto", description="fused AdamW, and a step with no host sync (a non-finite step skipped on the device); "
+        "auto: on CUDA")
 
     @model_validator(mode="after")
     def _layout(self) -> TrainerSpec:

@@ -158,8 +158,9 @@ def train_rl(
     reference = None
     if spec.algorithm.kl_coef > 0:  # copied before a resume point is loaded: `model` is still the run's start
         ref = reference_model if reference_model is not None else copy.deepcopy(model)
-        reference = TorchTrainer(ref.eval(), lr=0.0, temperature=spec.rollout.temperature,
-                                 precision=spec.trainer.precision)
+        t = spec.trainer
+        reference = TorchTrainer(ref.eval(), lr=0.0, temperature=spec.rollout.temperature, precision=t.precision,
+                                 packing=t.packing, fused_head=t.fused_head, compile=t.compile)
     # After the KL reference copy (the base), before a resume point's adapters; a caller may have attached them
     # already (e.g. to build its own producer from the adapted model).
     if spec.trainer.lora is not None and not lora.attached(model):

@@ -91,7 +91,8 @@ def make_trainer(spec: ExperimentSpec, model: PreTrainedModel):
             if t.activation_checkpointing:
                 enable_activation_checkpointing(model)
             return TorchTrainer(model, lr=spec.algorithm.lr, grad_clip=t.grad_clip, weight_decay=t.weight_decay,
-                                temperature=spec.rollout.temperature, precision=t.precision)
+                                temperature=spec.rollout.temperature, precision=t.precision, packing=t.packing,
+                                fused_head=t.fused_head, compile=t.compile, fused_optimizer=t.fused_optimizer)
         return distributed_trainer(spec, model)
     group = dist.get_world_size() if dist.is_initialized() else None
     if group != t.world_size:

@@ -39,6 +39,14 @@ def token_logprobs(model: PreTrainedModel, batch: TrainBatch, temperature: float
     return chunked_token_logprobs(model, batch, temperature, with_entropy)
 
 
+def toggle_on(field: str, value: str, device: torch.device) -> bool:
+    """Whether a trainer speed-up switch is on: "on" / "off", or "auto" (on where the trainer computes on CUDA, so
+    the CPU path keeps its numbers bit for bit)."""
+    if value not in ("auto", "on", "off"):
+        raise ValueError(f"{field}: expected 'auto', 'on' or 'off', got {value!r}")
+    return value == "on" or (value == "auto" and device.type == "cuda")
+
+
 def batch_to(batch: TrainBatch, device: torch.device) -> TrainBatch:
     """`batch` with every tensor on `device` (itself when it is there already: no copy on the CPU)."""
     if batch.input_ids.device == device:
@@ -76,10 +84,18 @@ class TorchTrainer:
     """Owns the model being trained and its optimizer; computes on the model's device."""
 
     def __init__(self, model: PreTrainedModel, lr: float, grad_clip: float = 1.0,
-                 weight_decay: float = 0.0, temperature: float = 1.0, precision: str = "fp32"):
+                 weight_decay: float = 0.0, temperature: float = 1.0, precision: str = "fp32",
+                 packing: str = "auto", fused_head: str = "auto", compile: str = "auto",
+                 fused_optimizer: str = "auto"):
         if precision not in ("fp32", "bf16"):
             raise ValueError(f"trainer.precision: expected 'fp32' or 'bf16', got {precision!r}")
         self.model = model
+        # The speed-ups (trainer.packing / fused_head / compile / fused_optimizer): "auto" is resolved on the device
+        # the model is on when they are used (a KL reference is moved to the policy's device after it is built).
+        self.toggles = {"packing": packing, "fused_head": fused_head, "compile": compile,
+                        "fused_optimizer": fused_optimizer}
+        for name, value in self.toggles.items():
+            toggle_on(f"trainer.{name}", value, torch.device("cpu"))  # a bad value fails here, not mid-run
         pulse_from_layers(model)  # a long forward and backward beats block by block (infra/liveness.py)
         self.precision = precision
         self.temperature = temperature
@@ -92,6 +108,10 @@ class TorchTrainer:
     @property
     def device(self) -> torch.device:
         return model_device(self.model)
+
+    def uses(self, name: str) -> bool:
+        """Whether the speed-up `name` (a key of `toggles`) is on where the model is now."""
+        return toggle_on(f"trainer.{name}", self.toggles[name], self.device)
 
     def _logprobs(self, batch: TrainBatch, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
         """`token_logprobs` on the model's device, under the trainer's precision (logprobs in float32)."""
