@@ -49,7 +49,8 @@ from torch import Tensor
 from factory.config import AlgorithmSpec
 from factory.core.batch import TrainBatch
 
-LossFn = Callable[[Tensor, TrainBatch], tuple[Tensor, dict[str, float]]]
+# Metrics are 0-dim tensors, detached: the trainer reads them on the host once per step (`trainer/step.py`).
+LossFn = Callable[[Tensor, TrainBatch], tuple[Tensor, dict[str, Tensor]]]
 Aggregation = str  # "seq_mean_token_mean" | "token_mean" | "seq_mean_token_sum_norm"
 
 LOG_RATIO_BOUND = 20.0  # |log ratio| before exp: e^20 ~ 4.9e8, finite and far outside any clip (verl: 20)
@@ -187,7 +188,7 @@ def _per_token_adv(advantages: Tensor, like: Tensor, mask: Tensor) -> Tensor:
 
 def _finish(policy_term: Tensor, logprobs: Tensor, mask: Tensor, agg: Aggregation, max_len: int | None,
             ref_logprobs: Tensor | None, kl_coef: float, is_weights: Tensor | None,
-            metrics: dict[str, float]) -> tuple[Tensor, dict[str, float]]:
+            metrics: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
     """Apply importance weights to the policy term, add the KL penalty (unweighted: see the module docstring),
     aggregate, and finish the metrics."""
     per_token = policy_term
@@ -202,18 +203,18 @@ def _finish(policy_term: Tensor, logprobs: Tensor, mask: Tensor, agg: Aggregatio
     loss = aggregate(per_token, mask, agg, max_len)
     with torch.no_grad():
         if kl is not None:  # not computed (kl_coef 0, no reference): no metric, never a 0 that reads as measured
-            metrics["kl"] = masked_mean(kl, mask).item()
+            metrics["kl"] = masked_mean(kl, mask)
         if is_weights is not None:
-            metrics["is_weight_mean"] = masked_mean(is_weights.float(), mask).item()
+            metrics["is_weight_mean"] = masked_mean(is_weights.float(), mask)
     return loss, metrics
 
 
-def _clip_metrics(ratio: Tensor, mask: Tensor, eps_low: float | None, eps_high: float) -> dict[str, float]:
+def _clip_metrics(ratio: Tensor, mask: Tensor, eps_low: float | None, eps_high: float) -> dict[str, Tensor]:
     with torch.no_grad():
         out = ratio > 1 + eps_high
         if eps_low is not None:
             out = out | (ratio < 1 - eps_low)
-        return {"clip_frac": masked_mean(out.float(), mask).item(), "ratio_mean": masked_mean(ratio, mask).item()}
+        return {"clip_frac": masked_mean(out.float(), mask), "ratio_mean": masked_mean(ratio, mask)}
 
 
 # ---------------------------------------------------------------- policy losses
@@ -232,7 +233,7 @@ def ppo_clip_loss(
     kl_coef: float = 0.0,
     is_weights: Tensor | None = None,
     dual_clip: float | None = None,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high)) per token, aggregated by `agg`.
 
     GRPO, Dr.GRPO and DAPO are this loss with different clips and aggregations. `old_logprobs` are
@@ -254,7 +255,7 @@ def ppo_clip_loss(
         bounded = (adv < 0) & (per_token > bound)
         per_token = torch.where(bounded, bound, per_token)
         with torch.no_grad():
-            metrics["dual_clip_frac"] = masked_mean(bounded.float(), mask).item()
+            metrics["dual_clip_frac"] = masked_mean(bounded.float(), mask)
     return _finish(per_token, lp, mask, agg, max_len, ref_logprobs, kl_coef, is_weights, metrics)
 
 
@@ -267,7 +268,7 @@ def grpo_loss(
     ref_logprobs: Tensor | None = None,
     kl_coef: float = 0.0,
     is_weights: Tensor | None = None,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """GRPO's clipped surrogate, token-level, averaged per sequence then over sequences."""
     return ppo_clip_loss(logprobs, old_logprobs, advantages, mask, clip_eps, clip_eps, "seq_mean_token_mean",
                          ref_logprobs=ref_logprobs, kl_coef=kl_coef, is_weights=is_weights)
@@ -285,7 +286,7 @@ def cispo_loss(
     ref_logprobs: Tensor | None = None,
     kl_coef: float = 0.0,
     is_weights: Tensor | None = None,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """CISPO (MiniMax-M1): -sg(clip(ratio, 1 - eps_low, 1 + eps_high)) * A * logp per token.
 
     The weight is a constant, so d/dlogp = -w * A on every token, clipped or not: the rare
@@ -313,7 +314,7 @@ def gspo_loss(
     ref_logprobs: Tensor | None = None,
     kl_coef: float = 0.0,
     is_weights: Tensor | None = None,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO: PPO-clip on the sequence ratio s_i = exp(mean_t(logp - old)) (length-normalized).
 
     Written in the paper's GSPO-token form s_i,t = sg(s_i) * exp(logp_t - sg(logp_t)): its value is
@@ -337,11 +338,11 @@ def gspo_loss(
     has_tokens = mask.any(dim=-1)
     s = torch.clamp(log_s, max=GSPO_LOG_RATIO_MAX).exp()
     metrics = _clip_metrics(s.unsqueeze(-1).expand_as(lp), mask, eps_low, eps_high)
-    metrics["seq_ratio_mean"] = masked_mean(s, has_tokens).item()
+    metrics["seq_ratio_mean"] = masked_mean(s, has_tokens)
     return _finish(per_token, lp, mask, agg, max_len, ref_logprobs, kl_coef, is_weights, metrics)
 
 
-def sft_loss(logprobs: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, float]]:
+def sft_loss(logprobs: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
     """Negative log-likelihood of the target tokens, averaged over all of them."""
     loss = -masked_mean(logprobs, mask.bool())
     return loss, {}
@@ -368,7 +369,7 @@ def make_loss(spec: AlgorithmSpec, max_new_tokens: int | None = None) -> LossFn:
                          "the rollout's max_new_tokens")
     name, kl_coef = spec.name, spec.kl_coef
 
-    def loss_fn(logp: Tensor, batch: TrainBatch) -> tuple[Tensor, dict[str, float]]:
+    def loss_fn(logp: Tensor, batch: TrainBatch) -> tuple[Tensor, dict[str, Tensor]]:
         adv = batch.per_token.get("advantages")
         if adv is None:
             adv = batch.per_seq["advantages"]

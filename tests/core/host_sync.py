@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -41,4 +44,23 @@ class NoHostCopy(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in self.BANNED:
             raise AssertionError(f"host sync: {func.__name__}")
+        return func(*args, **(kwargs or {}))
+
+
+class HostReads(TorchFunctionMode):
+    """Counts (does not raise) the Tensor methods that read values on the host (`NoHostCopy.BANNED`, and `.cpu()`):
+    `seen` holds each as "name file:line", the line being the first caller outside torch itself."""
+
+    COUNTED = NoHostCopy.BANNED | {torch.Tensor.cpu}
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.COUNTED:
+            frame = sys._getframe(1)
+            while frame.f_back is not None and f"{os.sep}torch{os.sep}" in frame.f_code.co_filename:
+                frame = frame.f_back
+            self.seen.append(f"{func.__name__} {frame.f_code.co_filename}:{frame.f_lineno}")
         return func(*args, **(kwargs or {}))

@@ -38,10 +38,11 @@ def inf_grad_loss(logp: torch.Tensor, batch: TrainBatch):
     return InfGrad.apply(loss), m
 
 
-@pytest.fixture
-def trainer_and_batch():
+@pytest.fixture(params=["off", "on"], ids=["host_skip", "fused_device_skip"])
+def trainer_and_batch(request):
+    """A trainer whose skip is decided on the host (the CPU default), or on the device (trainer.fused_optimizer)."""
     tok = build_tokenizer()
-    trainer = TorchTrainer(build_model("micro", tok, seed=0), lr=0.01)
+    trainer = TorchTrainer(build_model("micro", tok, seed=0), lr=0.01, fused_optimizer=request.param)
     ids = [tok(t).input_ids for t in ("12+30=", "7+8=", "99+1=", "5+5=")]
     batch = pack(ids, [tok(t).input_ids for t in ("42", "15", "001", "01")], tok.pad_token_id)
     return trainer, batch

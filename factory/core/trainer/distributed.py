@@ -59,7 +59,8 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
 from factory.core.batch import TrainBatch
-from factory.core.trainer.torch_trainer import LossFn, batch_to, over_minibatches, token_logprobs
+from factory.core.trainer.step import Metric, float64, make_adamw, step_unless
+from factory.core.trainer.torch_trainer import LossFn, batch_to, over_minibatches, toggle_on, token_logprobs
 from factory.infra.device import host_copy, model_device
 from factory.infra.liveness import pulse_from_layers
 from factory.models.checkpoint import save_checkpoint
@@ -126,7 +127,8 @@ class DistributedTrainer:
 
     def __init__(self, model: PreTrainedModel, lr: float, grad_clip: float = 1.0, weight_decay: float = 0.0,
                  temperature: float = 1.0, *, aggregation: str = "seq_mean_token_mean", strategy: Strategy = "fsdp",
-                 grad_accum: int = 1, precision: Precision = "fp32", device: torch.device | None = None):
+                 grad_accum: int = 1, precision: Precision = "fp32", device: torch.device | None = None,
+                 fused_optimizer: str = "auto"):
         if aggregation not in SEQUENCE_AGGREGATIONS + TOKEN_AGGREGATIONS:
             raise ValueError(f"aggregation: expected one of {', '.join(SEQUENCE_AGGREGATIONS + TOKEN_AGGREGATIONS)}"
                              f" (algorithm.loss_agg), got {aggregation!r}")
@@ -169,7 +171,9 @@ class DistributedTrainer:
         elif self.strategy == "ddp":
             self._net = DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda"
                                                 else None)
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
+        # trainer.fused_optimizer (auto: on CUDA): fused AdamW, and the skip decided on the device (trainer/step.py)
+        self.fused = toggle_on("trainer.fused_optimizer", fused_optimizer, self.device)
+        self.optimizer = make_adamw(model.parameters(), lr=lr, weight_decay=weight_decay, fused=self.fused)
         self.version = 0  # optimizer steps taken: the weight version it would publish
 
     # ------------------------------------------------------------ forward passes
@@ -219,9 +223,14 @@ class DistributedTrainer:
 
         `generator` must be in the same state on every rank (it draws the shuffle)."""
         self.model.train()
-        return over_minibatches(batch, minibatches, generator, lambda mb: self._minibatch(mb, loss_fn))
+        sums, applied = over_minibatches(batch, minibatches, generator, lambda mb: self._minibatch(mb, loss_fn))
+        self.version += applied
+        return sums
 
-    def _minibatch(self, mb: TrainBatch, loss_fn: LossFn) -> tuple[dict[str, float], bool]:
+    def _minibatch(self, mb: TrainBatch, loss_fn: LossFn) -> tuple[dict[str, Metric], bool | Tensor]:
+        """One optimizer step. The micro-batches' weights are counted on the CPU batch (no device read); with the
+        fused optimizer the only device reads left are the loop's, once per `step`; without it, one per minibatch
+        (the skip decision)."""
         units_total = max(loss_units(mb, self.aggregation), 1)
         tokens_total = max(mb.n_tokens, 1)
         shard = torch.arange(len(mb)).tensor_split(self.world_size)[self.rank]
@@ -229,12 +238,13 @@ class DistributedTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         entropy_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        metric_sums: dict[str, float] = {}
+        metric_sums: dict[str, Tensor] = {}
         for i, idx in enumerate(micros):
             empty = len(idx) == 0
-            part = batch_to(mb.select(idx if not empty else torch.zeros(1, dtype=torch.long)), self.device)
-            units_w = 0.0 if empty else loss_units(part, self.aggregation) / units_total
-            tokens_w = 0.0 if empty else part.n_tokens / tokens_total
+            host_part = mb.select(idx if not empty else torch.zeros(1, dtype=torch.long))
+            units_w = 0.0 if empty else loss_units(host_part, self.aggregation) / units_total
+            tokens_w = 0.0 if empty else host_part.n_tokens / tokens_total
+            part = batch_to(host_part, self.device)
             with self._grad_sync(i == len(micros) - 1):
                 with self._amp():
                     logp, entropy = token_logprobs(self._net, part, self.temperature, with_entropy=True)
@@ -242,7 +252,9 @@ class DistributedTrainer:
                 # x world_size: the gradient all-reduce averages over ranks, and we want the sum of shares.
                 (loss * (units_w * self.world_size)).backward()
             for k, v in metrics.items():  # every rank the same keys (same loss fn, same batch fields)
-                metric_sums[k] = metric_sums.get(k, 0.0) + (0.0 if empty else float(v) * tokens_w)
+                # float64 on the device: the same products and sums as Python floats, without reading v
+                total = metric_sums.get(k, torch.zeros((), dtype=torch.float64, device=self.device))
+                metric_sums[k] = total + (0.0 if empty else float64(v, self.device) * tokens_w)
             if not empty:  # a stand-in row's values are not the minibatch's (its gradient is 0 already)
                 loss_sum += loss.detach().double() * units_w
                 entropy_sum += (entropy.detach().double() * part.loss_mask).sum()
@@ -253,20 +265,26 @@ class DistributedTrainer:
             grad_norm = grad_norm.full_tensor()
         keys = sorted(metric_sums)
         vec = torch.stack([loss_sum, entropy_sum, (~torch.isfinite(grad_norm.detach())).double(),
-                           *[torch.tensor(metric_sums[k], dtype=torch.float64, device=self.device) for k in keys]])
+                           *[metric_sums[k] for k in keys]])
         if self.world_size > 1:
             dist.all_reduce(vec)
-        vec = vec.cpu()
-        applied = bool(torch.isfinite(vec[0])) and float(vec[2]) == 0.0
-        if applied:
-            self.optimizer.step()
-            self.version += 1
-        else:
+        applied: bool | Tensor
+        if self.fused:  # every rank holds the same reduced values, so every rank's device skips alike
+            bad = (~torch.isfinite(vec[0]) | (vec[2] != 0)).to(torch.float32)
+            step_unless(self.optimizer, bad)
             self.optimizer.zero_grad(set_to_none=True)
+            applied = 1.0 - bad
+        else:
+            vec = vec.cpu()
+            applied = bool(torch.isfinite(vec[0])) and float(vec[2]) == 0.0
+            if applied:
+                self.optimizer.step()
+            else:
+                self.optimizer.zero_grad(set_to_none=True)
         # The loss fn's metrics are token means (clip_frac, kl, ...): weighted by tokens they are the minibatch's
-        # (a per-sequence one, GSPO's seq_ratio_mean, comes out token-weighted).
-        out = {k: float(vec[3 + j]) for j, k in enumerate(keys)}
-        out.update(loss=float(vec[0]), grad_norm=float(grad_norm), entropy=float(vec[1]) / tokens_total)
+        # (a per-sequence one, GSPO's seq_ratio_mean, comes out token-weighted). Read on the host by the caller.
+        out: dict[str, Metric] = {k: vec[3 + j] for j, k in enumerate(keys)}
+        out.update(loss=vec[0], grad_norm=grad_norm.detach(), entropy=vec[1] / tokens_total)
         return out, applied
 
     # ------------------------------------------------------------ weights out

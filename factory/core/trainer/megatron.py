@@ -255,7 +255,8 @@ class MegatronTrainer:
         loss or gradient norm is skipped (`nonfinite` is the share skipped). The loss function gets CPU-side batch
         tensors moved to the model's device with the logprobs."""
         self.model.train()
-        sums = over_minibatches(batch, minibatches, generator, lambda mb: self._minibatch(mb, loss_fn))
+        sums, applied = over_minibatches(batch, minibatches, generator, lambda mb: self._minibatch(mb, loss_fn))
+        self.version += applied
         if self.hf_model is not None:
             t0 = time.perf_counter()
             self.sync_hf()
@@ -274,7 +275,6 @@ class MegatronTrainer:
         applied = bool(torch.isfinite(loss.detach()).all() and torch.isfinite(grad_norm))
         if applied:
             self.optimizer.step()
-            self.version += 1
         else:
             self.optimizer.zero_grad(set_to_none=True)
         assert entropy is not None

@@ -13,10 +13,18 @@ A minibatch whose loss or gradient norm is NaN/inf is not applied: its gradients
 optimizer is not stepped, so the parameters and the AdamW state stay exactly as they were (one bad batch
 would otherwise poison the moments for good). `step` reports the share of such minibatches as `nonfinite`;
 the loop decides when too many in a row stop a run.
+
+Host syncs. With `trainer.fused_optimizer` on (auto: on CUDA) AdamW runs fused and that skip is decided on the
+device (`trainer/step.py`), so a step reads the device once, after its last optimizer step: the metrics, the
+loss functions' included, stay 0-dim tensors until `over_minibatches` reads them together. Off (the CPU default),
+the skip is decided on the host per minibatch, as before; the metrics are read once either way. Batches reach
+CUDA from pinned memory without blocking the host. With `trainer.compile` on (auto: on CUDA) each decoder layer
+runs compiled in the trainer's forwards (`trainer/compiled.py`), and eager wherever else the model is called.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 
@@ -25,11 +33,14 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from factory.core.batch import TrainBatch
+from factory.core.trainer.compiled import CompiledLayers
 from factory.core.trainer.logprobs import token_logprobs as chunked_token_logprobs
+from factory.core.trainer.step import Metric, host_floats, make_adamw, nonfinite, step_unless
 from factory.infra.device import autocast, model_device
 from factory.infra.liveness import pulse_from_layers
 
-LossFn = Callable[[Tensor, TrainBatch], tuple[Tensor, dict[str, float]]]
+# A loss function's metrics are numbers or 0-dim tensors (read on the host once per step, not per minibatch).
+LossFn = Callable[[Tensor, TrainBatch], tuple[Tensor, dict[str, Metric]]]
 
 
 def token_logprobs(model: PreTrainedModel, batch: TrainBatch, temperature: float = 1.0,
@@ -48,36 +59,47 @@ def toggle_on(field: str, value: str, device: torch.device) -> bool:
 
 
 def batch_to(batch: TrainBatch, device: torch.device) -> TrainBatch:
-    """`batch` with every tensor on `device` (itself when it is there already: no copy on the CPU)."""
+    """`batch` with every tensor on `device` (itself when it is there already: no copy on the CPU). To CUDA each
+    CPU tensor goes through pinned memory without blocking the host (the caching host allocator keeps the pinned
+    copy alive until the transfer is done)."""
     if batch.input_ids.device == device:
         return batch
-    return TrainBatch(batch.input_ids.to(device), batch.attention_mask.to(device), batch.loss_mask.to(device),
-                      {k: v.to(device) for k, v in batch.per_token.items()},
-                      {k: v.to(device) for k, v in batch.per_seq.items()})
+
+    def to(t: Tensor) -> Tensor:
+        if device.type == "cuda" and t.device.type == "cpu":
+            return t.pin_memory().to(device, non_blocking=True)
+        return t.to(device)
+
+    return TrainBatch(to(batch.input_ids), to(batch.attention_mask), to(batch.loss_mask),
+                      {k: to(v) for k, v in batch.per_token.items()}, {k: to(v) for k, v in batch.per_seq.items()})
 
 
-MinibatchFn = Callable[[TrainBatch], tuple[dict[str, float], bool]]
+# A minibatch's metrics and whether its update was applied (a bool, or a 0-dim device tensor: 1 applied, 0 not).
+MinibatchFn = Callable[[TrainBatch], tuple[dict[str, Metric], bool | Tensor]]
 
 
 def over_minibatches(batch: TrainBatch, minibatches: int, generator: torch.Generator | None,
-                     one: MinibatchFn) -> dict[str, float]:
+                     one: MinibatchFn) -> tuple[dict[str, float], int]:
     """What every trainer's `step` shares: split `batch` into `minibatches` shuffled by `generator`, run `one` on
-    each (its metrics, and whether the update was applied), and return the mean metrics with `nonfinite` (the
-    share not applied), `train_s` and `tokens`."""
+    each (its metrics, and whether the update was applied), read every device value at once after the last, and
+    return the mean metrics with `nonfinite` (the share not applied), `train_s` and `tokens`, and the number of
+    updates applied (what the trainer's `version` advances by)."""
     t0 = time.perf_counter()
     order = torch.randperm(len(batch), generator=generator) if minibatches > 1 else torch.arange(len(batch))
     chunks = order.chunk(minibatches)
+    results = [one(batch.select(chunk)) for chunk in chunks]
+    names = [name for metrics, _ in results for name in ("applied", *metrics)]
+    read = iter(host_floats([v for metrics, applied in results for v in (applied, *metrics.values())], names))
     sums: dict[str, float] = {}
     skipped = 0
-    for chunk in chunks:
-        metrics, applied = one(batch.select(chunk))
-        skipped += not applied
-        for k, v in metrics.items():
-            sums[k] = sums.get(k, 0.0) + v / minibatches
+    for metrics, _ in results:  # summed in the order they came, as when each was read on its own
+        skipped += not next(read)
+        for k in metrics:
+            sums[k] = sums.get(k, 0.0) + next(read) / minibatches
     sums["nonfinite"] = skipped / len(chunks)
     sums["train_s"] = time.perf_counter() - t0
     sums["tokens"] = float(batch.n_tokens)
-    return sums
+    return sums, len(chunks) - skipped
 
 
 class TorchTrainer:
@@ -101,9 +123,12 @@ class TorchTrainer:
         self.temperature = temperature
         self.grad_clip = grad_clip
         # Only what trains: with LoRA adapters attached (models/lora.py) the frozen base weights stay out of AdamW.
-        self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
-                                           weight_decay=weight_decay, betas=(0.9, 0.99))
+        # Fused or not is decided here, on the device the model is on now (the run placed it before).
+        self.fused = self.uses("fused_optimizer")
+        self.optimizer = make_adamw([p for p in model.parameters() if p.requires_grad], lr=lr,
+                                    weight_decay=weight_decay, fused=self.fused)
         self.version = 0  # number of optimizer steps taken: the weight version it would publish
+        self._layers: CompiledLayers | None = None  # built at the first forward with trainer.compile on
 
     @property
     def device(self) -> torch.device:
@@ -112,6 +137,15 @@ class TorchTrainer:
     def uses(self, name: str) -> bool:
         """Whether the speed-up `name` (a key of `toggles`) is on where the model is now."""
         return toggle_on(f"trainer.{name}", self.toggles[name], self.device)
+
+    def _compiled(self) -> contextlib.AbstractContextManager:
+        """Where the trainer's forwards run: with `trainer.compile` on, a context in which this thread's calls of
+        the model's decoder layers go compiled (built once per trainer; `trainer/compiled.py`)."""
+        if not self.uses("compile"):
+            return contextlib.nullcontext()
+        if self._layers is None:
+            self._layers = CompiledLayers(self.model)
+        return self._layers.active()
 
     def _logprobs(self, batch: TrainBatch, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
         """`token_logprobs` on the model's device, under the trainer's precision (logprobs in float32)."""
@@ -123,7 +157,8 @@ class TorchTrainer:
     def logprobs(self, batch: TrainBatch) -> Tensor:
         """Target-token logprobs [B, T-1], on the CPU (where the loop's batches live)."""
         self.model.eval()
-        return self._logprobs(batch_to(batch, self.device))[0].cpu()
+        with self._compiled():
+            return self._logprobs(batch_to(batch, self.device))[0].cpu()
 
     def step(self, batch: TrainBatch, loss_fn: LossFn, minibatches: int = 1,
              generator: torch.Generator | None = None) -> dict[str, float]:
@@ -133,22 +168,31 @@ class TorchTrainer:
         `version` not advanced); `nonfinite` is the fraction of minibatches skipped (0.0 or 1.0 with one), and
         `loss` / `grad_norm` are the values observed, NaN or inf included."""
         self.model.train()
-        return over_minibatches(batch, minibatches, generator, lambda mb: self._minibatch(mb, loss_fn))
+        sums, applied = over_minibatches(batch, minibatches, generator, lambda mb: self._minibatch(mb, loss_fn))
+        self.version += applied
+        return sums
 
-    def _minibatch(self, mb: TrainBatch, loss_fn: LossFn) -> tuple[dict[str, float], bool]:
+    def _minibatch(self, mb: TrainBatch, loss_fn: LossFn) -> tuple[dict[str, Metric], bool | Tensor]:
         mb = batch_to(mb, self.device)
-        logp, entropy = self._logprobs(mb, with_entropy=True)
+        with self._compiled():
+            logp, entropy = self._logprobs(mb, with_entropy=True)
         loss, metrics = loss_fn(logp, mb)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         # The total norm before clipping: NaN/inf if any gradient element is (clipping cannot repair it).
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-        applied = bool(torch.isfinite(loss.detach()).all() and torch.isfinite(grad_norm))
-        if applied:
-            self.optimizer.step()
-            self.version += 1
+        applied: bool | Tensor
+        if self.fused:  # decided on the device: the fused kernels skip (and un-count) the step on found_inf 1.0
+            bad = nonfinite(loss, grad_norm)
+            step_unless(self.optimizer, bad)
+            self.optimizer.zero_grad(set_to_none=True)  # a skipped minibatch's gradients are dropped either way
+            applied = 1.0 - bad
         else:
-            self.optimizer.zero_grad(set_to_none=True)
+            applied = bool(torch.isfinite(loss.detach()).all() and torch.isfinite(grad_norm))
+            if applied:
+                self.optimizer.step()
+            else:
+                self.optimizer.zero_grad(set_to_none=True)
         mask = mb.loss_mask
         ent = (entropy * mask).sum() / mask.sum().clamp(min=1)
-        return {**metrics, "loss": loss.item(), "grad_norm": float(grad_norm), "entropy": ent.item()}, applied
+        return {**metrics, "loss": loss.detach(), "grad_norm": grad_norm.detach(), "entropy": ent}, applied
