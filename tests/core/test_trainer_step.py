@@ -291,7 +291,8 @@ def test_a_decoder_layer_compiles_without_a_graph_break(tok, fresh_dynamo):
         seen.setdefault("call", (args, kwargs))
 
     handle = layer.register_forward_pre_hook(grab, with_kwargs=True)
-    model(**{k: v for k, v in vars(rl_batch(tok, 3, 9, seed=7)).items() if k in ("input_ids", "attention_mask")}, use_cache=False)
+    batch = rl_batch(tok, 3, 9, seed=7)
+    model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
     handle.remove()
     args, kwargs = seen["call"]
     explained = dynamo.explain(layer.forward)(*args, **kwargs)

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's decoder blocks: the modules of its `_no_split_modules` classes (what FSDP shards), else the
     children of its longest ModuleList."""
