@@ -49,7 +49,7 @@ class NoHostCopy(TorchFunctionMode):
 
 class HostReads(TorchFunctionMode):
     """Counts (does not raise) the Tensor methods that read values on the host (`NoHostCopy.BANNED`, and `.cpu()`):
-    `seen` holds each as "name file:line", the line being the first caller outside torch itself."""
+    `seen` holds each as "name file:line in function", of the first caller outside torch itself."""
 
     COUNTED = NoHostCopy.BANNED | {torch.Tensor.cpu}
 
@@ -62,5 +62,5 @@ class HostReads(TorchFunctionMode):
             frame = sys._getframe(1)
             while frame.f_back is not None and f"{os.sep}torch{os.sep}" in frame.f_code.co_filename:
                 frame = frame.f_back
-            self.seen.append(f"{func.__name__} {frame.f_code.co_filename}:{frame.f_lineno}")
+            self.seen.append(f"{func.__name__} {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}")
         return func(*args, **(kwargs or {}))

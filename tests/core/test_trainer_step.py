@@ -3,7 +3,6 @@
 break and no recompile across batch lengths. On the CPU; the CUDA-only checks skip without a GPU."""
 
 import copy
-import os
 import threading
 import warnings
 
@@ -11,17 +10,14 @@ import pytest
 import torch
 import torch._dynamo as dynamo
 
-from factory.config import AlgorithmSpec
-from factory.core.algorithms import make_loss
-from factory.core.batch import TrainBatch, pack
+from factory.core.batch import TrainBatch
 from factory.core.trainer.compiled import CompiledLayers, decoder_layers
+from factory.core.trainer.distributed import DistributedTrainer
 from factory.core.trainer.step import host_floats
 from factory.core.trainer.torch_trainer import TorchTrainer, batch_to
 from factory.models.build import build_model
 from factory.models.tokenizer import build_tokenizer
-from tests.core.host_sync import HostReads
-
-GRPO = make_loss(AlgorithmSpec(name="grpo", kl_coef=0.05))
+from tests.core.step_cases import GRPO, MASK_BUILDER, count_reads, nan_after, rl_batch, step_reads
 
 
 @pytest.fixture(scope="module")
@@ -29,51 +25,8 @@ def tok():
     return build_tokenizer()
 
 
-def rl_batch(tok, rows: int, longest: int, seed: int) -> TrainBatch:
-    """GRPO-shaped rows of different lengths (right-padded), with old / reference logprobs and advantages."""
-    g = torch.Generator().manual_seed(seed)
-    vocab = len(tok) - 1
-
-    def seq(lo: int) -> list[int]:
-        n = int(torch.randint(lo, longest, (1,), generator=g))
-        return torch.randint(4, vocab, (n,), generator=g).tolist()
-
-    prompts, completions = [seq(2) for _ in range(rows)], [seq(1) for _ in range(rows)]
-    batch = pack(prompts, completions, tok.pad_token_id)
-    shape = batch.loss_mask.shape
-    batch.per_token["old_logprobs"] = -torch.rand(shape, generator=g) - 1.0
-    batch.per_token["ref_logprobs"] = -torch.rand(shape, generator=g) - 1.0
-    batch.per_seq["advantages"] = torch.randn(rows, generator=g)
-    return batch
-
-
 def trainer(tok, lr: float = 0.01, **switches) -> TorchTrainer:
     return TorchTrainer(build_model("micro", tok, seed=0), lr=lr, **switches)
-
-
-# transformers' sdpa mask builder asks whether a padded batch's mask can be dropped (`_ignore_causal_mask_sdpa`,
-# two reads of the padding mask per forward): that is the forward's input, the packed path's to remove (it passes
-# its own document mask), not the step's. Every other read inside the loop counts.
-MASK_BUILDER = f"transformers{os.sep}masking_utils.py"
-
-
-def step_reads(reads: list[list[str]]) -> list[list[str]]:
-    return [[r for r in mb if MASK_BUILDER not in r] for mb in reads]
-
-
-def count_reads(t: TorchTrainer) -> list[list[str]]:
-    """Record the host reads of each minibatch of `t` (the loop inside `step`, not the one read after it)."""
-    per_minibatch: list[list[str]] = []
-    inner = t._minibatch
-
-    def counted(mb, loss_fn):
-        with HostReads() as reads:
-            out = inner(mb, loss_fn)
-        per_minibatch.append(reads.seen)
-        return out
-
-    t._minibatch = counted
-    return per_minibatch
 
 
 def test_the_counter_sees_the_host_decided_skip(tok):
@@ -133,17 +86,6 @@ def test_one_fused_step_from_the_same_state_is_the_unfused_one(tok):
         assert int(a["step"]) == int(b["step"]) == 2
         moved |= not torch.equal(p, q)
     assert moved  # two different kernels, not one path run twice
-
-
-def nan_after(n_ok: int):
-    calls = []
-
-    def loss_fn(logp, batch):
-        calls.append(1)
-        loss, metrics = GRPO(logp, batch)
-        return (loss * float("nan") if len(calls) > n_ok else loss), metrics
-
-    return loss_fn
 
 
 def snapshot(t: TorchTrainer):
@@ -248,6 +190,39 @@ def test_a_metric_that_is_not_a_number_is_named():
 def test_batch_to_the_cpu_copies_nothing(tok):
     batch = rl_batch(tok, 2, 5, seed=6)
     assert batch_to(batch, torch.device("cpu")) is batch
+
+
+# ---------------------------------------------------------------- the distributed trainer's step
+
+# Host reads of the CPU batch (never the device): the loss units and token counts that weight the micro-batches.
+HOST_BATCH_READS = ("n_tokens", "loss_units")
+
+
+def test_fused_grad_accum_reads_the_device_once_per_step_and_skips_there():
+    """grad_accum 2 in one process with trainer.fused_optimizer on: no device read inside the minibatch loop, the
+    same curve and weights as the host-decided path within 1e-6 (lr 1e-4, n = 2 steps x 2 minibatches), and a NaN
+    minibatch skipped with the parameters and AdamW state bit-identical."""
+    tok = build_tokenizer()
+    fused, plain = (DistributedTrainer(build_model("micro", tok, seed=0), lr=1e-4, grad_accum=2, fused_optimizer=f)
+                    for f in ("on", "off"))
+    assert fused.optimizer.param_groups[0]["fused"] is True and plain.optimizer.param_groups[0]["fused"] is None
+    reads = count_reads(fused)
+    for s in range(2):
+        batch = rl_batch(tok, 6, 9, seed=s)
+        a = fused.step(batch, GRPO, 2, generator=torch.Generator().manual_seed(s))
+        b = plain.step(batch, GRPO, 2, generator=torch.Generator().manual_seed(s))
+        for key in ("loss", "grad_norm", "entropy", "clip_frac", "kl"):
+            assert a[key] == pytest.approx(b[key], abs=1e-6), (s, key)
+    assert step_reads(reads, HOST_BATCH_READS) == [[], [], [], []], reads
+    assert fused.version == plain.version == 4
+    for p, q in zip(fused.model.parameters(), plain.model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+    before = [p.detach().clone() for p in fused.model.parameters()]
+    moments = {k: {n: v.clone() for n, v in s.items()} for k, s in fused.optimizer.state.items()}
+    m = fused.step(rl_batch(tok, 6, 9, seed=5), nan_after(0), 1)
+    assert m["nonfinite"] == 1.0 and fused.version == 4
+    assert all(torch.equal(x, p) for x, p in zip(before, fused.model.parameters(), strict=True))
+    assert all(torch.equal(v, fused.optimizer.state[k][n]) for k, s in moments.items() for n, v in s.items())
 
 
 # ---------------------------------------------------------------- compiled decoder layers
