@@ -301,8 +301,8 @@ class TrainerSpec(_Section):
         "auto", description="the log-prob + entropy head as one fused op over chunks of tokens (no float32 copy of "
         "the logits kept for backward); auto: on CUDA")
     compile: Toggle = Field(
-        "auto", description="torch.compile each decoder layer (fixed length buckets: no recompile per batch); "
-        "auto: on CUDA")
+        "auto", description="torch.compile each decoder layer in the trainer's forwards (dynamic batch and sequence "
+        "sizes: no recompile per batch length; the engines and evals sharing the model stay eager); auto: on CUDA")
     fused_optimizer: Toggle = Field(
         "auto", description="fused AdamW, and a step with no host sync (a non-finite step skipped on the device); "
         "auto: on CUDA")
