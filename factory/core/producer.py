@@ -26,6 +26,8 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FuturesTimeout
 from pathlib import Path
 
 import httpx
@@ -250,14 +252,17 @@ class OverlappedProducer:
         return {"buffer": buffer, "stream": self.feed.state_dict()}
 
     def publish(self, model: PreTrainedModel, version: int) -> None:
-        # In-process transport: a tensor copy, applied by the engine between decode steps. With LoRA only the
-        # adapters leave the trainer; they are merged into the base copy here, on the rollout side.
+        # In-process handoff: the engine cast-copies the trainer's live tensors into its own parameters between
+        # decode steps (one copy per tensor, tied ones once; no clone first). The trainer is the caller and waits
+        # here until the copy is done, so it cannot step while the engine reads its weights, in either update mode
+        # ("finish_old" waits for the old weights' sequences first). With LoRA only the adapters leave the trainer;
+        # they are merged into the base copy here, on the rollout side.
         if self._merger is not None:
             merged = self._merger.merge(lora.adapter_state(model))
-            state = {**self.engine.model.state_dict(), **merged}  # the rest: the engine's own tensors, unchanged
+            state = {**self.engine.model.state_dict(), **merged}  # the rest: the engine's own tensors, not copied
         else:
-            state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        self.engine.update_weights(state, version, self.spec.rollout.update_mode).result(timeout=self.timeout)
+            state = model.state_dict()  # views of the live parameters
+        _handed_over(self.engine.update_weights(state, version, self.spec.rollout.update_mode), self.timeout)
         self._published = version
 
     def _sample(self, prompt_ids: list[int], params: SamplingParams) -> list[Completion]:
@@ -456,6 +461,19 @@ def server_argv(spec: ExperimentSpec, checkpoint: Path, rows: int, version: int)
     return [sys.executable, "-m", "factory.cli", "serve", "--checkpoint", str(checkpoint), "--port", "{port}",
             "--threads", str(spec.rollout.threads or 1), "--max-batch", str(rows), "--weight-version", str(version),
             "--device", str(run_device(spec)), "--precision", spec.trainer.precision, *budget]
+
+
+def _handed_over(update: Future, timeout: float) -> None:
+    """Wait for an in-process update to be applied. Past `timeout` it is withdrawn if the engine has not begun
+    copying (the trainer's tensors are about to change), else waited for to the end: it never reads a half-stepped
+    state."""
+    try:
+        update.result(timeout=timeout)
+    except FuturesTimeout:
+        if update.cancel():
+            raise TimeoutError(f"the rollout engine did not apply the weight update within {timeout:.0f}s "
+                               f"(schedule.wait_timeout_s); it was withdrawn") from None
+        update.result(timeout=timeout)  # the copy has begun: it takes about a copy of the weights
 
 
 def _published_state(model: PreTrainedModel) -> dict:
