@@ -32,6 +32,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from factory.config import BufferSpec, ExperimentSpec
@@ -39,7 +40,9 @@ from factory.core.buffer import BufferClosed, BufferTimeout, Group, Reservation,
 from factory.core.rollout.base import Completion, SamplingParams
 from factory.core.rollout.embedded import EmbeddedEngine
 from factory.core.rollout.paged.engine import make_engine
+from factory.core.rollout.paged.serving import serving_dtype
 from factory.core.weights import encode_delta, encode_full
+from factory.core.weights.staging import HostStaging
 from factory.data.feed import PromptFeed
 from factory.envs.protocol import tokens_from_session
 from factory.envs.registry import load_environment
@@ -294,6 +297,13 @@ class OverlappedProducer:
     def _stop_engine(self) -> None:
         self.engine.stop()
 
+    @functools.cached_property
+    def _staging(self) -> HostStaging:
+        """Host buffers for versions that leave the process through the codec, in the dtype the engine serves
+        (bf16 for trainer.precision bf16 on CUDA: the server's deltas are then against its own bf16 weights)."""
+        dtype = serving_dtype(run_device(self.spec), self.spec.trainer.precision, torch.float32)
+        return HostStaging(None if dtype == torch.float32 else dtype)  # fp32: the tensors as they are
+
 
 class ServerProducer(OverlappedProducer):
     """As `OverlappedProducer`, but the engine is a rollout server in its own process (`factory serve`),
@@ -308,7 +318,7 @@ class ServerProducer(OverlappedProducer):
         # UpdateDecoder), the current ones pushed as soon as it is up.
         save_checkpoint(lora.base_copy(model) if lora.attached(model) else model, self.tok, self._workdir / "initial")
         self._version = version
-        self._state = _published_state(model)
+        self._state = _published_state(model, self._staging)
         self._restart_lock = threading.RLock()  # publish holds it and may restart inside
         self.service = ServiceProcess(
             "rollout-server", server_argv(self.spec, self._workdir / "initial", self.rows, version),
@@ -363,7 +373,7 @@ class ServerProducer(OverlappedProducer):
                            token_versions=c["token_versions"]) for c in out["choices"]]
 
     def publish(self, model: PreTrainedModel, version: int) -> None:
-        new = _published_state(model)
+        new = _published_state(model, self._staging)
         update = encode_delta(self._state, new, version, base_version=self._version)
 
         def post() -> None:
@@ -476,13 +486,16 @@ def _handed_over(update: Future, timeout: float) -> None:
         update.result(timeout=timeout)  # the copy has begun: it takes about a copy of the weights
 
 
-def _published_state(model: PreTrainedModel) -> dict:
-    """What a version sends the rollout server: a host copy of the weights (through pinned buffers from a GPU), or
-    with LoRA of the adapters alone."""
+def _published_state(model: PreTrainedModel, staging: HostStaging | None = None) -> dict:
+    """What a version sends the rollout server: a host copy of the weights, or with LoRA of the adapters alone.
+    `staging` (`OverlappedProducer._staging`): buffers kept between versions, pinned from a GPU, one sync per
+    version, tied weights once, in the dtype the server serves; it alternates two sets, so the copy before (the
+    delta's base) stays whole while this one is written. Without it, fresh copies as they are."""
     if lora.attached(model):
         return lora.adapter_state(model)  # already fresh CPU copies
-    # The delta is encoded on the CPU: weights on a GPU leave through pinned host buffers (fresh ones: no clone).
-    return {k: host_copy(v) for k, v in model.state_dict().items()}
+    if staging is None:
+        return {k: host_copy(v) for k, v in model.state_dict().items()}
+    return staging.snapshot(model.state_dict())
 
 
 def _prompt_ids(tok: PreTrainedTokenizerFast, problem: Problem, spec: ExperimentSpec,
