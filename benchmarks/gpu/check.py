@@ -22,6 +22,10 @@ Parts (each guarded: a part that fails records its error under its key and the o
 - logprobs: torch vs Megatron per-token log-probs of the same weights and batch (bf16 on a GPU), max abs diff;
   skipped with the reason where megatron-core does not import.
 
+- trainer_rl, handoff, grpo_step (issue 34; rl_check.py and grpo_step_check.py say what each measures): the
+  trainer's MFU on RL-shaped batches (real tokens only), switches off vs on; one step's weights handed over in
+  process, by the shared buffer and by the codec; one GRPO step by phase, today's code vs the new one.
+
 `gpu_count` puts `factory validate`'s torch-free GPU count (factory/infra/gpus.py) beside torch's.
 
 The run's device follows Factory's rule: `factory.infra.device.run_device(spec)` picks it (device: auto), and each

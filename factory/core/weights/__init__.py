@@ -1,6 +1,7 @@
 """Versioned weight publication: lossless full and delta encodings, and the transports that carry them.
 
-What it owns: numbering versions, encoding them (`codec.py`), publishing them to subscribers over
+What it owns: numbering versions, encoding them (`codec.py`) from host snapshots in buffers kept between
+versions (`staging.py`: pinned from a GPU, one sync per version, tied tensors once), publishing them to subscribers over
 one of three media behind the `Transport` interface (`transport.py`: in-process, shared directory;
 `dist.py`: torch.distributed broadcast), and failing loudly: every blocking call takes a timeout and
 raises `WeightSyncTimeout` saying who waited on what. It knows nothing of models, trainers or loops:
