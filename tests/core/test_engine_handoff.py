@@ -90,7 +90,8 @@ def test_handed_over_withdraws_an_update_the_engine_has_not_begun():
     _handed_over(begun, timeout=0.01)
 
 
-def test_publish_hands_the_live_tensors_over_without_a_clone():
+@pytest.mark.parametrize("mode", ["in_flight", "finish_old"])
+def test_publish_hands_the_live_tensors_over_without_a_clone(mode):
     from factory.config import parse_spec
     from factory.core.producer import OverlappedProducer
     from factory.data.feed import feed_of
@@ -102,7 +103,8 @@ def test_publish_hands_the_live_tensors_over_without_a_clone():
     model = build_model("micro", tok, seed=0)
     problems = [Problem(id=f"p{i}", prompt=f"{i}+{i}=", answer="", op="add", digits=1) for i in range(4)]
     spec = parse_spec({"seed": 0, "model": {"preset": "micro"}, "algorithm": {"group_size": 2},
-                       "rollout": {"prompts_per_step": 1, "max_new_tokens": 2, "concurrency": 1},
+                       "rollout": {"prompts_per_step": 1, "max_new_tokens": 2, "concurrency": 1,
+                                   "update_mode": mode},
                        "trainer": {"threads": 1}, "schedule": {"mode": "async", "steps": 2, "wait_timeout_s": 60}})
     producer = OverlappedProducer(spec, model, tok, feed_of(problems, 0), 0)
     try:
@@ -115,5 +117,10 @@ def test_publish_hands_the_live_tensors_over_without_a_clone():
         assert producer.engine.weight_version == 1
         mine = producer.engine.model.state_dict()
         assert all(torch.equal(mine[k], v.to(mine[k].dtype)) for k, v in model.state_dict().items())
+        held = {k: v.clone() for k, v in mine.items()}
+        with torch.no_grad():  # the trainer's next step: the engine's copy does not follow it
+            for p in model.parameters():
+                p.add_(1.0)
+        assert all(torch.equal(v, held[k]) for k, v in producer.engine.model.state_dict().items())
     finally:
         producer.close()
