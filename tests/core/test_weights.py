@@ -507,14 +507,17 @@ def test_hashing_and_zstd_run_on_several_threads_at_once(monkeypatch):
     from factory.core.weights import codec
 
     monkeypatch.setattr(codec, "WORKERS", 4)  # a 1-core CI machine would otherwise map sequentially
-    barrier = threading.Barrier(2, timeout=WAIT)
-    seen: dict[str, set[str]] = {"sha256": set(), "compress": set()}
+    seen: dict[str, list[str]] = {"sha256": [], "compress": []}
+    barriers = {kind: threading.Barrier(2, timeout=WAIT) for kind in seen}
+    lock = threading.Lock()
 
     def together(kind: str, fn):
         def call(*a, **k):
-            seen[kind].add(threading.current_thread().name)
-            if len(seen[kind]) <= 2:
-                barrier.wait()  # the first two distinct threads meet here
+            with lock:
+                seen[kind].append(threading.current_thread().name)
+                first_two = len(seen[kind]) <= 2
+            if first_two:
+                barriers[kind].wait()  # the kind's first two calls meet here: two threads at once, or a timeout
             return fn(*a, **k)
         return call
 
@@ -524,10 +527,9 @@ def test_hashing_and_zstd_run_on_several_threads_at_once(monkeypatch):
     old = {f"w{i}": torch.randn(256, generator=g) for i in range(4)}
     new = {k: v + 1 for k, v in old.items()}  # every element changed: dense, zstd per tensor
     full = encode_full(old, 1)
-    barrier.reset()
     monkeypatch.setattr(codec, "_compress", together("compress", real_compress))
     delta = encode_delta(old, new, 2, 1)
-    assert len(seen["sha256"]) >= 2 and all(n.startswith("weights") for n in seen["sha256"])
-    assert len(seen["compress"]) >= 2 and all(n.startswith("weights") for n in seen["compress"])
+    for kind, names in seen.items():
+        assert len(set(names[:2])) == 2 and all(n.startswith("weights") for n in names), (kind, names)
     got = apply_update(apply_update(None, full), delta, 1)
     assert_bit_exact(got, new)
