@@ -250,11 +250,11 @@ class SharedWeightsWriter:
 # ---------------------------------------------------------------------------------------------- the reader's end
 def _field(handle: Mapping, name: str, kind: type | tuple[type, ...], where: str = "") -> Any:
     if name not in handle:
-        raise SharedHandleError(f"shared weights handle: field {where}{name!r} is missing")
+        raise SharedHandleError(f"shared weights handle: field '{where}{name}' is missing")
     value = handle[name]
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
         want = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
-        raise SharedHandleError(f"shared weights handle: field {where}{name!r}: expected {want}, got "
+        raise SharedHandleError(f"shared weights handle: field '{where}{name}': expected {want}, got "
                                 f"{type(value).__name__}")
     return value
 
@@ -262,7 +262,7 @@ def _field(handle: Mapping, name: str, kind: type | tuple[type, ...], where: str
 def _count(handle: Mapping, name: str, where: str = "", least: int = 0) -> int:
     value = _field(handle, name, int, where)
     if value < least:
-        raise SharedHandleError(f"shared weights handle: field {where}{name!r}: expected an integer >= {least}, "
+        raise SharedHandleError(f"shared weights handle: field '{where}{name}': expected an integer >= {least}, "
                                 f"got {value}")
     return value
 
@@ -285,21 +285,21 @@ def _unb64(handle: Mapping, name: str, where: str, optional: bool = False) -> by
     if value is None:
         return None
     if not isinstance(value, str):
-        raise SharedHandleError(f"shared weights handle: field {where}{name!r}: expected base64 text or null")
+        raise SharedHandleError(f"shared weights handle: field '{where}{name}': expected base64 text or null")
     try:
         return base64.b64decode(value, validate=True)
     except ValueError:
-        raise SharedHandleError(f"shared weights handle: field {where}{name!r}: not base64") from None
+        raise SharedHandleError(f"shared weights handle: field '{where}{name}': not base64") from None
 
 
 def _local_cuda_index(uuid: str, where: str) -> int:
     if not torch.cuda.is_available():
-        raise SharedHandleError(f"shared weights handle: field {where}'device_uuid': the buffers are on a GPU and "
+        raise SharedHandleError(f"shared weights handle: field '{where}device_uuid': the buffers are on a GPU and "
                                 f"this process sees none")
     for i in range(torch.cuda.device_count()):
         if str(torch.cuda.get_device_properties(i).uuid) == uuid:
             return i
-    raise SharedHandleError(f"shared weights handle: field {where}'device_uuid': no visible GPU has UUID {uuid!r}")
+    raise SharedHandleError(f"shared weights handle: field '{where}device_uuid': no visible GPU has UUID {uuid!r}")
 
 
 def _open_cuda_slot(spec: Mapping, where: str, dtype: torch.dtype, numel: int) -> torch.Tensor:
@@ -307,16 +307,16 @@ def _open_cuda_slot(spec: Mapping, where: str, dtype: torch.dtype, numel: int) -
 
     for name in _IPC_FIELDS:
         if name not in spec:
-            raise SharedHandleError(f"shared weights handle: field {where}{name!r} is missing")
+            raise SharedHandleError(f"shared weights handle: field '{where}{name}' is missing")
     size = _field(spec, "size", list, where)
     if size != [numel]:
-        raise SharedHandleError(f"shared weights handle: field {where}'size': expected [{numel}], got {size}")
+        raise SharedHandleError(f"shared weights handle: field '{where}size': expected [{numel}], got {size}")
     if _field(spec, "stride", list, where) != [1]:
-        raise SharedHandleError(f"shared weights handle: field {where}'stride': expected [1]")
+        raise SharedHandleError(f"shared weights handle: field '{where}stride': expected [1]")
     args = [_count(spec, n, where) for n in ("offset", "storage_size_bytes", "storage_offset_bytes",
                                               "ref_counter_offset")]
     if args[1] < (args[0] + numel) * dtype.itemsize:
-        raise SharedHandleError(f"shared weights handle: field {where}'storage_size_bytes': {args[1]} bytes cannot "
+        raise SharedHandleError(f"shared weights handle: field '{where}storage_size_bytes': {args[1]} bytes cannot "
                                 f"hold {numel} {dtype} elements at offset {args[0]}")
     index = _local_cuda_index(_field(spec, "device_uuid", str, where), where)
     handle = _unb64(spec, "handle", where)
@@ -327,7 +327,7 @@ def _open_cuda_slot(spec: Mapping, where: str, dtype: torch.dtype, numel: int) -
         return rebuild_cuda_tensor(torch.Tensor, torch.Size([numel]), (1,), args[0], torch.storage.TypedStorage,
                                    dtype, index, handle, args[1], args[2], False, ref, args[3], event, sync)
     except RuntimeError as e:
-        raise SharedHandleError(f"shared weights handle: field {where}'handle': CUDA could not open it: {e}") from None
+        raise SharedHandleError(f"shared weights handle: field '{where}handle': CUDA could not open it: {e}") from None
 
 
 class SharedWeightsReader:
