@@ -63,7 +63,7 @@ def _reader(handle_json: str, scenario: str, commands, replies, events) -> None:
         if scenario == "lockstep":
             reader = SharedWeightsReader.attach(handle)
             state = empty_state(torch.float64)  # read in another dtype than the buffer's: cast on the copy
-            while (cmd := commands.get(timeout=WAIT)) != "stop":
+            while commands.get(timeout=WAIT) != "stop":
                 v = reader.read_into(state)
                 replies.put(("ok", v, v is not None and whole(state, v)))
         elif scenario == "race":  # as slow as it can, against a writer as fast as it can, until the last version
