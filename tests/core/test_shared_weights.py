@@ -267,3 +267,12 @@ def test_read_into_a_state_of_another_shape_names_the_tensor():
             with pytest.raises(SharedHandleError, match=r"read_into: state\['norm.weight'\] has shape \(31,\)"):
                 reader.read_into(state)
             assert reader.version is None  # nothing was read
+
+
+def test_a_long_value_in_a_handle_is_quoted_short():
+    with SharedWeightsWriter.create(make_state(0), torch.float32, "cpu") as writer:
+        for field in ("kind", "control", "dtype"):
+            handle = {**writer.handle(), field: "x" * 10_000}
+            with pytest.raises(SharedHandleError, match=f"field '{field}'") as e:
+                SharedWeightsReader.attach(handle)
+            assert len(str(e.value)) < 300

@@ -12,6 +12,7 @@ import torch
 
 from factory.core.weights.codec import storage_key
 from factory.core.weights.shared import SharedHandleError, SharedWeightsReader
+from factory.text import clip
 
 
 class SharedUpdates:
@@ -37,7 +38,7 @@ class SharedUpdates:
                 missing = sorted(set(current) - set(names))[:5]
                 extra = sorted(set(names) - set(current))[:5]
                 raise SharedHandleError(f"shared weights handle: field 'tensors': not this server's model: missing "
-                                        f"{missing}, unexpected {extra}")
+                                        f"{clip(missing, 150)}, unexpected {clip(extra, 150)}")
             for name, shape in names.items():
                 if tuple(current[name].shape) != shape:
                     raise SharedHandleError(f"shared weights handle: field 'tensors': {name!r} has shape {shape}, "

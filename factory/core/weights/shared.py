@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from factory.core.weights.codec import StateDict, WeightSyncError, WeightSyncTimeout, storage_key
+from factory.text import clip
 
 KIND = "factory.shared_weights"
 FORMAT = 1
@@ -68,6 +69,11 @@ class _Entry:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+
+def _q(value: object) -> str:
+    """A value from a handle, quoted short enough for a one-line error."""
+    return clip(repr(value), 80)
 
 
 def _shm_dir() -> str | None:
@@ -271,11 +277,12 @@ def _regular_file(path: str, field: str, nbytes: int) -> str:
     try:
         st = os.stat(path, follow_symlinks=False)
     except (OSError, ValueError) as e:
-        raise SharedHandleError(f"shared weights handle: field {field!r}: cannot open {path!r}: {e}") from None
+        why = getattr(e, "strerror", None) or e
+        raise SharedHandleError(f"shared weights handle: field {field!r}: cannot open {_q(path)}: {why}") from None
     if not stat.S_ISREG(st.st_mode):
-        raise SharedHandleError(f"shared weights handle: field {field!r}: {path!r} is not a regular file")
+        raise SharedHandleError(f"shared weights handle: field {field!r}: {_q(path)} is not a regular file")
     if st.st_size != nbytes:
-        raise SharedHandleError(f"shared weights handle: field {field!r}: {path!r} has {st.st_size} bytes, the "
+        raise SharedHandleError(f"shared weights handle: field {field!r}: {_q(path)} has {st.st_size} bytes, the "
                                 f"layout needs {nbytes}")
     return path
 
@@ -299,7 +306,7 @@ def _local_cuda_index(uuid: str, where: str) -> int:
     for i in range(torch.cuda.device_count()):
         if str(torch.cuda.get_device_properties(i).uuid) == uuid:
             return i
-    raise SharedHandleError(f"shared weights handle: field '{where}device_uuid': no visible GPU has UUID {uuid!r}")
+    raise SharedHandleError(f"shared weights handle: field '{where}device_uuid': no visible GPU has UUID {_q(uuid)}")
 
 
 def _open_cuda_slot(spec: Mapping, where: str, dtype: torch.dtype, numel: int) -> torch.Tensor:
@@ -310,7 +317,7 @@ def _open_cuda_slot(spec: Mapping, where: str, dtype: torch.dtype, numel: int) -
             raise SharedHandleError(f"shared weights handle: field '{where}{name}' is missing")
     size = _field(spec, "size", list, where)
     if size != [numel]:
-        raise SharedHandleError(f"shared weights handle: field '{where}size': expected [{numel}], got {size}")
+        raise SharedHandleError(f"shared weights handle: field '{where}size': expected [{numel}], got {_q(size)}")
     if _field(spec, "stride", list, where) != [1]:
         raise SharedHandleError(f"shared weights handle: field '{where}stride': expected [1]")
     args = [_count(spec, n, where) for n in ("offset", "storage_size_bytes", "storage_offset_bytes",
@@ -348,18 +355,19 @@ class SharedWeightsReader:
         if not isinstance(handle, Mapping):
             raise SharedHandleError(f"shared weights handle: expected a JSON object, got {type(handle).__name__}")
         if _field(handle, "kind", str) != KIND:
-            raise SharedHandleError(f"shared weights handle: field 'kind': expected {KIND!r}, got {handle['kind']!r}")
+            raise SharedHandleError(f"shared weights handle: field 'kind': expected {KIND!r}, got {_q(handle['kind'])}")
         if _field(handle, "format", int) != FORMAT:
             raise SharedHandleError(f"shared weights handle: field 'format': expected {FORMAT}, got "
-                                    f"{handle['format']}")
+                                    f"{_q(handle['format'])}")
         layout_id = _count(handle, "id")
         device = _field(handle, "device", str)
         if device not in ("cpu", "cuda"):
-            raise SharedHandleError(f"shared weights handle: field 'device': expected 'cpu' or 'cuda', got {device!r}")
+            raise SharedHandleError(f"shared weights handle: field 'device': expected 'cpu' or 'cuda', got "
+                                    f"{_q(device)}")
         dtype_name = _field(handle, "dtype", str)
         if dtype_name not in _DTYPES:
             raise SharedHandleError(f"shared weights handle: field 'dtype': expected one of {', '.join(_DTYPES)}, "
-                                    f"got {dtype_name!r}")
+                                    f"got {_q(dtype_name)}")
         dtype = getattr(torch, dtype_name)
         numel = _count(handle, "numel", least=1)
         entries = cls._entries(_field(handle, "tensors", list), numel)
@@ -393,19 +401,19 @@ class SharedWeightsReader:
                 raise SharedHandleError(f"shared weights handle: field 'tensors[{i}]': expected an object")
             name = _field(t, "name", str, where)
             if name in names:
-                raise SharedHandleError(f"shared weights handle: field '{where}name': {name!r} appears twice")
+                raise SharedHandleError(f"shared weights handle: field '{where}name': {_q(name)} appears twice")
             names.add(name)
             shape = _field(t, "shape", list, where)
             if any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in shape):
                 raise SharedHandleError(f"shared weights handle: field '{where}shape': expected non-negative "
-                                        f"integers, got {shape}")
+                                        f"integers, got {_q(shape)}")
             dtype = _field(t, "dtype", str, where)
             if not isinstance(getattr(torch, dtype, None), torch.dtype):
-                raise SharedHandleError(f"shared weights handle: field '{where}dtype': unknown dtype {dtype!r}")
+                raise SharedHandleError(f"shared weights handle: field '{where}dtype': unknown dtype {_q(dtype)}")
             offset = _count(t, "offset", where)
             entry = _Entry(name, tuple(shape), dtype, offset)
             if offset + entry.numel > numel:
-                raise SharedHandleError(f"shared weights handle: field '{where}offset': {name!r} ({entry.numel} "
+                raise SharedHandleError(f"shared weights handle: field '{where}offset': {_q(name)} ({entry.numel} "
                                         f"elements at {offset}) runs past the buffer's {numel}")
             entries.append(entry)
         if not entries:
