@@ -276,3 +276,26 @@ def test_a_long_value_in_a_handle_is_quoted_short():
             with pytest.raises(SharedHandleError, match=f"field '{field}'") as e:
                 SharedWeightsReader.attach(handle)
             assert len(str(e.value)) < 300
+
+
+def test_a_cuda_handle_is_checked_field_by_field_before_cuda_is_asked():
+    """The CUDA IPC arguments of a slot (JSON, as `SharedWeightsWriter.handle()` writes them on a GPU) are checked
+    before any is handed to CUDA; a whole, well-formed one for a GPU this process does not see is refused naming its
+    device."""
+    with SharedWeightsWriter.create(make_state(0), torch.float32, "cpu") as writer:
+        n = writer.numel
+        ipc = {"size": [n], "stride": [1], "offset": 0, "device_uuid": "GPU-00000000-0000-0000-0000-000000000000",
+               "handle": "AAAA", "storage_size_bytes": 4 * n, "storage_offset_bytes": 0, "ref_counter_handle": "AAAA",
+               "ref_counter_offset": 0, "event_handle": None, "event_sync_required": False}
+        cases = [({k: v for k, v in ipc.items() if k != "event_handle"}, "'slots[0].event_handle' is missing"),
+                 ({**ipc, "size": [n + 1]}, f"'slots[0].size': expected [{n}]"),
+                 ({**ipc, "stride": [2]}, "'slots[0].stride'"),
+                 ({**ipc, "storage_size_bytes": 4 * n - 1}, "'slots[0].storage_size_bytes'"),
+                 ({**ipc, "offset": -1}, "'slots[0].offset': expected an integer >= 0"),
+                 ({**ipc, "event_sync_required": "yes"}, "'slots[0].event_sync_required': expected bool"),
+                 (ipc, r"'slots\[0\]\.device_uuid': (the buffers are on a GPU and this process sees none|no visible "
+                       "GPU has UUID)")]
+        for slot, message in cases:
+            handle = {**writer.handle(), "device": "cuda", "slots": [slot, slot]}
+            with pytest.raises(SharedHandleError, match=re.escape(message) if "(" not in message else message):
+                SharedWeightsReader.attach(handle)

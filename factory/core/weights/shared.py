@@ -25,12 +25,14 @@ copies being complete when they return (on CUDA: a synchronize before the re-che
 from __future__ import annotations
 
 import base64
+import contextlib
 import math
 import os
 import secrets
 import stat
 import tempfile
 import time
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +53,9 @@ _HEADER = 2
 _CONTROL_WORDS = _HEADER + 2 * SLOTS
 _NONE = -1  # the version of a slot that never held one
 _DTYPES = ("float32", "bfloat16", "float16", "float64")
+# this process's writers by layout id: a reader attached in the writer's own process uses its slots directly (CUDA
+# cannot open an IPC handle in the process that made it)
+_WRITERS: weakref.WeakValueDictionary[int, SharedWeightsWriter] = weakref.WeakValueDictionary()
 _IPC_FIELDS = ("size", "stride", "offset", "device_uuid", "handle", "storage_size_bytes", "storage_offset_bytes",
                "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
 
@@ -139,6 +144,11 @@ def _cuda_ipc(t: torch.Tensor) -> dict[str, Any]:
             "event_handle": _b64(event_handle), "event_sync_required": bool(event_sync)}
 
 
+def _on(device: torch.device):
+    """The device guard of `device` (a no-op on the CPU)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 class SharedWeightsWriter:
     """The trainer's end: two slots of one flat buffer and the control block; `publish` versions into them."""
 
@@ -170,6 +180,7 @@ class SharedWeightsWriter:
         self._event = torch.cuda.Event() if device.type == "cuda" else None
         self._handle: dict[str, Any] | None = None
         self.closed = False
+        _WRITERS[self.layout_id] = self
 
     @classmethod
     def create(cls, state: StateDict, dtype: torch.dtype, device: str | torch.device,
@@ -204,12 +215,12 @@ class SharedWeightsWriter:
         slot = 0 if self._newest is None else 1 - self._newest
         seq, buf = self._seq(slot), self.slots[slot]
         self._ctl[seq] += 1  # odd: being written
-        with torch.no_grad():
+        with torch.no_grad(), _on(self.device):
             for e in self._unique:
                 buf[e.offset:e.offset + e.numel].view(e.shape).copy_(state[e.name].detach())
-        if self._event is not None:
-            self._event.record()
-            self._event.synchronize()
+            if self._event is not None:  # the copies are queued on the device's current stream: wait for them
+                self._event.record(torch.cuda.current_stream(self.device))
+                self._event.synchronize()
         self._ctl[seq + 1] = version
         self._ctl[seq] += 1  # even: whole
         self._newest, self.version = slot, version
@@ -235,6 +246,7 @@ class SharedWeightsWriter:
             return
         self.closed = True
         self.slots, self._ctl = [], None  # type: ignore[assignment]
+        _WRITERS.pop(self.layout_id, None)
         for f in self._files:
             try:
                 os.unlink(f)
@@ -325,11 +337,11 @@ def _open_cuda_slot(spec: Mapping, where: str, dtype: torch.dtype, numel: int) -
     if args[1] < (args[0] + numel) * dtype.itemsize:
         raise SharedHandleError(f"shared weights handle: field '{where}storage_size_bytes': {args[1]} bytes cannot "
                                 f"hold {numel} {dtype} elements at offset {args[0]}")
-    index = _local_cuda_index(_field(spec, "device_uuid", str, where), where)
     handle = _unb64(spec, "handle", where)
     ref = _unb64(spec, "ref_counter_handle", where)
     event = _unb64(spec, "event_handle", where, optional=True)
     sync = _field(spec, "event_sync_required", bool, where)
+    index = _local_cuda_index(_field(spec, "device_uuid", str, where), where)  # the last: every field is checked
     try:
         return rebuild_cuda_tensor(torch.Tensor, torch.Size([numel]), (1,), args[0], torch.storage.TypedStorage,
                                    dtype, index, handle, args[1], args[2], False, ref, args[3], event, sync)
@@ -388,6 +400,9 @@ class SharedWeightsReader:
             if device == "cpu":
                 path = _regular_file(_field(spec, "path", str, where), f"slots[{s}].path", numel * dtype.itemsize)
                 slots.append(torch.from_file(path, shared=True, size=numel, dtype=dtype))
+            elif (local := _WRITERS.get(layout_id)) is not None and local.device.type == "cuda" \
+                    and (local.numel, local.dtype) == (numel, dtype):
+                slots.append(local.slots[s])
             else:
                 slots.append(_open_cuda_slot(spec, where, dtype, numel))
         return cls(entries, numel, dtype, control, slots, layout_id)
@@ -446,8 +461,8 @@ class SharedWeightsReader:
                     continue
                 done.add(key)
                 dst.copy_(buf[e.offset:e.offset + e.numel].view(e.shape))
-        if buf.is_cuda or any(t.is_cuda for t in state.values()):
-            torch.cuda.synchronize()
+        for device in {t.device for t in (buf, *state.values()) if t.is_cuda}:  # done before the seqlock re-check
+            torch.cuda.synchronize(device)
 
     def read_into(self, state: StateDict, timeout: float = 60.0) -> int | None:
         """Copy the newest whole version into `state`'s tensors (in place, in their dtype) and return it; None if
