@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from factory.config import parse_spec
 from factory.core.producer import _prompt_ids, scorer
@@ -131,7 +132,9 @@ def test_weight_transport_auto_is_shared_on_cuda_and_codec_on_the_cpu_or_with_lo
 
 
 @pytest.mark.slow  # ~20 s: two `factory serve` processes start (the second after the kill)
-def test_the_server_producer_hands_versions_through_the_shared_buffer_and_a_restarted_server_reattaches():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no GPU: the server maps the buffer by CUDA IPC"))])
+def test_the_server_producer_hands_versions_through_the_shared_buffer_and_a_restarted_server_reattaches(device):
     """A run's ServerProducer with rollout.weight_transport shared on the CPU, its `factory serve` process real: each
     version is what the trainer holds, bit for bit in the buffer, and served; after the server is killed, the
     restarted one attaches again and serves the newest version (no full push: no host copy is even kept)."""
@@ -145,10 +148,11 @@ def test_the_server_producer_hands_versions_through_the_shared_buffer_and_a_rest
     from factory.models.tokenizer import build_tokenizer
 
     tok = build_tokenizer()
-    model = build_model("micro", tok, seed=0)
+    model = build_model("micro", tok, seed=0).to(device)
     problems = [Problem(id=f"p{i}", prompt=f"{i}+{i}=", answer="", op="add", digits=1) for i in range(4)]
-    spec = parse_spec({"seed": 0, "device": "cpu", "model": {"preset": "micro"}, "algorithm": {"group_size": 2},
-                       "rollout": {"engine": "server", "weight_transport": "shared", "prompts_per_step": 1,
+    transport = "shared" if device == "cpu" else "auto"  # auto is shared on CUDA
+    spec = parse_spec({"seed": 0, "device": device, "model": {"preset": "micro"}, "algorithm": {"group_size": 2},
+                       "rollout": {"engine": "server", "weight_transport": transport, "prompts_per_step": 1,
                                    "max_new_tokens": 2, "concurrency": 1, "threads": 1},
                        "trainer": {"threads": 1}, "schedule": {"mode": "async", "steps": 2, "wait_timeout_s": 60}})
     producer = ServerProducer(spec, model, tok, feed_of(problems, 0), 0)

@@ -16,6 +16,8 @@ import torch
 from factory.core.weights.shared import SharedHandleError, SharedWeightsReader, SharedWeightsWriter
 
 WAIT = 60.0
+# the CUDA IPC path runs where a GPU is at hand (the reader process maps the writer's device buffers)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
 SHAPES = {"embed.weight": (64, 32), "layer.weight": (32, 32), "layer.bias": (32,), "norm.weight": (32,)}
 
 
@@ -34,8 +36,8 @@ def whole(state: dict[str, torch.Tensor], version: int) -> bool:
         and bool((state["head.weight"] == version * 16).all())
 
 
-def empty_state(dtype: torch.dtype = torch.float32, scale: int = 1) -> dict[str, torch.Tensor]:
-    state = {k: torch.full_like(v, -1.0, dtype=dtype) for k, v in make_state(0, scale).items()}
+def empty_state(dtype: torch.dtype = torch.float32, scale: int = 1, device: str = "cpu") -> dict[str, torch.Tensor]:
+    state = {k: torch.full_like(v, -1.0, dtype=dtype, device=device) for k, v in make_state(0, scale).items()}
     state["head.weight"] = state["embed.weight"]
     return state
 
@@ -56,19 +58,19 @@ class PausingReader(SharedWeightsReader):
         super()._copy(slot, state)
 
 
-def _reader(handle_json: str, scenario: str, commands, replies, events) -> None:
+def _reader(handle_json: str, scenario: str, commands, replies, events, device: str) -> None:
     try:
         torch.set_num_threads(1)
         handle = json.loads(handle_json)
         if scenario == "lockstep":
             reader = SharedWeightsReader.attach(handle)
-            state = empty_state(torch.float64)  # read in another dtype than the buffer's: cast on the copy
+            state = empty_state(torch.float64, device=device)  # another dtype than the buffer's: cast on the copy
             while commands.get(timeout=WAIT) != "stop":
                 v = reader.read_into(state)
                 replies.put(("ok", v, v is not None and whole(state, v)))
         elif scenario == "race":  # as slow as it can, against a writer as fast as it can, until the last version
             reader = SharedWeightsReader.attach(handle)
-            state, seen, final = empty_state(torch.float64, scale=64), [], commands.get(timeout=WAIT)
+            state, seen, final = empty_state(torch.float64, 64, device), [], commands.get(timeout=WAIT)
             replies.put(("ok", None, None))  # attached
             while not seen or seen[-1][0] != final:
                 v = reader.read_into(state)
@@ -78,7 +80,7 @@ def _reader(handle_json: str, scenario: str, commands, replies, events) -> None:
         else:  # "lap": the writer comes round to the slot being copied
             reader = PausingReader.attach(handle)
             reader.mid_copy, reader.go_on = events
-            state = empty_state()
+            state = empty_state(device=device)
             v = reader.read_into(state)
             replies.put(("ok", v, (whole(state, v), reader.retries)))
         reader.close()
@@ -94,7 +96,8 @@ def spawn():
     def start(writer: SharedWeightsWriter, scenario: str):
         commands, replies = ctx.Queue(), ctx.Queue()
         events = (ctx.Event(), ctx.Event())
-        proc = ctx.Process(target=_reader, args=(json.dumps(writer.handle()), scenario, commands, replies, events))
+        proc = ctx.Process(target=_reader, args=(json.dumps(writer.handle()), scenario, commands, replies, events,
+                                                  writer.device.type))
         proc.start()
         procs.append(proc)
         return commands, replies, events
@@ -113,8 +116,9 @@ def reply(replies) -> tuple:
     return value, extra
 
 
-def test_versions_arrive_in_order_whole_and_a_reader_that_fell_behind_gets_the_newest(spawn):
-    with SharedWeightsWriter.create(make_state(0), torch.float32, "cpu") as writer:
+@pytest.mark.parametrize("device", DEVICES)
+def test_versions_arrive_in_order_whole_and_a_reader_that_fell_behind_gets_the_newest(spawn, device):
+    with SharedWeightsWriter.create(make_state(0), torch.bfloat16, device) as writer:  # the patterns are exact in bf16
         commands, replies, _ = spawn(writer, "lockstep")
         commands.put("read")
         assert reply(replies) == (None, False)  # nothing published yet
@@ -131,15 +135,17 @@ def test_versions_arrive_in_order_whole_and_a_reader_that_fell_behind_gets_the_n
         commands.put("stop")
 
 
-def test_a_reader_never_sees_a_half_written_version(spawn):
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_reader_never_sees_a_half_written_version(spawn, device):
     """A writer publishing as fast as it can against a reader copying slowly (64x the tensors, cast to fp64,
     every element checked): each version the reader returns is whole, and they strictly increase."""
     final = 400
-    with SharedWeightsWriter.create(make_state(0, scale=64), torch.float32, "cpu") as writer:
+    with SharedWeightsWriter.create(make_state(0, scale=64), torch.float32, device) as writer:
         commands, replies, _ = spawn(writer, "race")
         commands.put(final)
         assert reply(replies)[0] is None  # attached
-        state = make_state(0, scale=64)
+        state = {k: v.to(device) for k, v in make_state(0, scale=64).items()}
+        state["head.weight"] = state["embed.weight"]
         for v in range(1, final + 1):
             for k, name in enumerate(SHAPES):  # in place (the head is the embedding): no allocation between publishes
                 state[name].fill_(v * 16 + k)
@@ -151,10 +157,11 @@ def test_a_reader_never_sees_a_half_written_version(spawn):
     print(f"reads={len(seen)} retries={retries}")
 
 
-def test_a_copy_the_writer_overtook_is_taken_again(spawn):
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_copy_the_writer_overtook_is_taken_again(spawn, device):
     """The reader stops halfway through copying version 1's slot; the writer publishes 2 (the other slot) and 3
     (that slot): the reader notices, copies again, and returns 3 whole."""
-    with SharedWeightsWriter.create(make_state(0), torch.float32, "cpu") as writer:
+    with SharedWeightsWriter.create(make_state(0), torch.float32, device) as writer:
         writer.publish(make_state(1), 1)
         _, replies, (mid_copy, go_on) = spawn(writer, "lap")
         assert mid_copy.wait(WAIT)
