@@ -83,7 +83,7 @@ class RolloutServer:
         self.gate = PromptGate(engine.tokenizer, engine.max_seq_len)  # length bound first, large prompts off-loop
         self.created = int(time.time())
         self._update_lock = asyncio.Lock()  # one weight update at a time, in arrival order
-        self.shared = SharedUpdates(engine.model)  # the trainer's shared buffer, once attached
+        self.shared = SharedUpdates(engine)  # the trainer's shared buffer, once attached
 
     @property
     def max_prompt_chars(self) -> int | None:

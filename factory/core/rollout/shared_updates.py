@@ -18,8 +18,8 @@ from factory.text import clip
 class SharedUpdates:
     """At most one attached writer at a time; a new handle (a restarted trainer, or a restarted server) replaces it."""
 
-    def __init__(self, model: torch.nn.Module):
-        self.model = model
+    def __init__(self, engine: Any):
+        self.engine = engine  # its model is read at attach: an engine may swap it (never while attaching)
         self.reader: SharedWeightsReader | None = None
         self.staging: dict[str, torch.Tensor] = {}
 
@@ -32,7 +32,7 @@ class SharedUpdates:
         newest whole version they hold (None: none yet)."""
         reader = SharedWeightsReader.attach(handle)
         try:
-            current = self.model.state_dict()
+            current = self.engine.model.state_dict()
             names = {e.name: e.shape for e in reader.entries}
             if set(names) != set(current):
                 missing = sorted(set(current) - set(names))[:5]
