@@ -13,6 +13,7 @@ import traceback
 import pytest
 import torch
 
+from factory.core.weights import WeightSyncError
 from factory.core.weights.shared import SharedHandleError, SharedWeightsReader, SharedWeightsWriter
 
 WAIT = 60.0
@@ -306,3 +307,16 @@ def test_a_cuda_handle_is_checked_field_by_field_before_cuda_is_asked():
             handle = {**writer.handle(), "device": "cuda", "slots": [slot, slot]}
             with pytest.raises(SharedHandleError, match=re.escape(message) if "(" not in message else message):
                 SharedWeightsReader.attach(handle)
+
+
+def test_a_writer_never_closed_still_removes_its_files_and_one_too_big_for_shm_is_refused():
+    import gc
+
+    writer = SharedWeightsWriter.create(make_state(0), torch.float32, "cpu")
+    control = writer.handle()["control"]
+    del writer
+    gc.collect()
+    assert not os.path.exists(control) and not os.path.exists(os.path.dirname(control))
+    huge = {"w": torch.zeros(1).expand(1 << 40)}  # 4 TiB of fp32 in name only: nothing is allocated
+    with pytest.raises(WeightSyncError, match=r"the shared weights buffer needs \d+ MiB in .*, \d+ MiB are free"):
+        SharedWeightsWriter.create(huge, torch.float32, "cpu")

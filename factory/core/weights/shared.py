@@ -149,6 +149,15 @@ def _on(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
+def _remove(files: list[str], directory: Path | None) -> None:
+    for f in files:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f)
+    if directory is not None:
+        with contextlib.suppress(OSError):
+            directory.rmdir()
+
+
 class SharedWeightsWriter:
     """The trainer's end: two slots of one flat buffer and the control block; `publish` versions into them."""
 
@@ -158,12 +167,14 @@ class SharedWeightsWriter:
         self.layout_id = secrets.randbits(62)
         self.version: int | None = None  # the newest whole version
         self._newest: int | None = None  # the slot holding it
-        self._dir, self._owns_dir = directory, owns_directory
+        self._dir = directory
         # one copy per storage: the first name of each range, in layout order
         self._unique = list({e.offset: e for e in reversed(entries)}.values())[::-1]
         control = str(directory / "control")
-        _new_file(control, 8 * _CONTROL_WORDS)
         self._files = [control]
+        # the files go with the writer, also one never closed (not with a killed process: /dev/shm keeps them)
+        self._finalizer = weakref.finalize(self, _remove, self._files, directory if owns_directory else None)
+        _new_file(control, 8 * _CONTROL_WORDS)
         self._ctl = _control(control, _CONTROL_WORDS, write=True)
         self._ctl[0], self._ctl[1] = _MAGIC, self.layout_id
         for s in range(SLOTS):
@@ -172,8 +183,8 @@ class SharedWeightsWriter:
         for s in range(SLOTS):
             if device.type == "cpu":
                 path = str(self._dir / f"slot{s}")
-                _new_file(path, numel * dtype.itemsize)
                 self._files.append(path)
+                _new_file(path, numel * dtype.itemsize)
                 self.slots.append(torch.from_file(path, shared=True, size=numel, dtype=dtype))
             else:
                 self.slots.append(torch.zeros(numel, dtype=dtype, device=device))
@@ -200,6 +211,14 @@ class SharedWeightsWriter:
         else:
             directory = Path(path)
             directory.mkdir(parents=True, exist_ok=True)
+        # tmpfs takes a file larger than its free room, then kills the process that writes past it (SIGBUS)
+        need = SLOTS * numel * dtype.itemsize if device.type == "cpu" else 0
+        st = os.statvfs(directory)
+        if need > st.f_bavail * st.f_frsize:
+            if path is None:
+                directory.rmdir()
+            raise WeightSyncError(f"the shared weights buffer needs {need >> 20} MiB in {directory}, "
+                                  f"{(st.f_bavail * st.f_frsize) >> 20} MiB are free")
         return cls(entries, numel, dtype, device, directory, owns_directory=path is None)
 
     def _seq(self, slot: int) -> int:
@@ -247,16 +266,7 @@ class SharedWeightsWriter:
         self.closed = True
         self.slots, self._ctl = [], None  # type: ignore[assignment]
         _WRITERS.pop(self.layout_id, None)
-        for f in self._files:
-            try:
-                os.unlink(f)
-            except FileNotFoundError:
-                pass
-        if self._owns_dir:
-            try:
-                self._dir.rmdir()
-            except OSError:
-                pass
+        self._finalizer()
 
     def __enter__(self) -> SharedWeightsWriter:
         return self
