@@ -42,6 +42,7 @@ from factory.core.rollout.tools import (
     plan_tools,
 )
 from factory.core.rollout.update_decoder import UpdateDecoder
+from factory.core.weights import WeightSyncError
 from factory.core.weights.shared import SharedHandleError
 from factory.text import clip
 
@@ -405,10 +406,15 @@ class RolloutServer:
                 return {"success": True, "message": f"no version newer than {self.engine.weight_version} in the "
                                                     f"shared buffer", "weight_version": self.engine.weight_version,
                         "num_paused_requests": 0}
-            version = await asyncio.to_thread(self.shared.read)
-            if version is None:  # read before (an update the engine refused), yet not served: read it again
-                self.shared.forget()
+            try:
                 version = await asyncio.to_thread(self.shared.read)
+                if version is None:  # read before (an update the engine refused), yet not served: read it again
+                    self.shared.forget()
+                    version = await asyncio.to_thread(self.shared.read)
+            except WeightSyncError as e:  # the writer overtook every copy for the read's timeout
+                raise APIError(503, f"cannot read the shared weights buffer: {e}", kind="unavailable") from e
+            if version is None:
+                raise APIError(409, "the shared weights buffer holds nothing newer to read; attach it again")
             try:
                 applied = await asyncio.wrap_future(self.engine.update_weights(self.shared.staging, version, mode))
             except ValueError as e:
