@@ -320,3 +320,29 @@ def test_a_writer_never_closed_still_removes_its_files_and_one_too_big_for_shm_i
     huge = {"w": torch.zeros(1).expand(1 << 40)}  # 4 TiB of fp32 in name only: nothing is allocated
     with pytest.raises(WeightSyncError, match=r"the shared weights buffer needs \d+ MiB in .*, \d+ MiB are free"):
         SharedWeightsWriter.create(huge, torch.float32, "cpu")
+
+
+def test_a_publish_that_fails_midway_leaves_the_newest_whole_version_readable():
+    with SharedWeightsWriter.create(make_state(0), torch.float32, "cpu") as writer, \
+            SharedWeightsReader.attach(writer.handle()) as reader:
+        writer.publish(make_state(1), 1)
+        broken = make_state(2)
+        broken["norm.weight"] = torch.empty(SHAPES["norm.weight"], device="meta")  # its copy fails, after others
+        with pytest.raises(NotImplementedError):
+            writer.publish(broken, 2)
+        state = empty_state()
+        assert reader.read_into(state) == 1 and whole(state, 1)
+        writer.publish(make_state(2), 2)  # into the slot the failed one left holding nothing: whole again
+        assert reader.read_into(state) == 2 and whole(state, 2)
+        writer.publish(make_state(3), 3)
+        assert reader.read_into(state) == 3 and whole(state, 3)
+
+
+def test_empty_tensors_take_no_room_and_do_not_hide_a_neighbour():
+    state = {"a": torch.full((3,), 1.0), "empty": torch.zeros(0), "b": torch.full((2,), 2.0)}
+    with SharedWeightsWriter.create(state, torch.float32, "cpu") as writer, \
+            SharedWeightsReader.attach(writer.handle()) as reader:
+        writer.publish(state, 1)
+        out = {k: torch.full_like(v, -1.0) for k, v in state.items()}
+        assert reader.read_into(out) == 1
+        assert all(torch.equal(out[k], state[k]) for k in state)

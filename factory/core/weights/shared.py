@@ -169,7 +169,7 @@ class SharedWeightsWriter:
         self._newest: int | None = None  # the slot holding it
         self._dir = directory
         # one copy per storage: the first name of each range, in layout order
-        self._unique = list({e.offset: e for e in reversed(entries)}.values())[::-1]
+        self._unique = list({(e.offset, e.shape): e for e in reversed(entries)}.values())[::-1]
         control = str(directory / "control")
         self._files = [control]
         # the files go with the writer, also one never closed (not with a killed process: /dev/shm keeps them)
@@ -234,12 +234,17 @@ class SharedWeightsWriter:
         slot = 0 if self._newest is None else 1 - self._newest
         seq, buf = self._seq(slot), self.slots[slot]
         self._ctl[seq] += 1  # odd: being written
-        with torch.no_grad(), _on(self.device):
-            for e in self._unique:
-                buf[e.offset:e.offset + e.numel].view(e.shape).copy_(state[e.name].detach())
-            if self._event is not None:  # the copies are queued on the device's current stream: wait for them
-                self._event.record(torch.cuda.current_stream(self.device))
-                self._event.synchronize()
+        try:
+            with torch.no_grad(), _on(self.device):
+                for e in self._unique:
+                    buf[e.offset:e.offset + e.numel].view(e.shape).copy_(state[e.name].detach())
+                if self._event is not None:  # the copies are queued on the device's current stream: wait for them
+                    self._event.record(torch.cuda.current_stream(self.device))
+                    self._event.synchronize()
+        except BaseException:
+            self._ctl[seq + 1] = _NONE  # the slot holds no version now: readers skip it
+            self._ctl[seq] += 1
+            raise
         self._ctl[seq + 1] = version
         self._ctl[seq] += 1  # even: whole
         self._newest, self.version = slot, version
