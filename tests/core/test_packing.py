@@ -20,10 +20,13 @@ from factory.core.trainer.distributed import DistributedTrainer
 from factory.core.trainer.logprobs import token_logprobs
 from factory.core.trainer.packing import (
     Packer,
+    choose_row_cap,
     packed_token_logprobs,
     packing_problem,
+    pair_cost,
     plan_for,
     plan_packing,
+    round_up,
     sample_lengths,
 )
 from factory.core.trainer.torch_trainer import TorchTrainer
@@ -92,11 +95,12 @@ def test_packed_rows_give_the_padded_logprobs_loss_and_gradients(arch: str, impl
     model, batch = tiny(arch, impl), rl_batch()
     padded = forward(model, batch, packed=False)
     valid = batch.attention_mask[:, 1:].bool()
-    plan = plan_for(model, batch, bucket)
-    assert plan.rows < len(batch) and plan.length % bucket == 0  # several samples share a row: a document mask
-    assert_same(forward(model, batch, packed=True, bucket=bucket), padded, valid)
-    one_row = plan_packing(sample_lengths(batch.attention_mask), batch.input_ids.shape[1], bucket)
-    assert one_row.rows == 1
+    assert_same(forward(model, batch, packed=True, bucket=bucket), padded, valid)  # the layout plan_for picks
+    lengths, width = sample_lengths(batch.attention_mask), batch.input_ids.shape[1]
+    capped = plan_packing(lengths, width, bucket, width)  # rows no longer than the padded ones
+    one_row = plan_packing(lengths, width, bucket)
+    assert 1 < capped.rows < len(batch) and one_row.rows == 1 and capped.length % bucket == 0
+    assert_same(forward(model, batch, packed=True, plan=capped), padded, valid)
     assert_same(forward(model, batch, packed=True, plan=one_row), padded, valid)
     lp, ent, _, _ = forward(model, batch, packed=True, plan=one_row)
     assert not lp[~valid].any() and not ent[~valid].any()  # zeros where the padded batch has no real target
@@ -139,6 +143,19 @@ def test_the_round_trip_packed_to_padded(bucket: int, cap: int | None) -> None:
     for i, n in enumerate(lengths):  # a sample's positions are 0..n-1, in order
         positions = plan.position_ids.reshape(-1)[plan.token_dst[sum(lengths[:i]):sum(lengths[:i + 1])]]
         assert torch.equal(positions, torch.arange(n))
+
+
+def test_the_row_layout_weighs_matmul_tokens_against_attention_pairs() -> None:
+    """Attention free: everything in one row (fewest slots). Attention dear: rows no longer than the padded width.
+    Flash-attention (varlen) models get one row whatever the cost."""
+    lengths, width = [1800, 1500, 1200, 900, 600, 300, 250, 200], 1800
+    assert plan_packing(lengths, width, 128, choose_row_cap(lengths, width, 128, 0.0)).rows == 1
+    assert choose_row_cap(lengths, width, 128, 1.0) == round_up(width, 128)
+    model = tiny("qwen2")
+    assert 0 < pair_cost(model) < 1
+    model.config._attn_implementation = "flash_attention_2"
+    batch = rl_batch()
+    assert plan_for(model, batch, 8).rows == 1
 
 
 def test_bad_plans_are_refused_with_the_field_named() -> None:

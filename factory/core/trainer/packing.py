@@ -21,12 +21,12 @@ architecture, bidirectional attention, a custom attention function) keeps the pa
 DDP wrapper is unwrapped to find the architecture (its forward passes `position_ids` through), and FSDP2's
 `FSDP<Class>` is a subclass of the class it shards.
 
-Row layout. Dense masks (sdpa, eager) cost attention work over the whole packed row: one row of all the tokens of a
-micro-batch would spend more on attention than the padding it saves (attention per token grows with the row length).
-So for them the samples are packed first-fit-decreasing into rows no longer than the padded width (rounded up to
-the bucket): never more attention per row than the padded batch, never more rows. Kernels that skip what the mask
-removes (flex, flash varlen) get everything in one row. `bucket` > 1 pads each row at its end to a multiple of
-`bucket` tokens (the pad is its own document, position ids from 0, never read) so a compiled model meets few shapes.
+Row layout. A dense mask (sdpa, eager) makes the kernel compute every (query, key) pair of a row, so one row holding
+a whole micro-batch can cost more attention than the padding it saves: `plan_for` weighs, per candidate row cap (1,
+2, 4, 8 times the padded width, or one row), the tokens through the matmuls against the attention pairs at the
+model's `pair_cost`, and packs first-fit-decreasing under the cheapest. Kernels that skip what the mask removes
+(flex, flash varlen) get everything in one row. `bucket` > 1 pads each row at its end to a multiple of `bucket` tokens
+(the pad is its own document, position ids from 0, never read) so a compiled model meets few shapes.
 
 The plan is built on the host from the attention mask (a copy to the CPU when the batch is on a GPU: build it from
 the CPU batch, `plan_for`, to keep the step free of host syncs); packing and unpacking are index ops on the device.
@@ -128,6 +128,39 @@ def sample_lengths(attention_mask: Tensor) -> list[int]:
     return lengths.tolist()
 
 
+def _rows(lengths: Sequence[int], max_row_tokens: int | None) -> tuple[list[int], list[int], list[int]]:
+    """(row of each sample, its offset there, each row's fill): all in one row in order, or first-fit-decreasing
+    into rows of at most `max_row_tokens` (at least the longest sample)."""
+    b = len(lengths)
+    row_of, offset, fills = [0] * b, [0] * b, [0]
+    if max_row_tokens is None:
+        for i, n in enumerate(lengths):
+            offset[i], fills[0] = fills[0], fills[0] + n
+        return row_of, offset, fills
+    cap = max(max_row_tokens, max(lengths, default=0))
+    fills = []
+    for i in sorted(range(b), key=lambda i: -lengths[i]):  # stable: equal lengths keep their order
+        r = next((r for r, f in enumerate(fills) if f + lengths[i] <= cap), len(fills))
+        if r == len(fills):
+            fills.append(0)
+        row_of[i], offset[i] = r, fills[r]
+        fills[r] += lengths[i]
+    return row_of, offset, fills or [0]
+
+
+def choose_row_cap(lengths: Sequence[int], width: int, bucket: int, pair_cost: float) -> int | None:
+    """The row cap (None: one row) of least work under a dense mask: per packed row of length L, L tokens through
+    the matmuls plus L^2 (query, key) pairs at `pair_cost` tokens' worth each. Candidates: 1, 2, 4, 8 times the
+    padded width (bucketed), or one row; a tie goes to the shorter rows."""
+    def work(cap: int | None) -> float:
+        fills = _rows(lengths, cap)[2]
+        length = round_up(max(fills), bucket)
+        return len(fills) * (length + pair_cost * length * length)
+
+    base = round_up(max(width, 1), bucket)
+    return min([base * k for k in (1, 2, 4, 8)] + [None], key=work)
+
+
 def plan_packing(lengths: Sequence[int], width: int, bucket: int = 1,
                  max_row_tokens: int | None = None) -> PackPlan:
     """The plan for samples of `lengths` (right-padded to `width`): one packed row, or with `max_row_tokens` rows
@@ -140,20 +173,7 @@ def plan_packing(lengths: Sequence[int], width: int, bucket: int = 1,
     if any(n < 0 or n > width for n in lengths):
         raise ValueError(f"lengths: expected each in [0, {width}], got {list(lengths)}")
     b = len(lengths)
-    row_of, offset, fills = [0] * b, [0] * b, [0]
-    if max_row_tokens is None:
-        for i, n in enumerate(lengths):
-            offset[i], fills[0] = fills[0], fills[0] + n
-    else:
-        cap = max(max_row_tokens, max(lengths, default=0))
-        fills = []
-        for i in sorted(range(b), key=lambda i: -lengths[i]):  # stable: equal lengths keep their order
-            r = next((r for r, f in enumerate(fills) if f + lengths[i] <= cap), len(fills))
-            if r == len(fills):
-                fills.append(0)
-            row_of[i], offset[i] = r, fills[r]
-            fills[r] += lengths[i]
-        fills = fills or [0]
+    row_of, offset, fills = _rows(lengths, max_row_tokens)
     rows, length = len(fills), max(round_up(max(fills), bucket), 2)
     n = torch.tensor(list(lengths), dtype=torch.long)
     start = torch.tensor(row_of, dtype=torch.long) * length + torch.tensor(offset, dtype=torch.long)
@@ -198,17 +218,30 @@ def packing_problem(model: torch.nn.Module) -> str | None:
     return None
 
 
-def row_cap(model: torch.nn.Module, width: int, bucket: int) -> int | None:
-    """The packed row length limit for `model`: the padded width (bucketed) under a dense mask, else None (one
-    row)."""
-    impl = getattr(getattr(_inner(model), "config", None), "_attn_implementation", None)
-    return round_up(max(width, 1), bucket) if impl in DENSE_MASK else None
+def pair_cost(model: torch.nn.Module) -> float:
+    """One (query, key) pair of attention in tokens' worth of matmul work: 4 x heads x head_dim FLOPs per layer
+    (scores and values) against 2 x the matmul parameters per token (the input embedding is a lookup, unless tied
+    to the head)."""
+    inner = _inner(model)
+    config = inner.config
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    params = sum(p.numel() for p in inner.parameters())
+    embed = inner.get_input_embeddings() if hasattr(inner, "get_input_embeddings") else None
+    if embed is not None and not getattr(config, "tie_word_embeddings", False):
+        params -= embed.weight.numel()
+    return 4 * heads * head_dim * config.num_hidden_layers / (2 * max(params, 1))
 
 
 def plan_for(model: torch.nn.Module, batch: TrainBatch, bucket: int = 1) -> PackPlan:
-    """The packing plan of `batch` for `model` (rows capped as its attention implementation needs), on the host."""
+    """The packing plan of `batch` for `model`, on the host: one row where the attention kernel skips what the
+    document mask removes (flash varlen, flex), else rows capped by `choose_row_cap` (a dense mask computes every
+    pair of a row)."""
     width = batch.input_ids.shape[-1]
-    return plan_packing(sample_lengths(batch.attention_mask), width, bucket, row_cap(model, width, bucket))
+    lengths = sample_lengths(batch.attention_mask)
+    impl = getattr(getattr(_inner(model), "config", None), "_attn_implementation", None)
+    cap = choose_row_cap(lengths, width, bucket, pair_cost(model)) if impl in DENSE_MASK else None
+    return plan_packing(lengths, width, bucket, cap)
 
 
 def packed_token_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: float = 1.0,
