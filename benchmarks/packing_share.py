@@ -12,7 +12,8 @@ tokens, independent per row. For each micro-batch size B, `--batches` batches (s
   the model built on the meta device: nothing allocated).
 Attention work counts the (query, key) pairs a kernel computes: a dense mask computes every pair of a row (rows x
 length^2), a varlen kernel only each sample's own (the sum of length^2); causal halving is left out of every one
-alike. Prints a table, then one JSON line.
+alike. "work 0.5B": the trainer's layout's matmul tokens plus attention pairs at that model's `pair_cost`, over the
+padded batch's (the estimate `choose_row_cap` minimizes, not a timing). Prints a table, then one JSON line.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def qwen2_05b_pair_cost() -> float:
 def measure(b: int, batches: int, bucket: int, seed: int, cost: float) -> dict[str, float]:
     g = torch.Generator().manual_seed(seed)
     pad, one, capped, chosen, att_dense_one, att_capped, att_chosen, att_varlen = [], [], [], [], [], [], [], []
+    work = []  # the trainer's layout against padded: tokens + cost x pairs (the model's estimate, not a timing)
     for _ in range(batches):
         lengths = (torch.randint(100, 1025, (b,), generator=g) + torch.randint(100, 1025, (b,), generator=g)).tolist()
         width, real = max(lengths), sum(lengths)
@@ -52,6 +54,8 @@ def measure(b: int, batches: int, bucket: int, seed: int, cost: float) -> dict[s
         att_dense_one.append(one_row.length ** 2 / dense_padded)
         att_capped.append(rows.rows * rows.length ** 2 / dense_padded)
         att_chosen.append(trainer.rows * trainer.length ** 2 / dense_padded)
+        work.append((trainer.packed_tokens + cost * trainer.rows * trainer.length ** 2)
+                    / (b * width + cost * dense_padded))
         att_varlen.append(sum(n * n for n in lengths) / dense_padded)
 
     def summary(xs: list[float]) -> dict[str, float]:
@@ -61,7 +65,8 @@ def measure(b: int, batches: int, bucket: int, seed: int, cost: float) -> dict[s
     return {"B": b, "padded_share": summary(pad), "packed_one_row_share": summary(one),
             "packed_capped_share": summary(capped), "packed_trainer_05b_share": summary(chosen),
             "attention_one_row_dense": summary(att_dense_one), "attention_capped_dense": summary(att_capped),
-            "attention_trainer_05b": summary(att_chosen), "attention_varlen": summary(att_varlen)}
+            "attention_trainer_05b": summary(att_chosen), "attention_varlen": summary(att_varlen),
+            "work_trainer_05b": summary(work)}
 
 
 def main() -> None:
@@ -76,7 +81,7 @@ def main() -> None:
     print(f"padding share of the token slots, mean [2.5%, 97.5%] over {args.batches} batches; attention pairs "
           f"relative to padded (means); pair_cost(qwen2-0.5b) = {cost:.3g}")
     print(f"{'B':>4} {'padded':>19} {'packed 1 row':>19} {'packed capped':>19} {'trainer, 0.5B':>19} | "
-          f"{'1 row':>6} {'capped':>6} {'0.5B':>6} {'varlen':>6}")
+          f"{'1 row':>6} {'capped':>6} {'0.5B':>6} {'varlen':>6} | work 0.5B")
     for r in results:
         def share(k: str, r: dict = r) -> str:
             s = r[k]
@@ -85,7 +90,8 @@ def main() -> None:
         att = " ".join(f"{r[k]['mean']:>6.2f}" for k in ("attention_one_row_dense", "attention_capped_dense",
                                                           "attention_trainer_05b", "attention_varlen"))
         print(f"{r['B']:>4} {share('padded_share'):>19} {share('packed_one_row_share'):>19} "
-              f"{share('packed_capped_share'):>19} {share('packed_trainer_05b_share'):>19} | {att}")
+              f"{share('packed_capped_share'):>19} {share('packed_trainer_05b_share'):>19} | {att} | "
+              f"{share('work_trainer_05b')}")
     print(json.dumps({"bench": "packing_share", "batches": args.batches, "bucket": args.bucket, "seed": args.seed,
                       "pair_cost_qwen2_05b": cost, "results": results}))
 
