@@ -34,6 +34,10 @@ backward, on the minibatch's first row at weight 0, since FSDP and DDP need ever
 
 Under both strategies every rank starts from rank 0's weights (broadcast at construction).
 
+Packing (`packing`, trainer.packing; auto: on CUDA): every log-prob forward (`logprobs`, each micro-batch) runs on
+packed rows through `_net`, DDP's wrapper or the FSDP2 module alike (both pass `position_ids` through), and comes
+back in the padded layout (`trainer/packing.py`); the loss weighting above reads the padded batch, unchanged.
+
 Device: alone (world_size 1) it computes where the model already is, the run's device (`infra/device.run_device`),
 so the in-process engines and evals that share the model are not left behind; a rank of a group is placed on its
 own device (`rank_device`), and on rank 0 the loop's components follow the model there.
