@@ -1,8 +1,9 @@
 """Packed rows (factory/core/trainer/packing.py): on small random Qwen2 and Llama models in float32 on the CPU, with
 ragged rows as the loop packs them, the packed forward gives the padded forward's per-token log-probs, entropy,
-GRPO loss and the gradient of every parameter (1e-6), with and without bucket padding, one row or rows capped at
-the padded width; the packed <-> padded round trip; the trainer's steps (GRPO and SFT) with packing on against off;
-the padded fallback with one log line; and packing at "auto" on the CPU never touched (bit for bit)."""
+GRPO loss and the gradient of every parameter (1e-6 absolute + 1e-6 relative), with and without bucket padding, one
+row or rows capped at the padded width; the packed <-> padded round trip; the trainer's steps (GRPO and SFT) with
+packing on against off; through DDP, FSDP2 and `DistributedTrainer`; the padded fallback with one log line; and
+packing at "auto" on the CPU never touched (bit for bit)."""
 
 from __future__ import annotations
 
@@ -282,8 +283,8 @@ def test_a_model_that_cannot_pack_falls_back_with_one_log_line(caplog) -> None:
     assert "attention implementation 'my_kernel'" in packing_problem(qwen)
 
 
-def test_through_a_ddp_wrapper_and_the_distributed_trainer(tmp_path) -> None:
-    """DDP's forward passes the position ids through: packed through the wrapper equals padded. And
+def test_through_ddp_and_fsdp2_and_the_distributed_trainer(tmp_path) -> None:
+    """DDP's wrapper and FSDP2's module (one gloo rank) pass the position ids through: packed equals padded. And
     `DistributedTrainer` (alone, grad_accum 2) steps with packing on as with it off."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -299,6 +300,17 @@ def test_through_a_ddp_wrapper_and_the_distributed_trainer(tmp_path) -> None:
         got = forward(ddp, batch, packed=True)
         got = got[:3] + ({n.removeprefix("module."): g for n, g in got[3].items()},)
         assert_same(got, want, valid)
+        assert packed and max(packed) < len(batch)
+        from torch.distributed.fsdp import fully_shard  # heavy (~2 s): here only
+
+        fsdp = copy.deepcopy(model)
+        for layer in fsdp.model.layers:
+            fully_shard(layer)
+        fully_shard(fsdp)
+        assert type(fsdp).__name__ == "FSDPLlamaForCausalLM" and packing_problem(fsdp) is None
+        packed = packed_forwards(fsdp)
+        lp, ent, loss, grads = forward(fsdp, batch, packed=True)
+        assert_same((lp, ent, loss, {n: g.full_tensor() for n, g in grads.items()}), want, valid)
         assert packed and max(packed) < len(batch)
     finally:
         dist.destroy_process_group()
