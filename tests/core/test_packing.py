@@ -20,6 +20,7 @@ from factory.core.batch import TrainBatch, pack
 from factory.core.trainer.distributed import DistributedTrainer
 from factory.core.trainer.logprobs import token_logprobs
 from factory.core.trainer.packing import (
+    PACKABLE,
     Packer,
     choose_row_cap,
     packed_token_logprobs,
@@ -105,6 +106,42 @@ def test_packed_rows_give_the_padded_logprobs_loss_and_gradients(arch: str, impl
     assert_same(forward(model, batch, packed=True, plan=one_row), padded, valid)
     lp, ent, _, _ = forward(model, batch, packed=True, plan=one_row)
     assert not lp[~valid].any() and not ent[~valid].any()  # zeros where the padded batch has no real target
+
+
+EVERY_ARCH = {  # model_type -> (config extras, attention implementations): each class of PACKABLE
+    "qwen2": ({"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 0}, ("sdpa", "eager")),
+    "qwen3": ({}, ("sdpa", "eager")), "mistral": ({"sliding_window": 5}, ("sdpa", "eager")),
+    "gemma": ({}, ("sdpa", "eager")), "gemma2": ({"sliding_window": 5, "final_logit_softcapping": 2.0}, ("eager",)),
+    "gemma3_text": ({"sliding_window": 5}, ("sdpa", "eager")), "phi3": ({"sliding_window": 5}, ("sdpa", "eager")),
+    "smollm3": ({}, ("sdpa", "eager")), "olmo2": ({}, ("sdpa", "eager")),
+    "starcoder2": ({"sliding_window": 5}, ("sdpa", "eager")), "gpt2": ({}, ("sdpa", "eager")),
+}
+
+
+@pytest.mark.parametrize("arch,impl", [(a, i) for a, (_, impls) in EVERY_ARCH.items() for i in impls])
+def test_every_packable_architecture_with_sliding_windows(arch: str, impl: str) -> None:
+    """Each architecture of PACKABLE (a sliding window of 5 tokens where it has one, shorter than most samples, so
+    the window is applied on the per-sample positions) in eval mode: packed equals padded, capped rows and one row."""
+    if arch == "gpt2":
+        cfg = AutoConfig.for_model("gpt2", n_embd=32, n_layer=2, n_head=4, n_positions=128, vocab_size=VOCAB)
+    else:
+        cfg = AutoConfig.for_model(arch, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=8, intermediate_size=64,
+                                   max_position_embeddings=128, vocab_size=VOCAB, pad_token_id=0, bos_token_id=1,
+                                   eos_token_id=2, **EVERY_ARCH[arch][0])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation=impl).eval()
+    assert type(model).__name__ in PACKABLE and packing_problem(model) is None
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2, generator=g)
+    batch = rl_batch()
+    padded, valid = forward(model, batch, packed=False), batch.attention_mask[:, 1:].bool()
+    lengths, width = sample_lengths(batch.attention_mask), batch.input_ids.shape[1]
+    for plan in (plan_packing(lengths, width, 1, width), plan_packing(lengths, width, 8)):
+        assert_same(forward(model, batch, packed=True, plan=plan), padded, valid)
 
 
 def test_without_the_document_mask_the_logprobs_differ() -> None:

@@ -12,8 +12,9 @@ the tensors they always saw (every consumer masks with `loss_mask`, which only c
 
 Which models take it (`packing_problem`). The mask builders of every architecture in `PACKABLE` (the causal LMs of
 logprobs.py's PLAIN_HEADS) pass `position_ids` to `create_causal_mask` / `create_sliding_window_causal_mask`
-(checked in transformers 5.24's modeling code), which detect the packing when the 2-D mask is None and there is no
-cache. Attention implementations: `sdpa` and `eager` get the document mask as a dense [R, 1, L, L] mask (sliding
+(transformers 5.24's modeling code), which detect the packing when the 2-D mask is None and there is no cache;
+tests/core/test_packing.py runs each of them on the CPU under sdpa and eager (Gemma2: eager, it has no sdpa), with
+sliding windows where the architecture has them. Attention implementations: `sdpa` and `eager` get the document mask as a dense [R, 1, L, L] mask (sliding
 windows applied on the per-sample positions); `flex_attention` as a BlockMask (fully masked blocks skipped); the
 flash-attention ones (`flash_attention_2/3/4`) take no mask but read the sample boundaries from `position_ids`
 (varlen, `cu_seqlens`), and only for one packed row (`_is_packed_sequence` needs batch size 1). Anything else (another
@@ -54,7 +55,7 @@ PACKABLE = frozenset({
     "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM",
     "Olmo2ForCausalLM", "Starcoder2ForCausalLM",
 })
-DENSE_MASK = frozenset({"sdpa", "eager"})  # the document mask materialized: rows capped at the padded width
+DENSE_MASK = frozenset({"sdpa", "eager"})  # the document mask materialized: rows laid out by `choose_row_cap`
 ONE_ROW = frozenset({"flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4"})
 # Row-length multiple on CUDA: few shapes for compiled layers, matmul-friendly sizes; at most 127 pad tokens a row.
 CUDA_BUCKET = 128
