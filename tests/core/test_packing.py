@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from factory.config import AlgorithmSpec
 from factory.core.algorithms import grpo_loss, make_loss, sft_loss
 from factory.core.batch import TrainBatch, pack
+from factory.core.trainer import packing
 from factory.core.trainer.distributed import DistributedTrainer
 from factory.core.trainer.logprobs import token_logprobs
 from factory.core.trainer.packing import (
@@ -254,6 +255,23 @@ def params_close(a: torch.nn.Module, b: torch.nn.Module) -> None:
         torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-6, msg=name)
 
 
+def test_the_trainer_plans_from_the_cpu_batch(monkeypatch) -> None:
+    """`TorchTrainer` builds each packing plan before the batch leaves the CPU and hands it to the packed forward,
+    so on a GPU the step reads no attention mask back from the device: the packed forward never plans itself."""
+    _, on = trainers(tiny("qwen2"))
+    given: list[bool] = []
+    real = packing.packed_token_logprobs
+
+    def spy(*args, **kwargs):
+        given.append((args[5] if len(args) > 5 else kwargs.get("plan")) is not None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(packing, "packed_token_logprobs", spy)
+    on.logprobs(rl_batch())
+    on.step(rl_batch(), make_loss(AlgorithmSpec(name="grpo")), 2, torch.Generator().manual_seed(0))
+    assert given == [True] * 3  # logprobs, then each of the 2 minibatches
+
+
 def test_trainer_steps_with_packing_on_match_off_for_grpo_and_sft() -> None:
     """The trainer's own paths: `logprobs` (old / reference log-probs) and `step` (two minibatches, so a shuffled
     split is packed each time) for the GRPO loss and for an SFT batch as sft.py builds it."""
@@ -353,8 +371,8 @@ def test_through_ddp_and_fsdp2_and_the_distributed_trainer(tmp_path) -> None:
         dist.destroy_process_group()
     loss_fn = make_loss(AlgorithmSpec(name="grpo"))
     results = []
-    for packing in ("off", "on"):
-        t = sgd(DistributedTrainer(copy.deepcopy(model), lr=1.0, grad_accum=2, packing=packing))
+    for toggle in ("off", "on"):
+        t = sgd(DistributedTrainer(copy.deepcopy(model), lr=1.0, grad_accum=2, packing=toggle))
         packed = packed_forwards(t.model)
         results.append((t.logprobs(batch), t.step(batch, loss_fn), t.model, packed))
     (lp_off, m_off, off, packed_off), (lp_on, m_on, on, packed_on) = results

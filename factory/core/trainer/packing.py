@@ -14,13 +14,13 @@ Which models take it (`packing_problem`). The mask builders of every architectur
 logprobs.py's PLAIN_HEADS) pass `position_ids` to `create_causal_mask` / `create_sliding_window_causal_mask`
 (transformers 5.24's modeling code), which detect the packing when the 2-D mask is None and there is no cache;
 tests/core/test_packing.py runs each of them on the CPU under sdpa and eager (Gemma2: eager, it has no sdpa), with
-sliding windows where the architecture has them. Attention implementations: `sdpa` and `eager` get the document mask as a dense [R, 1, L, L] mask (sliding
-windows applied on the per-sample positions); `flex_attention` as a BlockMask (fully masked blocks skipped); the
-flash-attention ones (`flash_attention_2/3/4`) take no mask but read the sample boundaries from `position_ids`
-(varlen, `cu_seqlens`), and only for one packed row (`_is_packed_sequence` needs batch size 1). Anything else (another
-architecture, bidirectional attention, a custom attention function) keeps the padded path, said once in the log. A
-DDP wrapper is unwrapped to find the architecture (its forward passes `position_ids` through), and FSDP2's
-`FSDP<Class>` is a subclass of the class it shards.
+sliding windows where the architecture has them. Attention implementations: `sdpa` and `eager` get the document mask
+as a dense [R, 1, L, L] mask (sliding windows applied on the per-sample positions); `flex_attention` as a BlockMask
+(fully masked blocks skipped); the flash-attention ones (`flash_attention_2/3/4`) take no mask but read the sample
+boundaries from `position_ids` (varlen, `cu_seqlens`), and only for one packed row (`_is_packed_sequence` needs
+batch size 1). Anything else (another architecture, bidirectional attention, a custom attention function) keeps the
+padded path, said once in the log. A DDP wrapper is unwrapped to find the architecture (its forward passes
+`position_ids` through), and FSDP2's `FSDP<Class>` is a subclass of the class it shards.
 
 Row layout. A dense mask (sdpa, eager) makes the kernel compute every (query, key) pair of a row, so one row holding
 a whole micro-batch can cost more attention than the padding it saves: `plan_for` weighs, per candidate row cap (1,

@@ -144,8 +144,9 @@ class TorchTrainer:
         return over_minibatches(batch, minibatches, generator, lambda mb: self._minibatch(mb, loss_fn))
 
     def _minibatch(self, mb: TrainBatch, loss_fn: LossFn) -> tuple[dict[str, float], bool]:
+        plan = self.packer.plan(self.model, mb, self.device) if self.uses("packing") else None  # from the CPU mask
         mb = batch_to(mb, self.device)
-        logp, entropy = self._logprobs(mb, with_entropy=True)
+        logp, entropy = self._logprobs(mb, with_entropy=True, plan=plan)
         loss, metrics = loss_fn(logp, mb)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
