@@ -256,8 +256,9 @@ def params_close(a: torch.nn.Module, b: torch.nn.Module) -> None:
 
 
 def test_the_trainer_plans_from_the_cpu_batch(monkeypatch) -> None:
-    """`TorchTrainer` builds each packing plan before the batch leaves the CPU and hands it to the packed forward,
-    so on a GPU the step reads no attention mask back from the device: the packed forward never plans itself."""
+    """`TorchTrainer` and `DistributedTrainer` build each packing plan before the batch leaves the CPU and hand it to
+    the packed forward, so on a GPU the step reads no attention mask back from the device: the packed forward never
+    plans itself."""
     _, on = trainers(tiny("qwen2"))
     given: list[bool] = []
     real = packing.packed_token_logprobs
@@ -270,6 +271,11 @@ def test_the_trainer_plans_from_the_cpu_batch(monkeypatch) -> None:
     on.logprobs(rl_batch())
     on.step(rl_batch(), make_loss(AlgorithmSpec(name="grpo")), 2, torch.Generator().manual_seed(0))
     assert given == [True] * 3  # logprobs, then each of the 2 minibatches
+    given.clear()
+    distributed = DistributedTrainer(tiny("qwen2"), lr=1e-2, grad_accum=2, packing="on")
+    distributed.logprobs(rl_batch())
+    distributed.step(rl_batch(), make_loss(AlgorithmSpec(name="grpo")))
+    assert given == [True] * 3  # logprobs, then each of the 2 micro-batches
 
 
 def test_trainer_steps_with_packing_on_match_off_for_grpo_and_sft() -> None:

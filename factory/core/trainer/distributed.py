@@ -183,11 +183,13 @@ class DistributedTrainer:
 
     # ------------------------------------------------------------ forward passes
 
-    def _token_logprobs(self, net: torch.nn.Module, batch: TrainBatch,
-                        with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
-        """`token_logprobs` through `net` (the model or its wrapper), on packed rows where packing is on."""
+    def _token_logprobs(self, net: torch.nn.Module, batch: TrainBatch, with_entropy: bool = False,
+                        host: TrainBatch | None = None) -> tuple[Tensor, Tensor | None]:
+        """`token_logprobs` through `net` (the model or its wrapper), on packed rows where packing is on, planned
+        from `host` (the same rows still on the CPU: no read back from the device) when given."""
         if self.packing:
-            return self.packer.token_logprobs(net, batch, self.temperature, with_entropy)
+            plan = None if host is None else self.packer.plan(net, host, self.device)
+            return self.packer.token_logprobs(net, batch, self.temperature, with_entropy, plan)
         return token_logprobs(net, batch, self.temperature, with_entropy=with_entropy)
 
     def _amp(self) -> contextlib.AbstractContextManager:
@@ -202,12 +204,13 @@ class DistributedTrainer:
         n = len(batch)
         if self.world_size == 1:
             with self._amp():
-                return self._token_logprobs(self.model, batch_to(batch, self.device))[0].float().cpu()
+                return self._token_logprobs(self.model, batch_to(batch, self.device), host=batch)[0].float().cpu()
         per = max(1, math.ceil(n / self.world_size))
         rows = torch.arange(self.rank * per, (self.rank + 1) * per)
         rows = torch.where(rows < n, rows, torch.zeros_like(rows))  # past the end: row 0 again, dropped below
         with self._amp():
-            lp = self._token_logprobs(self.model, batch_to(batch.select(rows), self.device))[0].float()
+            host = batch.select(rows)
+            lp = self._token_logprobs(self.model, batch_to(host, self.device), host=host)[0].float()
         if self.strategy == "fsdp":
             # A forward without backward leaves the root's parameters unsharded: reshard, so the parameters the
             # module and the optimizer hold are the same objects again (its state dicts map one to the other).
@@ -248,12 +251,13 @@ class DistributedTrainer:
         metric_sums: dict[str, float] = {}
         for i, idx in enumerate(micros):
             empty = len(idx) == 0
-            part = batch_to(mb.select(idx if not empty else torch.zeros(1, dtype=torch.long)), self.device)
+            host = mb.select(idx if not empty else torch.zeros(1, dtype=torch.long))
+            part = batch_to(host, self.device)
             units_w = 0.0 if empty else loss_units(part, self.aggregation) / units_total
             tokens_w = 0.0 if empty else part.n_tokens / tokens_total
             with self._grad_sync(i == len(micros) - 1):
                 with self._amp():
-                    logp, entropy = self._token_logprobs(self._net, part, with_entropy=True)
+                    logp, entropy = self._token_logprobs(self._net, part, with_entropy=True, host=host)
                 loss, metrics = loss_fn(logp.float(), part)
                 # x world_size: the gradient all-reduce averages over ranks, and we want the sum of shares.
                 (loss * (units_w * self.world_size)).backward()
