@@ -122,7 +122,8 @@ EVERY_ARCH = {  # model_type -> (config extras, attention implementations): each
 @pytest.mark.parametrize("arch,impl", [(a, i) for a, (_, impls) in EVERY_ARCH.items() for i in impls])
 def test_every_packable_architecture_with_sliding_windows(arch: str, impl: str) -> None:
     """Each architecture of PACKABLE (a sliding window of 5 tokens where it has one, shorter than most samples, so
-    the window is applied on the per-sample positions) in eval mode: packed equals padded, capped rows and one row."""
+    the window is applied on the per-sample positions) in eval mode: packed equals padded, capped rows, one row and
+    the layout `plan_for` picks for it."""
     if arch == "gpt2":
         cfg = AutoConfig.for_model("gpt2", n_embd=32, n_layer=2, n_head=4, n_positions=128, vocab_size=VOCAB)
     else:
@@ -143,6 +144,7 @@ def test_every_packable_architecture_with_sliding_windows(arch: str, impl: str) 
     lengths, width = sample_lengths(batch.attention_mask), batch.input_ids.shape[1]
     for plan in (plan_packing(lengths, width, 1, width), plan_packing(lengths, width, 8)):
         assert_same(forward(model, batch, packed=True, plan=plan), padded, valid)
+    assert_same(forward(model, batch, packed=True, bucket=8), padded, valid)  # the layout plan_for picks
 
 
 def test_without_the_document_mask_the_logprobs_differ() -> None:
