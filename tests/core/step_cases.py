@@ -14,9 +14,10 @@ from tests.core.host_sync import HostReads
 
 GRPO = make_loss(AlgorithmSpec(name="grpo", kl_coef=0.05))
 
-# transformers' sdpa mask builder asks whether a padded batch's mask can be dropped (`_ignore_causal_mask_sdpa`,
-# two reads of the padding mask per forward): that is the forward's input, the packed path's to remove (it passes
-# its own document mask), not the step's. Every other read inside the loop counts.
+# transformers' mask builder reads the forward's inputs: whether a padded batch's mask can be dropped
+# (`_ignore_causal_mask_sdpa`, two reads of the padding mask) or, packed, whether the position ids hold several
+# sequences (`find_packed_sequence_indices`, one read). Those are the forward's, not the step's; every other read
+# inside the loop counts.
 MASK_BUILDER = f"transformers{os.sep}masking_utils.py"
 
 

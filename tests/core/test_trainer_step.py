@@ -38,13 +38,16 @@ def test_the_counter_sees_the_host_decided_skip(tok):
     assert len(reads) == 2 and all(any(r.startswith("__bool__ ") for r in mb) for mb in step_reads(reads)), reads
 
 
-def test_the_fused_step_reads_nothing_inside_the_minibatch_loop(tok):
-    t = trainer(tok, fused_optimizer="on")
+@pytest.mark.parametrize("packing", ["off", "on"])
+def test_the_fused_step_reads_nothing_inside_the_minibatch_loop(tok, packing):
+    """Packed, the packer's plan reads the CPU batch's mask (`sample_lengths`, host data) and transformers reads the
+    position ids once (`find_packed_sequence_indices`): the forward's, not the step's."""
+    t = trainer(tok, fused_optimizer="on", packing=packing)
     assert t.optimizer.param_groups[0]["fused"] is True
     reads = count_reads(t)
     m = t.step(rl_batch(tok, 4, 9, seed=1), GRPO, minibatches=2, generator=torch.Generator().manual_seed(0))
-    assert step_reads(reads) == [[], []], reads
-    assert all(len(mb) <= 2 for mb in reads), reads  # the mask builder's, and nothing else
+    assert step_reads(reads, ("sample_lengths",)) == [[], []], reads
+    assert all(len(mb) <= 2 for mb in reads), reads  # the forward's, and nothing else
     assert t.version == 2 and m["nonfinite"] == 0.0
     assert {"loss", "grad_norm", "entropy", "clip_frac", "kl"} <= m.keys()
     assert all(isinstance(v, float) for v in m.values())
@@ -251,8 +254,8 @@ def fresh_dynamo():
     dynamo.reset()
 
 
-def compiled_trainer(tok, backend) -> TorchTrainer:
-    t = trainer(tok, compile="on")
+def compiled_trainer(tok, backend, **switches) -> TorchTrainer:
+    t = trainer(tok, compile="on", **switches)
     t._layers = CompiledLayers(t.model, backend=backend)  # instead of inductor: no C++ build in a unit test
     return t
 
@@ -274,18 +277,24 @@ def test_a_decoder_layer_compiles_without_a_graph_break(tok, fresh_dynamo):
     assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
 
 
-def test_compiled_layers_train_like_eager_without_recompiling(tok, fresh_dynamo):
-    """aot_eager (the compiled graph's autograd without inductor): after a warm-up step no batch length or row
-    count recompiles (n = 4 padded batches of 2 to 4 rows and 5 to 40 tokens), and losses and parameters match
-    eager within 1e-6. (A batch without padding, for which HF passes no mask, is one more graph, compiled once.)"""
-    eager, compiled = trainer(tok), compiled_trainer(tok, "aot_eager")
-    warm = rl_batch(tok, 4, 8, seed=30)
+@pytest.mark.parametrize("packing", ["off", "on"])
+def test_compiled_layers_train_like_eager_without_recompiling(tok, fresh_dynamo, packing):
+    """aot_eager (the compiled graph's autograd without inductor): after the warm-up no batch length or row count
+    recompiles (n = 4 padded batches of 2 to 4 rows and 5 to 40 tokens), and losses and parameters match eager
+    (padded or packed alike) within 1e-6. Dynamo specializes a size of 1: packed, a batch that fits one row is one
+    more graph (and one sample alone in it has no mask, another), so the warm-up has those; so is a padded batch
+    without padding (HF passes no mask)."""
+    eager, compiled = trainer(tok, packing=packing), compiled_trainer(tok, "aot_eager", packing=packing)
+    warm = [rl_batch(tok, 4, 8, seed=30)]
+    if packing == "on":  # packed into one row: a lone sample, and several
+        warm += [rl_batch(tok, 1, 6, seed=51), rl_batch(tok, 3, 12, seed=52)]
     batches = [rl_batch(tok, rows, longest, seed=32 + i) for i, (rows, longest) in
                enumerate([(4, 14), (3, 21), (2, 5), (4, 30)])]
-    assert len({b.input_ids.shape for b in [warm, *batches]}) == 5
+    assert len({b.input_ids.shape for b in batches} - {b.input_ids.shape for b in warm}) == 4
     assert all(bool((b.attention_mask == 0).any()) for b in batches)
-    compiled.step(warm, GRPO)
-    eager.step(warm, GRPO)
+    for batch in warm:
+        compiled.step(batch, GRPO)
+        eager.step(batch, GRPO)
     with dynamo.config.patch(error_on_recompile=True):
         for batch in batches:
             a = compiled.step(batch, GRPO)

@@ -45,16 +45,22 @@ CHUNK_ELEMENTS = 1 << 26
 
 
 def token_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: float = 1.0, with_entropy: bool = False,
-                   chunk_elements: int = CHUNK_ELEMENTS) -> tuple[Tensor, Tensor | None]:
-    """Logprob of each target token [B, T-1] (and the policy entropy there, detached) under `model`."""
+                   chunk_elements: int = CHUNK_ELEMENTS,
+                   position_ids: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """Logprob of each target token [B, T-1] (and the policy entropy there, detached) under `model`.
+
+    `position_ids` [B, T]: packed rows (trainer/packing.py): the forward gets them and no attention mask, so
+    transformers builds the document mask from them; `batch.attention_mask` is then not used."""
     targets = batch.input_ids[:, 1:]
+    inputs = ({"attention_mask": batch.attention_mask} if position_ids is None
+              else {"attention_mask": None, "position_ids": position_ids})
     head = _plain_head(model)
     if head is None:
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
+        logits = model(input_ids=batch.input_ids, **inputs, use_cache=False).logits
         return chunked_logprobs(logits, targets, _identity, temperature, with_entropy, chunk_elements,
                                 vocab=logits.shape[-1], drop_last=True)
     decoder, lm_head, softcap = head
-    hidden = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+    hidden = decoder(input_ids=batch.input_ids, **inputs, use_cache=False)
     to_logits = functools.partial(_head_logits, lm_head, softcap)
     return chunked_logprobs(hidden.last_hidden_state, targets, to_logits, temperature, with_entropy, chunk_elements,
                             vocab=_vocab_size(lm_head, model), drop_last=True)

@@ -35,6 +35,7 @@ from transformers import PreTrainedModel
 from factory.core.batch import TrainBatch
 from factory.core.trainer.compiled import CompiledLayers
 from factory.core.trainer.logprobs import token_logprobs as chunked_token_logprobs
+from factory.core.trainer.packing import Packer, PackPlan
 from factory.core.trainer.step import Metric, host_floats, make_adamw, nonfinite, step_unless
 from factory.infra.device import autocast, model_device
 from factory.infra.liveness import pulse_from_layers
@@ -128,6 +129,7 @@ class TorchTrainer:
         self.optimizer = make_adamw([p for p in model.parameters() if p.requires_grad], lr=lr,
                                     weight_decay=weight_decay, fused=self.fused)
         self.version = 0  # number of optimizer steps taken: the weight version it would publish
+        self.packer = Packer()
         self._layers: CompiledLayers | None = None  # built at the first forward with trainer.compile on
 
     @property
@@ -147,18 +149,24 @@ class TorchTrainer:
             self._layers = CompiledLayers(self.model)
         return self._layers.active()
 
-    def _logprobs(self, batch: TrainBatch, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
-        """`token_logprobs` on the model's device, under the trainer's precision (logprobs in float32)."""
+    def _logprobs(self, batch: TrainBatch, with_entropy: bool = False,
+                  plan: PackPlan | None = None) -> tuple[Tensor, Tensor | None]:
+        """`token_logprobs` on the model's device, under the trainer's precision (logprobs in float32). With
+        packing, `plan` (`self.packer.plan` of the batch while it is on the CPU) saves a host read of its mask."""
         with autocast(self.device, self.precision):
-            logp, entropy = token_logprobs(self.model, batch, self.temperature, with_entropy=with_entropy)
+            if self.uses("packing"):  # real tokens only, back in the padded layout (trainer/packing.py)
+                logp, entropy = self.packer.token_logprobs(self.model, batch, self.temperature, with_entropy, plan)
+            else:
+                logp, entropy = token_logprobs(self.model, batch, self.temperature, with_entropy=with_entropy)
         return logp.float(), None if entropy is None else entropy.float()
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> Tensor:
         """Target-token logprobs [B, T-1], on the CPU (where the loop's batches live)."""
         self.model.eval()
+        plan = self.packer.plan(self.model, batch, self.device) if self.uses("packing") else None
         with self._compiled():
-            return self._logprobs(batch_to(batch, self.device))[0].cpu()
+            return self._logprobs(batch_to(batch, self.device), plan=plan)[0].cpu()
 
     def step(self, batch: TrainBatch, loss_fn: LossFn, minibatches: int = 1,
              generator: torch.Generator | None = None) -> dict[str, float]:
@@ -173,9 +181,10 @@ class TorchTrainer:
         return sums
 
     def _minibatch(self, mb: TrainBatch, loss_fn: LossFn) -> tuple[dict[str, Metric], bool | Tensor]:
+        plan = self.packer.plan(self.model, mb, self.device) if self.uses("packing") else None  # from the CPU mask
         mb = batch_to(mb, self.device)
         with self._compiled():
-            logp, entropy = self._logprobs(mb, with_entropy=True)
+            logp, entropy = self._logprobs(mb, with_entropy=True, plan=plan)
         loss, metrics = loss_fn(logp, mb)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
