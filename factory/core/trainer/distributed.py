@@ -59,7 +59,7 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
 from factory.core.batch import TrainBatch
-from factory.core.trainer.torch_trainer import LossFn, batch_to, over_minibatches, token_logprobs
+from factory.core.trainer.torch_trainer import LossFn, batch_to, over_minibatches, toggle_on, token_logprobs
 from factory.infra.device import host_copy, model_device
 from factory.infra.liveness import pulse_from_layers
 from factory.models.checkpoint import save_checkpoint
@@ -126,7 +126,8 @@ class DistributedTrainer:
 
     def __init__(self, model: PreTrainedModel, lr: float, grad_clip: float = 1.0, weight_decay: float = 0.0,
                  temperature: float = 1.0, *, aggregation: str = "seq_mean_token_mean", strategy: Strategy = "fsdp",
-                 grad_accum: int = 1, precision: Precision = "fp32", device: torch.device | None = None):
+                 grad_accum: int = 1, precision: Precision = "fp32", device: torch.device | None = None,
+                 fused_head: str = "auto"):
         if aggregation not in SEQUENCE_AGGREGATIONS + TOKEN_AGGREGATIONS:
             raise ValueError(f"aggregation: expected one of {', '.join(SEQUENCE_AGGREGATIONS + TOKEN_AGGREGATIONS)}"
                              f" (algorithm.loss_agg), got {aggregation!r}")
@@ -142,6 +143,8 @@ class DistributedTrainer:
         if device is None:
             device = model_device(model) if self.world_size == 1 else rank_device()
         self.device = device
+        # trainer.fused_head; it reaches a plain head only (strategy single: DDP and FSDP wrap the model's forward)
+        self.fused_head = toggle_on("trainer.fused_head", fused_head, device)
         self.aggregation, self.grad_accum, self.precision = aggregation, grad_accum, precision
         self.temperature, self.grad_clip = temperature, grad_clip
         self.strategy = strategy if self.world_size > 1 else "single"
@@ -186,12 +189,14 @@ class DistributedTrainer:
         n = len(batch)
         if self.world_size == 1:
             with self._amp():
-                return token_logprobs(self.model, batch_to(batch, self.device), self.temperature)[0].float().cpu()
+                return token_logprobs(self.model, batch_to(batch, self.device), self.temperature,
+                                      fused=self.fused_head)[0].float().cpu()
         per = max(1, math.ceil(n / self.world_size))
         rows = torch.arange(self.rank * per, (self.rank + 1) * per)
         rows = torch.where(rows < n, rows, torch.zeros_like(rows))  # past the end: row 0 again, dropped below
         with self._amp():
-            lp = token_logprobs(self.model, batch_to(batch.select(rows), self.device), self.temperature)[0].float()
+            lp = token_logprobs(self.model, batch_to(batch.select(rows), self.device), self.temperature,
+                                fused=self.fused_head)[0].float()
         if self.strategy == "fsdp":
             # A forward without backward leaves the root's parameters unsharded: reshard, so the parameters the
             # module and the optimizer hold are the same objects again (its state dicts map one to the other).
@@ -237,7 +242,8 @@ class DistributedTrainer:
             tokens_w = 0.0 if empty else part.n_tokens / tokens_total
             with self._grad_sync(i == len(micros) - 1):
                 with self._amp():
-                    logp, entropy = token_logprobs(self._net, part, self.temperature, with_entropy=True)
+                    logp, entropy = token_logprobs(self._net, part, self.temperature, with_entropy=True,
+                                                   fused=self.fused_head)
                 loss, metrics = loss_fn(logp.float(), part)
                 # x world_size: the gradient all-reduce averages over ranks, and we want the sum of shares.
                 (loss * (units_w * self.world_size)).backward()

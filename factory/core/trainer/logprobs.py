@@ -31,6 +31,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from factory.core.batch import TrainBatch
+from factory.core.trainer.fused_head import compute_dtype, fused_logprobs
 
 # Causal-LM classes whose forward is `logits = lm_head(base_model(...).last_hidden_state)`, then Gemma's optional
 # final softcapping (`config.final_logit_softcapping`), and nothing else (no logit scale, as Cohere or Granite have).
@@ -42,11 +43,14 @@ PLAIN_HEADS = frozenset({
 })
 # Logits per chunk (rows x vocabulary): 64 Mi float32 values, 256 MB; 441 token rows at a 151,936 vocabulary.
 CHUNK_ELEMENTS = 1 << 26
+# The fused head keeps its logits for backward up to 1 / KEEP_FRACTION of a GPU's memory (`keep_budget`).
+KEEP_FRACTION = 16
 
 
 def token_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: float = 1.0, with_entropy: bool = False,
-                   chunk_elements: int = CHUNK_ELEMENTS) -> tuple[Tensor, Tensor | None]:
-    """Logprob of each target token [B, T-1] (and the policy entropy there, detached) under `model`."""
+                   chunk_elements: int = CHUNK_ELEMENTS, fused: bool = False) -> tuple[Tensor, Tensor | None]:
+    """Logprob of each target token [B, T-1] (and the policy entropy there, detached) under `model`. `fused`
+    (trainer.fused_head): a plain head (an `nn.Linear`, no softcapping) runs as one fused op (`fused_head.py`)."""
     targets = batch.input_ids[:, 1:]
     head = _plain_head(model)
     if head is None:
@@ -55,6 +59,9 @@ def token_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: float
                                 vocab=logits.shape[-1], drop_last=True)
     decoder, lm_head, softcap = head
     hidden = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+    if fused and softcap is None and type(lm_head) is torch.nn.Linear:
+        return fused_head_logprobs(hidden.last_hidden_state, lm_head, targets, temperature, with_entropy,
+                                   chunk_elements)
     to_logits = functools.partial(_head_logits, lm_head, softcap)
     return chunked_logprobs(hidden.last_hidden_state, targets, to_logits, temperature, with_entropy, chunk_elements,
                             vocab=_vocab_size(lm_head, model), drop_last=True)
@@ -65,6 +72,31 @@ def logprobs_from_logits(logits: Tensor, targets: Tensor, temperature: float = 1
     """`token_logprobs` for logits a model already returned ([B, T, V], aligned with `targets` [B, T])."""
     return chunked_logprobs(logits, targets, _identity, temperature, with_entropy, chunk_elements,
                             vocab=logits.shape[-1])
+
+
+def fused_head_logprobs(hidden: Tensor, head: torch.nn.Linear, targets: Tensor, temperature: float,
+                        with_entropy: bool, chunk_elements: int) -> tuple[Tensor, Tensor | None]:
+    """`chunked_logprobs` of `head(hidden)` [B, T+1, H] (the last position predicts nothing) as the fused op: the
+    same chunks of at most `chunk_elements` logits; the logits kept for backward where they fit `keep_budget`."""
+    if chunk_elements < 1:
+        raise ValueError(f"chunk_elements: expected >= 1, got {chunk_elements}")
+    b, t = targets.shape
+    vocab = head.out_features
+    rows = hidden[:, :-1].reshape(b * t, hidden.shape[-1])  # a copy of [N, H]: small beside any [N, V]
+    itemsize = torch.finfo(compute_dtype(rows, head.weight)).bits // 8
+    keep = b * t * vocab * itemsize <= keep_budget(hidden.device)
+    logp, entropy = fused_logprobs(rows, head.weight, head.bias, targets.reshape(-1), temperature,
+                                   max(1, chunk_elements // max(vocab, 1)), keep, with_entropy)
+    return logp.view(b, t), (entropy.view(b, t) if with_entropy else None)
+
+
+def keep_budget(device: torch.device) -> int:
+    """Bytes of logits the fused head may keep for backward instead of recomputing them: a sixteenth of a GPU's
+    memory (8.8 GB on an H200: a 16k-token step of a 151,936 vocabulary in bf16 keeps its 5 GB), one chunk's worth
+    (256 MB) elsewhere, as `chunked_logprobs` keeps a batch that fits one chunk."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory // KEEP_FRACTION
+    return CHUNK_ELEMENTS * 4
 
 
 def chunked_logprobs(rows: Tensor, targets: Tensor, to_logits: Callable[[Tensor], Tensor], temperature: float,

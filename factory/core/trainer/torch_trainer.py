@@ -33,10 +33,11 @@ LossFn = Callable[[Tensor, TrainBatch], tuple[Tensor, dict[str, float]]]
 
 
 def token_logprobs(model: PreTrainedModel, batch: TrainBatch, temperature: float = 1.0,
-                   with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+                   with_entropy: bool = False, fused: bool = False) -> tuple[Tensor, Tensor | None]:
     """Logprob of each target token [B, T-1] (and the policy entropy there, detached: a metric) under `model`,
-    chunked over tokens so no full-vocabulary float32 tensor is kept through backward (`trainer/logprobs.py`)."""
-    return chunked_token_logprobs(model, batch, temperature, with_entropy)
+    chunked over tokens so no full-vocabulary float32 tensor is kept through backward (`trainer/logprobs.py`);
+    `fused`: the head as one fused op (`trainer/fused_head.py`, trainer.fused_head)."""
+    return chunked_token_logprobs(model, batch, temperature, with_entropy, fused=fused)
 
 
 def toggle_on(field: str, value: str, device: torch.device) -> bool:
@@ -116,7 +117,8 @@ class TorchTrainer:
     def _logprobs(self, batch: TrainBatch, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
         """`token_logprobs` on the model's device, under the trainer's precision (logprobs in float32)."""
         with autocast(self.device, self.precision):
-            logp, entropy = token_logprobs(self.model, batch, self.temperature, with_entropy=with_entropy)
+            logp, entropy = token_logprobs(self.model, batch, self.temperature, with_entropy=with_entropy,
+                                           fused=self.uses("fused_head"))
         return logp.float(), None if entropy is None else entropy.float()
 
     @torch.no_grad()
