@@ -13,7 +13,7 @@ Against `logprobs.chunked_logprobs` under `torch.utils.checkpoint` (forward, rec
 runs 3 times per step instead of 4 with `keep_logits`, and as often without; the float32 work per chunk is one buffer
 (no log-softmax graph, no float32 gradient of the logits besides it); under autocast the weight is cast once per pass,
 not once per chunk; and nothing reads a value on the host (no sync). liger-kernel's fused linear cross-entropy was
-weighed against this (docs/trainer.md): no entropy, no temperature, a `.item()` per call, CUDA + Triton only.
+weighed against this (docs/hardware.md): no entropy, no temperature, a `.item()` per call, CUDA + Triton only.
 
 Tied embeddings need nothing: the weight's gradient is returned for the tensor passed, which autograd adds to the
 embedding's. A frozen head gets no gradient computed; without a graph (`torch.no_grad`, or nothing requiring grad)
@@ -87,6 +87,7 @@ class _FusedHead(torch.autograd.Function):
                 logits = kept[i] if kept else F.linear(h, w, b)
                 # softmax from the saved logsumexp, then -g * softmax + g at the target, then / T: one float32 buffer.
                 grad = logits.to(torch.float32, copy=True).div_(t).sub_(lse[s:e, None]).exp_().mul_(-g[s:e, None])
+                del logits  # before the next [rows, V] buffer: a recomputed chunk's logits are spent
                 grad.scatter_add_(1, targets[s:e, None], g[s:e, None]).div_(t)
                 grad = grad.to(dtype)
                 if grad_hidden is not None:
@@ -118,6 +119,7 @@ def _forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tenso
         if keep_logits:
             kept.append(logits)
         scaled = logits.to(torch.float32, copy=True).div_(temperature)  # a copy even in float32: kept logits stay
+        del logits
         lse[s:e] = torch.logsumexp(scaled, dim=-1)
         logp[s:e] = scaled.gather(1, targets[s:e, None]).squeeze(1) - lse[s:e]
         if with_entropy:
@@ -128,8 +130,8 @@ def _forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tenso
 
 def _accumulate_mm(out: Tensor, a: Tensor, b: Tensor) -> None:
     """out (float32) += a @ b, with a and b in the compute dtype."""
-    if a.dtype == torch.float32:
-        out.addmm_(a, b)
+    if a.dtype == out.dtype:
+        torch.addmm(out, a, b, out=out)
     elif out.device.type in _OUT_DTYPE_DEVICES:
         torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
     else:
