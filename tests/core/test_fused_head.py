@@ -13,7 +13,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from factory.core.batch import TrainBatch, pack
-from factory.core.trainer import fused_head
+from factory.core.trainer import fused_head, logprobs
 from factory.core.trainer.distributed import DistributedTrainer
 from factory.core.trainer.fused_head import fused_logprobs
 from factory.core.trainer.logprobs import chunked_logprobs, token_logprobs
@@ -161,6 +161,27 @@ def test_no_value_is_read_on_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
     assert weight.grad.shape == (v, h) and weight.grad.dtype == torch.float32
 
 
+def test_compiles_whole_without_a_graph_break() -> None:
+    """`torch.compile(fullgraph=True)` traces the op (forward and backward, the chunk loop unrolled) with no graph
+    break, to the eager values; aot_eager: no C++ compiler needed (a few seconds, most of it dynamo's start)."""
+    hidden, head, targets, weights = head_inputs(bias=True)
+
+    def loss(h: torch.Tensor) -> torch.Tensor:
+        return (weights * fused_logprobs(h, head.weight, head.bias, targets, 0.7, 5, keep_logits=True)[0]).sum()
+
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    got = compiled(hidden)
+    got.backward()
+    got_grads = (hidden.grad.clone(), head.weight.grad.clone())
+    hidden.grad = None
+    head.zero_grad(set_to_none=True)
+    want = loss(hidden)
+    want.backward()
+    torch.testing.assert_close(got.detach(), want.detach(), **TOL)
+    for g, w in zip(got_grads, (hidden.grad, head.weight.grad), strict=True):
+        torch.testing.assert_close(g, w, **TOL)
+
+
 def test_bad_input_is_refused_naming_what_was_expected() -> None:
     hidden, head, targets, _ = head_inputs(bias=False)
     with pytest.raises(ValueError, match=r"expected targets \[23\]"):
@@ -209,6 +230,23 @@ def test_token_logprobs_fused_matches_the_chunked_head_on_a_model(tied: bool, ch
     assert grads.keys() == ref_grads.keys()
     for name, g in grads.items():
         torch.testing.assert_close(g, ref_grads[name], **TOL, msg=name)
+
+
+def test_token_logprobs_keeps_the_logits_where_they_fit_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Within `keep_budget` (one chunk's 256 MB on the CPU) the chunks' logits are kept for backward; past it they
+    are recomputed: nothing vocabulary-wide is saved."""
+    model, b = tiny(tied=True), rl_batch()
+    rows = b.loss_mask.numel()
+
+    def saved_logits() -> list:
+        with SavedBytes() as saved:
+            token_logprobs(model, b, 1.0, with_entropy=True, chunk_elements=96 * 7, fused=True)
+        return [s for s, d in saved if len(s) == 2 and s[-1] == 96 and s[0] <= 7]
+
+    kept = saved_logits()
+    assert sum(s[0] for s in kept) == rows
+    monkeypatch.setattr(logprobs, "keep_budget", lambda device: rows * 96 * 4 - 1)  # one byte short
+    assert saved_logits() == []
 
 
 def pg_loss(logp: torch.Tensor, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
