@@ -17,6 +17,12 @@ chunk, so the full [B, T, V] logits never exist either. Tied embeddings and peft
 the head is called as the module it is. Any other model (another architecture, a DDP or FSDP wrapper, whose forward
 must go through the wrapper) is run whole and its logits are chunked.
 
+`fused=True` (`trainer.fused_head`; on where the trainer computes on CUDA) takes a plain head (an `nn.Linear`, no
+softcapping) as one fused op from the hidden states (`fused_head.py`): the same chunks, no checkpoint, no float32
+[rows, vocab] tensor kept, and the chunks' logits kept in the model's dtype for backward where they fit
+`keep_budget` (then the head's matmul runs 3 times a step, not 4). Anything else (LoRA on the head, softcapping,
+a wrapper) takes the chunked path. On the CPU it is off at "auto", so the numbers there do not move.
+
 The entropy is a metric: no algorithm takes its gradient (core/algorithms.py), so it is computed without a graph
 and returned detached.
 """
