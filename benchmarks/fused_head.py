@@ -17,8 +17,9 @@ CUDA (addmm's `out_dtype`).
 `--mode time`: measured: on the CPU in float32 at fewer tokens (default 256, 4 chunks); on CUDA (`--device cuda`,
 the default where there is one; not yet run) in bf16 autocast, the fused variants under
 `torch.cuda.set_sync_debug_mode("error")`, with each variant's peak memory. `--repeats` rounds, the variants in
-turn within each round, each variant's median seconds and a 95% t-interval of its mean, and the largest absolute
-difference of its values (log-probs, entropy, gradients) from `chunked`. Prints a table, then one JSON line.
+turn within each round, each variant's median seconds and a 95% t-interval of its mean, its speed-up over `chunked`
+paired by round (a 95% t-interval of the mean ratio), and the largest absolute difference of its values (log-probs,
+entropy, gradients) from `chunked`. Prints a table, then one JSON line.
 """
 
 from __future__ import annotations
@@ -172,14 +173,24 @@ def timed(tokens: int, hidden_size: int, vocab: int, rows: int, repeats: int, de
     out = {}
     for variant, s in seconds.items():
         diff = max(float((a - b).abs().max()) for a, b in zip(values[variant], values["chunked"], strict=True))
-        mean, sd = statistics.fmean(s), statistics.stdev(s) if len(s) > 1 else 0.0
-        half = T95.get(len(s) - 1, 1.96) * sd / math.sqrt(len(s))
+        mean, lo, hi = _mean_ci(s)
+        # Paired by round (the same load for both): how many times faster than `chunked`.
+        speedup = _mean_ci([c / x for c, x in zip(seconds["chunked"], s, strict=True)])
         out[variant] = {"median_s": round(statistics.median(s), 4), "mean_s": round(mean, 4),
-                        "ci95_s": [round(mean - half, 4), round(mean + half, 4)], "n": len(s),
+                        "ci95_s": [round(lo, 4), round(hi, 4)], "n": len(s),
+                        "speedup_vs_chunked": round(speedup[0], 3),
+                        "speedup_ci95": [round(speedup[1], 3), round(speedup[2], 3)],
                         "max_abs_diff_vs_chunked": diff}
         if variant in peaks:
             out[variant]["peak_mib"] = round(peaks[variant] / MIB, 1)
     return out
+
+
+def _mean_ci(xs: list[float]) -> tuple[float, float, float]:
+    """Mean and its two-sided 95% Student t interval."""
+    mean = statistics.fmean(xs)
+    half = T95.get(len(xs) - 1, 1.96) * statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else 0.0
+    return mean, mean - half, mean + half
 
 
 @contextlib.contextmanager
@@ -236,11 +247,12 @@ def main(argv: list[str] | None = None) -> dict:
         how = "bf16 autocast on CUDA" if device.type == "cuda" else f"float32 on the CPU, {args.threads} thread(s)"
         print(f"head of {tokens} tokens, hidden {args.hidden}, vocabulary {args.vocab}, {rows} tokens a chunk, "
               f"{how}, n={args.repeats} interleaved rounds")
-        print(f"{'variant':<11} {'median s':>9} {'mean s, 95% interval':>26} {'max |diff| vs chunked':>22}")
+        print(f"{'variant':<11} {'median s':>9} {'mean s, 95% interval':>26} {'x chunked, 95% interval':>26} "
+              f"{'max |diff|':>11}")
         for v, r in result["variants"].items():
-            lo, hi = r["ci95_s"]
+            (lo, hi), (slo, shi) = r["ci95_s"], r["speedup_ci95"]
             print(f"{v:<11} {r['median_s']:>9.3f} {r['mean_s']:>9.3f} [{lo:.3f}, {hi:.3f}] "
-                  f"{r['max_abs_diff_vs_chunked']:>22.2e}")
+                  f"{r['speedup_vs_chunked']:>9.2f} [{slo:.2f}, {shi:.2f}] {r['max_abs_diff_vs_chunked']:>11.2e}")
     print(json.dumps(result))
     return result
 
