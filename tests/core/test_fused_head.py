@@ -302,3 +302,47 @@ def test_auto_on_the_cpu_is_the_chunked_path_bit_for_bit(kind: str, fused_calls:
     off, off_lp, off_grads = trainer_step(TRAINERS[kind], "off")
     assert torch.equal(auto_lp, off_lp) and auto == {**off, "train_s": auto["train_s"]}
     assert all(torch.equal(g, off_grads[n]) for n, g in auto_grads.items())
+
+
+# ------------------------------------------------------------------ GPU only (skipped on the CPU)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_auto_turns_it_on_without_a_host_sync_and_bf16_agrees(fused_calls: list[int]) -> None:
+    """On a GPU under bf16 autocast: "auto" resolves to the fused op; the head's forward and backward run under
+    `set_sync_debug_mode("error")` (a host sync raises); the log-probs, entropy and the weight gradient (float32,
+    summed by addmm's `out_dtype`) agree with the chunked head within bf16 noise (vocabulary 32,000, 2 x 512
+    tokens, 128 tokens a chunk)."""
+    device = torch.device("cuda")
+    cfg = AutoConfig.for_model("qwen2", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, intermediate_size=128, vocab_size=32000, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).to(device).train()
+    assert TorchTrainer(model, lr=0.0).uses("fused_head")
+    ids = torch.randint(0, 32000, (2, 512), generator=torch.Generator().manual_seed(0)).to(device)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state.detach().requires_grad_()
+    targets, chunk = ids[:, 1:], 32000 * 128
+    out = {}
+    for use in (False, True):
+        model.zero_grad(set_to_none=True)
+        hidden.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error" if use else "default")
+        try:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                if use:
+                    logp, entropy = logprobs.fused_head_logprobs(hidden, model.lm_head, targets, 0.7, True, chunk)
+                else:
+                    logp, entropy = chunked_logprobs(hidden, targets, model.lm_head, 0.7, True, chunk, 32000,
+                                                     drop_last=True)
+            logp.mean().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        out[use] = (logp.detach(), entropy, model.lm_head.weight.grad.clone(), hidden.grad.clone())
+    assert len(fused_calls) == 1 and out[True][0].device.type == "cuda"
+    assert out[True][2].dtype == torch.float32
+    torch.testing.assert_close(out[True][0], out[False][0], atol=1e-2, rtol=0)
+    torch.testing.assert_close(out[True][1], out[False][1], atol=1e-2, rtol=0)
+    for got, want in zip(out[True][2:], out[False][2:], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=5e-2)
