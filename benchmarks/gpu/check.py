@@ -22,6 +22,10 @@ Parts (each guarded: a part that fails records its error under its key and the o
 - logprobs: torch vs Megatron per-token log-probs of the same weights and batch (bf16 on a GPU), max abs diff;
   skipped with the reason where megatron-core does not import.
 
+- trainer_rl, handoff, grpo_step (issue 34; rl_check.py and grpo_step_check.py say what each measures): the
+  trainer's MFU on RL-shaped batches (real tokens only), switches off vs on; one step's weights handed over in
+  process, by the shared buffer and by the codec; one GRPO step by phase, today's code vs the new one.
+
 `gpu_count` puts `factory validate`'s torch-free GPU count (factory/infra/gpus.py) beside torch's.
 
 The run's device follows Factory's rule: `factory.infra.device.run_device(spec)` picks it (device: auto), and each
@@ -60,6 +64,9 @@ import torch  # noqa: E402
 from common import H100_BF16_DENSE_TFLOPS, n_params, random_model  # noqa: E402
 from engine_check import add_arguments as engine_arguments  # noqa: E402
 from engine_check import part_engine  # noqa: E402
+from grpo_step_check import part_grpo_step  # noqa: E402
+from rl_check import add_arguments as rl_arguments  # noqa: E402
+from rl_check import part_handoff, part_trainer_rl  # noqa: E402
 from trainer_throughput import _cpu_stand_ins, nll, random_batch  # noqa: E402
 
 from factory.config import apply_overrides, load_spec, parse_spec  # noqa: E402
@@ -272,7 +279,8 @@ def clean(v: object) -> object:
     return v
 
 
-PARTS = ("trainer", "publish", "engine", "logprobs", "megatron_trainer", "grpo")
+PARTS = ("trainer", "publish", "engine", "logprobs", "megatron_trainer", "grpo", "trainer_rl", "handoff", "grpo_step")
+ISSUE_34 = ("trainer_rl", "handoff", "grpo_step")  # rl_check.py, grpo_step_check.py
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -290,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="peak bf16 FLOP/s per GPU in TFLOP/s for MFU (989: H100/H200 SXM dense)")
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON here (after every part)")
     engine_arguments(ap)
+    rl_arguments(ap)
     a = ap.parse_args(argv)
     a.grpo_steps = a.grpo_steps or (2 if a.smoke else 100)
     parts = [p.strip() for p in a.parts.split(",") if p.strip()]
@@ -316,9 +325,14 @@ def main(argv: list[str] | None = None) -> int:
                "engine": lambda: part_engine(a, dev, lambda d: partial("engine", d)),
                "logprobs": lambda: part_logprobs(a, dev, shared),
                "megatron_trainer": lambda: part_megatron_trainer(a, dev, shared),
-               "grpo": lambda: part_grpo(a, dev)}
+               "grpo": lambda: part_grpo(a, dev),
+               "trainer_rl": lambda: part_trainer_rl(a, dev, lambda d: partial("trainer_rl", d)),
+               "handoff": lambda: part_handoff(a, dev, lambda d: partial("handoff", d)),
+               "grpo_step": lambda: part_grpo_step(a, dev, lambda d: partial("grpo_step", d))}
     t_all = time.perf_counter()
-    for name in PARTS:  # a fixed order: megatron after the parts that need the real torch.cuda; grpo (longest) last
+    # a fixed order: megatron after the parts that need the real torch.cuda; issue 34's parts before Megatron's
+    order = [*PARTS[:3], *ISSUE_34, *PARTS[3:6]]
+    for name in order:
         if name not in parts:
             continue
         if name == "megatron_trainer" and "megatron" not in shared:
@@ -369,11 +383,22 @@ def print_table(r: dict) -> None:
                                                     f"{get('engine', 'generate_seqs')} seqs)"),
             ("publish s: full | delta", f"{get('publish', 'full_s')} | {get('publish', 'delta_s')} "
                                         f"(bit-exact {get('publish', 'bit_exact')})"),
-            ("torch vs megatron logprobs max|diff|", get("logprobs", "max_abs_diff"))]
+            ("torch vs megatron logprobs max|diff|", get("logprobs", "max_abs_diff")),
+            ("RL batches tokens/s: today | new", f"{get('trainer_rl', 'today_tokens_per_s', '{:,.0f}')} | "
+                                                 f"{get('trainer_rl', 'new_tokens_per_s', '{:,.0f}')} (MFU vs 989 "
+                                                 f"TFLOP/s H100 bf16: {get('trainer_rl', 'today_mfu')} | "
+                                                 f"{get('trainer_rl', 'new_mfu')})"),
+            ("handoff s: in-process | shared | codec", f"{get('handoff', 'engine_update_s')} | "
+                                                       f"{get('handoff', 'shared_s')} | full "
+                                                       f"{get('handoff', 'codec_full_s')}, delta "
+                                                       f"{get('handoff', 'codec_delta_s')}"),
+            ("GRPO step s: today | new", f"{get('grpo_step', 'today_step_s')} | {get('grpo_step', 'new_step_s')} "
+                                         f"(x{get('grpo_step', 'today_over_new')}, extrapolated: "
+                                         f"{get('grpo_step', 'ratio_extrapolated')})")]
     for label, value in rows:
         print(f"  {label:<38} {value}")
     for part in PARTS:
-        for key in ("error", "device_error", "cpu_error", "skipped"):
+        for key in ("error", "device_error", "cpu_error", "skipped", "shared_error", "today_error", "new_error"):
             if key in r.get(part, {}):
                 print(f"  {part} {key}: {r[part][key]}")
 

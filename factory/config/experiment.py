@@ -81,6 +81,9 @@ class ExperimentSpec(_Section):
         if self.trainer.lora is not None and self.rollout.engine == "sglang":
             raise ValueError("trainer.lora: not wired to rollout.engine sglang yet (it would load each version's "
                              "adapter through SGLang's /load_lora_adapter); use engine embedded or server")
+        if self.trainer.lora is not None and self.rollout.weight_transport == "shared":
+            raise ValueError("rollout.weight_transport: 'shared' carries whole weights, but with trainer.lora the "
+                             "rollout server merges each version's adapters; use codec or auto")
         batch = self.rollout.prompts_per_step * self.algorithm.group_size
         if batch > MAX_STEP_SAMPLES:
             raise ValueError(

@@ -179,7 +179,8 @@ class SGLangSpec(_Section):
 class RolloutSpec(_Section):
     """How completions are sampled."""
 
-    _LATE_FIELDS: ClassVar[tuple[str, ...]] = ("sglang", "threads", "cpus", "env_cpus", "devices", "kv_budget_mb")
+    _LATE_FIELDS: ClassVar[tuple[str, ...]] = ("sglang", "threads", "cpus", "env_cpus", "devices", "kv_budget_mb",
+                                               "weight_transport")
 
     engine: Literal["embedded", "server", "sglang"] = Field(
         "embedded", description="overlapped modes: the continuous engine in-process, a supervised rollout "
@@ -215,9 +216,17 @@ class RolloutSpec(_Section):
     kv_budget_mb: int | None = Field(
         None, ge=1, description="MiB the continuous engine's KV cache may hold (in-process, or the rollout server "
         "process); requests wait for room in it; unset: half the memory free when the engine starts")
+    weight_transport: Literal["auto", "shared", "codec"] = Field(
+        "auto", description="how each version reaches a rollout server (rollout.engine: server): 'shared', one "
+        "double-buffered flat buffer in the serving dtype that the server maps once (the same GPU by CUDA IPC, or "
+        "host shared memory) and reads each version from; 'codec', lossless deltas over HTTP (across hosts); "
+        "auto: shared where the run computes on CUDA, codec otherwise (and with trainer.lora)")
 
     @model_validator(mode="after")
     def _sglang_settings(self) -> RolloutSpec:
+        if self.weight_transport == "shared" and self.engine == "sglang":
+            raise ValueError("rollout.weight_transport: 'shared' is Factory's rollout server's (rollout.engine: "
+                             "server); SGLang servers take weights by their own endpoints (rollout.sglang)")
         if self.engine == "sglang" and self.sglang is None:
             self.sglang = SGLangSpec()
         if self.sglang is not None and self.engine != "sglang":

@@ -26,10 +26,13 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FuturesTimeout
 from pathlib import Path
 
 import httpx
 import openai
+import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from factory.config import BufferSpec, ExperimentSpec
@@ -37,7 +40,10 @@ from factory.core.buffer import BufferClosed, BufferTimeout, Group, Reservation,
 from factory.core.rollout.base import Completion, SamplingParams
 from factory.core.rollout.embedded import EmbeddedEngine
 from factory.core.rollout.paged.engine import make_engine
-from factory.core.weights import encode_delta, encode_full
+from factory.core.rollout.paged.serving import model_dtype, serving_dtype
+from factory.core.weights import WeightSyncError, encode_delta, encode_full
+from factory.core.weights.shared import SharedWeightsWriter
+from factory.core.weights.staging import HostStaging
 from factory.data.feed import PromptFeed
 from factory.envs.protocol import tokens_from_session
 from factory.envs.registry import load_environment
@@ -250,14 +256,17 @@ class OverlappedProducer:
         return {"buffer": buffer, "stream": self.feed.state_dict()}
 
     def publish(self, model: PreTrainedModel, version: int) -> None:
-        # In-process transport: a tensor copy, applied by the engine between decode steps. With LoRA only the
-        # adapters leave the trainer; they are merged into the base copy here, on the rollout side.
+        # In-process handoff: the engine cast-copies the trainer's live tensors into its own parameters between
+        # decode steps (one copy per tensor, tied ones once; no clone first). The trainer is the caller and waits
+        # here until the copy is done, so it cannot step while the engine reads its weights, in either update mode
+        # ("finish_old" waits for the old weights' sequences first). With LoRA only the adapters leave the trainer;
+        # they are merged into the base copy here, on the rollout side.
         if self._merger is not None:
             merged = self._merger.merge(lora.adapter_state(model))
-            state = {**self.engine.model.state_dict(), **merged}  # the rest: the engine's own tensors, unchanged
+            state = {**self.engine.model.state_dict(), **merged}  # the rest: the engine's own tensors, not copied
         else:
-            state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        self.engine.update_weights(state, version, self.spec.rollout.update_mode).result(timeout=self.timeout)
+            state = model.state_dict()  # views of the live parameters
+        _handed_over(self.engine.update_weights(state, version, self.spec.rollout.update_mode), self.timeout)
         self._published = version
 
     def _sample(self, prompt_ids: list[int], params: SamplingParams) -> list[Completion]:
@@ -289,13 +298,23 @@ class OverlappedProducer:
     def _stop_engine(self) -> None:
         self.engine.stop()
 
+    @functools.cached_property
+    def _staging(self) -> HostStaging:
+        """Host buffers for versions that leave the process through the codec, in the dtype the engine serves
+        (bf16 for trainer.precision bf16 on CUDA: the server's deltas are then against its own bf16 weights)."""
+        dtype = serving_dtype(run_device(self.spec), self.spec.trainer.precision, torch.float32)
+        return HostStaging(None if dtype == torch.float32 else dtype)  # fp32: the tensors as they are
+
 
 class ServerProducer(OverlappedProducer):
     """As `OverlappedProducer`, but the engine is a rollout server in its own process (`factory serve`),
     reached over HTTP on 127.0.0.1 and supervised: if it dies, it is restarted, the trainer's last
     published weights are pushed to it in full, and the interrupted groups are requested again whole.
     A group enters the buffer only once complete (keyed by its draw), so none is lost or counted twice.
-    Weights travel as lossless deltas (`core/weights`) against the version the server holds."""
+    Weights travel by `rollout.weight_transport` (`weight_transport`): "shared", a `SharedWeightsWriter` whose handle
+    the server attaches once (again after a restart, when it reads the newest version instead of a full push), each
+    version a cast-copy into it and one small POST; or "codec", lossless deltas (`core/weights`) against the version
+    the server holds."""
 
     def _start_engine(self, model: PreTrainedModel, version: int) -> None:
         self._workdir = Path(tempfile.mkdtemp(prefix="factory-rollout-"))
@@ -303,16 +322,29 @@ class ServerProducer(OverlappedProducer):
         # UpdateDecoder), the current ones pushed as soon as it is up.
         save_checkpoint(lora.base_copy(model) if lora.attached(model) else model, self.tok, self._workdir / "initial")
         self._version = version
-        self._state = _published_state(model)
+        self._shared: SharedWeightsWriter | None = None
+        self._state: dict | None = None
+        if weight_transport(self.spec) == "shared":  # the server reads versions from this buffer, in its dtype
+            self._shared = shared_writer(self.spec, model)
+            self._shared.publish(model.state_dict(), version)
+        else:
+            self._state = _published_state(model, self._staging)
         self._restart_lock = threading.RLock()  # publish holds it and may restart inside
-        self.service = ServiceProcess(
-            "rollout-server", server_argv(self.spec, self._workdir / "initial", self.rows, version),
-            log_path=self._workdir / "server.log", startup_timeout=self.timeout,
-            breaker_restarts=self.spec.ops.breaker_restarts, breaker_window_s=self.spec.ops.breaker_window_s,
-            hang_timeout_s=self.spec.ops.hang_timeout_s, cpus=self.spec.rollout.cpus,
-            spare=spare.take()).start()  # a warm process where the attempt was forked warm (runs/standby.py)
+        try:
+            self.service = ServiceProcess(
+                "rollout-server", server_argv(self.spec, self._workdir / "initial", self.rows, version),
+                log_path=self._workdir / "server.log", startup_timeout=self.timeout,
+                breaker_restarts=self.spec.ops.breaker_restarts, breaker_window_s=self.spec.ops.breaker_window_s,
+                hang_timeout_s=self.spec.ops.hang_timeout_s, cpus=self.spec.rollout.cpus,
+                spare=spare.take()).start()  # a warm process where the attempt was forked warm (runs/standby.py)
+        except BaseException:
+            if self._shared is not None:
+                self._shared.close()
+            raise
         self._retired: list[httpx.Client] = []
         self._renew_client()
+        if self._shared is not None:
+            self._call(self._attach)  # the handle goes once; after a restart `_push` sends it again
         if lora.attached(model):
             self._call(self._push)
 
@@ -337,7 +369,12 @@ class ServerProducer(OverlappedProducer):
                 self._push()
 
     def _push(self) -> None:
-        """Send the whole current state (after a restart, the server is back at its initial weights)."""
+        """Send the whole current state (after a restart, the server is back at its initial weights); with the
+        shared buffer, attach it again and let the server read the newest version from it."""
+        if self._shared is not None:
+            self._attach()
+            self._apply_shared(self._version)
+            return
         update = encode_full(self._state, self._version)
         r = self._http.post("/update_weights_from_delta", content=bytes(update.to_bytes()),
                             params={"version": self._version, "mode": self.spec.rollout.update_mode})
@@ -357,8 +394,31 @@ class ServerProducer(OverlappedProducer):
                            text=c["text"], finish_reason=c["finish_reason"], weight_version=c["weight_version"],
                            token_versions=c["token_versions"]) for c in out["choices"]]
 
+    def _attach(self) -> None:
+        r = self._http.post("/attach_shared_weights", json=self._shared.handle())
+        r.raise_for_status()
+
+    def _apply_shared(self, version: int) -> None:
+        """Have the server apply the shared buffer's newest version, which must be `version`."""
+        params = {"mode": self.spec.rollout.update_mode}
+        r = self._http.post("/update_weights_from_shared", params=params)
+        if r.status_code == 409:  # a server that never saw the handle (restarted without `_recover`)
+            self._attach()
+            r = self._http.post("/update_weights_from_shared", params=params)
+        r.raise_for_status()
+        if (served := r.json()["weight_version"]) != version:
+            raise WeightSyncError(f"the rollout server serves version {served} after reading the shared buffer, "
+                                  f"version {version} was published")
+
     def publish(self, model: PreTrainedModel, version: int) -> None:
-        new = _published_state(model)
+        if self._shared is not None:
+            with self._restart_lock:
+                self._shared.publish(model.state_dict(), version)
+                self._version = version
+                self._call(lambda: self._apply_shared(version))
+            self._published = version
+            return
+        new = _published_state(model, self._staging)
         update = encode_delta(self._state, new, version, base_version=self._version)
 
         def post() -> None:
@@ -446,6 +506,8 @@ class ServerProducer(OverlappedProducer):
         self.service.stop()
         for client in (self._http, *self._retired):
             client.close()
+        if self._shared is not None:
+            self._shared.close()
         remove_checkpoint(self._workdir / "initial")  # the small server.log stays for post-mortems
 
 
@@ -458,13 +520,45 @@ def server_argv(spec: ExperimentSpec, checkpoint: Path, rows: int, version: int)
             "--device", str(run_device(spec)), "--precision", spec.trainer.precision, *budget]
 
 
-def _published_state(model: PreTrainedModel) -> dict:
-    """What a version sends the rollout server: a host copy of the weights (through pinned buffers from a GPU), or
-    with LoRA of the adapters alone."""
+def _handed_over(update: Future, timeout: float) -> None:
+    """Wait for an in-process update to be applied. Past `timeout` it is withdrawn if the engine has not begun
+    copying (the trainer's tensors are about to change), else waited for to the end: it never reads a half-stepped
+    state."""
+    try:
+        update.result(timeout=timeout)
+    except FuturesTimeout:
+        if update.cancel():
+            raise TimeoutError(f"the rollout engine did not apply the weight update within {timeout:.0f}s "
+                               f"(schedule.wait_timeout_s); it was withdrawn") from None
+        update.result(timeout=timeout)  # the copy has begun: it takes about a copy of the weights
+
+
+def weight_transport(spec: ExperimentSpec) -> str:
+    """How a run's versions reach its rollout server: `rollout.weight_transport`, auto resolved ("shared" where the
+    run computes on CUDA, unless LoRA adapters are what travels; "codec" otherwise)."""
+    setting = spec.rollout.weight_transport
+    if setting != "auto":
+        return setting
+    return "shared" if run_device(spec).type == "cuda" and spec.trainer.lora is None else "codec"
+
+
+def shared_writer(spec: ExperimentSpec, model: PreTrainedModel) -> SharedWeightsWriter:
+    """The shared buffer of a run's versions: on the run's device (the server's), in the dtype the server serves."""
+    device = run_device(spec)
+    return SharedWeightsWriter.create(model.state_dict(), serving_dtype(device, spec.trainer.precision,
+                                                                         model_dtype(model)), device)
+
+
+def _published_state(model: PreTrainedModel, staging: HostStaging | None = None) -> dict:
+    """What a version sends the rollout server: a host copy of the weights, or with LoRA of the adapters alone.
+    `staging` (`OverlappedProducer._staging`): buffers kept between versions, pinned from a GPU, one sync per
+    version, tied weights once, in the dtype the server serves; it alternates two sets, so the copy before (the
+    delta's base) stays whole while this one is written. Without it, fresh copies as they are."""
     if lora.attached(model):
         return lora.adapter_state(model)  # already fresh CPU copies
-    # The delta is encoded on the CPU: weights on a GPU leave through pinned host buffers (fresh ones: no clone).
-    return {k: host_copy(v) for k, v in model.state_dict().items()}
+    if staging is None:
+        return {k: host_copy(v) for k, v in model.state_dict().items()}
+    return staging.snapshot(model.state_dict())
 
 
 def _prompt_ids(tok: PreTrainedTokenizerFast, problem: Problem, spec: ExperimentSpec,

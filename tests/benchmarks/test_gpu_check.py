@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECK = ROOT / "benchmarks" / "gpu" / "check.py"
-PARTS = ("trainer", "publish", "engine", "logprobs", "megatron_trainer", "grpo")
+PARTS = ("trainer", "publish", "engine", "logprobs", "megatron_trainer", "grpo", "trainer_rl", "handoff", "grpo_step")
 
 
 def load_check():
@@ -48,6 +48,67 @@ def test_smoke_runs_every_part_and_prints_one_json_line(tmp_path):
     p = r["publish"]
     assert p["bit_exact"] is True and p["dtype"] == "bf16" and 0 < p["delta_mb"] < p["full_mb"]
     assert r["logprobs"]["precision"] == "fp32" and r["logprobs"]["max_abs_diff"] < 1e-4  # fp32 on the CPU
+    assert_issue_34_parts(r, tmp_path)
+
+
+def assert_issue_34_parts(r: dict, where: Path) -> None:
+    t = r["trainer_rl"]
+    assert t["today_tokens_per_s"] > 0 and t["new_tokens_per_s"] > 0 and t["today_mfu"] is None  # MFU: GPU only
+    assert not any(t["today_switches"].values()) and t["new_switches"]["packing"] and t["new_switches"]["fused_head"]
+    assert all(real <= padded for real, padded in zip(t["real_tokens_per_step"], t["padded_tokens_per_step"],
+                                                       strict=True))
+    assert t["today_profile_top"] and t["new_profile_top"]
+    text = (where / "trainer_profile.txt").read_text()
+    assert "== today: one trainer step" in text and "== new: one trainer step" in text
+    h = r["handoff"]
+    assert h["in_process_bit_exact"] and h["codec_full_bit_exact"] and h["codec_delta_bit_exact"]
+    assert 0 < h["codec_delta_mb"] < h["codec_full_mb"] and h["engine"] == "PagedEngine"
+    assert "shared_s" in h or "shared_error" in h  # the shared buffer is another piece of issue 34
+    g = r["grpo_step"]
+    assert g["new_engine"].startswith("PagedEngine") and g["today_engine"].startswith("ContinuousEngine")
+    for side in ("today", "new"):
+        assert g[f"{side}_generated_tokens"] == 4 * 2 * 8 and not g[f"{side}_generate_extrapolated"]
+        assert g[f"{side}_step_s"] == pytest.approx(sum(g[f"{side}_{p}_s"]
+                                                        for p in ("generate", "score", "train", "handoff")), rel=1e-4)
+    assert g["today_over_new"] > 0 and g["ratio_extrapolated"] is False
+
+
+def test_issue_34s_parts_run_on_the_cpu(tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    check = load_check()
+    out = tmp_path / "c.json"
+    assert check.main(["--smoke", "--parts", "trainer_rl,handoff,grpo_step", "--profile", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    for part in ("trainer_rl", "handoff", "grpo_step"):
+        assert not {"error", "partial", "today_error", "new_error"} & set(r[part]), (part, r[part])
+    assert_issue_34_parts(r, tmp_path)
+
+
+def test_a_generation_past_its_budget_is_cancelled_and_extrapolated_from_the_tokens_made():
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
+    try:
+        import grpo_step_check
+        from common import random_model
+        from engine_check import word_tokenizer
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks" / "gpu"))
+    from factory.core.rollout.base import SamplingParams
+    from factory.core.rollout.continuous import ContinuousEngine
+
+    model = random_model("micro")
+    engine = ContinuousEngine(model, word_tokenizer(512), max_batch=8)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=0)
+    got = grpo_step_check.generate_within(engine, [[1, 2, 3], [4, 5]], params, budget_s=0.0,
+                                          dev=torch.device("cpu"))
+    assert got["generate_extrapolated"] is True and "groups" not in got and got["generated_tokens"] > 0
+    assert got["generate_s"] == pytest.approx(got["generate_measured_s"] * 4 * 6 / max(got["generated_tokens"], 1))
+    assert engine.running == engine.queued == 0  # the cancelled samples left
+    done = grpo_step_check.generate_within(engine, [[1, 2, 3]], params, budget_s=600.0, dev=torch.device("cpu"))
+    assert not done["generate_extrapolated"] and [len(g) for g in done["groups"]] == [2]
 
 
 def test_a_failing_part_is_recorded_and_the_others_still_run(tmp_path, monkeypatch, capsys):

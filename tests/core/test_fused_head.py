@@ -256,8 +256,9 @@ def pg_loss(logp: torch.Tensor, batch: TrainBatch) -> tuple[torch.Tensor, dict[s
     return -(adv * logp * mask).sum() / mask.sum(), {}
 
 
-def trainer_step(make, fused: str) -> tuple[dict[str, float], torch.Tensor, dict[str, torch.Tensor]]:
-    trainer = make(copy.deepcopy(tiny(tied=True)), fused)
+def trainer_step(make, fused: str, packing: str = "off") -> tuple[dict[str, float], torch.Tensor,
+                                                                   dict[str, torch.Tensor]]:
+    trainer = make(copy.deepcopy(tiny(tied=True)), fused, packing)
     b = rl_batch(1)
     before = trainer.logprobs(b)
     metrics = trainer.step(b, pg_loss)
@@ -265,8 +266,9 @@ def trainer_step(make, fused: str) -> tuple[dict[str, float], torch.Tensor, dict
 
 
 TRAINERS = {
-    "torch": lambda model, fused: TorchTrainer(model, lr=1e-3, fused_head=fused),
-    "distributed": lambda model, fused: DistributedTrainer(model, lr=1e-3, fused_head=fused, grad_accum=2),
+    "torch": lambda model, fused, packing: TorchTrainer(model, lr=1e-3, fused_head=fused, packing=packing),
+    "distributed": lambda model, fused, packing: DistributedTrainer(model, lr=1e-3, fused_head=fused,
+                                                                    packing=packing, grad_accum=2),
 }
 
 
@@ -279,11 +281,13 @@ def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
+@pytest.mark.parametrize("packing", ["off", "on"], ids=["padded", "packed"])
 @pytest.mark.parametrize("kind", sorted(TRAINERS))
-def test_trainer_fused_head_on_gives_the_loss_and_gradients_of_off(kind: str, fused_calls: list[int]) -> None:
-    off, off_lp, off_grads = trainer_step(TRAINERS[kind], "off")
+def test_trainer_fused_head_on_gives_the_loss_and_gradients_of_off(kind: str, packing: str,
+                                                                   fused_calls: list[int]) -> None:
+    off, off_lp, off_grads = trainer_step(TRAINERS[kind], "off", packing)
     assert fused_calls == []
-    on, on_lp, on_grads = trainer_step(TRAINERS[kind], "on")
+    on, on_lp, on_grads = trainer_step(TRAINERS[kind], "on", packing)
     assert len(fused_calls) == (2 if kind == "distributed" else 1)  # a step's forward per micro-batch
     assert off["nonfinite"] == on["nonfinite"] == 0.0
     torch.testing.assert_close(on_lp, off_lp, **TOL)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from factory.config import parse_spec
 from factory.core.producer import _prompt_ids, scorer
@@ -110,3 +111,70 @@ def test_the_overlapped_producer_rolls_out_on_the_paged_engine_and_takes_publish
         assert [c.token_versions[0] for c in probe] == [1, 1]
     finally:
         producer.close()
+
+
+def test_weight_transport_auto_is_shared_on_cuda_and_codec_on_the_cpu_or_with_lora():
+    from factory.config import SpecError
+    from factory.core.producer import weight_transport
+
+    assert weight_transport(parse_spec({"device": "cpu", "rollout": {"engine": "server"}})) == "codec"
+    assert weight_transport(parse_spec({"device": "cpu", "rollout": {"engine": "server",
+                                                                      "weight_transport": "shared"}})) == "shared"
+    assert "weight_transport" not in parse_spec({}).model_dump()["rollout"]  # a late field: old fingerprints stay
+    with pytest.raises(SpecError, match="rollout.weight_transport: 'shared' carries whole weights"):
+        parse_spec({"rollout": {"engine": "server", "weight_transport": "shared"}, "trainer": {"lora": {"r": 4}}})
+    with pytest.raises(SpecError, match="rollout.weight_transport: 'shared' is Factory's rollout server's"):
+        parse_spec({"rollout": {"engine": "sglang", "weight_transport": "shared"}})
+    import torch
+
+    if torch.cuda.is_available():
+        assert weight_transport(parse_spec({"device": "cuda", "rollout": {"engine": "server"}})) == "shared"
+
+
+@pytest.mark.slow  # ~20 s: two `factory serve` processes start (the second after the kill)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no GPU: the server maps the buffer by CUDA IPC"))])
+def test_the_server_producer_hands_versions_through_the_shared_buffer_and_a_restarted_server_reattaches(device):
+    """A run's ServerProducer with rollout.weight_transport shared on the CPU, its `factory serve` process real: each
+    version is what the trainer holds, bit for bit in the buffer, and served; after the server is killed, the
+    restarted one attaches again and serves the newest version (no full push: no host copy is even kept)."""
+    import httpx
+    import torch
+
+    from factory.core.producer import ServerProducer
+    from factory.core.weights.shared import SharedWeightsReader
+    from factory.data.feed import feed_of
+    from factory.models.build import build_model
+    from factory.models.tokenizer import build_tokenizer
+
+    tok = build_tokenizer()
+    model = build_model("micro", tok, seed=0).to(device)
+    problems = [Problem(id=f"p{i}", prompt=f"{i}+{i}=", answer="", op="add", digits=1) for i in range(4)]
+    transport = "shared" if device == "cpu" else "auto"  # auto is shared on CUDA
+    spec = parse_spec({"seed": 0, "device": device, "model": {"preset": "micro"}, "algorithm": {"group_size": 2},
+                       "rollout": {"engine": "server", "weight_transport": transport, "prompts_per_step": 1,
+                                   "max_new_tokens": 2, "concurrency": 1, "threads": 1},
+                       "trainer": {"threads": 1}, "schedule": {"mode": "async", "steps": 2, "wait_timeout_s": 60}})
+    producer = ServerProducer(spec, model, tok, feed_of(problems, 0), 0)
+    try:
+        assert producer._state is None and producer._shared is not None  # no host copy for a full push
+        reader = SharedWeightsReader.attach(producer._shared.handle())
+        mirror = {k: torch.empty_like(v) for k, v in model.state_dict().items()}
+        for version in (1, 2):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(0.5)
+            if version == 2:
+                producer.service.kill()  # the next publish finds it dead: restart, re-attach, read the newest
+            producer.publish(model, version)
+            assert httpx.get(producer.service.url + "/health", timeout=30).json()["weight_version"] == version
+            assert reader.read_into(mirror) == version
+            assert all(torch.equal(mirror[k].view(torch.int32), v.view(torch.int32))
+                       for k, v in model.state_dict().items())
+        assert producer.service.restarts == 1
+        assert [c.weight_version for c in producer.probe(tok("1+1=").input_ids, 2)] == [2, 2]
+        reader.close()
+        control = Path(producer._shared.handle()["control"])
+    finally:
+        producer.close()
+    assert not control.exists() and not control.parent.exists()  # the writer removed its files

@@ -497,3 +497,39 @@ def test_publishing_in_the_receivers_dtype_sends_bf16_and_its_deltas_compress_be
     assert step1["emb"].dtype == torch.float32  # the trainer's own tensors are left as they are
     assert ratios[torch.bfloat16] > ratios[None]
     print(f"delta compression: fp32 {ratios[None]:.2f}x, bf16 {ratios[torch.bfloat16]:.2f}x")
+
+
+def test_hashing_and_zstd_run_on_several_threads_at_once(monkeypatch):
+    """Each tensor's sha256 and zstd run on the codec's worker threads side by side: a barrier that two calls
+    must reach together (bounded) would break if they ran one after the other."""
+    import hashlib
+
+    from factory.core.weights import codec
+
+    monkeypatch.setattr(codec, "WORKERS", 4)  # a 1-core CI machine would otherwise map sequentially
+    seen: dict[str, list[str]] = {"sha256": [], "compress": []}
+    barriers = {kind: threading.Barrier(2, timeout=WAIT) for kind in seen}
+    lock = threading.Lock()
+
+    def together(kind: str, fn):
+        def call(*a, **k):
+            with lock:
+                seen[kind].append(threading.current_thread().name)
+                first_two = len(seen[kind]) <= 2
+            if first_two:
+                barriers[kind].wait()  # the kind's first two calls meet here: two threads at once, or a timeout
+            return fn(*a, **k)
+        return call
+
+    real_compress = codec._compress
+    monkeypatch.setattr(codec, "hashlib", type("H", (), {"sha256": staticmethod(together("sha256", hashlib.sha256))}))
+    g = torch.Generator().manual_seed(0)
+    old = {f"w{i}": torch.randn(256, generator=g) for i in range(4)}
+    new = {k: v + 1 for k, v in old.items()}  # every element changed: dense, zstd per tensor
+    full = encode_full(old, 1)
+    monkeypatch.setattr(codec, "_compress", together("compress", real_compress))
+    delta = encode_delta(old, new, 2, 1)
+    for kind, names in seen.items():
+        assert len(set(names[:2])) == 2 and all(n.startswith("weights") for n in names), (kind, names)
+    got = apply_update(apply_update(None, full), delta, 1)
+    assert_bit_exact(got, new)

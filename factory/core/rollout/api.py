@@ -31,6 +31,7 @@ from factory.core.rollout.logprobs import TokenBytes, token_pieces
 from factory.core.rollout.prompt_gate import PromptGate
 from factory.core.rollout.sequences import mix_seed
 from factory.core.rollout.sessions import SessionStore, Turn
+from factory.core.rollout.shared_updates import SharedUpdates
 from factory.core.rollout.tools import (
     CALL_CLOSE,
     INVALID_OUTPUT,
@@ -41,6 +42,8 @@ from factory.core.rollout.tools import (
     plan_tools,
 )
 from factory.core.rollout.update_decoder import UpdateDecoder
+from factory.core.weights import WeightSyncError
+from factory.core.weights.shared import SharedHandleError
 from factory.text import clip
 
 SESSION_HEADER = "x-session-id"
@@ -81,6 +84,7 @@ class RolloutServer:
         self.gate = PromptGate(engine.tokenizer, engine.max_seq_len)  # length bound first, large prompts off-loop
         self.created = int(time.time())
         self._update_lock = asyncio.Lock()  # one weight update at a time, in arrival order
+        self.shared = SharedUpdates(engine)  # the trainer's shared buffer, once attached
 
     @property
     def max_prompt_chars(self) -> int | None:
@@ -89,6 +93,7 @@ class RolloutServer:
 
     def close(self) -> None:
         self.gate.close()
+        self.shared.close()
 
     # -- helpers
     def check_model(self, name: str | None) -> str:
@@ -352,13 +357,16 @@ class RolloutServer:
                 "served_model_name": self.engine.name, "weight_version": self.engine.weight_version,
                 "max_seq_len": self.engine.max_seq_len, "config": cfg}
 
-    async def update(self, state_fn: Callable[[], tuple[Mapping[str, Tensor], int | None]], version: int | None,
-                     mode: str) -> dict:
+    def _check_update_mode(self, mode: str) -> None:
         if mode not in UPDATE_MODES:
             raise APIError(400, f"mode must be one of {', '.join(UPDATE_MODES)}, got {mode!r}", "mode")
         if mode == "finish_old" and self.engine.paused == "in_place" and self.engine.running:
             raise APIError(400, "running requests cannot finish on the old weights while generation is paused in "
                                 "place: continue_generation first, or use mode=in_flight", "mode")
+
+    async def update(self, state_fn: Callable[[], tuple[Mapping[str, Tensor], int | None]], version: int | None,
+                     mode: str) -> dict:
+        self._check_update_mode(mode)
         async with self._update_lock:
             try:
                 state, carried = await asyncio.to_thread(state_fn)
@@ -373,4 +381,44 @@ class RolloutServer:
             except ValueError as e:
                 raise APIError(400, f"cannot load the weights: {e}") from e
         return {"success": True, "message": f"weights updated to version {applied} ({mode})",
+                "weight_version": applied, "num_paused_requests": 0}
+
+    # -- the shared-buffer handoff (`shared_updates.py`)
+    async def attach_shared(self, handle: Mapping[str, Any]) -> dict:
+        """Attach the trainer's shared weights buffer (replacing one attached before); nothing is applied yet."""
+        async with self._update_lock:  # not while an update reads the buffer attached before
+            try:
+                available = await asyncio.to_thread(self.shared.attach, handle)
+            except SharedHandleError as e:
+                raise APIError(400, str(e)) from e
+        return {"success": True, "message": "shared weights attached", "available_version": available,
+                "weight_version": self.engine.weight_version}
+
+    async def update_from_shared(self, mode: str) -> dict:
+        """Apply the newest whole version of the attached buffer, if it is newer than the served one."""
+        self._check_update_mode(mode)
+        async with self._update_lock:
+            if not self.shared.attached:
+                raise APIError(409, "no shared weights buffer attached: POST its handle to /attach_shared_weights "
+                                    "first")
+            available = self.shared.reader.available()  # type: ignore[union-attr]
+            if available is None or available <= self.engine.weight_version:
+                return {"success": True, "message": f"no version newer than {self.engine.weight_version} in the "
+                                                    f"shared buffer", "weight_version": self.engine.weight_version,
+                        "num_paused_requests": 0}
+            try:
+                version = await asyncio.to_thread(self.shared.read)
+                if version is None:  # read before (an update the engine refused), yet not served: read it again
+                    self.shared.forget()
+                    version = await asyncio.to_thread(self.shared.read)
+            except WeightSyncError as e:  # the writer overtook every copy for the read's timeout
+                raise APIError(503, f"cannot read the shared weights buffer: {e}", kind="unavailable") from e
+            if version is None:
+                raise APIError(409, "the shared weights buffer holds nothing newer to read; attach it again")
+            try:
+                applied = await asyncio.wrap_future(self.engine.update_weights(self.shared.staging, version, mode))
+            except ValueError as e:
+                self.shared.forget()
+                raise APIError(400, f"cannot load the weights: {e}") from e
+        return {"success": True, "message": f"weights updated to version {applied} ({mode}) from the shared buffer",
                 "weight_version": applied, "num_paused_requests": 0}

@@ -224,7 +224,10 @@ class EngineControl:
 
     # ------------------------------------------------------------------ control
     def update_weights(self, state_dict: Mapping[str, Tensor], version: int, mode: UpdateMode = "finish_old") -> Future:
-        """Swap in new weights between decode steps; returns a Future resolved with `version` once applied."""
+        """Swap in new weights between decode steps; returns a Future resolved with `version` once applied (on a
+        GPU: once the copy is done on the device). The engine copies from `state_dict`'s tensors when it applies the
+        update, not now: a caller that passes live tensors must not change them until the future resolves, or must
+        `cancel()` it first (which succeeds only while the copy has not begun)."""
         if mode not in UPDATE_MODES:
             raise ValueError(f"mode must be one of {', '.join(UPDATE_MODES)}, got {mode!r}")
         upd = PendingUpdate(state_dict, int(version), mode, Future())
@@ -359,8 +362,14 @@ class EngineControl:
                 if not self._updates or (self._updates[0].mode == "finish_old" and self.running):
                     return applied
                 upd = self._updates.popleft()
+            if not upd.future.set_running_or_notify_cancel():
+                continue  # withdrawn by its publisher (it gave up waiting): its tensors may have changed since
             try:
                 self._load(upd.state_dict)
+                if self.device.type == "cuda":
+                    # resolved only once copied: a publisher that handed over its live tensors may change them
+                    # as soon as the future resolves, on whatever stream it uses
+                    torch.cuda.current_stream(self.device).synchronize()
             except Exception as e:
                 upd.future.set_exception(e)
             else:

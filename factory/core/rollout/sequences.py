@@ -126,12 +126,37 @@ class EngineStats:
 
 
 def load_state_dict_into(model: PreTrainedModel, state_dict: Mapping[str, Tensor]) -> None:
-    """Load `state_dict` into `model`; a missing tied output embedding is fine, any other mismatch is an error."""
-    try:
-        missing, unexpected = model.load_state_dict(dict(state_dict), strict=False)
-    except RuntimeError as e:  # shape mismatches
-        raise ValueError(f"state dict does not fit the model: {e}") from e
+    """Copy `state_dict` into `model`'s own parameters and buffers in place (cast to their dtype on their device);
+    a missing tied output embedding is fine, any other mismatch is an error and nothing is copied.
+
+    One copy per destination storage: tied weights (the embedding and the LM head) are copied once, and an entry
+    that already is the destination tensor (a LoRA merge that passes the engine's own unchanged tensors) not at
+    all. The copies are queued on the current stream and not waited for: on a GPU the caller's later kernels (the
+    next decode step, the trainer's next optimizer step on the same stream) are ordered after them."""
+    targets = dict(model.state_dict(keep_vars=True))
     tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
-    missing = [k for k in missing if k not in tied]
+    missing = [k for k in targets if k not in state_dict and k not in tied]
+    unexpected = [k for k in state_dict if k not in targets]
     if missing or unexpected:
         raise ValueError(f"state dict does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    bad = [f"{k}: {tuple(v.shape)} into {tuple(targets[k].shape)}" for k, v in state_dict.items()
+           if v.shape != targets[k].shape]
+    if bad:
+        raise ValueError(f"state dict does not fit the model: size mismatch for {'; '.join(bad[:5])}")
+    done: set[tuple] = set()
+    with torch.no_grad():
+        for name, src in state_dict.items():
+            dst = targets[name]
+            key = _storage(dst)
+            if key in done:
+                continue  # tied to a tensor already copied
+            done.add(key)
+            if _storage(src) != key:
+                dst.copy_(src)
+
+
+def _storage(t: Tensor) -> tuple:
+    """Equal for two tensors that are the same view of the same memory."""
+    if t.numel() == 0:
+        return ("empty", id(t))  # every empty tensor has data_ptr 0: never the same
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)

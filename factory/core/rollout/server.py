@@ -21,8 +21,12 @@ Endpoints:
   {"mode"?: "drain" | "in_place", "wait"?}, `POST /continue_generation`, `POST /flush_cache`; and (SGLang has no
   such endpoint) `POST /update_weights_from_delta`: the body is a serialized `factory.core.weights.WeightUpdate`
   (`to_bytes()`; full or delta against the served version), `?mode=`; 409 when the delta's base version is not
-  the served one (send a full update). Update modes: "finish_old" (default; running requests end on the old
-  weights) or "in_flight" (they continue on the new ones; see `engine_control.py`).
+  the served one (send a full update). `POST /attach_shared_weights` {the handle of a
+  `factory.core.weights.shared.SharedWeightsWriter`} maps the trainer's shared buffer once (host shared memory, or
+  the same GPU by CUDA IPC; a bad field is a 400 naming it), and `POST /update_weights_from_shared` `?mode=` applies
+  its newest whole version if it is newer than the served one (409 if nothing is attached). Update modes:
+  "finish_old" (default; running requests end on the old weights) or "in_flight" (they continue on the new ones;
+  see `engine_control.py`).
 - Sessions: `GET /sessions/{id}`, `DELETE /sessions/{id}`.
 
 Extension fields on every choice (the exact tokens, so the trainer never re-tokenizes):
@@ -61,7 +65,7 @@ import asyncio
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Any
 
 import uvicorn
 from fastapi import FastAPI, Query, Request
@@ -193,6 +197,14 @@ def create_app(engine: EngineControl, model_path: str | None = None, delta_decod
                 raise APIError(409 if stale else 400, f"cannot apply the weight update: {e}") from e
 
         return await srv.update(decode, version, mode)
+
+    @app.post("/attach_shared_weights")
+    async def attach_shared(body: dict[str, Any]) -> dict:
+        return await srv.attach_shared(body)
+
+    @app.post("/update_weights_from_shared")
+    async def update_from_shared(mode: str = "finish_old") -> dict:
+        return await srv.update_from_shared(mode)
 
     @app.post("/pause_generation")
     async def pause(body: PauseRequest | None = None) -> dict:

@@ -34,6 +34,10 @@ backward, on the minibatch's first row at weight 0, since FSDP and DDP need ever
 
 Under both strategies every rank starts from rank 0's weights (broadcast at construction).
 
+Packing (`packing`, trainer.packing; auto: on CUDA): every log-prob forward (`logprobs`, each micro-batch) runs on
+packed rows through `_net`, DDP's wrapper or the FSDP2 module alike (both pass `position_ids` through), and comes
+back in the padded layout (`trainer/packing.py`); the loss weighting above reads the padded batch, unchanged.
+
 Device: alone (world_size 1) it computes where the model already is, the run's device (`infra/device.run_device`),
 so the in-process engines and evals that share the model are not left behind; a rank of a group is placed on its
 own device (`rank_device`), and on rank 0 the loop's components follow the model there.
@@ -59,6 +63,7 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
 from factory.core.batch import TrainBatch
+from factory.core.trainer.packing import Packer
 from factory.core.trainer.torch_trainer import LossFn, batch_to, over_minibatches, toggle_on, token_logprobs
 from factory.infra.device import host_copy, model_device
 from factory.infra.liveness import pulse_from_layers
@@ -127,7 +132,7 @@ class DistributedTrainer:
     def __init__(self, model: PreTrainedModel, lr: float, grad_clip: float = 1.0, weight_decay: float = 0.0,
                  temperature: float = 1.0, *, aggregation: str = "seq_mean_token_mean", strategy: Strategy = "fsdp",
                  grad_accum: int = 1, precision: Precision = "fp32", device: torch.device | None = None,
-                 fused_head: str = "auto"):
+                 packing: str = "auto", fused_head: str = "auto"):
         if aggregation not in SEQUENCE_AGGREGATIONS + TOKEN_AGGREGATIONS:
             raise ValueError(f"aggregation: expected one of {', '.join(SEQUENCE_AGGREGATIONS + TOKEN_AGGREGATIONS)}"
                              f" (algorithm.loss_agg), got {aggregation!r}")
@@ -174,8 +179,20 @@ class DistributedTrainer:
                                                 else None)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
         self.version = 0  # optimizer steps taken: the weight version it would publish
+        # trainer.packing: packed rows through the wrapper as through the model (trainer/packing.py)
+        self.packing = toggle_on("trainer.packing", packing, self.device)
+        self.packer = Packer()
 
     # ------------------------------------------------------------ forward passes
+
+    def _token_logprobs(self, net: torch.nn.Module, batch: TrainBatch, with_entropy: bool = False,
+                        host: TrainBatch | None = None) -> tuple[Tensor, Tensor | None]:
+        """`token_logprobs` through `net` (the model or its wrapper), on packed rows where packing is on, planned
+        from `host` (the same rows still on the CPU: no read back from the device) when given."""
+        if self.packing:
+            plan = None if host is None else self.packer.plan(net, host, self.device)
+            return self.packer.token_logprobs(net, batch, self.temperature, with_entropy, plan, fused=self.fused_head)
+        return token_logprobs(net, batch, self.temperature, with_entropy=with_entropy, fused=self.fused_head)
 
     def _amp(self) -> contextlib.AbstractContextManager:
         if self._autocast:
@@ -189,14 +206,13 @@ class DistributedTrainer:
         n = len(batch)
         if self.world_size == 1:
             with self._amp():
-                return token_logprobs(self.model, batch_to(batch, self.device), self.temperature,
-                                      fused=self.fused_head)[0].float().cpu()
+                return self._token_logprobs(self.model, batch_to(batch, self.device), host=batch)[0].float().cpu()
         per = max(1, math.ceil(n / self.world_size))
         rows = torch.arange(self.rank * per, (self.rank + 1) * per)
         rows = torch.where(rows < n, rows, torch.zeros_like(rows))  # past the end: row 0 again, dropped below
         with self._amp():
-            lp = token_logprobs(self.model, batch_to(batch.select(rows), self.device), self.temperature,
-                                fused=self.fused_head)[0].float()
+            host = batch.select(rows)
+            lp = self._token_logprobs(self.model, batch_to(host, self.device), host=host)[0].float()
         if self.strategy == "fsdp":
             # A forward without backward leaves the root's parameters unsharded: reshard, so the parameters the
             # module and the optimizer hold are the same objects again (its state dicts map one to the other).
@@ -237,13 +253,13 @@ class DistributedTrainer:
         metric_sums: dict[str, float] = {}
         for i, idx in enumerate(micros):
             empty = len(idx) == 0
-            part = batch_to(mb.select(idx if not empty else torch.zeros(1, dtype=torch.long)), self.device)
+            host = mb.select(idx if not empty else torch.zeros(1, dtype=torch.long))
+            part = batch_to(host, self.device)
             units_w = 0.0 if empty else loss_units(part, self.aggregation) / units_total
             tokens_w = 0.0 if empty else part.n_tokens / tokens_total
             with self._grad_sync(i == len(micros) - 1):
                 with self._amp():
-                    logp, entropy = token_logprobs(self._net, part, self.temperature, with_entropy=True,
-                                                   fused=self.fused_head)
+                    logp, entropy = self._token_logprobs(self._net, part, with_entropy=True, host=host)
                 loss, metrics = loss_fn(logp.float(), part)
                 # x world_size: the gradient all-reduce averages over ranks, and we want the sum of shares.
                 (loss * (units_w * self.world_size)).backward()

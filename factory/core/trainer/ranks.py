@@ -69,7 +69,7 @@ def distributed_trainer(spec: ExperimentSpec, model: PreTrainedModel) -> Distrib
     return DistributedTrainer(model, lr=spec.algorithm.lr, grad_clip=t.grad_clip, weight_decay=t.weight_decay,
                               temperature=spec.rollout.temperature, aggregation=spec.algorithm.aggregation(),
                               strategy=t.strategy, grad_accum=t.grad_accum, precision=t.precision,
-                              device=device, fused_head=t.fused_head)
+                              device=device, packing=t.packing, fused_head=t.fused_head)
 
 
 def make_trainer(spec: ExperimentSpec, model: PreTrainedModel):

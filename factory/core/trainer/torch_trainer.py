@@ -26,6 +26,7 @@ from transformers import PreTrainedModel
 
 from factory.core.batch import TrainBatch
 from factory.core.trainer.logprobs import token_logprobs as chunked_token_logprobs
+from factory.core.trainer.packing import Packer, PackPlan
 from factory.infra.device import autocast, model_device
 from factory.infra.liveness import pulse_from_layers
 
@@ -105,6 +106,7 @@ class TorchTrainer:
         self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
                                            weight_decay=weight_decay, betas=(0.9, 0.99))
         self.version = 0  # number of optimizer steps taken: the weight version it would publish
+        self.packer = Packer()
 
     @property
     def device(self) -> torch.device:
@@ -114,18 +116,26 @@ class TorchTrainer:
         """Whether the speed-up `name` (a key of `toggles`) is on where the model is now."""
         return toggle_on(f"trainer.{name}", self.toggles[name], self.device)
 
-    def _logprobs(self, batch: TrainBatch, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
-        """`token_logprobs` on the model's device, under the trainer's precision (logprobs in float32)."""
+    def _logprobs(self, batch: TrainBatch, with_entropy: bool = False,
+                  plan: PackPlan | None = None) -> tuple[Tensor, Tensor | None]:
+        """`token_logprobs` on the model's device, under the trainer's precision (logprobs in float32). With
+        packing, `plan` (`self.packer.plan` of the batch while it is on the CPU) saves a host read of its mask."""
         with autocast(self.device, self.precision):
-            logp, entropy = token_logprobs(self.model, batch, self.temperature, with_entropy=with_entropy,
-                                           fused=self.uses("fused_head"))
+            fused = self.uses("fused_head")
+            if self.uses("packing"):  # real tokens only, back in the padded layout (trainer/packing.py)
+                logp, entropy = self.packer.token_logprobs(self.model, batch, self.temperature, with_entropy, plan,
+                                                           fused=fused)
+            else:
+                logp, entropy = token_logprobs(self.model, batch, self.temperature, with_entropy=with_entropy,
+                                               fused=fused)
         return logp.float(), None if entropy is None else entropy.float()
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> Tensor:
         """Target-token logprobs [B, T-1], on the CPU (where the loop's batches live)."""
         self.model.eval()
-        return self._logprobs(batch_to(batch, self.device))[0].cpu()
+        plan = self.packer.plan(self.model, batch, self.device) if self.uses("packing") else None
+        return self._logprobs(batch_to(batch, self.device), plan=plan)[0].cpu()
 
     def step(self, batch: TrainBatch, loss_fn: LossFn, minibatches: int = 1,
              generator: torch.Generator | None = None) -> dict[str, float]:
@@ -138,8 +148,9 @@ class TorchTrainer:
         return over_minibatches(batch, minibatches, generator, lambda mb: self._minibatch(mb, loss_fn))
 
     def _minibatch(self, mb: TrainBatch, loss_fn: LossFn) -> tuple[dict[str, float], bool]:
+        plan = self.packer.plan(self.model, mb, self.device) if self.uses("packing") else None  # from the CPU mask
         mb = batch_to(mb, self.device)
-        logp, entropy = self._logprobs(mb, with_entropy=True)
+        logp, entropy = self._logprobs(mb, with_entropy=True, plan=plan)
         loss, metrics = loss_fn(logp, mb)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -1,10 +1,13 @@
 """Versioned weight publication: lossless full and delta encodings, and the transports that carry them.
 
-What it owns: numbering versions, encoding them (`codec.py`), publishing them to subscribers over
+What it owns: numbering versions, encoding them (`codec.py`) from host snapshots in buffers kept between
+versions (`staging.py`: pinned from a GPU, one sync per version, tied tensors once), publishing them to subscribers over
 one of three media behind the `Transport` interface (`transport.py`: in-process, shared directory;
 `dist.py`: torch.distributed broadcast), and failing loudly: every blocking call takes a timeout and
 raises `WeightSyncTimeout` saying who waited on what. It knows nothing of models, trainers or loops:
-it moves `dict[str, Tensor]` between versions.
+it moves `dict[str, Tensor]` between versions. `shared.py` is the one medium without an encoding: a double-buffered
+flat buffer (host shared memory, or a GPU's memory mapped by CUDA IPC) that a reader maps once and copies each
+version from, a seqlock per slot keeping versions whole (`SharedWeightsWriter`, `SharedWeightsReader`).
 
     pub = WeightPublisher(SharedDirTransport("/dev/shm/run1/weights"))      # trainer side
     pub.publish(model.state_dict(), version=step)

@@ -280,8 +280,10 @@ def _encode(state: StateDict, code: Callable[[str, torch.Tensor], TensorPayload]
 
 def _raw_payload(name: str, t: torch.Tensor) -> TensorPayload:
     bits = _flat_bits(t)
+    # a private copy as a numpy array, not `tobytes()`: numpy's large allocations take fewer page faults than a
+    # bytes object's (docs/results.md, issue 34: encode_full of 384 MB in bf16, 0.70 -> 0.59 s)
     return TensorPayload(name, _dtype_name(t.dtype), tuple(t.shape), "raw", hashlib.sha256(bits).hexdigest(),
-                         bits.tobytes())
+                         memoryview(bits.copy()).cast("B"))
 
 
 def encode_full(state: StateDict, version: int) -> WeightUpdate:

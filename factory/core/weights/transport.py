@@ -6,8 +6,9 @@ version published just before it. A subscriber that fell behind replays the delt
 starts again from the newest full one; the media keep enough history for that.
 
 `WeightPublisher(dtype=torch.bfloat16)` publishes floating tensors in the dtype the receiver serves:
-cast on the trainer's device before the copy leaves it (through pinned host memory), half the bytes
-of fp32, and deltas between bf16 versions repeat more bits, so they compress better.
+cast on the trainer's device before the copy leaves it, half the bytes of fp32, and deltas between
+bf16 versions repeat more bits, so they compress better. The host copies land in buffers kept between
+versions (`staging.py`: pinned from a GPU, one sync per publish, tied tensors copied once).
 """
 
 from __future__ import annotations
@@ -33,9 +34,8 @@ from factory.core.weights.codec import (
     encode_delta,
     encode_full,
     state_layout_digest,
-    storage_key,
 )
-from factory.infra.device import to_host
+from factory.core.weights.staging import HostStaging
 
 MakeUpdate = Callable[[bool], WeightUpdate]  # force_full -> the update to send
 
@@ -263,24 +263,6 @@ class SharedDirTransport(Transport):
 # the two ends
 
 
-def _cpu_copy(state: StateDict, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """A CPU copy that keeps tied tensors tied (so they are encoded once); floating tensors cast to `dtype`
-    (on their own device, before the copy) when given. GPU tensors leave through pinned host memory."""
-    copies: dict[tuple, torch.Tensor] = {}
-    out = {}
-    for k, v in state.items():
-        key = storage_key(v)
-        if key not in copies:
-            t = v.detach()
-            if dtype is not None and t.is_floating_point() and t.dtype != dtype:
-                t = t.to(dtype)  # a new tensor: no clone needed below when it is on the CPU
-            elif t.device.type == "cpu":
-                t = t.clone()
-            copies[key] = to_host(t)
-        out[k] = copies[key]
-    return out
-
-
 class WeightPublisher:
     """Numbers and publishes versions of a state dict (the trainer side).
 
@@ -295,12 +277,14 @@ class WeightPublisher:
         self._prev: dict[str, torch.Tensor] | None = None
         self._since_full = 0
         self.last_update: WeightUpdate | None = None
+        self._staging = HostStaging(dtype)
 
     def publish(self, state: StateDict, version: int, timeout: float = 60.0) -> WeightUpdate:
         """Publish `state` as `version` (greater than the last); full or delta as above. Returns what was sent."""
         if self.version is not None and version <= self.version:
             raise ValueError(f"version {version} must be greater than the last published v{self.version}")
-        snapshot = _cpu_copy(state, self.dtype)  # taken now: the trainer may step on while we encode
+        # taken now (the trainer may step on while we encode), beside the previous version's, which stays the base
+        snapshot = self._staging.snapshot(state, keep=self._prev)
 
         def make_update(force_full: bool) -> WeightUpdate:
             full = force_full or self._prev is None or (self.full_every > 0 and self._since_full + 1 >= self.full_every)
