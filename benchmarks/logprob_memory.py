@@ -7,7 +7,9 @@ is downloaded); `--layers` overrides its depth (the log-prob part does not depen
 - `old`: the previous `token_logprobs` (full fp32 logits, log-softmax and its exp over the vocabulary, the entropy's
   graph kept through backward), kept here as `old_token_logprobs`, the reference;
 - `new`: `factory.core.trainer.torch_trainer.token_logprobs` (chunked, checkpointed per chunk);
-- `new+ac`: `new` with `trainer.activation_checkpointing` (transformers' non-reentrant checkpointing per layer).
+- `new+ac`: `new` with `trainer.activation_checkpointing` (transformers' non-reentrant checkpointing per layer);
+- `fused`: `new` with `trainer.fused_head` (`factory/core/trainer/fused_head.py`: logits kept for backward where they
+  fit `logprobs.keep_budget`, else recomputed).
 
 Each variant runs in a fresh subprocess, measured the same way: on CUDA `torch.cuda.max_memory_allocated` minus the
 memory allocated once the model and batch are built; on the CPU the peak RSS (VmHWM, reset through
@@ -36,7 +38,8 @@ from torch import Tensor  # noqa: E402
 
 from factory.core.batch import TrainBatch  # noqa: E402
 
-VARIANTS = ("old", "new", "new+ac")
+VARIANTS = ("old", "new", "new+ac", "fused")
+DEFAULT_VARIANTS = ("old", "new", "new+ac")  # `fused` when asked: --variants new,fused
 MB = 1 << 20
 
 
@@ -101,7 +104,8 @@ def measure(variant: str, shape: str, layers: int | None, batch: int, seq: int, 
         if variant == "old":
             logp, entropy = old_token_logprobs(model, mb, 1.0, with_entropy=True)
         else:
-            logp, entropy = token_logprobs(model, mb, 1.0, with_entropy=True, chunk_elements=chunk)
+            logp, entropy = token_logprobs(model, mb, 1.0, with_entropy=True, chunk_elements=chunk,
+                                           fused=variant == "fused")
         mask = mb.loss_mask.float()
         loss = -(advantages * logp * mask).sum() / mask.sum()
         loss.backward()
@@ -109,7 +113,7 @@ def measure(variant: str, shape: str, layers: int | None, batch: int, seq: int, 
         # As the trainer does: the entropy metric is read after backward (the old one kept its graph until here).
         assert entropy is not None
         ent = (entropy * mask).sum() / mask.sum()
-        return float(loss), float(grad_norm), float(ent)
+        return float(loss.detach()), float(grad_norm), float(ent)
 
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -146,7 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per variant")
     p.add_argument("--chunk-elements", type=int, default=None, help="logits per chunk (default: the trainer's)")
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.smoke:

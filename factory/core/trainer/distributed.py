@@ -133,7 +133,7 @@ class DistributedTrainer:
     def __init__(self, model: PreTrainedModel, lr: float, grad_clip: float = 1.0, weight_decay: float = 0.0,
                  temperature: float = 1.0, *, aggregation: str = "seq_mean_token_mean", strategy: Strategy = "fsdp",
                  grad_accum: int = 1, precision: Precision = "fp32", device: torch.device | None = None,
-                 packing: str = "auto", fused_optimizer: str = "auto"):
+                 packing: str = "auto", fused_head: str = "auto", fused_optimizer: str = "auto"):
         if aggregation not in SEQUENCE_AGGREGATIONS + TOKEN_AGGREGATIONS:
             raise ValueError(f"aggregation: expected one of {', '.join(SEQUENCE_AGGREGATIONS + TOKEN_AGGREGATIONS)}"
                              f" (algorithm.loss_agg), got {aggregation!r}")
@@ -149,6 +149,8 @@ class DistributedTrainer:
         if device is None:
             device = model_device(model) if self.world_size == 1 else rank_device()
         self.device = device
+        # trainer.fused_head; it reaches a plain head only (strategy single: DDP and FSDP wrap the model's forward)
+        self.fused_head = toggle_on("trainer.fused_head", fused_head, device)
         self.aggregation, self.grad_accum, self.precision = aggregation, grad_accum, precision
         self.temperature, self.grad_clip = temperature, grad_clip
         self.strategy = strategy if self.world_size > 1 else "single"
@@ -192,8 +194,8 @@ class DistributedTrainer:
         from `host` (the same rows still on the CPU: no read back from the device) when given."""
         if self.packing:
             plan = None if host is None else self.packer.plan(net, host, self.device)
-            return self.packer.token_logprobs(net, batch, self.temperature, with_entropy, plan)
-        return token_logprobs(net, batch, self.temperature, with_entropy=with_entropy)
+            return self.packer.token_logprobs(net, batch, self.temperature, with_entropy, plan, fused=self.fused_head)
+        return token_logprobs(net, batch, self.temperature, with_entropy=with_entropy, fused=self.fused_head)
 
     def _amp(self) -> contextlib.AbstractContextManager:
         if self._autocast:

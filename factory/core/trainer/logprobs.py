@@ -17,6 +17,12 @@ chunk, so the full [B, T, V] logits never exist either. Tied embeddings and peft
 the head is called as the module it is. Any other model (another architecture, a DDP or FSDP wrapper, whose forward
 must go through the wrapper) is run whole and its logits are chunked.
 
+`fused=True` (`trainer.fused_head`; on where the trainer computes on CUDA) takes a plain head (an `nn.Linear`, no
+softcapping) as one fused op from the hidden states (`fused_head.py`): the same chunks, no checkpoint, no float32
+[rows, vocab] tensor kept, and the chunks' logits kept in the model's dtype for backward where they fit
+`keep_budget` (then the head's matmul runs 3 times a step, not 4). Anything else (LoRA on the head, softcapping,
+a wrapper) takes the chunked path. On the CPU it is off at "auto", so the numbers there do not move.
+
 The entropy is a metric: no algorithm takes its gradient (core/algorithms.py), so it is computed without a graph
 and returned detached.
 """
@@ -31,6 +37,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from factory.core.batch import TrainBatch
+from factory.core.trainer.fused_head import compute_dtype, fused_logprobs
 
 # Causal-LM classes whose forward is `logits = lm_head(base_model(...).last_hidden_state)`, then Gemma's optional
 # final softcapping (`config.final_logit_softcapping`), and nothing else (no logit scale, as Cohere or Granite have).
@@ -42,15 +49,18 @@ PLAIN_HEADS = frozenset({
 })
 # Logits per chunk (rows x vocabulary): 64 Mi float32 values, 256 MB; 441 token rows at a 151,936 vocabulary.
 CHUNK_ELEMENTS = 1 << 26
+# The fused head keeps its logits for backward up to 1 / KEEP_FRACTION of a GPU's memory (`keep_budget`).
+KEEP_FRACTION = 16
 
 
 def token_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: float = 1.0, with_entropy: bool = False,
-                   chunk_elements: int = CHUNK_ELEMENTS,
-                   position_ids: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+                   chunk_elements: int = CHUNK_ELEMENTS, position_ids: Tensor | None = None,
+                   fused: bool = False) -> tuple[Tensor, Tensor | None]:
     """Logprob of each target token [B, T-1] (and the policy entropy there, detached) under `model`.
 
     `position_ids` [B, T]: packed rows (trainer/packing.py): the forward gets them and no attention mask, so
-    transformers builds the document mask from them; `batch.attention_mask` is then not used."""
+    transformers builds the document mask from them; `batch.attention_mask` is then not used. `fused`
+    (trainer.fused_head): a plain head (an `nn.Linear`, no softcapping) runs as one fused op (`fused_head.py`)."""
     targets = batch.input_ids[:, 1:]
     inputs = ({"attention_mask": batch.attention_mask} if position_ids is None
               else {"attention_mask": None, "position_ids": position_ids})
@@ -61,6 +71,9 @@ def token_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: float
                                 vocab=logits.shape[-1], drop_last=True)
     decoder, lm_head, softcap = head
     hidden = decoder(input_ids=batch.input_ids, **inputs, use_cache=False)
+    if fused and softcap is None and type(lm_head) is torch.nn.Linear:
+        return fused_head_logprobs(hidden.last_hidden_state, lm_head, targets, temperature, with_entropy,
+                                   chunk_elements)
     to_logits = functools.partial(_head_logits, lm_head, softcap)
     return chunked_logprobs(hidden.last_hidden_state, targets, to_logits, temperature, with_entropy, chunk_elements,
                             vocab=_vocab_size(lm_head, model), drop_last=True)
@@ -71,6 +84,31 @@ def logprobs_from_logits(logits: Tensor, targets: Tensor, temperature: float = 1
     """`token_logprobs` for logits a model already returned ([B, T, V], aligned with `targets` [B, T])."""
     return chunked_logprobs(logits, targets, _identity, temperature, with_entropy, chunk_elements,
                             vocab=logits.shape[-1])
+
+
+def fused_head_logprobs(hidden: Tensor, head: torch.nn.Linear, targets: Tensor, temperature: float,
+                        with_entropy: bool, chunk_elements: int) -> tuple[Tensor, Tensor | None]:
+    """`chunked_logprobs` of `head(hidden)` [B, T+1, H] (the last position predicts nothing) as the fused op: the
+    same chunks of at most `chunk_elements` logits; the logits kept for backward where they fit `keep_budget`."""
+    if chunk_elements < 1:
+        raise ValueError(f"chunk_elements: expected >= 1, got {chunk_elements}")
+    b, t = targets.shape
+    vocab = head.out_features
+    rows = hidden[:, :-1].reshape(b * t, hidden.shape[-1])  # a copy of [N, H]: small beside any [N, V]
+    itemsize = torch.finfo(compute_dtype(rows, head.weight)).bits // 8
+    keep = b * t * vocab * itemsize <= keep_budget(hidden.device)
+    logp, entropy = fused_logprobs(rows, head.weight, head.bias, targets.reshape(-1), temperature,
+                                   max(1, chunk_elements // max(vocab, 1)), keep, with_entropy)
+    return logp.view(b, t), (entropy.view(b, t) if with_entropy else None)
+
+
+def keep_budget(device: torch.device) -> int:
+    """Bytes of logits the fused head may keep for backward instead of recomputing them: a sixteenth of a GPU's
+    memory (8.8 GB on an H200: a 16k-token step of a 151,936 vocabulary in bf16 keeps its 5 GB), one chunk's worth
+    (256 MB) elsewhere, as `chunked_logprobs` keeps a batch that fits one chunk."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory // KEEP_FRACTION
+    return CHUNK_ELEMENTS * 4
 
 
 def chunked_logprobs(rows: Tensor, targets: Tensor, to_logits: Callable[[Tensor], Tensor], temperature: float,

@@ -246,14 +246,14 @@ def plan_for(model: torch.nn.Module, batch: TrainBatch, bucket: int = 1) -> Pack
 
 
 def packed_token_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: float = 1.0,
-                          with_entropy: bool = False, bucket: int = 1,
-                          plan: PackPlan | None = None) -> tuple[Tensor, Tensor | None]:
+                          with_entropy: bool = False, bucket: int = 1, plan: PackPlan | None = None,
+                          fused: bool = False) -> tuple[Tensor, Tensor | None]:
     """`token_logprobs` of a padded `batch` computed on packed rows: log-probs (and the detached entropy) [B, T-1],
     0 where the padded batch has no real target. `plan` (from `plan_for` on the CPU batch) saves the host read of
     the attention mask."""
     plan = (plan_for(model, batch, bucket) if plan is None else plan).to(batch.input_ids.device)
     logp, entropy = token_logprobs(model, plan.batch(batch.input_ids), temperature, with_entropy,
-                                   position_ids=plan.position_ids)
+                                   position_ids=plan.position_ids, fused=fused)
     return plan.unpack(logp), (None if entropy is None else plan.unpack(entropy))
 
 
@@ -283,9 +283,11 @@ class Packer:
         return plan_for(model, batch, self.bucket_for(device)) if self.accepts(model) else None
 
     def token_logprobs(self, model: torch.nn.Module, batch: TrainBatch, temperature: float = 1.0,
-                       with_entropy: bool = False, plan: PackPlan | None = None) -> tuple[Tensor, Tensor | None]:
-        """Packed when `model` accepts it, else the padded `token_logprobs`: the same [B, T-1] tensors either way."""
+                       with_entropy: bool = False, plan: PackPlan | None = None,
+                       fused: bool = False) -> tuple[Tensor, Tensor | None]:
+        """Packed when `model` accepts it, else the padded `token_logprobs`: the same [B, T-1] tensors either way.
+        `fused`: the head as one fused op (trainer.fused_head)."""
         if not self.accepts(model):
-            return token_logprobs(model, batch, temperature, with_entropy)
+            return token_logprobs(model, batch, temperature, with_entropy, fused=fused)
         return packed_token_logprobs(model, batch, temperature, with_entropy,
-                                     self.bucket_for(batch.input_ids.device), plan)
+                                     self.bucket_for(batch.input_ids.device), plan, fused=fused)

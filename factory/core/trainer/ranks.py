@@ -69,7 +69,8 @@ def distributed_trainer(spec: ExperimentSpec, model: PreTrainedModel) -> Distrib
     return DistributedTrainer(model, lr=spec.algorithm.lr, grad_clip=t.grad_clip, weight_decay=t.weight_decay,
                               temperature=spec.rollout.temperature, aggregation=spec.algorithm.aggregation(),
                               strategy=t.strategy, grad_accum=t.grad_accum, precision=t.precision,
-                              device=device, packing=t.packing, fused_optimizer=t.fused_optimizer)
+                              device=device, packing=t.packing, fused_head=t.fused_head,
+                              fused_optimizer=t.fused_optimizer)
 
 
 def make_trainer(spec: ExperimentSpec, model: PreTrainedModel):

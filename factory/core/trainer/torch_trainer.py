@@ -45,10 +45,11 @@ LossFn = Callable[[Tensor, TrainBatch], tuple[Tensor, dict[str, Metric]]]
 
 
 def token_logprobs(model: PreTrainedModel, batch: TrainBatch, temperature: float = 1.0,
-                   with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+                   with_entropy: bool = False, fused: bool = False) -> tuple[Tensor, Tensor | None]:
     """Logprob of each target token [B, T-1] (and the policy entropy there, detached: a metric) under `model`,
-    chunked over tokens so no full-vocabulary float32 tensor is kept through backward (`trainer/logprobs.py`)."""
-    return chunked_token_logprobs(model, batch, temperature, with_entropy)
+    chunked over tokens so no full-vocabulary float32 tensor is kept through backward (`trainer/logprobs.py`);
+    `fused`: the head as one fused op (`trainer/fused_head.py`, trainer.fused_head)."""
+    return chunked_token_logprobs(model, batch, temperature, with_entropy, fused=fused)
 
 
 def toggle_on(field: str, value: str, device: torch.device) -> bool:
@@ -154,10 +155,13 @@ class TorchTrainer:
         """`token_logprobs` on the model's device, under the trainer's precision (logprobs in float32). With
         packing, `plan` (`self.packer.plan` of the batch while it is on the CPU) saves a host read of its mask."""
         with autocast(self.device, self.precision):
+            fused = self.uses("fused_head")
             if self.uses("packing"):  # real tokens only, back in the padded layout (trainer/packing.py)
-                logp, entropy = self.packer.token_logprobs(self.model, batch, self.temperature, with_entropy, plan)
+                logp, entropy = self.packer.token_logprobs(self.model, batch, self.temperature, with_entropy, plan,
+                                                           fused=fused)
             else:
-                logp, entropy = token_logprobs(self.model, batch, self.temperature, with_entropy=with_entropy)
+                logp, entropy = token_logprobs(self.model, batch, self.temperature, with_entropy=with_entropy,
+                                               fused=fused)
         return logp.float(), None if entropy is None else entropy.float()
 
     @torch.no_grad()
