@@ -38,11 +38,12 @@ def test_the_counter_sees_the_host_decided_skip(tok):
     assert len(reads) == 2 and all(any(r.startswith("__bool__ ") for r in mb) for mb in step_reads(reads)), reads
 
 
-@pytest.mark.parametrize("packing", ["off", "on"])
-def test_the_fused_step_reads_nothing_inside_the_minibatch_loop(tok, packing):
+@pytest.mark.parametrize("switches", [{}, {"packing": "on"}, {"packing": "on", "fused_head": "on"}],
+                         ids=["padded", "packed", "packed_fused_head"])
+def test_the_fused_step_reads_nothing_inside_the_minibatch_loop(tok, switches):
     """Packed, the packer's plan reads the CPU batch's mask (`sample_lengths`, host data) and transformers reads the
     position ids once (`find_packed_sequence_indices`): the forward's, not the step's."""
-    t = trainer(tok, fused_optimizer="on", packing=packing)
+    t = trainer(tok, fused_optimizer="on", **switches)
     assert t.optimizer.param_groups[0]["fused"] is True
     reads = count_reads(t)
     m = t.step(rl_batch(tok, 4, 9, seed=1), GRPO, minibatches=2, generator=torch.Generator().manual_seed(0))
