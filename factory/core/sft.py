@@ -28,12 +28,13 @@ CHECK_SAMPLE = 256
 
 def run_sft(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, train: list[Problem], spec: SFTSpec,
             seed: int, on_step: Callable[[int, dict[str, float]], None] | None = None,
-            max_new_tokens: int = 8) -> dict[str, float]:
+            max_new_tokens: int = 8, speedups: dict[str, str] | None = None) -> dict[str, float]:
     """Up to `spec.steps` AdamW steps on random train batches; returns the last step's metrics
-    plus `steps` (how many ran) and `train_accuracy` (last check, if any)."""
+    plus `steps` (how many ran) and `train_accuracy` (last check, if any). `speedups`: the trainer's switches
+    (`SPEEDUPS` names -> auto/on/off, the run's `trainer` section); unset, all auto."""
     rng = random.Random(f"sft-{seed}")
     torch.manual_seed(seed)
-    trainer = TorchTrainer(model, lr=spec.lr)
+    trainer = TorchTrainer(model, lr=spec.lr, **(speedups or {}))
     warmup = max(1, min(spec.steps, 1000) // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda s: min(1.0, (s + 1) / warmup))
     check = random.Random(f"sft-check-{seed}").sample(train, min(CHECK_SAMPLE, len(train)))

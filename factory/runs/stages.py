@@ -30,6 +30,7 @@ from factory.config import ExperimentSpec
 from factory.core.evaluate import EvalResult, evaluate
 from factory.core.rollout.embedded import EmbeddedEngine
 from factory.core.sft import run_sft
+from factory.core.trainer.torch_trainer import SPEEDUPS
 from factory.data.from_spec import held_out_sets
 from factory.digest import dir_digest
 from factory.envs.eval_suites import HELD_OUT, SOURCE_BENCHMARK
@@ -186,7 +187,8 @@ def train_sft_checkpoint(spec: ExperimentSpec, paths: FactoryPaths, splits: Spli
 
     labeled = splits.train[:sft.examples] if sft.examples else splits.train  # the demonstrations SFT may see
     metrics = run_sft(model, tok, labeled, sft, spec.seed, on_step=on_step,
-                      max_new_tokens=spec.rollout.max_new_tokens)
+                      max_new_tokens=spec.rollout.max_new_tokens,
+                      speedups={name: getattr(spec.trainer, name) for name in SPEEDUPS})
     seconds = time.perf_counter() - t0
     steps_run = int(metrics["steps"])
     name = name or f"sft-{spec.fingerprint()}"

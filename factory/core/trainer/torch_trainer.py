@@ -52,6 +52,9 @@ def token_logprobs(model: PreTrainedModel, batch: TrainBatch, temperature: float
     return chunked_token_logprobs(model, batch, temperature, with_entropy, fused=fused)
 
 
+SPEEDUPS = ("packing", "fused_head", "compile", "fused_optimizer")  # TorchTrainer's switches, trainer.<name>
+
+
 def toggle_on(field: str, value: str, device: torch.device) -> bool:
     """Whether a trainer speed-up switch is on: "on" / "off", or "auto" (on where the trainer computes on CUDA, so
     the CPU path keeps its numbers bit for bit)."""
