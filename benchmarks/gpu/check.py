@@ -301,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     rl_arguments(ap)
     a = ap.parse_args(argv)
     a.grpo_steps = a.grpo_steps or (2 if a.smoke else 100)
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)  # a run's output folder need not exist yet
     parts = [p.strip() for p in a.parts.split(",") if p.strip()]
     if bad := [p for p in parts if p not in PARTS]:
         ap.error(f"--parts: unknown {bad}; expected a subset of {', '.join(PARTS)}")
