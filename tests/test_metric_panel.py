@@ -125,6 +125,7 @@ def test_metrics_not_measured_are_not_recorded_anywhere(lake, tmp_path):
     batch.per_token["ref_logprobs"] = torch.full_like(batch.per_token["old_logprobs"], -0.7)
     logp = batch.per_token["old_logprobs"]
     _, off = make_loss(SPEC.algorithm)(logp, batch)  # kl_coef 0: the reference is not used
+    off = {k: float(v) for k, v in off.items()}  # 0-dim tensors, read on the host as a trainer's step does
     _, on = make_loss(SPEC.algorithm.model_copy(update={"kl_coef": 0.1}))(logp, batch)
     assert "kl" not in off and on["kl"] > 0
     problem = tasks.make_task_splits(TaskSpec(name="arithmetic", n_train=16, n_eval=8), 0).train[0]
