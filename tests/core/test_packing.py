@@ -228,11 +228,13 @@ def test_packing_and_unpacking_read_nothing_on_the_host() -> None:
 
 
 def packed_forwards(model: torch.nn.Module) -> list[int]:
-    """Rows of every decoder forward of `model` that got position ids and no attention mask (a packed one)."""
+    """Rows of every decoder forward of `model` that got position ids and no 2-D attention mask (a packed one: no
+    mask, or the plan's prebuilt 4-D document mask)."""
     rows: list[int] = []
 
     def spy(_module, args, kwargs):
-        if kwargs.get("position_ids") is not None and kwargs.get("attention_mask") is None:
+        mask = kwargs.get("attention_mask")
+        if kwargs.get("position_ids") is not None and (mask is None or mask.dim() == 4):
             rows.append(kwargs["input_ids"].shape[0])
 
     model.model.register_forward_pre_hook(spy, with_kwargs=True)

@@ -57,6 +57,8 @@ PACKABLE = frozenset({
 })
 DENSE_MASK = frozenset({"sdpa", "eager"})  # the document mask materialized: rows laid out by `choose_row_cap`
 ONE_ROW = frozenset({"flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4"})
+# Architectures whose mask builder reads `config.sliding_window` itself, whatever `layer_types` says (5.24 modeling code).
+CONFIG_WINDOW = frozenset({"MistralForCausalLM", "Phi3ForCausalLM", "Starcoder2ForCausalLM"})
 # Row-length multiple on CUDA: few shapes for compiled layers, matmul-friendly sizes; at most 127 pad tokens a row.
 CUDA_BUCKET = 128
 
@@ -74,6 +76,15 @@ class PackPlan:
     out_index: Tensor  # [B, T-1] flat index into the packed targets [rows * (length-1)] (0 where not valid)
     out_valid: Tensor  # [B, T-1] bool: a real target (the padded batch's attention_mask[:, 1:])
     target_valid: Tensor  # [rows, length-1] bool: packed positions whose target is the same sample's next token
+    document_mask: Tensor | None = None  # [rows, 1, length, length] bool, True = attend: causal within a document
+
+    def forward_mask(self, dtype: torch.dtype) -> Tensor | None:
+        """The prebuilt 4-D mask the decoder takes in place of building one from `position_ids` (None: it builds
+        its own): `document_mask` as is for sdpa, as eager's additive mask (0 or `dtype`'s min) for eager."""
+        if self.document_mask is None or self.document_mask.dtype == dtype:
+            return self.document_mask
+        zero = torch.zeros((), dtype=dtype, device=self.document_mask.device)
+        return torch.where(self.document_mask, zero, torch.finfo(dtype).min)
 
     @property
     def real_tokens(self) -> int:
@@ -87,8 +98,15 @@ class PackPlan:
         """The plan with its index tensors on `device`."""
         if self.token_src.device == device:
             return self
-        move = {k: getattr(self, k).to(device) for k in
-                ("token_src", "token_dst", "position_ids", "out_index", "out_valid", "target_valid")}
+        def to(t: Tensor | None) -> Tensor | None:  # as batch_to: through pinned memory to CUDA, not blocking
+            if t is None:
+                return None
+            if device.type == "cuda" and t.device.type == "cpu":
+                return t.pin_memory().to(device, non_blocking=True)
+            return t.to(device)
+
+        move = {k: to(getattr(self, k)) for k in
+                ("token_src", "token_dst", "position_ids", "out_index", "out_valid", "target_valid", "document_mask")}
         return PackPlan(self.rows, self.length, self.width, **move)
 
     def pack(self, input_ids: Tensor) -> Tensor:
@@ -162,11 +180,23 @@ def choose_row_cap(lengths: Sequence[int], width: int, bucket: int, pair_cost: f
     return min([base * k for k in (1, 2, 4, 8)] + [None], key=work)
 
 
+def document_mask(position_ids: Tensor) -> Tensor:
+    """The block-diagonal causal mask [rows, 1, L, L] (bool, True = attend) of packed `position_ids` [rows, L]: a
+    position that is not its predecessor's + 1 starts a document, as transformers 5.24's
+    `find_packed_sequence_indices` reads them, and a query sees the keys of its document up to itself."""
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    doc = starts.cumsum(-1)
+    causal = torch.ones(position_ids.shape[-1], position_ids.shape[-1], dtype=torch.bool,
+                        device=position_ids.device).tril()
+    return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
+
+
 def plan_packing(lengths: Sequence[int], width: int, bucket: int = 1,
-                 max_row_tokens: int | None = None) -> PackPlan:
+                 max_row_tokens: int | None = None, with_mask: bool = False) -> PackPlan:
     """The plan for samples of `lengths` (right-padded to `width`): one packed row, or with `max_row_tokens` rows
     of at most that many tokens (a longer sample gets a row of its own length), filled first-fit-decreasing; each
-    row padded at its end to a multiple of `bucket`."""
+    row padded at its end to a multiple of `bucket`. `with_mask`: with its `document_mask`, built here on the host."""
     if bucket < 1:
         raise ValueError(f"bucket: expected >= 1, got {bucket}")
     if max_row_tokens is not None and max_row_tokens < 1:
@@ -194,8 +224,9 @@ def plan_packing(lengths: Sequence[int], width: int, bucket: int = 1,
     out_index = torch.where(out_valid, start_t[:, None] + tcols[None, :], torch.zeros_like(out_valid, dtype=torch.long))
     target_valid = torch.zeros(rows * (length - 1), dtype=torch.bool)
     target_valid[out_index[out_valid]] = True
-    return PackPlan(rows, length, width, token_src, token_dst, position_ids.view(rows, length), out_index, out_valid,
-                    target_valid.view(rows, length - 1))
+    position_ids = position_ids.view(rows, length)
+    return PackPlan(rows, length, width, token_src, token_dst, position_ids, out_index, out_valid,
+                    target_valid.view(rows, length - 1), document_mask(position_ids) if with_mask else None)
 
 
 def _inner(model: torch.nn.Module) -> torch.nn.Module:
@@ -217,6 +248,21 @@ def packing_problem(model: torch.nn.Module) -> str | None:
     if impl not in DENSE_MASK | ONE_ROW:
         return f"attention implementation {impl!r} does not take a document mask from position ids"
     return None
+
+
+def takes_prebuilt_mask(model: torch.nn.Module) -> bool:
+    """Whether `model`'s packed forward gets the plan's `document_mask`: sdpa and eager, whose mask builder returns
+    a 4-D mask as is (transformers 5.24 `_preprocess_mask_arguments`), on full attention in every layer. A sliding
+    window (Mistral, Phi3, Starcoder2 by `sliding_window`; Qwen2/3, SmolLM3, Gemma2/3 by `layer_types`) keeps the
+    position-ids path, which builds each layer type's mask itself."""
+    config = getattr(_inner(model), "config", None)
+    if getattr(config, "_attn_implementation", None) not in DENSE_MASK:
+        return False
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return all(t == "full_attention" for t in layer_types) and (
+            getattr(config, "sliding_window", None) is None or type(_inner(model)).__name__ not in CONFIG_WINDOW)
+    return getattr(config, "sliding_window", None) is None
 
 
 def pair_cost(model: torch.nn.Module) -> float:
@@ -242,7 +288,15 @@ def plan_for(model: torch.nn.Module, batch: TrainBatch, bucket: int = 1) -> Pack
     lengths = sample_lengths(batch.attention_mask)
     impl = getattr(getattr(_inner(model), "config", None), "_attn_implementation", None)
     cap = choose_row_cap(lengths, width, bucket, pair_cost(model)) if impl in DENSE_MASK else None
-    return plan_packing(lengths, width, bucket, cap)
+    return plan_packing(lengths, width, bucket, cap, with_mask=takes_prebuilt_mask(model))
+
+
+def _mask_dtype(model: torch.nn.Module) -> torch.dtype:
+    """bool for sdpa; for eager the dtype transformers builds its additive mask in (the input embeddings')."""
+    inner = _inner(model)
+    if inner.config._attn_implementation != "eager":
+        return torch.bool
+    return inner.get_input_embeddings().weight.dtype
 
 
 def packed_token_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: float = 1.0,
@@ -252,8 +306,9 @@ def packed_token_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature
     0 where the padded batch has no real target. `plan` (from `plan_for` on the CPU batch) saves the host read of
     the attention mask."""
     plan = (plan_for(model, batch, bucket) if plan is None else plan).to(batch.input_ids.device)
+    mask = None if plan.document_mask is None else plan.forward_mask(_mask_dtype(model))
     logp, entropy = token_logprobs(model, plan.batch(batch.input_ids), temperature, with_entropy,
-                                   position_ids=plan.position_ids, fused=fused)
+                                   position_ids=plan.position_ids, fused=fused, attention_mask=mask)
     return plan.unpack(logp), (None if entropy is None else plan.unpack(entropy))
 
 
