@@ -132,7 +132,8 @@ def test_every_packable_architecture_with_sliding_windows(arch: str, impl: str) 
     lengths, width = sample_lengths(batch.attention_mask), batch.input_ids.shape[1]
     # position ids alone (transformers builds the mask) and, where the model takes one, the plan's prebuilt mask
     for with_mask in {False, takes_prebuilt_mask(model)}:
-        for plan in (plan_packing(lengths, width, 1, width, with_mask), plan_packing(lengths, width, 8, None, with_mask)):
+        for cap, bucket in ((width, 1), (None, 8)):
+            plan = plan_packing(lengths, width, bucket, cap, with_mask)
             assert_same(forward(model, batch, packed=True, plan=plan), padded, valid)
     assert_same(forward(model, batch, packed=True, bucket=8), padded, valid)  # the layout plan_for picks
 

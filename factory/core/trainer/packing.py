@@ -57,7 +57,7 @@ PACKABLE = frozenset({
 })
 DENSE_MASK = frozenset({"sdpa", "eager"})  # the document mask materialized: rows laid out by `choose_row_cap`
 ONE_ROW = frozenset({"flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4"})
-# Architectures whose mask builder reads `config.sliding_window` itself, whatever `layer_types` says (5.24 modeling code).
+# Architectures whose mask builder reads `config.sliding_window`, whatever `layer_types` says (5.24 modeling code).
 CONFIG_WINDOW = frozenset({"MistralForCausalLM", "Phi3ForCausalLM", "Starcoder2ForCausalLM"})
 # Row-length multiple on CUDA: few shapes for compiled layers, matmul-friendly sizes; at most 127 pad tokens a row.
 CUDA_BUCKET = 128
