@@ -172,7 +172,7 @@ def test_the_prebuilt_document_mask_is_the_one_transformers_builds(arch: str, im
     batch = rl_batch()
     plan = plan_for(model, batch, bucket=8)
     if arch in SLIDING:
-        assert plan.document_mask is None
+        assert plan.documents is None and plan.document_mask is None
         return
     assert plan.rows < batch.input_ids.shape[0] and plan.document_mask.shape == (plan.rows, 1, plan.length, plan.length)
     dtype = torch.bool if impl == "sdpa" else torch.float32

@@ -76,15 +76,26 @@ class PackPlan:
     out_index: Tensor  # [B, T-1] flat index into the packed targets [rows * (length-1)] (0 where not valid)
     out_valid: Tensor  # [B, T-1] bool: a real target (the padded batch's attention_mask[:, 1:])
     target_valid: Tensor  # [rows, length-1] bool: packed positions whose target is the same sample's next token
-    document_mask: Tensor | None = None  # [rows, 1, length, length] bool, True = attend: causal within a document
+    # [rows, length]: each position's document (`document_ids`), where the forward takes a prebuilt mask, else None
+    documents: Tensor | None = None
+
+    @property
+    def document_mask(self) -> Tensor | None:
+        """The block-diagonal causal mask [rows, 1, length, length] (bool, True = attend) on the plan's device,
+        built there from `documents` (index ops, no host read): [rows, length] ids cross to the device, not the
+        [rows, length, length] mask."""
+        if self.documents is None:
+            return None
+        causal = torch.ones(self.length, self.length, dtype=torch.bool, device=self.documents.device).tril()
+        return ((self.documents[:, :, None] == self.documents[:, None, :]) & causal)[:, None]
 
     def forward_mask(self, dtype: torch.dtype) -> Tensor | None:
         """The prebuilt 4-D mask the decoder takes in place of building one from `position_ids` (None: it builds
-        its own): `document_mask` as is for sdpa, as eager's additive mask (0 or `dtype`'s min) for eager."""
-        if self.document_mask is None or self.document_mask.dtype == dtype:
-            return self.document_mask
-        zero = torch.zeros((), dtype=dtype, device=self.document_mask.device)
-        return torch.where(self.document_mask, zero, torch.finfo(dtype).min)
+        its own): `document_mask` as is for sdpa (`dtype` bool), as eager's additive mask (0 or `dtype`'s min)."""
+        mask = self.document_mask
+        if mask is None or dtype == torch.bool:
+            return mask
+        return torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device), torch.finfo(dtype).min)
 
     @property
     def real_tokens(self) -> int:
@@ -106,7 +117,7 @@ class PackPlan:
             return t.to(device)
 
         move = {k: to(getattr(self, k)) for k in
-                ("token_src", "token_dst", "position_ids", "out_index", "out_valid", "target_valid", "document_mask")}
+                ("token_src", "token_dst", "position_ids", "out_index", "out_valid", "target_valid", "documents")}
         return PackPlan(self.rows, self.length, self.width, **move)
 
     def pack(self, input_ids: Tensor) -> Tensor:
@@ -180,23 +191,19 @@ def choose_row_cap(lengths: Sequence[int], width: int, bucket: int, pair_cost: f
     return min([base * k for k in (1, 2, 4, 8)] + [None], key=work)
 
 
-def document_mask(position_ids: Tensor) -> Tensor:
-    """The block-diagonal causal mask [rows, 1, L, L] (bool, True = attend) of packed `position_ids` [rows, L]: a
-    position that is not its predecessor's + 1 starts a document, as transformers 5.24's
-    `find_packed_sequence_indices` reads them, and a query sees the keys of its document up to itself."""
+def document_ids(position_ids: Tensor) -> Tensor:
+    """Each position's document [rows, L] in packed `position_ids` [rows, L]: a position that is not its
+    predecessor's + 1 starts one, as transformers 5.24's `find_packed_sequence_indices` reads them."""
     starts = torch.ones_like(position_ids, dtype=torch.bool)
     starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
-    doc = starts.cumsum(-1)
-    causal = torch.ones(position_ids.shape[-1], position_ids.shape[-1], dtype=torch.bool,
-                        device=position_ids.device).tril()
-    return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
+    return starts.cumsum(-1)
 
 
 def plan_packing(lengths: Sequence[int], width: int, bucket: int = 1,
                  max_row_tokens: int | None = None, with_mask: bool = False) -> PackPlan:
     """The plan for samples of `lengths` (right-padded to `width`): one packed row, or with `max_row_tokens` rows
     of at most that many tokens (a longer sample gets a row of its own length), filled first-fit-decreasing; each
-    row padded at its end to a multiple of `bucket`. `with_mask`: with its `document_mask`, built here on the host."""
+    row padded at its end to a multiple of `bucket`. `with_mask`: with `documents` (its forward's mask)."""
     if bucket < 1:
         raise ValueError(f"bucket: expected >= 1, got {bucket}")
     if max_row_tokens is not None and max_row_tokens < 1:
@@ -226,7 +233,7 @@ def plan_packing(lengths: Sequence[int], width: int, bucket: int = 1,
     target_valid[out_index[out_valid]] = True
     position_ids = position_ids.view(rows, length)
     return PackPlan(rows, length, width, token_src, token_dst, position_ids, out_index, out_valid,
-                    target_valid.view(rows, length - 1), document_mask(position_ids) if with_mask else None)
+                    target_valid.view(rows, length - 1), document_ids(position_ids) if with_mask else None)
 
 
 def _inner(model: torch.nn.Module) -> torch.nn.Module:
@@ -306,7 +313,7 @@ def packed_token_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature
     0 where the padded batch has no real target. `plan` (from `plan_for` on the CPU batch) saves the host read of
     the attention mask."""
     plan = (plan_for(model, batch, bucket) if plan is None else plan).to(batch.input_ids.device)
-    mask = None if plan.document_mask is None else plan.forward_mask(_mask_dtype(model))
+    mask = None if plan.documents is None else plan.forward_mask(_mask_dtype(model))
     logp, entropy = token_logprobs(model, plan.batch(batch.input_ids), temperature, with_entropy,
                                    position_ids=plan.position_ids, fused=fused, attention_mask=mask)
     return plan.unpack(logp), (None if entropy is None else plan.unpack(entropy))
