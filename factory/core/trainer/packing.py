@@ -1,11 +1,11 @@
 """Packed rows for the trainer's forward (`trainer.packing`): real tokens only, so no FLOP goes to padding.
 
 A `TrainBatch` is right-padded to its longest row. `plan_packing` lays its samples (each row's real tokens) end to
-end into packed rows, with `position_ids` restarting at 0 per sample; the forward then gets `position_ids` and no
-attention mask, and transformers (5.24, `masking_utils.find_packed_sequence_indices`: a position that is not its
-predecessor's + 1 starts a document) builds a document mask: causal inside a sample, nothing across. Rotary (and
-GPT-2's learned) position embeddings see the positions each sample has alone, so every real token's log-prob is the
-padded path's, up to float summation order. `PackPlan.unpack` brings the packed per-token values back to the
+end into packed rows, with `position_ids` restarting at 0 per sample, and the forward gets a document mask: causal
+inside a sample, nothing across (a position that is not its predecessor's + 1 starts a document, as transformers
+5.24's `masking_utils.find_packed_sequence_indices` reads position ids). Rotary (and GPT-2's learned) position
+embeddings see the positions each sample has alone, so every real token's log-prob is the padded path's, up to
+float summation order. `PackPlan.unpack` brings the packed per-token values back to the
 padded [B, T-1] layout: zeros at padding, and the packed positions that would predict across a sample boundary
 (a sample's last token "predicting" the next sample's first) are never read. Loss functions and algorithms see
 the tensors they always saw (every consumer masks with `loss_mask`, which only covers real targets).
@@ -15,11 +15,20 @@ logprobs.py's PLAIN_HEADS) pass `position_ids` to `create_causal_mask` / `create
 (transformers 5.24's modeling code), which detect the packing when the 2-D mask is None and there is no cache;
 tests/core/test_packing.py runs each of them on the CPU under sdpa and eager (Gemma2: eager, it has no sdpa), with
 sliding windows where the architecture has them. Attention implementations: `sdpa` and `eager` get the document mask
-as a dense [R, 1, L, L] mask (sliding windows applied on the per-sample positions); `flex_attention` as a BlockMask
+as a dense [R, 1, L, L] mask. On full attention it is prebuilt from the plan (`takes_prebuilt_mask`): the plan
+carries each position's document id ([R, L], made on the host with the plan, moved with the batch through pinned
+memory without blocking: L x fewer bytes than the mask) and the mask is
+built from them on the device by index ops (bool for sdpa, eager's additive 0 / dtype-min), handed to the decoder as
+`attention_mask`, which the 5.24 mask builders return as is when it is 4-D (`_preprocess_mask_arguments`), so the
+forward reads nothing on the host (transformers' `find_packed_sequence_indices` reads one value per forward: on CUDA a
+device sync). With a sliding window (a per-layer-type mask) transformers still builds the mask from `position_ids`
+(sliding windows applied on the per-sample positions), with that one read; `flex_attention` as a BlockMask
 (fully masked blocks skipped); the flash-attention ones (`flash_attention_2/3/4`) take no mask but read the sample
 boundaries from `position_ids` (varlen, `cu_seqlens`), and only for one packed row (`_is_packed_sequence` needs
-batch size 1). Anything else (another architecture, bidirectional attention, a custom attention function) keeps the
-padded path, said once in the log. A DDP wrapper is unwrapped to find the architecture (its forward passes
+batch size 1; it reads a bool on the host in every layer, and the varlen call's max length is a device value);
+flex builds its BlockMask after `find_packed_sequence_indices`' one read (both read from the 5.24 source, not run
+here). Anything else (another architecture, bidirectional attention, a custom attention function) keeps the padded
+path, said once in the log. A DDP wrapper is unwrapped to find the architecture (its forward passes
 `position_ids` through), and FSDP2's `FSDP<Class>` is a subclass of the class it shards.
 
 Row layout. A dense mask (sdpa, eager) makes the kernel compute every (query, key) pair of a row, so one row holding
