@@ -13,6 +13,7 @@ import logging
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers.masking_utils import create_causal_mask
 
 from factory.config import AlgorithmSpec
 from factory.core.algorithms import grpo_loss, make_loss, sft_loss
@@ -31,6 +32,7 @@ from factory.core.trainer.packing import (
     plan_packing,
     round_up,
     sample_lengths,
+    takes_prebuilt_mask,
 )
 from factory.core.trainer.torch_trainer import TorchTrainer
 from tests.core.host_sync import NoHostCopy, NoHostSync
@@ -124,6 +126,20 @@ def test_every_packable_architecture_with_sliding_windows(arch: str, impl: str) 
     """Each architecture of PACKABLE (a sliding window of 5 tokens where it has one, shorter than most samples, so
     the window is applied on the per-sample positions) in eval mode: packed equals padded, capped rows, one row and
     the layout `plan_for` picks for it."""
+    model = every_arch_model(arch, impl)
+    batch = rl_batch()
+    padded, valid = forward(model, batch, packed=False), batch.attention_mask[:, 1:].bool()
+    lengths, width = sample_lengths(batch.attention_mask), batch.input_ids.shape[1]
+    # position ids alone (transformers builds the mask) and, where the model takes one, the plan's prebuilt mask
+    for with_mask in {False, takes_prebuilt_mask(model)}:
+        for cap, bucket in ((width, 1), (None, 8)):
+            plan = plan_packing(lengths, width, bucket, cap, with_mask)
+            assert_same(forward(model, batch, packed=True, plan=plan), padded, valid)
+    assert_same(forward(model, batch, packed=True, bucket=8), padded, valid)  # the layout plan_for picks
+
+
+def every_arch_model(arch: str, impl: str) -> PreTrainedModel:
+    """A 2-layer, 32-wide random model of `arch` (EVERY_ARCH's config extras) in eval mode."""
     if arch == "gpt2":
         cfg = AutoConfig.for_model("gpt2", n_embd=32, n_layer=2, n_head=4, n_positions=128, vocab_size=VOCAB)
     else:
@@ -139,12 +155,34 @@ def test_every_packable_architecture_with_sliding_windows(arch: str, impl: str) 
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.2, generator=g)
+    return model
+
+
+# EVERY_ARCH's models with a sliding window: they keep the position-ids path (a mask per layer type)
+SLIDING = {"qwen2", "mistral", "gemma2", "gemma3_text", "phi3", "starcoder2"}
+
+
+@pytest.mark.parametrize("arch,impl", [(a, i) for a, (_, impls) in EVERY_ARCH.items() for i in impls])
+def test_the_prebuilt_document_mask_is_the_one_transformers_builds(arch: str, impl: str) -> None:
+    """Where the model takes it (full attention, sdpa or eager), the plan's mask (bool for sdpa, additive float for
+    eager) is torch.equal to `create_causal_mask`'s from the packed position ids, on rows of several samples and an
+    end pad; and the packed forward with it reads nothing on the host. A sliding window keeps the position ids."""
+    model = every_arch_model(arch, impl)
+    assert takes_prebuilt_mask(model) is (arch not in SLIDING)
     batch = rl_batch()
-    padded, valid = forward(model, batch, packed=False), batch.attention_mask[:, 1:].bool()
-    lengths, width = sample_lengths(batch.attention_mask), batch.input_ids.shape[1]
-    for plan in (plan_packing(lengths, width, 1, width), plan_packing(lengths, width, 8)):
-        assert_same(forward(model, batch, packed=True, plan=plan), padded, valid)
-    assert_same(forward(model, batch, packed=True, bucket=8), padded, valid)  # the layout plan_for picks
+    plan = plan_for(model, batch, bucket=8)
+    if arch in SLIDING:
+        assert plan.documents is None and plan.document_mask is None
+        return
+    assert plan.rows < batch.input_ids.shape[0] and plan.document_mask.shape == (plan.rows, 1, plan.length, plan.length)
+    dtype = torch.bool if impl == "sdpa" else torch.float32
+    embeds = torch.zeros(plan.rows, plan.length, 32)
+    built = create_causal_mask(model.config, embeds, None, None, position_ids=plan.position_ids)
+    assert isinstance(built, torch.Tensor) and built.dtype == dtype
+    assert torch.equal(plan.forward_mask(dtype), built)
+    with NoHostSync(), NoHostCopy():
+        logp, _ = packed_token_logprobs(model, batch, plan=plan)
+    assert logp.shape == (batch.input_ids.shape[0], batch.input_ids.shape[1] - 1)
 
 
 def test_without_the_document_mask_the_logprobs_differ() -> None:
@@ -228,11 +266,13 @@ def test_packing_and_unpacking_read_nothing_on_the_host() -> None:
 
 
 def packed_forwards(model: torch.nn.Module) -> list[int]:
-    """Rows of every decoder forward of `model` that got position ids and no attention mask (a packed one)."""
+    """Rows of every decoder forward of `model` that got position ids and no 2-D attention mask (a packed one: no
+    mask, or the plan's prebuilt 4-D document mask)."""
     rows: list[int] = []
 
     def spy(_module, args, kwargs):
-        if kwargs.get("position_ids") is not None and kwargs.get("attention_mask") is None:
+        mask = kwargs.get("attention_mask")
+        if kwargs.get("position_ids") is not None and (mask is None or mask.dim() == 4):
             rows.append(kwargs["input_ids"].shape[0])
 
     model.model.register_forward_pre_hook(spy, with_kwargs=True)

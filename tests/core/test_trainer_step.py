@@ -41,13 +41,17 @@ def test_the_counter_sees_the_host_decided_skip(tok):
 @pytest.mark.parametrize("switches", [{}, {"packing": "on"}, {"packing": "on", "fused_head": "on"}],
                          ids=["padded", "packed", "packed_fused_head"])
 def test_the_fused_step_reads_nothing_inside_the_minibatch_loop(tok, switches):
-    """Packed, the packer's plan reads the CPU batch's mask (`sample_lengths`, host data) and transformers reads the
-    position ids once (`find_packed_sequence_indices`): the forward's, not the step's."""
+    """Padded, transformers' sdpa mask builder reads the 2-D mask (`_ignore_causal_mask_sdpa`): the forward's, not
+    the step's. Packed, the only read is the packer's plan of the CPU batch's mask (`sample_lengths`, host data): the
+    decoder gets the plan's prebuilt document mask, so the mask builder reads nothing (no
+    `find_packed_sequence_indices`)."""
     t = trainer(tok, fused_optimizer="on", **switches)
     assert t.optimizer.param_groups[0]["fused"] is True
     reads = count_reads(t)
     m = t.step(rl_batch(tok, 4, 9, seed=1), GRPO, minibatches=2, generator=torch.Generator().manual_seed(0))
     assert step_reads(reads, ("sample_lengths",)) == [[], []], reads
+    if switches:
+        assert [[r for r in mb if not r.endswith(" in sample_lengths")] for mb in reads] == [[], []], reads
     assert all(len(mb) <= 2 for mb in reads), reads  # the forward's, and nothing else
     assert t.version == 2 and m["nonfinite"] == 0.0
     assert {"loss", "grad_norm", "entropy", "clip_frac", "kl"} <= m.keys()

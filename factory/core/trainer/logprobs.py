@@ -55,15 +55,16 @@ KEEP_FRACTION = 16
 
 def token_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: float = 1.0, with_entropy: bool = False,
                    chunk_elements: int = CHUNK_ELEMENTS, position_ids: Tensor | None = None,
-                   fused: bool = False) -> tuple[Tensor, Tensor | None]:
+                   fused: bool = False, attention_mask: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """Logprob of each target token [B, T-1] (and the policy entropy there, detached) under `model`.
 
-    `position_ids` [B, T]: packed rows (trainer/packing.py): the forward gets them and no attention mask, so
-    transformers builds the document mask from them; `batch.attention_mask` is then not used. `fused`
+    `position_ids` [B, T]: packed rows (trainer/packing.py): the forward gets them with `attention_mask`, the plan's
+    prebuilt 4-D document mask (transformers passes it through unread), or None (transformers builds the document
+    mask from the position ids); `batch.attention_mask` is then not used. `fused`
     (trainer.fused_head): a plain head (an `nn.Linear`, no softcapping) runs as one fused op (`fused_head.py`)."""
     targets = batch.input_ids[:, 1:]
     inputs = ({"attention_mask": batch.attention_mask} if position_ids is None
-              else {"attention_mask": None, "position_ids": position_ids})
+              else {"attention_mask": attention_mask, "position_ids": position_ids})
     head = _plain_head(model)
     if head is None:
         logits = model(input_ids=batch.input_ids, **inputs, use_cache=False).logits

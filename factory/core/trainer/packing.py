@@ -1,11 +1,11 @@
 """Packed rows for the trainer's forward (`trainer.packing`): real tokens only, so no FLOP goes to padding.
 
 A `TrainBatch` is right-padded to its longest row. `plan_packing` lays its samples (each row's real tokens) end to
-end into packed rows, with `position_ids` restarting at 0 per sample; the forward then gets `position_ids` and no
-attention mask, and transformers (5.24, `masking_utils.find_packed_sequence_indices`: a position that is not its
-predecessor's + 1 starts a document) builds a document mask: causal inside a sample, nothing across. Rotary (and
-GPT-2's learned) position embeddings see the positions each sample has alone, so every real token's log-prob is the
-padded path's, up to float summation order. `PackPlan.unpack` brings the packed per-token values back to the
+end into packed rows, with `position_ids` restarting at 0 per sample, and the forward gets a document mask: causal
+inside a sample, nothing across (a position that is not its predecessor's + 1 starts a document, as transformers
+5.24's `masking_utils.find_packed_sequence_indices` reads position ids). Rotary (and GPT-2's learned) position
+embeddings see the positions each sample has alone, so every real token's log-prob is the padded path's, up to
+float summation order. `PackPlan.unpack` brings the packed per-token values back to the
 padded [B, T-1] layout: zeros at padding, and the packed positions that would predict across a sample boundary
 (a sample's last token "predicting" the next sample's first) are never read. Loss functions and algorithms see
 the tensors they always saw (every consumer masks with `loss_mask`, which only covers real targets).
@@ -15,11 +15,20 @@ logprobs.py's PLAIN_HEADS) pass `position_ids` to `create_causal_mask` / `create
 (transformers 5.24's modeling code), which detect the packing when the 2-D mask is None and there is no cache;
 tests/core/test_packing.py runs each of them on the CPU under sdpa and eager (Gemma2: eager, it has no sdpa), with
 sliding windows where the architecture has them. Attention implementations: `sdpa` and `eager` get the document mask
-as a dense [R, 1, L, L] mask (sliding windows applied on the per-sample positions); `flex_attention` as a BlockMask
+as a dense [R, 1, L, L] mask. On full attention it is prebuilt from the plan (`takes_prebuilt_mask`): the plan
+carries each position's document id ([R, L], made on the host with the plan, moved with the batch through pinned
+memory without blocking: L x fewer bytes than the mask) and the mask is
+built from them on the device by index ops (bool for sdpa, eager's additive 0 / dtype-min), handed to the decoder as
+`attention_mask`, which the 5.24 mask builders return as is when it is 4-D (`_preprocess_mask_arguments`), so the
+forward reads nothing on the host (transformers' `find_packed_sequence_indices` reads one value per forward: on CUDA a
+device sync). With a sliding window (a per-layer-type mask) transformers still builds the mask from `position_ids`
+(sliding windows applied on the per-sample positions), with that one read; `flex_attention` as a BlockMask
 (fully masked blocks skipped); the flash-attention ones (`flash_attention_2/3/4`) take no mask but read the sample
 boundaries from `position_ids` (varlen, `cu_seqlens`), and only for one packed row (`_is_packed_sequence` needs
-batch size 1). Anything else (another architecture, bidirectional attention, a custom attention function) keeps the
-padded path, said once in the log. A DDP wrapper is unwrapped to find the architecture (its forward passes
+batch size 1; it reads a bool on the host in every layer, and the varlen call's max length is a device value);
+flex builds its BlockMask after `find_packed_sequence_indices`' one read (both read from the 5.24 source, not run
+here). Anything else (another architecture, bidirectional attention, a custom attention function) keeps the padded
+path, said once in the log. A DDP wrapper is unwrapped to find the architecture (its forward passes
 `position_ids` through), and FSDP2's `FSDP<Class>` is a subclass of the class it shards.
 
 Row layout. A dense mask (sdpa, eager) makes the kernel compute every (query, key) pair of a row, so one row holding
@@ -57,6 +66,8 @@ PACKABLE = frozenset({
 })
 DENSE_MASK = frozenset({"sdpa", "eager"})  # the document mask materialized: rows laid out by `choose_row_cap`
 ONE_ROW = frozenset({"flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4"})
+# Architectures whose mask builder reads `config.sliding_window`, whatever `layer_types` says (5.24 modeling code).
+CONFIG_WINDOW = frozenset({"MistralForCausalLM", "Phi3ForCausalLM", "Starcoder2ForCausalLM"})
 # Row-length multiple on CUDA: few shapes for compiled layers, matmul-friendly sizes; at most 127 pad tokens a row.
 CUDA_BUCKET = 128
 
@@ -74,6 +85,26 @@ class PackPlan:
     out_index: Tensor  # [B, T-1] flat index into the packed targets [rows * (length-1)] (0 where not valid)
     out_valid: Tensor  # [B, T-1] bool: a real target (the padded batch's attention_mask[:, 1:])
     target_valid: Tensor  # [rows, length-1] bool: packed positions whose target is the same sample's next token
+    # [rows, length]: each position's document (`document_ids`), where the forward takes a prebuilt mask, else None
+    documents: Tensor | None = None
+
+    @property
+    def document_mask(self) -> Tensor | None:
+        """The block-diagonal causal mask [rows, 1, length, length] (bool, True = attend) on the plan's device,
+        built there from `documents` (index ops, no host read): [rows, length] ids cross to the device, not the
+        [rows, length, length] mask."""
+        if self.documents is None:
+            return None
+        causal = torch.ones(self.length, self.length, dtype=torch.bool, device=self.documents.device).tril()
+        return ((self.documents[:, :, None] == self.documents[:, None, :]) & causal)[:, None]
+
+    def forward_mask(self, dtype: torch.dtype) -> Tensor | None:
+        """The prebuilt 4-D mask the decoder takes in place of building one from `position_ids` (None: it builds
+        its own): `document_mask` as is for sdpa (`dtype` bool), as eager's additive mask (0 or `dtype`'s min)."""
+        mask = self.document_mask
+        if mask is None or dtype == torch.bool:
+            return mask
+        return torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device), torch.finfo(dtype).min)
 
     @property
     def real_tokens(self) -> int:
@@ -87,8 +118,15 @@ class PackPlan:
         """The plan with its index tensors on `device`."""
         if self.token_src.device == device:
             return self
-        move = {k: getattr(self, k).to(device) for k in
-                ("token_src", "token_dst", "position_ids", "out_index", "out_valid", "target_valid")}
+        def to(t: Tensor | None) -> Tensor | None:  # as batch_to: through pinned memory to CUDA, not blocking
+            if t is None:
+                return None
+            if device.type == "cuda" and t.device.type == "cpu":
+                return t.pin_memory().to(device, non_blocking=True)
+            return t.to(device)
+
+        move = {k: to(getattr(self, k)) for k in
+                ("token_src", "token_dst", "position_ids", "out_index", "out_valid", "target_valid", "documents")}
         return PackPlan(self.rows, self.length, self.width, **move)
 
     def pack(self, input_ids: Tensor) -> Tensor:
@@ -162,11 +200,19 @@ def choose_row_cap(lengths: Sequence[int], width: int, bucket: int, pair_cost: f
     return min([base * k for k in (1, 2, 4, 8)] + [None], key=work)
 
 
+def document_ids(position_ids: Tensor) -> Tensor:
+    """Each position's document [rows, L] in packed `position_ids` [rows, L]: a position that is not its
+    predecessor's + 1 starts one, as transformers 5.24's `find_packed_sequence_indices` reads them."""
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    return starts.cumsum(-1)
+
+
 def plan_packing(lengths: Sequence[int], width: int, bucket: int = 1,
-                 max_row_tokens: int | None = None) -> PackPlan:
+                 max_row_tokens: int | None = None, with_mask: bool = False) -> PackPlan:
     """The plan for samples of `lengths` (right-padded to `width`): one packed row, or with `max_row_tokens` rows
     of at most that many tokens (a longer sample gets a row of its own length), filled first-fit-decreasing; each
-    row padded at its end to a multiple of `bucket`."""
+    row padded at its end to a multiple of `bucket`. `with_mask`: with `documents` (its forward's mask)."""
     if bucket < 1:
         raise ValueError(f"bucket: expected >= 1, got {bucket}")
     if max_row_tokens is not None and max_row_tokens < 1:
@@ -194,8 +240,9 @@ def plan_packing(lengths: Sequence[int], width: int, bucket: int = 1,
     out_index = torch.where(out_valid, start_t[:, None] + tcols[None, :], torch.zeros_like(out_valid, dtype=torch.long))
     target_valid = torch.zeros(rows * (length - 1), dtype=torch.bool)
     target_valid[out_index[out_valid]] = True
-    return PackPlan(rows, length, width, token_src, token_dst, position_ids.view(rows, length), out_index, out_valid,
-                    target_valid.view(rows, length - 1))
+    position_ids = position_ids.view(rows, length)
+    return PackPlan(rows, length, width, token_src, token_dst, position_ids, out_index, out_valid,
+                    target_valid.view(rows, length - 1), document_ids(position_ids) if with_mask else None)
 
 
 def _inner(model: torch.nn.Module) -> torch.nn.Module:
@@ -217,6 +264,21 @@ def packing_problem(model: torch.nn.Module) -> str | None:
     if impl not in DENSE_MASK | ONE_ROW:
         return f"attention implementation {impl!r} does not take a document mask from position ids"
     return None
+
+
+def takes_prebuilt_mask(model: torch.nn.Module) -> bool:
+    """Whether `model`'s packed forward gets the plan's `document_mask`: sdpa and eager, whose mask builder returns
+    a 4-D mask as is (transformers 5.24 `_preprocess_mask_arguments`), on full attention in every layer. A sliding
+    window (Mistral, Phi3, Starcoder2 by `sliding_window`; Qwen2/3, SmolLM3, Gemma2/3 by `layer_types`) keeps the
+    position-ids path, which builds each layer type's mask itself."""
+    config = getattr(_inner(model), "config", None)
+    if getattr(config, "_attn_implementation", None) not in DENSE_MASK:
+        return False
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return all(t == "full_attention" for t in layer_types) and (
+            getattr(config, "sliding_window", None) is None or type(_inner(model)).__name__ not in CONFIG_WINDOW)
+    return getattr(config, "sliding_window", None) is None
 
 
 def pair_cost(model: torch.nn.Module) -> float:
@@ -242,7 +304,15 @@ def plan_for(model: torch.nn.Module, batch: TrainBatch, bucket: int = 1) -> Pack
     lengths = sample_lengths(batch.attention_mask)
     impl = getattr(getattr(_inner(model), "config", None), "_attn_implementation", None)
     cap = choose_row_cap(lengths, width, bucket, pair_cost(model)) if impl in DENSE_MASK else None
-    return plan_packing(lengths, width, bucket, cap)
+    return plan_packing(lengths, width, bucket, cap, with_mask=takes_prebuilt_mask(model))
+
+
+def _mask_dtype(model: torch.nn.Module) -> torch.dtype:
+    """bool for sdpa; for eager the dtype transformers builds its additive mask in (the input embeddings')."""
+    inner = _inner(model)
+    if inner.config._attn_implementation != "eager":
+        return torch.bool
+    return inner.get_input_embeddings().weight.dtype
 
 
 def packed_token_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: float = 1.0,
@@ -252,8 +322,9 @@ def packed_token_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature
     0 where the padded batch has no real target. `plan` (from `plan_for` on the CPU batch) saves the host read of
     the attention mask."""
     plan = (plan_for(model, batch, bucket) if plan is None else plan).to(batch.input_ids.device)
+    mask = None if plan.documents is None else plan.forward_mask(_mask_dtype(model))
     logp, entropy = token_logprobs(model, plan.batch(batch.input_ids), temperature, with_entropy,
-                                   position_ids=plan.position_ids, fused=fused)
+                                   position_ids=plan.position_ids, fused=fused, attention_mask=mask)
     return plan.unpack(logp), (None if entropy is None else plan.unpack(entropy))
 
 
