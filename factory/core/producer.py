@@ -298,13 +298,6 @@ class OverlappedProducer:
     def _stop_engine(self) -> None:
         self.engine.stop()
 
-    @functools.cached_property
-    def _staging(self) -> HostStaging:
-        """Host buffers for versions that leave the process through the codec, in the dtype the engine serves
-        (bf16 for trainer.precision bf16 on CUDA: the server's deltas are then against its own bf16 weights)."""
-        dtype = serving_dtype(run_device(self.spec), self.spec.trainer.precision, torch.float32)
-        return HostStaging(None if dtype == torch.float32 else dtype)  # fp32: the tensors as they are
-
 
 class ServerProducer(OverlappedProducer):
     """As `OverlappedProducer`, but the engine is a rollout server in its own process (`factory serve`),
@@ -393,6 +386,13 @@ class ServerProducer(OverlappedProducer):
         return [Completion(prompt_ids=c["prompt_token_ids"], token_ids=c["token_ids"], logprobs=c["token_logprobs"],
                            text=c["text"], finish_reason=c["finish_reason"], weight_version=c["weight_version"],
                            token_versions=c["token_versions"]) for c in out["choices"]]
+
+    @functools.cached_property
+    def _staging(self) -> HostStaging:
+        """Host buffers for versions that leave the process through the codec, in the dtype the engine serves
+        (bf16 for trainer.precision bf16 on CUDA: the server's deltas are then against its own bf16 weights)."""
+        dtype = serving_dtype(run_device(self.spec), self.spec.trainer.precision, torch.float32)
+        return HostStaging(None if dtype == torch.float32 else dtype)  # fp32: the tensors as they are
 
     def _attach(self) -> None:
         r = self._http.post("/attach_shared_weights", json=self._shared.handle())
@@ -551,7 +551,7 @@ def shared_writer(spec: ExperimentSpec, model: PreTrainedModel) -> SharedWeights
 
 def _published_state(model: PreTrainedModel, staging: HostStaging | None = None) -> dict:
     """What a version sends the rollout server: a host copy of the weights, or with LoRA of the adapters alone.
-    `staging` (`OverlappedProducer._staging`): buffers kept between versions, pinned from a GPU, one sync per
+    `staging` (`ServerProducer._staging`): buffers kept between versions, pinned from a GPU, one sync per
     version, tied weights once, in the dtype the server serves; it alternates two sets, so the copy before (the
     delta's base) stays whole while this one is written. Without it, fresh copies as they are."""
     if lora.attached(model):

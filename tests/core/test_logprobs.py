@@ -15,6 +15,7 @@ from factory.config import LoraSpec, parse_spec
 from factory.core.batch import TrainBatch, pack
 from factory.core.trainer.logprobs import PLAIN_HEADS, enable_activation_checkpointing, token_logprobs
 from factory.core.trainer.torch_trainer import token_logprobs as trainer_token_logprobs
+from tests.core.tiny_models import spread_weights
 
 reference = importlib.import_module("benchmarks.logprob_memory").old_token_logprobs
 
@@ -31,12 +32,7 @@ def tiny(arch: str, seed: int = 0, **extra) -> PreTrainedModel:
                                    vocab_size=VOCAB, **extra)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.2, generator=g)
-    return model.train()
+    return spread_weights(model, seed).train()
 
 
 def batch(seed: int = 0) -> TrainBatch:

@@ -36,6 +36,7 @@ from factory.core.trainer.packing import (
 )
 from factory.core.trainer.torch_trainer import TorchTrainer
 from tests.core.host_sync import NoHostCopy, NoHostSync
+from tests.core.tiny_models import spread_weights
 
 VOCAB, PAD = 96, 0
 
@@ -47,12 +48,7 @@ def tiny(arch: str, impl: str = "sdpa", seed: int = 0) -> PreTrainedModel:
                                tie_word_embeddings=arch == "qwen2")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation=impl)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.2, generator=g)
-    return model.train()
+    return spread_weights(model, seed).train()
 
 
 def rl_batch(seed: int = 0, rows: int = 6) -> TrainBatch:
@@ -150,12 +146,7 @@ def every_arch_model(arch: str, impl: str) -> PreTrainedModel:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation=impl).eval()
     assert type(model).__name__ in PACKABLE and packing_problem(model) is None
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.2, generator=g)
-    return model
+    return spread_weights(model)
 
 
 # EVERY_ARCH's models with a sliding window: they keep the position-ids path (a mask per layer type)

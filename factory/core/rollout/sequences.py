@@ -13,6 +13,7 @@ from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from factory.core.rollout.base import Completion, SamplingParams
+from factory.core.weights.codec import storage_key
 
 
 def mix_seed(seed: int, index: int) -> int:
@@ -147,16 +148,9 @@ def load_state_dict_into(model: PreTrainedModel, state_dict: Mapping[str, Tensor
     with torch.no_grad():
         for name, src in state_dict.items():
             dst = targets[name]
-            key = _storage(dst)
+            key = storage_key(dst)
             if key in done:
                 continue  # tied to a tensor already copied
             done.add(key)
-            if _storage(src) != key:
+            if storage_key(src) != key:
                 dst.copy_(src)
-
-
-def _storage(t: Tensor) -> tuple:
-    """Equal for two tensors that are the same view of the same memory."""
-    if t.numel() == 0:
-        return ("empty", id(t))  # every empty tensor has data_ptr 0: never the same
-    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
