@@ -5,10 +5,57 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from factory.config.bounds import MAX_GROUP_SIZE
 from factory.config.section import LR_HELP, _Section
+
+DUAL_CLIP_AUTO = 3.0  # verl's clip_ratio_c: the dual clip where staleness or a sampler/trainer gap can occur
+
+
+class CorrectionSpec(_Section):
+    """How the loss corrects for the gap between the sampler's log-probs and the trainer's own (recomputed) ones of
+    the same tokens under the same weights (`algorithm.behavior: recompute`); see `core/correction.py`.
+
+    With rho_t = exp(trainer_t - sampler_t) per token:
+    - `tis`: truncated importance sampling: each token's policy-gradient term is weighted by min(rho_t, tis_cap)
+      ("token"), or every token of a sequence by min(prod_t rho_t, tis_cap) ("sequence") ("Your Efficient RL
+      Framework Secretly Brings You Off-Policy RL Training", 2025; verl's rollout_is). Unset: "token" where the run
+      recomputes, off where it trusts the sampler.
+    - `mis`: masked IS: a sequence whose geometric-mean ratio exp(mean_t log rho_t) leaves [lo, hi] leaves the loss
+      ("When Speed Kills Stability", 2025; verl's rollout_rs "geometric").
+    - `icepop`: a token whose rho_t leaves [alpha, beta] leaves the loss (IcePop, Ring-1T 2025).
+    They compose: weights multiply, masks intersect, and both apply on top of the buffer's staleness weights.
+    """
+
+    tis: Literal["token", "sequence", "off"] | None = Field(
+        None, description="truncated IS weights on the sampler/trainer ratio: per token, per sequence, or off; "
+        "unset: token where the run recomputes the behaviour log-probs (algorithm.behavior), off otherwise")
+    tis_cap: float = Field(2.0, ge=1, description="C: TIS weights are truncated at C; the gap's out-of-range share "
+                           "counts tokens whose ratio leaves [1/C, C]")
+    mis: tuple[float, float] | None = Field(
+        None, description="[lo, hi]: sequences whose geometric-mean ratio leaves it are masked out of the loss; "
+        "unset: off")
+    icepop: tuple[float, float] | None = Field(
+        None, description="[alpha, beta]: tokens whose ratio leaves it are masked out of the loss (IcePop: "
+        "[0.5, 5.0]); unset: off")
+
+    @field_validator("mis", "icepop")
+    @classmethod
+    def _range(cls, v: tuple[float, float] | None) -> tuple[float, float] | None:
+        if v is not None and not 0 < v[0] < 1 < v[1]:
+            raise ValueError(f"need [lo, hi] with 0 < lo < 1 < hi, got {list(v)}")
+        return v
+
+    def any_on(self, recompute: bool) -> bool:
+        """Whether any correction applies (given whether the run recomputes)."""
+        return self.tis_mode(recompute) != "off" or self.mis is not None or self.icepop is not None
+
+    def tis_mode(self, recompute: bool) -> str:
+        """"token", "sequence" or "off", with the unset default resolved."""
+        if self.tis is not None:
+            return self.tis
+        return "token" if recompute else "off"
 
 
 class AlgorithmSpec(_Section):
@@ -42,7 +89,7 @@ class AlgorithmSpec(_Section):
                  "scale_rewards": True, "dynamic_sampling": False, "overlong": False},
     }
 
-    _LATE_FIELDS: ClassVar[tuple[str, ...]] = ("dual_clip",)
+    _LATE_FIELDS: ClassVar[tuple[str, ...]] = ("dual_clip", "behavior", "correction")
 
     name: Literal["grpo", "dr_grpo", "dapo", "cispo", "gspo"] = "grpo"
     group_size: int = Field(8, ge=2, le=MAX_GROUP_SIZE, description="completions sampled per prompt")
@@ -72,10 +119,19 @@ class AlgorithmSpec(_Section):
         None, description="drop groups whose rewards are all equal and refill the batch (DAPO)",
     )
     is_cap: float = Field(2.0, ge=1, description="truncation of importance weights on stale samples")
-    dual_clip: float | None = Field(
-        None, gt=1, description="dual-clip PPO's c (Ye et al. 2020; verl's clip_ratio_c, 3.0 there): a token with "
+    dual_clip: float | Literal["off"] | None = Field(
+        None, description="dual-clip PPO's c (Ye et al. 2020; verl's clip_ratio_c, 3.0 there): a token with "
         "negative advantage loses at most -A * c, and past it passes no gradient; grpo, dr_grpo and dapo only; "
-        "unset: off")
+        "'off': never; unset: 3.0 where staleness or a sampler/trainer gap can occur (schedule.mode one_step_off or "
+        "async, or a run that recomputes the behaviour log-probs), off otherwise")
+    behavior: Literal["rollout", "recompute"] | None = Field(
+        None, description="the behaviour policy of the loss: the rollout engine's log-probs as sampled, or the "
+        "trainer's own recomputed before the update (under the weights that generated the batch where they are at "
+        "hand, the proximal policy otherwise); unset: recompute where the engine computes in another precision or "
+        "backend (a GPU, a rollout server or SGLang, rollout.round_weights), rollout where it is the trainer's own "
+        "fp32 CPU forward")
+    correction: CorrectionSpec = Field(default_factory=CorrectionSpec, description="corrections of the "
+                                       "sampler/trainer gap (need behavior recompute)")
 
     @field_validator("scale_rewards")
     @classmethod
@@ -93,14 +149,43 @@ class AlgorithmSpec(_Section):
             raise ValueError(f"must be < overlong_max_len = {max_len}, got {v}")
         return v
 
+    @field_validator("dual_clip", mode="before")
+    @classmethod
+    def _yaml_off(cls, v: Any) -> Any:
+        return "off" if v is False else v  # YAML reads a bare `off` as false
+
     @field_validator("dual_clip")
     @classmethod
-    def _dual_clip_ppo_only(cls, v: float | None, info: ValidationInfo) -> float | None:
+    def _dual_clip_ppo_only(cls, v: float | str | None, info: ValidationInfo) -> float | str | None:
         name = info.data.get("name")
-        if v is not None and name in ("cispo", "gspo"):
+        if isinstance(v, float) and not v > 1:
+            raise ValueError(f"must be > 1 (a bound on the ratio), or 'off', got {v}")
+        if v not in (None, "off") and name in ("cispo", "gspo"):
             raise ValueError(f"the dual clip bounds the PPO-clip losses (grpo, dr_grpo, dapo), not {name}; "
                              "leave it unset")
         return v
+
+    @model_validator(mode="after")
+    def _correction_needs_recompute(self) -> AlgorithmSpec:
+        c = self.correction
+        if self.behavior == "rollout" and (c.tis not in (None, "off") or c.mis is not None or c.icepop is not None):
+            raise ValueError("algorithm.correction: corrections weigh the trainer's recomputed log-probs against the "
+                             "sampler's; they need algorithm.behavior: recompute (or unset), not rollout")
+        return self
+
+    def recomputes(self, engine_differs: bool) -> bool:
+        """Whether the loss's behaviour log-probs are the trainer's own: `behavior`, or unset, whether the engine
+        computes in another precision or backend than the trainer (`engine_differs`, from the run's placement)."""
+        return engine_differs if self.behavior is None else self.behavior == "recompute"
+
+    def resolved_dual_clip(self, off_policy: bool) -> float | None:
+        """The dual clip's c, or None (off): `dual_clip` when set, else DUAL_CLIP_AUTO for the PPO-clip losses
+        where staleness or a sampler/trainer gap can occur (`off_policy`), else off."""
+        if self.dual_clip == "off":
+            return None
+        if self.dual_clip is not None:
+            return float(self.dual_clip)
+        return DUAL_CLIP_AUTO if off_policy and self.name in ("grpo", "dr_grpo", "dapo") else None
 
     def _default(self, key: str) -> Any:
         return self.DEFAULTS[self.name][key]

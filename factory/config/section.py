@@ -23,7 +23,8 @@ class _Section(NoBoolNumbers):
     def _omit_late_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         data = handler(self)
         for name in self._LATE_FIELDS:
-            if name in data and getattr(self, name) == type(self).model_fields[name].default:
+            if name in data and getattr(self, name) == type(self).model_fields[name].get_default(
+                    call_default_factory=True):
                 data.pop(name)
         return data
 

@@ -180,7 +180,7 @@ class RolloutSpec(_Section):
     """How completions are sampled."""
 
     _LATE_FIELDS: ClassVar[tuple[str, ...]] = ("sglang", "threads", "cpus", "env_cpus", "devices", "kv_budget_mb",
-                                               "weight_transport")
+                                               "weight_transport", "round_weights")
 
     engine: Literal["embedded", "server", "sglang"] = Field(
         "embedded", description="overlapped modes: the continuous engine in-process, a supervised rollout "
@@ -221,6 +221,10 @@ class RolloutSpec(_Section):
         "double-buffered flat buffer in the serving dtype that the server maps once (the same GPU by CUDA IPC, or "
         "host shared memory) and reads each version from; 'codec', lossless deltas over HTTP (across hosts); "
         "auto: shared where the run computes on CUDA, codec otherwise (and with trainer.lora)")
+    round_weights: Literal["bf16", "fp16"] | None = Field(
+        None, description="the in-process engine samples from the trainer's weights rounded to this dtype (computing "
+        "in fp32): a sampler/trainer gap of a lower-precision engine, reproduced on the CPU (benchmarks/mismatch.py); "
+        "unset: the weights as they are")
 
     @model_validator(mode="after")
     def _sglang_settings(self) -> RolloutSpec:
@@ -353,6 +357,14 @@ class ScheduleSpec(_Section):
                               description="prompt groups per step kept in the `rollouts` table")
 
 
+# The step-0 gate's and the run's default bounds on the mean |engine - trainer| log-prob of the same tokens. Same
+# numerics (fp32 on the CPU, one process): float noise, ~1e-6 measured; a broken setup (weights rounded to fp16, a
+# wrong template) is far past 1e-3. Another precision or backend (bf16 engines, SGLang): SkyRL's CI holds 0.0104
+# (sync) and 0.0193 (fully async) on a 1.5B model; 0.1 leaves room for smaller models and stops what is broken.
+GAP_BOUND_SAME_NUMERICS = 1e-3
+GAP_BOUND_OTHER_NUMERICS = 0.1
+
+
 class OpsSpec(_Section):
     """Surviving faults: resume points, automatic restarts, hang detection, circuit breakers, the preflight gate
     (see factory/ops/)."""
@@ -380,7 +392,22 @@ class OpsSpec(_Section):
                                  "run keeps training (rows are spooled under the run's directory and flushed when "
                                  "it returns); past that the run stops at a resume point (exit code 5)")
 
-    _LATE_FIELDS: ClassVar[tuple[str, ...]] = ("lake_outage_s",)
+    max_logprob_gap: float | None = Field(
+        None, gt=0, description="bound on the mean |engine log-prob - trainer log-prob| of the same tokens under the "
+        "same weights: the step-0 gate (and `factory preflight`) stop a run past it, and a gap past it for "
+        "max_gap_steps steps in a row stops the run at its last good resume point (exit code 8); unset: 1e-3 where "
+        "the engine should compute as the trainer does (fp32 on the CPU, in-process), 0.1 where it computes in "
+        "another precision or backend")
+    max_gap_steps: int = Field(3, ge=1, description="steps in a row with the gap past max_logprob_gap before the run "
+                               "stops at its last good state")
+
+    _LATE_FIELDS: ClassVar[tuple[str, ...]] = ("lake_outage_s", "max_logprob_gap", "max_gap_steps")
+
+    def logprob_gap_bound(self, engine_differs: bool) -> float:
+        """`max_logprob_gap`, or its default for an engine that does (not) compute as the trainer does."""
+        if self.max_logprob_gap is not None:
+            return self.max_logprob_gap
+        return GAP_BOUND_OTHER_NUMERICS if engine_differs else GAP_BOUND_SAME_NUMERICS
 
     @field_validator("preflight", mode="before")
     @classmethod

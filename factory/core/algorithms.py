@@ -351,7 +351,7 @@ def sft_loss(logprobs: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]
 # ---------------------------------------------------------------- the spec → loss factory
 
 
-def make_loss(spec: AlgorithmSpec, max_new_tokens: int | None = None) -> LossFn:
+def make_loss(spec: AlgorithmSpec, max_new_tokens: int | None = None, off_policy: bool = False) -> LossFn:
     """The trainer's loss function for `spec`: `(logp [B, T], batch) -> (loss, metrics)`.
 
     Reads `batch.per_token["old_logprobs"]` (the behavior logprobs, or the proximal policy's when the
@@ -359,7 +359,8 @@ def make_loss(spec: AlgorithmSpec, max_new_tokens: int | None = None) -> LossFn:
     `batch.per_token["advantages"]`), optional `batch.per_token["ref_logprobs"]` (KL when kl_coef > 0)
     and optional `batch.per_token["is_weights"]` (truncated IS weights that scale each token's policy-gradient
     term; the KL penalty is not weighted).
-    `max_new_tokens` is Dr.GRPO's constant divisor when `spec.max_len_norm` is unset.
+    `max_new_tokens` is Dr.GRPO's constant divisor when `spec.max_len_norm` is unset. `off_policy`: staleness or a
+    sampler/trainer gap can occur in this run (it resolves the dual clip's default: `AlgorithmSpec.resolved_dual_clip`).
     """
     eps_low, eps_high = spec.clip_bounds()
     agg = spec.aggregation()
@@ -368,6 +369,7 @@ def make_loss(spec: AlgorithmSpec, max_new_tokens: int | None = None) -> LossFn:
         raise ValueError(f"algorithm.max_len_norm: {spec.name} normalizes by a constant length; set it or pass "
                          "the rollout's max_new_tokens")
     name, kl_coef = spec.name, spec.kl_coef
+    dual_clip = spec.resolved_dual_clip(off_policy)
 
     def loss_fn(logp: Tensor, batch: TrainBatch) -> tuple[Tensor, dict[str, Tensor]]:
         adv = batch.per_token.get("advantages")
@@ -383,7 +385,7 @@ def make_loss(spec: AlgorithmSpec, max_new_tokens: int | None = None) -> LossFn:
             return gspo_loss(logp, old, adv, mask, eps_low=eps_low, eps_high=eps_high, **common)
         # grpo, dr_grpo, dapo: PPO-clip with their clips and aggregations (resolved from the spec).
         assert eps_low is not None, f"{name} needs a lower clip"
-        return ppo_clip_loss(logp, old, adv, mask, eps_low=eps_low, eps_high=eps_high, dual_clip=spec.dual_clip,
+        return ppo_clip_loss(logp, old, adv, mask, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip,
                              **common)
 
     return loss_fn

@@ -91,6 +91,19 @@ class StepRecord:
     hacks_touched_tests: float | None = None
     hacks_any: float | None = None
     response_tokens_mean: float | None = None  # generated tokens per completion, over the step's completions
+    # The sampler/trainer gap on this batch (`core/correction.py`): the engine's log-probs against the trainer's own of
+    # the same tokens under the weights that generated them, on the rows whose weights the trainer still held (None:
+    # no row measured). Staleness is not in them: rows trained under newer weights are measured against their own.
+    gap_abs_mean: float | None = None  # mean |trainer - sampler| log-prob per token
+    gap_abs_max: float | None = None  # max of it
+    gap_kl: float | None = None  # k3 estimate of KL(sampler || trainer) per token
+    gap_out_frac: float | None = None  # share of tokens whose ratio leaves [1/C, C] (C: algorithm.correction.tis_cap)
+    gap_seq_p95: float | None = None  # 95th percentile of |per-sequence log-ratio| (sum over its tokens)
+    gap_rows: float | None = None  # share of the batch's rows measured
+    recompute_s: float | None = None  # seconds of the trainer's own log-prob passes this step (measure + behaviour)
+    correction_weight_mean: float | None = None  # mean correction weight on the tokens kept (None: no correction)
+    correction_masked_tokens: float | None = None  # share of tokens a correction masked out of the loss
+    correction_masked_seqs: float | None = None  # share of sequences masked out whole
     samples: list[dict] = field(default_factory=list)  # a few episodes, for the `rollouts` table
     groups: list[dict] = field(default_factory=list)  # every trained group's outcome (`prompt_attempts`)
     sources: list[dict] = field(default_factory=list)  # per prompt source (`step_sources`)
