@@ -84,6 +84,11 @@ class ExperimentSpec(_Section):
         if self.trainer.lora is not None and self.rollout.weight_transport == "shared":
             raise ValueError("rollout.weight_transport: 'shared' carries whole weights, but with trainer.lora the "
                              "rollout server merges each version's adapters; use codec or auto")
+        r = self.rollout
+        if r.round_weights is not None and r.engine != "embedded" and self.schedule.mode != "sync":
+            raise ValueError(f"rollout.round_weights: rounds the weights of the in-process engine only (rollout.engine "
+                             f"embedded, or schedule.mode sync), got engine {self.rollout.engine!r} in mode "
+                             f"{self.schedule.mode!r}; a rollout server or SGLang serves the weights it is sent")
         batch = self.rollout.prompts_per_step * self.algorithm.group_size
         if batch > MAX_STEP_SAMPLES:
             raise ValueError(

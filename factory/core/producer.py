@@ -2,7 +2,8 @@
 
 - `SyncProducer` (mode `sync`): a batch is generated with the trainer's current weights, every
   episode of it runs in the environment at once, and the batch is ready when its slowest episode is.
-  The engine shares the trainer's model object, so publishing a version is bumping a number.
+  The engine shares the trainer's model object, so publishing a version is bumping a number (with
+  `rollout.round_weights` it samples from its own rounded copy, refreshed at each publish: `rollout/rounding.py`).
 - `OverlappedProducer` (modes `one_step_off`, `async`): producer threads keep prompt groups in
   flight on an embedded engine (the paged one, or the continuous one for models it cannot run) that holds its
   own copy of the weights, and put scored groups into the rollout buffer; the trainer takes batches from the
@@ -41,6 +42,8 @@ from factory.core.rollout.base import Completion, SamplingParams
 from factory.core.rollout.embedded import EmbeddedEngine
 from factory.core.rollout.paged.engine import make_engine
 from factory.core.rollout.paged.serving import model_dtype, serving_dtype
+from factory.core.rollout.rounding import round_dtype, round_model_, rounded
+from factory.core.rollout.sequences import load_state_dict_into
 from factory.core.weights import WeightSyncError, encode_delta, encode_full
 from factory.core.weights.shared import SharedWeightsWriter
 from factory.core.weights.staging import HostStaging
@@ -117,7 +120,11 @@ class SyncProducer:
         self.positions = policy_positions(spec, model)
         if state is not None:  # nothing is buffered between sync steps: only the feed continues
             feed.load_state_dict(state["stream"])
-        self.engine = EmbeddedEngine(model, tokenizer, weight_version=start_version,
+        # rollout.round_weights: the engine samples from its own copy, rounded (LoRA merged in); else from the
+        # trainer's model object itself
+        self._round = round_dtype(spec.rollout.round_weights)
+        sampler = model if self._round is None else round_model_(lora.merged_copy(model).eval(), self._round)
+        self.engine = EmbeddedEngine(sampler, tokenizer, weight_version=start_version,
                                      precision=spec.trainer.precision)  # computes where the model is
         self.env = _environment(spec)
 
@@ -141,7 +148,10 @@ class SyncProducer:
         return {"stream": self.feed.state_dict(), "buffer": None}
 
     def publish(self, model: PreTrainedModel, version: int) -> None:
-        self.engine.weight_version = version  # same model object: the weights are already there
+        if self._round is not None:  # the engine's own copy: the trainer's new weights, rounded
+            state = lora.merged_state(model) if lora.attached(model) else model.state_dict()
+            load_state_dict_into(self.engine.model, rounded(state, self._round))
+        self.engine.weight_version = version  # else the same model object: the weights are already there
 
     def probe(self, prompt_ids: list[int], n: int) -> list[Completion]:
         """`n` completions of one prompt from the engine's current weights (outside the training data)."""
@@ -191,13 +201,17 @@ class OverlappedProducer:
         # The engine samples from its own copy: the trainer changes its weights only by publishing. With LoRA the
         # copy is plain (adapters merged in), and the merger keeps the base weights of the adapted modules.
         self._merger = None
+        self._round = round_dtype(self.spec.rollout.round_weights)
         if lora.attached(model):
             base = lora.base_state(model)
             self._merger = lora.AdapterMerger({f"{m}.weight": base[f"{m}.weight"] for m in lora.lora_layers(model)})
         # The copy stays on the trainer model's device, and the engine computes there: the paged engine where it
         # runs the model, else the continuous one (make_engine logs why).
         budget = self.spec.rollout.kv_budget_mb
-        self.engine = make_engine(lora.merged_copy(model).eval(), self.tok, weight_version=version,
+        copy = lora.merged_copy(model).eval()
+        if self._round is not None:
+            round_model_(copy, self._round)
+        self.engine = make_engine(copy, self.tok, weight_version=version,
                                   max_batch=self.rows, precision=self.spec.trainer.precision,
                                   kv_budget=None if budget is None else budget << 20,
                                   owns_model=True)  # the merged copy is the engine's own
@@ -261,11 +275,16 @@ class OverlappedProducer:
         # here until the copy is done, so it cannot step while the engine reads its weights, in either update mode
         # ("finish_old" waits for the old weights' sequences first). With LoRA only the adapters leave the trainer;
         # they are merged into the base copy here, on the rollout side.
+        # rollout.round_weights: what is handed over is rounded (fresh tensors; the engine's own are already so).
         if self._merger is not None:
             merged = self._merger.merge(lora.adapter_state(model))
+            if self._round is not None:
+                merged = rounded(merged, self._round)
             state = {**self.engine.model.state_dict(), **merged}  # the rest: the engine's own tensors, not copied
         else:
             state = model.state_dict()  # views of the live parameters
+            if self._round is not None:
+                state = rounded(state, self._round)
         _handed_over(self.engine.update_weights(state, version, self.spec.rollout.update_mode), self.timeout)
         self._published = version
 
