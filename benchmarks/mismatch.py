@@ -242,7 +242,7 @@ def _cost_of(records: list) -> dict[str, Any]:
 
 def cost_main(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"mode": "cost"}
-    spec, splits, sft = _warm_start(args.cost_steps + 1, 50)
+    spec, splits, sft = _warm_start(args.cost_steps + 1, args.n_eval)  # n_eval too: the arms' warm start
     for behavior in ("rollout", "recompute"):
         s = apply_overrides(spec, {"algorithm.behavior": behavior, "algorithm.correction.tis": "off"})
         model, tok = load_checkpoint(sft.checkpoint.path)
