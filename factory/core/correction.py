@@ -62,7 +62,7 @@ def gap_stats(trainer: Tensor, sampler: Tensor, mask: Tensor, cap: float = 2.0) 
     n = int(mask.sum())
     if n == 0:
         return dict.fromkeys(GAP_FIELDS)
-    d = _log_ratio(trainer, sampler, mask)
+    d = _log_ratio(trainer, sampler, mask).double()  # k3 of a tiny gap is below float32's resolution
     dc = d.clamp(-SAFETY_BOUND, SAFETY_BOUND)
     k3 = torch.where(mask, torch.exp(dc) - dc - 1, torch.zeros_like(d))
     log_c = math.log(cap)
