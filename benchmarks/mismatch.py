@@ -177,6 +177,8 @@ def plot(rows: list[dict], summary: dict[str, dict[str, Any]], path: Path, title
             if pts:
                 ax.plot(*zip(*pts, strict=True), color=f"C{i}", label=arm, lw=1.2)
                 drawn = True
+        if key == "gap_abs_mean":  # what a bf16 GPU engine shows against its trainer (the figures)
+            ax.axhspan(0.005, 0.02, color="0.85", zorder=0, label="GPU bf16 engine, typical")
         ax.set_xlabel("GRPO step")
         ax.set_title(label + " (seed mean)", fontsize=9)
         if drawn:
@@ -273,7 +275,7 @@ def cost_main(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=None, help="GRPO steps per run (default 20; quick 3)")
+    ap.add_argument("--steps", type=int, default=None, help="GRPO steps per run (default 60; quick 3)")
     ap.add_argument("--seeds", type=int, default=None, help="seeds per arm (default 3; quick 1)")
     ap.add_argument("--arms", nargs="+", choices=list(ARMS), default=None, help="default: all (quick: clean, "
                     "mismatched, tis_token)")
@@ -285,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smollm2-steps", type=int, default=2, help="--cost: SmolLM2 steps measured (after a warm-up)")
     ap.add_argument("--no-smollm2", action="store_true", help="--cost: the quickstart only")
     args = ap.parse_args(argv)
-    args.steps = args.steps or (3 if args.quick else 20)
+    args.steps = args.steps or (3 if args.quick else 60)
     args.seeds = args.seeds or (1 if args.quick else 3)
     args.arms = args.arms or (["clean", "mismatched", "tis_token"] if args.quick else list(ARMS))
     args.plot = args.plot if str(args.plot) not in ("", ".") else None
