@@ -19,10 +19,11 @@ what the corrections do. Per arm and seed: greedy held-out accuracy on the task'
 n problems), and the gap per step from the run's StepRecords (gap_abs_mean, gap_kl: the trainer's log-probs of
 every batch against the sampler's; `logprob_mismatch`, the old per-step probe, beside them). Prints a table per arm
 (seed-mean accuracy with its t interval over seeds, pooled Wilson interval over seeds x problems, Newcombe's
-interval of the difference from clean), writes the picture (--plot, default docs/mismatch.png) and a last line of
+interval of the difference from clean, pooling problems, and Welch's over the seeds' accuracies, which counts the
+seed-to-seed spread), writes the picture (--plot, default docs/mismatch.png) and a last line of
 JSON.
 
-    .venv/bin/python benchmarks/mismatch.py                      # 7 arms x 3 seeds (~35 min on 2 busy cores)
+    .venv/bin/python benchmarks/mismatch.py                      # 7 arms x 3 seeds (~17 min on 2 busy cores)
     .venv/bin/python benchmarks/mismatch.py --quick              # 3 arms x 1 seed, 3 steps: the harness works
     .venv/bin/python benchmarks/mismatch.py --cost               # the recompute's cost per step instead
 
@@ -55,7 +56,7 @@ from factory.core.evaluate import evaluate  # noqa: E402
 from factory.core.loop import train_rl  # noqa: E402
 from factory.core.rollout.embedded import EmbeddedEngine  # noqa: E402
 from factory.home import factory_home  # noqa: E402
-from factory.intervals import Accuracy, mean_interval, newcombe, wilson  # noqa: E402
+from factory.intervals import Accuracy, mean_interval, newcombe, welch, wilson  # noqa: E402
 from factory.models.checkpoint import load_checkpoint  # noqa: E402
 from factory.runs.stages import build_dataset, cached_sft_checkpoint, load_dataset  # noqa: E402
 
@@ -121,11 +122,16 @@ def summarize(rows: list[dict], arms: list[str]) -> dict[str, dict[str, Any]]:
         pooled = wilson(k, n)
         seed_ci = mean_interval(accs) if len(accs) > 1 else None
         diff = newcombe(k, n, kb, nb) if base and arm != "clean" else None
+        # Welch over the seeds' accuracies: seed-to-seed variation included (Newcombe's pools problems as if
+        # independent, which a trained model's seeds are not)
+        seeds_diff = welch(accs, [r["accuracy"] for r in base]) if arm != "clean" and min(len(accs), len(base)) > 1 \
+            else None
         out[arm] = {"accuracy_by_seed": accs, "accuracy_mean": statistics.fmean(accs), "n_per_seed": mine[0]["n"],
                     "seeds": len(mine), "seed_mean_ci95": None if seed_ci is None else [seed_ci.low, seed_ci.high],
                     "pooled_ci95": [pooled.low, pooled.high], "pooled_n": n,
                     "diff_vs_clean": None if diff is None else k / n - kb / nb,
                     "diff_vs_clean_ci95": None if diff is None else [diff.low, diff.high],
+                    "diff_vs_clean_welch_ci95": None if seeds_diff is None else [seeds_diff.low, seeds_diff.high],
                     **{f"{key}_mean": _mean([r[f"{key}_mean"] for r in mine]) for key in GAP_KEYS},
                     "wall_s_mean": statistics.fmean(r["wall_s"] for r in mine)}
     return out
@@ -133,15 +139,17 @@ def summarize(rows: list[dict], arms: list[str]) -> dict[str, dict[str, Any]]:
 
 def print_table(summary: dict[str, dict[str, Any]]) -> None:
     print(f"\n{'arm':>11} {'held-out acc (seed mean) [t 95%]':>34} {'pooled [Wilson 95%] n':>27} "
-          f"{'vs clean [Newcombe 95%]':>26} {'|gap| mean':>10} {'gap KL':>9} {'probe':>9} {'masked tok':>10} "
-          f"{'IS w':>6} {'wall s':>7}")
+          f"{'vs clean [Newcombe 95%]':>26} {'[Welch, seeds]':>17} {'|gap| mean':>10} {'gap KL':>9} {'probe':>9} "
+          f"{'masked tok':>10} {'IS w':>6} {'wall s':>7}")
     for arm, s in summary.items():
         ci = s["seed_mean_ci95"]
         seed_txt = f"{s['accuracy_mean']:.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
         pooled = f"{s['accuracy_mean']:.3f} [{s['pooled_ci95'][0]:.3f}, {s['pooled_ci95'][1]:.3f}] {s['pooled_n']}"
         d = s["diff_vs_clean_ci95"]
         diff = "—" if d is None else f"{s['diff_vs_clean']:+.3f} [{d[0]:+.3f}, {d[1]:+.3f}]"
-        print(f"{arm:>11} {seed_txt:>34} {pooled:>27} {diff:>26} {_fmt(s['gap_abs_mean_mean']):>10} "
+        w = s["diff_vs_clean_welch_ci95"]
+        seeds = "—" if w is None else f"[{w[0]:+.3f}, {w[1]:+.3f}]"
+        print(f"{arm:>11} {seed_txt:>34} {pooled:>27} {diff:>26} {seeds:>17} {_fmt(s['gap_abs_mean_mean']):>10} "
               f"{_fmt(s['gap_kl_mean']):>9} {_fmt(s['logprob_mismatch_mean']):>9} "
               f"{_fmt(s['correction_masked_tokens_mean'], '.3f'):>10} "
               f"{_fmt(s['correction_weight_mean_mean'], '.3f'):>6} "

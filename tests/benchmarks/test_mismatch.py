@@ -42,4 +42,6 @@ def test_the_summary_pools_seeds_and_compares_with_clean():
     assert bad["diff_vs_clean"] == pytest.approx(-0.17)
     lo, hi = bad["diff_vs_clean_ci95"]
     assert lo < -0.17 < hi < 0  # 0.72 vs 0.55 on 600 problems each: a real difference
+    wlo, whi = bad["diff_vs_clean_welch_ci95"]
+    assert wlo < lo and hi < whi < 0  # over 3 seeds: wider, the seeds' spread counted, still below 0
     assert bad["gap_abs_mean_mean"] == pytest.approx(2e-3)

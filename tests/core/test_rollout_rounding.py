@@ -118,3 +118,16 @@ def test_round_weights_is_refused_for_engines_that_are_not_in_process_and_is_a_l
         parse_spec({"rollout": {"round_weights": "fp8"}})
     assert parse_spec({"rollout": {"engine": "server", "round_weights": "bf16"}}).rollout.round_weights == "bf16"
     assert "round_weights" not in parse_spec({}).model_dump()["rollout"]  # unset: old fingerprints stay
+
+
+@pytest.mark.parametrize("mode", ["sync", "one_step_off"])
+def test_a_run_whose_engine_rounds_its_weights_measures_the_gap_and_recomputes_by_default(mode):
+    from factory.core.loop import train_rl
+
+    tok = build_tokenizer()
+    model = build_model("micro", tok, seed=0)
+    records = train_rl(_spec(mode, "bf16"), model, tok, PROBLEMS)
+    assert len(records) == 2
+    for r in records:  # a clean CPU run measures < 1e-5 (tests/core/test_behaviour.py); bf16 rounding ~2e-4 here
+        assert 1e-5 < r.gap_abs_mean < 0.1 and r.gap_kl > 0
+        assert r.correction_weight_mean is not None  # behavior unset: recompute, with token TIS by default
