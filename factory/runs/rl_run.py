@@ -85,7 +85,7 @@ from factory.runs.stages import (
     place,
     set_threads,
 )
-from factory.runs.step_metrics import StepMetrics
+from factory.runs.step_metrics import StepMetrics, source_metrics
 from factory.runs.step_rows import StepLog, forget_after
 from factory.source_spec import SourceError
 from factory.tracking import Tracker
@@ -327,7 +327,8 @@ class Run:
         beat(self.run_dir, r.step)
         self._check_supervisor()
         n = self.steplog.add(r)
-        self.step_metrics.add(r.step, {**{k: v for k, v in r.to_dict().items() if k != "step"}, **r.data})
+        self.step_metrics.add(r.step, {**{k: v for k, v in r.to_dict().items() if k != "step"}, **r.data,
+                                       **source_metrics(r.sources)})
         self._report_progress(r)
         if n >= self.options.flush_every:
             self.steplog.flush(self.lake)
