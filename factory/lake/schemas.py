@@ -167,8 +167,10 @@ RUNS = _table("runs", ("run_id",), [
     ("device", STR, OPT),  # the current attempt's compute device, e.g. "cuda:0 (NVIDIA H100 80GB HBM3)"
 ])
 
-# The gap columns of `steps`; `step_sources` has the first two per source (SOURCE_GAP_COLUMNS).
-GAP_COLUMNS = ("gap_abs_mean", "gap_abs_max", "gap_kl", "gap_out_frac", "gap_seq_p95", "gap_rows")
+# The columns `steps` gained with the sampler/trainer gap: the gap, its recompute's cost, the corrections' effect.
+# `step_sources` has the first two per source (SOURCE_GAP_COLUMNS).
+GAP_COLUMNS = ("gap_abs_mean", "gap_abs_max", "gap_kl", "gap_out_frac", "gap_seq_p95", "gap_rows", "recompute_s",
+               "correction_weight_mean", "correction_masked_tokens", "correction_masked_seqs")
 SOURCE_GAP_COLUMNS = ("gap_abs_mean", "gap_kl")
 _STEP_METRICS = (
     "loss", "reward_mean", "reward_std", "accuracy", "kl", "entropy", "clip_frac", "grad_norm",
@@ -196,8 +198,6 @@ STEPS = _table("steps", ("run_id", "step"), [
     # the trainer's own under the same weights, what recomputing them cost, and what a correction did with them. NULL
     # where the step measured no row (the gap) or applied no correction (correction_*).
     *[(m, DBL, OPT) for m in GAP_COLUMNS],
-    *[(m, DBL, OPT) for m in ("recompute_s", "correction_weight_mean", "correction_masked_tokens",
-                              "correction_masked_seqs")],
 ], partition=BY_RUN)
 
 CHECKPOINTS = _table("checkpoints", ("run_id", "step"), [

@@ -20,8 +20,6 @@ from factory.lake.writer import to_arrow
 
 T0 = dt.datetime(2025, 2, 3, 4, 5, 6, tzinfo=dt.UTC)
 NEW_COLUMN = STEPS.columns[-1]  # the last column the steps table gained
-# The columns issue 35 appended (the sampler/trainer gap, its recompute's cost, the corrections' effect).
-STEPS_GAP = (*GAP_COLUMNS, "recompute_s", "correction_weight_mean", "correction_masked_tokens", "correction_masked_seqs")
 
 
 def step_row(run_id: str, step: int, **extra) -> dict:
@@ -126,9 +124,9 @@ def test_a_lake_from_before_the_gap_columns_takes_them_and_keeps_its_rows(factor
     """`steps` and `step_sources` as they were before the sampler/trainer gap was recorded, with rows: opening the lake
     appends the gap columns with the field ids the definitions give them; the old rows read NULL there (never 0),
     and a step recorded now keeps its figures beside them, in pyiceberg and in DuckDB."""
-    assert STEPS.columns[-len(STEPS_GAP):] == STEPS_GAP
+    assert STEPS.columns[-len(GAP_COLUMNS):] == GAP_COLUMNS
     assert STEP_SOURCES.columns[-len(SOURCE_GAP_COLUMNS):] == SOURCE_GAP_COLUMNS
-    old_steps, old_sources = older(STEPS, len(STEPS_GAP)), older(STEP_SOURCES, len(SOURCE_GAP_COLUMNS))
+    old_steps, old_sources = older(STEPS, len(GAP_COLUMNS)), older(STEP_SOURCES, len(SOURCE_GAP_COLUMNS))
     assert old_steps.columns[-1] == "response_tokens_mean" and old_sources.columns[-1] == "recorded_at"
     catalog = open_catalog(factory_home)
     for tdef in (old_steps, old_sources):
@@ -138,17 +136,17 @@ def test_a_lake_from_before_the_gap_columns_takes_them_and_keeps_its_rows(factor
     source_row = dict(run_id="r1", source="arith", groups=2, recorded_at=T0)
     catalog.load_table(old_sources.identifier).append(to_arrow(old_sources, [dict(source_row, step=1)]))
 
-    gap = dict(zip(STEPS_GAP, (0.01, 0.2, 5e-5, 0.002, 0.3, 1.0, 0.04, 0.99, 0.001, 0.0), strict=True))
+    gap = dict(zip(GAP_COLUMNS, (0.01, 0.2, 5e-5, 0.002, 0.3, 1.0, 0.04, 0.99, 0.001, 0.0), strict=True))
     with Lake.open(factory_home) as lake:
         for tdef in (STEPS, STEP_SOURCES):
             assert [(f.name, f.field_id, f.required) for f in lake.table(tdef.name).schema().fields] == [
-                (f.name, f.field_id, False if f.name in STEPS_GAP else f.required) for f in tdef.schema.fields]
+                (f.name, f.field_id, False if f.name in GAP_COLUMNS else f.required) for f in tdef.schema.fields]
         lake.upsert("steps", [step_row("r1", 3, response_tokens_mean=8.0, **gap)])
         lake.upsert("step_sources", [dict(source_row, step=2, gap_abs_mean=0.02, gap_kl=1e-4)])
         rows = {r["step"]: r for r in lake.read("steps").to_pylist()}
         assert sorted(rows) == [1, 2, 3] and [rows[s]["response_tokens_mean"] for s in (1, 2, 3)] == [7.0, 7.0, 8.0]
-        assert [rows[s][c] for s in (1, 2) for c in STEPS_GAP] == [None] * 2 * len(STEPS_GAP)
-        assert {c: rows[3][c] for c in STEPS_GAP} == gap
+        assert [rows[s][c] for s in (1, 2) for c in GAP_COLUMNS] == [None] * 2 * len(GAP_COLUMNS)
+        assert {c: rows[3][c] for c in GAP_COLUMNS} == gap
         got = query("SELECT step, gap_abs_mean, gap_kl FROM step_sources ORDER BY step", lake).to_pylist()
         assert got == [{"step": 1, "gap_abs_mean": None, "gap_kl": None}, {"step": 2, "gap_abs_mean": 0.02,
                                                                            "gap_kl": 1e-4}]
