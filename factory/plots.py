@@ -202,7 +202,7 @@ def _sweep_curves_figure(members: list[dict], title: str = "", benchmark: str | 
                  layout="constrained")
     FigureCanvasAgg(fig)
     rows = fig.subplots(2 if with_gap else 1, 2, sharex=True, squeeze=False)
-    (ax_train, ax_held), gap_axes = rows[0], (rows[1] if with_gap else ())
+    (ax_train, ax_held), gap_axes = rows[0], (list(rows[1]) if with_gap else [])
     handles = []
     for i, (m, t, h, g) in enumerate(zip(members, train, held, gaps, strict=True)):
         if not t[0] and not h[0] and not any(xs for xs, _ in g):
