@@ -340,3 +340,17 @@ def test_far_off_policy_negative_advantage_token_gradient_without_and_with_the_d
         (grads[off_policy],) = torch.autograd.grad(loss, logp)
     assert grads[False].item() == pytest.approx(1e3, rel=1e-12)
     assert grads[True].item() == 0.0 and metrics["dual_clip_frac"].item() == 1.0
+
+
+def test_bf16_log_probs_are_measured_and_weighted_in_float32():
+    # An engine or trainer that hands over bf16 log-probs: exp(d) in bf16 keeps 3 significant digits (a weight of
+    # 1.0049 reads 1.0), and torch.quantile takes no bf16; the ratio is formed in float32 at least.
+    x = gap_batch(0)
+    trainer, sampler = x["trainer"].to(torch.bfloat16), x["sampler"].to(torch.bfloat16)
+    stats = gap_stats(trainer, sampler, x["mask"])
+    assert all(math.isfinite(v) for v in stats.values())
+    fix = correct(CorrectionSpec(tis="token"), trainer, sampler, x["mask"], ALL_ROWS)
+    assert fix.weights.dtype == torch.float32
+    d = trainer.float() - sampler.float()
+    want = torch.where(x["mask"], d.clamp(-20, 20).exp().clamp(max=2.0), torch.ones_like(d))
+    assert torch.equal(fix.weights, want)
