@@ -63,14 +63,14 @@ def gap_stats(trainer: Tensor, sampler: Tensor, mask: Tensor, cap: float = 2.0) 
     n = int(mask.sum())
     if n == 0:
         return dict.fromkeys(GAP_FIELDS)
-    d = _log_ratio(trainer, sampler, mask)
+    d = _log_ratio(trainer, sampler, mask).double()  # k3 of a tiny gap is below float32's resolution
     dc = d.clamp(-SAFETY_BOUND, SAFETY_BOUND)
     k3 = torch.where(mask, torch.exp(dc) - dc - 1, torch.zeros_like(d))
     log_c = math.log(cap)
     out = mask & ((d > log_c) | (d < -log_c))
     rows = mask.any(dim=-1)
     seq = d.sum(dim=-1)[rows].abs()
-    # the share in d's dtype: a count divided by an int is float32, 1e-8 off in a float64 comparison
+    # the share in float64 too: a count divided by an int is float32, 1e-8 off
     figures = torch.stack([d.abs().sum() / n, d.abs().max(), k3.sum() / n, out.sum().to(d.dtype) / n,
                            torch.quantile(seq, 0.95)])
     return dict(zip(GAP_FIELDS, figures.tolist(), strict=True))
