@@ -89,17 +89,37 @@ class NoisySampler(SyncProducer):
     """An engine that reports log-probs off by a fixed amount per token (a broken engine, as a wrong dtype gives)."""
 
     shift = 0.3
+    from_step = 0
 
     def next_batch(self, step: int):
         groups = super().next_batch(step)
-        for grp in groups:
+        for grp in groups if step >= self.from_step else ():
             for i, s in enumerate(grp.samples):
                 s.logprobs = [lp + (self.shift if (i + t) % 2 else -self.shift) for t, lp in enumerate(s.logprobs)]
         return groups
 
 
-def _noisy(s, model, tok):
-    return NoisySampler(s, model, tok, make_feed(s, PROBLEMS), 0)
+def _noisy(s, model, tok, from_step: int = 0):
+    producer = NoisySampler(s, model, tok, make_feed(s, PROBLEMS), 0)
+    producer.from_step = from_step
+    return producer
+
+
+class Saver:
+    """Resume points kept in memory, one every step."""
+
+    def __init__(self):
+        self.states = {}
+
+    def due(self, done: int) -> bool:
+        return True
+
+    def stopping(self) -> bool:
+        return False
+
+    def save(self, make_state, wait: bool = False) -> None:
+        state = make_state()
+        self.states[state.step] = state
 
 
 def test_a_gap_past_the_bound_stops_the_run_after_max_gap_steps(model_and_tok):
@@ -111,6 +131,16 @@ def test_a_gap_past_the_bound_stops_the_run_after_max_gap_steps(model_and_tok):
     assert len(seen) == 2 and e.value.bound == 0.1
     assert e.value.figures["gap_abs_mean"] == pytest.approx(0.3, abs=1e-4)  # the shift, measured
     assert seen[0].gap_out_frac == 0.0 and seen[0].gap_kl == pytest.approx(0.0454, abs=1e-3)  # e^.3-.3-1, e^-.3+.3-1
+
+
+def test_a_run_the_gap_stops_keeps_only_the_resume_points_from_before_it(model_and_tok):
+    model, tok = model_and_tok
+    s = spec(steps=8, ops={"max_logprob_gap": 0.1, "max_gap_steps": 2})
+    saver = Saver()
+    with pytest.raises(LogprobGapError, match=r"up to step 4"):
+        train_rl(s, model, tok, PROBLEMS, producer=_noisy(s, model, tok, from_step=2), checkpoints=saver)
+    assert sorted(saver.states) == [1, 2]  # steps 3 and 4 trained past the bound: not resumed from
+    assert saver.states[2].loop["gap_streak"] == 0
 
 
 def test_recompute_anchors_on_the_trainers_log_probs_and_icepop_masks_what_the_gap_pushes_out(model_and_tok):
