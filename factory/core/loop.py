@@ -36,6 +36,7 @@ from factory.config import ExperimentSpec
 from factory.core import algorithms
 from factory.core.batch import TrainBatch, pack
 from factory.core.buffer import apply_importance_correction, stale_rows
+from factory.core.gate import gate as logprob_gate
 from factory.core.producer import (
     OverlappedProducer,
     ProducerFailed,
@@ -202,6 +203,12 @@ def train_rl(
             part.load_state_dict(resume.extra[name])
     producer = producer or make_producer(spec, model, tokenizer, train, start_version=start_step,
                                          state=None if resume is None else resume.loop["producer"], feed=feed)
+    if resume is None and train:  # the step-0 log-prob gate (core/gate.py); a resumed run passed it already
+        try:
+            logprob_gate(spec, trainer, producer, tokenizer, [p.prompt for p in train])
+        except BaseException:
+            producer.close()
+            raise
 
     def state_after(steps_done: int) -> TrainState:
         loop = {"trainer_version": trainer.version, "nonfinite_streak": nonfinite_streak,
