@@ -138,8 +138,8 @@ def check_engine(spec: ExperimentSpec, trainer, producer, tokenizer: PreTrainedT
         cause = GAP_CAUSE_CONCENTRATED if figures["top_share"] >= CONCENTRATED else GAP_CAUSE_SPREAD
         how = (f"the largest {TOP_SHARE:.0%} of tokens carry {figures['top_share']:.0%} of it: a few tokens far off"
                if cause == GAP_CAUSE_CONCENTRATED else
-               f"spread over the tokens (the largest {TOP_SHARE:.0%} carry {figures['top_share']:.0%}): every token "
-               "a little off, as another dtype or rounded/other weights give")
+               f"spread over the tokens (the largest {TOP_SHARE:.0%} carry {figures['top_share']:.0%}), as another "
+               "dtype or rounded/other weights give")
         problems.append((cause, f"mean |engine - trainer log-prob| {_g(mean)} > ops.max_logprob_gap {_g(bound)} "
                                 f"(max {_g(figures['gap_abs_max'])}, k3 KL {_g(figures['gap_kl'])}, "
                                 f"{figures['tokens']} tokens); {how}"))

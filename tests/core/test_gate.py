@@ -112,7 +112,7 @@ def test_an_engine_on_fp16_rounded_weights_is_caught_as_dtype_or_weights(tok):
     text = str(err)
     assert "disagree at step 0 (RoundedEngine: 3 prompts x 4 completions" in text
     assert "  dtype / weights: mean |engine - trainer log-prob|" in text and "> ops.max_logprob_gap 0.001" in text
-    assert "k3 KL" in text and "another dtype or rounded" in text and "raise ops.max_logprob_gap" in text
+    assert "k3 KL" in text and "as another dtype or rounded" in text and "raise ops.max_logprob_gap" in text
 
 
 def test_a_different_chat_template_on_an_in_process_engine_is_caught(tok):
