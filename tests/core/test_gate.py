@@ -16,10 +16,12 @@ import torch
 from factory.config import parse_spec
 from factory.core.gate import (
     EOS_CAUSE,
+    GAP_CAUSE_CONCENTRATED,
     GAP_CAUSE_SPREAD,
     TEMPLATE_CAUSE,
     LogprobGapError,
     check_engine,
+    gap_cause,
     gap_figures,
     gate,
 )
@@ -153,6 +155,17 @@ def test_gap_figures_on_known_values():
     assert f["gap_kl"] == pytest.approx((torch.e - 2) / 4, abs=1e-12)  # r = e on one token: r - 1 - log r
     assert f["top_share"] == 1.0  # the largest 5% (one token) carries all of it
     assert gap_figures(torch.tensor([]), torch.tensor([]))["gap_abs_mean"] is None
+
+
+def test_the_likely_cause_follows_how_the_gap_spreads():
+    g = torch.Generator().manual_seed(0)
+    rounding = gap_figures(torch.zeros(100), 1e-3 * torch.randn(100, generator=g))  # every token a little off
+    assert gap_cause(rounding)[0] == GAP_CAUSE_SPREAD and rounding["top_share"] < 0.3
+    few = torch.full((100,), 1e-5)
+    few[[17, 63]] = 2.0  # two tokens far off, the rest as close as fp32 gets
+    kernel = gap_figures(torch.zeros(100), few)
+    cause, why = gap_cause(kernel)
+    assert cause == GAP_CAUSE_CONCENTRATED and kernel["top_share"] > 0.99 and "a few tokens far off" in why
 
 
 def test_the_loop_gates_step_0_and_a_resume_skips_it(tok):
