@@ -93,8 +93,10 @@ class GateResult:
     def error(self) -> LogprobGapError:
         lines = [f"the rollout engine and the trainer disagree at step 0 ({self.summary()}):"]
         lines += [f"  {cause}: {detail}" for cause, detail in self.problems]
-        lines.append("Fix the setup (docs/operations.md, 'The log-prob gate'); if the gap is expected (e.g. an "
-                     "engine serving in bf16), raise ops.max_logprob_gap.")
+        hint = "Fix the setup (docs/recovery.md, 'The log-prob gate')"
+        if any(c in (GAP_CAUSE_SPREAD, GAP_CAUSE_CONCENTRATED) for c, _ in self.problems):
+            hint += "; if the gap is expected (e.g. an engine serving in bf16), raise ops.max_logprob_gap"
+        lines.append(hint + ".")
         return LogprobGapError("\n".join(lines), self.figures, self.bound, self.cause)
 
 

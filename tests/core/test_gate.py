@@ -185,3 +185,20 @@ def test_the_loop_gates_step_0_and_a_resume_skips_it(tok):
     bad = SyncProducer(s, model, engine_tok(tok, eos_token="0"), _feed(s), 1)
     records = train_rl(s, build_model("tiny", tok, seed=0), tok, PROBLEMS, producer=bad, resume=state)
     assert [r.step for r in records] == [2]  # the resumed run was not gated
+
+
+def test_a_gated_run_trains_the_same_numbers_as_an_ungated_one(tok, monkeypatch):
+    # The gate samples with its own seeds, draws no prompt from the feed and forks torch's RNG: the figures stay.
+    import factory.core.loop as loop
+
+    s = spec()
+
+    def run():
+        return [(r.loss, r.reward_mean, r.grad_norm) for r in train_rl(s, build_model("tiny", tok, seed=0), tok,
+                                                                         PROBLEMS)]
+
+    calls = []
+    monkeypatch.setattr(loop, "logprob_gate", lambda *a, **k: calls.append(gate(*a, **k)))
+    gated = run()
+    monkeypatch.setattr(loop, "logprob_gate", lambda *a, **k: None)
+    assert len(calls) == 1 and calls[0].passed and gated == run()
