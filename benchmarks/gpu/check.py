@@ -25,6 +25,8 @@ Parts (each guarded: a part that fails records its error under its key and the o
 - trainer_rl, handoff, grpo_step (issue 34; rl_check.py and grpo_step_check.py say what each measures): the
   trainer's MFU on RL-shaped batches (real tokens only), switches off vs on; one step's weights handed over in
   process, by the shared buffer and by the codec; one GRPO step by phase, today's code vs the new one.
+- gap (issue 35; gap_check.py): the sampler/trainer gap of the paged engine serving in bf16 against the trainer's
+  log-probs of the same tokens (bf16 autocast and fp32) on the 0.5B shape: mean/max |d|, k3 KL, out-of-range share.
 
 `gpu_count` puts `factory validate`'s torch-free GPU count (factory/infra/gpus.py) beside torch's.
 
@@ -64,6 +66,7 @@ import torch  # noqa: E402
 from common import H100_BF16_DENSE_TFLOPS, n_params, random_model  # noqa: E402
 from engine_check import add_arguments as engine_arguments  # noqa: E402
 from engine_check import part_engine  # noqa: E402
+from gap_check import part_gap  # noqa: E402
 from grpo_step_check import part_grpo_step  # noqa: E402
 from rl_check import add_arguments as rl_arguments  # noqa: E402
 from rl_check import part_handoff, part_trainer_rl  # noqa: E402
@@ -279,7 +282,8 @@ def clean(v: object) -> object:
     return v
 
 
-PARTS = ("trainer", "publish", "engine", "logprobs", "megatron_trainer", "grpo", "trainer_rl", "handoff", "grpo_step")
+PARTS = ("trainer", "publish", "engine", "logprobs", "megatron_trainer", "grpo", "trainer_rl", "handoff", "grpo_step",
+         "gap")
 ISSUE_34 = ("trainer_rl", "handoff", "grpo_step")  # rl_check.py, grpo_step_check.py
 
 
@@ -330,10 +334,11 @@ def main(argv: list[str] | None = None) -> int:
                "grpo": lambda: part_grpo(a, dev),
                "trainer_rl": lambda: part_trainer_rl(a, dev, lambda d: partial("trainer_rl", d)),
                "handoff": lambda: part_handoff(a, dev, lambda d: partial("handoff", d)),
-               "grpo_step": lambda: part_grpo_step(a, dev, lambda d: partial("grpo_step", d))}
+               "grpo_step": lambda: part_grpo_step(a, dev, lambda d: partial("grpo_step", d)),
+               "gap": lambda: part_gap(a, dev)}
     t_all = time.perf_counter()
     # a fixed order: megatron after the parts that need the real torch.cuda; issue 34's parts before Megatron's
-    order = [*PARTS[:3], *ISSUE_34, *PARTS[3:6]]
+    order = [*PARTS[:3], *ISSUE_34, "gap", *PARTS[3:6]]
     for name in order:
         if name not in parts:
             continue
@@ -394,6 +399,10 @@ def print_table(r: dict) -> None:
                                                        f"{get('handoff', 'shared_s')} | full "
                                                        f"{get('handoff', 'codec_full_s')}, delta "
                                                        f"{get('handoff', 'codec_delta_s')}"),
+            ("gap bf16 engine vs trainer bf16 | fp32", f"mean|d| {get('gap', 'peaked_bf16_mean')} | "
+                                                       f"{get('gap', 'peaked_fp32_mean')}, k3 KL "
+                                                       f"{get('gap', 'peaked_bf16_kl')} (peaked; init "
+                                                       f"{get('gap', 'init_bf16_mean')})"),
             ("GRPO step s: today | new", f"{get('grpo_step', 'today_step_s')} | {get('grpo_step', 'new_step_s')} "
                                          f"(x{get('grpo_step', 'today_over_new')}, extrapolated: "
                                          f"{get('grpo_step', 'ratio_extrapolated')})")]

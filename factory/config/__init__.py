@@ -14,7 +14,7 @@ schemas), `experiment` (ExperimentSpec), `loading` (parse, load, overrides). Eve
 `factory.config` itself.
 """
 
-from factory.config.algorithm import AlgorithmSpec
+from factory.config.algorithm import AlgorithmSpec, CorrectionSpec
 from factory.config.data_spec import CurriculumSpec, DataSpec, PromptFilterSpec
 from factory.config.errors import SpecError, spec_error
 from factory.config.experiment import ExperimentSpec
@@ -46,6 +46,7 @@ from factory.config.yaml_io import MAX_YAML_NODES, DuplicateKeyError, YAMLBombEr
 
 __all__ = [
     "FILE_SOURCE_KINDS", "LR_HELP", "MAX_YAML_NODES", "MIN_N_TRAIN", "MULTI_TURN_BUILTINS", "AlgorithmSpec",
+    "CorrectionSpec",
     "BufferSpec", "CurriculumSpec", "DataSpec", "DuplicateKeyError", "ExperimentSpec", "LoraSpec", "ModelSpec",
     "Operation", "OpsSpec", "PromptFilterSpec", "RolloutSpec", "SFTSpec", "SGLangSpec", "ScheduleSpec", "SpecError",
     "TaskSpec", "TrainerSpec", "YAMLBombError", "anchor_source_paths", "apply_overrides", "load_spec", "load_yaml",

@@ -30,10 +30,10 @@ from transformers import PreTrainedTokenizerBase
 
 from factory.config import ExperimentSpec
 from factory.core.batch import pack
+from factory.core.correction import engine_differs
 from factory.core.producer import ServerProducer
 from factory.core.rollout.base import Completion, SamplingParams
 from factory.core.rollout.chat import ChatTemplate
-from factory.core.rollout.paged.serving import serving_dtype
 from factory.infra import http_client
 from factory.infra.device import run_device
 from factory.models.prompting import prompt_ids
@@ -100,23 +100,14 @@ class GateResult:
         return LogprobGapError("\n".join(lines), self.figures, self.bound, self.cause)
 
 
-def engine_differs(spec: ExperimentSpec) -> bool:
-    """Whether the run's engine computes in another precision or backend than its trainer: SGLang, weights rounded
-    for the engine, or bf16 (the trainer autocasts over fp32 weights, the engine serves bf16 weights on CUDA and
-    decodes with its own kernels). The gate's default bound follows it (`OpsSpec.logprob_gap_bound`)."""
-    r = spec.rollout
-    if r.engine == "sglang" or r.round_weights is not None or spec.trainer.precision == "bf16":
-        return True
-    return serving_dtype(run_device(spec), spec.trainer.precision, torch.float32) != torch.float32
-
-
 def check_engine(spec: ExperimentSpec, trainer, producer, tokenizer: PreTrainedTokenizerBase,
                  prompts: Sequence[str], bound: float | None = None) -> GateResult:
     """Sample the probe through `producer`'s engine and compare it with `trainer` (see the module docstring).
     `prompts`: the task's prompt texts (the first `PROBE_PROMPTS` are used); `bound`: the gap's bound (default:
-    `spec.ops.logprob_gap_bound(engine_differs(spec))`). Returns the result; raises nothing."""
+    `spec.ops.logprob_gap_bound` for whether the engine computes otherwise than the trainer on the run's device,
+    `correction.engine_differs`). Returns the result; raises nothing."""
     t0 = time.perf_counter()
-    bound = spec.ops.logprob_gap_bound(engine_differs(spec)) if bound is None else bound
+    bound = spec.ops.logprob_gap_bound(engine_differs(spec, run_device(spec))) if bound is None else bound
     texts = list(prompts)[:PROBE_PROMPTS]
     if not texts:
         raise ValueError("the log-prob gate needs at least one prompt (the task's training split is empty)")

@@ -6,6 +6,9 @@ Parts it drives (none of them knows about this file):
   (`envs/workers.py`, in-process or worker processes), directly (sync) or through the rollout
   buffer (`core/buffer.py`) from producer threads (one_step_off, async);
 - the algorithm (`core/algorithms.py`): advantages and a loss function over per-token tensors;
+- the behaviour policy (`core/behaviour.py`, `core/correction.py`): the trainer's own log-probs of each batch under
+  the weights that generated it, the gap to the sampler's measured on every batch and corrected per
+  `algorithm.correction`; a gap past `ops.max_logprob_gap` for `ops.max_gap_steps` steps stops the run;
 - a trainer (`core/trainer/`): applies the loss function, steps the optimizer (in this process, or as rank 0
   of data-parallel ranks that apply the same steps to their share of the batch: `core/trainer/ranks.py`);
 - weight publication: after each step the producer's engine gets version N+1 (sync: it shares the
@@ -35,7 +38,10 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 from factory.config import ExperimentSpec
 from factory.core import algorithms
 from factory.core.batch import TrainBatch, pack
-from factory.core.buffer import apply_importance_correction, stale_rows
+from factory.core.behaviour import BehaviourScorer
+from factory.core.buffer import Sample, apply_importance_correction, stale_rows
+from factory.core.correction import apply_correction, correct, engine_differs, gap_stats
+from factory.core.gate import LogprobGapError
 from factory.core.gate import gate as logprob_gate
 from factory.core.producer import (
     OverlappedProducer,
@@ -115,10 +121,13 @@ class StepRecord:
         return {k: v for k, v in asdict(self).items() if k not in ("samples", "groups", "sources", "data")}
 
 
-def _grpo_loss_fn(spec: ExperimentSpec) -> Callable[[torch.Tensor, TrainBatch], tuple[torch.Tensor, dict[str, float]]]:
+def _grpo_loss_fn(spec: ExperimentSpec, engine_differs: bool = False) -> Callable[
+        [torch.Tensor, TrainBatch], tuple[torch.Tensor, dict[str, float]]]:
     # The algorithm named in the spec (grpo, dr_grpo, dapo, cispo, gspo); Dr.GRPO's constant length
-    # divisor defaults to the rollout's generation budget.
-    return algorithms.make_loss(spec.algorithm, max_new_tokens=spec.rollout.max_new_tokens)
+    # divisor defaults to the rollout's generation budget. Staleness (overlapped modes) or a sampler/trainer gap
+    # (`engine_differs`) make the run off-policy: the dual clip's default is on there.
+    return algorithms.make_loss(spec.algorithm, max_new_tokens=spec.rollout.max_new_tokens,
+                                off_policy=spec.schedule.mode != "sync" or engine_differs)
 
 
 PROBE_SAMPLES = 4  # completions sampled after each publish to measure the sampler/trainer mismatch
@@ -189,29 +198,37 @@ def train_rl(
         # On the policy's device (after make_trainer: a rank-0 trainer may have placed it), at the trainer's
         # precision: the KL compares like with like, and a reference left on the CPU would run there.
         reference.model.to(model_device(model))
-    loss_fn = _grpo_loss_fn(spec)
-    nonfinite_streak = 0
+    differs = engine_differs(spec, model_device(model))
+    recompute = spec.algorithm.recomputes(differs)
+    loss_fn = _grpo_loss_fn(spec, differs)
+    gap_bound = spec.ops.logprob_gap_bound(differs)
+    nonfinite_streak = gap_streak = 0
     if resume is not None:
         trainer.optimizer.load_state_dict(resume.optimizer)
         trainer.version = resume.loop["trainer_version"]
         nonfinite_streak = resume.loop["nonfinite_streak"]
+        gap_streak = resume.loop.get("gap_streak", 0)  # resume points from before the gap was measured have none
         set_rng_state(resume.rng, shuffle)
         for name, part in (stateful or {}).items():
             if name not in resume.extra:
                 raise ValueError(f"resume point of step {resume.step} holds no state for {name!r} "
                                  f"(it has: {', '.join(resume.extra) or 'none'})")
             part.load_state_dict(resume.extra[name])
+    # Overlapped modes train mostly on rows one version old: the scorer keeps that version's weights to score them.
+    scorer = BehaviourScorer(trainer, model, keep_previous=spec.schedule.mode != "sync"
+                             and spec.trainer.backend == "torch", temperature=spec.rollout.temperature,
+                             precision=spec.trainer.precision)
     producer = producer or make_producer(spec, model, tokenizer, train, start_version=start_step,
                                          state=None if resume is None else resume.loop["producer"], feed=feed)
     if resume is None and train:  # the step-0 log-prob gate (core/gate.py); a resumed run passed it already
         try:
-            logprob_gate(spec, trainer, producer, tokenizer, [p.prompt for p in train])
+            logprob_gate(spec, trainer, producer, tokenizer, [p.prompt for p in train], bound=gap_bound)
         except BaseException:
             producer.close()
             raise
 
     def state_after(steps_done: int) -> TrainState:
-        loop = {"trainer_version": trainer.version, "nonfinite_streak": nonfinite_streak,
+        loop = {"trainer_version": trainer.version, "nonfinite_streak": nonfinite_streak, "gap_streak": gap_streak,
                 "producer": producer.state_dict(), "saved_at": time.time()}
         return capture(steps_done, model, trainer.optimizer, rng_state(shuffle), loop,
                        {name: part.state_dict() for name, part in (stateful or {}).items()})
@@ -236,13 +253,33 @@ def train_rl(
                          completion_masks=[s.loss_mask() for s in samples])  # multi-turn: the model's tokens only
             if reference is not None:
                 batch.per_token["ref_logprobs"] = reference.logprobs(batch)
-            # 3. Stale groups (importance policy, or buffer.correct_stale) get truncated IS weights.
+            # 3. The behaviour policy. The trainer scores the batch under the weights that generated each row where it
+            #    still holds them, the current weights (the proximal policy) otherwise; the gap to the sampler's
+            #    log-probs is measured on the rows at hand. With algorithm.behavior recompute the trainer's own
+            #    log-probs anchor the loss and algorithm.correction weighs or masks the gap. Stale groups (importance
+            #    policy, or buffer.correct_stale) get truncated IS weights from the proximal policy on top.
             stale = stale_rows(groups) if not spec.buffer.correct_stale else torch.tensor(
                 [grp.oldest_version < step for grp in groups for _ in grp.samples])
+            scored = scorer.score(batch, [_row_version(s) for s in samples], step, needs_current=stale)
+            sampler = batch.per_token["old_logprobs"]
+            at_hand = scored.at_hand.unsqueeze(-1)
+            cap = spec.algorithm.correction.tis_cap
+            gap = gap_stats(scored.own, sampler, batch.loss_mask & at_hand, cap=cap)
+            rows = [grp.meta.get("source") or "?" for grp in groups for _ in grp.samples]
+            by_source = {src: gap_stats(scored.own, sampler, batch.loss_mask & at_hand & _rows_of(rows, src), cap=cap)
+                         for src in set(rows)}
+            if recompute:
+                batch.per_token["old_logprobs"] = torch.where(at_hand, scored.own, sampler)
             if bool(stale.any()):
-                apply_importance_correction(batch, trainer.logprobs(batch), stale, cap=spec.algorithm.is_cap)
+                apply_importance_correction(batch, scored.current, stale, cap=spec.algorithm.is_cap)
+            if recompute:  # rows whose weights are gone, stale or not: anchored on the proximal policy
+                far = ~scored.at_hand & ~stale
+                batch.per_token["old_logprobs"][far] = scored.current[far]
+            fix = correct(spec.algorithm.correction, scored.own, sampler, batch.loss_mask, scored.at_hand, recompute)
+            apply_correction(batch, fix)
             # 4. Train (a non-finite loss or gradient skips the update; too many in a row stop the run),
             #    then publish the new weights to the rollout engine.
+            scorer.remember(step)  # the weights that generated this step's fresh rows, kept for the next batch
             metrics = trainer.step(batch, loss_fn, spec.trainer.minibatches, generator=shuffle)
             nonfinite_streak = nonfinite_streak + 1 if (metrics.get("nonfinite") or 0.0) > 0 else 0
             fault_point("publish")
@@ -258,21 +295,29 @@ def train_rl(
             wall = time.perf_counter() - t0
             record = _record(spec, step, groups, rewards, metrics, mismatch, wall, t_wait, producer.metrics())
             record.filtered = None if filtered is None else float(filtered)
-            _record_data(record, groups, adv, getattr(producer, "feed", None))
+            _record_gap(record, gap, scored, fix.metrics)
+            _record_data(record, groups, adv, getattr(producer, "feed", None), by_source)
             records.append(record)
             if on_step is not None:
                 on_step(record)
+            measured = gap["gap_abs_mean"]
+            if measured is not None:
+                gap_streak = gap_streak + 1 if measured > gap_bound else 0
             # 6. A resume point when one is due (in memory now, on disk in the background), or when asked
             #    to stop; non-finite updates past the limit stop the run at its last good state.
             done = step + 1
             last = done == spec.schedule.steps
-            if checkpoints is not None and (checkpoints.due(done) or checkpoints.stopping() or last
-                                            or nonfinite_streak >= spec.ops.max_nonfinite_steps):
+            # Weights trained on a batch past the gap bound make no resume point unless one must be written: a run the
+            # gap stops is resumed from before it.
+            if checkpoints is not None and ((checkpoints.due(done) and gap_streak == 0) or checkpoints.stopping()
+                                            or last or nonfinite_streak >= spec.ops.max_nonfinite_steps):
                 checkpoints.save(lambda d=done: state_after(d), wait=checkpoints.stopping())
             if nonfinite_streak >= spec.ops.max_nonfinite_steps:
                 raise NonFiniteLoss(f"{nonfinite_streak} steps in a row (up to step {done}) had a non-finite loss "
                                     f"or gradient and were skipped (ops.max_nonfinite_steps = "
                                     f"{spec.ops.max_nonfinite_steps}); the run stopped at its last good state")
+            if gap_streak >= spec.ops.max_gap_steps:
+                raise _gap_error(spec, gap_streak, done, gap, gap_bound, recompute)
             if checkpoints is not None and checkpoints.stopping() and done < spec.schedule.steps:
                 raise RunInterrupted(f"stopped on request after step {done}; resume point written")
     except (ProducerFailed, ServiceUnavailable):
@@ -312,9 +357,42 @@ def _informative_batch(producer, step: int, spec: ExperimentSpec) -> tuple[list,
     return (kept[:want] if kept else groups), dropped
 
 
-def _record_data(record: StepRecord, groups: list, adv: torch.Tensor, feed) -> None:
+def _row_version(sample: Sample) -> int | None:
+    """The weight version that generated every token of `sample`, or None when several did (an in-flight update)."""
+    return sample.versions[0] if len(sample.versions) == 1 else None
+
+
+def _rows_of(sources: list[str], source: str) -> torch.Tensor:
+    return torch.tensor([s == source for s in sources]).unsqueeze(-1)
+
+
+def _record_gap(record: StepRecord, gap: dict, scored, correction: dict[str, float]) -> None:
+    for name, value in gap.items():
+        setattr(record, name, value)
+    record.gap_rows = scored.at_hand.float().mean().item()
+    record.recompute_s = scored.seconds
+    for name, value in correction.items():
+        setattr(record, name, value)
+
+
+def _gap_error(spec: ExperimentSpec, streak: int, done: int, gap: dict, bound: float,
+               recompute: bool) -> LogprobGapError:
+    figures = {k: v for k, v in gap.items() if v is not None}
+    shown = ", ".join(f"{k} {v:.4g}" for k, v in figures.items())
+    anchor = "" if recompute else "; the loss took the engine's log-probs as they are (algorithm.behavior: rollout)"
+    return LogprobGapError(
+        f"the rollout engine's log-probs and the trainer's disagreed past ops.max_logprob_gap = {bound:g} (mean "
+        f"|difference| per token) for {streak} steps in a row (up to step {done}; ops.max_gap_steps = "
+        f"{spec.ops.max_gap_steps}): {shown}. The run stopped at its last resume point before the gap grew. Likely "
+        f"cause: the engine's weights or numerics drifted from the trainer's (a weight update that did not land, "
+        f"another dtype or attention kernel){anchor}", figures, bound, "drift")
+
+
+def _record_data(record: StepRecord, groups: list, adv: torch.Tensor, feed,
+                 gaps: dict[str, dict] | None = None) -> None:
     """What the step's prompts were and taught: one row per group, one per source (with the feed's skips and
-    weights), and the share of generated tokens that carried a non-zero advantage (the rest teach nothing)."""
+    weights, and the sampler/trainer gap of its rows, `gaps`), and the share of generated tokens that carried a
+    non-zero advantage (the rest teach nothing)."""
     by_source: dict[str, dict] = {}
     i = 0
     useful_all = tokens_all = 0
@@ -348,7 +426,9 @@ def _record_data(record: StepRecord, groups: list, adv: torch.Tensor, feed) -> N
             reward_mean=agg["reward"] / agg["samples"] if agg else None,
             accuracy=agg["passes"] / agg["samples"] if agg else None,
             tokens=agg["tokens"] if agg else 0, useful_tokens=agg["useful"] if agg else 0,
-            skipped=fed.get("skipped"), target_share=fed.get("target_share")))
+            skipped=fed.get("skipped"), target_share=fed.get("target_share"),
+            gap_abs_mean=(gaps or {}).get(source, {}).get("gap_abs_mean"),
+            gap_kl=(gaps or {}).get(source, {}).get("gap_kl")))
     if feed is not None:
         record.data = feed.metrics()
 

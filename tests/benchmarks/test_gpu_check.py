@@ -14,7 +14,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECK = ROOT / "benchmarks" / "gpu" / "check.py"
-PARTS = ("trainer", "publish", "engine", "logprobs", "megatron_trainer", "grpo", "trainer_rl", "handoff", "grpo_step")
+PARTS = ("trainer", "publish", "engine", "logprobs", "megatron_trainer", "grpo", "trainer_rl", "handoff", "grpo_step",
+         "gap")
 
 
 def load_check():
@@ -49,6 +50,24 @@ def test_smoke_runs_every_part_and_prints_one_json_line(tmp_path):
     assert p["bit_exact"] is True and p["dtype"] == "bf16" and 0 < p["delta_mb"] < p["full_mb"]
     assert r["logprobs"]["precision"] == "fp32" and r["logprobs"]["max_abs_diff"] < 1e-4  # fp32 on the CPU
     assert_issue_34_parts(r, tmp_path)
+    assert_gap_part(r["gap"])
+
+
+def assert_gap_part(g: dict) -> None:
+    for variant in ("init", "peaked"):  # fp32 engine and trainer on the CPU: float noise
+        v = g[variant]
+        assert v["engine_dtype"] == "torch.float32" and v["tokens"] == 32 and v["trainer_fp32"]["gap_abs_mean"] < 1e-5
+        assert g[f"{variant}_fp32_mean"] == v["trainer_fp32"]["gap_abs_mean"] and "trainer_bf16" not in v  # CUDA only
+    assert g["peaked"]["sampled_logprob_mean"] > g["init"]["sampled_logprob_mean"]  # the scaled logits are peaked
+
+
+def test_issue_35s_gap_part_runs_on_the_cpu(tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    out = tmp_path / "c.json"
+    assert load_check().main(["--smoke", "--parts", "gap", "--out", str(out)]) == 0
+    assert_gap_part(json.loads(out.read_text())["gap"])
 
 
 def assert_issue_34_parts(r: dict, where: Path) -> None:
