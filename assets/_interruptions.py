@@ -37,6 +37,7 @@ CAUSES: dict[str, tuple[str, str | None]] = {
     "crash": ("crashed", None),
     "crash_loop": ("stopped", "a service it needs kept failing"),
     "non_finite_loss": ("stopped", "non-finite losses"),
+    "logprob_gap": ("stopped", "the rollout engine's log-probs and the trainer's disagree past ops.max_logprob_gap"),
     "failed_preflight": ("was held back", "the node failed preflight"),
     "supervisor_lost": ("stopped", "its supervisor died: the Dagster run worker or `factory run`"),
     "lake_down": ("stopped", "the lake stayed down"),

@@ -45,7 +45,8 @@ def run_metadata(pics: RunPictures, tracker: Tracker, run_id: str, mlflow_run_id
         # The same URL shows the latest version: periodic evals re-render it as they land.
         "evals": inline_picture(f"held-out accuracy by step of {run_id}, kept current by periodic evals ({where})",
                                 tracker.artifact_url(mlflow_run_id, small(EVALS))),
-        # loss, KL, entropy, gradient norm, clip fraction, staleness, response length, tokens/s, reward/accuracy
+        # loss, KL, entropy, gradient norm, clip fraction, staleness, response length, tokens/s, reward/accuracy, the
+        # sampler/trainer gap and its corrections
         **({"metrics": inline_picture(f"metric panel by step of {run_id} ({where})",
                                       tracker.artifact_url(mlflow_run_id, small(METRICS)))}
            if pics.metrics is not None else {}),

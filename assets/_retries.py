@@ -3,7 +3,8 @@
 A training asset's factory run_id is derived from the Dagster run's root run id, so every retry of the same
 materialization (an op retry in the same run, or a run retry/re-execution, which keeps the root) names the
 same factory run, and `run_rl` continues it from its newest resume point. Failures that retrying cannot
-fix (non-finite losses, a service whose circuit breaker tripped, a node that failed preflight) are raised
+fix (non-finite losses, a service whose circuit breaker tripped, a node that failed preflight, a rollout engine whose
+log-probs disagree with the trainer's) are raised
 as `Failure(allow_retries=False)`: they need a person first.
 
 A run worker that dies outright (kill -9, OOM) takes no step process with it: Dagster's multiprocess executor
@@ -48,11 +49,12 @@ def factory_run_id(context: AssetExecutionContext, name: str) -> str:
 
 @contextlib.contextmanager
 def no_retry_for_what_needs_a_fix() -> Iterator[None]:
-    from factory.core.loop import NonFiniteLoss  # heavy: torch, transformers, when the step runs
+    from factory.core.gate import LogprobGapError  # heavy: torch, transformers, when the step runs
+    from factory.core.loop import NonFiniteLoss
 
     try:
         yield
-    except (NonFiniteLoss, CircuitOpen) as e:
+    except (NonFiniteLoss, CircuitOpen, LogprobGapError) as e:
         raise Failure(description=f"{type(e).__name__}: {e}", allow_retries=False) from e
 
 

@@ -197,12 +197,14 @@ def _mean_var(values: list[float], what: str) -> tuple[float, float]:
     return m, sum((v - m) ** 2 for v in values) / (len(values) - 1)
 
 
-def mean_interval(values: list[float]) -> Interval:
+def mean_interval(values: list[float], bounded: bool = True) -> Interval:
     """The 95% t interval of the mean of `values` (one accuracy per seed): what another seed's run would average
     to, seed-to-seed variation and eval noise both included. Clipped to [0, 1], where an accuracy lies (with 3
-    seeds far apart the t interval reaches past either end)."""
+    seeds far apart the t interval reaches past either end); `bounded=False` for values not in [0, 1] (seconds)."""
     m, var = _mean_var(values, "mean_interval")
     half = t975(len(values) - 1) * math.sqrt(var / len(values))
+    if not bounded:
+        return Interval(m - half, m + half)
     return Interval(max(0.0, m - half), min(1.0, m + half))
 
 

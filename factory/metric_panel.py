@@ -1,6 +1,7 @@
 """A run's metric panel: one picture, a grid of small plots of what the trainer records per step (the lake's
 `steps` table) by step: train reward and accuracy, loss, KL, entropy, gradient norm, clip fraction, staleness,
-response length and tokens/s.
+response length, tokens/s, the sampler/trainer gap (mean |Δ log-prob| and the k3 KL of the engine's log-probs against
+the trainer's own) and what the corrections did with it (shares masked, mean weight).
 
 Every cell is always drawn: a metric that no row of the run records (a column added after the run was trained,
 or one a trainer mode does not measure) is a cell that says "not recorded", so a missing curve is never mistaken
@@ -20,13 +21,14 @@ from matplotlib.ticker import MaxNLocator
 
 from factory.plots import DPI, _by_step, _one_run, _png
 
-# 3 x 3 cells at 10 x 7.2 in: 1000 x 720 px at plots.DPI (a page about 1000 px wide shows it whole: MLflow, the
-# embedded copy).
-PANEL_WIDTH_IN, PANEL_HEIGHT_IN, COLUMNS = 10.0, 7.2, 3
+# 4 rows of 3 cells at 10 x 9.6 in: 1000 x 960 px at plots.DPI (a page about 1000 px wide shows it whole: MLflow, the
+# embedded copy); each cell keeps the 333 x 240 px it had in the 3 x 3 panel before the gap's row was added.
+PANEL_WIDTH_IN, PANEL_HEIGHT_IN, COLUMNS = 10.0, 9.6, 3
 # The copy drawn inside the Dagster UI's metadata table, whose value column is about 600 px wide on an asset page
 # beside its sidebar (a 1600 px window; the full panel scaled down to 750 px was cut off on the right there):
-# 576 x 480 px, the same cells on a smaller canvas, so its text stays readable rather than scaled down.
-INLINE_WIDTH_IN, INLINE_HEIGHT_IN, INLINE_DPI = 7.2, 6.0, 80
+# 576 x 640 px, the same cells on a smaller canvas, so its text stays readable rather than scaled down (as tall per
+# row as the 576 x 480 px of the 3 x 3 panel).
+INLINE_WIDTH_IN, INLINE_HEIGHT_IN, INLINE_DPI = 7.2, 8.0, 80
 NOT_RECORDED = "not recorded"
 
 
@@ -49,6 +51,13 @@ CELLS: tuple[Cell, ...] = (
     Cell("staleness (weight versions)", (("staleness_mean", "mean"), ("staleness_max", "max"))),
     Cell("response length (tokens)", (("response_tokens_mean", "mean"),)),
     Cell("tokens/s", (("tokens_per_s", "generated tokens/s"),)),
+    # The engine's log-probs against the trainer's own on the same tokens and weights (not staleness: that is above).
+    # The mean |Δ| and the KL apart: the KL is about half the square of the gap, so on one axis it reads as 0.
+    Cell("sampler/trainer gap: mean |Δ log-prob|", (("gap_abs_mean", "mean |Δ|"),)),
+    Cell("sampler/trainer KL (k3)", (("gap_kl", "KL(sampler || trainer)"),)),
+    Cell("correction (TIS / MIS / IcePop)", (("correction_masked_tokens", "tokens masked"),
+                                             ("correction_masked_seqs", "sequences masked"),
+                                             ("correction_weight_mean", "mean weight")), unit_frame=True),
 )
 
 

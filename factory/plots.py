@@ -36,6 +36,10 @@ INLINE_DPI = 70
 # The sweep overlay has two panels and a legend of up to a few dozen members: 640 x 420 px, inline 448 x 294, as
 # wide as the other pictures (a 600 px copy was cut on the right).
 SWEEP_WIDTH_IN, SWEEP_HEIGHT_IN = 6.4, 4.2
+# With the sampler/trainer gap recorded, a second row of two panels (its mean |Δ log-prob| and its k3 KL by step per
+# member): 640 x 720 px, inline 448 x 504, as wide as before.
+SWEEP_GAP_HEIGHT_IN = 7.2
+SWEEP_GAP = (("gap_abs_mean", "sampler/trainer gap: mean |Δ log-prob|"), ("gap_kl", "sampler/trainer KL (k3)"))
 # A numeric axis whose positive values span at least this ratio (two decades) is drawn on a log
 # scale: learning rates and KL coefficients are swept geometrically.
 LOG_SPAN = 100.0
@@ -168,10 +172,12 @@ def sweep_curves_png(members: list[dict], title: str = "", benchmark: str | None
     """The members of a sweep overlaid, each one run given as {"label", "steps", "evals"} (rows of
     the `steps` and `evals` tables). Left panel: train reward_mean by step; right panel: held-out
     accuracy by step on `benchmark`, or when None on the whole benchmark (no '/') that most members
-    have, ties broken alphabetically. A member keeps its color and linestyle in both panels (ten
-    colors, then the next linestyle), in the order given; the legend sits below the panels.
-    Members with no rows for a panel are left out of it; ValueError when neither panel has
-    anything, or a member's rows name more than one run. SWEEP_WIDTH_IN x SWEEP_HEIGHT_IN inches."""
+    have, ties broken alphabetically. When a member's steps recorded the sampler/trainer gap, a second
+    row draws it (SWEEP_GAP: mean |Δ log-prob| and the k3 KL by step; SWEEP_GAP_HEIGHT_IN tall). A member
+    keeps its color and linestyle in every panel (ten colors, then the next linestyle), in the order
+    given; the legend sits below the panels. Members with no rows for a panel are left out of it;
+    ValueError when neither the reward nor the accuracy panel has anything, or a member's rows name more
+    than one run. SWEEP_WIDTH_IN x SWEEP_HEIGHT_IN inches."""
     return _png(_sweep_curves_figure(members, title, benchmark), dpi)
 
 
@@ -190,12 +196,16 @@ def _sweep_curves_figure(members: list[dict], title: str = "", benchmark: str | 
             + (f" on benchmark {benchmark!r}" if benchmark else "")
         )
 
-    fig = Figure(figsize=(SWEEP_WIDTH_IN, SWEEP_HEIGHT_IN), dpi=DPI, layout="constrained")
+    gaps = [[_by_step(m.get("steps") or [], column).get("", ([], [])) for column, _ in SWEEP_GAP] for m in members]
+    with_gap = any(xs for g in gaps for xs, _ in g)
+    fig = Figure(figsize=(SWEEP_WIDTH_IN, SWEEP_GAP_HEIGHT_IN if with_gap else SWEEP_HEIGHT_IN), dpi=DPI,
+                 layout="constrained")
     FigureCanvasAgg(fig)
-    ax_train, ax_held = fig.subplots(1, 2, sharex=True)
+    rows = fig.subplots(2 if with_gap else 1, 2, sharex=True, squeeze=False)
+    (ax_train, ax_held), gap_axes = rows[0], (list(rows[1]) if with_gap else [])
     handles = []
-    for i, (m, t, h) in enumerate(zip(members, train, held, strict=True)):
-        if not t[0] and not h[0]:
+    for i, (m, t, h, g) in enumerate(zip(members, train, held, gaps, strict=True)):
+        if not t[0] and not h[0] and not any(xs for xs, _ in g):
             continue
         style = {"color": f"C{i % 10}", "linestyle": _LINESTYLES[(i // 10) % len(_LINESTYLES)]}
         label = str(m.get("label", f"member {i}"))
@@ -203,16 +213,24 @@ def _sweep_curves_figure(members: list[dict], title: str = "", benchmark: str | 
             ax_train.plot(*t, linewidth=1.1, label=label, **style)
         if h[0]:
             ax_held.plot(*h, linewidth=1.1, marker="o", markersize=3.5, label=label, **style)
+        for ax, series in zip(gap_axes, g, strict=False):
+            if series[0]:
+                ax.plot(*series, linewidth=1.1, label=label, **style)
         # One legend entry per member, drawn as its line style: the panels share it.
         handles.append(Line2D([], [], linewidth=1.1, label=label, **style))
-    for ax, name, series in ((ax_train, "train reward (mean)", train),
-                             (ax_held, f"held-out accuracy: {benchmark or 'no benchmark'}", held)):
+    panels = [(ax_train, "train reward (mean)", train),
+              (ax_held, f"held-out accuracy: {benchmark or 'no benchmark'}", held)]
+    panels += [(ax, name, [g[j] for g in gaps]) for j, (ax, (_, name)) in enumerate(zip(gap_axes, SWEEP_GAP,
+                                                                                       strict=False))]
+    for ax, name, series in panels:
         ax.set_title(name, fontsize=9)
-        ax.set_xlabel("step")
+        if not with_gap or ax in gap_axes:  # the bottom row's: the rows share their steps
+            ax.set_xlabel("step")
         ax.grid(True, alpha=0.3)
         if not any(xs for xs, _ in series):
             ax.text(0.5, 0.5, "no rows", ha="center", va="center", transform=ax.transAxes, fontsize=9, alpha=0.6)
-        _unit_frame(ax, series)
+        if ax in (ax_train, ax_held):
+            _unit_frame(ax, series)
     _legend_below(fig, handles, ncol=4)
     fig.suptitle(title or f"sweep: {len(handles)} of {len(members)} members drawn", fontsize=10)
     return fig

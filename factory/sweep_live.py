@@ -1,6 +1,7 @@
 """A sweep while it runs, from the lake: per member its `sweeps` row, newest step, planned steps, step-time ETA,
 interruptions and result so far, and the members' curves overlaid (reward by step, held-out accuracy by step where
-evals landed), each member labelled by its axis values (`lr=3e-4,seed=1`).
+evals landed, and the sampler/trainer gap by step where the members measured it), each member labelled by its axis
+values (`lr=3e-4,seed=1`).
 
 Cheap enough for a sensor tick: the `sweeps` table once, then `steps` (a few columns), `evals` (accuracy rows) and
 `interruptions` once each, filtered by the run ids of the sweeps asked for. `LiveSweep.fingerprint` is what changes
@@ -22,7 +23,7 @@ from factory.lake.writer import Lake
 from factory.sweep import member_short, short_label
 
 ENDED = ("succeeded", "failed", "refused", "pruned")  # a member's `sweeps` status after which it trains no more
-STEP_COLUMNS = ["run_id", "step", "reward_mean", "recorded_at", "attempt"]
+STEP_COLUMNS = ["run_id", "step", "reward_mean", "recorded_at", "attempt", *(c for c, _ in plots.SWEEP_GAP)]
 SWEEP_COLUMNS = ["sweep_id", "member", "axes", "spec", "status", "run_id", "final_accuracy", "reason", "recorded_at",
                  "mlflow_parent_run_id"]
 
@@ -70,7 +71,8 @@ class LiveSweep:
 
     def picture(self, dpi: int = plots.DPI) -> bytes | None:
         """The members' curves overlaid (train reward by step; held-out accuracy by step on the benchmark most
-        members have); None while no member has a step or an eval."""
+        members have; the sampler/trainer gap by step, a second row, where a member measured it); None while no member
+        has a step or an eval."""
         training = sum(m.status == "running" for m in self.members)
         title = f"{self.sweep_id}: {training} of {len(self.members)} members training"
         try:

@@ -1,11 +1,12 @@
 """`sweep_live`: a running sweep's page, kept current while its members train.
 
-For each sweep with a member not ended, the sensor records an `AssetObservation` of `sweep_summary` on the
-sweep's partition: the members' curves overlaid (reward by step, held-out accuracy by step where evals landed),
-each member labelled by its axis values (`lr=3e-4,seed=1`), and a member table with each member's status:
-queued, training (step/total and ETA, from its Dagster run's `factory/progress` and `factory/eta` tags, else from
-the lake's steps), resumed after a crash ("resumed from step 10 after attempt 1 was killed", the lake's
-`interruptions`), pruned or refused (with the reason), failed, done (accuracy with its interval).
+For each sweep with a member not ended, the sensor records an `AssetObservation` of `sweep_summary` on the sweep's
+partition: the members' curves overlaid (reward by step, held-out accuracy by step where evals landed, the
+sampler/trainer gap by step where members measured it), each member labelled by its axis values (`lr=3e-4,seed=1`),
+and a member table with each member's status: queued, training (step/total and ETA, from its Dagster run's
+`factory/progress` and `factory/eta` tags, else from the lake's steps), resumed after a crash ("resumed from step 10
+after attempt 1 was killed", the lake's `interruptions`), pruned or refused (with the reason), failed, done
+(accuracy with its interval).
 
 Only when something changed: the cursor holds, per sweep, each member's status, newest step, eval count and
 interruption count at the last observation, so an idle sweep adds nothing to the event log. A sweep's last

@@ -1,8 +1,9 @@
-"""The Dagster side of training through Pipes: open a Pipes session, start `factory train-grpo` (a local child
-process, or the trainer pods of deploy/cluster.py), read its messages, and turn its exit code into a retry
-decision. Built on `open_pipes_session` rather than PipesSubprocessClient / PipesK8sClient because the launcher
-needs the exit code (4 = needs a fix, no retry) and the Kubernetes run is an Indexed Job of several pods, not the
-single pod PipesK8sClient starts; the protocol (context in env, messages in a temp file or rank 0's log) is theirs.
+"""The Dagster side of training through Pipes: open a Pipes session, start `factory train-grpo` (a local child process,
+or the trainer pods of deploy/cluster.py), read its messages, and turn its exit code into a retry decision. Built on
+`open_pipes_session` rather than PipesSubprocessClient / PipesK8sClient because the launcher needs the exit code (4
+= needs a fix, 8 = the engine's log-probs disagree with the trainer's: no retry) and the Kubernetes run is an
+Indexed Job of several pods, not the single pod PipesK8sClient starts; the protocol (context in env, messages in a
+temp file or rank 0's log) is theirs.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dagster import (
 
 from factory.deploy.profile import ProfileError, load_profile
 from factory.deploy.target import DEPLOY_PROFILE_ENV
-from factory.runs.exit_codes import EXIT_BAD_INPUT, EXIT_NEEDS_FIX
+from factory.runs.exit_codes import EXIT_BAD_INPUT, EXIT_LOGPROB_GAP, EXIT_NEEDS_FIX
 
 if TYPE_CHECKING:
     from factory.config import ExperimentSpec
@@ -34,7 +35,7 @@ def check_exit(code: int | None, where: str) -> None:
     """Raise the Failure a non-zero exit calls for: retryable, unless the run needs a person first."""
     if code == 0:
         return
-    if code in (EXIT_BAD_INPUT, EXIT_NEEDS_FIX):
+    if code in (EXIT_BAD_INPUT, EXIT_NEEDS_FIX, EXIT_LOGPROB_GAP):
         raise Failure(description=f"{where} exited with {code} (needs a fix: see the run's log); not retried",
                       allow_retries=False)
     raise Failure(description=f"{where} exited with {code}")

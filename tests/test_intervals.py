@@ -84,6 +84,8 @@ def test_mean_over_seeds_and_welch():
     assert welch([0.5, 0.5], [0.4, 0.4]) is None  # no spread: no claim
     wide = mean_interval([0.360, 0.556, 0.004])  # a real 3-seed point: the t interval is [-0.389, 1.002]
     assert (wide.low, round(wide.high, 4)) == (0.0, 1.0)
+    seconds = mean_interval([5.54, 5.90, 5.86], bounded=False)  # not a share: nothing to clip to
+    assert (round(seconds.low, 3), round(seconds.high, 3)) == (5.276, 6.257)
     assert (t975(2), t975(4.7), t975(45)) == (4.303, 2.776, 2.021)
     with pytest.raises(ValueError, match="mean_interval: a mean over seeds needs at least 2 values, got 1"):
         mean_interval([0.5])

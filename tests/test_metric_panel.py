@@ -53,12 +53,16 @@ def trained(lake) -> list[dict]:
     return lake.read("steps").to_pylist()
 
 
+GAP_CELLS = ["sampler/trainer gap: mean |Δ log-prob|", "sampler/trainer KL (k3)", "correction (TIS / MIS / IcePop)"]
+
+
 def test_every_cell_has_the_runs_values_by_step(trained):
     cells = {c.cell.title: c for c in panel_data(trained)}
     assert list(cells) == [c.title for c in CELLS] == [
         "reward / accuracy (train)", "loss", "KL to reference", "entropy", "gradient norm", "clip fraction",
-        "staleness (weight versions)", "response length (tokens)", "tokens/s"]
-    assert all(c.recorded for c in cells.values())
+        "staleness (weight versions)", "response length (tokens)", "tokens/s", *GAP_CELLS]
+    # `_record` measures no gap (the loop fills it after): those cells say so
+    assert [t for t, c in cells.items() if not c.recorded] == GAP_CELLS
     steps = [1, 2, 3]
     assert cells["reward / accuracy (train)"].series == {"reward mean": (steps, [0.5] * 3),
                                                          "accuracy": (steps, [0.5] * 3)}
@@ -78,7 +82,8 @@ def test_a_metric_the_run_did_not_record_says_so(trained):
     "not recorded", and the other cells keep their data."""
     old = [{**r, "response_tokens_mean": None, "kl": None} for r in trained]
     cells = {c.cell.title: c for c in panel_data(old)}
-    assert [t for t, c in cells.items() if not c.recorded] == ["KL to reference", "response length (tokens)"]
+    assert [t for t, c in cells.items() if not c.recorded] == ["KL to reference", "response length (tokens)",
+                                                               *GAP_CELLS]
     fig = _metric_panel_figure(old, "old run")
     drawn = {ax.get_title(): [t.get_text() for t in ax.texts] for ax in fig.axes if ax.get_visible()}
     assert len(drawn) == len(CELLS)
@@ -96,9 +101,9 @@ def _png_size(png: bytes) -> tuple[int, int]:
 
 def test_the_panel_fits_a_page_1000_px_wide_and_its_bytes_depend_only_on_the_rows(trained):
     png = metric_panel_png(trained, "panel-run")
-    assert _png_size(png) == (1000, 720)
+    assert _png_size(png) == (1000, 960)
     # drawn inside the Dagster UI, whose metadata value column is about 600 px wide beside an asset page's sidebar
-    assert _png_size(metric_panel_png(trained, inline=True)) == (576, 480)
+    assert _png_size(metric_panel_png(trained, inline=True)) == (576, 640)
     shuffled = list(trained)
     random.Random(0).shuffle(shuffled)
     assert metric_panel_png(shuffled, "panel-run", dpi=DPI) == png
@@ -150,3 +155,35 @@ def test_metrics_not_measured_are_not_recorded_anywhere(lake, tmp_path):
     assert "batch/loss" in logged and not {"kl", "batch/kl", "hacks_any", "filtered"} & set(logged)
     (kl_cell,) = [c for c in panel_data([row]) if c.cell.title == "KL to reference"]
     assert not kl_cell.recorded
+
+
+def test_the_gap_cells_draw_the_steps_gap_and_corrections(lake):
+    """Steps whose gap the loop measured (StepRecord fields set as the loop sets them), through StepLog into the real
+    lake: the gap's cells have their figures by step; a step that measured none is a hole in the line, not a 0; a run
+    that measured none at all says "not recorded" in each gap cell."""
+    from tests.gap_records import GAP, gap_record
+
+    log = StepLog(RUN, attempt=1)
+    for r in (gap_record(1), gap_record(2), gap_record(3), gap_record(4, measured=False)):
+        log.add(r)
+    log.flush(lake)
+    rows = lake.read("steps").to_pylist()
+    cells = {c.cell.title: c for c in panel_data(rows)}
+    steps = [1, 2, 3]
+    assert cells["sampler/trainer gap: mean |Δ log-prob|"].series == {"mean |Δ|": (steps, [g[0] for g in GAP])}
+    assert cells["sampler/trainer KL (k3)"].series == {"KL(sampler || trainer)": (steps, [g[1] for g in GAP])}
+    assert cells["correction (TIS / MIS / IcePop)"].series == {
+        "tokens masked": (steps, [0.0, 0.05, 0.10]), "sequences masked": (steps, [0.0, 0.0125, 0.025]),
+        "mean weight": (steps, [1.0, 0.97, 0.93])}
+    fig = _metric_panel_figure(rows, "gap run")
+    (kl,) = [ax for ax in fig.axes if ax.get_title() == "sampler/trainer KL (k3)"]
+    assert [list(ln.get_ydata()) for ln in kl.get_lines()] == [[g[1] for g in GAP]] and not list(kl.texts)
+    (corr,) = [ax for ax in fig.axes if ax.get_title() == "correction (TIS / MIS / IcePop)"]
+    assert corr.get_ylim() == (-0.03, 1.03)  # shares and a mean weight within [0, 1]: on the unit frame
+    assert _png_size(metric_panel_png(rows)) == (1000, 960)
+
+    unmeasured = [{**r, **dict.fromkeys(("gap_abs_mean", "gap_kl", "correction_masked_tokens",
+                                         "correction_masked_seqs", "correction_weight_mean"))} for r in rows]
+    fig = _metric_panel_figure(unmeasured, "old run")
+    drawn = {ax.get_title(): [t.get_text() for t in ax.texts] for ax in fig.axes if ax.get_visible()}
+    assert [drawn[t] for t in GAP_CELLS] == [[NOT_RECORDED]] * 3

@@ -101,3 +101,39 @@ def test_every_picture_of_a_sweeps_page_fits_the_page(running):
         full, inline = width(render(plots.DPI)), width(render(plots.INLINE_DPI))
         assert full <= PAGE_PX and inline <= INLINE_PX, (name, full, inline)  # the inline copy (`small`) beside a key
     assert small("plots/live_curves.png") == "plots/live_curves.small.png"
+
+
+def test_the_members_sampler_trainer_gap_is_drawn_beside_their_curves(running):
+    """r0 measured the gap on steps 1-8 (rows as StepLog writes a StepRecord with the gap fields), r1 measured none:
+    the live picture gains a row with the gap's mean |Δ log-prob| and KL by step, r0's line there with r0's figures
+    and r1's absent, and it still fits the page; a sweep with no gap measured keeps its one-row picture."""
+    from factory.runs.step_rows import StepLog
+    from tests.gap_records import gap_record
+
+    before = live_sweeps(running, {"s": sweep_rows(running)["s"]})["s"].picture(plots.DPI)
+    log = StepLog("r0", attempt=1)
+    for s in range(1, 9):
+        r = gap_record(1)
+        r.step, r.weight_version, r.reward_mean = s, s, 0.02 * s
+        r.gap_abs_mean, r.gap_kl = 0.01 * s, 1e-4 * s * s
+        log.add(r)
+    log.flush(running)
+    live = live_sweeps(running, {"s": sweep_rows(running)["s"]})["s"]
+    (r0,) = [m for m in live.overlay if m["label"] == "lr=1e-3"]
+    assert [(r["step"], r["gap_abs_mean"], r["gap_kl"]) for r in sorted(r0["steps"], key=lambda r: r["step"])] == [
+        (s, 0.01 * s, 1e-4 * s * s) for s in range(1, 9)]
+    fig = plots._sweep_curves_figure(live.overlay, "s")
+    panels = {ax.get_title(): ax for ax in fig.axes}
+    gap, kl = panels["sampler/trainer gap: mean |Δ log-prob|"], panels["sampler/trainer KL (k3)"]
+    assert [ln.get_label() for ln in gap.get_lines()] == [ln.get_label() for ln in kl.get_lines()] == ["lr=1e-3"]
+    assert list(kl.get_lines()[0].get_ydata()) == [1e-4 * s * s for s in range(1, 9)]
+    assert list(gap.get_lines()[0].get_xdata()) == list(range(1, 9))
+    # the member keeps its color in every panel
+    assert gap.get_lines()[0].get_color() == panels["train reward (mean)"].get_lines()[0].get_color()
+    after = live.picture(plots.DPI)
+    assert (width(before), height(before)) == (640, 420) and (width(after), height(after)) == (640, 720)
+    assert width(live.picture(plots.INLINE_DPI)) <= INLINE_PX
+
+
+def height(png: bytes) -> int:
+    return struct.unpack(">I", png[20:24])[0]

@@ -205,6 +205,8 @@ def _preflight_commands(sub: argparse._SubParsersAction) -> None:
                    help="run only this check (repeatable), e.g. after fixing what it found")
     p.add_argument("--kind", help="node kind whose floors apply (default: $FACTORY_NODE_KIND, else detected)")
     p.add_argument("--no-record", action="store_true", help="do not write the results to the lake")
+    p.add_argument("--spec", metavar="FILE", help="gate this experiment's own rollout engine and trainer in the "
+                   "logprob_gap check (its model, engine, mode, precision, device) instead of the default tiny setup")
     p.add_argument("--verbose", "-v", action="store_true", help="log each check on stderr as it finishes")
     p.add_argument("--mark-node", action="store_true", help="then mark the Kubernetes node $NODE_NAME: label "
                    "factory.dev/preflight=passed|failed, taint factory.dev/preflight-failed on failure (removed on "

@@ -7,8 +7,10 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from factory.cli.common import error, home_from
+from factory.config import SpecError, load_spec
 from factory.ops.preflight import format_checks, run_preflight
 from factory.ops.preflight.mark import LABEL, MarkError, mark_node
 from factory.runs.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
@@ -23,9 +25,17 @@ def cmd_preflight(args: argparse.Namespace) -> int:
         error("--mark-node: $NODE_NAME is not set (the preflight Job sets it from spec.nodeName)")
         return EXIT_BAD_INPUT
     log = (lambda m: print(m, file=sys.stderr)) if args.verbose else (lambda _: None)
+    spec_path = None
+    if args.spec is not None:  # read now: a bad spec is bad input, not a failed check
+        try:
+            load_spec(args.spec)
+        except SpecError as e:
+            print(str(e), file=sys.stderr)
+            return EXIT_BAD_INPUT
+        spec_path = str(Path(args.spec).resolve())  # the check's child process may run elsewhere
     try:
         report = run_preflight(home_from(args), mode="deep" if args.deep else "quick", only=args.checks or None,
-                               kind=args.kind, record=not args.no_record, log=log)
+                               kind=args.kind, record=not args.no_record, log=log, spec_path=spec_path)
     except ValueError as e:
         error(str(e))
         return EXIT_BAD_INPUT

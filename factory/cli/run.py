@@ -13,6 +13,7 @@ import torch.distributed as dist
 from factory.cli.common import check_model, error, home_from, load
 from factory.cli.spec import machine_problem
 from factory.config import ExperimentSpec
+from factory.core.gate import LogprobGapError
 from factory.core.loop import NonFiniteLoss, RunInterrupted
 from factory.core.trainer.distributed import init_ranks
 from factory.core.trainer.launch import torchrun_command
@@ -31,6 +32,7 @@ from factory.runs.exit_codes import (
     EXIT_DEPENDENCY_DOWN,
     EXIT_DISK_FULL,
     EXIT_FAILED,
+    EXIT_LOGPROB_GAP,
     EXIT_NEEDS_FIX,
     EXIT_OK,
     EXIT_STOPPED,
@@ -89,6 +91,9 @@ def _run_spec(spec: ExperimentSpec, args: argparse.Namespace) -> int:
     except (NonFiniteLoss, CircuitOpen) as e:
         error(str(e))
         return EXIT_NEEDS_FIX
+    except LogprobGapError as e:  # --in-process: the engine and the trainer disagree (core/gate.py)
+        error(str(e))
+        return EXIT_LOGPROB_GAP
     except SourceError as e:  # --in-process: a data file that changed or vanished since the spec was checked
         error(" ".join(str(e).split()))
         return EXIT_BAD_INPUT

@@ -24,7 +24,8 @@ class CorrectionSpec(_Section):
       recomputes, off where it trusts the sampler.
     - `mis`: masked IS: a sequence whose geometric-mean ratio exp(mean_t log rho_t) leaves [lo, hi] leaves the loss
       ("When Speed Kills Stability", 2025; verl's rollout_rs "geometric").
-    - `icepop`: a token whose rho_t leaves [alpha, beta] leaves the loss (IcePop, Ring-1T 2025).
+    - `icepop`: a token whose rho_t leaves [alpha, beta] leaves the loss (IcePop, Ring-1T 2025; verl's rollout_rs
+      "token"). The paper's M(k) = k on [alpha, beta], 0 outside, is this mask with `tis: token, tis_cap >= beta`.
     They compose: weights multiply, masks intersect, and both apply on top of the buffer's staleness weights.
     """
 
@@ -66,6 +67,14 @@ class AlgorithmSpec(_Section):
     `clip_eps_high` override either side for any algorithm (CISPO has no lower bound by default;
     GSPO's are sequence-level and tiny). `is_cap` truncates the importance weights the rollout buffer
     attaches to stale samples in its `importance` policy.
+
+    `behavior` is whose log-probs the loss takes as the behaviour policy: the engine's as sampled, or the trainer's
+    own recomputed (unset: recompute where the engine computes in another precision or backend, `engine_differs` in
+    core/correction.py); `correction` corrects the sampler/trainer gap on top (TIS, MIS, IcePop; their weights
+    multiply the staleness weights, their masks drop tokens from the policy term, the KL term and the aggregation).
+    `dual_clip` unset is c = 3 on the PPO-clip losses where staleness or a gap can occur, off in a sync fp32 CPU run:
+    a negative-advantage token far above its clip otherwise passes a gradient of |A| * ratio (1e3 at a ratio of 1e3).
+    docs/algorithms.md has the formulas, the papers, suggested bounds and where factory differs from verl.
     """
 
     # Per-algorithm defaults for the fields left unset (None). Each entry follows its paper:

@@ -358,10 +358,11 @@ class ScheduleSpec(_Section):
 
 
 # The step-0 gate's and the run's default bounds on the mean |engine - trainer| log-prob of the same tokens. Same
-# numerics (fp32 on the CPU, one process): float noise, ~1e-6 measured; a broken setup (weights rounded to fp16, a
-# wrong template) is far past 1e-3. Another precision or backend (bf16 engines, SGLang): SkyRL's CI holds 0.0104
+# numerics (fp32 on the CPU, one process): float noise, 1e-7 to 3e-6 measured (the quickstart's SFT model, SmolLM2);
+# an engine on fp16-rounded weights was 3.2e-4 off on the quickstart's SFT model, 1.6e-3 on SmolLM2: 1e-4 stops both
+# with a 30x margin over the noise. Another precision or backend (bf16 engines, SGLang): SkyRL's CI holds 0.0104
 # (sync) and 0.0193 (fully async) on a 1.5B model; 0.1 leaves room for smaller models and stops what is broken.
-GAP_BOUND_SAME_NUMERICS = 1e-3
+GAP_BOUND_SAME_NUMERICS = 1e-4
 GAP_BOUND_OTHER_NUMERICS = 0.1
 
 
@@ -395,7 +396,7 @@ class OpsSpec(_Section):
     max_logprob_gap: float | None = Field(
         None, gt=0, description="bound on the mean |engine log-prob - trainer log-prob| of the same tokens under the "
         "same weights: the step-0 gate (and `factory preflight`) stop a run past it, and a gap past it for "
-        "max_gap_steps steps in a row stops the run at its last good resume point (exit code 8); unset: 1e-3 where "
+        "max_gap_steps steps in a row stops the run at its last good resume point (exit code 8); unset: 1e-4 where "
         "the engine should compute as the trainer does (fp32 on the CPU, in-process), 0.1 where it computes in "
         "another precision or backend")
     max_gap_steps: int = Field(3, ge=1, description="steps in a row with the gap past max_logprob_gap before the run "

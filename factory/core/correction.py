@@ -49,8 +49,9 @@ def engine_differs(spec: ExperimentSpec, device: torch.device) -> bool:
 
 
 def _log_ratio(trainer: Tensor, sampler: Tensor, mask: Tensor) -> Tensor:
-    # Computed in the wider of the two dtypes; masked positions are exactly 0 (they may hold anything, even NaN).
-    dtype = torch.promote_types(trainer.dtype, sampler.dtype)
+    # Computed in the wider of the two dtypes and at least float32 (a bf16 weight exp(d) keeps 3 digits, and
+    # torch.quantile takes no bf16); masked positions are exactly 0 (they may hold anything, even NaN).
+    dtype = torch.promote_types(torch.promote_types(trainer.dtype, sampler.dtype), torch.float32)
     d = trainer.detach().to(dtype) - sampler.detach().to(dtype)
     return torch.where(mask, d, torch.zeros_like(d))
 
@@ -69,7 +70,8 @@ def gap_stats(trainer: Tensor, sampler: Tensor, mask: Tensor, cap: float = 2.0) 
     out = mask & ((d > log_c) | (d < -log_c))
     rows = mask.any(dim=-1)
     seq = d.sum(dim=-1)[rows].abs()
-    figures = torch.stack([d.abs().sum() / n, d.abs().max(), k3.sum() / n, out.sum() / n,
+    # the share in float64 too: a count divided by an int is float32, 1e-8 off
+    figures = torch.stack([d.abs().sum() / n, d.abs().max(), k3.sum() / n, out.sum().to(d.dtype) / n,
                            torch.quantile(seq, 0.95)])
     return dict(zip(GAP_FIELDS, figures.tolist(), strict=True))
 

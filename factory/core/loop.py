@@ -41,6 +41,8 @@ from factory.core.batch import TrainBatch, pack
 from factory.core.behaviour import BehaviourScorer
 from factory.core.buffer import Sample, apply_importance_correction, stale_rows
 from factory.core.correction import apply_correction, correct, engine_differs, gap_stats
+from factory.core.gate import LogprobGapError
+from factory.core.gate import gate as logprob_gate
 from factory.core.producer import (
     OverlappedProducer,
     ProducerFailed,
@@ -139,14 +141,6 @@ class NonFiniteLoss(RuntimeError):
     """`ops.max_nonfinite_steps` updates in a row were skipped: the run stops at its last good state."""
 
 
-class LogprobGapError(RuntimeError):
-    """The engine's and the trainer's log-probs disagree past `ops.max_logprob_gap` (placeholder until the gate)."""
-
-    def __init__(self, message: str, figures: dict, bound: float, cause: str):
-        super().__init__(message)
-        self.figures, self.bound, self.cause = figures, bound, cause
-
-
 class Stateful(Protocol):
     def state_dict(self) -> dict: ...
     def load_state_dict(self, state: dict) -> None: ...
@@ -226,6 +220,12 @@ def train_rl(
                              precision=spec.trainer.precision)
     producer = producer or make_producer(spec, model, tokenizer, train, start_version=start_step,
                                          state=None if resume is None else resume.loop["producer"], feed=feed)
+    if resume is None and train:  # the step-0 log-prob gate (core/gate.py); a resumed run passed it already
+        try:
+            logprob_gate(spec, trainer, producer, tokenizer, [p.prompt for p in train], bound=gap_bound)
+        except BaseException:
+            producer.close()
+            raise
 
     def state_after(steps_done: int) -> TrainState:
         loop = {"trainer_version": trainer.version, "nonfinite_streak": nonfinite_streak, "gap_streak": gap_streak,

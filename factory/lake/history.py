@@ -329,6 +329,13 @@ STEP_AGGREGATES: tuple[tuple[str, str], ...] = (
     ("trainer_idle_fraction_mean", "avg(trainer_idle_fraction)"),
     ("staleness_max", "max(staleness_max)"),
     ("logprob_mismatch_max", "max(logprob_mismatch)"),
+    # The sampler/trainer gap over the steps that measured it (NULL for a run that measured none): its typical size,
+    # its worst step, what recomputing the trainer's log-probs cost, and what the corrections dropped.
+    ("gap_abs_mean_mean", "avg(gap_abs_mean)"),
+    ("gap_kl_max", "max(gap_kl)"),
+    ("gap_out_frac_max", "max(gap_out_frac)"),
+    ("recompute_s_mean", "avg(recompute_s)"),
+    ("correction_masked_tokens_mean", "avg(correction_masked_tokens)"),
 )
 
 _STEPS_SQL = """

@@ -49,8 +49,10 @@ NAMESPACE = "factory"
 # `factory.status`; resumable too).
 RUN_STATUSES = ("running", "resumed", "succeeded", "failed", "interrupted", "pruned")
 # Why an attempt of a run ended early (the `interruptions` table).
+# pruned: a tpe sweep's pruner stopped it (factory/sweep_search.py); logprob_gap: the engine's and the trainer's
+# log-probs disagreed past ops.max_logprob_gap (core/gate.py, at step 0 or for ops.max_gap_steps steps)
 INTERRUPTION_CAUSES = ("killed", "signal", "hang", "crash", "crash_loop", "non_finite_loss", "failed_preflight",
-                       "supervisor_lost", "pruned")  # pruned: a tpe sweep's pruner stopped it (factory/sweep_search.py)
+                       "supervisor_lost", "pruned", "logprob_gap")
 CHECKPOINT_KINDS = ("sft", "rl")
 
 
@@ -167,6 +169,11 @@ RUNS = _table("runs", ("run_id",), [
     ("device", STR, OPT),  # the current attempt's compute device, e.g. "cuda:0 (NVIDIA H100 80GB HBM3)"
 ])
 
+# The columns `steps` gained with the sampler/trainer gap: the gap, its recompute's cost, the corrections' effect.
+# `step_sources` has the first two per source (SOURCE_GAP_COLUMNS).
+GAP_COLUMNS = ("gap_abs_mean", "gap_abs_max", "gap_kl", "gap_out_frac", "gap_seq_p95", "gap_rows", "recompute_s",
+               "correction_weight_mean", "correction_masked_tokens", "correction_masked_seqs")
+SOURCE_GAP_COLUMNS = ("gap_abs_mean", "gap_kl")
 _STEP_METRICS = (
     "loss", "reward_mean", "reward_std", "accuracy", "kl", "entropy", "clip_frac", "grad_norm",
     "logprob_mismatch", "staleness_mean", "staleness_max", "tokens_per_s", "trainer_idle_fraction", "wall_s",
@@ -189,6 +196,10 @@ STEPS = _table("steps", ("run_id", "step"), [
     *[(m, DBL, OPT) for m in ("hacks_early_exit", "hacks_marker", "hacks_touched_tests", "hacks_any")],
     # Added with the run's metric panel: generated tokens per completion, averaged over the step's completions.
     ("response_tokens_mean", DBL, OPT),
+    # Added with the sampler/trainer gap (factory/core/correction.py): the engine's log-probs of the batch against
+    # the trainer's own under the same weights, what recomputing them cost, and what a correction did with them. NULL
+    # where the step measured no row (the gap) or applied no correction (correction_*).
+    *[(m, DBL, OPT) for m in GAP_COLUMNS],
 ], partition=BY_RUN)
 
 CHECKPOINTS = _table("checkpoints", ("run_id", "step"), [
@@ -243,6 +254,8 @@ STEP_SOURCES = _table("step_sources", ("run_id", "step", "source"), [
     ("skipped", LONG, OPT),  # prompts the curriculum skipped (not generated) since the previous step
     ("target_share", DBL, OPT),  # the blend's weight for it at this step
     ("recorded_at", TS, REQ),
+    # Added with the sampler/trainer gap: the steps table's gap_abs_mean and gap_kl over this source's rows only.
+    *[(m, DBL, OPT) for m in SOURCE_GAP_COLUMNS],
 ], partition=BY_RUN)
 
 # One row per trained prompt group: the raw material of per-prompt statistics (`prompt_stats`).

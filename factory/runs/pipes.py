@@ -9,8 +9,8 @@ log lines are not the place for megabytes of PNG): the asset builds them from th
 launch the same way, so the materialization looks the same wherever the run trained.
 
 Exit codes are the CLI's (`runs/exit_codes.py`): 0 done, 1 failed (a node that failed preflight, or a crash:
-retryable), 2 bad input, 4 needs a fix (non-finite loss, a service whose circuit breaker tripped); the launcher
-maps them onto retries.
+retryable), 2 bad input, 4 needs a fix (non-finite loss, a service whose circuit breaker tripped), 8 the engine's
+log-probs and the trainer's disagree (`core/gate.py`: a setup to fix); the launcher maps them onto retries.
 """
 
 from __future__ import annotations
@@ -23,13 +23,14 @@ from typing import Any
 from dagster_pipes import DAGSTER_PIPES_CONTEXT_ENV_VAR, open_dagster_pipes
 
 from factory.config import ExperimentSpec
+from factory.core.gate import LogprobGapError
 from factory.core.loop import NonFiniteLoss
 from factory.home import FactoryPaths
 from factory.infra.supervisor import CircuitOpen
 from factory.lake import Lake
 from factory.ops.preflight.gate import PreflightFailed, gate
 from factory.progress import Log, Throttle
-from factory.runs.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_NEEDS_FIX, EXIT_OK
+from factory.runs.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_LOGPROB_GAP, EXIT_NEEDS_FIX, EXIT_OK
 from factory.runs.rl_run import run_rl
 from factory.runs.run_result import RunResult
 from factory.runs.stages import load_dataset
@@ -125,3 +126,6 @@ def _train_or_exit(spec: ExperimentSpec, paths: FactoryPaths, inputs: RunInputs,
     except (NonFiniteLoss, CircuitOpen) as e:
         error(f"{type(e).__name__}: {e}")
         return None, EXIT_NEEDS_FIX
+    except LogprobGapError as e:
+        error(f"{type(e).__name__}: {e}")
+        return None, EXIT_LOGPROB_GAP

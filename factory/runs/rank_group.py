@@ -22,7 +22,7 @@ from pathlib import Path
 
 from factory.config import ExperimentSpec
 from factory.home import FactoryPaths
-from factory.runs.exit_codes import EXIT_FAILED, EXIT_NEEDS_FIX, EXIT_OK
+from factory.runs.exit_codes import EXIT_FAILED, EXIT_LOGPROB_GAP, EXIT_NEEDS_FIX, EXIT_OK
 
 GROUP_EXIT = "group_exit"  # in the run directory: rank 0's exit code for its attempt (FACTORY_ATTEMPT)
 GROUP_TIMEOUT_S = 3600.0  # longest a follower waits in a collective (rank 0 loads, evaluates step 0, ...)
@@ -60,7 +60,8 @@ def attempt_command(paths: FactoryPaths, run_id: str, spec: ExperimentSpec) -> l
 
 def group_code(run_dir: Path, attempt: int, torchrun_rc: int) -> int:
     """The exit code an attempt group stands for: 0 when torchrun says all ranks succeeded; else rank 0's own code
-    when it finished the run (0) or stopped it for a fix (`EXIT_NEEDS_FIX`); else torchrun's (a crash: restart)."""
+    when it finished the run (0) or stopped it for a fix (`EXIT_NEEDS_FIX`, `EXIT_LOGPROB_GAP`); else torchrun's (a
+    crash: restart)."""
     if torchrun_rc == 0:
         return EXIT_OK
     try:
@@ -69,7 +70,7 @@ def group_code(run_dir: Path, attempt: int, torchrun_rc: int) -> int:
         return torchrun_rc
     if len(said) == 2 and said[0] == str(attempt) and said[1].lstrip("-").isdigit():
         code = int(said[1])
-        if code in (EXIT_OK, EXIT_NEEDS_FIX):
+        if code in (EXIT_OK, EXIT_NEEDS_FIX, EXIT_LOGPROB_GAP):
             return code
     return torchrun_rc
 

@@ -11,6 +11,8 @@ follows:
 - `EXIT_STOPPED`: it stopped on request (SIGTERM/SIGINT, forwarded by this parent too): no restart;
 - `EXIT_NEEDS_FIX`: it stopped for good until something is fixed (non-finite losses, a circuit breaker
   that tripped on a crash-looping service): no restart; `factory resume RUN_ID` once fixed;
+- `EXIT_LOGPROB_GAP`: the rollout engine's log-probs and the trainer's disagree past `ops.max_logprob_gap` (at
+  step 0, or for `ops.max_gap_steps` steps; `core/gate.py`): no restart, and that exit code is returned;
 - `EXIT_BAD_INPUT`: a data source's row it cannot read (the attempt named the source, file and line): no restart,
   and that exit code is returned;
 - `EXIT_DEPENDENCY_DOWN`, `EXIT_DISK_FULL`: the lake stayed down past `ops.lake_outage_s`, or a disk is full: the
@@ -53,6 +55,7 @@ from factory.runs.exit_codes import (
     EXIT_DEPENDENCY_DOWN,
     EXIT_DISK_FULL,
     EXIT_FAILED,
+    EXIT_LOGPROB_GAP,
     EXIT_NEEDS_FIX,
     EXIT_OK,
     EXIT_STOPPED,
@@ -168,6 +171,10 @@ def supervise(paths: FactoryPaths, run_id: str, spec: ExperimentSpec, log=print,
                 return EXIT_STOPPED
             if rc == EXIT_NEEDS_FIX:
                 return EXIT_FAILED
+            if rc == EXIT_LOGPROB_GAP:  # the engine and the trainer disagree (its lines said why): a setup to fix
+                log(f"run {run_id}: stopped because the rollout engine's log-probs and the trainer's disagree (see "
+                    f"the lines above); no restart spent; once fixed: factory resume {run_id}")
+                return EXIT_LOGPROB_GAP
             if rc == EXIT_BAD_INPUT:  # a data file gone bad (its line said on stderr): the same input fails again
                 log(f"run {run_id}: stopped on bad input (see the line above); no restart spent; once fixed: "
                     f"factory resume {run_id}")

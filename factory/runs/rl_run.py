@@ -33,6 +33,7 @@ from pyiceberg.expressions import And, EqualTo
 
 from factory.config import ExperimentSpec, OpsSpec, parse_spec
 from factory.core.evaluate import evaluate
+from factory.core.gate import LogprobGapError
 from factory.core.loop import NonFiniteLoss, RunInterrupted, StepRecord, train_rl
 from factory.core.resume import TrainState, latest
 from factory.core.rollout.embedded import EmbeddedEngine
@@ -70,7 +71,14 @@ from factory.runs.attempt import (
     work_start,
 )
 from factory.runs.degraded import stop_code, tolerating, unless_down, watch_lake, when_lake_up
-from factory.runs.exit_codes import EXIT_BAD_INPUT, EXIT_NEEDS_FIX, EXIT_OK, EXIT_STOPPED, EXIT_SUPERVISOR_LOST
+from factory.runs.exit_codes import (
+    EXIT_BAD_INPUT,
+    EXIT_LOGPROB_GAP,
+    EXIT_NEEDS_FIX,
+    EXIT_OK,
+    EXIT_STOPPED,
+    EXIT_SUPERVISOR_LOST,
+)
 from factory.runs.resume_points import RunCheckpoints
 from factory.runs.run_checkpoints import record_checkpoint
 from factory.runs.run_evals import source_evals, start_eval
@@ -85,7 +93,7 @@ from factory.runs.stages import (
     place,
     set_threads,
 )
-from factory.runs.step_metrics import StepMetrics
+from factory.runs.step_metrics import StepMetrics, source_metrics
 from factory.runs.step_rows import StepLog, forget_after
 from factory.source_spec import SourceError
 from factory.tracking import Tracker
@@ -327,7 +335,8 @@ class Run:
         beat(self.run_dir, r.step)
         self._check_supervisor()
         n = self.steplog.add(r)
-        self.step_metrics.add(r.step, {**{k: v for k, v in r.to_dict().items() if k != "step"}, **r.data})
+        self.step_metrics.add(r.step, {**{k: v for k, v in r.to_dict().items() if k != "step"}, **r.data,
+                                       **source_metrics(r.sources)})
         self._report_progress(r)
         if n >= self.options.flush_every:
             self.steplog.flush(self.lake)
@@ -491,6 +500,8 @@ def _classify(e: BaseException, ckpts: RunCheckpoints) -> tuple[str, str]:
         return "interrupted", "signal"
     if isinstance(e, NonFiniteLoss):
         return "failed", "non_finite_loss"
+    if isinstance(e, LogprobGapError):
+        return "failed", "logprob_gap"
     if isinstance(e, CircuitOpen):
         return "interrupted", "crash_loop"
     return "interrupted", "crash"  # resumable: a restart (the supervisor, a Dagster retry) continues it
@@ -574,4 +585,7 @@ def _attempt(paths: FactoryPaths, run_id: str) -> int:
         except (NonFiniteLoss, CircuitOpen, SourceError) as e:  # restarting cannot help
             print(f"factory: error: run {run_id} stopped: {' '.join(str(e).split())}", file=sys.stderr)
             return EXIT_BAD_INPUT if isinstance(e, SourceError) else EXIT_NEEDS_FIX  # a data file gone bad: input
+        except LogprobGapError as e:  # a setup to fix: its lines (figures, bound, cause) as they are
+            print(f"factory: error: run {run_id} stopped: {e}", file=sys.stderr)
+            return EXIT_LOGPROB_GAP
     return EXIT_OK

@@ -16,7 +16,8 @@ steps MLflow already has (`SENTINEL`'s history past its resume point) and does n
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from factory.tracking import Tracker
 
@@ -32,6 +33,17 @@ FIRST = ("reward_mean", "reward_std", "accuracy", "loss", "kl", "entropy")
 def mlflow_name(key: str) -> str:
     """A step metric's name in MLflow: `batch/<key>` for the curves read first (FIRST), else `key`."""
     return f"{FIRST_SECTION}/{key}" if key in FIRST else key
+
+
+# The per-source columns of `step_sources` a step also logs to MLflow, as `source/<name>/<column>`: the sampler/trainer
+# gap of each data source (the steps' own gap columns are logged under their names with the rest of the record).
+SOURCE_METRICS = ("gap_abs_mean", "gap_kl")
+
+
+def source_metrics(sources: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """The MLflow metrics of a step's `step_sources` rows: `source/<name>/<column>` of SOURCE_METRICS, for the values
+    measured (a source without a measured gap logs no point rather than a 0)."""
+    return {f"source/{s['source']}/{c}": s[c] for s in sources for c in SOURCE_METRICS if s.get(c) is not None}
 
 
 SENTINEL = mlflow_name("reward_mean")  # in every step's record: which steps a metric history already holds

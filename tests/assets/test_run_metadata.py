@@ -42,9 +42,9 @@ def test_a_runs_page_draws_its_metric_panel_in_place_and_embedded(factory_home, 
     assert {METRICS, small(METRICS)} <= paths
     full = Path(tracker.client.download_artifacts(mlflow_run_id, METRICS, str(tmp_path)))
     assert full.read_bytes() == pics.metrics
-    assert struct.unpack(">II", pics.metrics[16:24]) == (1000, 720)
+    assert struct.unpack(">II", pics.metrics[16:24]) == (1000, 960)
     inline = Path(tracker.client.download_artifacts(mlflow_run_id, small(METRICS), str(tmp_path)))
-    assert struct.unpack(">II", inline.read_bytes()[16:24]) == (576, 480)  # fits the UI's ~600 px value column
+    assert struct.unpack(">II", inline.read_bytes()[16:24]) == (576, 640)  # fits the UI's ~600 px value column
     # the MLflow link opens the run in MLflow's training view, not its GenAI one
     assert head["mlflow_run_id"].value.endswith(f"/runs/{mlflow_run_id}?{WORKFLOW_QUERY}")
 

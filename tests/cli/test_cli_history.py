@@ -207,6 +207,24 @@ def test_compare_json_is_one_object_with_every_section(history, capsys):
     assert steps["logprob_mismatch_max"]["a"] == pytest.approx(0.11)
 
 
+def test_compare_sets_the_runs_sampler_trainer_gap_side_by_side(history, capsys):
+    """r1 measured the gap on its last 3 steps (a run recorded before issue 35 holds NULL on the others); r2 measured
+    none: its aggregates are null, not 0, and so is the difference."""
+    with Lake.open(history) as lake:
+        rows = lake.read("steps", "run_id == 'r1'").to_pylist()
+        gap = {9: (0.01, 1e-4, 0.0, 0.2, 0.00), 10: (0.03, 9e-4, 0.01, 0.3, 0.02), 11: (0.02, 4e-4, 0.0, 0.4, 0.01)}
+        lake.upsert("steps", [dict(r, gap_abs_mean=g[0], gap_kl=g[1], gap_out_frac=g[2], recompute_s=g[3],
+                                   correction_masked_tokens=g[4]) for r in rows if (g := gap.get(r["step"]))])
+    steps = {s["aggregate"]: s for s in run_json(["compare", "r1", "r2"], capsys)["steps"]}
+    assert steps["gap_abs_mean_mean"]["a"] == pytest.approx(0.02)
+    assert (steps["gap_kl_max"]["a"], steps["gap_out_frac_max"]["a"]) == (9e-4, 0.01)
+    assert steps["recompute_s_mean"]["a"] == pytest.approx(0.3)
+    assert steps["correction_masked_tokens_mean"]["a"] == pytest.approx(0.01)
+    assert all(steps[k]["b"] is None and steps[k]["difference"] is None for k in (
+        "gap_abs_mean_mean", "gap_kl_max", "gap_out_frac_max", "recompute_s_mean", "correction_masked_tokens_mean"))
+    assert steps["steps"]["a"] == 12  # the gap rows replaced r1's, they added none
+
+
 def test_compare_table(history, capsys):
     assert main(["compare", "r1", "r2"]) == 0
     out = capsys.readouterr().out

@@ -1,10 +1,7 @@
 """The five policy losses against verl's formulas at extreme log-ratios: values, gradients and the dual clip.
 
-The reference below restates verl's policy losses from volcengine/verl `verl/trainer/ppo/core_algos.py` at
-commit b178a3cd56f58b2d502255daba591e92833930a7 (main, 2026-01-29, version 0.8.0.dev; the formulas of
-`compute_policy_loss_vanilla`, `compute_policy_loss_gspo`, `compute_policy_loss_cispo`, `agg_loss` and
-`kl_penalty_forward("low_var_kl")` there are the same as at tag v0.7.0). verl is not installed here, so the
-formulas are written out again, as plain torch, step for step:
+The reference is verl's policy losses restated as plain torch in `tests/core/verl_reference.py` (which file, function
+and commit it transcribes, there):
 
 - vanilla (GRPO, Dr.GRPO, DAPO): log-ratio clamped to [-20, 20], PPO clip, then for A < 0 the dual clip
   min(-A * clip_ratio_c, .); verl always applies it (default 3.0), so "off" is clip_ratio_c = +inf here;
@@ -25,86 +22,9 @@ import torch
 from factory.config import AlgorithmSpec, SpecError, parse_spec
 from factory.core.algorithms import gspo_loss, make_loss
 from factory.core.batch import TrainBatch
+from tests.core.verl_reference import verl_loss
 
 torch.set_num_threads(1)
-
-
-# ---------------------------------------------------------------- verl's formulas, restated
-
-
-def verl_agg(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, scale: float | None = None) -> torch.Tensor:
-    m = mask.to(loss_mat.dtype)
-    if mode == "token-mean":
-        return (loss_mat * m).sum() / m.sum()
-    if mode == "seq-mean-token-mean":
-        n = m.sum(-1)
-        per_seq = (loss_mat * m).sum(-1) / (n + 1e-8)
-        keep = (n > 0).to(loss_mat.dtype)
-        return (per_seq * keep).sum() / keep.sum()
-    if mode == "seq-mean-token-sum-norm":
-        assert scale is not None
-        return (loss_mat * m).sum(-1).sum() / scale
-    raise AssertionError(mode)
-
-
-def verl_vanilla(old, logp, adv, mask, low, high, c=math.inf, mode="token-mean", is_w=None, scale=None):
-    ratio = torch.exp(torch.clamp(logp - old, min=-20.0, max=20.0))
-    loss1 = -adv * ratio
-    loss2 = -adv * torch.clamp(ratio, 1 - low, 1 + high)
-    clip1 = torch.maximum(loss1, loss2)
-    clip2 = torch.min(-adv * c, clip1)
-    pg = torch.where(adv < 0, clip2, clip1)
-    if is_w is not None:
-        pg = pg * is_w
-    return verl_agg(pg, mask, mode, scale)
-
-
-def verl_gspo(old, logp, adv, mask, low, high, is_w=None):
-    m = mask.to(logp.dtype)
-    seq = ((logp - old) * m).sum(-1) / m.sum(-1).clamp(min=1)
-    log_s = torch.clamp(logp - logp.detach() + seq.detach().unsqueeze(-1), max=10.0)
-    s = torch.exp(log_s)
-    pg = torch.maximum(-adv * s, -adv * torch.clamp(s, 1 - low, 1 + high))
-    if is_w is not None:
-        pg = pg * is_w
-    return verl_agg(pg, mask, "seq-mean-token-mean")
-
-
-def verl_cispo(old, logp, adv, mask, low, high, mode="token-mean", is_w=None):
-    ratio = torch.exp(torch.clamp(logp - old, min=-20.0, max=20.0))
-    weight = torch.clamp(ratio, 1 - low, 1 + high).detach()
-    pg = -weight * adv * logp
-    if is_w is not None:
-        pg = pg * is_w
-    return verl_agg(pg, mask, mode)
-
-
-def verl_low_var_kl(logp, ref):
-    kl = torch.clamp(ref - logp, min=-20, max=20)
-    return torch.clamp(torch.exp(kl) - kl - 1, min=-10, max=10)
-
-
-def verl_loss(name: str, old, logp, adv_seq, mask, ref, kl_coef, is_w, dual_clip, max_len):
-    """verl's actor loss for factory's algorithm `name`, on factory's inputs (advantages per sequence)."""
-    adv = adv_seq.unsqueeze(-1).expand_as(logp)
-    c = math.inf if dual_clip is None else dual_clip
-    if name == "grpo":
-        mode, pg = "seq-mean-token-mean", verl_vanilla(old, logp, adv, mask, 0.2, 0.2, c, "seq-mean-token-mean", is_w)
-    elif name == "dr_grpo":
-        mode = "seq-mean-token-sum-norm"
-        pg = verl_vanilla(old, logp, adv, mask, 0.2, 0.2, c, mode, is_w, scale=max_len)
-    elif name == "dapo":
-        mode, pg = "token-mean", verl_vanilla(old, logp, adv, mask, 0.2, 0.28, c, "token-mean", is_w)
-    elif name == "cispo":
-        mode, pg = "token-mean", verl_cispo(old, logp, adv, mask, 1.0, 0.28, "token-mean", is_w)
-    else:
-        mode, pg = "seq-mean-token-mean", verl_gspo(old, logp, adv, mask, 3e-4, 4e-4, is_w)
-    loss = pg + kl_coef * verl_agg(verl_low_var_kl(logp, ref), mask, mode, scale=max_len)
-    if name == "dr_grpo":
-        # verl's agg_loss sums the sequences' token sums of a micro-batch (its actor rescales by micro-batch
-        # count); factory takes their mean over sequences: the same objective up to this constant.
-        loss = loss / mask.any(-1).sum()
-    return loss
 
 
 # ---------------------------------------------------------------- the comparison

@@ -22,8 +22,8 @@ from tests.core.fake_sglang_server import fake_state, python_wrapper, reserve_po
 PROBLEMS = [Problem(id=f"p{i}", prompt=f"{i}+{i}=", answer="", op="add", digits=1) for i in range(10)]
 
 
-def spec(tmp_path, weight_update: str, steps: int = 3):
-    return parse_spec({
+def spec(tmp_path, weight_update: str, steps: int = 3, ops: dict | None = None):
+    return parse_spec({"ops": ops or {},
         "seed": 0, "model": {"preset": "micro"}, "algorithm": {"group_size": 4, "lr": 0.01},
         "rollout": {"prompts_per_step": 4, "max_new_tokens": 3, "engine": "sglang",
                     "sglang": {"servers": 2, "python": python_wrapper(tmp_path), "base_port": reserve_ports(2),
@@ -70,7 +70,7 @@ def test_the_producer_samples_from_sglang_and_publishes_versions(tmp_path, model
 @pytest.mark.slow
 def test_a_short_grpo_run_on_sglang_servers(tmp_path, model_and_tok):
     model, tok = model_and_tok
-    s = spec(tmp_path, "disk", steps=3)
+    s = spec(tmp_path, "disk", steps=3, ops={"max_logprob_gap": 100.0})  # the fake's log-probs are not a model's
     producer = make_producer(s, model, tok, PROBLEMS, start_version=0)
     records = train_rl(s, model, tok, PROBLEMS, producer=producer)
     assert [r.step for r in records] == [1, 2, 3]
@@ -101,3 +101,22 @@ def test_external_servers_get_the_trainers_weights_before_any_request(tmp_path, 
             assert router.generate([[3, 4]], SamplingParams(max_new_tokens=2))[0][0].weight_version == 5
         finally:
             router.close()
+
+
+@pytest.mark.slow
+def test_the_step_0_gate_probes_sglang_servers_through_the_producer(tmp_path, model_and_tok):
+    # The producer renders the probe's chat and the servers sample it, as for training prompts; the fake's
+    # log-probs (-0.1 per position, not the model's) are far past the bound of an engine with other numerics (0.1).
+    from factory.core.gate import GAP_CAUSE_SPREAD, check_engine
+    from factory.core.trainer.torch_trainer import TorchTrainer
+
+    model, tok = model_and_tok
+    s = spec(tmp_path, "tensor")
+    producer = make_producer(s, model, tok, PROBLEMS, start_version=0)
+    try:
+        res = check_engine(s, TorchTrainer(model, lr=0.0), producer, tok, [p.prompt for p in PROBLEMS])
+    finally:
+        producer.close()
+    assert res.engine == "SGLangProducer" and res.bound == 0.1
+    assert [c for c, _ in res.problems] == [GAP_CAUSE_SPREAD] and res.figures["gap_abs_mean"] > 1.0
+    assert res.figures["prompt_mismatches"] == res.figures["eos_problems"] == 0

@@ -1,13 +1,13 @@
 """Browser test: a running sweep's page in the cockpit of `make ui`, kept current by the daemon's `sweep_live` tick,
 then its summary and the cockpit's other pages at 1600x1000.
 
-A sweep of six members (three learning rates, two group sizes) is launched with the `sweep` job and paused, so nothing
-trains; its members' state is written into the lake as the trainer writes it (one done, one training, one resumed
-after a kill, one pruned, one failed, one queued). Then the cockpit (dagster dev with its daemon, and the MLflow UI)
-starts, the daemon's tick records the observation, and chromium (Playwright) opens `sweep_summary` at the sweep's
-partition in a 1600 px window: the members' curves are drawn in place from the MLflow UI, every member's status
-is listed by its axis values, and the picture and the table fit the metadata table's value column (they were cut
-on the right).
+A sweep of six members (three learning rates, two group sizes) is launched with the `sweep` job and paused, so
+nothing trains; its members' state is written into the lake as the trainer writes it (one done, one training, one
+resumed after a kill, one pruned, one failed, one queued). Then the cockpit (dagster dev with its daemon, and the
+MLflow UI) starts, the daemon's tick records the observation, and chromium (Playwright) opens `sweep_summary` at the
+sweep's partition in a 1600 px window: the members' curves (with the sampler/trainer gap's row: two members measured
+it) are drawn in place from the MLflow UI, every member's status is listed by its axis values, and the picture and
+the table fit the metadata table's value column (they were cut on the right).
 
 Then, in a 1600x1000 window (issue 32): the sweep's summary, materialized, shows its members table and its overlay
 pictures without a sideways scroll (a long axis name cut the pictures, the table put status, accuracy and intervals
@@ -64,9 +64,12 @@ def _partly_trained_sweep(instance, paths) -> str:
             (row,) = lake.read("sweeps", EqualTo("member", key)).to_pylist()
             lake.upsert("sweeps", [dict(row, **fields, recorded_at=datetime.now(UTC))])
 
-        def steps(run: str, numbers, attempt: int = 1, base: float = 0.1) -> None:
+        def steps(run: str, numbers, attempt: int = 1, base: float = 0.1, gap: float | None = None) -> None:
             lake.upsert("steps", [dict(run_id=run, step=s, weight_version=s, reward_mean=min(1.0, base + 0.015 * s),
-                                       attempt=attempt, recorded_at=t0 + timedelta(seconds=6 * s)) for s in numbers])
+                                       attempt=attempt, recorded_at=t0 + timedelta(seconds=6 * s),
+                                       **({} if gap is None else dict(gap_abs_mean=gap * (1 + s / 40),
+                                                                      gap_kl=gap * gap * (1 + s / 20) / 2)))
+                                  for s in numbers])
 
         def held_out(run: str, step: int, value: float) -> None:
             lake.upsert("evals", [dict(run_id=run, step=step, benchmark="arithmetic_heldout", metric="accuracy",
@@ -77,11 +80,11 @@ def _partly_trained_sweep(instance, paths) -> str:
         lake.upsert("runs", [dict(run_id="r0", name="live", spec="{}", spec_fingerprint="f", code_version="c",
                                   status="succeeded", seed=0, started_at=t0, ended_at=t0 + timedelta(minutes=4),
                                   final_checkpoint=str(paths.checkpoints / "r0" / "final"))])
-        steps("r0", range(1, 41), base=0.2)
+        steps("r0", range(1, 41), base=0.2, gap=0.02)  # r0 and r1 measured the sampler/trainer gap: its row drawn
         for s, v in ((10, 0.41), (20, 0.5), (30, 0.58), (40, 0.62)):
             held_out("r0", s, v)
         member(1, status="running", run_id="r1")
-        steps("r1", range(1, 24), base=0.15)
+        steps("r1", range(1, 24), base=0.15, gap=0.01)
         held_out("r1", 10, 0.38)
         member(2, status="running", run_id="r2")
         steps("r2", range(1, 13))

@@ -50,10 +50,11 @@ def member(lake, key: str, **fields) -> None:
     lake.upsert("sweeps", [dict(row, **fields, recorded_at=datetime.now(UTC))])
 
 
-def steps(lake, run_id: str, numbers, attempt: int = 1) -> None:
-    """`steps` rows as the trainer records them: 10 s a step."""
+def steps(lake, run_id: str, numbers, attempt: int = 1, gap: bool = False) -> None:
+    """`steps` rows as the trainer records them: 10 s a step; with `gap`, the sampler/trainer gap measured."""
     lake.upsert("steps", [dict(run_id=run_id, step=s, weight_version=s, reward_mean=0.05 * s + 0.1 * attempt,
-                               accuracy=0.05 * s, attempt=attempt, recorded_at=T0 + timedelta(seconds=10 * s))
+                               accuracy=0.05 * s, attempt=attempt, recorded_at=T0 + timedelta(seconds=10 * s),
+                               **(dict(gap_abs_mean=0.01 * s, gap_kl=1e-4 * s) if gap else {}))
                           for s in numbers])
 
 
@@ -71,11 +72,15 @@ def table(obs) -> dict[str, dict]:
     return {r.data["label"]: r.data for r in obs.metadata["members_table"].records}
 
 
-def png_widths(obs) -> list[int]:
-    """The width of each embedded picture, read from its PNG header (IHDR)."""
+def png_sizes(obs) -> list[tuple[int, int]]:
+    """The width and height of each embedded picture, read from its PNG header (IHDR)."""
     md = obs.metadata["pictures"].value
     pngs = [base64.b64decode(b) for b in re.findall(r"data:image/png;base64,([A-Za-z0-9+/=]+)", md)]
-    return [struct.unpack(">I", p[16:20])[0] for p in pngs]
+    return [struct.unpack(">II", p[16:24]) for p in pngs]
+
+
+def png_widths(obs) -> list[int]:
+    return [w for w, _ in png_sizes(obs)]
 
 
 def test_a_running_sweep_is_observed_with_its_curves_and_statuses_only_when_something_changed(instance,
@@ -89,7 +94,7 @@ def test_a_running_sweep_is_observed_with_its_curves_and_statuses_only_when_some
     lake = Lake.open(factory_home)
     # a trains (steps 1-4, an eval at step 2); b was killed at step 3 and resumed from step 2; c waits for a slot
     member(lake, a, status="running", run_id="run-a")
-    steps(lake, "run-a", range(1, 5))
+    steps(lake, "run-a", range(1, 5), gap=True)  # a measures the sampler/trainer gap; b does not
     held_out(lake, "run-a", 2, 0.4)
     member(lake, b, status="running", run_id="run-b")
     steps(lake, "run-b", range(1, 4))
@@ -115,6 +120,7 @@ def test_a_running_sweep_is_observed_with_its_curves_and_statuses_only_when_some
     assert rows["lr=1e-3"]["accuracy"] == "0.400 [0.358, 0.444] n=500"
     assert obs.metadata["status"].value == "1 training, 1 resumed, 1 queued"
     assert [w <= 1000 for w in png_widths(obs)] == [True]  # one picture, within the page
+    assert png_sizes(obs) == [(640, 720)]  # with the gap's row under the reward and accuracy panels
     assert "get-artifact" in obs.metadata["curves"].value  # drawn in place from the MLflow parent run
     assert len(observations(instance, sweep_id)) == 1
 

@@ -15,11 +15,11 @@ import factory.lake.writer as writer
 from factory.home import FactoryPaths
 from factory.lake import TABLES, Lake, open_catalog, query
 from factory.lake.catalog import TABLE_PROPERTIES, _ensure_table
-from factory.lake.schemas import STEPS, PartitionBy, TableDef, _table
+from factory.lake.schemas import GAP_COLUMNS, SOURCE_GAP_COLUMNS, STEP_SOURCES, STEPS, PartitionBy, TableDef, _table
 from factory.lake.writer import to_arrow
 
 T0 = dt.datetime(2025, 2, 3, 4, 5, 6, tzinfo=dt.UTC)
-NEW_COLUMN = STEPS.columns[-1]  # `filtered`: the last column the steps table gained
+NEW_COLUMN = STEPS.columns[-1]  # the last column the steps table gained
 
 
 def step_row(run_id: str, step: int, **extra) -> dict:
@@ -118,6 +118,42 @@ def test_old_lake_gains_partitioning_and_columns_without_rewriting(factory_home:
 
     with Lake.open(factory_home) as lake:  # opening again changes nothing
         assert len(lake.table("steps").metadata.partition_specs) == 2
+
+
+def test_a_lake_from_before_the_gap_columns_takes_them_and_keeps_its_rows(factory_home: FactoryPaths):
+    """`steps` and `step_sources` as they were before the sampler/trainer gap was recorded, with rows: opening the lake
+    appends the gap columns with the field ids the definitions give them; the old rows read NULL there (never 0),
+    and a step recorded now keeps its figures beside them, in pyiceberg and in DuckDB."""
+    assert STEPS.columns[-len(GAP_COLUMNS):] == GAP_COLUMNS
+    assert STEP_SOURCES.columns[-len(SOURCE_GAP_COLUMNS):] == SOURCE_GAP_COLUMNS
+    old_steps, old_sources = older(STEPS, len(GAP_COLUMNS)), older(STEP_SOURCES, len(SOURCE_GAP_COLUMNS))
+    assert old_steps.columns[-1] == "response_tokens_mean" and old_sources.columns[-1] == "recorded_at"
+    catalog = open_catalog(factory_home)
+    for tdef in (old_steps, old_sources):
+        create_old_table(catalog, tdef)
+    catalog.load_table(old_steps.identifier).append(to_arrow(old_steps, [
+        step_row("r1", s, response_tokens_mean=7.0) for s in (1, 2)]))
+    source_row = dict(run_id="r1", source="arith", groups=2, recorded_at=T0)
+    catalog.load_table(old_sources.identifier).append(to_arrow(old_sources, [dict(source_row, step=1)]))
+
+    gap = dict(zip(GAP_COLUMNS, (0.01, 0.2, 5e-5, 0.002, 0.3, 1.0, 0.04, 0.99, 0.001, 0.0), strict=True))
+    with Lake.open(factory_home) as lake:
+        for tdef in (STEPS, STEP_SOURCES):
+            assert [(f.name, f.field_id, f.required) for f in lake.table(tdef.name).schema().fields] == [
+                (f.name, f.field_id, False if f.name in GAP_COLUMNS else f.required) for f in tdef.schema.fields]
+        lake.upsert("steps", [step_row("r1", 3, response_tokens_mean=8.0, **gap)])
+        lake.upsert("step_sources", [dict(source_row, step=2, gap_abs_mean=0.02, gap_kl=1e-4)])
+        rows = {r["step"]: r for r in lake.read("steps").to_pylist()}
+        assert sorted(rows) == [1, 2, 3] and [rows[s]["response_tokens_mean"] for s in (1, 2, 3)] == [7.0, 7.0, 8.0]
+        assert [rows[s][c] for s in (1, 2) for c in GAP_COLUMNS] == [None] * 2 * len(GAP_COLUMNS)
+        assert {c: rows[3][c] for c in GAP_COLUMNS} == gap
+        got = query("SELECT step, gap_abs_mean, gap_kl FROM step_sources ORDER BY step", lake).to_pylist()
+        assert got == [{"step": 1, "gap_abs_mean": None, "gap_kl": None}, {"step": 2, "gap_abs_mean": 0.02,
+                                                                           "gap_kl": 1e-4}]
+        got = query("SELECT step, gap_kl, correction_masked_tokens FROM steps ORDER BY step", lake).to_pylist()
+        assert got == [{"step": 1, "gap_kl": None, "correction_masked_tokens": None},
+                       {"step": 2, "gap_kl": None, "correction_masked_tokens": None},
+                       {"step": 3, "gap_kl": 5e-5, "correction_masked_tokens": 0.001}]
 
 
 def test_adding_a_required_column_is_refused_by_name(factory_home: FactoryPaths):

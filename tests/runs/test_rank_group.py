@@ -69,12 +69,13 @@ def test_factory_resume_continues_a_data_parallel_run(tmp_path):
 
 
 def test_a_groups_exit_code_is_rank_0s_only_when_it_finished_or_needs_a_fix(tmp_path):
-    from factory.runs.exit_codes import EXIT_NEEDS_FIX, EXIT_STOPPED
+    from factory.runs.exit_codes import EXIT_LOGPROB_GAP, EXIT_NEEDS_FIX, EXIT_STOPPED
     from factory.runs.rank_group import GROUP_EXIT, group_code
 
     assert group_code(tmp_path, 1, 0) == 0
     assert group_code(tmp_path, 1, 1) == 1  # nothing written: rank 0 died too
     for said, attempt, expected in [(f"1 {EXIT_NEEDS_FIX}", 1, EXIT_NEEDS_FIX), ("1 0", 1, 0),
+                                    (f"1 {EXIT_LOGPROB_GAP}", 1, EXIT_LOGPROB_GAP),  # the gate: a setup to fix
                                     (f"1 {EXIT_STOPPED}", 1, 1),  # stopped because torchrun stopped it: a crash
                                     (f"2 {EXIT_NEEDS_FIX}", 1, 1), ("1 garbage", 1, 1)]:  # another attempt's
         (tmp_path / GROUP_EXIT).write_text(said)

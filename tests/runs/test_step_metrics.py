@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from factory.home import factory_home
-from factory.runs.step_metrics import StepMetrics
+from factory.runs.step_metrics import StepMetrics, source_metrics
 from factory.tracking import Tracker
 
 
@@ -96,3 +96,27 @@ def test_reward_and_loss_are_the_first_charts_a_runs_mlflow_page_draws(tracker):
     assert first == "batch", _sections(keys)
     assert {"batch/reward_mean", "batch/loss", "batch/accuracy"} <= {k for k in keys if k.startswith("batch/")}
     assert {"data/skipped", "grad_norm", "eval/accuracy"} <= set(keys)  # the others keep their names
+
+
+def test_the_gap_reaches_mlflow_with_each_sources_and_nothing_where_it_was_not_measured(tracker):
+    """What Run.step logs of a record (its scalars, the feed's counters, `source_metrics` of its sources): the gap's
+    figures as they were measured, per source under `source/<name>/`; a step without a measured gap has no point
+    there (not a 0), so the curve has a hole instead of a false flat line."""
+    from tests.gap_records import GAP, gap_record  # heavy: torch
+
+    run_id = tracker.start_run("step-metrics", "gap")
+    m = StepMetrics(tracker, run_id)
+    for r in (gap_record(1), gap_record(2, measured=False), gap_record(3)):
+        m.add(r.step, {**{k: v for k, v in r.to_dict().items() if k != "step"}, **r.data,
+                       **source_metrics(r.sources)})
+    m.flush()
+
+    def points(key: str) -> dict[int, float]:
+        return {p.step: p.value for p in tracker.client.get_metric_history(run_id, key)}
+
+    assert points("gap_kl") == {1: GAP[0][1], 3: GAP[2][1]}
+    assert points("gap_abs_mean") == {1: GAP[0][0], 3: GAP[2][0]}
+    assert points("correction_masked_tokens") == {1: 0.0, 3: 0.10} and points("recompute_s") == {1: 0.25, 3: 0.75}
+    assert points("source/arith/gap_kl") == {1: GAP[0][1] / 2, 3: GAP[2][1] / 2}
+    assert points("source/chain/gap_abs_mean") == {1: GAP[0][0] * 2, 3: GAP[2][0] * 2}
+    assert sorted(points("batch/loss")) == [1, 2, 3]  # step 2 was logged, without its gap

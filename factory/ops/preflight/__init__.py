@@ -5,7 +5,7 @@ table `node_health`; the gate that keeps training off a node whose latest prefli
     nodes.py        node name and kind, the floors per kind
     runner.py       the checks of each mode, run in order, recorded
     gate.py         gate(ops, paths, lake, log): refuse, or run a quick preflight first when none is fresh
-    gpu.py, perf.py, determinism.py, disk.py, allreduce.py, services.py: the checks themselves
+    gpu.py, perf.py, determinism.py, disk.py, allreduce.py, services.py, logprob_gap.py: the checks themselves
 """
 
 from factory.ops.preflight.gate import PreflightFailed, gate, latest_results, preflight_disabled

@@ -1,6 +1,7 @@
 """Running a preflight: the checks in order, per mode, timed; the report; its rows in the lake table `node_health`.
 
-Quick mode (the gate's, ~10-15 s on 2 cores) runs every check that is cheap; deep mode measures longer and adds the
+Quick mode (the gate's, ~10-15 s on 2 cores) runs every check that is cheap (the `logprob_gap` one among them: the
+rollout engine against the trainer on a fixed probe, `logprob_gap.py`); deep mode measures longer and adds the
 all-reduce, the rollout server and the whole sandbox red-team suite. Checks run one after another: the throughput
 checks must not share the CPU with the others.
 """
@@ -27,6 +28,7 @@ from factory.ops.preflight.allreduce import allreduce_check
 from factory.ops.preflight.determinism import determinism_check
 from factory.ops.preflight.disk import disk_checks
 from factory.ops.preflight.gpu import GpuInfo, accelerators_check, query_gpus
+from factory.ops.preflight.logprob_gap import logprob_gap_check
 from factory.ops.preflight.nodes import NodeKind, node_kind, node_name
 from factory.ops.preflight.perf import matmul_check, memory_bandwidth_check
 from factory.ops.preflight.result import CheckResult, PreflightReport
@@ -59,6 +61,7 @@ class Context:
     gpus: list[GpuInfo] | None
     gpu_error: str
     lake_given: Lake | None
+    spec_path: str | None = None  # the logprob_gap check gates this experiment's setup (default: the tiny one)
     _lake: Lake | None = field(default=None, repr=False)
 
     def lake(self) -> Lake:
@@ -141,6 +144,10 @@ def _determinism(ctx: Context) -> list[CheckResult]:
     return [determinism_check()]
 
 
+def _logprob_gap(ctx: Context) -> list[CheckResult]:
+    return [logprob_gap_check(ctx.paths, ctx.spec_path)]
+
+
 def _disk(label: str, where: Callable[[FactoryPaths], object]) -> Callable[[Context], list[CheckResult]]:
     def run(ctx: Context) -> list[CheckResult]:
         k = ctx.kind
@@ -182,6 +189,7 @@ PROBES: tuple[Probe, ...] = (
     Probe("memory_bandwidth", ("memory_bandwidth",), False, _memory, quiet=True),
     Probe("allreduce", ("allreduce",), True, _allreduce, quiet=True),
     Probe("determinism", ("determinism",), False, _determinism, background=True),
+    Probe("logprob_gap", ("logprob_gap",), False, _logprob_gap, background=True),
     _disk_probe("checkpoints", lambda p: p.checkpoints),
     _disk_probe("lake", lambda p: p.warehouse),
     Probe("lake_commit", ("lake_commit",), False, _lake_commit),
@@ -208,10 +216,11 @@ def select_probes(mode: Mode, only: Sequence[str] | None = None) -> list[Probe]:
 
 def run_preflight(paths: FactoryPaths, lake: Lake | None = None, *, mode: Mode = "quick",
                   only: Sequence[str] | None = None, kind: str | None = None, record: bool = True,
-                  log: Log = _log.info) -> PreflightReport:
+                  log: Log = _log.info, spec_path: str | None = None) -> PreflightReport:
     """Run the checks of `mode` (or just `only`) on this node and, with `record`, write one `node_health` row per
     check. A check that fails or crashes is a failed result; the report says whether the rows were written
-    (`recorded`, else `record_error`). ValueError for an unknown mode, check or node kind."""
+    (`recorded`, else `record_error`). `spec_path`: the experiment whose engine/trainer setup the `logprob_gap` check
+    gates (default: the tiny one). ValueError for an unknown mode, check or node kind."""
     probes = select_probes(mode, only)
     gpus, gpu_error = None, ""
     try:
@@ -220,7 +229,7 @@ def run_preflight(paths: FactoryPaths, lake: Lake | None = None, *, mode: Mode =
         gpu_error = str(e)
     nk = node_kind(kind, [g.name for g in gpus] if gpus else None)
     started = dt.datetime.now(dt.UTC)
-    ctx = Context(paths, node_name(), nk, mode, uuid.uuid4().hex[:12], started, gpus, gpu_error, lake)
+    ctx = Context(paths, node_name(), nk, mode, uuid.uuid4().hex[:12], started, gpus, gpu_error, lake, spec_path)
     report = PreflightReport(ctx.preflight_id, ctx.node, nk.name, mode, started)
     t0 = time.perf_counter()
     log(f"preflight {ctx.preflight_id} on {ctx.node} ({nk.name}, {mode}): {len(probes)} probes")
@@ -250,7 +259,7 @@ def _start_child(probe: Probe, ctx: Context) -> Callable[[], list[CheckResult]]:
     """Start `probe` in a child process (`python -m factory.ops.preflight.runner --child ...`); returns the wait for
     its results. A child that fails, hangs or prints garbage fails the probe's checks with what it said."""
     argv = [sys.executable, "-m", "factory.ops.preflight.runner", "--child", probe.name, "--home", str(ctx.paths.root),
-            "--mode", ctx.mode, "--kind", ctx.kind.name]
+            "--mode", ctx.mode, "--kind", ctx.kind.name, *(["--spec", ctx.spec_path] if ctx.spec_path else [])]
     try:
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     except OSError as e:
@@ -282,11 +291,12 @@ def _child_main(argv: list[str] | None = None) -> int:
     p.add_argument("--home", required=True)
     p.add_argument("--mode", choices=MODES, default="quick")
     p.add_argument("--kind")
+    p.add_argument("--spec")
     a = p.parse_args(argv)
 
     probe = next(pr for pr in PROBES if pr.name == a.child)
     ctx = Context(factory_home(a.home), node_name(), node_kind(a.kind, None), a.mode, "child",
-                  dt.datetime.now(dt.UTC), None, "", None)
+                  dt.datetime.now(dt.UTC), None, "", None, a.spec)
     print(json.dumps([r.to_dict() for r in _guarded(probe.checks, lambda: probe.run(ctx), lambda _: None)]))
     return 0
 
