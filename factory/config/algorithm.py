@@ -137,8 +137,8 @@ class AlgorithmSpec(_Section):
         None, description="the behaviour policy of the loss: the rollout engine's log-probs as sampled, or the "
         "trainer's own recomputed before the update (under the weights that generated the batch where they are at "
         "hand, the proximal policy otherwise); unset: recompute where the engine computes in another precision or "
-        "backend (a GPU, a rollout server or SGLang, rollout.round_weights), rollout where it is the trainer's own "
-        "fp32 CPU forward")
+        "backend (a GPU, a rollout server or SGLang, rollout.round_weights) or a correction is set, rollout where it "
+        "is the trainer's own fp32 CPU forward (the trainer then scores one row per group, to measure the gap)")
     correction: CorrectionSpec = Field(default_factory=CorrectionSpec, description="corrections of the "
                                        "sampler/trainer gap (need behavior recompute)")
 
@@ -184,8 +184,12 @@ class AlgorithmSpec(_Section):
 
     def recomputes(self, engine_differs: bool) -> bool:
         """Whether the loss's behaviour log-probs are the trainer's own: `behavior`, or unset, whether the engine
-        computes in another precision or backend than the trainer (`engine_differs`, from the run's placement)."""
-        return engine_differs if self.behavior is None else self.behavior == "recompute"
+        computes in another precision or backend than the trainer (`engine_differs`, from the run's placement) or a
+        correction is asked for (corrections weigh the trainer's log-probs against the sampler's)."""
+        if self.behavior is not None:
+            return self.behavior == "recompute"
+        c = self.correction
+        return engine_differs or c.tis not in (None, "off") or c.mis is not None or c.icepop is not None
 
     def resolved_dual_clip(self, off_policy: bool) -> float | None:
         """The dual clip's c, or None (off): `dual_clip` when set, else DUAL_CLIP_AUTO for the PPO-clip losses

@@ -5,7 +5,8 @@ A row (one sample) sampled by version v is scored by the trainer under v where i
 one_step_off and async runs (`keep_previous`), where most rows are one version old. A row older than that, or one whose
 tokens came from several versions (an in-flight weight update), is not "at hand": it is scored under the current
 weights, the proximal policy, as the buffer's importance policy does for staleness. Rows are scored in subsets, so a
-batch costs at most one forward per weight version it needs.
+batch costs at most one forward per weight version it needs; a caller that only measures the gap (the loss takes the
+sampler's log-probs) scores a share of the rows.
 
 The copy of the previous weights is not part of a resume point: after a resume, rows of the version before it are
 scored under the proximal policy for one step.
@@ -29,7 +30,7 @@ from factory.core.trainer.torch_trainer import TorchTrainer
 class Scored:
     """A batch's trainer log-probs: `own` [B, T] under each row's generating weights where `at_hand` [B], else under
     the current weights (`current`, [B, T], computed on the rows that needed it, the sampler's elsewhere: see
-    `needs_current`); `seconds` the time the passes took."""
+    `needs_current`; rows left out of `rows` keep the sampler's in both); `seconds` the time the passes took."""
 
     own: Tensor
     at_hand: Tensor
@@ -62,21 +63,23 @@ class BehaviourScorer:
         self._previous_version = version
 
     def score(self, batch: TrainBatch, row_versions: list[int | None], current: int,
-              needs_current: Tensor | None = None) -> Scored:
+              needs_current: Tensor | None = None, rows: Tensor | None = None) -> Scored:
         """Trainer log-probs of `batch`, row i under version `row_versions[i]` (None: several versions) where that is
         `current` or the kept previous one; `needs_current` [B] bool: rows also wanted under the current weights
-        (e.g. stale rows the buffer corrects), whatever their version."""
+        (e.g. stale rows the buffer corrects), whatever their version. `rows` [B] bool: score only these (the others
+        are not at hand and keep the sampler's log-probs, unless `needs_current` asks for them); default all."""
         t0 = time.perf_counter()
         b = len(batch)
         if len(row_versions) != b:
             raise ValueError(f"{len(row_versions)} row versions for a batch of {b} rows")
+        wanted = torch.ones(b, dtype=torch.bool) if rows is None else rows.bool()
         versions = torch.tensor([-1 if v is None else v for v in row_versions])
-        on_current = versions == current
+        on_current = (versions == current) & wanted
         on_previous = torch.zeros(b, dtype=torch.bool)
         if self._previous_version is not None and self._previous_version != current:
-            on_previous = versions == self._previous_version
+            on_previous = (versions == self._previous_version) & wanted
         at_hand = on_current | on_previous
-        want_current = on_current | ~at_hand
+        want_current = on_current | (wanted & ~at_hand)
         if needs_current is not None:
             want_current = want_current | needs_current.bool()
         sampler = batch.per_token["old_logprobs"]

@@ -260,7 +260,9 @@ def train_rl(
             #    policy, or buffer.correct_stale) get truncated IS weights from the proximal policy on top.
             stale = stale_rows(groups) if not spec.buffer.correct_stale else torch.tensor(
                 [grp.oldest_version < step for grp in groups for _ in grp.samples])
-            scored = scorer.score(batch, [_row_version(s) for s in samples], step, needs_current=stale)
+            # Only measuring (behavior rollout): one row of each group, 1/G of a full pass, gives every batch's gap.
+            scored = scorer.score(batch, [_row_version(s) for s in samples], step, needs_current=stale,
+                                  rows=None if recompute else _first_of_each_group(groups))
             sampler = batch.per_token["old_logprobs"]
             at_hand = scored.at_hand.unsqueeze(-1)
             cap = spec.algorithm.correction.tis_cap
@@ -360,6 +362,10 @@ def _informative_batch(producer, step: int, spec: ExperimentSpec) -> tuple[list,
 def _row_version(sample: Sample) -> int | None:
     """The weight version that generated every token of `sample`, or None when several did (an in-flight update)."""
     return sample.versions[0] if len(sample.versions) == 1 else None
+
+
+def _first_of_each_group(groups: list) -> torch.Tensor:
+    return torch.tensor([j == 0 for grp in groups for j in range(len(grp.samples))])
 
 
 def _rows_of(sources: list[str], source: str) -> torch.Tensor:
