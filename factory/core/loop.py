@@ -106,7 +106,7 @@ class StepRecord:
     gap_kl: float | None = None  # k3 estimate of KL(sampler || trainer) per token
     gap_out_frac: float | None = None  # share of tokens whose ratio leaves [1/C, C] (C: algorithm.correction.tis_cap)
     gap_seq_p95: float | None = None  # 95th percentile of |per-sequence log-ratio| (sum over its tokens)
-    gap_rows: float | None = None  # share of the batch's rows measured
+    gap_rows: float | None = None  # share of the batch's rows measured (behavior rollout: one per group)
     recompute_s: float | None = None  # seconds of the trainer's own log-prob passes this step (measure + behaviour)
     correction_weight_mean: float | None = None  # mean correction weight on the tokens kept (None: no correction)
     correction_masked_tokens: float | None = None  # share of tokens a correction masked out of the loss
