@@ -137,8 +137,9 @@ class AlgorithmSpec(_Section):
         None, description="the behaviour policy of the loss: the rollout engine's log-probs as sampled, or the "
         "trainer's own recomputed before the update (under the weights that generated the batch where they are at "
         "hand, the proximal policy otherwise); unset: recompute where the engine computes in another precision or "
-        "backend (a GPU, a rollout server or SGLang, rollout.round_weights) or a correction is set, rollout where it "
-        "is the trainer's own fp32 CPU forward (the trainer then scores one row per group, to measure the gap)")
+        "backend (a GPU, bf16, a rollout server or SGLang, rollout.round_weights) or a correction is set, rollout "
+        "where it is the trainer's own fp32 CPU forward (the trainer then scores one row per group, to measure the "
+        "gap)")
     correction: CorrectionSpec = Field(default_factory=CorrectionSpec, description="corrections of the "
                                        "sampler/trainer gap (need behavior recompute)")
 

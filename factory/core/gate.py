@@ -34,7 +34,6 @@ from factory.core.correction import engine_differs
 from factory.core.producer import ServerProducer
 from factory.core.rollout.base import Completion, SamplingParams
 from factory.core.rollout.chat import ChatTemplate
-from factory.infra import http_client
 from factory.infra.device import run_device
 from factory.models.prompting import prompt_ids
 
@@ -116,7 +115,7 @@ def check_engine(spec: ExperimentSpec, trainer, producer, tokenizer: PreTrainedT
     messages = [[{"role": "user", "content": t}] for t in texts]
     # Torch's RNG forked: a gated run draws the same numbers as before the gate existed (resumes stay bit-identical).
     with torch.random.fork_rng(devices=list(range(torch.cuda.device_count()))):
-        groups = _sample(producer, messages, params, spec.schedule.wait_timeout_s)
+        groups = _sample(producer, messages, params)
     problems = _prompt_problems([prompt_ids(tokenizer, t) for t in texts], groups)
     comps = [c for g in groups for c in g]
     problems += _eos_problems(comps, tokenizer)
@@ -171,25 +170,24 @@ def gap_cause(figures: dict[str, Any]) -> tuple[str, str]:
                               "dtype or rounded/other weights give")
 
 
-def _sample(producer, messages: list[list[dict[str, str]]], params: SamplingParams,
-            timeout: float) -> list[list[Completion]]:
+def _sample(producer, messages: list[list[dict[str, str]]], params: SamplingParams) -> list[list[Completion]]:
     """The probe's completions per prompt, each with the prompt ids the engine conditioned on."""
     if isinstance(producer, ServerProducer):  # the server renders the chat itself: ask its chat endpoint
-        return [_chat(producer.service.url, m, params, i, timeout) for i, m in enumerate(messages)]
+        return [_chat(producer, m, params, i) for i, m in enumerate(messages)]
     template = ChatTemplate(producer.tok)  # in-process engines and SGLang: the producer renders, the engine samples
     return producer.engine.generate([template.render(m, generation_prompt=True) for m in messages], params)
 
 
-def _chat(url: str, messages: list[dict[str, str]], params: SamplingParams, index: int,
-          timeout: float) -> list[Completion]:
-    body = {"messages": messages, "n": params.n, "max_tokens": params.max_new_tokens,
-            "temperature": params.temperature, "top_p": params.top_p, "seed": params.seed + index}
-    with http_client.client(base_url=url, timeout=timeout) as http:
-        r = http.post("/v1/chat/completions", json=body)
-        r.raise_for_status()
+def _chat(producer: ServerProducer, messages: list[dict[str, str]], params: SamplingParams,
+          index: int) -> list[Completion]:
+    # Through the producer's supervised client: a server that crashes is restarted (and counted by its breaker)
+    # as for any rollout request.
+    out = producer.post("/v1/chat/completions", {
+        "messages": messages, "n": params.n, "max_tokens": params.max_new_tokens, "temperature": params.temperature,
+        "top_p": params.top_p, "seed": params.seed + index})
     return [Completion(prompt_ids=c["prompt_token_ids"], token_ids=c["token_ids"], logprobs=c["token_logprobs"],
                        text=c["message"].get("content") or "", finish_reason="length" if c["finish_reason"] ==
-                       "length" else "stop", weight_version=c["weight_version"]) for c in r.json()["choices"]]
+                       "length" else "stop", weight_version=c["weight_version"]) for c in out["choices"]]
 
 
 def _prompt_problems(trainer_ids: list[list[int]], groups: list[list[Completion]]) -> list[tuple[str, str]]:

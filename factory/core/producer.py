@@ -392,16 +392,20 @@ class ServerProducer(OverlappedProducer):
                             params={"version": self._version, "mode": self.spec.rollout.update_mode})
         r.raise_for_status()
 
-    def _sample(self, prompt_ids: list[int], params: SamplingParams) -> list[Completion]:
-        body = {"prompt": prompt_ids, "n": params.n, "max_tokens": params.max_new_tokens,
-                "temperature": params.temperature, "top_p": params.top_p, "seed": params.seed}
-
-        def post() -> dict:
-            r = self._http.post("/v1/completions", json=body)
+    def post(self, path: str, body: dict) -> dict:
+        """POST `body` to the server's `path` and return its JSON, through a server crash as `_call` does (the
+        step-0 gate asks the chat endpoint this way)."""
+        def once() -> dict:
+            r = self._http.post(path, json=body)
             r.raise_for_status()
             return r.json()
 
-        out = self._call(post)
+        return self._call(once)
+
+    def _sample(self, prompt_ids: list[int], params: SamplingParams) -> list[Completion]:
+        out = self.post("/v1/completions", {"prompt": prompt_ids, "n": params.n, "max_tokens": params.max_new_tokens,
+                                            "temperature": params.temperature, "top_p": params.top_p,
+                                            "seed": params.seed})
         return [Completion(prompt_ids=c["prompt_token_ids"], token_ids=c["token_ids"], logprobs=c["token_logprobs"],
                            text=c["text"], finish_reason=c["finish_reason"], weight_version=c["weight_version"],
                            token_versions=c["token_versions"]) for c in out["choices"]]
