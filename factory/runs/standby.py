@@ -50,7 +50,9 @@ def serve(paths: FactoryPaths, run_id: str, attempt: Callable[[FactoryPaths, str
         serves = _warm_up(paths, run_id)
     except Exception:  # noqa: BLE001 - e.g. the lake down: each attempt meets it, and handles it as it must
         pass
-    old = {s: signal.signal(s, signal.SIG_IGN) for s in _STOPS}
+    # What each attempt gets back: the handlers this process started with, except an ignore it inherited (a parent
+    # that ignored SIGTERM would leave every attempt unstoppable): then a fresh interpreter's.
+    old = {s: _stoppable(s, signal.signal(s, signal.SIG_IGN)) for s in _STOPS}
     for line in sys.stdin:
         words = line.split()
         if len(words) != 2 or words[0] != "go" or not words[1].isdigit():
@@ -100,6 +102,12 @@ def _warm_up(paths: FactoryPaths, run_id: str) -> bool:
     launch = read_launch(paths.checkpoints / run_id)
     spec = spec_of_run(row) if row else parse_spec(launch["spec"], source=f"run {run_id}") if launch else None
     return spec is not None and spec.rollout.engine == "server"
+
+
+def _stoppable(signum: int, handler: object) -> object:
+    if handler is not signal.SIG_IGN:
+        return handler
+    return signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
 
 
 def _become_attempt(handlers: dict, attempt: str, standby: int) -> None:

@@ -39,9 +39,13 @@ sys.exit(serve(FactoryPaths(Path(sys.argv[1])), "run-x", attempt))
 """
 
 
-def _standby(tmp_path: Path) -> Standby:
+def _standby(tmp_path: Path, ignoring: bool = False) -> Standby:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path.cwd()), os.environ.get("PYTHONPATH", "")])}
-    return Standby([sys.executable, "-c", SCRIPT, str(tmp_path / "home"), str(tmp_path)], env)
+    argv = [sys.executable, "-c", SCRIPT, str(tmp_path / "home"), str(tmp_path)]
+    if ignoring:  # started by a parent that ignores SIGTERM and SIGINT (an ignore survives exec)
+        argv = [sys.executable, "-c", "import os, signal, sys; [signal.signal(s, signal.SIG_IGN) for s in "
+                "(signal.SIGTERM, signal.SIGINT)]; os.execv(sys.executable, sys.argv[1:])", *argv]
+    return Standby(argv, env)
 
 
 def _seen(tmp_path: Path, attempt: int) -> dict:
@@ -93,6 +97,18 @@ def test_an_attempt_dies_with_its_standby(tmp_path):
         standby.proc.kill()
         assert attempt.wait(timeout=60) == -signal.SIGKILL
         assert process_gone(pid)
+    finally:
+        standby.close()
+
+
+def test_an_attempt_is_stoppable_even_when_the_standby_inherited_an_ignored_sigterm(tmp_path):
+    standby = _standby(tmp_path, ignoring=True)
+    try:
+        attempt = standby.go(2)
+        _seen(tmp_path, 2)
+        attempt.send_signal(signal.SIGTERM)
+        assert attempt.wait(timeout=120) == -signal.SIGTERM  # ignored, it would run until the wait timed out
+        assert standby.alive()  # the standby itself still ignores it
     finally:
         standby.close()
 
