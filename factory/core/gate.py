@@ -30,7 +30,7 @@ from transformers import PreTrainedTokenizerBase
 
 from factory.config import ExperimentSpec
 from factory.core.batch import pack
-from factory.core.correction import engine_differs
+from factory.core.correction import engine_differs, gap_stats
 from factory.core.producer import ServerProducer
 from factory.core.rollout.base import Completion, SamplingParams
 from factory.core.rollout.chat import ChatTemplate
@@ -122,7 +122,7 @@ def check_engine(spec: ExperimentSpec, trainer, producer, tokenizer: PreTrainedT
     batch = pack([c.prompt_ids for c in comps], [c.token_ids for c in comps], tokenizer.pad_token_id,
                  {"old_logprobs": [c.logprobs for c in comps]})
     trainer_lp = trainer.logprobs(batch)
-    figures = gap_figures(trainer_lp[batch.loss_mask], batch.per_token["old_logprobs"][batch.loss_mask])
+    figures = gap_figures(trainer_lp, batch.per_token["old_logprobs"], batch.loss_mask)
     figures.update(prompts=len(texts), samples=params.n, max_new_tokens=params.max_new_tokens,
                    prompt_mismatches=sum(1 for c, _ in problems if c == TEMPLATE_CAUSE),
                    eos_problems=sum(1 for c, _ in problems if c == EOS_CAUSE))
@@ -144,20 +144,17 @@ def gate(spec: ExperimentSpec, trainer, producer, tokenizer: PreTrainedTokenizer
     return result
 
 
-def gap_figures(trainer_lp: torch.Tensor, engine_lp: torch.Tensor) -> dict[str, Any]:
-    """Mean and max |trainer - engine| log-prob, the k3 estimate of KL(engine || trainer) (tokens sampled by the
-    engine: E[r - 1 - log r], r = p_trainer / p_engine) and the share of the summed gap its largest `TOP_SHARE` of
-    tokens carry, over flat per-token tensors (None where there is no token)."""
-    n = int(trainer_lp.numel())
-    if n == 0:
-        return {"tokens": 0, "gap_abs_mean": None, "gap_abs_max": None, "gap_kl": None, "top_share": None}
-    log_r = (trainer_lp.double() - engine_lp.double())
-    gap = log_r.abs()
-    total = float(gap.sum())
-    top = torch.topk(gap, max(1, math.ceil(TOP_SHARE * n))).values
-    return {"tokens": n, "gap_abs_mean": float(gap.mean()), "gap_abs_max": float(gap.max()),
-            "gap_kl": float((log_r.exp() - 1 - log_r).mean()),
-            "top_share": float(top.sum()) / total if total > 0 else 0.0}
+def gap_figures(trainer_lp: torch.Tensor, engine_lp: torch.Tensor, mask: torch.Tensor | None = None) -> dict[str, Any]:
+    """The gap's statistics as the loop records them (`correction.gap_stats`: mean and max |trainer - engine|
+    log-prob, the k3 estimate of KL(engine || trainer), ...) over the tokens on `mask` (default: all), their count,
+    and the share of the summed gap its largest `TOP_SHARE` of tokens carry (None where there is no token)."""
+    mask = torch.ones_like(trainer_lp, dtype=torch.bool) if mask is None else mask.bool()
+    rows = torch.atleast_2d  # flat per-token values: one row
+    stats = gap_stats(rows(trainer_lp), rows(engine_lp), rows(mask))
+    gap = (trainer_lp.double() - engine_lp.double())[mask].abs()
+    n, total = int(gap.numel()), float(gap.sum())
+    top = torch.topk(gap, max(1, math.ceil(TOP_SHARE * n))).values if n else gap
+    return {"tokens": n, **stats, "top_share": None if n == 0 else float(top.sum()) / total if total > 0 else 0.0}
 
 
 def gap_cause(figures: dict[str, Any]) -> tuple[str, str]:
