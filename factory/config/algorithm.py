@@ -48,9 +48,9 @@ class CorrectionSpec(_Section):
             raise ValueError(f"need [lo, hi] with 0 < lo < 1 < hi, got {list(v)}")
         return v
 
-    def any_on(self, recompute: bool) -> bool:
-        """Whether any correction applies (given whether the run recomputes)."""
-        return self.tis_mode(recompute) != "off" or self.mis is not None or self.icepop is not None
+    def asked(self) -> bool:
+        """Whether a correction is set explicitly (TIS's unset default left aside)."""
+        return self.tis not in (None, "off") or self.mis is not None or self.icepop is not None
 
     def tis_mode(self, recompute: bool) -> str:
         """"token", "sequence" or "off", with the unset default resolved."""
@@ -177,8 +177,7 @@ class AlgorithmSpec(_Section):
 
     @model_validator(mode="after")
     def _correction_needs_recompute(self) -> AlgorithmSpec:
-        c = self.correction
-        if self.behavior == "rollout" and (c.tis not in (None, "off") or c.mis is not None or c.icepop is not None):
+        if self.behavior == "rollout" and self.correction.asked():
             raise ValueError("algorithm.correction: corrections weigh the trainer's recomputed log-probs against the "
                              "sampler's; they need algorithm.behavior: recompute (or unset), not rollout")
         return self
@@ -189,8 +188,7 @@ class AlgorithmSpec(_Section):
         correction is asked for (corrections weigh the trainer's log-probs against the sampler's)."""
         if self.behavior is not None:
             return self.behavior == "recompute"
-        c = self.correction
-        return engine_differs or c.tis not in (None, "off") or c.mis is not None or c.icepop is not None
+        return engine_differs or self.correction.asked()
 
     def resolved_dual_clip(self, off_policy: bool) -> float | None:
         """The dual clip's c, or None (off): `dual_clip` when set, else DUAL_CLIP_AUTO for the PPO-clip losses
