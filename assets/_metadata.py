@@ -10,9 +10,9 @@ from dagster import AssetExecutionContext, MetadataValue
 from factory.progress import Throttle
 
 if TYPE_CHECKING:
+    from factory.cockpit.reports import RunPictures
+    from factory.cockpit.tracking import Tracker
     from factory.progress import Progress
-    from factory.reports import RunPictures
-    from factory.tracking import Tracker
 
 PROGRESS_EVERY_S = 5.0  # run tags are a database write; a step every ~0.5 s would be too many
 
@@ -36,7 +36,7 @@ def run_metadata(pics: RunPictures, tracker: Tracker, run_id: str, mlflow_run_id
                  ) -> tuple[dict[str, Any], dict[str, Any]]:
     """A training run's pictures (drawn in place when the MLflow UI runs, as `make ui` starts it) and its MLflow
     link, to go first; and the pictures embedded (one click away, no MLflow UI needed), to go last."""
-    from factory.reports import CURVES, EVALS, METRICS, small  # heavy: mlflow, matplotlib, when the step runs
+    from factory.cockpit.reports import CURVES, EVALS, METRICS, small  # heavy: mlflow, matplotlib, when the step runs
 
     where = "served by the MLflow UI; without it, open `pictures`"
     md: dict[str, Any] = {

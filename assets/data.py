@@ -8,7 +8,7 @@ observed, not materialized: an observation records the file's content hash (the 
 data version, so a changed file is a new version and the blend downstream shows as stale.
 
 `blend` opens the sources of the spec it runs with, plays the blend over the spec's steps (realized vs target
-share, factory/data/blend_report.py) and takes `blend_version` as its data version: a changed file, weight,
+share, factory/cockpit/blend_report.py) and takes `blend_version` as its data version: a changed file, weight,
 schedule, seed or curriculum is a new version. It refuses to run when that spec's sources are not the ones the
 graph was built from (the lineage would be wrong). `prompt_stats` recomputes the lake's per-prompt pass rates
 from the groups of finished runs; it is eager: a new `grpo_run` materialization requests it.
@@ -168,7 +168,7 @@ def blend_asset(spec: ExperimentSpec) -> AssetsDefinition:
         version is theirs hashed (`blend_version`), so a changed source file or weight is a new version. The
         metadata compares the realized share of each source with its target over the spec's steps."""
         # heavy: pyiceberg, duckdb, matplotlib, when the step runs
-        from factory.data.blend_report import blend_report
+        from factory.cockpit.blend_report import blend_report
         from factory.data.from_spec import blend_schedule, blend_seed, blend_version, open_sources
 
         s = spec.spec()
@@ -211,7 +211,7 @@ def blend_asset(spec: ExperimentSpec) -> AssetsDefinition:
 def _pictures(mlflow: MlflowResource, spec: ExperimentSpec, version: str, report: Any) -> tuple[dict, MetadataValue]:
     """The shares picture stored on the blend version's MLflow run (one per version, reused: equal blends draw
     equal bytes), drawn in place by its MLflow UI link; and embedded, one click away without the UI."""
-    from factory.reports import small, store  # heavy: mlflow, matplotlib, when the step runs
+    from factory.cockpit.reports import small, store  # heavy: mlflow, matplotlib, when the step runs
 
     tracker = mlflow.tracker()
     name = f"blend-{version}"

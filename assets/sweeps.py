@@ -32,10 +32,7 @@ from assets._retries import (
     watched_by_run_worker,
 )
 from assets.preflight import require_healthy_node
-from factory.deploy.target import op_tags
-from factory.intervals import share_text
-from factory.progress import format_duration
-from factory.sweep import (
+from factory.cockpit.sweep import (
     MEMBER_TAG,
     STATUS_TAG,
     member_label,
@@ -47,6 +44,9 @@ from factory.sweep import (
     short_label,
     sweep_id_of,
 )
+from factory.deploy.target import op_tags
+from factory.intervals import share_text
+from factory.progress import format_duration
 from resources import FactoryHomeResource, LakeResource, MlflowResource
 
 sweep_members = DynamicPartitionsDefinition(name="sweep_members")
@@ -84,7 +84,7 @@ def sweep_member_run(context: AssetExecutionContext, home: FactoryHomeResource, 
     MLflow under its sweep's parent run; its `sweeps` row follows it from running to succeeded/failed, or pruned (a
     tpe sweep's member that its pruner stopped at a resume point: an outcome, not a failure). While it runs, its
     tags show the step, latest reward and ETA."""
-    from factory.reports import run_pictures  # heavy: mlflow, matplotlib, when the step runs
+    from factory.cockpit.reports import run_pictures  # heavy: mlflow, matplotlib, when the step runs
     from factory.runs.experiment import Pruned, run_sweep_member  # heavy: see assets/training.py
 
     key = context.partition_key
@@ -134,7 +134,7 @@ def _trial(context: AssetExecutionContext, paths, info: dict, key: str):
     """The Optuna trial of a tpe sweep's member (a `TrialReporter`), else None."""
     if info["definition"].get("mode") != "tpe":
         return None
-    from factory.sweep_search import TrialReporter
+    from factory.cockpit.sweep_search import TrialReporter
     from resources.study import sweep_study
 
     entry = next(m for m in info["members"] if m["key"] == key)
@@ -151,8 +151,8 @@ def sweep_summary(context: AssetExecutionContext, lake: LakeResource, mlflow: Ml
     Drawn as soon as every member has ended: `pending_evals` names the members' checkpoint evals not landed yet,
     and the summarizer draws it again as they land (jobs/_summary.py)."""
     # heavy: matplotlib, mlflow, when the step runs
-    from factory.plots import DPI, sweep_summary_png
-    from factory.reports import compare_sweep, small, store
+    from factory.cockpit.plots import DPI, sweep_summary_png
+    from factory.cockpit.reports import compare_sweep, small, store
 
     sweep_id = context.partition_key
     try:

@@ -105,7 +105,7 @@ def grpo_run(context: AssetExecutionContext, sft: dict, dataset: dict, spec: Spe
 def rl_run_metadata(scalars: dict, lk, tracker) -> dict:
     """The run's scalars (factory/runs/pipes.py) with its pictures and MLflow link, drawn from the lake and MLflow:
     the same for every launch."""
-    from factory.reports import run_pictures  # heavy: pyiceberg
+    from factory.cockpit.reports import run_pictures  # heavy: pyiceberg
 
     run_id, mlflow_run_id = scalars["run_id"], scalars["mlflow_run_id"]
     head, tail = run_metadata(run_pictures(lk, tracker, run_id, mlflow_run_id), tracker, run_id, mlflow_run_id)

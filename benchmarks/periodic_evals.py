@@ -65,12 +65,12 @@ print(json.dumps({"imports": t1 - t0, "lake_and_problems": t2 - t1, "model_load"
 
 def _train(home: Path, steps: int) -> str:
     """The tiny quickstart run; its run_id."""
+    from factory.cockpit.tracking import Tracker
     from factory.config import apply_overrides, load_spec, parse_overrides
     from factory.home import factory_home
     from factory.lake import Lake
     from factory.runs.rl_run import run_rl
     from factory.runs.stages import build_dataset, load_dataset, train_sft_checkpoint
-    from factory.tracking import Tracker
 
     paths = factory_home(home)
     spec = apply_overrides(load_spec(ROOT / "examples" / "quickstart.yaml"),

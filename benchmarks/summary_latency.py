@@ -57,10 +57,10 @@ from dagster._core.test_utils import create_run_for_test  # noqa: E402
 
 from assets._pending import progress  # noqa: E402
 from assets.sweeps import sweep_members, sweeps, warm_starts  # noqa: E402
+from factory.cockpit.sweep import SweepDefinition, plan_sweep, write_sweep  # noqa: E402
 from factory.config import parse_overrides  # noqa: E402
 from factory.home import factory_home  # noqa: E402
 from factory.lake import Lake  # noqa: E402
-from factory.sweep import SweepDefinition, plan_sweep, write_sweep  # noqa: E402
 from resources import FactoryHomeResource, LakeResource, MlflowResource  # noqa: E402
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)  # simulated t = 0: the last member ends

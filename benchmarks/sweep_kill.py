@@ -222,9 +222,9 @@ def collect(instance, paths, sweep_id: str, victim, killed_at: float, home: Path
     import optuna
     from dagster import AssetKey, RunsFilter
 
+    from factory.cockpit.sweep_search import open_storage, study_storage_url
+    from factory.cockpit.tracking import Tracker
     from factory.lake import Lake
-    from factory.sweep_search import open_storage, study_storage_url
-    from factory.tracking import Tracker
 
     runs = instance.get_runs(RunsFilter(tags={SWEEP_TAG: sweep_id}))
     retry = next((r for r in runs if r.parent_run_id == victim.run_id), None)

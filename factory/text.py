@@ -25,8 +25,8 @@ def clip(value: object, limit: int = 100, *, mark: str = "...", unit: str | None
 
 
 def markdown_image(png: bytes, alt: str) -> str:
-    """A markdown image with the PNG inlined as a base64 data URI (here rather than in factory/plots.py, so callers
-    that only wrap a picture drawn elsewhere do not import matplotlib)."""
+    """A markdown image with the PNG inlined as a base64 data URI (here rather than in factory/cockpit/plots.py, so
+    callers that only wrap a picture drawn elsewhere do not import matplotlib)."""
     if not png.startswith(PNG_SIGNATURE):
         raise ValueError("markdown_image: the bytes are not a PNG")
     # Brackets and newlines in the alt text would end the markdown image early.

@@ -21,8 +21,7 @@ from typing import Any
 from dagster import SensorEvaluationContext
 
 from assets.sweeps import sweep_members, warm_starts
-from factory.home import FactoryPaths
-from factory.sweep import (
+from factory.cockpit.sweep import (
     SweepDefinition,
     SweepError,
     add_member,
@@ -31,7 +30,8 @@ from factory.sweep import (
     update_sweep,
     write_warm_start_spec,
 )
-from factory.sweep_search import ask
+from factory.cockpit.sweep_search import ask
+from factory.home import FactoryPaths
 from resources import LakeResource, MlflowResource
 from resources.study import sweep_study
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from dagster import DagsterInstance, DagsterRun, RunsFilter
 
 from assets._pending import EvalProgress, progress
+from factory.cockpit.sweep import MEMBER_TAG, SWEEP_TAG, read_sweep
 from factory.home import FactoryPaths
-from factory.sweep import MEMBER_TAG, SWEEP_TAG, read_sweep
 from jobs._queue import IN_FLIGHT, holds_slot, owed_evals
 
 SUMMARY_JOB = "sweep_summary_job"

@@ -35,15 +35,15 @@ from dagster import (
 
 from assets._interruptions import CAUSES
 from assets._metadata import embedded, inline_picture
+from factory.cockpit.sweep import MEMBER_TAG, SWEEP_TAG
 from factory.progress import format_duration
-from factory.sweep import MEMBER_TAG, SWEEP_TAG
 from jobs._queue import IN_FLIGHT
 from jobs._ticks import described
 from resources import LakeResource, MlflowResource
 
 if TYPE_CHECKING:
-    from factory.sweep_live import LiveSweep, MemberLive
-    from factory.tracking import Tracker
+    from factory.cockpit.sweep_live import LiveSweep, MemberLive
+    from factory.cockpit.tracking import Tracker
 
 LIVE_PICTURE = "plots/live_curves.png"  # on the sweep's MLflow parent run; each observation re-renders it
 PROGRESS, ETA = "factory/progress", "factory/eta"  # a member run's progress tags (assets/_metadata.progress_tags)
@@ -91,8 +91,8 @@ def observation(live: LiveSweep, runs: dict[str, DagsterRun], tracker: Tracker |
                 parent: str | None) -> AssetObservation:
     """The live page of one sweep: its curves overlaid (drawn in place from the MLflow UI and embedded) and its
     member table."""
-    from factory.plots import DPI  # heavy: matplotlib, when the sensor ticks
-    from factory.reports import small, store
+    from factory.cockpit.plots import DPI  # heavy: matplotlib, when the sensor ticks
+    from factory.cockpit.reports import small, store
 
     records, counts = [], {}
     for m in live.members:
@@ -130,7 +130,7 @@ def _latest_runs(context: SensorEvaluationContext, sweep_id: str) -> dict[str, D
         description=described("While a sweep runs, records its members' curves overlaid and their statuses on its "
                               "sweep_summary partition, whenever a status, step, eval or interruption is new."))
 def sweep_live(context: SensorEvaluationContext, lake: LakeResource, mlflow: MlflowResource) -> SensorResult:
-    from factory.sweep_live import live_sweeps, sweep_rows, unfinished  # heavy: matplotlib, pyiceberg
+    from factory.cockpit.sweep_live import live_sweeps, sweep_rows, unfinished  # heavy: matplotlib, pyiceberg
 
     seen: dict[str, dict[str, list]] = json.loads(context.cursor) if context.cursor else {}
     lk = lake.lake()

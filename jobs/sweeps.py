@@ -6,11 +6,11 @@ their limit (no daemon running sensors, or `sweep_launcher` stopped). A valid sw
 FACTORY_HOME/sweeps/<sweep_id>/, its members become partitions of `sweep_member_run` and its warm starts
 partitions of `sweep_warm_start`, one `sweeps` row each (queued) and an MLflow parent run.
 
-`sweep_launcher` then starts what the limit allows (`factory.sweep.next_launches`): each shared SFT warm
+`sweep_launcher` then starts what the limit allows (`factory.cockpit.sweep.next_launches`): each shared SFT warm
 start first, once, and the members that need it after it, never more than `max_concurrent` of the sweep's
 runs in flight, whatever the instance's run queue says. A tpe sweep (`mode: tpe`) has no members up front:
 the launcher asks its Optuna study for a trial whenever a slot is free, until `trials` were asked
-(jobs/_search.py, factory/sweep_search.py). Member runs carry their axis values as tags
+(jobs/_search.py, factory/cockpit/sweep_search.py). Member runs carry their axis values as tags
 (`axis/algorithm.lr: 0.0003`). `sweep_summarizer` materializes the summary once every member has ended, naming
 the evals of their checkpoints still pending, and again as they land (jobs/_summary.py). Every sensor here says
 why it skips a tick (shown on its ticks in the UI).
@@ -44,8 +44,7 @@ from pydantic import Field
 
 from assets._retries import TRAINING_TAGS
 from assets.sweeps import sweep_member_run, sweep_members, sweep_summary, sweep_warm_start, sweeps, warm_starts
-from factory.config import SpecError, parse_overrides
-from factory.sweep import (
+from factory.cockpit.sweep import (
     LABEL_TAG,
     MEMBER_TAG,
     SWEEP_TAG,
@@ -63,7 +62,8 @@ from factory.sweep import (
     write_sweep,
     write_warm_start_spec,
 )
-from factory.sweep_search import TRIAL_TAG
+from factory.cockpit.sweep_search import TRIAL_TAG
+from factory.config import SpecError, parse_overrides
 from jobs._queue import SUMMARY_TAGS, awaiting_retry, free_summary_slots, holds_slot, in_flight, summary_limit
 from jobs._search import ask_trials
 from jobs._summary import PENDING_TAG, VERSION_TAG, summary_states, sweep_ids

@@ -12,8 +12,8 @@ from factory.envs.spec_check import load_checked_spec
 from factory.home import FactoryPaths, factory_home
 
 if TYPE_CHECKING:  # imported when used: the code location loads without pyiceberg and mlflow
+    from factory.cockpit.tracking import Tracker
     from factory.lake.writer import Lake
-    from factory.tracking import Tracker
 
 
 class FactoryHomeResource(ConfigurableResource):
@@ -43,7 +43,7 @@ class MlflowResource(ConfigurableResource):
     home: FactoryHomeResource
 
     def tracker(self) -> Tracker:
-        from factory.tracking import Tracker  # heavy: mlflow
+        from factory.cockpit.tracking import Tracker  # heavy: mlflow
 
         return Tracker(self.home.paths())
 

@@ -1,7 +1,7 @@
 """A tpe sweep's Optuna study, opened on the database of the Dagster instance that runs the sweep.
 
 The instance's Postgres when its storage is on Postgres (`storage: postgres:` or the older `run_storage:` of
-dagster-postgres in dagster.yaml), else the SQLite file under FACTORY_HOME (`factory.sweep_search`). The op that
+dagster-postgres in dagster.yaml), else the SQLite file under FACTORY_HOME (`factory.cockpit.sweep_search`). The op that
 plans a sweep, the launcher sensor and every member's step all open the study here, so they agree on where it is.
 """
 
@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 from dagster import DagsterInstance
 
+from factory.cockpit.sweep_search import open_storage, open_study, study_storage_url
 from factory.home import FactoryPaths
-from factory.sweep_search import open_storage, open_study, study_storage_url
 
 if TYPE_CHECKING:
     import optuna
@@ -30,7 +30,7 @@ def study_storage_for(instance: DagsterInstance, paths: FactoryPaths) -> str:
 
 
 def sweep_study(instance: DagsterInstance, paths: FactoryPaths, info: dict[str, Any]) -> optuna.Study:
-    """The study of the tpe sweep stored as `info` (`factory.sweep.read_sweep`), created on first use."""
+    """The study of the tpe sweep stored as `info` (`factory.cockpit.sweep.read_sweep`), created on first use."""
     search = info.get("search") or {}
     return open_study(open_storage(study_storage_for(instance, paths)), info["sweep_id"], info["definition"],
                       base_steps=int(search.get("steps", 1)), eval_every=search.get("eval_every"))

@@ -49,7 +49,7 @@ NAMESPACE = "factory"
 # `factory.status`; resumable too).
 RUN_STATUSES = ("running", "resumed", "succeeded", "failed", "interrupted", "pruned")
 # Why an attempt of a run ended early (the `interruptions` table).
-# pruned: a tpe sweep's pruner stopped it (factory/sweep_search.py); logprob_gap: the engine's and the trainer's
+# pruned: a tpe sweep's pruner stopped it (factory/cockpit/sweep_search.py); logprob_gap: the engine's and the trainer's
 # log-probs disagreed past ops.max_logprob_gap (core/gate.py, at step 0 or for ops.max_gap_steps steps)
 INTERRUPTION_CAUSES = ("killed", "signal", "hang", "crash", "crash_loop", "non_finite_loss", "failed_preflight",
                        "supervisor_lost", "pruned", "logprob_gap")

@@ -24,8 +24,8 @@ from factory.home import FactoryPaths
 from factory.objstore import is_remote
 
 if TYPE_CHECKING:
+    from factory.cockpit.tracking import Tracker
     from factory.lake.writer import Lake
-    from factory.tracking import Tracker
 
 _SEP = "@"
 
@@ -136,7 +136,7 @@ def evaluate_and_draw(paths: FactoryPaths, lake: Lake, tracker: Tracker | None, 
     """`evaluate_recorded_checkpoint`, then the run's evals-by-step picture redrawn (and stored on its MLflow run)
     and, with a `tolerance`, the regression check: the asset's work on the lake, MLflow and the model, in one place
     for the eval server and the asset's in-process fallback."""
-    from factory.reports import EVALS, refresh_evals_picture, small  # heavy: mlflow, matplotlib
+    from factory.cockpit.reports import EVALS, refresh_evals_picture, small  # heavy: mlflow, matplotlib
 
     res = evaluate_recorded_checkpoint(paths, lake, run_id, step, benchmark)
     picture = refresh_evals_picture(lake, tracker, run_id, res.benchmark)

@@ -73,8 +73,8 @@ class _State:
     of the last request (the idle timer's)."""
 
     def __init__(self, paths: FactoryPaths) -> None:
+        from factory.cockpit.tracking import Tracker
         from factory.lake.writer import Lake
-        from factory.tracking import Tracker
 
         self.paths = paths
         self.lake = Lake.open(paths)
@@ -194,7 +194,7 @@ def serve(paths: FactoryPaths, port: int = 0, idle_s: float = DEFAULT_IDLE_S) ->
     removed on the way out when it is still this process's."""
     import signal
 
-    import factory.reports  # noqa: F401 - heavy: mlflow, matplotlib
+    import factory.cockpit.reports  # noqa: F401 - heavy: mlflow, matplotlib
     import factory.runs.stages  # noqa: F401 - heavy: torch, transformers; paid once, before saying "ready"
 
     state = _State(paths)

@@ -9,6 +9,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from factory.cockpit.sweep_search import TrialReporter
+from factory.cockpit.tracking import Tracker
 from factory.config import ExperimentSpec
 from factory.core.loop import RunInterrupted
 from factory.envs.spec_check import check_spec
@@ -33,8 +35,6 @@ from factory.runs.stages import (
     run_sft_control,
     train_sft_checkpoint,
 )
-from factory.sweep_search import TrialReporter
-from factory.tracking import Tracker
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def run_sweep_member(spec: ExperimentSpec, paths: FactoryPaths, lake: Lake, trac
     run_id = run_id or new_run_id(spec)
     row = dict(sweep_id=sweep_id, member=member, name=sweep_name, axes=json.dumps(axes, sort_keys=True),
                spec=spec.to_json(), mlflow_parent_run_id=mlflow_parent_run_id, created_at=created)
-    # the run id from the start: the live sweep page (factory/sweep_live.py) finds its steps while it trains
+    # the run id from the start: the live sweep page (factory/cockpit/sweep_live.py) finds its steps while it trains
     lake.upsert("sweeps", [dict(row, status="running", run_id=run_id, recorded_at=now())])
     try:
         splits = load_dataset(build_dataset(spec, paths).path)

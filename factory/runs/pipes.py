@@ -22,6 +22,7 @@ from typing import Any
 
 from dagster_pipes import DAGSTER_PIPES_CONTEXT_ENV_VAR, open_dagster_pipes
 
+from factory.cockpit.tracking import Tracker
 from factory.config import ExperimentSpec
 from factory.core.gate import LogprobGapError
 from factory.core.loop import NonFiniteLoss
@@ -34,7 +35,6 @@ from factory.runs.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_LOGPROB_GA
 from factory.runs.rl_run import run_rl
 from factory.runs.run_result import RunResult
 from factory.runs.stages import load_dataset
-from factory.tracking import Tracker
 
 EXTRAS = ("init_checkpoint", "dataset", "run_id")  # what the launcher must send
 PATH_KEYS = ("checkpoint",)  # shown as paths in the Dagster UI

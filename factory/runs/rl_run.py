@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from pyiceberg.expressions import And, EqualTo
 
+from factory.cockpit.tracking import Tracker
 from factory.config import ExperimentSpec, OpsSpec, parse_spec
 from factory.core.evaluate import evaluate
 from factory.core.gate import LogprobGapError
@@ -96,7 +97,6 @@ from factory.runs.stages import (
 from factory.runs.step_metrics import StepMetrics, source_metrics
 from factory.runs.step_rows import StepLog, forget_after
 from factory.source_spec import SourceError
-from factory.tracking import Tracker
 
 _now = recovery.now
 # (step, headline accuracy, its n) -> why to prune the run, or None
@@ -117,7 +117,7 @@ def run_rl(spec: ExperimentSpec, paths: FactoryPaths, init_checkpoint: str | Pat
     With the `run_id` of a run that did not finish, continues it (see the module docstring). A sweep
     member passes its `sweep_id` and the sweep's MLflow parent run (nested under it, in the parent's
     experiment `mlflow_experiment`). `on_eval(step, accuracy, n)` is called after each periodic held-out eval;
-    a reason returned stops the run at a resume point as pruned (a tpe sweep's trial, factory/sweep_search.py):
+    a reason returned stops the run at a resume point as pruned (a tpe sweep's trial, factory/cockpit/sweep_search.py):
     `RunInterrupted` is raised and the interruption's cause is `pruned`."""
     set_threads(spec, log)
     run_id = run_id or new_run_id(spec)

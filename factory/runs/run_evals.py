@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pyiceberg.expressions import And, EqualTo
 
+from factory.cockpit.tracking import Tracker
 from factory.config import ExperimentSpec
 from factory.core.evaluate import evaluate, sampled_pass_at_k
 from factory.core.rollout.embedded import EmbeddedEngine
@@ -14,7 +15,6 @@ from factory.problem import Splits
 from factory.runs.recovery import now as _now
 from factory.runs.stages import Log, eval_rows
 from factory.runs.step_metrics import StepMetrics
-from factory.tracking import Tracker
 
 
 def start_eval(spec: ExperimentSpec, lake: Lake, tracker: Tracker, run_id: str, mlflow_id: str, model, tok,

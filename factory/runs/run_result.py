@@ -15,6 +15,7 @@ from pathlib import Path
 
 from pyiceberg.expressions import EqualTo
 
+from factory.cockpit.tracking import Tracker
 from factory.core.loop import StepRecord
 from factory.digest import dir_digest
 from factory.envs.eval_suites import HELD_OUT, SOURCE_BENCHMARK
@@ -22,7 +23,6 @@ from factory.lake.results import METRIC, RunOutcome, outcomes_from_evals, primar
 from factory.lake.writer import Lake
 from factory.models.checkpoint import CheckpointInfo
 from factory.runs import recovery
-from factory.tracking import Tracker
 
 
 @dataclass

@@ -84,11 +84,11 @@ def _warm_up(paths: FactoryPaths, run_id: str) -> bool:
     (infra/spare.py; the server's own modules cost about 0.1 s once torch and the engine are imported)."""
     from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 
+    from factory.cockpit.tracking import Tracker
     from factory.config import parse_spec
     from factory.lake.writer import Lake
     from factory.runs.attempt import read_launch
     from factory.runs.recovery import run_row, spec_of_run
-    from factory.tracking import Tracker
 
     row = None
     with contextlib.suppress(Exception):  # the lake down: each attempt meets it and waits for it (runs/degraded.py)

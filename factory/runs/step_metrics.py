@@ -19,7 +19,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from factory.tracking import Tracker
+from factory.cockpit.tracking import Tracker
 
 # MLflow's UI draws a run's charts in sections, one per name prefix (`data/skipped` in `data`), sorted by name, with
 # the names without a prefix last ("Model metrics", mlflow/server/js: extractChartSectionName); a run's first section

@@ -1,4 +1,4 @@
-"""assets/_metadata.py run_metadata with factory/reports.py run_pictures: what a run's asset page shows, from a
+"""assets/_metadata.py run_metadata with factory/cockpit/reports.py run_pictures: what a run's asset page shows, from a
 real lake (step rows as the trainer writes them) and a real MLflow store: the metric panel drawn in place (served by
 the MLflow UI) and embedded, beside the curves; and links into MLflow that open its training view."""
 
@@ -10,10 +10,10 @@ import urllib.parse
 from pathlib import Path
 
 from assets._metadata import run_metadata
-from factory.reports import METRICS, run_pictures, small
+from factory.cockpit.reports import METRICS, run_pictures, small
+from factory.cockpit.tracking import WORKFLOW_QUERY, Tracker
 from factory.runs.step_rows import StepLog
-from factory.tracking import WORKFLOW_QUERY, Tracker
-from tests.test_metric_panel import GENERATED, RUN, _step
+from tests.cockpit.test_metric_panel import GENERATED, RUN, _step
 
 ROOT = Path(__file__).parents[2]
 
@@ -50,9 +50,9 @@ def test_a_runs_page_draws_its_metric_panel_in_place_and_embedded(factory_home, 
 
 
 def test_every_mlflow_page_link_is_made_by_the_tracker():
-    """Links to MLflow pages (`/#/experiments/...`) are built only in factory/tracking.py, whose `run_url` and
-    `sweep_url` add WORKFLOW_QUERY (tests/test_tracking.py): no other module spells such a URL."""
+    """Links to MLflow pages (`/#/experiments/...`) are built only in factory/cockpit/tracking.py, whose `run_url` and
+    `sweep_url` add WORKFLOW_QUERY (tests/cockpit/test_tracking.py): no other module spells such a URL."""
     spelled = [f"{p.relative_to(ROOT)}:{i}" for top in ("factory", "assets", "jobs", "resources")
-               for p in sorted((ROOT / top).rglob("*.py")) if p != ROOT / "factory" / "tracking.py"
+               for p in sorted((ROOT / top).rglob("*.py")) if p != ROOT / "factory" / "cockpit" / "tracking.py"
                for i, line in enumerate(p.read_text().splitlines(), 1) if re.search(r"#/experiments", line)]
     assert spelled == []

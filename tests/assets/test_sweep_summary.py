@@ -16,7 +16,7 @@ from dagster import DagsterInstance, materialize
 
 from assets.sweeps import sweep_summary, sweeps
 from factory.cli import main
-from factory.tracking import Tracker
+from factory.cockpit.tracking import Tracker
 from jobs import defs
 
 T0 = dt.datetime(2026, 1, 2, 3, 4, 5, tzinfo=dt.UTC)

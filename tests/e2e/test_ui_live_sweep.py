@@ -47,8 +47,8 @@ def _partly_trained_sweep(instance, paths) -> str:
     from dagster._daemon.types import DaemonHeartbeat
     from pyiceberg.expressions import EqualTo
 
+    from factory.cockpit.sweep import read_sweep, set_control
     from factory.lake import Lake
-    from factory.sweep import read_sweep, set_control
     from jobs import defs
 
     instance.add_daemon_heartbeat(DaemonHeartbeat(time.time(), "SENSOR", None, []))  # the sweep job asks for one

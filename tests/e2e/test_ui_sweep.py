@@ -204,7 +204,7 @@ def test_a_sweep_from_the_launchpad_after_make_demo(after_demo):
             page.goto(f"{url}/assets/sweep_member_run", timeout=60_000)
             assert _images_loaded(page, mlflow_url, 3)  # curves, held-out accuracy by step, the metric panel
             page.screenshot(path=str(ARTIFACTS / "member_evals_by_step.png"), full_page=True)
-            # 13. every metric drawn: the member's metric panel (factory/metric_panel.py) loaded in place.
+            # 13. every metric drawn: the member's metric panel (factory/cockpit/metric_panel.py) loaded in place.
             panel = page.locator("img[src*='plots%2Fmetrics.small.png']").first
             panel.scroll_into_view_if_needed()
             assert panel.evaluate("i => i.complete && i.naturalWidth") == 576  # metric_panel's inline copy
@@ -227,8 +227,8 @@ def test_the_sweep_typed_into_the_launchpad_is_valid_and_plans_two_members_on_on
     import yaml
     from dagster import validate_run_config
 
+    from factory.cockpit.sweep import SweepDefinition, plan_sweep
     from factory.config import parse_overrides
-    from factory.sweep import SweepDefinition, plan_sweep
     from jobs import defs
 
     run_config = yaml.safe_load(SWEEP_YAML)

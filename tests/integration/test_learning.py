@@ -6,11 +6,11 @@ SFT stop rule looks only at training problems.
 
 import pytest
 
+from factory.cockpit.tracking import Tracker
 from factory.config import apply_overrides, load_spec, parse_overrides
 from factory.lake import Lake
 from factory.runs.rl_run import run_rl
 from factory.runs.stages import build_dataset, load_dataset, train_sft_checkpoint
-from factory.tracking import Tracker
 
 # Measured on this spec (30 GRPO steps, 300 held-out problems, 1 thread), SFT -> GRPO accuracy:
 # seed 0: 0.21 -> 0.74 (+53 points), seed 1: 0.24 -> 0.49 (+25), seed 2: 0.29 -> 0.72 (+43).

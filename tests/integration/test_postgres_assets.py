@@ -11,8 +11,8 @@ import pytest
 from dagster import instance_for_test, materialize
 
 from factory.cli import main
+from factory.cockpit.tracking import Tracker
 from factory.lake import Lake, query
-from factory.tracking import Tracker
 from jobs import ALL_CHECKS, QUICKSTART_ASSETS, make_resources
 
 TINY = [

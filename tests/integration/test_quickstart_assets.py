@@ -9,9 +9,9 @@ import pytest
 from dagster import DagsterInstance, materialize
 from transformers import AutoModelForCausalLM
 
+from factory.cockpit.tracking import Tracker
 from factory.digest import dir_digest
 from factory.lake import Lake, query
-from factory.tracking import Tracker
 from jobs import ALL_CHECKS, QUICKSTART_ASSETS, defs, make_resources
 
 TINY = [

@@ -10,8 +10,8 @@ from dagster import DagsterInstance
 from pyiceberg.expressions import EqualTo
 
 from assets.sweeps import sweep_members
+from factory.cockpit.sweep import read_member
 from factory.lake import Lake
-from factory.sweep import read_member
 from jobs.sweeps import sweep_launcher
 from tests.jobs.test_sweeps import _failure, daemon_running, execute, tick
 

@@ -19,6 +19,7 @@ from dagster._core.loader import LoadingContextForTest
 from dagster._core.test_utils import create_run_for_test
 
 from assets.evals import checkpoint_eval, checkpoint_evals
+from factory.cockpit.tracking import Tracker
 from factory.config import parse_spec
 from factory.lake import Lake
 from factory.models.build import build_model
@@ -28,7 +29,6 @@ from factory.runs.checkpoint_eval import checkpoint_key, eval_key, parse_checkpo
 from factory.runs.eval_server import stop_server
 from factory.runs.rl_run import run_rl
 from factory.runs.stages import build_dataset, load_dataset, train_sft_checkpoint
-from factory.tracking import Tracker
 from jobs.evals import eval_schedule, new_checkpoint_evals
 from resources import FactoryHomeResource, LakeResource, MlflowResource
 

@@ -25,9 +25,9 @@ from dagster._core.test_utils import create_run_for_test
 
 from assets.evals import checkpoint_evals
 from assets.sweeps import sweep_members, sweep_summary, sweeps, warm_starts
+from factory.cockpit.sweep import MEMBER_TAG, SWEEP_TAG, SweepDefinition, plan_sweep, set_control, write_sweep
 from factory.config import parse_overrides
 from factory.runs.checkpoint_eval import checkpoint_key, eval_key
-from factory.sweep import MEMBER_TAG, SWEEP_TAG, SweepDefinition, plan_sweep, set_control, write_sweep
 from jobs import defs
 from jobs._queue import EVAL_TAGS, SUMMARY_TAGS, in_flight
 from jobs.evals import new_checkpoint_evals

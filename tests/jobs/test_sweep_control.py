@@ -10,7 +10,7 @@ from dagster import DagsterInstance, DagsterRunStatus, build_sensor_context
 from dagster._core.test_utils import create_run_for_test
 from dagster._daemon.types import DaemonHeartbeat
 
-from factory.sweep import read_control
+from factory.cockpit.sweep import read_control
 from jobs import defs
 from jobs.sweeps import sweep_launcher
 

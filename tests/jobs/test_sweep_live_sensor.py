@@ -17,8 +17,8 @@ from dagster._core.test_utils import create_run_for_test
 from dagster._daemon.types import DaemonHeartbeat
 from pyiceberg.expressions import EqualTo
 
+from factory.cockpit.sweep import LABEL_TAG, MEMBER_TAG, SWEEP_TAG, read_sweep
 from factory.lake import Lake
-from factory.sweep import LABEL_TAG, MEMBER_TAG, SWEEP_TAG, read_sweep
 from jobs import defs
 from jobs.sweep_live import sweep_live
 from jobs.sweeps import sweep_launcher
@@ -169,7 +169,7 @@ def test_a_member_interrupted_by_a_killed_run_worker_says_dagster_retries_it():
     from dagster import DagsterRun
     from dagster._core.storage.tags import WILL_RETRY_TAG
 
-    from factory.sweep_live import MemberLive
+    from factory.cockpit.sweep_live import MemberLive
     from jobs.sweep_live import member_status
 
     m = MemberLive(member="s-m000", label="lr=1e-3", status="interrupted", run_id="r", step=3, steps=10, eta_s=None,

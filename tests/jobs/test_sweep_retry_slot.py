@@ -22,10 +22,10 @@ from dagster._daemon.types import DaemonHeartbeat
 
 from assets._retries import TRAINING_TAGS
 from assets.sweeps import sweep_members, sweeps, warm_starts
+from factory.cockpit.sweep import SweepDefinition, plan_sweep, read_sweep, write_sweep
+from factory.cockpit.tracking import Tracker
 from factory.config import parse_overrides
 from factory.lake import Lake
-from factory.sweep import SweepDefinition, plan_sweep, read_sweep, write_sweep
-from factory.tracking import Tracker
 from jobs import defs
 from jobs._queue import awaiting_retry, holds_slot
 from jobs.sweeps import sweep_launcher

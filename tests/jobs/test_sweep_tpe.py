@@ -14,9 +14,9 @@ from dagster._core.test_utils import create_run_for_test
 from dagster._daemon.types import DaemonHeartbeat
 
 from assets.sweeps import sweep_members, sweeps, warm_starts
+from factory.cockpit.sweep import member_key, read_member, read_sweep
+from factory.cockpit.sweep_search import TRIAL_TAG, open_storage, study_storage_url
 from factory.lake import Lake
-from factory.sweep import member_key, read_member, read_sweep
-from factory.sweep_search import TRIAL_TAG, open_storage, study_storage_url
 from jobs import defs
 from jobs.sweeps import sweep, sweep_launcher, sweep_summarizer
 

@@ -22,10 +22,10 @@ from dagster._core.test_utils import create_run_for_test
 from dagster._daemon.types import DaemonHeartbeat
 
 from assets.sweeps import sweep_members, sweeps, warm_starts
+from factory.cockpit.reports import compare_sweep
+from factory.cockpit.sweep import member_short, short_label
+from factory.cockpit.tracking import Tracker
 from factory.lake import Lake
-from factory.reports import compare_sweep
-from factory.sweep import member_short, short_label
-from factory.tracking import Tracker
 from jobs import defs
 from jobs.evals import new_checkpoint_evals
 from jobs.sweeps import EXAMPLE_SWEEP, sweep, sweep_launcher, sweep_summarizer
@@ -99,8 +99,8 @@ def test_a_sweep_is_refused_when_no_daemon_would_launch_its_members(instance, fa
 
 
 def test_the_launchpad_example_is_a_valid_sweep_with_real_axes():
+    from factory.cockpit.sweep import SweepDefinition, plan_sweep
     from factory.config import parse_overrides
-    from factory.sweep import SweepDefinition, plan_sweep
 
     assert EXAMPLE_SWEEP["axes"]  # it sweeps something
     plan = plan_sweep(SweepDefinition(**{**EXAMPLE_SWEEP, "overrides": parse_overrides(EXAMPLE_SWEEP["overrides"])}))

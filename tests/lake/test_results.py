@@ -80,7 +80,7 @@ def test_a_run_without_an_accuracy_eval_has_no_result(lake):
 
 
 def test_runs_best_summary_and_report_agree_on_the_result(quickstart, capsys):
-    from factory.reports import compare_sweep
+    from factory.cockpit.reports import compare_sweep
     from factory.runs.stages import eval_summary
 
     assert main(["runs", "--format", "json"]) == 0

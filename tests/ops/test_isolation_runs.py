@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from factory.cockpit.tracking import Tracker
 from factory.config import parse_spec
 from factory.core.loop import NonFiniteLoss
 from factory.infra.supervisor import CircuitOpen
@@ -18,7 +19,6 @@ from factory.models.checkpoint import save_checkpoint
 from factory.models.tokenizer import build_tokenizer
 from factory.problem import Problem, Splits
 from factory.runs.rl_run import run_rl
-from factory.tracking import Tracker
 
 PROBLEMS = [Problem(id=f"p{i}", prompt=f"{i}+{i}=", answer="", op="add", digits=1) for i in range(40)]
 SPLITS = Splits(train=PROBLEMS[:32], eval=PROBLEMS[32:])

@@ -4,7 +4,7 @@ import sqlalchemy
 import yaml
 from dagster import DagsterInstance
 
-from factory.sweep_search import studies_db
+from factory.cockpit.sweep_search import studies_db
 from resources.study import instance_postgres_url, study_storage_for, sweep_study
 
 INFO = {"sweep_id": "tpe-1", "definition": {"prune": "median", "prune_startup_trials": 1},

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from factory.cockpit.tracking import Tracker
 from factory.config import parse_spec
 from factory.home import FactoryPaths
 from factory.lake.spool import SPOOL, LakeDown, is_catalog_error
@@ -23,7 +24,6 @@ from factory.problem import Problem, Splits
 from factory.progress import Progress
 from factory.runs.degraded import when_lake_up
 from factory.runs.rl_run import run_rl
-from factory.tracking import Tracker
 
 PROBLEMS = [Problem(id=f"p{i}", prompt=f"{i}+{i}=", answer="", op="add", digits=1) for i in range(12)]
 SPLITS = Splits(train=PROBLEMS[:8], eval=PROBLEMS[8:])

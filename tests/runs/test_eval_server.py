@@ -64,9 +64,9 @@ def trained(tmp_path_factory):
     """A run with checkpoints at steps 1 and 2; its home and run_id. No server may outlive the module."""
     import torch
 
+    from factory.cockpit.tracking import Tracker
     from factory.runs.rl_run import run_rl
     from factory.runs.stages import build_dataset, load_dataset, train_sft_checkpoint
-    from factory.tracking import Tracker
 
     torch.set_num_threads(1)
     home = factory_home(tmp_path_factory.mktemp("evsrv"))

@@ -149,8 +149,8 @@ def test_factory_runs_shows_a_killed_run_as_interrupted_and_resume_completes_it(
     assert sorted(r["step"] for r in rows(tmp_path, "steps")) == list(range(1, 9))
     # MLflow too: step 5, trained by the dead attempt past its resume point (step 4) and again by the second, has
     # one point, as has every other step (raw history: MLflow keeps every point logged).
+    from factory.cockpit.tracking import Tracker
     from factory.home import FactoryPaths
-    from factory.tracking import Tracker
 
     client = Tracker(FactoryPaths(tmp_path)).client
     for key in ("batch/reward_mean", "batch/loss"):

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from factory.cockpit.tracking import Tracker
 from factory.config import parse_spec
 from factory.lake.writer import Lake
 from factory.models.build import build_model
@@ -17,7 +18,6 @@ from factory.models.tokenizer import build_tokenizer
 from factory.problem import Problem, Splits
 from factory.runs.rl_run import run_rl
 from factory.runs.stages import place, train_sft_checkpoint
-from factory.tracking import Tracker
 
 PROBLEMS = [Problem(id=f"p{i}", prompt=f"{i}+{i}=", answer="", op="add", digits=1) for i in range(12)]
 SPLITS = Splits(train=PROBLEMS[:8], eval=PROBLEMS[8:])

@@ -11,9 +11,9 @@ import json
 from mlflow.tracking import MlflowClient
 
 from factory.cli import main
+from factory.cockpit.tracking import Tracker
 from factory.runs.run_result import finished_result, headline, headline_accuracy, tell_mlflow
 from factory.runs.stages import eval_summary, render_report
-from factory.tracking import Tracker
 
 T0 = dt.datetime(2026, 1, 2, tzinfo=dt.UTC)
 HELD = "arithmetic_heldout"

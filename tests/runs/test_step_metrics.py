@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
+from factory.cockpit.tracking import Tracker
 from factory.home import factory_home
 from factory.runs.step_metrics import StepMetrics, source_metrics
-from factory.tracking import Tracker
 
 
 @pytest.fixture(scope="module")

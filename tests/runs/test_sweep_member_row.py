@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from pyiceberg.expressions import EqualTo
 
+from factory.cockpit.tracking import Tracker
 from factory.config import apply_overrides, load_spec
 from factory.envs.spec_check import check_spec
 from factory.runs.experiment import run_sweep_member
-from factory.tracking import Tracker
 
 BASE = Path(__file__).parents[2] / "examples" / "quickstart.yaml"
 TINY = {"name": "row-m000", "model.preset": "micro", "task.n_train": 200, "task.n_eval": 16, "sft.steps": 4,

@@ -9,13 +9,13 @@ from pathlib import Path
 import optuna
 import pytest
 
+from factory.cockpit.sweep import SweepDefinition
+from factory.cockpit.sweep_search import TrialReporter, ask, open_storage, open_study, study_storage_url
+from factory.cockpit.tracking import Tracker
 from factory.config import apply_overrides, load_spec
 from factory.envs.eval_suites import HELD_OUT
 from factory.envs.spec_check import check_spec
 from factory.runs.experiment import Pruned, run_sweep_member
-from factory.sweep import SweepDefinition
-from factory.sweep_search import TrialReporter, ask, open_storage, open_study, study_storage_url
-from factory.tracking import Tracker
 
 BASE = Path(__file__).parents[2] / "examples" / "quickstart.yaml"
 TINY = {"name": "prune-m002", "model.preset": "micro", "task.n_train": 200, "task.n_eval": 16, "sft.steps": 10,

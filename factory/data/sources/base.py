@@ -12,21 +12,8 @@ as "arithmetic", "word_problems", "code", or an environment import path).
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
-
 from factory.problem import Problem
-
-
-@runtime_checkable
-class PromptSource(Protocol):
-    name: str
-    block_rows: int  # rows per block (the last block may be shorter)
-
-    def __len__(self) -> int: ...
-
-    def version(self) -> str: ...
-
-    def read_block(self, block: int) -> list[Problem]: ...
+from factory.protocols.source import PromptSource
 
 
 def num_blocks(source: PromptSource) -> int:

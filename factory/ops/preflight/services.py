@@ -56,7 +56,7 @@ def lake_commit_check(lake: Callable[[], Lake], node: str, recorded_at: dt.datet
 
 def mlflow_check(paths: FactoryPaths) -> CheckResult:
     # heavy: mlflow; a probe imports what it probes, so a failing import fails this check only
-    from factory.tracking import Tracker
+    from factory.cockpit.tracking import Tracker
 
     tracker = Tracker(paths)
     n = len(tracker.client.search_experiments(max_results=1000))

@@ -7,8 +7,8 @@ import optuna
 import pytest
 from pydantic import ValidationError
 
-from factory.sweep import SweepDefinition, SweepError, member_key, plan_sweep
-from factory.sweep_search import (
+from factory.cockpit.sweep import SweepDefinition, SweepError, member_key, plan_sweep
+from factory.cockpit.sweep_search import (
     TrialReporter,
     ask,
     open_storage,
@@ -18,7 +18,7 @@ from factory.sweep_search import (
     study_storage_url,
 )
 
-BASE = str(Path(__file__).parents[1] / "examples" / "quickstart.yaml")
+BASE = str(Path(__file__).parents[2] / "examples" / "quickstart.yaml")
 LR = {"low": 1e-5, "high": 1e-3, "log": True}
 
 

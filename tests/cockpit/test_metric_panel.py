@@ -1,5 +1,6 @@
-"""factory/metric_panel.py: a run's metric panel from the lake's `steps` rows, written as the trainer writes them
-(`core.loop._record` of real scored groups, `runs.step_rows.StepLog` into a real Iceberg lake): every cell is drawn,
+"""factory/cockpit/metric_panel.py: a run's metric panel from the lake's `steps` rows, written as the trainer
+writes them (`core.loop._record` of real scored groups, `runs.step_rows.StepLog` into a real Iceberg lake): every
+cell is drawn,
 with the run's values, and a metric the run did not record says so; and `reports.run_pictures` stores it on the
 run's real MLflow run beside the curves."""
 
@@ -11,14 +12,14 @@ import struct
 import pytest
 import torch
 
+from factory.cockpit.metric_panel import CELLS, NOT_RECORDED, _metric_panel_figure, metric_panel_png, panel_data
+from factory.cockpit.plots import DPI
 from factory.config import TaskSpec, parse_spec
 from factory.core.loop import _record
 from factory.core.producer import make_group
 from factory.core.rollout.base import Completion
 from factory.envs import tasks
 from factory.envs.workers import Episode, LocalEnvironment
-from factory.metric_panel import CELLS, NOT_RECORDED, _metric_panel_figure, metric_panel_png, panel_data
-from factory.plots import DPI
 from factory.runs.step_rows import StepLog
 
 RUN = "panel-run"
@@ -120,11 +121,11 @@ def test_metrics_not_measured_are_not_recorded_anywhere(lake, tmp_path):
     """A run with `kl_coef: 0` computes no KL, an arithmetic task runs no reward-hack detector and GRPO filters no
     group: the loss reports no `kl`, and the step's record holds None for each (not a 0 that reads as measured), so
     the lake's `steps` row holds NULL, MLflow gets no point, and the panel's KL cell says "not recorded"."""
+    from factory.cockpit.tracking import Tracker
     from factory.core.algorithms import make_loss
     from factory.core.batch import pack
     from factory.home import factory_home
     from factory.runs.step_metrics import StepMetrics
-    from factory.tracking import Tracker
 
     batch = pack([[1, 2]], [[3, 4]], 0, {"old_logprobs": [[-0.5, -0.5]]}, {"advantages": [1.0]})
     batch.per_token["ref_logprobs"] = torch.full_like(batch.per_token["old_logprobs"], -0.7)

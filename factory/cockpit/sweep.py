@@ -33,10 +33,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from factory.cockpit.sweep_search import SearchParam, prune_warnings, search_errors
 from factory.config import ExperimentSpec, SpecError, apply_overrides, load_spec, parse_spec
 from factory.envs.spec_check import check_spec
 from factory.home import FactoryPaths
-from factory.sweep_search import SearchParam, prune_warnings, search_errors
 
 SWEEP_TAG, MEMBER_TAG, WARM_START_TAG = "factory/sweep_id", "factory/member", "factory/warm_start"
 # run tag: how a member's run ended, in the `sweeps` table's words (succeeded, pruned): Dagster's own status says
@@ -77,7 +77,8 @@ class SweepDefinition(BaseModel):
     max_concurrent: int = Field(2, ge=1, le=64, description="members of this sweep running at once")
     seeds: list[int] = Field(default_factory=list, description="repeat every point over these training seeds: the "
                              "axis `seed`, which the summary aggregates (points ranked by their mean over seeds)")
-    # mode tpe (factory/sweep_search.py): members are asked from an Optuna study, one per trial, as slots free up.
+    # mode tpe (factory/cockpit/sweep_search.py): members are asked from an Optuna study, one per trial, as slots
+    # free up.
     space: dict[str, SearchParam] = Field(default_factory=dict, description="tpe: spec field path -> {low, high, "
                                           "log, step, type} or {choices}")
     trials: int | None = Field(None, ge=1, le=MAX_MEMBERS, description="tpe: how many trials (members) in all")

@@ -17,10 +17,10 @@ from typing import Any
 
 from pyiceberg.expressions import And, EqualTo, In
 
-from factory import plots
+from factory.cockpit import plots
+from factory.cockpit.sweep import member_short, short_label
 from factory.lake.results import METRIC, RunOutcome, outcomes_from_evals
 from factory.lake.writer import Lake
-from factory.sweep import member_short, short_label
 
 ENDED = ("succeeded", "failed", "refused", "pruned")  # a member's `sweeps` status after which it trains no more
 STEP_COLUMNS = ["run_id", "step", "reward_mean", "recorded_at", "attempt", *(c for c, _ in plots.SWEEP_GAP)]

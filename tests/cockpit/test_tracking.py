@@ -10,9 +10,9 @@ import sqlite3
 import pytest
 from mlflow import MlflowClient
 
+from factory.cockpit.tracking import Tracker, flatten_params
 from factory.home import factory_home
 from factory.lake import Lake
-from factory.tracking import Tracker, flatten_params
 from tests.racing import race
 
 
@@ -157,7 +157,7 @@ _SET_UP = """
 import datetime as dt
 from factory.home import factory_home
 from factory.lake import Lake
-from factory.tracking import Tracker
+from factory.cockpit.tracking import Tracker
 paths = factory_home(root)
 tracker = Tracker(paths)
 run_id = tracker.start_run("race", name)

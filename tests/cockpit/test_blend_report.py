@@ -4,10 +4,10 @@ from pathlib import Path
 
 import pytest
 
+from factory.cockpit.blend_report import blend_report
+from factory.cockpit.plots import PNG_SIGNATURE
 from factory.config import load_spec, parse_spec
-from factory.data.blend_report import blend_report
 from factory.data.from_spec import open_sources
-from factory.plots import PNG_SIGNATURE
 
 QUICKSTART = Path(__file__).parents[2] / "examples" / "quickstart.yaml"
 SOURCES = [{"name": "add2", "kind": "arithmetic", "op": "add", "digits": 2, "n": 300},

@@ -105,7 +105,7 @@ def open_storage(url: str) -> optuna.storages.RDBStorage:
 
 def search_errors(defn: Any, base: ExperimentSpec | None) -> list[str]:
     """Problems of a sweep definition's search fields (`mode`, `trials`, `space`, `prune`), one line each naming
-    its field; `defn` is a `factory.sweep.SweepDefinition`, `base` its base spec (overrides applied; needed for
+    its field; `defn` is a `factory.cockpit.sweep.SweepDefinition`, `base` its base spec (overrides applied; needed for
     mode tpe only)."""
     if defn.mode != "tpe":
         return [f"{name}: only for mode: tpe (this sweep is mode: {defn.mode})"

@@ -1,5 +1,6 @@
-"""A running sweep read from a real lake (factory/sweep_live.py): members by their axis values, newest step, ETA,
-interruptions, what changes the fingerprint, one read per table; and every picture a sweep's page shows fits the
+"""A running sweep read from a real lake (factory/cockpit/sweep_live.py): members by their axis values,
+newest step, ETA, interruptions, what changes the fingerprint, one read per table; and every picture a sweep's page
+shows fits the
 page (widths read from the PNG bytes)."""
 
 import json
@@ -8,10 +9,10 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from factory import plots
+from factory.cockpit import plots
+from factory.cockpit.reports import compare_sweep, small
+from factory.cockpit.sweep_live import live_sweeps, sweep_rows, unfinished
 from factory.lake.writer import Lake
-from factory.reports import compare_sweep, small
-from factory.sweep_live import live_sweeps, sweep_rows, unfinished
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 PAGE_PX = 1000  # the widest a picture may be: shown alone (an event's page, [Show Markdown])

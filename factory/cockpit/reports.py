@@ -20,13 +20,13 @@ from typing import Any
 
 from pyiceberg.expressions import EqualTo, In
 
-from factory import metric_panel, plots
+from factory.cockpit import metric_panel, plots
+from factory.cockpit.sweep import member_short, short_label
+from factory.cockpit.tracking import Tracker
 from factory.envs.eval_suites import HELD_OUT
 from factory.intervals import Accuracy, Interval, accuracy_text, mean_interval, verdict, welch
 from factory.lake.results import RunOutcome, outcomes_from_evals
 from factory.lake.writer import Lake
-from factory.sweep import member_short, short_label
-from factory.tracking import Tracker
 
 CURVES, EVALS, METRICS = "plots/curves.png", "plots/evals.png", "plots/metrics.png"
 Render = Callable[[int], bytes]  # a picture at a given dpi
@@ -103,7 +103,7 @@ def _evals_png(evals: list[dict], title: str, benchmarks: list[str] | None = Non
 class MemberFigures:
     member: str
     axes: dict[str, Any]
-    label: str  # the member told apart by its axis values, `lr=3e-4,seed=1` (factory/sweep.py short_label)
+    label: str  # the member told apart by its axis values, `lr=3e-4,seed=1` (factory/cockpit/sweep.py short_label)
     status: str
     run_id: str | None
     mlflow_run_id: str | None

@@ -16,7 +16,7 @@ import pytest
 from matplotlib.colors import to_rgba
 from PIL import Image
 
-from factory.plots import (
+from factory.cockpit.plots import (
     DPI,
     HEIGHT_IN,
     LEGEND_MAX_HEIGHT,

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from factory.sweep import (
+from factory.cockpit.sweep import (
     KEY_LABEL_MAX,
     SweepDefinition,
     SweepError,
@@ -28,7 +28,7 @@ from factory.sweep import (
     write_warm_start_spec,
 )
 
-BASE = str(Path(__file__).parents[1] / "examples" / "quickstart.yaml")
+BASE = str(Path(__file__).parents[2] / "examples" / "quickstart.yaml")
 
 
 def test_grid_expands_every_combination_with_names_and_shared_warm_starts():
@@ -140,7 +140,7 @@ def test_next_launches_trains_a_warm_start_first_and_holds_the_limit():
 
 
 def test_blend_weights_and_curriculum_settings_are_sweep_axes():
-    blend = str(Path(__file__).parents[1] / "examples" / "blend.yaml")
+    blend = str(Path(__file__).parents[2] / "examples" / "blend.yaml")
     axes = {"data.curriculum.kind": ["none", "online", "priority"], "data.schedule.100.add4": [0.4, 0.8]}
     plan = plan_sweep(SweepDefinition(name="curricula", base_spec=blend, axes=axes))
     assert {(m.spec.data.curriculum.kind, m.spec.data.schedule[100]["add4"]) for m in plan.members} == {

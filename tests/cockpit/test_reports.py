@@ -1,12 +1,12 @@
-"""factory/reports.py compare_sweep: members ranked by their result (with n), and a best member that "wins" only when
-the interval of its difference from the runner-up excludes 0."""
+"""factory/cockpit/reports.py compare_sweep: members ranked by their result (with n), and a best member that
+"wins" only when the interval of its difference from the runner-up excludes 0."""
 
 from __future__ import annotations
 
 import datetime as dt
 import json
 
-from factory.reports import compare_sweep
+from factory.cockpit.reports import compare_sweep
 
 T0 = dt.datetime(2026, 1, 2, 3, 4, 5, tzinfo=dt.UTC)
 

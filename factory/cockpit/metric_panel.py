@@ -6,7 +6,7 @@ the trainer's own) and what the corrections did with it (shares masked, mean wei
 Every cell is always drawn: a metric that no row of the run records (a column added after the run was trained,
 or one a trainer mode does not measure) is a cell that says "not recorded", so a missing curve is never mistaken
 for a metric that was left out. Non-finite values (a step skipped for a non-finite loss) are left out of their
-line and counted in the cell's title. Rendering follows factory/plots.py: Agg canvas, fixed size, deterministic
+line and counted in the cell's title. Rendering follows factory/cockpit/plots.py: Agg canvas, fixed size, deterministic
 bytes; the rows are read as `plots` reads them (sorted by step, the latest `recorded_at` wins per step).
 """
 
@@ -19,7 +19,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from factory.plots import DPI, _by_step, _one_run, _png
+from factory.cockpit.plots import DPI, _by_step, _one_run, _png
 
 # 4 rows of 3 cells at 10 x 9.6 in: 1000 x 960 px at plots.DPI (a page about 1000 px wide shows it whole: MLflow, the
 # embedded copy); each cell keeps the 333 x 240 px it had in the 3 x 3 panel before the gap's row was added.

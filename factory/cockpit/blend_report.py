@@ -5,7 +5,7 @@ prompts per step for the spec's steps (saying each step, so a schedule's segment
 source, the cumulative realized share and the cumulative target share (the weights in force at each draw,
 summed) after every step, and the largest quota error: max over every prefix of a constant-weight segment of
 |served - weight * draws| (the blender keeps it below one prompt). `png()` draws it, realized solid and target
-dashed in the same color, in the cockpit's deterministic style (factory/plots.py).
+dashed in the same color, in the cockpit's deterministic style (factory/cockpit/plots.py).
 
 What it does not show: an online curriculum or the offline pass-rate filter (they act on rewards and on the
 lake while a run trains), so with `data.curriculum` or `data.filter` set this is the blend they start from.
@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from factory.cockpit.plots import DPI, HEIGHT_IN, WIDTH_IN
 from factory.config import ExperimentSpec
 from factory.data.from_spec import blender_for
 from factory.data.sources.base import PromptSource
-from factory.plots import DPI, HEIGHT_IN, WIDTH_IN
 
 MAX_POINTS = 400  # points per curve: a long run's curve is sampled, its last step always kept
 
