@@ -9,13 +9,15 @@ which the loaders (the CLI, the Dagster spec resource, sweeps, the deploy target
 `parse_spec` / `apply_overrides`; whether the machine can hold a spec's step is `factory.infra.memory`'s check.
 
 Modules, by concern: `yaml_io` (the YAML loader), `errors` (SpecError and how errors are worded), `bounds` (the
-sane maxima of sizes), `section` (what every section shares), `sections`, `algorithm`, `data_spec` (the section
-schemas), `experiment` (ExperimentSpec), `loading` (parse, load, overrides). Every name is importable from
+sane maxima of sizes), `section` (what every section shares), one module per section (`model`, `task`, `sft`, `buffer`, `rollout`,
+`trainer` with LoRA, `schedule`, `ops`, `algorithm` with its corrections, `data` with the curriculum and the prompt
+filter), `experiment` (ExperimentSpec), `loading` (parse, load, overrides). Every name is importable from
 `factory.config` itself.
 """
 
 from factory.config.algorithm import AlgorithmSpec, CorrectionSpec
-from factory.config.data_spec import CurriculumSpec, DataSpec, PromptFilterSpec
+from factory.config.buffer import BufferSpec
+from factory.config.data import CurriculumSpec, DataSpec, PromptFilterSpec
 from factory.config.errors import SpecError, spec_error
 from factory.config.experiment import ExperimentSpec
 from factory.config.loading import (
@@ -26,22 +28,14 @@ from factory.config.loading import (
     parse_overrides,
     parse_spec,
 )
+from factory.config.model import ModelSpec
+from factory.config.ops import OpsSpec
+from factory.config.rollout import RolloutSpec, SGLangSpec
+from factory.config.schedule import ScheduleSpec
 from factory.config.section import LR_HELP
-from factory.config.sections import (
-    MIN_N_TRAIN,
-    MULTI_TURN_BUILTINS,
-    BufferSpec,
-    LoraSpec,
-    ModelSpec,
-    Operation,
-    OpsSpec,
-    RolloutSpec,
-    ScheduleSpec,
-    SFTSpec,
-    SGLangSpec,
-    TaskSpec,
-    TrainerSpec,
-)
+from factory.config.sft import SFTSpec
+from factory.config.task import MIN_N_TRAIN, MULTI_TURN_BUILTINS, Operation, TaskSpec
+from factory.config.trainer import LoraSpec, TrainerSpec
 from factory.config.yaml_io import MAX_YAML_NODES, DuplicateKeyError, YAMLBombError, load_yaml
 
 __all__ = [

@@ -11,19 +11,16 @@ from pydantic import Field, model_validator
 
 from factory.config.algorithm import AlgorithmSpec
 from factory.config.bounds import MAX_STEP_SAMPLES
-from factory.config.data_spec import DataSpec
+from factory.config.buffer import BufferSpec
+from factory.config.data import DataSpec
+from factory.config.model import ModelSpec
+from factory.config.ops import OpsSpec
+from factory.config.rollout import RolloutSpec
+from factory.config.schedule import ScheduleSpec
 from factory.config.section import _Section
-from factory.config.sections import (
-    MULTI_TURN_BUILTINS,
-    BufferSpec,
-    ModelSpec,
-    OpsSpec,
-    RolloutSpec,
-    ScheduleSpec,
-    SFTSpec,
-    TaskSpec,
-    TrainerSpec,
-)
+from factory.config.sft import SFTSpec
+from factory.config.task import MULTI_TURN_BUILTINS, TaskSpec
+from factory.config.trainer import TrainerSpec
 from factory.digest import model_dir_digest
 from factory.model_source import source_files
 from factory.source_spec import Seed
