@@ -34,7 +34,7 @@ WORD = re.compile(r"[A-Za-z]{3,}")
 class LateImport:
     path: str  # relative to the root
     line: int  # the line ruff reads the noqa from
-    reason: str | None  # None: no `# noqa: PLC0415`; "" : one without a reason
+    reason: str | None  # None: no noqa for PLC0415 on the line; "": one without a reason
 
 
 def _noqa(text: str) -> tuple[list[str], str] | None:
