@@ -100,7 +100,7 @@ def split_hub_id(value: str) -> tuple[str, str | None] | None:
     m = _HUB_ID.match(value)
     if m is None:
         return None
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
+    from huggingface_hub.utils import HFValidationError, validate_repo_id  # noqa: PLC0415 heavy: hub ids only
 
     try:
         validate_repo_id(m["repo"])
@@ -129,8 +129,9 @@ def hub_snapshot(value: str) -> Path:
                             f"org/name@revision)")
     repo, revision = parts
     cache = hub_cache_dir()
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
+    # huggingface_hub's download code costs ~0.5 s (requests, httpx); `factory validate` of a preset never needs it
+    from huggingface_hub import snapshot_download  # noqa: PLC0415 heavy: huggingface_hub; hub ids only
+    from huggingface_hub.errors import LocalEntryNotFoundError  # noqa: PLC0415 heavy: huggingface_hub; hub ids only
 
     try:
         return Path(snapshot_download(repo, revision=revision, cache_dir=cache, local_files_only=True))

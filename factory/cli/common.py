@@ -9,8 +9,14 @@ import sys
 from pathlib import Path
 
 from factory.config import FILE_SOURCE_KINDS, ExperimentSpec, SpecError, parse_overrides
+from factory.data.source_check import check_sources
 from factory.envs.spec_check import load_checked_spec
 from factory.home import DEFAULT_HOME, FactoryPaths, factory_home
+from factory.model_source import ModelPathError
+from factory.models.gguf import GGUFError
+from factory.models.hf import ModelDirError
+from factory.models.resolve import check_model_path
+from factory.source_spec import SourceError
 
 
 def error(msg: str) -> None:
@@ -35,17 +41,13 @@ def load(args: argparse.Namespace) -> tuple[ExperimentSpec | None, SpecError | N
         return None, e if e.source else SpecError(e.errors, args.spec)
     if spec.data is not None and any(s["kind"] in FILE_SOURCE_KINDS for s in spec.data.sources):
         # What opening the files would refuse, said now: not after the run's first attempt died of it.
-        from factory.data.source_check import check_sources
-        from factory.source_spec import SourceError
-
         try:
             check_sources(spec)  # paths from the file are absolute (load_spec); from --set, the working directory's
         except SourceError as e:
             return None, SpecError([str(e)], args.spec)
     # LoRA target modules need the model's module names (its skeleton, no weights): checked before any work starts.
-    # Imported here: torch and transformers are not loaded by commands that never build a model.
     if spec.trainer.lora is not None:
-        from factory.models.lora import spec_targets_problem
+        from factory.models.lora import spec_targets_problem  # noqa: PLC0415 heavy: torch, transformers; LoRA only
 
         if (problem := spec_targets_problem(spec)) is not None:
             return None, SpecError([problem], args.spec)
@@ -57,11 +59,6 @@ def check_model(spec: ExperimentSpec, args: argparse.Namespace) -> tuple[str | N
     converted and no weights are read (models/resolve.py). (None, None) for a preset model."""
     if spec.model.path is None:
         return None, None
-    from factory.model_source import ModelPathError
-    from factory.models.gguf import GGUFError
-    from factory.models.hf import ModelDirError
-    from factory.models.resolve import check_model_path
-
     # The home is only looked in (for a finished GGUF conversion), not created: validating leaves no trace.
     home = FactoryPaths(Path(getattr(args, "home", None) or os.environ.get("FACTORY_HOME") or DEFAULT_HOME)
                         .expanduser().resolve())

@@ -9,6 +9,7 @@ import sys
 from factory.cli.common import error
 from factory.envs import sandbox_service, service
 from factory.envs.sandbox import IsolationUnavailable
+from factory.home import factory_home
 from factory.runs.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 
 
@@ -46,8 +47,7 @@ def cmd_eval_serve(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         error(f"--port: must be 0..65535, got {args.port}")
         return EXIT_BAD_INPUT
-    from factory.home import factory_home
-    from factory.runs.eval_server import serve  # heavy on start: torch, transformers
+    from factory.runs.eval_server import serve  # noqa: PLC0415 heavy: pyiceberg; env-serve, sandbox-serve need none
 
     serve(factory_home(), port=args.port, idle_s=args.idle_s)
     return EXIT_OK

@@ -17,7 +17,7 @@ instance's Postgres when it is on Postgres (in a schema of its own, `optuna`, be
 keep an `alembic_version` table), else a SQLite file FACTORY_HOME/optuna/studies.db. The study is named after
 the sweep id, so a restarted launcher or a retried member continues the same study.
 
-Optuna is imported inside the functions that use it: loading the code location and `factory validate` stay light.
+Optuna is imported on first use (`_optuna`): loading the code location and `factory validate` stay light.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -79,11 +80,18 @@ def postgres_driver_url(url: str) -> str:
     return f"postgresql+psycopg2://{rest}" if sep and scheme in ("postgres", "postgresql") else url
 
 
+def _optuna() -> ModuleType:
+    """Optuna, imported on first use."""
+    import optuna  # noqa: PLC0415 heavy: optuna (sqlalchemy, alembic); the code location and validate never use it
+
+    return optuna
+
+
 def open_storage(url: str) -> optuna.storages.RDBStorage:
     """Optuna's storage at `url` (see `study_storage_url`), its tables created on first use: on Postgres in the
     schema `optuna` (created if missing), so Dagster's tables and alembic version stay untouched."""
-    import optuna
-    import sqlalchemy
+    optuna = _optuna()
+    import sqlalchemy  # noqa: PLC0415 heavy: sqlalchemy; with optuna, used by a tpe sweep only
 
     if url.startswith("sqlite:///"):
         Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
@@ -203,16 +211,15 @@ def _typed(p: SearchParam, v: float) -> int | float:
 
 def distributions(space: dict[str, SearchParam]) -> dict[str, optuna.distributions.BaseDistribution]:
     """Optuna's distribution of each searched field (the space validated by `search_errors`)."""
-    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
-
+    dist = _optuna().distributions
     out: dict[str, Any] = {}
     for name, p in space.items():
         if p.choices is not None:
-            out[name] = CategoricalDistribution(p.choices)
+            out[name] = dist.CategoricalDistribution(p.choices)
         elif p.type == "int":
-            out[name] = IntDistribution(int(p.low), int(p.high), log=p.log, step=int(p.step or 1))
+            out[name] = dist.IntDistribution(int(p.low), int(p.high), log=p.log, step=int(p.step or 1))
         else:
-            out[name] = FloatDistribution(p.low, p.high, log=p.log, step=p.step)
+            out[name] = dist.FloatDistribution(p.low, p.high, log=p.log, step=p.step)
     return out
 
 
@@ -220,7 +227,7 @@ def distributions(space: dict[str, SearchParam]) -> dict[str, optuna.distributio
 
 
 def _pruner(prune: str, startup_trials: int, first_step: int, last_step: int) -> optuna.pruners.BasePruner:
-    import optuna
+    optuna = _optuna()
 
     if prune == "median":
         # The median of the trials that reached the same step; none pruned before `startup_trials` completed.
@@ -236,7 +243,7 @@ def open_study(storage: optuna.storages.BaseStorage, sweep_id: str, definition: 
     pruner its definition names (`definition`: a `SweepDefinition` as JSON). The TPE sampler is seeded with
     `draw_seed` plus the number of trials already asked, so trials asked by successive launcher ticks differ and
     a sweep replays the same way."""
-    import optuna
+    optuna = _optuna()
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # one line per trial otherwise, in every sensor tick
     pruner = _pruner(definition.get("prune", "none"), int(definition.get("prune_startup_trials", 3)),
@@ -272,7 +279,7 @@ class TrialReporter:
     the member on a difference inside the noise."""
 
     def __init__(self, study: optuna.Study, trial_id: int, prune: str, log: Callable[[str], None] | None = None):
-        import optuna
+        optuna = _optuna()
 
         self.study, self.trial_id, self.prune, self.log = study, trial_id, prune, log
         self.trial = optuna.trial.Trial(study, trial_id)
@@ -285,7 +292,7 @@ class TrialReporter:
         return self.study._storage.get_trial(self.trial_id)
 
     def running(self) -> bool:
-        import optuna
+        optuna = _optuna()
 
         return self._frozen().state == optuna.trial.TrialState.RUNNING
 
@@ -324,7 +331,7 @@ class TrialReporter:
     def _reference(self, step: int) -> tuple[float, int, str] | None:
         """(value, how many trials, which) the pruner compared this trial with at `step`: the median of the
         completed trials' values there (median); of every other trial's (hyperband, which ranks within a rung)."""
-        import optuna
+        optuna = _optuna()
 
         if self.prune == "median":
             trials, what = self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)), \
@@ -340,7 +347,7 @@ class TrialReporter:
             self.study.tell(self.trial_number(), accuracy)
 
     def pruned(self) -> None:
-        import optuna
+        optuna = _optuna()
 
         if self.running():
             self.study.tell(self.trial_number(), state=optuna.trial.TrialState.PRUNED)

@@ -255,8 +255,9 @@ def ensure_sqlite_store(db: Path, artifact_root: Path) -> None:
 def _build_store(db: Path, artifact_root: Path) -> None:
     # SqlAlchemyStore runs MLflow's own set-up (tables, every migration, the Default experiment) on the temp
     # file; the rename then publishes a finished store in one step.
-    # heavy: sqlalchemy (MLflow's SQL store); only creating the store needs it
-    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+    from mlflow.store.tracking.sqlalchemy_store import (  # noqa: PLC0415 heavy: sqlalchemy, alembic; creating only
+        SqlAlchemyStore,
+    )
 
     tmp = db.with_name(f"{db.name}.setup-{os.getpid()}")
     tmp.unlink(missing_ok=True)
@@ -269,9 +270,9 @@ def _store_state(db: Path) -> Literal["missing", "complete", "incomplete"]:
     """Whether `db` is absent, a complete MLflow store at MLflow's head schema revision, or anything else."""
     if not db.exists() or db.stat().st_size == 0:
         return "missing"
-    # heavy: sqlalchemy (MLflow's SQL store); only checking the store's schema needs it
-    import sqlalchemy
-    from mlflow.store.db import utils as db_utils  # private helpers; mlflow is pinned to one minor version
+    # private helpers (mlflow is pinned to one minor version)
+    import sqlalchemy  # noqa: PLC0415 heavy: sqlalchemy; only checking the store's schema needs it
+    from mlflow.store.db import utils as db_utils  # noqa: PLC0415 heavy: sqlalchemy, alembic; checking the schema only
 
     engine = sqlalchemy.create_engine(f"sqlite:///{db}", poolclass=sqlalchemy.pool.NullPool)
     try:

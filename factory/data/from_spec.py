@@ -17,6 +17,7 @@ from factory.config import ExperimentSpec
 from factory.data.blender import Blender
 from factory.data.sources import make_source
 from factory.data.sources.base import ListSource, PromptSource, num_blocks
+from factory.data.sources.field import HumanEvalSource
 from factory.problem import Problem
 from factory.source_spec import SourceError
 
@@ -97,8 +98,6 @@ def held_out_sets(spec: ExperimentSpec) -> dict[str, list[Problem]]:
 
 def humaneval_benchmark(spec: ExperimentSpec) -> list[Problem]:
     """The `humaneval` benchmark of a run: HumanEval's problems less those its humaneval sources train on."""
-    from factory.data.sources.field import HumanEvalSource
-
     trained: set[str] = set()
     for s in spec.data.sources if spec.data is not None else []:
         if s["kind"] == "humaneval":

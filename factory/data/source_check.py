@@ -61,7 +61,13 @@ def check_file_source(raw: dict[str, Any], base_dir: str | Path | None = None,
                       fit: tuple[int, str] | None = None) -> None:
     """SourceError if the file source `raw` cannot be opened or any of its rows read, or (with `fit`: the most
     characters a prompt may have, and why) a row's prompt is too long for the model."""
-    from factory.data.sources.files import HFDiskSource, JsonlSource, ParquetSource, check_regular
+    # the sources package loads pyiceberg and duckdb; `factory validate` imports this module for every spec
+    from factory.data.sources.files import (  # noqa: PLC0415 heavy: pyiceberg, duckdb; specs with file sources only
+        HFDiskSource,
+        JsonlSource,
+        ParquetSource,
+        check_regular,
+    )
 
     s = parse_source_spec(raw)
     path = Path(s.path)

@@ -22,6 +22,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+
 from factory.config import ExperimentSpec
 from factory.deploy import manifests as m
 from factory.deploy.profile import DeployProfile
@@ -50,8 +53,6 @@ class Cluster:
     """One namespace of a cluster, through the `kubernetes` client's typed APIs (plain dict bodies)."""
 
     def __init__(self, api_client: Any, namespace: str, poll_s: float = 1.0) -> None:
-        from kubernetes import client  # heavy: kubernetes client; rendering manifests needs no cluster
-
         self.namespace = namespace
         self.poll_s = poll_s
         self.core = client.CoreV1Api(api_client)
@@ -61,8 +62,6 @@ class Cluster:
     @classmethod
     def connect(cls, namespace: str, kubeconfig: str | None = None, poll_s: float = 1.0) -> Cluster:
         """In a pod (no kubeconfig): the service account's in-cluster config; else the kubeconfig file."""
-        from kubernetes import client, config  # heavy: kubernetes client; rendering manifests needs no cluster
-
         cfg = client.Configuration()
         if kubeconfig:
             config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
@@ -78,8 +77,6 @@ class Cluster:
 
     def apply(self, obj: m.Manifest) -> None:
         """Create `obj`; if it exists, replace a ConfigMap, or delete and recreate anything else."""
-        from kubernetes.client.exceptions import ApiException  # heavy: kubernetes client; rendering needs no cluster
-
         kind, name = obj["kind"], obj["metadata"]["name"]
         try:
             self._call("create", kind)(self.namespace, obj)
@@ -95,8 +92,6 @@ class Cluster:
 
     def delete(self, obj: m.Manifest, wait_s: float = 0.0) -> None:
         """Delete `obj` (and a Job's pods); a missing object is fine. With `wait_s`, wait until it is gone."""
-        from kubernetes.client.exceptions import ApiException  # heavy: kubernetes client; rendering needs no cluster
-
         kind, name = obj["kind"], obj["metadata"]["name"]
         try:
             self._call("delete", kind)(name, self.namespace, body={"propagationPolicy": "Background"})
@@ -107,8 +102,6 @@ class Cluster:
         self._until(lambda: self._read(kind, name) is None, wait_s, f"{kind} {name} to be deleted")
 
     def _read(self, kind: str, name: str) -> Any:
-        from kubernetes.client.exceptions import ApiException  # heavy: kubernetes client; rendering needs no cluster
-
         try:
             return self._call("read", kind)(name, self.namespace)
         except ApiException as e:

@@ -293,9 +293,13 @@ def dagster_job(spec: ExperimentSpec, profile: DeployProfile, group: str, tags: 
     """The Job dagster-k8s would create for `tags`: for an asset group, the step Job of its k8s_job_executor; for
     `run`, the run worker Job of its K8sRunLauncher. Built by dagster-k8s's own functions (the tags parsed and
     checked by `get_user_defined_k8s_config`, the Job by `construct_dagster_k8s_job`)."""
-    # heavy: dagster-k8s, kubernetes; only the run worker Job needs them, not the other manifests
-    from dagster_k8s.job import DagsterK8sJobConfig, construct_dagster_k8s_job, get_user_defined_k8s_config
-    from kubernetes.client import ApiClient
+    # only the run worker Job needs dagster-k8s and kubernetes, not the other manifests
+    from dagster_k8s.job import (  # noqa: PLC0415 heavy: dagster-k8s, kubernetes; the run worker Job only
+        DagsterK8sJobConfig,
+        construct_dagster_k8s_job,
+        get_user_defined_k8s_config,
+    )
+    from kubernetes.client import ApiClient  # noqa: PLC0415 heavy: kubernetes; the run worker Job only
 
     job_config = DagsterK8sJobConfig(job_image=profile.image, image_pull_policy="IfNotPresent",
                                      dagster_home="/opt/dagster/dagster_home",

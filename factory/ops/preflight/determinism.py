@@ -25,6 +25,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
+import transformers
+
+from factory.models.build import build_model
+from factory.models.tokenizer import build_tokenizer
 from factory.ops.preflight.perf import torch_threads
 from factory.ops.preflight.result import CheckResult
 
@@ -36,22 +41,12 @@ COMPARED = ("loss", "loss_after_step", "grad_norm")  # held to RTOL against the 
 
 
 def golden_key() -> str:
-    # probe: torch, transformers imported by the check that uses them, so a failing import fails this check only
-    import torch
-    import transformers
-
     return (f"torch {torch.__version__} / transformers {transformers.__version__} / "
             f"{torch.backends.cpu.get_cpu_capability()}")
 
 
 def micro_step(seed: int = SEED) -> dict[str, Any]:
     """Loss, loss after one SGD step, and a digest of every gradient's bytes, for a freshly built `micro` model."""
-    # probe: torch, transformers imported by the check that uses them, so a failing import fails this check only
-    import torch
-
-    from factory.models.build import build_model
-    from factory.models.tokenizer import build_tokenizer
-
     # fork_rng: the check seeds torch, and must not change the random stream of a run in the same process.
     with torch.random.fork_rng(devices=[]), torch_threads(1):
         tok = build_tokenizer()

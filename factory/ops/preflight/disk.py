@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import time
 import zlib
@@ -24,8 +25,6 @@ SIZE_MB = {"quick": 32, "deep": 512}
 
 def _payload(seed: int) -> bytes:
     # Random bytes, so a compressing or deduplicating filesystem cannot make the write look faster than the device.
-    import random
-
     return random.Random(seed).randbytes(CHUNK)
 
 

@@ -70,8 +70,7 @@ def preflight_disabled(ops: OpsSpec) -> str:
 
 def latest_results(lake: Lake, node: str, since: dt.datetime) -> dict[str, dict[str, Any]]:
     """{check: its latest `node_health` row} for `node`, among rows recorded at or after `since`."""
-    # heavy: pyiceberg, only when the gate reads the lake
-    from pyiceberg.expressions import And, EqualTo, GreaterThanOrEqual
+    from pyiceberg.expressions import And, EqualTo, GreaterThanOrEqual  # noqa: PLC0415 heavy: pyiceberg; reading only
 
     micros = int(since.timestamp() * 1_000_000)
     rows = lake.read("node_health", And(EqualTo("node", node), GreaterThanOrEqual("recorded_at", micros))).to_pylist()
@@ -92,7 +91,7 @@ def gate(ops: OpsSpec, paths: FactoryPaths, lake: Lake | None = None,
     node = node_name()
     opened = None
     if lake is None:
-        from factory.lake.writer import Lake  # heavy: pyiceberg, duckdb, only when the gate reads the lake
+        from factory.lake.writer import Lake  # noqa: PLC0415 heavy: pyiceberg, duckdb; when the gate reads the lake
 
         try:
             lake = opened = Lake.open(paths)

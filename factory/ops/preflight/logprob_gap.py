@@ -8,7 +8,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
+from factory.config import load_spec, parse_spec
+from factory.core.gate import check_engine
+from factory.core.loop import make_producer
+from factory.core.trainer.torch_trainer import TorchTrainer
+from factory.envs.tasks import make_task_splits
 from factory.home import FactoryPaths
+from factory.infra.device import prepare, run_device
+from factory.models.build import policy_for
 from factory.ops.preflight.perf import torch_threads
 from factory.ops.preflight.result import CheckResult
 
@@ -19,17 +28,6 @@ DEFAULT_SETUP = {"name": "preflight", "model": {"preset": "tiny"}, "task": {"n_t
 
 def logprob_gap_check(paths: FactoryPaths, spec_path: str | Path | None = None) -> CheckResult:
     """Build the setup (the default, or `spec_path`'s), run the gate on it, and say what it found."""
-    # probe: torch, transformers and the core imported by the check that uses them (a failing import fails it only)
-    import torch
-
-    from factory.config import load_spec, parse_spec
-    from factory.core.gate import check_engine
-    from factory.core.loop import make_producer
-    from factory.core.trainer.torch_trainer import TorchTrainer
-    from factory.envs.tasks import make_task_splits
-    from factory.infra.device import prepare, run_device
-    from factory.models.build import policy_for
-
     spec = load_spec(spec_path) if spec_path is not None else parse_spec(DEFAULT_SETUP)
     setup = f"spec {spec_path}" if spec_path is not None else "the default tiny setup"
     # fork_rng: a check in a process that trains afterwards leaves its random stream as it was.

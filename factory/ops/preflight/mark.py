@@ -29,6 +29,8 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
+from urllib3.exceptions import HTTPError
+
 from factory.infra.supervisor import retry
 from factory.ops.preflight.result import PreflightReport
 
@@ -94,7 +96,7 @@ def tolerates(tolerations: Iterable[dict[str, Any]], key: str = TAINT_KEY, effec
 def api_client(kubeconfig: str | None = None) -> Any:
     """A kubernetes ApiClient: from `kubeconfig` (a file; tests point it at a local server), else $KUBECONFIG, else
     the pod's in-cluster service account (the preflight Job's)."""
-    from kubernetes import client, config  # heavy: kubernetes client; only marking a node needs it, the checks do not
+    from kubernetes import client, config  # noqa: PLC0415 heavy: kubernetes; marking a node needs it, the checks not
 
     path = kubeconfig or os.environ.get("KUBECONFIG")
     if path:
@@ -118,10 +120,7 @@ def mark_node(name: str, report: PreflightReport, partial: bool = False, kubecon
               ) -> dict[str, Any]:
     """Read node `name`, send `node_patch`, retry on 409 Conflict; return the patched Node (camelCase dict).
     MarkError naming the node and the API server's answer otherwise."""
-    # heavy: kubernetes client; only marking a node needs it, the checks do not
-    from kubernetes import client
-    from kubernetes.client.exceptions import ApiException
-    from urllib3.exceptions import HTTPError
+    from kubernetes import client  # noqa: PLC0415 heavy: kubernetes; marking a node needs it, the checks do not
 
     with api_client(kubeconfig) as api:
         core = client.CoreV1Api(api)
@@ -137,8 +136,9 @@ def mark_node(name: str, report: PreflightReport, partial: bool = False, kubecon
             return json.loads(patched.data)
 
         try:
-            return retry(patch, attempts=CONFLICT_RETRIES, on=lambda e: isinstance(e, ApiException) and e.status == 409)
-        except ApiException as e:
+            return retry(patch, attempts=CONFLICT_RETRIES,
+                         on=lambda e: isinstance(e, client.ApiException) and e.status == 409)
+        except client.ApiException as e:
             raise MarkError(f"cannot mark node {name}: API server answered {e.status} {e.reason}: "
                             f"{_status_message(e.body)}") from None
         except (HTTPError, OSError) as e:  # unreachable server, refused connection, TLS

@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+import torch
+
 from factory.ops.preflight.result import CheckResult
 
 # (windows, seconds per window) per mode: deep measures longer for a steadier number.
@@ -38,8 +40,6 @@ class Rate:
 
 @contextlib.contextmanager
 def torch_threads(n: int) -> Iterator[None]:
-    import torch  # probe: torch, imported by the check so a failing import fails that check only
-
     old = torch.get_num_threads()
     torch.set_num_threads(n)
     try:
@@ -84,14 +84,10 @@ def cpu_pressure() -> str:
 
 
 def _use_cuda() -> bool:
-    import torch  # probe: torch, imported by the check so a failing import fails that check only
-
     return torch.cuda.is_available()
 
 
 def matmul_check(floor: float, mode: str, gpus_expected: bool) -> CheckResult:
-    import torch  # probe: torch, imported by the check so a failing import fails that check only
-
     windows, window_s = WINDOWS[mode]
     if gpus_expected and not _use_cuda():
         return CheckResult("matmul", False, None, floor, "GFLOP/s", f">= {floor:g}",
@@ -115,8 +111,6 @@ def matmul_check(floor: float, mode: str, gpus_expected: bool) -> CheckResult:
 
 
 def memory_bandwidth_check(floor: float, mode: str) -> CheckResult:
-    import torch  # probe: torch, imported by the check so a failing import fails that check only
-
     windows, window_s = WINDOWS[mode]
     if _use_cuda():
         mb, dev, sync = GPU_COPY_MB, "cuda", torch.cuda.synchronize
