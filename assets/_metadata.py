@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from dagster import AssetExecutionContext, MetadataValue
 
 from factory.progress import Throttle
+from factory.text import markdown_image
 
 if TYPE_CHECKING:
     from factory.cockpit.reports import RunPictures
@@ -26,8 +27,6 @@ def inline_picture(alt: str, url: str) -> MetadataValue:
 def embedded(pictures: dict[str, bytes]) -> MetadataValue:
     """Every picture inlined in one markdown value (data URIs): one click away ([Show Markdown]) with no
     MLflow UI running."""
-    from factory.text import markdown_image
-
     return MetadataValue.md("\n\n".join(f"**{name}**\n\n{markdown_image(png, name)}"
                                          for name, png in pictures.items()))
 
@@ -36,7 +35,7 @@ def run_metadata(pics: RunPictures, tracker: Tracker, run_id: str, mlflow_run_id
                  ) -> tuple[dict[str, Any], dict[str, Any]]:
     """A training run's pictures (drawn in place when the MLflow UI runs, as `make ui` starts it) and its MLflow
     link, to go first; and the pictures embedded (one click away, no MLflow UI needed), to go last."""
-    from factory.cockpit.reports import CURVES, EVALS, METRICS, small  # heavy: mlflow, matplotlib, when the step runs
+    from factory.cockpit.reports import CURVES, EVALS, METRICS, small  # noqa: PLC0415 heavy: mlflow, matplotlib
 
     where = "served by the MLflow UI; without it, open `pictures`"
     md: dict[str, Any] = {

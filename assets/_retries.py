@@ -49,8 +49,8 @@ def factory_run_id(context: AssetExecutionContext, name: str) -> str:
 
 @contextlib.contextmanager
 def no_retry_for_what_needs_a_fix() -> Iterator[None]:
-    from factory.core.gate import LogprobGapError  # heavy: torch, transformers, when the step runs
-    from factory.core.loop import NonFiniteLoss
+    from factory.core.gate import LogprobGapError  # noqa: PLC0415 heavy: torch, transformers; when the step runs
+    from factory.core.loop import NonFiniteLoss  # noqa: PLC0415 heavy: torch; when the step runs
 
     try:
         yield

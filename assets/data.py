@@ -75,7 +75,7 @@ def _generated_source_asset(entry: dict[str, Any]) -> AssetsDefinition:
            description=f"Prompt source {entry['name']!r} ({entry['kind']}): generated, versioned by what defines "
                        f"its rows.")
     def _source(context: AssetExecutionContext) -> MaterializeResult:
-        from factory.data.sources import make_source  # heavy: pyiceberg, duckdb, when the step runs
+        from factory.data.sources import make_source  # noqa: PLC0415 heavy: pyiceberg, duckdb; when the step runs
 
         src = make_source(entry)
         context.log.info(f"source {entry['name']}: {len(src)} rows, version {src.version()}")
@@ -91,8 +91,8 @@ def _task_source_asset(spec: ExperimentSpec) -> AssetsDefinition:
            kinds={"python"}, op_tags=role_tags("data"),
            description=f"The task's training split as the one prompt source {name!r} (the spec has no data section).")
     def _source(context: AssetExecutionContext, dataset: dict, spec: SpecResource) -> MaterializeResult:
-        from factory.data.from_spec import task_source  # heavy: pyiceberg, duckdb, when the step runs
-        from factory.runs.stages import load_dataset  # heavy (torch): imported when the asset runs
+        from factory.data.from_spec import task_source  # noqa: PLC0415 heavy: pyiceberg, duckdb; when the step runs
+        from factory.runs.stages import load_dataset  # noqa: PLC0415 heavy: torch; when the asset runs
 
         train = load_dataset(dataset["path"]).train
         src = task_source(spec.spec(), train)
@@ -122,7 +122,7 @@ def _observed_sources_asset(entries: list[dict[str, Any]]) -> AssetsDefinition:
                                        description="Observe the external prompt sources: content hash or "
                                                    "snapshot id as each one's data version.")
         def _observe(context):
-            from factory.data.sources import make_source  # heavy: pyiceberg, duckdb, when the source is observed
+            from factory.data.sources import make_source  # noqa: PLC0415 heavy: pyiceberg, duckdb
 
             catalog = context.resources.lake.lake() if needs_lake else None
             for key in sorted(context.selected_asset_keys, key=lambda k: k.to_user_string()):
@@ -168,8 +168,13 @@ def blend_asset(spec: ExperimentSpec) -> AssetsDefinition:
         version is theirs hashed (`blend_version`), so a changed source file or weight is a new version. The
         metadata compares the realized share of each source with its target over the spec's steps."""
         # heavy: pyiceberg, duckdb, matplotlib, when the step runs
-        from factory.cockpit.blend_report import blend_report
-        from factory.data.from_spec import blend_schedule, blend_seed, blend_version, open_sources
+        from factory.cockpit.blend_report import blend_report  # noqa: PLC0415 heavy: matplotlib, duckdb
+        from factory.data.from_spec import (  # noqa: PLC0415 heavy: pyiceberg, duckdb; when the step runs
+            blend_schedule,
+            blend_seed,
+            blend_version,
+            open_sources,
+        )
 
         s = spec.spec()
         if _sources_of(s) != built_from:
@@ -178,7 +183,7 @@ def blend_asset(spec: ExperimentSpec) -> AssetsDefinition:
                           f"location with this spec (FACTORY_SPEC=<path>, see jobs/__init__.py)")
         train = None
         if s.data is None:
-            from factory.runs.stages import load_dataset  # heavy (torch): imported when the asset runs
+            from factory.runs.stages import load_dataset  # noqa: PLC0415 heavy: torch; when the asset runs
 
             train = load_dataset(inputs["dataset"]["path"]).train
         needs_lake = s.data is not None and any(e["kind"] == "iceberg" for e in s.data.sources)
@@ -211,7 +216,7 @@ def blend_asset(spec: ExperimentSpec) -> AssetsDefinition:
 def _pictures(mlflow: MlflowResource, spec: ExperimentSpec, version: str, report: Any) -> tuple[dict, MetadataValue]:
     """The shares picture stored on the blend version's MLflow run (one per version, reused: equal blends draw
     equal bytes), drawn in place by its MLflow UI link; and embedded, one click away without the UI."""
-    from factory.cockpit.reports import small, store  # heavy: mlflow, matplotlib, when the step runs
+    from factory.cockpit.reports import small, store  # noqa: PLC0415 heavy: mlflow, matplotlib; when the step runs
 
     tracker = mlflow.tracker()
     name = f"blend-{version}"
@@ -245,7 +250,7 @@ def prompt_stats(context: AssetExecutionContext, spec: SpecResource, lake: LakeR
     """Per prompt over every succeeded run: samples, passes, groups, runs, pass rate (the lake's `prompt_stats`,
     what `data.filter` skips prompts by). Recomputed when a run finishes; rows that did not change are not
     rewritten."""
-    from factory.data.stats import update_prompt_stats  # heavy: pyiceberg, duckdb, when the step runs
+    from factory.data.stats import update_prompt_stats  # noqa: PLC0415 heavy: pyiceberg, duckdb; when the step runs
 
     lk = lake.lake()
     written = update_prompt_stats(lk)

@@ -14,7 +14,7 @@ def task_dataset(context: AssetExecutionContext, spec: SpecResource,
     """The spec's task family (arithmetic, word problems, code, ...) as train and held-out splits drawn
     deterministically from the spec's seed, with no overlap. Named `arithmetic_dataset` before
     (docs/migrations.md)."""
-    from factory.runs.stages import build_dataset  # heavy (torch): imported when the asset runs, see jobs/
+    from factory.runs.stages import build_dataset  # noqa: PLC0415 heavy: torch; when the asset runs (see jobs/)
 
     s = spec.spec()
     ds = build_dataset(s, home.paths())

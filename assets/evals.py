@@ -28,6 +28,7 @@ from assets.sweeps import sweep_member_run
 from assets.training import grpo_run
 from factory.deploy.target import op_tags, profile_name
 from factory.runs.checkpoint_eval import evaluate_and_draw, parse_checkpoint_key, parse_eval_key, regression_check
+from factory.text import markdown_image
 from resources import FactoryHomeResource, LakeResource, MlflowResource
 
 
@@ -36,7 +37,7 @@ from resources import FactoryHomeResource, LakeResource, MlflowResource
 def eval_report(context: AssetExecutionContext, run: dict, lake: LakeResource) -> MaterializeResult:
     """Held-out accuracy of the SFT start, the GRPO result and the control on the run's own task's held-out set
     (`benchmark`: factory/lake/results.py), read back from Iceberg."""
-    from factory.runs.stages import eval_summary, render_report  # heavy: see assets/training.py
+    from factory.runs.stages import eval_summary, render_report  # noqa: PLC0415 heavy: torch; when the asset runs
 
     run_id = run["run_id"]
     s = eval_summary(lake.lake(), run_id)
@@ -138,7 +139,10 @@ def _evaluate(context: AssetExecutionContext, config: CheckpointEvalConfig, path
               mlflow: MlflowResource, run_id: str, step: int, benchmark: str):
     """The eval, its picture and the regression check, by the home's eval server when it answers (this process then
     imports neither torch nor mlflow nor matplotlib, and opens no lake), else in-process."""
-    from factory.runs.eval_server import EvalServerUnavailable, evaluate_remote
+    from factory.runs.eval_server import (  # noqa: PLC0415 the eval server's client; evals only
+        EvalServerUnavailable,
+        evaluate_remote,
+    )
 
     if config.eval_server and profile_name() != "k8s":
         try:
@@ -152,8 +156,6 @@ def _evaluate(context: AssetExecutionContext, config: CheckpointEvalConfig, path
 def _check_metadata(res, reg, tolerance: float, picture: bytes | None) -> dict:
     """What the check shows: every figure as text, so the UI does not plot them across runs and benchmarks
     (its plots join executions in wall-clock order), and the picture of this run and benchmark alone."""
-    from factory.text import markdown_image
-
     if reg.previous_step is None:
         compared = "nothing: the run's first evaluated checkpoint on this benchmark"
     else:

@@ -44,10 +44,12 @@ from factory.cockpit.sweep import (
     short_label,
     sweep_id_of,
 )
+from factory.cockpit.sweep_search import TrialReporter
 from factory.deploy.target import op_tags
 from factory.intervals import share_text
 from factory.progress import format_duration
 from resources import FactoryHomeResource, LakeResource, MlflowResource
+from resources.study import sweep_study
 
 sweep_members = DynamicPartitionsDefinition(name="sweep_members")
 sweeps = DynamicPartitionsDefinition(name="sweeps")
@@ -59,7 +61,11 @@ warm_starts = DynamicPartitionsDefinition(name="warm_starts")
 def sweep_warm_start(context: AssetExecutionContext, home: FactoryHomeResource) -> MaterializeResult:
     """The SFT warm start shared by every sweep member with the same model, task, SFT settings and seed
     (partition `sft-<fingerprint>`): trained once; the launcher starts those members after it."""
-    from factory.runs.stages import build_dataset, cached_sft_checkpoint, load_dataset  # heavy: torch
+    from factory.runs.stages import (  # noqa: PLC0415 heavy: torch; when the asset runs
+        build_dataset,
+        cached_sft_checkpoint,
+        load_dataset,
+    )
 
     paths = home.paths()
     try:
@@ -84,8 +90,8 @@ def sweep_member_run(context: AssetExecutionContext, home: FactoryHomeResource, 
     MLflow under its sweep's parent run; its `sweeps` row follows it from running to succeeded/failed, or pruned (a
     tpe sweep's member that its pruner stopped at a resume point: an outcome, not a failure). While it runs, its
     tags show the step, latest reward and ETA."""
-    from factory.cockpit.reports import run_pictures  # heavy: mlflow, matplotlib, when the step runs
-    from factory.runs.experiment import Pruned, run_sweep_member  # heavy: see assets/training.py
+    from factory.cockpit.reports import run_pictures  # noqa: PLC0415 heavy: mlflow, matplotlib; when the step runs
+    from factory.runs.experiment import Pruned, run_sweep_member  # noqa: PLC0415 heavy: torch; when the asset runs
 
     key = context.partition_key
     paths = home.paths()
@@ -134,9 +140,6 @@ def _trial(context: AssetExecutionContext, paths, info: dict, key: str):
     """The Optuna trial of a tpe sweep's member (a `TrialReporter`), else None."""
     if info["definition"].get("mode") != "tpe":
         return None
-    from factory.cockpit.sweep_search import TrialReporter
-    from resources.study import sweep_study
-
     entry = next(m for m in info["members"] if m["key"] == key)
     return TrialReporter(sweep_study(context.instance, paths, info), entry["trial_id"], info["definition"]["prune"],
                          log=context.log.warning)  # a member the pruner spared as inside the noise says so
@@ -151,8 +154,8 @@ def sweep_summary(context: AssetExecutionContext, lake: LakeResource, mlflow: Ml
     Drawn as soon as every member has ended: `pending_evals` names the members' checkpoint evals not landed yet,
     and the summarizer draws it again as they land (jobs/_summary.py)."""
     # heavy: matplotlib, mlflow, when the step runs
-    from factory.cockpit.plots import DPI, sweep_summary_png
-    from factory.cockpit.reports import compare_sweep, small, store
+    from factory.cockpit.plots import DPI, sweep_summary_png  # noqa: PLC0415 heavy: matplotlib; when the step runs
+    from factory.cockpit.reports import compare_sweep, small, store  # noqa: PLC0415 heavy: mlflow, matplotlib
 
     sweep_id = context.partition_key
     try:

@@ -41,7 +41,7 @@ def ask_trials(context: SensorEvaluationContext, paths: FactoryPaths, lake: Lake
     """New trials for the tpe sweep `info` as far as its limit (`limit` members or warm starts holding a slot; those
     holding one now are `holding`) allows; returns the sweep as stored after them (`search_done` set once every
     trial was asked)."""
-    import optuna
+    import optuna  # noqa: PLC0415 heavy: optuna; when the sensor asks for trials
 
     defn, sweep_id = info["definition"], info["sweep_id"]
     if info.get("search_done"):
@@ -86,7 +86,7 @@ def _settle(context: SensorEvaluationContext, lake: LakeResource, study: Any, in
             ended: set[str]) -> None:
     """Tell the study the result of each trial still running whose member is in `ended` (started, and none of its
     runs queued, running or awaiting a retry): what its `sweeps` row says, else FAIL."""
-    import optuna
+    import optuna  # noqa: PLC0415 heavy: optuna; when the sensor asks for trials
 
     running = {t.number for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))}
     stale = [m for m in info["members"] if m.get("trial") in running and m["key"] in ended]

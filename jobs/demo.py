@@ -31,11 +31,11 @@ def main(argv: list[str] | None = None) -> int:
         print(change)
 
     # heavy: dagster, the lake and every asset module; after --help and the instance file
-    from dagster import DagsterInstance
+    from dagster import DagsterInstance  # noqa: PLC0415 heavy: dagster; after --help and the instance file
 
-    from factory.lake.writer import Lake
-    from factory.runs.stages import eval_summary, render_report  # heavy: torch
-    from jobs import defs, make_resources
+    from factory.lake.writer import Lake  # noqa: PLC0415 heavy: pyiceberg, duckdb; after --help
+    from factory.runs.stages import eval_summary, render_report  # noqa: PLC0415 heavy: torch; after --help
+    from jobs import defs, make_resources  # noqa: PLC0415 every asset module (torch-free, seconds); after --help
 
     job = defs.resolve_job_def("quickstart")
     t0 = time.perf_counter()

@@ -91,8 +91,8 @@ def observation(live: LiveSweep, runs: dict[str, DagsterRun], tracker: Tracker |
                 parent: str | None) -> AssetObservation:
     """The live page of one sweep: its curves overlaid (drawn in place from the MLflow UI and embedded) and its
     member table."""
-    from factory.cockpit.plots import DPI  # heavy: matplotlib, when the sensor ticks
-    from factory.cockpit.reports import small, store
+    from factory.cockpit.plots import DPI  # noqa: PLC0415 heavy: matplotlib; when the sensor ticks
+    from factory.cockpit.reports import small, store  # noqa: PLC0415 heavy: mlflow, matplotlib; when the sensor ticks
 
     records, counts = [], {}
     for m in live.members:
@@ -130,7 +130,11 @@ def _latest_runs(context: SensorEvaluationContext, sweep_id: str) -> dict[str, D
         description=described("While a sweep runs, records its members' curves overlaid and their statuses on its "
                               "sweep_summary partition, whenever a status, step, eval or interruption is new."))
 def sweep_live(context: SensorEvaluationContext, lake: LakeResource, mlflow: MlflowResource) -> SensorResult:
-    from factory.cockpit.sweep_live import live_sweeps, sweep_rows, unfinished  # heavy: matplotlib, pyiceberg
+    from factory.cockpit.sweep_live import (  # noqa: PLC0415 heavy: matplotlib, pyiceberg; when the sensor ticks
+        live_sweeps,
+        sweep_rows,
+        unfinished,
+    )
 
     seen: dict[str, dict[str, list]] = json.loads(context.cursor) if context.cursor else {}
     lk = lake.lake()

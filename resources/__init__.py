@@ -32,7 +32,7 @@ class LakeResource(ConfigurableResource):
     home: FactoryHomeResource
 
     def lake(self) -> Lake:
-        from factory.lake.writer import Lake  # heavy: pyiceberg (loading the code location stays light)
+        from factory.lake.writer import Lake  # noqa: PLC0415 heavy: pyiceberg, duckdb
 
         return Lake.open(self.home.paths())
 
@@ -43,7 +43,7 @@ class MlflowResource(ConfigurableResource):
     home: FactoryHomeResource
 
     def tracker(self) -> Tracker:
-        from factory.cockpit.tracking import Tracker  # heavy: mlflow
+        from factory.cockpit.tracking import Tracker  # noqa: PLC0415 heavy: mlflow; the code location loads without it
 
         return Tracker(self.home.paths())
 
@@ -75,7 +75,7 @@ class TrainingLauncherResource(ConfigurableResource):
 
     def launch(self, context, spec: SpecResource, home: FactoryHomeResource, inputs: dict):
         """Train through Pipes; return the materialization the entrypoint reported (a MaterializeResult)."""
-        from resources.launch import launch_k8s, launch_subprocess  # heavy: the deploy code, for a launch only
+        from resources.launch import launch_k8s, launch_subprocess  # noqa: PLC0415 the deploy profile; launches only
 
         if self.where == "subprocess":
             return launch_subprocess(context, spec, home, inputs)
