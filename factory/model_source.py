@@ -100,7 +100,7 @@ def split_hub_id(value: str) -> tuple[str, str | None] | None:
     m = _HUB_ID.match(value)
     if m is None:
         return None
-    from huggingface_hub.utils import HFValidationError, validate_repo_id  # noqa: PLC0415 heavy: hub ids only
+    from huggingface_hub.utils import HFValidationError, validate_repo_id  # noqa: PLC0415 huggingface_hub: hub ids only
 
     try:
         validate_repo_id(m["repo"])
@@ -130,12 +130,11 @@ def hub_snapshot(value: str) -> Path:
     repo, revision = parts
     cache = hub_cache_dir()
     # huggingface_hub's download code costs ~0.5 s (requests, httpx); `factory validate` of a preset never needs it
-    from huggingface_hub import snapshot_download  # noqa: PLC0415 heavy: huggingface_hub; hub ids only
-    from huggingface_hub.errors import LocalEntryNotFoundError  # noqa: PLC0415 heavy: huggingface_hub; hub ids only
+    from huggingface_hub import errors, snapshot_download  # noqa: PLC0415 heavy: huggingface_hub; hub ids only
 
     try:
         return Path(snapshot_download(repo, revision=revision, cache_dir=cache, local_files_only=True))
-    except LocalEntryNotFoundError:
+    except errors.LocalEntryNotFoundError:
         at = f" at revision {revision}" if revision else ""
         fetch = f"hf download {repo}" + (f" --revision {revision}" if revision else "")
         raise HubCacheError(

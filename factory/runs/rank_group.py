@@ -20,13 +20,19 @@ import os
 import sys
 from pathlib import Path
 
+import torch.distributed as dist
+
 from factory.config import ExperimentSpec, parse_spec
+from factory.core.trainer.distributed import init_ranks
 from factory.core.trainer.launch import torchrun_command
+from factory.core.trainer.ranks import follow, leading
 from factory.home import FactoryPaths
 from factory.lake.writer import Lake
+from factory.models.build import policy_for
 from factory.runs import recovery
 from factory.runs.attempt import read_launch
 from factory.runs.exit_codes import EXIT_FAILED, EXIT_LOGPROB_GAP, EXIT_NEEDS_FIX, EXIT_OK
+from factory.runs.rl_run import attempt_main
 
 GROUP_EXIT = "group_exit"  # in the run directory: rank 0's exit code for its attempt (FACTORY_ATTEMPT)
 GROUP_TIMEOUT_S = 3600.0  # longest a follower waits in a collective (rank 0 loads, evaluates step 0, ...)
@@ -81,14 +87,6 @@ def _write_group_exit(run_dir: Path, attempt: str, code: int) -> None:
 
 def run_group_attempt(paths: FactoryPaths, run_id: str, spec: ExperimentSpec) -> int:
     """In a torchrun rank: rank 0 runs the attempt and leads, the others follow; returns this rank's exit code."""
-    # A rank's own imports: the supervisor and the CLI import this module to start and judge groups without torch.
-    import torch.distributed as dist  # noqa: PLC0415 heavy: torch; in a torchrun rank only
-
-    from factory.core.trainer.distributed import init_ranks  # noqa: PLC0415 heavy: torch; in a torchrun rank only
-    from factory.core.trainer.ranks import follow, leading  # noqa: PLC0415 heavy: torch; in a torchrun rank only
-    from factory.models.build import policy_for  # noqa: PLC0415 heavy: torch, transformers; in a torchrun rank only
-    from factory.runs.rl_run import attempt_main  # noqa: PLC0415 heavy: torch, the whole run; in a torchrun rank only
-
     rank, world = init_ranks(threads=spec.trainer.threads,
                              timeout_s=max(GROUP_TIMEOUT_S, 2 * spec.schedule.wait_timeout_s + 60))
     try:
