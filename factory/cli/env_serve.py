@@ -47,7 +47,7 @@ def cmd_eval_serve(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         error(f"--port: must be 0..65535, got {args.port}")
         return EXIT_BAD_INPUT
-    from factory.runs.eval_server import serve  # noqa: PLC0415 heavy: pyiceberg; env-serve, sandbox-serve need none
+    from factory.runs.eval_serve import serve  # noqa: PLC0415 heavy: torch, mlflow; env-serve, sandbox-serve need none
 
     serve(factory_home(), port=args.port, idle_s=args.idle_s)
     return EXIT_OK

@@ -54,7 +54,7 @@ def _servers_of(home: FactoryPaths) -> list[int]:
                 cmd = (d / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if b"factory.runs.eval_server" in cmd and str(home.root).encode() in cmd and _alive(int(d.name)):
+            if b"factory.runs.eval_serve" in cmd and str(home.root).encode() in cmd and _alive(int(d.name)):
                 pids.append(int(d.name))
     return pids
 
