@@ -21,12 +21,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from factory.config import ExperimentSpec, SpecError
+from factory.deploy.profile import DeployProfile, ProfileError, load_profile
 from factory.envs.spec_check import load_checked_spec
 
 if TYPE_CHECKING:
     from dagster import ExecutorDefinition
-
-    from factory.deploy.profile import DeployProfile
 
 PROFILE_ENV = "FACTORY_PROFILE"
 DEPLOY_PROFILE_ENV = "FACTORY_DEPLOY_PROFILE"
@@ -75,9 +74,8 @@ def k8s_target() -> K8sTarget | None:
     """The k8s target when FACTORY_PROFILE=k8s, else None. Read once per process (the code location's import)."""
     if profile_name() != "k8s":
         return None
-    # only the k8s profile reads a deploy profile and renders tags; the local code location imports neither
+    # the manifests pull in the rollout backends' server specs: only the k8s profile renders tags
     from factory.deploy.manifests import dagster_tags  # noqa: PLC0415 the k8s profile only (~0.1 s at every load)
-    from factory.deploy.profile import ProfileError, load_profile  # noqa: PLC0415 the k8s profile only
 
     spec_path = os.environ.get(SPEC_ENV) or DEFAULT_SPEC
     try:

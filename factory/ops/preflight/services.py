@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from factory.envs.redteam import CASES, Harness, run_case, run_suite
 from factory.envs.sandbox import IsolationUnavailable, SandboxLimits, SandboxPool
 from factory.home import FactoryPaths
 from factory.ops.preflight.result import CheckResult
@@ -63,8 +64,6 @@ def mlflow_check(paths: FactoryPaths) -> CheckResult:
 def sandbox_check(mode: str) -> CheckResult:
     """Quick: a pool of one bwrap worker contains a fork bomb (short limits). Deep: the whole red-team suite
     (`python -m factory.envs.redteam`)."""
-    # the red-team suite is imported by its check, so a failing import fails this check, not the whole preflight
-    from factory.envs.redteam import CASES, Harness, run_case, run_suite  # noqa: PLC0415 the probe's own
 
     expected = "pool starts; attacks contained"
     if mode == "deep":
