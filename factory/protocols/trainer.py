@@ -26,6 +26,7 @@ a new one; tests/extending/test_trainer_backend.py trains it.
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from factory.protocols.registry import Registry
@@ -58,6 +59,37 @@ class Trainer(Protocol):
              generator: torch.Generator | None = None) -> dict[str, float]: ...
 
     def logprobs(self, batch: TrainBatch) -> torch.Tensor: ...
+
+
+def trainer_problems(trainer: object) -> list[str]:
+    """What keeps `trainer` from being a `Trainer`, one phrase each ([] when it is one): a member missing, or a
+    method that does not take the parameters the run passes (by name, with the protocol's defaults) or requires one
+    it never passes. `isinstance(x, Trainer)` checks the names only."""
+    out = [f"no attribute {name}" for name in ("version", "optimizer") if not hasattr(trainer, name)]
+    optimizer = getattr(trainer, "optimizer", None)
+    if optimizer is not None:
+        out += [f"optimizer has no {m}()" for m in ("state_dict", "load_state_dict") if not hasattr(optimizer, m)]
+    for name in ("step", "logprobs"):
+        method = getattr(trainer, name, None)
+        if not callable(method):
+            out.append(f"no method {name}")
+            continue
+        try:
+            have = inspect.signature(method).parameters
+        except (TypeError, ValueError):  # a builtin without a signature: nothing more to check
+            continue
+        want = list(inspect.signature(getattr(Trainer, name)).parameters.values())[1:]  # after self
+        for p in want:
+            q = have.get(p.name)
+            if q is None:
+                out.append(f"{name}() has no parameter {p.name}")
+            elif p.default is not p.empty and q.default != p.default:
+                out.append(f"{name}(): {p.name} defaults to {q.default!r}, not {p.default!r}"
+                           if q.default is not q.empty else f"{name}(): {p.name} has no default")
+        wanted = {p.name for p in want}
+        out += [f"{name}() requires {q.name}, which the run does not pass" for q in have.values()
+                if q.name not in wanted and q.default is q.empty and q.kind not in (q.VAR_POSITIONAL, q.VAR_KEYWORD)]
+    return out
 
 
 class TrainerBackend(Protocol):

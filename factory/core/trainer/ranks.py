@@ -44,7 +44,7 @@ from factory.core.trainer.logprobs import enable_activation_checkpointing
 from factory.core.trainer.torch_trainer import LossFn, TorchTrainer
 from factory.infra.faults import fault_point
 from factory.models.build import policy_for
-from factory.protocols.trainer import TRAINERS, Trainer
+from factory.protocols.trainer import TRAINERS, Trainer, trainer_problems
 
 
 class LeaderFailed(RuntimeError):
@@ -80,10 +80,9 @@ def make_trainer(spec: ExperimentSpec, model: PreTrainedModel) -> Trainer:
     entry point, one registered in this process, or an import path) builds it around `model`."""
     name = spec.trainer.backend
     trainer = TRAINERS.get(name)(spec, model)
-    if not isinstance(trainer, Trainer):
-        missing = [m for m in ("step", "logprobs", "version", "optimizer") if not hasattr(trainer, m)]
-        raise TypeError(f"trainer.backend {name!r}: the builder returned a {type(trainer).__name__}, which lacks "
-                        f"{', '.join(missing)} (factory.protocols.Trainer)")
+    if problems := trainer_problems(trainer):
+        raise TypeError(f"trainer.backend {name!r}: the builder returned a {type(trainer).__name__}, not a "
+                        f"factory.protocols.Trainer: {'; '.join(problems)}")
     return trainer
 
 
