@@ -6,6 +6,7 @@ and trained on the quickstart's micro model for 2 steps: by the RL loop a notebo
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,3 +86,13 @@ def test_the_toy_registers_in_process_as_an_entry_point_and_as_an_import_path(tm
     path = "tests.extending.toy_trainer:build"
     assert parse_spec({"trainer": {"backend": path}}).trainer.backend == path
     assert TRAINERS.get(path) is toy_trainer.build
+
+
+def test_the_guide_shows_the_toy_as_it_is():
+    """docs/extending.md's worked example is this toy's code (after its docstring), so the guide cannot drift."""
+    root = Path(__file__).resolve().parents[2]
+    guide = (root / "docs/extending.md").read_text()
+    section = guide[guide.index("## Adding a trainer backend"):]
+    shown = section[section.index("```python\n") + len("```python\n"):]
+    shown = shown[:shown.index("```\n")]
+    assert shown == Path(toy_trainer.__file__).read_text().split('"""\n\n', 1)[1]
