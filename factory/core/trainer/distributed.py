@@ -162,7 +162,7 @@ class DistributedTrainer:
         self._autocast = bf16 and self.strategy != "fsdp"
         self._net: torch.nn.Module = model  # what the training forward goes through
         if self.strategy == "fsdp":
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # heavy (~3 s): fsdp only
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: PLC0415 heavy (~3 s): fsdp only
 
             # Rank 0's weights everywhere (DDP does this itself): followers need only the architecture, and a
             # leader that loaded a resume point or an SFT start passes it on.
@@ -303,7 +303,7 @@ class DistributedTrainer:
     def full_state_dict(self) -> dict[str, Tensor]:
         """The full, unsharded state on CPU on rank 0 ({} on the others). A collective under fsdp."""
         if self.strategy == "fsdp":
-            from torch.distributed.checkpoint.state_dict import (  # heavy: loads fsdp; fsdp only
+            from torch.distributed.checkpoint.state_dict import (  # noqa: PLC0415 heavy: loads fsdp (~3 s); fsdp only
                 StateDictOptions,
                 get_model_state_dict,
             )
@@ -318,7 +318,7 @@ class DistributedTrainer:
         (unsharded, CPU) state keyed by parameter name under fsdp (a collective; {} on ranks other than 0)."""
         if self.strategy != "fsdp":
             return self.optimizer.state_dict()
-        from torch.distributed.checkpoint.state_dict import (  # heavy: loads fsdp
+        from torch.distributed.checkpoint.state_dict import (  # noqa: PLC0415 heavy: loads fsdp (~3 s); fsdp only
             StateDictOptions,
             get_optimizer_state_dict,
         )
@@ -331,7 +331,7 @@ class DistributedTrainer:
         if self.strategy != "fsdp":
             self.optimizer.load_state_dict(state)
             return
-        from torch.distributed.checkpoint.state_dict import (  # heavy: loads fsdp
+        from torch.distributed.checkpoint.state_dict import (  # noqa: PLC0415 heavy: loads fsdp (~3 s); fsdp only
             StateDictOptions,
             set_optimizer_state_dict,
         )
