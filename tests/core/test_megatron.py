@@ -27,9 +27,12 @@ from factory.core.trainer.megatron_convert import (
     pipeline_stage,
     split_tensor_parallel,
 )
+from factory.core.trainer.step import guarded_step
 from factory.core.trainer.torch_trainer import TorchTrainer
 from factory.models.build import build_model
 from factory.models.tokenizer import build_tokenizer
+from factory.protocols import Trainer
+from factory.protocols.trainer import trainer_problems
 
 VOCAB = 96
 
@@ -285,16 +288,26 @@ def test_megatron_trainer_matches_torch_trainer(mg, megatron_cpu_forward, arch, 
         "model.norm.weight"])
 
 
-def test_nonfinite_minibatch_is_skipped(mg, megatron_cpu_forward):
+def test_nonfinite_minibatch_is_skipped(mg, megatron_cpu_forward, monkeypatch):
+    """Through the one non-finite rule (`trainer/step.py`'s `guarded_step`, spied on: the real one runs), decided
+    on the host; and `MegatronTrainer` is a `factory.protocols.Trainer`."""
     model = tiny("qwen2", True)
     trainer = mg.make_megatron_trainer(_spec("qwen2"), model, device="cpu")
+    assert isinstance(trainer, Trainer) and trainer_problems(trainer) == []
     before = {k: v.clone() for k, v in trainer.model.state_dict().items() if v is not None}
+    calls = []
+
+    def spy(optimizer, loss, grad_norm, *, on_device):
+        calls.append(on_device)
+        return guarded_step(optimizer, loss, grad_norm, on_device=on_device)
+
+    monkeypatch.setattr(mg, "guarded_step", spy)
 
     def nan_loss(logp, batch):
         return (logp * batch.loss_mask).sum() * float("nan"), {}
 
     metrics = trainer.step(_batch(), nan_loss)
-    assert metrics["nonfinite"] == 1.0 and trainer.version == 0
+    assert metrics["nonfinite"] == 1.0 and trainer.version == 0 and calls == [False]
     after = trainer.model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
 

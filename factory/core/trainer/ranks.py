@@ -14,6 +14,9 @@ ranks train sharded copies and after every step the leader gathers the full weig
 that all-gather). A resume point's optimizer state is `optimizer.state_dict()` under ddp and the full, gathered
 state keyed by parameter name under fsdp (a collective too), loaded back on every rank.
 
+`make_trainer` builds the loop's trainer through `factory.protocols.TRAINERS`; `torch_backend`, the `torch` entry,
+is the choice above (one process, or rank 0 leading ranks).
+
 Entry point: `python -m torch.distributed.run --nproc-per-node N -m factory.core.trainer.ranks --spec S.yaml
 --leader module:function` (or `launch.run_ranks`): rank 0 calls `function(spec)` inside `leading()`, the others
 follow.
@@ -41,8 +44,7 @@ from factory.core.trainer.logprobs import enable_activation_checkpointing
 from factory.core.trainer.torch_trainer import LossFn, TorchTrainer
 from factory.infra.faults import fault_point
 from factory.models.build import policy_for
-
-Trainer = TorchTrainer | DistributedTrainer  # | LeaderTrainer (the same interface)
+from factory.protocols.trainer import TRAINERS, Trainer, trainer_problems
 
 
 class LeaderFailed(RuntimeError):
@@ -73,20 +75,23 @@ def distributed_trainer(spec: ExperimentSpec, model: PreTrainedModel) -> Distrib
                               fused_optimizer=t.fused_optimizer)
 
 
-def make_trainer(spec: ExperimentSpec, model: PreTrainedModel):
-    """The loop's trainer for `spec.trainer`: the plain `TorchTrainer` at world_size 1 without accumulation (fp32, the
-    default path, or bf16 autocast), on the device the run placed `model` on; a lone `DistributedTrainer` at
-    world_size 1 with grad_accum (on that device too); on rank 0 of a torchrun group of world_size ranks, a
-    `LeaderTrainer` (the others must run `follow`); with backend megatron, a `MegatronTrainer` (one process; CUDA
-    only, `trainer/megatron.py`)."""
-    t = spec.trainer
-    if t.backend == "megatron":
-        if t.world_size > 1:
-            raise ValueError(f"trainer.world_size: the loop drives Megatron from one process (tensor_parallel = "
-                             f"pipeline_parallel = 1); {t.world_size} ranks would each need to run the loop's calls")
-        from factory.core.trainer.megatron import make_megatron_trainer  # the optional extra: imported when used
+def make_trainer(spec: ExperimentSpec, model: PreTrainedModel) -> Trainer:
+    """The loop's trainer: the backend `trainer.backend` names in `TRAINERS` (built-in torch or megatron, a plugin's
+    entry point, one registered in this process, or an import path) builds it around `model`."""
+    name = spec.trainer.backend
+    trainer = TRAINERS.get(name)(spec, model)
+    if problems := trainer_problems(trainer):
+        raise TypeError(f"trainer.backend {name!r}: the builder returned a {type(trainer).__name__}, not a "
+                        f"factory.protocols.Trainer: {'; '.join(problems)}")
+    return trainer
 
-        return make_megatron_trainer(spec, model)
+
+def torch_backend(spec: ExperimentSpec, model: PreTrainedModel) -> Trainer:
+    """The `torch` backend: the plain `TorchTrainer` at world_size 1 without accumulation (fp32, the default path,
+    or bf16 autocast), on the device the run placed `model` on; a lone `DistributedTrainer` at world_size 1 with
+    grad_accum (on that device too); on rank 0 of a torchrun group of world_size ranks, a `LeaderTrainer` (the
+    others must run `follow`)."""
+    t = spec.trainer
     if t.world_size == 1:
         if t.grad_accum == 1:
             if t.activation_checkpointing:
@@ -128,7 +133,7 @@ class _Optimizer:
 
 
 class LeaderTrainer:
-    """Rank 0's trainer: the `TorchTrainer` interface; each call is sent to the followers before it runs."""
+    """Rank 0's trainer (a `factory.protocols.Trainer`); each call is sent to the followers before it runs."""
 
     def __init__(self, inner: DistributedTrainer, replica: PreTrainedModel | None = None):
         self.inner = inner
