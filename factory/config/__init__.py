@@ -9,10 +9,10 @@ which the loaders (the CLI, the Dagster spec resource, sweeps, the deploy target
 `parse_spec` / `apply_overrides`; whether the machine can hold a spec's step is `factory.infra.memory`'s check.
 
 Modules, by concern: `yaml_io` (the YAML loader), `errors` (SpecError and how errors are worded), `bounds` (the
-sane maxima of sizes), `section` (what every section shares), one module per section (`model`, `task`, `sft`, `buffer`, `rollout`,
-`trainer` with LoRA, `schedule`, `ops`, `algorithm` with its corrections, `data` with the curriculum and the prompt
-filter), `experiment` (ExperimentSpec), `loading` (parse, load, overrides). Every name is importable from
-`factory.config` itself.
+sane maxima of sizes), `section` (what every section shares), one module per section (`model`, `task`, `sft`,
+`buffer`, `rollout`, `trainer` with LoRA, `schedule`, `ops`, `algorithm` with its corrections, `data` with the
+curriculum and the prompt filter), `experiment` (ExperimentSpec), `loading` (parse, load, overrides). Every name
+is importable from `factory.config` itself.
 """
 
 from factory.config.algorithm import AlgorithmSpec, CorrectionSpec
