@@ -90,7 +90,7 @@ def _load_job(path: Path):
 
 
 def _train(trainer, batches: list[TrainBatch], algo: AlgorithmSpec) -> list[dict[str, float]]:
-    loss_fn = algorithms.make_loss(algo, max_new_tokens=16)
+    loss_fn = algorithms.make_loss(algo.for_rollout(16))
     shuffle = torch.Generator().manual_seed(7)
     return [trainer.step(b, loss_fn, MINIBATCHES, generator=shuffle) for b in batches]
 
