@@ -58,7 +58,9 @@ class Algorithm(Protocol):
     defaults applied); `off_policy` says staleness or a sampler/trainer gap can occur in this run. The function it
     returns reads `batch.per_token["old_logprobs"]`, `batch.per_seq["advantages"]` (or per-token
     `batch.per_token["advantages"]`), `batch.loss_mask`, and the optional `batch.per_token["ref_logprobs"]` (KL)
-    and `batch.per_token["is_weights"]` (importance weights of stale samples, to scale the policy-gradient term)."""
+    and `batch.per_token["is_weights"]` (importance weights of stale samples, to scale the policy-gradient term).
+    Its metrics (0-dim tensors, detached) must hold `clip_frac`, which every step records (0 for a loss that clips
+    nothing); `kl` where it computes one; other keys are free."""
 
     name: str
     defaults: AlgorithmDefaults

@@ -1,7 +1,8 @@
 """Advantages and policy losses as pure functions over tensors: GRPO, Dr.GRPO, DAPO, CISPO, GSPO, one module each
 (`grpo`, `dr_grpo`, `dapo`, `cispo`, `gspo`: each an `Algorithm`, factory/protocols/algorithm.py, registered in
 `ALGORITHMS` by name), the maths they share in `shared`, the spec -> loss and advantages in `select`. Every name this
-module had as one file is importable from here.
+module had as one file is importable from here, imported on first use: the algorithm modules are torch-free at import
+(the spec's validation reads them), `shared` and `select` import torch.
 
 Shapes: `logprobs`, `old_logprobs`, `ref_logprobs`, `is_weights`, `mask` are [B, T] over target tokens
 (mask is True on tokens the policy produced and should learn from); `advantages` is [B] per sequence
@@ -44,28 +45,47 @@ whatever tokens the batch holds, and weighting it would let a stale row's trunca
 scale how hard that row is pulled to the reference.
 """
 
-from factory.core.algorithms.cispo import cispo_loss
-from factory.core.algorithms.grpo import grpo_loss
-from factory.core.algorithms.gspo import gspo_loss
-from factory.core.algorithms.select import compute_advantages, make_loss
-from factory.core.algorithms.shared import (
-    GSPO_LOG_RATIO_MAX,
-    KL_BOUND,
-    LOG_RATIO_BOUND,
-    Aggregation,
-    aggregate,
-    group_advantages,
-    keep_informative_groups,
-    kl_k3,
-    log_ratio,
-    masked_mean,
-    overlong_reward,
-    ppo_clip_loss,
-    reward_dtype,
-    sft_loss,
-)
+
+import importlib
+from typing import TYPE_CHECKING
+
 from factory.protocols.algorithm import LossFn
+
+_SHARED = ("GSPO_LOG_RATIO_MAX", "KL_BOUND", "LOG_RATIO_BOUND", "Aggregation", "aggregate", "cispo_loss",
+           "group_advantages", "grpo_loss", "gspo_loss", "keep_informative_groups", "kl_k3", "log_ratio", "masked_mean",
+           "overlong_reward", "ppo_clip_loss", "reward_dtype", "sft_loss")
+_WHERE = {**dict.fromkeys(_SHARED, "shared"), "make_loss": "select", "compute_advantages": "select"}
 
 __all__ = ["GSPO_LOG_RATIO_MAX", "KL_BOUND", "LOG_RATIO_BOUND", "Aggregation", "LossFn", "aggregate", "cispo_loss",
            "compute_advantages", "group_advantages", "grpo_loss", "gspo_loss", "keep_informative_groups", "kl_k3",
            "log_ratio", "make_loss", "masked_mean", "overlong_reward", "ppo_clip_loss", "reward_dtype", "sft_loss"]
+
+if TYPE_CHECKING:
+    from factory.core.algorithms.select import compute_advantages, make_loss
+    from factory.core.algorithms.shared import (
+        GSPO_LOG_RATIO_MAX,
+        KL_BOUND,
+        LOG_RATIO_BOUND,
+        Aggregation,
+        aggregate,
+        cispo_loss,
+        group_advantages,
+        grpo_loss,
+        gspo_loss,
+        keep_informative_groups,
+        kl_k3,
+        log_ratio,
+        masked_mean,
+        overlong_reward,
+        ppo_clip_loss,
+        reward_dtype,
+        sft_loss,
+    )
+
+
+def __getattr__(name: str) -> object:
+    # PEP 562: the maths (torch) is imported when a name of it is first asked for, not with the package.
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)

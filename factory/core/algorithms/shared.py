@@ -1,17 +1,15 @@
-"""The maths the algorithms share: the numeric clamps, masked means and aggregations, group-relative advantages and
-DAPO's overlong shaping, the PPO-clip loss (grpo, dr_grpo and dapo are it with different settings: `PPOClip`) and
-the SFT loss. Pure functions over tensors; the package docstring (factory/core/algorithms/__init__.py) has the shapes
-and the numerics, docs/algorithms.md the formulas and papers."""
+"""The algorithms' maths, over tensors: the numeric clamps, masked means and aggregations, group-relative advantages
+and DAPO's overlong shaping, the PPO-clip loss (grpo, dr_grpo and dapo are it with different settings), CISPO's and
+GSPO's losses, and the SFT loss. The algorithm modules (grpo.py, ...) import this module when a run builds its loss,
+not when a spec is validated: validation stays torch-free. The package docstring (factory/core/algorithms/__init__.py)
+has the shapes and the numerics, docs/algorithms.md the formulas and papers."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
-
-from factory.protocols.algorithm import AlgorithmDefaults, LossFn
 
 if TYPE_CHECKING:
     from factory.config import AlgorithmSpec
@@ -223,6 +221,89 @@ def ppo_clip_loss(
     return finish(per_token, lp, mask, agg, max_len, ref_logprobs, kl_coef, is_weights, metrics)
 
 
+def grpo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_eps: float = 0.2,
+    ref_logprobs: Tensor | None = None,
+    kl_coef: float = 0.0,
+    is_weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GRPO's clipped surrogate, token-level, averaged per sequence then over sequences."""
+    return ppo_clip_loss(logprobs, old_logprobs, advantages, mask, clip_eps, clip_eps, "seq_mean_token_mean",
+                         ref_logprobs=ref_logprobs, kl_coef=kl_coef, is_weights=is_weights)
+
+
+def cispo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    eps_high: float = 0.28,
+    eps_low: float | None = None,
+    agg: Aggregation = "token_mean",
+    max_len: int | None = None,
+    ref_logprobs: Tensor | None = None,
+    kl_coef: float = 0.0,
+    is_weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """CISPO (MiniMax-M1): -sg(clip(ratio, 1 - eps_low, 1 + eps_high)) * A * logp per token.
+
+    The weight is a constant, so d/dlogp = -w * A on every token, clipped or not: the rare
+    "fork" tokens PPO-clip would silence keep contributing. No lower bound unless `eps_low`.
+    """
+    mask = mask.bool()
+    lp = clean(mask, logprobs)
+    ratio = torch.exp(log_ratio(lp.detach(), clean(mask, old_logprobs.to(lp.dtype))))
+    weight = ratio.clamp(min=None if eps_low is None else 1 - eps_low, max=1 + eps_high)
+    adv = per_token_advantages(advantages, lp, mask)
+    per_token = -weight * adv * lp
+    metrics = clip_metrics(ratio, mask, eps_low, eps_high)
+    return finish(per_token, lp, mask, agg, max_len, ref_logprobs, kl_coef, is_weights, metrics)
+
+
+def gspo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    eps_low: float = 3e-4,
+    eps_high: float = 4e-4,
+    agg: Aggregation = "seq_mean_token_mean",
+    max_len: int | None = None,
+    ref_logprobs: Tensor | None = None,
+    kl_coef: float = 0.0,
+    is_weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO: PPO-clip on the sequence ratio s_i = exp(mean_t(logp - old)) (length-normalized).
+
+    Written in the paper's GSPO-token form s_i,t = sg(s_i) * exp(logp_t - sg(logp_t)): its value is
+    s_i on every token and its gradient is s_i * A_i * grad(logp_t), so with a per-sequence
+    advantage and the per-sequence token mean it equals sequence-level GSPO exactly. Clipping is
+    decided per sequence: a whole response is in or out.
+
+    The token-form log-ratio is clamped above at GSPO_LOG_RATIO_MAX *with* its gradient term, as verl
+    does: a sequence whose ratio is clamped passes no gradient. (Clamping only the detached sequence
+    mean would keep exp(bound) * grad(logp), about 1.2e8 per token of a 4-token sequence at A = -1.)
+    """
+    mask = mask.bool()
+    lp = clean(mask, logprobs)
+    log_s = masked_mean(lp.detach() - clean(mask, old_logprobs.to(lp.dtype)), mask, dim=-1)  # [B], detached
+    # lp - sg(lp) first: it is exactly 0, so the value is log_s itself, not log_s + lp - lp rounded.
+    log_s_tok = torch.clamp(lp - lp.detach() + log_s.unsqueeze(-1), max=GSPO_LOG_RATIO_MAX)
+    s_tok = torch.exp(log_s_tok)  # value s_i, gradient s_i * grad(logp), none where clamped
+    adv = per_token_advantages(advantages, lp, mask)
+    clipped = torch.clamp(s_tok, 1 - eps_low, 1 + eps_high)
+    per_token = torch.maximum(-adv * s_tok, -adv * clipped)
+    has_tokens = mask.any(dim=-1)
+    s = torch.clamp(log_s, max=GSPO_LOG_RATIO_MAX).exp()
+    metrics = clip_metrics(s.unsqueeze(-1).expand_as(lp), mask, eps_low, eps_high)
+    metrics["seq_ratio_mean"] = masked_mean(s, has_tokens)
+    return finish(per_token, lp, mask, agg, max_len, ref_logprobs, kl_coef, is_weights, metrics)
+
+
 def sft_loss(logprobs: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
     """Negative log-likelihood of the target tokens, averaged over all of them."""
     loss = -masked_mean(logprobs, mask.bool())
@@ -241,32 +322,3 @@ def batch_inputs(batch: TrainBatch) -> tuple[Tensor, Tensor, Tensor, dict[str, A
         adv = batch.per_seq["advantages"]
     extra = {"ref_logprobs": batch.per_token.get("ref_logprobs"), "is_weights": batch.per_token.get("is_weights")}
     return batch.per_token["old_logprobs"], adv, batch.loss_mask, extra
-
-
-def refuse_dual_clip(spec: AlgorithmSpec) -> None:
-    """The `validate` of a loss that is not PPO-clip: the dual clip bounds PPO-clip's surrogate only."""
-    if spec.dual_clip not in (None, "off"):
-        raise ValueError(f"algorithm.dual_clip: the dual clip bounds the PPO-clip losses (grpo, dr_grpo, dapo), "
-                         f"not {spec.name}; leave it unset")
-
-
-@dataclass(frozen=True)
-class PPOClip:
-    """An `Algorithm` whose loss is `ppo_clip_loss` with the section's clips, aggregation, length divisor, KL
-    coefficient and dual clip: grpo, dr_grpo and dapo differ only in their defaults (and dr_grpo's validation)."""
-
-    name: str
-    defaults: AlgorithmDefaults
-
-    def loss(self, spec: AlgorithmSpec, off_policy: bool) -> LossFn:
-        eps_low, eps_high = spec.clip_bounds()
-        assert eps_low is not None, f"{self.name} needs a lower clip"
-        agg, max_len, kl_coef = spec.aggregation(), spec.length_norm(), spec.kl_coef
-        dual_clip = spec.resolved_dual_clip(off_policy)
-
-        def loss_fn(logp: Tensor, batch: TrainBatch) -> tuple[Tensor, dict[str, Tensor]]:
-            old, adv, mask, extra = batch_inputs(batch)
-            return ppo_clip_loss(logp, old, adv, mask, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip,
-                                 agg=agg, max_len=max_len, kl_coef=kl_coef, **extra)
-
-        return loss_fn
