@@ -1,8 +1,8 @@
 """Advantages and policy losses as pure functions over tensors: GRPO, Dr.GRPO, DAPO, CISPO, GSPO, one module each
 (`grpo`, `dr_grpo`, `dapo`, `cispo`, `gspo`: each an `Algorithm`, factory/protocols/algorithm.py, registered in
-`ALGORITHMS` by name), the maths they share in `shared`, the spec -> loss and advantages in `select`. Every name this
-module had as one file is importable from here, imported on first use: the algorithm modules are torch-free at import
-(the spec's validation reads them), `shared` and `select` import torch.
+`ALGORITHMS` by name, instances of the classes in `base`), the maths in `shared`, the spec -> loss and advantages in
+`select`. Every name this module had as one file is importable from here, imported on first use: the algorithm
+modules are torch-free at import (the spec's validation reads them), `shared` and `select` import torch.
 
 Shapes: `logprobs`, `old_logprobs`, `ref_logprobs`, `is_weights`, `mask` are [B, T] over target tokens
 (mask is True on tokens the policy produced and should learn from); `advantages` is [B] per sequence

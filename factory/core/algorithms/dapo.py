@@ -5,7 +5,7 @@ rewards are all equal are dropped and the batch refilled: `keep_informative_grou
 
 from __future__ import annotations
 
-from factory.core.algorithms.grpo import PPOClip
+from factory.core.algorithms.base import PPOClip
 from factory.protocols.algorithm import AlgorithmDefaults
 
 ALGORITHM = PPOClip("dapo", AlgorithmDefaults(clip_eps_low="clip_eps", clip_eps_high=0.28, loss_agg="token_mean",

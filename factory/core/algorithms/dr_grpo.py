@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from factory.core.algorithms.grpo import PPOClip
+from factory.core.algorithms.base import PPOClip
 from factory.protocols.algorithm import AlgorithmDefaults
 
 if TYPE_CHECKING:
