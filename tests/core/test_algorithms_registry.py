@@ -14,7 +14,7 @@ from factory.core.algorithms import compute_advantages, make_loss
 from factory.protocols import ALGORITHMS, Algorithm, AlgorithmDefaults
 from tests.core.test_algorithms import batch_of
 
-# The spec's per-algorithm defaults table as it was (factory/config.py's AlgorithmSpec.DEFAULTS at efceeb9).
+# The spec's per-algorithm defaults table as it was (AlgorithmSpec.DEFAULTS in factory/config/algorithm.py, efceeb9).
 OLD_DEFAULTS = {
     "grpo": {"clip_eps_low": "clip_eps", "clip_eps_high": "clip_eps", "loss_agg": "seq_mean_token_mean",
              "scale_rewards": True, "dynamic_sampling": False, "overlong": False},
