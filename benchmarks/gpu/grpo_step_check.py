@@ -57,7 +57,7 @@ def score(groups: list[list], group_size: int):
     samples = [c for g in groups for c in g]
     rewards = torch.tensor([float(sum(c.token_ids) % 2 == 0) for c in samples], dtype=torch.float64)
     adv = algorithms.compute_advantages(parse_spec({}).algorithm, rewards, group_size,
-                                        torch.tensor([len(c.token_ids) for c in samples]), None)
+                                        torch.tensor([len(c.token_ids) for c in samples]))
     return pack([c.prompt_ids for c in samples], [c.token_ids for c in samples], 0,
                 {"old_logprobs": [c.logprobs for c in samples]}, {"advantages": adv.tolist()})
 

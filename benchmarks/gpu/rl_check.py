@@ -69,7 +69,7 @@ def grpo_loss():
     from factory.config import parse_spec
     from factory.core.algorithms import make_loss
 
-    return make_loss(parse_spec({}).algorithm, max_new_tokens=1024)
+    return make_loss(parse_spec({}).algorithm.for_rollout(1024))
 
 
 def rl_batch(prompts: list[list[int]], completions: list[list[int]], gen: torch.Generator):

@@ -52,6 +52,7 @@ class ExperimentSpec(_Section):
 
     @model_validator(mode="after")
     def _fits_together(self) -> ExperimentSpec:
+        self.algorithm.resolve_lengths(self.rollout.max_new_tokens)  # Dr.GRPO's divisor, DAPO's L_max: once, here
         b, per_step = self.buffer, self.rollout.prompts_per_step
         if b.policy == "bound" and b.depth is not None and b.depth > b.max_staleness * per_step:
             raise ValueError(

@@ -123,11 +123,9 @@ class StepRecord:
 
 def _grpo_loss_fn(spec: ExperimentSpec, engine_differs: bool = False) -> Callable[
         [torch.Tensor, TrainBatch], tuple[torch.Tensor, dict[str, float]]]:
-    # The algorithm named in the spec (grpo, dr_grpo, dapo, cispo, gspo); Dr.GRPO's constant length
-    # divisor defaults to the rollout's generation budget. Staleness (overlapped modes) or a sampler/trainer gap
-    # (`engine_differs`) make the run off-policy: the dual clip's default is on there.
-    return algorithms.make_loss(spec.algorithm, max_new_tokens=spec.rollout.max_new_tokens,
-                                off_policy=spec.schedule.mode != "sync" or engine_differs)
+    # The algorithm named in the spec (factory.protocols.ALGORITHMS). Staleness (overlapped modes) or a
+    # sampler/trainer gap (`engine_differs`) make the run off-policy: the dual clip's default is on there.
+    return algorithms.make_loss(spec.algorithm, off_policy=spec.schedule.mode != "sync" or engine_differs)
 
 
 PROBE_SAMPLES = 4  # completions sampled after each publish to measure the sampler/trainer mismatch
@@ -246,8 +244,7 @@ def train_rl(
             rewards = reward_tensor(samples)
             # 2. Group-normalized advantages; pack tokens exactly as sampled (no re-tokenization).
             adv = algorithms.compute_advantages(spec.algorithm, rewards, g,
-                                                torch.tensor([sum(s.loss_mask()) for s in samples]),
-                                                spec.rollout.max_new_tokens)
+                                                torch.tensor([sum(s.loss_mask()) for s in samples]))
             batch = pack([s.prompt_ids for s in samples], [s.token_ids for s in samples], tokenizer.pad_token_id,
                          {"old_logprobs": [s.logprobs for s in samples]}, {"advantages": adv.tolist()},
                          completion_masks=[s.loss_mask() for s in samples])  # multi-turn: the model's tokens only

@@ -18,7 +18,7 @@ its modules import only the standard library and the leaves; the types they ment
 imported under `TYPE_CHECKING` only, and built-ins are named by import path, imported when first asked for.
 """
 
-from factory.protocols.algorithm import ALGORITHMS, Algorithm
+from factory.protocols.algorithm import ALGORITHMS, Algorithm, AlgorithmDefaults, LossFn
 from factory.protocols.engine import Completion, RolloutEngine, SamplingParams
 from factory.protocols.producer import PRODUCERS, Producer
 from factory.protocols.registry import Registry, import_path
@@ -26,5 +26,6 @@ from factory.protocols.source import PromptSource
 from factory.protocols.task import TASK_FAMILIES, TaskFamily
 from factory.protocols.trainer import TRAINERS, Trainer
 
-__all__ = ["ALGORITHMS", "Algorithm", "Completion", "PRODUCERS", "Producer", "PromptSource", "Registry",
-           "RolloutEngine", "SamplingParams", "TASK_FAMILIES", "TRAINERS", "TaskFamily", "Trainer", "import_path"]
+__all__ = ["ALGORITHMS", "Algorithm", "AlgorithmDefaults", "Completion", "LossFn", "PRODUCERS", "Producer",
+           "PromptSource", "Registry", "RolloutEngine", "SamplingParams", "TASK_FAMILIES", "TRAINERS", "TaskFamily",
+           "Trainer", "import_path"]

@@ -102,7 +102,7 @@ class _NanAt:
 
 def _train(trainer, batches: list[TrainBatch], algo: AlgorithmSpec,
            nan_at: int | None = None) -> list[dict[str, float]]:
-    loss_fn = algorithms.make_loss(algo, max_new_tokens=16)
+    loss_fn = algorithms.make_loss(algo.for_rollout(16))
     if nan_at is not None:
         loss_fn = _NanAt(loss_fn, nan_at)
     shuffle = torch.Generator().manual_seed(7)

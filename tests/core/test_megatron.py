@@ -274,7 +274,7 @@ def test_megatron_trainer_matches_torch_trainer(mg, megatron_cpu_forward, arch, 
     batch = _batch()
     mask = batch.loss_mask
     torch.testing.assert_close(trainer.logprobs(batch)[mask], reference.logprobs(batch)[mask], atol=2e-5, rtol=1e-5)
-    loss_fn = algorithms.make_loss(spec.algorithm, max_new_tokens=spec.rollout.max_new_tokens)
+    loss_fn = algorithms.make_loss(spec.algorithm)
     # Two minibatches of the same seeded shuffle: two AdamW steps each.
     got = trainer.step(batch, loss_fn, minibatches=2, generator=torch.Generator().manual_seed(5))
     want = reference.step(batch, loss_fn, minibatches=2, generator=torch.Generator().manual_seed(5))
@@ -412,7 +412,7 @@ def _tensor_parallel_worker(out: str) -> None:
     loaded = trainer.hf_state_dict()
     batch = _batch()
     before = trainer.logprobs(batch)
-    metrics = trainer.step(batch, algorithms.make_loss(spec.algorithm, max_new_tokens=spec.rollout.max_new_tokens))
+    metrics = trainer.step(batch, algorithms.make_loss(spec.algorithm))
     after = trainer.logprobs(batch)
     trained = trainer.hf_state_dict()
     if dist.get_rank() == 0:
@@ -456,7 +456,7 @@ def test_tensor_parallel_2_on_two_ranks_matches_torch_trainer(tmp_path):
     batch = _batch()
     mask = batch.loss_mask
     torch.testing.assert_close(got["before"][mask], reference.logprobs(batch)[mask], atol=2e-5, rtol=1e-5)
-    want = reference.step(batch, algorithms.make_loss(spec.algorithm, max_new_tokens=spec.rollout.max_new_tokens))
+    want = reference.step(batch, algorithms.make_loss(spec.algorithm))
     for key in ("loss", "grad_norm", "entropy"):
         assert got["metrics"][key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
     torch.testing.assert_close(got["after"][mask], reference.logprobs(batch)[mask], atol=2e-4, rtol=1e-4)

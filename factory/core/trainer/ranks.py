@@ -4,7 +4,7 @@ The loop runs unchanged on rank 0 (generation, rewards, the buffer, publication,
 `LeaderTrainer`, whose `step` / `logprobs` first broadcast the call (the batch, the minibatch count, the shuffle
 generator's state) to the followers and then run the same `DistributedTrainer` collective on rank 0's shard. The
 other ranks run `follow(spec, model)`: they receive each call and apply it with the loss function rebuilt from the
-spec (`algorithms.make_loss(spec.algorithm, max_new_tokens=spec.rollout.max_new_tokens)`, the loop's own), until the
+spec (`algorithms.make_loss(spec.algorithm)`, the loop's own), until the
 leader's `leading()` block ends and sends `stop`.
 
 Weights: every rank starts from rank 0's (broadcast when the trainer is built), so a follower's model only needs the
@@ -174,7 +174,7 @@ class LeaderTrainer:
 def follow(spec: ExperimentSpec, model: PreTrainedModel) -> int:
     """A follower rank's loop: apply the leader's calls until it says stop; returns the steps applied."""
     trainer = distributed_trainer(spec, model)
-    loss_fn = make_loss(spec.algorithm, max_new_tokens=spec.rollout.max_new_tokens)
+    loss_fn = make_loss(spec.algorithm)
     steps = 0
     while True:
         op, payload = _receive()

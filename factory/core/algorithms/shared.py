@@ -1,56 +1,20 @@
-"""Advantages and policy losses as pure functions over tensors: GRPO, Dr.GRPO, DAPO, CISPO, GSPO.
-
-Shapes: `logprobs`, `old_logprobs`, `ref_logprobs`, `is_weights`, `mask` are [B, T] over target tokens
-(mask is True on tokens the policy produced and should learn from); `advantages` is [B] per sequence
-or [B, T] per token. Masked positions may hold any value, even inf/NaN: they never reach the loss
-or its gradient.
-
-`make_loss(spec)` turns an `AlgorithmSpec` into the `(logp, TrainBatch) -> (loss, metrics)` function the
-trainer applies, so the trainer never knows which algorithm it runs. `compute_advantages(spec, ...)`
-is the matching advantage estimator (with DAPO's overlong shaping), and `keep_informative_groups` is
-DAPO's dynamic-sampling filter; the loop refills the batch with it.
-
-Every policy loss below is `-A * f(ratio)` per token, then an aggregation over tokens:
-- grpo:    PPO clip, ratio in [1 - eps, 1 + eps], per-sequence token mean, then mean over sequences.
-- dr_grpo: the same clip; each sequence's token *sum* is divided by a constant max length (no 1/|o|
-           length bias, Liu et al. 2025), and advantages are not divided by the group std.
-- dapo:    PPO clip with eps_high > eps_low ("clip-higher"), mean over all tokens of the batch.
-- cispo:   -sg(clip(ratio, max=1 + eps_high)) * A * logp: the IS weight is clipped, never the gradient,
-           so tokens beyond the clip still learn (unlike PPO-clip, which zeroes them); token mean.
-- gspo:    a sequence-level ratio s = exp(mean_t(logp - old)), clipped with tiny eps, in the token form
-           s_t = sg(s) * exp(logp - sg(logp)) (same value and gradient as the sequence form).
-
-Numerics, as verl does them (verl/trainer/ppo/core_algos.py): every token log-ratio logp - old is clamped to
-+-LOG_RATIO_BOUND before exp; GSPO's token-form log-ratio sg(sequence mean) + logp - sg(logp) is clamped
-above at GSPO_LOG_RATIO_MAX (below it needs none: exp of a very negative number is 0, finite); the k3 KL
-estimate is clamped to +-KL_BOUND after clamping its own log-ratio. So one token on which the sampler and the
-policy (or the reference) disagree by thousands of nats gives a finite loss and finite gradients instead of
-inf/NaN for the whole batch. Each clamp sits on the gradient path, and a clamp that binds passes no gradient:
-in grpo, dr_grpo, dapo a token whose ratio is clamped, in gspo a sequence whose ratio is clamped, contributes
-none, so one far-off-policy token or sequence cannot steer the update. CISPO's ratio is a detached weight,
-clipped to at most 1 + eps_high: a clamped token learns with that bounded weight like any clipped token (that
-is CISPO's point, and verl's CISPO does the same). The optional dual clip (`AlgorithmSpec.dual_clip`, verl's
-clip_ratio_c) bounds a PPO-clip token's loss by -A * c where A < 0, so a negative-advantage token far above
-its clip adds at most c * |A| and no gradient. The KL penalty is added after the importance weights of
-stale samples: they scale the policy-gradient term only (verl's rollout_is_weights multiply pg_losses; its
-kl_loss is aggregated unweighted). The weights correct the policy gradient's estimate for samples drawn by
-older weights; the KL term is a regularizer of the current policy towards the reference, evaluated on
-whatever tokens the batch holds, and weighting it would let a stale row's truncated weight (up to is_cap)
-scale how hard that row is pulled to the reference.
-"""
+"""The algorithms' maths, over tensors: the numeric clamps, masked means and aggregations, group-relative advantages
+and DAPO's overlong shaping, the PPO-clip loss (grpo, dr_grpo and dapo are it with different settings), CISPO's and
+GSPO's losses, and the SFT loss. The algorithm modules (grpo.py, ...) import this module when a run builds its loss,
+not when a spec is validated: validation stays torch-free. The package docstring (factory/core/algorithms/__init__.py)
+has the shapes and the numerics, docs/algorithms.md the formulas and papers."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-from factory.config import AlgorithmSpec
-from factory.core.batch import TrainBatch
+if TYPE_CHECKING:
+    from factory.config import AlgorithmSpec
+    from factory.core.batch import TrainBatch
 
-# Metrics are 0-dim tensors, detached: the trainer reads them on the host once per step (`trainer/step.py`).
-LossFn = Callable[[Tensor, TrainBatch], tuple[Tensor, dict[str, Tensor]]]
 Aggregation = str  # "seq_mean_token_mean" | "token_mean" | "seq_mean_token_sum_norm"
 
 LOG_RATIO_BOUND = 20.0  # |log ratio| before exp: e^20 ~ 4.9e8, finite and far outside any clip (verl: 20)
@@ -69,7 +33,7 @@ def group_advantages(rewards: Tensor, group_size: int, scale: bool = True, eps: 
     (`reward_dtype`): float64 rewards give float64 advantages, as verl's estimator gives on them; a cast
     to float32 first was 1e-7 off it.
     """
-    _check_groups(rewards, group_size)
+    check_groups(rewards, group_size)
     r = rewards.view(-1, group_size).to(reward_dtype(rewards))
     adv = r - r.mean(dim=1, keepdim=True)
     if scale:
@@ -103,20 +67,18 @@ def keep_informative_groups(rewards: Tensor, group_size: int) -> Tensor:
     drops it and samples more prompts until the batch is full. Pass the task rewards, before any
     overlong shaping, as DAPO filters on accuracy.
     """
-    _check_groups(rewards, group_size)
+    check_groups(rewards, group_size)
     r = rewards.view(-1, group_size)
     return (r != r[:, :1]).any(dim=1)
 
 
-def compute_advantages(spec: AlgorithmSpec, rewards: Tensor, group_size: int, lengths: Tensor | None = None,
-                       max_new_tokens: int | None = None) -> Tensor:
-    """Per-sequence advantages [N * group_size] for `spec`'s algorithm.
-
-    Applies DAPO's overlong shaping first when the spec enables it (then `lengths`, the generated
-    token counts, are required), then group-relative advantages, divided by the group std unless
-    the algorithm (Dr.GRPO) or `scale_rewards` says not to.
-    """
-    overlong = spec.overlong(max_new_tokens)
+def shaped_group_advantages(spec: AlgorithmSpec, rewards: Tensor, group_size: int,
+                            lengths: Tensor | None = None) -> Tensor:
+    """The default advantages: DAPO's overlong shaping first where the section enables it (then `lengths`, the
+    generated token counts, are required; its L_max is resolved at validation: `AlgorithmSpec.overlong`), then
+    group-relative advantages, divided by the group std unless the algorithm (Dr.GRPO) or `scale_rewards` says
+    not to."""
+    overlong = spec.overlong()
     if overlong is not None:
         if lengths is None:
             raise ValueError(f"algorithm {spec.name!r} shapes overlong rewards: pass the completion lengths")
@@ -125,7 +87,7 @@ def compute_advantages(spec: AlgorithmSpec, rewards: Tensor, group_size: int, le
     return group_advantages(rewards, group_size, scale=spec.scales_rewards())
 
 
-def _check_groups(rewards: Tensor, group_size: int) -> None:
+def check_groups(rewards: Tensor, group_size: int) -> None:
     if rewards.dim() != 1 or rewards.numel() % group_size:
         raise ValueError(f"rewards must be 1-D with a multiple of group_size={group_size} entries, "
                          f"got shape {tuple(rewards.shape)}")
@@ -176,17 +138,17 @@ def aggregate(per_token: Tensor, mask: Tensor, agg: Aggregation, max_len: int | 
     raise ValueError(f"unknown loss aggregation {agg!r}")
 
 
-def _clean(mask: Tensor, x: Tensor, fill: float = 0.0) -> Tensor:
+def clean(mask: Tensor, x: Tensor, fill: float = 0.0) -> Tensor:
     # Replace masked positions before any arithmetic: NaN * 0 is NaN, in values and in gradients.
     return torch.where(mask, x, torch.full_like(x, fill))
 
 
-def _per_token_adv(advantages: Tensor, like: Tensor, mask: Tensor) -> Tensor:
+def per_token_advantages(advantages: Tensor, like: Tensor, mask: Tensor) -> Tensor:
     adv = advantages.unsqueeze(-1).expand_as(like) if advantages.dim() == 1 else advantages
-    return _clean(mask, adv.to(like.dtype))
+    return clean(mask, adv.to(like.dtype))
 
 
-def _finish(policy_term: Tensor, logprobs: Tensor, mask: Tensor, agg: Aggregation, max_len: int | None,
+def finish(policy_term: Tensor, logprobs: Tensor, mask: Tensor, agg: Aggregation, max_len: int | None,
             ref_logprobs: Tensor | None, kl_coef: float, is_weights: Tensor | None,
             metrics: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
     """Apply importance weights to the policy term, add the KL penalty (unweighted: see the module docstring),
@@ -194,11 +156,11 @@ def _finish(policy_term: Tensor, logprobs: Tensor, mask: Tensor, agg: Aggregatio
     per_token = policy_term
     if is_weights is not None:
         # Truncated IS weights of stale samples (the buffer's `importance` policy): data, not parameters.
-        per_token = per_token * _clean(mask, is_weights.to(per_token.dtype).detach(), 1.0)
+        per_token = per_token * clean(mask, is_weights.to(per_token.dtype).detach(), 1.0)
     kl = None
     if ref_logprobs is not None and kl_coef > 0:
         # `logprobs` is already 0 on masked positions; a 0 reference there makes their KL exactly 0.
-        kl = kl_k3(logprobs, _clean(mask, ref_logprobs.to(logprobs.dtype)))
+        kl = kl_k3(logprobs, clean(mask, ref_logprobs.to(logprobs.dtype)))
         per_token = per_token + kl_coef * kl
     loss = aggregate(per_token, mask, agg, max_len)
     with torch.no_grad():
@@ -209,7 +171,7 @@ def _finish(policy_term: Tensor, logprobs: Tensor, mask: Tensor, agg: Aggregatio
     return loss, metrics
 
 
-def _clip_metrics(ratio: Tensor, mask: Tensor, eps_low: float | None, eps_high: float) -> dict[str, Tensor]:
+def clip_metrics(ratio: Tensor, mask: Tensor, eps_low: float | None, eps_high: float) -> dict[str, Tensor]:
     with torch.no_grad():
         out = ratio > 1 + eps_high
         if eps_low is not None:
@@ -242,12 +204,12 @@ def ppo_clip_loss(
     past it the token passes no gradient; `dual_clip_frac` is the share of tokens it bounds.
     """
     mask = mask.bool()
-    lp = _clean(mask, logprobs)
-    ratio = torch.exp(log_ratio(lp, _clean(mask, old_logprobs.to(lp.dtype))))
-    adv = _per_token_adv(advantages, lp, mask)
+    lp = clean(mask, logprobs)
+    ratio = torch.exp(log_ratio(lp, clean(mask, old_logprobs.to(lp.dtype))))
+    adv = per_token_advantages(advantages, lp, mask)
     clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
     per_token = torch.maximum(-adv * ratio, -adv * clipped)
-    metrics = _clip_metrics(ratio, mask, eps_low, eps_high)
+    metrics = clip_metrics(ratio, mask, eps_low, eps_high)
     if dual_clip is not None:
         if not dual_clip > 1:
             raise ValueError(f"dual_clip must be > 1 (a bound on the ratio), got {dual_clip}")
@@ -256,7 +218,7 @@ def ppo_clip_loss(
         per_token = torch.where(bounded, bound, per_token)
         with torch.no_grad():
             metrics["dual_clip_frac"] = masked_mean(bounded.float(), mask)
-    return _finish(per_token, lp, mask, agg, max_len, ref_logprobs, kl_coef, is_weights, metrics)
+    return finish(per_token, lp, mask, agg, max_len, ref_logprobs, kl_coef, is_weights, metrics)
 
 
 def grpo_loss(
@@ -293,13 +255,13 @@ def cispo_loss(
     "fork" tokens PPO-clip would silence keep contributing. No lower bound unless `eps_low`.
     """
     mask = mask.bool()
-    lp = _clean(mask, logprobs)
-    ratio = torch.exp(log_ratio(lp.detach(), _clean(mask, old_logprobs.to(lp.dtype))))
+    lp = clean(mask, logprobs)
+    ratio = torch.exp(log_ratio(lp.detach(), clean(mask, old_logprobs.to(lp.dtype))))
     weight = ratio.clamp(min=None if eps_low is None else 1 - eps_low, max=1 + eps_high)
-    adv = _per_token_adv(advantages, lp, mask)
+    adv = per_token_advantages(advantages, lp, mask)
     per_token = -weight * adv * lp
-    metrics = _clip_metrics(ratio, mask, eps_low, eps_high)
-    return _finish(per_token, lp, mask, agg, max_len, ref_logprobs, kl_coef, is_weights, metrics)
+    metrics = clip_metrics(ratio, mask, eps_low, eps_high)
+    return finish(per_token, lp, mask, agg, max_len, ref_logprobs, kl_coef, is_weights, metrics)
 
 
 def gspo_loss(
@@ -327,19 +289,19 @@ def gspo_loss(
     mean would keep exp(bound) * grad(logp), about 1.2e8 per token of a 4-token sequence at A = -1.)
     """
     mask = mask.bool()
-    lp = _clean(mask, logprobs)
-    log_s = masked_mean(lp.detach() - _clean(mask, old_logprobs.to(lp.dtype)), mask, dim=-1)  # [B], detached
+    lp = clean(mask, logprobs)
+    log_s = masked_mean(lp.detach() - clean(mask, old_logprobs.to(lp.dtype)), mask, dim=-1)  # [B], detached
     # lp - sg(lp) first: it is exactly 0, so the value is log_s itself, not log_s + lp - lp rounded.
     log_s_tok = torch.clamp(lp - lp.detach() + log_s.unsqueeze(-1), max=GSPO_LOG_RATIO_MAX)
     s_tok = torch.exp(log_s_tok)  # value s_i, gradient s_i * grad(logp), none where clamped
-    adv = _per_token_adv(advantages, lp, mask)
+    adv = per_token_advantages(advantages, lp, mask)
     clipped = torch.clamp(s_tok, 1 - eps_low, 1 + eps_high)
     per_token = torch.maximum(-adv * s_tok, -adv * clipped)
     has_tokens = mask.any(dim=-1)
     s = torch.clamp(log_s, max=GSPO_LOG_RATIO_MAX).exp()
-    metrics = _clip_metrics(s.unsqueeze(-1).expand_as(lp), mask, eps_low, eps_high)
+    metrics = clip_metrics(s.unsqueeze(-1).expand_as(lp), mask, eps_low, eps_high)
     metrics["seq_ratio_mean"] = masked_mean(s, has_tokens)
-    return _finish(per_token, lp, mask, agg, max_len, ref_logprobs, kl_coef, is_weights, metrics)
+    return finish(per_token, lp, mask, agg, max_len, ref_logprobs, kl_coef, is_weights, metrics)
 
 
 def sft_loss(logprobs: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
@@ -348,44 +310,15 @@ def sft_loss(logprobs: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]
     return loss, {}
 
 
-# ---------------------------------------------------------------- the spec → loss factory
+
+# ---------------------------------------------------------------- what every built-in loss reads
 
 
-def make_loss(spec: AlgorithmSpec, max_new_tokens: int | None = None, off_policy: bool = False) -> LossFn:
-    """The trainer's loss function for `spec`: `(logp [B, T], batch) -> (loss, metrics)`.
-
-    Reads `batch.per_token["old_logprobs"]` (the behavior logprobs, or the proximal policy's when the
-    buffer importance-corrects stale samples), `batch.per_seq["advantages"]` (or a per-token
-    `batch.per_token["advantages"]`), optional `batch.per_token["ref_logprobs"]` (KL when kl_coef > 0)
-    and optional `batch.per_token["is_weights"]` (truncated IS weights that scale each token's policy-gradient
-    term; the KL penalty is not weighted).
-    `max_new_tokens` is Dr.GRPO's constant divisor when `spec.max_len_norm` is unset. `off_policy`: staleness or a
-    sampler/trainer gap can occur in this run (it resolves the dual clip's default: `AlgorithmSpec.resolved_dual_clip`).
-    """
-    eps_low, eps_high = spec.clip_bounds()
-    agg = spec.aggregation()
-    max_len = spec.max_len_norm or max_new_tokens
-    if agg == "seq_mean_token_sum_norm" and max_len is None:
-        raise ValueError(f"algorithm.max_len_norm: {spec.name} normalizes by a constant length; set it or pass "
-                         "the rollout's max_new_tokens")
-    name, kl_coef = spec.name, spec.kl_coef
-    dual_clip = spec.resolved_dual_clip(off_policy)
-
-    def loss_fn(logp: Tensor, batch: TrainBatch) -> tuple[Tensor, dict[str, Tensor]]:
-        adv = batch.per_token.get("advantages")
-        if adv is None:
-            adv = batch.per_seq["advantages"]
-        common = dict(agg=agg, max_len=max_len, ref_logprobs=batch.per_token.get("ref_logprobs"), kl_coef=kl_coef,
-                      is_weights=batch.per_token.get("is_weights"))
-        old, mask = batch.per_token["old_logprobs"], batch.loss_mask
-        if name == "cispo":
-            return cispo_loss(logp, old, adv, mask, eps_high=eps_high, eps_low=eps_low, **common)
-        if name == "gspo":
-            assert eps_low is not None
-            return gspo_loss(logp, old, adv, mask, eps_low=eps_low, eps_high=eps_high, **common)
-        # grpo, dr_grpo, dapo: PPO-clip with their clips and aggregations (resolved from the spec).
-        assert eps_low is not None, f"{name} needs a lower clip"
-        return ppo_clip_loss(logp, old, adv, mask, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip,
-                             **common)
-
-    return loss_fn
+def batch_inputs(batch: TrainBatch) -> tuple[Tensor, Tensor, Tensor, dict[str, Any]]:
+    """(old_logprobs, advantages, loss mask, {ref_logprobs, is_weights}) of a batch: what a policy loss reads
+    (advantages per token where the batch has them, per sequence otherwise)."""
+    adv = batch.per_token.get("advantages")
+    if adv is None:
+        adv = batch.per_seq["advantages"]
+    extra = {"ref_logprobs": batch.per_token.get("ref_logprobs"), "is_weights": batch.per_token.get("is_weights")}
+    return batch.per_token["old_logprobs"], adv, batch.loss_mask, extra
