@@ -207,7 +207,7 @@ def test_every_trainer_applies_the_rule_through_guarded_step(tok, monkeypatch, m
 def test_the_loss_functions_reach_the_rule_unchanged(tok):
     """A NaN from the algorithm's own loss skips the update in both trainers alike (the rule sees the loss the
     loss function returned)."""
-    loss_fn = algorithms.make_loss(parse_spec(BASE).algorithm, max_new_tokens=9)
+    loss_fn = algorithms.make_loss(parse_spec(BASE).algorithm.for_rollout(9))
 
     def nan_loss(logp, batch):
         loss, metrics = loss_fn(logp, batch)
