@@ -55,7 +55,11 @@ def test_honest_completions_keep_their_scores():
 def test_verify_keeps_every_shipped_verifiers_reward_in_zero_one(monkeypatch, raw, bounded):
     """A verifier bug (here: the word-problem verifier returning `raw`) never leaves [0, 1] through `verify`."""
     from factory.problem import Problem
+    from factory.protocols.task import VERIFIERS, RewardVerifier
 
-    monkeypatch.setattr(tasks, "word_problem_reward", lambda completion, problem: raw)
-    p = Problem(id="w", prompt="1+1?", answer="2", op="word", digits=0, meta={})
-    assert verify("2", p) == bounded and tasks.verify_detail("2", p) == (bounded, frozenset())
+    VERIFIERS.register("word", RewardVerifier(lambda completion, problem: raw), replace=True)
+    try:
+        p = Problem(id="w", prompt="1+1?", answer="2", op="word", digits=0, meta={})
+        assert verify("2", p) == bounded and tasks.verify_detail("2", p) == (bounded, frozenset())
+    finally:
+        VERIFIERS.unregister("word")
