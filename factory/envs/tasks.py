@@ -103,7 +103,7 @@ def sandbox_pool():
     with _POOL_LOCK:
         if _POOL is None:
             if url := os.environ.get("FACTORY_SANDBOX_URL"):
-                from factory.envs.sandbox_service import RemoteSandboxPool  # heavy: fastapi, uvicorn (its server side)
+                from factory.envs.sandbox_service import RemoteSandboxPool  # noqa: PLC0415 - heavy: fastapi, uvicorn
 
                 _POOL = RemoteSandboxPool(url)
             else:
