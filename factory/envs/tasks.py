@@ -31,7 +31,7 @@ from factory.problem import Problem, Splits
 from factory.protocols.task import TASK_FAMILIES, VERIFIERS, TaskFamily, Verifier
 
 __all__ = ["TASK_VERIFIERS", "code_checks", "code_detail", "code_reward", "configure_sandbox", "extract_answer",
-           "family", "is_task_verifier", "longest_prompt_tokens", "longest_prompts", "make_task_splits",
+           "family", "family_named", "is_task_verifier", "longest_prompt_tokens", "longest_prompts", "make_task_splits",
            "runs_hack_detectors", "sandbox_pool", "task_capacity", "verifier_for", "verify", "verify_detail",
            "word_problem_reward"]
 
@@ -39,9 +39,21 @@ __all__ = ["TASK_VERIFIERS", "code_checks", "code_detail", "code_reward", "confi
 _SETS = {"word_problems": ("word_problems", word_problem), "code": ("code_problems", code_problem)}
 
 
+def family_named(name: str) -> TaskFamily:
+    """The task family `name` names (`TASK_FAMILIES`). One named by import path is registered under its own
+    `name` too, on first use in each process: its problems carry that name as their op (`verifier_for`)."""
+    found = TASK_FAMILIES.get(name)
+    if ":" in name and found.name not in TASK_FAMILIES:
+        try:
+            TASK_FAMILIES.register(found.name, found)
+        except ValueError:  # another thread registered it meanwhile, or its name is no registry name
+            pass
+    return found
+
+
 def family(task: TaskSpec) -> TaskFamily:
-    """The task family `task.name` names (`TASK_FAMILIES`; the spec validated the name)."""
-    return TASK_FAMILIES.get(task.name)
+    """The task family of `task` (the spec validated its name)."""
+    return family_named(task.name)
 
 
 def task_capacity(task: TaskSpec) -> tuple[int, int]:
@@ -132,8 +144,17 @@ TASK_VERIFIERS = ("arithmetic", "word_problems", "code", "reasoning_gym", "math_
 
 def is_task_verifier(name: str) -> bool:
     """Whether the scorer `name` (a spec's `task.name`, a source's `verifier`) scores with `verify_detail`: a
-    built-in, or a name registered as a task family or verifier (not an environment's import path)."""
-    return name in TASK_VERIFIERS or (":" not in name and (name in TASK_FAMILIES or name in VERIFIERS))
+    built-in, a name registered as a task family or verifier, or the import path of a task family (not that of
+    an environment)."""
+    if name in TASK_VERIFIERS:
+        return True
+    if ":" not in name:
+        return name in TASK_FAMILIES or name in VERIFIERS
+    try:
+        family_named(name)
+    except ValueError:  # not importable, or not a TaskFamily: an environment's path, say
+        return False
+    return True
 
 
 def verifier_for(problem: Problem) -> Verifier:
