@@ -1,4 +1,5 @@
-"""Task families and verifiers by name, and the sandbox pool that code verifiers and tools run in.
+"""Task families and verifiers by name (and, re-exported, the sandbox pool code verifiers and tools run in:
+`envs/pool.py`).
 
 The families (`task.name`) and verifiers (a problem's `op`) are registries of factory/protocols/task.py; the
 built-ins are one module each under factory/envs/families/:
@@ -18,15 +19,12 @@ the hack detectors it tripped.
 from __future__ import annotations
 
 import math
-import os
-import threading
-from typing import Any
 
 from factory.config import DataSpec, TaskSpec
 from factory.envs.families.code import code_checks, code_detail, code_problem
 from factory.envs.families.suites import records as _records  # noqa: F401 - data/sources/generated.py reads it here
 from factory.envs.families.word_problems import extract_answer, word_problem, word_problem_reward
-from factory.envs.sandbox import SandboxPool
+from factory.envs.pool import configure_sandbox, sandbox_pool
 from factory.problem import Problem, Splits
 from factory.protocols.task import TASK_FAMILIES, VERIFIERS, TaskFamily, Verifier
 
@@ -77,54 +75,6 @@ def longest_prompt_tokens(task: TaskSpec) -> int:
 def make_task_splits(task: TaskSpec, seed: int) -> Splits:
     """Disjoint train / held-out splits of the task family (e.g. a seeded shuffle of a shipped set)."""
     return family(task).splits(task, seed)
-
-
-_POOL_LOCK = threading.Lock()
-_POOL = None
-_CONFIG: dict[str, Any] = {}
-
-
-def configure_sandbox(size: int, isolation: str, cpus: list[int] | None = None) -> None:
-    """The pool this process's rewards and tools use (a spec's `task.sandbox_workers` / `sandbox_isolation`);
-    a running pool with other settings is closed and replaced on next use."""
-    global _POOL
-    with _POOL_LOCK:
-        new = {"size": int(size), "isolation": isolation, "cpus": sorted(cpus) if cpus else None}
-        if new != _CONFIG and _POOL is not None:
-            _POOL.close()
-            _POOL = None
-        _CONFIG.clear()
-        _CONFIG.update(new)
-
-
-def _env_cpus(name: str) -> list[int] | None:
-    value = os.environ.get(name, "").strip()
-    try:
-        return [int(c) for c in value.split(",")] if value else None
-    except ValueError:
-        raise ValueError(f"${name}: expected comma-separated CPU numbers, got {value!r}") from None
-
-
-def sandbox_pool():
-    """The sandbox pool that code rewards and tools run in: the pool service at $FACTORY_SANDBOX_URL (`factory
-    sandbox-serve`, e.g. on another machine) if set, else this process's own, started on first use with the
-    settings of `configure_sandbox` (from the spec), else $FACTORY_SANDBOX_SIZE (default 4) and
-    $FACTORY_SANDBOX_ISOLATION (default bwrap; `none` only when explicitly set), on the cores of
-    `task.sandbox_cpus` or $FACTORY_SANDBOX_CPUS ("0,1"; default: the caller's)."""
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            if url := os.environ.get("FACTORY_SANDBOX_URL"):
-                from factory.envs.sandbox_service import RemoteSandboxPool  # noqa: PLC0415 - heavy: fastapi, uvicorn
-
-                _POOL = RemoteSandboxPool(url)
-            else:
-                _POOL = SandboxPool(
-                    size=_CONFIG.get("size") or int(os.environ.get("FACTORY_SANDBOX_SIZE", "4")),
-                    isolation=_CONFIG.get("isolation") or os.environ.get("FACTORY_SANDBOX_ISOLATION", "bwrap"),
-                    cpus=_CONFIG.get("cpus") or _env_cpus("FACTORY_SANDBOX_CPUS"),
-                ).start()
-        return _POOL
 
 
 def code_reward(completion: str, problem: Problem) -> float:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from factory.config import TaskSpec
-from factory.envs import tasks
+from factory.envs import pool, tasks
 from factory.envs.tasks import make_task_splits, verify
 
 ALWAYS_EQUAL = """    class Anything:
@@ -28,10 +28,10 @@ def _pool(require_sandbox):
     mp.setenv("FACTORY_SANDBOX_SIZE", "1")
     yield
     mp.undo()
-    with tasks._POOL_LOCK:
-        if tasks._POOL is not None:
-            tasks._POOL.close()
-            tasks._POOL = None
+    with pool._POOL_LOCK:
+        if pool._POOL is not None:
+            pool._POOL.close()
+            pool._POOL = None
 
 
 @pytest.mark.parametrize("forged", [

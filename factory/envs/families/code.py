@@ -1,7 +1,7 @@
 """The `code` task family: `suites/code_problems.jsonl`, small Python functions (a signature and docstring as the
 prompt, a reference body, three unit tests each). The completion is the body; the reward is the fraction of unit
 tests that pass, as the trusted harness of `envs/code_harness.py` reports it from the sandbox pool
-(`envs/sandbox.py`), never in this process and never from the completion's own output."""
+(`envs/pool.py`), never in this process and never from the completion's own output."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any
 
 from factory.envs.code_harness import run_checks
 from factory.envs.families.suites import Record, SuiteFamily
+from factory.envs.pool import sandbox_pool
 from factory.problem import Problem
 
 _ENTRY = re.compile(r"^def ([A-Za-z_]\w*)\(", re.MULTILINE)
@@ -37,8 +38,6 @@ def code_detail(completion: str, problem: Problem) -> tuple[float, frozenset[str
     """(fraction of the problem's unit tests that pass, the hack detectors the completion tripped), run by the
     trusted harness of `envs/code_harness.py` in the sandbox pool: the verdict is the harness's, never the code's.
     The pool returns a result for anything the code does; a pool that cannot isolate raises."""
-    from factory.envs.tasks import sandbox_pool  # noqa: PLC0415 - a cycle: tasks holds the pool and re-exports this
-
     checks, entry = code_checks(problem)
     return run_checks(sandbox_pool(), problem.prompt + completion, checks, entry, len(checks["tests"]),
                       completion)

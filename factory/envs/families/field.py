@@ -4,9 +4,9 @@ such a row is scored), HumanEval's unit tests in the sandbox pool through the tr
 
 from __future__ import annotations
 
-from factory.envs import tasks
 from factory.envs.humaneval import humaneval_detail
 from factory.envs.math_answers import math_verify_reward
+from factory.envs.pool import sandbox_pool
 from factory.envs.reasoning_gym_tasks import rg_reward
 from factory.problem import Problem
 from factory.protocols.task import RewardVerifier
@@ -19,7 +19,7 @@ class HumanEvalVerifier:
     detects_hacks = True
 
     def detail(self, completion: str, problem: Problem) -> tuple[float, frozenset[str]]:
-        return humaneval_detail(completion, problem, tasks.sandbox_pool())  # the harness's verdict
+        return humaneval_detail(completion, problem, sandbox_pool())  # the harness's verdict
 
 
 HUMANEVAL = HumanEvalVerifier()
