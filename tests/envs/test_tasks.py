@@ -126,5 +126,5 @@ def test_the_environment_service_scores_a_registered_family_by_its_name():
         assert score_completions("shout", problem, ["HI", "hi"]) == ([1.0, 0.0], [None, None])
     finally:
         TASK_FAMILIES.unregister("shout")
-    rewards, reasons = score_completions("shout", problem, ["HI"])
-    assert rewards == [0.0] and "unknown env 'shout'" in reasons[0]
+    rewards, reasons = score_completions("whisper", {**problem, "op": "whisper"}, ["hi"])
+    assert rewards == [0.0] and "unknown env 'whisper'" in reasons[0]
