@@ -112,8 +112,8 @@ def is_task_verifier(name: str) -> bool:
 
 
 def _resolves_to_a_verifier(name: str) -> bool:
-    if ":" not in name:
-        return name in TASK_FAMILIES or name in VERIFIERS
+    if ":" not in name:  # the built-ins' ops ("add", "word") are no scorer names: TASK_VERIFIERS holds those
+        return not VERIFIERS.is_builtin(name) and (name in TASK_FAMILIES or name in VERIFIERS)
     try:
         family_named(name)
     except ValueError:  # not importable, or not a TaskFamily: an environment's path, say
@@ -136,7 +136,8 @@ def verifier_for(problem: Problem) -> Verifier:
 def _find_verifier(op: str) -> Verifier:
     if op in VERIFIERS:
         return VERIFIERS.get(op)
-    if ":" not in op and op in TASK_FAMILIES:
+    # the built-in families' problems carry built-in ops ("word", "code"); another op is no name of theirs
+    if ":" not in op and not TASK_FAMILIES.is_builtin(op) and op in TASK_FAMILIES:
         return TASK_FAMILIES.get(op).verifier
     return VERIFIERS.get("arithmetic")
 

@@ -68,7 +68,7 @@ def test_builtin_families_resolve_by_name_and_keep_their_sizes():
 
 def test_a_problem_is_scored_by_the_verifier_its_op_names():
     from factory.envs.families import arithmetic, code, field, word_problems
-    from factory.envs.tasks import runs_hack_detectors, verifier_for
+    from factory.envs.tasks import is_task_verifier, runs_hack_detectors, verifier_for
     from factory.protocols.task import VERIFIERS, RewardVerifier
 
     def of(op):
@@ -77,10 +77,12 @@ def test_a_problem_is_scored_by_the_verifier_its_op_names():
     assert of("add") is of("mul") is of("arithmetic") is of("no-such-op") is arithmetic.VERIFIER
     assert of("word") is word_problems.VERIFIER and of("code") is code.VERIFIER
     assert of("humaneval") is field.HUMANEVAL and of("reasoning_gym") is field.REASONING_GYM
-    assert of("code") is code.FAMILY.verifier  # a family's own op names its verifier
+    assert of("code") is code.FAMILY.verifier
+    assert of("word_problems") is arithmetic.VERIFIER  # as before: a built-in family's name is no op of its rows
     codep, wordp = Problem("c", "p", "a", "code", 0), Problem("w", "p", "a", "word", 0)
     assert runs_hack_detectors(codep) and runs_hack_detectors(codep, "code")
     assert not runs_hack_detectors(codep, "my_pkg.env:reward") and not runs_hack_detectors(wordp)
+    assert is_task_verifier("humaneval") and not is_task_verifier("add") and not is_task_verifier("word")
     VERIFIERS.register("upper", RewardVerifier(lambda completion, problem: completion.isupper()))
     try:
         assert verify("YES", Problem("u", "p", "", "upper", 0)) == 1.0
