@@ -96,7 +96,7 @@ WRONG = {"arithmetic": lambda p: "0", "reasoning_gym": lambda p: "<answer>-99999
 def test_a_blend_of_every_kind_is_drawn_and_scored_by_the_runs_scorer(tmp_path, require_sandbox, monkeypatch):
     """The feed the producers draw from serves rows of all four sources; the environment's scorer (the one the
     env workers run) gives each source's correct completion 1 and its wrong one 0."""
-    from factory.envs import tasks
+    from factory.envs import pool
 
     monkeypatch.setenv("FACTORY_SANDBOX_SIZE", "1")
     spec = parse_spec({"task": {"name": "word_problems", "n_train": 40, "n_eval": 8}, "data": blend(tmp_path)})
@@ -112,10 +112,10 @@ def test_a_blend_of_every_kind_is_drawn_and_scored_by_the_runs_scorer(tmp_path, 
             rewards, reasons = score_completions(verifier, p.to_dict(), [CORRECT[verifier](p), WRONG[verifier](p)])
             assert rewards == [1.0, 0.0], (name, reasons)
     finally:
-        with tasks._POOL_LOCK:
-            if tasks._POOL is not None:
-                tasks._POOL.close()
-                tasks._POOL = None
+        with pool._POOL_LOCK:
+            if pool._POOL is not None:
+                pool._POOL.close()
+                pool._POOL = None
 
 
 @pytest.mark.slow
