@@ -16,7 +16,7 @@ from factory.config.section import _Section
 
 
 class SGLangSpec(_Section):
-    """SGLang rollout servers (`core/rollout/sglang*.py`): started and supervised by Factory from their own Python
+    """SGLang rollout servers (`core/sglang/`): started and supervised by Factory from their own Python
     (sglang replaces the CPU torch, so it lives in its own venv on GPU nodes), or already running at `urls`."""
 
     servers: int = Field(1, ge=1, le=64, description="servers to start (one per GPU group of tp_size)")

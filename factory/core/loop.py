@@ -50,7 +50,7 @@ from factory.core.producer import (
     SyncProducer,
 )
 from factory.core.resume import TrainState, capture, rng_state, set_rng_state
-from factory.core.sglang_producer import SGLangProducer
+from factory.core.sglang.producer import SGLangProducer
 from factory.core.trainer.ranks import make_trainer
 from factory.core.trainer.torch_trainer import TorchTrainer
 from factory.data.feed import PromptFeed, make_feed

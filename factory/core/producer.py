@@ -3,7 +3,8 @@
 - `SyncProducer` (mode `sync`): a batch is generated with the trainer's current weights, every
   episode of it runs in the environment at once, and the batch is ready when its slowest episode is.
   The engine shares the trainer's model object, so publishing a version is bumping a number (with
-  `rollout.round_weights` it samples from its own rounded copy, refreshed at each publish: `rollout/rounding.py`).
+  `rollout.round_weights` it samples from its own rounded copy, refreshed at each publish:
+  `rollout/engines/rounding.py`).
 - `OverlappedProducer` (modes `one_step_off`, `async`): producer threads keep prompt groups in
   flight on an embedded engine (the paged one, or the continuous one for models it cannot run) that holds its
   own copy of the weights, and put scored groups into the rollout buffer; the trainer takes batches from the
@@ -39,11 +40,11 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 from factory.config import BufferSpec, ExperimentSpec
 from factory.core.buffer import BufferClosed, BufferTimeout, Group, Reservation, RolloutBuffer, Sample
 from factory.core.rollout.base import Completion, SamplingParams
-from factory.core.rollout.embedded import EmbeddedEngine
-from factory.core.rollout.paged.engine import make_engine
-from factory.core.rollout.paged.serving import model_dtype, serving_dtype
-from factory.core.rollout.rounding import round_dtype, round_model_, rounded
-from factory.core.rollout.sequences import load_state_dict_into
+from factory.core.rollout.engines.embedded import EmbeddedEngine
+from factory.core.rollout.engines.paged.engine import make_engine
+from factory.core.rollout.engines.paged.serving import model_dtype, serving_dtype
+from factory.core.rollout.engines.rounding import round_dtype, round_model_, rounded
+from factory.core.rollout.engines.sequences import load_state_dict_into
 from factory.core.weights import WeightSyncError, encode_delta, encode_full
 from factory.core.weights.shared import SharedWeightsWriter
 from factory.core.weights.staging import HostStaging

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from factory.core.rollout.sequences import load_state_dict_into
+from factory.core.rollout.engines.sequences import load_state_dict_into
 from tests.core.paged_models import paged_engine, perturbed, tiny, word_tokenizer
 
 

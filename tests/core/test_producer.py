@@ -83,7 +83,7 @@ def test_the_overlapped_producer_rolls_out_on_the_paged_engine_and_takes_publish
     import torch
 
     from factory.core.producer import OverlappedProducer
-    from factory.core.rollout.paged.engine import PagedEngine
+    from factory.core.rollout.engines.paged.engine import PagedEngine
     from factory.data.feed import feed_of
     from factory.models.build import build_model
     from factory.models.tokenizer import build_tokenizer

@@ -13,7 +13,7 @@ It owns the request and response shapes of SGLang's native endpoints and nothing
   current servers answer with 404), POST /pause_generation {"mode"} and /continue_generation.
 
 Several servers, their processes and weight updates: `sglang_servers.py`, `sglang_router.py`,
-`sglang_weights.py`, and `factory/core/sglang_producer.py`.
+`sglang_weights.py`, and `factory/core/sglang/producer.py`.
 
 Every sampling parameter that changes the distribution is sent with each request (top_k -1, min_p 0,
 neutral repetition/frequency/presence penalties, min_new_tokens 0, besides temperature, top_p and

@@ -38,9 +38,9 @@ from transformers import PreTrainedModel
 from factory.config import ExperimentSpec
 from factory.core.producer import OverlappedProducer
 from factory.core.rollout.base import Completion, SamplingParams
-from factory.core.rollout.sglang_router import SGLangRouter
-from factory.core.rollout.sglang_servers import LAUNCH_MODULE, SGLangServers, served_dtype
-from factory.core.rollout.sglang_weights import DiskUpdate, DistributedUpdate, TensorUpdate, WeightUpdate
+from factory.core.sglang.router import SGLangRouter
+from factory.core.sglang.servers import LAUNCH_MODULE, SGLangServers, served_dtype
+from factory.core.sglang.weights import DiskUpdate, DistributedUpdate, TensorUpdate, WeightUpdate
 from factory.models.checkpoint import remove_checkpoint, save_checkpoint
 
 log = logging.getLogger(__name__)
