@@ -30,7 +30,8 @@ def _spec(mode: str, round_weights: str | None, lora_r: int | None = None):
 
 
 def _producer(spec, model, tok):
-    from factory.core.producer import OverlappedProducer, SyncProducer
+    from factory.core.producers.overlapped import OverlappedProducer
+    from factory.core.producers.sync import SyncProducer
 
     cls = SyncProducer if spec.schedule.mode == "sync" else OverlappedProducer
     return cls(spec, model, tok, feed_of(PROBLEMS, 0), 0)
