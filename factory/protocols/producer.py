@@ -11,10 +11,11 @@ import path in the spec (`rollout.engine: my_pkg.backend:build`). docs/extending
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from factory.protocols.engine import Completion
-from factory.protocols.registry import Registry
+from factory.protocols.engine import Completion, RolloutEngine
+from factory.protocols.registry import Registry, import_path
 
 if TYPE_CHECKING:  # types only: the producer's parts live in higher layers
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -81,3 +82,22 @@ PRODUCERS: Registry[ProducerBuilder] = Registry(
      "server": "factory.core.producers.builders:server",
      "sglang": "factory.core.sglang.producer:build"},
     group="factory.producers", check=_builder)
+
+
+EngineFactory = Callable[["ExperimentSpec", "PreTrainedModel", "PreTrainedTokenizerBase", int], RolloutEngine]
+
+
+def engine_backend(make_engine: EngineFactory) -> ProducerBuilder:
+    """A rollout backend from a `RolloutEngine` alone: `make_engine(spec, model, tokenizer, start_version)` builds the
+    engine once per run, and the built-in producers drive it (the prompt feed, environment scoring, and in the
+    overlapped modes the rollout buffer and its staleness policy). Each publish calls `engine.load_weights(state,
+    version)` with the trainer's weights; an engine with a `close()` is closed with the run. In the overlapped
+    modes the engine must hold its own copy of the weights and take `generate` calls from several threads."""
+
+    def build(spec: ExperimentSpec, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, feed: PromptFeed,
+              start_version: int, state: dict[str, Any] | None) -> Producer:
+        # by import path, as the registry's built-ins: this layer imports nothing of the producers above it
+        producer = import_path("factory.core.producers.engine:producer", "rollout.engine (engine_backend)")
+        return producer(make_engine, spec, model, tokenizer, feed, start_version, state)  # type: ignore[operator]
+
+    return build

@@ -36,13 +36,16 @@ class SyncProducer:
         self.positions = policy_positions(spec, model)
         if state is not None:  # nothing is buffered between sync steps: only the feed continues
             feed.load_state_dict(state["stream"])
+        self._start_engine(model, start_version)
+        self.env = _environment(spec)
+
+    def _start_engine(self, model: PreTrainedModel, version: int) -> None:
         # rollout.round_weights: the engine samples from its own copy, rounded (LoRA merged in); else from the
         # trainer's model object itself
-        self._round = round_dtype(spec.rollout.round_weights)
+        self._round = round_dtype(self.spec.rollout.round_weights)
         sampler = model if self._round is None else round_model_(lora.merged_copy(model).eval(), self._round)
-        self.engine = EmbeddedEngine(sampler, tokenizer, weight_version=start_version,
-                                     precision=spec.trainer.precision)  # computes where the model is
-        self.env = _environment(spec)
+        self.engine = EmbeddedEngine(sampler, self.tok, weight_version=version,
+                                     precision=self.spec.trainer.precision)  # computes where the model is
 
     def next_batch(self, step: int) -> list[Group]:
         draws = [self.feed.draw(step) for _ in range(self.spec.rollout.prompts_per_step)]
