@@ -306,7 +306,7 @@ class SGLangEngine:
         if self.weights_dir is None:
             raise SGLangError("/update_weights_from_disk", "load_weights needs weights_dir, a directory the "
                                                            "server can read; or call update_weights_from_disk")
-        from safetensors.torch import save_file  # heavy: torch; the HTTP client needs none until it saves weights
+        from safetensors.torch import save_file  # noqa: PLC0415 heavy (torch): the HTTP client needs none until it saves weights
 
         target = self.weights_dir / f"v{version:08d}"
         self.weights_dir.mkdir(parents=True, exist_ok=True)
