@@ -71,7 +71,7 @@ class ProducerBuilder(Protocol):
 
 def _builder(name: str, obj: object) -> ProducerBuilder:
     if not callable(obj):
-        raise ValueError(f"rollout.engine {name!r}: a rollout backend is a callable (spec, model, tokenizer, feed, "
+        raise ValueError(f"{name!r} is no rollout backend: a backend is a callable (spec, model, tokenizer, feed, "
                          f"start_version, state) -> Producer, got {type(obj).__name__}")
     return obj  # type: ignore[return-value]
 
