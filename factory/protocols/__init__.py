@@ -8,7 +8,7 @@ in the spec. docs/extending.md walks through each with a worked example (tests/e
 | --- | --- | --- | --- | --- |
 | RL objective | `Algorithm` | `ALGORITHMS` | `algorithm.name` | `factory.algorithms` |
 | task family / verifier | `TaskFamily` | `TASK_FAMILIES` | `task.name` | `factory.task_families` |
-| rollout backend | `Producer` | `PRODUCERS` | `rollout.backend` | `factory.producers` |
+| rollout backend | `Producer` | `PRODUCERS` | `rollout.engine` | `factory.producers` |
 | trainer backend | `Trainer` | `TRAINERS` | `trainer.backend` | `factory.trainers` |
 | rollout engine | `RolloutEngine` | (chosen by the producer) | | |
 | prompt source | `PromptSource` | (data.sources kinds) | | |
