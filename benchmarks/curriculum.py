@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from factory.config import apply_overrides, load_spec  # noqa: E402
 from factory.core.evaluate import evaluate  # noqa: E402
 from factory.core.loop import train_rl  # noqa: E402
-from factory.core.rollout.embedded import EmbeddedEngine  # noqa: E402
+from factory.core.rollout.engines.embedded import EmbeddedEngine  # noqa: E402
 from factory.core.sft import run_sft  # noqa: E402
 from factory.data.feed import make_feed  # noqa: E402
 from factory.data.from_spec import open_sources  # noqa: E402

@@ -27,8 +27,8 @@ import torch
 from factory.config import apply_overrides, load_spec
 from factory.core.gate import check_engine
 from factory.core.loop import make_producer
-from factory.core.producer import SyncProducer
-from factory.core.rollout.embedded import EmbeddedEngine
+from factory.core.producers.sync import SyncProducer
+from factory.core.rollout.engines.embedded import EmbeddedEngine
 from factory.core.trainer.torch_trainer import TorchTrainer
 from factory.data.feed import make_feed
 from factory.envs.tasks import make_task_splits

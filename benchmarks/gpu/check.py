@@ -92,7 +92,7 @@ def sync(device: torch.device) -> None:
 def part_grpo(a: argparse.Namespace, dev: torch.device) -> dict:
     from factory.core.evaluate import evaluate
     from factory.core.loop import train_rl
-    from factory.core.rollout.embedded import EmbeddedEngine
+    from factory.core.rollout.engines.embedded import EmbeddedEngine
     from factory.core.sft import run_sft
     from factory.envs.tasks import make_task_splits
     from factory.models.build import build_model

@@ -31,9 +31,9 @@ from transformers import PreTrainedTokenizerBase
 from factory.config import ExperimentSpec
 from factory.core.batch import pack
 from factory.core.correction import engine_differs, gap_stats
-from factory.core.producer import ServerProducer
+from factory.core.producers.server import ServerProducer
 from factory.core.rollout.base import Completion, SamplingParams
-from factory.core.rollout.chat import ChatTemplate
+from factory.core.rollout.server.chat import ChatTemplate
 from factory.infra.device import run_device
 from factory.models.prompting import prompt_ids
 

@@ -10,7 +10,7 @@ in the spec. docs/extending.md walks through each with a worked example (tests/e
 | task family | `TaskFamily` | `TASK_FAMILIES` | `task.name` | `factory.task_families` |
 | verifier | `Verifier` (`RewardVerifier` wraps a function) | `VERIFIERS` | a problem's `op` | `factory.verifiers` |
 | environment | `Environment` (envs/protocol.py) | `ENVIRONMENTS` (envs) | `task.environment` | `factory.environments` |
-| rollout backend | `Producer` | `PRODUCERS` | `rollout.backend` | `factory.producers` |
+| rollout backend | `Producer` | `PRODUCERS` | `rollout.engine` | `factory.producers` |
 | trainer backend | `Trainer` | `TRAINERS` | `trainer.backend` | `factory.trainers` |
 | rollout engine | `RolloutEngine` | (chosen by the producer) | | |
 | prompt source | `PromptSource` | (data.sources kinds) | | |

@@ -37,7 +37,7 @@ from factory.core.evaluate import evaluate
 from factory.core.gate import LogprobGapError
 from factory.core.loop import NonFiniteLoss, RunInterrupted, StepRecord, train_rl
 from factory.core.resume import TrainState, latest
-from factory.core.rollout.embedded import EmbeddedEngine
+from factory.core.rollout.engines.embedded import EmbeddedEngine
 from factory.data.feed import make_feed
 from factory.data.from_spec import blend_version, held_out_sets
 from factory.data.stats import read_prompt_stats

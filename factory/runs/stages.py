@@ -28,7 +28,7 @@ from pyiceberg.expressions import EqualTo
 import factory
 from factory.config import ExperimentSpec
 from factory.core.evaluate import EvalResult, evaluate
-from factory.core.rollout.embedded import EmbeddedEngine
+from factory.core.rollout.engines.embedded import EmbeddedEngine
 from factory.core.sft import run_sft
 from factory.core.trainer.torch_trainer import SPEEDUPS
 from factory.data.from_spec import held_out_sets

@@ -18,9 +18,9 @@ from factory.config import parse_spec
 from factory.core.evaluate import evaluate
 from factory.core.loop import train_rl
 from factory.core.rollout.base import SamplingParams
-from factory.core.rollout.continuous import ContinuousEngine
-from factory.core.rollout.embedded import EmbeddedEngine
-from factory.core.rollout.server import launch_server
+from factory.core.rollout.engines.continuous import ContinuousEngine
+from factory.core.rollout.engines.embedded import EmbeddedEngine
+from factory.core.rollout.server.app import launch_server
 from factory.models.build import policy_positions
 from factory.models.tokenizer import build_tokenizer
 from factory.presets import PRESETS

@@ -10,7 +10,7 @@ from factory.config import parse_spec
 from factory.core.batch import pack
 from factory.core.behaviour import BehaviourScorer
 from factory.core.loop import LogprobGapError, train_rl
-from factory.core.producer import SyncProducer
+from factory.core.producers.sync import SyncProducer
 from factory.core.trainer.torch_trainer import TorchTrainer
 from factory.data.feed import make_feed
 from factory.models.build import build_model

@@ -26,7 +26,9 @@ from factory.core.gate import (
     gate,
 )
 from factory.core.loop import train_rl
-from factory.core.producer import OverlappedProducer, ServerProducer, SyncProducer
+from factory.core.producers.overlapped import OverlappedProducer
+from factory.core.producers.server import ServerProducer
+from factory.core.producers.sync import SyncProducer
 from factory.core.trainer.torch_trainer import TorchTrainer
 from factory.models.build import build_model
 from factory.models.tokenizer import tokenizer_for

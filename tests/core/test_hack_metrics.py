@@ -9,7 +9,7 @@ import torch
 
 from factory.config import TaskSpec, parse_spec
 from factory.core.loop import _record, hack_counts
-from factory.core.producer import make_group
+from factory.core.producers.common import make_group
 from factory.core.rollout.base import Completion
 from factory.envs import pool, tasks
 from factory.envs.reward_hacks import HACKS

@@ -11,8 +11,8 @@ import torch
 from factory.config import parse_spec
 from factory.core.loop import make_producer, train_rl
 from factory.core.rollout.base import SamplingParams
-from factory.core.rollout.sglang_servers import SGLangServers
-from factory.core.sglang_producer import SGLangProducer, make_sglang_engine
+from factory.core.sglang.producer import SGLangProducer, make_sglang_engine
+from factory.core.sglang.servers import SGLangServers
 from factory.models.build import build_model
 from factory.models.checkpoint import save_checkpoint
 from factory.models.tokenizer import build_tokenizer

@@ -7,8 +7,8 @@ import openai
 import pytest
 
 from factory.config import SFTSpec
-from factory.core.rollout.continuous import ContinuousEngine
-from factory.core.rollout.server import launch_server, parse_tool_calls
+from factory.core.rollout.engines.continuous import ContinuousEngine
+from factory.core.rollout.server.app import launch_server, parse_tool_calls
 from factory.core.sft import run_sft
 from factory.envs.protocol import tokens_from_session
 from factory.models.build import build_model

@@ -69,7 +69,7 @@ def test_a_tool_use_run_trains_through_the_async_core():
     tool; the tool's reply is in the episode's tokens but never in the loss."""
     from factory.config import SFTSpec
     from factory.core.loop import train_rl
-    from factory.core.producer import ServerProducer
+    from factory.core.producers.server import ServerProducer
     from factory.core.sft import run_sft
     from factory.data.feed import feed_of
     from factory.envs.arithmetic import make_splits

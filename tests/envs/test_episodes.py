@@ -137,7 +137,7 @@ PROBLEMS = [Problem(id=f"p{i}", prompt=f"{i}+{i}=", answer="", op="add", digits=
 @pytest.mark.parametrize("medium", ["in_process", "service"])
 def test_multi_turn_episodes_train_through_the_async_core(medium):
     from factory.core.loop import train_rl
-    from factory.core.producer import ServerProducer
+    from factory.core.producers.server import ServerProducer
     from factory.data.feed import feed_of
     from factory.models.build import build_model
     from factory.models.tokenizer import build_tokenizer

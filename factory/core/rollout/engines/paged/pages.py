@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from factory.core.rollout.kv_budget import kv_shape
+from factory.core.rollout.engines.kv_budget import kv_shape
 
 
 class PageStore:

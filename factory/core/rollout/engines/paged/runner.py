@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from factory.core.rollout.paged import attention as paged_kernel
-from factory.core.rollout.paged.pages import PageStore
+from factory.core.rollout.engines.paged import attention as paged_kernel
+from factory.core.rollout.engines.paged.pages import PageStore
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
 ATTENTIONS = ("paged", "gather")  # the Triton kernel (`attention.py`), the gather + SDPA reference

@@ -49,19 +49,19 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-from factory.core.rollout import sampler
 from factory.core.rollout.base import SamplingParams
-from factory.core.rollout.continuous import DEFAULT_PREFILL_TOKENS, ContinuousEngine
-from factory.core.rollout.engine_control import EngineControl
-from factory.core.rollout.kv_budget import KVBudget, default_kv_budget, kv_bytes_per_token
-from factory.core.rollout.paged import sampling
-from factory.core.rollout.paged.blocks import PAGE_SIZE, BlockManager
-from factory.core.rollout.paged.decode_step import DecodeStep, RowInput, pack, top_columns
-from factory.core.rollout.paged.host_copy import Fetch, HostCopy
-from factory.core.rollout.paged.pages import BlockTables, PageStore
-from factory.core.rollout.paged.runner import PagedRunner, supports
-from factory.core.rollout.paged.scheduler import Group, PagedSequence, Scheduler
-from factory.core.rollout.paged.serving import (
+from factory.core.rollout.engines import sampler
+from factory.core.rollout.engines.continuous import DEFAULT_PREFILL_TOKENS, ContinuousEngine
+from factory.core.rollout.engines.engine_control import EngineControl
+from factory.core.rollout.engines.kv_budget import KVBudget, default_kv_budget, kv_bytes_per_token
+from factory.core.rollout.engines.paged import sampling
+from factory.core.rollout.engines.paged.blocks import PAGE_SIZE, BlockManager
+from factory.core.rollout.engines.paged.decode_step import DecodeStep, RowInput, pack, top_columns
+from factory.core.rollout.engines.paged.host_copy import Fetch, HostCopy
+from factory.core.rollout.engines.paged.pages import BlockTables, PageStore
+from factory.core.rollout.engines.paged.runner import PagedRunner, supports
+from factory.core.rollout.engines.paged.scheduler import Group, PagedSequence, Scheduler
+from factory.core.rollout.engines.paged.serving import (
     cast_parameters,
     copy_weights,
     in_dtype,
@@ -69,7 +69,7 @@ from factory.core.rollout.paged.serving import (
     serving_copy,
     serving_dtype,
 )
-from factory.core.rollout.sequences import EngineStats, Sequence, check_request
+from factory.core.rollout.engines.sequences import EngineStats, Sequence, check_request
 from factory.infra.device import model_device
 
 log = logging.getLogger(__name__)

@@ -54,13 +54,13 @@ from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from factory.architectures import architecture_problem, attention_window
-from factory.core.rollout import sampler
 from factory.core.rollout.base import SamplingParams
-from factory.core.rollout.embedded import decode_autocast
-from factory.core.rollout.engine_control import PAUSE_MODES, UPDATE_MODES, EngineControl, PauseMode, UpdateMode
-from factory.core.rollout.kv_budget import KVBudget, default_kv_budget, kv_bytes_per_token, mib
-from factory.core.rollout.sequences import EngineStats, Sequence, check_request, load_state_dict_into
-from factory.core.rollout.slot_cache import SlotKVCache
+from factory.core.rollout.engines import sampler
+from factory.core.rollout.engines.embedded import decode_autocast
+from factory.core.rollout.engines.engine_control import PAUSE_MODES, UPDATE_MODES, EngineControl, PauseMode, UpdateMode
+from factory.core.rollout.engines.kv_budget import KVBudget, default_kv_budget, kv_bytes_per_token, mib
+from factory.core.rollout.engines.sequences import EngineStats, Sequence, check_request, load_state_dict_into
+from factory.core.rollout.engines.slot_cache import SlotKVCache
 from factory.infra.device import model_device
 from factory.models.compat import cache_kwargs
 

@@ -31,7 +31,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any
 
-from factory.core.rollout.api_models import APIError
+from factory.core.rollout.server.api_models import APIError
 from factory.text import clip
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"

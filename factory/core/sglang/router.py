@@ -43,9 +43,9 @@ from typing import Literal
 import torch
 
 from factory.core.rollout.base import Completion, SamplingParams
-from factory.core.rollout.sglang import MIN_SGLANG_VERSION, SGLangEngine, SGLangError
-from factory.core.rollout.sglang_servers import SGLangServers
-from factory.core.rollout.sglang_weights import DistributedUpdate, WeightUpdate
+from factory.core.sglang.client import MIN_SGLANG_VERSION, SGLangEngine, SGLangError
+from factory.core.sglang.servers import SGLangServers
+from factory.core.sglang.weights import DistributedUpdate, WeightUpdate
 from factory.infra.supervisor import CONNECTION_ERRORS
 
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from factory.core.rollout.api_models import APIError
+from factory.core.rollout.server.api_models import APIError
 
 T = TypeVar("T")
 INLINE_CHARS = 8192  # prompts up to this many characters are tokenized on the loop: a thread hop costs more

@@ -33,14 +33,16 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from factory.config import ExperimentSpec
-from factory.core.producer import OverlappedProducer
+from factory.core.producers.overlapped import OverlappedProducer
+from factory.core.producers.sync import SyncProducer
 from factory.core.rollout.base import Completion, SamplingParams
-from factory.core.rollout.sglang_router import SGLangRouter
-from factory.core.rollout.sglang_servers import LAUNCH_MODULE, SGLangServers, served_dtype
-from factory.core.rollout.sglang_weights import DiskUpdate, DistributedUpdate, TensorUpdate, WeightUpdate
+from factory.core.sglang.router import SGLangRouter
+from factory.core.sglang.servers import LAUNCH_MODULE, SGLangServers, served_dtype
+from factory.core.sglang.weights import DiskUpdate, DistributedUpdate, TensorUpdate, WeightUpdate
+from factory.data.feed import PromptFeed
 from factory.models.checkpoint import remove_checkpoint, save_checkpoint
 
 log = logging.getLogger(__name__)
@@ -155,3 +157,10 @@ class SGLangProducer(OverlappedProducer):
         # the logs stay for post-mortems; the checkpoint and published weights go
         remove_checkpoint(self._workdir / "initial")
         shutil.rmtree(self._workdir / "weights", ignore_errors=True)
+
+
+def build(spec: ExperimentSpec, model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, feed: PromptFeed,
+          start_version: int, state: dict | None) -> SyncProducer | SGLangProducer:
+    """`rollout.engine: sglang`, the built-in `factory.protocols.PRODUCERS` entry (sync samples in-process)."""
+    cls = SyncProducer if spec.schedule.mode == "sync" else SGLangProducer
+    return cls(spec, model, tokenizer, feed, start_version, state=state)

@@ -29,9 +29,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from factory.core.rollout.paged.blocks import BlockManager
-from factory.core.rollout.paged.pages import BlockTables
-from factory.core.rollout.sequences import Sequence
+from factory.core.rollout.engines.paged.blocks import BlockManager
+from factory.core.rollout.engines.paged.pages import BlockTables
+from factory.core.rollout.engines.sequences import Sequence
 
 
 @dataclass(eq=False)

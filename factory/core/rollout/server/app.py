@@ -72,8 +72,9 @@ from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse
 from torch import Tensor
 
-from factory.core.rollout.api import SESSION_HEADER, DeltaDecoder, RolloutServer
-from factory.core.rollout.api_models import (
+from factory.core.rollout.engines.engine_control import PAUSE_MODES, EngineControl
+from factory.core.rollout.server.api import SESSION_HEADER, DeltaDecoder, RolloutServer
+from factory.core.rollout.server.api_models import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     MAX_N,
     MAX_VERSION,
@@ -85,11 +86,10 @@ from factory.core.rollout.api_models import (
     _error_response,
     openai_render,
 )
-from factory.core.rollout.body_gate import CompletionBodyGate
-from factory.core.rollout.chat import TOOL_CALL, ChatTemplate, parse_tool_calls
-from factory.core.rollout.engine_control import PAUSE_MODES, EngineControl
-from factory.core.rollout.served import engine_from_checkpoint, load_weights_dir
-from factory.core.rollout.sessions import SessionStore, Turn
+from factory.core.rollout.server.body_gate import CompletionBodyGate
+from factory.core.rollout.server.chat import TOOL_CALL, ChatTemplate, parse_tool_calls
+from factory.core.rollout.server.served import engine_from_checkpoint, load_weights_dir
+from factory.core.rollout.server.sessions import SessionStore, Turn
 from factory.core.weights import WeightUpdate, apply_update
 from factory.infra.device import host_copy
 from factory.infra.faults import fault_point

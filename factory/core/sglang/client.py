@@ -13,7 +13,7 @@ It owns the request and response shapes of SGLang's native endpoints and nothing
   current servers answer with 404), POST /pause_generation {"mode"} and /continue_generation.
 
 Several servers, their processes and weight updates: `sglang_servers.py`, `sglang_router.py`,
-`sglang_weights.py`, and `factory/core/sglang_producer.py`.
+`sglang_weights.py`, and `factory/core/sglang/producer.py`.
 
 Every sampling parameter that changes the distribution is sent with each request (top_k -1, min_p 0,
 neutral repetition/frequency/presence penalties, min_new_tokens 0, besides temperature, top_p and
@@ -306,7 +306,7 @@ class SGLangEngine:
         if self.weights_dir is None:
             raise SGLangError("/update_weights_from_disk", "load_weights needs weights_dir, a directory the "
                                                            "server can read; or call update_weights_from_disk")
-        from safetensors.torch import save_file  # heavy: torch; the HTTP client needs none until it saves weights
+        from safetensors.torch import save_file  # noqa: PLC0415 heavy (torch): the HTTP client needs none until it saves weights
 
         target = self.weights_dir / f"v{version:08d}"
         self.weights_dir.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from factory.core.rollout.api_models import MAX_PROMPTS, _error_response
+from factory.core.rollout.server.api_models import MAX_PROMPTS, _error_response
 from factory.infra.json_body import raising, replay
 
 MAX_OTHER_VALUES = 1 << 16  # values (keys included) a request may hold outside its prompt

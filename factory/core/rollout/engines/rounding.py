@@ -4,7 +4,7 @@ A GPU engine that serves in bf16 samples from a slightly different policy than t
 its tokens; this reproduces that gap on any machine. Each floating-point tensor's values are rounded to the named
 dtype (round to nearest even, as a cast does) and kept in their own dtype, so the engine still computes in fp32:
 the perturbation is the weights' rounding alone, not a lower-precision forward. The producers apply it to the
-copy their engine samples from, at its start and at every publish (`core/producer.py`); the trainer's weights
+copy their engine samples from, at its start and at every publish (`core/producers/`); the trainer's weights
 are never touched.
 """
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from factory.core.rollout.sequences import Sequence
+from factory.core.rollout.engines.sequences import Sequence
 
 
 def knobs(rows: list[Sequence], device: torch.device) -> Tensor:

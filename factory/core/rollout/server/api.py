@@ -15,7 +15,10 @@ from typing import Any
 from fastapi import Request
 from torch import Tensor
 
-from factory.core.rollout.api_models import (
+from factory.core.rollout.base import Completion, SamplingParams
+from factory.core.rollout.engines.engine_control import UPDATE_MODES, EngineControl
+from factory.core.rollout.engines.sequences import mix_seed
+from factory.core.rollout.server.api_models import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     MAX_N,
     MAX_PROMPTS,
@@ -24,15 +27,12 @@ from factory.core.rollout.api_models import (
     CompletionRequest,
     _SamplingRequest,
 )
-from factory.core.rollout.base import Completion, SamplingParams
-from factory.core.rollout.chat import ChatTemplate, _encode, _message_text, _same_reply, parse_tool_calls
-from factory.core.rollout.engine_control import UPDATE_MODES, EngineControl
-from factory.core.rollout.logprobs import TokenBytes, token_pieces
-from factory.core.rollout.prompt_gate import PromptGate
-from factory.core.rollout.sequences import mix_seed
-from factory.core.rollout.sessions import SessionStore, Turn
-from factory.core.rollout.shared_updates import SharedUpdates
-from factory.core.rollout.tools import (
+from factory.core.rollout.server.chat import ChatTemplate, _encode, _message_text, _same_reply, parse_tool_calls
+from factory.core.rollout.server.logprobs import TokenBytes, token_pieces
+from factory.core.rollout.server.prompt_gate import PromptGate
+from factory.core.rollout.server.sessions import SessionStore, Turn
+from factory.core.rollout.server.shared_updates import SharedUpdates
+from factory.core.rollout.server.tools import (
     CALL_CLOSE,
     INVALID_OUTPUT,
     ToolPlan,
@@ -41,7 +41,7 @@ from factory.core.rollout.tools import (
     name_choices,
     plan_tools,
 )
-from factory.core.rollout.update_decoder import UpdateDecoder
+from factory.core.rollout.server.update_decoder import UpdateDecoder
 from factory.core.weights import WeightSyncError
 from factory.core.weights.shared import SharedHandleError
 from factory.text import clip

@@ -39,8 +39,8 @@ import torch
 from torch import Tensor
 
 from factory.core.rollout.base import Completion, SamplingParams
-from factory.core.rollout.kv_budget import KVBudget
-from factory.core.rollout.sequences import EngineStats, PendingUpdate, Sequence, load_state_dict_into, mix_seed
+from factory.core.rollout.engines.kv_budget import KVBudget
+from factory.core.rollout.engines.sequences import EngineStats, PendingUpdate, Sequence, load_state_dict_into, mix_seed
 
 log = logging.getLogger(__name__)
 

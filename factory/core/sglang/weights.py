@@ -66,7 +66,7 @@ import torch.multiprocessing.reductions as reductions
 from safetensors.torch import save_file
 from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world, rendezvous
 
-from factory.core.rollout.sglang import SGLangEngine, SGLangError
+from factory.core.sglang.client import SGLangEngine, SGLangError
 from factory.infra.device import host_copy
 
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")

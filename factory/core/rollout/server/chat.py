@@ -25,8 +25,8 @@ import secrets
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from factory.core.rollout.api_models import APIError
-from factory.core.rollout.tools import fallback_tools_text
+from factory.core.rollout.server.api_models import APIError
+from factory.core.rollout.server.tools import fallback_tools_text
 from factory.text import clip
 
 

@@ -2,8 +2,8 @@
 per-row knobs held in device tensors, with no host sync, no `torch.Generator` and no per-row Python loop, so the
 whole function compiles into the step (`torch.compile(fullgraph=True)`, CUDA-graph capture).
 
-The contract is today's (`factory.core.rollout.sampler`): logprobs are those of the temperature-scaled distribution
-before top-k / top-p truncation, what `factory.core.trainer.torch_trainer.token_logprobs` computes at that
+The contract is today's (`factory.core.rollout.engines.sampler`): logprobs are those of the temperature-scaled
+distribution before top-k / top-p truncation, what `factory.core.trainer.torch_trainer.token_logprobs` computes at that
 temperature; a greedy row takes the argmax at temperature 1; an `allowed` mask (constrained decoding) renormalizes
 over the tokens it allows, logprobs included. Top-k applies first, then top-p over the renormalized top-k
 distribution (as transformers' and vLLM's samplers order them); the most likely token is always kept.

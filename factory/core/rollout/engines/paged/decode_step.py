@@ -43,8 +43,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from factory.core.rollout.paged import sampling
-from factory.core.rollout.paged.runner import PagedRunner
+from factory.core.rollout.engines.paged import sampling
+from factory.core.rollout.engines.paged.runner import PagedRunner
 
 # the columns of `inputs`
 LIVE, POSITION, COUNTER, SEED, TOP_K, GREEDY, TEMPERATURE, TOP_P, NEW_COL, NEW_PAGE = range(10)

@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file
 from torch import Tensor
 
-from factory.core.rollout.engine_control import EngineControl
-from factory.core.rollout.paged.engine import make_engine
+from factory.core.rollout.engines.engine_control import EngineControl
+from factory.core.rollout.engines.paged.engine import make_engine
 from factory.models.checkpoint import load_checkpoint
 
 

@@ -39,8 +39,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from factory.core.rollout.kv_budget import KVBudget, never_fits
-from factory.core.rollout.paged.prefix import PrefixCache, chain
+from factory.core.rollout.engines.kv_budget import KVBudget, never_fits
+from factory.core.rollout.engines.paged.prefix import PrefixCache, chain
 
 PAGE_SIZE = 16
 
