@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from factory.config import ExperimentSpec
+    from factory.config.resolved import Resolved
 
 
 def resolve_device(setting: str = "auto", field: str = "device") -> torch.device:
@@ -46,17 +46,10 @@ def resolve_device(setting: str = "auto", field: str = "device") -> torch.device
     return torch.device("cuda", index)
 
 
-def run_device(spec: ExperimentSpec) -> torch.device:
-    """The device a run computes on: `spec.device`, or cuda:N when a one-process trainer is placed by
-    `trainer.devices: [N]`."""
-    placed = spec.trainer.devices
-    if spec.trainer.world_size == 1 and placed:
-        device = resolve_device(f"cuda:{placed[0]}", field="trainer.devices")
-        if spec.device not in ("auto", "cuda", str(device)):
-            raise ValueError(f"trainer.devices: {placed} places the one trainer process on {device}, but device is "
-                             f"{spec.device!r}; drop one of them")
-        return device
-    return resolve_device(spec.device)
+def run_device(resolved: Resolved) -> torch.device:
+    """The device a run computes on, on this machine: `spec.resolved.device` (`device`, or cuda:N where a
+    one-process trainer is placed by `trainer.devices: [N]`; config/resolved.py refused a contradiction)."""
+    return resolve_device(resolved.device, field=resolved.device_field)
 
 
 def prepare(device: torch.device) -> None:

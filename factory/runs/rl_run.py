@@ -242,7 +242,7 @@ class Run:
         # This attempt's device (a resumed attempt may run elsewhere), resolved once, before anything is recorded: a
         # device the machine does not have is refused here. Logged, and recorded in the `runs` row and as an MLflow
         # tag; `begin` places the model on it.
-        self.device = run_device(spec)
+        self.device = run_device(spec.resolved)
         if self.prev is None:
             self.base_row = dict(run_id=run_id, sweep_id=opts.sweep_id, name=spec.name, spec=spec.to_json(),
                                  spec_fingerprint=spec.fingerprint(), code_version=code_version(), seed=spec.seed,

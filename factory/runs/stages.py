@@ -72,7 +72,7 @@ def place(spec: ExperimentSpec, model: torch.nn.Module, log: Log | None = None,
     the spec's `device`, or trainer.devices at world_size 1), made current with TF32 on a GPU, and say which
     (`log`); returns it. Every stage places its model here once: the trainers, engines, evals and the KL reference
     then follow the model."""
-    device = device or run_device(spec)
+    device = device or run_device(spec.resolved)
     prepare(device)
     model.to(device)
     if log is not None:

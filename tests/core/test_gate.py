@@ -28,6 +28,7 @@ from factory.core.gate import (
 from factory.core.loop import train_rl
 from factory.core.producer import OverlappedProducer, ServerProducer, SyncProducer
 from factory.core.trainer.torch_trainer import TorchTrainer
+from factory.infra.device import run_device
 from factory.models.build import build_model
 from factory.models.tokenizer import tokenizer_for
 from factory.problem import Problem
@@ -66,7 +67,8 @@ def engine_tok(tok, **change):
 def run_gate(s, model, trainer_tok, producer_tok, cls=None, check=check_engine):
     producer = (cls or make_producer_cls(s))(s, model, producer_tok, _feed(s), 0)
     try:
-        return check(s, trainer_of(s, model), producer, trainer_tok, PROMPTS)
+        return check(s.rollout, trainer_of(s, model), producer, trainer_tok, PROMPTS,
+                     s.resolved.logprob_gap_bound(run_device(s.resolved).type))
     finally:
         producer.close()
 

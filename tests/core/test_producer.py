@@ -63,7 +63,7 @@ def test_the_rollout_server_process_runs_on_the_runs_device_in_its_precision():
     assert (args.device, args.precision, args.checkpoint, args.max_batch, args.weight_version) == \
         ("cpu", "fp32", "/ckpt", 64, 3)
     auto = server_argv(parse_spec({"trainer": {"precision": "bf16"}}), Path("/ckpt"), rows=8, version=0)
-    assert auto[auto.index("--device") + 1] == str(run_device(parse_spec({})))  # auto resolved once, by the run
+    assert auto[auto.index("--device") + 1] == str(run_device(parse_spec({}).resolved))  # auto resolved once, by the run
     assert auto[auto.index("--precision") + 1] == "bf16"
 
 
