@@ -72,3 +72,16 @@ def test_the_view_is_not_in_the_dump(path: Path) -> None:
 def test_the_quickstart_fingerprint_is_what_it_was() -> None:
     assert load_spec(Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml").fingerprint() \
         == "96eec83d19b10919"
+
+
+def test_the_cuda_settings_and_the_blend_seed_resolve_across_sections() -> None:
+    assert parse_spec({}).resolved.cuda_asked == ()
+    asked = parse_spec({"device": "cuda:1", "trainer": {"world_size": 2, "devices": [0, 1]},
+                        "schedule": {"mode": "async"},
+                        "rollout": {"engine": "sglang", "devices": [2], "sglang": {}}}).resolved.cuda_asked
+    assert asked == (("device", "cuda:1"), ("trainer.devices", "[0, 1]"), ("rollout.devices", "[2]"))
+    assert parse_spec({"trainer": {"backend": "megatron"}}).resolved.cuda_asked == (("trainer.backend", "megatron"),)
+    assert parse_spec({"seed": 7}).resolved.blend_seed == 7  # no data section: the spec's seed
+    blend = {"sources": [{"name": "a", "kind": "arithmetic", "op": "add", "digits": 1, "n": 64}]}
+    assert parse_spec({"seed": 7, "data": blend}).resolved.blend_seed == 7
+    assert parse_spec({"seed": 7, "data": {**blend, "seed": 3}}).resolved.blend_seed == 3

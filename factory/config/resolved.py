@@ -5,12 +5,17 @@ again where it is used:
 - `device` (and `device_field`, the field that named it): the run's device setting after `trainer.devices` placed a
   one-process trainer (cuda:N); the machine check (is there such a GPU) is `infra/device.resolve_device`'s, when the
   run starts, since a spec is validated on machines it does not run on (a Dagster webserver, a laptop).
+- `cuda_asked`: the settings that name CUDA whatever the machine, as (field, value) (empty: the spec runs on a CPU
+  machine too): `device` cuda[:N], `trainer.devices`, `trainer.backend` megatron (it refuses a CPU device),
+  `rollout.devices`. SGLang servers are not among them: `rollout.sglang.python` starts them, which may be a CPU
+  build or a stand-in; GPUs placed for them (`rollout.devices`) are.
 - `precision`: what the trainer computes in and the in-process engine and the rollout server decode in (one setting,
   `trainer.precision`; the serving dtype follows it on a GPU).
 - `numerics_differ`: whether the rollout engine computes the policy otherwise than the trainer wherever the run lands
   (bf16 autocast, weights rounded by `rollout.round_weights`, or a server / SGLang engine outside sync mode);
   `engine_differs(device)` adds the device (any GPU differs). It decides the recompute default
   (`algorithm.recomputes`) and the log-prob gap bound (`logprob_gap_bound`).
+- `blend_seed`: the prompt blend's seed, `data.seed`, else the spec's `seed`.
 
 None of it is a field: the spec's dump and fingerprint are what they were.
 """
@@ -30,10 +35,12 @@ class Resolved:
 
     device: str
     device_field: str
+    cuda_asked: tuple[tuple[str, str], ...]
     precision: Literal["fp32", "bf16"]
     numerics_differ: bool
     gap_bound_same: float  # ops.max_logprob_gap, or its default where the engine computes as the trainer does
     gap_bound_other: float  # ... and where it does not
+    blend_seed: int
 
     def engine_differs(self, device_type: str) -> bool:
         """Whether the engine computes otherwise than the trainer on a device of `device_type` ('cpu', 'cuda'):
@@ -54,11 +61,17 @@ def resolve(spec: ExperimentSpec) -> Resolved:
         if spec.device not in ("auto", "cuda", device):
             raise ValueError(f"trainer.devices: {placed} places the one trainer process on {device}, but device is "
                              f"{spec.device!r}; drop one of them")
-    r, precision = spec.rollout, spec.trainer.precision
+    r, t, precision = spec.rollout, spec.trainer, spec.trainer.precision
+    cuda = [("device", spec.device)] if spec.device.startswith("cuda") else []
+    cuda += [("trainer.devices", str(t.devices))] if t.devices else []
+    cuda += [("trainer.backend", "megatron")] if t.backend == "megatron" else []
+    cuda += [("rollout.devices", str(r.devices))] if r.devices else []
     # In-process on the CPU in fp32 the engine runs the trainer's own forward: their log-probs agree to float noise.
     # bf16 autocast rounds the engine's cached one-token decode and the trainer's full forward differently (3e-4
     # measured on the CPU); a server or SGLang is another process and engine.
     differ = (r.round_weights is not None or precision != "fp32"
               or (spec.schedule.mode != "sync" and r.engine in ("server", "sglang")))
-    return Resolved(device=device, device_field=field, precision=precision, numerics_differ=differ,
-                    gap_bound_same=spec.ops.logprob_gap_bound(False), gap_bound_other=spec.ops.logprob_gap_bound(True))
+    return Resolved(device=device, device_field=field, cuda_asked=tuple(cuda), precision=precision,
+                    numerics_differ=differ, gap_bound_same=spec.ops.logprob_gap_bound(False),
+                    gap_bound_other=spec.ops.logprob_gap_bound(True),
+                    blend_seed=spec.seed if spec.data is None or spec.data.seed is None else spec.data.seed)

@@ -117,7 +117,7 @@ class SyncProducer:
     def __init__(self, spec: ExperimentSpec, model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast,
                  feed: PromptFeed, start_version: int, state: dict | None = None):
         self.spec, self.tok, self.feed = spec, tokenizer, feed
-        self.positions = policy_positions(spec, model)
+        self.positions = policy_positions(spec.model, model)
         if state is not None:  # nothing is buffered between sync steps: only the feed continues
             feed.load_state_dict(state["stream"])
         # rollout.round_weights: the engine samples from its own copy, rounded (LoRA merged in); else from the
@@ -170,7 +170,7 @@ class OverlappedProducer:
     def __init__(self, spec: ExperimentSpec, model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast,
                  feed: PromptFeed, start_version: int, state: dict | None = None):
         self.spec, self.tok, self.feed = spec, tokenizer, feed
-        self.positions = policy_positions(spec, model)
+        self.positions = policy_positions(spec.model, model)
         per_step = spec.rollout.prompts_per_step
         buffer_spec = spec.buffer if spec.schedule.mode == "async" else BufferSpec(policy="bound", max_staleness=1)
         self.buffer = RolloutBuffer.from_spec(buffer_spec, groups_per_step=per_step)

@@ -21,7 +21,7 @@ from typing import Any
 from factory.config import ExperimentSpec
 from factory.data.blender import Blender
 from factory.data.curriculum import make_curriculum
-from factory.data.from_spec import blend_schedule, blend_seed, blender_for, open_sources
+from factory.data.from_spec import blend_schedule, blender_for, open_sources
 from factory.data.sources.base import ListSource, PromptSource
 from factory.problem import Problem
 
@@ -145,7 +145,7 @@ def make_feed(spec: ExperimentSpec, train: list[Problem] | None = None, sources:
     curriculum = None
     d = spec.data
     if d is not None and (d.curriculum.kind != "none" or d.filter is not None):
-        curriculum = make_curriculum(d.curriculum, sources=blender.names, seed=blend_seed(spec),
+        curriculum = make_curriculum(d.curriculum, sources=blender.names, seed=spec.resolved.blend_seed,
                                      base_weights=blend_schedule(spec)[0], prompt_filter=d.filter, stats=stats)
         if (w := curriculum.weights()) is not None:
             blender.set_weights(w)

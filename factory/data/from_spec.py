@@ -1,7 +1,7 @@
 """A spec's blend, opened: its sources, their held-out sets, and the blend's version.
 
 `open_sources(spec, train)` opens the sources of `spec.data` (or, without a `data` section, one source: the
-task's training split, named after the task). `held_out_sets(spec)` gives each generated source's held-out
+task's training split, named after the task). `held_out_sets(spec.data)` gives each generated source's held-out
 problems, the `data.held_out` rows right after its training range (disjoint by construction). `blend_version`
 is the data version of the blend: a hash of its sources' versions, the weights or schedule, the seed and the
 curriculum, so a changed file, weight or curriculum setting is a new version and equal blends are equal.
@@ -13,18 +13,15 @@ import hashlib
 import json
 from pathlib import Path
 
-from factory.config import ExperimentSpec
+from factory.config import DataSpec, ExperimentSpec, TaskSpec
 from factory.data.blender import Blender
 from factory.data.sources import make_source
 from factory.data.sources.base import ListSource, PromptSource, num_blocks
+from factory.data.sources.field import HumanEvalSource
 from factory.problem import Problem
 from factory.source_spec import SourceError
 
 DEFAULT_BLOCK_ROWS = 1024
-
-
-def blend_seed(spec: ExperimentSpec) -> int:
-    return spec.seed if spec.data is None or spec.data.seed is None else spec.data.seed
 
 
 def blend_schedule(spec: ExperimentSpec) -> dict[int, dict[str, float]]:
@@ -34,15 +31,15 @@ def blend_schedule(spec: ExperimentSpec) -> dict[int, dict[str, float]]:
     return spec.data.blend_weights()
 
 
-def task_source(spec: ExperimentSpec, train: list[Problem]) -> ListSource:
-    """The task's training split as one source (a run without a `data` section blends only it)."""
+def task_source(task: TaskSpec, train: list[Problem]) -> ListSource:
+    """The training split `train` of `task` as one source (a run without a `data` section blends only it)."""
     h = hashlib.sha256()
     for p in train:
         h.update(json.dumps(p.to_dict(), sort_keys=True).encode())
     rows = [Problem(p.id, p.prompt, p.answer, p.op, p.digits,
-                    {**p.meta, "source": spec.task.name, "verifier": spec.task.environment or spec.task.name})
+                    {**p.meta, "source": task.name, "verifier": task.environment or task.name})
             for p in train]
-    return ListSource(spec.task.name, rows, h.hexdigest()[:16], block_rows=DEFAULT_BLOCK_ROWS)
+    return ListSource(task.name, rows, h.hexdigest()[:16], block_rows=DEFAULT_BLOCK_ROWS)
 
 
 def open_sources(spec: ExperimentSpec, train: list[Problem] | None = None, base_dir: str | Path | None = None,
@@ -52,7 +49,7 @@ def open_sources(spec: ExperimentSpec, train: list[Problem] | None = None, base_
     if spec.data is None:
         if train is None:
             raise ValueError("open_sources: a spec without a data section blends the task's training split: pass it")
-        return [task_source(spec, train)]
+        return [task_source(spec.task, train)]
     out = []
     for s in spec.data.sources:
         try:
@@ -66,26 +63,26 @@ def open_sources(spec: ExperimentSpec, train: list[Problem] | None = None, base_
 
 def blender_for(spec: ExperimentSpec, sources: list[PromptSource]) -> Blender:
     """The spec's blend over `sources` (what `open_sources` opened): its schedule and seed."""
-    return Blender(sources, schedule=blend_schedule(spec), seed=blend_seed(spec))
+    return Blender(sources, schedule=blend_schedule(spec), seed=spec.resolved.blend_seed)
 
 
-def held_out_sets(spec: ExperimentSpec) -> dict[str, list[Problem]]:
+def held_out_sets(data: DataSpec | None) -> dict[str, list[Problem]]:
     """Per generated source, `data.held_out` problems right after its training rows, none of them a training
     row: an arithmetic level's next range of the same seeded order, a reasoning-gym dataset's next entries with
     questions unlike the training rows', HumanEval's next problems (as many as are left; none after the last).
     Empty without a data section."""
-    if spec.data is None or spec.data.held_out == 0:
+    if data is None or data.held_out == 0:
         return {}
     out = {}
-    for s in spec.data.sources:
+    for s in data.sources:
         if s["kind"] in ("reasoning_gym", "humaneval"):
-            rows = make_source(s).held_out_rows(spec.data.held_out)
+            rows = make_source(s).held_out_rows(data.held_out)
             if rows:
                 out[s["name"]] = rows
             continue
         if s["kind"] != "arithmetic":
             continue
-        held = {**s, "start": s["start"] + s["n"], "n": spec.data.held_out}
+        held = {**s, "start": s["start"] + s["n"], "n": data.held_out}
         try:
             src = make_source(held)
         except SourceError as e:
@@ -95,12 +92,11 @@ def held_out_sets(spec: ExperimentSpec) -> dict[str, list[Problem]]:
     return out
 
 
-def humaneval_benchmark(spec: ExperimentSpec) -> list[Problem]:
-    """The `humaneval` benchmark of a run: HumanEval's problems less those its humaneval sources train on."""
-    from factory.data.sources.field import HumanEvalSource
-
+def humaneval_benchmark(data: DataSpec | None) -> list[Problem]:
+    """The `humaneval` benchmark of a run of blend `data`: HumanEval's problems less those its humaneval sources
+    train on."""
     trained: set[str] = set()
-    for s in spec.data.sources if spec.data is not None else []:
+    for s in data.sources if data is not None else []:
         if s["kind"] == "humaneval":
             src = make_source(s)
             trained |= {p.id for b in range(num_blocks(src)) for p in src.read_block(b)}
@@ -114,6 +110,6 @@ def blend_version(spec: ExperimentSpec, sources: list[PromptSource]) -> str:
     c = spec.data.curriculum.model_dump(mode="json") if spec.data else {"kind": "none"}
     f = spec.data.filter.model_dump(mode="json") if spec.data and spec.data.filter else None
     parts = {"sources": [[s.name, s.version(), len(s)] for s in sources],
-             "schedule": {str(k): v for k, v in sorted(blend_schedule(spec).items())}, "seed": blend_seed(spec),
+             "schedule": {str(k): v for k, v in sorted(blend_schedule(spec).items())}, "seed": spec.resolved.blend_seed,
              "curriculum": c, "filter": f, "format": 1}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]

@@ -287,7 +287,7 @@ class Run:
         spec, lake, run_id = self.spec, self.lake, self.run_id
         self.start = start_eval(spec, lake, self.tracker, run_id, self.mlflow_id, self.model, self.tok,
                                  self.splits, self.log)
-        self.held = held_out_sets(spec)
+        self.held = held_out_sets(spec.data)
         if self.held and lake.read("evals", And(And(EqualTo("run_id", run_id), EqualTo("step", 0)), EqualTo(
                 "benchmark", SOURCE_BENCHMARK + next(iter(self.held))))).num_rows == 0:
             self._evaluate_sources(0, None)

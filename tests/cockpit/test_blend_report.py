@@ -62,5 +62,5 @@ def test_without_a_data_section_the_task_split_is_the_one_source():
 
     s = load_spec(QUICKSTART)
     train = [Problem(str(i), f"{i}+1=", str(i + 1), "add", 1, {}) for i in range(50)]
-    r = blend_report(s, [task_source(s, train)], steps=3)
+    r = blend_report(s, [task_source(s.task, train)], steps=3)
     assert [(x.name, x.realized, x.target) for x in r.sources] == [("arithmetic", 1.0, 1.0)]
