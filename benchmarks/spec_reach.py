@@ -203,9 +203,8 @@ class Walker:
                     if isinstance(target, ast.Name):
                         local.setdefault(target.id, []).extend(
                             [value.body, value.orelse] if isinstance(value, ast.IfExp) else [value])
-        for sub in ast.walk(node):
-            if not isinstance(sub, ast.Call):
-                continue
+        calls = sorted((n for n in ast.walk(node) if isinstance(n, ast.Call)), key=lambda n: (n.lineno, n.col_offset))
+        for sub in calls:  # in source order: the walk's order is the order the calls are written in
             callees = [self.resolve(mod, cls, sub.func, local)]
             if isinstance(sub.func, ast.Name) and callees[0] is None:  # cls = A if ... else B; cls(spec)
                 callees = [self.resolve(mod, cls, v, {}) for v in local.get(sub.func.id, [])]
