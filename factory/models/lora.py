@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from factory.config import LoraSpec, ModelSpec
 from factory.model_source import source_files
 from factory.presets import PRESETS
 
@@ -86,14 +87,13 @@ def targets_problem(model: torch.nn.Module, targets: str | list[str]) -> str | N
             f"are {_linear_names(model)} (or use 'all-linear')")
 
 
-def spec_targets_problem(spec: Any) -> str | None:
-    """`targets_problem` for an `ExperimentSpec` before its run, on the model's skeleton (built on the meta device
-    from the preset or `model.path`'s config.json: no weights are read). None when the spec has no LoRA section, or
-    when the model's config cannot be read here (the run's start reports that)."""
-    lora_spec = spec.trainer.lora
+def spec_targets_problem(lora_spec: LoraSpec | None, m: ModelSpec) -> str | None:
+    """`targets_problem` for a spec's `trainer.lora` before its run, on the skeleton of the model its `model`
+    section `m` names (built on the meta device from the preset or `model.path`'s config.json: no weights are
+    read). None without a LoRA section, or when the model's config cannot be read here (the run's start reports
+    that)."""
     if lora_spec is None or lora_spec.target_modules == "all-linear":
         return None
-    m = spec.model
     try:
         if m.path is None:
             p = PRESETS[m.preset]
