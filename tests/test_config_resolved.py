@@ -81,7 +81,7 @@ def test_the_cuda_settings_and_the_blend_seed_resolve_across_sections() -> None:
                         "rollout": {"engine": "sglang", "devices": [2], "sglang": {}}}).resolved.cuda_asked
     assert asked == (("device", "cuda:1"), ("trainer.devices", "[0, 1]"), ("rollout.devices", "[2]"))
     assert parse_spec({"trainer": {"backend": "megatron"}}).resolved.cuda_asked == (("trainer.backend", "megatron"),)
-    assert parse_spec({"seed": 7}).resolved.blend_seed == 7  # no data section: the spec's seed
+    assert parse_spec({"seed": 7}).resolved.blend.seed == 7  # no data section: the spec's seed
     blend = {"sources": [{"name": "a", "kind": "arithmetic", "op": "add", "digits": 1, "n": 64}]}
-    assert parse_spec({"seed": 7, "data": blend}).resolved.blend_seed == 7
-    assert parse_spec({"seed": 7, "data": {**blend, "seed": 3}}).resolved.blend_seed == 3
+    assert parse_spec({"seed": 7, "data": blend}).resolved.blend.seed == 7
+    assert parse_spec({"seed": 7, "data": {**blend, "seed": 3}}).resolved.blend.seed == 3

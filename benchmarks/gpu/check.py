@@ -30,8 +30,8 @@ Parts (each guarded: a part that fails records its error under its key and the o
 
 `gpu_count` puts `factory validate`'s torch-free GPU count (factory/infra/gpus.py) beside torch's.
 
-The run's device follows Factory's rule: `factory.infra.device.run_device(spec.resolved)` picks it (device: auto), and each
-component computes on the device of the model it is given. `--smoke`: the same code paths on the CPU with tiny
+The run's device follows Factory's rule: `factory.infra.device.run_device(spec.resolved)` picks it (device: auto),
+and each component computes on the device of the model it is given. `--smoke`: the same code paths on the CPU with tiny
 shapes and few steps (seconds); tests/benchmarks/test_gpu_check.py runs it so the kit cannot rot. The JSON is also
 written to `--out` after each part, so a run stopped at its time limit still leaves what it measured.
 

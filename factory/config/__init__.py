@@ -31,7 +31,7 @@ from factory.config.loading import (
 )
 from factory.config.model import ModelSpec
 from factory.config.ops import OpsSpec
-from factory.config.resolved import Resolved
+from factory.config.resolved import Blend, Resolved
 from factory.config.rollout import RolloutSpec, SGLangSpec
 from factory.config.schedule import ScheduleSpec
 from factory.config.section import LR_HELP
@@ -42,7 +42,7 @@ from factory.config.yaml_io import MAX_YAML_NODES, DuplicateKeyError, YAMLBombEr
 
 __all__ = [
     "FILE_SOURCE_KINDS", "LR_HELP", "MAX_YAML_NODES", "MIN_N_TRAIN", "MULTI_TURN_BUILTINS", "AlgorithmSpec",
-    "CorrectionSpec",
+    "Blend", "CorrectionSpec",
     "BufferSpec", "CurriculumSpec", "DataSpec", "DuplicateKeyError", "ExperimentSpec", "LoraSpec", "ModelSpec",
     "Operation", "OpsSpec", "PromptFilterSpec", "Resolved", "RolloutSpec", "SFTSpec", "SGLangSpec", "ScheduleSpec",
     "SpecError",

@@ -15,7 +15,9 @@ again where it is used:
   (bf16 autocast, weights rounded by `rollout.round_weights`, or a server / SGLang engine outside sync mode);
   `engine_differs(device)` adds the device (any GPU differs). It decides the recompute default
   (`algorithm.recomputes`) and the log-prob gap bound (`logprob_gap_bound`).
-- `blend_seed`: the prompt blend's seed, `data.seed`, else the spec's `seed`.
+- `blend`: GRPO's prompt blend as the run draws it (`Blend`): the `data` section, or without one the task's
+  training split alone (one source named after the task); its seed `data.seed`, else the spec's `seed`. What the
+  blend's modules (factory/data/) are handed instead of the spec.
 
 None of it is a field: the spec's dump and fingerprint are what they were.
 """
@@ -26,7 +28,23 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
+    from factory.config.data import DataSpec
     from factory.config.experiment import ExperimentSpec
+    from factory.config.task import TaskSpec
+
+
+@dataclass(frozen=True)
+class Blend:
+    """GRPO's prompt blend: `data` (None: the task's training split alone, one source named `task.name`), drawn
+    with `seed`."""
+
+    data: DataSpec | None
+    task: TaskSpec
+    seed: int
+
+    def schedule(self) -> dict[int, dict[str, float]]:
+        """step -> {source: weight}; one source with weight 1 without a `data` section."""
+        return {0: {self.task.name: 1.0}} if self.data is None else self.data.blend_weights()
 
 
 @dataclass(frozen=True)
@@ -40,7 +58,7 @@ class Resolved:
     numerics_differ: bool
     gap_bound_same: float  # ops.max_logprob_gap, or its default where the engine computes as the trainer does
     gap_bound_other: float  # ... and where it does not
-    blend_seed: int
+    blend: Blend
 
     def engine_differs(self, device_type: str) -> bool:
         """Whether the engine computes otherwise than the trainer on a device of `device_type` ('cpu', 'cuda'):
@@ -74,4 +92,5 @@ def resolve(spec: ExperimentSpec) -> Resolved:
     return Resolved(device=device, device_field=field, cuda_asked=tuple(cuda), precision=precision,
                     numerics_differ=differ, gap_bound_same=spec.ops.logprob_gap_bound(False),
                     gap_bound_other=spec.ops.logprob_gap_bound(True),
-                    blend_seed=spec.seed if spec.data is None or spec.data.seed is None else spec.data.seed)
+                    blend=Blend(spec.data, spec.task,
+                                spec.seed if spec.data is None or spec.data.seed is None else spec.data.seed))

@@ -488,7 +488,7 @@ def make_producer(spec: ExperimentSpec, model: PreTrainedModel, tokenizer: PreTr
     """The producer for `spec`'s mode; `state` (a producer's `state_dict()` from a resume point) continues
     its prompt feed and buffer exactly. `feed` defaults to the spec's blend (`data/feed.py`; without a data
     section, the task's training split `train`)."""
-    feed = feed if feed is not None else make_feed(spec, train)
+    feed = feed if feed is not None else make_feed(spec.resolved.blend, train)
     if state is None:  # continuing from step N without a resume point: the sequence goes on from there
         feed.skip(start_version * spec.rollout.prompts_per_step)
     if spec.task.environment is not None:

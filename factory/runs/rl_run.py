@@ -295,9 +295,10 @@ class Run:
             if start.primary is not None and start.primary.benchmark != HELD_OUT:  # a source's: say its baseline
                 self.log(f"run {run_id}: start {start.primary.benchmark} accuracy {start.primary.text()} "
                          f"(the run's headline: its own task's held-out set)")
-        self.feed = make_feed(spec, self.splits.train,
+        self.feed = make_feed(spec.resolved.blend, self.splits.train,
                               stats=_offline_stats(spec, lake, self.tracker, self.mlflow_id, self.log))
-        self.tracker.set_tags(self.mlflow_id, {"factory.blend_version": blend_version(spec, self.feed.blender.sources)})
+        self.tracker.set_tags(self.mlflow_id, {"factory.blend_version": blend_version(spec.resolved.blend,
+                                                                                     self.feed.blender.sources)})
         beat(self.run_dir)
 
     # ------------------------------------------------------------ train, step

@@ -80,7 +80,7 @@ def make_producer_cls(s):
 def _feed(s):
     from factory.data.feed import make_feed
 
-    return make_feed(s, PROBLEMS)
+    return make_feed(s.resolved.blend, PROBLEMS)
 
 
 def test_a_good_sync_setup_passes_with_the_fp32_gap_of_the_cpu(tok):

@@ -51,7 +51,7 @@ def test_held_out_sets_follow_the_training_rows_and_share_no_problem_with_them()
     spec = parse_spec({"task": {"name": "word_problems", "n_train": 40, "n_eval": 8},
                        "data": {"sources": [{**RG, "config": {"min_terms": 2, "max_terms": 2, "max_digits": 1}},
                                             {"name": "he", "kind": "humaneval", "size": 160}], "held_out": 10}})
-    train = {s.name: all_rows(s) for s in open_sources(spec)}
+    train = {s.name: all_rows(s) for s in open_sources(spec.resolved.blend)}
     held = held_out_sets(spec.data)
     # one-digit sums of two terms: few distinct questions, so later entries repeat training ones and are skipped
     assert len(held["rg"]) == 10
@@ -100,7 +100,7 @@ def test_a_blend_of_every_kind_is_drawn_and_scored_by_the_runs_scorer(tmp_path, 
 
     monkeypatch.setenv("FACTORY_SANDBOX_SIZE", "1")
     spec = parse_spec({"task": {"name": "word_problems", "n_train": 40, "n_eval": 8}, "data": blend(tmp_path)})
-    feed = make_feed(spec)
+    feed = make_feed(spec.resolved.blend)
     drawn = [feed.draw(0)[1] for _ in range(24)]
     by_source = {}
     for p in drawn:
