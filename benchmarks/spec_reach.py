@@ -50,33 +50,50 @@ class Reach:
     functions: set[str] = field(default_factory=set)
 
 
-def load(root: Path) -> dict[str, Module]:
-    mods: dict[str, Module] = {}
-    for path in sorted((root / "factory").rglob("*.py")):
-        parts = list(path.relative_to(root).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts.pop()
-        name = ".".join(parts)
-        tree = ast.parse(path.read_text(), str(path))
-        m = Module(name, tree)
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    base = ".".join(up + ([base] if base else []))
-                for a in node.names:
-                    m.imports[a.asname or a.name] = f"{base}:{a.name}"
-            elif isinstance(node, ast.Import):
-                for a in node.names:
-                    if a.asname:
-                        m.imports[a.asname] = a.name
-        for node in tree.body:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                m.defs[node.name] = node
-        mods[name] = m
-    return mods
+class Tree:
+    """The modules of `root`/factory by dotted name, each parsed when first asked for (a walk reads a few dozen)."""
+
+    def __init__(self, root: Path):
+        self.paths: dict[str, Path] = {}
+        for path in sorted((root / "factory").rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            self.paths[".".join(parts)] = path
+        self.parsed: dict[str, Module] = {}
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.paths
+
+    def get(self, name: str) -> Module | None:
+        return self[name] if name in self.paths else None
+
+    def __getitem__(self, name: str) -> Module:
+        if name not in self.parsed:
+            self.parsed[name] = _parse(name, self.paths[name])
+        return self.parsed[name]
+
+
+def _parse(name: str, path: Path) -> Module:
+    tree = ast.parse(path.read_text(), str(path))
+    m = Module(name, tree)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            for a in node.names:
+                m.imports[a.asname or a.name] = f"{base}:{a.name}"
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.asname:
+                    m.imports[a.asname] = a.name
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            m.defs[node.name] = node
+    return m
 
 
 def layers(root: Path) -> list[list[str]]:
@@ -97,7 +114,7 @@ def layer_of(module: str, order: list[list[str]]) -> int:
 
 
 class Walker:
-    def __init__(self, mods: dict[str, Module]):
+    def __init__(self, mods: Tree):
         self.mods, self.reach, self.seen = mods, Reach(), set()
 
     def target(self, ref: str, depth: int = 0) -> tuple[str, ast.AST] | None:
@@ -288,11 +305,13 @@ def _is_call_target(attr: ast.Attribute, scope: ast.AST) -> bool:
     return any(isinstance(n, ast.Call) and n.func is attr for n in ast.walk(scope))
 
 
-def signatures(mods: dict[str, Module]) -> int:
-    """Functions in factory/ with a parameter annotated ExperimentSpec."""
+def signatures(mods: Tree) -> int:
+    """Functions in factory/ with a parameter annotated ExperimentSpec (only files naming it are parsed)."""
     n = 0
-    for m in mods.values():
-        for node in ast.walk(m.tree):
+    for name, path in mods.paths.items():
+        if "ExperimentSpec" not in path.read_text():
+            continue
+        for node in ast.walk(mods[name].tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 a = node.args
                 if any(p.annotation is not None and ast.unparse(p.annotation).strip("'\"") == "ExperimentSpec"
@@ -302,7 +321,7 @@ def signatures(mods: dict[str, Module]) -> int:
 
 
 def measure(root: Path) -> dict:
-    mods = load(root)
+    mods = Tree(root)
     order = layers(root)
     w = Walker(mods)
     mod, func, param = START
