@@ -10,6 +10,7 @@ import pytest
 
 from factory.config import SpecError, load_spec, parse_spec
 from factory.config.ops import GAP_BOUND_OTHER_NUMERICS, GAP_BOUND_SAME_NUMERICS
+from factory.core.buffer import RolloutBuffer
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.yaml"))
 
@@ -85,3 +86,19 @@ def test_the_cuda_settings_and_the_blend_seed_resolve_across_sections() -> None:
     blend = {"sources": [{"name": "a", "kind": "arithmetic", "op": "add", "digits": 1, "n": 64}]}
     assert parse_spec({"seed": 7, "data": blend}).resolved.blend.seed == 7
     assert parse_spec({"seed": 7, "data": {**blend, "seed": 3}}).resolved.blend.seed == 3
+
+
+@pytest.mark.parametrize("raw", [
+    {"schedule": {"mode": "one_step_off"}, "rollout": {"prompts_per_step": 3}},
+    {"schedule": {"mode": "async"}, "buffer": {"policy": "reject", "max_staleness": 0}},
+    {"schedule": {"mode": "async"}, "buffer": {"max_staleness": 2}, "rollout": {"prompts_per_step": 2}},
+    {"schedule": {"mode": "async"}, "buffer": {"depth": 3}, "rollout": {"concurrency": 5}},
+], ids=["one_step_off", "async-reject-0", "async-bound-2", "async-set"])
+def test_the_buffer_and_the_groups_in_flight_resolve_as_the_producer_builds_them(raw: dict) -> None:
+    s = parse_spec(raw)
+    r = s.resolved
+    built = RolloutBuffer.from_spec(r.buffer, groups_per_step=s.rollout.prompts_per_step)  # OverlappedProducer's
+    assert r.buffer_depth == built.capacity
+    assert r.concurrency == (s.rollout.concurrency or built.capacity)
+    if s.schedule.mode == "one_step_off":  # whatever the buffer section says, one step off is one version deep
+        assert (r.buffer.policy, r.buffer.max_staleness) == ("bound", 1)

@@ -15,6 +15,10 @@ again where it is used:
   (bf16 autocast, weights rounded by `rollout.round_weights`, or a server / SGLang engine outside sync mode);
   `engine_differs(device)` adds the device (any GPU differs). It decides the recompute default
   (`algorithm.recomputes`) and the log-prob gap bound (`logprob_gap_bound`).
+- `buffer`, `buffer_depth`, `concurrency`: the rollout buffer an overlapped run builds (`buffer` in async mode; in
+  one_step_off a `bound` buffer one version deep), its depth in prompt groups (`depth`, else max(max_staleness, 1) x
+  `rollout.prompts_per_step`) and the producer threads, i.e. groups in flight (`rollout.concurrency`, else the
+  depth). Sync mode builds no buffer: the figures are what one_step_off would.
 - `blend`: GRPO's prompt blend as the run draws it (`Blend`): the `data` section, or without one the task's
   training split alone (one source named after the task); its seed `data.seed`, else the spec's `seed`. What the
   blend's modules (factory/data/) are handed instead of the spec.
@@ -26,6 +30,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
+
+from factory.config.buffer import BufferSpec
 
 if TYPE_CHECKING:
     from factory.config.data import DataSpec
@@ -58,6 +64,9 @@ class Resolved:
     numerics_differ: bool
     gap_bound_same: float  # ops.max_logprob_gap, or its default where the engine computes as the trainer does
     gap_bound_other: float  # ... and where it does not
+    buffer: BufferSpec
+    buffer_depth: int
+    concurrency: int
     blend: Blend
 
     def engine_differs(self, device_type: str) -> bool:
@@ -89,8 +98,11 @@ def resolve(spec: ExperimentSpec) -> Resolved:
     # measured on the CPU); a server or SGLang is another process and engine.
     differ = (r.round_weights is not None or precision != "fp32"
               or (spec.schedule.mode != "sync" and r.engine in ("server", "sglang")))
+    buffer = spec.buffer if spec.schedule.mode == "async" else BufferSpec(policy="bound", max_staleness=1)
+    depth = buffer.depth if buffer.depth is not None else max(buffer.max_staleness, 1) * r.prompts_per_step
     return Resolved(device=device, device_field=field, cuda_asked=tuple(cuda), precision=precision,
                     numerics_differ=differ, gap_bound_same=spec.ops.logprob_gap_bound(False),
-                    gap_bound_other=spec.ops.logprob_gap_bound(True),
+                    gap_bound_other=spec.ops.logprob_gap_bound(True), buffer=buffer, buffer_depth=depth,
+                    concurrency=r.concurrency or depth,
                     blend=Blend(spec.data, spec.task,
                                 spec.seed if spec.data is None or spec.data.seed is None else spec.data.seed))
