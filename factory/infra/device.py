@@ -7,8 +7,8 @@ for CUDA where there is none, or for an index the machine does not have, is a Va
 
 At `trainer.world_size` 1, `trainer.devices: [N]` places the one trainer process: it is the run's device
 (cuda:N), and a `device` that says otherwise is refused when the spec validates (both are worked out once there,
-`spec.resolved`, factory/config/resolved.py; what this machine has is checked here, when the run starts). Ranks of a multi-process trainer are placed by
-`trainer.devices` / LOCAL_RANK in `core/trainer/distributed.py`.
+`spec.resolved`, factory/config/resolved.py; what this machine has is checked here, when the run starts). Ranks of
+a multi-process trainer are placed by `trainer.devices` / LOCAL_RANK in `core/trainer/distributed.py`.
 
 Every component takes the resolved `torch.device` from its caller: nothing below the run decides for itself.
 """
