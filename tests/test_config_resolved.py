@@ -3,7 +3,9 @@ validation, as the components used to work them out where they were used, and ab
 
 from __future__ import annotations
 
+import copy
 import itertools
+import pickle
 from pathlib import Path
 
 import pytest
@@ -59,6 +61,8 @@ def test_an_assigned_section_re_resolves() -> None:
     assert not s.resolved.numerics_differ
     s.trainer = s.trainer.model_copy(update={"precision": "bf16"})  # validate_assignment reruns the validator
     assert s.resolved.numerics_differ and s.resolved.precision == "bf16"
+    # a spec handed to another process or copied keeps its view (a private attribute travels with the model)
+    assert pickle.loads(pickle.dumps(s)).resolved == copy.deepcopy(s).resolved == s.resolved
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
