@@ -90,7 +90,7 @@ def sources(spec, three: list) -> list:
     harder as the spec's entries say."""
     mid = [Problem(p.id, p.prompt, p.answer, p.op, p.digits, {"source": "mid", "verifier": "arithmetic"})
            for p in three]
-    return [ListSource("mid", mid, f"mid-{spec.seed}"), *open_sources(spec)[1:]]
+    return [ListSource("mid", mid, f"mid-{spec.seed}"), *open_sources(spec.resolved.blend)[1:]]
 
 
 def held_out_accuracy(model, tok, held: list, max_new_tokens: int) -> float:
@@ -112,7 +112,7 @@ def run_variant(spec, curriculum: dict, start, tok, held: list, srcs: list, ever
             model.train()
 
     t0 = time.perf_counter()
-    records = train_rl(s, model, tok, [], on_step=on_step, feed=make_feed(s, sources=srcs))
+    records = train_rl(s, model, tok, [], on_step=on_step, feed=make_feed(s.resolved.blend, sources=srcs))
     return {"curve": curve, "final": curve[-1][1], "useful_token_share": useful / max(tokens, 1),
             "wall_s": time.perf_counter() - t0, "skipped": records[-1].data.get("data/skipped", 0.0)}
 

@@ -77,7 +77,7 @@ def main() -> int:
     out = {"model": a.checkpoint or f"{spec.model.preset} (fresh{', spread' if a.spread else ''})",
            "repeats": a.repeats}
     for arm, dtype in ROUNDINGS.items():
-        producer = SyncProducer(spec, model, tok, make_feed(spec, train), 0)
+        producer = SyncProducer(spec, model, tok, make_feed(spec.resolved.blend, train), 0)
         producer.engine = EmbeddedEngine(rounded(model, dtype), tok)  # what the engine samples from
         res, times = timed(spec, trainer, producer, tok, prompts, a.repeats)
         ci = mean_interval(times, bounded=False)  # seconds, not a share

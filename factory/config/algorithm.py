@@ -71,9 +71,10 @@ class AlgorithmSpec(_Section):
     attaches to stale samples in its `importance` policy.
 
     `behavior` is whose log-probs the loss takes as the behaviour policy: the engine's as sampled, or the trainer's
-    own recomputed (unset: recompute where the engine computes in another precision or backend, `engine_differs` in
-    core/correction.py); `correction` corrects the sampler/trainer gap on top (TIS, MIS, IcePop; their weights
-    multiply the staleness weights, their masks drop tokens from the policy term, the KL term and the aggregation).
+    own recomputed (unset: recompute where the engine computes in another precision or backend, `engine_differs` of
+    `spec.resolved`, config/resolved.py); `correction` corrects the sampler/trainer gap on top (TIS, MIS, IcePop;
+    their weights multiply the staleness weights, their masks drop tokens from the policy term, the KL term and the
+    aggregation).
     `dual_clip` unset is c = 3 on the PPO-clip losses where staleness or a gap can occur, off in a sync fp32 CPU run:
     a negative-advantage token far above its clip otherwise passes a gradient of |A| * ratio (1e3 at a ratio of 1e3).
     docs/algorithms.md has the formulas, the papers, suggested bounds and where factory differs from verl.

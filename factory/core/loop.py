@@ -40,7 +40,7 @@ from factory.core import algorithms
 from factory.core.batch import TrainBatch, pack
 from factory.core.behaviour import BehaviourScorer
 from factory.core.buffer import Sample, apply_importance_correction, stale_rows
-from factory.core.correction import apply_correction, correct, engine_differs, gap_stats
+from factory.core.correction import apply_correction, correct, gap_stats
 from factory.core.gate import LogprobGapError
 from factory.core.gate import gate as logprob_gate
 from factory.core.resume import TrainState, capture, rng_state, set_rng_state
@@ -190,7 +190,7 @@ def train_rl(
         # On the policy's device (after make_trainer: a rank-0 trainer may have placed it), at the trainer's
         # precision: the KL compares like with like, and a reference left on the CPU would run there.
         reference.model.to(model_device(model))
-    differs = engine_differs(spec, model_device(model))
+    differs = spec.resolved.engine_differs(model_device(model).type)
     recompute = spec.algorithm.recomputes(differs)
     loss_fn = _grpo_loss_fn(spec, differs)
     gap_bound = spec.ops.logprob_gap_bound(differs)
@@ -214,7 +214,7 @@ def train_rl(
                                          state=None if resume is None else resume.loop["producer"], feed=feed)
     if resume is None and train:  # the step-0 log-prob gate (core/gate.py); a resumed run passed it already
         try:
-            logprob_gate(spec, trainer, producer, tokenizer, [p.prompt for p in train], bound=gap_bound)
+            logprob_gate(spec.rollout, trainer, producer, tokenizer, [p.prompt for p in train], bound=gap_bound)
         except BaseException:
             producer.close()
             raise
@@ -481,7 +481,7 @@ def make_producer(spec: ExperimentSpec, model: PreTrainedModel, tokenizer: PreTr
     point) continues its prompt feed and buffer exactly. `feed` defaults to the spec's blend (`data/feed.py`;
     without a data section, the task's training split `train`)."""
     build = PRODUCERS.get(spec.rollout.engine)  # before the feed moves: an unknown name fails naming the field
-    feed = feed if feed is not None else make_feed(spec, train)
+    feed = feed if feed is not None else make_feed(spec.resolved.blend, train)
     if state is None:  # continuing from step N without a resume point: the sequence goes on from there
         feed.skip(start_version * spec.rollout.prompts_per_step)
     if spec.task.environment is not None:

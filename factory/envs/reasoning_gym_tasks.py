@@ -37,9 +37,9 @@ _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")  # reasoning-gym config fields that are
 
 def _rg():
     try:
-        import reasoning_gym  # optional: the `real` extra; only reasoning_gym sources need it
-        import reasoning_gym.factory
-        import reasoning_gym.utils
+        import reasoning_gym  # noqa: PLC0415 optional: the `real` extra; only reasoning_gym sources need it
+        import reasoning_gym.factory  # noqa: PLC0415 as above
+        import reasoning_gym.utils  # noqa: PLC0415 as above
     except ImportError as e:
         raise ImportError(f"reasoning_gym sources need the reasoning-gym package: pip install "
                           f"'factory[{EXTRA}]'") from e

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from factory.envs.reward_hacks import hack_targets, score_in
 from factory.envs.sandbox import SandboxLimits, SandboxPool
 
 # Where every case keeps its state: save_<store>(data) -> bool and load_<store>() -> bytes | None for each store
@@ -436,8 +437,6 @@ def answer_table_completion() -> str:
 
 def answer_table_attack(pool: Any, executions: int) -> list[float]:
     """The rewards of `executions` runs of the answer table on HumanEval/0 in `pool`, in order."""
-    from factory.envs.reward_hacks import hack_targets, score_in
-
     problem = next(p for p in hack_targets() if p.id == "HumanEval/0")
     completion = answer_table_completion()
     return [score_in(pool, completion, problem)[0] for _ in range(executions)]

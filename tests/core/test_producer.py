@@ -48,9 +48,9 @@ def test_the_context_is_the_specs_else_a_path_models_own_else_the_presets():  # 
     from factory.models.build import policy_positions
 
     model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=128))
-    assert policy_positions(parse_spec({}), model) == 64  # the tiny preset's, whatever the model object says
-    assert policy_positions(parse_spec({"model": {"max_positions": 48}}), model) == 48
-    assert policy_positions(parse_spec({"model": {"path": "/some/dir"}}), model) == 128
+    assert policy_positions(parse_spec({}).model, model) == 64  # the tiny preset's, whatever the model object says
+    assert policy_positions(parse_spec({"model": {"max_positions": 48}}).model, model) == 48
+    assert policy_positions(parse_spec({"model": {"path": "/some/dir"}}).model, model) == 128
 
 
 def test_the_rollout_server_process_runs_on_the_runs_device_in_its_precision():
@@ -63,7 +63,7 @@ def test_the_rollout_server_process_runs_on_the_runs_device_in_its_precision():
     assert (args.device, args.precision, args.checkpoint, args.max_batch, args.weight_version) == \
         ("cpu", "fp32", "/ckpt", 64, 3)
     auto = server_argv(parse_spec({"trainer": {"precision": "bf16"}}), Path("/ckpt"), rows=8, version=0)
-    assert auto[auto.index("--device") + 1] == str(run_device(parse_spec({})))  # auto resolved once, by the run
+    assert auto[auto.index("--device") + 1] == str(run_device(parse_spec({}).resolved))  # auto: the run resolves it
     assert auto[auto.index("--precision") + 1] == "bf16"
 
 

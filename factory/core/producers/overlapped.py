@@ -43,7 +43,7 @@ class OverlappedProducer:
     def __init__(self, spec: ExperimentSpec, model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast,
                  feed: PromptFeed, start_version: int, state: dict | None = None):
         self.spec, self.tok, self.feed = spec, tokenizer, feed
-        self.positions = policy_positions(spec, model)
+        self.positions = policy_positions(spec.model, model)
         per_step = spec.rollout.prompts_per_step
         buffer_spec = spec.buffer if spec.schedule.mode == "async" else BufferSpec(policy="bound", max_staleness=1)
         self.buffer = RolloutBuffer.from_spec(buffer_spec, groups_per_step=per_step)

@@ -132,7 +132,7 @@ class ServerProducer(OverlappedProducer):
     def _staging(self) -> HostStaging:
         """Host buffers for versions that leave the process through the codec, in the dtype the engine serves
         (bf16 for trainer.precision bf16 on CUDA: the server's deltas are then against its own bf16 weights)."""
-        dtype = serving_dtype(run_device(self.spec), self.spec.trainer.precision, torch.float32)
+        dtype = serving_dtype(run_device(self.spec.resolved), self.spec.resolved.precision, torch.float32)
         return HostStaging(None if dtype == torch.float32 else dtype)  # fp32: the tensors as they are
 
     def _attach(self) -> None:
@@ -258,7 +258,7 @@ def server_argv(spec: ExperimentSpec, checkpoint: Path, rows: int, version: int)
     budget = [] if spec.rollout.kv_budget_mb is None else ["--kv-budget-mb", str(spec.rollout.kv_budget_mb)]
     return [sys.executable, "-m", "factory.cli", "serve", "--checkpoint", str(checkpoint), "--port", "{port}",
             "--threads", str(spec.rollout.threads or 1), "--max-batch", str(rows), "--weight-version", str(version),
-            "--device", str(run_device(spec)), "--precision", spec.trainer.precision, *budget]
+            "--device", str(run_device(spec.resolved)), "--precision", spec.resolved.precision, *budget]
 
 
 def weight_transport(spec: ExperimentSpec) -> str:
@@ -267,12 +267,12 @@ def weight_transport(spec: ExperimentSpec) -> str:
     setting = spec.rollout.weight_transport
     if setting != "auto":
         return setting
-    return "shared" if run_device(spec).type == "cuda" and spec.trainer.lora is None else "codec"
+    return "shared" if run_device(spec.resolved).type == "cuda" and spec.trainer.lora is None else "codec"
 
 
 def shared_writer(spec: ExperimentSpec, model: PreTrainedModel) -> SharedWeightsWriter:
     """The shared buffer of a run's versions: on the run's device (the server's), in the dtype the server serves."""
-    device = run_device(spec)
+    device = run_device(spec.resolved)
     return SharedWeightsWriter.create(model.state_dict(), serving_dtype(device, spec.trainer.precision,
                                                                          model_dtype(model)), device)
 

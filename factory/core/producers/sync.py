@@ -33,7 +33,7 @@ class SyncProducer:
     def __init__(self, spec: ExperimentSpec, model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast,
                  feed: PromptFeed, start_version: int, state: dict | None = None):
         self.spec, self.tok, self.feed = spec, tokenizer, feed
-        self.positions = policy_positions(spec, model)
+        self.positions = policy_positions(spec.model, model)
         if state is not None:  # nothing is buffered between sync steps: only the feed continues
             feed.load_state_dict(state["stream"])
         self._start_engine(model, start_version)
