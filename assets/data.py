@@ -95,7 +95,7 @@ def _task_source_asset(spec: ExperimentSpec) -> AssetsDefinition:
         from factory.runs.stages import load_dataset  # noqa: PLC0415 heavy: torch; when the asset runs
 
         train = load_dataset(dataset["path"]).train
-        src = task_source(spec.spec(), train)
+        src = task_source(spec.spec().task, train)
         return MaterializeResult(metadata=_source_metadata(src, {"name": name, "kind": "task"}),
                                  data_version=DataVersion(src.version()))
 
@@ -169,12 +169,7 @@ def blend_asset(spec: ExperimentSpec) -> AssetsDefinition:
         metadata compares the realized share of each source with its target over the spec's steps."""
         # heavy: pyiceberg, duckdb, matplotlib, when the step runs
         from factory.cockpit.blend_report import blend_report  # noqa: PLC0415 heavy: matplotlib, duckdb
-        from factory.data.from_spec import (  # noqa: PLC0415 heavy: pyiceberg, duckdb; when the step runs
-            blend_schedule,
-            blend_seed,
-            blend_version,
-            open_sources,
-        )
+        from factory.data.from_spec import blend_version, open_sources  # noqa: PLC0415 heavy: pyiceberg, duckdb
 
         s = spec.spec()
         if _sources_of(s) != built_from:
@@ -187,8 +182,8 @@ def blend_asset(spec: ExperimentSpec) -> AssetsDefinition:
 
             train = load_dataset(inputs["dataset"]["path"]).train
         needs_lake = s.data is not None and any(e["kind"] == "iceberg" for e in s.data.sources)
-        sources = open_sources(s, train, catalog=lake.lake() if needs_lake else None)
-        version = blend_version(s, sources)
+        sources = open_sources(s.resolved.blend, train, catalog=lake.lake() if needs_lake else None)
+        version = blend_version(s.resolved.blend, sources)
         report = blend_report(s, sources)
         head, pictures = _pictures(mlflow, s, version, report)
         by_name = {src.name: src for src in sources}
@@ -204,8 +199,8 @@ def blend_asset(spec: ExperimentSpec) -> AssetsDefinition:
         return MaterializeResult(
             metadata={**head, "blend_version": version, "sources": MetadataValue.table(records, schema=schema),
                       "max_quota_error": report.max_quota_error, "draws": report.draws, "steps": report.steps,
-                      "prompts_per_step": report.prompts_per_step, "seed": blend_seed(s),
-                      "schedule": MetadataValue.json({str(k): v for k, v in blend_schedule(s).items()}),
+                      "prompts_per_step": report.prompts_per_step, "seed": s.resolved.blend.seed,
+                      "schedule": MetadataValue.json({str(k): v for k, v in s.resolved.blend.schedule().items()}),
                       **{f"share/{x.name}": x.realized for x in report.sources}, "pictures": pictures},
             data_version=DataVersion(version),
         )

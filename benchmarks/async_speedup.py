@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from factory.config import apply_overrides, load_spec, parse_overrides  # noqa: E402
 from factory.core.evaluate import evaluate  # noqa: E402
 from factory.core.loop import train_rl  # noqa: E402
-from factory.core.rollout.embedded import EmbeddedEngine  # noqa: E402
+from factory.core.rollout.engines.embedded import EmbeddedEngine  # noqa: E402
 from factory.envs.latency import LatencyProfile  # noqa: E402
 from factory.home import factory_home  # noqa: E402
 from factory.infra.placement import enter, placements  # noqa: E402

@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from factory.config import apply_overrides, load_spec  # noqa: E402
 from factory.core.evaluate import evaluate  # noqa: E402
 from factory.core.loop import train_rl  # noqa: E402
-from factory.core.rollout.embedded import EmbeddedEngine  # noqa: E402
+from factory.core.rollout.engines.embedded import EmbeddedEngine  # noqa: E402
 from factory.core.sft import run_sft  # noqa: E402
 from factory.data.feed import make_feed  # noqa: E402
 from factory.data.from_spec import open_sources  # noqa: E402
@@ -90,7 +90,7 @@ def sources(spec, three: list) -> list:
     harder as the spec's entries say."""
     mid = [Problem(p.id, p.prompt, p.answer, p.op, p.digits, {"source": "mid", "verifier": "arithmetic"})
            for p in three]
-    return [ListSource("mid", mid, f"mid-{spec.seed}"), *open_sources(spec)[1:]]
+    return [ListSource("mid", mid, f"mid-{spec.seed}"), *open_sources(spec.resolved.blend)[1:]]
 
 
 def held_out_accuracy(model, tok, held: list, max_new_tokens: int) -> float:
@@ -112,7 +112,7 @@ def run_variant(spec, curriculum: dict, start, tok, held: list, srcs: list, ever
             model.train()
 
     t0 = time.perf_counter()
-    records = train_rl(s, model, tok, [], on_step=on_step, feed=make_feed(s, sources=srcs))
+    records = train_rl(s, model, tok, [], on_step=on_step, feed=make_feed(s.resolved.blend, sources=srcs))
     return {"curve": curve, "final": curve[-1][1], "useful_token_share": useful / max(tokens, 1),
             "wall_s": time.perf_counter() - t0, "skipped": records[-1].data.get("data/skipped", 0.0)}
 

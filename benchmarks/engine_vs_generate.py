@@ -32,8 +32,8 @@ import torch  # noqa: E402
 
 from benchmarks.rollout_engine import left_padded, useful  # noqa: E402
 from factory.core.rollout.base import SamplingParams  # noqa: E402
-from factory.core.rollout.continuous import ContinuousEngine  # noqa: E402
-from factory.core.rollout.paged.engine import PagedEngine  # noqa: E402
+from factory.core.rollout.engines.continuous import ContinuousEngine  # noqa: E402
+from factory.core.rollout.engines.paged.engine import PagedEngine  # noqa: E402
 from factory.models.hf import load_model_dir  # noqa: E402
 from factory.models.prompting import prompt_ids  # noqa: E402
 

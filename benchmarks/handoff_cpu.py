@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
 from common import random_model  # noqa: E402
 
-from factory.core.rollout.sequences import load_state_dict_into  # noqa: E402
+from factory.core.rollout.engines.sequences import load_state_dict_into  # noqa: E402
 from factory.core.weights import codec, encode_delta, encode_full  # noqa: E402
 from factory.core.weights.staging import HostStaging  # noqa: E402
 

@@ -27,8 +27,8 @@ import torch
 from factory.config import apply_overrides, load_spec
 from factory.core.gate import check_engine
 from factory.core.loop import make_producer
-from factory.core.producer import SyncProducer
-from factory.core.rollout.embedded import EmbeddedEngine
+from factory.core.producers.sync import SyncProducer
+from factory.core.rollout.engines.embedded import EmbeddedEngine
 from factory.core.trainer.torch_trainer import TorchTrainer
 from factory.data.feed import make_feed
 from factory.envs.tasks import make_task_splits
@@ -77,7 +77,7 @@ def main() -> int:
     out = {"model": a.checkpoint or f"{spec.model.preset} (fresh{', spread' if a.spread else ''})",
            "repeats": a.repeats}
     for arm, dtype in ROUNDINGS.items():
-        producer = SyncProducer(spec, model, tok, make_feed(spec, train), 0)
+        producer = SyncProducer(spec, model, tok, make_feed(spec.resolved.blend, train), 0)
         producer.engine = EmbeddedEngine(rounded(model, dtype), tok)  # what the engine samples from
         res, times = timed(spec, trainer, producer, tok, prompts, a.repeats)
         ci = mean_interval(times, bounded=False)  # seconds, not a share

@@ -1,4 +1,4 @@
-"""The paged block manager's bookkeeping cost (factory/core/rollout/paged/blocks.py), host only: a GRPO step's
+"""The paged block manager's bookkeeping cost (factory/core/rollout/engines/paged/blocks.py), host only: a GRPO step's
 groups (32 prompts of 300 tokens x 8 samples, 512 new tokens each, pages of 16) admitted and forked, decoded token
 by token, freed; with and without the prefix cache. Prints a table, then one JSON line."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 import time
 
-from factory.core.rollout.kv_budget import KVBudget
-from factory.core.rollout.paged.blocks import BlockManager
+from factory.core.rollout.engines.kv_budget import KVBudget
+from factory.core.rollout.engines.paged.blocks import BlockManager
 
 PROMPTS, SAMPLES, PROMPT, NEW, PAGE = 32, 8, 300, 512, 16
 

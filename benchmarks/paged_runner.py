@@ -1,5 +1,5 @@
-"""The paged model runner's reference path (factory/core/rollout/paged/runner.py) against transformers' own decode
-with its DynamicCache, on the CPU: a Qwen3-shaped random model (fp32, 8 layers, hidden 512, 8 heads, 2 KV heads,
+"""The paged model runner's reference path (factory/core/rollout/engines/paged/runner.py) against transformers' own
+decode with its DynamicCache, on the CPU: a Qwen3-shaped random model (fp32, 8 layers, hidden 512, 8 heads, 2 KV heads,
 vocab 4096), 16 sequences of 128 prompt tokens, 32 greedy decode steps; per-step and prefill wall time, median of
 the steps, and whether both paths pick the same tokens. Prints a table, then one JSON line."""
 
@@ -12,10 +12,10 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, Qwen3Config
 
-from factory.core.rollout.kv_budget import KVBudget, kv_bytes_per_token
-from factory.core.rollout.paged.blocks import BlockManager
-from factory.core.rollout.paged.pages import BlockTables, PageStore
-from factory.core.rollout.paged.runner import PagedRunner
+from factory.core.rollout.engines.kv_budget import KVBudget, kv_bytes_per_token
+from factory.core.rollout.engines.paged.blocks import BlockManager
+from factory.core.rollout.engines.paged.pages import BlockTables, PageStore
+from factory.core.rollout.engines.paged.runner import PagedRunner
 
 ROWS, PROMPT, STEPS, PAGE = 16, 128, 32, 16
 

@@ -1,7 +1,7 @@
-"""CPU time of one sampling step: today's continuous-engine sampler (`factory.core.rollout.sampler`, a generator
-per row, inverse CDF, `.tolist()`) vs the paged engine's on-device sampler (`factory.core.rollout.paged.sampling`,
-one counter-based uniform a row, inverse CDF) eager and, with `--inductor`, compiled by inductor (its compile
-takes minutes on a small CPU; the compile time is printed apart).
+"""CPU time of one sampling step: today's continuous-engine sampler (`factory.core.rollout.engines.sampler`, a
+generator per row, inverse CDF, `.tolist()`) vs the paged engine's on-device sampler
+(`factory.core.rollout.engines.paged.sampling`, one counter-based uniform a row, inverse CDF) eager and, with
+`--inductor`, compiled by inductor (its compile takes minutes on a small CPU; the compile time is printed apart).
 
 Workload: `--rows` rows of float32 logits over `--vocab` tokens (default 64 x 49,152, SmolLM2's vocabulary), each
 row at temperature 0.8, with no top-p (1.0) and with top-p 0.9; the two samplers run in alternation, `--repeats`
@@ -24,10 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from factory.core.rollout import sampler  # noqa: E402
 from factory.core.rollout.base import SamplingParams  # noqa: E402
-from factory.core.rollout.paged import sampling  # noqa: E402
-from factory.core.rollout.sequences import Sequence  # noqa: E402
+from factory.core.rollout.engines import sampler  # noqa: E402
+from factory.core.rollout.engines.paged import sampling  # noqa: E402
+from factory.core.rollout.engines.sequences import Sequence  # noqa: E402
 
 
 def _ms(fn, repeats: int) -> float:

@@ -46,7 +46,7 @@ from benchmarks.rollout_engine import left_padded, useful  # noqa: E402
 from factory.config import ExperimentSpec  # noqa: E402
 from factory.core.loop import train_rl  # noqa: E402
 from factory.core.rollout.base import SamplingParams  # noqa: E402
-from factory.core.rollout.embedded import EmbeddedEngine  # noqa: E402
+from factory.core.rollout.engines.embedded import EmbeddedEngine  # noqa: E402
 from factory.data.feed import feed_of  # noqa: E402
 from factory.models.prompting import prompt_ids  # noqa: E402
 from factory.problem import Problem  # noqa: E402
@@ -172,7 +172,7 @@ def throughput(model, tok, problems: list[Problem], max_new_tokens: int, batch: 
     out["hf_generate_tokens_per_s"] = n / (time.perf_counter() - t)
     out["hf_generate_tokens"] = n
     try:
-        from factory.core.rollout.continuous import ContinuousEngine
+        from factory.core.rollout.engines.continuous import ContinuousEngine
 
         eng = ContinuousEngine(model, tok, max_batch=batch)
         t = time.perf_counter()

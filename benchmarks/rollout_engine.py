@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from factory.core.rollout.base import SamplingParams  # noqa: E402
-from factory.core.rollout.continuous import ContinuousEngine  # noqa: E402
-from factory.core.rollout.embedded import EmbeddedEngine  # noqa: E402
+from factory.core.rollout.engines.continuous import ContinuousEngine  # noqa: E402
+from factory.core.rollout.engines.embedded import EmbeddedEngine  # noqa: E402
 from factory.models.build import build_model  # noqa: E402
 from factory.models.tokenizer import build_tokenizer  # noqa: E402
 

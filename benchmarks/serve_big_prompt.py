@@ -21,8 +21,8 @@ import time
 import httpx
 import torch
 
-from factory.core.rollout.continuous import ContinuousEngine
-from factory.core.rollout.server import launch_server
+from factory.core.rollout.engines.continuous import ContinuousEngine
+from factory.core.rollout.server.app import launch_server
 from factory.infra.http_guard import MAX_JSON_BYTES
 from factory.models.build import build_model
 from factory.models.tokenizer import build_tokenizer

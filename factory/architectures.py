@@ -1,7 +1,7 @@
 """Which causal-LM architectures Factory's engines can run, judged from a model's config alone (no weights).
 
-The continuous engine (factory/core/rollout/continuous.py) keeps attention K/V in its own slotted cache and hands
-every layer one explicit 4-D mask. That fits any decoder-only model whose layers are all softmax attention:
+The continuous engine (factory/core/rollout/engines/continuous.py) keeps attention K/V in its own slotted cache and
+hands every layer one explicit 4-D mask. That fits any decoder-only model whose layers are all softmax attention:
 full attention, or sliding-window attention whose window is at least the sequence length (then the window
 never hides a column and the full mask is the sliding one too). It cannot hold recurrent or linear-attention
 state, chunked attention, or an encoder's cross-attention. `architecture_problem` says why a config is refused

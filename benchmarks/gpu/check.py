@@ -30,8 +30,8 @@ Parts (each guarded: a part that fails records its error under its key and the o
 
 `gpu_count` puts `factory validate`'s torch-free GPU count (factory/infra/gpus.py) beside torch's.
 
-The run's device follows Factory's rule: `factory.infra.device.run_device(spec)` picks it (device: auto), and each
-component computes on the device of the model it is given. `--smoke`: the same code paths on the CPU with tiny
+The run's device follows Factory's rule: `factory.infra.device.run_device(spec.resolved)` picks it (device: auto),
+and each component computes on the device of the model it is given. `--smoke`: the same code paths on the CPU with tiny
 shapes and few steps (seconds); tests/benchmarks/test_gpu_check.py runs it so the kit cannot rot. The JSON is also
 written to `--out` after each part, so a run stopped at its time limit still leaves what it measured.
 
@@ -92,7 +92,7 @@ def sync(device: torch.device) -> None:
 def part_grpo(a: argparse.Namespace, dev: torch.device) -> dict:
     from factory.core.evaluate import evaluate
     from factory.core.loop import train_rl
-    from factory.core.rollout.embedded import EmbeddedEngine
+    from factory.core.rollout.engines.embedded import EmbeddedEngine
     from factory.core.sft import run_sft
     from factory.envs.tasks import make_task_splits
     from factory.models.build import build_model
@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--parts: unknown {bad}; expected a subset of {', '.join(PARTS)}")
     torch.set_num_threads(a.cpu_threads)
     spec = parse_spec({"device": "cpu" if a.smoke else "auto"})
-    dev = run_device(spec)  # the run's device, resolved once (factory/infra/device.py)
+    dev = run_device(spec.resolved)  # the run's device, resolved once (factory/infra/device.py)
     prepare(dev)
     result: dict = {"date": time.strftime("%Y-%m-%d"), "device": describe(dev), "torch": torch.__version__,
                     "cuda": torch.version.cuda, "smoke": a.smoke, "stood_in": STOOD_IN,

@@ -52,8 +52,8 @@ from tokenizers import Tokenizer, models  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
 from factory.core.rollout.base import SamplingParams  # noqa: E402
-from factory.core.rollout.kv_budget import kv_bytes_per_token  # noqa: E402
-from factory.core.rollout.paged.engine import PagedEngine  # noqa: E402
+from factory.core.rollout.engines.kv_budget import kv_bytes_per_token  # noqa: E402
+from factory.core.rollout.engines.paged.engine import PagedEngine  # noqa: E402
 
 # seconds each phase may take on one H200 at worst: 435 in all, inside the part's 480 (8 minutes)
 BUDGET_S = {"build": 45, "warmup": 60, "workload": 150, "generate": 90, "engine_subset": 45, "profile": 45}

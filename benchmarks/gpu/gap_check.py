@@ -27,7 +27,7 @@ from engine_check import word_tokenizer, workload
 from factory.core.batch import pack
 from factory.core.correction import gap_stats
 from factory.core.rollout.base import SamplingParams
-from factory.core.rollout.paged.engine import PagedEngine
+from factory.core.rollout.engines.paged.engine import PagedEngine
 from factory.core.trainer.torch_trainer import TorchTrainer
 
 ROWS, OUT, PROMPT = 64, 256, (64, 512)

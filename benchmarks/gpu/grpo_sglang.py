@@ -45,7 +45,7 @@ from common import ROOT, sglang_python, sglang_spec, smoke_note  # noqa: E402
 from factory.config import apply_overrides, load_spec, parse_overrides  # noqa: E402
 from factory.core.evaluate import evaluate  # noqa: E402
 from factory.core.loop import train_rl  # noqa: E402
-from factory.core.rollout.embedded import EmbeddedEngine  # noqa: E402
+from factory.core.rollout.engines.embedded import EmbeddedEngine  # noqa: E402
 from factory.home import factory_home  # noqa: E402
 from factory.models.bpe import build_bpe_model_dir  # noqa: E402
 from factory.models.checkpoint import load_checkpoint  # noqa: E402

@@ -57,7 +57,7 @@ def score(groups: list[list], group_size: int):
     samples = [c for g in groups for c in g]
     rewards = torch.tensor([float(sum(c.token_ids) % 2 == 0) for c in samples], dtype=torch.float64)
     adv = algorithms.compute_advantages(parse_spec({}).algorithm, rewards, group_size,
-                                        torch.tensor([len(c.token_ids) for c in samples]), None)
+                                        torch.tensor([len(c.token_ids) for c in samples]))
     return pack([c.prompt_ids for c in samples], [c.token_ids for c in samples], 0,
                 {"old_logprobs": [c.logprobs for c in samples]}, {"advantages": adv.tolist()})
 
@@ -73,7 +73,7 @@ def timed(fn: Callable[[], object], dev: torch.device) -> tuple[object, float]:
 def codec_handoff_today(model, engine, prev: dict) -> dict:
     """Today's codec round as `ServerProducer` ran it: fresh fp32 host copies (a sync per tensor), a delta against
     the last version, bytes, then the receiver's host copy, apply, load. Returns the new published state."""
-    from factory.core.rollout.sequences import load_state_dict_into
+    from factory.core.rollout.engines.sequences import load_state_dict_into
     from factory.core.weights import WeightUpdate, apply_update, encode_delta
     from factory.infra.device import host_copy
 
@@ -89,9 +89,9 @@ def one_side(side: str, model, tok, prompts: list[list[int]], params, budget_s: 
     """One side's step, its phases' seconds into `out`; returns the samples scored and trained on (`batch`, or this
     side's own when none is given yet; None if there are none)."""
     from factory.core.rollout.base import SamplingParams
-    from factory.core.rollout.continuous import ContinuousEngine
-    from factory.core.rollout.paged.engine import make_engine
-    from factory.core.rollout.paged.serving import model_dtype
+    from factory.core.rollout.engines.continuous import ContinuousEngine
+    from factory.core.rollout.engines.paged.engine import make_engine
+    from factory.core.rollout.engines.paged.serving import model_dtype
     from factory.core.trainer.torch_trainer import TorchTrainer
 
     rows = out["minibatch_rows"]

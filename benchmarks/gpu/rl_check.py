@@ -69,7 +69,7 @@ def grpo_loss():
     from factory.config import parse_spec
     from factory.core.algorithms import make_loss
 
-    return make_loss(parse_spec({}).algorithm, max_new_tokens=1024)
+    return make_loss(parse_spec({}).algorithm.for_rollout(1024))
 
 
 def rl_batch(prompts: list[list[int]], completions: list[list[int]], gen: torch.Generator):
@@ -202,7 +202,7 @@ def bits_equal(x: torch.Tensor, y: torch.Tensor) -> bool:
 
 
 def part_handoff(a: argparse.Namespace, dev: torch.device, save: Callable[[dict], None]) -> dict:
-    from factory.core.rollout.paged.serving import serving_dtype
+    from factory.core.rollout.engines.paged.serving import serving_dtype
     from factory.core.weights import codec
 
     n = 3 if a.smoke else 5
@@ -229,9 +229,9 @@ def part_handoff(a: argparse.Namespace, dev: torch.device, save: Callable[[dict]
 def in_process(model, state: dict, dtype: torch.dtype, dev: torch.device, n: int) -> dict:
     """The cast-copy alone (`load_state_dict_into`), then through an idle engine's `update_weights` (what
     `OverlappedProducer.publish` waits for); seconds (medians of `n`) and bit-exactness."""
-    from factory.core.rollout.paged.engine import make_engine
-    from factory.core.rollout.paged.serving import serving_copy
-    from factory.core.rollout.sequences import load_state_dict_into
+    from factory.core.rollout.engines.paged.engine import make_engine
+    from factory.core.rollout.engines.paged.serving import serving_copy
+    from factory.core.rollout.engines.sequences import load_state_dict_into
 
     target = serving_copy(model, dtype)
     seconds = median_time(lambda: load_state_dict_into(target, state), n, dev)
@@ -311,8 +311,8 @@ def shared_buffer(state: dict, dtype: torch.dtype, dev: torch.device, n: int) ->
 def codec_handoff(model, before: dict, dtype: torch.dtype, dev: torch.device, n: int) -> dict:
     """Full and delta through the codec in `dtype`: the sender's snapshot + encode + bytes, the receiver's parse +
     apply into its host copy + load into its parameters; seconds (medians of `n`), MB, bit-exactness."""
-    from factory.core.rollout.paged.serving import serving_copy
-    from factory.core.rollout.sequences import load_state_dict_into
+    from factory.core.rollout.engines.paged.serving import serving_copy
+    from factory.core.rollout.engines.sequences import load_state_dict_into
     from factory.core.weights import WeightUpdate, apply_update, encode_delta, encode_full
     from factory.core.weights.staging import HostStaging
 

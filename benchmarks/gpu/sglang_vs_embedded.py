@@ -9,7 +9,7 @@ text). tokens/s = generated tokens / wall seconds of the whole call, measured af
 
 - sglang: `SGLangServers` (from `--sglang-python`, bf16, `--mem-fraction` of the GPU) behind `SGLangRouter`; all
   prompts in one /generate call per server (SGLang schedules its own continuous batches);
-- embedded: `ContinuousEngine` (`factory/core/rollout/continuous.py`) with `--embedded-batch` slots, driven
+- embedded: `ContinuousEngine` (`factory/core/rollout/engines/continuous.py`) with `--embedded-batch` slots, driven
   in-process. It is CPU-only as written (it builds its index and sampling tensors on the CPU and samples with CPU
   generators; there is no device argument), so it runs on this machine's CPU cores (`--threads`) in
   `--embedded-dtype`, while SGLang runs on the GPU. The ratio is therefore "Factory's CPU engine vs SGLang on an
@@ -45,9 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import random_model, sglang_python, sglang_spec, smoke_note  # noqa: E402
 
 from factory.core.rollout.base import SamplingParams  # noqa: E402
-from factory.core.rollout.continuous import ContinuousEngine  # noqa: E402
-from factory.core.rollout.sglang_router import SGLangRouter  # noqa: E402
-from factory.core.rollout.sglang_servers import SGLangServers  # noqa: E402
+from factory.core.rollout.engines.continuous import ContinuousEngine  # noqa: E402
+from factory.core.sglang.router import SGLangRouter  # noqa: E402
+from factory.core.sglang.servers import SGLangServers  # noqa: E402
 
 EOS, PAD = 2, 0
 

@@ -50,9 +50,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import device, random_model, sglang_python, sglang_spec, smoke_note, sync  # noqa: E402
 
-from factory.core.rollout.sglang_router import SGLangRouter  # noqa: E402
-from factory.core.rollout.sglang_servers import SGLangServers  # noqa: E402
-from factory.core.rollout.sglang_weights import DiskUpdate, TensorUpdate  # noqa: E402
+from factory.core.sglang.router import SGLangRouter  # noqa: E402
+from factory.core.sglang.servers import SGLangServers  # noqa: E402
+from factory.core.sglang.weights import DiskUpdate, TensorUpdate  # noqa: E402
 from factory.core.weights import WeightUpdate, apply_update, encode_delta  # noqa: E402
 
 PATHS = ("full_disk", "full_tensor", "delta")

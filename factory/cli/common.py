@@ -49,7 +49,7 @@ def load(args: argparse.Namespace) -> tuple[ExperimentSpec | None, SpecError | N
     if spec.trainer.lora is not None:
         from factory.models.lora import spec_targets_problem  # noqa: PLC0415 heavy: torch, transformers; LoRA only
 
-        if (problem := spec_targets_problem(spec)) is not None:
+        if (problem := spec_targets_problem(spec.trainer.lora, spec.model)) is not None:
             return None, SpecError([problem], args.spec)
     return spec, None
 

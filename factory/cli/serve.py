@@ -9,10 +9,10 @@ from pathlib import Path
 import torch
 
 from factory.cli.common import error, home_from
-from factory.core.rollout.api import POLICY_NAME
-from factory.core.rollout.kv_budget import mib
-from factory.core.rollout.paged.engine import make_engine
-from factory.core.rollout.server import engine_from_checkpoint, serve
+from factory.core.rollout.engines.kv_budget import mib
+from factory.core.rollout.engines.paged.engine import make_engine
+from factory.core.rollout.server.api import POLICY_NAME
+from factory.core.rollout.server.app import engine_from_checkpoint, serve
 from factory.infra.device import describe, prepare, resolve_device
 from factory.model_source import model_source
 from factory.models.build import build_model

@@ -83,12 +83,12 @@ def _sampled(steps: int) -> set[int]:
 def blend_report(spec: ExperimentSpec, sources: Sequence[PromptSource], steps: int | None = None,
                  prompts_per_step: int | None = None) -> BlendReport:
     """Play the spec's blend over `steps` (default: schedule.steps) x `prompts_per_step` (default: the rollout's)
-    draws from `sources` (what `factory.data.from_spec.open_sources(spec, ...)` opened)."""
+    draws from `sources` (what `factory.data.from_spec.open_sources(spec.resolved.blend, ...)` opened)."""
     steps = spec.schedule.steps if steps is None else steps
     per_step = spec.rollout.prompts_per_step if prompts_per_step is None else prompts_per_step
     if steps < 1 or per_step < 1:
         raise ValueError(f"blend_report: steps and prompts_per_step must be >= 1, got {steps} and {per_step}")
-    blender = blender_for(spec, sources)
+    blender = blender_for(spec.resolved.blend, sources)
     names = blender.names
     index = blender.index
     n = len(names)

@@ -9,10 +9,11 @@ which the loaders (the CLI, the Dagster spec resource, sweeps, the deploy target
 `parse_spec` / `apply_overrides`; whether the machine can hold a spec's step is `factory.infra.memory`'s check.
 
 Modules, by concern: `yaml_io` (the YAML loader), `errors` (SpecError and how errors are worded), `bounds` (the
-sane maxima of sizes), `section` (what every section shares), one module per section (`model`, `task`, `sft`, `buffer`, `rollout`,
-`trainer` with LoRA, `schedule`, `ops`, `algorithm` with its corrections, `data` with the curriculum and the prompt
-filter), `experiment` (ExperimentSpec), `loading` (parse, load, overrides). Every name is importable from
-`factory.config` itself.
+sane maxima of sizes), `section` (what every section shares), one module per section (`model`, `task`, `sft`,
+`buffer`, `rollout`, `trainer` with LoRA, `schedule`, `ops`, `algorithm` with its corrections, `data` with the
+curriculum and the prompt filter), `experiment` (ExperimentSpec), `resolved` (the defaults one section takes from
+others, worked out once at validation: `spec.resolved`), `loading` (parse, load, overrides). Every name is importable
+from `factory.config` itself.
 """
 
 from factory.config.algorithm import AlgorithmSpec, CorrectionSpec
@@ -30,6 +31,7 @@ from factory.config.loading import (
 )
 from factory.config.model import ModelSpec
 from factory.config.ops import OpsSpec
+from factory.config.resolved import Blend, Resolved
 from factory.config.rollout import RolloutSpec, SGLangSpec
 from factory.config.schedule import ScheduleSpec
 from factory.config.section import LR_HELP
@@ -40,9 +42,10 @@ from factory.config.yaml_io import MAX_YAML_NODES, DuplicateKeyError, YAMLBombEr
 
 __all__ = [
     "FILE_SOURCE_KINDS", "LR_HELP", "MAX_YAML_NODES", "MIN_N_TRAIN", "MULTI_TURN_BUILTINS", "AlgorithmSpec",
-    "CorrectionSpec",
+    "Blend", "CorrectionSpec",
     "BufferSpec", "CurriculumSpec", "DataSpec", "DuplicateKeyError", "ExperimentSpec", "LoraSpec", "ModelSpec",
-    "Operation", "OpsSpec", "PromptFilterSpec", "RolloutSpec", "SFTSpec", "SGLangSpec", "ScheduleSpec", "SpecError",
+    "Operation", "OpsSpec", "PromptFilterSpec", "Resolved", "RolloutSpec", "SFTSpec", "SGLangSpec", "ScheduleSpec",
+    "SpecError",
     "TaskSpec", "TrainerSpec", "YAMLBombError", "anchor_source_paths", "apply_overrides", "load_spec", "load_yaml",
     "parse_overrides", "parse_spec", "spec_error",
 ]

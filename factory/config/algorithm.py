@@ -1,14 +1,15 @@
-"""The `algorithm` section: which RL objective (GRPO, Dr.GRPO, DAPO, CISPO, GSPO) and its settings, each left unset
-taking that algorithm's published default."""
+"""The `algorithm` section: which RL objective (the built-ins GRPO, Dr.GRPO, DAPO, CISPO, GSPO, or a registered one)
+and its settings, each left unset taking that algorithm's published default (`Algorithm.defaults`)."""
 
 from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 from factory.config.bounds import MAX_GROUP_SIZE
 from factory.config.section import LR_HELP, _Section
+from factory.protocols.algorithm import ALGORITHMS, Algorithm
 
 DUAL_CLIP_AUTO = 3.0  # verl's clip_ratio_c: the dual clip where staleness or a sampler/trainer gap can occur
 
@@ -60,8 +61,9 @@ class CorrectionSpec(_Section):
 
 
 class AlgorithmSpec(_Section):
-    """The RL objective: advantages and policy loss. `name` picks the algorithm; fields left unset
-    (None) take that algorithm's published default (see `DEFAULTS`), so `name: dapo` alone is DAPO.
+    """The RL objective: advantages and policy loss. `name` picks the algorithm (`ALGORITHMS`: the built-ins are
+    one module each under factory/core/algorithms/); fields left unset (None) take that algorithm's published
+    default (its `AlgorithmDefaults`), so `name: dapo` alone is DAPO. The named algorithm validates the section too.
 
     `clip_eps` is the symmetric clip of GRPO and Dr.GRPO and DAPO's lower clip; `clip_eps_low` /
     `clip_eps_high` override either side for any algorithm (CISPO has no lower bound by default;
@@ -69,38 +71,24 @@ class AlgorithmSpec(_Section):
     attaches to stale samples in its `importance` policy.
 
     `behavior` is whose log-probs the loss takes as the behaviour policy: the engine's as sampled, or the trainer's
-    own recomputed (unset: recompute where the engine computes in another precision or backend, `engine_differs` in
-    core/correction.py); `correction` corrects the sampler/trainer gap on top (TIS, MIS, IcePop; their weights
-    multiply the staleness weights, their masks drop tokens from the policy term, the KL term and the aggregation).
+    own recomputed (unset: recompute where the engine computes in another precision or backend, `engine_differs` of
+    `spec.resolved`, config/resolved.py); `correction` corrects the sampler/trainer gap on top (TIS, MIS, IcePop;
+    their weights multiply the staleness weights, their masks drop tokens from the policy term, the KL term and the
+    aggregation).
     `dual_clip` unset is c = 3 on the PPO-clip losses where staleness or a gap can occur, off in a sync fp32 CPU run:
     a negative-advantage token far above its clip otherwise passes a gradient of |A| * ratio (1e3 at a ratio of 1e3).
     docs/algorithms.md has the formulas, the papers, suggested bounds and where factory differs from verl.
     """
 
-    # Per-algorithm defaults for the fields left unset (None). Each entry follows its paper:
-    # - grpo: symmetric clip `clip_eps`, per-sequence token mean, std-scaled advantages (DeepSeekMath).
-    # - dr_grpo: no std scaling, token sums divided by a constant max length (Liu et al. 2025, "Understanding
-    #   R1-Zero-Like Training").
-    # - dapo: clip-higher 0.2/0.28, token-level mean over the batch, overlong shaping, dynamic sampling
-    #   (Yu et al. 2025).
-    # - cispo: clipped IS weight with no lower bound, upper 1 + 0.28, token-level mean (MiniMax-M1, 2025).
-    # - gspo: sequence-level ratio clipped to [1 - 3e-4, 1 + 4e-4], per-sequence mean (Zheng et al. 2025).
-    DEFAULTS: ClassVar[dict[str, dict[str, Any]]] = {
-        "grpo": {"clip_eps_low": "clip_eps", "clip_eps_high": "clip_eps", "loss_agg": "seq_mean_token_mean",
-                 "scale_rewards": True, "dynamic_sampling": False, "overlong": False},
-        "dr_grpo": {"clip_eps_low": "clip_eps", "clip_eps_high": "clip_eps", "loss_agg": "seq_mean_token_sum_norm",
-                    "scale_rewards": False, "dynamic_sampling": False, "overlong": False},
-        "dapo": {"clip_eps_low": "clip_eps", "clip_eps_high": 0.28, "loss_agg": "token_mean",
-                 "scale_rewards": True, "dynamic_sampling": True, "overlong": True},
-        "cispo": {"clip_eps_low": None, "clip_eps_high": 0.28, "loss_agg": "token_mean",
-                  "scale_rewards": True, "dynamic_sampling": False, "overlong": False},
-        "gspo": {"clip_eps_low": 3e-4, "clip_eps_high": 4e-4, "loss_agg": "seq_mean_token_mean",
-                 "scale_rewards": True, "dynamic_sampling": False, "overlong": False},
-    }
-
     _LATE_FIELDS: ClassVar[tuple[str, ...]] = ("dual_clip", "behavior", "correction")
+    # The rollout's max_new_tokens, the length constants' default: set once by ExperimentSpec's validation
+    # (`resolve_lengths`), not a field, so no dump or fingerprint holds it.
+    _rollout_max_new_tokens: int | None = PrivateAttr(None)
 
-    name: Literal["grpo", "dr_grpo", "dapo", "cispo", "gspo"] = "grpo"
+    name: str = Field(
+        "grpo", description=f"the algorithm (factory/protocols/algorithm.py): one of the built-ins "
+        f"{', '.join(ALGORITHMS.builtin_names())}, a plugin's name (entry point group {ALGORITHMS.group!r}) or an "
+        "import path 'package.module:ATTR'", json_schema_extra={"examples": list(ALGORITHMS.builtin_names())})
     group_size: int = Field(8, ge=2, le=MAX_GROUP_SIZE, description="completions sampled per prompt")
     lr: float = Field(3e-4, gt=0, le=1e30, description=LR_HELP)
     clip_eps: float = Field(0.2, gt=0, lt=1)
@@ -143,13 +131,13 @@ class AlgorithmSpec(_Section):
     correction: CorrectionSpec = Field(default_factory=CorrectionSpec, description="corrections of the "
                                        "sampler/trainer gap (need behavior recompute)")
 
-    @field_validator("scale_rewards")
+    @field_validator("name")
     @classmethod
-    def _dr_grpo_unscaled(cls, v: bool | None, info: ValidationInfo) -> bool | None:
-        if v and info.data.get("name") == "dr_grpo":
-            raise ValueError("dr_grpo does not divide advantages by the reward std (that is its point); "
-                             "leave it unset or set false")
-        return v
+    def _known(cls, v: str) -> str:
+        try:
+            return ALGORITHMS.check_name(v)
+        except ValueError as e:  # the registry names the field; pydantic's location names it already
+            raise ValueError(str(e).removeprefix(f"{ALGORITHMS.field}: ")) from None
 
     @field_validator("overlong_buffer")
     @classmethod
@@ -166,13 +154,9 @@ class AlgorithmSpec(_Section):
 
     @field_validator("dual_clip")
     @classmethod
-    def _dual_clip_ppo_only(cls, v: float | str | None, info: ValidationInfo) -> float | str | None:
-        name = info.data.get("name")
+    def _dual_clip_bound(cls, v: float | str | None) -> float | str | None:
         if isinstance(v, float) and not v > 1:
             raise ValueError(f"must be > 1 (a bound on the ratio), or 'off', got {v}")
-        if v not in (None, "off") and name in ("cispo", "gspo"):
-            raise ValueError(f"the dual clip bounds the PPO-clip losses (grpo, dr_grpo, dapo), not {name}; "
-                             "leave it unset")
         return v
 
     @model_validator(mode="after")
@@ -181,6 +165,35 @@ class AlgorithmSpec(_Section):
             raise ValueError("algorithm.correction: corrections weigh the trainer's recomputed log-probs against the "
                              "sampler's; they need algorithm.behavior: recompute (or unset), not rollout")
         return self
+
+    @model_validator(mode="after")
+    def _algorithm_accepts(self) -> AlgorithmSpec:
+        # The named algorithm's own checks (dr_grpo refuses std scaling, cispo and gspo the dual clip, ...).
+        validate = getattr(self.implementation(), "validate", None)
+        if validate is not None:
+            validate(self)
+        return self
+
+    def implementation(self) -> Algorithm:
+        """The `Algorithm` `name` names (built-in, plugin or import path; resolved once per process)."""
+        return ALGORITHMS.get(self.name)
+
+    def resolve_lengths(self, max_new_tokens: int) -> None:
+        """Take the rollout's generation budget as the default of the length constants (Dr.GRPO's divisor, DAPO's
+        L_max): ExperimentSpec's validation calls this once. Held out of the dump, so fingerprints are unchanged."""
+        self._rollout_max_new_tokens = max_new_tokens
+
+    def for_rollout(self, max_new_tokens: int) -> AlgorithmSpec:
+        """A copy of this section with the length constants' default resolved as within a spec whose
+        rollout.max_new_tokens is `max_new_tokens` (a bare section: tests, benchmarks)."""
+        copy = self.model_copy()
+        copy.resolve_lengths(max_new_tokens)
+        return copy
+
+    def length_norm(self) -> int | None:
+        """Dr.GRPO's constant divisor: `max_len_norm`, else the rollout's max_new_tokens (None in a bare section that
+        was not resolved)."""
+        return self.max_len_norm or self._rollout_max_new_tokens
 
     def recomputes(self, engine_differs: bool) -> bool:
         """Whether the loss's behaviour log-probs are the trainer's own: `behavior`, or unset, whether the engine
@@ -197,10 +210,10 @@ class AlgorithmSpec(_Section):
             return None
         if self.dual_clip is not None:
             return float(self.dual_clip)
-        return DUAL_CLIP_AUTO if off_policy and self.name in ("grpo", "dr_grpo", "dapo") else None
+        return DUAL_CLIP_AUTO if off_policy and self.implementation().defaults.auto_dual_clip else None
 
     def _default(self, key: str) -> Any:
-        return self.DEFAULTS[self.name][key]
+        return getattr(self.implementation().defaults, key)
 
     def clip_bounds(self) -> tuple[float | None, float]:
         """(eps_low, eps_high): the ratio is kept in [1 - eps_low, 1 + eps_high]; eps_low None: no lower bound."""
@@ -222,18 +235,18 @@ class AlgorithmSpec(_Section):
     def uses_dynamic_sampling(self) -> bool:
         return self._default("dynamic_sampling") if self.dynamic_sampling is None else self.dynamic_sampling
 
-    def overlong(self, max_new_tokens: int | None = None) -> tuple[int, int] | None:
+    def overlong(self) -> tuple[int, int] | None:
         """(L_max, L_cache) of DAPO's soft overlong punishment, or None when shaping is off.
 
-        L_max is `overlong_max_len`, else the rollout's `max_new_tokens`; L_cache is `overlong_buffer`,
-        else (dapo) a fifth of L_max, the paper's 4096 of 20480.
+        L_max is `overlong_max_len`, else the rollout's `max_new_tokens` (resolved at validation); L_cache is
+        `overlong_buffer`, else (dapo) a fifth of L_max, the paper's 4096 of 20480.
         """
         if self.overlong_buffer == 0 or (self.overlong_buffer is None and not self._default("overlong")):
             return None
-        max_len = self.overlong_max_len or max_new_tokens
+        max_len = self.overlong_max_len or self._rollout_max_new_tokens
         if max_len is None:
-            raise ValueError("algorithm.overlong_max_len: overlong shaping needs a max length "
-                             "(set it, or pass the rollout's max_new_tokens)")
+            raise ValueError("algorithm.overlong_max_len: overlong shaping needs a max length (set it, or validate "
+                             "the section within a spec: it takes rollout.max_new_tokens)")
         buffer = self.overlong_buffer if self.overlong_buffer is not None else max(1, max_len // 5)
         if buffer >= max_len:
             raise ValueError(f"algorithm.overlong_buffer: must be < the max length {max_len}, got {buffer}")

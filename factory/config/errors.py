@@ -66,7 +66,7 @@ def _describe_one(err: dict[str, Any]) -> str:
     if kind == "value_error":
         # Our own validators: the message already says what was expected.
         msg = str(ctx.get("error", err["msg"]))
-        if loc.startswith("<spec>") or loc == "":
+        if loc.startswith("<spec>") or loc == "" or msg.startswith(f"{loc}."):  # a section's check names its field
             return msg
         return f"{loc}: {msg}"
     # pydantic's own message, as written (lowercasing it mangled patterns and names).

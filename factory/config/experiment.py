@@ -7,7 +7,7 @@ import json
 from typing import ClassVar
 
 import yaml
-from pydantic import Field, model_validator
+from pydantic import Field, PrivateAttr, model_validator
 
 from factory.config.algorithm import AlgorithmSpec
 from factory.config.bounds import MAX_STEP_SAMPLES
@@ -15,6 +15,7 @@ from factory.config.buffer import BufferSpec
 from factory.config.data import DataSpec
 from factory.config.model import ModelSpec
 from factory.config.ops import OpsSpec
+from factory.config.resolved import Resolved, resolve
 from factory.config.rollout import RolloutSpec
 from factory.config.schedule import ScheduleSpec
 from factory.config.section import _Section
@@ -49,9 +50,12 @@ class ExperimentSpec(_Section):
     schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
     ops: OpsSpec = Field(default_factory=OpsSpec)
     data: DataSpec | None = Field(None, description="GRPO's prompt blend; unset: the task's training split")
+    # The cross-section defaults (config/resolved.py), worked out by the validator: not a field, so not in dumps.
+    _resolved: Resolved | None = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _fits_together(self) -> ExperimentSpec:
+        self.algorithm.resolve_lengths(self.rollout.max_new_tokens)  # Dr.GRPO's divisor, DAPO's L_max: once, here
         b, per_step = self.buffer, self.rollout.prompts_per_step
         if b.policy == "bound" and b.depth is not None and b.depth > b.max_staleness * per_step:
             raise ValueError(
@@ -97,7 +101,16 @@ class ExperimentSpec(_Section):
                 f"trainer.minibatches: must divide rollout.prompts_per_step * algorithm.group_size "
                 f"= {batch}, got {self.trainer.minibatches}"
             )
+        self._resolved = resolve(self)  # last: every section checked on its own and together first
         return self
+
+    @property
+    def resolved(self) -> Resolved:
+        """The settings one section's default takes from others (device, precision, engine numerics), resolved
+        at validation (config/resolved.py)."""
+        if self._resolved is None:  # built without validation (model_construct)
+            self._resolved = resolve(self)
+        return self._resolved
 
     def fingerprint(self) -> str:
         """Stable short hash of the spec's content (key order and formatting do not matter)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from factory.config.bounds import (
     MAX_ENV_PROCESSES,
@@ -13,10 +13,11 @@ from factory.config.bounds import (
     MAX_PROMPTS_PER_STEP,
 )
 from factory.config.section import _Section
+from factory.protocols.producer import PRODUCERS
 
 
 class SGLangSpec(_Section):
-    """SGLang rollout servers (`core/rollout/sglang*.py`): started and supervised by Factory from their own Python
+    """SGLang rollout servers (`core/sglang/`): started and supervised by Factory from their own Python
     (sglang replaces the CPU torch, so it lives in its own venv on GPU nodes), or already running at `urls`."""
 
     servers: int = Field(1, ge=1, le=64, description="servers to start (one per GPU group of tp_size)")
@@ -40,10 +41,12 @@ class RolloutSpec(_Section):
     _LATE_FIELDS: ClassVar[tuple[str, ...]] = ("sglang", "threads", "cpus", "env_cpus", "devices", "kv_budget_mb",
                                                "weight_transport", "round_weights")
 
-    engine: Literal["embedded", "server", "sglang"] = Field(
-        "embedded", description="overlapped modes: the continuous engine in-process, a supervised rollout "
-        "server process reached over HTTP, or SGLang servers (rollout.sglang; GPU nodes) (sync always samples "
-        "in-process)")
+    engine: str = Field(
+        "embedded", min_length=1, description="the rollout backend (factory.protocols.PRODUCERS): in the "
+        "overlapped modes the built-ins are the continuous engine in-process (embedded), a supervised rollout "
+        "server process reached over HTTP (server), or SGLang servers (sglang; rollout.sglang; GPU nodes), and "
+        "all three sample in-process in sync; or a registered backend's name, a plugin's (entry-point group "
+        "factory.producers) or an import path 'package.module:build' (docs/extending.md)")
     prompts_per_step: int = Field(32, ge=1, le=MAX_PROMPTS_PER_STEP)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -83,6 +86,18 @@ class RolloutSpec(_Section):
         None, description="the in-process engine samples from the trainer's weights rounded to this dtype (computing "
         "in fp32): a sampler/trainer gap of a lower-precision engine, reproduced on the CPU (benchmarks/mismatch.py); "
         "unset: the weights as they are")
+
+    @field_validator("engine")
+    @classmethod
+    def _known_backend(cls, name: str) -> str:
+        # A built-in is known by name (importing it here would pull the engines into every spec validation); any
+        # other name is resolved now, so a typo or a broken plugin fails at validation, naming the field.
+        if PRODUCERS.is_builtin(name):
+            return name
+        try:
+            return PRODUCERS.check_name(name)
+        except ValueError as e:  # the registry names the field; the spec's error lines name it already
+            raise ValueError(str(e).removeprefix("rollout.engine: ")) from None
 
     @model_validator(mode="after")
     def _sglang_settings(self) -> RolloutSpec:

@@ -1,5 +1,5 @@
 """The `task` section: the task family and its splits, and the environment, sandbox, latency and multi-turn
-settings of its episodes."""
+settings of its episodes. `task.name` is checked against the task-family registry (factory/protocols/task.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from factory.config.bounds import (
     MAX_TASK_PROBLEMS,
 )
 from factory.config.section import _Section
+from factory.protocols.task import TASK_FAMILIES
+from factory.text import clip
 
 Operation = Literal["add", "sub", "mul"]
 
@@ -20,13 +22,17 @@ MIN_N_TRAIN = 16
 
 
 class TaskSpec(_Section):
-    """The arithmetic task family; `digits` are the difficulty levels (operand lengths)."""
+    """What the model is asked and how its answers are scored: the task family (`name`) and the sizes of its
+    disjoint train / held-out splits; the arithmetic family's settings (`operations`; `digits`, its difficulty
+    levels, operand lengths; the reversed writing); a multi-turn or user `environment` and its timeouts; the
+    verifier's simulated latency; and the sandbox pool that runs generated code (workers, isolation, cores)."""
 
     _LATE_FIELDS: ClassVar[tuple[str, ...]] = ("sandbox_cpus",)
 
-    name: Literal["arithmetic", "word_problems", "code"] = Field(
+    name: str = Field(
         "arithmetic", description="the task family: generated arithmetic, or a shipped set of word problems or "
-        "code problems (envs/tasks.py; their models use an ASCII character tokenizer)")
+        "code problems (envs/families/; their models use an ASCII character tokenizer), or a registered one: "
+        "a plugin's entry point (group factory.task_families) or an import path package.module:attr")
     operations: list[Operation] = Field(default_factory=lambda: ["add"], min_length=1)
     digits: list[int] = Field(default_factory=lambda: [2, 3], min_length=1)
     reverse_answer: bool = True
@@ -51,6 +57,17 @@ class TaskSpec(_Section):
     sandbox_cpus: list[int] | None = Field(
         None, min_length=1, description="placement: the CPU cores the sandbox workers (generated code) run on; "
         "unset: any")
+
+    @field_validator("name")
+    @classmethod
+    def _known_family(cls, v: str) -> str:
+        if TASK_FAMILIES.is_builtin(v):  # known without importing it (the code family loads the sandbox modules)
+            return v
+        try:
+            return TASK_FAMILIES.check_name(v)
+        except ValueError as e:  # the error names the field already, as the spec's errors do; a huge name clipped
+            echo = clip(repr(v), 100, mark="…", unit="chars", size=len(v))
+            raise ValueError(str(e).removeprefix(f"{TASK_FAMILIES.field}: ").replace(repr(v), echo)) from None
 
     @field_validator("digits")
     @classmethod

@@ -10,6 +10,7 @@ from factory.config.bounds import (
     MAX_STEP_SAMPLES,
 )
 from factory.config.section import _Section
+from factory.protocols.trainer import TRAINERS
 
 # A trainer speed-up switch: "auto" turns it on where the trainer computes on CUDA, so the CPU path stays exact.
 Toggle = Literal["auto", "on", "off"]
@@ -43,9 +44,10 @@ class TrainerSpec(_Section):
         "world_size", "strategy", "grad_accum", "precision", "tensor_parallel", "pipeline_parallel", "devices",
         "cpus", "lora", "activation_checkpointing", "packing", "fused_head", "compile", "fused_optimizer")
 
-    backend: Literal["torch", "megatron"] = Field(
+    backend: str = Field(
         "torch", description="torch (one process, or DDP/FSDP2 ranks under torchrun) or megatron (Megatron-core "
-        "GPTModel built from the HF config; GPU only)")
+        "GPTModel built from the HF config; GPU only); or a backend registered in factory.protocols.TRAINERS (in "
+        "process, a plugin's entry point in group factory.trainers), or an import path 'package.module:builder'")
     minibatches: int = Field(1, ge=1, le=MAX_STEP_SAMPLES)
     grad_clip: float = Field(1.0, gt=0)
     weight_decay: float = Field(0.0, ge=0)
@@ -83,6 +85,18 @@ class TrainerSpec(_Section):
     fused_optimizer: Toggle = Field(
         "auto", description="fused AdamW, and a step with no host sync (a non-finite step skipped on the device); "
         "auto: on CUDA")
+
+    @field_validator("backend")
+    @classmethod
+    def _backend(cls, v: str) -> str:
+        # A known name is checked without importing it (megatron-core is an optional extra, and loading a spec stays
+        # light); an import path is imported, so a typo fails here rather than when the run starts.
+        if v in TRAINERS:
+            return v
+        try:
+            return TRAINERS.check_name(v)
+        except ValueError as e:  # the registry names the field; the spec's error lines name it already
+            raise ValueError(str(e).removeprefix("trainer.backend: ")) from None
 
     @model_validator(mode="after")
     def _layout(self) -> TrainerSpec:

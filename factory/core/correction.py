@@ -31,22 +31,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from factory.config import CorrectionSpec, ExperimentSpec
+from factory.config import CorrectionSpec
 from factory.core.batch import TrainBatch
 
 SAFETY_BOUND = 20.0  # |log-ratio| before exp (verl's rollout_corr SAFETY_BOUND)
 GAP_FIELDS = ("gap_abs_mean", "gap_abs_max", "gap_kl", "gap_out_frac", "gap_seq_p95")
-
-
-def engine_differs(spec: ExperimentSpec, device: torch.device) -> bool:
-    """Whether the rollout engine computes the policy in another precision or backend than the trainer: on a GPU
-    (bf16 serving weights, graph-captured paged kernels), under bf16 autocast (the engine's cached one-token decode
-    and the trainer's full forward round differently: 3e-4 measured on the CPU), in a rollout server or SGLang
-    (another process and engine), or from weights rounded by `rollout.round_weights`. False: the in-process engine
-    runs the trainer's own fp32 forward on the CPU, so their log-probs agree to float noise."""
-    if device.type != "cpu" or spec.rollout.round_weights is not None or spec.trainer.precision != "fp32":
-        return True
-    return spec.schedule.mode != "sync" and spec.rollout.engine in ("server", "sglang")
 
 
 def _log_ratio(trainer: Tensor, sampler: Tensor, mask: Tensor) -> Tensor:

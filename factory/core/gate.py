@@ -28,13 +28,12 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from factory.config import ExperimentSpec
+from factory.config import RolloutSpec
 from factory.core.batch import pack
-from factory.core.correction import engine_differs, gap_stats
-from factory.core.producer import ServerProducer
+from factory.core.correction import gap_stats
+from factory.core.producers.server import ServerProducer
 from factory.core.rollout.base import Completion, SamplingParams
-from factory.core.rollout.chat import ChatTemplate
-from factory.infra.device import run_device
+from factory.core.rollout.server.chat import ChatTemplate
 from factory.models.prompting import prompt_ids
 
 PROBE_PROMPTS = 3  # the task's first training prompts, each one user message
@@ -99,19 +98,18 @@ class GateResult:
         return LogprobGapError("\n".join(lines), self.figures, self.bound, self.cause)
 
 
-def check_engine(spec: ExperimentSpec, trainer, producer, tokenizer: PreTrainedTokenizerBase,
-                 prompts: Sequence[str], bound: float | None = None) -> GateResult:
-    """Sample the probe through `producer`'s engine and compare it with `trainer` (see the module docstring).
-    `prompts`: the task's prompt texts (the first `PROBE_PROMPTS` are used); `bound`: the gap's bound (default:
-    `spec.ops.logprob_gap_bound` for whether the engine computes otherwise than the trainer on the run's device,
-    `correction.engine_differs`). Returns the result; raises nothing."""
+def check_engine(rollout: RolloutSpec, trainer, producer, tokenizer: PreTrainedTokenizerBase,
+                 prompts: Sequence[str], bound: float) -> GateResult:
+    """Sample the probe through `producer`'s engine (at `rollout`'s temperature and top_p) and compare it with
+    `trainer` (see the module docstring). `prompts`: the task's prompt texts (the first `PROBE_PROMPTS` are used);
+    `bound`: the gap's bound (the run's: `spec.resolved.logprob_gap_bound` on its device). Returns the result;
+    raises nothing."""
     t0 = time.perf_counter()
-    bound = spec.ops.logprob_gap_bound(engine_differs(spec, run_device(spec))) if bound is None else bound
     texts = list(prompts)[:PROBE_PROMPTS]
     if not texts:
         raise ValueError("the log-prob gate needs at least one prompt (the task's training split is empty)")
-    params = SamplingParams(n=PROBE_SAMPLES, temperature=spec.rollout.temperature, top_p=spec.rollout.top_p,
-                            max_new_tokens=min(spec.rollout.max_new_tokens, PROBE_MAX_NEW_TOKENS), seed=PROBE_SEED)
+    params = SamplingParams(n=PROBE_SAMPLES, temperature=rollout.temperature, top_p=rollout.top_p,
+                            max_new_tokens=min(rollout.max_new_tokens, PROBE_MAX_NEW_TOKENS), seed=PROBE_SEED)
     messages = [[{"role": "user", "content": t}] for t in texts]
     # Torch's RNG forked: a gated run draws the same numbers as before the gate existed (resumes stay bit-identical).
     with torch.random.fork_rng(devices=list(range(torch.cuda.device_count()))):
@@ -135,10 +133,10 @@ def check_engine(spec: ExperimentSpec, trainer, producer, tokenizer: PreTrainedT
     return GateResult(type(producer).__name__, bound, figures, problems, time.perf_counter() - t0)
 
 
-def gate(spec: ExperimentSpec, trainer, producer, tokenizer: PreTrainedTokenizerBase,
-         prompts: Sequence[str], bound: float | None = None) -> GateResult:
+def gate(rollout: RolloutSpec, trainer, producer, tokenizer: PreTrainedTokenizerBase,
+         prompts: Sequence[str], bound: float) -> GateResult:
     """`check_engine`, raising its `LogprobGapError` when a check failed; the result when all passed."""
-    result = check_engine(spec, trainer, producer, tokenizer, prompts, bound)
+    result = check_engine(rollout, trainer, producer, tokenizer, prompts, bound)
     if not result.passed:
         raise result.error()
     return result

@@ -17,7 +17,7 @@ from factory.config import SFTSpec
 from factory.core.algorithms import sft_loss
 from factory.core.batch import pack
 from factory.core.evaluate import evaluate
-from factory.core.rollout.embedded import EmbeddedEngine
+from factory.core.rollout.engines.embedded import EmbeddedEngine
 from factory.core.trainer.torch_trainer import TorchTrainer
 from factory.infra.liveness import pulse
 from factory.models.prompting import answer_ids, prompt_ids

@@ -18,10 +18,10 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-from factory.config import ExperimentSpec
+from factory.config import Blend
 from factory.data.blender import Blender
 from factory.data.curriculum import make_curriculum
-from factory.data.from_spec import blend_schedule, blend_seed, blender_for, open_sources
+from factory.data.from_spec import blender_for, open_sources
 from factory.data.sources.base import ListSource, PromptSource
 from factory.problem import Problem
 
@@ -136,17 +136,18 @@ class PromptFeed:
             self._skipped_total, self._forced = int(state.get("skipped", 0)), int(state.get("forced", 0))
 
 
-def make_feed(spec: ExperimentSpec, train: list[Problem] | None = None, sources: list[PromptSource] | None = None,
+def make_feed(blend: Blend, train: list[Problem] | None = None, sources: list[PromptSource] | None = None,
               stats: dict[tuple[str, str], tuple[int, int]] | None = None) -> PromptFeed:
-    """The feed `spec` describes: its blend (`data`, else the task's training split `train`) and curriculum;
-    `stats` are the offline per-prompt (samples, passes) the `data.filter` reads (factory/data/stats.py)."""
-    sources = sources if sources is not None else open_sources(spec, train)
-    blender = blender_for(spec, sources)
+    """The feed of `blend` (a spec's `spec.resolved.blend`: its `data`, else the task's training split `train`)
+    and its curriculum; `stats` are the offline per-prompt (samples, passes) the `data.filter` reads
+    (factory/data/stats.py)."""
+    sources = sources if sources is not None else open_sources(blend, train)
+    blender = blender_for(blend, sources)
     curriculum = None
-    d = spec.data
+    d = blend.data
     if d is not None and (d.curriculum.kind != "none" or d.filter is not None):
-        curriculum = make_curriculum(d.curriculum, sources=blender.names, seed=blend_seed(spec),
-                                     base_weights=blend_schedule(spec)[0], prompt_filter=d.filter, stats=stats)
+        curriculum = make_curriculum(d.curriculum, sources=blender.names, seed=blend.seed,
+                                     base_weights=blend.schedule()[0], prompt_filter=d.filter, stats=stats)
         if (w := curriculum.weights()) is not None:
             blender.set_weights(w)
     return PromptFeed(blender, curriculum)

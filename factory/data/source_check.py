@@ -61,13 +61,7 @@ def check_file_source(raw: dict[str, Any], base_dir: str | Path | None = None,
                       fit: tuple[int, str] | None = None) -> None:
     """SourceError if the file source `raw` cannot be opened or any of its rows read, or (with `fit`: the most
     characters a prompt may have, and why) a row's prompt is too long for the model."""
-    # the sources package loads pyiceberg and duckdb; `factory validate` imports this module for every spec
-    from factory.data.sources.files import (  # noqa: PLC0415 heavy: pyiceberg, duckdb; specs with file sources only
-        HFDiskSource,
-        JsonlSource,
-        ParquetSource,
-        check_regular,
-    )
+    from factory.data.sources import files  # noqa: PLC0415 pyarrow: file sources only; `factory validate` stays light
 
     s = parse_source_spec(raw)
     path = Path(s.path)
@@ -84,19 +78,19 @@ def check_file_source(raw: dict[str, Any], base_dir: str | Path | None = None,
         raise SourceError(f"source {s.name!r}: {str(path)!r} does not exist (a {s.kind} "
                           f"{'directory' if s.kind == 'hf_disk' else 'file or directory'} was expected)")
     if s.kind == "jsonl":  # opening it reads every row; `fits` sees each block as it goes
-        JsonlSource(s.name, path, s.verifier, s.columns, block_rows=s.block_rows,
-                    on_block=lambda problems, lines: fits(problems, lambda j: f"line {lines[j]}"))
+        files.JsonlSource(s.name, path, s.verifier, s.columns, block_rows=s.block_rows,
+                          on_block=lambda problems, lines: fits(problems, lambda j: f"line {lines[j]}"))
         return
     src: Any
     if s.kind == "parquet":
         if not path.is_dir():
-            check_regular(s.name, path, "kind: parquet expects a .parquet file or a directory of them")
+            files.check_regular(s.name, path, "kind: parquet expects a .parquet file or a directory of them")
             if not _has_parquet_magic(path):
                 raise SourceError(f"source {s.name!r}: {str(path)!r} is not a Parquet file (no PAR1 magic bytes); "
                                   f"kind: parquet expects a .parquet file or a directory of them")
-        src = ParquetSource(s.name, path, s.verifier, s.columns, block_rows=s.block_rows)
+        src = files.ParquetSource(s.name, path, s.verifier, s.columns, block_rows=s.block_rows)
     else:
-        src = HFDiskSource(s.name, path, s.verifier, s.columns, split=s.split, block_rows=s.block_rows)
+        src = files.HFDiskSource(s.name, path, s.verifier, s.columns, split=s.split, block_rows=s.block_rows)
     for block in range(-(-len(src) // s.block_rows)):
         first = block * s.block_rows
         fits(src.read_block(block), lambda j, first=first: f"row {first + j}")

@@ -8,7 +8,7 @@
   can launch it as is); what it lacks is JobSet's restart of the whole group when one pod fails, so the Job has
   backoffLimit 0 and Factory's own resume is the restart;
 - rollout: per SGLang server a Deployment (1 replica, tp_size GPUs) + Service. One Service per server instead
-  of one Deployment of `servers` replicas behind one Service: the trainer's router (core/rollout/sglang_router.py)
+  of one Deployment of `servers` replicas behind one Service: the trainer's router (core/sglang/router.py)
   tracks load per server URL and pushes weights to each, which a load-balanced Service address would hide;
   the training pods get the Service URLs as `rollout.sglang.urls`, and weights reach the servers over HTTP
   (`weight_update: tensor`; the other two modes assume one machine and are refused);
@@ -29,7 +29,7 @@ import re
 from typing import Any
 
 from factory.config import ExperimentSpec, apply_overrides
-from factory.core.rollout.sglang_servers import launch_command
+from factory.core.sglang.servers import launch_command
 from factory.deploy.profile import DeployProfile, RoleProfile
 
 SPEC_MOUNT = "/etc/factory"
@@ -184,7 +184,7 @@ def rollout(spec: ExperimentSpec, profile: DeployProfile) -> list[Manifest]:
     assert sg is not None
     if sg.weight_update != "tensor":
         # disk: the safetensors go to the trainer pod's temp directory; distributed: the group's address is
-        # 127.0.0.1 (core/sglang_producer.py). Neither reaches a server in another pod.
+        # 127.0.0.1 (core/sglang/producer.py). Neither reaches a server in another pod.
         raise ValueError(f"rollout.sglang.weight_update: the servers run in their own pods, which only 'tensor' "
                          f"(weights over HTTP) reaches, got {sg.weight_update!r}")
     out: list[Manifest] = []

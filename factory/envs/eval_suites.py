@@ -83,7 +83,7 @@ def benchmark_problems(name: str, task: TaskSpec, splits: Splits) -> list[Proble
         return list(splits.eval)
     if name == "humaneval":
         raise ValueError("benchmark 'humaneval' depends on the run's data sources: use "
-                         "factory.data.from_spec.humaneval_benchmark(spec)")
+                         "factory.data.from_spec.humaneval_benchmark(spec.data)")
     if name not in BENCHMARKS:
         raise ValueError(f"unknown benchmark {name!r}; known: {', '.join(BENCHMARKS)}")
     if name not in applicable_benchmarks(task.name):

@@ -10,8 +10,8 @@
   info)`, wrapped by `GymAdapter` into a multi-turn episode (each observation is a user turn, each model
   reply an action).
 
-Environments by name (the built-ins, or an import path `package.module:attr`): `load_environment` in
-factory/envs/registry.py.
+Environments by name (the built-ins, ones registered in-process or by a plugin's entry point, or an import path
+`package.module:attr`): `ENVIRONMENTS` and `load_environment` in factory/envs/registry.py.
 
 Failure isolation: user code never stops a run. `score_all` / `score_guarded` (single turn) and `run_guarded` /
 `run_episodes_isolated` (multi turn) score a sample 0.0 with a reason when its environment raises ("reward
@@ -269,7 +269,7 @@ async def run_guarded(env: Environment, task: dict[str, Any], client: Any, timeo
 
 def _infrastructure(e: BaseException) -> bool:
     try:
-        import openai  # heavy: ~1 s to import; only multi-turn episodes reach the rollout server
+        import openai  # noqa: PLC0415 - heavy (~1 s): only multi-turn episodes reach the rollout server
     except ImportError:  # pragma: no cover - openai is a dependency
         return False
     return isinstance(e, openai.APIConnectionError)
@@ -277,7 +277,7 @@ def _infrastructure(e: BaseException) -> bool:
 
 async def _run_one(env: Environment, task: dict[str, Any], sid: str, rollout_url: str,
                    timeout_s: float) -> EpisodeResult:
-    import openai  # heavy: as in _infrastructure
+    import openai  # noqa: PLC0415 - heavy: as in _infrastructure
 
     async with openai.AsyncOpenAI(base_url=f"{rollout_url}/v1", api_key="unused", max_retries=0,
                                   timeout=timeout_s, default_headers={"x-session-id": sid}) as client:

@@ -49,7 +49,7 @@ from factory.envs.protocol import (
     score_all,
 )
 from factory.envs.registry import load_environment
-from factory.envs.tasks import TASK_VERIFIERS, verify_detail
+from factory.envs.tasks import TASK_VERIFIERS, is_task_verifier, verify_detail
 from factory.infra.http_guard import MAX_JSON_BYTES, RequestError, guard
 from factory.problem import Problem
 from factory.text import clip
@@ -62,7 +62,8 @@ def _task_verifier(problem: dict[str, Any], completion: str) -> RewardResult:
     return RewardResult(reward, info={"hacks": sorted(hacks)} if hacks else {})
 
 
-# The task families' verifiers (envs/tasks.py); code rewards run in this process's sandbox pool.
+# The task families' verifiers (envs/tasks.py; a registered family or verifier too, `is_task_verifier`); code
+# rewards run in this process's sandbox pool.
 SCORERS: dict[str, Scorer] = dict.fromkeys(TASK_VERIFIERS, _task_verifier)
 
 
@@ -120,7 +121,7 @@ def score_completions_detail(env: str, problem: dict[str, Any], completions: lis
     **problem fields), each call bounded by `timeout_s`); an unknown env, or a scorer that raises, hangs or
     returns something other than a finite number, gives 0 and why. Third: per completion, the reward-hack
     detectors a task family's code verifier saw it trip (`envs/code_harness.py`; empty elsewhere)."""
-    scorer = SCORERS.get(env)
+    scorer = SCORERS.get(env) or (_task_verifier if is_task_verifier(env) else None)
     if scorer is None and ":" in env:
         try:
             user = load_environment(env)

@@ -17,7 +17,8 @@ from typing import Any
 from factory.architectures import architecture_problem
 from factory.config import MIN_N_TRAIN, ExperimentSpec, apply_overrides, load_spec, spec_error
 from factory.envs.arithmetic import prompt_tokens
-from factory.envs.tasks import longest_prompt_tokens, task_capacity
+from factory.envs.reasoning_gym_tasks import rg_config_problem
+from factory.envs.tasks import family, longest_prompt_tokens, task_capacity
 from factory.model_source import source_files
 from factory.presets import PRESETS
 
@@ -43,8 +44,7 @@ def _task_size_problem(spec: ExperimentSpec) -> str | None:
     None: found when the spec is loaded, not after the run has started."""
     t = spec.task
     space, most = task_capacity(t)
-    what = (f"task {t.name} with operations {t.operations} and digits {t.digits}" if t.name == "arithmetic"
-            else f"task {t.name}")
+    what = family(t).describe(t)
     share = "at most half of them" if most < space else "all of them"
     n_train_min = MIN_N_TRAIN
     if t.n_eval > most - n_train_min:
@@ -63,8 +63,6 @@ def _sources_problem(spec: ExperimentSpec) -> str | None:
     for i, s in enumerate(spec.data.sources if spec.data is not None else []):
         if s["kind"] != "reasoning_gym":
             continue
-        from factory.envs.reasoning_gym_tasks import rg_config_problem  # optional: reasoning-gym, loaded on use
-
         try:
             problem = rg_config_problem(s["task"], s["config"])
         except ImportError as e:
@@ -95,7 +93,6 @@ def _positions_problem(spec: ExperimentSpec) -> str | None:
                 f"({prompt} tokens, task {spec.task.name}) plus the completion fit the model's "
                 f"{positions} positions ({where}), got {new}")
     return None
-
 
 
 def _architecture_problem(spec: ExperimentSpec) -> str | None:

@@ -6,8 +6,9 @@ spec runs on a GPU when there is one and on the CPU as before. `cpu`, `cuda` and
 for CUDA where there is none, or for an index the machine does not have, is a ValueError naming the field.
 
 At `trainer.world_size` 1, `trainer.devices: [N]` places the one trainer process: it is the run's device
-(cuda:N), and a `device` that says otherwise is refused. Ranks of a multi-process trainer are placed by
-`trainer.devices` / LOCAL_RANK in `core/trainer/distributed.py`.
+(cuda:N), and a `device` that says otherwise is refused when the spec validates (both are worked out once there,
+`spec.resolved`, factory/config/resolved.py; what this machine has is checked here, when the run starts). Ranks of
+a multi-process trainer are placed by `trainer.devices` / LOCAL_RANK in `core/trainer/distributed.py`.
 
 Every component takes the resolved `torch.device` from its caller: nothing below the run decides for itself.
 """
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from factory.config import ExperimentSpec
+    from factory.config.resolved import Resolved
 
 
 def resolve_device(setting: str = "auto", field: str = "device") -> torch.device:
@@ -46,17 +47,10 @@ def resolve_device(setting: str = "auto", field: str = "device") -> torch.device
     return torch.device("cuda", index)
 
 
-def run_device(spec: ExperimentSpec) -> torch.device:
-    """The device a run computes on: `spec.device`, or cuda:N when a one-process trainer is placed by
-    `trainer.devices: [N]`."""
-    placed = spec.trainer.devices
-    if spec.trainer.world_size == 1 and placed:
-        device = resolve_device(f"cuda:{placed[0]}", field="trainer.devices")
-        if spec.device not in ("auto", "cuda", str(device)):
-            raise ValueError(f"trainer.devices: {placed} places the one trainer process on {device}, but device is "
-                             f"{spec.device!r}; drop one of them")
-        return device
-    return resolve_device(spec.device)
+def run_device(resolved: Resolved) -> torch.device:
+    """The device a run computes on, on this machine: `spec.resolved.device` (`device`, or cuda:N where a
+    one-process trainer is placed by `trainer.devices: [N]`; config/resolved.py refused a contradiction)."""
+    return resolve_device(resolved.device, field=resolved.device_field)
 
 
 def prepare(device: torch.device) -> None:

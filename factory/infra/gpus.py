@@ -81,26 +81,10 @@ def count_gpus(environ: dict[str, str] | None = None) -> Gpus:
     return Gpus(_visible(setting, physical), f"CUDA_VISIBLE_DEVICES={setting!r} over {physical} from {source}")
 
 
-def cuda_reasons(spec: ExperimentSpec) -> list[tuple[str, str]]:
-    """The spec's settings that name CUDA whatever the machine, as (field, value) (empty: it runs on a CPU
-    machine too). SGLang servers are not among them: `rollout.sglang.python` starts them, which may be a CPU
-    build or a stand-in; GPUs placed for them (`rollout.devices`) are."""
-    reasons = []
-    if spec.device.startswith("cuda"):
-        reasons.append(("device", spec.device))
-    if spec.trainer.devices:
-        reasons.append(("trainer.devices", str(spec.trainer.devices)))
-    if spec.trainer.backend == "megatron":
-        reasons.append(("trainer.backend", "megatron"))  # make_megatron_trainer refuses a CPU device
-    if spec.rollout.devices:
-        reasons.append(("rollout.devices", str(spec.rollout.devices)))
-    return reasons
-
-
 def check_gpus(spec: ExperimentSpec, gpus: Gpus | None = None) -> None:
     """Refuse (ValueError naming the field, what was asked and what this machine has) a spec needing more GPUs, or
     other GPU indices, than `gpus` (default: `count_gpus()`)."""
-    reasons = cuda_reasons(spec)
+    reasons = spec.resolved.cuda_asked  # config/resolved.py
     sglang = spec.rollout.sglang if spec.rollout.sglang is not None and not spec.rollout.sglang.urls else None
     if not reasons and spec.device != "auto" and sglang is None:
         return  # device: cpu and nothing GPU-only: no GPU is touched

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch only where a model is hooked: `factory validate` and other light commands never load it
-    import torch
+    import torch  # noqa: PLC0415 heavy: only where a model is hooked (see the TYPE_CHECKING import)
 
 EVERY_S = 1.0  # at most one beat a second, however often the work pulses (a beat is a file's mtime)
 COVER_LIMIT_S = 900.0  # how long `covered` vouches for one call by default
@@ -91,7 +91,7 @@ def pulse_from_layers(model: torch.nn.Module) -> None:
     """Pulse as each block of `model` finishes its forward and, when it trains, its backward (a hook on the block's
     output gradient, which leaves the gradient as it is). The blocks are the model's longest `ModuleList` (a
     decoder's layers). Once per model: a second call adds nothing."""
-    import torch  # noqa: PLC0415 heavy (~3 s): the CLI's model checks and supervisors import this module without it
+    import torch  # noqa: PLC0415 heavy: only where a model is hooked (see the TYPE_CHECKING import)
 
     if getattr(model, "_liveness_hooked", False):
         return

@@ -30,12 +30,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from factory.infra.gpus import SMI_TIMEOUT_S, count_gpus, cuda_reasons
+from factory.infra.gpus import SMI_TIMEOUT_S, count_gpus
 from factory.model_source import model_source, source_files
 from factory.presets import PRESETS
 
 if TYPE_CHECKING:
-    from factory.config import ExperimentSpec
+    from factory.config import ExperimentSpec, ModelSpec, Resolved
 
 BATCH_BYTES_PER_TOKEN = 37
 STATE_BYTES_PER_PARAM, LORA_BYTES_PER_PARAM = 16, 4
@@ -75,16 +75,16 @@ def decoder_params(hidden: int, layers: int, heads: int, kv_heads: int, intermed
     return layers * (2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * intermediate)
 
 
-def model_dims(spec: ExperimentSpec) -> ModelDims | None:
-    """The spec's model's dims: its preset's, or a `model.path` directory's (or cached hub id's) config.json; None
+def model_dims(model: ModelSpec) -> ModelDims | None:
+    """The model's dims: its preset's, or a `model.path` directory's (or cached hub id's) config.json; None
     when they cannot be read cheaply (a GGUF file, an unreadable config)."""
-    if spec.model.path is None:
-        p = PRESETS[spec.model.preset]
+    if model.path is None:
+        p = PRESETS[model.preset]
         return ModelDims(p.hidden_size, p.layers, decoder_params(p.hidden_size, p.layers, p.heads, p.kv_heads,
                                                                  p.intermediate_size))
-    if model_source(spec.model.path).kind == "gguf":
+    if model_source(model.path).kind == "gguf":
         return None
-    where = source_files(spec.model.path)  # the directory, or the hub id's cached snapshot
+    where = source_files(model.path)  # the directory, or the hub id's cached snapshot
     try:
         c = json.loads((where / "config.json").read_text()) if where is not None else None
         if not isinstance(c, dict):
@@ -143,19 +143,19 @@ def gpu_memory() -> Memory | None:
     return Memory(min(mib) << 20, "nvidia-smi's memory.total") if mib else None
 
 
-def uses_cuda(spec: ExperimentSpec) -> bool:
+def uses_cuda(resolved: Resolved) -> bool:
     """Whether the spec's trainer computes on GPUs here (a CUDA setting, or device auto on a machine with one)."""
-    if spec.device == "cpu":
+    if resolved.device == "cpu":
         return False
-    return bool(cuda_reasons(spec)) or count_gpus().count > 0
+    return bool(resolved.cuda_asked) or count_gpus().count > 0
 
 
 def memory_problem(spec: ExperimentSpec, host: Memory | None = None, gpu: Memory | None = None,
                    on_gpu: bool | None = None, dims: ModelDims | None = None) -> str | None:
     """The one-line error naming the field when one step of `spec` cannot fit this machine's memory, else None.
     `host`, `gpu`, `on_gpu` and `dims` default to this machine's and the spec's model's."""
-    need = step_need(spec, dims if dims is not None else model_dims(spec))
-    on_gpu = uses_cuda(spec) if on_gpu is None else on_gpu
+    need = step_need(spec, dims if dims is not None else model_dims(spec.model))
+    on_gpu = uses_cuda(spec.resolved) if on_gpu is None else on_gpu
     host = host or host_memory()
     trainer = need.state + need.activations
     if on_gpu:

@@ -19,7 +19,7 @@ from factory.presets import PRESETS
 from factory.progress import Log
 
 if TYPE_CHECKING:
-    from factory.config import ExperimentSpec
+    from factory.config import ExperimentSpec, ModelSpec
 
 
 def build_model(preset: str, tokenizer: PreTrainedTokenizerFast, seed: int = 0,
@@ -62,7 +62,7 @@ def policy_for(spec: ExperimentSpec, home: FactoryPaths | None = None,
         return build_model(m.preset, tok, seed=spec.seed, max_positions=m.max_positions), tok
     model_dir = resolve_model_path(m.path, home or factory_home(), log=log)
     model, tok = load_model_dir(model_dir, max_positions=m.max_positions, trust_remote_code=m.trust_remote_code)
-    positions = policy_positions(spec, model)
+    positions = policy_positions(spec.model, model)
     if positions is not None:
         window = attention_window(model.config)
         where = ("model.max_positions" if m.max_positions else f"the max_position_embeddings of the model in {m.path}")
@@ -72,16 +72,17 @@ def policy_for(spec: ExperimentSpec, home: FactoryPaths | None = None,
     return model, tok
 
 
-def policy_positions(spec: ExperimentSpec, model: PreTrainedModel) -> int | None:
-    """The context the policy has: `model.max_positions`, else a `model.path` model's own
-    (`max_position_embeddings`; None if its config has none), else its preset's; never past the model's sliding
-    window (`factory.architectures.attention_window`), beyond which the continuous engine would not be exact."""
-    if spec.model.max_positions:
-        positions = spec.model.max_positions
-    elif spec.model.path is not None:
+def policy_positions(spec: ModelSpec, model: PreTrainedModel) -> int | None:
+    """The context the policy `model` (built or loaded as the `model` section `spec` says) has: `max_positions`,
+    else a `path` model's own (`max_position_embeddings`; None if its config has none), else its preset's; never
+    past the model's sliding window (`factory.architectures.attention_window`), beyond which the continuous engine
+    would not be exact."""
+    if spec.max_positions:
+        positions = spec.max_positions
+    elif spec.path is not None:
         positions = getattr(model.config, "max_position_embeddings", None)
     else:
-        positions = PRESETS[spec.model.preset].max_positions
+        positions = PRESETS[spec.preset].max_positions
     window = attention_window(model.config)
     if window is None:
         return positions

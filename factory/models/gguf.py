@@ -65,8 +65,8 @@ def convert_gguf(path: str | Path, home: FactoryPaths, log=print) -> Path:
     out = gguf_dir(home, digest)
     if (out / MARKER).is_file():
         return out
-    try:
-        import gguf  # noqa: F401, PLC0415 optional: the `real` extra (gguf, accelerate); GGUF files only
+    try:  # optional: the `real` extra (gguf, accelerate) is only needed to read GGUF files
+        import gguf  # noqa: F401, PLC0415 the `real` extra: only GGUF files need it
     except ImportError as e:
         raise GGUFError(f"model.path: reading {src} needs the packages gguf and accelerate "
                         f"(pip install 'factory[real]'): {e}") from e
@@ -92,9 +92,8 @@ def convert_gguf(path: str | Path, home: FactoryPaths, log=print) -> Path:
 
 def _dequantized(src: Path):
     """(fp32 model, tokenizer) read from the GGUF file `src`, as a plain model that saves normally."""
-    # `factory validate` imports this module to check a GGUF path: torch and transformers load for a conversion only
-    import torch  # noqa: PLC0415 heavy: torch; converting a GGUF file only
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 heavy: transformers; converting only
+    import torch  # noqa: PLC0415 heavy: only a GGUF conversion computes here
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 heavy: as torch
 
     try:
         tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)

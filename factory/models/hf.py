@@ -50,7 +50,7 @@ def check_model_dir(path: str | Path) -> Path:
 
 def load_tokenizer_dir(path: str | Path, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """The directory's tokenizer, with pad = eos when it has no pad token; refused without an eos token."""
-    from transformers import AutoTokenizer  # noqa: PLC0415 heavy: transformers; validate checks a path without it
+    from transformers import AutoTokenizer  # noqa: PLC0415 heavy: `factory validate` checks a path without it
 
     p = check_model_dir(path)
     try:
@@ -70,7 +70,7 @@ def load_model_dir(path: str | Path, max_positions: int | None = None,
                    trust_remote_code: bool = False) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """(model, tokenizer) from a local HF directory, float32 for training. `max_positions` may only shrink the
     model's context (`max_position_embeddings`): positions past what it was built for have no trained meaning."""
-    from transformers import AutoModelForCausalLM  # noqa: PLC0415 heavy: transformers; loading a model only
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415 heavy: imported where a model loads
 
     tok = load_tokenizer_dir(path, trust_remote_code)
     p = Path(path).expanduser()

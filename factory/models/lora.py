@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from factory.config import LoraSpec, ModelSpec
 from factory.model_source import source_files
 from factory.presets import PRESETS
 
@@ -47,7 +48,7 @@ def attach(model: PreTrainedModel, spec: Any) -> None:
     The base weights are frozen; the adapters are initialised as peft does (A random from torch's RNG, B zero, so the
     model's outputs are unchanged until the first step). Target modules that match nothing in the model are an error
     naming `trainer.lora.target_modules` and the model's linear modules."""
-    from peft import LoraConfig, get_peft_model  # noqa: PLC0415 optional: the `real` extra; LoRA runs only
+    from peft import LoraConfig, get_peft_model  # noqa: PLC0415 the `real` extra: needed only by LoRA runs
 
     if attached(model):
         raise ValueError("trainer.lora: the model already has LoRA adapters attached")
@@ -86,14 +87,13 @@ def targets_problem(model: torch.nn.Module, targets: str | list[str]) -> str | N
             f"are {_linear_names(model)} (or use 'all-linear')")
 
 
-def spec_targets_problem(spec: Any) -> str | None:
-    """`targets_problem` for an `ExperimentSpec` before its run, on the model's skeleton (built on the meta device
-    from the preset or `model.path`'s config.json: no weights are read). None when the spec has no LoRA section, or
-    when the model's config cannot be read here (the run's start reports that)."""
-    lora_spec = spec.trainer.lora
+def spec_targets_problem(lora_spec: LoraSpec | None, m: ModelSpec) -> str | None:
+    """`targets_problem` for a spec's `trainer.lora` before its run, on the skeleton of the model its `model`
+    section `m` names (built on the meta device from the preset or `model.path`'s config.json: no weights are
+    read). None without a LoRA section, or when the model's config cannot be read here (the run's start reports
+    that)."""
     if lora_spec is None or lora_spec.target_modules == "all-linear":
         return None
-    m = spec.model
     try:
         if m.path is None:
             p = PRESETS[m.preset]
@@ -116,7 +116,7 @@ def spec_targets_problem(spec: Any) -> str | None:
 
 def lora_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """HF module name -> its peft LoRA layer, in module order."""
-    from peft.tuners.lora import LoraLayer  # noqa: PLC0415 optional: the `real` extra; LoRA runs only
+    from peft.tuners.lora import LoraLayer  # noqa: PLC0415 the `real` extra: only LoRA runs have such layers
 
     return {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
 

@@ -1,5 +1,6 @@
 """The `RolloutEngine` extension point: prompts in, completions with exact tokens and log-probs out, weights in
-by version (the embedded engines of core/rollout/ and the SGLang client implement it; a producer picks one)."""
+by version (the embedded engines of core/rollout/engines/ and the SGLang router of core/sglang/ implement it; a
+producer drives one, and `producer.engine_backend` makes any engine a rollout backend)."""
 
 from __future__ import annotations
 

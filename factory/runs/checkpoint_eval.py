@@ -115,7 +115,7 @@ def evaluate_recorded_checkpoint(paths: FactoryPaths, lake: Lake, run_id: str, s
         # the sources package loads duckdb, pandas, sqlalchemy (seconds); the code location imports this module
         from factory.data.from_spec import humaneval_benchmark  # noqa: PLC0415 heavy: duckdb; humaneval only
 
-        problems = humaneval_benchmark(spec)
+        problems = humaneval_benchmark(spec.data)
     else:
         problems = benchmark_problems(benchmark, spec.task, load_dataset(build_dataset(spec, paths).path))
     result = evaluate_checkpoint(spec, local, problems)

@@ -37,7 +37,7 @@ from factory.core.evaluate import evaluate
 from factory.core.gate import LogprobGapError
 from factory.core.loop import NonFiniteLoss, RunInterrupted, StepRecord, train_rl
 from factory.core.resume import TrainState, latest
-from factory.core.rollout.embedded import EmbeddedEngine
+from factory.core.rollout.engines.embedded import EmbeddedEngine
 from factory.data.feed import make_feed
 from factory.data.from_spec import blend_version, held_out_sets
 from factory.data.stats import read_prompt_stats
@@ -242,7 +242,7 @@ class Run:
         # This attempt's device (a resumed attempt may run elsewhere), resolved once, before anything is recorded: a
         # device the machine does not have is refused here. Logged, and recorded in the `runs` row and as an MLflow
         # tag; `begin` places the model on it.
-        self.device = run_device(spec)
+        self.device = run_device(spec.resolved)
         if self.prev is None:
             self.base_row = dict(run_id=run_id, sweep_id=opts.sweep_id, name=spec.name, spec=spec.to_json(),
                                  spec_fingerprint=spec.fingerprint(), code_version=code_version(), seed=spec.seed,
@@ -287,7 +287,7 @@ class Run:
         spec, lake, run_id = self.spec, self.lake, self.run_id
         self.start = start_eval(spec, lake, self.tracker, run_id, self.mlflow_id, self.model, self.tok,
                                  self.splits, self.log)
-        self.held = held_out_sets(spec)
+        self.held = held_out_sets(spec.data)
         if self.held and lake.read("evals", And(And(EqualTo("run_id", run_id), EqualTo("step", 0)), EqualTo(
                 "benchmark", SOURCE_BENCHMARK + next(iter(self.held))))).num_rows == 0:
             self._evaluate_sources(0, None)
@@ -295,9 +295,10 @@ class Run:
             if start.primary is not None and start.primary.benchmark != HELD_OUT:  # a source's: say its baseline
                 self.log(f"run {run_id}: start {start.primary.benchmark} accuracy {start.primary.text()} "
                          f"(the run's headline: its own task's held-out set)")
-        self.feed = make_feed(spec, self.splits.train,
+        self.feed = make_feed(spec.resolved.blend, self.splits.train,
                               stats=_offline_stats(spec, lake, self.tracker, self.mlflow_id, self.log))
-        self.tracker.set_tags(self.mlflow_id, {"factory.blend_version": blend_version(spec, self.feed.blender.sources)})
+        self.tracker.set_tags(self.mlflow_id, {"factory.blend_version": blend_version(spec.resolved.blend,
+                                                                                     self.feed.blender.sources)})
         beat(self.run_dir)
 
     # ------------------------------------------------------------ train, step

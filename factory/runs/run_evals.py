@@ -8,7 +8,7 @@ from pyiceberg.expressions import And, EqualTo
 from factory.cockpit.tracking import Tracker
 from factory.config import ExperimentSpec
 from factory.core.evaluate import evaluate, sampled_pass_at_k
-from factory.core.rollout.embedded import EmbeddedEngine
+from factory.core.rollout.engines.embedded import EmbeddedEngine
 from factory.envs.eval_suites import HELD_OUT, SOURCE_BENCHMARK
 from factory.lake.writer import Lake
 from factory.problem import Splits

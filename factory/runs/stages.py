@@ -28,7 +28,7 @@ from pyiceberg.expressions import EqualTo
 import factory
 from factory.config import ExperimentSpec
 from factory.core.evaluate import EvalResult, evaluate
-from factory.core.rollout.embedded import EmbeddedEngine
+from factory.core.rollout.engines.embedded import EmbeddedEngine
 from factory.core.sft import run_sft
 from factory.core.trainer.torch_trainer import SPEEDUPS
 from factory.data.from_spec import held_out_sets
@@ -72,7 +72,7 @@ def place(spec: ExperimentSpec, model: torch.nn.Module, log: Log | None = None,
     the spec's `device`, or trainer.devices at world_size 1), made current with TF32 on a GPU, and say which
     (`log`); returns it. Every stage places its model here once: the trainers, engines, evals and the KL reference
     then follow the model."""
-    device = device or run_device(spec)
+    device = device or run_device(spec.resolved)
     prepare(device)
     model.to(device)
     if log is not None:
@@ -228,7 +228,7 @@ def run_sft_control(spec: ExperimentSpec, paths: FactoryPaths, splits: Splits, l
     rows = [dict(r, metric=f"sft_control_{r['metric']}") for r in
             eval_rows(run_id, step, EvalResult(res.accuracy, res.pass_at_k, spec.schedule.eval_pass_k,
                                                len(splits.eval), {}), res.checkpoint.sha256)]
-    for source, problems in held_out_sets(spec).items():
+    for source, problems in held_out_sets(spec.data).items():
         got = evaluate_checkpoint(spec, res.checkpoint.path, problems, k=0)
         rows.append(dict(run_id=run_id, step=step, benchmark=SOURCE_BENCHMARK + source, metric="sft_control_accuracy",
                          value=got.accuracy, n=got.n, checkpoint_sha256=res.checkpoint.sha256, recorded_at=_now()))

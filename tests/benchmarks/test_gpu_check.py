@@ -116,7 +116,7 @@ def test_a_generation_past_its_budget_is_cancelled_and_extrapolated_from_the_tok
     finally:
         sys.path.remove(str(ROOT / "benchmarks" / "gpu"))
     from factory.core.rollout.base import SamplingParams
-    from factory.core.rollout.continuous import ContinuousEngine
+    from factory.core.rollout.engines.continuous import ContinuousEngine
 
     model = random_model("micro")
     engine = ContinuousEngine(model, word_tokenizer(512), max_batch=8)

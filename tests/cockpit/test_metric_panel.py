@@ -16,7 +16,7 @@ from factory.cockpit.metric_panel import CELLS, NOT_RECORDED, _metric_panel_figu
 from factory.cockpit.plots import DPI
 from factory.config import TaskSpec, parse_spec
 from factory.core.loop import _record
-from factory.core.producer import make_group
+from factory.core.producers.common import make_group
 from factory.core.rollout.base import Completion
 from factory.envs import tasks
 from factory.envs.workers import Episode, LocalEnvironment

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 from factory.core.rollout.base import SamplingParams
-from factory.core.rollout.continuous import ContinuousEngine
-from factory.core.rollout.embedded import EmbeddedEngine
+from factory.core.rollout.engines.continuous import ContinuousEngine
+from factory.core.rollout.engines.embedded import EmbeddedEngine
 from factory.models.build import build_model
 from factory.models.tokenizer import build_tokenizer
 

@@ -190,7 +190,7 @@ def make_app(args: argparse.Namespace) -> FastAPI:
     def init_group(body: dict) -> Response:  # sync: blocks a worker thread until the group forms
         if set(body) != GROUP_KEYS:
             return bad(f"init_weights_update_group fields {sorted(body)}, expected {sorted(GROUP_KEYS)}")
-        from factory.core.rollout.sglang_weights import init_custom_process_group
+        from factory.core.sglang.weights import init_custom_process_group
 
         st["requests"].append({"endpoint": "/init_weights_update_group", **body})
         try:

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from factory.core.rollout.paged import attention
-from factory.core.rollout.paged.runner import PagedRunner
+from factory.core.rollout.engines.paged import attention
+from factory.core.rollout.engines.paged.runner import PagedRunner
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run by test_paged_attention.py with TRITON_INTERPRET=1"
 

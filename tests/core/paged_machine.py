@@ -1,4 +1,4 @@
-"""A hypothesis state machine over the paged block manager (`factory/core/rollout/paged/blocks.py`): random
+"""A hypothesis state machine over the paged block manager (`factory/core/rollout/engines/paged/blocks.py`): random
 admissions of GRPO groups, forks, appends, frees and (with the prefix cache) weight-update flushes, beside a model
 of each sequence's token ids and each page's content, checking the manager's invariants after every step.
 `tests/core/test_paged_pages.py` extends it with a page store."""
@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from factory.core.rollout.kv_budget import KVBudget
-from factory.core.rollout.paged.blocks import BlockManager
+from factory.core.rollout.engines.kv_budget import KVBudget
+from factory.core.rollout.engines.paged.blocks import BlockManager
 
 PER_TOKEN = 8  # bytes of one token's K/V (any value: the manager counts pages)
 # prompts start with a prefix of one of these, so the prefix cache finds pages; token ids come from {0, 1, 2}

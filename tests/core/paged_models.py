@@ -14,8 +14,8 @@ from transformers import (
     Qwen3Config,
 )
 
-from factory.core.rollout.kv_budget import kv_bytes_per_token
-from factory.core.rollout.paged.engine import PagedEngine
+from factory.core.rollout.engines.kv_budget import kv_bytes_per_token
+from factory.core.rollout.engines.paged.engine import PagedEngine
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256)

@@ -24,7 +24,7 @@ if rank == 0:
         trainer = make_trainer(spec, model)
         batch = pack([[1, 5, 6], [1, 7]] * 2, [[8, 9], [10, 2, 11]] * 2, 0,
                      {"old_logprobs": [[-1.0, -1.0], [-1.0, -1.0, -1.0]] * 2}, {"advantages": [1.0, -1.0, 0.5, -0.5]})
-        loss_fn = algorithms.make_loss(spec.algorithm, max_new_tokens=spec.rollout.max_new_tokens)
+        loss_fn = algorithms.make_loss(spec.algorithm)
         losses = [trainer.step(batch, loss_fn, 2)["loss"] for _ in range(2)]
         trainer.logprobs(batch)
         keys = []

@@ -167,7 +167,7 @@ def test_dr_grpo_max_len_defaults_to_the_generation_budget_and_is_required():
     mask = torch.ones(1, 2, dtype=torch.bool)
     b = batch_of(logp, logp, torch.tensor([1.0]), mask)
     # token sum -2 over max_new_tokens 8
-    assert make_loss(AlgorithmSpec(name="dr_grpo"), max_new_tokens=8)(logp, b)[0].item() == pytest.approx(-0.25)
+    assert make_loss(AlgorithmSpec(name="dr_grpo").for_rollout(8))(logp, b)[0].item() == pytest.approx(-0.25)
     with pytest.raises(ValueError, match="algorithm.max_len_norm"):
         make_loss(AlgorithmSpec(name="dr_grpo"))
 
@@ -215,13 +215,14 @@ def test_dapo_advantages_apply_overlong_shaping_before_normalizing():
     adv = compute_advantages(spec, torch.tensor([1.0, 1.0]), 2, lengths=torch.tensor([10, 18]))
     assert adv.tolist() == pytest.approx([0.70711, -0.70711], abs=1e-4)
     # Default DAPO buffer: a fifth of the budget (8 // 5 = 1 token), so only a length of 8 is punished.
-    assert AlgorithmSpec(name="dapo").overlong(8) == (8, 1)
-    adv = compute_advantages(AlgorithmSpec(name="dapo"), torch.tensor([1.0, 1.0]), 2, torch.tensor([7, 8]), 8)
+    assert AlgorithmSpec(name="dapo").for_rollout(8).overlong() == (8, 1)
+    dapo = AlgorithmSpec(name="dapo").for_rollout(8)
+    adv = compute_advantages(dapo, torch.tensor([1.0, 1.0]), 2, torch.tensor([7, 8]))
     assert adv[0] > 0 > adv[1]
     with pytest.raises(ValueError, match="lengths"):
         compute_advantages(spec, torch.tensor([1.0, 1.0]), 2)
     # GRPO does no shaping: lengths are ignored.
-    assert AlgorithmSpec().overlong(8) is None
+    assert AlgorithmSpec().for_rollout(8).overlong() is None
 
 
 def test_keep_informative_groups():
@@ -314,7 +315,7 @@ def test_padding_with_nan_and_inf_never_leaks(name):
     adv = torch.tensor([[1.0, 1.0, nan], [-2.0, nan, inf]])  # per-token advantages, also garbage in padding
     mask = torch.tensor([[True, True, False], [True, False, False]])
     spec = AlgorithmSpec(name=name, kl_coef=0.1)
-    loss, m = make_loss(spec, max_new_tokens=4)(logp, batch_of(logp, old, adv, mask, ref_logprobs=ref, is_weights=isw))
+    loss, m = make_loss(spec.for_rollout(4))(logp, batch_of(logp, old, adv, mask, ref_logprobs=ref, is_weights=isw))
     loss.backward()
     assert torch.isfinite(loss) and all(math.isfinite(v) for v in m.values())
     assert torch.isfinite(logp.grad).all()
@@ -328,7 +329,7 @@ def test_on_policy_gradient_direction_agrees_across_algorithms(name):
     logp = torch.log(torch.tensor([[0.5, 0.25], [0.5, 0.25]])).requires_grad_()
     mask = torch.ones(2, 2, dtype=torch.bool)
     adv = torch.tensor([1.0, -1.0])
-    loss, m = make_loss(AlgorithmSpec(name=name), max_new_tokens=2)(logp, batch_of(logp, logp.detach(), adv, mask))
+    loss, m = make_loss(AlgorithmSpec(name=name).for_rollout(2))(logp, batch_of(logp, logp.detach(), adv, mask))
     loss.backward()
     assert (logp.grad[0] < 0).all() and (logp.grad[1] > 0).all()
     assert m["clip_frac"] == 0.0
@@ -345,7 +346,8 @@ def test_algorithm_defaults_and_field_named_errors():
         "seq_mean_token_mean", "seq_mean_token_sum_norm", "token_mean"]
     with pytest.raises(SpecError, match="algorithm.scale_rewards: dr_grpo does not divide"):
         parse_spec({"algorithm": {"name": "dr_grpo", "scale_rewards": True}})
-    with pytest.raises(SpecError, match="algorithm.name: expected 'grpo', 'dr_grpo', 'dapo', 'cispo' or 'gspo'"):
+    with pytest.raises(SpecError, match="algorithm.name: unknown algorithm 'ppo'; one of grpo, dr_grpo, dapo, cispo, "
+                                        "gspo, or an import path 'package.module:attr'"):
         parse_spec({"algorithm": {"name": "ppo"}})
     with pytest.raises(SpecError, match="algorithm.overlong_buffer: must be < overlong_max_len = 8, got 8"):
         parse_spec({"algorithm": {"overlong_max_len": 8, "overlong_buffer": 8}})
@@ -410,7 +412,7 @@ def test_one_extreme_token_leaves_loss_and_gradients_finite(name, old, new, sign
     adv = torch.tensor([sign, -sign])
     mask = torch.ones(2, 3, dtype=torch.bool)
     spec = AlgorithmSpec(name=name, kl_coef=0.1)
-    loss, m = make_loss(spec, max_new_tokens=3)(logp, batch_of(logp, olds, adv, mask, ref_logprobs=ref,
+    loss, m = make_loss(spec.for_rollout(3))(logp, batch_of(logp, olds, adv, mask, ref_logprobs=ref,
                                                               is_weights=isw))
     loss.backward()
     assert torch.isfinite(loss), loss
@@ -433,7 +435,7 @@ def test_is_weights_scale_the_policy_term_only_not_the_kl(name):
     ref = torch.tensor([[-1.5, -0.1], [-0.9, -1.0]])
     mask = torch.ones(2, 2, dtype=torch.bool)
     spec = AlgorithmSpec(name=name, kl_coef=0.5)
-    fn = make_loss(spec, max_new_tokens=2)
+    fn = make_loss(spec.for_rollout(2))
     plain, _ = fn(logp, batch_of(logp, logp.detach(), torch.zeros(2), mask, ref_logprobs=ref))
     (g_plain,) = torch.autograd.grad(plain, logp)
     weighted, m = fn(logp, batch_of(logp, logp.detach(), torch.zeros(2), mask, ref_logprobs=ref,

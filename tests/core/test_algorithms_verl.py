@@ -73,7 +73,7 @@ def run_both(name: str, d: float, sign: float, dual_clip: float | None, kl_coef:
     clip = {} if dual_clip is None else {"dual_clip": dual_clip}  # the spec's default when None
     spec = AlgorithmSpec(name=name, kl_coef=kl_coef, **clip)
     ours_in = logp.clone().requires_grad_()
-    ours, _ = make_loss(spec, max_new_tokens=T)(ours_in, batch_of(ours_in, old, adv, mask, ref_logprobs=ref, **extra))
+    ours, _ = make_loss(spec.for_rollout(T))(ours_in, batch_of(ours_in, old, adv, mask, ref_logprobs=ref, **extra))
     (g_ours,) = torch.autograd.grad(ours, ours_in)
     verl_in = logp.clone().requires_grad_()
     verl = verl_loss(name, old, verl_in, adv, mask, ref, kl_coef, is_w if weighted else None, dual_clip, T)
@@ -227,7 +227,7 @@ def test_dapo_overlong_shaping_keeps_the_rewards_precision():
     spec = AlgorithmSpec(name="dapo", group_size=4)
     rewards = torch.tensor([1.0, 0.0, 1.0 / 3, 2.0 / 3], dtype=torch.float64)
     lengths = torch.tensor([4, 7, 8, 2])
-    adv = compute_advantages(spec, rewards, 4, lengths, max_new_tokens=8)
+    adv = compute_advantages(spec.for_rollout(8), rewards, 4, lengths)
     shaped = rewards + overlong_reward(lengths, 8, 1, dtype=torch.float64)  # L_max 8, L_cache max(1, 8 // 5)
     assert adv.dtype == torch.float64
     assert (adv - verl_grpo_advantages(shaped, [0, 0, 0, 0])).abs().max().item() <= 1e-12

@@ -18,9 +18,9 @@ from factory.config import parse_spec
 from factory.core.evaluate import evaluate
 from factory.core.loop import train_rl
 from factory.core.rollout.base import SamplingParams
-from factory.core.rollout.continuous import ContinuousEngine
-from factory.core.rollout.embedded import EmbeddedEngine
-from factory.core.rollout.server import launch_server
+from factory.core.rollout.engines.continuous import ContinuousEngine
+from factory.core.rollout.engines.embedded import EmbeddedEngine
+from factory.core.rollout.server.app import launch_server
 from factory.models.build import policy_positions
 from factory.models.tokenizer import build_tokenizer
 from factory.presets import PRESETS
@@ -119,8 +119,8 @@ def test_sliding_window_caps_the_engine_at_the_window():
 def test_the_run_context_stops_at_the_sliding_window():
     # the overlapped modes size prompts + completions by policy_positions, so a windowed model's run is refused
     # up front (build.check_prompt_fits) instead of failing requests mid-run
-    assert policy_positions(run_spec("async"), tiny_model("mistral", sliding_window=16)) == 16
-    assert policy_positions(run_spec("async"), tiny_model("llama")) == PRESETS["micro"].max_positions
+    assert policy_positions(run_spec("async").model, tiny_model("mistral", sliding_window=16)) == 16
+    assert policy_positions(run_spec("async").model, tiny_model("llama")) == PRESETS["micro"].max_positions
 
 
 def run_spec(mode: str, engine: str = "embedded"):

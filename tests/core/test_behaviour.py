@@ -10,7 +10,7 @@ from factory.config import parse_spec
 from factory.core.batch import pack
 from factory.core.behaviour import BehaviourScorer
 from factory.core.loop import LogprobGapError, train_rl
-from factory.core.producer import SyncProducer
+from factory.core.producers.sync import SyncProducer
 from factory.core.trainer.torch_trainer import TorchTrainer
 from factory.data.feed import make_feed
 from factory.models.build import build_model
@@ -105,7 +105,7 @@ class NoisySampler(SyncProducer):
 
 
 def _noisy(s, model, tok, from_step: int = 0):
-    producer = NoisySampler(s, model, tok, make_feed(s, PROBLEMS), 0)
+    producer = NoisySampler(s, model, tok, make_feed(s.resolved.blend, PROBLEMS), 0)
     producer.from_step = from_step
     return producer
 

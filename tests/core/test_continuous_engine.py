@@ -9,7 +9,7 @@ import torch
 
 from factory.core.batch import pack
 from factory.core.rollout.base import SamplingParams
-from factory.core.rollout.continuous import ContinuousEngine, SlotKVCache
+from factory.core.rollout.engines.continuous import ContinuousEngine, SlotKVCache
 from factory.core.trainer.torch_trainer import token_logprobs
 from tests.core.engine_cases import sharp_model
 

@@ -142,7 +142,7 @@ def compare(correction: str, name: str, stale: bool, kl_coef: float, off_policy:
     fix = correct(spec, x["trainer"], x["sampler"], mask, rows=ALL_ROWS, recompute=True)
     apply_correction(batch, fix)
     algorithm = AlgorithmSpec(name=name, kl_coef=kl_coef)
-    ours, _ = make_loss(algorithm, max_new_tokens=T, off_policy=off_policy)(ours_in, batch)
+    ours, _ = make_loss(algorithm.for_rollout(T), off_policy=off_policy)(ours_in, batch)
     (g_ours,) = torch.autograd.grad(ours, ours_in)
 
     weights, modified = verl_correction(config, x)
@@ -198,8 +198,8 @@ def test_every_correction_binds_on_the_batch():
     assert not ice[0, 3] and ice[0, 1] and not ice[2].any() and not ice[3].any() and not ice[4, 1]
     batch = batch_of(x["logp"], x["trainer"], x["adv"], x["mask"])
     for name in PPO_CLIP:  # and the dual clip, where it applies
-        off, _ = make_loss(AlgorithmSpec(name=name), max_new_tokens=T)(x["logp"], batch)
-        on, m = make_loss(AlgorithmSpec(name=name), max_new_tokens=T, off_policy=True)(x["logp"], batch)
+        off, _ = make_loss(AlgorithmSpec(name=name).for_rollout(T))(x["logp"], batch)
+        on, m = make_loss(AlgorithmSpec(name=name).for_rollout(T), off_policy=True)(x["logp"], batch)
         assert m["dual_clip_frac"].item() > 0 and abs(on.item() - off.item()) > 0.1, name
 
 
@@ -278,7 +278,7 @@ def test_dr_grpo_divides_by_the_sequences_left_where_verls_divisor_is_constant()
     fix = correct(spec, x["trainer"], x["sampler"], x["mask"], ALL_ROWS)
     batch = batch_of(x["logp"], x["trainer"], x["adv"], x["mask"])
     apply_correction(batch, fix)
-    ours, _ = make_loss(AlgorithmSpec(name="dr_grpo"), max_new_tokens=T)(x["logp"], batch)
+    ours, _ = make_loss(AlgorithmSpec(name="dr_grpo").for_rollout(T))(x["logp"], batch)
     _, modified = verl_correction(config, x)
     adv = x["adv"].unsqueeze(-1).expand(B, T)
     verl_sum = verl.verl_vanilla(x["trainer_clean"], x["logp_clean"], adv, modified, 0.2, 0.2, math.inf,

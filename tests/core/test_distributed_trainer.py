@@ -89,10 +89,29 @@ def _load_job(path: Path):
     return tok, model, [TrainBatch(**b) for b in job["batches"]]
 
 
-def _train(trainer, batches: list[TrainBatch], algo: AlgorithmSpec) -> list[dict[str, float]]:
-    loss_fn = algorithms.make_loss(algo, max_new_tokens=16)
+class _NanAt:
+    """The algorithm's loss, times NaN while the batch of index `bad` trains (`now` is set before each step)."""
+
+    def __init__(self, loss_fn, bad: int):
+        self.loss_fn, self.bad, self.now = loss_fn, bad, -1
+
+    def __call__(self, logp, batch):
+        loss, metrics = self.loss_fn(logp, batch)
+        return (loss * float("nan") if self.now == self.bad else loss), metrics
+
+
+def _train(trainer, batches: list[TrainBatch], algo: AlgorithmSpec,
+           nan_at: int | None = None) -> list[dict[str, float]]:
+    loss_fn = algorithms.make_loss(algo.for_rollout(16))
+    if nan_at is not None:
+        loss_fn = _NanAt(loss_fn, nan_at)
     shuffle = torch.Generator().manual_seed(7)
-    return [trainer.step(b, loss_fn, MINIBATCHES, generator=shuffle) for b in batches]
+    history = []
+    for i, b in enumerate(batches):
+        if nan_at is not None:
+            loss_fn.now = i
+        history.append(trainer.step(b, loss_fn, MINIBATCHES, generator=shuffle))
+    return history
 
 
 def _curve(history: list[dict[str, float]], key: str) -> torch.Tensor:
@@ -102,7 +121,7 @@ def _curve(history: list[dict[str, float]], key: str) -> torch.Tensor:
 # ---------------------------------------------------------------- the rank worker (run by torchrun)
 
 
-def _worker(job: str, out: str, strategy: str, algo_name: str, grad_accum: str) -> None:
+def _worker(job: str, out: str, strategy: str, algo_name: str, grad_accum: str, nan_on_rank1_at: str = "") -> None:
     from factory.core.trainer.distributed import init_ranks
 
     rank, world = init_ranks(threads=1, timeout_s=120)
@@ -110,7 +129,7 @@ def _worker(job: str, out: str, strategy: str, algo_name: str, grad_accum: str) 
     algo = _algorithm(algo_name)
     trainer = DistributedTrainer(model, lr=LR, aggregation=algo.aggregation(), strategy=strategy,
                                  grad_accum=int(grad_accum))
-    history = _train(trainer, batches, algo)
+    history = _train(trainer, batches, algo, int(nan_on_rank1_at) if nan_on_rank1_at and rank == 1 else None)
     lp = trainer.logprobs(batches[0])
     out_dir = Path(out)
     (out_dir / f"rank{rank}.json").write_text(json.dumps({
@@ -195,6 +214,30 @@ def test_two_fsdp_ranks_match_one_process(job, tmp_path):
     start = build_model("tiny", build_tokenizer(), seed=0)
     moved = max((v - start.state_dict()[k]).abs().max().item() for k, v in loaded.state_dict().items())
     assert moved > 100 * WEIGHT_TOL
+
+
+@pytest.mark.slow
+def test_a_nonfinite_loss_on_one_rank_skips_the_update_on_every_rank(job, tmp_path):
+    """The non-finite rule on all-reduced values: rank 1's loss alone is NaN for the second batch, and both FSDP2
+    ranks skip both its minibatches, report the same (bit for bit) and train on like one process that skipped it.
+    Cost: one 2-rank launch, 30 s measured on the shared 2-core machine (load ~10)."""
+    from transformers import AutoModelForCausalLM
+
+    run_ranks(2, __file__, [job, tmp_path, "fsdp", "grpo", 1, 1], timeout=300, env={"PYTHONPATH": str(REPO)},
+              cwd=REPO)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert json.dumps(ranks[0]["history"]) == json.dumps(ranks[1]["history"])  # NaN included
+    hist = ranks[0]["history"]
+    assert [h["nonfinite"] for h in hist] == [0.0, 1.0, 0.0, 0.0]
+    assert ranks[0]["version"] == ranks[1]["version"] == (STEPS - 1) * MINIBATCHES
+    _, model, batches = _load_job(job)
+    ref = _train(TorchTrainer(model, lr=LR), batches, _algorithm("grpo"), nan_at=1)  # one process, same skip
+    assert [h["nonfinite"] for h in ref] == [0.0, 1.0, 0.0, 0.0]
+    for step in (0, 2, 3):
+        assert abs(hist[step]["loss"] - ref[step]["loss"]) <= LOSS_TOL, step
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt").eval()
+    diffs = torch.cat([(v - model.state_dict()[k]).abs().flatten() for k, v in loaded.state_dict().items()])
+    assert diffs.max().item() <= WEIGHT_TOL
 
 
 def _check_against_one_process(tmp_path: Path, job: Path, algo_name: str, label: str) -> None:

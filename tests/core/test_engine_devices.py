@@ -18,12 +18,12 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-import factory.core.rollout.continuous as continuous_mod
-import factory.core.rollout.embedded as embedded_mod
+import factory.core.rollout.engines.continuous as continuous_mod
+import factory.core.rollout.engines.embedded as embedded_mod
 from factory.core.evaluate import evaluate
 from factory.core.rollout.base import SamplingParams
-from factory.core.rollout.continuous import ContinuousEngine
-from factory.core.rollout.embedded import EmbeddedEngine, decode_autocast
+from factory.core.rollout.engines.continuous import ContinuousEngine
+from factory.core.rollout.engines.embedded import EmbeddedEngine, decode_autocast
 from factory.infra.device import model_device
 from factory.problem import Problem
 from tests.core.engine_cases import GOLDEN, PROMPTS, all_cases, continuous_params, sharp_model

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from factory.core.rollout.sequences import load_state_dict_into
+from factory.core.rollout.engines.sequences import load_state_dict_into
 from tests.core.paged_models import paged_engine, perturbed, tiny, word_tokenizer
 
 
@@ -78,7 +78,7 @@ def test_a_withdrawn_update_is_never_applied():
 
 
 def test_handed_over_withdraws_an_update_the_engine_has_not_begun():
-    from factory.core.producer import _handed_over
+    from factory.core.producers.overlapped import _handed_over
 
     pending = Future()
     with pytest.raises(TimeoutError, match="did not apply the weight update within 0s.*withdrawn"):
@@ -93,7 +93,7 @@ def test_handed_over_withdraws_an_update_the_engine_has_not_begun():
 @pytest.mark.parametrize("mode", ["in_flight", "finish_old"])
 def test_publish_hands_the_live_tensors_over_without_a_clone(mode):
     from factory.config import parse_spec
-    from factory.core.producer import OverlappedProducer
+    from factory.core.producers.overlapped import OverlappedProducer
     from factory.data.feed import feed_of
     from factory.models.build import build_model
     from factory.models.tokenizer import build_tokenizer

@@ -26,8 +26,11 @@ from factory.core.gate import (
     gate,
 )
 from factory.core.loop import train_rl
-from factory.core.producer import OverlappedProducer, ServerProducer, SyncProducer
+from factory.core.producers.overlapped import OverlappedProducer
+from factory.core.producers.server import ServerProducer
+from factory.core.producers.sync import SyncProducer
 from factory.core.trainer.torch_trainer import TorchTrainer
+from factory.infra.device import run_device
 from factory.models.build import build_model
 from factory.models.tokenizer import tokenizer_for
 from factory.problem import Problem
@@ -66,7 +69,8 @@ def engine_tok(tok, **change):
 def run_gate(s, model, trainer_tok, producer_tok, cls=None, check=check_engine):
     producer = (cls or make_producer_cls(s))(s, model, producer_tok, _feed(s), 0)
     try:
-        return check(s, trainer_of(s, model), producer, trainer_tok, PROMPTS)
+        return check(s.rollout, trainer_of(s, model), producer, trainer_tok, PROMPTS,
+                     s.resolved.logprob_gap_bound(run_device(s.resolved).type))
     finally:
         producer.close()
 
@@ -78,7 +82,7 @@ def make_producer_cls(s):
 def _feed(s):
     from factory.data.feed import make_feed
 
-    return make_feed(s, PROBLEMS)
+    return make_feed(s.resolved.blend, PROBLEMS)
 
 
 def test_a_good_sync_setup_passes_with_the_fp32_gap_of_the_cpu(tok):

@@ -9,9 +9,9 @@ import torch
 
 from factory.config import TaskSpec, parse_spec
 from factory.core.loop import _record, hack_counts
-from factory.core.producer import make_group
+from factory.core.producers.common import make_group
 from factory.core.rollout.base import Completion
-from factory.envs import tasks
+from factory.envs import pool, tasks
 from factory.envs.reward_hacks import HACKS
 from factory.envs.workers import Episode, LocalEnvironment, make_environment
 from factory.runs.step_rows import StepLog
@@ -29,15 +29,15 @@ def add_problem():
 @pytest.fixture
 def small_pool(require_sandbox, monkeypatch):
     monkeypatch.setenv("FACTORY_SANDBOX_SIZE", "1")
-    with tasks._POOL_LOCK:
-        saved = dict(tasks._CONFIG)
-        tasks._CONFIG.clear()
+    with pool._POOL_LOCK:
+        saved = dict(pool._CONFIG)
+        pool._CONFIG.clear()
     yield
-    with tasks._POOL_LOCK:
-        if tasks._POOL is not None:
-            tasks._POOL.close()
-            tasks._POOL = None
-        tasks._CONFIG.update(saved)
+    with pool._POOL_LOCK:
+        if pool._POOL is not None:
+            pool._POOL.close()
+            pool._POOL = None
+        pool._CONFIG.update(saved)
 
 
 def step_row(scored, lake) -> dict:

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from factory.core.rollout.base import SamplingParams
-from factory.core.rollout.continuous import ContinuousEngine
-from factory.core.rollout.kv_budget import SETTING, KVBudget, kv_bytes_per_token
-from factory.core.rollout.slot_cache import SlotKVCache
+from factory.core.rollout.engines.continuous import ContinuousEngine
+from factory.core.rollout.engines.kv_budget import SETTING, KVBudget, kv_bytes_per_token
+from factory.core.rollout.engines.slot_cache import SlotKVCache
 from tests.core.engine_cases import sharp_model
 
 PROMPTS = ["1+2=" * 5, "123+456=" * 3, "99*9=", "7" * 10, "5555+5555=", "1-1=" * 4]
@@ -120,7 +120,7 @@ def test_the_default_budget_follows_the_memory_this_process_may_still_take():
     """Under an RLIMIT_DATA (what `factory serve` under a memory cap meets), the default is half the headroom left
     under it, not half the machine's."""
     code = ("import json, torch\n"
-            "from factory.core.rollout.kv_budget import default_kv_budget, host_headroom, _proc_kb\n"
+            "from factory.core.rollout.engines.kv_budget import default_kv_budget, host_headroom, _proc_kb\n"
             "print(json.dumps({'budget': default_kv_budget(torch.device('cpu')), 'headroom': host_headroom(),\n"
             "                  'data': _proc_kb('/proc/self/status')['VmData'],\n"
             "                  'available': _proc_kb('/proc/meminfo')['MemAvailable']}))\n")

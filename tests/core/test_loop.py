@@ -109,7 +109,7 @@ def test_dapo_dynamic_sampling_drops_uninformative_groups_and_still_learns(model
 
 @pytest.mark.slow
 def test_rollout_server_killed_mid_run_is_restarted_and_no_group_is_lost_or_doubled(model_and_tok):
-    from factory.core.producer import ServerProducer
+    from factory.core.producers.server import ServerProducer
     from factory.data.feed import feed_of
 
     model, tok = model_and_tok
@@ -139,7 +139,7 @@ def test_rollout_server_killed_mid_run_is_restarted_and_no_group_is_lost_or_doub
 @pytest.mark.slow
 def test_environment_worker_killed_mid_run_is_restarted_and_no_group_is_lost_or_doubled(model_and_tok):
     """Trainer, rollout server and environment workers in three processes; the environment dies mid-run."""
-    from factory.core.producer import ServerProducer
+    from factory.core.producers.server import ServerProducer
     from factory.data.feed import feed_of
 
     model, tok = model_and_tok

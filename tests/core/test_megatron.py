@@ -27,9 +27,12 @@ from factory.core.trainer.megatron_convert import (
     pipeline_stage,
     split_tensor_parallel,
 )
+from factory.core.trainer.step import guarded_step
 from factory.core.trainer.torch_trainer import TorchTrainer
 from factory.models.build import build_model
 from factory.models.tokenizer import build_tokenizer
+from factory.protocols import Trainer
+from factory.protocols.trainer import trainer_problems
 
 VOCAB = 96
 
@@ -271,7 +274,7 @@ def test_megatron_trainer_matches_torch_trainer(mg, megatron_cpu_forward, arch, 
     batch = _batch()
     mask = batch.loss_mask
     torch.testing.assert_close(trainer.logprobs(batch)[mask], reference.logprobs(batch)[mask], atol=2e-5, rtol=1e-5)
-    loss_fn = algorithms.make_loss(spec.algorithm, max_new_tokens=spec.rollout.max_new_tokens)
+    loss_fn = algorithms.make_loss(spec.algorithm)
     # Two minibatches of the same seeded shuffle: two AdamW steps each.
     got = trainer.step(batch, loss_fn, minibatches=2, generator=torch.Generator().manual_seed(5))
     want = reference.step(batch, loss_fn, minibatches=2, generator=torch.Generator().manual_seed(5))
@@ -285,16 +288,26 @@ def test_megatron_trainer_matches_torch_trainer(mg, megatron_cpu_forward, arch, 
         "model.norm.weight"])
 
 
-def test_nonfinite_minibatch_is_skipped(mg, megatron_cpu_forward):
+def test_nonfinite_minibatch_is_skipped(mg, megatron_cpu_forward, monkeypatch):
+    """Through the one non-finite rule (`trainer/step.py`'s `guarded_step`, spied on: the real one runs), decided
+    on the host; and `MegatronTrainer` is a `factory.protocols.Trainer`."""
     model = tiny("qwen2", True)
     trainer = mg.make_megatron_trainer(_spec("qwen2"), model, device="cpu")
+    assert isinstance(trainer, Trainer) and trainer_problems(trainer) == []
     before = {k: v.clone() for k, v in trainer.model.state_dict().items() if v is not None}
+    calls = []
+
+    def spy(optimizer, loss, grad_norm, *, on_device):
+        calls.append(on_device)
+        return guarded_step(optimizer, loss, grad_norm, on_device=on_device)
+
+    monkeypatch.setattr(mg, "guarded_step", spy)
 
     def nan_loss(logp, batch):
         return (logp * batch.loss_mask).sum() * float("nan"), {}
 
     metrics = trainer.step(_batch(), nan_loss)
-    assert metrics["nonfinite"] == 1.0 and trainer.version == 0
+    assert metrics["nonfinite"] == 1.0 and trainer.version == 0 and calls == [False]
     after = trainer.model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
 
@@ -399,7 +412,7 @@ def _tensor_parallel_worker(out: str) -> None:
     loaded = trainer.hf_state_dict()
     batch = _batch()
     before = trainer.logprobs(batch)
-    metrics = trainer.step(batch, algorithms.make_loss(spec.algorithm, max_new_tokens=spec.rollout.max_new_tokens))
+    metrics = trainer.step(batch, algorithms.make_loss(spec.algorithm))
     after = trainer.logprobs(batch)
     trained = trainer.hf_state_dict()
     if dist.get_rank() == 0:
@@ -443,7 +456,7 @@ def test_tensor_parallel_2_on_two_ranks_matches_torch_trainer(tmp_path):
     batch = _batch()
     mask = batch.loss_mask
     torch.testing.assert_close(got["before"][mask], reference.logprobs(batch)[mask], atol=2e-5, rtol=1e-5)
-    want = reference.step(batch, algorithms.make_loss(spec.algorithm, max_new_tokens=spec.rollout.max_new_tokens))
+    want = reference.step(batch, algorithms.make_loss(spec.algorithm))
     for key in ("loss", "grad_norm", "entropy"):
         assert got["metrics"][key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
     torch.testing.assert_close(got["after"][mask], reference.logprobs(batch)[mask], atol=2e-4, rtol=1e-4)

@@ -1,4 +1,4 @@
-"""The paged attention kernel (`factory/core/rollout/paged/attention.py`) without a GPU: its cases
+"""The paged attention kernel (`factory/core/rollout/engines/paged/attention.py`) without a GPU: its cases
 (`paged_attention_cases.py`: equal to SDPA over the gathered pages in fp32 to 1e-5 and in bf16 within its rounding,
 shared and forked pages, ragged lengths, NaN past every row's length never read, the runner's own tests on it) run
 in Triton's interpreter in a child pytest; the kernel compiles to a cubin for the H200 (sm_90) with triton's own
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from factory.core.rollout.paged import attention
-from factory.core.rollout.paged.pages import PageStore
-from factory.core.rollout.paged.runner import PagedRunner
+from factory.core.rollout.engines.paged import attention
+from factory.core.rollout.engines.paged.pages import PageStore
+from factory.core.rollout.engines.paged.runner import PagedRunner
 from tests.core.paged_models import PAGE, tiny
 
 ROOT = Path(__file__).resolve().parents[2]

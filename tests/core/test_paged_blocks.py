@@ -1,4 +1,4 @@
-"""The paged KV block manager (`factory/core/rollout/paged/blocks.py`): no page leaked or shared wrongly after
+"""The paged KV block manager (`factory/core/rollout/engines/paged/blocks.py`): no page leaked or shared wrongly after
 random admissions, forks, appends and frees; admission waits for pages and keeps every admitted sequence able to
 finish; a request that can never fit is refused naming the setting."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from factory.core.rollout.kv_budget import SETTING, KVBudget
-from factory.core.rollout.paged.blocks import BlockManager
+from factory.core.rollout.engines.kv_budget import SETTING, KVBudget
+from factory.core.rollout.engines.paged.blocks import BlockManager
 from tests.core.paged_machine import MACHINE_SETTINGS, PER_TOKEN, BlockMachine
 
 TestBlockMachine = BlockMachine.TestCase

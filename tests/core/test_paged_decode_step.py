@@ -1,4 +1,4 @@
-"""The paged engine's decode step (`factory/core/rollout/paged/decode_step.py`) and the overlap of step t+1 with
+"""The paged engine's decode step (`factory/core/rollout/engines/paged/decode_step.py`) and the overlap of step t+1 with
 reading step t (`engine.py`): the same completions with and without overlap, capture readiness on the CPU (one
 `fullgraph` graph per bucket, never a recompile, no host sync inside a step), and in-place weight updates seen by
 the compiled step."""
@@ -11,7 +11,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from factory.core.rollout.base import SamplingParams
-from factory.core.rollout.paged.decode_step import RowInput, encode, top_columns
+from factory.core.rollout.engines.paged.decode_step import RowInput, encode, top_columns
 from tests.core.host_sync import NoHostCopy, NoHostSync
 from tests.core.paged_models import EOS, generate, paged_engine, perturbed, prompts, tiny, until_eos, word_tokenizer
 

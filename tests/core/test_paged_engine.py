@@ -13,11 +13,11 @@ from transformers import AutoModelForCausalLM, GPT2Config, PreTrainedTokenizerFa
 
 from factory.core.batch import pack
 from factory.core.rollout.base import SamplingParams
-from factory.core.rollout.continuous import ContinuousEngine
-from factory.core.rollout.kv_budget import mib
-from factory.core.rollout.paged import sampling
-from factory.core.rollout.paged.engine import PagedEngine, make_engine
-from factory.core.rollout.sequences import mix_seed
+from factory.core.rollout.engines.continuous import ContinuousEngine
+from factory.core.rollout.engines.kv_budget import mib
+from factory.core.rollout.engines.paged import sampling
+from factory.core.rollout.engines.paged.engine import PagedEngine, make_engine
+from factory.core.rollout.engines.sequences import mix_seed
 from factory.core.trainer.torch_trainer import token_logprobs
 from tests.core.paged_models import (
     EOS,
@@ -116,10 +116,10 @@ def test_make_engine_falls_back_with_a_log_line(tok, caplog):
     assert isinstance(make_engine(tiny("llama"), tok, page_size=PAGE, kv_budget=1 << 20), PagedEngine)
     torch.manual_seed(0)
     gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=128))
-    with caplog.at_level(logging.INFO, logger="factory.core.rollout.paged.engine"):
+    with caplog.at_level(logging.INFO, logger="factory.core.rollout.engines.paged.engine"):
         eng = make_engine(gpt2, tok, page_size=PAGE, kv_budget=1 << 20)
     assert isinstance(eng, ContinuousEngine)
-    lines = [r.getMessage() for r in caplog.records if r.name == "factory.core.rollout.paged.engine"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "factory.core.rollout.engines.paged.engine"]
     assert len(lines) == 1 and "model_type 'gpt2'" in lines[0]
 
 

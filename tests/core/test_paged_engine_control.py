@@ -9,7 +9,7 @@ import torch
 from transformers import PreTrainedTokenizerFast
 
 from factory.core.rollout.base import SamplingParams
-from factory.core.rollout.continuous import ContinuousEngine
+from factory.core.rollout.engines.continuous import ContinuousEngine
 from tests.core.paged_models import PAGE, generate, paged_engine, perturbed, prompts, tiny, word_tokenizer
 
 GREEDY = SamplingParams(greedy=True, max_new_tokens=12, ignore_eos=True)

@@ -1,5 +1,5 @@
-"""The paged KV page store (`factory/core/rollout/paged/pages.py`): K/V written through slot mappings gather back
-exactly (torch.equal), shared prompt pages included; one sequence's writes never change another's; padded rows
+"""The paged KV page store (`factory/core/rollout/engines/paged/pages.py`): K/V written through slot mappings gather
+back exactly (torch.equal), shared prompt pages included; one sequence's writes never change another's; padded rows
 write only the scratch page; block tables keep their storage while they change."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
 from transformers import Qwen2Config
 
-from factory.core.rollout.kv_budget import KVBudget, kv_bytes_per_token
-from factory.core.rollout.paged.blocks import BlockManager
-from factory.core.rollout.paged.pages import BlockTables, PageStore
+from factory.core.rollout.engines.kv_budget import KVBudget, kv_bytes_per_token
+from factory.core.rollout.engines.paged.blocks import BlockManager
+from factory.core.rollout.engines.paged.pages import BlockTables, PageStore
 from tests.core.paged_machine import MACHINE_SETTINGS, BlockMachine
 
 LAYERS, HEADS, DIM = 2, 2, 3

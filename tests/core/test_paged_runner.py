@@ -8,10 +8,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config
 
-from factory.core.rollout.kv_budget import KVBudget, kv_bytes_per_token
-from factory.core.rollout.paged.blocks import BlockManager
-from factory.core.rollout.paged.pages import BlockTables, PageStore
-from factory.core.rollout.paged.runner import PagedRunner, supports
+from factory.core.rollout.engines.kv_budget import KVBudget, kv_bytes_per_token
+from factory.core.rollout.engines.paged.blocks import BlockManager
+from factory.core.rollout.engines.paged.pages import BlockTables, PageStore
+from factory.core.rollout.engines.paged.runner import PagedRunner, supports
 from tests.core.paged_models import ATOL, CONFIGS, PAGE, generate, hf_logits, prompts, tiny
 
 

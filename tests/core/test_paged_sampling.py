@@ -1,4 +1,4 @@
-"""The paged engine's on-device sampler (`factory/core/rollout/paged/sampling.py`): its distributions, batch
+"""The paged engine's on-device sampler (`factory/core/rollout/engines/paged/sampling.py`): its distributions, batch
 invariance, logprobs against the trainer's, determinism of the counter-based noise, no host sync, and one
 `fullgraph` graph with no recompile over 50 steps."""
 
@@ -10,7 +10,15 @@ import torch
 from scipy.stats import chi2
 from torch._dynamo.utils import counters
 
-from factory.core.rollout.paged.sampling import Knobs, _inverse_cdf, knobs, noise_bits, row_uniform, sample, uniforms
+from factory.core.rollout.engines.paged.sampling import (
+    Knobs,
+    _inverse_cdf,
+    knobs,
+    noise_bits,
+    row_uniform,
+    sample,
+    uniforms,
+)
 from factory.core.trainer.logprobs import logprobs_from_logits
 from tests.core.host_sync import NoHostCopy, NoHostSync
 

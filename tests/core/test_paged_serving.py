@@ -1,5 +1,5 @@
-"""The paged engine's weights in the serving dtype (factory/core/rollout/paged/serving.py): bf16 only for bf16 on
-CUDA; a bf16 model runs on the CPU's bf16 as transformers does; fp32 updates land in bf16 parameters in place; a
+"""The paged engine's weights in the serving dtype (factory/core/rollout/engines/paged/serving.py): bf16 only for bf16
+on CUDA; a bf16 model runs on the CPU's bf16 as transformers does; fp32 updates land in bf16 parameters in place; a
 model shared with a trainer is never cast, its serving copy follows it."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import torch
 from transformers import PreTrainedTokenizerFast
 
 from factory.core.rollout.base import SamplingParams
-from factory.core.rollout.paged import engine as engine_module
-from factory.core.rollout.paged.engine import PagedEngine
-from factory.core.rollout.paged.serving import cast_parameters, copy_weights, serving_copy, serving_dtype
+from factory.core.rollout.engines.paged import engine as engine_module
+from factory.core.rollout.engines.paged.engine import PagedEngine
+from factory.core.rollout.engines.paged.serving import cast_parameters, copy_weights, serving_copy, serving_dtype
 from tests.core.paged_models import paged_engine, prompts, tiny, word_tokenizer
 
 BF16 = torch.bfloat16

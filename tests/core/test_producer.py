@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from factory.config import parse_spec
-from factory.core.producer import _prompt_ids, scorer
+from factory.core.producers.common import _prompt_ids, scorer
 from factory.infra.device import run_device
 from factory.models.tokenizer import tokenizer_for
 from factory.problem import Problem
@@ -48,14 +48,14 @@ def test_the_context_is_the_specs_else_a_path_models_own_else_the_presets():  # 
     from factory.models.build import policy_positions
 
     model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=128))
-    assert policy_positions(parse_spec({}), model) == 64  # the tiny preset's, whatever the model object says
-    assert policy_positions(parse_spec({"model": {"max_positions": 48}}), model) == 48
-    assert policy_positions(parse_spec({"model": {"path": "/some/dir"}}), model) == 128
+    assert policy_positions(parse_spec({}).model, model) == 64  # the tiny preset's, whatever the model object says
+    assert policy_positions(parse_spec({"model": {"max_positions": 48}}).model, model) == 48
+    assert policy_positions(parse_spec({"model": {"path": "/some/dir"}}).model, model) == 128
 
 
 def test_the_rollout_server_process_runs_on_the_runs_device_in_its_precision():
     from factory.cli.parser import build_parser
-    from factory.core.producer import server_argv
+    from factory.core.producers.server import server_argv
 
     spec = parse_spec({"device": "cpu", "rollout": {"engine": "server"}})
     argv = server_argv(spec, Path("/ckpt"), rows=64, version=3)
@@ -63,13 +63,13 @@ def test_the_rollout_server_process_runs_on_the_runs_device_in_its_precision():
     assert (args.device, args.precision, args.checkpoint, args.max_batch, args.weight_version) == \
         ("cpu", "fp32", "/ckpt", 64, 3)
     auto = server_argv(parse_spec({"trainer": {"precision": "bf16"}}), Path("/ckpt"), rows=8, version=0)
-    assert auto[auto.index("--device") + 1] == str(run_device(parse_spec({})))  # auto resolved once, by the run
+    assert auto[auto.index("--device") + 1] == str(run_device(parse_spec({}).resolved))  # auto: the run resolves it
     assert auto[auto.index("--precision") + 1] == "bf16"
 
 
 def test_the_specs_kv_budget_reaches_the_rollout_server_and_the_in_process_engine():
     from factory.cli.parser import build_parser
-    from factory.core.producer import server_argv
+    from factory.core.producers.server import server_argv
 
     spec = parse_spec({"rollout": {"engine": "server", "kv_budget_mb": 96}})
     args = build_parser().parse_args([a.replace("{port}", "0") for a in server_argv(spec, Path("/c"), 8, 0)[3:]])
@@ -82,8 +82,8 @@ def test_the_specs_kv_budget_reaches_the_rollout_server_and_the_in_process_engin
 def test_the_overlapped_producer_rolls_out_on_the_paged_engine_and_takes_published_weights():
     import torch
 
-    from factory.core.producer import OverlappedProducer
-    from factory.core.rollout.paged.engine import PagedEngine
+    from factory.core.producers.overlapped import OverlappedProducer
+    from factory.core.rollout.engines.paged.engine import PagedEngine
     from factory.data.feed import feed_of
     from factory.models.build import build_model
     from factory.models.tokenizer import build_tokenizer
@@ -115,7 +115,7 @@ def test_the_overlapped_producer_rolls_out_on_the_paged_engine_and_takes_publish
 
 def test_weight_transport_auto_is_shared_on_cuda_and_codec_on_the_cpu_or_with_lora():
     from factory.config import SpecError
-    from factory.core.producer import weight_transport
+    from factory.core.producers.server import weight_transport
 
     assert weight_transport(parse_spec({"device": "cpu", "rollout": {"engine": "server"}})) == "codec"
     assert weight_transport(parse_spec({"device": "cpu", "rollout": {"engine": "server",
@@ -141,7 +141,7 @@ def test_the_server_producer_hands_versions_through_the_shared_buffer_and_a_rest
     import httpx
     import torch
 
-    from factory.core.producer import ServerProducer
+    from factory.core.producers.server import ServerProducer
     from factory.core.weights.shared import SharedWeightsReader
     from factory.data.feed import feed_of
     from factory.models.build import build_model

@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 import random
 
-from factory.core.rollout.api_models import MAX_PROMPTS
-from factory.core.rollout.body_gate import (
+from factory.core.rollout.server.api_models import MAX_PROMPTS
+from factory.core.rollout.server.body_gate import (
     MAX_OTHER_VALUES,
     MAX_STRINGS,
     body_problem,

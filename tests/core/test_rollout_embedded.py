@@ -4,7 +4,7 @@ import torch
 
 from factory.core.batch import pack
 from factory.core.rollout.base import SamplingParams
-from factory.core.rollout.embedded import EmbeddedEngine
+from factory.core.rollout.engines.embedded import EmbeddedEngine
 from factory.core.trainer.torch_trainer import token_logprobs
 from factory.models.build import build_model
 from factory.models.tokenizer import build_tokenizer

@@ -1,4 +1,4 @@
-"""Token bytes and the tokens that join up to a returned text (`factory/core/rollout/logprobs.py`)."""
+"""Token bytes and the tokens that join up to a returned text (`factory/core/rollout/server/logprobs.py`)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from factory.core.rollout.logprobs import TokenBytes, token_pieces
+from factory.core.rollout.server.logprobs import TokenBytes, token_pieces
 from factory.models.bpe import build_bpe_tokenizer
 from factory.models.tokenizer import tokenizer_for
 

@@ -1,4 +1,4 @@
-"""`rollout.round_weights` (core/rollout/rounding.py): the in-process engine samples from the trainer's weights
+"""`rollout.round_weights` (core/rollout/engines/rounding.py): the in-process engine samples from the trainer's weights
 rounded to bf16/fp16, refreshed at every publish, with and without LoRA; the trainer's weights stay as they are,
 and the sampler's log-probs then differ from the trainer's by a measured amount."""
 
@@ -10,7 +10,7 @@ import torch
 from factory.config import SpecError, parse_spec
 from factory.core.algorithms import masked_mean
 from factory.core.batch import pack
-from factory.core.rollout.rounding import round_dtype, rounded
+from factory.core.rollout.engines.rounding import round_dtype, rounded
 from factory.core.trainer.logprobs import token_logprobs
 from factory.data.feed import feed_of
 from factory.models import lora
@@ -30,7 +30,8 @@ def _spec(mode: str, round_weights: str | None, lora_r: int | None = None):
 
 
 def _producer(spec, model, tok):
-    from factory.core.producer import OverlappedProducer, SyncProducer
+    from factory.core.producers.overlapped import OverlappedProducer
+    from factory.core.producers.sync import SyncProducer
 
     cls = SyncProducer if spec.schedule.mode == "sync" else OverlappedProducer
     return cls(spec, model, tok, feed_of(PROBLEMS, 0), 0)

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from factory.core.rollout.base import SamplingParams
-from factory.core.rollout.engine_control import EngineControl
-from factory.core.rollout.paged.engine import make_engine as build_engine
-from factory.core.rollout.server import launch_server
+from factory.core.rollout.engines.engine_control import EngineControl
+from factory.core.rollout.engines.paged.engine import make_engine as build_engine
+from factory.core.rollout.server.app import launch_server
 from factory.models.build import build_model
 from factory.models.checkpoint import save_checkpoint
 from factory.models.tokenizer import build_tokenizer

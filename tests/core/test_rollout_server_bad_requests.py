@@ -8,8 +8,8 @@ import sys
 import httpx
 import pytest
 
-from factory.core.rollout.continuous import ContinuousEngine
-from factory.core.rollout.server import launch_server
+from factory.core.rollout.engines.continuous import ContinuousEngine
+from factory.core.rollout.server.app import launch_server
 from factory.infra.supervisor import ServiceProcess
 from factory.models.build import build_model
 from factory.models.tokenizer import build_tokenizer

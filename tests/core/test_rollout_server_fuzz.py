@@ -6,8 +6,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from factory.core.rollout.continuous import ContinuousEngine
-from factory.core.rollout.server import launch_server
+from factory.core.rollout.engines.continuous import ContinuousEngine
+from factory.core.rollout.server.app import launch_server
 from factory.models.build import build_model
 from factory.models.tokenizer import build_tokenizer
 from tests.schema_fuzz import fuzz_service, schemathesis

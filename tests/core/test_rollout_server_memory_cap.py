@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from factory.core.rollout.kv_budget import _proc_kb
+from factory.core.rollout.engines.kv_budget import _proc_kb
 from factory.infra.supervisor import ServiceProcess
 from factory.models.checkpoint import save_checkpoint
 from factory.models.tokenizer import build_tokenizer

@@ -14,8 +14,8 @@ import openai
 import pytest
 import torch
 
-from factory.core.rollout.continuous import ContinuousEngine
-from factory.core.rollout.server import launch_server
+from factory.core.rollout.engines.continuous import ContinuousEngine
+from factory.core.rollout.server.app import launch_server
 from factory.models.build import build_model
 from factory.models.tokenizer import build_tokenizer
 

@@ -10,8 +10,8 @@ import httpx
 import pytest
 import torch
 
-from factory.core.rollout.paged.engine import make_engine
-from factory.core.rollout.server import launch_server
+from factory.core.rollout.engines.paged.engine import make_engine
+from factory.core.rollout.server.app import launch_server
 from factory.core.weights.shared import SharedWeightsWriter
 from factory.models.build import build_model
 from factory.models.tokenizer import build_tokenizer

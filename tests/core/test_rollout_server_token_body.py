@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
-from factory.core.rollout.api_models import MAX_PROMPTS
-from factory.core.rollout.body_gate import MAX_OTHER_VALUES, max_values
+from factory.core.rollout.server.api_models import MAX_PROMPTS
+from factory.core.rollout.server.body_gate import MAX_OTHER_VALUES, max_values
 from factory.infra.http_guard import MAX_JSON_BYTES
 
 CONTEXT = 512  # the `served` fixture's context length (tests/core/conftest.py)

@@ -13,9 +13,9 @@ from openai.types import Completion as OpenAICompletion
 from openai.types.chat import ChatCompletion
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from factory.core.rollout.continuous import ContinuousEngine
-from factory.core.rollout.server import launch_server
-from factory.core.rollout.tools import CALL_CLOSE
+from factory.core.rollout.engines.continuous import ContinuousEngine
+from factory.core.rollout.server.app import launch_server
+from factory.core.rollout.server.tools import CALL_CLOSE
 from tests.core.qwen_template import CLOCK, WEATHER, load_qwen_tokenizer
 
 QUESTION = [{"role": "user", "content": "What is the weather in Paris? Café, 中文, 🙂"}]

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from factory.core.rollout.api_models import APIError
-from factory.core.rollout.chat import ChatTemplate, _message_text, parse_tool_calls
-from factory.core.rollout.tools import (
+from factory.core.rollout.server.api_models import APIError
+from factory.core.rollout.server.chat import ChatTemplate, _message_text, parse_tool_calls
+from factory.core.rollout.server.tools import (
     CALL_CLOSE,
     NAME_PREFILL,
     check_response_format,
@@ -157,7 +157,7 @@ def test_auto_calls_to_undeclared_functions_stay_text():
 def test_smollm2s_chatml_template_gets_the_tools_block_and_its_tokens_have_distinct_bytes(smollm2_dir):
     from transformers import AutoTokenizer
 
-    from factory.core.rollout.logprobs import TokenBytes
+    from factory.core.rollout.server.logprobs import TokenBytes
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     template = ChatTemplate(tok)

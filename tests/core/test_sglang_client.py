@@ -23,7 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from factory.core.rollout.base import RolloutEngine, SamplingParams
-from factory.core.rollout.sglang import SGLangEngine, SGLangError, SGLangTimeout
+from factory.core.sglang.client import SGLangEngine, SGLangError, SGLangTimeout
 from tests.ports import refusing_port
 
 EOS = 2

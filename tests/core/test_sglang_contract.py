@@ -20,11 +20,11 @@ import torch
 
 from factory.config import SGLangSpec, parse_spec
 from factory.core.rollout.base import SamplingParams
-from factory.core.rollout.sglang import MIN_SGLANG_VERSION, SGLangEngine, SGLangError, _release
-from factory.core.rollout.sglang_router import SGLangRouter
-from factory.core.rollout.sglang_servers import SGLangServers
-from factory.core.rollout.sglang_weights import DistributedUpdate, TensorUpdate, _UUIDPickler, cuda_ipc_reduction
-from factory.core.sglang_producer import make_sglang_engine, make_updater
+from factory.core.sglang.client import MIN_SGLANG_VERSION, SGLangEngine, SGLangError, _release
+from factory.core.sglang.producer import make_sglang_engine, make_updater
+from factory.core.sglang.router import SGLangRouter
+from factory.core.sglang.servers import SGLangServers
+from factory.core.sglang.weights import DistributedUpdate, TensorUpdate, _UUIDPickler, cuda_ipc_reduction
 from tests.core.fake_sglang_server import fake_state, python_wrapper, reserve_ports
 
 # What a Qwen-like generation_config.json makes SGLang's `--sampling-defaults model` fill in.
@@ -198,7 +198,7 @@ def _gpu_spec(devices, servers: int = 1, tp: int = 1):
 
 def test_nccl_staging_on_a_servers_gpu_falls_back_to_tensors(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    with caplog.at_level(logging.WARNING, logger="factory.core.sglang_producer"):
+    with caplog.at_level(logging.WARNING, logger="factory.core.sglang.producer"):
         shared = make_updater(_gpu_spec([0]), tmp_path, None, staging="cuda:0")
     assert isinstance(shared, TensorUpdate) and shared.dtype == "bfloat16"
     assert "NCCL refuses two ranks on one GPU" in caplog.text and "cuda:0" in caplog.text

@@ -11,8 +11,9 @@ import torch
 from factory.config import parse_spec
 from factory.core.loop import make_producer, train_rl
 from factory.core.rollout.base import SamplingParams
-from factory.core.rollout.sglang_servers import SGLangServers
-from factory.core.sglang_producer import SGLangProducer, make_sglang_engine
+from factory.core.sglang.producer import SGLangProducer, make_sglang_engine
+from factory.core.sglang.servers import SGLangServers
+from factory.infra.device import run_device
 from factory.models.build import build_model
 from factory.models.checkpoint import save_checkpoint
 from factory.models.tokenizer import build_tokenizer
@@ -114,7 +115,8 @@ def test_the_step_0_gate_probes_sglang_servers_through_the_producer(tmp_path, mo
     s = spec(tmp_path, "tensor")
     producer = make_producer(s, model, tok, PROBLEMS, start_version=0)
     try:
-        res = check_engine(s, TorchTrainer(model, lr=0.0), producer, tok, [p.prompt for p in PROBLEMS])
+        res = check_engine(s.rollout, TorchTrainer(model, lr=0.0), producer, tok, [p.prompt for p in PROBLEMS],
+                           s.resolved.logprob_gap_bound(run_device(s.resolved).type))
     finally:
         producer.close()
     assert res.engine == "SGLangProducer" and res.bound == 0.1

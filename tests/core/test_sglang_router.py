@@ -9,10 +9,10 @@ import torch
 
 from factory.config import SGLangSpec
 from factory.core.rollout.base import SamplingParams
-from factory.core.rollout.sglang import SGLangError
-from factory.core.rollout.sglang_router import SGLangRouter, SGLangVersionMismatch, prefix_key
-from factory.core.rollout.sglang_servers import SGLangServers
-from factory.core.rollout.sglang_weights import (
+from factory.core.sglang.client import SGLangError
+from factory.core.sglang.router import SGLangRouter, SGLangVersionMismatch, prefix_key
+from factory.core.sglang.servers import SGLangServers
+from factory.core.sglang.weights import (
     DiskUpdate,
     DistributedUpdate,
     TensorUpdate,

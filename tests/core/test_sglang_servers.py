@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from factory.config import SGLangSpec
-from factory.core.rollout.sglang_servers import (
+from factory.core.sglang.servers import (
     SGLangServerError,
     SGLangServers,
     launch_command,

@@ -7,8 +7,8 @@ import openai
 import pytest
 
 from factory.config import SFTSpec
-from factory.core.rollout.continuous import ContinuousEngine
-from factory.core.rollout.server import launch_server, parse_tool_calls
+from factory.core.rollout.engines.continuous import ContinuousEngine
+from factory.core.rollout.server.app import launch_server, parse_tool_calls
 from factory.core.sft import run_sft
 from factory.envs.protocol import tokens_from_session
 from factory.models.build import build_model
@@ -79,7 +79,7 @@ def test_tool_calls_reach_the_openai_client_and_the_session_keeps_exact_tokens(t
 def test_the_python_tool_environment_runs_calls_in_the_sandbox(tool_caller, require_sandbox):
     import asyncio
 
-    from factory.envs import tasks
+    from factory.envs import pool, tasks
     from factory.envs.protocol import run_episodes
     from factory.envs.registry import load_environment
 
@@ -92,7 +92,7 @@ def test_the_python_tool_environment_runs_calls_in_the_sandbox(tool_caller, requ
         executions = tasks.sandbox_pool().metrics()["executions"]
     finally:
         tasks.sandbox_pool().close()
-        tasks._POOL = None
+        pool._POOL = None
     # the model only learned to call: after the tool's output its (greedy) reply is no call and no answer
     assert result.info["tool_calls"] == 1 and result.reward == 0.0, result
     assert executions == before + 1  # the call ran in the pool

@@ -79,7 +79,7 @@ def test_bf16_at_world_size_1_stays_in_process_and_trains_under_autocast(model):
     before = [p.detach().clone() for p in model.parameters()]
     logp = trainer.logprobs(batch)
     assert logp.dtype == torch.float32 and logp.device.type == "cpu"
-    loss_fn = algorithms.make_loss(_spec().algorithm, max_new_tokens=3)
+    loss_fn = algorithms.make_loss(_spec().algorithm)
     metrics = trainer.step(batch, loss_fn)
     assert seen == [(True, torch.bfloat16)] * 2  # logprobs, then the training forward
     assert metrics["nonfinite"] == 0.0 and trainer.version == 1
@@ -90,7 +90,7 @@ def test_bf16_at_world_size_1_stays_in_process_and_trains_under_autocast(model):
 def test_bf16_loss_is_fp32s_up_to_bf16_rounding(model):
     """The same step in fp32 and bf16 (same weights, same batch): losses agree to bf16 precision, and differ (the
     autocast really applied)."""
-    loss_fn = algorithms.make_loss(_spec().algorithm, max_new_tokens=3)
+    loss_fn = algorithms.make_loss(_spec().algorithm)
     fp32 = TorchTrainer(model, lr=0.01).step(_batch(), loss_fn)
     again = build_model("micro", build_tokenizer(), seed=0)
     bf16 = TorchTrainer(again, lr=0.01, precision="bf16").step(_batch(), loss_fn)
@@ -112,7 +112,7 @@ def test_one_process_computes_where_the_model_is_and_moves_nothing(model, cuda_m
     trainer = make_trainer(_spec(**layout), model)
     assert isinstance(trainer, DistributedTrainer if "grad_accum" in layout else TorchTrainer)
     assert cuda_moves == [] and trainer.device == torch.device("cpu")
-    loss_fn = algorithms.make_loss(_spec().algorithm, max_new_tokens=3)
+    loss_fn = algorithms.make_loss(_spec().algorithm)
     assert trainer.step(_batch(), loss_fn)["nonfinite"] == 0.0
 
 

@@ -9,7 +9,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from factory.config import LoraSpec
-from factory.core.rollout.update_decoder import UpdateDecoder
+from factory.core.rollout.server.update_decoder import UpdateDecoder
 from factory.core.weights import WeightVersionMismatch, encode_delta, encode_full
 from factory.models import lora
 
@@ -64,8 +64,8 @@ def test_full_weight_updates_decode_as_before():
 def test_the_rollout_server_takes_adapters_over_http_and_samples_the_merged_policy():
     import httpx
 
-    from factory.core.rollout.continuous import ContinuousEngine
-    from factory.core.rollout.server import launch_server
+    from factory.core.rollout.engines.continuous import ContinuousEngine
+    from factory.core.rollout.server.app import launch_server
     from factory.models.build import build_model
     from factory.models.tokenizer import build_tokenizer
 

@@ -66,7 +66,7 @@ import json, sys
 from tests.data.test_feed import spec, play, FakeGroup
 from factory.data.feed import make_feed
 args = json.loads(sys.argv[1])
-feed = make_feed(spec(args["curriculum"]))
+feed = make_feed(spec(args["curriculum"]).resolved.blend)
 feed.load_state_dict(json.loads(open(args["state"]).read()))
 pending = [feed.draw(args["step"] - 1) for _ in args["pending"]]  # served again first, in order
 assert [k for k, _ in pending] == args["pending"], ([k for k, _ in pending], args["pending"])
@@ -81,10 +81,10 @@ print(json.dumps({"log": log, "in_flight": [k for k, _ in rest], "metrics": feed
 def test_a_resume_in_a_fresh_process_trains_the_prompts_of_an_uninterrupted_run(tmp_path, name):
     steps, cut = 40, 17
     straight: list = []
-    rest_straight = play(make_feed(spec(CURRICULA[name])), range(steps), [], straight)
+    rest_straight = play(make_feed(spec(CURRICULA[name]).resolved.blend), range(steps), [], straight)
 
     before: list = []
-    feed = make_feed(spec(CURRICULA[name]))
+    feed = make_feed(spec(CURRICULA[name]).resolved.blend)
     in_flight = play(feed, range(cut), [], before)
     state = feed.state_dict()
     assert state["pending"] == [k for k, _ in in_flight]  # groups in flight at the checkpoint
@@ -108,7 +108,7 @@ def test_a_resume_in_a_fresh_process_trains_the_prompts_of_an_uninterrupted_run(
 
 
 def make_metrics(name: str, steps: int) -> dict:
-    feed = make_feed(spec(CURRICULA[name]))
+    feed = make_feed(spec(CURRICULA[name]).resolved.blend)
     play(feed, range(steps), [], [])
     return feed.metrics()
 
@@ -120,8 +120,8 @@ def teaches(problem) -> bool:
 @pytest.mark.slow
 def test_an_online_curriculum_spends_rollouts_on_prompts_that_still_teach():
     never_retry = {**CURRICULA["online"], "retry_after": 0}
-    feeds = {"none": make_feed(spec({})), "online": make_feed(spec(never_retry)),
-             "priority": make_feed(spec(CURRICULA["priority"]))}
+    feeds = {"none": make_feed(spec({}).resolved.blend), "online": make_feed(spec(never_retry).resolved.blend),
+             "priority": make_feed(spec(CURRICULA["priority"]).resolved.blend)}
     share = {}
     for n, feed in feeds.items():
         log: list = []
@@ -145,7 +145,7 @@ def test_an_online_curriculum_spends_rollouts_on_prompts_that_still_teach():
 
 
 def test_a_level_curriculum_moves_the_blend_weights():
-    feed = make_feed(spec(CURRICULA["level"]))
+    feed = make_feed(spec(CURRICULA["level"]).resolved.blend)
     assert feed.blender.weights() == {"easy": 1.0, "mid": 0.0, "hard": 0.0}
     log: list = []
     play(feed, range(30), [], log)
@@ -155,8 +155,8 @@ def test_a_level_curriculum_moves_the_blend_weights():
 
 
 def test_a_feed_state_from_another_curriculum_is_refused():
-    feed = make_feed(spec(CURRICULA["online"]))
+    feed = make_feed(spec(CURRICULA["online"]).resolved.blend)
     play(feed, range(3), [], [])
     state = feed.state_dict()
     with pytest.raises(ValueError, match="curriculum"):
-        make_feed(spec(CURRICULA["none"])).load_state_dict(state)
+        make_feed(spec(CURRICULA["none"]).resolved.blend).load_state_dict(state)

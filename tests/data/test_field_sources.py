@@ -51,14 +51,14 @@ def test_held_out_sets_follow_the_training_rows_and_share_no_problem_with_them()
     spec = parse_spec({"task": {"name": "word_problems", "n_train": 40, "n_eval": 8},
                        "data": {"sources": [{**RG, "config": {"min_terms": 2, "max_terms": 2, "max_digits": 1}},
                                             {"name": "he", "kind": "humaneval", "size": 160}], "held_out": 10}})
-    train = {s.name: all_rows(s) for s in open_sources(spec)}
-    held = held_out_sets(spec)
+    train = {s.name: all_rows(s) for s in open_sources(spec.resolved.blend)}
+    held = held_out_sets(spec.data)
     # one-digit sums of two terms: few distinct questions, so later entries repeat training ones and are skipped
     assert len(held["rg"]) == 10
     assert not {p.prompt for p in held["rg"]} & {p.prompt for p in train["rg"]}
     assert len({p.prompt for p in held["rg"]}) == 10
     assert [p.id for p in held["he"]] == [f"HumanEval/{i}" for i in range(160, 164)]  # as many as are left
-    assert [p.id for p in humaneval_benchmark(spec)] == [f"HumanEval/{i}" for i in range(160, 164)]
+    assert [p.id for p in humaneval_benchmark(spec.data)] == [f"HumanEval/{i}" for i in range(160, 164)]
 
 
 def test_bad_specs_are_source_errors_naming_the_source_and_field():
@@ -96,11 +96,11 @@ WRONG = {"arithmetic": lambda p: "0", "reasoning_gym": lambda p: "<answer>-99999
 def test_a_blend_of_every_kind_is_drawn_and_scored_by_the_runs_scorer(tmp_path, require_sandbox, monkeypatch):
     """The feed the producers draw from serves rows of all four sources; the environment's scorer (the one the
     env workers run) gives each source's correct completion 1 and its wrong one 0."""
-    from factory.envs import tasks
+    from factory.envs import pool
 
     monkeypatch.setenv("FACTORY_SANDBOX_SIZE", "1")
     spec = parse_spec({"task": {"name": "word_problems", "n_train": 40, "n_eval": 8}, "data": blend(tmp_path)})
-    feed = make_feed(spec)
+    feed = make_feed(spec.resolved.blend)
     drawn = [feed.draw(0)[1] for _ in range(24)]
     by_source = {}
     for p in drawn:
@@ -112,10 +112,10 @@ def test_a_blend_of_every_kind_is_drawn_and_scored_by_the_runs_scorer(tmp_path, 
             rewards, reasons = score_completions(verifier, p.to_dict(), [CORRECT[verifier](p), WRONG[verifier](p)])
             assert rewards == [1.0, 0.0], (name, reasons)
     finally:
-        with tasks._POOL_LOCK:
-            if tasks._POOL is not None:
-                tasks._POOL.close()
-                tasks._POOL = None
+        with pool._POOL_LOCK:
+            if pool._POOL is not None:
+                pool._POOL.close()
+                pool._POOL = None
 
 
 @pytest.mark.slow

@@ -5,7 +5,7 @@ through the async core. Skipped where bubblewrap cannot run, unless FACTORY_REQU
 import pytest
 
 from factory.config import TaskSpec, parse_spec
-from factory.envs import tasks
+from factory.envs import pool, tasks
 from factory.envs.tasks import code_reward, make_task_splits
 from factory.envs.tools import calculator, calculator_program, run_tool
 
@@ -13,9 +13,9 @@ from factory.envs.tools import calculator, calculator_program, run_tool
 @pytest.fixture(autouse=True, scope="module")
 def _sandbox(require_sandbox):
     yield
-    if tasks._POOL is not None:
-        tasks._POOL.close()
-        tasks._POOL = None
+    if pool._POOL is not None:
+        pool._POOL.close()
+        pool._POOL = None
 
 
 def test_calculator_runs_in_the_sandbox():
@@ -69,7 +69,7 @@ def test_a_tool_use_run_trains_through_the_async_core():
     tool; the tool's reply is in the episode's tokens but never in the loss."""
     from factory.config import SFTSpec
     from factory.core.loop import train_rl
-    from factory.core.producer import ServerProducer
+    from factory.core.producers.server import ServerProducer
     from factory.core.sft import run_sft
     from factory.data.feed import feed_of
     from factory.envs.arithmetic import make_splits

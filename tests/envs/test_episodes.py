@@ -53,6 +53,39 @@ def test_loading_by_name_and_import_path():
         load_environment("tests.envs.test_episodes:missing")
 
 
+def test_environments_resolve_through_the_registry():
+    from factory.envs.registry import BUILTINS, ENVIRONMENTS
+
+    assert BUILTINS == ("arithmetic", "calculator_tool", "python_tool")
+    ENVIRONMENTS.register("shout", lambda prompt, completion, **meta: completion.isupper())
+    try:
+        env = load_environment("shout")
+        assert env.kind == "single_turn" and env.name == "shout"
+        assert score_guarded(env, "say hi", "HI").reward == 1.0
+        assert load_environment("tests.envs.test_episodes:TwoTurnEnv") is load_environment(
+            "tests.envs.test_episodes:TwoTurnEnv")  # resolved once
+    finally:
+        ENVIRONMENTS.unregister("shout")
+    with pytest.raises(ValueError, match=r"^unknown environment 'shout': one of arithmetic, calculator_tool, "
+                                         r"python_tool, or an import path"):
+        load_environment("shout")
+    with pytest.raises(ValueError, match=r"environment 'math:pi' is neither a reward function, an async "
+                                         r"run_episode, nor a reset/step class \(got float\)"):
+        load_environment("math:pi")
+
+
+def test_a_plugins_environment_resolves_by_its_entry_point(tmp_path, monkeypatch):
+    import sys
+
+    dist = tmp_path / "env_plugin-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: env-plugin\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[factory.environments]\ntwo_turns = tests.envs.test_episodes:TwoTurnEnv\n")
+    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
+    env = load_environment("two_turns")
+    assert env.kind == "multi_turn" and isinstance(env.run_episode, GymAdapter)
+
+
 def test_a_raising_or_slow_environment_scores_zero_with_the_reason():
     env = load_environment("arithmetic")
     assert score_guarded(env, "1+1=", "2", answer="2").reward == 1.0
@@ -104,7 +137,7 @@ PROBLEMS = [Problem(id=f"p{i}", prompt=f"{i}+{i}=", answer="", op="add", digits=
 @pytest.mark.parametrize("medium", ["in_process", "service"])
 def test_multi_turn_episodes_train_through_the_async_core(medium):
     from factory.core.loop import train_rl
-    from factory.core.producer import ServerProducer
+    from factory.core.producers.server import ServerProducer
     from factory.data.feed import feed_of
     from factory.models.build import build_model
     from factory.models.tokenizer import build_tokenizer

@@ -110,7 +110,7 @@ def test_the_nonce_is_not_in_the_code_or_the_files_and_only_its_exact_line_count
 
 
 def test_tasks_verify_routes_humaneval_rows_to_the_sandbox_pool(require_sandbox, monkeypatch):
-    from factory.envs import tasks
+    from factory.envs import pool
 
     monkeypatch.setenv("FACTORY_SANDBOX_SIZE", "1")
     p = problem("HumanEval/2")
@@ -118,7 +118,7 @@ def test_tasks_verify_routes_humaneval_rows_to_the_sandbox_pool(require_sandbox,
         assert verify(p.answer, p) == 1.0
         assert verify("    return number\n", p) == 0.0
     finally:
-        with tasks._POOL_LOCK:
-            if tasks._POOL is not None:
-                tasks._POOL.close()
-                tasks._POOL = None
+        with pool._POOL_LOCK:
+            if pool._POOL is not None:
+                pool._POOL.close()
+                pool._POOL = None

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from factory.core.rollout.continuous import ContinuousEngine
-from factory.core.rollout.server import launch_server
+from factory.core.rollout.engines.continuous import ContinuousEngine
+from factory.core.rollout.server.app import launch_server
 from factory.envs import protocol
 from factory.envs.protocol import EpisodeResult, RewardResult, checked_reward
 from factory.envs.service import SCORERS, score_completions

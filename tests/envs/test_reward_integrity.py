@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from factory.config import TaskSpec
-from factory.envs import tasks
+from factory.envs import pool, tasks
 from factory.envs.tasks import make_task_splits, verify
 
 ALWAYS_EQUAL = """    class Anything:
@@ -28,10 +28,10 @@ def _pool(require_sandbox):
     mp.setenv("FACTORY_SANDBOX_SIZE", "1")
     yield
     mp.undo()
-    with tasks._POOL_LOCK:
-        if tasks._POOL is not None:
-            tasks._POOL.close()
-            tasks._POOL = None
+    with pool._POOL_LOCK:
+        if pool._POOL is not None:
+            pool._POOL.close()
+            pool._POOL = None
 
 
 @pytest.mark.parametrize("forged", [
@@ -55,7 +55,11 @@ def test_honest_completions_keep_their_scores():
 def test_verify_keeps_every_shipped_verifiers_reward_in_zero_one(monkeypatch, raw, bounded):
     """A verifier bug (here: the word-problem verifier returning `raw`) never leaves [0, 1] through `verify`."""
     from factory.problem import Problem
+    from factory.protocols.task import VERIFIERS, RewardVerifier
 
-    monkeypatch.setattr(tasks, "word_problem_reward", lambda completion, problem: raw)
-    p = Problem(id="w", prompt="1+1?", answer="2", op="word", digits=0, meta={})
-    assert verify("2", p) == bounded and tasks.verify_detail("2", p) == (bounded, frozenset())
+    VERIFIERS.register("word", RewardVerifier(lambda completion, problem: raw), replace=True)
+    try:
+        p = Problem(id="w", prompt="1+1?", answer="2", op="word", digits=0, meta={})
+        assert verify("2", p) == bounded and tasks.verify_detail("2", p) == (bounded, frozenset())
+    finally:
+        VERIFIERS.unregister("word")

@@ -123,18 +123,18 @@ def test_the_client_raises_value_error_with_the_message(remote):
 
 def test_code_rewards_use_the_pool_service_when_configured(remote, monkeypatch):
     from factory.config import TaskSpec
-    from factory.envs import tasks
+    from factory.envs import pool, tasks
 
     client = remote
     monkeypatch.setenv("FACTORY_SANDBOX_URL", client.url)
-    monkeypatch.setattr(tasks, "_POOL", None)
+    monkeypatch.setattr(pool, "_POOL", None)
     splits = tasks.make_task_splits(TaskSpec(name="code", n_train=16, n_eval=8), 0)
     p = next(x for x in splits.train + splits.eval if x.id.endswith("-square"))
     before = client.metrics()["executions"]
     assert tasks.code_reward(p.answer, p) == 1.0 and tasks.code_reward("    return x\n", p) == pytest.approx(1 / 3)
     assert client.metrics()["executions"] == before + 2  # both ran in the service's pool
     assert isinstance(tasks.sandbox_pool(), type(client))
-    monkeypatch.setattr(tasks, "_POOL", None)
+    monkeypatch.setattr(pool, "_POOL", None)
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ import pytest
 
 from factory.config import apply_overrides, load_spec
 from factory.infra import gpus as gpus_mod
-from factory.infra.gpus import Gpus, check_gpus, count_gpus, cuda_reasons
+from factory.infra.gpus import Gpus, check_gpus, count_gpus
 
 QUICKSTART = str(Path(__file__).parents[2] / "examples" / "quickstart.yaml")
 
@@ -76,7 +76,7 @@ def test_cuda_visible_devices_without_a_driver_is_none(tmp_path, monkeypatch):
 
 
 def test_the_quickstart_and_cpu_layouts_need_no_gpu():
-    assert cuda_reasons(spec_with()) == []
+    assert spec_with().resolved.cuda_asked == ()
     for spec in (spec_with(), spec_with(**{"trainer.world_size": 2}), spec_with(**{"device": "cpu",
                                                                                    "trainer.world_size": 4})):
         check_gpus(spec, Gpus(0, "test"))  # device auto on a CPU machine: gloo ranks, valid

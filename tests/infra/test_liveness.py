@@ -11,7 +11,7 @@ import torch
 
 from factory.config import SFTSpec, TaskSpec
 from factory.core.evaluate import evaluate
-from factory.core.rollout.embedded import EmbeddedEngine
+from factory.core.rollout.engines.embedded import EmbeddedEngine
 from factory.core.sft import run_sft
 from factory.envs.tasks import make_task_splits
 from factory.infra import liveness

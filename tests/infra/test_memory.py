@@ -37,7 +37,7 @@ def spec(**overrides):
 
 def test_the_quickstart_fits_in_a_gibibyte():
     s = load_spec(QUICKSTART)
-    need = step_need(s, model_dims(s))
+    need = step_need(s, model_dims(s.model))
     # 256 samples x 9 tokens x 37 bytes; 16 bytes x the tiny preset's 851,968 projection weights; 128 samples x 9
     # tokens x 128 x 4 layers x 4 bytes of activations
     assert (need.batch, need.state, need.activations) == (256 * 9 * 37, 16 * 851_968, 128 * 9 * 128 * 4 * 4)
@@ -69,7 +69,7 @@ def test_a_model_too_big_for_the_gpu_names_the_model_and_lora_or_ranks_fit(tmp_p
                                                    "num_attention_heads": 32, "num_key_value_heads": 8,
                                                    "intermediate_size": 14336, "vocab_size": 32000}))
     s = spec(model__path=str(model), rollout__max_new_tokens=8)
-    dims = model_dims(s)
+    dims = model_dims(s.model)
     assert dims is not None and dims.params == decoder_params(4096, 32, 32, 8, 14336) == 6_979_321_856
     problem = memory_problem(s, host=gib(512), gpu=gib(80), on_gpu=True)
     assert problem is not None and problem.startswith("model.path: one step needs at least ")
@@ -82,7 +82,7 @@ def test_a_model_too_big_for_the_gpu_names_the_model_and_lora_or_ranks_fit(tmp_p
 
 def test_an_unreadable_model_counts_the_batch_only(tmp_path):
     s = spec(model__path=str(tmp_path / "model.gguf"), rollout__max_new_tokens=8)
-    assert model_dims(s) is None
+    assert model_dims(s.model) is None
     need = step_need(s, None)
     assert need.state == need.activations == 0 and need.batch == 256 * 9 * 37
 

@@ -31,8 +31,8 @@ def test_both_engines_decode_on_the_installed_transformers_without_a_deprecation
     import torch
 
     from factory.core.rollout.base import SamplingParams
-    from factory.core.rollout.continuous import ContinuousEngine
-    from factory.core.rollout.embedded import EmbeddedEngine
+    from factory.core.rollout.engines.continuous import ContinuousEngine
+    from factory.core.rollout.engines.embedded import EmbeddedEngine
     from factory.models.build import build_model
     from factory.models.tokenizer import build_tokenizer
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from transformers import AutoTokenizer
 
-from factory.core.rollout.chat import ChatTemplate
+from factory.core.rollout.server.chat import ChatTemplate
 from factory.models.bpe import IM_END
 from factory.models.prompting import answer_ids, prompt_ids, uses_chat_template
 from factory.models.tokenizer import build_tokenizer
@@ -42,7 +42,7 @@ def test_the_rollout_server_serves_a_path_model_with_its_template(bpe_model_dir)
     same ids training used for the same prompt."""
     import openai
 
-    from factory.core.rollout.server import engine_from_checkpoint, launch_server
+    from factory.core.rollout.server.app import engine_from_checkpoint, launch_server
 
     engine = engine_from_checkpoint(bpe_model_dir, max_batch=4)
     tok = engine.tokenizer

@@ -17,7 +17,7 @@ from factory.cli import main
 from factory.config import SFTSpec, apply_overrides, load_spec
 from factory.core.evaluate import evaluate
 from factory.core.loop import make_producer
-from factory.core.rollout.embedded import EmbeddedEngine
+from factory.core.rollout.engines.embedded import EmbeddedEngine
 from factory.core.sft import run_sft
 from factory.data.feed import feed_of
 from factory.home import FactoryPaths
@@ -80,8 +80,8 @@ def test_smollm2_loads_through_model_path(smol, smollm2_dir):
 def test_every_path_feeds_smollm2_its_chat_template(smol):
     """Evals, sync rollouts, the rollout server's chat rendering and SFT give the model, for the same task prompt,
     exactly the ids of `apply_chat_template([user], add_generation_prompt=True)` (SFT: followed by the answer)."""
-    from factory.core.rollout.continuous import ContinuousEngine
-    from factory.core.rollout.server import RolloutServer
+    from factory.core.rollout.engines.continuous import ContinuousEngine
+    from factory.core.rollout.server.app import RolloutServer
 
     model, tok = smol
     want = chat_ids(tok, PROBLEM.prompt)
@@ -107,8 +107,8 @@ def test_every_path_feeds_smollm2_its_chat_template(smol):
 
 def test_the_rollout_server_chat_endpoint_on_smollm2(smol):
     """`factory serve` on SmolLM2: the chat endpoint feeds the model its template's ids for a user message."""
-    from factory.core.rollout.continuous import ContinuousEngine
-    from factory.core.rollout.server import launch_server
+    from factory.core.rollout.engines.continuous import ContinuousEngine
+    from factory.core.rollout.server.app import launch_server
 
     model, tok = smol
     with launch_server(ContinuousEngine(model, tok, max_batch=2)) as handle:

@@ -27,8 +27,9 @@ and the loss are taken in float32 (`token_logprobs` upcasts the logits). Tested 
 autocast in one process; bf16 on 2 CPU ranks (both strategies) was measured once (loss within 1e-3 of fp32);
 bf16 on GPUs (nccl) has not been run.
 
-A minibatch whose loss or gradient norm is non-finite is skipped on every rank alike: the decision is taken from
-all-reduced values (the loss sum and a non-finite-gradient count) that every rank holds bit for bit.
+A minibatch whose loss or gradient norm is non-finite is skipped on every rank alike: the non-finite rule
+(`trainer/step.py`'s `guarded_step`) is applied to all-reduced values (the loss sum and the ranks' gradient norms
+summed) that every rank holds bit for bit.
 A rank whose shard of a minibatch is empty (fewer rows than world_size * grad_accum) still runs its forward and
 backward, on the minibatch's first row at weight 0, since FSDP and DDP need every rank in every collective.
 
@@ -64,7 +65,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 
 from factory.core.batch import TrainBatch
 from factory.core.trainer.packing import Packer
-from factory.core.trainer.step import Metric, float64, make_adamw, step_unless
+from factory.core.trainer.step import Metric, float64, guarded_step, make_adamw
 from factory.core.trainer.torch_trainer import LossFn, batch_to, over_minibatches, toggle_on, token_logprobs
 from factory.infra.device import host_copy, model_device
 from factory.infra.liveness import pulse_from_layers
@@ -161,7 +162,7 @@ class DistributedTrainer:
         self._autocast = bf16 and self.strategy != "fsdp"
         self._net: torch.nn.Module = model  # what the training forward goes through
         if self.strategy == "fsdp":
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # heavy (~3 s): fsdp only
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: PLC0415 heavy (~3 s): fsdp only
 
             # Rank 0's weights everywhere (DDP does this itself): followers need only the architecture, and a
             # leader that loaded a resume point or an SFT start passes it on.
@@ -284,23 +285,13 @@ class DistributedTrainer:
         if hasattr(grad_norm, "full_tensor"):  # FSDP2: a replicated DTensor
             grad_norm = grad_norm.full_tensor()
         keys = sorted(metric_sums)
-        vec = torch.stack([loss_sum, entropy_sum, (~torch.isfinite(grad_norm.detach())).double(),
-                           *[metric_sums[k] for k in keys]])
+        # The gradient norms summed over ranks: non-finite exactly when one rank's is (a norm is >= 0 or NaN/inf).
+        vec = torch.stack([loss_sum, entropy_sum, grad_norm.detach().double(), *[metric_sums[k] for k in keys]])
         if self.world_size > 1:
             dist.all_reduce(vec)
-        applied: bool | Tensor
-        if self.fused:  # every rank holds the same reduced values, so every rank's device skips alike
-            bad = (~torch.isfinite(vec[0]) | (vec[2] != 0)).to(torch.float32)
-            step_unless(self.optimizer, bad)
-            self.optimizer.zero_grad(set_to_none=True)
-            applied = 1.0 - bad
-        else:
-            vec = vec.cpu()
-            applied = bool(torch.isfinite(vec[0])) and float(vec[2]) == 0.0
-            if applied:
-                self.optimizer.step()
-            else:
-                self.optimizer.zero_grad(set_to_none=True)
+        # The non-finite rule (trainer/step.py) on the reduced values, which every rank holds bit for bit: every
+        # rank skips alike (fused: on the device; else one host read per minibatch).
+        applied = guarded_step(self.optimizer, vec[0], vec[2], on_device=self.fused)
         # The loss fn's metrics are token means (clip_frac, kl, ...): weighted by tokens they are the minibatch's
         # (a per-sequence one, GSPO's seq_ratio_mean, comes out token-weighted). Read on the host by the caller.
         out: dict[str, Metric] = {k: vec[3 + j] for j, k in enumerate(keys)}
@@ -312,7 +303,7 @@ class DistributedTrainer:
     def full_state_dict(self) -> dict[str, Tensor]:
         """The full, unsharded state on CPU on rank 0 ({} on the others). A collective under fsdp."""
         if self.strategy == "fsdp":
-            from torch.distributed.checkpoint.state_dict import (  # heavy: loads fsdp; fsdp only
+            from torch.distributed.checkpoint.state_dict import (  # noqa: PLC0415 heavy: loads fsdp (~3 s); fsdp only
                 StateDictOptions,
                 get_model_state_dict,
             )
@@ -327,7 +318,7 @@ class DistributedTrainer:
         (unsharded, CPU) state keyed by parameter name under fsdp (a collective; {} on ranks other than 0)."""
         if self.strategy != "fsdp":
             return self.optimizer.state_dict()
-        from torch.distributed.checkpoint.state_dict import (  # heavy: loads fsdp
+        from torch.distributed.checkpoint.state_dict import (  # noqa: PLC0415 heavy: loads fsdp (~3 s); fsdp only
             StateDictOptions,
             get_optimizer_state_dict,
         )
@@ -340,7 +331,7 @@ class DistributedTrainer:
         if self.strategy != "fsdp":
             self.optimizer.load_state_dict(state)
             return
-        from torch.distributed.checkpoint.state_dict import (  # heavy: loads fsdp
+        from torch.distributed.checkpoint.state_dict import (  # noqa: PLC0415 heavy: loads fsdp (~3 s); fsdp only
             StateDictOptions,
             set_optimizer_state_dict,
         )

@@ -51,6 +51,7 @@ from factory.core.trainer.megatron_convert import (
     rope_theta,
     split_tensor_parallel,
 )
+from factory.core.trainer.step import guarded_step
 from factory.core.trainer.torch_trainer import LossFn, over_minibatches
 
 if TYPE_CHECKING:
@@ -272,11 +273,7 @@ class MegatronTrainer:
         loss.backward()
         self._average_over_data_parallel()
         grad_norm = _clip_grads(list(self.model.parameters()), self.grad_clip)
-        applied = bool(torch.isfinite(loss.detach()).all() and torch.isfinite(grad_norm))
-        if applied:
-            self.optimizer.step()
-        else:
-            self.optimizer.zero_grad(set_to_none=True)
+        applied = guarded_step(self.optimizer, loss, grad_norm, on_device=False)  # the non-finite rule (step.py)
         assert entropy is not None
         ent = (entropy * mb.loss_mask).sum() / mb.loss_mask.sum().clamp(min=1)
         return {**metrics, "loss": loss.item(), "grad_norm": float(grad_norm), "entropy": ent.item()}, applied
@@ -302,6 +299,15 @@ def _to(batch: TrainBatch, device: torch.device) -> TrainBatch:
     return TrainBatch(batch.input_ids.to(device), batch.attention_mask.to(device), batch.loss_mask.to(device),
                       {k: v.to(device) for k, v in batch.per_token.items()},
                       {k: v.to(device) for k, v in batch.per_seq.items()})
+
+
+def megatron_backend(spec: ExperimentSpec, hf_model: PreTrainedModel) -> MegatronTrainer:
+    """The `megatron` trainer backend (`factory.protocols.TRAINERS`): the loop drives it from one process."""
+    if spec.trainer.world_size > 1:
+        raise ValueError(f"trainer.world_size: the loop drives Megatron from one process (tensor_parallel = "
+                         f"pipeline_parallel = 1); {spec.trainer.world_size} ranks would each need to run the loop's "
+                         f"calls")
+    return make_megatron_trainer(spec, hf_model)
 
 
 def make_megatron_trainer(spec: ExperimentSpec, hf_model: PreTrainedModel,

@@ -4,7 +4,7 @@ The loop runs unchanged on rank 0 (generation, rewards, the buffer, publication,
 `LeaderTrainer`, whose `step` / `logprobs` first broadcast the call (the batch, the minibatch count, the shuffle
 generator's state) to the followers and then run the same `DistributedTrainer` collective on rank 0's shard. The
 other ranks run `follow(spec, model)`: they receive each call and apply it with the loss function rebuilt from the
-spec (`algorithms.make_loss(spec.algorithm, max_new_tokens=spec.rollout.max_new_tokens)`, the loop's own), until the
+spec (`algorithms.make_loss(spec.algorithm)`, the loop's own), until the
 leader's `leading()` block ends and sends `stop`.
 
 Weights: every rank starts from rank 0's (broadcast when the trainer is built), so a follower's model only needs the
@@ -13,6 +13,9 @@ points and the final checkpoint work as in one process: under `ddp` it is the re
 ranks train sharded copies and after every step the leader gathers the full weights into it (the followers join
 that all-gather). A resume point's optimizer state is `optimizer.state_dict()` under ddp and the full, gathered
 state keyed by parameter name under fsdp (a collective too), loaded back on every rank.
+
+`make_trainer` builds the loop's trainer through `factory.protocols.TRAINERS`; `torch_backend`, the `torch` entry,
+is the choice above (one process, or rank 0 leading ranks).
 
 Entry point: `python -m torch.distributed.run --nproc-per-node N -m factory.core.trainer.ranks --spec S.yaml
 --leader module:function` (or `launch.run_ranks`): rank 0 calls `function(spec)` inside `leading()`, the others
@@ -41,8 +44,7 @@ from factory.core.trainer.logprobs import enable_activation_checkpointing
 from factory.core.trainer.torch_trainer import LossFn, TorchTrainer
 from factory.infra.faults import fault_point
 from factory.models.build import policy_for
-
-Trainer = TorchTrainer | DistributedTrainer  # | LeaderTrainer (the same interface)
+from factory.protocols.trainer import TRAINERS, Trainer, trainer_problems
 
 
 class LeaderFailed(RuntimeError):
@@ -73,20 +75,23 @@ def distributed_trainer(spec: ExperimentSpec, model: PreTrainedModel) -> Distrib
                               fused_optimizer=t.fused_optimizer)
 
 
-def make_trainer(spec: ExperimentSpec, model: PreTrainedModel):
-    """The loop's trainer for `spec.trainer`: the plain `TorchTrainer` at world_size 1 without accumulation (fp32, the
-    default path, or bf16 autocast), on the device the run placed `model` on; a lone `DistributedTrainer` at
-    world_size 1 with grad_accum (on that device too); on rank 0 of a torchrun group of world_size ranks, a
-    `LeaderTrainer` (the others must run `follow`); with backend megatron, a `MegatronTrainer` (one process; CUDA
-    only, `trainer/megatron.py`)."""
-    t = spec.trainer
-    if t.backend == "megatron":
-        if t.world_size > 1:
-            raise ValueError(f"trainer.world_size: the loop drives Megatron from one process (tensor_parallel = "
-                             f"pipeline_parallel = 1); {t.world_size} ranks would each need to run the loop's calls")
-        from factory.core.trainer.megatron import make_megatron_trainer  # the optional extra: imported when used
+def make_trainer(spec: ExperimentSpec, model: PreTrainedModel) -> Trainer:
+    """The loop's trainer: the backend `trainer.backend` names in `TRAINERS` (built-in torch or megatron, a plugin's
+    entry point, one registered in this process, or an import path) builds it around `model`."""
+    name = spec.trainer.backend
+    trainer = TRAINERS.get(name)(spec, model)
+    if problems := trainer_problems(trainer):
+        raise TypeError(f"trainer.backend {name!r}: the builder returned a {type(trainer).__name__}, not a "
+                        f"factory.protocols.Trainer: {'; '.join(problems)}")
+    return trainer
 
-        return make_megatron_trainer(spec, model)
+
+def torch_backend(spec: ExperimentSpec, model: PreTrainedModel) -> Trainer:
+    """The `torch` backend: the plain `TorchTrainer` at world_size 1 without accumulation (fp32, the default path,
+    or bf16 autocast), on the device the run placed `model` on; a lone `DistributedTrainer` at world_size 1 with
+    grad_accum (on that device too); on rank 0 of a torchrun group of world_size ranks, a `LeaderTrainer` (the
+    others must run `follow`)."""
+    t = spec.trainer
     if t.world_size == 1:
         if t.grad_accum == 1:
             if t.activation_checkpointing:
@@ -128,7 +133,7 @@ class _Optimizer:
 
 
 class LeaderTrainer:
-    """Rank 0's trainer: the `TorchTrainer` interface; each call is sent to the followers before it runs."""
+    """Rank 0's trainer (a `factory.protocols.Trainer`); each call is sent to the followers before it runs."""
 
     def __init__(self, inner: DistributedTrainer, replica: PreTrainedModel | None = None):
         self.inner = inner
@@ -169,7 +174,7 @@ class LeaderTrainer:
 def follow(spec: ExperimentSpec, model: PreTrainedModel) -> int:
     """A follower rank's loop: apply the leader's calls until it says stop; returns the steps applied."""
     trainer = distributed_trainer(spec, model)
-    loss_fn = make_loss(spec.algorithm, max_new_tokens=spec.rollout.max_new_tokens)
+    loss_fn = make_loss(spec.algorithm)
     steps = 0
     while True:
         op, payload = _receive()

@@ -1,5 +1,11 @@
-"""The optimizer step without host syncs: AdamW (fused or not), a non-finite update skipped on the device, and
-metrics read back to the host once per trainer step.
+"""The optimizer step without host syncs: AdamW (fused or not), the non-finite rule (`guarded_step`, which every
+trainer backend applies), and metrics read back to the host once per trainer step.
+
+The rule: a minibatch whose loss or gradient norm is NaN/inf is not applied. Its gradients are dropped and the
+optimizer is not stepped, so the parameters and the optimizer state stay exactly as they were (one bad batch would
+otherwise poison AdamW's moments for good); the trainer reports the share skipped as `nonfinite` and the loop
+decides when too many in a row stop a run. `guarded_step` is that rule, for the torch trainer, the data-parallel
+one (on values all-reduced first, so every rank decides alike) and Megatron's.
 
 A trainer step used to read the device several times per minibatch (`loss.item()`, `float(grad_norm)`, the
 `bool(isfinite(...))` that decides whether to step): each read stalls the host until the device has caught up, so
@@ -51,6 +57,26 @@ def nonfinite(loss: Tensor, grad_norm: Tensor) -> Tensor:
     (the dtype the fused kernels read `found_inf` in)."""
     bad = ~torch.isfinite(loss.detach()).all() | ~torch.isfinite(grad_norm.detach().to(loss.device))
     return bad.to(torch.float32)
+
+
+def guarded_step(optimizer: torch.optim.Optimizer, loss: Tensor, grad_norm: Tensor, *,
+                 on_device: bool) -> bool | Tensor:
+    """Step `optimizer` unless `loss` or `grad_norm` is non-finite (the rule above); returns whether the update was
+    applied: a bool, or with `on_device` a float32 0-dim device tensor (1.0 applied, 0.0 skipped).
+
+    `on_device` (fused AdamW only): the decision stays on the device (`step_unless`), no host sync, and the
+    gradients are dropped either way. Otherwise it is read on the host (one sync) and a skipped minibatch's
+    gradients are dropped. Data-parallel ranks pass values all-reduced over the group, so they all decide alike."""
+    bad = nonfinite(loss, grad_norm)
+    if on_device:
+        step_unless(optimizer, bad)
+        optimizer.zero_grad(set_to_none=True)
+        return 1.0 - bad
+    if bool(bad):
+        optimizer.zero_grad(set_to_none=True)
+        return False
+    optimizer.step()
+    return True
 
 
 def step_unless(optimizer: torch.optim.Optimizer, found_inf: Tensor) -> None:

@@ -9,10 +9,8 @@ arrive as CPU tensors and are moved to that device per minibatch; `logprobs` com
 "bf16" runs the forward under bf16 autocast over the float32 master weights (`factory.infra.device.autocast`);
 the log-softmax and the loss are taken in float32.
 
-A minibatch whose loss or gradient norm is NaN/inf is not applied: its gradients are dropped and the
-optimizer is not stepped, so the parameters and the AdamW state stay exactly as they were (one bad batch
-would otherwise poison the moments for good). `step` reports the share of such minibatches as `nonfinite`;
-the loop decides when too many in a row stop a run.
+A minibatch whose loss or gradient norm is NaN/inf is not applied (the non-finite rule, `trainer/step.py`'s
+`guarded_step`, shared by every trainer): `step` reports the share of such minibatches as `nonfinite`.
 
 Host syncs. With `trainer.fused_optimizer` on (auto: on CUDA) AdamW runs fused and that skip is decided on the
 device (`trainer/step.py`), so a step reads the device once, after its last optimizer step: the metrics, the
@@ -36,7 +34,7 @@ from factory.core.batch import TrainBatch
 from factory.core.trainer.compiled import CompiledLayers
 from factory.core.trainer.logprobs import token_logprobs as chunked_token_logprobs
 from factory.core.trainer.packing import Packer, PackPlan
-from factory.core.trainer.step import Metric, host_floats, make_adamw, nonfinite, step_unless
+from factory.core.trainer.step import Metric, guarded_step, host_floats, make_adamw
 from factory.infra.device import autocast, model_device
 from factory.infra.liveness import pulse_from_layers
 
@@ -197,18 +195,8 @@ class TorchTrainer:
         loss.backward()
         # The total norm before clipping: NaN/inf if any gradient element is (clipping cannot repair it).
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-        applied: bool | Tensor
-        if self.fused:  # decided on the device: the fused kernels skip (and un-count) the step on found_inf 1.0
-            bad = nonfinite(loss, grad_norm)
-            step_unless(self.optimizer, bad)
-            self.optimizer.zero_grad(set_to_none=True)  # a skipped minibatch's gradients are dropped either way
-            applied = 1.0 - bad
-        else:
-            applied = bool(torch.isfinite(loss.detach()).all() and torch.isfinite(grad_norm))
-            if applied:
-                self.optimizer.step()
-            else:
-                self.optimizer.zero_grad(set_to_none=True)
+        # The non-finite rule (trainer/step.py); fused: decided on the device, the kernels skip on found_inf 1.0
+        applied = guarded_step(self.optimizer, loss, grad_norm, on_device=self.fused)
         mask = mb.loss_mask
         ent = (entropy * mask).sum() / mask.sum().clamp(min=1)
         return {**metrics, "loss": loss.detach(), "grad_norm": grad_norm.detach(), "entropy": ent}, applied

@@ -34,7 +34,7 @@ def logprob_gap_check(paths: FactoryPaths, spec_path: str | Path | None = None) 
     with torch.random.fork_rng(devices=list(range(torch.cuda.device_count()))), \
             torch_threads(spec.trainer.threads or torch.get_num_threads()):
         model, tok = policy_for(spec, paths, log=lambda _: None)
-        device = run_device(spec)
+        device = run_device(spec.resolved)
         prepare(device)
         model.to(device)
         t = spec.trainer
@@ -43,7 +43,8 @@ def logprob_gap_check(paths: FactoryPaths, spec_path: str | Path | None = None) 
         train = make_task_splits(spec.task, spec.seed).train
         producer = make_producer(spec, model, tok, train, start_version=0)
         try:
-            res = check_engine(spec, trainer, producer, tok, [p.prompt for p in train])
+            res = check_engine(spec.rollout, trainer, producer, tok, [p.prompt for p in train],
+                               spec.resolved.logprob_gap_bound(device.type))
         finally:
             producer.close()
     expected = f"<= {res.bound:g} mean |engine - trainer log-prob|; the trainer's prompt ids and eos"

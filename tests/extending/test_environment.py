@@ -1,0 +1,89 @@
+"""docs/extending.md's worked example "Adding an environment": a toy task family (tests/extending/toy_environment.py,
+outside factory/) named in the spec by import path, by an in-process registration and by a plugin's entry point,
+validated by the spec, and trained for a few steps of the micro model, whose recorded rewards are its verifier's."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from factory.config import SpecError, parse_spec
+from factory.core.loop import train_rl
+from factory.envs.tasks import make_task_splits, verify
+from factory.models.build import policy_for
+from factory.protocols import TASK_FAMILIES
+from tests.extending import toy_environment
+
+IMPORT_PATH = "tests.extending.toy_environment:FAMILY"
+
+
+@pytest.fixture(autouse=True)
+def _forget_the_toy():
+    """Naming the family by import path registers it under its name, 'copy', in this process: forget it."""
+    yield
+    TASK_FAMILIES.unregister("copy")
+
+
+def spec(name: str, steps: int = 3):
+    return parse_spec({"seed": 0, "model": {"preset": "micro"}, "task": {"name": name, "n_train": 16, "n_eval": 8},
+                       "algorithm": {"name": "grpo", "group_size": 4, "lr": 0.01},
+                       "rollout": {"prompts_per_step": 2, "max_new_tokens": 5},
+                       "trainer": {"threads": 1, "minibatches": 1}, "schedule": {"steps": steps}})
+
+
+def test_toy_family_trains_and_its_verifier_scores_the_rewards():
+    toy = toy_environment.FAMILY
+    toy.verifier.scored.clear()
+    s = spec(IMPORT_PATH)
+    splits = make_task_splits(s.task, s.seed)
+    assert len(splits.train) == 16 and splits.train[0].prompt.startswith("copy ")
+    model, tok = policy_for(s)  # the micro preset, with the text tokenizer any family but arithmetic gets
+    records = train_rl(s, model, tok, splits.train)
+    assert [r.step for r in records] == [1, 2, 3]
+    # Each sync step scores 2 prompts x 4 completions, all by the toy's verifier; each step's recorded reward mean
+    # is the mean of the rewards it gave for that step, and they are graded (the arithmetic check gives only 0/1).
+    per_step = 2 * 4
+    scored = toy.verifier.scored
+    assert len(scored) == 3 * per_step
+    means = [sum(scored[i:i + per_step]) / per_step for i in range(0, len(scored), per_step)]
+    assert [r.reward_mean for r in records] == pytest.approx(means, abs=1e-6)
+    assert any(0.0 < x < 1.0 for x in scored) and all(r.hacks_any is None and r.env_errors == 0 for r in records)
+
+
+def test_held_out_evals_use_the_toy_verifier():
+    p = make_task_splits(spec(IMPORT_PATH).task, 0).eval[0]
+    assert verify(p.answer, p) == 1.0 and verify(f"x{p.answer}", p) == pytest.approx(0.5 * 4 / 5)
+
+
+def test_registered_in_process_and_validated_by_the_spec():
+    TASK_FAMILIES.register("copy_inproc", toy_environment.CopyFamily(name="copy_inproc"))
+    try:
+        s = spec("copy_inproc")
+        assert s.model_dump()["task"]["name"] == "copy_inproc"  # the spec keeps the name it was given
+        p = make_task_splits(s.task, 0).train[0]
+        assert p.op == "copy_inproc" and verify(p.answer, p) == 1.0
+        with pytest.raises(ValueError, match="registered already"):
+            TASK_FAMILIES.register("code", toy_environment.FAMILY)  # a plugin cannot shadow a built-in
+    finally:
+        TASK_FAMILIES.unregister("copy_inproc")
+    with pytest.raises(SpecError, match=r"^invalid spec:\n  task.name: unknown task family 'copy_inproc'; one of "
+                                        r"arithmetic, word_problems, code, or an import path"):
+        spec("copy_inproc")
+
+
+def test_registered_by_a_plugins_entry_point(tmp_path, monkeypatch):
+    # An installed package declaring [project.entry-points."factory.task_families"] copy_ep = "...": its metadata.
+    dist = tmp_path / "toy_plugin-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-plugin\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[factory.task_families]\ncopy = tests.extending.toy_environment:FAMILY\n")
+    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
+    assert "copy" in TASK_FAMILIES.names()
+    p = make_task_splits(spec("copy").task, 0).eval[0]
+    assert verify(p.answer, p) == 1.0
+
+
+def test_not_a_task_family_is_refused_when_named():
+    with pytest.raises(SpecError, match=r"task.name 'math:pi': float is not a TaskFamily \(it needs name, verifier, "):
+        spec("math:pi")
