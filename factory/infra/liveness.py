@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch only where a model is hooked: `factory validate` and other light commands never load it
-    import torch  # noqa: PLC0415 heavy: only where a model is hooked (see the TYPE_CHECKING import)
+    import torch
 
 EVERY_S = 1.0  # at most one beat a second, however often the work pulses (a beat is a file's mtime)
 COVER_LIMIT_S = 900.0  # how long `covered` vouches for one call by default
