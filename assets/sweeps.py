@@ -47,7 +47,7 @@ from factory.cockpit.sweep import (
 from factory.deploy.target import op_tags
 from factory.intervals import share_text
 from factory.progress import format_duration
-from resources import FactoryHomeResource, LakeResource, MlflowResource
+from resources import FactoryHomeResource, LakeResource, MlflowResource, TrainingLauncherResource
 
 sweep_members = DynamicPartitionsDefinition(name="sweep_members")
 sweeps = DynamicPartitionsDefinition(name="sweeps")
@@ -79,11 +79,12 @@ def sweep_warm_start(context: AssetExecutionContext, home: FactoryHomeResource) 
        deps=[AssetDep(sweep_warm_start, partition_mapping=AllPartitionMapping())], retry_policy=TRAINING_RETRY,
        op_tags=op_tags("sweep_member_run"))
 def sweep_member_run(context: AssetExecutionContext, home: FactoryHomeResource, lake: LakeResource,
-                     mlflow: MlflowResource) -> MaterializeResult:
+                     mlflow: MlflowResource, launcher: TrainingLauncherResource) -> MaterializeResult:
     """A sweep member trained end to end (dataset, the shared SFT warm start, GRPO, held-out eval), nested in
     MLflow under its sweep's parent run; its `sweeps` row follows it from running to succeeded/failed, or pruned (a
     tpe sweep's member that its pruner stopped at a resume point: an outcome, not a failure). While it runs, its
-    tags show the step, latest reward and ETA."""
+    tags show the step, latest reward and ETA. Its run is supervised as the `launcher` says for this deployment
+    (`supervision()`: in this process, or attempts restarted in child processes as `factory run` does)."""
     from factory.cockpit.reports import run_pictures  # heavy: mlflow, matplotlib, when the step runs
     from factory.runs.experiment import Pruned, run_sweep_member  # heavy: see assets/training.py
 
@@ -110,7 +111,8 @@ def sweep_member_run(context: AssetExecutionContext, home: FactoryHomeResource, 
         res = run_sweep_member(spec, paths, lk, tracker, info["sweep_id"], key, axes,
                                sweep_name=info["definition"]["name"],
                                mlflow_parent_run_id=info.get("mlflow_parent_run_id"), log=context.log.info,
-                               progress=progress_tags(context), run_id=run_id, trial=trial)
+                               progress=progress_tags(context), run_id=run_id, trial=trial,
+                               supervision=launcher.supervision())
     if isinstance(res, Pruned):  # stopped at a resume point by the sweep's pruner: an outcome, not a failure
         context.instance.add_run_tags(context.run_id, {STATUS_TAG: "pruned"})
         return MaterializeResult(metadata={"label": short_label(axes), "sweep_id": info["sweep_id"],
