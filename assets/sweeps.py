@@ -59,15 +59,15 @@ warm_starts = DynamicPartitionsDefinition(name="warm_starts")
 def sweep_warm_start(context: AssetExecutionContext, home: FactoryHomeResource) -> MaterializeResult:
     """The SFT warm start shared by every sweep member with the same model, task, SFT settings and seed
     (partition `sft-<fingerprint>`): trained once; the launcher starts those members after it."""
-    from factory.runs.stages import build_dataset, cached_sft_checkpoint, load_dataset  # heavy: torch
+    from factory.runs.pipeline import Pipeline  # heavy: torch
 
     paths = home.paths()
     try:
         spec = read_warm_start_spec(paths, context.partition_key)
     except (FileNotFoundError, ValueError) as e:
         raise Failure(f"warm start {context.partition_key}: {e}") from None
-    splits = load_dataset(build_dataset(spec, paths).path)
-    res = cached_sft_checkpoint(spec, paths, splits, log=context.log.info, progress=progress_tags(context))
+    pipeline = Pipeline(spec, paths, log=context.log.info, progress=progress_tags(context))
+    res = pipeline.warm_start(pipeline.dataset()[1], shared=True)
     return MaterializeResult(
         metadata={"path": MetadataValue.path(str(res.checkpoint.path)), "sha256": res.checkpoint.sha256,
                   "accuracy": res.accuracy, "pass_at_k": res.pass_at_k, "steps": res.steps, "seconds": res.seconds},

@@ -54,11 +54,12 @@ def sft_checkpoint(context: AssetExecutionContext, dataset: dict, spec: SpecReso
     Trained once per (model, task, SFT settings, seed): materializing it again with the same inputs reuses
     the checkpoint after checking its digest, so the data version stays the same and nothing downstream
     goes stale."""
-    from factory.runs.stages import cached_sft_checkpoint, load_dataset  # heavy: torch
+    from factory.runs.pipeline import Pipeline  # heavy: torch
+    from factory.runs.stages import load_dataset  # heavy: torch
 
     s = spec.spec()
-    splits = load_dataset(dataset["path"])
-    res = cached_sft_checkpoint(s, home.paths(), splits, log=context.log.info, progress=progress_tags(context))
+    res = Pipeline(s, home.paths(), log=context.log.info, progress=progress_tags(context)).warm_start(
+        load_dataset(dataset["path"]), shared=True)
     return MaterializeResult(
         metadata={"path": MetadataValue.path(str(res.checkpoint.path)), "sha256": res.checkpoint.sha256,
                   "bytes": res.checkpoint.bytes, "accuracy": res.accuracy, "pass_at_k": res.pass_at_k,
@@ -150,15 +151,12 @@ def grpo_beats_sft(grpo_run: dict) -> AssetCheckResult:  # named as the asset: i
 def sft_control(context: AssetExecutionContext, sft: dict, run: dict, dataset: dict, spec: SpecResource,
                 home: FactoryHomeResource, lake: LakeResource) -> MaterializeResult:
     """The control: the GRPO run's wall time spent on more SFT from the same checkpoint instead."""
-    from factory.models.checkpoint import load_checkpoint  # heavy: torch
-    from factory.runs.stages import load_dataset, run_sft_control  # heavy: torch
+    from factory.runs.pipeline import Pipeline  # heavy: torch
+    from factory.runs.stages import load_dataset  # heavy: torch
 
-    s = spec.spec()
-    splits = load_dataset(dataset["path"])
-    model, tok = load_checkpoint(sft["path"])
-    res = run_sft_control(s, home.paths(), splits, lake.lake(), run["run_id"], run["steps"], model, tok,
-                          seconds=run["seconds"], sft_seconds_per_step=sft["seconds"] / max(1, sft["steps"]),
-                          log=context.log.info)
+    res = Pipeline(spec.spec(), home.paths(), log=context.log.info).control(
+        load_dataset(dataset["path"]), lake.lake(), sft["path"], sft["seconds"] / max(1, sft["steps"]), run["run_id"],
+        run["seconds"], step=run["steps"])
     return MaterializeResult(metadata={"run_id": run["run_id"], "extra_sft_steps": res.steps,
                                        "accuracy": res.accuracy, "grpo_accuracy": run["accuracy"],
                                        "checkpoint": MetadataValue.path(str(res.checkpoint.path))})
