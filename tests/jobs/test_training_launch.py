@@ -92,7 +92,8 @@ def test_grpo_run_in_the_dagster_process_trains_two_ranks(tmp_path):
 @pytest.mark.slow
 def test_a_supervised_launcher_trains_grpo_run_in_a_restartable_child_attempt(tmp_path):
     # launcher.where supervised: the asset's run is trained by attempts in child processes of the step (restarted as
-    # `factory run`'s are), chosen by the launcher, not the asset; the metadata is the same. 76 s on 2 shared cores (load ~9).
+    # `factory run`'s are), chosen by the launcher, not the asset; the metadata is the same. 76 s on 2 shared cores
+    # (load ~9).
     result = _train(tmp_path, "supervised", [*TINY, "ops.preflight=off"])
     assert result.success
     md = result.asset_materializations_for_node("grpo_run")[0].metadata
