@@ -59,7 +59,7 @@ warm_starts = DynamicPartitionsDefinition(name="warm_starts")
 def sweep_warm_start(context: AssetExecutionContext, home: FactoryHomeResource) -> MaterializeResult:
     """The SFT warm start shared by every sweep member with the same model, task, SFT settings and seed
     (partition `sft-<fingerprint>`): trained once; the launcher starts those members after it."""
-    from factory.runs.pipeline import Pipeline  # heavy: torch
+    from factory.runs.pipeline import Pipeline  # noqa: PLC0415 heavy: torch
 
     paths = home.paths()
     try:
@@ -85,8 +85,8 @@ def sweep_member_run(context: AssetExecutionContext, home: FactoryHomeResource, 
     tpe sweep's member that its pruner stopped at a resume point: an outcome, not a failure). While it runs, its
     tags show the step, latest reward and ETA. Its run is supervised as the `launcher` says for this deployment
     (`supervision()`: in this process, or attempts restarted in child processes as `factory run` does)."""
-    from factory.cockpit.reports import run_pictures  # heavy: mlflow, matplotlib, when the step runs
-    from factory.runs.experiment import Pruned, run_sweep_member  # heavy: see assets/training.py
+    from factory.cockpit.reports import run_pictures  # noqa: PLC0415 heavy: mlflow, matplotlib, when the step runs
+    from factory.runs.experiment import Pruned, run_sweep_member  # noqa: PLC0415 heavy: see assets/training.py
 
     key = context.partition_key
     paths = home.paths()
@@ -136,8 +136,8 @@ def _trial(context: AssetExecutionContext, paths, info: dict, key: str):
     """The Optuna trial of a tpe sweep's member (a `TrialReporter`), else None."""
     if info["definition"].get("mode") != "tpe":
         return None
-    from factory.cockpit.sweep_search import TrialReporter
-    from resources.study import sweep_study
+    from factory.cockpit.sweep_search import TrialReporter  # noqa: PLC0415 heavy: optuna, a tpe sweep only
+    from resources.study import sweep_study  # noqa: PLC0415 heavy: optuna, a tpe sweep only
 
     entry = next(m for m in info["members"] if m["key"] == key)
     return TrialReporter(sweep_study(context.instance, paths, info), entry["trial_id"], info["definition"]["prune"],
@@ -152,9 +152,8 @@ def sweep_summary(context: AssetExecutionContext, lake: LakeResource, mlflow: Ml
     run and checkpoint; best first, a tie reported as a tie. Pictures are also stored on the MLflow parent run.
     Drawn as soon as every member has ended: `pending_evals` names the members' checkpoint evals not landed yet,
     and the summarizer draws it again as they land (jobs/_summary.py)."""
-    # heavy: matplotlib, mlflow, when the step runs
-    from factory.cockpit.plots import DPI, sweep_summary_png
-    from factory.cockpit.reports import compare_sweep, small, store
+    from factory.cockpit.plots import DPI, sweep_summary_png  # noqa: PLC0415 heavy: matplotlib, when the step runs
+    from factory.cockpit.reports import compare_sweep, small, store  # noqa: PLC0415 heavy: mlflow, when the step runs
 
     sweep_id = context.partition_key
     try:

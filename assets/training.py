@@ -54,8 +54,8 @@ def sft_checkpoint(context: AssetExecutionContext, dataset: dict, spec: SpecReso
     Trained once per (model, task, SFT settings, seed): materializing it again with the same inputs reuses
     the checkpoint after checking its digest, so the data version stays the same and nothing downstream
     goes stale."""
-    from factory.runs.pipeline import Pipeline  # heavy: torch
-    from factory.runs.stages import load_dataset  # heavy: torch
+    from factory.runs.pipeline import Pipeline  # noqa: PLC0415 heavy: torch
+    from factory.runs.stages import load_dataset  # noqa: PLC0415 heavy: torch
 
     s = spec.spec()
     res = Pipeline(s, home.paths(), log=context.log.info, progress=progress_tags(context)).warm_start(
@@ -126,7 +126,7 @@ class TrainingHere:
 def rl_run_metadata(scalars: dict, lk, tracker) -> dict:
     """The run's scalars (factory/runs/pipes.py) with its pictures and MLflow link, drawn from the lake and MLflow:
     the same for every launch."""
-    from factory.cockpit.reports import run_pictures  # heavy: pyiceberg
+    from factory.cockpit.reports import run_pictures  # noqa: PLC0415 heavy: pyiceberg
 
     run_id, mlflow_run_id = scalars["run_id"], scalars["mlflow_run_id"]
     head, tail = run_metadata(run_pictures(lk, tracker, run_id, mlflow_run_id), tracker, run_id, mlflow_run_id)
@@ -151,8 +151,8 @@ def grpo_beats_sft(grpo_run: dict) -> AssetCheckResult:  # named as the asset: i
 def sft_control(context: AssetExecutionContext, sft: dict, run: dict, dataset: dict, spec: SpecResource,
                 home: FactoryHomeResource, lake: LakeResource) -> MaterializeResult:
     """The control: the GRPO run's wall time spent on more SFT from the same checkpoint instead."""
-    from factory.runs.pipeline import Pipeline  # heavy: torch
-    from factory.runs.stages import load_dataset  # heavy: torch
+    from factory.runs.pipeline import Pipeline  # noqa: PLC0415 heavy: torch
+    from factory.runs.stages import load_dataset  # noqa: PLC0415 heavy: torch
 
     res = Pipeline(spec.spec(), home.paths(), log=context.log.info).control(
         load_dataset(dataset["path"]), lake.lake(), sft["path"], sft["seconds"] / max(1, sft["steps"]), run["run_id"],

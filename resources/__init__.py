@@ -33,7 +33,7 @@ class LakeResource(ConfigurableResource):
     home: FactoryHomeResource
 
     def lake(self) -> Lake:
-        from factory.lake.writer import Lake  # heavy: pyiceberg (loading the code location stays light)
+        from factory.lake.writer import Lake  # noqa: PLC0415 heavy: pyiceberg (loading the code location stays light)
 
         return Lake.open(self.home.paths())
 
@@ -44,7 +44,7 @@ class MlflowResource(ConfigurableResource):
     home: FactoryHomeResource
 
     def tracker(self) -> Tracker:
-        from factory.cockpit.tracking import Tracker  # heavy: mlflow
+        from factory.cockpit.tracking import Tracker  # noqa: PLC0415 heavy: mlflow
 
         return Tracker(self.home.paths())
 
