@@ -44,10 +44,12 @@ from factory.cockpit.sweep import (
     short_label,
     sweep_id_of,
 )
+from factory.cockpit.sweep_search import TrialReporter
 from factory.deploy.target import op_tags
 from factory.intervals import share_text
 from factory.progress import format_duration
 from resources import FactoryHomeResource, LakeResource, MlflowResource, TrainingLauncherResource
+from resources.study import sweep_study
 
 sweep_members = DynamicPartitionsDefinition(name="sweep_members")
 sweeps = DynamicPartitionsDefinition(name="sweeps")
@@ -136,9 +138,6 @@ def _trial(context: AssetExecutionContext, paths, info: dict, key: str):
     """The Optuna trial of a tpe sweep's member (a `TrialReporter`), else None."""
     if info["definition"].get("mode") != "tpe":
         return None
-    from factory.cockpit.sweep_search import TrialReporter  # noqa: PLC0415 heavy: optuna, a tpe sweep only
-    from resources.study import sweep_study  # noqa: PLC0415 heavy: optuna, a tpe sweep only
-
     entry = next(m for m in info["members"] if m["key"] == key)
     return TrialReporter(sweep_study(context.instance, paths, info), entry["trial_id"], info["definition"]["prune"],
                          log=context.log.warning)  # a member the pruner spared as inside the noise says so
