@@ -48,7 +48,7 @@ from factory.cockpit.sweep_search import TrialReporter
 from factory.deploy.target import op_tags
 from factory.intervals import share_text
 from factory.progress import format_duration
-from resources import FactoryHomeResource, LakeResource, MlflowResource
+from resources import FactoryHomeResource, LakeResource, MlflowResource, TrainingLauncherResource
 from resources.study import sweep_study
 
 sweep_members = DynamicPartitionsDefinition(name="sweep_members")
@@ -61,19 +61,15 @@ warm_starts = DynamicPartitionsDefinition(name="warm_starts")
 def sweep_warm_start(context: AssetExecutionContext, home: FactoryHomeResource) -> MaterializeResult:
     """The SFT warm start shared by every sweep member with the same model, task, SFT settings and seed
     (partition `sft-<fingerprint>`): trained once; the launcher starts those members after it."""
-    from factory.runs.stages import (  # noqa: PLC0415 heavy: torch; when the asset runs
-        build_dataset,
-        cached_sft_checkpoint,
-        load_dataset,
-    )
+    from factory.runs.pipeline import Pipeline  # noqa: PLC0415 heavy: torch
 
     paths = home.paths()
     try:
         spec = read_warm_start_spec(paths, context.partition_key)
     except (FileNotFoundError, ValueError) as e:
         raise Failure(f"warm start {context.partition_key}: {e}") from None
-    splits = load_dataset(build_dataset(spec, paths).path)
-    res = cached_sft_checkpoint(spec, paths, splits, log=context.log.info, progress=progress_tags(context))
+    pipeline = Pipeline(spec, paths, log=context.log.info, progress=progress_tags(context))
+    res = pipeline.warm_start(pipeline.dataset()[1], shared=True)
     return MaterializeResult(
         metadata={"path": MetadataValue.path(str(res.checkpoint.path)), "sha256": res.checkpoint.sha256,
                   "accuracy": res.accuracy, "pass_at_k": res.pass_at_k, "steps": res.steps, "seconds": res.seconds},
@@ -85,13 +81,14 @@ def sweep_warm_start(context: AssetExecutionContext, home: FactoryHomeResource) 
        deps=[AssetDep(sweep_warm_start, partition_mapping=AllPartitionMapping())], retry_policy=TRAINING_RETRY,
        op_tags=op_tags("sweep_member_run"))
 def sweep_member_run(context: AssetExecutionContext, home: FactoryHomeResource, lake: LakeResource,
-                     mlflow: MlflowResource) -> MaterializeResult:
+                     mlflow: MlflowResource, launcher: TrainingLauncherResource) -> MaterializeResult:
     """A sweep member trained end to end (dataset, the shared SFT warm start, GRPO, held-out eval), nested in
     MLflow under its sweep's parent run; its `sweeps` row follows it from running to succeeded/failed, or pruned (a
     tpe sweep's member that its pruner stopped at a resume point: an outcome, not a failure). While it runs, its
-    tags show the step, latest reward and ETA."""
-    from factory.cockpit.reports import run_pictures  # noqa: PLC0415 heavy: mlflow, matplotlib; when the step runs
-    from factory.runs.experiment import Pruned, run_sweep_member  # noqa: PLC0415 heavy: torch; when the asset runs
+    tags show the step, latest reward and ETA. Its run is supervised as the `launcher` says for this deployment
+    (`supervision()`: in this process, or attempts restarted in child processes as `factory run` does)."""
+    from factory.cockpit.reports import run_pictures  # noqa: PLC0415 heavy: mlflow, matplotlib, when the step runs
+    from factory.runs.experiment import Pruned, run_sweep_member  # noqa: PLC0415 heavy: see assets/training.py
 
     key = context.partition_key
     paths = home.paths()
@@ -116,7 +113,8 @@ def sweep_member_run(context: AssetExecutionContext, home: FactoryHomeResource, 
         res = run_sweep_member(spec, paths, lk, tracker, info["sweep_id"], key, axes,
                                sweep_name=info["definition"]["name"],
                                mlflow_parent_run_id=info.get("mlflow_parent_run_id"), log=context.log.info,
-                               progress=progress_tags(context), run_id=run_id, trial=trial)
+                               progress=progress_tags(context), run_id=run_id, trial=trial,
+                               supervision=launcher.supervision())
     if isinstance(res, Pruned):  # stopped at a resume point by the sweep's pruner: an outcome, not a failure
         context.instance.add_run_tags(context.run_id, {STATUS_TAG: "pruned"})
         return MaterializeResult(metadata={"label": short_label(axes), "sweep_id": info["sweep_id"],
@@ -153,9 +151,8 @@ def sweep_summary(context: AssetExecutionContext, lake: LakeResource, mlflow: Ml
     run and checkpoint; best first, a tie reported as a tie. Pictures are also stored on the MLflow parent run.
     Drawn as soon as every member has ended: `pending_evals` names the members' checkpoint evals not landed yet,
     and the summarizer draws it again as they land (jobs/_summary.py)."""
-    # heavy: matplotlib, mlflow, when the step runs
-    from factory.cockpit.plots import DPI, sweep_summary_png  # noqa: PLC0415 heavy: matplotlib; when the step runs
-    from factory.cockpit.reports import compare_sweep, small, store  # noqa: PLC0415 heavy: mlflow, matplotlib
+    from factory.cockpit.plots import DPI, sweep_summary_png  # noqa: PLC0415 heavy: matplotlib, when the step runs
+    from factory.cockpit.reports import compare_sweep, small, store  # noqa: PLC0415 heavy: mlflow, when the step runs
 
     sweep_id = context.partition_key
     try:

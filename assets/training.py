@@ -5,6 +5,11 @@ sensors, run workers of light jobs) does not pay for it: `import jobs` takes ~1.
 """
 
 
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 from dagster import (
     AssetCheckResult,
     AssetExecutionContext,
@@ -29,6 +34,11 @@ from assets.preflight import require_healthy_node
 from factory.deploy.target import op_tags
 from resources import FactoryHomeResource, LakeResource, MlflowResource, SpecResource, TrainingLauncherResource
 
+if TYPE_CHECKING:
+    from factory.cockpit.tracking import Tracker
+    from factory.config import ExperimentSpec
+    from factory.lake.writer import Lake
+
 # Inputs are the upstream materializations this run depends on (resources/lineage.py), each as its metadata values.
 DATASET = AssetIn("task_dataset")
 SFT = AssetIn("sft_checkpoint")
@@ -44,11 +54,12 @@ def sft_checkpoint(context: AssetExecutionContext, dataset: dict, spec: SpecReso
     Trained once per (model, task, SFT settings, seed): materializing it again with the same inputs reuses
     the checkpoint after checking its digest, so the data version stays the same and nothing downstream
     goes stale."""
-    from factory.runs.stages import cached_sft_checkpoint, load_dataset  # heavy: torch
+    from factory.runs.pipeline import Pipeline  # noqa: PLC0415 heavy: torch
+    from factory.runs.stages import load_dataset  # noqa: PLC0415 heavy: torch
 
     s = spec.spec()
-    splits = load_dataset(dataset["path"])
-    res = cached_sft_checkpoint(s, home.paths(), splits, log=context.log.info, progress=progress_tags(context))
+    res = Pipeline(s, home.paths(), log=context.log.info, progress=progress_tags(context)).warm_start(
+        load_dataset(dataset["path"]), shared=True)
     return MaterializeResult(
         metadata={"path": MetadataValue.path(str(res.checkpoint.path)), "sha256": res.checkpoint.sha256,
                   "bytes": res.checkpoint.bytes, "accuracy": res.accuracy, "pass_at_k": res.pass_at_k,
@@ -65,47 +76,57 @@ def grpo_run(context: AssetExecutionContext, sft: dict, dataset: dict, spec: Spe
     """GRPO from the SFT checkpoint; every step lands in Iceberg `steps` and in MLflow. While it runs, the run's
     tags show its step, latest reward and ETA; its curves and evals by step are drawn in the metadata. A retry
     (automatic, up to 2) resumes the same run from its newest resume point, and the run's log and the asset's
-    observations say what interrupted it. Trains in this process, or through Dagster Pipes in a child process or
-    on Kubernetes (the `launcher` resource): the metadata is the same. Training stops at a resume point if the
-    run worker dies (assets/_retries.py `watched_by_run_worker`)."""
-    from factory.runs.pipes import run_scalars  # heavy: torch
-
+    observations say what interrupted it. Where it trains is the `launcher`'s choice for this deployment: in this
+    process (supervised or not), or through Dagster Pipes in a child process or on Kubernetes: the metadata is the
+    same. Training stops at a resume point if the run worker dies (assets/_retries.py `watched_by_run_worker`)."""
     s = spec.spec()
-    if launcher.where == "in_process":  # elsewhere the entrypoint gates its own node
-        require_healthy_node(context, s.ops, home, lake)  # the preflight gate: no training on a node that failed it
     inputs = {"init_checkpoint": sft["path"], "dataset": dataset["path"],
               "run_id": factory_run_id(context, s.name)}
     lk, tracker = lake.lake(), mlflow.tracker()
-    if launcher.where == "in_process":
-        from factory.runs.rl_run import run_rl  # heavy: torch
-
-        # a run retry can start while the dead worker's trainer still finishes its step (assets/_retries.py)
-        wait_for_previous_attempt(home.paths().checkpoints / inputs["run_id"], s.ops.hang_timeout_s, context.log.info)
-        from factory.runs.stages import load_dataset  # heavy: torch
-
-        with no_retry_for_what_needs_a_fix(), watched_by_run_worker(context):
-            if s.trainer.world_size > 1:  # this process is no rank: each attempt is a group of ranks, supervised
-                from factory.runs.experiment import run_rl_supervised  # heavy: torch
-
-                res = run_rl_supervised(s, home.paths(), inputs["init_checkpoint"], inputs["run_id"], lk,
-                                        log=context.log.info)
-            else:
-                res = run_rl(s, home.paths(), inputs["init_checkpoint"], load_dataset(inputs["dataset"]), lk,
-                             tracker, log=context.log.info, progress=progress_tags(context), run_id=inputs["run_id"])
-        scalars = run_scalars(res)
-    else:  # the entrypoint reports the same scalars through Pipes
-        with watched_by_run_worker(context):  # a local `factory train-grpo` child watches the worker too
-            reported = launcher.launch(context, spec, home, inputs)
-        scalars = {k: v.value for k, v in (reported.metadata or {}).items()}
+    scalars = launcher.launch(context, spec, home, inputs, TrainingHere(context, s, home, lake, lk, tracker))
     report_interruptions(context, lk, inputs["run_id"])
     return MaterializeResult(metadata=rl_run_metadata(scalars, lk, tracker),
                              data_version=DataVersion(scalars["sha256"]))
 
 
+@dataclass
+class TrainingHere:
+    """What training from this step's own process needs around it (resources/launch.py `TrainingHere`), for the
+    launcher: the records, the step's log and progress tags, and its guards (assets/_retries.py)."""
+
+    context: AssetExecutionContext
+    spec: "ExperimentSpec"
+    home: FactoryHomeResource
+    lake_resource: LakeResource
+    lake: "Lake"
+    tracker: "Tracker"
+
+    @property
+    def log(self):
+        return self.context.log.info
+
+    @property
+    def progress(self):
+        return progress_tags(self.context)
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        # the preflight gate (a Pipes entrypoint gates its own node); a run retry can start while the dead worker's
+        # trainer still finishes its step (assets/_retries.py)
+        require_healthy_node(self.context, self.spec.ops, self.home, self.lake_resource)
+        wait_for_previous_attempt(self.home.paths().checkpoints / factory_run_id(self.context, self.spec.name),
+                                  self.spec.ops.hang_timeout_s, self.log)
+        with no_retry_for_what_needs_a_fix(), watched_by_run_worker(self.context):
+            yield
+
+    def watch(self) -> contextlib.AbstractContextManager[object]:
+        return watched_by_run_worker(self.context)  # a local `factory train-grpo` child watches the worker too
+
+
 def rl_run_metadata(scalars: dict, lk, tracker) -> dict:
     """The run's scalars (factory/runs/pipes.py) with its pictures and MLflow link, drawn from the lake and MLflow:
     the same for every launch."""
-    from factory.cockpit.reports import run_pictures  # heavy: pyiceberg
+    from factory.cockpit.reports import run_pictures  # noqa: PLC0415 heavy: pyiceberg
 
     run_id, mlflow_run_id = scalars["run_id"], scalars["mlflow_run_id"]
     head, tail = run_metadata(run_pictures(lk, tracker, run_id, mlflow_run_id), tracker, run_id, mlflow_run_id)
@@ -130,15 +151,12 @@ def grpo_beats_sft(grpo_run: dict) -> AssetCheckResult:  # named as the asset: i
 def sft_control(context: AssetExecutionContext, sft: dict, run: dict, dataset: dict, spec: SpecResource,
                 home: FactoryHomeResource, lake: LakeResource) -> MaterializeResult:
     """The control: the GRPO run's wall time spent on more SFT from the same checkpoint instead."""
-    from factory.models.checkpoint import load_checkpoint  # heavy: torch
-    from factory.runs.stages import load_dataset, run_sft_control  # heavy: torch
+    from factory.runs.pipeline import Pipeline  # noqa: PLC0415 heavy: torch
+    from factory.runs.stages import load_dataset  # noqa: PLC0415 heavy: torch
 
-    s = spec.spec()
-    splits = load_dataset(dataset["path"])
-    model, tok = load_checkpoint(sft["path"])
-    res = run_sft_control(s, home.paths(), splits, lake.lake(), run["run_id"], run["steps"], model, tok,
-                          seconds=run["seconds"], sft_seconds_per_step=sft["seconds"] / max(1, sft["steps"]),
-                          log=context.log.info)
+    res = Pipeline(spec.spec(), home.paths(), log=context.log.info).control(
+        load_dataset(dataset["path"]), lake.lake(), sft["path"], sft["seconds"] / max(1, sft["steps"]), run["run_id"],
+        run["seconds"], step=run["steps"])
     return MaterializeResult(metadata={"run_id": run["run_id"], "extra_sft_steps": res.steps,
                                        "accuracy": res.accuracy, "grpo_accuracy": run["accuracy"],
                                        "checkpoint": MetadataValue.path(str(res.checkpoint.path))})

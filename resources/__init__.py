@@ -10,6 +10,7 @@ from pydantic import Field
 from factory.config import ExperimentSpec, parse_overrides
 from factory.envs.spec_check import load_checked_spec
 from factory.home import FactoryPaths, factory_home
+from factory.runs.supervision import Supervision
 
 if TYPE_CHECKING:  # imported when used: the code location loads without pyiceberg and mlflow
     from factory.cockpit.tracking import Tracker
@@ -32,7 +33,7 @@ class LakeResource(ConfigurableResource):
     home: FactoryHomeResource
 
     def lake(self) -> Lake:
-        from factory.lake.writer import Lake  # noqa: PLC0415 heavy: pyiceberg, duckdb
+        from factory.lake.writer import Lake  # noqa: PLC0415 heavy: pyiceberg (loading the code location stays light)
 
         return Lake.open(self.home.paths())
 
@@ -43,7 +44,7 @@ class MlflowResource(ConfigurableResource):
     home: FactoryHomeResource
 
     def tracker(self) -> Tracker:
-        from factory.cockpit.tracking import Tracker  # noqa: PLC0415 heavy: mlflow; the code location loads without it
+        from factory.cockpit.tracking import Tracker  # noqa: PLC0415 heavy: mlflow
 
         return Tracker(self.home.paths())
 
@@ -59,12 +60,15 @@ class SpecResource(ConfigurableResource):
 
 
 class TrainingLauncherResource(ConfigurableResource):
-    """Where the `grpo_run` asset trains: `in_process` (the local default), `subprocess` (a child process on this
-    machine that reports back through Dagster Pipes), or `k8s` (an Indexed Job of trainer pods and the run's
-    rollout servers on the cluster, reporting back through Pipes; FACTORY_PROFILE=k8s selects it). The two Pipes
-    launches run the same entrypoint (`factory train-grpo`, factory/runs/pipes.py) and give the same metadata."""
+    """Where and how the training assets train, per deployment (the assets call it; it decides): `in_process` (the
+    local default: in the step's own process), `supervised` (attempts in child processes of the step, restarted when
+    one dies or hangs, as `factory run` does), `subprocess` (a child process on this machine that reports back through
+    Dagster Pipes), or `k8s` (an Indexed Job of trainer pods and the run's rollout servers on the cluster, reporting
+    back through Pipes; FACTORY_PROFILE=k8s selects it). The two Pipes launches run the same entrypoint (`factory
+    train-grpo`, factory/runs/pipes.py); every launch gives the same metadata. Sweep members train in the step's own
+    process, `supervised` or not as this says."""
 
-    where: str = Field("in_process", description="in_process | subprocess | k8s")
+    where: str = Field("in_process", description="in_process | supervised | subprocess | k8s")
     kubeconfig: str = Field("", description="k8s: kubeconfig file; empty: the pod's in-cluster service account")
     deploy_profile: str = Field("", description="k8s: deploy profile YAML; empty: $FACTORY_DEPLOY_PROFILE, else the "
                                 "built-in defaults")
@@ -73,12 +77,24 @@ class TrainingLauncherResource(ConfigurableResource):
     run_timeout_s: float = Field(7 * 24 * 3600.0, gt=0, description="k8s: how long the trainer Job may run")
     poll_s: float = Field(5.0, gt=0, description="k8s: seconds between status reads")
 
-    def launch(self, context, spec: SpecResource, home: FactoryHomeResource, inputs: dict):
-        """Train through Pipes; return the materialization the entrypoint reported (a MaterializeResult)."""
-        from resources.launch import launch_k8s, launch_subprocess  # noqa: PLC0415 the deploy profile; launches only
+    def supervision(self) -> Supervision:
+        """How a run trained from the step's own process is supervised here (a Pipes launch's entrypoint trains in
+        its own process, and a sweep member trains in its step's process under any launcher but `supervised`)."""
+        return Supervision.SUPERVISED if self.where == WHERE_SUPERVISED else Supervision.IN_PROCESS
 
+    def launch(self, context, spec: SpecResource, home: FactoryHomeResource, inputs: dict, here) -> dict:
+        """Train the run of `inputs` where this deployment says; return its scalars (factory/runs/pipes.py
+        `run_scalars`). `here` (resources/launch.py `TrainingHere`) is what training from the step's own process
+        needs around it."""
+        from resources.launch import launch_here, launch_k8s, launch_subprocess  # noqa: PLC0415 heavy, a launch only
+
+        if self.where in (WHERE_IN_PROCESS, WHERE_SUPERVISED):
+            return launch_here(context, spec.spec(), home, inputs, here, self.supervision())
         if self.where == "subprocess":
-            return launch_subprocess(context, spec, home, inputs)
+            return launch_subprocess(context, spec, home, inputs, here)
         if self.where == "k8s":
-            return launch_k8s(context, spec.spec(), self, inputs)
-        raise ValueError(f"launcher.where: expected in_process, subprocess or k8s, got {self.where!r}")
+            return launch_k8s(context, spec.spec(), self, inputs, here)
+        raise ValueError(f"launcher.where: expected in_process, supervised, subprocess or k8s, got {self.where!r}")
+
+
+WHERE_IN_PROCESS, WHERE_SUPERVISED = Supervision.IN_PROCESS.value, Supervision.SUPERVISED.value

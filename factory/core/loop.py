@@ -126,7 +126,12 @@ PROBE_SAMPLES = 4  # completions sampled after each publish to measure the sampl
 
 
 class RunInterrupted(RuntimeError):
-    """The run was asked to stop (SIGTERM/SIGINT): a resume point of the last step is on disk."""
+    """The run was asked to stop (SIGTERM/SIGINT, or its run's own reason: `cause`): a resume point of the last step
+    is on disk."""
+
+    def __init__(self, message: str, cause: str | None = None):
+        super().__init__(message)
+        self.cause = cause
 
 
 class NonFiniteLoss(RuntimeError):
@@ -142,11 +147,47 @@ class Checkpoints(Protocol):
     """When the loop takes resume points, and where they go (the run's policy; `runs/resume_points.py` has one)."""
 
     def due(self, steps_done: int) -> bool: ...
-    def stopping(self) -> bool: ...
+    def stopping(self) -> bool | str | None: ...  # truthy: stop after this step (a str says who asked)
     def save(self, make_state: Callable[[], TrainState], wait: bool = False) -> None: ...
 
 
-def train_rl(
+FINISHED, STOPPED, NON_FINITE, LOGPROB_GAP = "finished", "stopped", "non_finite", "logprob_gap"
+
+
+@dataclass(frozen=True)
+class LoopEnd:
+    """How `run_loop` ended, returned rather than raised: `finished` (every step trained), `stopped` (its `Checkpoints`
+    asked it to stop: a resume point after `steps_done` is written), `non_finite` (`ops.max_nonfinite_steps` skipped
+    updates in a row: the last good state is written) or `logprob_gap` (the sampler/trainer gap stayed past its
+    bound; `error` says why in words for these two). `cause`: who asked a stop, as `stopping()` named it at the end
+    (None when nobody did, or it gave no name). Crashes still raise."""
+
+    kind: str
+    steps_done: int
+    records: list[StepRecord]
+    cause: str | None = None
+    error: RuntimeError | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.kind == FINISHED
+
+    def result(self) -> list[StepRecord]:
+        """The records of a finished loop; otherwise raise what the end stands for (`train_rl`'s contract)."""
+        if self.kind == STOPPED:
+            raise RunInterrupted(f"stopped on request after step {self.steps_done}; resume point written", self.cause)
+        if self.error is not None:
+            raise self.error
+        return self.records
+
+
+def train_rl(*args, **kwargs) -> list[StepRecord]:
+    """`run_loop` for a caller that wants the records of a run trained to the end: a stop raises `RunInterrupted`,
+    non-finite updates `NonFiniteLoss`, the sampler/trainer gap `LogprobGapError` (`LoopEnd.result`)."""
+    return run_loop(*args, **kwargs).result()
+
+
+def run_loop(
     spec: ExperimentSpec,
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerFast,
@@ -159,8 +200,9 @@ def train_rl(
     reference_model: PreTrainedModel | None = None,
     stateful: dict[str, Stateful] | None = None,
     feed=None,
-) -> list[StepRecord]:
-    """Train `model` (in place) in `spec.schedule.mode` until `spec.schedule.steps` steps are done.
+) -> LoopEnd:
+    """Train `model` (in place) in `spec.schedule.mode` until `spec.schedule.steps` steps are done, or until the run's
+    `checkpoints` ask it to stop, or the updates or the sampler/trainer gap say it must: how is the `LoopEnd` returned.
 
     `resume` continues from a resume point (its step, weights, optimizer, RNGs, prompt stream and buffer);
     `reference_model` is the KL reference (default: a copy of `model` as passed in, i.e. the run's start: pass
@@ -302,17 +344,21 @@ def train_rl(
             last = done == spec.schedule.steps
             # Weights trained on a batch past the gap bound make no resume point unless one must be written: a run the
             # gap stops is resumed from before it.
-            if checkpoints is not None and ((checkpoints.due(done) and gap_streak == 0) or checkpoints.stopping()
+            asked = checkpoints.stopping() if checkpoints is not None else None
+            if checkpoints is not None and ((checkpoints.due(done) and gap_streak == 0) or asked
                                             or last or nonfinite_streak >= spec.ops.max_nonfinite_steps):
-                checkpoints.save(lambda d=done: state_after(d), wait=checkpoints.stopping())
+                checkpoints.save(lambda d=done: state_after(d), wait=bool(asked))
+            cause = asked if isinstance(asked, str) else None
             if nonfinite_streak >= spec.ops.max_nonfinite_steps:
-                raise NonFiniteLoss(f"{nonfinite_streak} steps in a row (up to step {done}) had a non-finite loss "
-                                    f"or gradient and were skipped (ops.max_nonfinite_steps = "
-                                    f"{spec.ops.max_nonfinite_steps}); the run stopped at its last good state")
+                return LoopEnd(NON_FINITE, done, records, cause, NonFiniteLoss(
+                    f"{nonfinite_streak} steps in a row (up to step {done}) had a non-finite loss or gradient and "
+                    f"were skipped (ops.max_nonfinite_steps = {spec.ops.max_nonfinite_steps}); the run stopped at its "
+                    f"last good state"))
             if gap_streak >= spec.ops.max_gap_steps:
-                raise _gap_error(spec, gap_streak, done, gap, gap_bound, recompute)
-            if checkpoints is not None and checkpoints.stopping() and done < spec.schedule.steps:
-                raise RunInterrupted(f"stopped on request after step {done}; resume point written")
+                return LoopEnd(LOGPROB_GAP, done, records, cause,
+                               _gap_error(spec, gap_streak, done, gap, gap_bound, recompute))
+            if asked and done < spec.schedule.steps:
+                return LoopEnd(STOPPED, done, records, cause)
     except (ProducerFailed, ServiceUnavailable):
         # A part that keeps failing (e.g. a tripped circuit breaker): keep what was trained so far. The
         # interrupted step changed nothing yet (its prompts are still pending: they are served again).
@@ -322,7 +368,7 @@ def train_rl(
     finally:
         producer.close()
     lora.detach(model)  # a LoRA run leaves `model` plain, its adapters merged in (no-op for full fine-tuning)
-    return records
+    return LoopEnd(FINISHED, spec.schedule.steps, records)
 
 
 MAX_REFILL_ROUNDS = 4  # dynamic sampling: extra batches drawn before training on what was kept

@@ -52,6 +52,30 @@ def print_stacks_on_signal() -> None:
     faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
 
 
+class StopRequest:
+    """Why this attempt was asked to stop after its current step, or None while nobody asked: what the training loop's
+    `Checkpoints.stopping()` answers (`runs/resume_points.py`) and what the loop hands back in its `LoopEnd`. The
+    causes are the interruption causes the run records: `SIGNAL`, `SUPERVISOR_LOST`, `PRUNED`, `LAKE_DOWN`."""
+
+    SIGNAL, SUPERVISOR_LOST, PRUNED, LAKE_DOWN = "signal", "supervisor_lost", "pruned", "lake_down"
+
+    def __init__(self) -> None:
+        self._cause: str | None = None
+        self._lock = threading.Lock()
+
+    def ask(self, cause: str) -> None:
+        """Stop after the current step because of `cause` (a later ask replaces the cause: a signal says last)."""
+        with self._lock:
+            self._cause = cause
+
+    @property
+    def cause(self) -> str | None:
+        return self._cause
+
+    def __bool__(self) -> bool:
+        return self._cause is not None
+
+
 def resume_dir(run_dir: Path) -> Path:
     return run_dir / "resume"
 

@@ -1,6 +1,6 @@
 """The RL run of the `grpo_run` asset as a process of its own that reports back through Dagster Pipes: what the
 trainer pods run on Kubernetes (`factory train-grpo SPEC`, launched by deploy/cluster.py) and what a local
-subprocess launch runs. In the asset's own process the same `run_rl` runs directly.
+subprocess launch runs: the run's `Pipeline` (runs/pipeline.py) trains in this process, as in the asset's own.
 
 The run's inputs (the SFT checkpoint, the dataset, the factory run id that retries share) arrive as Pipes
 extras; its result leaves as one asset materialization whose metadata is `run_scalars` (plain values, typed for
@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from dagster_pipes import DAGSTER_PIPES_CONTEXT_ENV_VAR, open_dagster_pipes
@@ -32,9 +33,9 @@ from factory.lake import Lake
 from factory.ops.preflight.gate import PreflightFailed, gate
 from factory.progress import Log, Throttle
 from factory.runs.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_LOGPROB_GAP, EXIT_NEEDS_FIX, EXIT_OK
-from factory.runs.rl_run import run_rl
+from factory.runs.pipeline import Pipeline
 from factory.runs.run_result import RunResult
-from factory.runs.stages import load_dataset
+from factory.runs.supervision import Supervision
 
 EXTRAS = ("init_checkpoint", "dataset", "run_id")  # what the launcher must send
 PATH_KEYS = ("checkpoint",)  # shown as paths in the Dagster UI
@@ -82,11 +83,12 @@ def train(spec: ExperimentSpec, paths: FactoryPaths, inputs: RunInputs, log: Log
     """Preflight-gate this node, then train (or continue) the run; its progress (step, reward, ETA) goes to `log`
     every PROGRESS_EVERY_S and at the last step, so a run on the cluster shows it in the Dagster run's log."""
     gate(spec.ops, paths, log=log)  # no training on a node whose latest preflight failed
+    progress = Throttle(lambda p: log("progress: " + ", ".join(f"{k} {v}" for k, v in p.tags().items())),
+                        every_s=PROGRESS_EVERY_S)
     with Lake.open(paths) as lake:
-        return run_rl(spec, paths, inputs.init_checkpoint, load_dataset(inputs.dataset), lake, Tracker(paths),
-                        log=log, run_id=inputs.run_id, progress=Throttle(
-                            lambda p: log("progress: " + ", ".join(f"{k} {v}" for k, v in p.tags().items())),
-                            every_s=PROGRESS_EVERY_S))
+        return Pipeline(spec, paths, log=log, progress=progress).train(
+            inputs.init_checkpoint, Path(inputs.dataset), lake, Tracker(paths), Supervision.IN_PROCESS,
+            run_id=inputs.run_id)
 
 
 def run_under_pipes(spec: ExperimentSpec, paths: FactoryPaths, fallback: RunInputs | None = None) -> int:

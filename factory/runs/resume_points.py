@@ -14,32 +14,33 @@ from pathlib import Path
 
 from factory.config import ExperimentSpec
 from factory.core.resume import ResumeWriter, TrainState
-from factory.runs.attempt import resume_dir
+from factory.runs.attempt import StopRequest, resume_dir
 
 SAVES = "saves.jsonl"  # one line per resume point written: its step, the trainer's stall, the write time
 
 
 class RunCheckpoints:
     """The loop's `Checkpoints` for a run: resume points every `ops.resume_every` and every
-    `schedule.checkpoint_every` steps, written in the background by a `ResumeWriter`; `stopping()` turns
-    true on SIGTERM/SIGINT (see `signals`), and the loop then saves and stops after its current step."""
+    `schedule.checkpoint_every` steps, written in the background by a `ResumeWriter`; `stopping()` is the cause of
+    the run's `StopRequest` (SIGTERM/SIGINT ask it: see `signals`), and the loop then saves, stops after its current
+    step and returns that cause."""
 
     def __init__(self, spec: ExperimentSpec, run_dir: Path, before_write: Callable[[int], None] | None = None,
-                 before_save: Callable[[], object] | None = None):
+                 before_save: Callable[[], object] | None = None, stop: StopRequest | None = None):
         """`before_write(step)` runs in the writer's thread before a point is written; `before_save()` in the
-        loop's thread before a point is taken (what the loop reported so far is covered by it)."""
+        loop's thread before a point is taken (what the loop reported so far is covered by it); `stop` is the run's
+        (a new one if not given)."""
         self.before_save = before_save
         self.every = [n for n in (spec.ops.resume_every, spec.schedule.checkpoint_every) if n]
         self.writer = ResumeWriter(resume_dir(run_dir), spec.ops.keep_resume, before_write=before_write,
                                    log_path=run_dir / SAVES)
-        self.stop = threading.Event()
-        self.signal_name: str | None = None
+        self.stop = stop if stop is not None else StopRequest()
 
     def due(self, steps_done: int) -> bool:
         return any(steps_done % n == 0 for n in self.every)
 
-    def stopping(self) -> bool:
-        return self.stop.is_set()
+    def stopping(self) -> str | None:
+        return self.stop.cause
 
     def save(self, make_state: Callable[[], TrainState], wait: bool = False) -> None:
         if self.before_save is not None:
@@ -55,10 +56,9 @@ class RunCheckpoints:
             return
 
         def handler(signum: int, frame: object) -> None:
-            if self.stop.is_set() and signum == signal.SIGINT:
+            if self.stop and signum == signal.SIGINT:
                 raise KeyboardInterrupt
-            self.signal_name = signal.Signals(signum).name
-            self.stop.set()
+            self.stop.ask(StopRequest.SIGNAL)
 
         old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
         try:

@@ -35,7 +35,7 @@ from factory.cockpit.tracking import Tracker
 from factory.config import ExperimentSpec, OpsSpec, parse_spec
 from factory.core.evaluate import evaluate
 from factory.core.gate import LogprobGapError
-from factory.core.loop import NonFiniteLoss, RunInterrupted, StepRecord, train_rl
+from factory.core.loop import FINISHED, STOPPED, LoopEnd, NonFiniteLoss, RunInterrupted, StepRecord, run_loop
 from factory.core.resume import TrainState, latest
 from factory.core.rollout.engines.embedded import EmbeddedEngine
 from factory.data.feed import make_feed
@@ -62,6 +62,7 @@ from factory.runs.attempt import (
     SUPERVISOR_ENV,
     AttemptLock,
     OrphanGuard,
+    StopRequest,
     announce_finished,
     beat,
     print_stacks_on_signal,
@@ -187,26 +188,33 @@ class Run:
         self.held: dict = {}  # held-out problems per blend source
         self.feed = None
         self.start: tuple[float, float | None] = (0.0, None)  # held-out accuracy and pass@k at step 0
-        self.records: list[StepRecord] = []  # this attempt's steps
+        self.records: list[StepRecord] = []  # this attempt's steps, once it trained them all
+        self.stop = StopRequest()  # asked by a signal, the lake watch, a lost supervisor or the pruner
         self._writer_lake: SpooledLake | None = None  # the resume writer's thread's own Lake
         # With $FACTORY_CHECKPOINT_URI: checkpoint uploads beside the loop (`begin` starts them).
         self.uploads: BackgroundUploads | None = None
         self._t0 = self._t_loop = 0.0
 
     def execute(self) -> RunResult:
-        """The attempt from begin to finish; a failure after `begin` is recorded by `fail` and raised again."""
+        """The attempt from begin to finish. An attempt whose loop ended otherwise (`LoopEnd`: stopped, non-finite
+        updates, the sampler/trainer gap) is recorded by `fail` from what the loop returned, and raised as what it
+        stands for (`RunInterrupted` with its cause, `LakeDown`, `NonFiniteLoss`, `LogprobGapError`); a failure
+        after `begin` is recorded by `fail` and raised again."""
         self.begin()
         try:
             self.evaluate_start()
-            self.train()
-            return self.finish()
+            end = self.train()
+            if end.finished:
+                return self.finish()
         except BaseException as e:
-            stop = LakeDown(self.lake_down) if self.lake_down and isinstance(e, RunInterrupted) else None
-            failure = stop or e
-            tolerating(lambda: self.fail(failure), self.log, f"why attempt {self.attempt} of {self.run_id} stopped")
-            if stop is not None:
-                raise stop from e
+            failure = e
+            tolerating(lambda: self.fail(failure, *_classify(failure, self.stop.cause)), self.log,
+                       f"why attempt {self.attempt} of {self.run_id} stopped")
             raise
+        error, status, cause = _ended(end, self.lake_down)
+        tolerating(lambda: self.fail(error, status, cause), self.log,
+                   f"why attempt {self.attempt} of {self.run_id} stopped")
+        raise error
 
     # ------------------------------------------------------------ begin
 
@@ -232,7 +240,7 @@ class Run:
         self.step_metrics = StepMetrics(self.tracker, self.mlflow_id,
                                         self.resumed_from if self.prev is not None else None)
         self.ckpts = RunCheckpoints(self.spec, self.run_dir, before_write=self._flush_from_writer,
-                                    before_save=self.step_metrics.flush)
+                                    before_save=self.step_metrics.flush, stop=self.stop)
         if checkpoint_store_uri() is not None:
             self.uploads = BackgroundUploads(log=self.log)
 
@@ -303,23 +311,29 @@ class Run:
 
     # ------------------------------------------------------------ train, step
 
-    def train(self) -> None:
-        """The training loop from the resume point (if any) to the last step, `step` called after each."""
+    def train(self) -> LoopEnd:
+        """The training loop from the resume point (if any) to the last step, `step` called after each; returns how
+        it ended."""
         self._t_loop = time.perf_counter()
         try:
             with self.ckpts.signals():
                 if self.state is not None and self.state.step >= self.spec.schedule.steps:
                     load_trained(self.spec, self.model, self.state.model)  # trained to the end before: the last stages
                     self._started_work(time.time())  # no step to train: the recovery ends here
+                    end = LoopEnd(FINISHED, self.state.step, [])
                 else:
-                    self.records = train_rl(self.spec, self.model, self.tok, self.splits.train, on_step=self.step,
-                                              checkpoints=self.ckpts, resume=self.state,
-                                              reference_model=self.reference, feed=self.feed)
+                    end = run_loop(self.spec, self.model, self.tok, self.splits.train, on_step=self.step,
+                                   checkpoints=self.ckpts, resume=self.state, reference_model=self.reference,
+                                   feed=self.feed)
         except BaseException:
             self.step_metrics.drop()  # past the last resume point: the next attempt trains and logs them again
             raise
         else:
-            self.step_metrics.flush()
+            if end.finished:
+                self.records = end.records
+                self.step_metrics.flush()
+            else:
+                self.step_metrics.drop()
         finally:
             try:
                 self.ckpts.writer.wait()
@@ -328,6 +342,7 @@ class Run:
                 if self._writer_lake is not None:
                     self._writer_lake.close()
         beat(self.run_dir)
+        return end
 
     def step(self, r: StepRecord) -> None:
         """After each training step (the loop's `on_step`)."""
@@ -358,7 +373,7 @@ class Run:
         if cause is not None and self.lake_down is None:
             self.lake_down = cause
             self.log(f"run {self.run_id}: {cause}; stopping at a resume point after step {step}")
-            self.ckpts.stop.set()
+            self.stop.ask(StopRequest.LAKE_DOWN)
 
     def _started_work(self, at: float) -> None:
         """This attempt starts training at `at` (its first step began, or it had no step left): close the costs of
@@ -378,13 +393,12 @@ class Run:
     def _check_supervisor(self) -> None:
         """A supervised attempt whose supervisor died: save a resume point after this step and stop (the loop does,
         as on SIGTERM), since nothing would restart it after a crash or kill it when it hangs."""
-        if self.ckpts.stopping() or not supervisor_lost():
+        if self.stop or not supervisor_lost():
             return
         self.log(f"run {self.run_id}: attempt {self.attempt} lost its supervisor (pid "
                  f"{os.environ.get(SUPERVISOR_ENV)} is gone): stopping at a resume point; continue with: "
                  f"factory resume {self.run_id}")
-        self.ckpts.signal_name = SUPERVISOR_LOST
-        self.ckpts.stop.set()
+        self.stop.ask(StopRequest.SUPERVISOR_LOST)
 
     def _report_progress(self, r: StepRecord) -> None:
         steps = self.spec.schedule.steps
@@ -415,10 +429,9 @@ class Run:
     def _prune_if_told(self, step: int, accuracy: float, n: int) -> None:
         """Ask `on_eval` whether to go on; a reason makes the loop save a resume point after this step and stop."""
         reason = self.options.on_eval(step, accuracy, n)
-        if reason and not self.ckpts.stopping():
+        if reason and not self.stop:
             self.log(f"run {self.run_id}: pruned ({reason}); stopping at a resume point after step {step}")
-            self.ckpts.signal_name = PRUNED
-            self.ckpts.stop.set()
+            self.stop.ask(StopRequest.PRUNED)
 
     def _evaluate_sources(self, step: int, sha256: str | None, deferred: bool = False) -> dict[str, float]:
         """Source -> held-out accuracy; `deferred`: a periodic eval's MLflow points wait with the step's
@@ -464,9 +477,9 @@ class Run:
                          h.start_pass_at_k, o.accuracy if o.primary else final_eval.accuracy, done["wall_s"],
                          self.records, attempt=self.attempt, goodput=done["goodput"], benchmark=h.benchmark or HELD_OUT)
 
-    def fail(self, e: BaseException) -> None:
-        """Record why this attempt stopped: an interruption row, the run's status, the MLflow run's end."""
-        status, cause = _classify(e, self.ckpts)
+    def fail(self, e: BaseException, status: str, cause: str) -> None:
+        """Record why this attempt stopped (`e`, the run's `status`, the interruption's `cause`): an interruption row,
+        the run's status, the MLflow run's end."""
         detail = f"{type(e).__name__}: {e}"
         if self.uploads is not None:  # what was handed over still goes up; failures are logged, not raised over e
             self.uploads.close(raise_errors=False)
@@ -483,21 +496,32 @@ class Run:
                     else f"failed: {detail}"))
 
 
-SUPERVISOR_LOST = "supervisor lost"  # RunCheckpoints.signal_name of an attempt stopped by its supervisor's death
-PRUNED = "pruned"  # RunCheckpoints.signal_name of an attempt stopped by its sweep's pruner (`on_eval`)
+def _ended(end: LoopEnd, lake_down: str | None) -> tuple[Exception, str, str]:
+    """(what to raise, run status, interruption cause) for an attempt whose loop returned `end` short of the last
+    step; `lake_down`: why the lake watch stopped it, which outranks the cause a later signal gave."""
+    if end.kind == STOPPED:
+        if lake_down:
+            return LakeDown(lake_down), "interrupted", StopRequest.LAKE_DOWN
+        stopped = RunInterrupted(f"stopped on request after step {end.steps_done}; resume point written", end.cause)
+        if end.cause == StopRequest.PRUNED:  # an outcome, not a fault: the run's status says it
+            return stopped, "pruned", StopRequest.PRUNED
+        cause = end.cause if end.cause == StopRequest.SUPERVISOR_LOST else StopRequest.SIGNAL
+        return stopped, "interrupted", cause
+    assert end.error is not None, end
+    return end.error, *_classify(end.error, end.cause)
 
 
-def _classify(e: BaseException, ckpts: RunCheckpoints) -> tuple[str, str]:
-    """(run status, interruption cause) for an attempt that ended with `e`."""
+def _classify(e: BaseException, asked: str | None) -> tuple[str, str]:
+    """(run status, interruption cause) for an attempt that raised `e`, after a stop was `asked` (its cause) or not."""
     if isinstance(e, LakeDown):
         return "interrupted", "lake_down"
     if is_disk_full(e):
         return "interrupted", "disk_full"
-    if ckpts is not None and ckpts.signal_name == SUPERVISOR_LOST:
+    if asked == StopRequest.SUPERVISOR_LOST:
         return "interrupted", "supervisor_lost"
-    if ckpts is not None and ckpts.signal_name == PRUNED:  # an outcome, not a fault: the run's status says it
+    if asked == StopRequest.PRUNED:  # an outcome, not a fault: the run's status says it
         return "pruned", "pruned"
-    if isinstance(e, RunInterrupted | KeyboardInterrupt) or ckpts.stopping():
+    if isinstance(e, RunInterrupted | KeyboardInterrupt) or asked is not None:
         return "interrupted", "signal"
     if isinstance(e, NonFiniteLoss):
         return "failed", "non_finite_loss"

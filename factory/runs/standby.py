@@ -33,8 +33,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+from factory.cockpit.tracking import Tracker
+from factory.config import parse_spec
 from factory.home import FactoryPaths
 from factory.infra import spare
+from factory.lake.writer import Lake
+from factory.runs.attempt import read_launch
+from factory.runs.recovery import run_row, spec_of_run
 
 REPORT_ENV = "FACTORY_STANDBY_FD"  # the write end of the report pipe, in the standby
 _PR_SET_PDEATHSIG = 1
@@ -82,14 +89,6 @@ def _warm_up(paths: FactoryPaths, run_id: str) -> bool:
     (their module-level caches stay warm), then every database connection closed (none may cross a fork). Returns
     whether the run's attempts start a rollout server (`rollout.engine: server`): each then gets a warm spare for it
     (infra/spare.py; the server's own modules cost about 0.1 s once torch and the engine are imported)."""
-    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
-
-    from factory.cockpit.tracking import Tracker
-    from factory.config import parse_spec
-    from factory.lake.writer import Lake
-    from factory.runs.attempt import read_launch
-    from factory.runs.recovery import run_row, spec_of_run
-
     row = None
     with contextlib.suppress(Exception):  # the lake down: each attempt meets it and waits for it (runs/degraded.py)
         with Lake.open(paths) as lake:
