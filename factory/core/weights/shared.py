@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from factory.core.weights.codec import StateDict, WeightSyncError, WeightSyncTimeout, storage_key
 from factory.text import clip
@@ -132,8 +133,6 @@ def _b64(b: bytes | None) -> str | None:
 def _cuda_ipc(t: torch.Tensor) -> dict[str, Any]:
     """The JSON-safe arguments of torch's CUDA IPC rebuild of `t` (the device named by UUID: the reader may number
     its GPUs otherwise)."""
-    from torch.multiprocessing.reductions import reduce_tensor
-
     _, args = reduce_tensor(t)
     (_, size, stride, offset, _, _, device, handle, size_bytes, offset_bytes, _, ref_handle, ref_offset, event_handle,
      event_sync) = args
@@ -337,8 +336,6 @@ def _local_cuda_index(uuid: str, where: str) -> int:
 
 
 def _open_cuda_slot(spec: Mapping, where: str, dtype: torch.dtype, numel: int) -> torch.Tensor:
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
     for name in _IPC_FIELDS:
         if name not in spec:
             raise SharedHandleError(f"shared weights handle: field '{where}{name}' is missing")
