@@ -4,6 +4,7 @@ validation, as the components used to work them out where they were used, and ab
 from __future__ import annotations
 
 import copy
+import inspect
 import itertools
 import pickle
 from pathlib import Path
@@ -12,7 +13,9 @@ import pytest
 
 from factory.config import SpecError, load_spec, parse_spec
 from factory.config.ops import GAP_BOUND_OTHER_NUMERICS, GAP_BOUND_SAME_NUMERICS
+from factory.core import loop
 from factory.core.buffer import RolloutBuffer
+from factory.core.trainer import ranks
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.yaml"))
 
@@ -106,3 +109,15 @@ def test_the_buffer_and_the_groups_in_flight_resolve_as_the_producer_builds_them
     assert r.concurrency == (s.rollout.concurrency or built.capacity)
     if s.schedule.mode == "one_step_off":  # whatever the buffer section says, one step off is one version deep
         assert (r.buffer.policy, r.buffer.max_staleness) == ("bound", 1)
+
+
+def test_off_policy_is_staleness_or_a_gap_and_one_answer_for_every_rank() -> None:
+    """The dual clip's default follows `off_policy`: the leader's loss (core/loop.py) and a follower rank's
+    (trainer/ranks.py `follow`) both ask `spec.resolved`, so they cannot disagree as they did when `follow` built its
+    loss without it."""
+    assert parse_spec({}).resolved.off_policy("cpu") is False
+    assert parse_spec({}).resolved.off_policy("cuda") is True  # the engine computes otherwise on a GPU
+    assert parse_spec({"schedule": {"mode": "one_step_off"}}).resolved.off_policy("cpu") is True
+    assert parse_spec({"trainer": {"precision": "bf16"}}).resolved.off_policy("cpu") is True
+    for module in (loop, ranks):
+        assert "off_policy=spec.resolved.off_policy(" in inspect.getsource(module)

@@ -68,11 +68,17 @@ class Resolved:
     buffer_depth: int
     concurrency: int
     blend: Blend
+    overlapped: bool = False  # schedule.mode one_step_off or async: rows may be a version stale
 
     def engine_differs(self, device_type: str) -> bool:
         """Whether the engine computes otherwise than the trainer on a device of `device_type` ('cpu', 'cuda'):
         on a GPU always (bf16 serving weights, graph-captured paged kernels), on the CPU when `numerics_differ`."""
         return device_type != "cpu" or self.numerics_differ
+
+    def off_policy(self, device_type: str) -> bool:
+        """Whether staleness or a sampler/trainer gap can occur (the dual clip's default is on then): every rank's
+        loss must agree on it, so it is worked out here, not at each call of `make_loss`."""
+        return self.overlapped or self.engine_differs(device_type)
 
     def logprob_gap_bound(self, device_type: str) -> float:
         """The bound on the mean |engine - trainer log-prob| on a device of `device_type` (`ops.max_logprob_gap`)."""
@@ -103,6 +109,6 @@ def resolve(spec: ExperimentSpec) -> Resolved:
     return Resolved(device=device, device_field=field, cuda_asked=tuple(cuda), precision=precision,
                     numerics_differ=differ, gap_bound_same=spec.ops.logprob_gap_bound(False),
                     gap_bound_other=spec.ops.logprob_gap_bound(True), buffer=buffer, buffer_depth=depth,
-                    concurrency=r.concurrency or depth,
+                    concurrency=r.concurrency or depth, overlapped=spec.schedule.mode != "sync",
                     blend=Blend(spec.data, spec.task,
                                 spec.seed if spec.data is None or spec.data.seed is None else spec.data.seed))

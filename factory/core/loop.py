@@ -37,7 +37,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from factory.config import ExperimentSpec
 from factory.core import algorithms
-from factory.core.batch import TrainBatch, pack
+from factory.core.batch import pack
 from factory.core.behaviour import BehaviourScorer
 from factory.core.buffer import Sample, apply_importance_correction, stale_rows
 from factory.core.correction import apply_correction, correct, gap_stats
@@ -113,13 +113,6 @@ class StepRecord:
     def to_dict(self) -> dict[str, float]:
         """The scalar metrics (what the `steps` table and MLflow take)."""
         return {k: v for k, v in asdict(self).items() if k not in ("samples", "groups", "sources", "data")}
-
-
-def _grpo_loss_fn(spec: ExperimentSpec, engine_differs: bool = False) -> Callable[
-        [torch.Tensor, TrainBatch], tuple[torch.Tensor, dict[str, float]]]:
-    # The algorithm named in the spec (factory.protocols.ALGORITHMS). Staleness (overlapped modes) or a
-    # sampler/trainer gap (`engine_differs`) make the run off-policy: the dual clip's default is on there.
-    return algorithms.make_loss(spec.algorithm, off_policy=spec.schedule.mode != "sync" or engine_differs)
 
 
 PROBE_SAMPLES = 4  # completions sampled after each publish to measure the sampler/trainer mismatch
@@ -234,7 +227,9 @@ def run_loop(
         reference.model.to(model_device(model))
     differs = spec.resolved.engine_differs(model_device(model).type)
     recompute = spec.algorithm.recomputes(differs)
-    loss_fn = _grpo_loss_fn(spec, differs)
+    # The algorithm named in the spec (factory.protocols.ALGORITHMS); off-policy (staleness, a sampler/trainer gap)
+    # turns the dual clip's default on. Follower ranks build the same loss (trainer/ranks.py `follow`).
+    loss_fn = algorithms.make_loss(spec.algorithm, off_policy=spec.resolved.off_policy(model_device(model).type))
     gap_bound = spec.ops.logprob_gap_bound(differs)
     nonfinite_streak = gap_streak = 0
     if resume is not None:

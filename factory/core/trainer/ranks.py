@@ -174,7 +174,8 @@ class LeaderTrainer:
 def follow(spec: ExperimentSpec, model: PreTrainedModel) -> int:
     """A follower rank's loop: apply the leader's calls until it says stop; returns the steps applied."""
     trainer = distributed_trainer(spec, model)
-    loss_fn = make_loss(spec.algorithm)
+    # the leader's loss (core/loop.py): the same off-policy default, or the dual clip would bind on one rank only
+    loss_fn = make_loss(spec.algorithm, off_policy=spec.resolved.off_policy(rank_device(spec.trainer.devices).type))
     steps = 0
     while True:
         op, payload = _receive()
