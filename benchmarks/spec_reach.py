@@ -5,8 +5,10 @@ The walk parses the tree's `factory/` (no import: any checkout, e.g. a worktree 
 From `run_experiment`'s `spec` it follows each call that passes the spec (a name holding it, or `self.<attr>` where an
 object stored it) as an argument, to the function the call resolves to statically: a function or class of the module,
 one imported by name or through a module alias (re-exports followed), `self.method`, a class (its `__init__`, or a
-dataclass's fields: the spec then lives on as `self.<field>` in every method). Calls it cannot resolve statically
-(methods of objects of unknown type, callbacks) are not followed: the counts are a floor.
+dataclass's fields: the spec then lives on as `self.<field>` in every method), and a registry's lookup
+(`PRODUCERS.get(name)(spec, ...)`, directly or through a name bound to it) to every built-in of that registry whose
+import path is written as a string literal (`Registry(kind, field, {name: "module:attr", ...})`). Calls it cannot
+resolve statically (methods of objects of unknown type, callbacks, plugins) are not followed: the counts are a floor.
 
 Figures:
 - modules: the modules the spec reaches (a function of the module is handed it);
@@ -40,6 +42,7 @@ class Module:
     tree: ast.Module
     imports: dict[str, str] = field(default_factory=dict)  # local name -> 'module' or 'module:attr'
     defs: dict[str, ast.AST] = field(default_factory=dict)  # top-level functions and classes
+    registries: dict[str, list[str]] = field(default_factory=dict)  # a Registry's name -> its built-ins' paths
 
 
 @dataclass
@@ -93,7 +96,26 @@ def _parse(name: str, path: Path) -> Module:
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             m.defs[node.name] = node
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, ast.Call):
+            builtins = _registry_builtins(node.value)
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if builtins is not None:
+                for t in targets:
+                    if isinstance(t, ast.Name):
+                        m.registries[t.id] = builtins
     return m
+
+
+def _registry_builtins(call: ast.Call) -> list[str] | None:
+    """The built-ins' import paths of `Registry(kind, field, {name: "module:attr", ...}, ...)`, where they are string
+    literals (None: not a registry, or its built-ins are computed)."""
+    if not (isinstance(call.func, ast.Name) and call.func.id == "Registry" and len(call.args) >= 3):
+        return None
+    table = call.args[2]
+    if not isinstance(table, ast.Dict):
+        return None
+    paths = [v.value for v in table.values if isinstance(v, ast.Constant) and isinstance(v.value, str)]
+    return paths if len(paths) == len(table.values) else None
 
 
 def layers(root: Path) -> list[list[str]]:
@@ -225,11 +247,33 @@ class Walker:
             callees = [self.resolve(mod, cls, sub.func, local)]
             if isinstance(sub.func, ast.Name) and callees[0] is None:  # cls = A if ... else B; cls(spec)
                 callees = [self.resolve(mod, cls, v, {}) for v in local.get(sub.func.id, [])]
+            callees += self.looked_up(mod, sub.func, local)
             for callee in callees:
                 if callee is not None:
                     self.call(mod, cls, sub, callee, names)
         if stored and cls is not None:
             self.object(modname, cls, frozenset(stored))
+
+    def looked_up(self, mod: Module, func: ast.expr, local: dict[str, list[ast.expr]]) -> list[tuple[str, ast.AST]]:
+        """The built-ins a registry lookup may call: `REG.get(name)(...)`, or `f = REG.get(name); f(...)`."""
+        lookups = [func] if isinstance(func, ast.Call) else local.get(func.id, []) if isinstance(func, ast.Name) else []
+        out = []
+        for look in lookups:
+            if not (isinstance(look, ast.Call) and isinstance(look.func, ast.Attribute) and look.func.attr == "get"
+                    and isinstance(look.func.value, ast.Name)):
+                continue
+            where: Module | None = mod
+            name = look.func.value.id
+            for _ in range(10):  # re-exports followed (factory.protocols re-exports each registry)
+                if where is None or name in where.registries or name not in where.imports:
+                    break
+                ref_mod, _, name = where.imports[name].partition(":")
+                where = self.mods.get(ref_mod)
+            for path in where.registries.get(name, []) if where is not None else []:
+                found = self.target(path)
+                if found is not None:
+                    out.append(found)
+        return out
 
     def call(self, mod: Module, cls: ast.ClassDef | None, sub: ast.Call, callee: tuple[str, ast.AST],
              names: set[str]) -> None:

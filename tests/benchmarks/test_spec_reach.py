@@ -87,6 +87,8 @@ def test_on_this_tree_the_run_reaches_the_loop_but_not_the_section_takers() -> N
     r = sr.measure(Path(__file__).resolve().parents[2])
     mods = set(r["module_list"])
     assert {"factory.runs.experiment", "factory.runs.rl_run", "factory.core.loop"} <= mods
+    # through the registries' lookups (PRODUCERS.get(...)(spec, ...), TRAINERS.get(...)(spec, model)) to the built-ins
+    assert {"factory.core.producers.builders", "factory.core.sglang.producer", "factory.core.trainer.megatron"} <= mods
     # handed sections (the rollout, the model, the data) or the resolved view, not the spec
     assert not mods & {"factory.core.gate", "factory.core.correction", "factory.infra.device"}
     assert r["signatures"] > 0 and r["climbs"] <= len(r["module_list"])
