@@ -80,11 +80,14 @@ def grpo_run(context: AssetExecutionContext, sft: dict, dataset: dict, spec: Spe
     process (supervised or not), or through Dagster Pipes in a child process or on Kubernetes: the metadata is the
     same. Training stops at a resume point if the run worker dies (assets/_retries.py `watched_by_run_worker`)."""
     s = spec.spec()
-    inputs = {"init_checkpoint": sft["path"], "dataset": dataset["path"],
-              "run_id": factory_run_id(context, s.name)}
+    run_id = factory_run_id(context, s.name)
+
+    def inputs() -> dict:  # read once the launch's own checks passed: a failed node is named before a missing upstream
+        return {"init_checkpoint": sft["path"], "dataset": dataset["path"], "run_id": run_id}
+
     lk, tracker = lake.lake(), mlflow.tracker()
     scalars = launcher.launch(context, spec, home, inputs, TrainingHere(context, s, home, lake, lk, tracker))
-    report_interruptions(context, lk, inputs["run_id"])
+    report_interruptions(context, lk, run_id)
     return MaterializeResult(metadata=rl_run_metadata(scalars, lk, tracker),
                              data_version=DataVersion(scalars["sha256"]))
 

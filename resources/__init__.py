@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from dagster import ConfigurableResource
@@ -82,18 +83,19 @@ class TrainingLauncherResource(ConfigurableResource):
         its own process, and a sweep member trains in its step's process under any launcher but `supervised`)."""
         return Supervision.SUPERVISED if self.where == WHERE_SUPERVISED else Supervision.IN_PROCESS
 
-    def launch(self, context, spec: SpecResource, home: FactoryHomeResource, inputs: dict, here) -> dict:
-        """Train the run of `inputs` where this deployment says; return its scalars (factory/runs/pipes.py
+    def launch(self, context, spec: SpecResource, home: FactoryHomeResource, inputs: Callable[[], dict], here) -> dict:
+        """Train the run of `inputs()` where this deployment says; return its scalars (factory/runs/pipes.py
         `run_scalars`). `here` (resources/launch.py `TrainingHere`) is what training from the step's own process
-        needs around it."""
+        needs around it; `inputs` is called once its checks passed (the preflight gate names a failed node first,
+        even when an upstream is missing too)."""
         from resources.launch import launch_here, launch_k8s, launch_subprocess  # noqa: PLC0415 heavy, a launch only
 
         if self.where in (WHERE_IN_PROCESS, WHERE_SUPERVISED):
             return launch_here(context, spec.spec(), home, inputs, here, self.supervision())
         if self.where == "subprocess":
-            return launch_subprocess(context, spec, home, inputs, here)
+            return launch_subprocess(context, spec, home, inputs(), here)
         if self.where == "k8s":
-            return launch_k8s(context, spec.spec(), self, inputs, here)
+            return launch_k8s(context, spec.spec(), self, inputs(), here)
         raise ValueError(f"launcher.where: expected in_process, supervised, subprocess or k8s, got {self.where!r}")
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -60,12 +61,15 @@ class TrainingHere(Protocol):
 
 
 def launch_here(context: AssetExecutionContext, spec: ExperimentSpec, home: FactoryHomeResource,
-                inputs: dict[str, Any], here: TrainingHere, supervision: Supervision) -> dict[str, Any]:
-    """The run trained from the step's own process by its `Pipeline`, supervised as `supervision` says; its scalars."""
+                read_inputs: Callable[[], dict[str, Any]], here: TrainingHere,
+                supervision: Supervision) -> dict[str, Any]:
+    """The run trained from the step's own process by its `Pipeline`, supervised as `supervision` says; its scalars.
+    `read_inputs` is called inside the step's guards (the preflight gate first)."""
     from factory.runs.pipeline import Pipeline  # noqa: PLC0415 heavy: torch, for a launch only
     from factory.runs.pipes import run_scalars  # noqa: PLC0415 heavy: torch, for a launch only
 
     with here.guard():
+        inputs = read_inputs()
         res = Pipeline(spec, home.paths(), log=here.log, progress=here.progress).train(
             inputs["init_checkpoint"], Path(inputs["dataset"]), here.lake, here.tracker, supervision,
             run_id=inputs["run_id"])
