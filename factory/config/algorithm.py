@@ -134,10 +134,7 @@ class AlgorithmSpec(_Section):
     @field_validator("name")
     @classmethod
     def _known(cls, v: str) -> str:
-        try:
-            return ALGORITHMS.check_name(v)
-        except ValueError as e:  # the registry names the field; pydantic's location names it already
-            raise ValueError(str(e).removeprefix(f"{ALGORITHMS.field}: ")) from None
+        return ALGORITHMS.spec_name(v)
 
     @field_validator("overlong_buffer")
     @classmethod

@@ -90,14 +90,7 @@ class RolloutSpec(_Section):
     @field_validator("engine")
     @classmethod
     def _known_backend(cls, name: str) -> str:
-        # A built-in is known by name (importing it here would pull the engines into every spec validation); any
-        # other name is resolved now, so a typo or a broken plugin fails at validation, naming the field.
-        if PRODUCERS.is_builtin(name):
-            return name
-        try:
-            return PRODUCERS.check_name(name)
-        except ValueError as e:  # the registry names the field; the spec's error lines name it already
-            raise ValueError(str(e).removeprefix("rollout.engine: ")) from None
+        return PRODUCERS.spec_name(name)
 
     @model_validator(mode="after")
     def _sglang_settings(self) -> RolloutSpec:

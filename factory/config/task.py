@@ -13,7 +13,6 @@ from factory.config.bounds import (
 )
 from factory.config.section import _Section
 from factory.protocols.task import TASK_FAMILIES
-from factory.text import clip
 
 Operation = Literal["add", "sub", "mul"]
 
@@ -61,13 +60,7 @@ class TaskSpec(_Section):
     @field_validator("name")
     @classmethod
     def _known_family(cls, v: str) -> str:
-        if TASK_FAMILIES.is_builtin(v):  # known without importing it (the code family loads the sandbox modules)
-            return v
-        try:
-            return TASK_FAMILIES.check_name(v)
-        except ValueError as e:  # the error names the field already, as the spec's errors do; a huge name clipped
-            echo = clip(repr(v), 100, mark="…", unit="chars", size=len(v))
-            raise ValueError(str(e).removeprefix(f"{TASK_FAMILIES.field}: ").replace(repr(v), echo)) from None
+        return TASK_FAMILIES.spec_name(v)
 
     @field_validator("digits")
     @classmethod

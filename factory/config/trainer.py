@@ -89,14 +89,7 @@ class TrainerSpec(_Section):
     @field_validator("backend")
     @classmethod
     def _backend(cls, v: str) -> str:
-        # A known name is checked without importing it (megatron-core is an optional extra, and loading a spec stays
-        # light); an import path is imported, so a typo fails here rather than when the run starts.
-        if v in TRAINERS:
-            return v
-        try:
-            return TRAINERS.check_name(v)
-        except ValueError as e:  # the registry names the field; the spec's error lines name it already
-            raise ValueError(str(e).removeprefix("trainer.backend: ")) from None
+        return TRAINERS.spec_name(v)
 
     @model_validator(mode="after")
     def _layout(self) -> TrainerSpec:

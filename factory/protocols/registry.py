@@ -15,6 +15,8 @@ import importlib.metadata
 from collections.abc import Callable, Iterator, Mapping
 from typing import Generic, TypeVar
 
+from factory.text import clip
+
 T = TypeVar("T")
 
 
@@ -101,6 +103,19 @@ class Registry(Generic[T]):
         spec validator: a typo fails at validation, naming the field."""
         self.get(name)
         return name
+
+    def spec_name(self, name: str) -> str:
+        """`name` as a spec validator takes it: a built-in or a name registered in this process passes by name
+        (importing a built-in here would pull its module into every spec validation); a plugin's or an import path
+        is resolved now, so a typo or a broken plugin fails at validation. The error leaves out the field (the
+        spec's error line names it) and clips a huge name."""
+        if name in self._builtins or name in self._registered:
+            return name
+        try:
+            return self.check_name(name)
+        except ValueError as e:
+            echo = clip(repr(name), 100, mark="…", unit="chars", size=len(name))
+            raise ValueError(str(e).removeprefix(f"{self.field}: ").replace(repr(name), echo)) from None
 
     def get(self, name: str) -> T:
         """The object registered under `name` (see the module docstring for the order)."""

@@ -99,3 +99,15 @@ def test_a_plugin_entry_point_is_listed_without_importing_it_and_loaded_when_nam
     with pytest.raises(ValueError, match=r"the plugin 'broken' \(plugin_broken_mod:WIDGET, entry point group "
                                          r"'factory.test_widgets'\) failed to load: RuntimeError: broken at import"):
         r.get("broken")
+
+
+def test_spec_name_passes_builtins_unimported_and_resolves_the_rest_naming_no_field(tmp_path, monkeypatch):
+    (tmp_path / "never_imported_widget.py").write_text("raise RuntimeError('imported at validation')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    r = Registry("widget", "widgets.name", {"lazy": "never_imported_widget:W"}, group="factory.test_widgets")
+    assert r.spec_name("lazy") == "lazy" and "never_imported_widget" not in sys.modules
+    assert r.spec_name("json:dumps") == "json:dumps"
+    with pytest.raises(ValueError) as e:
+        r.spec_name("x" * 5000)
+    msg = str(e.value)
+    assert msg.startswith("unknown widget 'xxx") and "…" in msg and len(msg) < 400  # the field is the spec's to name
