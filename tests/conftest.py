@@ -157,3 +157,21 @@ def gpu_driver(tmp_path, monkeypatch):
         monkeypatch.setattr(gpus, "PROC_GPUS", proc)
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     return make
+
+
+@pytest.fixture
+def installed_plugin(tmp_path, monkeypatch):
+    """`install(group, name="pkg.mod:attr", ...)`: entry points of a package as `pip install` leaves them (a
+    `.dist-info` with `entry_points.txt` on sys.path, removed with the test), for the registries of
+    factory/protocols to find as a third party's plugin."""
+    dist = tmp_path / "factory_test_plugin-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: factory-test-plugin\nVersion: 0.1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def install(group: str, **entries: str) -> None:
+        lines = [f"[{group}]", *(f"{name} = {path}" for name, path in entries.items())]
+        with open(dist / "entry_points.txt", "a") as f:
+            f.write("\n".join(lines) + "\n")
+
+    return install

@@ -74,14 +74,8 @@ def test_environments_resolve_through_the_registry():
         load_environment("math:pi")
 
 
-def test_a_plugins_environment_resolves_by_its_entry_point(tmp_path, monkeypatch):
-    import sys
-
-    dist = tmp_path / "env_plugin-0.1.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: env-plugin\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text("[factory.environments]\ntwo_turns = tests.envs.test_episodes:TwoTurnEnv\n")
-    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
+def test_a_plugins_environment_resolves_by_its_entry_point(installed_plugin):
+    installed_plugin("factory.environments", two_turns="tests.envs.test_episodes:TwoTurnEnv")
     env = load_environment("two_turns")
     assert env.kind == "multi_turn" and isinstance(env.run_episode, GymAdapter)
 

@@ -4,8 +4,6 @@ trained for a few steps of the micro model, whose recorded losses are the toy's.
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 
@@ -70,13 +68,9 @@ def test_registered_in_process():
         spec("rloo")
 
 
-def test_registered_by_a_plugins_entry_point(tmp_path, monkeypatch):
+def test_registered_by_a_plugins_entry_point(installed_plugin):
     # An installed package declaring [project.entry-points."factory.algorithms"] rloo = "...": its metadata.
-    dist = tmp_path / "toy_plugin-0.1.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-plugin\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text(f"[factory.algorithms]\nrloo_ep = {IMPORT_PATH}\n")
-    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
+    installed_plugin("factory.algorithms", rloo_ep=IMPORT_PATH)
     assert "rloo_ep" in ALGORITHMS.names()
     assert spec("rloo_ep").algorithm.implementation() is toy_algorithm.ALGORITHM
 

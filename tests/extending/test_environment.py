@@ -4,8 +4,6 @@ validated by the spec, and trained for a few steps of the micro model, whose rec
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 
 from factory.config import SpecError, parse_spec
@@ -72,13 +70,9 @@ def test_registered_in_process_and_validated_by_the_spec():
         spec("copy_inproc")
 
 
-def test_registered_by_a_plugins_entry_point(tmp_path, monkeypatch):
+def test_registered_by_a_plugins_entry_point(installed_plugin):
     # An installed package declaring [project.entry-points."factory.task_families"] copy_ep = "...": its metadata.
-    dist = tmp_path / "toy_plugin-0.1.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-plugin\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text("[factory.task_families]\ncopy = tests.extending.toy_environment:FAMILY\n")
-    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
+    installed_plugin("factory.task_families", copy="tests.extending.toy_environment:FAMILY")
     assert "copy" in TASK_FAMILIES.names()
     p = make_task_splits(spec("copy").task, 0).eval[0]
     assert verify(p.answer, p) == 1.0

@@ -64,13 +64,9 @@ def test_the_toy_backend_drives_training_on_its_own_completions(toy, how, mode, 
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
-def test_a_plugins_entry_point_names_the_backend(tmp_path, monkeypatch):
+def test_a_plugins_entry_point_names_the_backend(installed_plugin):
     # A package's metadata, as `pip install` writes it from `[project.entry-points."factory.producers"]`.
-    dist = tmp_path / "toy_plugin-0.1.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-plugin\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text(f"[factory.producers]\ntoy_plugin = {IMPORT_PATH}\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
+    installed_plugin("factory.producers", toy_plugin=IMPORT_PATH)
     assert "toy_plugin" in PRODUCERS.names()
     assert PRODUCERS.get("toy_plugin") is toy_rollout.build
     assert spec("toy_plugin").rollout.engine == "toy_plugin"

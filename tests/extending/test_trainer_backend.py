@@ -69,17 +69,13 @@ def test_the_toy_backend_trains_the_quickstart_model_through_factory_run(factory
     assert json.loads(row["spec"])["trainer"]["backend"] == "toy_sgd"
 
 
-def test_the_toy_registers_in_process_as_an_entry_point_and_as_an_import_path(tmp_path, monkeypatch, toy_registered):
+def test_the_toy_registers_in_process_as_an_entry_point_and_as_an_import_path(installed_plugin, toy_registered):
     assert parse_spec({"trainer": {"backend": "toy_sgd"}}).trainer.backend == "toy_sgd"
     assert TRAINERS.get("toy_sgd") is toy_trainer.build
     assert "toy_sgd" in TRAINERS.names()
     # A plugin package: its entry point in group factory.trainers (what `pip install` of a package declaring
     # [project.entry-points."factory.trainers"] toy_ep = "tests.extending.toy_trainer:build" writes).
-    dist = tmp_path / "toy_plugin-0.1.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-plugin\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text("[factory.trainers]\ntoy_ep = tests.extending.toy_trainer:build\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
+    installed_plugin("factory.trainers", toy_ep="tests.extending.toy_trainer:build")
     assert parse_spec({"trainer": {"backend": "toy_ep"}}).trainer.backend == "toy_ep"
     assert TRAINERS.get("toy_ep") is toy_trainer.build
     # No registration at all: the import path in the spec.

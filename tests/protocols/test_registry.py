@@ -4,7 +4,6 @@ asked for), a plugin's entry point, or an import path; a wrong name or a broken 
 from __future__ import annotations
 
 import sys
-import textwrap
 
 import pytest
 
@@ -79,19 +78,11 @@ def test_check_adapts_or_refuses_an_object_when_it_is_named():
         r.register("bad", 3)
 
 
-def test_a_plugin_entry_point_is_listed_without_importing_it_and_loaded_when_named(tmp_path, monkeypatch):
+def test_a_plugin_entry_point_is_listed_without_importing_it_and_loaded_when_named(tmp_path, installed_plugin):
     """A package's entry point in the registry's group, as pip would install it (a .dist-info on sys.path)."""
     (tmp_path / "plugin_widget_mod.py").write_text("WIDGET = 'from the plugin'\n")
     (tmp_path / "plugin_broken_mod.py").write_text("raise RuntimeError('broken at import')\n")
-    dist = tmp_path / "widget_plugin-1.0.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: widget-plugin\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text(textwrap.dedent("""\
-        [factory.test_widgets]
-        plugged = plugin_widget_mod:WIDGET
-        broken = plugin_broken_mod:WIDGET
-        """))
-    monkeypatch.syspath_prepend(str(tmp_path))
+    installed_plugin("factory.test_widgets", plugged="plugin_widget_mod:WIDGET", broken="plugin_broken_mod:WIDGET")
     r = _registry()
     assert r.names() == ("json", "plugged", "broken") and "plugged" in r
     assert "plugin_widget_mod" not in sys.modules
