@@ -14,7 +14,7 @@ from concurrent.futures import TimeoutError as FuturesTimeout
 
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-from factory.config import BufferSpec, ExperimentSpec
+from factory.config import ExperimentSpec
 from factory.core.buffer import BufferClosed, BufferTimeout, Group, Reservation, RolloutBuffer, Sample
 from factory.core.producers.common import (
     _environment,
@@ -45,8 +45,8 @@ class OverlappedProducer:
         self.spec, self.tok, self.feed = spec, tokenizer, feed
         self.positions = policy_positions(spec.model, model)
         per_step = spec.rollout.prompts_per_step
-        buffer_spec = spec.buffer if spec.schedule.mode == "async" else BufferSpec(policy="bound", max_staleness=1)
-        self.buffer = RolloutBuffer.from_spec(buffer_spec, groups_per_step=per_step)
+        # async: the spec's buffer; one_step_off: a version of staleness at most (`spec.resolved`, worked out once)
+        self.buffer = RolloutBuffer.from_spec(spec.resolved.buffer, groups_per_step=per_step)
         self.buffer.on_drop = lambda group: self.feed.dropped([group.meta["draw"]])
         if state is not None:  # scored groups not yet trained go back in; prompts in flight are served again
             self.buffer.load_state_dict(state["buffer"])
@@ -65,7 +65,7 @@ class OverlappedProducer:
         self._busy_s = 0.0  # summed over producers: time with a group in flight
         self._lock = threading.Lock()
         self._t0 = time.perf_counter()
-        n = spec.rollout.concurrency or self.buffer.capacity
+        n = spec.resolved.concurrency
         self._threads = [threading.Thread(target=self._produce, name=f"producer-{i}", daemon=True) for i in range(n)]
         for t in self._threads:
             t.start()
