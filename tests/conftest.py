@@ -167,11 +167,11 @@ def installed_plugin(tmp_path, monkeypatch):
     dist = tmp_path / "factory_test_plugin-0.1.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: factory-test-plugin\nVersion: 0.1\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
 
     def install(group: str, **entries: str) -> None:
         lines = [f"[{group}]", *(f"{name} = {path}" for name, path in entries.items())]
         with open(dist / "entry_points.txt", "a") as f:
             f.write("\n".join(lines) + "\n")
+        monkeypatch.syspath_prepend(str(tmp_path))  # as an installed package's path appears (the registries re-read)
 
     return install

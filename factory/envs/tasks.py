@@ -92,23 +92,12 @@ def _bounded(reward: float) -> float:
 TASK_VERIFIERS = ("arithmetic", "word_problems", "code", "reasoning_gym", "math_verify", "humaneval")
 
 
-# What a name or op resolved to, for those that are not built-in: finding one may read the metadata of every
-# installed package (entry points, tens of ms), too slow per scored completion, so each is resolved once per
-# process. A built-in asks its registry every time (an in-process replacement of one takes effect at once).
-_SCORES_WITH_VERIFIERS: dict[str, bool] = {}
-_VERIFIER_OF_OP: dict[str, Verifier] = {}
-
 
 def is_task_verifier(name: str) -> bool:
     """Whether the scorer `name` (a spec's `task.name`, a source's `verifier`) scores with `verify_detail`: a
     built-in, a name registered as a task family or verifier, or the import path of a task family (not that of
-    an environment). Resolved once per process for a name that is not built-in."""
-    if name in TASK_VERIFIERS:
-        return True
-    known = _SCORES_WITH_VERIFIERS.get(name)
-    if known is None:
-        known = _SCORES_WITH_VERIFIERS[name] = _resolves_to_a_verifier(name)
-    return known
+    an environment)."""
+    return name in TASK_VERIFIERS or _resolves_to_a_verifier(name)
 
 
 def _resolves_to_a_verifier(name: str) -> bool:
@@ -123,14 +112,9 @@ def _resolves_to_a_verifier(name: str) -> bool:
 
 def verifier_for(problem: Problem) -> Verifier:
     """The verifier of `problem`: the one registered for its op, else that of the task family its op names, else
-    the exact arithmetic check (rows of any other op). Resolved once per process for an op that is not built-in."""
+    the exact arithmetic check (rows of any other op)."""
     op = problem.op
-    if VERIFIERS.is_builtin(op):
-        return VERIFIERS.get(op)
-    found = _VERIFIER_OF_OP.get(op)
-    if found is None:
-        found = _VERIFIER_OF_OP[op] = _find_verifier(op)
-    return found
+    return VERIFIERS.get(op) if VERIFIERS.is_builtin(op) else _find_verifier(op)
 
 
 def _find_verifier(op: str) -> Verifier:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Generic, TypeVar
 
@@ -48,6 +49,7 @@ class Registry(Generic[T]):
         self._registered: dict[str, T] = {}
         self._loaded: dict[str, T] = {}
         self._check = check
+        self._plugins: tuple[tuple[str, ...], dict[str, importlib.metadata.EntryPoint]] | None = None
 
     # ------------------------------------------------------------------ registration
 
@@ -74,7 +76,12 @@ class Registry(Generic[T]):
     # ------------------------------------------------------------------ lookup
 
     def _entry_points(self) -> dict[str, importlib.metadata.EntryPoint]:
-        return {ep.name: ep for ep in importlib.metadata.entry_points(group=self.group)}
+        # Reading every installed package's metadata takes tens of ms, and names are looked up per completion
+        # scored: read once per sys.path (a path added later, e.g. a plugin's, is read then).
+        path = tuple(sys.path)
+        if self._plugins is None or self._plugins[0] != path:
+            self._plugins = (path, {ep.name: ep for ep in importlib.metadata.entry_points(group=self.group)})
+        return self._plugins[1]
 
     def names(self) -> tuple[str, ...]:
         """Every name this registry resolves without an import path: built-ins first, then plugins (entry

@@ -3,6 +3,7 @@ asked for), a plugin's entry point, or an import path; a wrong name or a broken 
 
 from __future__ import annotations
 
+import importlib.metadata
 import sys
 
 import pytest
@@ -102,3 +103,18 @@ def test_spec_name_passes_builtins_unimported_and_resolves_the_rest_naming_no_fi
         r.spec_name("x" * 5000)
     msg = str(e.value)
     assert msg.startswith("unknown widget 'xxx") and "…" in msg and len(msg) < 400  # the field is the spec's to name
+
+
+def test_entry_points_are_read_once_per_sys_path(tmp_path, monkeypatch, installed_plugin):
+    """Reading every installed package's metadata takes tens of ms and a verifier's op is looked up per completion
+    scored: the registry reads it again only when sys.path changed (a plugin's path added)."""
+    reads = []
+    real = importlib.metadata.entry_points
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda **kw: reads.append(kw) or real(**kw))
+    r = _registry()
+    for _ in range(5):
+        assert "nope" not in r
+    assert len(reads) == 1
+    (tmp_path / "late_widget_mod.py").write_text("WIDGET = 'late'\n")
+    installed_plugin("factory.test_widgets", late="late_widget_mod:WIDGET")  # a new path on sys.path
+    assert r.get("late") == "late" and len(reads) == 2
