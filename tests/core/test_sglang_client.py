@@ -150,6 +150,9 @@ def server():
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
+    # Listening before uvicorn starts: the lifespan event below fires before uvicorn listens, and a bound socket
+    # that does not listen yet refuses connections (CI saw the first test refused); the backlog holds them instead.
+    sock.listen(128)
     srv = uvicorn.Server(uvicorn.Config(make_app(state, started), log_level="warning",
                                         timeout_graceful_shutdown=1))
     thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
