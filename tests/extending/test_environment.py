@@ -8,9 +8,11 @@ import pytest
 
 from factory.config import SpecError, parse_spec
 from factory.core.loop import train_rl
+from factory.data.sources import JsonlSource
 from factory.envs.tasks import make_task_splits, verify
 from factory.models.build import policy_for
 from factory.protocols import TASK_FAMILIES
+from factory.source_spec import SourceError
 from tests.extending import toy_environment
 
 IMPORT_PATH = "tests.extending.toy_environment:FAMILY"
@@ -76,6 +78,28 @@ def test_registered_by_a_plugins_entry_point(installed_plugin):
     assert "copy" in TASK_FAMILIES.names()
     p = make_task_splits(spec("copy").task, 0).eval[0]
     assert verify(p.answer, p) == 1.0
+
+
+def test_a_data_source_names_a_registered_family_as_its_verifier(tmp_path, installed_plugin):
+    # Prompts of one's own (a JSONL file) scored by a plugin's family: the rows take its name as op, so verify
+    # dispatches them to its verifier.
+    path = tmp_path / "copy.jsonl"
+    path.write_text('{"prompt": "copy 4729=", "answer": "4729"}\n')
+    with pytest.raises(SourceError, match=r"source 'mine': unknown verifier 'copy_src'; use one of .*arithmetic"):
+        JsonlSource("mine", path, "copy_src")
+    TASK_FAMILIES.register("copy_src", toy_environment.CopyFamily(name="copy_src"))
+    try:
+        row, = JsonlSource("mine", path, "copy_src").read_block(0)
+        assert row.op == "copy_src" and row.meta["verifier"] == "copy_src"
+        assert verify("4729", row) == 1.0 and verify("x4729", row) == pytest.approx(0.5 * 4 / 5)
+    finally:
+        TASK_FAMILIES.unregister("copy_src")
+    installed_plugin("factory.task_families", copy_ep="tests.extending.toy_environment:FAMILY")
+    try:
+        row, = JsonlSource("mine", path, "copy_ep").read_block(0)  # checked by name: the plugin is not imported yet
+        assert row.op == "copy_ep" and verify("4729", row) == 1.0
+    finally:
+        TASK_FAMILIES.unregister("copy_ep")  # the loaded plugin is cached under its name
 
 
 def test_not_a_task_family_is_refused_when_named():

@@ -4,10 +4,11 @@ A `ColumnMap` (factory/source_spec.py) says which column holds the id, the promp
 extra columns go into `meta`. Rows are built from an Arrow table slice one column at a time (`to_pylist` per
 column is far faster than per-row dicts). A source without an id column gets the row's position as its id.
 
-The verifier names what scores a row: a task family of `factory/envs/tasks.py` ("arithmetic",
-"word_problems", "code", and the field's "reasoning_gym", "math_verify", "humaneval"), a built-in environment
-of `factory/envs/registry.py`, or an environment import path "pkg.module:attr" (only then is user code imported,
-to check that it loads).
+The verifier names what scores a row: a task family ("arithmetic", "word_problems", "code", the field's
+"reasoning_gym", "math_verify", "humaneval", or one a plugin registered in `factory.protocols.TASK_FAMILIES`), a
+verifier of `factory.protocols.VERIFIERS` (a row's `op` picks its verifier, and a row without an op column takes
+the verifier's name), a built-in environment of `factory/envs/registry.py`, or an environment import path
+"pkg.module:attr" (only then is user code imported, to check that it loads).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import pyarrow.compute as pc
 
 from factory.envs.registry import BUILTINS, load_environment
 from factory.problem import Problem
+from factory.protocols import TASK_FAMILIES as REGISTERED_FAMILIES
+from factory.protocols import VERIFIERS
 from factory.source_spec import ColumnMap, SourceError
 
 TASK_FAMILIES = ("arithmetic", "word_problems", "code", "reasoning_gym", "math_verify", "humaneval")
@@ -33,7 +36,8 @@ _OP_OF_VERIFIER = {"word_problems": "word", "code": "code"}
 
 
 def check_verifier(source: str, verifier: str) -> None:
-    """SourceError unless `verifier` is a task family, a built-in environment or an importable environment."""
+    """SourceError unless `verifier` is a task family (shipped or registered), a registered verifier, a built-in
+    environment or an importable environment."""
     if verifier in _NEEDS:
         try:
             importlib.import_module(_NEEDS[verifier])  # optional: only sources naming this verifier need it
@@ -41,7 +45,9 @@ def check_verifier(source: str, verifier: str) -> None:
             raise SourceError(f"source {source!r}: verifier {verifier!r} needs the {_NEEDS[verifier]} package: "
                               "pip install 'factory[real]'") from e
         return
-    if verifier in TASK_FAMILIES or verifier in BUILTINS:
+    # Registered names are checked by name only (a plugin's module is imported when a row is first scored), as the
+    # spec checks task.name.
+    if verifier in TASK_FAMILIES or verifier in BUILTINS or verifier in REGISTERED_FAMILIES or verifier in VERIFIERS:
         return
     if ":" in verifier:
         try:
@@ -49,7 +55,7 @@ def check_verifier(source: str, verifier: str) -> None:
         except ValueError as e:
             raise SourceError(f"source {source!r}: verifier {verifier!r} does not load: {e}") from e
         return
-    known = sorted(set(TASK_FAMILIES) | set(BUILTINS))
+    known = sorted(set(TASK_FAMILIES) | set(BUILTINS) | set(REGISTERED_FAMILIES.names()))
     raise SourceError(f"source {source!r}: unknown verifier {verifier!r}; use one of {', '.join(known)} or an "
                       "environment import path like 'my_pkg.my_env:reward'")
 
