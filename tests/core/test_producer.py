@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from factory.config import parse_spec
-from factory.core.producers.common import _prompt_ids, scorer
+from factory.core.producers.common import encode_prompt, scorer
 from factory.infra.device import run_device
 from factory.models.tokenizer import tokenizer_for
 from factory.problem import Problem
@@ -19,10 +19,10 @@ def test_a_prompt_too_long_for_the_model_names_the_prompt_and_its_source():
     spec = parse_spec({"model": {"max_positions": 32}, "task": {"digits": [2], "n_train": 100, "n_eval": 8}})
     tok = tokenizer_for("arithmetic")
     ok = Problem("p1", "12+34=", "64", "add", 2, {"source": "mine"})
-    assert len(_prompt_ids(tok, ok, spec, 32)) == 7  # <bos> and one token per character
+    assert len(encode_prompt(tok, ok, spec, 32)) == 7  # <bos> and one token per character
     long = Problem("p2", "1" * 40 + "+1=", "2", "add", 40, {"source": "mined"})
     with pytest.raises(ValueError, match=r"prompt 'p2' of source 'mined' has 44 tokens.*32 positions"):
-        _prompt_ids(tok, long, spec, 32)
+        encode_prompt(tok, long, spec, 32)
 
 
 def test_each_prompt_is_scored_by_its_sources_verifier_unless_the_spec_names_an_environment():
@@ -39,7 +39,7 @@ def test_a_prompt_outside_a_character_tokenizers_alphabet_is_named():
     spec = parse_spec({"task": {"digits": [2], "n_train": 100, "n_eval": 8}})
     bad = Problem("w1", "Ann has 3 apples", "3", "word", 0, {"source": "mined"})
     with pytest.raises(ValueError, match=r"prompt 'w1' of source 'mined' cannot be tokenized.*task arithmetic"):
-        _prompt_ids(tokenizer_for("arithmetic"), bad, spec, 64)
+        encode_prompt(tokenizer_for("arithmetic"), bad, spec, 64)
 
 
 def test_the_context_is_the_specs_else_a_path_models_own_else_the_presets():  # models/build.py

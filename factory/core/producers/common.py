@@ -44,12 +44,12 @@ def make_group(problem: Problem, k: int, completions: list[Completion], scored: 
                                                  "hack_checked": runs_hack_detectors(problem, scorer_name)})
 
 
-def _params(spec: ExperimentSpec, seed: int, n: int = 1) -> SamplingParams:
+def sampling_params(spec: ExperimentSpec, seed: int, n: int = 1) -> SamplingParams:
     r = spec.rollout
     return SamplingParams(n=n, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens, seed=seed)
 
 
-def _environment(spec: ExperimentSpec):
+def open_environment(spec: ExperimentSpec):
     return make_environment(spec.task.simulated_latency_s, spec.rollout.environment, spec.rollout.env_processes,
                             timeout=spec.schedule.wait_timeout_s, sandbox_workers=spec.task.sandbox_workers,
                             sandbox_isolation=spec.task.sandbox_isolation, breaker_restarts=spec.ops.breaker_restarts,
@@ -58,7 +58,7 @@ def _environment(spec: ExperimentSpec):
                             sandbox_cpus=spec.task.sandbox_cpus)
 
 
-def _prompt_ids(tok: PreTrainedTokenizerFast, problem: Problem, spec: ExperimentSpec,
+def encode_prompt(tok: PreTrainedTokenizerFast, problem: Problem, spec: ExperimentSpec,
                 limit: int | None) -> list[int]:
     """The prompt's tokens; a prompt too long for the model's `limit` positions (a file source's row) or that the
     tokenizer cannot read is an error naming it."""

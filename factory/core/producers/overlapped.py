@@ -17,11 +17,11 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 from factory.config import ExperimentSpec
 from factory.core.buffer import BufferClosed, BufferTimeout, Group, Reservation, RolloutBuffer, Sample
 from factory.core.producers.common import (
-    _environment,
-    _params,
-    _prompt_ids,
+    encode_prompt,
     episode,
     make_group,
+    open_environment,
+    sampling_params,
     scorer,
 )
 from factory.core.rollout.engines.paged.engine import make_engine
@@ -54,7 +54,7 @@ class OverlappedProducer:
         self.rows = max(64, per_step * spec.algorithm.group_size)  # a whole step's samples decode together
         self.timeout = spec.schedule.wait_timeout_s
         self._published = start_version  # the newest version the engine is known to hold (a lower bound)
-        self.env = _environment(spec)
+        self.env = open_environment(spec)
         try:
             self._start_engine(model, start_version)
         except BaseException:
@@ -117,8 +117,8 @@ class OverlappedProducer:
     def _group(self, k: int, problem: Problem, slot: Reservation) -> Group | None:
         """G single-turn completions of the problem, scored by the environment (None: shutting down)."""
         g = self.spec.algorithm.group_size
-        ids = _prompt_ids(self.tok, problem, self.spec, self.positions)
-        completions = self._sample(ids, _params(self.spec, self.spec.seed * 1_000_003 + k, n=g))
+        ids = encode_prompt(self.tok, problem, self.spec, self.positions)
+        completions = self._sample(ids, sampling_params(self.spec, self.spec.seed * 1_000_003 + k, n=g))
         slot.generated_at(min(Sample.from_completion(c, 0.0).oldest_version for c in completions))
         scored = self.env.score([episode(problem, k, completions, scorer(self.spec, problem))])
         return None if scored is None else make_group(problem, k, completions, scored[0], scorer(self.spec, problem))
@@ -169,7 +169,7 @@ class OverlappedProducer:
     def probe(self, prompt_ids: list[int], n: int) -> list[Completion]:
         """`n` completions of one prompt at the engine's current version (the trainer waits on them; the
         only publisher is the trainer, so no update can land in between)."""
-        return self._sample(prompt_ids, _params(self.spec, seed=0x7FFFFFFF, n=n))
+        return self._sample(prompt_ids, sampling_params(self.spec, seed=0x7FFFFFFF, n=n))
 
     def metrics(self) -> dict[str, float]:
         m = {**self.buffer.metrics(), **self.env.metrics(), **self.feed.metrics()}

@@ -10,11 +10,11 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 from factory.config import ExperimentSpec
 from factory.core.buffer import Group
 from factory.core.producers.common import (
-    _environment,
-    _params,
-    _prompt_ids,
+    encode_prompt,
     episode,
     make_group,
+    open_environment,
+    sampling_params,
     scorer,
 )
 from factory.core.rollout.engines.embedded import EmbeddedEngine
@@ -37,7 +37,7 @@ class SyncProducer:
         if state is not None:  # nothing is buffered between sync steps: only the feed continues
             feed.load_state_dict(state["stream"])
         self._start_engine(model, start_version)
-        self.env = _environment(spec)
+        self.env = open_environment(spec)
 
     def _start_engine(self, model: PreTrainedModel, version: int) -> None:
         # rollout.round_weights: the engine samples from its own copy, rounded (LoRA merged in); else from the
@@ -49,8 +49,8 @@ class SyncProducer:
 
     def next_batch(self, step: int) -> list[Group]:
         draws = [self.feed.draw(step) for _ in range(self.spec.rollout.prompts_per_step)]
-        prompts = [_prompt_ids(self.tok, p, self.spec, self.positions) for _, p in draws]
-        params = _params(self.spec, self.spec.seed * 1_000_003 + step, n=self.spec.algorithm.group_size)
+        prompts = [encode_prompt(self.tok, p, self.spec, self.positions) for _, p in draws]
+        params = sampling_params(self.spec, self.spec.seed * 1_000_003 + step, n=self.spec.algorithm.group_size)
         groups = self.engine.generate(prompts, params)
         # The episodes run side by side in the environment: the batch is ready when the slowest is.
         scored = self.env.score([episode(p, k, comps, scorer(self.spec, p))
@@ -74,7 +74,7 @@ class SyncProducer:
 
     def probe(self, prompt_ids: list[int], n: int) -> list[Completion]:
         """`n` completions of one prompt from the engine's current weights (outside the training data)."""
-        return self.engine.generate([prompt_ids], _params(self.spec, seed=0x7FFFFFFF, n=n))[0]
+        return self.engine.generate([prompt_ids], sampling_params(self.spec, seed=0x7FFFFFFF, n=n))[0]
 
     def metrics(self) -> dict[str, float]:
         return {**self.env.metrics(), **self.feed.metrics()}
