@@ -68,26 +68,28 @@ class JSONBodyCheck:
                 or scope["path"] in self.raw_paths or not _is_json(scope):
             await self.app(scope, receive, send)
             return
-        chunks: list[bytes] = []
-        ended: Message | None = None  # what stopped the reading other than the body's end (a disconnect)
         try:
-            while True:
-                msg = await receive()
-                if msg["type"] != "http.request":
-                    ended = msg
-                    break
-                chunks.append(msg.get("body", b""))
-                if not msg.get("more_body", False):
-                    break
+            body, ended = await read_body(receive)
         except Exception as e:  # the body limit's 413: raised again where the app's error handlers answer it
             await self.app(scope, raising(e), send)
             return
-        body = b"".join(chunks)
-        del chunks
         if ended is None and body and (problem := body_problem(body, self.max_depth)) is not None:
             await self.refuse(problem)(scope, receive, send)
             return
         await self.app(scope, replay(body, ended, receive), send)
+
+
+async def read_body(receive: Receive) -> tuple[bytes, Message | None]:
+    """The request body whole, and the message that stopped the reading before the body's end (a disconnect), if
+    one did. What `receive` raises (a body limit's 413) propagates."""
+    chunks: list[bytes] = []
+    while True:
+        msg = await receive()
+        if msg["type"] != "http.request":
+            return b"".join(chunks), msg
+        chunks.append(msg.get("body", b""))
+        if not msg.get("more_body", False):
+            return b"".join(chunks), None
 
 
 def replay(body: bytes, ended: Message | None, receive: Receive) -> Receive:

@@ -23,10 +23,10 @@ so it makes at most `2 * MAX_STRINGS + 1` pieces. Invalid JSON may be counted wr
 
 from __future__ import annotations
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from factory.core.rollout.server.api_models import MAX_PROMPTS, _error_response
-from factory.infra.json_body import raising, replay
+from factory.infra.json_body import raising, read_body, replay
 
 MAX_OTHER_VALUES = 1 << 16  # values (keys included) a request may hold outside its prompt
 MAX_STRINGS = MAX_PROMPTS + MAX_OTHER_VALUES
@@ -82,22 +82,11 @@ class CompletionBodyGate:
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != self.path:
             await self.app(scope, receive, send)
             return
-        chunks: list[bytes] = []
-        ended: Message | None = None  # what stopped the reading other than the body's end (a disconnect)
         try:
-            while True:
-                msg = await receive()
-                if msg["type"] != "http.request":
-                    ended = msg
-                    break
-                chunks.append(msg.get("body", b""))
-                if not msg.get("more_body", False):
-                    break
+            body, ended = await read_body(receive)
         except Exception as e:  # the body limit's 413: raised again where the app's error handlers answer it
             await self.app(scope, raising(e), send)
             return
-        body = b"".join(chunks)
-        del chunks
         if ended is None:
             problem = body_problem(body, self.max_seq_len)
             if problem is not None:
