@@ -431,6 +431,9 @@ def test_verifiers_are_checked_by_name(tmp_path):
         assert JsonlSource("v", path, ok).read_block(0)[0].meta["verifier"] == ok
     with pytest.raises(SourceError, match="source 'v': unknown verifier 'arithmatic'"):
         JsonlSource("v", path, "arithmatic")
+    for op in ("add", "word"):  # a built-in verifier's op is no scorer name: the environments would not score it
+        with pytest.raises(SourceError, match=f"source 'v': unknown verifier '{op}'"):
+            JsonlSource("v", path, op)
     with pytest.raises(SourceError, match=r"source 'v': verifier 'no_such_pkg.env:reward' does not load"):
         JsonlSource("v", path, "no_such_pkg.env:reward")
     with pytest.raises(SourceError, match="source 'a': unknown verifier 'nope'"):

